@@ -1,0 +1,85 @@
+"""Public entry points: ``plan`` (no real weights) and ``auto_parallelize`` (plan, then run)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.cost_models import Strategy, TrainingConfig
+from tessera.cost_models.types import Precision
+from tessera.errors import RuntimeSetupError
+from tessera.models import build_model
+from tessera.planner.capture import capture, capture_preset
+from tessera.planner.plan import Plan
+from tessera.planner.search import search
+from tessera.runtime.apply import ParallelModel, apply_plan
+from tessera.topology import Cluster, load_cluster
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def plan(
+    model: nn.Module | str,
+    cluster: Cluster | str,
+    *,
+    global_batch: int,
+    seq_len: int,
+    precision: Precision | None = None,
+    strategy: Strategy | str | None = None,
+) -> Plan:
+    """Choose how to split training of ``model`` on ``cluster``; never allocates real weights.
+
+    ``model`` is an ``nn.Module`` (on any device, meta included) or a preset name such as ``llama3-70b``.
+    ``precision`` defaults to bf16 mixed precision on accelerators and fp32 on CPU ranks. ``strategy``
+    evaluates one given strategy (``"dp=8,zero=3,mbs=2"``) instead of searching.
+    """
+    resolved = load_cluster(cluster)
+    training = TrainingConfig(
+        global_batch=global_batch, seq_len=seq_len, precision=precision or default_precision(resolved)
+    )
+    dtype = DTYPES[training.precision]
+    graph = (
+        capture_preset(model, seq_len=seq_len, dtype=dtype)
+        if isinstance(model, str)
+        else capture(model, seq_len=seq_len, dtype=dtype)
+    )
+    fixed = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
+    return search(graph, resolved, training, fixed=fixed)
+
+
+def auto_parallelize(
+    model: nn.Module | str,
+    cluster: Cluster | str,
+    *,
+    global_batch: int,
+    seq_len: int,
+    precision: Precision | None = None,
+    strategy: Strategy | str | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    optimizer_factory: Callable[..., torch.optim.Optimizer] | None = None,
+) -> ParallelModel:
+    """Plan ``model`` for ``cluster`` and apply the plan on this process's rank.
+
+    Run it on every rank (under ``torchrun`` or ``tessera.runtime.launch.spawn``) after the process group
+    is initialised; the plan is deterministic, so every rank makes the same one. A preset name builds the
+    real model on CPU from the current torch seed.
+    """
+    resolved = load_cluster(cluster)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world != resolved.num_devices:
+        raise RuntimeSetupError(
+            f"this run has {world} rank(s) but cluster {resolved.name} has {resolved.num_devices} devices; "
+            f"launch {resolved.num_devices} processes (torchrun --nproc-per-node {resolved.num_devices}) "
+            "or plan for the world you have"
+        )
+    chosen = plan(model, resolved, global_batch=global_batch, seq_len=seq_len, precision=precision, strategy=strategy)
+    module = build_model(model, device="cpu") if isinstance(model, str) else model
+    return apply_plan(module, chosen, loss_fn=loss_fn, optimizer_factory=optimizer_factory)
+
+
+def default_precision(cluster: Cluster) -> Precision:
+    """bf16 mixed precision on accelerators; fp32 on CPU ranks, where bf16 is slow and inexact."""
+    return "fp32" if cluster.device.name == "local-cpu" else "bf16"

@@ -1,0 +1,90 @@
+"""``tessera`` command line: plan, evaluate, presets.
+
+Errors Tessera raises on purpose print as one line and exit 2; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+DEFAULT_MODEL = "llama3-8b"
+DEFAULT_CLUSTER = "dgx-h100:nodes=1"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every verb."""
+    parser = argparse.ArgumentParser(prog="tessera", description="Automatic parallelism planner for PyTorch training.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    for verb, help_text in (
+        ("plan", "search for the fastest strategy that fits and print it"),
+        ("evaluate", "predict one given strategy (--strategy)"),
+    ):
+        sub = verbs.add_parser(verb, help=help_text)
+        _add_planning_args(sub, strategy_required=verb == "evaluate")
+        sub.add_argument("--debug", action="store_true", help="show tracebacks")
+    presets = verbs.add_parser("presets", help="list model and cluster presets")
+    presets.add_argument("--debug", action="store_true", help="show tracebacks")
+    return parser
+
+
+def _add_planning_args(parser: argparse.ArgumentParser, *, strategy_required: bool) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model preset (default {DEFAULT_MODEL}); see 'tessera presets'")
+    parser.add_argument("--cluster", default=DEFAULT_CLUSTER, help=f"cluster preset or YAML file (default {DEFAULT_CLUSTER})")
+    parser.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 8 per device)")
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 on GPUs, fp32 on CPU")
+    parser.add_argument("--strategy", required=strategy_required, help="e.g. dp=8,zero=3,mbs=2,recompute=full")
+    parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tessera`` console script."""
+    args = build_parser().parse_args(argv)
+    console = Console()
+    from tessera.errors import TesseraError  # after parsing, so --help stays fast
+
+    try:
+        return _run(args, console)
+    except TesseraError as exc:
+        if args.debug:
+            raise
+        Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return 2
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    if args.verb == "presets":
+        return _print_presets(console)
+    import tessera
+    from tessera.report import print_plan
+
+    cluster = tessera.load_cluster(args.cluster)
+    global_batch = args.global_batch or 8 * cluster.num_devices
+    with console.status(f"capturing {args.model} and searching strategies..."):
+        plan = tessera.plan(
+            args.model, cluster, global_batch=global_batch, seq_len=args.seq_len,
+            precision=args.precision, strategy=args.strategy,
+        )
+    print_plan(plan, console)
+    if args.json:
+        plan.to_json(args.json)
+        console.print(f"plan written to {args.json}")
+    return 0
+
+
+def _print_presets(console: Console) -> int:
+    from tessera.models import list_presets
+    from tessera.topology import preset_names
+
+    console.print("models:   " + ", ".join(list_presets()))
+    console.print("clusters: " + ", ".join(f"{name}:{'ranks' if name == 'cpu' else 'nodes'}=N" for name in preset_names()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+"""Numbers in, seconds and bytes out: compute, memory and communication cost of a strategy."""
+
+from tessera.cost_models.estimate import estimate
+from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
+
+__all__ = ["Estimate", "LayerStats", "Strategy", "TrainingConfig", "estimate"]

@@ -1,0 +1,185 @@
+"""Data models the cost model consumes and produces: TrainingConfig, LayerStats, Strategy, Estimate.
+
+They live here (not in ``planner``) because imports run one way, ``topology <- cost_models <- planner``,
+and a cost model must never see a torch graph node, only these records.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tessera.errors import ConfigError
+
+FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+Precision = Literal["bf16", "fp16", "fp32"]
+Recompute = Literal["none", "full"]
+LayerKind = Literal["embedding", "block", "norm", "head", "loss", "other"]
+
+
+class TrainingConfig(BaseModel):
+    """What one optimizer step processes and in which precision."""
+
+    model_config = FROZEN
+
+    global_batch: int = Field(gt=0)
+    """Sequences per optimizer step, summed over all data-parallel ranks."""
+    seq_len: int = Field(gt=0)
+    """Tokens per sequence."""
+    precision: Precision = "bf16"
+    """Compute dtype. ``bf16``/``fp16`` mean mixed precision: fp32 master weights, fp32 Adam state."""
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens processed by one optimizer step."""
+        return self.global_batch * self.seq_len
+
+
+class LayerStats(BaseModel):
+    """Measured statistics of one layer (a module FQN) for ONE sequence of ``seq_len`` tokens."""
+
+    model_config = FROZEN
+
+    fqn: str
+    """Stable module FQN (``blocks.3``); ``loss`` for the loss computed outside the model."""
+    kind: LayerKind
+    """Role of the layer in the model."""
+    signature: str
+    """Identical repeated layers (same class, shapes and measured numbers) share this key."""
+    param_count: int = Field(ge=0)
+    """Parameters owned by this layer (a tied weight is counted once, at its first owner)."""
+    forward_flops: float = Field(ge=0)
+    """FLOPs of the forward pass for one sequence (FlopCounterMode)."""
+    backward_flops: float = Field(ge=0)
+    """FLOPs of the backward pass for one sequence (FlopCounterMode)."""
+    saved_bytes_no_recompute: int = Field(ge=0)
+    """Bytes autograd saves for backward for one sequence when nothing is recomputed."""
+    saved_bytes_full_recompute: int = Field(ge=0)
+    """Bytes kept for one sequence under full recomputation (the layer's inputs)."""
+    output_bytes: int = Field(ge=0)
+    """Bytes of the layer's output for one sequence."""
+
+
+class Strategy(BaseModel):
+    """How a training run is split. String form: ``dp=16,tp=8,pp=8,zero=1,mbs=1,recompute=full``."""
+
+    model_config = FROZEN
+
+    dp: int = Field(default=1, gt=0)
+    """Data-parallel degree."""
+    tp: int = Field(default=1, gt=0)
+    """Tensor-parallel degree."""
+    pp: int = Field(default=1, gt=0)
+    """Pipeline-parallel degree (stages)."""
+    cp: int = Field(default=1, gt=0)
+    """Context-parallel degree."""
+    ep: int = Field(default=1, gt=0)
+    """Expert-parallel degree."""
+    zero: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage on the data-parallel axis: 0 replicated (DDP), 1 optimizer, 2 +grads, 3 +params (FSDP)."""
+    micro_batch: int = Field(default=1, gt=0)
+    """Sequences per micro-batch on one data-parallel rank."""
+    recompute: Recompute = "none"
+    """Activation recomputation applied to every repeated block."""
+    sp: bool = False
+    """Sequence parallelism on the tensor-parallel axis."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks this strategy occupies."""
+        return self.dp * self.tp * self.pp * self.cp * self.ep
+
+    @property
+    def name(self) -> str:
+        """Short family name used in tables (``DDP``, ``ZeRO-1``, ``FSDP``...)."""
+        return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}[self.zero]
+
+    def gradient_accumulation(self, global_batch: int) -> int:
+        """Micro-batches per rank per step; raises if the batch does not divide evenly."""
+        per_step = self.dp * self.micro_batch
+        if global_batch % per_step:
+            raise ConfigError(
+                f"global batch {global_batch} is not divisible by dp*micro_batch = {self.dp}*{self.micro_batch}; "
+                "pick a micro-batch or dp that divides it"
+            )
+        return global_batch // per_step
+
+    def to_string(self) -> str:
+        """Compact ``key=value`` form that :meth:`parse` reads back."""
+        parts = [f"dp={self.dp}"]
+        parts += [f"{k}={getattr(self, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(self, k) != 1]
+        parts += [f"zero={self.zero}", f"mbs={self.micro_batch}", f"recompute={self.recompute}"]
+        if self.sp:
+            parts.append("sp=true")
+        return ",".join(parts)
+
+    @classmethod
+    def parse(cls, text: str) -> "Strategy":
+        """Read ``dp=4,zero=3,mbs=2,recompute=full``; unknown keys and bad values raise ConfigError."""
+        aliases = {"mbs": "micro_batch", "zero_stage": "zero"}
+        values: dict[str, object] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, value = item.partition("=")
+            key = aliases.get(key.strip(), key.strip())
+            if not sep or key not in cls.model_fields:
+                raise ConfigError(
+                    f"bad strategy item {item!r}; expected key=value with key in "
+                    f"{sorted(set(cls.model_fields) | set(aliases))}"
+                )
+            values[key] = value.strip().lower() in ("1", "true", "yes", "on") if key == "sp" else value.strip()
+        try:
+            return cls.model_validate({k: _coerce(v) for k, v in values.items()})
+        except ValueError as exc:
+            raise ConfigError(f"bad strategy {text!r}: {exc}") from None
+
+
+def _coerce(value: object) -> object:
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return value
+
+
+class Estimate(BaseModel):
+    """Predicted step time, throughput and per-device memory of one strategy, with its breakdown."""
+
+    model_config = FROZEN
+
+    step_time_s: float
+    """Predicted wall time of one optimizer step."""
+    compute_time_s: float
+    """Forward + backward compute (without recomputation) on one device per step."""
+    recompute_time_s: float
+    """Extra forward compute spent on activation recomputation per step."""
+    optimizer_time_s: float
+    """Optimizer update time per step (memory-bandwidth bound)."""
+    exposed_comm_time_s: float
+    """Communication time not hidden behind compute."""
+    comm_time_by_kind_s: dict[str, float]
+    """Total (hidden + exposed) communication time per kind, e.g. ``dp_allreduce``, ``fsdp_allgather``."""
+    memory_by_category_bytes: dict[str, int]
+    """Peak per-device memory by category: parameters, gradients, optimizer, activations, buffers, reserve."""
+    peak_memory_bytes: int
+    """Sum of ``memory_by_category_bytes``: the predicted per-device peak."""
+    memory_budget_bytes: int
+    """Device memory the estimate was checked against."""
+    tokens_per_s: float
+    """Whole-cluster training throughput."""
+    model_flops_per_step: float
+    """Model FLOPs (forward + backward, no recomputation) of one step over the whole cluster."""
+    mfu: float
+    """Model FLOPs utilisation: model FLOP/s achieved divided by the cluster's peak."""
+    notes: tuple[str, ...] = ()
+    """Assumptions that shaped this estimate, in words."""
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak fits in the device budget."""
+        return self.peak_memory_bytes <= self.memory_budget_bytes
+
+    @model_validator(mode="after")
+    def _peak_is_sum(self) -> "Estimate":
+        if self.peak_memory_bytes != sum(self.memory_by_category_bytes.values()):
+            raise ValueError("peak_memory_bytes must equal the sum of memory_by_category_bytes")
+        return self

@@ -1,0 +1,105 @@
+"""The Plan: what the planner decided, saved as JSON and applied later by the runtime.
+
+Keyed by module FQNs (never integer ids) so a plan can be reviewed, diffed and applied on another machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from tessera.cost_models.types import Estimate, LayerKind, Recompute, Strategy, TrainingConfig
+
+FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+SCHEMA_VERSION = 1
+GiB = 2**30
+
+
+class PlannedLayer(BaseModel):
+    """The plan's decision for one layer."""
+
+    model_config = FROZEN
+
+    fqn: str
+    """Module FQN in the user's model (``blocks.0``)."""
+    kind: LayerKind
+    """Role of the layer; repeated ``block`` layers are the sharding and recomputation units."""
+    recompute: Recompute
+    """Recomputation applied to this layer."""
+
+
+class Candidate(BaseModel):
+    """A strategy the search evaluated, with its estimate and, for runners-up, why it lost."""
+
+    model_config = FROZEN
+
+    strategy: Strategy
+    """The strategy."""
+    estimate: Estimate
+    """Its predicted cost."""
+    verdict: str
+    """``chosen``, or why it lost (slower by how much, or over memory by how much)."""
+
+
+class Plan(BaseModel):
+    """A chosen strategy, its prediction and the alternatives, ready to apply or review."""
+
+    model_config = FROZEN
+
+    schema_version: int = SCHEMA_VERSION
+    """Version of this JSON layout; bumped on incompatible change."""
+    model_name: str
+    """Model preset or class the plan was made for."""
+    param_count: int
+    """Total trainable parameters of the model."""
+    cluster: str
+    """Cluster spec the plan was made for (``dgx-h100:nodes=8``)."""
+    device_name: str
+    """Device every rank runs on."""
+    training: TrainingConfig
+    """Global batch, sequence length and precision."""
+    strategy: Strategy
+    """The chosen strategy."""
+    estimate: Estimate
+    """Predicted cost of the chosen strategy."""
+    layers: tuple[PlannedLayer, ...]
+    """Per-layer decisions in model order."""
+    alternatives: tuple[Candidate, ...] = ()
+    """Runners-up, best first."""
+    search_time_s: float = 0.0
+    """Wall time the search took."""
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """Serialise to JSON (and write it to ``path`` when given)."""
+        text = self.model_dump_json(indent=2)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "Plan":
+        """Read a plan from a JSON string or a file path."""
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            text = Path(text).read_text()
+        return cls.model_validate_json(text)
+
+    def summary(self) -> str:
+        """A few plain-text lines: the strategy, predicted step time and throughput, memory per device."""
+        e = self.estimate
+        memory = ", ".join(f"{k} {v / GiB:.1f}" for k, v in e.memory_by_category_bytes.items())
+        return "\n".join(
+            [
+                f"{self.model_name} ({self.param_count / 1e9:.2f}B params) on {self.cluster} ({self.device_name})",
+                f"strategy   {self.strategy.name}: {self.strategy.to_string()}",
+                f"step time  {e.step_time_s:.3f} s   {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu:.1%}",
+                f"memory     {e.peak_memory_bytes / GiB:.1f} of {e.memory_budget_bytes / GiB:.1f} GiB per device "
+                f"({memory} GiB)",
+            ]
+        )
+
+    @property
+    def block_fqns(self) -> tuple[str, ...]:
+        """FQNs of the repeated blocks: the FSDP wrapping and recomputation units."""
+        return tuple(layer.fqn for layer in self.layers if layer.kind == "block")

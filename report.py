@@ -1,0 +1,77 @@
+"""Terminal rendering of a plan with rich: the strategy, its prediction, memory and the runners-up."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.table import Table
+
+from tessera.planner.plan import Plan
+
+GiB = 2**30
+
+
+def plan_renderable(plan: Plan) -> Group:
+    """The plan as rich tables: headline, memory by category, communication, alternatives."""
+    return Group(_headline(plan), _memory(plan), _communication(plan), _alternatives(plan))
+
+
+def print_plan(plan: Plan, console: Console | None = None) -> None:
+    """Print the plan's tables to the terminal."""
+    (console or Console()).print(plan_renderable(plan))
+
+
+def _headline(plan: Plan) -> Table:
+    e = plan.estimate
+    table = Table(title=f"Tessera plan: {plan.model_name} on {plan.cluster}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("model", f"{plan.model_name}: {plan.param_count / 1e9:.2f}B parameters, {len(plan.layers)} layers"),
+        ("cluster", f"{plan.cluster}: {e.memory_budget_bytes / GiB:.0f} GiB {plan.device_name} per device"),
+        ("training", f"global batch {plan.training.global_batch} x {plan.training.seq_len} tokens, {plan.training.precision}"),
+        ("strategy", f"{plan.strategy.name}  [cyan]{plan.strategy.to_string()}[/]"),
+        ("step time", f"{e.step_time_s:.3f} s  (compute {e.compute_time_s:.3f}, recompute {e.recompute_time_s:.3f}, "
+         f"exposed comm {e.exposed_comm_time_s:.3f}, optimizer {e.optimizer_time_s:.3f})"),
+        ("throughput", f"{e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}"),
+        ("memory", f"{e.peak_memory_bytes / GiB:.1f} / {e.memory_budget_bytes / GiB:.1f} GiB per device"),
+        ("search", f"{len(plan.alternatives) + 1} shown, {plan.search_time_s:.2f} s"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def _memory(plan: Plan) -> Table:
+    e = plan.estimate
+    table = Table(title="Memory per device", title_justify="left")
+    table.add_column("category")
+    table.add_column("GiB", justify="right")
+    table.add_column("share", justify="right")
+    for name, value in e.memory_by_category_bytes.items():
+        table.add_row(name, f"{value / GiB:.2f}", f"{value / e.peak_memory_bytes:.0%}")
+    table.add_row("[bold]total[/]", f"[bold]{e.peak_memory_bytes / GiB:.2f}[/]", f"{e.peak_memory_bytes / e.memory_budget_bytes:.0%} of device")
+    return table
+
+
+def _communication(plan: Plan) -> Table:
+    table = Table(title="Communication per step (before overlap)", title_justify="left")
+    table.add_column("kind")
+    table.add_column("seconds", justify="right")
+    for kind, seconds in plan.estimate.comm_time_by_kind_s.items():
+        table.add_row(kind, f"{seconds:.3f}")
+    if not plan.estimate.comm_time_by_kind_s:
+        table.add_row("none (single device)", "0")
+    return table
+
+
+def _alternatives(plan: Plan) -> Table:
+    table = Table(title="Runners-up", title_justify="left")
+    for column in ("strategy", "step s", "tokens/s", "memory GiB", "verdict"):
+        table.add_column(column, justify="left" if column in ("strategy", "verdict") else "right")
+    for candidate in plan.alternatives:
+        e = candidate.estimate
+        table.add_row(
+            candidate.strategy.to_string(), f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
+            f"{e.peak_memory_bytes / GiB:.1f}", candidate.verdict,
+        )
+    return table

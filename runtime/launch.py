@@ -1,0 +1,177 @@
+"""Start N local ranks, each with an initialised gloo process group, and collect what they return.
+
+``spawn`` is the small launcher the distributed tests (and local experiments) use. It starts real
+processes with the ``spawn`` start method, rendezvouses them through a ``file://`` store in a fresh
+temporary folder, and passes each rank's return value (or its traceback) back through a file per rank,
+so a large return value can never block a process from exiting the way a full pipe can.
+
+Inside ``fn`` a rank learns its number from ``torch.distributed.get_rank()``. As with every ``spawn``
+start method, ``fn`` and ``args`` must be picklable (``fn`` defined at module level) and a script that
+calls ``spawn`` must guard its entry point with ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tessera.errors import TesseraError
+
+POLL_INTERVAL_S = 0.05
+
+
+class WorkerError(TesseraError):
+    """A spawned rank raised or died; the message holds its rank number and traceback."""
+
+
+class WorkerTimeoutError(WorkerError, TimeoutError):
+    """Spawned ranks ran past the launcher's time limit and were killed."""
+
+
+def spawn(fn: Callable[..., Any], *, nprocs: int, args: tuple = (), timeout_s: float = 120) -> list:
+    """Run ``fn(*args)`` on ``nprocs`` gloo ranks; return each rank's result in rank order.
+
+    If a rank raises (or dies), the others are killed and ``WorkerError`` names the rank that failed
+    first, with its traceback. If the ranks are not all done after ``timeout_s`` seconds they are
+    killed and ``WorkerTimeoutError`` is raised.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be at least 1, got {nprocs}")
+    workdir = Path(tempfile.mkdtemp(prefix="tessera-spawn-"))
+    try:
+        procs = _start_ranks(fn, args, nprocs=nprocs, workdir=workdir, timeout_s=timeout_s)
+        try:
+            _wait_for_ranks(procs, workdir=workdir, timeout_s=timeout_s)
+        finally:
+            _kill(procs)
+        return _collect_results(workdir, nprocs)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start_ranks(fn, args, *, nprocs: int, workdir: Path, timeout_s: float) -> list:
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(nprocs):
+        proc = ctx.Process(
+            target=_run_rank,
+            args=(fn, args, rank, nprocs, str(workdir), timeout_s),
+            name=f"tessera-rank{rank}",
+            daemon=False,  # a rank may start its own workers (DataLoader, inductor compile pool)
+        )
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def _run_rank(fn, args, rank: int, world_size: int, workdir: str, timeout_s: float) -> None:
+    """Body of one spawned process: join the group, run ``fn``, write its result or traceback."""
+    torch.set_num_threads(1)  # the CI machine has 2 cores shared by every rank
+    result_path = Path(workdir) / f"rank{rank}.pt"
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{workdir}/store",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        _write_result(result_path, ("ok", time.time(), fn(*args)))
+    except BaseException:
+        _write_result(result_path, ("error", time.time(), traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _wait_for_ranks(procs: list, *, workdir: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(proc.is_alive() for proc in procs):
+        if _failed_ranks(procs, workdir):
+            break
+        if time.monotonic() > deadline:
+            running = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+            raise WorkerTimeoutError(
+                f"ranks {running} of {len(procs)} still running after {timeout_s:.0f} s and were killed; "
+                "a rank is probably blocked in a collective the others never reached, or raise timeout_s"
+            )
+        time.sleep(POLL_INTERVAL_S)
+    for proc in procs:
+        proc.join(timeout=POLL_INTERVAL_S)
+    failed = _failed_ranks(procs, workdir)
+    if failed:
+        _kill(procs)
+        raise _describe_failure(failed, procs, workdir)
+
+
+def _failed_ranks(procs: list, workdir: Path) -> list[int]:
+    """Ranks that wrote a traceback or exited with a non-zero code."""
+    failed = []
+    for rank, proc in enumerate(procs):
+        path = workdir / f"rank{rank}.pt"
+        died = proc.exitcode not in (None, 0)
+        if died or (path.exists() and _read_result(workdir, rank)[0] == "error"):
+            failed.append(rank)
+    return failed
+
+
+def _describe_failure(failed: list[int], procs: list, workdir: Path) -> WorkerError:
+    """Blame the rank whose error came first: later ones are usually peers losing their connection."""
+    reports = []
+    for rank in failed:
+        status, when, payload = _read_result(workdir, rank)
+        if status != "error":
+            when, payload = float("inf"), f"process exited with code {procs[rank].exitcode} and no traceback\n"
+        reports.append((when, rank, payload))
+    reports.sort()
+    _, first_rank, first_text = reports[0]
+    others = [rank for _, rank, _ in reports[1:]]
+    also = f" (ranks {others} failed after it)" if others else ""
+    return WorkerError(f"rank {first_rank} of {len(procs)} failed{also}; its traceback:\n{first_text}")
+
+
+def _write_result(path: Path, record: tuple[str, float, Any]) -> None:
+    """Write ``(status, unix time, value or traceback)`` atomically so the parent never reads half a file."""
+    partial = path.with_suffix(".partial")
+    torch.save(record, partial)
+    os.replace(partial, path)
+
+
+def _read_result(workdir: Path, rank: int) -> tuple[str, float, Any]:
+    path = workdir / f"rank{rank}.pt"
+    if not path.exists():
+        return ("missing", float("inf"), None)
+    return torch.load(path, weights_only=False)
+
+
+def _collect_results(workdir: Path, nprocs: int) -> list:
+    results = []
+    for rank in range(nprocs):
+        status, _, value = _read_result(workdir, rank)
+        if status != "ok":
+            raise WorkerError(f"rank {rank} exited cleanly but left no result; this is a bug in tessera.runtime.launch")
+        results.append(value)
+    return results
+
+
+def _kill(procs: list) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=2)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

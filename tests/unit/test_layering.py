@@ -1,0 +1,50 @@
+"""Imports run one way: topology <- cost_models <- planner <- runtime <- api/cli (DESIGN.md)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RANK = {"errors": -1, "topology": 0, "cost_models": 1, "planner": 2, "runtime": 3, "api": 4, "cli": 4, "report": 4}
+
+
+def tessera_imports(path: Path) -> set[str]:
+    """Dotted ``tessera.*`` modules imported anywhere in ``path`` (function-level imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("tessera.")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tessera."):
+            found.add(node.module)
+    return found
+
+
+def package_of(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_lower_layers_never_import_higher_ones():
+    violations = []
+    for package, rank in RANK.items():
+        for path in (ROOT / package).rglob("*.py") if (ROOT / package).is_dir() else [ROOT / f"{package}.py"]:
+            for module in tessera_imports(path):
+                target = package_of(module)
+                if target in RANK and RANK[target] > rank:
+                    violations.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not violations, "\n".join(violations)
+
+
+def test_runtime_imports_only_the_plan_data_model_from_planner():
+    uses = {m for p in (ROOT / "runtime").rglob("*.py") for m in tessera_imports(p) if package_of(m) == "planner"}
+    assert uses <= {"tessera.planner.plan"}, uses
+
+
+def test_models_import_nothing_from_tessera_but_errors():
+    uses = {m for p in (ROOT / "models").rglob("*.py") for m in tessera_imports(p)}
+    assert {package_of(m) for m in uses} <= {"errors", "models"}, uses
+
+
+def test_the_check_sees_a_violation(tmp_path):
+    # Guard against a vacuous pass: the parser must find imports in a file like ours.
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f():\n    from tessera.runtime.apply import apply_plan\nimport tessera.planner.search\n")
+    assert tessera_imports(sample) == {"tessera.runtime.apply", "tessera.planner.search"}
