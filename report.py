@@ -34,7 +34,7 @@ def _headline(plan: Plan) -> Table:
          f"exposed comm {e.exposed_comm_time_s:.3f}, optimizer {e.optimizer_time_s:.3f})"),
         ("throughput", f"{e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}"),
         ("memory", f"{e.peak_memory_bytes / GiB:.1f} / {e.memory_budget_bytes / GiB:.1f} GiB per device"),
-        ("search", f"{len(plan.alternatives) + 1} shown, {plan.search_time_s:.2f} s"),
+        ("search", f"{plan.candidates_evaluated} strategies estimated in {plan.search_time_s:.2f} s"),
     ]
     for key, value in rows:
         table.add_row(key, value)
@@ -66,8 +66,10 @@ def _communication(plan: Plan) -> Table:
 
 def _alternatives(plan: Plan) -> Table:
     table = Table(title="Runners-up", title_justify="left")
-    for column in ("strategy", "step s", "tokens/s", "memory GiB", "verdict"):
-        table.add_column(column, justify="left" if column in ("strategy", "verdict") else "right")
+    table.add_column("strategy", no_wrap=True)
+    for column in ("step s", "tokens/s", "GiB/device"):
+        table.add_column(column, justify="right")
+    table.add_column("verdict")
     for candidate in plan.alternatives:
         e = candidate.estimate
         table.add_row(

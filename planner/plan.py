@@ -67,8 +67,10 @@ class Plan(BaseModel):
     """Per-layer decisions in model order."""
     alternatives: tuple[Candidate, ...] = ()
     """Runners-up, best first."""
+    candidates_evaluated: int = 1
+    """Strategies the search estimated."""
     search_time_s: float = 0.0
-    """Wall time the search took."""
+    """Wall time the search took (capture excluded)."""
 
     def to_json(self, path: str | Path | None = None) -> str:
         """Serialise to JSON (and write it to ``path`` when given)."""

@@ -60,20 +60,25 @@ def search(graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, fix
             for layer in graph.layers
         ),
         alternatives=runners_up(scored, best_estimate),
+        candidates_evaluated=len(scored),
         search_time_s=time.perf_counter() - start,
     )
 
 
 def runners_up(scored: list[tuple[Strategy, Estimate]], best: Estimate) -> tuple[Candidate, ...]:
     """The next-best distinct strategies, each with the reason it lost."""
-    losers = [(s, e) for s, e in scored if e is not best]
+    # Fitting strategies first (fastest first), then the ones that do not fit (leanest first).
+    losers = sorted(
+        ((s, e) for s, e in scored if e is not best),
+        key=lambda pair: (not pair[1].fits, pair[1].step_time_s if pair[1].fits else pair[1].peak_memory_bytes),
+    )
     return tuple(Candidate(strategy=s, estimate=e, verdict=_verdict(e, best)) for s, e in losers[:RUNNERS_UP])
 
 
 def _verdict(candidate: Estimate, best: Estimate) -> str:
     if not candidate.fits:
         over = (candidate.peak_memory_bytes - candidate.memory_budget_bytes) / GiB
-        return f"does not fit: {over:.1f} GiB over the device memory"
+        return f"does not fit: {over:.1f} GiB over"
     slower = candidate.step_time_s / best.step_time_s - 1
     return f"{slower:.1%} slower"
 

@@ -12,6 +12,7 @@ calls ``spawn`` must guard its entry point with ``if __name__ == "__main__":``.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -78,7 +79,6 @@ def _start_ranks(fn, args, *, nprocs: int, workdir: Path, timeout_s: float) -> l
 def _run_rank(fn, args, rank: int, world_size: int, workdir: str, timeout_s: float) -> None:
     """Body of one spawned process: join the group, run ``fn``, write its result or traceback."""
     torch.set_num_threads(1)  # the CI machine has 2 cores shared by every rank
-    result_path = Path(workdir) / f"rank{rank}.pt"
     try:
         dist.init_process_group(
             "gloo",
@@ -87,9 +87,10 @@ def _run_rank(fn, args, rank: int, world_size: int, workdir: str, timeout_s: flo
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-        _write_result(result_path, ("ok", time.time(), fn(*args)))
+        _write_atomically(_result_path(workdir, rank), lambda path: torch.save(fn(*args), path))
     except BaseException:
-        _write_result(result_path, ("error", time.time(), traceback.format_exc()))
+        report = json.dumps({"unix_time_s": time.time(), "traceback": traceback.format_exc()})
+        _write_atomically(_error_path(workdir, rank), lambda path: Path(path).write_text(report))
         raise
     finally:
         if dist.is_initialized():
@@ -118,23 +119,23 @@ def _wait_for_ranks(procs: list, *, workdir: Path, timeout_s: float) -> None:
 
 def _failed_ranks(procs: list, workdir: Path) -> list[int]:
     """Ranks that wrote a traceback or exited with a non-zero code."""
-    failed = []
-    for rank, proc in enumerate(procs):
-        path = workdir / f"rank{rank}.pt"
-        died = proc.exitcode not in (None, 0)
-        if died or (path.exists() and _read_result(workdir, rank)[0] == "error"):
-            failed.append(rank)
-    return failed
+    return [
+        rank
+        for rank, proc in enumerate(procs)
+        if proc.exitcode not in (None, 0) or _error_path(workdir, rank).exists()
+    ]
 
 
 def _describe_failure(failed: list[int], procs: list, workdir: Path) -> WorkerError:
     """Blame the rank whose error came first: later ones are usually peers losing their connection."""
     reports = []
     for rank in failed:
-        status, when, payload = _read_result(workdir, rank)
-        if status != "error":
-            when, payload = float("inf"), f"process exited with code {procs[rank].exitcode} and no traceback\n"
-        reports.append((when, rank, payload))
+        path = _error_path(workdir, rank)
+        if path.exists():
+            report = json.loads(path.read_text())
+            reports.append((report["unix_time_s"], rank, report["traceback"]))
+        else:
+            reports.append((float("inf"), rank, f"process exited with code {procs[rank].exitcode}, no traceback\n"))
     reports.sort()
     _, first_rank, first_text = reports[0]
     others = [rank for _, rank, _ in reports[1:]]
@@ -142,27 +143,28 @@ def _describe_failure(failed: list[int], procs: list, workdir: Path) -> WorkerEr
     return WorkerError(f"rank {first_rank} of {len(procs)} failed{also}; its traceback:\n{first_text}")
 
 
-def _write_result(path: Path, record: tuple[str, float, Any]) -> None:
-    """Write ``(status, unix time, value or traceback)`` atomically so the parent never reads half a file."""
-    partial = path.with_suffix(".partial")
-    torch.save(record, partial)
+def _result_path(workdir: str | Path, rank: int) -> Path:
+    return Path(workdir) / f"rank{rank}.result.pt"
+
+
+def _error_path(workdir: str | Path, rank: int) -> Path:
+    return Path(workdir) / f"rank{rank}.error.json"
+
+
+def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Write to a side file, then rename, so the parent never sees half a file."""
+    partial = path.with_name(path.name + ".partial")
+    write(partial)
     os.replace(partial, path)
-
-
-def _read_result(workdir: Path, rank: int) -> tuple[str, float, Any]:
-    path = workdir / f"rank{rank}.pt"
-    if not path.exists():
-        return ("missing", float("inf"), None)
-    return torch.load(path, weights_only=False)
 
 
 def _collect_results(workdir: Path, nprocs: int) -> list:
     results = []
     for rank in range(nprocs):
-        status, _, value = _read_result(workdir, rank)
-        if status != "ok":
+        path = _result_path(workdir, rank)
+        if not path.exists():
             raise WorkerError(f"rank {rank} exited cleanly but left no result; this is a bug in tessera.runtime.launch")
-        results.append(value)
+        results.append(torch.load(path, weights_only=False))
     return results
 
 

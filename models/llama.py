@@ -1,0 +1,178 @@
+"""Llama (2/3 family): RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, no biases.
+
+Module names are part of Tessera's contract: ``tok_emb``, ``blocks.{i}.attn_norm``, ``blocks.{i}.attn.{q,k,v,o}``,
+``blocks.{i}.mlp_norm``, ``blocks.{i}.mlp.{gate,up,down}``, ``norm``, ``head``.
+
+RoPE uses real cos/sin tables (the "rotate half" form used by Hugging Face), not complex numbers, so the model
+builds and runs on the meta device. The tables are non-persistent buffers on the root module, shared by every
+block: they are recomputed by ``reset_parameters`` and never saved in a checkpoint. Llama 3.1's long-context
+frequency scaling is not implemented (Llama 3 pre-trains at 8K context without it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.errors import ModelSpecError
+
+INIT_STD = 0.02
+"""Weight init std (GPT-2 style; torchtitan's Llama uses the same for projections)."""
+NORM_EPS = 1e-5
+"""RMSNorm epsilon of Llama 3 (``norm_eps`` in Meta's released params.json)."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a Llama model. ``seq_len`` is the longest sequence the RoPE tables cover."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    seq_len: int
+    rope_theta: float = 500000.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len"):
+            if getattr(self, name) <= 0:
+                raise ModelSpecError(f"Llama {name} must be positive, got {getattr(self, name)}")
+        if self.hidden % self.heads or (self.hidden // self.heads) % 2:
+            raise ModelSpecError(
+                f"Llama hidden={self.hidden} must split into heads={self.heads} of even size (RoPE rotates pairs)"
+            )
+        if self.heads % self.kv_heads:
+            raise ModelSpecError(f"Llama heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        """Features per attention head."""
+        return self.hidden // self.heads
+
+
+def rope_tables(config: LlamaConfig, *, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (seq_len, head_dim), computed in fp32."""
+    hd = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd)  # (hd/2,)
+    positions = torch.arange(config.seq_len, device=device, dtype=torch.float32)  # (S,)
+    angles = torch.outer(positions, inv_freq)  # (S, hd/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (S, hd)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate feature pairs (i, i + hd/2) of x (B, n, T, hd) by the angles in cos/sin (T, hd)."""
+    x1, x2 = x.chunk(2, dim=-1)  # (B, n, T, hd/2) each
+    rotated = torch.cat((-x2, x1), dim=-1)  # (B, n, T, hd)
+    return x * cos + rotated * sin  # (B, n, T, hd)
+
+
+class GroupedQueryAttention(nn.Module):
+    """Causal attention where ``heads / kv_heads`` query heads share one key/value head."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hd = config.head_dim
+        self.q = nn.Linear(config.hidden, config.heads * hd, bias=False)
+        self.k = nn.Linear(config.hidden, config.kv_heads * hd, bias=False)
+        self.v = nn.Linear(config.hidden, config.kv_heads * hd, bias=False)
+        self.o = nn.Linear(config.heads * hd, config.hidden, bias=False)
+        self.head_dim = hd
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallelism the local projection holds heads / tp heads.
+        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hd)
+        return self.o(y)  # (B, T, H)
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.hidden, config.ffn_hidden, bias=False)
+        self.up = nn.Linear(config.hidden, config.ffn_hidden, bias=False)
+        self.down = nn.Linear(config.ffn_hidden, config.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))  # (B, T, F) -> (B, T, H)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-RMSNorm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
+        self.attn = GroupedQueryAttention(config)
+        self.mlp_norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, H)
+        return x + self.mlp(self.mlp_norm(x))  # (B, T, H)
+
+
+class Llama(nn.Module):
+    """Llama language model: ``forward(input_ids (B, T)) -> logits (B, T, vocab)``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab, config.hidden)
+        self.blocks = nn.ModuleList(LlamaBlock(config) for _ in range(config.layers))
+        self.norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
+        self.head = nn.Linear(config.hidden, config.vocab, bias=False)
+        self.tie_weights()
+        # Non-persistent: derived from the config, so checkpoints need not carry them.
+        self.register_buffer("rope_cos", torch.empty(config.seq_len, config.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(config.seq_len, config.head_dim), persistent=False)
+        self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """Share ``tok_emb.weight`` with ``head`` when configured; ``to_empty`` from meta unties them."""
+        if self.config.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise parameters from the global torch RNG and recompute the RoPE tables (call after ``to_empty``).
+
+        Normal(0, 0.02) weights, unit norms; residual output projections use 0.02 / sqrt(2 * layers).
+        """
+        self.tie_weights()
+        scaled_std = INIT_STD / math.sqrt(2 * self.config.layers)
+        for name, module in self.named_modules():  # fixed order -> same seed, same weights
+            if isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                if module is self.head and self.config.tie_embeddings:
+                    continue  # shares tok_emb.weight, already initialised
+                std = scaled_std if name.endswith(("attn.o", "mlp.down")) else INIT_STD
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+        cos, sin = rope_tables(self.config, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        T = input_ids.size(1)
+        x = self.tok_emb(input_ids)  # (B, T, H)
+        # torch.narrow, not slicing: fx cannot slice a buffer with a traced length.
+        cos = torch.narrow(self.rope_cos, 0, 0, T).to(x.dtype)  # (T, hd)
+        sin = torch.narrow(self.rope_sin, 0, 0, T).to(x.dtype)  # (T, hd)
+        for block in self.blocks:
+            x = block(x, cos, sin)  # (B, T, H)
+        return self.head(self.norm(x))  # (B, T, V)

@@ -1,0 +1,112 @@
+"""Named model presets and the model spec grammar.
+
+A spec is one of:
+
+- a preset name: ``llama3-70b``
+- a preset with overrides: ``gpt3-175b:layers=4,seq=1024``
+- a family with every required field: ``gpt:layers=2,hidden=64,heads=4,vocab=256,seq=64`` or
+  ``llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=192,vocab=256,seq=64``
+
+Keys are the config field names; ``seq``, ``ffn``, ``tie`` and ``theta`` are accepted as short forms of
+``seq_len``, ``ffn_hidden``, ``tie_embeddings`` and ``rope_theta``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tessera.errors import ModelSpecError
+from tessera.models.gpt import GPTConfig
+from tessera.models.llama import LlamaConfig
+
+ModelConfig = GPTConfig | LlamaConfig
+
+FAMILIES: dict[str, type[GPTConfig] | type[LlamaConfig]] = {"gpt": GPTConfig, "llama": LlamaConfig}
+"""Family name -> config class, for ``family:key=value,...`` specs."""
+
+ALIASES = {"seq": "seq_len", "ffn": "ffn_hidden", "tie": "tie_embeddings", "theta": "rope_theta"}
+"""Short override keys accepted in specs."""
+
+PRESETS: dict[str, ModelConfig] = {
+    # GPT-3: Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1 (n_layers, d_model, n_heads,
+    # context 2048). Vocabulary 51200 is the GPT-2 BPE (50257) padded as in Megatron-LM: Narayanan et al. 2021,
+    # "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Table 1 / Section 5.
+    # Table 2.1 prints d_model=5140 for 13B; 5120 (40 heads x 128) is the consistent value.
+    "gpt3-2.7b": GPTConfig(layers=32, hidden=2560, heads=32, vocab=51200, seq_len=2048),
+    "gpt3-6.7b": GPTConfig(layers=32, hidden=4096, heads=32, vocab=51200, seq_len=2048),
+    "gpt3-13b": GPTConfig(layers=40, hidden=5120, heads=40, vocab=51200, seq_len=2048),
+    "gpt3-175b": GPTConfig(layers=96, hidden=12288, heads=96, vocab=51200, seq_len=2048),
+    # Llama 3: Llama Team 2024, "The Llama 3 Herd of Models", Table 3 (layers, model dim, FFN dim, heads,
+    # kv heads, RoPE theta 500000; 8K pre-training context, Section 3.4). Vocabulary 128256 = 128000 tokens
+    # + 256 reserved special tokens, from the released config.json (``vocab_size``).
+    "llama3-8b": LlamaConfig(
+        layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256, seq_len=8192
+    ),
+    "llama3-70b": LlamaConfig(
+        layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, vocab=128256, seq_len=8192
+    ),
+    "llama3-405b": LlamaConfig(
+        layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, vocab=128256, seq_len=8192
+    ),
+    # Test presets: well under 1M parameters, so real CPU runs take milliseconds.
+    "gpt-tiny": GPTConfig(layers=2, hidden=64, heads=4, vocab=256, seq_len=64),
+    "llama-tiny": LlamaConfig(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=192, vocab=256, seq_len=64),
+}
+"""Preset name -> config."""
+
+
+def list_presets() -> list[str]:
+    """Names of the built-in presets, sorted."""
+    return sorted(PRESETS)
+
+
+def parse_spec(spec: str) -> ModelConfig:
+    """Config for a spec string (see the module docstring); raises ModelSpecError naming what is wrong."""
+    name, _, overrides = spec.strip().partition(":")
+    name = name.strip()
+    if name in PRESETS:
+        base = PRESETS[name]
+        return _with_overrides(base, type(base), _parse_items(overrides, type(base)), spec)
+    if name in FAMILIES:
+        return _with_overrides(None, FAMILIES[name], _parse_items(overrides, FAMILIES[name]), spec)
+    raise ModelSpecError(
+        f"unknown model {name!r}; known presets: {', '.join(list_presets())}; "
+        f"or a family spec such as 'gpt:layers=2,hidden=64,heads=4,vocab=256,seq=64' (families: {', '.join(FAMILIES)})"
+    )
+
+
+def _with_overrides(base: ModelConfig | None, cls: type, values: dict[str, object], spec: str) -> ModelConfig:
+    if base is not None:
+        return dataclasses.replace(base, **values)
+    missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in values]
+    if missing:
+        raise ModelSpecError(f"model spec {spec!r} is missing {', '.join(missing)}; give them as key=value")
+    return cls(**values)
+
+
+def _parse_items(text: str, cls: type) -> dict[str, object]:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        key = ALIASES.get(key.strip(), key.strip())
+        if not sep or key not in fields:
+            valid = sorted(set(fields) | {a for a, full in ALIASES.items() if full in fields})
+            raise ModelSpecError(
+                f"bad model override {item!r} for {cls.__name__}; expected key=value with key in {', '.join(valid)}"
+            )
+        values[key] = _parse_value(key, raw.strip(), str(fields[key].type))
+    return values
+
+
+def _parse_value(key: str, raw: str, type_name: str) -> object:
+    try:
+        if type_name.startswith("bool"):
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+        if type_name.startswith("int"):
+            return None if raw.lower() == "none" and "None" in type_name else int(raw)
+        return float(raw)
+    except ValueError:
+        raise ModelSpecError(f"model override {key}={raw!r} is not a valid {type_name}") from None

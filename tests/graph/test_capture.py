@@ -1,0 +1,244 @@
+"""Capture on meta: measured statistics against analytic counts, graph structure, limits on time and memory."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import networkx as nx
+import pytest
+import torch
+from torch import nn
+
+from tessera.errors import CaptureError, ModelSpecError
+from tessera.models import build_model
+from tessera.planner.capture import capture, capture_preset, find_layers, measure_layers, trace_layers
+from tessera.planner.layer_graph import LayerGraph
+
+# A GPT whose sizes differ from each other, so a wrong factor in a formula cannot cancel out.
+H, T, HEADS, V = 96, 48, 4, 128
+GPT_SPEC = f"gpt:layers=3,hidden={H},heads={HEADS},vocab={V},seq={T}"
+
+
+@pytest.fixture(scope="module")
+def gpt_graph() -> LayerGraph:
+    return capture(build_model(GPT_SPEC), seq_len=T)  # real CPU weights: capture must not use them
+
+
+@pytest.fixture(scope="module")
+def llama_graph() -> LayerGraph:
+    return capture_preset("llama-tiny", seq_len=64)
+
+
+def test_layers_in_model_order_with_kinds(gpt_graph: LayerGraph, llama_graph: LayerGraph) -> None:
+    assert [(layer.fqn, layer.kind) for layer in gpt_graph.layers] == [
+        ("tok_emb", "embedding"),
+        ("pos_emb", "embedding"),
+        ("blocks.0", "block"),
+        ("blocks.1", "block"),
+        ("blocks.2", "block"),
+        ("ln_f", "norm"),
+        ("head", "head"),
+        ("loss", "loss"),
+    ]
+    assert [layer.kind for layer in llama_graph.layers] == ["embedding", "block", "block", "norm", "head", "loss"]
+    assert (gpt_graph.model_name, gpt_graph.seq_len, gpt_graph.dtype) == (GPT_SPEC, T, "bf16")
+    assert gpt_graph.front_end == "torch.fx.symbolic_trace"
+
+
+@pytest.mark.parametrize("spec", [GPT_SPEC, f"{GPT_SPEC},tie=true", "llama-tiny", "llama-tiny:tie=true"])
+def test_param_count_matches_the_model(spec: str) -> None:
+    model = build_model(spec, device="meta")
+    graph = capture(model, seq_len=16)
+    assert graph.param_count == sum(p.numel() for p in model.parameters())  # a tied weight once
+    if "tie=true" in spec:  # counted at its first owner, the embedding
+        assert graph.layer("head").param_count == 0
+        assert graph.layer("tok_emb").param_count == model.tok_emb.weight.numel()
+
+
+def test_gpt_block_forward_flops_match_analytic_count(gpt_graph: LayerGraph) -> None:
+    # q, k, v, o (4 h^2) and the 4h MLP (8 h^2): 2 FLOPs per multiply-add per token.
+    linear = 2 * T * 12 * H * H
+    # Q K^T and P V: each 2 * T^2 * h (full T x T: the causal mask does not halve the kernel's count).
+    attention = 2 * 2 * T * T * H
+    # Exact: FlopCounterMode counts only matmul-like ops (2 m n k), which is what the formula counts;
+    # elementwise work (GELU, LayerNorm, bias adds, softmax) is counted as zero by both.
+    for block in gpt_graph.blocks:
+        assert block.forward_flops == pytest.approx(linear + attention, rel=1e-12)
+    assert gpt_graph.layer("head").forward_flops == 2 * T * H * V
+
+
+def test_backward_is_about_twice_forward(gpt_graph: LayerGraph) -> None:
+    linear, attention = 2 * T * 12 * H * H, 2 * 2 * T * T * H
+    block = gpt_graph.blocks[0]
+    # Linear layers: grad wrt input and wrt weight, 2x forward each. Flash attention's backward recomputes
+    # the scores, 2.5x its forward. At T/h = 0.5 the blocks are linear-dominated, so the ratio is near 2.
+    assert block.backward_flops == pytest.approx(2 * linear + 2.5 * attention, rel=1e-12)
+    assert 2.0 <= block.backward_flops / block.forward_flops <= 2.2
+    assert gpt_graph.layer("head").backward_flops == 2 * gpt_graph.layer("head").forward_flops
+    assert gpt_graph.forward_flops == sum(layer.forward_flops for layer in gpt_graph.layers)
+
+
+def test_byte_counts_of_simple_layers(gpt_graph: LayerGraph) -> None:
+    bf16 = 2
+    head, ln_f, loss = gpt_graph.layer("head"), gpt_graph.layer("ln_f"), gpt_graph.layer("loss")
+    # The head saves only its input; its (V, H) weight is a parameter, not an activation.
+    assert head.saved_bytes_no_recompute == T * H * bf16
+    assert head.saved_bytes_full_recompute == T * H * bf16
+    assert head.output_bytes == T * V * bf16
+    # LayerNorm saves its input and fp32 mean and rstd per token.
+    assert ln_f.saved_bytes_no_recompute == T * H * bf16 + 2 * T * 4
+    # Cross-entropy over fp32 logits saves the (T, V) fp32 log-softmax (the int64 targets were saved by tok_emb).
+    assert loss.saved_bytes_no_recompute == T * V * 4 + 4
+    assert gpt_graph.layer("tok_emb").saved_bytes_no_recompute == T * 8
+
+
+def test_attention_is_measured_as_flash_linear_in_seq_len() -> None:
+    """No (T, T) score matrix is saved, so a block's saved bytes double when T doubles."""
+    short, long = (capture_preset("llama-tiny", seq_len=seq).blocks[0] for seq in (32, 64))
+    # Up to the flash kernel's RNG seed and offset (24 bytes per block), which do not grow with T.
+    assert abs(long.saved_bytes_no_recompute - 2 * short.saved_bytes_no_recompute) <= 24
+    assert long.saved_bytes_full_recompute == 2 * short.saved_bytes_full_recompute
+
+
+def test_fp32_capture_doubles_activation_bytes(gpt_graph: LayerGraph) -> None:
+    fp32 = capture(build_model(GPT_SPEC, device="meta"), seq_len=T, dtype=torch.float32)
+    assert fp32.dtype == "fp32"
+    assert fp32.blocks[0].output_bytes == 2 * gpt_graph.blocks[0].output_bytes
+    assert fp32.blocks[0].forward_flops == gpt_graph.blocks[0].forward_flops
+
+
+def test_repeated_blocks_share_a_signature(gpt_graph: LayerGraph, llama_graph: LayerGraph) -> None:
+    for graph in (gpt_graph, llama_graph):
+        groups = graph.unique_signatures()
+        block_names = [layer.fqn for layer in graph.blocks]
+        assert block_names in groups.values()
+        assert len(groups) == len(graph.layers) - len(block_names) + 1
+    assert gpt_graph.blocks[0].signature != llama_graph.blocks[0].signature
+
+
+def test_replayed_blocks_measure_like_every_block_run() -> None:
+    """Blocks 2.. are replayed from block 0; the numbers must equal running all of them."""
+    for spec in ("gpt-tiny:layers=5", "llama-tiny:layers=5"):
+        model = build_model(spec, device="meta")
+        order = trace_layers(model, find_layers(model)).order
+        fast = measure_layers(model, order, seq_len=32, dtype=torch.bfloat16)
+        full = measure_layers(model, order, seq_len=32, dtype=torch.bfloat16, reuse_repeated=False)
+        assert fast == full
+
+
+def test_edges_follow_the_data_flow(gpt_graph: LayerGraph, llama_graph: LayerGraph) -> None:
+    assert set(gpt_graph.edges) == {
+        ("tok_emb", "blocks.0"),
+        ("pos_emb", "blocks.0"),  # through the position add in the root's forward
+        ("blocks.0", "blocks.1"),
+        ("blocks.1", "blocks.2"),
+        ("blocks.2", "ln_f"),
+        ("ln_f", "head"),
+        ("head", "loss"),
+    }
+    # Llama's RoPE tables are buffers: they add no edge from tok_emb to every block.
+    names = [layer.fqn for layer in llama_graph.layers]
+    assert list(llama_graph.edges) == list(zip(names, names[1:]))
+
+
+def test_networkx_view_and_json_round_trip(gpt_graph: LayerGraph) -> None:
+    graph = gpt_graph.to_networkx()
+    assert list(nx.topological_sort(graph))[-1] == "loss"
+    assert graph.nodes["blocks.1"]["stats"] == gpt_graph.layer("blocks.1")
+    assert set(graph.edges) == set(gpt_graph.edges)
+    again = LayerGraph.model_validate_json(gpt_graph.model_dump_json())
+    assert again == gpt_graph
+    assert again.backward_flops == gpt_graph.backward_flops
+
+
+def test_capture_leaves_a_real_model_untouched() -> None:
+    model = build_model("gpt-tiny")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.eval()
+    capture(model, seq_len=16)
+    assert not model.training
+    assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_llama3_70b_on_meta_is_fast_and_small() -> None:
+    start = time.perf_counter()
+    graph = capture_preset("llama3-70b", seq_len=8192)
+    elapsed = time.perf_counter() - start
+    peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    assert peak_rss_bytes < 2 * 2**30
+    assert graph.param_count == pytest.approx(70.6e9, rel=0.01)
+    assert len(graph.blocks) == 80 and len(graph.unique_signatures()) == 5
+    assert elapsed < 20  # ~1 s on 2 cores; generous for loaded CI machines
+
+
+def test_looked_through_wrapper_and_plain_container() -> None:
+    """Hugging Face style: the blocks live in model.layers; lm_head sits beside the wrapper."""
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(2))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Inner()
+            self.lm_head = nn.Linear(16, 32)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.lm_head(self.model(ids))
+
+    graph = capture(Outer(), seq_len=8, name="toy")
+    assert [(layer.fqn, layer.kind) for layer in graph.layers] == [
+        ("model.embed", "embedding"),
+        ("model.layers.0", "block"),
+        ("model.layers.1", "block"),
+        ("lm_head", "head"),
+        ("loss", "loss"),
+    ]
+    assert graph.model_name == "toy"
+
+
+def test_untraceable_model_raises_capture_error_naming_the_module() -> None:
+    class Gate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.sum() > 0:  # data-dependent control flow: fx cannot trace it
+                return self.proj(x)
+            return x
+
+    class Toy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.gates = nn.ModuleList([Gate()])
+            self.head = nn.Linear(8, 16)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.gates[0](self.emb(ids)))
+
+    with pytest.raises(CaptureError) as info:
+        capture(Toy(), seq_len=4)
+    message = str(info.value)
+    assert "gates.0 (Gate)" in message
+    assert "if x.sum() > 0" in message
+    assert "Next step" in message
+
+
+def test_capture_preset_rejects_unknown_model() -> None:
+    with pytest.raises(ModelSpecError, match="llama3-70b"):
+        capture_preset("llama3-70x", seq_len=128)

@@ -1,0 +1,157 @@
+"""Reference models: build on meta and CPU, shapes, determinism, fx traceability, preset specs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.errors import ModelSpecError
+from tessera.models import GPT, GPTConfig, Llama, LlamaConfig, build_model, list_presets, model_config
+
+TINY = ["gpt-tiny", "llama-tiny"]
+
+
+def _param_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+
+
+def test_required_presets_exist() -> None:
+    names = list_presets()
+    for name in ("gpt3-175b", "llama3-8b", "llama3-70b", "llama3-405b", "gpt-tiny", "llama-tiny"):
+        assert name in names
+    assert names == sorted(names)
+
+
+@pytest.mark.parametrize("spec", TINY)
+def test_tiny_presets_are_small(spec: str) -> None:
+    assert _param_count(build_model(spec, device="meta")) < 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        # Published sizes: Llama 3 8B / 70B / 405B (released checkpoints), GPT-3 175B (Brown et al. 2020).
+        ("llama3-8b", 8.03e9),
+        ("llama3-70b", 70.6e9),
+        ("llama3-405b", 405.9e9),
+        ("gpt3-175b", 175.2e9),
+    ],
+)
+def test_large_presets_build_on_meta_with_published_sizes(spec: str, expected: float) -> None:
+    model = build_model(spec, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert _param_count(model) == pytest.approx(expected, rel=0.01)
+
+
+@pytest.mark.parametrize("spec", TINY)
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_forward_gives_logits_per_token(spec: str, device: str) -> None:
+    model = build_model(spec, device=device)
+    ids = torch.randint(0, 256, (2, 16), device=device)
+    logits = model(ids)
+    assert logits.shape == (2, 16, 256)
+    assert logits.device.type == device
+
+
+@pytest.mark.parametrize("spec", TINY)
+def test_same_seed_builds_identical_models(spec: str) -> None:
+    torch.manual_seed(1234)
+    a = build_model(spec)
+    torch.manual_seed(1234)
+    b = build_model(spec)
+    torch.manual_seed(99)
+    c = build_model(spec)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.tok_emb.weight, c.tok_emb.weight)
+
+
+@pytest.mark.parametrize("spec", TINY)
+def test_meta_build_then_materialise_matches_cpu_build(spec: str) -> None:
+    """The distributed path (meta, to_empty, reset_parameters under a seed) gives the CPU build's weights."""
+    torch.manual_seed(7)
+    reference = build_model(spec)
+    model = build_model(spec, device="meta").to_empty(device="cpu")
+    torch.manual_seed(7)
+    model.reset_parameters()
+    ids = torch.randint(0, 256, (1, 8))
+    torch.testing.assert_close(model(ids), reference(ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", TINY)
+def test_fx_symbolic_trace_matches_eager(spec: str) -> None:
+    model = build_model(spec)
+    traced = torch.fx.symbolic_trace(model)
+    ids = torch.randint(0, 256, (2, 12))
+    torch.testing.assert_close(traced(ids), model(ids), rtol=0, atol=0)
+
+
+def test_dtype_and_metadata() -> None:
+    model = build_model("llama-tiny", dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.name == "llama-tiny"
+    assert isinstance(model, Llama) and isinstance(model.config, LlamaConfig)
+    assert model(torch.randint(0, 256, (1, 8))).dtype == torch.bfloat16
+
+
+def test_tied_embeddings_share_one_tensor() -> None:
+    untied = build_model("gpt-tiny")
+    tied = build_model("gpt-tiny:tie=true")
+    assert tied.head.weight is tied.tok_emb.weight
+    assert _param_count(untied) - _param_count(tied) == 256 * 64
+
+
+def test_llama_uses_grouped_query_attention() -> None:
+    model = build_model("llama-tiny")
+    attn = model.blocks[0].attn
+    assert attn.q.out_features == 64 and attn.k.out_features == 2 * 16 and attn.v.out_features == 2 * 16
+    assert model.rope_cos.shape == (64, 16)
+    assert "rope_cos" not in model.state_dict()  # derived from the config, not checkpointed
+
+
+def test_rope_rotation_preserves_norm_and_relative_positions() -> None:
+    from tessera.models.llama import apply_rope, rope_tables
+
+    cos, sin = rope_tables(model_config("llama-tiny"))
+    q = torch.randn(1, 1, 1, 16).expand(1, 1, 64, 16)  # same vector at every position
+    k = torch.randn(1, 1, 1, 16).expand(1, 1, 64, 16)
+    rq, rk = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
+    scores = (rq[0, 0] @ rk[0, 0].T)  # (T, T): depends only on the offset j - i
+    torch.testing.assert_close(scores[3, 5], scores[10, 12], rtol=1e-4, atol=1e-5)
+
+
+def test_overrides_and_family_specs() -> None:
+    config = model_config("gpt3-175b:layers=4,seq=1024")
+    assert isinstance(config, GPTConfig)
+    assert (config.layers, config.hidden, config.heads, config.seq_len) == (4, 12288, 96, 1024)
+    gpt = build_model("gpt:layers=1,hidden=32,heads=2,vocab=50,seq=16")
+    assert isinstance(gpt, GPT) and gpt(torch.randint(0, 50, (1, 16))).shape == (1, 16, 50)
+    llama = model_config("llama:layers=1,hidden=32,heads=4,kv_heads=1,ffn=64,vocab=50,seq=16")
+    assert (llama.kv_heads, llama.ffn_hidden, llama.rope_theta) == (1, 64, 500000.0)
+
+
+def test_unknown_preset_lists_known_presets() -> None:
+    with pytest.raises(ModelSpecError) as info:
+        build_model("llama9-1t")
+    for name in list_presets():
+        assert name in str(info.value)
+
+
+def test_bad_override_key_names_key_and_valid_keys() -> None:
+    with pytest.raises(ModelSpecError, match="lyrs") as info:
+        model_config("gpt3-175b:lyrs=4")
+    assert "layers" in str(info.value) and "hidden" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ("gpt:layers=2,hidden=64", "missing heads, vocab, seq_len"),
+        ("gpt-tiny:layers=two", "not a valid int"),
+        ("gpt-tiny:heads=5", "not divisible"),
+        ("llama-tiny:kv_heads=3", "multiple of kv_heads"),
+    ],
+)
+def test_invalid_specs_say_what_is_wrong(spec: str, fragment: str) -> None:
+    with pytest.raises(ModelSpecError, match=fragment):
+        model_config(spec)

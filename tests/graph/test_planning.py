@@ -1,0 +1,86 @@
+"""Planning end to end on meta tensors: the CLI, the Python API, the plan's JSON and infeasible input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import tessera
+from tessera.cli import main
+from tessera.errors import ClusterSpecError, InfeasiblePlanError
+from tessera.planner.plan import Plan
+
+GiB = 2**30
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_llama3_70b_on_eight_dgx_h100_plans_quickly_without_weights():
+    # The issue's acceptance command, in a fresh process so its peak RSS is the plan's alone.
+    code = (
+        "import resource, sys, time; from tessera.cli import main; t = time.perf_counter();"
+        "rc = main(['plan', '--model', 'llama3-70b', '--cluster', 'dgx-h100:nodes=8', '--global-batch', '1024', "
+        "'--seq-len', '8192']); print('RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+        "'SECONDS', time.perf_counter() - t); sys.exit(rc)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "FSDP" in result.stdout and "tokens/s" in result.stdout
+    fields = result.stdout.split()
+    rss_gb = int(fields[fields.index("RSS_KB") + 1]) / 2**20
+    assert rss_gb < 2.0, f"planning used {rss_gb:.2f} GB: weights were allocated"
+    assert float(fields[fields.index("SECONDS") + 1]) < 60
+
+
+def test_plan_json_round_trips(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "cpu:ranks=2", "--global-batch", "8", "--seq-len", "32", "--json", str(out)]) == 0
+    plan = Plan.from_json(out)
+    assert plan.schema_version == 1 and plan.strategy.dp == 2
+    assert Plan.from_json(plan.to_json()) == plan
+    assert json.loads(out.read_text())["layers"][0]["fqn"]
+    assert plan.block_fqns == ("blocks.0", "blocks.1")
+
+
+def test_chosen_plan_is_the_fastest_fitting_candidate():
+    plan = tessera.plan("llama3-8b", "dgx-h100:nodes=2", global_batch=64, seq_len=4096)
+    assert plan.estimate.fits
+    for candidate in plan.alternatives:
+        assert (not candidate.estimate.fits) or candidate.estimate.step_time_s >= plan.estimate.step_time_s
+        assert candidate.verdict
+    assert plan == tessera.plan("llama3-8b", "dgx-h100:nodes=2", global_batch=64, seq_len=4096).model_copy(
+        update={"search_time_s": plan.search_time_s}
+    ), "the search must be deterministic"
+
+
+def test_a_model_that_cannot_fit_says_by_how_much_and_what_helps():
+    with pytest.raises(InfeasiblePlanError, match=r"GiB over.*Add devices"):
+        tessera.plan("llama3-405b", "dgx-h100:nodes=1", global_batch=8, seq_len=8192)
+
+
+def test_unknown_preset_is_one_line_listing_the_known_ones():
+    result = run_cli("plan", "--model", "llama9-1t", "--cluster", "dgx-h100:nodes=1")
+    assert result.returncode == 2
+    assert "llama3-70b" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 3  # one logical line, maybe wrapped by the terminal
+
+
+def test_world_size_the_cluster_cannot_hold_says_so():
+    result = run_cli("evaluate", "--model", "gpt-tiny", "--cluster", "cpu:ranks=2", "--strategy", "dp=4", "--global-batch", "8", "--seq-len", "32")
+    assert result.returncode == 2 and "uses 4 ranks but cluster cpu:ranks=2 has 2 devices" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_debug_shows_the_traceback():
+    result = run_cli("plan", "--debug", "--model", "gpt-tiny", "--cluster", "nowhere:nodes=1")
+    assert result.returncode != 0 and "Traceback" in result.stderr and "ClusterSpecError" in result.stderr
+
+
+def test_auto_parallelize_refuses_a_world_that_does_not_match():
+    with pytest.raises(tessera.RuntimeSetupError, match="launch 4 processes"):
+        tessera.auto_parallelize("gpt-tiny", "cpu:ranks=4", global_batch=8, seq_len=32)
+    with pytest.raises(ClusterSpecError):
+        tessera.load_cluster("cpu:ranks=zero")
