@@ -29,7 +29,8 @@ def build_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
     """Build the model a spec names on ``device`` ("meta" for planning: no memory is allocated).
 
     Weights are initialised from the global torch RNG by ``model.reset_parameters()``, so the same
-    ``torch.manual_seed`` gives the same model in every process. The model carries ``model.config`` and ``model.name`` (the spec).
+    ``torch.manual_seed`` gives the same model in every process. The model carries ``model.config`` and
+    ``model.name`` (the spec).
     """
     config = parse_spec(spec)
     with torch.device("meta"):

@@ -103,11 +103,14 @@ class ParallelModel:
         return tensor[self.dp_rank * rows : (self.dp_rank + 1) * rows].to(self.device)  # (B/dp, T)
 
     def _gradient_sync(self, *, enabled: bool) -> AbstractContextManager:
-        """Skip the gradient reduction on all but the last micro-batch of a step."""
+        """DDP: skip the all-reduce on all but the last micro-batch of a step.
+
+        FSDP2 reduce-scatters after every micro-batch on purpose: skipping it would keep an unsharded fp32
+        gradient of the whole model on every rank, which is the memory ZeRO-3 exists to avoid (and what
+        the cost model assumes).
+        """
         if isinstance(self.module, DistributedDataParallel) and not enabled:
             return self.module.no_sync()
-        if isinstance(self.module, FSDPModule):
-            self.module.set_requires_gradient_sync(enabled)
         return nullcontext()
 
     def _autocast(self) -> AbstractContextManager:

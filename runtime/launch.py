@@ -87,7 +87,8 @@ def _run_rank(fn, args, rank: int, world_size: int, workdir: str, timeout_s: flo
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-        _write_atomically(_result_path(workdir, rank), lambda path: torch.save(fn(*args), path))
+        value = fn(*args)
+        _write_atomically(_result_path(workdir, rank), lambda path: torch.save(value, path))
     except BaseException:
         report = json.dumps({"unix_time_s": time.time(), "traceback": traceback.format_exc()})
         _write_atomically(_error_path(workdir, rank), lambda path: Path(path).write_text(report))
@@ -112,8 +113,7 @@ def _wait_for_ranks(procs: list, *, workdir: Path, timeout_s: float) -> None:
     for proc in procs:
         proc.join(timeout=POLL_INTERVAL_S)
     failed = _failed_ranks(procs, workdir)
-    if failed:
-        _kill(procs)
+    if failed:  # the caller kills the ranks still running
         raise _describe_failure(failed, procs, workdir)
 
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+import tessera
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -145,15 +147,29 @@ def train_case(strategy: str, precision: str) -> tuple[list[float], dict[str, to
     return losses, grads, full_tensors(dict(parallel.module.named_parameters()))
 
 
+def train_auto() -> tuple[list[float], str]:
+    """Runs on every rank: the public entry point, with the strategy the planner chooses."""
+    torch.manual_seed(SEED)
+    parallel = tessera.auto_parallelize(
+        MODEL, f"cpu:ranks={dist.get_world_size()}", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN
+    )
+    return [parallel.train_step(batch) for batch in make_batches()], parallel.plan.strategy.to_string()
+
+
 def run_world(cases: list[tuple[str, str]]) -> dict:
-    """Runs on every rank: all cases of one world size, plus a world-size mismatch check."""
+    """Runs on every rank: all cases of one world size, auto_parallelize, and a world-size mismatch check."""
     results = {case: train_case(*case) for case in cases}
+    results["auto"] = train_auto()
     try:
         build_mesh(Strategy(dp=2 * dist.get_world_size()))
     except RuntimeSetupError as error:
         results["mismatch"] = str(error)
     if dist.get_rank() != 0:  # losses from every rank, parameters from rank 0 only (smaller pickles)
-        results = {case: (value[0], None, None) for case, value in results.items() if case != "mismatch"}
+        results = {
+            case: value if case == "auto" else (value[0], None, None)
+            for case, value in results.items()
+            if case != "mismatch"
+        }
     return results
 
 
@@ -178,6 +194,18 @@ def test_matches_single_process_training(world, strategy, precision):
     assert params.keys() == ref_params.keys()  # FQNs unchanged by recompute hooks and FSDP2
     torch.testing.assert_close(grads, ref_grads, **GRAD_TOL)
     torch.testing.assert_close(params, ref_params, **PARAM_TOL)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_auto_parallelize_matches_single_process_training(world):
+    # The planner's own choice for gpt-tiny on `world` CPU ranks, through the public API, from seed 0.
+    ref_losses, _, _ = reference()
+    per_rank = [rank_results["auto"] for rank_results in world_results(world)]
+    strategies = {strategy for _, strategy in per_rank}
+    assert len(strategies) == 1, f"ranks planned differently: {strategies}"
+    assert f"dp={world}" in strategies.pop()
+    for losses, _ in per_rank:
+        torch.testing.assert_close(losses, ref_losses, **FP32_TOL)
 
 
 @pytest.mark.parametrize("world", [2, 4])
