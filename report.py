@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console, Group
 from rich.table import Table
 
-from tessera.planner.plan import Plan
+from tessera.planner.plan import Plan, format_count
 
 GiB = 2**30
 
@@ -26,7 +26,7 @@ def _headline(plan: Plan) -> Table:
     table.add_column(style="bold")
     table.add_column()
     rows = [
-        ("model", f"{plan.model_name}: {plan.param_count / 1e9:.2f}B parameters, {len(plan.layers)} layers"),
+        ("model", f"{plan.model_name}: {format_count(plan.param_count)} parameters, {len(plan.layers)} layers"),
         ("cluster", f"{plan.cluster}: {e.memory_budget_bytes / GiB:.0f} GiB {plan.device_name} per device"),
         ("training", f"global batch {plan.training.global_batch} x {plan.training.seq_len} tokens, {plan.training.precision}"),
         ("strategy", f"{plan.strategy.name}  [cyan]{plan.strategy.to_string()}[/]"),

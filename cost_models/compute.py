@@ -30,8 +30,13 @@ def microbatch_compute_s(
     rate = achievable_flops(device, training.precision)
     forward = sum(layer.forward_flops for layer in layers) * strategy.micro_batch / rate
     backward = sum(layer.backward_flops for layer in layers) * strategy.micro_batch / rate
-    recomputed = [layer for layer in layers if layer.kind == "block"] if strategy.recompute == "full" else []
-    recompute = sum(layer.forward_flops for layer in recomputed) * strategy.micro_batch / rate
+    blocks = [layer for layer in layers if layer.kind == "block"]
+    recomputed_flops = {
+        "none": 0.0,
+        "selective": sum(layer.selective_recompute_flops for layer in blocks),
+        "full": sum(layer.forward_flops for layer in blocks),
+    }[strategy.recompute]
+    recompute = recomputed_flops * strategy.micro_batch / rate
     return forward, backward, recompute
 
 

@@ -50,6 +50,11 @@ def activation_bytes(layers: Sequence[LayerStats], strategy: Strategy) -> int:
     """Bytes saved for backward by one micro-batch at its peak (the end of the forward pass)."""
     if strategy.recompute == "none":
         per_sequence = sum(layer.saved_bytes_no_recompute for layer in layers)
+    elif strategy.recompute == "selective":
+        per_sequence = sum(
+            layer.saved_bytes_no_recompute if layer.saved_bytes_selective is None else layer.saved_bytes_selective
+            for layer in layers
+        )
     else:
         blocks = [layer for layer in layers if layer.kind == "block"]
         others = [layer for layer in layers if layer.kind != "block"]

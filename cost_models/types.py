@@ -15,7 +15,7 @@ from tessera.errors import ConfigError
 FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 Precision = Literal["bf16", "fp16", "fp32"]
-Recompute = Literal["none", "full"]
+Recompute = Literal["none", "selective", "full"]
 LayerKind = Literal["embedding", "block", "norm", "head", "loss", "other"]
 
 
@@ -35,6 +35,19 @@ class TrainingConfig(BaseModel):
     def tokens_per_step(self) -> int:
         """Tokens processed by one optimizer step."""
         return self.global_batch * self.seq_len
+
+
+class LinearPair(BaseModel):
+    """Linears that tensor parallelism splits together: column-parallel inputs feeding one row-parallel output."""
+
+    model_config = FROZEN
+
+    column: tuple[str, ...]
+    """FQNs (relative to the layer) of the column-parallel linears, e.g. ``("attn.q", "attn.k", "attn.v")``."""
+    row: str
+    """FQN (relative to the layer) of the row-parallel linear that consumes them, e.g. ``"attn.o"``."""
+    role: Literal["attention", "mlp", "expert"]
+    """What the pair computes; attention pairs split by heads."""
 
 
 class LayerStats(BaseModel):
@@ -60,6 +73,23 @@ class LayerStats(BaseModel):
     """Bytes kept for one sequence under full recomputation (the layer's inputs)."""
     output_bytes: int = Field(ge=0)
     """Bytes of the layer's output for one sequence."""
+    saved_bytes_selective: int | None = Field(default=None, ge=0)
+    """Bytes kept for one sequence under selective recomputation (attention core recomputed);
+    ``None`` when not measured (treated as no saving)."""
+    selective_recompute_flops: float = Field(default=0.0, ge=0)
+    """Forward FLOPs re-run for one sequence under selective recomputation (the attention core)."""
+    hidden_size: int = Field(default=0, ge=0)
+    """Width of the layer's output activations (0 when not a transformer layer)."""
+    attention_heads: int = Field(default=0, ge=0)
+    """Query heads of the layer's attention (0 if none); tensor parallelism must divide it."""
+    kv_heads: int = Field(default=0, ge=0)
+    """Key/value heads (grouped-query attention); equal to ``attention_heads`` for multi-head attention."""
+    experts: int = Field(default=0, ge=0)
+    """Routed experts in the layer (0 for dense layers); expert parallelism must divide it."""
+    vocab_size: int = Field(default=0, ge=0)
+    """Vocabulary dimension of an embedding or LM head (0 otherwise); vocabulary parallelism splits it."""
+    tp_pairs: tuple[LinearPair, ...] = ()
+    """Column/row-parallel linear pairs: each costs one activation all-reduce forward and one backward."""
 
 
 class Strategy(BaseModel):

@@ -16,6 +16,14 @@ SCHEMA_VERSION = 1
 GiB = 2**30
 
 
+def format_count(count: float) -> str:
+    """``70.55B``, ``124.0M``, ``118.3K``: a parameter count people can read."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.{2 if suffix in 'TB' else 1}f}{suffix}"
+    return str(int(count))
+
+
 class PlannedLayer(BaseModel):
     """The plan's decision for one layer."""
 
@@ -93,7 +101,7 @@ class Plan(BaseModel):
         memory = ", ".join(f"{k} {v / GiB:.1f}" for k, v in e.memory_by_category_bytes.items())
         return "\n".join(
             [
-                f"{self.model_name} ({self.param_count / 1e9:.2f}B params) on {self.cluster} ({self.device_name})",
+                f"{self.model_name} ({format_count(self.param_count)} params) on {self.cluster} ({self.device_name})",
                 f"strategy   {self.strategy.name}: {self.strategy.to_string()}",
                 f"step time  {e.step_time_s:.3f} s   {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu:.1%}",
                 f"memory     {e.peak_memory_bytes / GiB:.1f} of {e.memory_budget_bytes / GiB:.1f} GiB per device "

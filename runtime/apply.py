@@ -156,6 +156,12 @@ def check_supported(plan: Plan) -> None:
             "precision fp16 needs dynamic loss scaling (a GradScaler whose overflow check agrees across "
             "sharded ranks), which the runtime does not implement yet; plan with bf16 or fp32"
         )
+    selective = [layer.fqn for layer in plan.layers if layer.recompute == "selective"]
+    if selective:
+        raise NotModelledError(
+            f"selective recomputation (planned for {selective[0]} and {len(selective) - 1} more) is not in the "
+            "runtime yet (runtime issue); use recompute=full or none"
+        )
 
 
 def recompute_fqns(plan: Plan) -> tuple[str, ...]:
