@@ -34,7 +34,7 @@ def plan(
 
     ``model`` is an ``nn.Module`` (on any device, meta included) or a preset name such as ``llama3-70b``.
     ``precision`` defaults to bf16 mixed precision on accelerators and fp32 on CPU ranks. ``strategy``
-    evaluates one given strategy (``"dp=8,zero=3,mbs=2"``) instead of searching.
+    pins strategy fields (``"tp=8,pp=4"``) and searches the rest; a complete strategy is just evaluated.
     """
     resolved = load_cluster(cluster)
     training = TrainingConfig(
@@ -46,8 +46,8 @@ def plan(
         if isinstance(model, str)
         else capture(model, seq_len=seq_len, dtype=dtype)
     )
-    fixed = Strategy.parse(strategy) if isinstance(strategy, str) else strategy
-    return search(graph, resolved, training, fixed=fixed)
+    pins = Strategy.parse_fields(strategy) if isinstance(strategy, str) else (strategy.model_dump() if strategy else {})
+    return search(graph, resolved, training, pins=pins)
 
 
 def auto_parallelize(

@@ -1,48 +1,76 @@
-"""Communication of the data-parallel axis per step, and how much of it compute hides."""
+"""Communication per step and how much of it compute hides.
+
+Mesh axes are laid out innermost first, tp -> cp -> pp -> dp (Megatron-LM's and Llama 3's order), so a
+tensor-parallel group is ``tp`` adjacent ranks (inside a node), pipeline neighbours are ``tp*cp`` ranks
+apart and data-parallel peers ``tp*cp*pp`` apart. Collective times come from ``topology.collectives``.
+
+- Tensor parallelism: one activation all-reduce per column/row pair forward and one backward (Megatron-LM;
+  sequence parallelism turns each into an all-gather plus a reduce-scatter of the same total), one more
+  forward under full recomputation; on the critical path.
+- Data parallelism per ZeRO stage, over the stage's local parameters: 0 all-reduces fp32 gradients once
+  per step; 1 reduce-scatters them and all-gathers updated parameters; 2 reduce-scatters after every
+  micro-batch; 3 (FSDP) gathers parameters before forward and backward of every micro-batch and
+  reduce-scatters gradients after it. Gradient reduction overlaps backward except its last bucket
+  (~1/blocks); FSDP gathers are prefetched behind the previous block's compute.
+- Pipeline: one activation send forward and one gradient send backward per micro-batch and chunk.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from tessera.cost_models.memory import FP32, compute_dtype_bytes
-from tessera.cost_models.types import LayerStats, Strategy, TrainingConfig
+from tessera.cost_models.memory import FP32, compute_dtype_bytes, local_params
+from tessera.cost_models.partition import StageTotals
+from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology.cluster import Cluster
-from tessera.topology.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
+from tessera.topology.collectives import all_gather_time, all_reduce_time, p2p_time, reduce_scatter_time
 
 
-def data_parallel_comm_s(
-    layers: Sequence[LayerStats], cluster: Cluster, training: TrainingConfig, strategy: Strategy
+def tp_comm_s(stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy) -> float:
+    """Tensor-parallel all-reduce seconds of one micro-batch on ``stage`` (forward, backward, recompute)."""
+    if strategy.tp == 1:
+        return 0.0
+    passes, count = (3 if strategy.recompute == "full" else 2), max(stage.tp_allreduce_count, 1)
+    nbytes = stage.tp_allreduce_bytes * strategy.micro_batch / strategy.cp / count
+    return passes * count * all_reduce_time(cluster, nbytes, group_size=strategy.tp)
+
+
+def pp_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float:
+    """Point-to-point seconds per micro-batch: activations forward, gradients backward, per chunk."""
+    if strategy.pp == 1:
+        return 0.0
+    nbytes = stage.boundary_bytes * strategy.micro_batch / strategy.cp / (strategy.tp if strategy.sp else 1)
+    return 2 * strategy.virtual_stages * p2p_time(cluster, nbytes, distance=strategy.tp * strategy.cp)
+
+
+def dp_comm_s(
+    stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy, *, micro_batches: int
 ) -> dict[str, float]:
-    """Seconds per step of each data-parallel collective kind (before overlap)."""
+    """Data-parallel collective seconds per step by kind, before overlap."""
     if strategy.dp == 1:
         return {}
-    params = sum(layer.param_count for layer in layers)
-    group = {"group_size": strategy.dp, "stride": strategy.world_size // strategy.dp}
+    params = local_params(stage, strategy)
+    group = {"group_size": strategy.dp, "stride": strategy.tp * strategy.cp * strategy.pp}
+    grads, weights = params * FP32, params * compute_dtype_bytes(training)
     if strategy.zero == 0:
-        # DDP all-reduces fp32 gradients once per step (no_sync on earlier micro-batches).
-        return {"dp_allreduce": all_reduce_time(cluster, params * FP32, **group)}
-    micro_batches = strategy.gradient_accumulation(training.global_batch)
-    gathered = params * compute_dtype_bytes(training)
-    # FSDP2 gathers parameters before forward and again before backward (reshard_after_forward=True),
-    # and reduce-scatters fp32 gradients after every micro-batch's backward.
-    return {
-        "fsdp_allgather": 2 * micro_batches * all_gather_time(cluster, gathered, **group),
-        "fsdp_reducescatter": micro_batches * reduce_scatter_time(cluster, params * FP32, **group),
-    }
+        return {"dp_allreduce": all_reduce_time(cluster, grads, **group)}
+    if strategy.zero == 1:
+        return {"zero_reducescatter": reduce_scatter_time(cluster, grads, **group),
+                "zero_allgather": all_gather_time(cluster, weights, **group)}
+    if strategy.zero == 2:
+        return {"zero_reducescatter": micro_batches * reduce_scatter_time(cluster, grads, **group),
+                "zero_allgather": all_gather_time(cluster, weights, **group)}
+    return {"fsdp_allgather": 2 * micro_batches * all_gather_time(cluster, weights, **group),
+            "fsdp_reducescatter": micro_batches * reduce_scatter_time(cluster, grads, **group)}
 
 
-def exposed_comm_s(comm: dict[str, float], *, forward_s: float, backward_s: float, micro_batches: int, blocks: int) -> float:
-    """Communication left on the critical path after overlap with compute.
-
-    DDP overlaps the gradient all-reduce with the last micro-batch's backward, except the last bucket
-    (~1/blocks of it). FSDP prefetches the next block's gather during the current block's compute and
-    overlaps reduce-scatter with the next block's backward; the first gather and last reduce-scatter of
-    each pass stay exposed (~1/blocks of each).
-    """
-    blocks = max(blocks, 1)
-    if "dp_allreduce" in comm:
-        total = comm["dp_allreduce"]
-        return max(total - backward_s, total / blocks)
-    total = sum(comm.values())
-    hidden_by = micro_batches * (forward_s + backward_s)
-    return max(total - hidden_by, total / blocks)
+def exposed_dp_comm_s(
+    comm: dict[str, float], strategy: Strategy, *, forward_s: float, backward_s: float, micro_batches: int, blocks: int
+) -> float:
+    """Data-parallel communication left on the critical path after overlap with compute."""
+    tail = 1 / max(blocks, 1)
+    if strategy.zero == 3:
+        total = sum(comm.values())
+        return max(total - micro_batches * (forward_s + backward_s), total * tail)
+    reduce = comm.get("dp_allreduce", 0.0) + comm.get("zero_reducescatter", 0.0)
+    hidden_by = backward_s * (micro_batches if strategy.zero == 2 else 1)
+    gather = comm.get("zero_allgather", 0.0)  # overlaps the next step's first forward
+    return max(reduce - hidden_by, reduce * tail) + max(gather - forward_s, gather * tail)

@@ -1,21 +1,27 @@
-"""Per-device memory by category for data-parallel strategies (DDP and FSDP2), as Tessera's runtime runs them.
+"""Per-device memory of one pipeline stage, by category, as Tessera's runtime holds it.
 
-Mixed precision (bf16/fp16) follows the runtime: DDP keeps fp32 parameters and gradients and casts under
-autocast; FSDP2 keeps sharded fp32 parameters, gradients and Adam moments and gathers one block at a time
-in the compute dtype. Adam holds two fp32 moments per parameter.
+Model state per parameter (mixed precision keeps fp32 masters): fp32 parameters (4 B), fp32 gradients
+(4 B) and two fp32 Adam moments (8 B). ZeRO stage 1 shards the moments over the data-parallel axis,
+stage 2 also the gradients, stage 3 (FSDP) also the parameters; FSDP then gathers one block at a time
+(plus one prefetched) in the compute dtype. Tensor parallelism divides blocks and vocabulary matrices.
+
+Activations (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+arXiv 2205.05198, Sec. 4): without sequence parallelism, the inputs of norms and the residual stream
+(10 of the 34 ``sbh`` bytes per layer) are replicated on every tensor-parallel rank; with it everything
+is divided by ``tp``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from tessera.cost_models.types import LayerStats, Strategy, TrainingConfig
-from tessera.errors import NotModelledError
+from tessera.cost_models.partition import StageTotals
+from tessera.cost_models.pipeline import in_flight_micro_batches
+from tessera.cost_models.types import Strategy, TrainingConfig
 
 FP32 = 4
 GiB = 2**30
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP default bucket_cap_mb=25; two buckets in flight
 FSDP_PREFETCH_BLOCKS = 2  # the block being computed plus the one prefetched
+REPLICATED_ACTIVATION_SHARE = 10 / 34  # Korthikanti et al. eq. 2: sbh(10 + 24/t) of sbh*34 without SP
 # Allowance outside tensors: CUDA context, NCCL buffers and allocator fragmentation (~2 GiB on GPUs,
 # a stated assumption); a CPU rank costs ~220 MB before any model (shared/PLATFORM-NOTES.md).
 GPU_RESERVE_BYTES = 2 * GiB
@@ -27,50 +33,47 @@ def compute_dtype_bytes(training: TrainingConfig) -> int:
     return FP32 if training.precision == "fp32" else 2
 
 
-def memory_by_category(
-    layers: Sequence[LayerStats], training: TrainingConfig, strategy: Strategy, *, on_cpu: bool
+def local_params(stage: StageTotals, strategy: Strategy) -> float:
+    """Parameters of ``stage`` on one tensor-parallel rank."""
+    return stage.sharded_params / strategy.tp + stage.replicated_params
+
+
+def stage_memory(
+    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, on_cpu: bool
 ) -> dict[str, int]:
-    """Peak per-device bytes by category: parameters, gradients, optimizer, activations, buffers, reserve."""
-    if strategy.zero not in (0, 3):
-        raise NotModelledError(f"ZeRO stage {strategy.zero} is not modelled yet; use zero=0 (DDP) or zero=3 (FSDP)")
-    params = sum(layer.param_count for layer in layers)
-    shard = strategy.dp if strategy.zero == 3 else 1
+    """Peak bytes on one device of ``stage`` by category."""
+    params = local_params(stage, strategy)
+    dp = strategy.dp
     state = {
-        "parameters": params * FP32 // shard,
-        "gradients": params * FP32 // shard,
-        "optimizer": params * 2 * FP32 // shard,
-        "activations": activation_bytes(layers, strategy),
-        "buffers": _buffer_bytes(layers, training, strategy),
+        "parameters": params * FP32 / (dp if strategy.zero >= 3 else 1),
+        "gradients": params * FP32 / (dp if strategy.zero >= 2 else 1),
+        "optimizer": params * 2 * FP32 / (dp if strategy.zero >= 1 else 1),
+        "activations": activation_bytes(stage, strategy, micro_batches=micro_batches),
+        "buffers": _buffer_bytes(stage, training, strategy),
         "reserve": CPU_RESERVE_BYTES if on_cpu else GPU_RESERVE_BYTES,
     }
     return {name: int(value) for name, value in state.items()}
 
 
-def activation_bytes(layers: Sequence[LayerStats], strategy: Strategy) -> int:
-    """Bytes saved for backward by one micro-batch at its peak (the end of the forward pass)."""
-    if strategy.recompute == "none":
-        per_sequence = sum(layer.saved_bytes_no_recompute for layer in layers)
-    elif strategy.recompute == "selective":
-        per_sequence = sum(
-            layer.saved_bytes_no_recompute if layer.saved_bytes_selective is None else layer.saved_bytes_selective
-            for layer in layers
-        )
-    else:
-        blocks = [layer for layer in layers if layer.kind == "block"]
-        others = [layer for layer in layers if layer.kind != "block"]
-        # Block inputs are kept; during backward one block at a time is recomputed in full.
-        largest_block = max((layer.saved_bytes_no_recompute for layer in blocks), default=0)
-        per_sequence = (
-            sum(layer.saved_bytes_full_recompute for layer in blocks)
-            + largest_block
-            + sum(layer.saved_bytes_no_recompute for layer in others)
-        )
-    return per_sequence * strategy.micro_batch
+def activation_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
+    """Activations a stage holds at its peak: in-flight micro-batches plus one block being recomputed."""
+    per_micro_batch = stage.saved_bytes * strategy.micro_batch
+    in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
+    held = per_micro_batch * in_flight + stage.recompute_buffer_bytes * strategy.micro_batch
+    return held * tp_activation_share(strategy) / strategy.cp
 
 
-def _buffer_bytes(layers: Sequence[LayerStats], training: TrainingConfig, strategy: Strategy) -> int:
-    if strategy.zero == 0:
-        return 2 * DDP_BUCKET_BYTES if strategy.dp > 1 else 0
-    largest = max((layer.param_count for layer in layers), default=0)
-    # Unsharded compute-dtype parameters of the gathered blocks plus one block's unsharded fp32 gradient.
-    return largest * (FSDP_PREFETCH_BLOCKS * compute_dtype_bytes(training) + FP32)
+def tp_activation_share(strategy: Strategy) -> float:
+    """Share of a layer's activations one tensor-parallel rank keeps."""
+    if strategy.tp == 1 or strategy.sp:
+        return 1 / strategy.tp
+    return REPLICATED_ACTIVATION_SHARE + (1 - REPLICATED_ACTIVATION_SHARE) / strategy.tp
+
+
+def _buffer_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy) -> float:
+    pipeline = 2 * stage.boundary_bytes * strategy.micro_batch if strategy.pp > 1 else 0
+    if strategy.zero == 3:
+        largest = stage.largest_layer_params / strategy.tp
+        # Gathered compute-dtype parameters of the current and prefetched block, one unsharded fp32 gradient.
+        return pipeline + largest * (FSDP_PREFETCH_BLOCKS * compute_dtype_bytes(training) + FP32)
+    return pipeline + (2 * DDP_BUCKET_BYTES if strategy.dp > 1 else 0)

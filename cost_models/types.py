@@ -16,6 +16,7 @@ FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zero-bubble"]
 LayerKind = Literal["embedding", "block", "norm", "head", "loss", "other"]
 
 
@@ -115,6 +116,16 @@ class Strategy(BaseModel):
     """Activation recomputation applied to every repeated block."""
     sp: bool = False
     """Sequence parallelism on the tensor-parallel axis."""
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule (ignored when ``pp == 1``)."""
+    virtual_stages: int = Field(default=1, gt=0)
+    """Model chunks per pipeline rank for the ``interleaved`` schedule (``schedule=interleaved:V``)."""
+
+    @model_validator(mode="after")
+    def _virtual_stages_need_interleaving(self) -> "Strategy":
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule=interleaved:{self.virtual_stages}")
+        return self
 
     @property
     def world_size(self) -> int:
@@ -143,11 +154,18 @@ class Strategy(BaseModel):
         parts += [f"zero={self.zero}", f"mbs={self.micro_batch}", f"recompute={self.recompute}"]
         if self.sp:
             parts.append("sp=true")
+        if self.pp > 1:
+            parts.append(f"schedule={self.schedule}" + (f":{self.virtual_stages}" if self.schedule == "interleaved" else ""))
         return ",".join(parts)
 
     @classmethod
     def parse(cls, text: str) -> "Strategy":
         """Read ``dp=4,zero=3,mbs=2,recompute=full``; unknown keys and bad values raise ConfigError."""
+        return cls.model_validate(cls.parse_fields(text))
+
+    @classmethod
+    def parse_fields(cls, text: str) -> dict[str, object]:
+        """The fields a (possibly partial) strategy string pins, validated: ``"tp=8,pp=4"`` -> ``{tp: 8, pp: 4}``."""
         aliases = {"mbs": "micro_batch", "zero_stage": "zero"}
         values: dict[str, object] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
@@ -158,11 +176,16 @@ class Strategy(BaseModel):
                     f"bad strategy item {item!r}; expected key=value with key in "
                     f"{sorted(set(cls.model_fields) | set(aliases))}"
                 )
-            values[key] = value.strip().lower() in ("1", "true", "yes", "on") if key == "sp" else value.strip()
+            values[key] = value.strip().lower() in ("1", "true", "yes", "on") if key == "sp" else _coerce(value.strip())
+        if isinstance(values.get("schedule"), str) and ":" in values["schedule"]:
+            schedule, chunks = values["schedule"].split(":", 1)
+            values["schedule"], values["virtual_stages"] = schedule, _coerce(chunks)
         try:
-            return cls.model_validate({k: _coerce(v) for k, v in values.items()})
+            cls.model_validate(values)
         except ValueError as exc:
-            raise ConfigError(f"bad strategy {text!r}: {exc}") from None
+            problem = exc.errors()[0] if hasattr(exc, "errors") else {"loc": ("?",), "msg": str(exc)}
+            raise ConfigError(f"bad strategy {text!r}: {'.'.join(map(str, problem['loc'])) or 'value'}: {problem['msg']}") from None
+        return values
 
 
 def _coerce(value: object) -> object:
@@ -200,8 +223,28 @@ class Estimate(BaseModel):
     """Model FLOPs (forward + backward, no recomputation) of one step over the whole cluster."""
     mfu: float
     """Model FLOPs utilisation: model FLOP/s achieved divided by the cluster's peak."""
+    num_devices: int = 1
+    """Devices the step runs on."""
+    hardware_flops_per_step: float = 0.0
+    """FLOPs actually executed in one step over the cluster (recomputation included)."""
+    hfu: float = 0.0
+    """Hardware FLOPs utilisation: executed FLOP/s divided by the cluster's peak."""
+    bubble_time_s: float = 0.0
+    """Pipeline idle time per step on the slowest stage."""
+    stage_peak_memory_bytes: tuple[int, ...] = ()
+    """Predicted peak memory of each pipeline stage (``memory_by_category_bytes`` is the worst one)."""
     notes: tuple[str, ...] = ()
     """Assumptions that shaped this estimate, in words."""
+
+    @property
+    def model_tflops_per_device(self) -> float:
+        """Model TFLOP/s achieved per device (recomputation not counted)."""
+        return self.model_flops_per_step / self.step_time_s / self.num_devices / 1e12
+
+    @property
+    def hardware_tflops_per_device(self) -> float:
+        """Executed TFLOP/s per device (recomputation counted), the metric of Megatron's SC'21 tables."""
+        return self.hardware_flops_per_step / self.step_time_s / self.num_devices / 1e12
 
     @property
     def fits(self) -> bool:

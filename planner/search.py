@@ -1,48 +1,42 @@
-"""Search: enumerate strategies, estimate each, keep the fastest that fits in memory.
+"""Search: enumerate strategies (``planner.space``), estimate each, keep the fastest that fits in memory.
 
-This is the thin slice: the data-parallel axis only (DDP or FSDP2), micro-batch size and full
-recomputation of blocks. The planner issue adds tp/pp/cp/ep, the integer program and pruning.
+Exhaustive over the space for now; the planner issue adds lower-bound pruning and the integer program
+for per-layer recomputation and stage boundaries.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Mapping
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
 from tessera.errors import ConfigError, InfeasiblePlanError
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Candidate, Plan, PlannedLayer
+from tessera.planner.space import check_pins, strategies
 from tessera.topology.cluster import Cluster
 
 GiB = 2**30
-MAX_MICRO_BATCH = 64
 RUNNERS_UP = 5
 
 
-def candidate_strategies(cluster: Cluster, training: TrainingConfig) -> Iterator[Strategy]:
-    """Every data-parallel strategy for this cluster and batch, in a fixed order."""
-    dp = cluster.num_devices
-    if training.global_batch % dp:
-        raise ConfigError(
-            f"global batch {training.global_batch} is not divisible by the {dp} data-parallel ranks of "
-            f"{cluster.name}; use a global batch that is a multiple of {dp}"
-        )
-    per_rank = training.global_batch // dp
-    for zero in (0, 3):
-        for micro_batch in (m for m in range(1, min(per_rank, MAX_MICRO_BATCH) + 1) if per_rank % m == 0):
-            for recompute in ("none", "full"):
-                yield Strategy(dp=dp, zero=zero, micro_batch=micro_batch, recompute=recompute)
-
-
-def search(graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, fixed: Strategy | None = None) -> Plan:
-    """Return the fastest strategy that fits; ``fixed`` evaluates one given strategy instead."""
+def search(
+    graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object] | None = None
+) -> Plan:
+    """Return the fastest strategy that fits; ``pins`` fixes any strategy fields (``{"tp": 8}``)."""
     start = time.perf_counter()
-    strategies = [fixed] if fixed is not None else list(candidate_strategies(cluster, training))
+    pins = dict(pins or {})
+    check_pins(pins, cluster)
+    layers = list(graph.layers)
     scored = sorted(
-        ((s, estimate(graph.layers, cluster, training, s)) for s in strategies),
+        ((s, estimate(layers, cluster, training, s)) for s in strategies(layers, cluster, training, pins)),
         key=lambda pair: (pair[1].step_time_s, pair[1].peak_memory_bytes, pair[0].to_string()),
     )
+    if not scored:
+        raise ConfigError(
+            f"no strategy matches {pins or 'the request'} on {cluster.name} with global batch "
+            f"{training.global_batch}: dp must divide the batch, tp the heads, pp the blocks"
+        )
     fitting = [pair for pair in scored if pair[1].fits]
     if not fitting:
         raise InfeasiblePlanError(diagnose_infeasible(scored, cluster))

@@ -1,21 +1,26 @@
-"""The data-parallel cost model on hand-made LayerStats, checked against arithmetic done by hand."""
+"""The cost model on hand-made LayerStats, checked against arithmetic done by hand."""
 
 import pytest
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
-from tessera.cost_models.compute import GPU_MATMUL_EFFICIENCY, achievable_flops
+from tessera.cost_models.compute import GPU_EFFICIENCY, EfficiencyCurve
+from tessera.cost_models.memory import REPLICATED_ACTIVATION_SHARE
+from tessera.cost_models.partition import split_blocks
+from tessera.cost_models.pipeline import bubble_micro_batches, in_flight_micro_batches
 from tessera.cost_models.types import LayerStats
 from tessera.errors import ConfigError, NotModelledError
 from tessera.topology import load_cluster
+from tessera.topology.collectives import all_reduce_time
 
 GiB = 2**30
+FLAT = EfficiencyCurve(peak_fraction=0.5, half_width=0.0, traffic_factor=0.0)  # makes hand arithmetic exact
 
 
-def block(i: int, *, params: int = 10**9, flops: float = 1e13, saved: int = 2 * GiB) -> LayerStats:
+def block(i: int, *, params: int = 10**9, flops: float = 1e13, saved: int = 2 * GiB, hidden: int = 8192) -> LayerStats:
     return LayerStats(
         fqn=f"blocks.{i}", kind="block", signature="b", param_count=params, forward_flops=flops,
         backward_flops=2 * flops, saved_bytes_no_recompute=saved, saved_bytes_full_recompute=saved // 32,
-        output_bytes=saved // 32,
+        output_bytes=saved // 32, hidden_size=hidden, attention_heads=64, kv_heads=8,
     )
 
 
@@ -24,64 +29,129 @@ H100_NODE = load_cluster("dgx-h100:nodes=1")
 TRAINING = TrainingConfig(global_batch=16, seq_len=4096)
 
 
+def run(strategy: str, layers=LAYERS, cluster=H100_NODE, training=TRAINING, curve=FLAT):
+    return estimate(layers, cluster, training, Strategy.parse(strategy), gpu_curve=curve)
+
+
 def test_compute_time_is_flops_over_achievable_rate():
-    e = estimate(LAYERS, H100_NODE, TRAINING, Strategy(dp=8, zero=3, micro_batch=2))
-    rate = achievable_flops(H100_NODE.device, "bf16")
-    assert e.compute_time_s == pytest.approx(4 * 3e13 * 2 / rate)  # 2 sequences per rank, 1 micro-batch
+    e = run("dp=8,zero=3,mbs=2")
+    assert e.compute_time_s == pytest.approx(4 * 3e13 * 2 / (989e12 * 0.5))  # 2 sequences per rank, 1 micro-batch
     assert e.recompute_time_s == 0
 
 
+def test_efficiency_curve_penalises_narrow_matmuls():
+    curve = EfficiencyCurve(peak_fraction=0.6, half_width=100.0)
+    assert curve.at(100) == pytest.approx(0.3) and curve.at(0) == 0.6
+    wide, narrow = run("dp=8,zero=3,mbs=2", curve=curve), run("dp=1,tp=8,mbs=2", training=TrainingConfig(global_batch=2, seq_len=4096), curve=curve)
+    # Same FLOPs per device; tp=8 makes the local width 1024 instead of 8192: lower efficiency.
+    assert wide.compute_time_s == pytest.approx(4 * 3e13 * 2 / (989e12 * 0.6 * 8192 / 8292))
+    assert narrow.compute_time_s == pytest.approx(4 * 3e13 * 2 / 8 / (989e12 * 0.6 * 1024 / 1124))
+
+
 def test_full_recompute_adds_one_forward_and_saves_memory():
-    plain = estimate(LAYERS, H100_NODE, TRAINING, Strategy(dp=8, zero=3, micro_batch=2))
-    full = estimate(LAYERS, H100_NODE, TRAINING, Strategy(dp=8, zero=3, micro_batch=2, recompute="full"))
+    plain, full = run("dp=8,zero=3,mbs=2"), run("dp=8,zero=3,mbs=2,recompute=full")
     assert full.recompute_time_s == pytest.approx(plain.compute_time_s / 3)
     assert full.memory_by_category_bytes["activations"] < plain.memory_by_category_bytes["activations"] / 2
+    assert full.hfu > full.mfu
 
 
-def test_fsdp_shards_the_model_state_ddp_replicates_it():
-    layers = [block(i, params=2 * 10**9) for i in range(4)]
-    ddp = estimate(layers, H100_NODE, TRAINING, Strategy(dp=8, zero=0, micro_batch=2))
-    fsdp = estimate(layers, H100_NODE, TRAINING, Strategy(dp=8, zero=3, micro_batch=2))
-    # 8e9 params: DDP holds 16 bytes/param (fp32 params, grads, two Adam moments; 128 GB, over 80 GiB),
-    # FSDP an eighth of it.
-    assert ddp.memory_by_category_bytes["optimizer"] == 8 * 10**9 * 8
-    state = ("parameters", "gradients", "optimizer")
-    assert sum(fsdp.memory_by_category_bytes[k] for k in state) == pytest.approx(
-        sum(ddp.memory_by_category_bytes[k] for k in state) / 8, rel=1e-9
-    )
-    assert not ddp.fits and fsdp.fits
-    assert set(fsdp.comm_time_by_kind_s) == {"fsdp_allgather", "fsdp_reducescatter"}
-    assert set(ddp.comm_time_by_kind_s) == {"dp_allreduce"}
+@pytest.mark.parametrize(("zero", "sharded"), [(0, ()), (1, ("optimizer",)), (2, ("optimizer", "gradients")), (3, ("optimizer", "gradients", "parameters"))])
+def test_zero_stages_shard_model_state_over_dp(zero, sharded):
+    e = run(f"dp=8,zero={zero},mbs=2")
+    params = 4 * 10**9
+    full = {"parameters": params * 4, "gradients": params * 4, "optimizer": params * 8}
+    for category, whole in full.items():
+        assert e.memory_by_category_bytes[category] == whole // (8 if category in sharded else 1)
+
+
+def test_dp_collectives_per_zero_stage():
+    assert set(run("dp=8,zero=0,mbs=2").comm_time_by_kind_s) == {"dp_allreduce"}
+    assert set(run("dp=8,zero=1,mbs=2").comm_time_by_kind_s) == {"zero_reducescatter", "zero_allgather"}
+    assert set(run("dp=8,zero=3,mbs=2").comm_time_by_kind_s) == {"fsdp_allgather", "fsdp_reducescatter"}
+    # ZeRO-0 all-reduces the fp32 gradients of all 4e9 parameters once per step.
+    assert run("dp=8,zero=0,mbs=2").comm_time_by_kind_s["dp_allreduce"] == pytest.approx(all_reduce_time(H100_NODE, 4e9 * 4, group_size=8))
 
 
 def test_micro_batches_repeat_compute_and_fsdp_gathers():
-    one = estimate(LAYERS, H100_NODE, TRAINING, Strategy(dp=8, zero=3, micro_batch=2))
-    two = estimate(LAYERS, H100_NODE, TRAINING, Strategy(dp=8, zero=3, micro_batch=1))
+    one, two = run("dp=8,zero=3,mbs=2"), run("dp=8,zero=3,mbs=1")
     assert two.compute_time_s == pytest.approx(one.compute_time_s)
     assert two.comm_time_by_kind_s["fsdp_allgather"] == pytest.approx(2 * one.comm_time_by_kind_s["fsdp_allgather"])
     assert two.memory_by_category_bytes["activations"] == one.memory_by_category_bytes["activations"] // 2
 
 
+def test_tensor_parallel_all_reduces_two_pairs_per_block_forward_and_backward():
+    training = TrainingConfig(global_batch=1, seq_len=4096)
+    e = run("dp=1,tp=8,mbs=1", training=training)
+    per_block = 2 * 2 * all_reduce_time(H100_NODE, LAYERS[0].output_bytes, group_size=8)  # 2 pairs x (fwd + bwd)
+    assert e.comm_time_by_kind_s["tp_allreduce"] == pytest.approx(4 * per_block)
+    assert run("dp=1,tp=8,mbs=1,recompute=full", training=training).comm_time_by_kind_s["tp_allreduce"] == pytest.approx(4 * per_block * 1.5)
+
+
+def test_korthikanti_activation_share_with_and_without_sequence_parallelism():
+    # Korthikanti et al. eq. 2 and 4: sbh(10 + 24/t) without SP, sbh*34/t with SP (of sbh*34 unsplit).
+    training = TrainingConfig(global_batch=1, seq_len=4096)
+    plain = run("dp=8,mbs=1", cluster=H100_NODE, training=TrainingConfig(global_batch=8, seq_len=4096))
+    no_sp, sp = run("dp=1,tp=8,mbs=1", training=training), run("dp=1,tp=8,mbs=1,sp=true", training=training)
+    whole = plain.memory_by_category_bytes["activations"]
+    assert no_sp.memory_by_category_bytes["activations"] == pytest.approx(whole * (10 + 24 / 8) / 34, rel=1e-6)
+    assert sp.memory_by_category_bytes["activations"] == pytest.approx(whole / 8, rel=1e-6)
+    assert REPLICATED_ACTIVATION_SHARE == pytest.approx(10 / 34)
+
+
+def test_pipeline_bubble_and_in_flight_micro_batches():
+    s = Strategy.parse("dp=1,pp=4,mbs=1")
+    assert bubble_micro_batches(s) == 3
+    assert bubble_micro_batches(Strategy.parse("dp=1,pp=4,schedule=interleaved:2")) == 1.5
+    assert in_flight_micro_batches(s, stage=0, micro_batches=8) == 4
+    assert in_flight_micro_batches(s, stage=3, micro_batches=8) == 1
+    assert in_flight_micro_batches(Strategy.parse("dp=1,pp=4,schedule=gpipe"), stage=3, micro_batches=8) == 8
+    two_nodes = load_cluster("dgx-h100:nodes=2")
+    layers = [block(i) for i in range(8)]
+    e = estimate(layers, two_nodes, TrainingConfig(global_batch=16, seq_len=4096), Strategy.parse("dp=4,pp=4,mbs=1"), gpu_curve=FLAT)
+    per_micro_batch = 2 * 3e13 / (989e12 * 0.5)  # two blocks per stage, forward + backward
+    assert e.bubble_time_s == pytest.approx(3 * (per_micro_batch + e.comm_time_by_kind_s["pp_p2p"] / 4))
+    assert len(e.stage_peak_memory_bytes) == 4 and e.stage_peak_memory_bytes[0] > e.stage_peak_memory_bytes[3]
+
+
+def test_stages_split_blocks_evenly_with_embedding_first_and_head_last():
+    emb = LayerStats(fqn="tok_emb", kind="embedding", signature="e", param_count=10, forward_flops=0, backward_flops=0,
+                     saved_bytes_no_recompute=0, saved_bytes_full_recompute=0, output_bytes=0)
+    head = emb.model_copy(update={"fqn": "head", "kind": "head"})
+    stages = split_blocks([emb, *[block(i) for i in range(5)], head], Strategy.parse("dp=1,pp=2"))
+    assert [[l.fqn for l in s] for s in stages] == [["tok_emb", "blocks.0", "blocks.1", "blocks.2"], ["blocks.3", "blocks.4", "head"]]
+
+
+def test_fsdp_fits_where_ddp_does_not():
+    layers = [block(i, params=2 * 10**9) for i in range(4)]
+    assert not run("dp=8,zero=0,mbs=2", layers=layers).fits and run("dp=8,zero=3,mbs=2", layers=layers).fits
+
+
 def test_mfu_and_throughput_are_consistent():
-    e = estimate(LAYERS, H100_NODE, TRAINING, Strategy(dp=8, zero=3, micro_batch=2))
+    e = estimate(LAYERS, H100_NODE, TRAINING, Strategy.parse("dp=8,zero=3,mbs=2"))
     assert e.tokens_per_s == pytest.approx(16 * 4096 / e.step_time_s)
     assert e.mfu == pytest.approx(e.model_flops_per_step / (e.step_time_s * 8 * 989e12))
-    assert 0 < e.mfu < GPU_MATMUL_EFFICIENCY  # never above the compute efficiency the model assumes
+    assert 0 < e.mfu < GPU_EFFICIENCY.peak_fraction
+    assert e.model_tflops_per_device == pytest.approx(e.mfu * 989)
 
 
-def test_unmodelled_axes_and_wrong_world_are_refused():
-    with pytest.raises(NotModelledError, match="tp=2"):
-        estimate(LAYERS, H100_NODE, TRAINING, Strategy(dp=4, tp=2))
-    with pytest.raises(ConfigError, match="set dp=8"):
-        estimate(LAYERS, H100_NODE, TRAINING, Strategy(dp=4))
+def test_unmodelled_axes_and_wrong_shapes_are_refused():
+    with pytest.raises(NotModelledError, match="cp=2"):
+        run("dp=4,cp=2")
+    with pytest.raises(ConfigError, match="dp\\*tp\\*pp\\*cp\\*ep = 8"):
+        run("dp=4")
     with pytest.raises(ConfigError, match="not divisible"):
-        estimate(LAYERS, H100_NODE, TrainingConfig(global_batch=12, seq_len=8), Strategy(dp=8))
+        run("dp=8", training=TrainingConfig(global_batch=12, seq_len=8))
+    with pytest.raises(ConfigError, match="does not divide the attention heads"):
+        estimate(LAYERS, load_cluster("cpu:ranks=3"), TrainingConfig(global_batch=3, seq_len=8), Strategy.parse("dp=1,tp=3"))
+    with pytest.raises(ConfigError, match="at least 8 blocks"):
+        run("dp=1,pp=8", training=TrainingConfig(global_batch=8, seq_len=8))
 
 
 def test_strategy_string_round_trip_and_errors():
-    s = Strategy.parse("dp=4,zero=3,mbs=2,recompute=full")
-    assert (s.dp, s.zero, s.micro_batch, s.recompute) == (4, 3, 2, "full")
+    s = Strategy.parse("dp=4,tp=2,pp=2,zero=1,mbs=2,recompute=full,sp=true,schedule=interleaved:2")
+    assert (s.dp, s.zero, s.micro_batch, s.recompute, s.schedule, s.virtual_stages) == (4, 1, 2, "full", "interleaved", 2)
     assert Strategy.parse(s.to_string()) == s
+    assert Strategy.parse_fields("tp=8,pp=4") == {"tp": 8, "pp": 4}
     with pytest.raises(ConfigError, match="bad strategy item 'tensor=2'"):
         Strategy.parse("tensor=2")
     with pytest.raises(ConfigError, match="zero"):
