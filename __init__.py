@@ -13,6 +13,7 @@ from importlib import import_module
 _EXPORTS = {
     "auto_parallelize": "tessera.api",
     "plan": "tessera.api",
+    "evaluate": "tessera.api",
     "Estimate": "tessera.cost_models",
     "Strategy": "tessera.cost_models",
     "TrainingConfig": "tessera.cost_models",

@@ -8,13 +8,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.cost_models import Strategy, TrainingConfig
+from tessera.cost_models import Estimate, Strategy, TrainingConfig
 from tessera.cost_models.types import Precision
 from tessera.errors import RuntimeSetupError
 from tessera.models import build_model
 from tessera.planner.capture import capture, capture_preset
 from tessera.planner.plan import Plan
-from tessera.planner.search import search
+from tessera.planner.layer_graph import LayerGraph
+from tessera.planner.search import best_candidate, rank_candidates, search
 from tessera.runtime.apply import ParallelModel, apply_plan
 from tessera.topology import Cluster, load_cluster
 
@@ -29,6 +30,7 @@ def plan(
     seq_len: int,
     precision: Precision | None = None,
     strategy: Strategy | str | None = None,
+    top: int = 5,
 ) -> Plan:
     """Choose how to split training of ``model`` on ``cluster``; never allocates real weights.
 
@@ -36,6 +38,30 @@ def plan(
     ``precision`` defaults to bf16 mixed precision on accelerators and fp32 on CPU ranks. ``strategy``
     pins strategy fields (``"tp=8,pp=4"``) and searches the rest; a complete strategy is just evaluated.
     """
+    graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision)
+    return search(graph, resolved, training, pins=_pins(strategy), top=top)
+
+
+def evaluate(
+    model: nn.Module | str,
+    cluster: Cluster | str,
+    *,
+    global_batch: int,
+    seq_len: int,
+    strategy: Strategy | str,
+    precision: Precision | None = None,
+) -> tuple[Strategy, Estimate]:
+    """Predict ``strategy`` (fields left out are filled with the planner's best choice under the given ones).
+
+    Unlike :func:`plan`, a strategy that does not fit is still returned; its ``Estimate.fits`` is False.
+    """
+    graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision)
+    return best_candidate(rank_candidates(graph, resolved, training, pins=_pins(strategy)))
+
+
+def _prepare(
+    model: nn.Module | str, cluster: Cluster | str, *, global_batch: int, seq_len: int, precision: Precision | None
+) -> tuple[LayerGraph, Cluster, TrainingConfig]:
     resolved = load_cluster(cluster)
     training = TrainingConfig(
         global_batch=global_batch, seq_len=seq_len, precision=precision or default_precision(resolved)
@@ -46,8 +72,13 @@ def plan(
         if isinstance(model, str)
         else capture(model, seq_len=seq_len, dtype=dtype)
     )
-    pins = Strategy.parse_fields(strategy) if isinstance(strategy, str) else (strategy.model_dump() if strategy else {})
-    return search(graph, resolved, training, pins=pins)
+    return graph, resolved, training
+
+
+def _pins(strategy: Strategy | str | None) -> dict[str, object]:
+    if strategy is None:
+        return {}
+    return Strategy.parse_fields(strategy) if isinstance(strategy, str) else strategy.model_dump()
 
 
 def auto_parallelize(

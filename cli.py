@@ -20,26 +20,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description="Automatic parallelism planner for PyTorch training.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     verbs = parser.add_subparsers(dest="verb", required=True)
-    for verb, help_text in (
-        ("plan", "search for the fastest strategy that fits and print it"),
-        ("evaluate", "predict one given strategy (--strategy)"),
-    ):
-        sub = verbs.add_parser(verb, help=help_text)
-        _add_planning_args(sub, strategy_required=verb == "evaluate")
-        sub.add_argument("--debug", action="store_true", help="show tracebacks")
+    plan = verbs.add_parser("plan", help="search for the fastest strategy that fits and print it")
+    _add_planning_args(plan)
+    plan.add_argument("--fix", metavar="STR", help="pin strategy fields and search the rest, e.g. tp=8,pp=4")
+    plan.add_argument("--top", type=int, default=5, help="runners-up to show (default 5)")
+    plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    evaluate = verbs.add_parser("evaluate", help="predict one strategy; fields left out are filled by the planner")
+    _add_planning_args(evaluate)
+    evaluate.add_argument("--strategy", required=True, help="e.g. tp=8,pp=8,dp=16,mbs=1,schedule=interleaved:2")
     presets = verbs.add_parser("presets", help="list model and cluster presets")
     presets.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
 
-def _add_planning_args(parser: argparse.ArgumentParser, *, strategy_required: bool) -> None:
+def _add_planning_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model preset (default {DEFAULT_MODEL}); see 'tessera presets'")
     parser.add_argument("--cluster", default=DEFAULT_CLUSTER, help=f"cluster preset or YAML file (default {DEFAULT_CLUSTER})")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 8 per device)")
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 on GPUs, fp32 on CPU")
-    parser.add_argument("--strategy", required=strategy_required, help="e.g. dp=8,zero=3,mbs=2,recompute=full")
-    parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    parser.add_argument("--format", choices=("table", "json"), default="table", help="output format (default table)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,20 +61,50 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, console: Console) -> int:
     if args.verb == "presets":
         return _print_presets(console)
+    if args.verb == "evaluate":
+        return _evaluate(args, console)
+    return _plan(args, console)
+
+
+def _workload(args: argparse.Namespace) -> dict:
+    """The model, cluster and training arguments shared by plan and evaluate."""
+    from tessera.topology import load_cluster
+
+    cluster = load_cluster(args.cluster)
+    return dict(
+        model=args.model, cluster=cluster, global_batch=args.global_batch or 8 * cluster.num_devices,
+        seq_len=args.seq_len, precision=args.precision,
+    )
+
+
+def _plan(args: argparse.Namespace, console: Console) -> int:
     import tessera
     from tessera.report import print_plan
 
-    cluster = tessera.load_cluster(args.cluster)
-    global_batch = args.global_batch or 8 * cluster.num_devices
     with console.status(f"capturing {args.model} and searching strategies..."):
-        plan = tessera.plan(
-            args.model, cluster, global_batch=global_batch, seq_len=args.seq_len,
-            precision=args.precision, strategy=args.strategy,
-        )
-    print_plan(plan, console)
+        plan = tessera.plan(**_workload(args), strategy=args.fix, top=args.top)
+    if args.format == "json":
+        print(plan.to_json())
+    else:
+        print_plan(plan, console)
     if args.json:
         plan.to_json(args.json)
         console.print(f"plan written to {args.json}")
+    return 0
+
+
+def _evaluate(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    import tessera
+    from tessera.report import estimate_json, print_estimate
+
+    with console.status(f"capturing {args.model} and estimating..."):
+        strategy, estimate = tessera.evaluate(**_workload(args), strategy=args.strategy)
+    if args.format == "json":
+        print(json.dumps(estimate_json(strategy, estimate), indent=2))
+    else:
+        print_estimate(strategy, estimate, console)
     return 0
 
 

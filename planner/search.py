@@ -20,11 +20,10 @@ GiB = 2**30
 RUNNERS_UP = 5
 
 
-def search(
+def rank_candidates(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object] | None = None
-) -> Plan:
-    """Return the fastest strategy that fits; ``pins`` fixes any strategy fields (``{"tp": 8}``)."""
-    start = time.perf_counter()
+) -> list[tuple[Strategy, Estimate]]:
+    """Every strategy under ``pins`` with its estimate, fastest first (ties: leaner, then by name)."""
     pins = dict(pins or {})
     check_pins(pins, cluster)
     layers = list(graph.layers)
@@ -37,6 +36,21 @@ def search(
             f"no strategy matches {pins or 'the request'} on {cluster.name} with global batch "
             f"{training.global_batch}: dp must divide the batch, tp the heads, pp the blocks"
         )
+    return scored
+
+
+def best_candidate(scored: list[tuple[Strategy, Estimate]]) -> tuple[Strategy, Estimate]:
+    """The fastest candidate that fits, or the fastest of all when none fits (its estimate says so)."""
+    return next((pair for pair in scored if pair[1].fits), scored[0])
+
+
+def search(
+    graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object] | None = None,
+    top: int = RUNNERS_UP,
+) -> Plan:
+    """Return the fastest strategy that fits; ``pins`` fixes any strategy fields (``{"tp": 8}``)."""
+    start = time.perf_counter()
+    scored = rank_candidates(graph, cluster, training, pins=pins)
     fitting = [pair for pair in scored if pair[1].fits]
     if not fitting:
         raise InfeasiblePlanError(diagnose_infeasible(scored, cluster))
@@ -53,20 +67,20 @@ def search(
             PlannedLayer(fqn=layer.fqn, kind=layer.kind, recompute=best.recompute if layer.kind == "block" else "none")
             for layer in graph.layers
         ),
-        alternatives=runners_up(scored, best_estimate),
+        alternatives=runners_up(scored, best_estimate, top=top),
         candidates_evaluated=len(scored),
         search_time_s=time.perf_counter() - start,
     )
 
 
-def runners_up(scored: list[tuple[Strategy, Estimate]], best: Estimate) -> tuple[Candidate, ...]:
+def runners_up(scored: list[tuple[Strategy, Estimate]], best: Estimate, *, top: int = RUNNERS_UP) -> tuple[Candidate, ...]:
     """The next-best distinct strategies, each with the reason it lost."""
     # Fitting strategies first (fastest first), then the ones that do not fit (leanest first).
     losers = sorted(
         ((s, e) for s, e in scored if e is not best),
         key=lambda pair: (not pair[1].fits, pair[1].step_time_s if pair[1].fits else pair[1].peak_memory_bytes),
     )
-    return tuple(Candidate(strategy=s, estimate=e, verdict=_verdict(e, best)) for s, e in losers[:RUNNERS_UP])
+    return tuple(Candidate(strategy=s, estimate=e, verdict=_verdict(e, best)) for s, e in losers[:top])
 
 
 def _verdict(candidate: Estimate, best: Estimate) -> str:
