@@ -41,7 +41,15 @@ class StageTotals:
 
 
 def split_blocks(layers: Sequence[LayerStats], strategy: Strategy) -> list[list[LayerStats]]:
-    """The layers each pipeline stage runs, in model order."""
+    """The layers each pipeline stage runs, in model order (a stage's chunks concatenated)."""
+    stages: list[list[LayerStats]] = [[] for _ in range(strategy.pp)]
+    for chunk, chunk_layers in enumerate(split_chunks(layers, strategy)):
+        stages[chunk % strategy.pp].extend(chunk_layers)
+    return stages
+
+
+def split_chunks(layers: Sequence[LayerStats], strategy: Strategy) -> list[list[LayerStats]]:
+    """The layers of each of the ``pp * V`` pipeline chunks, in model order."""
     block_ids = [i for i, layer in enumerate(layers) if layer.kind == "block"]
     chunks = strategy.pp * strategy.virtual_stages
     if len(block_ids) < chunks:
@@ -50,15 +58,15 @@ def split_blocks(layers: Sequence[LayerStats], strategy: Strategy) -> list[list[
             f"the model has {len(block_ids)}: lower pp"
         )
     first, last = (block_ids[0], block_ids[-1]) if block_ids else (len(layers), len(layers) - 1)
-    stages: list[list[LayerStats]] = [[] for _ in range(strategy.pp)]
-    stages[0].extend(layers[:first])
+    result: list[list[LayerStats]] = []
     start = first
     for chunk in range(chunks):
         size = len(block_ids) // chunks + (chunk < len(block_ids) % chunks)
-        stages[chunk % strategy.pp].extend(layers[start : start + size])
+        result.append(list(layers[start : start + size]))
         start += size
-    stages[-1].extend(layers[last + 1 :])
-    return stages
+    result[0][:0] = layers[:first]
+    result[-1].extend(layers[last + 1 :])
+    return result
 
 
 def stage_totals(stage: Sequence[LayerStats], index: int, recompute: Recompute) -> StageTotals:

@@ -35,6 +35,9 @@ class PlannedLayer(BaseModel):
     """Role of the layer; repeated ``block`` layers are the sharding and recomputation units."""
     recompute: Recompute
     """Recomputation applied to this layer."""
+    chunk: int = 0
+    """Pipeline chunk the layer belongs to (0 without pipelining). With ``pp`` stages and ``V`` chunks per
+    rank (interleaved schedule) chunk ``c`` runs on pipeline rank ``c % pp``; otherwise chunk = stage."""
 
 
 class Candidate(BaseModel):
@@ -108,6 +111,11 @@ class Plan(BaseModel):
                 f"({memory} GiB)",
             ]
         )
+
+    def chunk_fqns(self) -> list[tuple[str, ...]]:
+        """FQNs of each pipeline chunk's layers, in chunk order (the runtime's stage split)."""
+        chunks = max((layer.chunk for layer in self.layers), default=0) + 1
+        return [tuple(layer.fqn for layer in self.layers if layer.chunk == c) for c in range(chunks)]
 
     @property
     def block_fqns(self) -> tuple[str, ...]:

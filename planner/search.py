@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
+from tessera.cost_models.partition import split_chunks
 from tessera.errors import ConfigError, InfeasiblePlanError
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Candidate, Plan, PlannedLayer
@@ -63,13 +64,20 @@ def search(
         training=training,
         strategy=best,
         estimate=best_estimate,
-        layers=tuple(
-            PlannedLayer(fqn=layer.fqn, kind=layer.kind, recompute=best.recompute if layer.kind == "block" else "none")
-            for layer in graph.layers
-        ),
+        layers=planned_layers(graph, best),
         alternatives=runners_up(scored, best_estimate, top=top),
         candidates_evaluated=len(scored),
         search_time_s=time.perf_counter() - start,
+    )
+
+
+def planned_layers(graph: LayerGraph, strategy: Strategy) -> tuple[PlannedLayer, ...]:
+    """Per-layer decisions: recomputation of blocks and the pipeline chunk of every layer."""
+    return tuple(
+        PlannedLayer(fqn=layer.fqn, kind=layer.kind, chunk=chunk,
+                     recompute=strategy.recompute if layer.kind == "block" else "none")
+        for chunk, layers in enumerate(split_chunks(graph.layers, strategy))
+        for layer in layers
     )
 
 
