@@ -9,7 +9,7 @@ is reported.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from tessera.cost_models.communication import dp_comm_s, exposed_dp_comm_s, pp_comm_s, tp_comm_s
 from tessera.cost_models.compute import GPU_EFFICIENCY, EfficiencyCurve, optimizer_step_s, stage_compute_s
@@ -76,6 +76,9 @@ def estimate(
         memory_by_category_bytes=memory[worst],
         peak_memory_bytes=sum(memory[worst].values()),
         stage_peak_memory_bytes=tuple(sum(m.values()) for m in memory),
+        stage_memory_by_category_bytes=tuple(memory),
+        stage_time_per_micro_batch_s=tuple(asdict(time) for time in times),
+        micro_batches=micro_batches,
         memory_budget_bytes=cluster.device.memory_bytes,
         num_devices=cluster.num_devices,
         tokens_per_s=training.tokens_per_step / step,

@@ -233,6 +233,13 @@ class Estimate(BaseModel):
     """Pipeline idle time per step on the slowest stage."""
     stage_peak_memory_bytes: tuple[int, ...] = ()
     """Predicted peak memory of each pipeline stage (``memory_by_category_bytes`` is the worst one)."""
+    stage_memory_by_category_bytes: tuple[dict[str, int], ...] = ()
+    """Per pipeline stage, its peak memory by category (for per-stage memory charts)."""
+    stage_time_per_micro_batch_s: tuple[dict[str, float], ...] = ()
+    """Per pipeline stage, seconds one micro-batch spends there by part (forward, backward, recompute,
+    tp_comm, pp_comm): what a pipeline timeline draws."""
+    micro_batches: int = 1
+    """Micro-batches per step on each data-parallel rank (gradient accumulation steps)."""
     notes: tuple[str, ...] = ()
     """Assumptions that shaped this estimate, in words."""
 
