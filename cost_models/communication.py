@@ -28,7 +28,8 @@ def tp_comm_s(stage: StageTotals, cluster: Cluster, training: TrainingConfig, st
     """Tensor-parallel all-reduce seconds of one micro-batch on ``stage`` (forward, backward, recompute)."""
     if strategy.tp == 1:
         return 0.0
-    passes, count = (3 if strategy.recompute == "full" else 2), max(stage.tp_allreduce_count, 1)
+    passes = 2 + stage.full_recompute_blocks / max(stage.blocks, 1)
+    count = max(stage.tp_allreduce_count, 1)
     nbytes = stage.tp_allreduce_bytes * strategy.micro_batch / strategy.cp / count
     return passes * count * all_reduce_time(cluster, nbytes, group_size=strategy.tp)
 

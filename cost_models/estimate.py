@@ -9,12 +9,12 @@ is reported.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from tessera.cost_models.communication import dp_comm_s, exposed_dp_comm_s, pp_comm_s, tp_comm_s
 from tessera.cost_models.compute import GPU_EFFICIENCY, EfficiencyCurve, optimizer_step_s, stage_compute_s
 from tessera.cost_models.memory import local_params, stage_memory
-from tessera.cost_models.partition import StageTotals, split_blocks, stage_totals
+from tessera.cost_models.partition import StageTotals, block_policies, cached_stage_totals, split_blocks
 from tessera.cost_models.pipeline import bubble_micro_batches
 from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
 from tessera.errors import ConfigError, NotModelledError
@@ -35,6 +35,11 @@ class StageTime:
     def total(self) -> float:
         return self.forward + self.backward + self.recompute + self.tp_comm + self.pp_comm
 
+    def parts(self) -> dict[str, float]:
+        """The parts by name (what a pipeline timeline draws)."""
+        return {"forward": self.forward, "backward": self.backward, "recompute": self.recompute,
+                "tp_comm": self.tp_comm, "pp_comm": self.pp_comm}
+
 
 def estimate(
     layers: Sequence[LayerStats], cluster: Cluster, training: TrainingConfig, strategy: Strategy,
@@ -46,7 +51,8 @@ def estimate(
     """
     check_supported(layers, cluster, strategy)
     micro_batches = strategy.gradient_accumulation(training.global_batch)
-    stages = [stage_totals(s, i, strategy.recompute) for i, s in enumerate(split_blocks(layers, strategy))]
+    policies = block_policies(layers, strategy)
+    stages = [cached_stage_totals(s, i, policies) for i, s in enumerate(split_blocks(layers, strategy))]
     times = [stage_time(stage, cluster, training, strategy, gpu_curve=gpu_curve) for stage in stages]
     slowest = max(range(len(stages)), key=lambda i: times[i].total)
     bubble = bubble_micro_batches(strategy) * times[slowest].total
@@ -77,7 +83,7 @@ def estimate(
         peak_memory_bytes=sum(memory[worst].values()),
         stage_peak_memory_bytes=tuple(sum(m.values()) for m in memory),
         stage_memory_by_category_bytes=tuple(memory),
-        stage_time_per_micro_batch_s=tuple(asdict(time) for time in times),
+        stage_time_per_micro_batch_s=tuple(time.parts() for time in times),
         micro_batches=micro_batches,
         memory_budget_bytes=cluster.device.memory_bytes,
         num_devices=cluster.num_devices,
@@ -90,7 +96,8 @@ def estimate(
 
 
 def stage_time(
-    stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy, *, gpu_curve: EfficiencyCurve
+    stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy,
+    *, gpu_curve: EfficiencyCurve = GPU_EFFICIENCY,
 ) -> StageTime:
     """Seconds one micro-batch spends on ``stage``."""
     forward, backward, recompute = stage_compute_s(stage, cluster.device, training, strategy, gpu_curve=gpu_curve)

@@ -120,12 +120,20 @@ class Strategy(BaseModel):
     """Pipeline schedule (ignored when ``pp == 1``)."""
     virtual_stages: int = Field(default=1, gt=0)
     """Model chunks per pipeline rank for the ``interleaved`` schedule (``schedule=interleaved:V``)."""
+    chunk_blocks: tuple[int, ...] = ()
+    """Blocks in each of the ``pp * virtual_stages`` pipeline chunks, in order; empty = as even as possible."""
+    block_recompute: tuple[Recompute, ...] = ()
+    """Recomputation of each block in model order; empty = ``recompute`` for every block."""
 
     @model_validator(mode="after")
     def _virtual_stages_need_interleaving(self) -> "Strategy":
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule=interleaved:{self.virtual_stages}")
         return self
+
+    def recompute_of_block(self, index: int) -> Recompute:
+        """The recomputation policy of the ``index``-th block."""
+        return self.block_recompute[index] if self.block_recompute else self.recompute
 
     @property
     def world_size(self) -> int:
@@ -154,6 +162,10 @@ class Strategy(BaseModel):
         parts += [f"zero={self.zero}", f"mbs={self.micro_batch}", f"recompute={self.recompute}"]
         if self.sp:
             parts.append("sp=true")
+        if self.block_recompute:
+            parts.append("block_recompute=" + "/".join(_run_lengths(self.block_recompute)))
+        if self.chunk_blocks:
+            parts.append("chunk_blocks=" + "/".join(map(str, self.chunk_blocks)))
         if self.pp > 1:
             parts.append(f"schedule={self.schedule}" + (f":{self.virtual_stages}" if self.schedule == "interleaved" else ""))
         return ",".join(parts)
@@ -176,6 +188,12 @@ class Strategy(BaseModel):
                     f"bad strategy item {item!r}; expected key=value with key in "
                     f"{sorted(set(cls.model_fields) | set(aliases))}"
                 )
+            if key in ("chunk_blocks", "block_recompute"):
+                try:
+                    values[key] = _parse_sequence(key, value.strip())
+                except ValueError:
+                    raise ConfigError(f"bad strategy item {item!r}; write e.g. chunk_blocks=4/4/3 or block_recompute=2xfull/1xnone") from None
+                continue
             values[key] = value.strip().lower() in ("1", "true", "yes", "on") if key == "sp" else _coerce(value.strip())
         if isinstance(values.get("schedule"), str) and ":" in values["schedule"]:
             schedule, chunks = values["schedule"].split(":", 1)
@@ -186,6 +204,28 @@ class Strategy(BaseModel):
             problem = exc.errors()[0] if hasattr(exc, "errors") else {"loc": ("?",), "msg": str(exc)}
             raise ConfigError(f"bad strategy {text!r}: {'.'.join(map(str, problem['loc'])) or 'value'}: {problem['msg']}") from None
         return values
+
+
+def _run_lengths(items: tuple[str, ...]) -> list[str]:
+    """``("full", "full", "none")`` -> ``["2xfull", "1xnone"]``: compact and readable."""
+    runs: list[list] = []
+    for item in items:
+        if runs and runs[-1][1] == item:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, item])
+    return [f"{count}x{item}" for count, item in runs]
+
+
+def _parse_sequence(key: str, value: str) -> tuple:
+    """Read ``4/4/3`` (chunk_blocks) or ``2xfull/1xnone`` (block_recompute)."""
+    if key == "chunk_blocks":
+        return tuple(int(part) for part in value.split("/"))
+    expanded: list[str] = []
+    for part in value.split("/"):
+        count, _, item = part.rpartition("x")
+        expanded += [item] * int(count or 1)
+    return tuple(expanded)
 
 
 def _coerce(value: object) -> object:

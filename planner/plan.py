@@ -53,6 +53,25 @@ class Candidate(BaseModel):
     """``chosen``, or why it lost (slower by how much, or over memory by how much)."""
 
 
+class SolverStats(BaseModel):
+    """What the integer-program refinement did during the search."""
+
+    model_config = FROZEN
+
+    ilp_solved: int = 0
+    """Integer programs solved."""
+    ilp_pruned: int = 0
+    """Outer candidates skipped because their lower bound could not beat the incumbent."""
+    ilp_infeasible: int = 0
+    """Outer candidates whose program had no solution within memory."""
+    ilp_time_s: float = 0.0
+    """Total CP-SAT wall time."""
+    worst_gap: float = 0.0
+    """Largest relative optimality gap among the solves (0 = all proven optimal)."""
+    ilp_improvements: int = 0
+    """Times a solve beat the best uniform strategy."""
+
+
 class Plan(BaseModel):
     """A chosen strategy, its prediction and the alternatives, ready to apply or review."""
 
@@ -82,6 +101,8 @@ class Plan(BaseModel):
     """Strategies the search estimated."""
     search_time_s: float = 0.0
     """Wall time the search took (capture excluded)."""
+    solver: SolverStats = SolverStats()
+    """Integer-program statistics."""
 
     def to_json(self, path: str | Path | None = None) -> str:
         """Serialise to JSON (and write it to ``path`` when given)."""
@@ -111,6 +132,21 @@ class Plan(BaseModel):
                 f"({memory} GiB)",
             ]
         )
+
+    def to_markdown(self, path: str | Path | None = None, *, plan_path: str = "plan.json") -> str:
+        """The strategy report as Markdown; with ``path``, write it there and its charts (PNG) beside it.
+
+        ``plan_path`` is where the launch command expects this plan's JSON.
+        """
+        from tessera.planner.explain import plan_markdown
+
+        return plan_markdown(self, path, plan_path=plan_path)
+
+    def to_html(self, path: str | Path | None = None, *, plan_path: str = "plan.json") -> str:
+        """The strategy report as one self-contained HTML page (charts embedded); with ``path``, write it there."""
+        from tessera.planner.explain import plan_html
+
+        return plan_html(self, path, plan_path=plan_path)
 
     def chunk_fqns(self) -> list[tuple[str, ...]]:
         """FQNs of each pipeline chunk's layers, in chunk order (the runtime's stage split)."""

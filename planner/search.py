@@ -10,10 +10,11 @@ import time
 from collections.abc import Mapping
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
-from tessera.cost_models.partition import split_chunks
+from tessera.cost_models.partition import block_policies, split_chunks
 from tessera.errors import ConfigError, InfeasiblePlanError
 from tessera.planner.layer_graph import LayerGraph
-from tessera.planner.plan import Candidate, Plan, PlannedLayer
+from tessera.planner.plan import Candidate, Plan, PlannedLayer, SolverStats
+from tessera.planner.refine import RefineStats, refine
 from tessera.planner.space import check_pins, strategies
 from tessera.topology.cluster import Cluster
 
@@ -24,20 +25,51 @@ RUNNERS_UP = 5
 def rank_candidates(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object] | None = None
 ) -> list[tuple[Strategy, Estimate]]:
-    """Every strategy under ``pins`` with its estimate, fastest first (ties: leaner, then by name)."""
+    """Every strategy under ``pins`` with its estimate, fastest first (ties: leaner, then by name).
+
+    Pruned without estimating: a mesh shape and ZeRO stage whose model state alone overflows the device,
+    and micro-batches larger than one at which no recomputation policy fit (activations only grow with
+    the micro-batch, except under GPipe).
+    """
     pins = dict(pins or {})
     check_pins(pins, cluster)
     layers = list(graph.layers)
-    scored = sorted(
-        ((s, estimate(layers, cluster, training, s)) for s in strategies(layers, cluster, training, pins)),
-        key=lambda pair: (pair[1].step_time_s, pair[1].peak_memory_bytes, pair[0].to_string()),
-    )
+    params = sum(layer.param_count for layer in layers)
+    no_fit_at: dict[tuple, int] = {}
+    fits_at: set[tuple] = set()
+    scored, overflowing = [], []
+    for strategy in strategies(layers, cluster, training, pins):
+        key = (strategy.dp, strategy.tp, strategy.pp, strategy.zero, strategy.sp, strategy.schedule, strategy.virtual_stages)
+        if _state_bytes_lower_bound(params, strategy) > cluster.device.memory_bytes:
+            overflowing.append(strategy)
+            continue
+        if strategy.schedule != "gpipe" and no_fit_at.get(key, strategy.micro_batch) < strategy.micro_batch:
+            continue
+        est = estimate(layers, cluster, training, strategy)
+        scored.append((strategy, est))
+        if est.fits:
+            fits_at.add((*key, strategy.micro_batch))
+            no_fit_at.pop(key, None)
+        elif (*key, strategy.micro_batch) not in fits_at and strategy.recompute == "full":
+            no_fit_at.setdefault(key, strategy.micro_batch)
+    if overflowing and not fits_at:  # nothing fits: estimate the leanest pruned ones so the diagnosis is exact
+        leanest = min(_state_bytes_lower_bound(params, s) for s in overflowing)
+        scored += [(s, estimate(layers, cluster, training, s)) for s in overflowing
+                   if _state_bytes_lower_bound(params, s) == leanest and s.micro_batch == 1][:64]
+    scored.sort(key=lambda pair: (pair[1].step_time_s, pair[1].peak_memory_bytes, pair[0].to_string()))
     if not scored:
         raise ConfigError(
             f"no strategy matches {pins or 'the request'} on {cluster.name} with global batch "
             f"{training.global_batch}: dp must divide the batch, tp the heads, pp the blocks"
         )
     return scored
+
+
+def _state_bytes_lower_bound(params: int, strategy: Strategy) -> float:
+    """fp32 parameters, gradients and Adam moments per device, spread perfectly over tp*pp (and dp per ZeRO)."""
+    dp = strategy.dp
+    per_param = 4 / (dp if strategy.zero >= 3 else 1) + 4 / (dp if strategy.zero >= 2 else 1) + 8 / (dp if strategy.zero >= 1 else 1)
+    return params * per_param / (strategy.tp * strategy.pp)
 
 
 def best_candidate(scored: list[tuple[Strategy, Estimate]]) -> tuple[Strategy, Estimate]:
@@ -52,6 +84,10 @@ def search(
     """Return the fastest strategy that fits; ``pins`` fixes any strategy fields (``{"tp": 8}``)."""
     start = time.perf_counter()
     scored = rank_candidates(graph, cluster, training, pins=pins)
+    stats = RefineStats()
+    if not _per_layer_pinned(pins or {}):
+        refined = refine(list(graph.layers), cluster, training, scored, policies=_policies(graph, pins or {}), stats=stats)
+        scored = sorted(refined + scored, key=lambda pair: (pair[1].step_time_s, pair[1].peak_memory_bytes, pair[0].to_string()))
     fitting = [pair for pair in scored if pair[1].fits]
     if not fitting:
         raise InfeasiblePlanError(diagnose_infeasible(scored, cluster))
@@ -68,14 +104,28 @@ def search(
         alternatives=runners_up(scored, best_estimate, top=top),
         candidates_evaluated=len(scored),
         search_time_s=time.perf_counter() - start,
+        solver=SolverStats(
+            ilp_solved=stats.solved, ilp_pruned=stats.pruned, ilp_infeasible=stats.infeasible,
+            ilp_time_s=stats.solver_time_s, worst_gap=stats.worst_gap, ilp_improvements=len(stats.improved),
+        ),
     )
+
+
+def _per_layer_pinned(pins: Mapping[str, object]) -> bool:
+    """The user fixed recomputation or stage sizes themselves: keep them, no integer program."""
+    return any(key in pins for key in ("recompute", "block_recompute", "chunk_blocks"))
+
+
+def _policies(graph: LayerGraph, pins: Mapping[str, object]) -> list[str]:
+    measured_selective = any(layer.saved_bytes_selective is not None for layer in graph.layers)
+    return ["none", "full"] + (["selective"] if measured_selective else [])
 
 
 def planned_layers(graph: LayerGraph, strategy: Strategy) -> tuple[PlannedLayer, ...]:
     """Per-layer decisions: recomputation of blocks and the pipeline chunk of every layer."""
+    policies = block_policies(graph.layers, strategy)
     return tuple(
-        PlannedLayer(fqn=layer.fqn, kind=layer.kind, chunk=chunk,
-                     recompute=strategy.recompute if layer.kind == "block" else "none")
+        PlannedLayer(fqn=layer.fqn, kind=layer.kind, chunk=chunk, recompute=policies.get(layer.fqn, "none"))
         for chunk, layers in enumerate(split_chunks(graph.layers, strategy))
         for layer in layers
     )
@@ -100,13 +150,22 @@ def _verdict(candidate: Estimate, best: Estimate) -> str:
 
 
 def diagnose_infeasible(scored: list[tuple[Strategy, Estimate]], cluster: Cluster) -> str:
-    """Say how far the leanest strategy is from fitting and what would make it fit."""
+    """Say how far the leanest strategy is from fitting, what binds, and which knob would make it fit."""
     strategy, leanest = min(scored, key=lambda pair: pair[1].peak_memory_bytes)
     need, have = leanest.peak_memory_bytes / GiB, leanest.memory_budget_bytes / GiB
     biggest = max(leanest.memory_by_category_bytes.items(), key=lambda item: item[1])
     return (
-        f"no strategy fits in {have:.1f} GiB per device on {cluster.name}: the leanest "
-        f"({strategy.to_string()}) needs {need:.1f} GiB, {need - have:.1f} GiB over; its largest share is "
-        f"{biggest[0]} ({biggest[1] / GiB:.1f} GiB). Add devices (more nodes shard FSDP state further), "
-        "shorten the sequence, or wait for tensor/pipeline parallelism (planner issue)"
+        f"no strategy fits in {have:.1f} GiB per device on {cluster.name}: the leanest ({strategy.to_string()}) "
+        f"needs {need:.1f} GiB per device, {need - have:.1f} GiB over; its largest share is {biggest[0]} "
+        f"({biggest[1] / GiB:.1f} GiB). {_knob(strategy, leanest, cluster)}"
     )
+
+
+def _knob(strategy: Strategy, leanest: Estimate, cluster: Cluster) -> str:
+    """The change most likely to make the leanest strategy fit."""
+    state = sum(leanest.memory_by_category_bytes[k] for k in ("parameters", "gradients", "optimizer"))
+    if state >= leanest.memory_budget_bytes * 0.8:
+        factor = state / (leanest.memory_budget_bytes * 0.6)
+        nodes = -(-cluster.num_nodes * factor // 1)
+        return f"Model state alone needs {state / GiB:.1f} GiB: use about {int(nodes)} nodes ({factor:.1f}x the devices) so sharding divides it further."
+    return "Activations dominate: shorten the sequence, lower the global batch per device, or add devices."
