@@ -14,6 +14,7 @@ _EXPORTS = {
     "auto_parallelize": "tessera.api",
     "plan": "tessera.api",
     "evaluate": "tessera.api",
+    "compare": "tessera.api",
     "Estimate": "tessera.cost_models",
     "Strategy": "tessera.cost_models",
     "TrainingConfig": "tessera.cost_models",

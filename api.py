@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,6 +13,7 @@ from tessera.cost_models.types import Precision
 from tessera.errors import RuntimeSetupError
 from tessera.models import build_model
 from tessera.planner.capture import capture, capture_preset
+from tessera.planner.explain import Comparison, build_comparison, evaluate_baseline
 from tessera.planner.plan import Plan
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.search import best_candidate, rank_candidates, search
@@ -57,6 +58,33 @@ def evaluate(
     """
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision)
     return best_candidate(rank_candidates(graph, resolved, training, pins=_pins(strategy)))
+
+
+def compare(
+    model: nn.Module | str,
+    cluster: Cluster | str,
+    *,
+    global_batch: int,
+    seq_len: int,
+    baselines: Sequence[Strategy | str],
+    precision: Precision | None = None,
+    top: int = 5,
+) -> Comparison:
+    """Tessera's plan next to hand-tuned ``baselines``, each evaluated on the same cost model.
+
+    A baseline is evaluated as :func:`evaluate` does (fields left out are filled by the planner) on the
+    same captured model, so the throughput ratio and the per-term differences compare like with like. A
+    baseline whose every completion overflows memory is estimated at its leanest and reported with how
+    far over it is; one that cannot run at all (dp does not divide the batch...) is reported with the
+    reason. A malformed baseline string raises ``ConfigError`` before anything is searched.
+    """
+    pins = [(b if isinstance(b, str) else b.to_string(), _pins(b)) for b in baselines]  # parse all before searching
+    graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision)
+    chosen = search(graph, resolved, training, top=top)
+    return build_comparison(chosen, [
+        evaluate_baseline(graph, resolved, training, requested=requested, pins=pinned, plan=chosen.estimate)
+        for requested, pinned in pins
+    ])
 
 
 def _prepare(

@@ -21,25 +21,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     verbs = parser.add_subparsers(dest="verb", required=True)
     plan = verbs.add_parser("plan", help="search for the fastest strategy that fits and print it")
-    _add_planning_args(plan)
+    _add_planning_args(plan, formats=("table", "json", "md", "html"))
+    plan.add_argument("--out", metavar="DIR", help="with --format md|html: folder for the report, its charts and "
+                      "plan.json (default tessera-report)")
     plan.add_argument("--fix", metavar="STR", help="pin strategy fields and search the rest, e.g. tp=8,pp=4")
     plan.add_argument("--top", type=int, default=5, help="runners-up to show (default 5)")
     plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     evaluate = verbs.add_parser("evaluate", help="predict one strategy; fields left out are filled by the planner")
     _add_planning_args(evaluate)
     evaluate.add_argument("--strategy", required=True, help="e.g. tp=8,pp=8,dp=16,mbs=1,schedule=interleaved:2")
+    compare = verbs.add_parser("compare", help="Tessera's plan next to hand-tuned strategies on the same cost model")
+    _add_planning_args(compare)
+    compare.add_argument("--baseline", action="append", required=True, metavar="STR",
+                         help="a hand-tuned strategy, e.g. tp=8,pp=8,dp=16,mbs=1 (repeat for more; fields left out "
+                         "are filled by the planner)")
     presets = verbs.add_parser("presets", help="list model and cluster presets")
     presets.add_argument("--debug", action="store_true", help="show tracebacks")
+    profile = verbs.add_parser("profile", help="measure this machine's fabric and devices; write a cluster file")
+    profile.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2; NCCL if that many GPUs)")
+    profile.add_argument("--out", default="cluster.yaml", help="cluster file to write (default cluster.yaml)")
+    profile.add_argument("--quick", action="store_true", help="reduced size sweep (seconds; for smoke tests)")
+    profile.add_argument("--trials", type=int, default=None, help="trials per measured point (default 5)")
+    profile.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
 
-def _add_planning_args(parser: argparse.ArgumentParser) -> None:
+def _add_planning_args(parser: argparse.ArgumentParser, *, formats: Sequence[str] = ("table", "json")) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model preset (default {DEFAULT_MODEL}); see 'tessera presets'")
     parser.add_argument("--cluster", default=DEFAULT_CLUSTER, help=f"cluster preset or YAML file (default {DEFAULT_CLUSTER})")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 8 per device)")
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 on GPUs, fp32 on CPU")
-    parser.add_argument("--format", choices=("table", "json"), default="table", help="output format (default table)")
+    parser.add_argument("--format", choices=formats, default="table", help=f"output format: {', '.join(formats)} (default table)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -61,8 +74,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, console: Console) -> int:
     if args.verb == "presets":
         return _print_presets(console)
+    if args.verb == "profile":
+        return _profile(args, console)
     if args.verb == "evaluate":
         return _evaluate(args, console)
+    if args.verb == "compare":
+        return _compare(args, console)
     return _plan(args, console)
 
 
@@ -79,8 +96,11 @@ def _workload(args: argparse.Namespace) -> dict:
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
     import tessera
+    from tessera.errors import ConfigError
     from tessera.report import print_plan
 
+    if args.out and args.format not in ("md", "html"):
+        raise ConfigError("--out DIR writes a report: add --format md or --format html")
     with console.status(f"capturing {args.model} and searching strategies..."):
         plan = tessera.plan(**_workload(args), strategy=args.fix, top=args.top)
     if args.format == "json":
@@ -90,6 +110,35 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         plan.to_json(args.json)
         console.print(f"plan written to {args.json}")
+    if args.format in ("md", "html"):
+        _write_report(plan, args.format, out=args.out or "tessera-report", console=console)
+    return 0
+
+
+def _write_report(plan, kind: str, *, out: str, console: Console) -> None:
+    """Write ``report.md`` (with PNG charts) or a self-contained ``report.html``, and ``plan.json``, to ``out``."""
+    from pathlib import Path
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    plan_path = folder / "plan.json"
+    plan.to_json(plan_path)
+    report = folder / f"report.{kind}"
+    render = plan.to_markdown if kind == "md" else plan.to_html
+    render(report, plan_path=str(plan_path))
+    console.print(f"report written to {report} (plan: {plan_path})")
+
+
+def _compare(args: argparse.Namespace, console: Console) -> int:
+    import tessera
+    from tessera.report import print_comparison
+
+    with console.status(f"capturing {args.model}, searching and evaluating {len(args.baseline)} baseline(s)..."):
+        comparison = tessera.compare(**_workload(args), baselines=args.baseline)
+    if args.format == "json":
+        print(comparison.model_dump_json(indent=2))
+    else:
+        print_comparison(comparison, console)
     return 0
 
 
@@ -114,6 +163,31 @@ def _print_presets(console: Console) -> int:
 
     console.print("models:   " + ", ".join(list_presets()))
     console.print("clusters: " + ", ".join(f"{name}:{'ranks' if name == 'cpu' else 'nodes'}=N" for name in preset_names()))
+    return 0
+
+
+def _profile(args: argparse.Namespace, console: Console) -> int:
+    """Spawn ``--nproc`` local ranks, measure collectives and the device, fit, write ``--out``."""
+    import time
+
+    from tessera.errors import ClusterSpecError
+    from tessera.topology.profiler import ProfileSweep, profile_local
+
+    if not args.out.endswith((".yaml", ".yml")):
+        raise ClusterSpecError(f"--out must end in .yaml or .yml so load_cluster can read it, got {args.out!r}")
+    sweep = ProfileSweep.quick() if args.quick else ProfileSweep()
+    if args.trials is not None:
+        sweep = sweep.model_copy(update={"trials": args.trials})
+    started = time.perf_counter()
+    result = profile_local(args.nproc, sweep=sweep, out=args.out)
+    for level in result.cluster.levels:
+        console.print(f"{level.name}: {level.group_size} ranks, latency {level.latency_s * 1e6:.0f} us, "
+                      f"bandwidth {level.bandwidth_bytes_per_s / 1e9:.2f} GB/s per rank (best collective)")
+    device = result.cluster.device
+    console.print(f"device {device.name}: fp32 {device.peak_flops('fp32') / 1e9:.1f} GFLOP/s, memory "
+                  f"{device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s per rank")
+    console.print(f"cluster file written to {args.out} in {time.perf_counter() - started:.1f} s; "
+                  f"use it with --cluster {args.out}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Terminal rendering of a plan with rich: the strategy, its prediction, memory and the runners-up."""
+"""Terminal rendering with rich: a plan (strategy, mesh layout, prediction, memory, runners-up, launch line)
+and a comparison of the plan with hand-tuned baselines."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from tessera.cost_models import Estimate, Strategy
+from tessera.planner.explain import (
+    BaselineComparison, Comparison, cluster_layout, launch_command, mesh_layout, step_terms, tokens, why_it_lost,
+)
 from tessera.planner.plan import Plan, format_count
 
 GiB = 2**30
@@ -23,22 +27,36 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
 
 def _headline(plan: Plan) -> Table:
     e = plan.estimate
+    nodes, per_node = cluster_layout(plan)
     table = Table(title=f"Tessera plan: {plan.model_name} on {plan.cluster}", show_header=False, title_justify="left")
     table.add_column(style="bold")
-    table.add_column()
+    table.add_column(overflow="fold")
     rows = [
         ("model", f"{plan.model_name}: {format_count(plan.param_count)} parameters, {len(plan.layers)} layers"),
         ("cluster", f"{plan.cluster}: {e.memory_budget_bytes / GiB:.0f} GiB {plan.device_name} per device"),
         ("training", f"global batch {plan.training.global_batch} x {plan.training.seq_len} tokens, {plan.training.precision}"),
         ("strategy", f"{plan.strategy.name}  [cyan]{plan.strategy.to_string()}[/]"),
+        ("mesh", "; ".join(mesh_layout(plan.strategy, devices_per_node=per_node))
+                 + f"; {e.micro_batches} micro-batches per step"),
         ("step time", _step_breakdown(e)),
-        ("throughput", f"{e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}"),
+        ("throughput", f"{e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}, HFU {e.hfu:.1%} "
+                       f"({e.model_tflops_per_device:.0f} model TFLOP/s per device)"),
         ("memory", f"{e.peak_memory_bytes / GiB:.1f} / {e.memory_budget_bytes / GiB:.1f} GiB per device"),
-        ("search", f"{plan.candidates_evaluated} strategies estimated in {plan.search_time_s:.2f} s"),
+        ("search", _search_line(plan)),
+        ("launch", launch_command(nodes=nodes, devices_per_node=per_node)),
     ]
     for key, value in rows:
         table.add_row(key, value)
     return table
+
+
+def _search_line(plan: Plan) -> str:
+    line = f"{plan.candidates_evaluated:,} strategies estimated in {plan.search_time_s:.2f} s"
+    solver = getattr(plan, "solver", None)
+    if getattr(solver, "ilp_solved", 0):
+        line += (f"; {solver.ilp_solved} integer programs in {solver.ilp_time_s:.2f} s (worst gap {solver.worst_gap:.1%}), "
+                 f"{solver.ilp_improvements} beat the best uniform strategy")
+    return line
 
 
 def _step_breakdown(e: Estimate) -> str:
@@ -78,15 +96,15 @@ def _communication_table(e: Estimate) -> Table:
 
 def _alternatives(plan: Plan) -> Table:
     table = Table(title="Runners-up", title_justify="left")
-    table.add_column("strategy", no_wrap=True)
+    table.add_column("strategy", overflow="fold", ratio=3)
     for column in ("step s", "tokens/s", "GiB/device"):
-        table.add_column(column, justify="right")
-    table.add_column("verdict")
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("why it lost", ratio=2)
     for candidate in plan.alternatives:
         e = candidate.estimate
         table.add_row(
             candidate.strategy.to_string(), f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
-            f"{e.peak_memory_bytes / GiB:.1f}", candidate.verdict,
+            f"{e.peak_memory_bytes / GiB:.1f}", why_it_lost(e, plan.estimate, candidate.verdict, values=False),
         )
     return table
 
@@ -132,3 +150,50 @@ def print_estimate(strategy: Strategy, estimate: Estimate, console: Console | No
     ):
         table.add_row(key, value)
     (console or Console()).print(Group(table, _memory_table(e), _communication_table(e)))
+
+
+def comparison_renderable(comparison: Comparison) -> Group:
+    """The plan and each baseline side by side, then each configuration's strategy and why they differ."""
+    t = comparison.training
+    table = Table(title=f"Tessera vs baselines: {comparison.model_name} on {comparison.cluster}, global batch "
+                        f"{t.global_batch} x {t.seq_len}", title_justify="left")
+    table.add_column("config", no_wrap=True)
+    for column in ("step s", "tokens/s", "MFU", "GiB/device", "plan speed-up"):
+        table.add_column(column, justify="right", no_wrap=True)
+    e = comparison.plan_estimate
+    table.add_row("[bold]Tessera[/]", f"{e.step_time_s:.3f}", tokens(e.tokens_per_s), f"{e.mfu:.1%}",
+                  f"{e.peak_memory_bytes / GiB:.1f}", "1.00x")
+    for index, baseline in enumerate(comparison.baselines, start=1):
+        table.add_row(*_baseline_cells(index, baseline))
+    details = Table(title="Strategies and why they differ", title_justify="left", show_header=False)
+    details.add_column(style="bold", no_wrap=True)
+    details.add_column(overflow="fold")
+    details.add_row("Tessera", f"[cyan]{comparison.plan_strategy.to_string()}[/] "
+                               f"({comparison.candidates_evaluated} strategies searched in {comparison.search_time_s:.2f} s)")
+    for index, baseline in enumerate(comparison.baselines, start=1):
+        evaluated = f" -> [cyan]{baseline.strategy.to_string()}[/]" if baseline.strategy else ""
+        details.add_row(f"baseline {index}", f"{baseline.requested}{evaluated}\n{baseline.reason}")
+    return Group(table, details)
+
+
+def _baseline_cells(index: int, baseline: BaselineComparison) -> tuple[str, ...]:
+    e = baseline.estimate
+    if e is None:
+        return (f"baseline {index}", "-", "-", "-", "-", "[red]cannot run[/]")
+    memory = f"{e.peak_memory_bytes / GiB:.1f}" + ("" if e.fits else " [red](over)[/]")
+    return (f"baseline {index}", f"{e.step_time_s:.3f}", tokens(e.tokens_per_s), f"{e.mfu:.1%}", memory,
+            f"{baseline.throughput_ratio:.2f}x")
+
+
+def print_comparison(comparison: Comparison, console: Console | None = None) -> None:
+    """Print the plan-versus-baselines tables to the terminal."""
+    (console or Console()).print(comparison_renderable(comparison))
+
+
+def comparison_terms_json(comparison: Comparison) -> dict:
+    """Step-time terms of the plan and each evaluated baseline, in seconds (for scripts and tests)."""
+    result = {"plan": step_terms(comparison.plan_estimate)}
+    for index, baseline in enumerate(comparison.baselines, start=1):
+        if baseline.estimate is not None:
+            result[f"baseline {index}"] = step_terms(baseline.estimate)
+    return result

@@ -31,6 +31,8 @@ from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.compute import GPU_EFFICIENCY, EfficiencyCurve
 from tessera.planner.capture import capture_preset
 from tessera.planner.layer_graph import LayerGraph
+from tessera.planner.plan import Plan
+from tessera.planner.search import search
 from tessera.planner.space import strategies
 from tessera.topology import Cluster, load_cluster
 
@@ -47,7 +49,8 @@ TRAIN_IDS = frozenset({
 PEAK_FRACTIONS = [round(0.40 + 0.01 * i, 2) for i in range(31)]
 HALF_WIDTHS = [0.0, 80.0, 160.0, 320.0]
 TRAFFIC_FACTORS = [0.0, 1.0, 2.0, 4.0, 8.0]
-COLUMNS = ("run", "split", "gpus", "strategy (pinned + planner-filled)", "published s", "predicted s", "error", "GiB", "fits")
+COLUMNS = ("run", "split", "gpus", "strategy (pinned + planner-filled)", "published s", "predicted s", "error", "GiB",
+           "fits", "Tessera's own plan", "its step s", "speedup")
 
 
 def measured_runs() -> list[dict]:
@@ -104,6 +107,12 @@ def published_step_s(run: dict) -> float:
 
 
 @cache
+def own_plan(spec: str, cluster: str, global_batch: int, seq_len: int) -> Plan:
+    """Tessera's unpinned plan for the run's model, cluster and batch (same cost model)."""
+    return search(graph_for(spec, seq_len), load_cluster(cluster), TrainingConfig(global_batch=global_batch, seq_len=seq_len))
+
+
+@cache
 def graph_for(spec: str, seq_len: int) -> LayerGraph:
     return capture_preset(spec, seq_len=seq_len, dtype=torch.bfloat16)
 
@@ -136,16 +145,23 @@ def main() -> None:
     runs, console = measured_runs(), Console(width=160)
     chosen = {run["id"]: plan_run(run, GPU_EFFICIENCY)[0] for run in runs}
     fitted = fit_curve(runs, chosen)
-    rows, errors = [], {"train": [], "test": []}
+    rows, errors, speedups = [], {"train": [], "test": []}, []
     for run in runs:
         strategy, est = plan_run(run, GPU_EFFICIENCY)
         published = published_step_s(run)
         error = est.step_time_s / published - 1
         split = "train" if run["id"] in TRAIN_IDS else "test"
         errors[split].append(abs(error))
+        own = own_plan(model_spec(run), cluster_spec(run), run["training"]["global_batch"], run["model"]["seq_len"])
+        speedups.append(est.step_time_s / own.estimate.step_time_s)
         rows.append((run["id"], split, str(run["hardware"]["gpus"]), strategy.to_string(), f"{published:.2f}",
-                     f"{est.step_time_s:.2f}", f"{error:+.0%}", f"{est.peak_memory_bytes / 2**30:.1f}", "yes" if est.fits else "NO"))
-    summary = summarize(errors, fitted)
+                     f"{est.step_time_s:.2f}", f"{error:+.0%}", f"{est.peak_memory_bytes / 2**30:.1f}", "yes" if est.fits else "NO",
+                     own.strategy.to_string(), f"{own.estimate.step_time_s:.2f}", f"{speedups[-1]:.2f}x"))
+    summary = summarize(errors, fitted) + (
+        f"\n- plan quality: Tessera's own plan is predicted at least as fast as the published configuration in "
+        f"{sum(x >= 0.999 for x in speedups)} of {len(speedups)} runs (median speedup {statistics.median(speedups):.2f}x, "
+        f"worst {min(speedups):.2f}x; same cost model, own plan always fits)"
+    )
     table = Table(title="Published runs: step time, predicted vs published")
     for column in COLUMNS:
         table.add_column(column, no_wrap=column != "strategy (pinned + planner-filled)")

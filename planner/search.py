@@ -53,9 +53,9 @@ def rank_candidates(
         elif (*key, strategy.micro_batch) not in fits_at and strategy.recompute == "full":
             no_fit_at.setdefault(key, strategy.micro_batch)
     if overflowing and not fits_at:  # nothing fits: estimate the leanest pruned ones so the diagnosis is exact
-        leanest = min(_state_bytes_lower_bound(params, s) for s in overflowing)
+        leanest = min((_state_bytes_lower_bound(params, s), s.micro_batch) for s in overflowing)
         scored += [(s, estimate(layers, cluster, training, s)) for s in overflowing
-                   if _state_bytes_lower_bound(params, s) == leanest and s.micro_batch == 1][:64]
+                   if (_state_bytes_lower_bound(params, s), s.micro_batch) == leanest][:64]
     scored.sort(key=lambda pair: (pair[1].step_time_s, pair[1].peak_memory_bytes, pair[0].to_string()))
     if not scored:
         raise ConfigError(

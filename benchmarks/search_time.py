@@ -1,0 +1,116 @@
+"""Planning wall time and peak memory as the model and the cluster grow (capture included).
+
+Run: ``.venv/bin/python benchmarks/search_time.py`` (several minutes; each point runs in a fresh process so
+its peak RSS is its own). Prints a table and writes ``benchmarks/results/search-time-<hardware>-<date>.md``
+and a plot beside it. The first three rows are the planner issue's targets.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+HERE = Path(__file__).resolve().parent
+ONE_T = "gpt:layers=128,hidden=25600,heads=160,vocab=51200,seq=2048"
+# (model, seq_len, cluster, global batch, target seconds or None)
+POINTS = [
+    ("gpt3-175b", 2048, "dgx-a100:nodes=128", 1536, 5.0),
+    (ONE_T, 2048, "dgx-a100:nodes=384", 3072, 15.0),
+    ("llama3-405b", 8192, "dgx-h100:nodes=2048", 2048, 15.0),
+    *[(model, seq, f"dgx-h100:nodes={nodes}", max(256, 8 * nodes // 4), None)
+      for model, seq in (("gpt:layers=24,hidden=2048,heads=16,vocab=51200,seq=2048", 2048), ("llama3-8b", 8192),
+                         ("llama3-70b", 8192), (ONE_T, 2048))
+      for nodes in (1, 32, 256, 2048)],
+]
+CHILD = """
+import json, resource, sys, time
+import tessera
+t = time.perf_counter()
+plan = tessera.plan(sys.argv[1], sys.argv[2], global_batch=int(sys.argv[3]), seq_len=int(sys.argv[4]))
+print(json.dumps({"seconds": time.perf_counter() - t, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "params": plan.param_count, "devices": plan.estimate.num_devices, "strategy": plan.strategy.to_string(),
+                  "candidates": plan.candidates_evaluated, "ilp": plan.solver.ilp_solved, "gap": plan.solver.worst_gap}))
+"""
+
+
+def measure(model: str, seq_len: int, cluster: str, global_batch: int) -> dict:
+    """Plan in a fresh interpreter; the whole call (capture + search) is timed."""
+    out = subprocess.run([sys.executable, "-c", CHILD, model, cluster, str(global_batch), str(seq_len)],
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode:
+        return {"error": out.stderr.strip().splitlines()[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    rows = []
+    for model, seq, cluster, batch, target in POINTS:
+        result = measure(model, seq, cluster, batch)
+        rows.append((model, seq, cluster, batch, target, result))
+        print(model, cluster, result, flush=True)
+    table = Table(title="Planning time (capture + search), fresh process per point")
+    for column in ("model", "params", "cluster", "devices", "batch", "seconds", "target", "peak RSS MB", "candidates", "ILPs", "plan"):
+        table.add_column(column)
+    lines = []
+    for model, seq, cluster, batch, target, r in rows:
+        if "error" in r:
+            cells = (model, "-", cluster, "-", str(batch), "error", "-", "-", "-", "-", r["error"])
+        else:
+            cells = (model, f"{r['params'] / 1e9:.1f}B", cluster, str(r["devices"]), str(batch), f"{r['seconds']:.1f}",
+                     f"<= {target:.0f}" if target else "", f"{r['rss_mb']:.0f}", str(r["candidates"]), str(r["ilp"]), r["strategy"])
+        table.add_row(*cells)
+        lines.append("| " + " | ".join(cells) + " |")
+    Console(width=200).print(table)
+    write_results(lines, rows)
+
+
+def write_results(lines: list[str], rows: list) -> None:
+    date = datetime.date.today().isoformat()
+    stem = HERE / "results" / f"search-time-{platform.machine()}-cpu-{date}"
+    header = "| model | params | cluster | devices | batch | seconds | target | peak RSS MB | candidates | ILPs | plan |"
+    plot_note = _plot(rows, stem.with_suffix(".png"))
+    stem.with_suffix(".md").write_text("\n".join([
+        f"# Planning time as model and cluster grow ({date}, {platform.processor() or platform.machine()}, "
+        f"{__import__('os').cpu_count()} cores)", "",
+        "Command: `.venv/bin/python benchmarks/search_time.py`. Each point plans in a fresh process; seconds include "
+        "capture on the meta device and the search with its integer programs.", "", plot_note, "",
+        header, "|" + "---|" * 11, *lines, "",
+    ]))
+    print(f"written {stem.with_suffix('.md').relative_to(HERE.parent)}")
+
+
+def _plot(rows: list, path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "(matplotlib not installed: no plot)"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for model, _, _, _, target, r in rows:
+        if "error" not in r and target is None:
+            series.setdefault(f"{model.split(':')[0]} ({r['params'] / 1e9:.0f}B)", []).append((r["devices"], r["seconds"]))
+    for label, points in series.items():
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("devices")
+    ax.set_ylabel("planning wall time (s)")
+    ax.set_title("Tessera planning time (capture + search)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return f"![planning time]({path.name})"
+
+
+if __name__ == "__main__":
+    main()
