@@ -9,7 +9,7 @@ is reported.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tessera.cost_models.communication import dp_comm_s, exposed_dp_comm_s, pp_comm_s, tp_comm_s
 from tessera.cost_models.compute import GPU_EFFICIENCY, EfficiencyCurve, optimizer_step_s, stage_compute_s
@@ -53,10 +53,15 @@ def estimate(
     micro_batches = strategy.gradient_accumulation(training.global_batch)
     policies = block_policies(layers, strategy)
     stages = [cached_stage_totals(s, i, policies) for i, s in enumerate(split_blocks(layers, strategy))]
-    times = [stage_time(stage, cluster, training, strategy, gpu_curve=gpu_curve) for stage in stages]
+    # Middle stages of a deep pipeline are identical apart from their index: cost each distinct one once.
+    distinct = {replace(stage, index=0): None for stage in stages}
+    for stage in distinct:
+        distinct[stage] = (stage_time(stage, cluster, training, strategy, gpu_curve=gpu_curve),
+                           dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches))
+    times = [distinct[replace(stage, index=0)][0] for stage in stages]
+    dp = [distinct[replace(stage, index=0)][1] for stage in stages]
     slowest = max(range(len(stages)), key=lambda i: times[i].total)
     bubble = bubble_micro_batches(strategy) * times[slowest].total
-    dp = [dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches) for stage in stages]
     exposed_dp = [
         exposed_dp_comm_s(comm, strategy, forward_s=t.forward, backward_s=t.backward,
                           micro_batches=micro_batches, blocks=stage.blocks)
