@@ -32,6 +32,7 @@ def plan(
     precision: Precision | None = None,
     strategy: Strategy | str | None = None,
     top: int = 5,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Plan:
     """Choose how to split training of ``model`` on ``cluster``; never allocates real weights.
 
@@ -40,7 +41,7 @@ def plan(
     pins strategy fields (``"tp=8,pp=4"``) and searches the rest; a complete strategy is just evaluated.
     """
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision)
-    return search(graph, resolved, training, pins=_pins(strategy), top=top)
+    return search(graph, resolved, training, pins=_pins(strategy), top=top, progress=progress)
 
 
 def evaluate(

@@ -94,6 +94,21 @@ def _workload(args: argparse.Namespace) -> dict:
     )
 
 
+def _search_with_progress(args: argparse.Namespace, console: Console):
+    """``tessera.plan`` with a progress bar over the candidate strategies (transient: gone when done)."""
+    import tessera
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(f"capturing {args.model}", total=None)
+
+        def advance(done: int, total: int) -> None:
+            bar.update(task, description="estimating strategies", completed=done, total=total)
+
+        return tessera.plan(**_workload(args), strategy=args.fix, top=args.top, progress=advance)
+
+
 def _plan(args: argparse.Namespace, console: Console) -> int:
     import tessera
     from tessera.errors import ConfigError
@@ -101,8 +116,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
 
     if args.out and args.format not in ("md", "html"):
         raise ConfigError("--out DIR writes a report: add --format md or --format html")
-    with console.status(f"capturing {args.model} and searching strategies..."):
-        plan = tessera.plan(**_workload(args), strategy=args.fix, top=args.top)
+    plan = _search_with_progress(args, console)
     if args.format == "json":
         print(plan.to_json())
     else:

@@ -7,7 +7,7 @@ for per-layer recomputation and stage boundaries.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
 from tessera.cost_models.partition import block_policies, split_chunks
@@ -20,10 +20,12 @@ from tessera.topology.cluster import Cluster
 
 GiB = 2**30
 RUNNERS_UP = 5
+Progress = Callable[[int, int], None]
 
 
 def rank_candidates(
-    graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object] | None = None
+    graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object] | None = None,
+    progress: Progress | None = None,
 ) -> list[tuple[Strategy, Estimate]]:
     """Every strategy under ``pins`` with its estimate, fastest first (ties: leaner, then by name).
 
@@ -38,7 +40,10 @@ def rank_candidates(
     no_fit_at: dict[tuple, int] = {}
     fits_at: set[tuple] = set()
     scored, overflowing = [], []
-    for strategy in strategies(layers, cluster, training, pins):
+    candidates = list(strategies(layers, cluster, training, pins))
+    for done, strategy in enumerate(candidates, 1):
+        if progress is not None and (done % 256 == 0 or done == len(candidates)):
+            progress(done, len(candidates))
         key = (strategy.dp, strategy.tp, strategy.pp, strategy.zero, strategy.sp, strategy.schedule, strategy.virtual_stages)
         if _state_bytes_lower_bound(params, strategy) > cluster.device.memory_bytes:
             overflowing.append(strategy)
@@ -79,11 +84,14 @@ def best_candidate(scored: list[tuple[Strategy, Estimate]]) -> tuple[Strategy, E
 
 def search(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object] | None = None,
-    top: int = RUNNERS_UP,
+    top: int = RUNNERS_UP, progress: Progress | None = None,
 ) -> Plan:
-    """Return the fastest strategy that fits; ``pins`` fixes any strategy fields (``{"tp": 8}``)."""
+    """Return the fastest strategy that fits; ``pins`` fixes any strategy fields (``{"tp": 8}``).
+
+    ``progress(done, total)`` is called as candidates are estimated (the CLI draws a bar with it).
+    """
     start = time.perf_counter()
-    scored = rank_candidates(graph, cluster, training, pins=pins)
+    scored = rank_candidates(graph, cluster, training, pins=pins, progress=progress)
     stats = RefineStats()
     if not _per_layer_pinned(pins or {}):
         refined = refine(list(graph.layers), cluster, training, scored, policies=_policies(graph, pins or {}), stats=stats)
