@@ -8,7 +8,7 @@ published one. Published step time is the paper's own: given directly (Korthikan
 count divided by its TFLOP/s per GPU (SC'21 eq. 3 counts the recomputed forward; Megatron-Core's table
 counts model FLOPs only).
 
-It then fits the compute-efficiency curve on the TRAIN_IDS split (grid search, least mean |log error|,
+It then fits the calibration constants on the TRAIN_IDS split (grid search, least mean |log error|,
 strategies held fixed) and reports the error on the held-out rows. Writes
 ``benchmarks/results/published-<hardware>-<date>.md``.
 """
@@ -19,6 +19,7 @@ import datetime
 import math
 import platform
 import statistics
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
-from tessera.cost_models.compute import GPU_EFFICIENCY, EfficiencyCurve
+from tessera.cost_models.compute import GPU_CALIBRATION, Calibration
 from tessera.planner.capture import capture_preset
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Plan
@@ -41,7 +42,8 @@ HERE = Path(__file__).resolve().parent
 # table by model size trains; the rest (and every run of a table's other half) tests.
 TRAIN_IDS = frozenset({
     "megatron-sc21-t1-1.7b", "megatron-sc21-t1-7.5b", "megatron-sc21-t1-39.1b", "megatron-sc21-t1-145.6b",
-    "megatron-sc21-t1-529.6b", "megatron-sc21-t2-zero3-174.6b-384gpu", "megatron-sc21-t2-ptdp-174.6b-384gpu",
+    "megatron-sc21-t1-529.6b", "megatron-sc21-t2-zero3-174.6b-384gpu", "megatron-sc21-t2-zero3-174.6b-768gpu",
+    "megatron-sc21-t2-ptdp-174.6b-384gpu",
     "megatron-sc21-t2-ptdp-529.6b-1120gpu", "megatron-core-h100-weak-1.7b", "megatron-core-h100-weak-16b",
     "megatron-core-h100-weak-70b", "megatron-core-h100-weak-177b", "megatron-core-h100-weak-462b",
     "korthikanti-22B-seqsel", "korthikanti-175B-full", "korthikanti-530B-seqsel", "korthikanti-1T-full",
@@ -49,6 +51,7 @@ TRAIN_IDS = frozenset({
 PEAK_FRACTIONS = [round(0.40 + 0.01 * i, 2) for i in range(31)]
 HALF_WIDTHS = [0.0, 80.0, 160.0, 320.0]
 TRAFFIC_FACTORS = [0.0, 1.0, 2.0, 4.0, 8.0]
+ZERO3_SLOWDOWNS = [1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0]
 COLUMNS = ("run", "split", "gpus", "strategy (pinned + planner-filled)", "published s", "predicted s", "error", "GiB",
            "fits", "Tessera's own plan", "its step s", "speedup")
 
@@ -117,37 +120,46 @@ def graph_for(spec: str, seq_len: int) -> LayerGraph:
     return capture_preset(spec, seq_len=seq_len, dtype=torch.bfloat16)
 
 
-def plan_run(run: dict, curve: EfficiencyCurve):
+def plan_run(run: dict, calibration: Calibration):
     """(strategy, estimate): the fastest strategy under the paper's pins that fits (else the fastest)."""
     graph, cluster = graph_for(model_spec(run), run["model"]["seq_len"]), load_cluster(cluster_spec(run))
     training = TrainingConfig(global_batch=run["training"]["global_batch"], seq_len=run["model"]["seq_len"])
-    scored = [(s, estimate(graph.layers, cluster, training, s, gpu_curve=curve))
+    scored = [(s, estimate(graph.layers, cluster, training, s, calibration=calibration))
               for s in strategies(list(graph.layers), cluster, training, pins(run))]
     fitting = [pair for pair in scored if pair[1].fits] or scored
     return min(fitting, key=lambda pair: pair[1].step_time_s)
 
 
-def log_error(run: dict, strategy: Strategy, curve: EfficiencyCurve) -> float:
+def log_error(run: dict, strategy: Strategy, calibration: Calibration) -> float:
     graph, cluster = graph_for(model_spec(run), run["model"]["seq_len"]), load_cluster(cluster_spec(run))
     training = TrainingConfig(global_batch=run["training"]["global_batch"], seq_len=run["model"]["seq_len"])
-    predicted = estimate(graph.layers, cluster, training, strategy, gpu_curve=curve).step_time_s
+    predicted = estimate(graph.layers, cluster, training, strategy, calibration=calibration).step_time_s
     return math.log(predicted / published_step_s(run))
 
 
-def fit_curve(runs: list[dict], chosen: dict[str, Strategy]) -> EfficiencyCurve:
-    """Grid search of the efficiency curve on the training split, strategies held fixed."""
+def fit_calibration(runs: list[dict], chosen: dict[str, Strategy]) -> Calibration:
+    """Grid search on the training split, strategies held fixed: first the compute constants on the runs
+    without ZeRO-3, then the ZeRO-3 communication slowdown on the ZeRO-3 runs."""
     train = [r for r in runs if r["id"] in TRAIN_IDS]
-    grid = [EfficiencyCurve(p, w, f) for p in PEAK_FRACTIONS for w in HALF_WIDTHS for f in TRAFFIC_FACTORS]
-    return min(grid, key=lambda c: statistics.fmean(abs(log_error(r, chosen[r["id"]], c)) for r in train))
+    dense = [r for r in train if chosen[r["id"]].zero != 3]
+    sharded = [r for r in train if chosen[r["id"]].zero == 3]
+    grid = [Calibration(p, w, f) for p in PEAK_FRACTIONS for w in HALF_WIDTHS for f in TRAFFIC_FACTORS]
+    compute = min(grid, key=lambda c: _mean_abs_log_error(dense, chosen, c))
+    slowdowns = [replace(compute, zero3_comm_slowdown=z) for z in ZERO3_SLOWDOWNS]
+    return min(slowdowns, key=lambda c: _mean_abs_log_error(sharded, chosen, c)) if sharded else compute
+
+
+def _mean_abs_log_error(runs: list[dict], chosen: dict[str, Strategy], calibration: Calibration) -> float:
+    return statistics.fmean(abs(log_error(r, chosen[r["id"]], calibration)) for r in runs)
 
 
 def main() -> None:
     runs, console = measured_runs(), Console(width=160)
-    chosen = {run["id"]: plan_run(run, GPU_EFFICIENCY)[0] for run in runs}
-    fitted = fit_curve(runs, chosen)
+    chosen = {run["id"]: plan_run(run, GPU_CALIBRATION)[0] for run in runs}
+    fitted = fit_calibration(runs, chosen)
     rows, errors, speedups = [], {"train": [], "test": []}, []
     for run in runs:
-        strategy, est = plan_run(run, GPU_EFFICIENCY)
+        strategy, est = plan_run(run, GPU_CALIBRATION)
         published = published_step_s(run)
         error = est.step_time_s / published - 1
         split = "train" if run["id"] in TRAIN_IDS else "test"
@@ -172,11 +184,11 @@ def main() -> None:
     write_markdown(rows, summary)
 
 
-def summarize(errors: dict[str, list[float]], fitted: EfficiencyCurve) -> str:
+def summarize(errors: dict[str, list[float]], fitted: Calibration) -> str:
     everything = errors["train"] + errors["test"]
     lines = [f"- {name}: median |error| {statistics.median(v):.1%}, worst {max(v):.1%} over {len(v)} runs"
              for name, v in (("train", errors["train"]), ("test (held out)", errors["test"]), ("all", everything))]
-    lines.append(f"- efficiency curve in use: {GPU_EFFICIENCY}; grid fit on the train split: {fitted}")
+    lines.append(f"- calibration in use: {GPU_CALIBRATION}; grid fit on the train split: {fitted}")
     return "\n".join(lines)
 
 

@@ -43,9 +43,10 @@ def pp_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float
 
 
 def dp_comm_s(
-    stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy, *, micro_batches: int
+    stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy, *, micro_batches: int,
+    zero3_slowdown: float = 1.0,
 ) -> dict[str, float]:
-    """Data-parallel collective seconds per step by kind, before overlap."""
+    """Data-parallel collective seconds per step by kind, before overlap (ZeRO-3's scaled by ``zero3_slowdown``)."""
     if strategy.dp == 1:
         return {}
     params = local_params(stage, strategy)
@@ -59,8 +60,8 @@ def dp_comm_s(
     if strategy.zero == 2:
         return {"zero_reducescatter": micro_batches * reduce_scatter_time(cluster, grads, **group),
                 "zero_allgather": all_gather_time(cluster, weights, **group)}
-    return {"fsdp_allgather": 2 * micro_batches * all_gather_time(cluster, weights, **group),
-            "fsdp_reducescatter": micro_batches * reduce_scatter_time(cluster, grads, **group)}
+    return {"fsdp_allgather": zero3_slowdown * 2 * micro_batches * all_gather_time(cluster, weights, **group),
+            "fsdp_reducescatter": zero3_slowdown * micro_batches * reduce_scatter_time(cluster, grads, **group)}
 
 
 def exposed_dp_comm_s(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tessera.cost_models.communication import dp_comm_s, exposed_dp_comm_s, pp_comm_s, tp_comm_s
-from tessera.cost_models.compute import GPU_EFFICIENCY, EfficiencyCurve, optimizer_step_s, stage_compute_s
+from tessera.cost_models.compute import GPU_CALIBRATION, Calibration, device_calibration, optimizer_step_s, stage_compute_s
 from tessera.cost_models.memory import local_params, stage_memory
 from tessera.cost_models.partition import StageTotals, block_policies, cached_stage_totals, split_blocks
 from tessera.cost_models.pipeline import bubble_micro_batches
@@ -43,11 +43,11 @@ class StageTime:
 
 def estimate(
     layers: Sequence[LayerStats], cluster: Cluster, training: TrainingConfig, strategy: Strategy,
-    *, gpu_curve: EfficiencyCurve = GPU_EFFICIENCY,
+    *, calibration: Calibration = GPU_CALIBRATION,
 ) -> Estimate:
     """Predict one optimizer step of ``strategy`` on ``cluster`` for a model described by ``layers``.
 
-    ``gpu_curve`` overrides the fitted compute-efficiency curve (calibration uses it).
+    ``calibration`` overrides the fitted compute-efficiency curve (calibration uses it).
     """
     check_supported(layers, cluster, strategy)
     micro_batches = strategy.gradient_accumulation(training.global_batch)
@@ -56,8 +56,9 @@ def estimate(
     # Middle stages of a deep pipeline are identical apart from their index: cost each distinct one once.
     distinct = {replace(stage, index=0): None for stage in stages}
     for stage in distinct:
-        distinct[stage] = (stage_time(stage, cluster, training, strategy, gpu_curve=gpu_curve),
-                           dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches))
+        distinct[stage] = (stage_time(stage, cluster, training, strategy, calibration=calibration),
+                           dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches,
+                                     zero3_slowdown=device_calibration(cluster.device, calibration).zero3_comm_slowdown))
     times = [distinct[replace(stage, index=0)][0] for stage in stages]
     dp = [distinct[replace(stage, index=0)][1] for stage in stages]
     slowest = max(range(len(stages)), key=lambda i: times[i].total)
@@ -102,10 +103,10 @@ def estimate(
 
 def stage_time(
     stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy,
-    *, gpu_curve: EfficiencyCurve = GPU_EFFICIENCY,
+    *, calibration: Calibration = GPU_CALIBRATION,
 ) -> StageTime:
     """Seconds one micro-batch spends on ``stage``."""
-    forward, backward, recompute = stage_compute_s(stage, cluster.device, training, strategy, gpu_curve=gpu_curve)
+    forward, backward, recompute = stage_compute_s(stage, cluster.device, training, strategy, calibration=calibration)
     return StageTime(forward, backward, recompute, tp_comm_s(stage, cluster, training, strategy),
                      pp_comm_s(stage, cluster, strategy))
 

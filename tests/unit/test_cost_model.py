@@ -3,7 +3,7 @@
 import pytest
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
-from tessera.cost_models.compute import GPU_EFFICIENCY, EfficiencyCurve
+from tessera.cost_models.compute import GPU_CALIBRATION, Calibration
 from tessera.cost_models.memory import REPLICATED_ACTIVATION_SHARE
 from tessera.cost_models.partition import split_blocks
 from tessera.cost_models.pipeline import bubble_micro_batches, in_flight_micro_batches
@@ -13,7 +13,7 @@ from tessera.topology import load_cluster
 from tessera.topology.collectives import all_reduce_time
 
 GiB = 2**30
-FLAT = EfficiencyCurve(peak_fraction=0.5, half_width=0.0, traffic_factor=0.0)  # makes hand arithmetic exact
+FLAT = Calibration(peak_fraction=0.5, half_width=0.0, traffic_factor=0.0)  # makes hand arithmetic exact
 
 
 def block(i: int, *, params: int = 10**9, flops: float = 1e13, saved: int = 2 * GiB, hidden: int = 8192) -> LayerStats:
@@ -30,7 +30,7 @@ TRAINING = TrainingConfig(global_batch=16, seq_len=4096)
 
 
 def run(strategy: str, layers=LAYERS, cluster=H100_NODE, training=TRAINING, curve=FLAT):
-    return estimate(layers, cluster, training, Strategy.parse(strategy), gpu_curve=curve)
+    return estimate(layers, cluster, training, Strategy.parse(strategy), calibration=curve)
 
 
 def test_compute_time_is_flops_over_achievable_rate():
@@ -40,7 +40,7 @@ def test_compute_time_is_flops_over_achievable_rate():
 
 
 def test_efficiency_curve_penalises_narrow_matmuls():
-    curve = EfficiencyCurve(peak_fraction=0.6, half_width=100.0)
+    curve = Calibration(peak_fraction=0.6, half_width=100.0)
     assert curve.at(100) == pytest.approx(0.3) and curve.at(0) == 0.6
     wide, narrow = run("dp=8,zero=3,mbs=2", curve=curve), run("dp=1,tp=8,mbs=2", training=TrainingConfig(global_batch=2, seq_len=4096), curve=curve)
     # Same FLOPs per device; tp=8 makes the local width 1024 instead of 8192: lower efficiency.
@@ -107,7 +107,7 @@ def test_pipeline_bubble_and_in_flight_micro_batches():
     assert in_flight_micro_batches(Strategy.parse("dp=1,pp=4,schedule=gpipe"), stage=3, micro_batches=8) == 8
     two_nodes = load_cluster("dgx-h100:nodes=2")
     layers = [block(i) for i in range(8)]
-    e = estimate(layers, two_nodes, TrainingConfig(global_batch=16, seq_len=4096), Strategy.parse("dp=4,pp=4,mbs=1"), gpu_curve=FLAT)
+    e = estimate(layers, two_nodes, TrainingConfig(global_batch=16, seq_len=4096), Strategy.parse("dp=4,pp=4,mbs=1"), calibration=FLAT)
     per_micro_batch = 2 * 3e13 / (989e12 * 0.5)  # two blocks per stage, forward + backward
     assert e.bubble_time_s == pytest.approx(3 * (per_micro_batch + e.comm_time_by_kind_s["pp_p2p"] / 4))
     assert len(e.stage_peak_memory_bytes) == 4 and e.stage_peak_memory_bytes[0] > e.stage_peak_memory_bytes[3]
@@ -130,7 +130,7 @@ def test_mfu_and_throughput_are_consistent():
     e = estimate(LAYERS, H100_NODE, TRAINING, Strategy.parse("dp=8,zero=3,mbs=2"))
     assert e.tokens_per_s == pytest.approx(16 * 4096 / e.step_time_s)
     assert e.mfu == pytest.approx(e.model_flops_per_step / (e.step_time_s * 8 * 989e12))
-    assert 0 < e.mfu < GPU_EFFICIENCY.peak_fraction
+    assert 0 < e.mfu < GPU_CALIBRATION.peak_fraction
     assert e.model_tflops_per_device == pytest.approx(e.mfu * 989)
 
 
