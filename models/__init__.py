@@ -1,4 +1,4 @@
-"""Reference architectures (GPT, Llama), configurable and buildable on the meta device, with named presets.
+"""Reference architectures (GPT, Llama, mixture-of-experts), configurable, buildable on meta, with named presets.
 
 This package imports only torch, the standard library and ``tessera.errors``, so anything may import it.
 
@@ -13,11 +13,30 @@ from torch import nn
 
 from tessera.models.gpt import GPT, GPTConfig
 from tessera.models.llama import Llama, LlamaConfig
-from tessera.models.presets import ModelConfig, list_presets, parse_spec
+from tessera.models.moe import MoE, MoEConfig
+from tessera.models.presets import FAMILIES, PRESETS, ModelConfig, list_presets, parse_spec
 
-__all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig", "ModelConfig", "build_model", "list_presets", "model_config"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "Llama",
+    "LlamaConfig",
+    "MoE",
+    "MoEConfig",
+    "ModelConfig",
+    "build_model",
+    "is_builtin_spec",
+    "list_presets",
+    "model_config",
+]
 
-_MODEL_CLASSES: dict[type, type[nn.Module]] = {GPTConfig: GPT, LlamaConfig: Llama}
+_MODEL_CLASSES: dict[type, type[nn.Module]] = {GPTConfig: GPT, LlamaConfig: Llama, MoEConfig: MoE}
+
+
+def is_builtin_spec(spec: str) -> bool:
+    """Whether ``spec`` names a built-in preset or family (``llama3-8b``, ``gpt3-175b:layers=4``, ``moe:...``)."""
+    name = spec.strip().partition(":")[0].strip()
+    return name in PRESETS or name in FAMILIES
 
 
 def model_config(spec: str) -> ModelConfig:

@@ -122,7 +122,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.hidden)
         self.head = nn.Linear(config.hidden, config.vocab, bias=False)
         self.tie_weights()
-        self.reset_parameters()
+        if not self.tok_emb.weight.is_meta:  # on meta there is nothing to initialise (and normal_ is slow there)
+            self.reset_parameters()
 
     def tie_weights(self) -> None:
         """Share ``tok_emb.weight`` with ``head`` when configured; ``to_empty`` from meta unties them."""

@@ -99,13 +99,13 @@ class GroupedQueryAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020)."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)) (Shazeer 2020); ``hidden`` -> ``ffn_hidden`` -> ``hidden``."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, hidden: int, ffn_hidden: int) -> None:
         super().__init__()
-        self.gate = nn.Linear(config.hidden, config.ffn_hidden, bias=False)
-        self.up = nn.Linear(config.hidden, config.ffn_hidden, bias=False)
-        self.down = nn.Linear(config.ffn_hidden, config.hidden, bias=False)
+        self.gate = nn.Linear(hidden, ffn_hidden, bias=False)
+        self.up = nn.Linear(hidden, ffn_hidden, bias=False)
+        self.down = nn.Linear(ffn_hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))  # (B, T, F) -> (B, T, H)
@@ -119,7 +119,7 @@ class LlamaBlock(nn.Module):
         self.attn_norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
         self.attn = GroupedQueryAttention(config)
         self.mlp_norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
-        self.mlp = SwiGLU(config)
+        self.mlp = SwiGLU(config.hidden, config.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, H)
@@ -140,7 +140,8 @@ class Llama(nn.Module):
         # Non-persistent: derived from the config, so checkpoints need not carry them.
         self.register_buffer("rope_cos", torch.empty(config.seq_len, config.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(config.seq_len, config.head_dim), persistent=False)
-        self.reset_parameters()
+        if not self.tok_emb.weight.is_meta:  # on meta there is nothing to initialise (and normal_ is slow there)
+            self.reset_parameters()
 
     def tie_weights(self) -> None:
         """Share ``tok_emb.weight`` with ``head`` when configured; ``to_empty`` from meta unties them."""

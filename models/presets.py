@@ -4,11 +4,13 @@ A spec is one of:
 
 - a preset name: ``llama3-70b``
 - a preset with overrides: ``gpt3-175b:layers=4,seq=1024``
-- a family with every required field: ``gpt:layers=2,hidden=64,heads=4,vocab=256,seq=64`` or
-  ``llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=192,vocab=256,seq=64``
+- a family with every required field: ``gpt:layers=2,hidden=64,heads=4,vocab=256,seq=64``,
+  ``llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=192,vocab=256,seq=64`` or
+  ``moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=64,experts=8,top_k=2``
 
-Keys are the config field names; ``seq``, ``ffn``, ``tie`` and ``theta`` are accepted as short forms of
-``seq_len``, ``ffn_hidden``, ``tie_embeddings`` and ``rope_theta``.
+Keys are the config field names; ``seq``, ``ffn``, ``tie``, ``theta``, ``shared`` and ``capacity`` are accepted
+as short forms of ``seq_len``, ``ffn_hidden``, ``tie_embeddings``, ``rope_theta``, ``shared_ffn`` and
+``capacity_factor``.
 """
 
 from __future__ import annotations
@@ -18,13 +20,25 @@ import dataclasses
 from tessera.errors import ModelSpecError
 from tessera.models.gpt import GPTConfig
 from tessera.models.llama import LlamaConfig
+from tessera.models.moe import MoEConfig
 
-ModelConfig = GPTConfig | LlamaConfig
+ModelConfig = GPTConfig | LlamaConfig | MoEConfig
 
-FAMILIES: dict[str, type[GPTConfig] | type[LlamaConfig]] = {"gpt": GPTConfig, "llama": LlamaConfig}
+FAMILIES: dict[str, type[GPTConfig] | type[LlamaConfig] | type[MoEConfig]] = {
+    "gpt": GPTConfig,
+    "llama": LlamaConfig,
+    "moe": MoEConfig,
+}
 """Family name -> config class, for ``family:key=value,...`` specs."""
 
-ALIASES = {"seq": "seq_len", "ffn": "ffn_hidden", "tie": "tie_embeddings", "theta": "rope_theta"}
+ALIASES = {
+    "seq": "seq_len",
+    "ffn": "ffn_hidden",
+    "tie": "tie_embeddings",
+    "theta": "rope_theta",
+    "shared": "shared_ffn",
+    "capacity": "capacity_factor",
+}
 """Short override keys accepted in specs."""
 
 PRESETS: dict[str, ModelConfig] = {
@@ -48,9 +62,18 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-405b": LlamaConfig(
         layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, vocab=128256, seq_len=8192
     ),
+    # Mixtral 8x7B: Jiang et al. 2024, "Mixtral of Experts" (arXiv:2401.04088), Table 1: dim 4096, n_layers 32,
+    # head_dim 128 (32 heads), hidden_dim 14336, n_kv_heads 8, context_len 32768, vocab_size 32000, 8 experts,
+    # top-2. RoPE theta 1e6 from the released config.json (``rope_theta``). 46.7B parameters (12.9B active).
+    "mixtral-8x7b": MoEConfig(
+        layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=32000, seq_len=32768, experts=8, top_k=2
+    ),
     # Test presets: well under 1M parameters, so real CPU runs take milliseconds.
     "gpt-tiny": GPTConfig(layers=2, hidden=64, heads=4, vocab=256, seq_len=64),
     "llama-tiny": LlamaConfig(layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=192, vocab=256, seq_len=64),
+    "moe-tiny": MoEConfig(
+        layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, vocab=256, seq_len=64, experts=4, top_k=2
+    ),
 }
 """Preset name -> config."""
 

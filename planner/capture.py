@@ -4,61 +4,83 @@ Steps (one function each):
 
 1. ``find_layers``: the planning units. Every child of the root is a layer, except that the elements of a
    ``ModuleList`` / ``ModuleDict`` / ``Sequential`` are layers themselves (``blocks.0``, ``blocks.1``...), and a
-   parameter-less wrapper whose direct child is such a container is looked through (Hugging Face's
-   ``model.layers.0``). Known limit: a root-level MoE layer (router + ``experts`` list) would be looked
-   through too; inside a block, where MoE layers live in the reference models, it is not.
-2. ``trace_layers``: a front end (today ``torch.fx.symbolic_trace``; ``FRONT_ENDS`` is the hook for
-   ``torch.export`` / ``make_fx`` fallbacks) gives the execution order of layers and the data-flow edges between
-   them. fx nodes are grouped by the layer that owns them; nodes in the root's own forward ("glue", e.g. the
-   position add) pass their producers through, so ``tok_emb -> add -> blocks.0`` becomes ``tok_emb -> blocks.0``.
-3. ``measure_layers`` (in ``tessera.planner.measure``): FLOPs, saved bytes, input and output bytes of every layer
-   and the loss, from one forward + cross-entropy + backward of ONE sequence on the meta device.
-4. ``LayerStats`` per layer: the measurements, the parameters it owns, and a signature shared by identical blocks.
+   parameter-less wrapper holding such a container somewhere below it is looked through (Hugging Face's
+   ``model.layers.0``, ``bert.encoder.layer.0``). Known limit: a root-level MoE layer (router + ``experts``
+   list) would be looked through too; inside a block, where MoE layers live, it is not.
+2. ``trace_layers``: the first front end that traces the model (``tessera.planner.front_ends``: torch.fx, then
+   torch.export non-strict, then make_fx under FakeTensorMode) gives the execution order of layers and the data-flow
+   edges between them. Graph nodes are grouped by the layer that owns them; nodes in the root's own forward
+   ("glue", e.g. the position add) pass their producers through, so ``tok_emb -> add -> blocks.0`` becomes
+   ``tok_emb -> blocks.0``. The same graph gives the tensor-parallel linear pairs (``tessera.planner.layer_info``).
+3. ``measure_layers`` (``tessera.planner.measure``): FLOPs, saved bytes under each recompute policy, input and
+   output bytes of every layer and the loss, from one fake forward + loss + backward -- at three sequence lengths,
+   so ``LayerGraph.at_seq_len`` can rescale without re-tracing (see ``tessera.planner.layer_graph``).
+4. ``LayerStats`` per layer: the measurements, the parameters it owns, the facts of ``layer_info``, and a
+   signature shared by identical blocks.
 
-Glue (ops and parameters in the root module's own forward, outside every layer) is charged to the first layer;
-in the reference models it is free (a position add, the RoPE table slice). Layers the forward never calls are
-left out. The loss is its own layer ``loss``, after the model.
+Mixture-of-experts layers are measured at their expected load (``tessera.planner.experts``). Glue (ops and
+parameters in the root module's own forward, outside every layer) is charged to the first layer. Layers the
+forward never calls are left out. The loss is its own layer ``loss``, after the model.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
-import os
-import traceback
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tessera.cost_models.types import LayerKind, LayerStats
+from tessera.cost_models.types import LayerStats
 from tessera.errors import CaptureError, ModelSpecError
-from tessera.models import build_model
-from tessera.planner.layer_graph import LayerGraph
-from tessera.planner.measure import _CONTAINERS, LOSS, Tally, measure_layers
+from tessera.planner import layer_info
+from tessera.planner.experts import expected_expert_load
+from tessera.planner.front_ends import LeafModules, trace_model
+from tessera.planner.layer_graph import SCALED_FIELDS, LayerGraph, SeqScaling, fit_polynomial, layer_signature
+from tessera.planner.measure import LOSS, ExampleInputs, Tally, example_inputs_at, measure_at_lengths, measure_layers
+from tessera.planner.model_source import max_positions, resolve_model
+from tessera.planner.replay import CONTAINERS
 
-_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+__all__ = ["LayerFlow", "capture", "capture_preset", "find_layers", "measure_layers", "trace_layers"]
+
 _METADATA_ATTRS = ("shape", "dtype", "device", "ndim", "layout", "requires_grad")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
 def capture(
-    model: nn.Module, *, seq_len: int, dtype: torch.dtype = torch.bfloat16, name: str | None = None
+    model: nn.Module,
+    *,
+    seq_len: int,
+    dtype: torch.dtype = torch.bfloat16,
+    name: str | None = None,
+    example_inputs: ExampleInputs | None = None,
+    front_ends: Sequence[str] | None = None,
+    leaf_modules: LeafModules = (),
+    expert_capacity_factor: float | None = None,
 ) -> LayerGraph:
-    """Trace and measure ``model`` for one sequence of ``seq_len`` tokens (input ``(1, seq_len)`` int64 ids).
+    """Trace and measure ``model`` for one sequence of ``seq_len`` tokens, on meta (or fake meta) tensors.
 
-    Works on a model on meta or with real weights (weights are never copied or used). ``name`` defaults to
+    Works on a model on meta or with real weights (weights are never copied or used). Inputs are token ids
+    ``(1, seq_len)`` (plus ``use_cache=False`` for a forward that takes it, as Hugging Face's do) unless
+    ``example_inputs`` gives the model's positional args (a tuple or one tensor), keyword
+    args (a dict) or a function of ``seq_len`` returning them (only then can ``at_seq_len`` rescale; with fixed
+    inputs ``seq_len`` is just recorded). ``front_ends`` restricts and orders the tracers (``"fx"``,
+    ``"export"``, ``"make_fx"``); ``leaf_modules`` (classes or FQNs) are recorded by torch.fx as one call.
+    ``expert_capacity_factor`` sets the expected expert load (``tessera.planner.experts``). ``name`` defaults to
     ``model.name`` or the class name. Raises CaptureError naming the module and the op that failed.
     """
+    if seq_len <= 0:
+        raise CaptureError(f"seq_len must be positive, got {seq_len}")
+    example_inputs = example_inputs if example_inputs is not None else _default_inputs(model)
     layers = find_layers(model)
-    flow = trace_layers(model, layers)
-    tallies = measure_layers(model, flow.order, seq_len=seq_len, dtype=dtype)
-    owned = _owned_params(model, flow.order, layers)
-    elements = _container_elements(model, layers)
-    kinds = {fqn: _kind(layers[fqn], is_head=fqn == flow.head, in_container=fqn in elements) for fqn in flow.order}
-    stats = [_layer_stats(fqn, layers[fqn], kinds[fqn], tallies[fqn], owned[fqn]) for fqn in flow.order]
-    stats.append(_layer_stats(LOSS, None, "loss", tallies[LOSS], 0))
+    with expected_expert_load(model, expert_capacity_factor):
+        flow, graph = _trace(model, layers, example_inputs, seq_len, front_ends, leaf_modules)
+        lengths = fit_lengths(seq_len) if example_inputs is None or callable(example_inputs) else (seq_len,)
+        tallies = measure_at_lengths(model, flow.order, dtype=dtype, lengths=lengths, inputs=example_inputs)
+    stats, keys = _records(model, layers, flow, graph, tallies[seq_len])
     return LayerGraph(
         model_name=name or getattr(model, "name", None) or type(model).__name__,
         seq_len=seq_len,
@@ -66,18 +88,47 @@ def capture(
         front_end=flow.front_end,
         layers=tuple(stats),
         edges=flow.edges,
+        fallback_reasons=flow.fallback_reasons,
+        seq_scaling=_scaling(stats, keys, tallies) if len(lengths) == 3 else (),
     )
 
 
-def capture_preset(spec: str, *, seq_len: int, dtype: torch.dtype = torch.bfloat16) -> LayerGraph:
-    """Build the model preset ``spec`` on meta (no memory) and capture it."""
-    model = build_model(spec, device="meta")
-    if seq_len > model.config.seq_len:  # meta would not notice positions past the embedding or RoPE table
-        raise ModelSpecError(
-            f"{spec} covers {model.config.seq_len} positions but seq_len={seq_len} was asked for; "
-            f"use '{spec.partition(':')[0]}:seq={seq_len}' (with the preset's other overrides) for a longer context"
+def capture_preset(
+    spec: str, *, seq_len: int, dtype: torch.dtype = torch.bfloat16, expert_capacity_factor: float | None = None
+) -> LayerGraph:
+    """Build the model a spec names on meta (``tessera.planner.model_source``: presets, ``hf:...``,
+    ``file.py:factory``) and capture it."""
+    model, name = resolve_model(spec)
+    positions = max_positions(model)
+    if positions is not None and seq_len > positions:  # meta would not notice positions past a table
+        hint = (
+            f"add max_position_embeddings={seq_len} to the spec"
+            if spec.startswith("hf:")
+            else f"use '{spec.partition(':')[0]}:seq={seq_len}' (with the preset's other overrides)"
         )
-    return capture(model, seq_len=seq_len, dtype=dtype, name=spec)
+        raise ModelSpecError(
+            f"{spec} covers {positions} positions but seq_len={seq_len} was asked for; {hint} for a longer context"
+        )
+    return capture(model, seq_len=seq_len, dtype=dtype, name=name, expert_capacity_factor=expert_capacity_factor)
+
+
+def _default_inputs(model: nn.Module) -> ExampleInputs | None:
+    """Token ids (None); for a forward taking ``input_ids`` and ``use_cache`` (Hugging Face), also
+    ``use_cache=False``: a training step keeps no KV cache, and a cache in the output does not export."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a Python signature
+        return None
+    if "use_cache" in parameters and "input_ids" in parameters:
+        return lambda s: {"input_ids": torch.zeros((1, s), dtype=torch.int64, device="meta"), "use_cache": False}
+    return None
+
+
+def fit_lengths(seq_len: int) -> tuple[int, int, int]:
+    """The three sequence lengths measured for the polynomial fit: ``seq_len`` first."""
+    if seq_len >= 4:
+        return seq_len, seq_len // 2, seq_len // 4
+    return seq_len, seq_len + 1, seq_len + 2
 
 
 # ----------------------------------------------------------------------------------------------- layers
@@ -88,7 +139,7 @@ def find_layers(root: nn.Module, prefix: str = "") -> dict[str, nn.Module]:
     found: dict[str, nn.Module] = {}
     for name, child in root.named_children():
         fqn = prefix + name
-        if isinstance(child, _CONTAINERS):
+        if isinstance(child, CONTAINERS):
             found.update({f"{fqn}.{n}": m for n, m in child.named_children()})
         elif _is_wrapper(child):
             found.update(find_layers(child, fqn + "."))
@@ -98,26 +149,8 @@ def find_layers(root: nn.Module, prefix: str = "") -> dict[str, nn.Module]:
 
 
 def _is_wrapper(module: nn.Module) -> bool:
-    has_container = any(isinstance(c, _CONTAINERS) for c in module.children())
+    has_container = any(isinstance(m, CONTAINERS) for m in module.modules())
     return has_container and not any(True for _ in module.parameters(recurse=False))
-
-
-def _container_elements(root: nn.Module, layers: dict[str, nn.Module]) -> set[str]:
-    """Layers that are elements of a ModuleList / ModuleDict / Sequential."""
-    return {fqn for fqn in layers if "." in fqn and isinstance(root.get_submodule(fqn.rpartition(".")[0]), _CONTAINERS)}
-
-
-def _kind(module: nn.Module, *, is_head: bool, in_container: bool) -> LayerKind:
-    """Role of a layer; a container element is a ``block`` when it is composite (not a bare Linear or GELU)."""
-    if isinstance(module, nn.Embedding):
-        return "embedding"
-    if isinstance(module, _NORMS) or type(module).__name__.lower().endswith("norm"):
-        return "norm"
-    if is_head:
-        return "head"
-    if in_container and any(True for _ in module.children()):
-        return "block"
-    return "other"
 
 
 # ----------------------------------------------------------------------------------------------- tracing
@@ -131,88 +164,59 @@ class LayerFlow:
     order: tuple[str, ...]
     edges: tuple[tuple[str, str], ...]
     head: str | None
+    fallback_reasons: tuple[str, ...] = ()
 
 
-class _Tracer(torch.fx.Tracer):
-    """``symbolic_trace``'s tracer, remembering the innermost module a tracing error came from."""
-
-    def call_module(self, m: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> object:
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except Exception as exc:
-            if not hasattr(exc, "_tessera_module"):  # innermost module wins
-                exc._tessera_module = f"{self.path_of_module(m)} ({type(m).__name__})"  # type: ignore[attr-defined]
-            raise
-
-
-def _trace_fx(model: nn.Module) -> torch.fx.Graph:
-    return _Tracer().trace(model)
-
-
-FRONT_ENDS: tuple[tuple[str, Callable[[nn.Module], torch.fx.Graph]], ...] = (("torch.fx.symbolic_trace", _trace_fx),)
-"""Front ends tried in order; each returns an fx Graph whose nodes carry ``nn_module_stack`` metadata.
-Fallbacks (``torch.export`` non-strict, ``make_fx``) are appended here."""
-
-
-def trace_layers(model: nn.Module, layers: dict[str, nn.Module]) -> LayerFlow:
+def trace_layers(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    *,
+    seq_len: int = 8,
+    example_inputs: ExampleInputs | None = None,
+    front_ends: Sequence[str] | None = None,
+    leaf_modules: LeafModules = (),
+) -> LayerFlow:
     """Layer order and edges from the first front end that traces ``model``; CaptureError if none does."""
-    failures = []
-    for front_end, trace in FRONT_ENDS:
-        try:
-            graph = trace(model)
-        except Exception as exc:  # any tracer failure: report all front ends, then give up
-            failures.append(_describe_failure(front_end, model, exc))
-            continue
-        flow = _layer_flow(front_end, graph, layers)
-        if not flow.order:
-            raise CaptureError(
-                f"{type(model).__name__} calls no child module in forward, so there is nothing to plan per layer; "
-                "wrap its computation in submodules (embedding, blocks, head)"
-            )
-        return flow
-    raise CaptureError(
-        "; ".join(failures) + ". Next step: remove Python control flow that depends on tensor values from that "
-        "forward (e.g. `if x.sum() > 0:` -> torch.where), or make the module traceable; see docs on capture."
-    )
+    return _trace(model, layers, example_inputs, seq_len, front_ends, leaf_modules)[0]
 
 
-def _describe_failure(front_end: str, model: nn.Module, exc: Exception) -> str:
-    where = getattr(exc, "_tessera_module", None) or f"the root module ({type(model).__name__})"
-    library = (os.path.dirname(torch.__file__), __file__)  # the user's frame is the last one outside these
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(library)]
-    at = f" at {frames[-1].filename}:{frames[-1].lineno} `{frames[-1].line}`" if frames else ""
-    return f"{front_end} cannot trace {where}{at}: {type(exc).__name__}: {exc}"
-
-
-def _owner(node: torch.fx.Node, names: set[str]) -> str | None:
-    """Layer owning an fx node, by longest FQN prefix (None for glue in the root's forward)."""
-    if node.op in ("call_module", "get_attr"):
-        path = str(node.target)
-    else:
-        stack = node.meta.get("nn_module_stack") or {}
-        path = next(reversed(stack.values()))[0] if stack else ""
-    parts = path.split(".")
-    for end in range(len(parts), 0, -1):
-        if ".".join(parts[:end]) in names:
-            return ".".join(parts[:end])
-    return None
+def _trace(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    example_inputs: ExampleInputs | None,
+    seq_len: int,
+    front_ends: Sequence[str] | None,
+    leaf_modules: LeafModules,
+) -> tuple[LayerFlow, torch.fx.Graph]:
+    args, kwargs = example_inputs_at(example_inputs, seq_len)
+    traced = trace_model(model, args, kwargs, front_ends=front_ends, leaf_modules=leaf_modules)
+    flow = _layer_flow(traced.front_end, traced.graph, layers, traced.fallback_reasons)
+    if not flow.order:
+        raise CaptureError(
+            f"{type(model).__name__} calls no child module in forward, so there is nothing to plan per layer; "
+            "wrap its computation in submodules (embedding, blocks, head)"
+        )
+    return flow, traced.graph
 
 
 def _reads_metadata(node: torch.fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in ("size", "dim", "numel", "get_device")
+    if node.op == "call_function" and "sym_size" in str(node.target):
+        return True
     return node.op == "call_function" and node.target is getattr and node.args[1] in _METADATA_ATTRS
 
 
-def _layer_flow(front_end: str, graph: torch.fx.Graph, layers: dict[str, nn.Module]) -> LayerFlow:
-    names = set(layers)
+def _layer_flow(
+    front_end: str, graph: torch.fx.Graph, layers: dict[str, nn.Module], reasons: tuple[str, ...]
+) -> LayerFlow:
     order: dict[str, None] = {}
     edges: dict[tuple[str, str], None] = {}
     producers: dict[torch.fx.Node, frozenset[str]] = {}  # layers whose outputs reach this node
     head_sources: frozenset[str] = frozenset()
     for node in graph.nodes:
-        incoming = frozenset().union(*(producers[n] for n in node.all_input_nodes))
-        owner = _owner(node, names)
+        incoming = frozenset().union(*(producers.get(n, frozenset()) for n in node.all_input_nodes))
+        owner = layer_info.enclosing(layer_info.node_path(node), layers)
         if node.op == "output":
             head_sources = incoming
             edges.update(((src, LOSS), None) for src in sorted(incoming))
@@ -223,11 +227,45 @@ def _layer_flow(front_end: str, graph: torch.fx.Graph, layers: dict[str, nn.Modu
             order.setdefault(owner)
             edges.update(((src, owner), None) for src in sorted(incoming) if src != owner)
             producers[node] = frozenset({owner})
-    heads = [fqn for fqn in order if fqn in head_sources and isinstance(layers[fqn], nn.Linear)]
-    return LayerFlow(front_end, tuple(order), tuple(edges), heads[-1] if heads else None)
+    heads = [fqn for fqn in order if fqn in head_sources and layer_info.has_linear(layers[fqn])]
+    return LayerFlow(front_end, tuple(order), tuple(edges), heads[-1] if heads else None, reasons)
 
 
 # ----------------------------------------------------------------------------------------------- records
+
+
+def _records(
+    model: nn.Module, layers: dict[str, nn.Module], flow: LayerFlow, graph: torch.fx.Graph, tallies: dict[str, Tally]
+) -> tuple[list[LayerStats], list[str]]:
+    """LayerStats of every layer and the loss, with their signature keys."""
+    owned = _owned_params(model, flow.order, layers)
+    elements = layer_info.container_elements(model, layers)
+    pairs = layer_info.tp_pairs(graph, model, layers)
+    vocab = tallies[flow.head].output_width if flow.head else 0
+    stats, keys = [], []
+    for fqn in flow.order:
+        module = layers[fqn]
+        kind = layer_info.layer_kind(module, is_head=fqn == flow.head, in_container=fqn in elements)
+        facts = _facts(model, module, kind, tallies[fqn], vocab=vocab, pairs=pairs.get(fqn, ()))
+        keys.append(_signature_key(module, kind, owned[fqn]))
+        stats.append(_layer_stats(fqn, kind, tallies[fqn], owned[fqn], facts, keys[-1]))
+    keys.append(_signature_key(None, "loss", 0))
+    stats.append(_layer_stats(LOSS, "loss", tallies[LOSS], 0, {}, keys[-1]))
+    return stats, keys
+
+
+def _facts(model: nn.Module, module: nn.Module, kind: str, tally: Tally, *, vocab: int, pairs: tuple) -> dict:
+    """LayerStats fields read off the module and the graph (see ``tessera.planner.layer_info``)."""
+    declared_kv = layer_info.kv_heads_declared(module, getattr(model, "config", None)) if tally.heads else 0
+    embedding_vocab = layer_info.embedding_vocab(module, vocab) if kind == "embedding" else 0
+    return {
+        "hidden_size": tally.output_width if kind in ("embedding", "block", "norm", "head") else 0,
+        "attention_heads": tally.heads,
+        "kv_heads": declared_kv or tally.kv_heads,
+        "experts": layer_info.expert_count(module),
+        "vocab_size": vocab if kind == "head" else embedding_vocab,
+        "tp_pairs": pairs,
+    }
 
 
 def _owned_params(model: nn.Module, order: tuple[str, ...], layers: dict[str, nn.Module]) -> dict[str, int]:
@@ -238,26 +276,41 @@ def _owned_params(model: nn.Module, order: tuple[str, ...], layers: dict[str, nn
         fresh = [p for p in layers[fqn].parameters() if id(p) not in seen]
         seen.update(id(p) for p in fresh)
         owned[fqn] = sum(p.numel() for p in fresh)
-    owned[order[0]] += sum(p.numel() for p in model.parameters(recurse=False) if id(p) not in seen)
+    owned[order[0]] += sum(p.numel() for p in model.parameters() if id(p) not in seen)
     return owned
 
 
-def _layer_stats(fqn: str, module: nn.Module | None, kind: LayerKind, tally: Tally, params: int) -> LayerStats:
-    return LayerStats(
-        fqn=fqn,
-        kind=kind,
-        signature=_signature(module, kind, tally, params),
-        param_count=params,
-        forward_flops=tally.forward_flops,
-        backward_flops=tally.backward_flops,
-        saved_bytes_no_recompute=tally.saved_bytes,
-        saved_bytes_full_recompute=tally.input_bytes,
-        output_bytes=tally.output_bytes,
-    )
+def _numbers(tally: Tally) -> dict[str, int | None]:
+    """The sequence-dependent LayerStats fields of a tally (``SCALED_FIELDS``)."""
+    return {
+        "forward_flops": tally.forward_flops,
+        "backward_flops": tally.backward_flops,
+        "saved_bytes_no_recompute": tally.saved_bytes,
+        "saved_bytes_selective": tally.saved_bytes_selective,
+        "saved_bytes_full_recompute": tally.input_bytes,
+        "output_bytes": tally.output_bytes,
+        "selective_recompute_flops": tally.core_flops,
+    }
 
 
-def _signature(module: nn.Module | None, kind: str, tally: Tally, params: int) -> str:
-    """Short stable hash of class, parameter shapes and measured numbers: identical blocks share it."""
+def _layer_stats(fqn: str, kind: str, tally: Tally, params: int, facts: dict, key: str) -> LayerStats:
+    stats = LayerStats(fqn=fqn, kind=kind, signature="", param_count=params, **_numbers(tally), **facts)
+    return stats.model_copy(update={"signature": layer_signature(key, stats)})
+
+
+def _signature_key(module: nn.Module | None, kind: str, params: int) -> str:
+    """Hash of class, kind and parameter shapes: the part of a signature that does not depend on the inputs."""
     shapes = [(n, list(p.shape)) for n, p in module.named_parameters()] if module is not None else []
-    key = [type(module).__name__, kind, shapes, params, asdict(tally)]
+    key = [type(module).__name__, kind, shapes, params]
     return hashlib.sha1(json.dumps(key).encode()).hexdigest()[:12]
+
+
+def _scaling(stats: list[LayerStats], keys: list[str], tallies: dict[int, dict[str, Tally]]) -> tuple[SeqScaling, ...]:
+    """Exact polynomials in the sequence length of every layer's statistics, from the three measurements."""
+    scaling = []
+    for layer, key in zip(stats, keys):
+        numbers = {s: _numbers(measured[layer.fqn]) for s, measured in tallies.items()}
+        fits = {f: fit_polynomial({s: numbers[s][f] for s in numbers}) for f in SCALED_FIELDS}
+        coefficients = {f: c for f, c in fits.items() if c is not None}
+        scaling.append(SeqScaling(fqn=layer.fqn, signature_key=key, coefficients=coefficients))
+    return tuple(scaling)

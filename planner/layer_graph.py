@@ -2,16 +2,54 @@
 
 It is what capture produces and what search and the cost models read. It holds no torch objects, so it
 round-trips through JSON (``model_dump_json`` / ``model_validate_json``) and can be saved next to a plan.
+
+**Scaling in shape.** Every statistic is for the measured inputs -- by default ONE sequence of ``seq_len`` tokens;
+a micro-batch of ``b`` sequences costs ``b`` times as much (FLOPs and bytes are linear in the batch with no
+constant term, up to a few bytes per attention call for the kernel's RNG state). In the sequence length ``s`` the
+FLOPs and bytes of a transformer are polynomials of degree <= 2 (linear layers ~ s, attention scores ~ s^2), so
+capture measures at three lengths (``s``, ``s // 2``, ``s // 4``) and stores the exact interpolating polynomial of
+each statistic (``seq_scaling``). ``at_seq_len`` evaluates them: the planner varies the sequence without
+re-tracing. The fit is exact where the statistics are polynomials; a statistic with rounding in it (e.g. a
+mixture-of-experts capacity ``ceil(top_k * s / experts * factor)``) is exact at the measured lengths and gives
+the unrounded value in between.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from fractions import Fraction
 from functools import cached_property
 
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from tessera.cost_models.types import LayerStats
+from tessera.errors import CaptureError
+
+SCALED_FIELDS = (
+    "forward_flops",
+    "backward_flops",
+    "saved_bytes_no_recompute",
+    "saved_bytes_selective",
+    "saved_bytes_full_recompute",
+    "output_bytes",
+    "selective_recompute_flops",
+)
+"""LayerStats fields that depend on the sequence length (the rest are properties of the module)."""
+
+
+class SeqScaling(BaseModel):
+    """One layer's statistics as exact polynomials of the sequence length: ``c0 + c1 * s + c2 * s**2``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    fqn: str
+    """Layer the polynomials belong to."""
+    signature_key: str
+    """Hash of the layer's class, kind and parameter shapes: with the numbers it gives ``LayerStats.signature``."""
+    coefficients: dict[str, tuple[int | float, int | float, int | float]]
+    """Field name (one of ``SCALED_FIELDS``) -> (c0, c1, c2); a field measured as ``None`` is absent."""
 
 
 class LayerGraph(BaseModel):
@@ -22,15 +60,20 @@ class LayerGraph(BaseModel):
     model_name: str
     """Model spec or class name the graph was captured from (``llama3-70b``)."""
     seq_len: int
-    """Tokens per sequence the statistics were measured for (every number is for ONE sequence)."""
+    """Tokens per sequence the statistics were measured for (every number is for ONE sequence; with fixed
+    ``example_inputs`` given to capture, for those inputs, and ``seq_len`` is the label the caller gave)."""
     dtype: str
     """Dtype of parameters and activations during measurement (``bf16``, ``fp16``, ``fp32``)."""
     front_end: str
-    """Tracer that produced the layer order and edges (``torch.fx.symbolic_trace``)."""
+    """Tracer that produced the layer order and edges (``torch.fx.symbolic_trace``, ``torch.export``, ``make_fx``)."""
     layers: tuple[LayerStats, ...]
     """Per-layer statistics in model (execution) order; the last is the ``loss``."""
     edges: tuple[tuple[str, str], ...]
     """Data flow ``(producer FQN, consumer FQN)`` between layers, from the traced graph."""
+    fallback_reasons: tuple[str, ...] = ()
+    """Why each front end tried before ``front_end`` could not trace the model, one line each."""
+    seq_scaling: tuple[SeqScaling, ...] = ()
+    """Per-layer polynomials in the sequence length (empty when captured with fixed example inputs)."""
 
     @model_validator(mode="after")
     def _check_names(self) -> "LayerGraph":
@@ -40,6 +83,8 @@ class LayerGraph(BaseModel):
         unknown = {fqn for edge in self.edges for fqn in edge} - set(names)
         if unknown:
             raise ValueError(f"edges name layers that are not in `layers`: {sorted(unknown)}")
+        if self.seq_scaling and [s.fqn for s in self.seq_scaling] != names:
+            raise ValueError("seq_scaling must hold one entry per layer, in the order of `layers`")
         return self
 
     @cached_property
@@ -80,6 +125,19 @@ class LayerGraph(BaseModel):
             groups.setdefault(layer.signature, []).append(layer.fqn)
         return groups
 
+    def at_seq_len(self, seq_len: int) -> "LayerGraph":
+        """The same model at another sequence length, from the fitted polynomials (no re-tracing)."""
+        if not self.seq_scaling:
+            raise CaptureError(
+                f"{self.model_name} was captured with fixed example inputs, so its statistics cannot be rescaled; "
+                "capture it with token-id inputs or example_inputs given as a function of seq_len"
+            )
+        if seq_len <= 0:
+            raise CaptureError(f"seq_len must be positive, got {seq_len}")
+        layers = tuple(_rescaled(layer, scaling, seq_len) for layer, scaling in zip(self.layers, self.seq_scaling))
+        fields = {name: getattr(self, name) for name in type(self).model_fields}
+        return type(self)(**{**fields, "seq_len": seq_len, "layers": layers})
+
     def to_networkx(self) -> nx.DiGraph:
         """Directed graph with one node per FQN (attribute ``stats``: the LayerStats, ``order``: position)."""
         graph = nx.DiGraph(model_name=self.model_name, seq_len=self.seq_len, dtype=self.dtype)
@@ -87,3 +145,36 @@ class LayerGraph(BaseModel):
             graph.add_node(layer.fqn, stats=layer, order=order)
         graph.add_edges_from(self.edges)
         return graph
+
+
+# ----------------------------------------------------------------------------------------------- scaling
+
+
+def fit_polynomial(values: dict[int, int | float | None]) -> tuple[int | float, int | float, int | float] | None:
+    """Exact (c0, c1, c2) through three (length, value) points (Lagrange, in rationals); None if a value is."""
+    if any(v is None for v in values.values()):
+        return None
+    (s0, v0), (s1, v1), (s2, v2) = ((Fraction(s), Fraction(v)) for s, v in values.items())
+    d01, d12 = (v1 - v0) / (s1 - s0), (v2 - v1) / (s2 - s1)
+    c2 = (d12 - d01) / (s2 - s0)
+    c1 = d01 - c2 * (s0 + s1)
+    c0 = v0 - c1 * s0 - c2 * s0 * s0
+    return tuple(int(c) if c.denominator == 1 else float(c) for c in (c0, c1, c2))  # type: ignore[return-value]
+
+
+def evaluate(coefficients: tuple[int | float, int | float, int | float], seq_len: int) -> int:
+    """Value of a fitted statistic at ``seq_len`` (statistics are whole FLOPs and bytes)."""
+    c0, c1, c2 = coefficients
+    return max(0, round(c0 + c1 * seq_len + c2 * seq_len * seq_len))
+
+
+def layer_signature(signature_key: str, stats: LayerStats) -> str:
+    """Short stable hash of the layer's key and every measured number: identical blocks share it."""
+    numbers = stats.model_dump(mode="json", exclude={"fqn", "signature"})
+    return hashlib.sha1(json.dumps([signature_key, numbers], sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _rescaled(layer: LayerStats, scaling: SeqScaling, seq_len: int) -> LayerStats:
+    values = {name: evaluate(c, seq_len) for name, c in scaling.coefficients.items()}
+    stats = LayerStats.model_validate({**layer.model_dump(), **values})
+    return stats.model_copy(update={"signature": layer_signature(scaling.signature_key, stats)})

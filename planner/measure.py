@@ -1,62 +1,70 @@
-"""Measure: per-layer FLOPs and bytes of one training step of one sequence, on the meta device.
+"""Measure: per-layer FLOPs and bytes of one training step, on meta tensors (no real memory).
 
-``measure_layers`` runs one forward + cross-entropy + backward with parameters and buffers replaced by meta
-tensors of the planning dtype (``torch.func.functional_call``), so a model with real weights is measured without
-copying them. Per layer:
+``measure_layers`` runs one forward + loss + backward with parameters and buffers replaced by meta tensors of the
+planning dtype (``torch.func.functional_call``), so a model with real weights is measured without copying them.
+Bare meta tensors first (fastest); a model that reads a tensor value, which a meta tensor does not have, is
+measured again under ``FakeTensorMode``, where models that check whether they are being traced -- Hugging Face's
+mask code does, and calls ``.item()`` otherwise -- take their tracing path. Per layer:
 
 - FLOPs: ``FlopCounterMode`` (its module tracker attributes ops to modules in forward and backward); one counter
   spans both passes, and the backward share is the total minus a snapshot taken after the forward.
-- saved bytes: ``saved_tensors_hooks`` charge each tensor autograd saves to the layer running when it is saved.
-  Tensors are deduplicated by storage (meta tensors keep storage identity), so a tensor saved twice or views of
-  one tensor count once, at the first saver; parameter and buffer storages are never counted.
+- saved bytes: a ``saved_tensors_hooks`` ledger charges each storage autograd saves to the layer running when it
+  is first saved (views and repeats count once); parameter and buffer storages are never counted.
+- selective-recompute bytes: what stays saved when each attention core (SDPA call) is recomputed -- see
+  ``tessera.planner.kernels``; ``None`` for a layer without one. ``core_flops``: the cores' forward FLOPs.
 - full-recompute bytes = bytes of the layer's tensor inputs; output bytes = bytes of its tensor outputs.
 
-Repeated blocks of a container are run twice and then replayed (``_BlockReplay``): later identical blocks return
-fresh meta outputs shaped like the first's and copy its numbers, so a deep model costs what a shallow one does.
+Repeated blocks of a container are replayed after two identical ones (``tessera.planner.replay``), so a deep model
+costs what a shallow one does. Attention is measured as the fused flash kernel (``tessera.planner.kernels``);
+its backward FLOPs include the recomputed scores (2.5x the forward).
 
-``F.scaled_dot_product_attention`` without a mask is routed to the fused flash kernel
-(``aten._scaled_dot_product_flash_attention``), which is what CUDA and CPU dispatch to: on meta, SDPA would
-otherwise take the unfused math path that saves the (T, T) score matrix, overstating memory by orders of
-magnitude at long context. Its flash backward FLOPs include the recomputed scores (2.5x the forward).
-
-Glue (ops in the root's own forward, outside every layer) is charged to the first layer. The loss is measured as
-its own layer ``LOSS``: ``F.cross_entropy`` over fp32-upcast logits (as Megatron-LM and torchtitan compute it),
-targets shaped like the input.
+Inputs: by default token ids ``(1, seq_len)`` (so every number is for ONE sequence); or the example inputs given
+to capture. Glue (ops in the root's own forward, outside every layer) is charged to the first layer. The loss is
+its own layer ``LOSS``: ``F.cross_entropy`` over fp32-upcast logits (as Megatron-LM and torchtitan compute it) --
+the output itself, its ``logits`` entry, or its first floating tensor -- against the integer input shaped like
+the logits without their last dim (the token ids), else zeros.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
-from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from tessera.errors import CaptureError
+from tessera.planner.front_ends import first_line, user_frame
+from tessera.planner.kernels import CORE_OPS, FusedKernels
+from tessera.planner.replay import BlockReplay
 
 LOSS = "loss"
 """FQN of the loss layer (computed outside the model)."""
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-"""Module containers whose elements are layers (capture's layer discovery uses the same tuple)."""
 
-
-# ----------------------------------------------------------------------------------------------- measuring
+ExampleInputs = tuple | dict | torch.Tensor | Callable[[int], "tuple | dict | torch.Tensor"]
+"""Model inputs: positional args (tuple or one tensor), keyword args (dict), or a function of seq_len giving them."""
 
 
 @dataclass
 class Tally:
-    """Raw measurements of one layer for one sequence."""
+    """Raw measurements of one layer for the measured inputs."""
 
     forward_flops: int = 0
     backward_flops: int = 0
     saved_bytes: int = 0
+    saved_bytes_selective: int | None = None
+    core_flops: int = 0
     input_bytes: int = 0
     output_bytes: int = 0
+    output_width: int = 0
+    heads: int = 0
+    kv_heads: int = 0
 
 
 @dataclass
@@ -73,52 +81,158 @@ class _Scope:
         return LOSS if self.model_done else self.first
 
 
-def measure_layers(
-    model: nn.Module, order: tuple[str, ...], *, seq_len: int, dtype: torch.dtype, reuse_repeated: bool = True
-) -> dict[str, Tally]:
-    """FLOPs and bytes of every layer in ``order`` plus the loss, from one meta forward and backward.
+def example_inputs_at(example: ExampleInputs | None, seq_len: int | None) -> tuple[tuple, dict]:
+    """Meta ``(args, kwargs)`` for ``seq_len``: token ids ``(1, seq_len)`` by default, else the example inputs."""
+    if example is None:
+        if seq_len is None:
+            raise CaptureError("pass seq_len (token-id inputs) or example_inputs to measure a model")
+        return (torch.zeros((1, seq_len), dtype=torch.int64, device="meta"),), {}
+    value = example(seq_len) if callable(example) else example
+    value = tree_map(lambda x: torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x, value)
+    if isinstance(value, dict):
+        return (), dict(value)
+    return (tuple(value) if isinstance(value, (tuple, list)) else (value,)), {}
 
-    ``reuse_repeated`` replays repeated blocks instead of running them (see ``_BlockReplay``); False measures
-    every block, which is what the replay is tested against.
+
+def measure_layers(
+    model: nn.Module,
+    order: tuple[str, ...],
+    *,
+    dtype: torch.dtype,
+    seq_len: int | None = None,
+    inputs: ExampleInputs | None = None,
+    reuse_repeated: bool = True,
+) -> dict[str, Tally]:
+    """FLOPs and bytes of every layer in ``order`` plus the loss, from one fake forward and backward.
+
+    ``reuse_repeated`` replays repeated blocks instead of running them (``tessera.planner.replay``); False
+    measures every block, which is what the replay is tested against.
     """
-    state = _meta_state(model, dtype)
+    measured = measure_at_lengths(
+        model, order, dtype=dtype, lengths=(seq_len,), inputs=inputs, reuse_repeated=reuse_repeated
+    )
+    return measured[seq_len]
+
+
+def measure_at_lengths(
+    model: nn.Module,
+    order: tuple[str, ...],
+    *,
+    dtype: torch.dtype,
+    lengths: tuple[int | None, ...],
+    inputs: ExampleInputs | None = None,
+    reuse_repeated: bool = True,
+) -> dict[int | None, dict[str, Tally]]:
+    """``measure_layers`` at each sequence length: on bare meta tensors, else under FakeTensorMode."""
+    options = {"dtype": dtype, "lengths": lengths, "inputs": inputs, "reuse_repeated": reuse_repeated}
+    try:
+        return _measure_all(model, order, mode=None, **options)
+    except CaptureError:  # e.g. .item() on meta: the fake run takes the model's tracing path
+        return _measure_all(model, order, mode=FakeTensorMode(allow_non_fake_inputs=True), **options)
+
+
+def _measure_all(
+    model: nn.Module,
+    order: tuple[str, ...],
+    *,
+    mode: FakeTensorMode | None,
+    dtype: torch.dtype,
+    lengths: tuple[int | None, ...],
+    inputs: ExampleInputs | None,
+    reuse_repeated: bool,
+) -> dict[int | None, dict[str, Tally]]:
+    """Every length with one set of stand-in parameters (fake when ``mode`` is given, else meta)."""
+    state = _meta_state(model, dtype, mode)
     resident = {id(s): s for s in (t.untyped_storage() for t in state.values())}  # refs keep ids unique
-    tallies = {fqn: Tally() for fqn in (*order, LOSS)}
-    scope = _Scope(first=order[0])
-    ids = torch.zeros((1, seq_len), dtype=torch.int64, device="meta")  # (1, T); doubles as the targets
-    root = type(model).__name__  # FlopCounterMode's module tracker names modules "<RootClass>.<fqn>"
     was_training = model.training
     model.train()  # plan for training: dropout and friends as in a training step
     try:
-        with FlopCounterMode(display=False) as counter:
-            replay = _BlockReplay(model, order, counter, root=root, enabled=reuse_repeated)
-            with ExitStack() as stack:
-                stack.enter_context(_FlashAttention())
-                stack.enter_context(_io_hooks(model, tallies, scope, resident))
-                stack.enter_context(_saved_tensor_meter(tallies, scope, resident))
-                stack.enter_context(replay.installed(tallies))
-                loss = _forward_and_loss(model, state, ids, scope, tallies)
-            forward_counts = counter.get_flop_counts()
-            _backward(loss)
-        _attribute_flops(tallies, forward_counts, counter.get_flop_counts(), root=root, replayed=replay.replayed)
+        return {
+            s: _measure_once(
+                model, order, mode=mode, state=state, resident=resident, inputs=example_inputs_at(inputs, s),
+                dtype=dtype, reuse_repeated=reuse_repeated,
+            )
+            for s in lengths
+        }
     finally:
         model.train(was_training)
+        for tensor in state.values():
+            tensor.grad = None
+
+
+def _measure_once(
+    model: nn.Module,
+    order: tuple[str, ...],
+    *,
+    mode: FakeTensorMode | None,
+    state: dict[str, torch.Tensor],
+    resident: dict[int, object],
+    inputs: tuple[tuple, dict],
+    dtype: torch.dtype,
+    reuse_repeated: bool,
+) -> dict[str, Tally]:
+    """One forward + loss + backward with every meter installed."""
+    tallies = {fqn: Tally() for fqn in (*order, LOSS)}
+    scope = _Scope(first=order[0])
+    ledger = _Ledger(tallies, scope, resident)
+    root = type(model).__name__  # FlopCounterMode's module tracker names modules "<RootClass>.<fqn>"
+    meta_inputs = tree_map(lambda x: _stand_in(x, mode, dtype), inputs)
+    with mode or nullcontext(), FlopCounterMode(display=False) as counter:
+        replay = BlockReplay(model, order if reuse_repeated else (), counter, root=root)
+        with ExitStack() as stack:
+            stack.enter_context(FusedKernels(ledger))
+            stack.enter_context(_io_hooks(model, tallies, scope, resident))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda t: t))
+            stack.enter_context(replay.installed(lambda fqn: tallies[fqn].saved_bytes))
+            loss = _forward_and_loss(model, state, meta_inputs, scope, tallies)
+        forward_counts = counter.get_flop_counts()
+        _backward(loss)
+    _finalize(tallies, ledger, forward_counts, counter.get_flop_counts(), root=root, replayed=replay.replayed)
     return tallies
 
 
+# ----------------------------------------------------------------------------------------------- forward / loss
+
+
 def _forward_and_loss(
-    model: nn.Module, state: dict[str, torch.Tensor], ids: torch.Tensor, scope: _Scope, tallies: dict[str, Tally]
+    model: nn.Module, state: dict[str, torch.Tensor], inputs: tuple[tuple, dict], scope: _Scope, tallies: dict
 ) -> torch.Tensor:
+    args, kwargs = inputs
     try:
-        logits = functional_call(model, state, (ids,))  # (1, T, V)
+        output = functional_call(model, state, args, kwargs)
         scope.model_done = True
-        tallies[LOSS].input_bytes = _tensor_bytes((logits, ids), {})
-        # fp32 upcast: a large-vocabulary softmax is computed in fp32 (Megatron-LM, torchtitan).
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())  # ()
+        logits = _logits(output)
+        targets = _targets(logits, tree_leaves(inputs))
+        tallies[LOSS].input_bytes = _tensor_bytes((logits, targets), {})
+        if logits.dim() < 2:
+            loss = logits.float().mean()  # no class dim: a plain reduction stands in for the loss
+        else:  # fp32 upcast: a large-vocabulary softmax is computed in fp32 (Megatron-LM, torchtitan)
+            loss = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())  # ()
         tallies[LOSS].output_bytes = _tensor_bytes(loss, {})
         return loss
     except Exception as exc:
         raise _measure_error(scope.current(), "forward", exc) from exc
+
+
+def _logits(output: object) -> torch.Tensor:
+    """The tensor the loss reads: the output, its ``logits`` entry or attribute, or its first floating tensor."""
+    if isinstance(output, torch.Tensor):
+        return output
+    named = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if isinstance(named, torch.Tensor):
+        return named
+    floats = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats:
+        raise CaptureError(f"the model returned {type(output).__name__} without a floating tensor to take a loss of")
+    return floats[0]
+
+
+def _targets(logits: torch.Tensor, leaves: list) -> torch.Tensor:
+    """The integer input shaped like the logits without their class dim (token ids), else zeros."""
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and leaf.shape == logits.shape[:-1]:
+            return leaf
+    return torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)
 
 
 def _backward(loss: torch.Tensor) -> None:
@@ -129,42 +243,55 @@ def _backward(loss: torch.Tensor) -> None:
 
 
 def _measure_error(fqn: str, phase: str, exc: Exception) -> CaptureError:
+    if isinstance(exc, CaptureError):
+        return exc
     return CaptureError(
-        f"measuring {fqn!r} on the meta device failed in the {phase} pass: {type(exc).__name__}: {exc}. "
+        f"measuring {fqn!r} on meta / fake tensors failed in the {phase} pass{user_frame(exc)}: "
+        f"{type(exc).__name__}: {first_line(exc)}. "
         "Next step: the op needs a meta kernel (register one with torch.library) or the module must not read "
         "tensor values (e.g. .item(), .tolist()) in forward."
     )
 
 
-def _meta_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Meta stand-ins for every parameter and buffer (floating ones cast to ``dtype``); tied tensors stay tied."""
+def _meta_state(model: nn.Module, dtype: torch.dtype, mode: FakeTensorMode | None) -> dict[str, torch.Tensor]:
+    """Meta (or fake meta) stand-ins for every parameter and buffer (floating ones in ``dtype``); ties kept."""
     memo: dict[int, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for name, tensor in named:
         if id(tensor) not in memo:
-            target = dtype if tensor.is_floating_point() else tensor.dtype
-            meta = torch.empty_like(tensor, device="meta", dtype=target)
-            memo[id(tensor)] = meta.requires_grad_(isinstance(tensor, nn.Parameter) and tensor.requires_grad)
+            stand_in = _stand_in(tensor, mode, dtype)
+            memo[id(tensor)] = stand_in.requires_grad_(isinstance(tensor, nn.Parameter) and tensor.requires_grad)
         state[name] = memo[id(tensor)]
     return state
 
 
+def _stand_in(value: object, mode: FakeTensorMode | None, dtype: torch.dtype) -> object:
+    """A meta (fake meta under ``mode``) tensor shaped like ``value``, floating ones in ``dtype``; others as is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    meta = torch.empty(value.shape, dtype=dtype if value.is_floating_point() else value.dtype, device="meta")
+    stand_in = mode.from_tensor(meta) if mode is not None else meta
+    return stand_in.requires_grad_(value.requires_grad)
+
+
 def _tensor_bytes(value: object, resident: dict[int, object]) -> int:
     """Bytes of the tensors in a (nested) value, skipping parameters and buffers."""
-    leaves = torch.utils._pytree.tree_leaves(value)
     return sum(
         t.numel() * t.element_size()
-        for t in leaves
+        for t in tree_leaves(value)
         if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in resident
     )
+
+
+# ----------------------------------------------------------------------------------------------- hooks
 
 
 @contextmanager
 def _io_hooks(
     model: nn.Module, tallies: dict[str, Tally], scope: _Scope, resident: dict[int, object]
 ) -> Iterator[None]:
-    """Track the running layer and record each layer's input and output bytes."""
+    """Track the running layer and record each layer's input and output bytes and output width."""
     handles = []
     for fqn in tallies:
         if fqn == LOSS:
@@ -178,6 +305,8 @@ def _io_hooks(
         def post(_m: nn.Module, _args: tuple, output: object, fqn: str = fqn) -> None:
             scope.stack.pop()
             tallies[fqn].output_bytes += _tensor_bytes(output, resident)
+            first = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor)), None)
+            tallies[fqn].output_width = first.shape[-1] if first is not None and first.dim() >= 2 else 0
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post))
@@ -188,169 +317,84 @@ def _io_hooks(
             handle.remove()
 
 
-@contextmanager
-def _saved_tensor_meter(tallies: dict[str, Tally], scope: _Scope, resident: dict[int, object]) -> Iterator[None]:
-    """Charge each storage autograd saves to the running layer, once."""
-    seen: dict[int, object] = {}  # id -> storage; holding the storage keeps the id unique
+class _Ledger:
+    """Storages saved for backward, each charged once to its first saver, and which of them selective recompute
+    keeps (saved outside an attention core, or an input a checkpoint of the core holds)."""
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if id(storage) not in resident and id(storage) not in seen:
-            seen[id(storage)] = storage
-            tallies[scope.current()].saved_bytes += storage.nbytes()
+    def __init__(self, tallies: dict[str, Tally], scope: _Scope, resident: dict[int, object]) -> None:
+        self.tallies, self.scope, self.resident = tallies, scope, resident
+        self.owner: dict[int, str] = {}
+        self.nbytes: dict[int, int] = {}
+        self.kept: set[int] = set()
+        self.refs: dict[int, object] = {}  # holding the storages keeps their ids unique
+        self.in_core = False
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``saved_tensors_hooks`` pack hook."""
+        self._charge(tensor, kept=not self.in_core)
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield
+    def _charge(self, tensor: torch.Tensor, *, kept: bool) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self.resident:
+            return
+        if key not in self.owner:
+            self.owner[key], self.nbytes[key], self.refs[key] = self.scope.current(), storage.nbytes(), storage
+            self.tallies[self.owner[key]].saved_bytes += self.nbytes[key]
+        if kept:
+            self.kept.add(key)
+
+    def attention_started(self, query: torch.Tensor, key: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
+        tally = self.tallies[self.scope.current()]
+        tally.heads, tally.kv_heads = query.shape[1], key.shape[1]
+        tally.saved_bytes_selective = 0  # measured: filled in by selective_bytes
+        for tensor in inputs:
+            storage = tensor.untyped_storage()
+            self.kept.add(id(storage))
+            self.refs.setdefault(id(storage), storage)
+        self.in_core = True
+
+    def keep_for_backward(self, tensor: torch.Tensor) -> None:
+        self._charge(tensor, kept=True)
+
+    def attention_finished(self) -> None:
+        self.in_core = False
+
+    def selective_bytes(self) -> dict[str, int]:
+        """Per layer: bytes of its storages that stay saved when the attention cores are recomputed."""
+        kept: dict[str, int] = {}
+        for key, layer in self.owner.items():
+            if key in self.kept:
+                kept[layer] = kept.get(layer, 0) + self.nbytes[key]
+        return kept
 
 
-def _attribute_flops(
-    tallies: dict[str, Tally], forward: dict, total: dict, *, root: str, replayed: dict[str, str]
+def _finalize(
+    tallies: dict[str, Tally], ledger: _Ledger, forward: dict, total: dict, *, root: str, replayed: dict[str, str]
 ) -> None:
-    """Per-layer FLOPs from FlopCounterMode's per-module counts (backward = total - forward snapshot).
-
-    Replayed blocks copy their representative; glue goes to the first layer; the loss is what ran outside the root.
-    """
+    """Per-layer FLOPs from FlopCounterMode's per-module counts (backward = total - forward snapshot), selective
+    bytes from the ledger; replayed blocks copy their representative; glue goes to the first layer; the loss is
+    what ran outside the root."""
 
     def flops(counts: dict, key: str) -> int:
         return sum(counts.get(key, {}).values())
 
     layers = [fqn for fqn in tallies if fqn != LOSS]
+    kept = ledger.selective_bytes()
     for fqn in layers:
-        tallies[fqn].forward_flops = flops(forward, f"{root}.{fqn}")
-        tallies[fqn].backward_flops = flops(total, f"{root}.{fqn}") - tallies[fqn].forward_flops
+        tally = tallies[fqn]
+        tally.forward_flops = flops(forward, f"{root}.{fqn}")
+        tally.backward_flops = flops(total, f"{root}.{fqn}") - tally.forward_flops
+        tally.core_flops = sum(forward.get(f"{root}.{fqn}", {}).get(op, 0) for op in CORE_OPS)
+        if tally.saved_bytes_selective is not None:
+            tally.saved_bytes_selective = kept.get(fqn, 0)
     glue_fwd = flops(forward, root) - sum(tallies[fqn].forward_flops for fqn in layers)
     glue_bwd = flops(total, root) - flops(forward, root) - sum(tallies[fqn].backward_flops for fqn in layers)
     for fqn, rep in replayed.items():
-        tallies[fqn].forward_flops = tallies[rep].forward_flops
-        tallies[fqn].backward_flops = tallies[rep].backward_flops
-        tallies[fqn].saved_bytes = tallies[rep].saved_bytes
+        measured = tallies[rep]
+        tallies[fqn] = replace(measured, input_bytes=tallies[fqn].input_bytes, output_bytes=tallies[fqn].output_bytes)
     tallies[layers[0]].forward_flops += glue_fwd
     tallies[layers[0]].backward_flops += glue_bwd
     tallies[LOSS].forward_flops = flops(forward, "Global") - flops(forward, root)
     tallies[LOSS].backward_flops = flops(total, "Global") - flops(total, root) - tallies[LOSS].forward_flops
-
-
-# ----------------------------------------------------------------------------------------------- replay
-
-
-def _describe(value: object) -> tuple:
-    """Hashable description of a (nested) value: structure, tensor metadata, plain values (others by id)."""
-    leaves, spec = torch.utils._pytree.tree_flatten(value)
-    plain = (int, float, bool, str, type(None))
-    return spec, tuple(
-        ("tensor", tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor)
-        else x if isinstance(x, plain) else ("object", id(x))
-        for x in leaves
-    )
-
-
-class _Replay(torch.autograd.Function):
-    """Stand-in for a repeated block: fresh meta outputs shaped like the representative's, gradients flow back."""
-
-    @staticmethod
-    def forward(ctx, like: tuple[torch.Tensor, ...], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
-        ctx.inputs = [(x.shape, x.dtype) for x in inputs]
-        fresh = tuple(torch.empty_like(t, device="meta") for t in like)
-        ctx.mark_non_differentiable(*(t for t, old in zip(fresh, like) if not old.requires_grad))
-        return fresh
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor) -> tuple:  # noqa: ANN001
-        return (None, *(torch.empty(shape, dtype=dt, device="meta") for shape, dt in ctx.inputs))
-
-
-class _BlockReplay:
-    """Measure repeated blocks once: a block is replayed when its container's first two elements of the same
-    class and parameter/buffer shapes took the same inputs, returned the same outputs and measured the same
-    forward FLOPs and saved bytes, and it takes those inputs too. Its numbers are then copied from the first.
-
-    Replay makes a 126-block model cost what a 2-block one does; a block whose behaviour depends on its index
-    alone with a period other than 2 (same shapes, different code path) would be mis-measured.
-    """
-
-    def __init__(
-        self, model: nn.Module, order: tuple[str, ...], counter: FlopCounterMode, *, root: str, enabled: bool
-    ) -> None:
-        self.model, self.counter, self.root = model, counter, root
-        self.groups: dict[tuple, list[str]] = {}
-        for fqn in order if enabled else ():
-            parent, _, _ = fqn.rpartition(".")
-            if parent and isinstance(model.get_submodule(parent), _CONTAINERS):
-                self.groups.setdefault((parent, _shape_key(model.get_submodule(fqn))), []).append(fqn)
-        self.seen: dict[str, tuple] = {}  # fqn -> (inputs, outputs, forward numbers), described
-        self.outputs: dict[str, object] = {}  # fqn -> what its forward returned (meta: costs nothing)
-        self.replayed: dict[str, str] = {}  # replayed fqn -> representative fqn
-
-    @contextmanager
-    def installed(self, tallies: dict[str, Tally]) -> Iterator[None]:
-        """Wrap the forward of every element of a repeated group (instance attribute, removed on exit)."""
-        wrapped = [(fqn, group) for group in self.groups.values() if len(group) > 2 for fqn in group]
-        modules = [self.model.get_submodule(fqn) for fqn, _ in wrapped]
-        for (fqn, group), module in zip(wrapped, modules):
-            module.forward = self._wrap(fqn, group, module.forward, tallies)
-        try:
-            yield
-        finally:
-            for module in modules:
-                del module.forward
-
-    def _wrap(self, fqn: str, group: list[str], forward: Callable, tallies: dict[str, Tally]) -> Callable:
-        def run(*args: object, **kwargs: object) -> object:
-            inputs = _describe((args, kwargs))
-            first, second = (self.seen.get(g) for g in group[:2])
-            if first is not None and first == second and first[0] == inputs:
-                self.replayed[fqn] = group[0]
-                return _replay(self.outputs[group[0]], args, kwargs)
-            out = forward(*args, **kwargs)
-            flops = sum(self.counter.get_flop_counts().get(f"{self.root}.{fqn}", {}).values())
-            self.seen[fqn] = (inputs, _describe(out), flops, tallies[fqn].saved_bytes)
-            self.outputs[fqn] = out
-            return out
-
-        return run
-
-
-def _shape_key(module: nn.Module) -> tuple:
-    tensors = [*module.named_parameters(), *module.named_buffers()]
-    return type(module).__qualname__, tuple((n, tuple(t.shape), t.dtype) for n, t in tensors)
-
-
-def _replay(like: object, args: tuple, kwargs: dict) -> object:
-    """Output shaped like ``like`` (fresh tensors, other leaves as they were), differentiable wrt the inputs."""
-    leaves, spec = torch.utils._pytree.tree_flatten(like)
-    tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
-    leaves_in = torch.utils._pytree.tree_leaves((args, kwargs))
-    grad_inputs = [x for x in leaves_in if isinstance(x, torch.Tensor) and x.requires_grad]
-    fresh = iter(_Replay.apply(tensors, *grad_inputs))
-    rebuilt = [next(fresh) if isinstance(x, torch.Tensor) else x for x in leaves]
-    return torch.utils._pytree.tree_unflatten(rebuilt, spec)
-
-
-class _FlashAttention(TorchFunctionMode):
-    """Route unmasked ``F.scaled_dot_product_attention`` to the flash kernel, which has meta kernels."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch protocol
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            out = _flash_sdpa(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
-
-
-def _flash_sdpa(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor | None:
-    if attn_mask is not None or query.dim() != 4:
-        return None  # flash takes no mask; the stock path measures it (with its unfused memory)
-    # The flash kernel broadcasts fewer key/value heads itself (GQA), so enable_gqa needs no handling.
-    flash = torch.ops.aten._scaled_dot_product_flash_attention
-    return flash(query, key, value, dropout_p, is_causal, False, scale=scale)[0]  # (B, nh, T, hd)

@@ -43,7 +43,7 @@ def test_layers_in_model_order_with_kinds(gpt_graph: LayerGraph, llama_graph: La
     ]
     assert [layer.kind for layer in llama_graph.layers] == ["embedding", "block", "block", "norm", "head", "loss"]
     assert (gpt_graph.model_name, gpt_graph.seq_len, gpt_graph.dtype) == (GPT_SPEC, T, "bf16")
-    assert gpt_graph.front_end == "torch.fx.symbolic_trace"
+    assert gpt_graph.front_end == "torch.fx.symbolic_trace" and gpt_graph.fallback_reasons == ()
 
 
 @pytest.mark.parametrize("spec", [GPT_SPEC, f"{GPT_SPEC},tie=true", "llama-tiny", "llama-tiny:tie=true"])
@@ -164,6 +164,15 @@ def test_capture_leaves_a_real_model_untouched() -> None:
     assert all("forward" not in vars(m) for m in model.modules())
 
 
+def test_capture_leaves_a_real_moe_model_untouched() -> None:
+    model = build_model("moe-tiny")
+    model(torch.zeros(1, 8, dtype=torch.long))
+    aux = model.blocks[0].moe.aux_loss
+    capture(model, seq_len=16, expert_capacity_factor=1.5)
+    assert model.blocks[0].moe.aux_loss is aux and model.blocks[0].moe.capacity_factor == 1.0
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
 def test_llama3_70b_on_meta_is_fast_and_small() -> None:
     start = time.perf_counter()
     graph = capture_preset("llama3-70b", seq_len=8192)
@@ -210,6 +219,66 @@ def test_looked_through_wrapper_and_plain_container() -> None:
     assert graph.model_name == "toy"
 
 
+def test_layer_facts_heads_experts_vocab_hidden(gpt_graph: LayerGraph, llama_graph: LayerGraph) -> None:
+    block = gpt_graph.blocks[0]
+    assert (block.hidden_size, block.attention_heads, block.kv_heads, block.experts) == (H, HEADS, HEADS, 0)
+    assert (gpt_graph.layer("tok_emb").vocab_size, gpt_graph.layer("head").vocab_size) == (V, V)
+    assert gpt_graph.layer("pos_emb").vocab_size == 0  # a position table is not a vocabulary
+    assert gpt_graph.layer("head").hidden_size == V  # the width of the head's output: the logits
+    assert gpt_graph.layer("ln_f").hidden_size == H and gpt_graph.layer("loss").hidden_size == 0
+    llama_block = llama_graph.blocks[0]
+    assert (llama_block.attention_heads, llama_block.kv_heads) == (4, 2)  # grouped-query attention
+    moe = capture_preset("moe-tiny", seq_len=32)
+    assert [b.experts for b in moe.blocks] == [4, 4] and moe.blocks[0].kv_heads == 2
+
+
+def test_tensor_parallel_pairs_from_the_data_flow(gpt_graph: LayerGraph, llama_graph: LayerGraph) -> None:
+    def pairs(layer):  # noqa: ANN001, ANN202
+        return [(p.role, p.column, p.row) for p in layer.tp_pairs]
+
+    assert pairs(gpt_graph.blocks[0]) == [
+        ("attention", ("attn.q", "attn.k", "attn.v"), "attn.o"),
+        ("mlp", ("mlp.up",), "mlp.down"),
+    ]
+    assert pairs(llama_graph.blocks[1])[1] == ("mlp", ("mlp.gate", "mlp.up"), "mlp.down")
+    moe = capture_preset("moe-tiny:shared=32", seq_len=16).blocks[0]
+    assert pairs(moe)[0] == ("attention", ("attn.q", "attn.k", "attn.v"), "attn.o")
+    experts = [p for p in pairs(moe) if p[0] == "expert"]
+    assert experts[2] == ("expert", ("moe.experts.2.gate", "moe.experts.2.up"), "moe.experts.2.down")
+    assert len(experts) == 4 and ("mlp", ("moe.shared.gate", "moe.shared.up"), "moe.shared.down") in pairs(moe)
+    # The router feeds the experts only through its top-k indices: no pair. Layers outside blocks have none.
+    assert not any("router" in p[1] for p in pairs(moe))
+    assert gpt_graph.layer("head").tp_pairs == ()
+
+
+def test_selective_recompute_drops_what_only_attention_saves(gpt_graph: LayerGraph) -> None:
+    block = gpt_graph.blocks[0]
+    # Flash attention saves q, k, v, its output, fp32 logsumexp (heads x T) and its RNG seed/offset (24 bytes).
+    # Recomputing it keeps q, k, v (the checkpoint holds them) and the output (the o projection saves a view of
+    # it), so only the logsumexp and RNG state go.
+    assert block.saved_bytes_no_recompute - block.saved_bytes_selective == HEADS * T * 4 + 24
+    assert block.saved_bytes_full_recompute == T * H * 2  # the block input only
+    assert block.selective_recompute_flops == 2 * 2 * T * T * H  # the attention core's forward FLOPs
+    assert gpt_graph.layer("head").saved_bytes_selective is None  # no attention core: not measured
+
+
+def test_moe_experts_are_measured_at_their_expected_load() -> None:
+    """Each expert runs ceil(top_k * tokens / experts * factor) tokens; the factor is settable at capture."""
+    hidden, ffn, experts, top_k, seq = 64, 128, 4, 2, 32
+
+    def expert_flops(graph: LayerGraph) -> float:
+        return graph.blocks[0].forward_flops - graph.layer("blocks.0").selective_recompute_flops
+
+    balanced = capture_preset("moe-tiny", seq_len=seq)
+    skewed = capture_preset("moe-tiny", seq_len=seq, expert_capacity_factor=1.5)
+    per_token = 2 * 3 * hidden * ffn  # gate, up, down
+    attention_linear = 2 * seq * (2 * hidden * hidden + 2 * hidden * 32)  # q, o: 64x64; k, v: 64x32 (GQA)
+    router = 2 * seq * hidden * experts
+    expected = top_k * seq  # tokens over all experts at factor 1.0
+    assert expert_flops(balanced) == attention_linear + router + expected * per_token
+    assert expert_flops(skewed) - expert_flops(balanced) == 0.5 * expected * per_token
+
+
 def test_untraceable_model_raises_capture_error_naming_the_module() -> None:
     class Gate(nn.Module):
         def __init__(self) -> None:
@@ -236,7 +305,10 @@ def test_untraceable_model_raises_capture_error_naming_the_module() -> None:
     message = str(info.value)
     assert "gates.0 (Gate)" in message
     assert "if x.sum() > 0" in message
-    assert "Next step" in message
+    # Every front end was tried and says why it failed; the next steps name the remedies.
+    for front_end in ("torch.fx.symbolic_trace cannot", "torch.export cannot", "make_fx cannot"):
+        assert front_end in message
+    assert "Next step" in message and "leaf_modules" in message and "example_inputs" in message
 
 
 def test_capture_preset_rejects_unknown_model() -> None:

@@ -155,3 +155,81 @@ def test_bad_override_key_names_key_and_valid_keys() -> None:
 def test_invalid_specs_say_what_is_wrong(spec: str, fragment: str) -> None:
     with pytest.raises(ModelSpecError, match=fragment):
         model_config(spec)
+
+
+# ----------------------------------------------------------------------------------------------- mixture of experts
+
+
+def test_moe_presets_and_family() -> None:
+    from tessera.models import MoE, MoEConfig
+
+    assert "mixtral-8x7b" in list_presets() and "moe-tiny" in list_presets()
+    mixtral = build_model("mixtral-8x7b", device="meta")
+    assert isinstance(mixtral, MoE)
+    # Jiang et al. 2024: 47B parameters in total (46.7B in the released checkpoint).
+    assert _param_count(mixtral) == pytest.approx(46.7e9, rel=0.01)
+    assert len(mixtral.blocks[0].moe.experts) == 8 and mixtral.blocks[0].moe.top_k == 2
+    config = model_config("moe:layers=1,hidden=32,heads=4,kv_heads=2,ffn=48,vocab=50,seq=16,experts=4,shared=24")
+    assert isinstance(config, MoEConfig) and (config.experts, config.top_k, config.shared_ffn) == (4, 2, 24)
+    assert model_config("moe-tiny:capacity=1.25").capacity_factor == 1.25
+    assert _param_count(build_model("moe-tiny", device="meta")) < 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"), [("moe-tiny:top_k=5", "exceeds experts"), ("moe-tiny:capacity=0", ">= 0.01")]
+)
+def test_invalid_moe_specs(spec: str, fragment: str) -> None:
+    with pytest.raises(ModelSpecError, match=fragment):
+        model_config(spec)
+
+
+def test_moe_dispatch_matches_dense_routing_when_nothing_is_dropped() -> None:
+    """With capacity for every token (factor = experts / top_k), dispatch equals sum_k w_k * expert_k(x)."""
+    torch.manual_seed(3)
+    model = build_model("moe-tiny:capacity=2.0,shared=32")  # 4 experts, top-2: capacity = all tokens
+    layer = model.blocks[0].moe
+    x = torch.randn(2, 8, 64)
+    probs = torch.softmax(layer.router(x.reshape(-1, 64)).float(), dim=-1)
+    weights, chosen = probs.topk(2, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    tokens = x.reshape(-1, 64)
+    dense = torch.stack(
+        [sum(weights[n, j] * layer.experts[int(chosen[n, j])](tokens[n]) for j in range(2)) for n in range(16)]
+    )
+    dense = dense + layer.shared(tokens)
+    torch.testing.assert_close(layer(x).reshape(-1, 64), dense, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_drops_assignments_over_capacity() -> None:
+    from tessera.models.moe import expert_capacity
+
+    assert expert_capacity(16, experts=4, top_k=2, capacity_factor=1.0) == 8
+    assert expert_capacity(10, experts=4, top_k=2, capacity_factor=1.25) == 7  # ceil(6.25)
+    torch.manual_seed(0)
+    layer = build_model("moe-tiny:capacity=0.25").blocks[0].moe  # 2 slots per expert for 16 tokens
+    layer.router.weight.data.zero_()  # every token ties: all choose experts 0 and 1
+    out = layer(torch.randn(1, 16, 64))
+    assert (out.reshape(16, 64).abs().sum(-1) > 0).sum() == 2  # only the first 2 tokens got a slot
+
+
+def test_moe_trains_with_its_aux_loss() -> None:
+    torch.manual_seed(1)
+    model = build_model("moe-tiny")
+    ids = torch.randint(0, 256, (2, 16))
+    logits = model(ids)
+    aux = model.aux_loss()
+    # Switch Transformer's loss is coef * E * sum_e f_e P_e >= coef (equality when routing is uniform).
+    assert aux.item() >= 0.01 * 2 * 0.999  # two layers
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()) + aux
+    loss.backward()
+    assert model.blocks[0].moe.router.weight.grad.abs().sum() > 0
+    assert all(expert.down.weight.grad is not None for expert in model.blocks[0].moe.experts)
+
+
+def test_moe_traces_with_fx_and_runs_on_meta() -> None:
+    model = build_model("moe-tiny")
+    traced = torch.fx.symbolic_trace(model)
+    ids = torch.randint(0, 256, (2, 12))
+    torch.testing.assert_close(traced(ids), model(ids), rtol=0, atol=0)
+    meta = build_model("moe-tiny", device="meta")
+    assert meta(torch.zeros(1, 16, dtype=torch.long, device="meta")).shape == (1, 16, 256)

@@ -1,0 +1,217 @@
+"""Mixture-of-experts transformer (Mixtral / DeepSeek style): Llama attention, routed SwiGLU experts.
+
+Each block is ``x + attn(norm(x))`` then ``x + moe(norm(x))``. The MoE layer is a top-k softmax router
+(Shazeer et al. 2017; top-2 with renormalised weights as Mixtral, Jiang et al. 2024, arXiv:2401.04088) over
+``experts`` SwiGLU MLPs held in a ``ModuleList`` (so expert parallelism can place whole experts on ranks), plus an
+optional always-on shared expert (DeepSeekMoE, Dai et al. 2024, arXiv:2401.06066).
+
+Dispatch is capacity-based, as GShard (Lepikhin et al. 2020, arXiv:2006.16668) and Switch Transformer
+(Fedus et al. 2022, arXiv:2101.03961): every expert processes exactly
+``capacity = ceil(top_k * tokens / experts * capacity_factor)`` token slots. Assignments are queued per expert,
+every token's first choice before any second choice; assignments past the capacity are dropped (their token
+keeps the residual path), empty slots hold zeros. All shapes are static, so the layer traces with
+``torch.fx`` and runs on the meta device, and what a planner measures on meta -- each expert at its expected
+load ``top_k * tokens / experts`` times the capacity factor -- is what training runs. ``capacity_factor`` is the
+knob for routing imbalance: 1.0 is the perfectly balanced expected load; Switch trains with 1.0-1.25.
+Capture can override it for a measurement (``capture(..., expert_capacity_factor=...)``).
+
+Load-balancing loss (Switch Transformer eq. 4): ``aux_loss_coef * experts * sum_e f_e * P_e`` with ``f_e`` the
+fraction of routed assignments that chose expert ``e`` and ``P_e`` its mean router probability. Each MoE layer
+stores its last value in ``.aux_loss``; ``MoE.aux_loss()`` sums them, so a training step adds
+``model.aux_loss()`` to the language-model loss. Tracing does not store it (a traced value is not a tensor).
+
+Module names (Tessera's contract): ``tok_emb``, ``blocks.{i}.attn_norm``, ``blocks.{i}.attn.{q,k,v,o}``,
+``blocks.{i}.mlp_norm``, ``blocks.{i}.moe.router``, ``blocks.{i}.moe.experts.{e}.{gate,up,down}``,
+``blocks.{i}.moe.shared.{gate,up,down}``, ``norm``, ``head``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.errors import ModelSpecError
+from tessera.models.llama import INIT_STD, NORM_EPS, GroupedQueryAttention, SwiGLU, rope_tables
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Shape of a mixture-of-experts model. ``seq_len`` is the longest sequence the RoPE tables cover."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    seq_len: int
+    experts: int
+    top_k: int = 2
+    shared_ffn: int = 0
+    capacity_factor: float = 1.0
+    aux_loss_coef: float = 0.01
+    rope_theta: float = 1000000.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        names = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "experts", "top_k")
+        for name in names:
+            if getattr(self, name) <= 0:
+                raise ModelSpecError(f"MoE {name} must be positive, got {getattr(self, name)}")
+        if self.hidden % self.heads or (self.hidden // self.heads) % 2:
+            raise ModelSpecError(
+                f"MoE hidden={self.hidden} must split into heads={self.heads} of even size (RoPE rotates pairs)"
+            )
+        if self.heads % self.kv_heads:
+            raise ModelSpecError(f"MoE heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        if self.top_k > self.experts:
+            raise ModelSpecError(f"MoE top_k={self.top_k} exceeds experts={self.experts}; pick top_k <= experts")
+        if self.capacity_factor < 0.01 or self.shared_ffn < 0 or self.aux_loss_coef < 0:
+            raise ModelSpecError("MoE capacity_factor must be >= 0.01; shared_ffn and aux_loss_coef non-negative")
+
+    @property
+    def head_dim(self) -> int:
+        """Features per attention head."""
+        return self.hidden // self.heads
+
+
+def expert_capacity(tokens: int, *, experts: int, top_k: int, capacity_factor: float) -> int:
+    """Token slots per expert: ceil(top_k * tokens / experts * capacity_factor).
+
+    Integer arithmetic only (the factor is taken in hundredths), so it also runs on traced sizes.
+    """
+    percent = round(capacity_factor * 100)
+    return (top_k * tokens * percent + experts * 100 - 1) // (experts * 100)
+
+
+class MoELayer(nn.Module):
+    """Top-k router, ``experts`` SwiGLU MLPs with capacity-based dispatch, optional shared expert."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.router = nn.Linear(config.hidden, config.experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(config.hidden, config.ffn_hidden) for _ in range(config.experts))
+        self.shared = SwiGLU(config.hidden, config.shared_ffn) if config.shared_ffn else None
+        self.num_experts, self.top_k = config.experts, config.top_k
+        self.capacity_factor = config.capacity_factor
+        self.aux_loss_coef = config.aux_loss_coef
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, H = x.shape
+        tokens = x.reshape(-1, H)  # (N, H)
+        probs = F.softmax(self.router(tokens).float(), dim=-1)  # (N, E), fp32 as Mixtral / Switch
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, k)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)  # (N, k)
+        choice = chosen.t().reshape(-1)  # (k*N,): every token's first choice, then every second choice
+        onehot = (choice.unsqueeze(-1) == torch.arange(self.num_experts, device=x.device)).long()  # (k*N, E)
+        self._store_aux_loss(probs, onehot)
+        capacity = expert_capacity(
+            tokens.size(0), experts=self.num_experts, top_k=self.top_k, capacity_factor=self.capacity_factor
+        )
+        slot = _slots(choice, onehot, capacity)  # (k*N,) in [0, E*C]; E*C means dropped
+        outputs = self._run_experts(tokens, slot, capacity)  # (E*C + 1, H); last row zeros
+        y = (outputs[slot].view(self.top_k, -1, H) * weights.t().unsqueeze(-1)).sum(0)  # (N, H)
+        if self.shared is not None:
+            y = y + self.shared(tokens)  # (N, H)
+        return y.view(B, T, H)
+
+    def _run_experts(self, tokens: torch.Tensor, slot: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Gather each expert's ``capacity`` tokens, run the experts, return their outputs plus a zero row."""
+        N, H = tokens.shape
+        filler = torch.full((self.num_experts * capacity + 1,), N, dtype=torch.long, device=tokens.device)
+        token_of = torch.arange(N, device=tokens.device).repeat(self.top_k)  # (k*N,)
+        filler = filler.scatter(0, slot, token_of)[:-1]  # (E*C,): the token in each slot; N = empty
+        padded = torch.cat([tokens, tokens.new_zeros(1, H)])  # (N + 1, H); row N is the empty slot
+        dispatched = padded[filler].view(self.num_experts, capacity, H)  # (E, C, H)
+        outputs = torch.stack([expert(dispatched[e]) for e, expert in enumerate(self.experts)])  # (E, C, H)
+        return torch.cat([outputs.view(-1, H), outputs.new_zeros(1, H)])  # (E*C + 1, H)
+
+    def _store_aux_loss(self, probs: torch.Tensor, onehot: torch.Tensor) -> None:
+        if torch.fx._symbolic_trace.is_fx_symbolic_tracing() or torch.compiler.is_compiling():
+            return  # a traced value is a proxy, not a loss
+        fraction = onehot.float().mean(0)  # (E,) share of assignments per expert
+        mean_prob = probs.mean(0)  # (E,)
+        self.aux_loss = self.aux_loss_coef * self.num_experts * (fraction * mean_prob).sum()
+
+
+def _slots(choice: torch.Tensor, onehot: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Dispatch-buffer slot of each assignment: expert * capacity + arrival order, or E*C when over capacity."""
+    experts = onehot.size(-1)
+    position = ((onehot.cumsum(0) - 1) * onehot).sum(-1)  # (k*N,) arrival order within its expert
+    return torch.where(position < capacity, choice * capacity + position, experts * capacity)
+
+
+class MoEBlock(nn.Module):
+    """Pre-RMSNorm block: x + attn(norm(x)), then x + moe(norm(x))."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
+        self.attn = GroupedQueryAttention(config)  # reads hidden, heads, kv_heads, head_dim
+        self.mlp_norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
+        self.moe = MoELayer(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, H)
+        return x + self.moe(self.mlp_norm(x))  # (B, T, H)
+
+
+class MoE(nn.Module):
+    """MoE language model: ``forward(input_ids (B, T)) -> logits (B, T, vocab)``; ``aux_loss()`` after it."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab, config.hidden)
+        self.blocks = nn.ModuleList(MoEBlock(config) for _ in range(config.layers))
+        self.norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
+        self.head = nn.Linear(config.hidden, config.vocab, bias=False)
+        self.tie_weights()
+        self.register_buffer("rope_cos", torch.empty(config.seq_len, config.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(config.seq_len, config.head_dim), persistent=False)
+        if not self.tok_emb.weight.is_meta:  # on meta there is nothing to initialise
+            self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """Share ``tok_emb.weight`` with ``head`` when configured; ``to_empty`` from meta unties them."""
+        if self.config.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise from the global torch RNG (call after ``to_empty``): normal(0, 0.02), unit norms, residual
+        output projections (``attn.o``, every ``down``) 0.02 / sqrt(2 * layers); recompute the RoPE tables."""
+        self.tie_weights()
+        scaled_std = INIT_STD / math.sqrt(2 * self.config.layers)
+        for name, module in self.named_modules():  # fixed order -> same seed, same weights
+            if isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                if module is self.head and self.config.tie_embeddings:
+                    continue
+                std = scaled_std if name.endswith(("attn.o", ".down")) else INIT_STD
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+        cos, sin = rope_tables(self.config, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        T = input_ids.size(1)
+        x = self.tok_emb(input_ids)  # (B, T, H)
+        cos = torch.narrow(self.rope_cos, 0, 0, T).to(x.dtype)  # (T, hd)
+        sin = torch.narrow(self.rope_sin, 0, 0, T).to(x.dtype)  # (T, hd)
+        for block in self.blocks:
+            x = block(x, cos, sin)  # (B, T, H)
+        return self.head(self.norm(x))  # (B, T, V)
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the blocks' load-balancing losses from the last forward (add it to the training loss)."""
+        losses = [block.moe.aux_loss for block in self.blocks if block.moe.aux_loss is not None]
+        if not losses:
+            raise RuntimeError("aux_loss() is available after a forward pass")
+        return torch.stack(losses).sum()

@@ -1,0 +1,105 @@
+"""Kernels during measurement: the fused ones GPU training runs, and the attention core selective recompute re-runs.
+
+On meta and CPU some functions take composite paths whose saved tensors differ from the fused CUDA kernels a
+training run uses; ``FusedKernels`` (a TorchFunctionMode) routes them to the fused ops, which have meta kernels:
+
+**Dropout** in training (``F.dropout``, p > 0) runs ``aten.native_dropout``, which saves a boolean mask (1 byte per
+element), as CUDA does; the CPU/meta composite path saves the mask in the input dtype.
+
+**Attention.** ``F.scaled_dot_product_attention`` on 4-D inputs is routed to
+``aten._scaled_dot_product_flash_attention``, which is what CUDA dispatches to (and CPU, as
+``..._flash_attention_for_cpu``): it has meta kernels and a FlopCounterMode formula, and it saves O(T) per head --
+without the routing, SDPA on meta takes the unfused math path that saves the (T, T) score matrix and overstates
+memory by orders of magnitude at long context.
+
+A call with ``attn_mask`` is measured the same way, with the mask kept for backward as the masked fused kernels
+(memory-efficient attention; CPU flash) keep it: its storage is charged once, to the first layer that uses it.
+On meta only shapes exist, so the kernel choice changes costs, never results. (Hugging Face models build an
+explicit boolean causal mask whenever they see fake or traced tensors, as here; in eager GPU training without
+padding they pass ``is_causal=True`` and no mask. The difference is one ``T x T`` byte mask per model.)
+
+**Selective recomputation** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", Section 4.2) re-runs the *core attention* -- QK^T, softmax, dropout, attention over V -- in backward and
+keeps every other activation. Here the core is each SDPA call. What stays saved is what
+``torch.utils.checkpoint`` around that call keeps: every tensor saved outside it, plus its inputs (q, k, v and the
+mask), which the checkpoint holds to re-run it. Measured attention that is not an SDPA call (a hand-written
+``softmax(q @ k.T) @ v``) is not recognised as a core: such a layer reports no selective figure.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+CORE_OPS = (
+    torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_efficient_attention,
+    torch.ops.aten._scaled_dot_product_cudnn_attention,
+)
+"""Aten ops whose forward FLOPs are the attention core (what selective recomputation re-runs)."""
+
+
+class AttentionObserver(Protocol):
+    """What the measurement learns about each attention call."""
+
+    def attention_started(self, query: torch.Tensor, key: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
+        """An SDPA call begins: its query/key shapes and the tensors a checkpoint of it would hold."""
+
+    def keep_for_backward(self, tensor: torch.Tensor) -> None:
+        """The kernel keeps ``tensor`` for backward outside autograd's view (the mask)."""
+
+    def attention_finished(self) -> None:
+        """The SDPA call returned."""
+
+
+class FusedKernels(TorchFunctionMode):
+    """Route 4-D SDPA to the flash kernel (reporting each call to ``observer``) and dropout to native_dropout."""
+
+    def __init__(self, observer: AttentionObserver) -> None:
+        super().__init__()
+        self.observer = observer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch protocol
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _fused_sdpa(self.observer, func, *args, **kwargs)
+        if func is F.dropout:
+            return _fused_dropout(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _fused_dropout(
+    stock: object, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> torch.Tensor:
+    if not training or p == 0.0 or inplace:
+        return stock(input, p, training, inplace)
+    return torch.native_dropout(input, p, True)[0]
+
+
+def _fused_sdpa(
+    observer: AttentionObserver,
+    stock: object,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    if query.dim() != 4:  # not (B, heads, T, head_dim): measure the stock path
+        return stock(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    inputs = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
+    if attn_mask is not None:
+        observer.keep_for_backward(attn_mask)
+    observer.attention_started(query, key, inputs)
+    try:
+        # The flash kernel broadcasts fewer key/value heads itself (GQA), so enable_gqa needs no handling.
+        flash = torch.ops.aten._scaled_dot_product_flash_attention
+        return flash(query, key, value, dropout_p, is_causal, False, scale=scale)[0]  # (B, nh, T, hd)
+    finally:
+        observer.attention_finished()

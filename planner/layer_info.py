@@ -1,0 +1,181 @@
+"""What capture reads off the module tree and the traced graph, besides measurements.
+
+- **kind**: ``embedding`` (an ``nn.Embedding``, or a layer holding one outside the repeated blocks), ``norm``,
+  ``head`` (the last layer owning a linear whose output reaches the model output), ``block`` (a composite element
+  of a ModuleList / ModuleDict / Sequential), else ``other``.
+- **tensor-parallel pairs** (``tp_pairs``): Megatron-LM's column/row split, found in the data flow of the traced
+  graph. A linear (``nn.Linear``, or Hugging Face's ``Conv1D``) is a *row* when linears of the same layer reach its
+  input through elementwise, reshaping and attention ops only -- no normalisation (which is where the residual
+  stream is read) and no routing index (``topk``, ``argmax``...) -- and it maps back to the width they read
+  (``row.out_features == column.in_features``). Those linears are its *columns*. The role is ``expert`` for a row
+  under an ``experts`` module, ``attention`` when the path crosses an attention op (SDPA, softmax), else ``mlp``.
+  Hugging Face's packed experts (3-D parameters) are not linears, so their layers report only attention pairs.
+  A user leaf module is one graph node, so pairs inside it are not seen.
+- **heads**: query heads as measured at the SDPA call; **kv_heads**: an attribute of the layer's modules or the
+  model's ``config`` named ``num_key_value_heads`` / ``num_kv_heads`` / ``n_kv_heads`` / ``kv_heads`` when
+  present (Hugging Face repeats key/value heads before SDPA), else the key heads measured at the SDPA call.
+- **experts**: the length of a ModuleList named ``experts``, or an integer ``num_experts`` / ``num_local_experts``
+  attribute of a module in the layer (the largest found).
+- **vocab_size**: the head's output width; an embedding layer's, when it holds an ``nn.Embedding`` of that many rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tessera.cost_models.types import LayerKind, LinearPair
+from tessera.planner.replay import CONTAINERS
+
+NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+_NORM_OPS = ("layer_norm", "rms_norm", "group_norm", "batch_norm")
+_ATTENTION_OPS = ("scaled_dot_product", "softmax")
+_INDEX_OPS = ("topk", "argmax", "argmin", "argsort", "one_hot", "nonzero")
+_KV_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
+_EXPERT_NAMES = ("num_experts", "num_local_experts")
+
+
+def linear_dims(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of a linear layer: ``nn.Linear``, or Hugging Face's ``Conv1D`` (weight stored (in, out))."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A normalisation layer, by class or by a class name ending in ``Norm`` (``LlamaRMSNorm``)."""
+    return isinstance(module, NORMS) or type(module).__name__.lower().endswith("norm")
+
+
+def layer_kind(module: nn.Module, *, is_head: bool, in_container: bool) -> LayerKind:
+    """Role of a layer (see the module docstring)."""
+    if isinstance(module, nn.Embedding) or (not in_container and _holds(module, nn.Embedding)):
+        return "embedding"
+    if is_norm(module):
+        return "norm"
+    if is_head:
+        return "head"
+    if in_container and any(True for _ in module.children()):
+        return "block"
+    return "other"
+
+
+def has_linear(module: nn.Module) -> bool:
+    """Whether the module is or holds a linear layer."""
+    return any(linear_dims(m) is not None for m in module.modules())
+
+
+def _holds(module: nn.Module, kind: type) -> bool:
+    return any(isinstance(m, kind) for m in module.modules())
+
+
+# ----------------------------------------------------------------------------------------------- tensor parallelism
+
+
+def node_path(node: torch.fx.Node) -> str:
+    """FQN of the innermost module that produced an fx node ('' for the root's own code)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return next(reversed(stack.values()))[0]
+    return str(node.target) if node.op == "get_attr" else ""
+
+
+def enclosing(path: str, names: Iterable[str] | set[str]) -> str | None:
+    """The longest name in ``names`` that is ``path`` or a module above it."""
+    parts = path.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in names:
+            return candidate
+    return None
+
+
+def tp_pairs(
+    graph: torch.fx.Graph, model: nn.Module, layers: dict[str, nn.Module]
+) -> dict[str, tuple[LinearPair, ...]]:
+    """Column/row-parallel linear pairs per layer FQN, from the data flow of ``graph``."""
+    dims = {fqn: d for fqn, m in model.named_modules() if (d := linear_dims(m)) is not None}
+    norms = {fqn for fqn, m in model.named_modules() if is_norm(m)}
+    feeds = _linear_feeds(graph, set(dims), norms)
+    position = {fqn: i for i, fqn in enumerate(dims)}  # model order
+    pairs: dict[str, list[LinearPair]] = {}
+    for row in sorted(feeds, key=position.__getitem__):
+        layer = enclosing(row, layers)
+        sources = {c for c, _ in feeds[row] if enclosing(c, layers) == layer and dims[c][0] == dims[row][1]}
+        columns = sorted(sources, key=position.__getitem__)
+        if layer is None or not columns:
+            continue
+        crossed_attention = any(att for c, att in feeds[row] if c in columns)
+        role = "expert" if "experts" in row.split(".") else "attention" if crossed_attention else "mlp"
+        relative = [name.removeprefix(layer + ".") for name in (*columns, row)]
+        pairs.setdefault(layer, []).append(LinearPair(column=tuple(relative[:-1]), row=relative[-1], role=role))
+    return {layer: tuple(found) for layer, found in pairs.items()}
+
+
+def _linear_feeds(graph: torch.fx.Graph, linears: set[str], norms: set[str]) -> dict[str, set[tuple[str, bool]]]:
+    """For each linear: the linears whose outputs reach its input, and whether through an attention op."""
+    reach: dict[torch.fx.Node, frozenset[tuple[str, bool]]] = {}
+    feeds: dict[str, set[tuple[str, bool]]] = {}
+    for node in graph.nodes:
+        incoming = frozenset().union(*(reach.get(n, frozenset()) for n in node.all_input_nodes))
+        path = node_path(node)
+        linear = enclosing(path, linears) if path else None
+        name = _op_name(node)
+        if linear is not None:
+            feeds.setdefault(linear, set()).update(src for src in incoming if src[0] != linear)
+            reach[node] = frozenset({(linear, False)})
+        elif (path and enclosing(path, norms)) or any(op in name for op in (*_NORM_OPS, *_INDEX_OPS)):
+            reach[node] = frozenset()
+        elif any(op in name for op in _ATTENTION_OPS):
+            reach[node] = frozenset((src, True) for src, _ in incoming)
+        else:
+            reach[node] = incoming
+    return feeds
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", None) or str(node.target)
+    return ""
+
+
+# ----------------------------------------------------------------------------------------------- model facts
+
+
+def kv_heads_declared(module: nn.Module, config: object) -> int:
+    """Key/value heads declared by an attribute of ``module``'s submodules or by ``config`` (0 if none)."""
+    for sub in module.modules():
+        found = next((getattr(sub, n) for n in _KV_NAMES if isinstance(getattr(sub, n, None), int)), 0)
+        if found:
+            return found
+    return next((getattr(config, n) for n in _KV_NAMES if isinstance(getattr(config, n, None), int)), 0)
+
+
+def expert_count(module: nn.Module) -> int:
+    """Routed experts in a layer (0 for a dense layer)."""
+    counts = [0]
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.ModuleList) and name.rpartition(".")[2] == "experts":
+            counts.append(len(sub))
+        counts.extend(getattr(sub, n) for n in _EXPERT_NAMES if isinstance(getattr(sub, n, None), int))
+    return max(counts)
+
+
+def embedding_vocab(module: nn.Module, vocab: int) -> int:
+    """``vocab`` when the layer holds an embedding table of ``vocab`` rows, else 0."""
+    found = any(isinstance(m, nn.Embedding) and m.num_embeddings == vocab for m in module.modules())
+    return vocab if vocab and found else 0
+
+
+def container_elements(root: nn.Module, layers: dict[str, nn.Module]) -> set[str]:
+    """Layers that are elements of a ModuleList / ModuleDict / Sequential."""
+    return {fqn for fqn in layers if "." in fqn and isinstance(root.get_submodule(fqn.rpartition(".")[0]), CONTAINERS)}

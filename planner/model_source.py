@@ -1,0 +1,162 @@
+"""Model sources: a spec string -> an ``nn.Module`` on the meta device (no weights), and the name to record.
+
+``resolve_model`` accepts:
+
+- a built-in preset or family, with overrides: ``llama3-70b``, ``gpt3-175b:layers=4``, ``mixtral-8x7b``,
+  ``moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=64,experts=8,top_k=2``
+  (``tessera.models``);
+- ``hf:<model_type>[:key=value,...]``: a Hugging Face ``transformers`` config built offline (no download) from
+  the library's defaults for that ``model_type`` plus the overrides, randomly initialised on meta:
+  ``hf:llama:num_hidden_layers=2,hidden_size=64``, ``hf:gpt2``, ``hf:mixtral``, ``hf:bert``. The model is the
+  masked-LM class when the type has one (encoders), else the causal-LM class, else the bare model. ``use_cache=False``
+  (a cache output does not export) and ``attn_implementation="sdpa"`` (so attention is a recognised core) are
+  set. Needs the optional extra: ``pip install 'tessera[hf]'``;
+- ``path/to/file.py:factory`` or ``package.module:factory``: a user function returning an ``nn.Module``. It is
+  called under ``torch.device("meta")``, so the parameters it creates are meta tensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tessera.errors import ModelSpecError
+from tessera.models import build_model, is_builtin_spec
+
+_FACTORY = re.compile(r"^(?P<module>[\w./\\-]+?(\.py)?):(?P<factory>[A-Za-z_]\w*)$")
+HF_INSTALL_HINT = "pip install 'tessera[hf]'"
+
+
+def resolve_model(spec: str) -> tuple[nn.Module, str]:
+    """The module a spec names, built on meta, and the name to record (the spec itself)."""
+    spec = spec.strip()
+    if spec.startswith("hf:"):
+        return hf_model(spec), spec
+    match = _FACTORY.match(spec)
+    if match and not is_builtin_spec(spec):
+        return factory_model(match["module"], match["factory"]), spec
+    return build_model(spec, device="meta"), spec  # raises ModelSpecError listing the presets when unknown
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """Longest sequence the model's position tables cover (built-in ``seq_len``, HF ``max_position_embeddings``)."""
+    config = getattr(model, "config", None)
+    for name in ("seq_len", "max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- factories
+
+
+def factory_model(module_name: str, factory_name: str) -> nn.Module:
+    """Call ``factory_name`` from a Python file or importable module, on meta; ModelSpecError if that fails."""
+    module = _load_module(module_name)
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ModelSpecError(f"{module_name} has no function {factory_name!r}; it defines {', '.join(names[:12])}")
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"{module_name}:{factory_name}() returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _load_module(name: str) -> object:
+    try:
+        if name.endswith(".py"):
+            path = Path(name).expanduser().resolve()
+            if not path.is_file():
+                raise ModelSpecError(f"model file {name} does not exist; give a path to a .py file and a factory")
+            spec = importlib.util.spec_from_file_location(f"tessera_user_model_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
+            spec.loader.exec_module(module)
+            return module
+        return importlib.import_module(name)
+    except ModelSpecError:
+        raise
+    except Exception as exc:
+        raise ModelSpecError(f"cannot import model source {name}: {type(exc).__name__}: {exc}") from exc
+
+
+# ----------------------------------------------------------------------------------------------- Hugging Face
+
+
+def hf_model(spec: str) -> nn.Module:
+    """A Hugging Face model from ``hf:<model_type>[:key=value,...]``, randomly initialised on meta."""
+    transformers = _transformers()
+    _, _, rest = spec.partition(":")
+    model_type, _, overrides = rest.partition(":")
+    values = _parse_overrides(overrides)
+    try:
+        defaults = transformers.AutoConfig.for_model(model_type.strip())
+    except (ValueError, KeyError) as exc:
+        raise ModelSpecError(f"unknown Hugging Face model_type {model_type!r} in {spec!r}: {exc}") from None
+    unknown = sorted(k for k in values if not hasattr(defaults, k))
+    if unknown:
+        raise ModelSpecError(
+            f"{spec!r}: {model_type} configs have no {', '.join(unknown)}; keys are the config's attributes, "
+            f"e.g. {', '.join(sorted(k for k in defaults.to_dict() if not k.startswith('_'))[:10])}"
+        )
+    config = transformers.AutoConfig.for_model(model_type.strip(), **values)
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = _hf_class(transformers, config).from_config(config, attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model
+
+
+def _transformers() -> object:
+    try:
+        import transformers
+    except ImportError:
+        raise ModelSpecError(
+            f"hf: model specs need Hugging Face transformers, which is not installed: {HF_INSTALL_HINT}"
+        ) from None
+    return transformers
+
+
+def _hf_class(transformers: object, config: object) -> object:
+    """The LM class for the config's type: masked LM (encoders such as BERT also list a causal-LM head, which
+    warns without ``is_decoder``), else causal LM, else the bare model."""
+    mapping = transformers.models.auto.modeling_auto
+    if config.model_type in mapping.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return transformers.AutoModelForMaskedLM
+    if config.model_type in mapping.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModel
+
+
+def _parse_overrides(text: str) -> dict[str, object]:
+    values: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ModelSpecError(f"bad Hugging Face override {item!r}; expected key=value")
+        values[key.strip()] = _parse_value(raw.strip())
+    return values
+
+
+def _parse_value(raw: str) -> object:
+    lowered = raw.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw

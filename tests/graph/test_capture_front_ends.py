@@ -1,0 +1,141 @@
+"""Front ends (fx, export, make_fx), their fallbacks, leaf modules, example inputs and tracing errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tessera.errors import CaptureError
+from tessera.models import build_model
+from tessera.planner.capture import capture
+
+
+class ShapeGate(nn.Module):
+    """Python control flow on a size: torch.fx cannot follow it, torch.export (real shapes) can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.size(1) % 2 == 0:
+            return x + self.down(torch.relu(self.up(x)))
+        return x
+
+
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(ShapeGate() for _ in range(3))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.fixture(scope="module")
+def toy_graph():  # noqa: ANN201
+    return capture(Toy(), seq_len=8)
+
+
+def test_falls_back_to_export_and_says_why(toy_graph) -> None:  # noqa: ANN001
+    assert toy_graph.front_end == "torch.export"
+    (reason,) = toy_graph.fallback_reasons
+    assert reason.startswith("torch.fx.symbolic_trace cannot trace blocks.0 (ShapeGate)")
+    assert "if x.size(1) % 2 == 0" in reason
+    assert [layer.fqn for layer in toy_graph.layers] == ["emb", "blocks.0", "blocks.1", "blocks.2", "head", "loss"]
+    assert [(p.column, p.row, p.role) for p in toy_graph.blocks[0].tp_pairs] == [(("up",), "down", "mlp")]
+
+
+def test_front_ends_agree(toy_graph) -> None:  # noqa: ANN001
+    leaf = capture(Toy(), seq_len=8, leaf_modules=(ShapeGate,))
+    assert leaf.front_end == "torch.fx.symbolic_trace" and leaf.fallback_reasons == ()
+    assert leaf.layers[:1] == toy_graph.layers[:1] and leaf.edges == toy_graph.edges
+    assert leaf.blocks[0].tp_pairs == ()  # a leaf is one node in the graph: its linears are not seen
+    by_name = capture(Toy(), seq_len=8, leaf_modules=("blocks.0", "blocks.1", "blocks.2"))
+    assert by_name.front_end == "torch.fx.symbolic_trace"
+    made = capture(Toy(), seq_len=8, front_ends=("make_fx",))
+    assert made.front_end == "make_fx" and made.layers == toy_graph.layers and made.edges == toy_graph.edges
+
+
+def test_every_front_end_gives_the_same_graph_for_llama() -> None:
+    model = build_model("llama-tiny", device="meta")
+    graphs = [capture(model, seq_len=16, front_ends=(name,)) for name in ("fx", "export", "make_fx")]
+    assert [g.front_end for g in graphs] == ["torch.fx.symbolic_trace", "torch.export", "make_fx"]
+    assert graphs[0].layers == graphs[1].layers == graphs[2].layers
+    assert graphs[0].edges == graphs[1].edges == graphs[2].edges
+
+
+def test_a_real_model_is_traced_through_a_meta_twin() -> None:
+    model = Toy()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    graph = capture(model, seq_len=8, front_ends=("export",))
+    assert graph.front_end == "torch.export"
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_unknown_front_end_is_named() -> None:
+    with pytest.raises(CaptureError, match="unknown front end"):
+        capture(Toy(), seq_len=8, front_ends=("jit",))
+
+
+class TinyCNN(nn.Module):
+    """Image classifier: input (B, 3, H, W), not token ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.stages = nn.Sequential(*(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()) for _ in range(3)))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(self.stages(self.stem(images))).flatten(1))  # (B, 10)
+
+
+def test_example_inputs_for_a_model_that_does_not_take_token_ids() -> None:
+    images = torch.randn(2, 3, 16, 16)  # real values are never read: they become meta tensors
+    graph = capture(TinyCNN(), seq_len=1, example_inputs=(images,), name="cnn", dtype=torch.float32)
+    assert [(layer.fqn, layer.kind) for layer in graph.layers] == [
+        ("stem", "other"),
+        ("stages.0", "block"),
+        ("stages.1", "block"),
+        ("stages.2", "block"),
+        ("pool", "other"),
+        ("fc", "head"),
+        ("loss", "loss"),
+    ]
+    conv_flops = 2 * 2 * 16 * 16 * 8 * 8 * 9  # batch x pixels x out x in x 3x3, 2 FLOPs per multiply-add
+    assert graph.layer("stages.1").forward_flops == conv_flops
+    assert graph.layer("stem").saved_bytes_full_recompute == images.numel() * 4
+    assert graph.layer("fc").vocab_size == 10 and graph.seq_scaling == ()
+    keyword = capture(TinyCNN(), seq_len=1, example_inputs={"images": images}, dtype=torch.float32)
+    assert keyword.layers == graph.layers
+
+
+def test_data_dependent_model_names_module_op_and_remedies() -> None:
+    class Gate(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2 if x.sum() > 0 else x
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.gate = Gate()
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.gate(self.emb(ids))
+
+    with pytest.raises(CaptureError) as info:
+        capture(Model(), seq_len=4)
+    message = str(info.value)
+    assert message.count("gate (Gate)") == 3  # each front end names the module
+    assert "x.sum() > 0" in message and "torch.where" in message and "leaf_modules" in message

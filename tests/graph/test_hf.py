@@ -1,0 +1,115 @@
+"""Hugging Face models (optional extra ``tessera[hf]``): capture from ``hf:`` specs, on meta, with torch.export."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tessera.errors import ModelSpecError  # noqa: E402
+from tessera.planner.capture import capture_preset  # noqa: E402
+from tessera.planner.model_source import resolve_model  # noqa: E402
+
+H, F, HEADS, KV, V, T = 64, 128, 4, 2, 256, 32
+DECODER = f"hidden_size={H},intermediate_size={F},num_hidden_layers=3,num_attention_heads={HEADS},vocab_size={V}"
+SPECS = {
+    "llama": f"hf:llama:{DECODER},num_key_value_heads={KV},max_position_embeddings=128",
+    "gpt2": f"hf:gpt2:n_embd={H},n_inner={F},n_layer=3,n_head={HEADS},vocab_size={V},n_positions=128",
+    "mixtral": f"hf:mixtral:{DECODER},num_key_value_heads={KV},num_local_experts=4,num_experts_per_tok=2,"
+    "max_position_embeddings=128",
+    "bert": f"hf:bert:{DECODER},max_position_embeddings=128",
+}
+# Linear FLOPs per token of one block: attention projections, then the MLP (2 FLOPs per multiply-add).
+ATTENTION_LINEAR = {"llama": 2 * (2 * H * H + 2 * H * H // 2), "gpt2": 2 * 4 * H * H, "bert": 2 * 4 * H * H}
+MLP_LINEAR = {"llama": 2 * 3 * H * F, "gpt2": 2 * 2 * H * F, "bert": 2 * 2 * H * F}
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def captured(request):  # noqa: ANN001, ANN201
+    name = request.param
+    model, _ = resolve_model(SPECS[name])
+    return name, model, capture_preset(SPECS[name], seq_len=T)
+
+
+def test_hf_models_capture_with_export_on_meta(captured) -> None:  # noqa: ANN001
+    name, model, graph = captured
+    assert all(p.is_meta for p in model.parameters())  # random init on meta: nothing was allocated
+    assert graph.front_end == "torch.export"
+    (reason,) = graph.fallback_reasons  # Hugging Face forwards do not symbolically trace
+    assert reason.startswith("torch.fx.symbolic_trace cannot trace")
+    assert graph.param_count == sum(p.numel() for p in model.parameters())
+    assert len(graph.blocks) == 3 and graph.layers[-1].fqn == "loss"
+    assert graph.layers[-2].kind == "head" and graph.layers[-2].vocab_size == V
+    assert graph.layers[0].kind == "embedding" and graph.layers[0].vocab_size == V
+
+
+def test_hf_block_facts(captured) -> None:  # noqa: ANN001
+    name, _, graph = captured
+    block = graph.blocks[-1]
+    kv = KV if name in ("llama", "mixtral") else HEADS  # declared by the config: HF repeats kv heads before SDPA
+    assert (block.hidden_size, block.attention_heads, block.kv_heads) == (H, HEADS, kv)
+    assert block.experts == (4 if name == "mixtral" else 0)
+    roles = [p.role for p in block.tp_pairs]
+    assert roles == (["attention"] if name == "mixtral" else ["attention", "mlp"])  # packed experts: no linears
+    assert block.saved_bytes_full_recompute <= block.saved_bytes_selective <= block.saved_bytes_no_recompute
+
+
+def test_hf_block_flops_are_the_analytic_count(captured) -> None:  # noqa: ANN001
+    name, _, graph = captured
+    attention = 2 * 2 * T * T * H  # scores and weighted values
+    block = graph.blocks[-1]
+    if name == "mixtral":
+        linear = 2 * (2 * H * H + 2 * H * H // 2) + 2 * H * 4  # projections and the router
+        experts = 2 * T * 2 * 3 * H * F  # top-2 of 4 experts: each at its expected load of 2 T / 4 tokens
+        assert block.forward_flops == T * linear + attention + experts
+    else:
+        assert block.forward_flops == T * (ATTENTION_LINEAR[name] + MLP_LINEAR[name]) + attention
+    assert block.selective_recompute_flops == attention
+
+
+def test_hf_rescales_to_other_sequence_lengths(captured) -> None:  # noqa: ANN001
+    name, _, graph = captured
+    if name in ("llama", "bert"):  # a causal (mask T x T) and a bidirectional model; the others cost the same
+        assert graph.at_seq_len(24) == capture_preset(SPECS[name], seq_len=24)
+
+
+def test_hf_mixtral_expert_load_is_settable() -> None:
+    spec = SPECS["mixtral"].replace("num_hidden_layers=3", "num_hidden_layers=1")
+    base = capture_preset(spec, seq_len=T)
+    busy = capture_preset(spec, seq_len=T, expert_capacity_factor=2.0)
+    extra = busy.blocks[0].forward_flops - base.blocks[0].forward_flops
+    assert extra == 2 * T * 2 * 3 * H * F  # twice the expected load: 2 T more token slots over all experts
+
+
+def test_hf_model_of_realistic_width_allocates_nothing() -> None:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    graph = capture_preset("hf:llama:num_hidden_layers=2", seq_len=512)  # 4096 wide: 0.67B parameters
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert graph.param_count > 0.6e9
+    assert grown < 300 * 2**20  # fp32 weights alone would be 2.7 GB
+
+
+def test_hf_spec_errors_name_the_problem() -> None:
+    with pytest.raises(ModelSpecError, match="no hidden_sise"):
+        resolve_model("hf:llama:hidden_sise=64")
+    with pytest.raises(ModelSpecError, match="unknown Hugging Face model_type"):
+        resolve_model("hf:no-such-model")
+
+
+def test_a_users_hf_model_with_its_default_cache_setting() -> None:
+    """capture(model) on a model built by the user: use_cache=True in its config, passed as a module."""
+    import torch
+    import transformers
+
+    from tessera.planner.capture import capture
+
+    values = {key: int(value) for key, value in (item.split("=") for item in DECODER.split(","))}
+    config = transformers.AutoConfig.for_model("llama", **values)
+    assert config.use_cache
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    graph = capture(model, seq_len=T)  # the forward is called with use_cache=False: training keeps no cache
+    direct = capture_preset("hf:llama:" + DECODER, seq_len=T)
+    assert graph.front_end == "torch.export" and graph.layers == direct.layers
