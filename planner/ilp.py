@@ -9,7 +9,7 @@ blocks differ is planned with its heaviest block, which over-approximates time a
 
 Variables: ``x[s, r] in Z>=0`` = blocks on stage ``s`` under policy ``r``; ``T >= 0`` the pace.
 
-    minimise    T
+    minimise    T  (then, among equal T, the number of recomputed blocks)
     subject to  sum_{s,r} x[s, r] = L                                   (assign)
                 sum_r x[s, r] >= 1                        for all s       (nonempty_s)
                 M0[s] + sum_r m[s, r] x[s, r] <= B        for all s       (memory_s)
@@ -105,20 +105,22 @@ def solve(
     add_assignment_constraints(model, x, stages=len(stages), policies=policies, blocks=blocks, fixed_blocks=fixed_blocks)
     add_memory_constraints(model, x, stages, policies=policies, budget_bytes=budget_bytes)
     add_pace_constraints(model, x, pace, stages, policies=policies)
-    model.minimize(pace)
+    # Lexicographic: the pace first, then as few recomputed blocks as possible (clean plans among ties).
+    recomputed = sum(var for (s, p), var in x.items() if p != "none")
+    model.minimize(pace * (blocks + 1) + recomputed)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = SOLVER_TIME_LIMIT_S
     solver.parameters.num_workers = 1  # deterministic: the same plan on every rank and every run
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-    bound = solver.best_objective_bound
+    bound, objective = solver.best_objective_bound, solver.objective_value
     return IlpResult(
         blocks=tuple({p: solver.value(x[s, p]) for p in policies} for s in range(len(stages))),
-        pace_s=solver.objective_value * TIME_UNIT_S,
+        pace_s=solver.value(pace) * TIME_UNIT_S,
         status=solver.status_name(status),
         wall_time_s=solver.wall_time,
-        gap=(solver.objective_value - bound) / solver.objective_value if solver.objective_value else 0.0,
+        gap=(objective - bound) / objective if objective else 0.0,
     )
 
 

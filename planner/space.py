@@ -35,8 +35,8 @@ def mesh_shapes(layers: list[LayerStats], cluster: Cluster, training: TrainingCo
         if "tp" in pins:
             if tp != pins["tp"]:
                 continue
-        elif tp > cluster.devices_per_node or any(h % tp for h in heads):
-            continue
+        elif cluster.devices_per_node % tp or any(h % tp for h in heads):
+            continue  # a tensor-parallel group must tile the node (the fast link domain) and split the heads
         for pp in divisors(world // tp):
             dp = world // (tp * pp)
             if pp > max(blocks, 1) or training.global_batch % dp:
