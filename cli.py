@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2; NCCL if that many GPUs)")
     profile.add_argument("--out", default="cluster.yaml", help="cluster file to write (default cluster.yaml)")
     profile.add_argument("--quick", action="store_true", help="reduced size sweep (seconds; for smoke tests)")
-    profile.add_argument("--trials", type=int, default=None, help="trials per measured point (default 5)")
+    profile.add_argument("--trials", type=int, default=None, help="trials per measured point (default 7)")
     profile.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 

@@ -1,14 +1,33 @@
-"""The cluster data model: devices and the hierarchy of links that joins them."""
+"""The cluster data model: devices and the hierarchy of links that joins them.
+
+A ``Cluster`` is ``num_devices`` ranks of one primary ``DeviceSpec`` joined by ``levels``, innermost first.
+Each ``LinkLevel`` is a set of ``group_size`` consecutive ranks (an NVLink/NVSwitch node of 8, a rail-
+optimised InfiniBand leaf of a few hundred GPUs, the spine spanning the world; a TPU torus axis; a GB200
+NVL72 rack) and says what one device gets when it talks to another rank inside that set but outside the
+level below: per-direction bandwidth, one-message latency, the fraction of the bandwidth collectives reach
+(bus-bandwidth efficiency), and oversubscription of the switches above the level below. Ranks are numbered
+so that each level's groups are consecutive, as ``torchrun`` numbers them (node-major).
+
+Collective costs on this model are in ``tessera.topology.collectives``; presets and YAML files in
+``tessera.topology.presets``.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tessera.errors import ClusterSpecError
 
 FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
+"""Collective kinds the cost model and the profiler know, in the order reports list them."""
+
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p"]
+Algorithm = Literal["ring", "tree", "flat", "direct"]
 
 
 class DeviceSpec(BaseModel):
@@ -17,13 +36,17 @@ class DeviceSpec(BaseModel):
     model_config = FROZEN
 
     name: str
-    """Catalog name, e.g. ``H100-SXM-80GB``."""
+    """Catalog name, e.g. ``H100-SXM-80GB``; ``local-cpu`` for this machine's CPU."""
     peak_flops_by_dtype: dict[str, float]
-    """Peak dense FLOP/s per compute dtype (keys ``fp32``, ``bf16``, ``fp16``, ``fp8``)."""
+    """Peak dense FLOP/s per compute dtype (keys ``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``); for
+    ``local-cpu`` the matmul rate ``tessera profile`` measured (or a nominal figure)."""
     memory_bytes: int = Field(gt=0)
     """Usable device memory capacity in bytes."""
     memory_bandwidth_bytes_per_s: float = Field(gt=0)
     """Peak memory bandwidth in bytes/s."""
+    scale_up_bandwidth_bytes_per_s: float | None = Field(default=None, gt=0)
+    """Per-direction bandwidth of the device's scale-up links (NVLink, Infinity Fabric, ICI, on-chip RoCE)
+    in bytes/s, summed over its links; ``None`` where not catalogued."""
     source: str
     """Where every number above comes from (datasheet, paper table, or a measurement command)."""
 
@@ -39,7 +62,7 @@ class DeviceSpec(BaseModel):
 
 
 class LinkLevel(BaseModel):
-    """One level of the link hierarchy, innermost first (e.g. NVLink domain, then InfiniBand)."""
+    """One level of the link hierarchy, innermost first (e.g. NVLink domain, then InfiniBand leaf, spine)."""
 
     model_config = FROZEN
 
@@ -50,26 +73,105 @@ class LinkLevel(BaseModel):
     bandwidth_bytes_per_s: float = Field(gt=0)
     """Per-device, per-direction bandwidth at this level in bytes/s."""
     latency_s: float = Field(ge=0)
-    """One-message latency at this level in seconds (the alpha of alpha-beta)."""
+    """One-message latency at this level in seconds (the alpha of alpha-beta), per algorithm step."""
     efficiency: float = Field(default=1.0, gt=0, le=1)
     """Fraction of ``bandwidth_bytes_per_s`` collectives reach in practice (bus-bandwidth efficiency)."""
+    oversubscription: float = Field(default=1.0, ge=1.0)
+    """Ratio of downlink to uplink capacity of the switches that join this level's sub-groups (1.0 is a
+    non-blocking fat tree; Llama 3's aggregation layer is 7.0). Divides the bandwidth of every group that
+    crosses this level (the worst case: every sub-group sends out at once)."""
+    collective_efficiency: dict[Collective, float] = Field(default_factory=dict)
+    """Per-collective bus-bandwidth efficiency overriding ``efficiency`` (values in (0, 1]); ``tessera
+    profile`` fits one per collective because libraries reach different fractions of a link per collective."""
+    collective_latency_s: dict[Collective, float] = Field(default_factory=dict)
+    """Per-collective per-step latency overriding ``latency_s``, in seconds (fitted by ``tessera profile``)."""
+    collective_local_s_per_byte: dict[Collective, float] = Field(default_factory=dict)
+    """Per-collective cost on each device itself per byte of its buffer, in seconds per byte: copying into
+    the output, reducing; it does not shrink with the number of participants (the gamma of the
+    alpha-beta-gamma model, Thakur et al. 2005). 0 where absent: on GPUs it hides in ``efficiency``; on
+    CPU ranks sharing cores ``tessera profile`` fits it."""
+    collective_measured: dict[Collective, dict[int, tuple[float, float]]] = Field(default_factory=dict)
+    """``(latency_s, bandwidth_bytes_per_s)`` fitted by ``tessera profile`` for exactly ``p`` participants at
+    this level, per collective and ``p``, with the collective's algorithm coefficients. Used instead of the
+    level-wide values for that ``p`` (as NCCL's tuning tables beat a formula): measured ``p``-scaling wins
+    where the formula's does not hold, e.g. on CPU ranks sharing cores a ring step among 4 ranks costs more
+    than one among 2. ``efficiency``, ``oversubscription`` and the local cost do not apply to these."""
+    collective_algorithm: dict[Collective, Algorithm] = Field(default_factory=dict)
+    """The algorithm the communication library uses for a collective at this level, where known (fitted by
+    ``tessera profile``: gloo broadcasts ``flat`` from the root). Absent: the faster of ring and tree, as
+    NCCL's tuner picks. See ``tessera.topology.collectives`` for each algorithm's formula."""
     source: str
     """Where the bandwidth and latency come from."""
 
+    @field_validator("collective_efficiency")
+    @classmethod
+    def _efficiencies_in_range(cls, values: dict[str, float]) -> dict[str, float]:
+        bad = {k: v for k, v in values.items() if not 0 < v <= 1}
+        if bad:
+            raise ValueError(f"values must be in (0, 1], got {bad}")
+        return values
+
+    @field_validator("collective_measured")
+    @classmethod
+    def _measured_positive(cls, values: dict[str, dict[int, tuple[float, float]]]) -> dict:
+        bad = {k: table for k, table in values.items() if any(p < 2 or a < 0 or b <= 0 for p, (a, b) in table.items())}
+        if bad:
+            raise ValueError(f"entries need p >= 2, latency >= 0 and bandwidth > 0, got {bad}")
+        return values
+
+    @field_validator("collective_latency_s", "collective_local_s_per_byte")
+    @classmethod
+    def _latencies_not_negative(cls, values: dict[str, float]) -> dict[str, float]:
+        bad = {k: v for k, v in values.items() if v < 0}
+        if bad:
+            raise ValueError(f"values must be >= 0, got {bad}")
+        return values
+
+    def link(self, collective: Collective) -> tuple[float, float]:
+        """``(latency_s, bandwidth_bytes_per_s)`` one device reaches in ``collective`` across this level.
+
+        Bandwidth is ``bandwidth_bytes_per_s * efficiency / oversubscription``, with the per-collective
+        efficiency and latency where the level has them.
+        """
+        efficiency = self.collective_efficiency.get(collective, self.efficiency)
+        latency = self.collective_latency_s.get(collective, self.latency_s)
+        return latency, self.bandwidth_bytes_per_s * efficiency / self.oversubscription
+
+
+class DeviceGroup(BaseModel):
+    """Devices of a second kind in a heterogeneous cluster (recorded; not planned on yet)."""
+
+    model_config = FROZEN
+
+    device: DeviceSpec
+    """The device kind of this group."""
+    num_devices: int = Field(gt=0)
+    """How many devices of this kind."""
+    note: str = ""
+    """How the group attaches to the cluster (e.g. 'a second pod of A100 nodes on the same spine')."""
+
 
 class Cluster(BaseModel):
-    """A homogeneous set of devices joined by a hierarchy of link levels."""
+    """A set of devices of one primary kind joined by a hierarchy of link levels.
+
+    Heterogeneous clusters (say 64 H100 and 32 A100 on one fabric) are representable: ``device`` and
+    ``num_devices`` describe the primary kind, the one every planned rank runs on, and ``extra_devices``
+    lists the other kinds. The planner and cost model use the primary kind only; the extra groups are kept
+    so a cluster file round-trips and a later planner can place work on them.
+    """
 
     model_config = FROZEN
 
     name: str
     """Spec this cluster was built from, e.g. ``dgx-h100:nodes=8``."""
     device: DeviceSpec
-    """The device every rank runs on."""
+    """The device every planned rank runs on (the primary kind)."""
     num_devices: int = Field(gt=0)
-    """Total devices (world size)."""
+    """Total devices of the primary kind (world size)."""
     levels: tuple[LinkLevel, ...]
     """Link levels innermost first; the last one must span the whole cluster."""
+    extra_devices: tuple[DeviceGroup, ...] = ()
+    """Devices of other kinds on the same fabric; not part of ``num_devices`` or the planned world."""
 
     @model_validator(mode="after")
     def _levels_nest(self) -> "Cluster":

@@ -1,26 +1,156 @@
-"""Collective times on the link hierarchy (alpha-beta, ring algorithm, hierarchical phases).
+r"""Collective times on the link hierarchy: alpha-beta per level, ring/tree algorithms, hierarchical phases.
 
-A group of ``n`` ranks laid ``stride`` apart is decomposed level by level, innermost first: at each level
-it joins ``p`` sub-groups of the level below. A reduce-scatter runs a ring over those ``p`` participants
-per level on the data that is left after the levels below (data shrinks by ``p`` each level); an
-all-gather is the mirror image; an all-reduce is both. This is the bandwidth NCCL's multi-channel rings
-reach on rail-optimised clusters (every device's own NIC carries ``1/p`` of the inter-node traffic).
+Notation: a group of ``n`` ranks laid ``stride`` apart (a mesh axis); ``N`` bytes as defined per collective
+below; at a level, ``alpha`` is the per-step latency and ``B`` the bandwidth one device reaches,
+``B = bandwidth * efficiency / oversubscription`` (``LinkLevel.link``, with the level's per-collective
+efficiency and latency where it has them).
+
+**Layout.** The group is decomposed level by level, innermost first (``participants_per_level``): at level
+``l`` it joins ``p_l`` sub-groups of the level below, ``n = p_1 * p_2 * ... * p_L``. A group of 8 with
+stride 1 on 8-GPU nodes has one phase (NVLink, ``p = 8``); a group of 8 with stride 8 has one phase at the
+network level (``p = 8``, one GPU per node); a group of 16 with stride 1 has two (``p = 8`` then ``p = 2``).
+
+**One level, p participants, D bytes** — ``t = steps(p) * alpha + volume(p) * D / B + gamma * D``
+(``coefficients``; ``gamma`` is the level's per-byte local cost, ``LinkLevel.collective_local_s_per_byte``,
+0 unless profiled; a profiled level may also carry alpha and B measured for exactly this ``p``,
+``LinkLevel.collective_measured``, which then replace the level-wide values):
+
+=================  =========  ===========================  ==========================
+collective         algorithm  steps                        volume
+=================  =========  ===========================  ==========================
+reduce-scatter     ring       p - 1                        (p - 1) / p
+all-gather         ring       p - 1                        (p - 1) / p
+all-reduce         ring       2 (p - 1)                    2 (p - 1) / p
+all-reduce         tree       2 ceil(log2 p)               2
+broadcast          ring       p - 1                        1
+broadcast          tree       ceil(log2 p)                 ceil(log2 p)
+broadcast          flat       p - 1                        p - 1
+all-to-all         direct     p - 1                        (p - 1) / p
+point-to-point     direct     1                            1
+=================  =========  ===========================  ==========================
+
+Ring all-reduce is a reduce-scatter then an all-gather: each device sends ``2(p-1)/p`` of the buffer
+(Patarasuk & Yuan 2009; Thakur, Rabenseifner & Gropp 2005). Tree all-reduce is NCCL's pipelined double
+binary tree: a reduce up and a broadcast down, ``log2 p`` steps each, every rank sending the whole buffer
+once per direction. Ring broadcast is a pipelined chain; tree broadcast a binomial tree (the whole buffer
+per step); flat broadcast the root sending to each peer in turn (what gloo does). Ring beats tree for
+all-reduce above ``N* = p * B * alpha * (p - 1 - ceil(log2 p))`` bytes; ``algorithm="auto"`` takes the
+faster, as NCCL's tuner does, unless the level pins one (``LinkLevel.collective_algorithm``).
+
+**Across levels** (``D_l = N / (p_1 ... p_{l-1})`` is the data left after the levels below):
+
+- reduce-scatter ``N`` (the full input buffer): ``sum_l RS_l(p_l, D_l)``; all-gather into an ``N``-byte
+  output: the mirror image, ``sum_l AG_l(p_l, D_l)``. This is the bandwidth NCCL's multi-channel rings reach
+  on rail-optimised clusters: each device's own NIC carries ``1/p`` of the inter-node traffic.
+- all-reduce ``N``: reduce-scatter through the inner levels, all-reduce of the ``D_L`` shard at the outermost
+  level (ring or tree), all-gather back: ``sum_{l<L} [RS_l + AG_l](D_l) + AR_L(D_L)``.
+- broadcast ``N``: outermost level first, then inside each sub-group: ``sum_l BC_l(p_l, N)`` (pipelining
+  across levels is ignored: a multi-level chain is overstated by the inner levels' ``N/B`` terms).
+- all-to-all, each rank holding ``N`` bytes of which ``N/n`` go to each member: with ``m_l = p_1 ... p_l``
+  members inside a level-``l`` sub-group, ``m_l - m_{l-1}`` peers are first reached at level ``l``:
+  ``sum_l [(m_l - m_{l-1}) alpha_l + gamma_l N] + max_l (m_l - m_{l-1}) / n * N / B_l`` (each level's
+  links carry their share at once).
+- point-to-point of ``N`` bytes between consecutive members of the group (a pipeline stage's send): the
+  slowest hop, at the outermost level the group spans: ``alpha + N / B + gamma N``.
+
+Every function is pure: numbers in, seconds out. ``tessera profile`` fits ``alpha`` and ``B`` per level
+and collective against measurements with the same ``coefficients``.
 """
 
 from __future__ import annotations
 
-from tessera.topology.cluster import Cluster, LinkLevel
+import math
+from typing import Literal
+
+from tessera.errors import ClusterSpecError
+from tessera.topology.cluster import Algorithm, Cluster, Collective, LinkLevel
+
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "reduce_scatter": ("ring",),
+    "all_gather": ("ring",),
+    "all_reduce": ("ring", "tree"),
+    "broadcast": ("ring", "tree", "flat"),
+    "all_to_all": ("direct",),
+    "p2p": ("direct",),
+}
+"""Algorithms each collective may run, first is the default. NCCL picks ring or tree for all-reduce and
+rings for the others; the profiler may find a library doing something else (gloo's flat broadcast)."""
+
+
+def coefficients(collective: str, algorithm: str, p: int) -> tuple[float, float]:
+    """``(steps, volume)`` such that one level's time is ``steps * alpha + volume * D / B`` (table above)."""
+    if p <= 1:
+        return 0.0, 0.0
+    log = math.ceil(math.log2(p))
+    table = {
+        ("reduce_scatter", "ring"): (p - 1, (p - 1) / p),
+        ("all_gather", "ring"): (p - 1, (p - 1) / p),
+        ("all_reduce", "ring"): (2 * (p - 1), 2 * (p - 1) / p),
+        ("all_reduce", "tree"): (2 * log, 2.0),
+        ("broadcast", "ring"): (p - 1, 1.0),
+        ("broadcast", "tree"): (log, float(log)),
+        ("broadcast", "flat"): (p - 1, float(p - 1)),
+        ("all_to_all", "direct"): (p - 1, (p - 1) / p),
+        ("p2p", "direct"): (1, 1.0),
+    }
+    try:
+        steps, volume = table[(collective, algorithm)]
+    except KeyError:
+        raise ClusterSpecError(
+            f"no algorithm {algorithm!r} for {collective}; choose one of {', '.join(ALGORITHMS.get(collective, ()))}"
+        ) from None
+    return float(steps), float(volume)
+
+
+def level_time(level: LinkLevel, collective: Collective, nbytes: float, p: int, *, algorithm: str = "auto") -> float:
+    """Seconds for ``collective`` of ``nbytes`` among ``p`` participants on one level.
+
+    ``algorithm="auto"`` uses the level's pinned algorithm for the collective if it has one, else the
+    fastest the collective allows (``ALGORITHMS``). Where the level has values measured for exactly ``p``
+    participants (``LinkLevel.collective_measured``) they replace the level-wide alpha, B and gamma.
+    """
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    alpha, bandwidth = level.link(collective)
+    gamma = level.collective_local_s_per_byte.get(collective, 0.0)
+    pinned = level.collective_algorithm.get(collective)
+    measured = level.collective_measured.get(collective, {}).get(p)
+    if measured is not None and algorithm in ("auto", pinned or ALGORITHMS[collective][0]):
+        steps, volume = coefficients(collective, pinned or ALGORITHMS[collective][0], p)
+        return steps * measured[0] + volume * nbytes / measured[1]
+    if algorithm == "auto":
+        candidates = (pinned,) if pinned else ALGORITHMS[collective]
+    else:
+        candidates = (algorithm,)
+    times = []
+    for name in candidates:
+        steps, volume = coefficients(collective, name, p)
+        times.append(steps * alpha + volume * nbytes / bandwidth)
+    return min(times) + gamma * nbytes
 
 
 def participants_per_level(cluster: Cluster, *, group_size: int, stride: int = 1) -> list[tuple[LinkLevel, int]]:
-    """``(level, p)`` for every level the group crosses, where ``p`` sub-groups meet at that level."""
+    """``(level, p)`` for every level the group crosses, where ``p`` sub-groups meet at that level.
+
+    A level whose groups hold a number of members that the level below does not divide (a 20-node
+    InfiniBand unit under a 128-node group) joins ``ceil`` of the ratio: the last sub-group is partial.
+    """
     phases: list[tuple[LinkLevel, int]] = []
     below = 1
     for level in cluster.levels:
         within = min(group_size, max(1, level.group_size // stride))
         if within > below:
-            phases.append((level, within // below))
+            phases.append((level, math.ceil(within / below)))
             below = within
+    return phases
+
+
+def _sharded_phases(cluster: Cluster, nbytes: float, *, group_size: int, stride: int) -> list[tuple[LinkLevel, int, float]]:
+    """``(level, p, D)``: each phase with the data left after the levels below have split it."""
+    phases, data = [], float(nbytes)
+    for level, p in participants_per_level(cluster, group_size=group_size, stride=stride):
+        phases.append((level, p, data))
+        data /= p
     return phases
 
 
@@ -28,25 +158,96 @@ def reduce_scatter_time(cluster: Cluster, nbytes: float, *, group_size: int, str
     """Seconds to reduce-scatter ``nbytes`` (the full, unsharded buffer) over the group."""
     if group_size <= 1:
         return 0.0
-    seconds, data = 0.0, float(nbytes)
-    for level, p in participants_per_level(cluster, group_size=group_size, stride=stride):
-        bandwidth = level.bandwidth_bytes_per_s * level.efficiency
-        seconds += (p - 1) / p * data / bandwidth + (p - 1) * level.latency_s
-        data /= p
-    return seconds
+    phases = _sharded_phases(cluster, nbytes, group_size=group_size, stride=stride)
+    return sum(level_time(level, "reduce_scatter", data, p) for level, p, data in phases)
 
 
 def all_gather_time(cluster: Cluster, nbytes: float, *, group_size: int, stride: int = 1) -> float:
     """Seconds to all-gather into an ``nbytes`` output buffer (each rank contributes ``nbytes/n``)."""
-    return reduce_scatter_time(cluster, nbytes, group_size=group_size, stride=stride)
+    if group_size <= 1:
+        return 0.0
+    phases = _sharded_phases(cluster, nbytes, group_size=group_size, stride=stride)
+    return sum(level_time(level, "all_gather", data, p) for level, p, data in phases)
 
 
-def all_reduce_time(cluster: Cluster, nbytes: float, *, group_size: int, stride: int = 1) -> float:
-    """Seconds to all-reduce ``nbytes``: a reduce-scatter followed by an all-gather."""
-    return 2 * reduce_scatter_time(cluster, nbytes, group_size=group_size, stride=stride)
+def all_reduce_time(
+    cluster: Cluster, nbytes: float, *, group_size: int, stride: int = 1,
+    algorithm: Literal["auto", "ring", "tree"] = "auto",
+) -> float:
+    """Seconds to all-reduce ``nbytes``: reduce-scatter inward, ring or tree at the top, all-gather back."""
+    if group_size <= 1:
+        return 0.0
+    *inner, (top, p, data) = _sharded_phases(cluster, nbytes, group_size=group_size, stride=stride)
+    inner_s = sum(
+        level_time(level, "reduce_scatter", d, q) + level_time(level, "all_gather", d, q) for level, q, d in inner
+    )
+    return inner_s + level_time(top, "all_reduce", data, p, algorithm=algorithm)
 
 
-def p2p_time(cluster: Cluster, nbytes: float, *, distance: int) -> float:
-    """Seconds to send ``nbytes`` to a rank ``distance`` positions away."""
-    level = cluster.level_spanned(2, stride=distance)
-    return level.latency_s + nbytes / (level.bandwidth_bytes_per_s * level.efficiency)
+def broadcast_time(
+    cluster: Cluster, nbytes: float, *, group_size: int, stride: int = 1,
+    algorithm: Literal["auto", "ring", "tree", "flat"] = "auto",
+) -> float:
+    """Seconds to broadcast ``nbytes`` from one member to the group: outer level first, then within."""
+    if group_size <= 1:
+        return 0.0
+    phases = participants_per_level(cluster, group_size=group_size, stride=stride)
+    return sum(level_time(level, "broadcast", nbytes, p, algorithm=algorithm) for level, p in phases)
+
+
+def all_to_all_time(cluster: Cluster, nbytes: float, *, group_size: int, stride: int = 1) -> float:
+    """Seconds for an all-to-all where each rank holds ``nbytes``, ``nbytes/n`` for each member."""
+    if group_size <= 1 or nbytes <= 0:
+        return 0.0
+    latency_s, transfer_s, below = 0.0, 0.0, 1
+    for level, p in participants_per_level(cluster, group_size=group_size, stride=stride):
+        peers = below * p - below  # members first reached at this level
+        alpha, bandwidth = level.link("all_to_all")
+        latency_s += peers * alpha + level.collective_local_s_per_byte.get("all_to_all", 0.0) * nbytes
+        transfer_s = max(transfer_s, peers / group_size * nbytes / bandwidth)
+        below *= p
+    return latency_s + transfer_s
+
+
+def p2p_time(
+    cluster: Cluster, nbytes: float, *, group_size: int = 2, stride: int = 1, distance: int | None = None
+) -> float:
+    """Seconds to send ``nbytes`` between consecutive members of a group (the slowest hop).
+
+    ``group_size`` ranks ``stride`` apart (a pipeline axis): some consecutive pair crosses the outermost
+    level the group spans. ``distance=d`` is shorthand for one pair ``d`` ranks apart.
+    """
+    if distance is not None:
+        group_size, stride = 2, distance
+    if group_size <= 1 or nbytes <= 0:
+        return 0.0
+    level = cluster.level_spanned(group_size, stride=stride)
+    return level_time(level, "p2p", nbytes, 2)
+
+
+def collective_time(collective: Collective, cluster: Cluster, nbytes: float, *, group_size: int, stride: int = 1) -> float:
+    """Dispatch by collective name (``all_reduce``, ``all_gather``, ...), with each one's default algorithm."""
+    functions = {
+        "all_reduce": all_reduce_time,
+        "all_gather": all_gather_time,
+        "reduce_scatter": reduce_scatter_time,
+        "all_to_all": all_to_all_time,
+        "broadcast": broadcast_time,
+        "p2p": p2p_time,
+    }
+    if collective not in functions:
+        raise ClusterSpecError(f"unknown collective {collective!r}; known: {', '.join(functions)}")
+    return functions[collective](cluster, nbytes, group_size=group_size, stride=stride)
+
+
+def ring_tree_crossover_bytes(level: LinkLevel, p: int) -> float:
+    """All-reduce size above which ring beats tree among ``p`` participants of ``level`` (0 if ring always wins)."""
+    alpha, bandwidth = level.link("all_reduce")
+    return max(0.0, p * bandwidth * alpha * (p - 1 - math.ceil(math.log2(p)))) if p > 1 else 0.0
+
+
+__all__ = [
+    "ALGORITHMS", "Algorithm", "all_gather_time", "all_reduce_time", "all_to_all_time", "broadcast_time",
+    "coefficients", "collective_time", "level_time", "p2p_time", "participants_per_level",
+    "reduce_scatter_time", "ring_tree_crossover_bytes",
+]

@@ -1,13 +1,19 @@
-"""Accelerator catalog: peak FLOP/s, memory and bandwidth, each with its source.
+"""Accelerator catalog: peak FLOP/s per dtype, memory, memory and scale-up bandwidth, each with its source.
 
-Sources are transcribed in ``../shared/reference/published_runs.yaml`` (hardware section) and restated
-here so the project stands alone. The full catalog (V100, MI300X, TPUs, Gaudi...) arrives with the
-topology issue; this holds what the presets need.
+The data lives in ``topology/catalog.yaml`` (units and sources are described at its top); this module
+parses it into ``DeviceSpec`` objects. The same parser reads a device written inline in a cluster file
+(``device: {name: ..., peak_tflops: {...}, ...}``), which is how ``tessera profile`` records the CPU it
+measured. ``local_cpu_device`` gives this machine's CPU with nominal figures until it is profiled.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from importlib import resources
+from typing import Any
+
+import yaml
 
 from tessera.errors import ClusterSpecError
 from tessera.topology.cluster import DeviceSpec
@@ -15,48 +21,100 @@ from tessera.topology.cluster import DeviceSpec
 GB = 10**9
 GiB = 2**30
 TFLOPS = 10**12
+LOCAL_CPU = "local-cpu"
+"""Name of this machine's CPU as a device; the cost model treats it as a CPU (no GPU efficiency factor)."""
 
-_CATALOG: dict[str, DeviceSpec] = {
-    spec.name: spec
-    for spec in (
-        DeviceSpec(
-            name="A100-SXM-80GB",
-            peak_flops_by_dtype={"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS, "bf16": 312 * TFLOPS},
-            memory_bytes=80 * GiB,
-            memory_bandwidth_bytes_per_s=2.039e12,
-            source="NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 19.5 FP32, 80 GB HBM2e at 2,039 GB/s",
+DEVICE_FIELDS = (
+    "name", "peak_tflops", "memory_gib", "memory_gb", "memory_bandwidth_tb_per_s",
+    "memory_bandwidth_gb_per_s", "scale_up_gb_per_s", "source",
+)
+
+
+def device_from_raw(raw: Any, *, where: str) -> DeviceSpec:
+    """A ``DeviceSpec`` from a catalog entry or an inline cluster-file device; errors name the field."""
+    if not isinstance(raw, dict):
+        raise ClusterSpecError(f"{where}: a device must be a mapping with fields {', '.join(DEVICE_FIELDS)}")
+    unknown = sorted(set(raw) - set(DEVICE_FIELDS))
+    if unknown:
+        raise ClusterSpecError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(DEVICE_FIELDS)}")
+    for field in ("name", "peak_tflops", "source"):
+        if field not in raw:
+            raise ClusterSpecError(f"{where}: missing field '{field}'")
+    peaks = raw["peak_tflops"]
+    if not isinstance(peaks, dict) or not peaks:
+        raise ClusterSpecError(f"{where}: field 'peak_tflops' must map dtypes to TFLOP/s, e.g. {{bf16: 989}}")
+    return DeviceSpec(
+        name=str(raw["name"]),
+        peak_flops_by_dtype={
+            str(dtype): _positive(value, f"{where}: field 'peak_tflops.{dtype}'") * TFLOPS for dtype, value in peaks.items()
+        },
+        memory_bytes=int(_one_of(raw, {"memory_gib": GiB, "memory_gb": GB}, where=where)),
+        memory_bandwidth_bytes_per_s=_one_of(
+            raw, {"memory_bandwidth_tb_per_s": 1e12, "memory_bandwidth_gb_per_s": 1e9}, where=where
         ),
-        DeviceSpec(
-            name="H100-SXM-80GB",
-            peak_flops_by_dtype={"fp32": 67 * TFLOPS, "bf16": 989 * TFLOPS, "fp8": 1979 * TFLOPS},
-            memory_bytes=80 * GiB,
-            memory_bandwidth_bytes_per_s=3.35e12,
-            source="NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 1,979 dense FP8, "
-            "67 FP32, 80 GB HBM3 at 3.35 TB/s",
+        scale_up_bandwidth_bytes_per_s=(
+            None if raw.get("scale_up_gb_per_s") is None
+            else _positive(raw["scale_up_gb_per_s"], f"{where}: field 'scale_up_gb_per_s'") * 1e9
         ),
-        DeviceSpec(
-            name="H200-SXM-141GB",
-            peak_flops_by_dtype={"fp32": 67 * TFLOPS, "bf16": 989 * TFLOPS, "fp8": 1979 * TFLOPS},
-            memory_bytes=141 * GB,
-            memory_bandwidth_bytes_per_s=4.8e12,
-            source="NVIDIA H200 product page: H100 compute, 141 GB HBM3e at 4.8 TB/s",
-        ),
+        source=str(raw["source"]),
     )
-}
+
+
+def device_to_raw(spec: DeviceSpec) -> dict[str, Any]:
+    """The inline cluster-file form of ``spec`` (inverse of ``device_from_raw``)."""
+    raw: dict[str, Any] = {
+        "name": spec.name,
+        "peak_tflops": {dtype: _significant(flops / TFLOPS) for dtype, flops in spec.peak_flops_by_dtype.items()},
+        "memory_gb": spec.memory_bytes / GB,
+        "memory_bandwidth_gb_per_s": _significant(spec.memory_bandwidth_bytes_per_s / 1e9),
+    }
+    if spec.scale_up_bandwidth_bytes_per_s is not None:
+        raw["scale_up_gb_per_s"] = _significant(spec.scale_up_bandwidth_bytes_per_s / 1e9)
+    raw["source"] = spec.source
+    return raw
+
+
+def _significant(value: float, digits: int = 6) -> float:
+    return float(f"{value:.{digits}g}")
+
+
+def _one_of(raw: dict[str, Any], units: dict[str, float], *, where: str) -> float:
+    given = [key for key in units if key in raw]
+    if len(given) != 1:
+        raise ClusterSpecError(f"{where}: give exactly one of the fields {', '.join(units)} (got {given or 'none'})")
+    key = given[0]
+    return _positive(raw[key], f"{where}: field '{key}'") * units[key]
+
+
+def _positive(value: Any, what: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = float("nan")
+    if not number > 0 or isinstance(value, bool):
+        raise ClusterSpecError(f"{what} must be a positive number, got {value!r}")
+    return number
+
+
+@functools.cache
+def _catalog() -> dict[str, DeviceSpec]:
+    entries = yaml.safe_load((resources.files("tessera.topology") / "catalog.yaml").read_text())
+    specs = [device_from_raw(entry, where=f"catalog.yaml entry {i}") for i, entry in enumerate(entries)]
+    return {spec.name: spec for spec in specs}
 
 
 def local_cpu_device(ranks: int) -> DeviceSpec:
-    """This machine's CPU shared by ``ranks`` processes.
+    """This machine's CPU shared by ``ranks`` processes, with nominal figures.
 
-    Peak FLOP/s is a nominal figure until ``tessera profile`` measures it (topology issue); memory is
-    the machine's physical memory divided among ranks.
+    Peak FLOP/s and memory bandwidth are nominal until ``tessera profile`` measures them (a profiled cluster
+    file carries the measured device inline); memory is the machine's physical memory divided among ranks.
     """
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count() or 1
     # ~25 GFLOP/s fp32 per core: order of magnitude of an AVX2 core's sustained sgemm, not measured here.
     per_rank_flops = 25e9 * max(1, cores // ranks)
     return DeviceSpec(
-        name="local-cpu",
+        name=LOCAL_CPU,
         peak_flops_by_dtype={"fp32": per_rank_flops, "bf16": per_rank_flops},
         memory_bytes=total_memory // ranks,
         memory_bandwidth_bytes_per_s=10e9,
@@ -67,11 +125,12 @@ def local_cpu_device(ranks: int) -> DeviceSpec:
 def device(name: str) -> DeviceSpec:
     """Catalog lookup; an unknown name lists the known ones."""
     try:
-        return _CATALOG[name]
+        return _catalog()[name]
     except KeyError:
-        raise ClusterSpecError(f"unknown device {name!r}; known devices: {', '.join(sorted(_CATALOG))}") from None
+        known = ", ".join([*sorted(_catalog()), LOCAL_CPU])
+        raise ClusterSpecError(f"unknown device {name!r}; known devices: {known}") from None
 
 
 def catalog() -> dict[str, DeviceSpec]:
-    """All catalogued devices by name."""
-    return dict(_CATALOG)
+    """All catalogued devices by name (``local-cpu`` is built per machine by ``local_cpu_device``)."""
+    return dict(_catalog())

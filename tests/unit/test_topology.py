@@ -21,7 +21,7 @@ def test_cpu_preset_takes_ranks():
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("dgx-zzz", "known presets: cpu, dgx-a100, dgx-h100"),
+        ("dgx-zzz", "known presets: cpu, dgx-a100, dgx-b200, dgx-h100"),  # new presets (issue #4)
         ("dgx-h100:ranks=2", "takes 'nodes=N'"),
         ("dgx-h100:nodes=-1", "must be a positive integer"),
         ("missing.yaml", "does not exist"),
@@ -92,3 +92,128 @@ def test_cpu_all_reduce_is_close_to_the_gloo_measurement():
     # PLATFORM-NOTES: 64 MiB fp32 all-reduce on 2 gloo ranks took 55 ms; the preset should land within 25%.
     predicted = all_reduce_time(load_cluster("cpu:ranks=2"), 64 * 2**20, group_size=2)
     assert predicted == pytest.approx(0.055, rel=0.25)
+
+
+# --- issue #4: catalog, presets, file format -------------------------------------------------------------
+
+from tessera.topology.clusterfile import cluster_from_raw, cluster_to_raw  # noqa: E402
+from tessera.topology.hardware import catalog  # noqa: E402
+
+CATALOG_DEVICES = [
+    "V100-SXM2-32GB", "A100-SXM-40GB", "A100-SXM-80GB", "H100-SXM-80GB", "H200-SXM-141GB", "B200-SXM-180GB",
+    "H800-SXM-80GB", "MI250X-GCD", "MI300X-192GB", "TPU-v4", "TPU-v5e", "TPU-v5p", "Gaudi2-96GB", "Gaudi3-128GB",
+]
+
+
+@pytest.mark.parametrize("name", CATALOG_DEVICES)
+def test_catalog_device_has_peaks_memory_bandwidth_and_a_source(name):
+    spec = catalog()[name]
+    assert spec.peak_flops("bf16") > 1e14 and spec.memory_bytes > 10 * 2**30
+    assert spec.memory_bandwidth_bytes_per_s > 5e11 and spec.scale_up_bandwidth_bytes_per_s > 1e11
+    assert len(spec.source) > 40
+
+
+def test_catalog_values_match_the_datasheets():
+    c = catalog()
+    assert c["H100-SXM-80GB"].peak_flops("fp8") == 1979e12 and c["H100-SXM-80GB"].peak_flops("fp32") == 67e12
+    assert c["MI300X-192GB"].peak_flops("bf16") == pytest.approx(1307.4e12)
+    assert c["B200-SXM-180GB"].peak_flops("bf16") == 2250e12
+    assert c["V100-SXM2-32GB"].peak_flops("bf16") == 125e12  # no bf16: falls back to fp16 tensor cores
+    with pytest.raises(ClusterSpecError, match="no peak FLOP/s for dtype 'fp32'"):
+        c["TPU-v5p"].peak_flops("fp32")  # no fp32 matrix unit
+
+
+@pytest.mark.parametrize("name", ["dgx-a100", "dgx-h100", "dgx-h200", "dgx-b200", "gb200-nvl72", "mi300x", "tpu-v5p", "gaudi3", "cpu"])
+def test_every_required_preset_loads_at_several_sizes(name):
+    key = "ranks" if name == "cpu" else "nodes"
+    for size in (1, 2, 64):
+        cluster = load_cluster(f"{name}:{key}={size}")
+        assert cluster.levels[-1].group_size == cluster.num_devices
+        assert all(level.group_size <= cluster.num_devices for level in cluster.levels)
+
+
+def test_dgx_h100_has_a_rail_leaf_and_a_spine_when_large_enough():
+    cluster = load_cluster("dgx-h100:nodes=64")
+    assert [(lvl.name, lvl.group_size) for lvl in cluster.levels] == [("nvlink", 8), ("infiniband", 256), ("spine", 512)]
+    assert [lvl.name for lvl in load_cluster("dgx-h100:nodes=1").levels] == ["nvlink"]
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+BASE = "device: H100-SXM-80GB\ndevices_per_node: 8\nsize_key: nodes\nsize: 2\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (BASE + "levels:\n  - {name: nv, group_size: node, bandwidth_gb_per_s: 450, latency_us: 3, bandwith: 1}\n",
+         r"levels\[0\]: unknown field\(s\) bandwith"),
+        (BASE + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 450, latency_us: 3, oversubscription: 0.5}\n",
+         r"levels\[0\]: field 'oversubscription'"),
+        (BASE + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3, collective_efficiency: {all_reduce: 2}}\n",
+         r"levels\[0\]: field 'collective_efficiency'"),
+        (BASE + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3, collective_algorithm: {all_reduce: magic}}\n",
+         r"levels\[0\]: field 'collective_algorithm.all_reduce'"),
+        (BASE + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3, collective_measured: {all_reduce: {4: [3]}}}\n",
+         r"levels\[0\]: field 'collective_measured.all_reduce'.4 must be \[latency_us, bandwidth_gb_per_s\]"),
+        (BASE + "levels:\n  - {name: nv, group_size: half, bandwidth_gb_per_s: 4, latency_us: 3}\n",
+         r"levels\[0\]: field 'group_size'"),
+        (BASE + "levels:\n  - {name: nv, group_size: node, bandwidth_gb_per_s: 4, latency_us: 3}\n",
+         r"outermost level 'nv' spans 8 devices"),
+        (BASE.replace("H100-SXM-80GB", "H1000") + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3}\n",
+         r"field 'device': unknown device 'H1000'"),
+        (BASE.replace("device: H100-SXM-80GB", "device: {name: x, peak_tflops: {bf16: fast}, memory_gb: 8, memory_bandwidth_tb_per_s: 1, source: s}")
+         + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3}\n",
+         r"field 'peak_tflops.bf16' must be a positive number"),
+        (BASE.replace("device: H100-SXM-80GB", "device: {name: x, peak_tflops: {bf16: 1}, memory_bandwidth_tb_per_s: 1, source: s}")
+         + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3}\n",
+         r"memory_gib, memory_gb"),
+        ("sise: 2\n" + BASE + "levels: []\n", r"unknown field\(s\) sise"),
+        (BASE + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3}\nextra_devices:\n  - {device: A100-SXM-80GB}\n",
+         r"extra_devices\[0\]: missing field\(s\) count"),
+    ],
+)
+def test_malformed_cluster_file_names_the_field(tmp_path, text, message):
+    with pytest.raises(ClusterSpecError, match=message):
+        load_cluster(write(tmp_path, text))
+
+
+def test_inline_device_oversubscription_and_extra_devices_round_trip(tmp_path):
+    path = write(tmp_path, (
+        "device: {name: my-gpu, peak_tflops: {bf16: 500, fp32: 50}, memory_gib: 64, memory_bandwidth_tb_per_s: 2,"
+        " scale_up_gb_per_s: 300, source: vendor sheet}\n"
+        "devices_per_node: 4\nsize_key: nodes\nsize: 16\nlevels:\n"
+        "  - {name: nv, group_size: node, bandwidth_gb_per_s: 300, latency_us: 3}\n"
+        "  - {name: leaf, group_size: 8 nodes, bandwidth_gb_per_s: 50, latency_us: 10}\n"
+        "  - {name: agg, group_size: world, bandwidth_gb_per_s: 50, latency_us: 15, oversubscription: 7,"
+        " collective_measured: {all_reduce: {2: [20, 40], 4: [25, 30.5]}}, collective_local_ns_per_byte: {all_reduce: 0.1},"
+        " collective_algorithm: {broadcast: flat}}\n"
+        "extra_devices:\n  - {device: A100-SXM-80GB, count: 16, note: older pod on the same spine}\n"
+    ))
+    cluster = load_cluster(path)
+    assert cluster.device.name == "my-gpu" and cluster.device.memory_bytes == 64 * 2**30
+    assert [lvl.group_size for lvl in cluster.levels] == [4, 32, 64] and cluster.levels[2].oversubscription == 7
+    assert cluster.extra_devices[0].device.name == "A100-SXM-80GB" and cluster.extra_devices[0].num_devices == 16
+    assert cluster.levels[2].collective_measured["all_reduce"][4] == pytest.approx((25e-6, 30.5e9))
+    again = cluster_from_raw(cluster_to_raw(cluster), name=cluster.name, size=cluster.num_devices)
+    assert_close(again.model_dump(), cluster.model_dump())
+
+
+def assert_close(a, b):
+    """Equal structure; numbers equal to the 6 significant digits files keep."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_close(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_close(x, y)
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, rel=1e-5)
+    else:
+        assert a == b

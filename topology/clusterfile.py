@@ -1,0 +1,274 @@
+"""The cluster YAML format, read by ``load_cluster`` and written by ``tessera profile``.
+
+Presets (``topology/presets/*.yaml``) and cluster files share it; a file also carries ``size``, a preset
+takes it from its spec (``dgx-h100:nodes=8``). Every malformed field is reported by name.
+
+.. code-block:: yaml
+
+    description: free text
+    device: H100-SXM-80GB            # a catalog name, 'local-cpu', or an inline device (below)
+    devices_per_node: 8              # or 'world' (one host: every rank on it)
+    size_key: nodes                  # what 'size' / the spec's N counts: 'nodes' or 'ranks'
+    size: 16                         # files only
+    levels:                          # innermost first
+      - name: nvlink
+        group_size: node             # devices: an integer, 'node', 'world', or 'K nodes'
+        bandwidth_gb_per_s: 450      # per device, per direction, 10^9 bytes/s
+        latency_us: 3                # per algorithm step
+        efficiency: 0.8              # optional, default 1.0: bus-bandwidth efficiency
+        oversubscription: 1.0        # optional, default 1.0: divides bandwidth of groups crossing the level
+        collective_efficiency: {all_to_all: 0.6}     # optional per-collective overrides
+        collective_latency_us: {broadcast: 5}        # optional
+        collective_local_ns_per_byte: {all_reduce: 0.2}  # optional: per-byte cost on the device itself
+        collective_measured: {all_reduce: {4: [660, 0.5]}}  # optional: p -> [latency_us, bandwidth_gb_per_s]
+        collective_algorithm: {broadcast: flat}      # optional: ring | tree | flat | direct
+        source: where the numbers come from
+    extra_devices:                   # optional: other device kinds on the fabric (not planned on)
+      - {device: A100-SXM-80GB, count: 16, note: older pod on the same spine}
+    profile: {...}                   # optional: what 'tessera profile' measured (date, hardware, raw data)
+
+An inline device has ``name``, ``peak_tflops`` (dtype -> TFLOP/s), ``memory_gb`` or ``memory_gib``,
+``memory_bandwidth_tb_per_s`` or ``memory_bandwidth_gb_per_s``, optional ``scale_up_gb_per_s``, and
+``source`` (see ``topology/catalog.yaml``).
+
+Levels whose group is at least the world are cut to the world, and the levels outside it dropped, so
+``dgx-h100:nodes=1`` has only its NVLink level and ``dgx-h100:nodes=8`` no spine.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import ValidationError
+
+from tessera.errors import ClusterSpecError
+from tessera.topology.cluster import Cluster, DeviceGroup, DeviceSpec, LinkLevel
+from tessera.topology.hardware import LOCAL_CPU, device, device_from_raw, device_to_raw, local_cpu_device
+
+TOP_FIELDS = ("description", "device", "devices_per_node", "size_key", "size", "levels", "extra_devices", "profile")
+REQUIRED_FIELDS = ("device", "devices_per_node", "size_key", "levels")
+LEVEL_FIELDS = (
+    "name", "group_size", "bandwidth_gb_per_s", "latency_us", "efficiency", "oversubscription",
+    "collective_efficiency", "collective_latency_us", "collective_local_ns_per_byte", "collective_measured",
+    "collective_algorithm", "source",
+)
+LEVEL_REQUIRED = ("name", "group_size", "bandwidth_gb_per_s", "latency_us")
+
+
+def cluster_from_raw(raw: Any, *, name: str, size: int) -> Cluster:
+    """Build a Cluster from parsed YAML of ``size`` nodes or ranks; errors name the field."""
+    if not isinstance(raw, dict):
+        raise ClusterSpecError(f"cluster {name}: expected a mapping of fields ({', '.join(REQUIRED_FIELDS)})")
+    _check_fields(raw, known=TOP_FIELDS, required=REQUIRED_FIELDS, where=f"cluster {name}")
+    if raw["size_key"] not in ("nodes", "ranks"):
+        raise ClusterSpecError(f"cluster {name}: field 'size_key' must be 'nodes' or 'ranks', got {raw['size_key']!r}")
+    per_node = size if raw["devices_per_node"] == "world" else positive_int(
+        raw["devices_per_node"], f"cluster {name}: field 'devices_per_node'"
+    )
+    world = size if raw["size_key"] == "ranks" else size * per_node
+    if not isinstance(raw["levels"], list) or not raw["levels"]:
+        raise ClusterSpecError(f"cluster {name}: field 'levels' must be a non-empty list of link levels")
+    levels = _levels_within_world(
+        [_link_level(level, i, name=name, per_node=per_node, world=world) for i, level in enumerate(raw["levels"])],
+        world=world,
+    )
+    return Cluster(
+        name=name,
+        device=_device(raw["device"], world=world, where=f"cluster {name}: field 'device'"),
+        num_devices=world,
+        levels=levels,
+        extra_devices=_extra_devices(raw.get("extra_devices") or [], name=name),
+    )
+
+
+def cluster_to_raw(cluster: Cluster, *, description: str = "", profile: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The file form of ``cluster`` (``size_key: ranks``, explicit group sizes); ``cluster_from_raw`` inverts it."""
+    raw: dict[str, Any] = {"description": description} if description else {}
+    raw |= {
+        "device": device_to_raw(cluster.device),
+        "devices_per_node": cluster.devices_per_node,
+        "size_key": "ranks",
+        "size": cluster.num_devices,
+        "levels": [_level_to_raw(level) for level in cluster.levels],
+    }
+    if cluster.extra_devices:
+        raw["extra_devices"] = [
+            {"device": device_to_raw(group.device), "count": group.num_devices, "note": group.note}
+            for group in cluster.extra_devices
+        ]
+    if profile is not None:
+        raw["profile"] = profile
+    return raw
+
+
+def significant(value: float, digits: int = 6) -> float:
+    """``value`` rounded to ``digits`` significant digits, for readable files (measurements are not finer)."""
+    return float(f"{value:.{digits}g}")
+
+
+def positive_int(value: Any, what: str) -> int:
+    """``value`` as a positive int, or an error saying ``what`` was wrong."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if number <= 0 or isinstance(value, bool) or str(number) != str(value).strip():
+        raise ClusterSpecError(f"{what} must be a positive integer, got {value!r}")
+    return number
+
+
+def _check_fields(raw: dict, *, known: tuple[str, ...], required: tuple[str, ...], where: str) -> None:
+    unknown = sorted(str(key) for key in set(raw) - set(known))
+    if unknown:
+        raise ClusterSpecError(f"{where}: unknown field(s) {', '.join(unknown)}; known fields: {', '.join(known)}")
+    missing = [field for field in required if field not in raw]
+    if missing:
+        raise ClusterSpecError(f"{where}: missing field(s) {', '.join(missing)}")
+
+
+def _device(raw: Any, *, world: int, where: str) -> DeviceSpec:
+    if raw == LOCAL_CPU:
+        return local_cpu_device(world)
+    if isinstance(raw, str):
+        try:
+            return device(raw)
+        except ClusterSpecError as exc:
+            raise ClusterSpecError(f"{where}: {exc}") from None
+    return device_from_raw(raw, where=where)
+
+
+def _extra_devices(raw: Any, *, name: str) -> tuple[DeviceGroup, ...]:
+    if not isinstance(raw, list):
+        raise ClusterSpecError(f"cluster {name}: field 'extra_devices' must be a list of {{device, count, note}}")
+    groups = []
+    for i, entry in enumerate(raw):
+        where = f"cluster {name}: extra_devices[{i}]"
+        if not isinstance(entry, dict):
+            raise ClusterSpecError(f"{where}: expected a mapping with fields device, count, note")
+        _check_fields(entry, known=("device", "count", "note"), required=("device", "count"), where=where)
+        count = positive_int(entry["count"], f"{where}: field 'count'")
+        spec = _device(entry["device"], world=count, where=f"{where}: field 'device'")
+        groups.append(DeviceGroup(device=spec, num_devices=count, note=str(entry.get("note", ""))))
+    return tuple(groups)
+
+
+def _group_size(value: Any, *, where: str, per_node: int, world: int) -> int:
+    if value == "node":
+        return per_node
+    if value == "world":
+        return world
+    match = re.fullmatch(r"\s*(\d+)\s+nodes?\s*", value) if isinstance(value, str) else None
+    if match:
+        return positive_int(match.group(1), f"{where}: field 'group_size'") * per_node
+    try:
+        return positive_int(value, f"{where}: field 'group_size'")
+    except ClusterSpecError:
+        raise ClusterSpecError(
+            f"{where}: field 'group_size' must be a device count, 'node', 'world' or 'K nodes', got {value!r}"
+        ) from None
+
+
+def _link_level(raw: Any, index: int, *, name: str, per_node: int, world: int) -> LinkLevel:
+    where = f"cluster {name}: levels[{index}]"
+    if not isinstance(raw, dict):
+        raise ClusterSpecError(f"{where}: expected a mapping with fields {', '.join(LEVEL_REQUIRED)}")
+    _check_fields(raw, known=LEVEL_FIELDS, required=LEVEL_REQUIRED, where=where)
+    latencies = _mapping(raw, "collective_latency_us", where=where)
+    local = _mapping(raw, "collective_local_ns_per_byte", where=where)
+    measured = _measured(_mapping(raw, "collective_measured", where=where), where=where)
+    try:
+        return LinkLevel(
+            name=raw["name"],
+            group_size=_group_size(raw["group_size"], where=where, per_node=per_node, world=world),
+            bandwidth_bytes_per_s=_number(raw["bandwidth_gb_per_s"], f"{where}: field 'bandwidth_gb_per_s'") * 1e9,
+            latency_s=_number(raw["latency_us"], f"{where}: field 'latency_us'") * 1e-6,
+            efficiency=raw.get("efficiency", 1.0),
+            oversubscription=raw.get("oversubscription", 1.0),
+            collective_efficiency=raw.get("collective_efficiency") or {},
+            collective_latency_s={
+                key: _number(value, f"{where}: field 'collective_latency_us.{key}'") * 1e-6 for key, value in latencies.items()
+            },
+            collective_local_s_per_byte={
+                key: _number(value, f"{where}: field 'collective_local_ns_per_byte.{key}'") * 1e-9 for key, value in local.items()
+            },
+            collective_measured=measured,
+            collective_algorithm=raw.get("collective_algorithm") or {},
+            source=raw.get("source", "not given"),
+        )
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(part) for part in error["loc"])
+        field = field.replace("latency_s", "latency_us").replace("bandwidth_bytes_per_s", "bandwidth_gb_per_s")
+        field = field.replace("local_s_per_byte", "local_ns_per_byte")
+        raise ClusterSpecError(f"{where}: field {field!r}: {error['msg']}") from None
+
+
+def _mapping(raw: dict, field: str, *, where: str) -> dict:
+    value = raw.get(field) or {}
+    if not isinstance(value, dict):
+        raise ClusterSpecError(f"{where}: field '{field}' must map collective names to numbers")
+    return value
+
+
+def _measured(raw: dict, *, where: str) -> dict:
+    """``{collective: {p: [latency_us, bandwidth_gb_per_s]}}`` in seconds and bytes/s."""
+    out = {}
+    for collective, table in raw.items():
+        what = f"{where}: field 'collective_measured.{collective}'"
+        if not isinstance(table, dict):
+            raise ClusterSpecError(f"{what} must map group sizes to [latency_us, bandwidth_gb_per_s]")
+        out[collective] = {}
+        for p, pair in table.items():
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ClusterSpecError(f"{what}.{p} must be [latency_us, bandwidth_gb_per_s], got {pair!r}")
+            out[collective][positive_int(p, f"{what} key")] = (
+                _number(pair[0], f"{what}.{p}[0]") * 1e-6, _number(pair[1], f"{what}.{p}[1]") * 1e9
+            )
+    return out
+
+
+def _levels_within_world(levels: list[LinkLevel], *, world: int) -> tuple[LinkLevel, ...]:
+    """Cut the first level that spans the world down to it and drop the levels outside it."""
+    kept = []
+    for level in levels:
+        if level.group_size >= world:
+            kept.append(level.model_copy(update={"group_size": world}))
+            break
+        kept.append(level)
+    return tuple(kept)
+
+
+def _level_to_raw(level: LinkLevel) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "name": level.name,
+        "group_size": level.group_size,
+        "bandwidth_gb_per_s": significant(level.bandwidth_bytes_per_s / 1e9),
+        "latency_us": significant(level.latency_s * 1e6),
+        "efficiency": level.efficiency,
+        "oversubscription": level.oversubscription,
+    }
+    if level.collective_efficiency:
+        raw["collective_efficiency"] = {key: significant(value) for key, value in level.collective_efficiency.items()}
+    if level.collective_latency_s:
+        raw["collective_latency_us"] = {key: significant(value * 1e6) for key, value in level.collective_latency_s.items()}
+    if level.collective_local_s_per_byte:
+        raw["collective_local_ns_per_byte"] = {
+            key: significant(value * 1e9) for key, value in level.collective_local_s_per_byte.items()
+        }
+    if level.collective_measured:
+        raw["collective_measured"] = {
+            key: {p: [significant(a * 1e6), significant(b / 1e9)] for p, (a, b) in sorted(table.items())}
+            for key, table in level.collective_measured.items()
+        }
+    if level.collective_algorithm:
+        raw["collective_algorithm"] = dict(level.collective_algorithm)
+    raw["source"] = level.source
+    return raw
+
+
+def _number(value: Any, what: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ClusterSpecError(f"{what} must be a number, got {value!r}") from None

@@ -1,0 +1,236 @@
+"""Timed runs on the live torch.distributed world: matmuls, copies and collectives (used by the profiler).
+
+A trial is ``k`` back-to-back ops after a barrier (``k`` makes a trial last ``ProfileSweep.min_trial_s``);
+trials sweep every point in turn, ``trials`` times, so a burst of load elsewhere on the machine lands on
+one trial of many points, not on every trial of one. A point's time is the mean of the faster half of its
+trials, each the slowest rank's per-op time: scheduling delays only ever add time, so the slow half is
+mostly noise from elsewhere. Every rank ends with the same numbers (timings are reduced across ranks).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, Field
+
+from tessera.errors import TesseraError
+from tessera.topology.cluster import COLLECTIVES, FROZEN, Collective
+from tessera.topology.fitting import Measurement
+
+MiB = 2**20
+CALIBRATION_RUNS = 3
+"""Timed runs per point before the trials; the fastest (slowest rank) sets the ops per trial."""
+# torch 2.13 renamed the single-tensor forms (the old names warn); same (output, input) order.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class ProfileError(TesseraError):
+    """Profiling could not run or a rank failed; the message names the cause."""
+
+
+class ProfileSweep(BaseModel):
+    """What ``profile_world`` measures and how long it may take."""
+
+    model_config = FROZEN
+
+    sizes_bytes: tuple[int, ...] = tuple(2**k for k in range(12, 25))
+    """Message sizes (bytes, as the cost functions define them): 4 KiB to 16 MiB in powers of two."""
+    collectives: tuple[Collective, ...] = COLLECTIVES
+    """Collectives to measure (point-to-point runs on pairs only)."""
+    trials: int = Field(default=7, gt=0)
+    """Trials per point; each is ``k`` back-to-back ops."""
+    min_trial_s: float = Field(default=0.02, gt=0)
+    """Ops per trial are chosen so a trial lasts at least this long: a latency-bound op is a chain of
+    process wake-ups, and averaging many of them smooths the scheduler's noise."""
+    max_ops_per_trial: int = Field(default=50, gt=0)
+    """Upper bound on ops per trial."""
+    compute_time_s: float = Field(default=0.3, gt=0)
+    """Seconds each matmul / copy benchmark runs for."""
+
+    @classmethod
+    def quick(cls) -> "ProfileSweep":
+        """A reduced sweep for tests and smoke runs (a few seconds on 2 CPU ranks)."""
+        return cls(sizes_bytes=(2**12, 2**16, 2**20), trials=3, min_trial_s=0.002, compute_time_s=0.1)
+
+
+class DeviceMeasurement(BaseModel):
+    """What one rank achieved on its device while every rank ran the same benchmark."""
+
+    model_config = FROZEN
+
+    matmul_flops_by_dtype: dict[str, float]
+    """Achieved dense matmul FLOP/s per dtype (slowest rank)."""
+    matmul_dim: int
+    """Square matmul size used."""
+    memory_bandwidth_bytes_per_s: float
+    """Achieved copy bandwidth (bytes read + written per second, slowest rank)."""
+    copy_bytes: int
+    """Size of the buffer copied."""
+    threads_per_rank: int
+    """``torch.get_num_threads()`` during the measurement."""
+
+
+def groups_of(world: int, group_size: int, stride: int) -> list[list[int]]:
+    """The concurrent groups of a layout: ``group_size`` ranks ``stride`` apart, tiling the world."""
+    block = group_size * stride
+    return [
+        [base + offset + i * stride for i in range(group_size)]
+        for base in range(0, world, block)
+        for offset in range(stride)
+    ]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rate(fn: Callable[[], None], *, device: torch.device, min_time_s: float) -> float:
+    """Calls of ``fn`` per second: one warm-up, then as many calls as fit in ``min_time_s``."""
+    fn()
+    sync(device)
+    calls, started = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        sync(device)
+        elapsed = time.perf_counter() - started
+        if elapsed >= min_time_s:
+            return calls / elapsed
+
+
+def measure_device(device: torch.device, *, sweep: ProfileSweep, bar: Any) -> DeviceMeasurement:
+    task = bar.add_task("device: matmul and memory bandwidth", total=3) if bar else None
+    dim = 8192 if device.type == "cuda" else 1024
+    flops = {}
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        n = dim if dtype == torch.float32 or device.type == "cuda" else dim // 2  # CPU bf16 may be emulated: keep it short
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+        dist.barrier()
+        flops[name] = 2 * n**3 * _rate(lambda: torch.mm(a, b), device=device, min_time_s=sweep.compute_time_s)
+        if bar:
+            bar.advance(task)
+    copy_bytes = (1024 if device.type == "cuda" else 64) * MiB
+    src = torch.ones(copy_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dist.barrier()
+    bandwidth = 2 * copy_bytes * _rate(lambda: dst.copy_(src), device=device, min_time_s=sweep.compute_time_s)
+    if bar:
+        bar.advance(task)
+    values = reduce_values([flops["fp32"], flops["bf16"], bandwidth], op=dist.ReduceOp.MIN, device=device)
+    return DeviceMeasurement(
+        matmul_flops_by_dtype={"fp32": values[0], "bf16": values[1]}, matmul_dim=dim,
+        memory_bandwidth_bytes_per_s=values[2], copy_bytes=copy_bytes, threads_per_rank=torch.get_num_threads(),
+    )
+
+
+def reduce_values(values: Sequence[float], *, op: Any, device: torch.device) -> list[float]:
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def measure_collectives(layouts: Sequence[tuple[int, int]], device: torch.device, *, sweep: ProfileSweep, bar: Any) -> list[Measurement]:
+    """Every collective on every layout and size (point-to-point on pairs, timed as half a ping-pong)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    points = []  # (collective, group_size, stride, nbytes, op)
+    for group_size, stride in layouts:
+        groups = groups_of(world, group_size, stride)
+        mine, _ = dist.new_subgroups_by_enumeration(groups)
+        members = next(g for g in groups if rank in g)
+        for collective in sweep.collectives:
+            if collective == "p2p" and group_size != 2:
+                continue
+            for nbytes in sweep.sizes_bytes:
+                op = _collective_op(collective, nbytes, group=mine, members=members, device=device)
+                points.append((collective, group_size, stride, nbytes, op))
+    ops_per_trial = _calibrate(points, device=device, sweep=sweep, bar=bar)
+    trials = _run_trials(points, ops_per_trial, device=device, sweep=sweep, bar=bar)
+    halved = [[x / 2 for x in t] if c == "p2p" else t for (c, *_), t in zip(points, trials)]  # p2p: round trip
+    return [
+        Measurement(collective=c, group_size=g, stride=s, nbytes=n, seconds=faster_half_mean(t), trials_s=tuple(t))
+        for (c, g, s, n, _), t in zip(points, halved)
+    ]
+
+
+def faster_half_mean(trials: Sequence[float]) -> float:
+    """Mean of the faster half of ``trials`` (all of one trial): robust to delays that only add time."""
+    ordered = sorted(trials)
+    return statistics.fmean(ordered[: max(1, len(ordered) // 2)])
+
+
+def _collective_op(collective: str, nbytes: int, *, group: Any, members: list[int], device: torch.device) -> Callable[[], None]:
+    """A closure running one ``collective`` of ``nbytes`` (fp32) on this rank's group."""
+    n, g = nbytes // 4, len(members)
+    me = members.index(dist.get_rank())
+    full = torch.ones(n, device=device)
+    shard = torch.ones(n // g, device=device)
+    if collective == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if collective == "all_gather":
+        return lambda: _ALL_GATHER(full, shard, group=group)
+    if collective == "reduce_scatter":
+        return lambda: _REDUCE_SCATTER(shard, full, group=group)
+    if collective == "all_to_all":
+        received = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(received, full, group=group)
+    if collective == "broadcast":
+        return lambda: dist.broadcast(full, src=members[0], group=group)
+    if collective == "p2p":  # ping-pong: one op is a round trip, two messages (halved by the caller)
+        peer = members[1 - me]
+
+        def ping() -> None:
+            dist.send(full, dst=peer, group=group)
+            dist.recv(full, src=peer, group=group)
+
+        def pong() -> None:
+            dist.recv(full, src=peer, group=group)
+            dist.send(full, dst=peer, group=group)
+
+        return ping if me == 0 else pong
+    raise ProfileError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
+
+
+def _calibrate(points: list, *, device: torch.device, sweep: ProfileSweep, bar: Any) -> list[int]:
+    """Ops per trial for each point, agreed by all ranks (the slowest rank's best calibration run)."""
+    task = bar.add_task("collectives: warm-up", total=len(points)) if bar else None
+    once = []
+    for *_, op in points:
+        op()  # warm-up: connections, allocations
+        best = math.inf
+        for _ in range(CALIBRATION_RUNS):
+            dist.barrier()
+            started = time.perf_counter()
+            op()
+            sync(device)
+            best = min(best, time.perf_counter() - started)
+        once.append(best)
+        if bar:
+            bar.advance(task)
+    slowest = reduce_values(once, op=dist.ReduceOp.MAX, device=device)
+    return [max(1, min(sweep.max_ops_per_trial, math.ceil(sweep.min_trial_s / max(t, 1e-9)))) for t in slowest]
+
+
+def _run_trials(points: list, ops_per_trial: list[int], *, device: torch.device, sweep: ProfileSweep, bar: Any) -> list[list[float]]:
+    """Sweep every point once per pass, ``trials`` passes; each trial's time is the slowest rank's."""
+    task = bar.add_task("collectives: timing", total=sweep.trials * len(points)) if bar else None
+    local = [[0.0] * sweep.trials for _ in points]
+    for trial in range(sweep.trials):
+        for i, ((*_, op), k) in enumerate(zip(points, ops_per_trial)):
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(k):
+                op()
+            sync(device)
+            local[i][trial] = (time.perf_counter() - started) / k
+            if bar:
+                bar.advance(task)
+    flat = reduce_values([t for row in local for t in row], op=dist.ReduceOp.MAX, device=device)
+    return [flat[i * sweep.trials:(i + 1) * sweep.trials] for i in range(len(points))]
