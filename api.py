@@ -124,8 +124,10 @@ def auto_parallelize(
     """Plan ``model`` for ``cluster`` and apply the plan on this process's rank.
 
     Run it on every rank (under ``torchrun`` or ``tessera.runtime.launch.spawn``) after the process group
-    is initialised; the plan is deterministic, so every rank makes the same one. A preset name builds the
-    real model on CPU from the current torch seed.
+    is initialised; the plan is deterministic, so every rank makes the same one (``apply_plan`` checks it
+    and fails loudly otherwise). A preset name is built on the meta device and only this rank's shards are
+    materialised, initialised exactly as the unsharded model would be from the current torch seed (seed
+    every rank identically).
     """
     resolved = load_cluster(cluster)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -136,7 +138,7 @@ def auto_parallelize(
             "or plan for the world you have"
         )
     chosen = plan(model, resolved, global_batch=global_batch, seq_len=seq_len, precision=precision, strategy=strategy)
-    module = build_model(model, device="cpu") if isinstance(model, str) else model
+    module = build_model(model, device="meta") if isinstance(model, str) else model
     return apply_plan(module, chosen, loss_fn=loss_fn, optimizer_factory=optimizer_factory)
 
 

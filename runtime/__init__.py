@@ -1,25 +1,37 @@
 """Runtime: apply a ``Plan`` to a real model with torch.distributed and train it.
 
-Implemented so far: the data-parallel axis (DDP for zero=0, FSDP2 for zero=3), full activation
-recomputation per block, bf16 mixed precision, and a local multi-process launcher for tests.
+``apply_plan(model, plan) -> ParallelModel`` builds the ``("dp", "pp", "tp")`` mesh and applies, in order:
+tensor (+ sequence) parallelism from the model's structure, per-layer recomputation (full or selective),
+optional ``torch.compile`` per block, the pipeline split and schedule, and the data-parallel axis (DDP,
+ZeRO-1/2/3 with FSDP2); a model on the meta device is materialised shard by shard. ``spawn`` starts local
+gloo ranks for tests; ``launch_commands`` prints torchrun / SLURM command lines for a plan.
 """
 
-from tessera.runtime.apply import ParallelModel, apply_plan, default_loss_fn, default_optimizer_factory
-from tessera.runtime.data_parallel import apply_ddp, apply_fsdp
-from tessera.runtime.launch import WorkerError, WorkerTimeoutError, spawn
+from tessera.runtime.apply import apply_plan, default_loss_fn, default_optimizer_factory
+from tessera.runtime.data_parallel import apply_data_parallel, apply_ddp, apply_fsdp
+from tessera.runtime.launch import WorkerError, WorkerTimeoutError, launch_commands, spawn
+from tessera.runtime.materialize import check_plan_agrees, materialize_shards
 from tessera.runtime.mesh import build_mesh
+from tessera.runtime.parallel_model import ParallelModel
 from tessera.runtime.recompute import apply_recompute
+from tessera.runtime.tensor_parallel import apply_tensor_parallel, find_linear_pairs
 
 __all__ = [
     "ParallelModel",
     "WorkerError",
     "WorkerTimeoutError",
+    "apply_data_parallel",
     "apply_ddp",
     "apply_fsdp",
     "apply_plan",
     "apply_recompute",
+    "apply_tensor_parallel",
     "build_mesh",
+    "check_plan_agrees",
     "default_loss_fn",
     "default_optimizer_factory",
+    "find_linear_pairs",
+    "launch_commands",
+    "materialize_shards",
     "spawn",
 ]

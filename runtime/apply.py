@@ -1,35 +1,50 @@
 """Apply a ``Plan`` to a real model on this rank and train it: ``apply_plan(model, plan) -> ParallelModel``.
 
-Order of application: recomputation (hooks, FQNs unchanged) -> mesh -> data-parallel wrapping/sharding
-(DDP or FSDP2) -> optimizer over the wrapped parameters. The runtime reads only the ``Plan`` data model.
+Order of application (torchtitan's, for the same reasons):
 
-Batches: every rank passes the same GLOBAL batch ``(inputs, targets)``, each ``(global_batch, T)``; a rank
-keeps its contiguous data-parallel slice of rows (rank ``r`` of ``dp`` keeps rows
-``[r * global_batch / dp, (r + 1) * global_batch / dp)``) and splits it into micro-batches of
-``plan.strategy.micro_batch`` rows. A step therefore equals one single-device step on the whole batch
-with the mean loss over all of it, whatever dp and micro-batch are.
+1. check the plan is the same on every rank, build the ``("dp", "pp", "tp")`` mesh, broadcast rank 0's
+   weights (so ranks need not be seeded identically; skipped for a model on meta);
+2. pipeline: free the layers of chunks other ranks run;
+3. recomputation per layer, full or selective (hooks: FQNs unchanged);
+4. tensor (+ sequence) parallelism on this rank's layers (``runtime.tensor_parallel``; after recomputation
+   so a checkpointed first block re-runs the sequence scatter on recomputation);
+5. ``torch.compile`` per block, when asked;
+6. pipeline: one module per local chunk (``runtime.pipeline``);
+7. the data-parallel axis on each module: DDP, FSDP2-``replicate``, ZeRO-1/2/3 (``runtime.data_parallel``);
+8. a model on the meta device is materialised now, shard by shard (``runtime.materialize``);
+9. the optimizer over the rank's parameters; the pipeline schedule.
+
+The runtime reads only the ``Plan`` data model (never the planner or the cost model's internals).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 
-from tessera.errors import ConfigError, NotModelledError
-from tessera.planner.plan import Plan
-from tessera.runtime.data_parallel import COMPUTE_DTYPES, DP, apply_ddp, apply_fsdp, check_zero_supported
-from tessera.runtime.mesh import build_mesh, check_axes_supported
+from tessera.cost_models.types import LinearPair
+from tessera.errors import NotModelledError
+from tessera.planner.plan import Plan, PlannedLayer
+from tessera.runtime import pipeline as pp_
+from tessera.runtime.compile import compile_blocks as compile_block_forwards
+from tessera.runtime.data_parallel import apply_data_parallel, broadcast_module_states, uses_ddp
+from tessera.runtime.materialize import check_plan_agrees, is_on_meta, materialize_shards
+from tessera.runtime.mesh import PP, TP, build_mesh, check_axes_supported, device_type
+from tessera.runtime.parallel_model import LossFn, ParallelModel
 from tessera.runtime.recompute import apply_recompute
+from tessera.runtime.tensor_parallel import (
+    VocabParallelLoss,
+    apply_tensor_parallel,
+    check_sequence_parallel,
+    check_tensor_parallel,
+    sequence_entry,
+)
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 DEFAULT_LR = 1e-3
 
@@ -44,138 +59,150 @@ def default_optimizer_factory(params: Iterable[nn.Parameter]) -> torch.optim.Opt
     return torch.optim.AdamW(params, lr=DEFAULT_LR)
 
 
-class ParallelModel:
-    """One rank's share of a planned training run: the wrapped module, its optimizer and ``train_step``."""
-
-    def __init__(
-        self, plan: Plan, module: nn.Module, *, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
-        mesh: DeviceMesh | None, device: torch.device,
-    ) -> None:
-        self.plan = plan
-        """The plan this model was built from."""
-        self.module = module
-        """The model as run: a ``DistributedDataParallel`` wrapper (zero=0), the FSDP2-sharded model
-        itself (zero=3), or the plain model (world size 1 without a process group)."""
-        self.optimizer = optimizer
-        """Optimizer over ``module``'s (possibly sharded) parameters."""
-        self.loss_fn = loss_fn
-        """``loss_fn(outputs, targets)``: mean loss of one micro-batch."""
-        self.mesh = mesh
-        """The ``("dp",)`` device mesh, or ``None`` when running without a process group."""
-        self.device = device
-        """Device the rank's batches are moved to."""
-        self.rank = dist.get_rank() if mesh is not None else 0
-        """This process's global rank."""
-        self.world_size = dist.get_world_size() if mesh is not None else 1
-        """Number of ranks in the run."""
-        self.dp_rank = mesh.get_local_rank(DP) if mesh is not None else 0
-        """Index of this rank on the data-parallel axis: which slice of the global batch it trains on."""
-
-    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
-        """One optimizer step on the GLOBAL batch ``(inputs, targets)``; returns the global mean loss.
-
-        The returned float is the mean loss over the whole global batch, identical on every rank.
-        """
-        inputs, targets = batch
-        accumulation = self._accumulation_steps(inputs, targets)
-        micro = self.plan.strategy.micro_batch
-        local_loss = torch.zeros((), device=self.device)
-        pairs = zip(self._local_rows(inputs).split(micro), self._local_rows(targets).split(micro))
-        for index, (micro_inputs, micro_targets) in enumerate(pairs):  # (micro, T) each
-            with self._gradient_sync(enabled=index == accumulation - 1):
-                with self._autocast():
-                    loss = self.loss_fn(self.module(micro_inputs), micro_targets) / accumulation
-                loss.backward()
-            local_loss += loss.detach().float()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return self._mean_over_dp(local_loss)
-
-    def _accumulation_steps(self, inputs: torch.Tensor, targets: torch.Tensor) -> int:
-        if inputs.shape[0] != targets.shape[0]:
-            raise ConfigError(
-                f"inputs have {inputs.shape[0]} rows but targets {targets.shape[0]}; pass the same global batch"
-            )
-        return self.plan.strategy.gradient_accumulation(inputs.shape[0])
-
-    def _local_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        rows = tensor.shape[0] // self.plan.strategy.dp
-        return tensor[self.dp_rank * rows : (self.dp_rank + 1) * rows].to(self.device)  # (B/dp, T)
-
-    def _gradient_sync(self, *, enabled: bool) -> AbstractContextManager:
-        """DDP: skip the all-reduce on all but the last micro-batch of a step.
-
-        FSDP2 reduce-scatters after every micro-batch on purpose: skipping it would keep an unsharded fp32
-        gradient of the whole model on every rank, which is the memory ZeRO-3 exists to avoid (and what
-        the cost model assumes).
-        """
-        if isinstance(self.module, DistributedDataParallel) and not enabled:
-            return self.module.no_sync()
-        return nullcontext()
-
-    def _autocast(self) -> AbstractContextManager:
-        """Autocast for DDP/plain mixed precision; FSDP2 casts through its ``MixedPrecisionPolicy``."""
-        precision = self.plan.training.precision
-        if precision == "fp32" or isinstance(self.module, FSDPModule):
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=COMPUTE_DTYPES[precision])
-
-    def _mean_over_dp(self, local_loss: torch.Tensor) -> float:
-        if self.mesh is None:
-            return local_loss.item()
-        dist.all_reduce(local_loss, group=self.mesh.get_group(DP))  # gloo has no AVG: sum, then divide
-        return local_loss.item() / self.plan.strategy.dp
-
-
 def apply_plan(
-    model: nn.Module, plan: Plan, *, loss_fn: LossFn | None = None, optimizer_factory: OptimizerFactory | None = None
+    model: nn.Module,
+    plan: Plan,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer_factory: OptimizerFactory | None = None,
+    tp_pairs: Mapping[str, tuple[LinearPair, ...]] | None = None,
+    compile_blocks: bool = False,
 ) -> ParallelModel:
     """Parallelise ``model`` (in place) as ``plan`` says and return the rank's ``ParallelModel``.
 
-    ``model`` must already be on this rank's device. Without an initialised process group the plan must
-    have world size 1 and the model runs unwrapped. Raises ``NotModelledError`` for parts of a plan the
-    runtime does not implement yet and ``RuntimeSetupError`` when the world does not match the plan.
+    ``model`` is on this rank's device, or on the meta device: then only this rank's shards are ever
+    allocated and they are initialised exactly as ``model.reset_parameters()`` would initialise the whole
+    model (every rank must be seeded identically; see ``runtime.materialize``). Without an initialised
+    process group the plan must have world size 1. ``tp_pairs`` optionally gives each block's column/row
+    linear pairs (``LayerStats.tp_pairs``; found from the module tree otherwise). ``compile_blocks`` compiles
+    each block with ``torch.compile``. With tensor parallelism the loss function receives vocabulary-sharded
+    logits as a ``DTensor`` (``F.cross_entropy`` works on them). Raises ``NotModelledError`` for parts of
+    a plan the runtime does not implement or layers it cannot split, ``RuntimeSetupError`` when the world
+    does not match the plan.
     """
     check_supported(plan)
-    device = next(model.parameters()).device
-    apply_recompute(model, recompute_fqns(plan))
+    on_meta = is_on_meta(model)
     mesh = None if _runs_without_process_group(plan) else build_mesh(plan.strategy)
-    module = _parallelize(model, plan, mesh)
-    optimizer = (optimizer_factory or default_optimizer_factory)(module.parameters())
-    return ParallelModel(
-        plan, module, optimizer=optimizer, loss_fn=loss_fn or default_loss_fn, mesh=mesh, device=device
-    )
+    device = _target_device(model, on_meta=on_meta)
+    if mesh is not None:
+        check_plan_agrees(plan)
+        broadcast_module_states(model)
+    chunks = pp_.local_chunks(plan, mesh.get_local_rank(PP)) if mesh is not None else [0]
+    layers = [layer for layer in plan.layers if layer.chunk in chunks and layer.kind != "loss"]
+    _shard_layers(model, plan, layers, mesh, chunks=chunks, tp_pairs=tp_pairs, compile_blocks=compile_blocks)
+    modules = _chunk_modules(model, plan, chunks)
+    modules = _data_parallel(model, plan, modules, mesh, on_meta=on_meta, device=device)
+    optimizer = (optimizer_factory or default_optimizer_factory)(_unique_parameters(modules))
+    loss = loss_fn or default_loss_fn
+    if plan.strategy.tp > 1:
+        loss = VocabParallelLoss(loss, mesh[TP])
+    schedule = _schedule(plan, modules, chunks, mesh, device=device, loss_fn=loss)
+    return ParallelModel(plan, modules, optimizer=optimizer, loss_fn=loss, mesh=mesh, device=device,
+                         schedule=schedule, chunks=chunks)
 
 
 def check_supported(plan: Plan) -> None:
-    """Raise ``NotModelledError`` naming the missing feature if the runtime cannot run ``plan`` yet."""
+    """Raise ``NotModelledError``/``ConfigError`` naming the problem if the runtime cannot run ``plan``."""
     check_axes_supported(plan.strategy)
-    check_zero_supported(plan.strategy)
     if plan.training.precision == "fp16":
         raise NotModelledError(
             "precision fp16 needs dynamic loss scaling (a GradScaler whose overflow check agrees across "
             "sharded ranks), which the runtime does not implement yet; plan with bf16 or fp32"
         )
-    selective = [layer.fqn for layer in plan.layers if layer.recompute == "selective"]
-    if selective:
-        raise NotModelledError(
-            f"selective recomputation (planned for {selective[0]} and {len(selective) - 1} more) is not in the "
-            "runtime yet (runtime issue); use recompute=full or none"
-        )
+    if plan.strategy.sp and plan.strategy.tp > 1:
+        check_sequence_parallel(plan.training.seq_len, plan.strategy.tp)
+    if plan.strategy.pp > 1:
+        pp_.check_chunks(plan)
 
 
-def recompute_fqns(plan: Plan) -> tuple[str, ...]:
-    """FQNs of the layers the plan recomputes in full (the plan's per-layer decisions are authoritative)."""
-    return tuple(layer.fqn for layer in plan.layers if layer.recompute == "full")
+def recompute_fqns(plan: Plan, policy: str = "full", layers: Iterable[PlannedLayer] | None = None) -> tuple[str, ...]:
+    """FQNs of the layers the plan recomputes with ``policy`` (the plan's per-layer decisions are authoritative)."""
+    return tuple(layer.fqn for layer in (plan.layers if layers is None else layers) if layer.recompute == policy)
+
+
+def _shard_layers(
+    model: nn.Module, plan: Plan, layers: list[PlannedLayer], mesh: DeviceMesh | None, *, chunks: list[int],
+    tp_pairs: Mapping[str, tuple[LinearPair, ...]] | None, compile_blocks: bool,
+) -> None:
+    """Steps 2-5: free other ranks' layers, recomputation, tensor parallelism, compilation (all in place)."""
+    strategy = plan.strategy
+    if strategy.tp > 1:  # the whole plan, on every rank: a layer another pipeline rank runs must fail here too
+        check_tensor_parallel(model, plan.layers, tp=strategy.tp, sp=strategy.sp, pairs=tp_pairs)
+    if strategy.pp > 1:
+        pp_.check_no_cross_chunk_ties(model, plan)
+        pp_.free_remote_layers(model, plan, chunks)
+    apply_recompute(model, recompute_fqns(plan, "full", layers), selective_fqns=recompute_fqns(plan, "selective", layers))
+    if strategy.tp > 1:  # after recomputation: see tensor_parallel._add_sequence_hooks
+        apply_tensor_parallel(model, layers, mesh[TP], sequence_parallel=strategy.sp,
+                              sequence_entry=sequence_entry(plan.layers), pairs=tp_pairs)
+    if compile_blocks:
+        compile_block_forwards(model, [layer.fqn for layer in layers if layer.kind == "block"])
+
+
+def _chunk_modules(model: nn.Module, plan: Plan, chunks: list[int]) -> list[nn.Module]:
+    if plan.strategy.pp == 1:
+        return [model]
+    layer_chunks = {layer.fqn: layer.chunk for layer in plan.layers if layer.kind != "loss"}
+    graph = pp_.trace_layers(model, list(layer_chunks))
+    node_chunks = pp_.node_chunks(graph, layer_chunks)
+    return [pp_.build_chunk_module(model, graph, node_chunks, chunk) for chunk in chunks]
+
+
+def _data_parallel(
+    model: nn.Module, plan: Plan, modules: list[nn.Module], mesh: DeviceMesh | None, *, on_meta: bool,
+    device: torch.device,
+) -> list[nn.Module]:
+    """Step 7 (and 8): wrap or shard each module over ``dp``; materialise a meta model around it."""
+    strategy = plan.strategy
+    wraps = mesh is not None and (strategy.dp > 1 or strategy.zero > 0)
+    ddp = wraps and uses_ddp(strategy)
+    layer_fqns = [layer.fqn for layer in plan.layers if layer.kind != "loss"]
+    if on_meta and (ddp or not wraps):  # DDP cannot wrap a meta model: materialise first
+        materialize_shards(model, modules, layer_fqns=layer_fqns, device=device)
+    if wraps:
+        modules = [
+            apply_data_parallel(module, mesh, strategy=strategy, precision=plan.training.precision,
+                                block_fqns=[fqn for fqn in plan.block_fqns if _holds(module, fqn)])
+            for module in modules
+        ]
+    if on_meta and wraps and not ddp:
+        materialize_shards(model, modules, layer_fqns=layer_fqns, device=device)
+    return modules
+
+
+def _schedule(plan: Plan, modules: list[nn.Module], chunks: list[int], mesh: DeviceMesh | None, *,
+              device: torch.device, loss_fn: LossFn):
+    if plan.strategy.pp == 1:
+        return None
+    stages = pp_.build_stages(modules, chunks, num_chunks=len(plan.chunk_fqns()), device=device,
+                              group=mesh.get_group(PP))
+    micro_batches = plan.strategy.gradient_accumulation(plan.training.global_batch)
+    return pp_.build_schedule(stages, plan.strategy, micro_batches=micro_batches, loss_fn=loss_fn)
+
+
+def _holds(module: nn.Module, fqn: str) -> bool:
+    try:
+        module.get_submodule(fqn)
+    except AttributeError:
+        return False
+    return True
+
+
+def _unique_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for module in modules:
+        for param in module.parameters():
+            seen.setdefault(id(param), param)
+    return list(seen.values())
+
+
+def _target_device(model: nn.Module, *, on_meta: bool) -> torch.device:
+    if not on_meta:
+        return next(model.parameters()).device
+    if dist.is_initialized() and device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _runs_without_process_group(plan: Plan) -> bool:
     return plan.strategy.world_size == 1 and not dist.is_initialized()
-
-
-def _parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh | None) -> nn.Module:
-    if mesh is None:
-        return model
-    if plan.strategy.zero == 3:
-        return apply_fsdp(model, mesh, block_fqns=plan.block_fqns, mixed_precision=plan.training.precision)
-    return apply_ddp(model, mesh)

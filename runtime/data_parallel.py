@@ -1,33 +1,71 @@
-"""The data-parallel axis: DDP for ZeRO-0, FSDP2 ``fully_shard`` for ZeRO-3.
+"""The data-parallel axis: ZeRO stages 0-3 over the ``dp`` mesh axis.
 
-Both average gradients over the ``dp`` mesh axis, so a step on ``dp`` ranks equals a single-device step
-on the concatenated batch (up to the summation order of the reduction). ZeRO-1/2 are not implemented.
+Every stage averages gradients over ``dp``, so a step on ``dp`` ranks equals a single-device step on the
+concatenated batch (up to the summation order of the reduction).
+
+- **ZeRO-0** (replicated): ``DistributedDataParallel`` for pure data parallelism; with tensor parallelism
+  (``DTensor`` parameters, which DDP cannot bucket) or pipeline stages (pipelining's shape inference runs a
+  backward that DDP's bucket rebuild miscounts) PyTorch's FSDP2-based ``replicate``
+  (``torch.distributed._composable.replicate_with_fsdp``): the same all-reduce of every gradient.
+- **ZeRO-1** (optimizer state sharded) and **ZeRO-2** (+ gradients sharded): FSDP2 ``fully_shard`` with
+  ``reshard_after_forward=False``. We chose FSDP2 over ``ZeroRedundancyOptimizer`` because it is the one
+  that composes with everything else here: DTensor tensor parallelism (2-D FSDP×TP), pipeline stages
+  (``torch.distributed.pipelining`` drives FSDP modules itself) and ``torch.compile``, while
+  ``ZeroRedundancyOptimizer`` only partitions plain-tensor parameters and broadcasts them after the step.
+  Parameters are all-gathered once per step and kept unsharded through forward and backward (no second
+  all-gather in backward: the communication of ZeRO-1/2, reduce-scatter + all-gather), the optimizer steps
+  on each rank's 1/dp shard, so its state is 1/dp. ZeRO-1 differs from ZeRO-2 in gradient reduction: it keeps
+  the full-size local gradient through the micro-batches of a step and reduce-scatters once, on the last one
+  (``ParallelModel`` turns gradient sync off before the others); ZeRO-2 reduce-scatters after every
+  micro-batch and accumulates only its shard. With one micro-batch per step they are identical. Under
+  pipeline parallelism, ``pipelining`` itself defers the reduction to the last micro-batch for every stage.
+- **ZeRO-3**: FSDP2 ``fully_shard`` on every block, then on the root, ``reshard_after_forward=True``:
+  parameters are sharded at rest and gathered one block at a time.
+
+Mixed precision: with bf16/fp16, FSDP2 (and ``replicate``) gather and compute parameters in that dtype and
+reduce gradients in fp32; the sharded master weights stay fp32. DDP uses ``torch.autocast`` instead (in
+``ParallelModel``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from tessera.cost_models.types import Precision, Strategy
-from tessera.errors import NotModelledError
+from tessera.runtime.mesh import DP
 
-DP = "dp"
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def check_zero_supported(strategy: Strategy) -> None:
-    """Raise ``NotModelledError`` for ZeRO stages the runtime does not implement (1 and 2)."""
-    if strategy.zero in (1, 2):
-        raise NotModelledError(
-            f"strategy {strategy.to_string()!r} asks for ZeRO-{strategy.zero}, which the runtime does not "
-            "implement yet (optimizer/gradient sharding without parameter sharding; planned via "
-            "ZeroRedundancyOptimizer / FSDP2 reshard_after_forward=False); use zero=0 (DDP) or zero=3 (FSDP)"
-        )
+def uses_ddp(strategy: Strategy) -> bool:
+    """Whether the plan's data-parallel axis is a ``DistributedDataParallel`` wrapper."""
+    return strategy.zero == 0 and strategy.tp == 1 and strategy.pp == 1
+
+
+def apply_data_parallel(
+    module: nn.Module, mesh: DeviceMesh, *, strategy: Strategy, block_fqns: Sequence[str], precision: Precision
+) -> nn.Module:
+    """Wrap or shard ``module`` over the ``dp`` axis of ``mesh`` as ZeRO stage ``strategy.zero`` says.
+
+    ``block_fqns`` are the blocks inside ``module`` (FSDP sharding units). Returns the module to run: a
+    ``DistributedDataParallel`` wrapper for plain ZeRO-0 (:func:`uses_ddp`), else ``module`` itself
+    (sharded or replicated in place by FSDP2 machinery).
+    """
+    zero = strategy.zero
+    if uses_ddp(strategy):
+        return apply_ddp(module, mesh)
+    if zero == 0:
+        return replicate(module, mesh=mesh[DP], mp_policy=mixed_precision_policy(precision))
+    return apply_fsdp(module, mesh, block_fqns=block_fqns, mixed_precision=precision,
+                      reshard_after_forward=zero == 3)
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> DistributedDataParallel:
@@ -39,27 +77,31 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> DistributedDataParallel:
 
 
 def apply_fsdp(
-    model: nn.Module, mesh: DeviceMesh, *, block_fqns: tuple[str, ...], mixed_precision: Precision
+    model: nn.Module, mesh: DeviceMesh, *, block_fqns: Sequence[str], mixed_precision: Precision,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Shard ``model`` over the ``dp`` axis with FSDP2 (ZeRO-3): each block, then the root.
+    """Shard ``model`` over the ``dp`` axis with FSDP2: each block, then the root.
 
     ``block_fqns`` are the plan's sharding units (``blocks.0``...); the rest of the parameters (embedding,
-    final norm, head) form the root's group. With ``bf16``/``fp16`` the parameters are all-gathered and
-    computed in that dtype and gradients are reduced in fp32; the sharded master weights stay fp32.
-    Rank 0's weights are broadcast first, as DDP does, so ranks need not be seeded identically.
-    FQNs are unchanged; parameters become ``DTensor`` shards (``p.full_tensor()`` gathers one).
+    final norm, head) form the root's group. ``reshard_after_forward`` True is ZeRO-3, False ZeRO-1/2 (see
+    the module docstring). Every rank of the ``dp`` axis must hold the same weights (``apply_plan``
+    broadcasts rank 0's first; :func:`broadcast_module_states`). FQNs are unchanged; parameters become
+    ``DTensor`` shards (``p.full_tensor()`` gathers one).
     """
-    broadcast_module_states(model, mesh)
-    policy = _mixed_precision_policy(mixed_precision)
+    policy = mixed_precision_policy(mixed_precision)
+    dp_mesh = mesh[DP]
     for fqn in block_fqns:
-        fully_shard(model.get_submodule(fqn), mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(model.get_submodule(fqn), mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
 
 
-def broadcast_module_states(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Copy parameters and buffers from the first rank of the ``dp`` axis to the others (in place)."""
-    group = mesh.get_group(DP)
+def broadcast_module_states(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Copy parameters and buffers (not on meta) from the first rank of ``group`` (default: all ranks) to the
+    others, in place, so ranks need not be seeded identically. Call it before any sharding."""
+    group = group or dist.group.WORLD
+    if dist.get_world_size(group) == 1:
+        return
     source = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
@@ -67,7 +109,9 @@ def broadcast_module_states(model: nn.Module, mesh: DeviceMesh) -> None:
                 dist.broadcast(tensor, src=source, group=group)
 
 
-def _mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
+def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``precision``: compute in it, reduce gradients in fp32 (fp32: no casting)."""
     if precision == "fp32":
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[precision], reduce_dtype=torch.float32)
+

@@ -1,4 +1,11 @@
-"""Start N local ranks, each with an initialised gloo process group, and collect what they return.
+"""Launching ranks: ``spawn`` (local gloo ranks for tests) and ``launch_commands`` (torchrun / SLURM lines).
+
+``launch_commands(plan, script, nodes=...)`` returns the shell lines that start ``script`` with the plan's
+world size on a multi-node cluster: one ``torchrun`` line per node, or a SLURM batch script whose ``srun``
+starts one ``torchrun`` per node with c10d rendezvous on the first node. The script is expected to call
+``apply_plan``/``auto_parallelize`` with the same plan on every rank.
+
+``spawn``: start N local ranks, each with an initialised gloo process group, and collect what they return.
 
 ``spawn`` is the small launcher the distributed tests (and local experiments) use. It starts real
 processes with the ``spawn`` start method, rendezvouses them through a ``file://`` store in a fresh
@@ -14,22 +21,26 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tessera.errors import TesseraError
+from tessera.errors import ClusterSpecError, ConfigError, TesseraError
+from tessera.planner.plan import Plan
+from tessera.topology import load_cluster
 
 POLL_INTERVAL_S = 0.05
+DEFAULT_MASTER_PORT = 29500
 
 
 class WorkerError(TesseraError):
@@ -177,3 +188,68 @@ def _kill(procs: list) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
+
+
+# ------------------------------------------------------------------------------------------ cluster launch lines
+
+
+def launch_commands(
+    plan: Plan,
+    script: str,
+    *,
+    nodes: int | None = None,
+    procs_per_node: int | None = None,
+    scheduler: Literal["torchrun", "slurm"] = "torchrun",
+    script_args: Sequence[str] = (),
+    master_port: int = DEFAULT_MASTER_PORT,
+) -> list[str]:
+    """Shell lines that run ``script`` (with ``script_args``) on ``plan.strategy.world_size`` ranks.
+
+    ``nodes`` and ``procs_per_node`` default to the plan's cluster (``dgx-h100:nodes=2``: 2 nodes of 8);
+    their product must be the plan's world size. ``torchrun``: one line per node (``--node-rank``), the
+    first node's address taken from ``$MASTER_ADDR``; a single node uses ``--standalone``. ``slurm``: a
+    batch script (``#SBATCH`` header, the first host as rendezvous endpoint, one ``srun`` of ``torchrun``
+    per node). Raises ``ConfigError`` when the shape does not match the plan.
+    """
+    nodes, per_node = _launch_shape(plan, nodes=nodes, procs_per_node=procs_per_node)
+    command = shlex.join([script, *script_args])
+    if scheduler == "slurm":
+        return _slurm_lines(nodes, per_node, command, master_port=master_port)
+    if nodes == 1:
+        return [f"torchrun --standalone --nnodes=1 --nproc-per-node={per_node} {command}"]
+    return [
+        f"torchrun --nnodes={nodes} --nproc-per-node={per_node} --node-rank={rank} "
+        f"--master-addr=$MASTER_ADDR --master-port={master_port} {command}"
+        for rank in range(nodes)
+    ]
+
+
+def _launch_shape(plan: Plan, *, nodes: int | None, procs_per_node: int | None) -> tuple[int, int]:
+    world = plan.strategy.world_size
+    if nodes is None and procs_per_node is None:
+        try:
+            cluster = load_cluster(plan.cluster)
+        except (ClusterSpecError, OSError, ValueError) as error:
+            raise ConfigError(f"cannot read cluster {plan.cluster!r} of the plan ({error}); pass nodes=") from None
+        nodes = cluster.num_nodes
+    if procs_per_node is None:
+        procs_per_node = world // (nodes or 1)
+    nodes = nodes or world // procs_per_node
+    if nodes * procs_per_node != world:
+        raise ConfigError(
+            f"{nodes} node(s) x {procs_per_node} process(es) per node = {nodes * procs_per_node} ranks, but the plan "
+            f"({plan.strategy.to_string()}) needs {world}; pick nodes and processes per node whose product is {world}"
+        )
+    return nodes, procs_per_node
+
+
+def _slurm_lines(nodes: int, per_node: int, command: str, *, master_port: int) -> list[str]:
+    return [
+        "#!/bin/bash",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={per_node}",
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"srun torchrun --nnodes={nodes} --nproc-per-node={per_node} --rdzv-id=$SLURM_JOB_ID "
+        f"--rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:{master_port} {command}",
+    ]

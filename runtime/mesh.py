@@ -1,8 +1,11 @@
-"""The device mesh a plan runs on.
+"""The device mesh a plan runs on: named axes ``("dp", "pp", "tp")``, innermost (fastest-varying) last.
 
-Today the runtime implements the data-parallel axis only, so the mesh is 1-D and named ``("dp",)``.
-Later axes (pp, cp, ep, tp) will be added as further named dimensions of the same mesh, so code that
-needs the data-parallel group should always ask for it by name: ``mesh.get_group("dp")``.
+Ranks are laid out tensor-parallel innermost, then pipeline, then data parallel: rank
+``r = (dp_index * pp + pp_index) * tp + tp_index``. Tensor parallelism, which communicates on every layer,
+therefore stays inside a node (NVLink domain) whenever ``tp`` divides the GPUs per node, and pipeline
+neighbours are the next-closest ranks. Size-1 axes are always kept, so code can ask for any axis by name
+(``mesh["tp"]``, ``mesh.get_group("dp")``) whatever the strategy; a size-1 axis costs one trivial group.
+Context and expert parallelism (``cp``, ``ep``) will be further named axes between ``tp`` and ``pp``.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tessera.cost_models.types import Strategy
 from tessera.errors import NotModelledError, RuntimeSetupError
 
-DP = "dp"
+DP, PP, TP = "dp", "pp", "tp"
+AXES = (DP, PP, TP)
+"""Mesh axis names, outermost first."""
 UNSUPPORTED_AXES = {
-    "tp": "tensor parallelism (runtime/tensor_parallel.py, not written yet)",
-    "pp": "pipeline parallelism (runtime/pipeline.py, not written yet)",
     "cp": "context parallelism (not written yet)",
     "ep": "expert parallelism (runtime/experts.py, not written yet)",
 }
@@ -29,7 +32,7 @@ def check_axes_supported(strategy: Strategy) -> None:
         if degree > 1:
             raise NotModelledError(
                 f"strategy {strategy.to_string()!r} uses {axis}={degree}, but the runtime does not implement "
-                f"{feature}; apply a plan with {axis}=1 (data parallelism only) for now"
+                f"{feature}; apply a plan with {axis}=1 for now"
             )
 
 
@@ -38,8 +41,13 @@ def device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
+def mesh_shape(strategy: Strategy) -> tuple[int, int, int]:
+    """Sizes of the ``("dp", "pp", "tp")`` axes."""
+    return strategy.dp, strategy.pp, strategy.tp
+
+
 def build_mesh(strategy: Strategy) -> DeviceMesh:
-    """Build the named mesh ``("dp",)`` for ``strategy`` over the initialised default process group."""
+    """Build the named mesh ``("dp", "pp", "tp")`` for ``strategy`` over the initialised default process group."""
     check_axes_supported(strategy)
     if not dist.is_initialized():
         raise RuntimeSetupError(
@@ -52,4 +60,11 @@ def build_mesh(strategy: Strategy) -> DeviceMesh:
             f"strategy {strategy.to_string()!r} needs {strategy.world_size} ranks but the process group has "
             f"{world_size}; relaunch with {strategy.world_size} processes or re-plan for {world_size} devices"
         )
-    return init_device_mesh(device_type(), (strategy.dp,), mesh_dim_names=(DP,))
+    key = (device_type(), mesh_shape(strategy), id(dist.group.WORLD))
+    if key not in _MESHES:  # each axis costs process groups (a rendezvous each): build a shape once per world
+        _MESHES.clear()
+        _MESHES[key] = init_device_mesh(key[0], key[1], mesh_dim_names=AXES)
+    return _MESHES[key]
+
+
+_MESHES: dict[tuple, DeviceMesh] = {}

@@ -1,25 +1,66 @@
-"""Activation recomputation: full, non-reentrant checkpointing of whole blocks.
+"""Activation recomputation per layer: ``full`` (keep only the block's inputs) or ``selective``.
 
 We use PyTorch's composable ``checkpoint`` (``torch.distributed._composable.checkpoint``): it installs the
 non-reentrant ``torch.utils.checkpoint`` machinery as forward pre/post hooks on the module instead of
 wrapping it. So, unlike ``checkpoint_wrapper`` (which inserts ``_checkpoint_wrapped_module.`` into every
 parameter FQN below the block), **module and parameter FQNs are unchanged**: ``blocks.0.attn.weight``
 stays ``blocks.0.attn.weight``, the plan's FQNs still resolve after recomputation is applied, and FSDP2
-``fully_shard`` and DDP compose with it. Apply it before sharding or wrapping.
+``fully_shard``, DDP, tensor parallelism and pipeline stages compose with it. Apply it before sharding or
+wrapping with a data-parallel wrapper (after tensor parallelism).
+
+``selective`` is Megatron-LM's selective recomputation (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", Sec. 5): keep the outputs of the linear projections (the
+expensive matmuls, ``aten.mm``/``aten.addmm``) and of tensor-parallel collectives (recomputing those would
+repeat communication), and recompute everything else in the block in backward -- the attention core
+(scaled-dot-product attention, softmax, dropout), activations and norms -- which is cheap in FLOPs but
+large in bytes. It uses ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with that policy.
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+SAVED_OPS: frozenset = frozenset(
+    op
+    for op in (
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        getattr(torch.ops._c10d_functional, "all_reduce", None),
+        getattr(torch.ops._c10d_functional, "reduce_scatter_tensor", None),
+        getattr(torch.ops._c10d_functional, "all_gather_into_tensor", None),
+    )
+    if op is not None
+)
+"""Ops whose outputs selective recomputation keeps (overload packets or overloads)."""
 
 
-def apply_recompute(model: nn.Module, block_fqns: tuple[str, ...]) -> nn.Module:
-    """Recompute the forward of each module in ``block_fqns`` during backward (in place; FQNs unchanged).
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Keep matmul and collective outputs; recompute every other op (attention core, activations, norms)."""
+    packet = getattr(op, "overloadpacket", op)
+    if op in SAVED_OPS or packet in SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
-    Only the blocks' inputs are kept for backward; everything saved inside a block is dropped after its
-    forward and rebuilt (with the same RNG state, so dropout matches) when its backward runs.
+
+def selective_context():
+    """The (forward, recompute) context pair for ``checkpoint(..., context_fn=...)``."""
+    return create_selective_checkpoint_contexts(selective_policy)
+
+
+def apply_recompute(model: nn.Module, block_fqns: tuple[str, ...], *, selective_fqns: tuple[str, ...] = ()) -> nn.Module:
+    """Recompute the forward of the modules in ``block_fqns`` (full) and ``selective_fqns`` (selective) in
+    backward (in place; FQNs unchanged).
+
+    Full: only the block's inputs are kept; everything inside is rebuilt (with the same RNG state, so
+    dropout matches) when its backward runs. Selective: see the module docstring.
     """
     for fqn in block_fqns:
         checkpoint(model.get_submodule(fqn))
+    for fqn in selective_fqns:
+        checkpoint(model.get_submodule(fqn), context_fn=functools.partial(selective_context))
     return model

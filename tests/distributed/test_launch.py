@@ -51,3 +51,39 @@ def test_hanging_ranks_raise_a_timeout_error():
     assert isinstance(caught.value, TesseraError) and isinstance(caught.value, TimeoutError)
     assert "[0, 1]" in str(caught.value)
     assert time.monotonic() - started < 20
+
+
+def _plan(strategy: str, cluster: str = "dgx-h100:nodes=2"):
+    from .harness import GPT, make_model, make_plan
+
+    return make_plan(GPT, make_model(GPT, device="meta"), strategy).model_copy(update={"cluster": cluster})
+
+
+def test_launch_commands_one_torchrun_line_per_node_from_the_plans_cluster():
+    from tessera.runtime.launch import launch_commands
+
+    lines = launch_commands(_plan("dp=2,tp=8"), "train.py", script_args=["--plan", "plan.json"])
+    assert lines == [
+        f"torchrun --nnodes=2 --nproc-per-node=8 --node-rank={rank} --master-addr=$MASTER_ADDR "
+        "--master-port=29500 train.py --plan plan.json"
+        for rank in range(2)
+    ]
+
+
+def test_launch_commands_single_node_and_slurm():
+    from tessera.runtime.launch import launch_commands
+
+    assert launch_commands(_plan("dp=4"), "train.py", nodes=1) == [
+        "torchrun --standalone --nnodes=1 --nproc-per-node=4 train.py"]
+    script = launch_commands(_plan("dp=4,pp=4"), "my train.py", nodes=2, scheduler="slurm")
+    assert script[:4] == ["#!/bin/bash", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8"]
+    assert script[-1].startswith("srun torchrun --nnodes=2 --nproc-per-node=8 --rdzv-id=$SLURM_JOB_ID")
+    assert script[-1].endswith("--rdzv-endpoint=$MASTER_ADDR:29500 'my train.py'")
+
+
+def test_launch_commands_refuse_a_shape_that_is_not_the_plans_world():
+    from tessera.errors import ConfigError
+    from tessera.runtime.launch import launch_commands
+
+    with pytest.raises(ConfigError, match="3 node\\(s\\) x 4 process\\(es\\) per node = 12 ranks, but the plan"):
+        launch_commands(_plan("dp=16"), "train.py", nodes=3, procs_per_node=4)

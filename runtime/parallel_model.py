@@ -1,0 +1,172 @@
+"""``ParallelModel``: one rank's share of a planned training run, and its ``train_step``.
+
+Batches: every rank passes the same GLOBAL batch ``(inputs, targets)``, each ``(global_batch, T)``; a rank
+keeps its contiguous data-parallel slice of rows (rank ``r`` of ``dp`` keeps rows
+``[r * global_batch / dp, (r + 1) * global_batch / dp)``) and splits it into micro-batches of
+``plan.strategy.micro_batch`` rows. A step therefore equals one single-device step on the whole batch
+with the mean loss over all of it, whatever dp, tp, pp and micro-batch are. Tensor-parallel ranks of one
+data-parallel group see the same rows. With pipeline parallelism the schedule runs the micro-batches; the
+loss exists on the last stage and is broadcast so ``train_step`` returns the same float on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.parallel import DistributedDataParallel
+
+from tessera.errors import ConfigError
+from tessera.planner.plan import Plan
+from tessera.runtime.data_parallel import COMPUTE_DTYPES
+from tessera.runtime.mesh import DP, PP
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ParallelModel:
+    """One rank's share of a planned training run: the modules it runs, their optimizer and ``train_step``."""
+
+    def __init__(
+        self, plan: Plan, modules: Sequence[nn.Module], *, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+        mesh: DeviceMesh | None, device: torch.device, schedule: _PipelineSchedule | None = None,
+        chunks: Sequence[int] = (0,),
+    ) -> None:
+        self.plan = plan
+        """The plan this model was built from."""
+        self.modules = tuple(modules)
+        """What this rank runs: the whole model (wrapped by DDP, or sharded in place by FSDP2/DTensor) without
+        pipelining, else one module per local pipeline chunk (see ``runtime.pipeline``)."""
+        self.optimizer = optimizer
+        """Optimizer over this rank's (possibly sharded) parameters."""
+        self.loss_fn = loss_fn
+        """``loss_fn(outputs, targets)``: mean loss of one micro-batch (vocabulary-parallel under tp)."""
+        self.mesh = mesh
+        """The ``("dp", "pp", "tp")`` device mesh, or ``None`` when running without a process group."""
+        self.device = device
+        """Device the rank's batches are moved to."""
+        self.schedule = schedule
+        """The pipeline schedule (``None`` without pipeline parallelism)."""
+        self.chunks = tuple(chunks)
+        """Pipeline chunks this rank runs (``(0,)`` without pipelining)."""
+        self.rank = dist.get_rank() if mesh is not None else 0
+        """This process's global rank."""
+        self.world_size = dist.get_world_size() if mesh is not None else 1
+        """Number of ranks in the run."""
+        self.dp_rank = mesh.get_local_rank(DP) if mesh is not None else 0
+        """Index of this rank on the data-parallel axis: which slice of the global batch it trains on."""
+
+    @property
+    def module(self) -> nn.Module:
+        """The first (without pipelining: the only) module this rank runs."""
+        return self.modules[0]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters keyed by their FQN in the user's model (DDP's ``module.`` prefix removed)."""
+        for module in self.modules:
+            for name, param in module.named_parameters():
+                yield name.removeprefix("module."), param
+
+    def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """One optimizer step on the GLOBAL batch ``(inputs, targets)``; returns the global mean loss.
+
+        The returned float is the mean loss over the whole global batch, identical on every rank.
+        """
+        inputs, targets = batch
+        accumulation = self._accumulation_steps(inputs, targets)
+        inputs, targets = self._local_rows(inputs), self._local_rows(targets)  # (B/dp, T)
+        if self.schedule is None:
+            local_loss = self._run_micro_batches(inputs, targets, accumulation)
+        elif accumulation != self.schedule._n_microbatches:
+            raise ConfigError(
+                f"the pipeline schedule was built for {self.schedule._n_microbatches} micro-batches per step (the "
+                f"plan's global batch {self.plan.training.global_batch}); this batch of {batch[0].shape[0]} rows "
+                f"makes {accumulation}; pass batches of the planned size"
+            )
+        else:
+            local_loss = self._run_pipeline(inputs, targets)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._mean_over_dp(local_loss)
+
+    def _run_micro_batches(self, inputs: torch.Tensor, targets: torch.Tensor, accumulation: int) -> torch.Tensor:
+        micro = self.plan.strategy.micro_batch
+        local_loss = torch.zeros((), device=self.device)
+        for index, (micro_inputs, micro_targets) in enumerate(zip(inputs.split(micro), targets.split(micro))):
+            with self._step_context(last_micro_batch=index == accumulation - 1):
+                loss = self.loss_fn(self.module(micro_inputs), micro_targets) / accumulation
+                loss.backward()
+            local_loss += loss.detach().float()
+        return local_loss
+
+    def _run_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Run the schedule; the last stage's mean micro-batch loss, broadcast over the pipeline axis."""
+        last_chunk = len(self.plan.chunk_fqns()) - 1
+        has_last = last_chunk in self.chunks
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if 0 in self.chunks else ()
+        kwargs = {"target": targets, "losses": losses} if has_last else {}
+        with self._step_context(last_micro_batch=True):
+            self.schedule.step(*args, **kwargs)
+        local_loss = torch.stack([loss.detach().float() for loss in losses]).mean() if has_last else torch.zeros(())
+        local_loss = local_loss.to(self.device)
+        group = self.mesh.get_group(PP)
+        dist.broadcast(local_loss, src=dist.get_global_rank(group, last_chunk % self.plan.strategy.pp), group=group)
+        return local_loss
+
+    def _step_context(self, *, last_micro_batch: bool) -> AbstractContextManager:
+        stack = ExitStack()
+        stack.enter_context(self._gradient_sync(enabled=last_micro_batch))
+        stack.enter_context(self._autocast())
+        if self.plan.strategy.tp > 1:
+            stack.enter_context(loss_parallel())  # the loss and its backward run on vocabulary shards
+        return stack
+
+    def _accumulation_steps(self, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+        if inputs.shape[0] != targets.shape[0]:
+            raise ConfigError(
+                f"inputs have {inputs.shape[0]} rows but targets {targets.shape[0]}; pass the same global batch"
+            )
+        return self.plan.strategy.gradient_accumulation(inputs.shape[0])
+
+    def _local_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        rows = tensor.shape[0] // self.plan.strategy.dp
+        return tensor[self.dp_rank * rows : (self.dp_rank + 1) * rows].to(self.device)  # (B/dp, T)
+
+    def _gradient_sync(self, *, enabled: bool) -> AbstractContextManager:
+        """Reduce gradients once per step where the plan keeps full-size gradients anyway.
+
+        DDP (ZeRO-0) skips its all-reduce on all but the last micro-batch; so do FSDP2-based ``replicate``
+        (ZeRO-0 with tensor parallelism) and ZeRO-1, which hold an unsharded gradient through the step and
+        reduce (scatter) it once. ZeRO-2/3 reduce-scatter after every micro-batch on purpose: skipping it would
+        keep an unsharded fp32 gradient of the whole model on every rank, which is what they exist to avoid
+        (and what the cost model assumes). Pipeline schedules manage gradient sync themselves.
+        """
+        if self.schedule is not None:
+            return nullcontext()
+        module = self.module
+        if isinstance(module, DistributedDataParallel):
+            return nullcontext() if enabled else module.no_sync()
+        if isinstance(module, FSDPModule) and self.plan.strategy.zero <= 1:
+            module.set_requires_gradient_sync(enabled)
+        return nullcontext()
+
+    def _autocast(self) -> AbstractContextManager:
+        """Autocast for DDP/plain mixed precision; FSDP2 casts through its ``MixedPrecisionPolicy``."""
+        precision = self.plan.training.precision
+        if precision == "fp32" or isinstance(self.module, FSDPModule):
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=COMPUTE_DTYPES[precision])
+
+    def _mean_over_dp(self, local_loss: torch.Tensor) -> float:
+        if self.mesh is None:
+            return local_loss.item()
+        dist.all_reduce(local_loss, group=self.mesh.get_group(DP))  # gloo has no AVG: sum, then divide
+        return local_loss.item() / self.plan.strategy.dp

@@ -1,0 +1,224 @@
+"""Pipeline parallelism: split the model at the plan's chunk boundaries and run a pipelining schedule.
+
+**Splitting.** The root module's forward is traced with ``torch.fx`` keeping every planned layer a leaf
+(``blocks.3`` is one ``call_module`` node; what happens inside it is not traced). Each node of the root's
+glue code (``tok_emb(ids) + pos_emb(arange(T))``, RoPE table slicing...) goes to the earliest chunk where
+all its inputs exist; a buffer read (``get_attr``) goes to the chunk of its first user. Chunk ``c`` then
+becomes a ``GraphModule`` whose inputs are the values chunk ``c - 1`` hands over and whose outputs are the
+values later chunks still need. So a value used several stages later (Llama's RoPE ``cos``/``sin``, computed
+once from the root's buffers) travels along the pipeline with the hidden states. Values crossing a
+boundary must be tensors.
+
+The chunk module holds the very same layer modules (not copies) under their original FQNs:
+``stage.get_submodule("blocks.3")`` is ``model.blocks[3]`` and ``stage.named_parameters()`` yields
+``blocks.3.attn.q.weight``, so checkpoints and optimizer state keep the user's names. Buffers a chunk reads
+are shared likewise. Layers of chunks another rank runs are moved to the meta device (their memory freed).
+
+**Placement.** With ``pp`` ranks and ``V`` chunks per rank (``interleaved:V``), chunk ``c`` runs on
+pipeline rank ``c % pp`` (Megatron-LM's interleaving; ``V = 1`` is one chunk per rank).
+
+**Schedules.** ``gpipe`` -> ``ScheduleGPipe``, ``1f1b`` -> ``Schedule1F1B``, ``interleaved`` ->
+``ScheduleInterleaved1F1B``, ``zero-bubble`` -> ``ScheduleInterleavedZeroBubble`` (backward split into input
+and weight gradients; it accepts one chunk per rank). A step feeds the rank's data-parallel slice of the
+global batch; the schedule cuts it into ``global_batch / (dp * micro_batch)`` micro-batches, computes the
+loss of each on the last stage, and scales gradients by ``1 / micro-batches``: the step equals one
+single-device step on the mean loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+from tessera.cost_models.types import Strategy
+from tessera.errors import ConfigError, NotModelledError
+from tessera.planner.plan import Plan
+
+SINGLE_STAGE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+MULTI_STAGE = {"interleaved": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble}
+
+
+def local_chunks(plan: Plan, pp_rank: int) -> list[int]:
+    """Chunk indices pipeline rank ``pp_rank`` runs, in order (chunk ``c`` runs on rank ``c % pp``)."""
+    return [chunk for chunk in range(len(plan.chunk_fqns())) if chunk % plan.strategy.pp == pp_rank]
+
+
+def check_chunks(plan: Plan) -> None:
+    """The plan must have ``pp * V`` chunks, each holding at least one module layer."""
+    strategy = plan.strategy
+    chunks = plan.chunk_fqns()
+    expected = strategy.pp * strategy.virtual_stages
+    if len(chunks) != expected:
+        raise ConfigError(
+            f"plan has {len(chunks)} pipeline chunks but strategy {strategy.to_string()!r} needs pp * virtual_stages "
+            f"= {expected}; re-plan (the plan's chunks must match its strategy)"
+        )
+    for index in range(expected):
+        if not any(layer.chunk == index and layer.kind != "loss" for layer in plan.layers):
+            raise ConfigError(f"pipeline chunk {index} of the plan holds no layer; re-plan with fewer stages")
+
+
+# ------------------------------------------------------------------------------------------------ splitting
+
+
+class _LayerTracer(fx.Tracer):
+    """Traces the root's glue code only: every planned layer is one leaf ``call_module`` node."""
+
+    def __init__(self, leaves: set[str]) -> None:
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return qualified_name in self.leaves or super().is_leaf_module(module, qualified_name)
+
+
+def trace_layers(model: nn.Module, layer_fqns: Sequence[str]) -> fx.Graph:
+    """fx graph of ``model.forward`` with each of ``layer_fqns`` a leaf; a clear error if it cannot be traced."""
+    try:
+        return _LayerTracer(set(layer_fqns)).trace(model)
+    except Exception as error:  # fx raises many types (TraceError, TypeError on control flow...)
+        raise NotModelledError(
+            f"pipeline parallelism splits the model's forward with torch.fx, which cannot trace "
+            f"{type(model).__name__}: {error}; plan it with pp=1"
+        ) from error
+
+
+def node_chunks(graph: fx.Graph, chunk_of_layer: dict[str, int]) -> dict[fx.Node, int]:
+    """Chunk of every node: a layer's from the plan, glue code's from its inputs, buffers' from their users."""
+    chunks: dict[fx.Node, int] = {}
+    last = max(chunk_of_layer.values())
+    for node in graph.nodes:
+        inputs = [chunks[n] for n in node.all_input_nodes if n in chunks]
+        earliest = max(inputs, default=0)
+        if node.op == "call_module":
+            chunks[node] = _layer_chunk(node, chunk_of_layer, earliest)
+        elif node.op == "output":
+            chunks[node] = last
+        elif node.op != "get_attr":
+            chunks[node] = earliest
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            chunks[node] = min((chunks[user] for user in node.users), default=0)
+    return chunks
+
+
+def _layer_chunk(node: fx.Node, chunk_of_layer: dict[str, int], earliest: int) -> int:
+    target = str(node.target)
+    if target not in chunk_of_layer:
+        raise NotModelledError(
+            f"the model's forward calls module {target}, which the plan does not list as a layer; pipeline "
+            "stages are cut between planned layers only (re-plan this model)"
+        )
+    chunk = chunk_of_layer[target]
+    if chunk < earliest:
+        raise ConfigError(
+            f"plan puts {target} in pipeline chunk {chunk} but it reads a value computed in chunk {earliest}; "
+            "chunks must follow the model's data flow"
+        )
+    return chunk
+
+
+def build_chunk_module(model: nn.Module, graph: fx.Graph, chunks: dict[fx.Node, int], chunk: int) -> fx.GraphModule:
+    """A module computing chunk ``chunk`` alone: inputs are what chunk ``chunk - 1`` hands over."""
+    inputs = _handover(graph, chunks, chunk - 1) if chunk > 0 else [n for n in graph.nodes if n.op == "placeholder"]
+    outputs = _handover(graph, chunks, chunk)
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = new.placeholder(node.name)
+    for node in graph.nodes:
+        if chunks[node] == chunk and node.op not in ("placeholder", "output"):
+            env[node] = new.node_copy(node, env.__getitem__)
+    final = next(n for n in graph.nodes if n.op == "output")
+    if chunks[final] == chunk:
+        new.output(fx.map_arg(final.args[0], env.__getitem__))
+    else:
+        new.output(tuple(env[node] for node in outputs))
+    module = fx.GraphModule(model, new, class_name=f"PipelineChunk{chunk}")
+    _keep_buffers_non_persistent(model, module)
+    return module
+
+
+def _handover(graph: fx.Graph, chunks: dict[fx.Node, int], chunk: int) -> list[fx.Node]:
+    """Values computed in chunks ``<= chunk`` that a later chunk reads, in graph order."""
+    return [
+        node
+        for node in graph.nodes
+        if node.op != "output" and chunks[node] <= chunk and any(chunks[user] > chunk for user in node.users)
+    ]
+
+
+def _keep_buffers_non_persistent(model: nn.Module, module: fx.GraphModule) -> None:
+    """GraphModule registers copied buffers as persistent; keep the original's choice (RoPE tables are not)."""
+    for name, _ in list(module.named_buffers()):
+        owner_name, _, leaf = name.rpartition(".")
+        original, copy = model.get_submodule(owner_name), module.get_submodule(owner_name)
+        if leaf in original._non_persistent_buffers_set and copy is not original:
+            copy._non_persistent_buffers_set.add(leaf)
+
+
+def free_remote_layers(model: nn.Module, plan: Plan, local: Sequence[int]) -> None:
+    """Move the layers of chunks other ranks run to the meta device (frees their memory; shapes stay)."""
+    for layer in plan.layers:
+        if layer.kind != "loss" and layer.chunk not in local:
+            model.get_submodule(layer.fqn).to("meta")
+
+
+def check_no_cross_chunk_ties(model: nn.Module, plan: Plan) -> None:
+    """A parameter shared by layers of different chunks (tied embedding/head) would need its gradients summed
+    across stages, which the runtime does not do."""
+    owner: dict[int, tuple[str, int]] = {}
+    for layer in plan.layers:
+        if layer.kind == "loss":
+            continue
+        for name, param in model.get_submodule(layer.fqn).named_parameters():
+            first = owner.setdefault(id(param), (f"{layer.fqn}.{name}", layer.chunk))
+            if first[1] != layer.chunk:
+                raise NotModelledError(
+                    f"{first[0]} is tied to {layer.fqn}.{name} but they run in pipeline chunks {first[1]} and "
+                    f"{layer.chunk}; untie the weights or plan with pp=1"
+                )
+
+
+# ------------------------------------------------------------------------------------------------ schedules
+
+
+def build_stages(
+    modules: Sequence[nn.Module], chunks: Sequence[int], *, num_chunks: int, device: torch.device, group
+) -> list[PipelineStage]:
+    """One ``PipelineStage`` per local chunk; shapes are inferred on the first step."""
+    return [
+        PipelineStage(module, chunk, num_chunks, device, group=group) for module, chunk in zip(modules, chunks)
+    ]
+
+
+def build_schedule(
+    stages: list[PipelineStage], strategy: Strategy, *, micro_batches: int, loss_fn: Callable
+) -> _PipelineSchedule:
+    """The plan's schedule over this rank's stages, running ``micro_batches`` per step.
+
+    PyTorch's own limits (1F1B: at least as many micro-batches as stages; interleaved and zero-bubble: a
+    multiple of the rounds) surface as ``ConfigError`` naming the schedule and the numbers.
+    """
+    if strategy.schedule in SINGLE_STAGE and len(stages) != 1:
+        raise ConfigError(f"schedule {strategy.schedule} runs one chunk per rank, this rank has {len(stages)}")
+    try:
+        if strategy.schedule in SINGLE_STAGE:
+            return SINGLE_STAGE[strategy.schedule](stages[0], micro_batches, loss_fn=loss_fn)
+        return MULTI_STAGE[strategy.schedule](stages, micro_batches, loss_fn=loss_fn)
+    except ValueError as error:
+        raise ConfigError(
+            f"schedule {strategy.schedule} cannot run {micro_batches} micro-batches per step on pp={strategy.pp} "
+            f"({error}); choose a micro-batch size (or global batch) that gives a suitable count"
+        ) from error
