@@ -35,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--baseline", action="append", required=True, metavar="STR",
                          help="a hand-tuned strategy, e.g. tp=8,pp=8,dp=16,mbs=1 (repeat for more; fields left out "
                          "are filled by the planner)")
+    launch = verbs.add_parser("launch", help="print the torchrun (or SLURM) command lines that run a plan")
+    launch.add_argument("plan", help="plan JSON written by 'tessera plan --json PATH'")
+    launch.add_argument("--script", default="train.py", help="training script each rank runs (default train.py)")
+    launch.add_argument("--scheduler", choices=("torchrun", "slurm"), default="torchrun")
+    launch.add_argument("--nodes", type=int, default=None, help="default: the plan's cluster")
+    launch.add_argument("--procs-per-node", type=int, default=None, help="default: the plan's cluster")
+    launch.add_argument("--debug", action="store_true", help="show tracebacks")
     presets = verbs.add_parser("presets", help="list model and cluster presets")
     presets.add_argument("--debug", action="store_true", help="show tracebacks")
     profile = verbs.add_parser("profile", help="measure this machine's fabric and devices; write a cluster file")
@@ -72,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
+    if args.verb == "launch":
+        return _launch(args)
     if args.verb == "presets":
         return _print_presets(console)
     if args.verb == "profile":
@@ -168,6 +177,22 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps(estimate_json(strategy, estimate), indent=2))
     else:
         print_estimate(strategy, estimate, console)
+    return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tessera.errors import ConfigError
+    from tessera.planner.plan import Plan
+    from tessera.runtime.launch import launch_commands
+
+    if not Path(args.plan).exists():
+        raise ConfigError(f"plan file {args.plan} does not exist; write one with 'tessera plan ... --json {args.plan}'")
+    plan = Plan.from_json(Path(args.plan))
+    lines = launch_commands(plan, args.script, nodes=args.nodes, procs_per_node=args.procs_per_node,
+                            scheduler=args.scheduler, script_args=["--plan", args.plan])
+    print("\n".join(lines))
     return 0
 
 

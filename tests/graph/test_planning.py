@@ -101,3 +101,14 @@ def test_search_uses_the_ilp_and_its_choice_is_rechecked_by_estimate():
         default=float("inf"),
     )
     assert plan.estimate.step_time_s <= best_uniform
+
+
+def test_launch_prints_one_torchrun_line_per_node(tmp_path):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "dgx-h100:nodes=2", "--global-batch", "16", "--seq-len", "32", "--json", str(path)]) == 0
+    result = run_cli("launch", str(path), "--script", "train.py")
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == 0 and len(lines) == 2
+    assert all("--nnodes=2 --nproc-per-node=8" in line and f"--plan {path}" in line for line in lines)
+    missing = run_cli("launch", str(tmp_path / "absent.json"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
