@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import sys
@@ -225,8 +226,8 @@ def write_report(rows: list[tuple], args: argparse.Namespace) -> Path:
     lines = [
         "# Runtime overhead: Tessera-applied plan vs the same strategy by hand", "",
         f"Command: `{command}`", "",
-        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads per "
-        f"rank, {args.ranks} gloo ranks on {__import__('os').cpu_count()} cores; torch {torch.__version__}.",
+        f"Machine: {platform.processor() or platform.machine()}, {args.ranks} gloo ranks (one torch thread each, as "
+        f"`tessera.runtime.spawn` sets) on {os.cpu_count()} cores; torch {torch.__version__}.",
         f"Model `{MODEL}`, global batch {GLOBAL_BATCH} x {SEQ_LEN} tokens, fp32, AdamW. {args.pairs} pairs of "
         "steps (one Tessera, one by hand, order flipped every pair); a step's time is the slowest rank's. Ratio: "
         "median over pairs of Tessera / hand, with its interquartile range (the machine is shared, so single "

@@ -274,8 +274,9 @@ def check_sequence_parallel(seq_len: int, tp: int) -> None:
 
 
 def sequence_entry(layers: Sequence[PlannedLayer]) -> str | None:
-    """FQN of the first layer after the embeddings: where the replicated residual stream is split over the sequence."""
-    return next((layer.fqn for layer in layers if layer.kind not in ("embedding", "loss")), None)
+    """FQN of the first block (else norm or head): where the replicated residual stream is split over the
+    sequence. Parameter-free ``other`` layers (a rotary-embedding module) do not carry the stream."""
+    return next((layer.fqn for layer in layers if layer.kind in ("block", "norm", "head")), None)
 
 
 def _add_sequence_hooks(model: nn.Module, layers: Sequence[PlannedLayer], mesh: DeviceMesh, plans: dict[str, Styles],

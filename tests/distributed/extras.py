@@ -12,14 +12,15 @@ import torch
 import torch.distributed as dist
 
 import tessera
-from tessera.cost_models.types import Strategy
+from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.errors import RuntimeSetupError
+from tessera.planner.plan import Plan, PlannedLayer
 from tessera.runtime.apply import apply_plan
 from tessera.runtime.mesh import build_mesh
 
 from .harness import (
-    GLOBAL_BATCH, GPT, LLAMA, SEED, SEQ_LEN, STEPS, make_batches, make_model, make_plan, parameter_bytes,
-    track_parameter_bytes,
+    GLOBAL_BATCH, GPT, LLAMA, SEED, SEQ_LEN, STEPS, dummy_estimate, make_batches, make_model, make_plan,
+    parameter_bytes, track_parameter_bytes,
 )
 
 PINNED = "dp=2,tp=2,zero=3,mbs=2,recompute=selective,sp=true"
@@ -80,3 +81,46 @@ EXTRAS = {
     4: (auto_free_choice, auto_pinned, world_size_mismatch),
 }
 assert STEPS >= COMPILE_STEPS
+
+
+# ------------------------------------------------------------------------------- a Hugging Face Llama (optional)
+
+HF_STEPS = 3
+
+
+def hf_llama():
+    """A tiny Hugging Face Llama (transformers' own modules and forward), built from seed 0 on CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    config = LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, use_cache=False)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+def hf_plan(model, strategy: str):
+    """The plan capture would make, by hand: Hugging Face module names, ``other`` for the rotary module."""
+    kinds = [("model.embed_tokens", "embedding"), *((f"model.layers.{i}", "block") for i in range(2)),
+             ("model.norm", "norm"), ("model.rotary_emb", "other"), ("lm_head", "head")]
+    layers = tuple(PlannedLayer(fqn=fqn, kind=kind, recompute="none") for fqn, kind in kinds)
+    return Plan(model_name="hf-llama", param_count=sum(p.numel() for p in model.parameters()), cluster="test",
+                device_name="cpu", training=TrainingConfig(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, precision="fp32"),
+                strategy=Strategy.parse(strategy), estimate=dummy_estimate(), layers=layers)
+
+
+def hf_loss(outputs, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(outputs.logits.float().flatten(0, 1), targets.flatten())
+
+
+def hf_llama_tensor_parallel() -> list[float] | str:
+    """transformers' Llama under tp=2 with sequence parallelism: pairs found from its module tree."""
+    try:
+        model = hf_llama()
+    except ImportError:
+        return "transformers is not installed"
+    parallel = apply_plan(model, hf_plan(model, "dp=1,tp=2,sp=true,mbs=4"), loss_fn=hf_loss)
+    return [parallel.train_step(batch) for batch in make_batches(LLAMA, HF_STEPS)]
+
+
+EXTRAS[2] = (*EXTRAS[2], hf_llama_tensor_parallel)

@@ -81,3 +81,23 @@ def test_compiled_blocks_match_eager_training():
     per_rank = extra_results(2, "compiled_blocks")
     for losses in per_rank:
         torch.testing.assert_close(losses, reference(COMPILE_MODEL, COMPILE_STEPS)[0], **FP32_TOL)
+
+
+def test_hugging_face_llama_splits_from_its_module_tree_and_matches_reference():
+    # transformers' LlamaForCausalLM (q_proj/k_proj/v_proj/o_proj, gate_proj/up_proj/down_proj, LlamaRMSNorm,
+    # attention called with hidden_states= keyword) under tp=2 with sequence parallelism.
+    pytest.importorskip("transformers")
+    from .extras import HF_STEPS, hf_llama, hf_loss
+    from .harness import LR, make_batches
+
+    model = hf_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    expected = []
+    for inputs, targets in make_batches(LLAMA, HF_STEPS):
+        loss = hf_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    for losses in extra_results(2, "hf_llama_tensor_parallel"):
+        torch.testing.assert_close(losses, expected, **FP32_TOL)
