@@ -15,6 +15,7 @@ _EXPORTS = {
     "plan": "tessera.api",
     "evaluate": "tessera.api",
     "compare": "tessera.api",
+    "resume": "tessera.api",
     "Estimate": "tessera.cost_models",
     "Strategy": "tessera.cost_models",
     "TrainingConfig": "tessera.cost_models",
@@ -25,7 +26,7 @@ _EXPORTS = {
         name: "tessera.errors"
         for name in (
             "TesseraError", "CaptureError", "ClusterSpecError", "ConfigError", "InfeasiblePlanError",
-            "ModelSpecError", "NotModelledError", "RuntimeSetupError",
+            "ModelSpecError", "NotModelledError", "RuntimeSetupError", "CheckpointError",
         )
     },
 }

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,8 +19,10 @@ from tessera.planner.explain import Comparison, build_comparison, evaluate_basel
 from tessera.planner.plan import Plan
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.search import best_candidate, rank_candidates, search
-from tessera.runtime.apply import ParallelModel, apply_plan
 from tessera.topology import Cluster, load_cluster
+
+if TYPE_CHECKING:  # the runtime (torch.distributed.pipelining...) costs ~1.5 s to import; planning never needs it
+    from tessera.runtime.apply import ParallelModel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -120,6 +124,7 @@ def auto_parallelize(
     strategy: Strategy | str | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     optimizer_factory: Callable[..., torch.optim.Optimizer] | None = None,
+    resume_from: str | Path | None = None,
 ) -> ParallelModel:
     """Plan ``model`` for ``cluster`` and apply the plan on this process's rank.
 
@@ -128,9 +133,18 @@ def auto_parallelize(
     and fails loudly otherwise). A preset name is built on the meta device and only this rank's shards are
     materialised, initialised exactly as the unsharded model would be from the current torch seed (seed
     every rank identically).
+
+    ``resume_from``: a checkpoint folder (the root given to ``ParallelModel.save``). The cluster is fitted to
+    the ranks actually running (an elastic restart on fewer or more devices re-plans for them), and the
+    newest intact checkpoint there, saved under any plan, is loaded (``pm.step``, ``pm.resumed``); with no
+    checkpoint there yet, training starts from scratch. See ``tessera.runtime.elastic``.
     """
     resolved = load_cluster(cluster)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if resume_from is not None:
+        from tessera.runtime.elastic import fit_cluster_to_world
+
+        resolved = fit_cluster_to_world(resolved, world)
     if world != resolved.num_devices:
         raise RuntimeSetupError(
             f"this run has {world} rank(s) but cluster {resolved.name} has {resolved.num_devices} devices; "
@@ -139,7 +153,41 @@ def auto_parallelize(
         )
     chosen = plan(model, resolved, global_batch=global_batch, seq_len=seq_len, precision=precision, strategy=strategy)
     module = build_model(model, device="meta") if isinstance(model, str) else model
-    return apply_plan(module, chosen, loss_fn=loss_fn, optimizer_factory=optimizer_factory)
+    from tessera.runtime.apply import apply_plan
+
+    parallel = apply_plan(module, chosen, loss_fn=loss_fn, optimizer_factory=optimizer_factory)
+    if resume_from is not None:
+        from tessera.runtime.elastic import resume_if_possible
+
+        resume_if_possible(parallel, resume_from)
+    return parallel
+
+
+def resume(
+    checkpoint: str | Path,
+    cluster: Cluster | str,
+    *,
+    model: nn.Module | None = None,
+    strategy: Strategy | str | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    optimizer_factory: Callable[..., torch.optim.Optimizer] | None = None,
+) -> ParallelModel:
+    """Continue the run saved in ``checkpoint`` on ``cluster`` (re-planned for it): run on every rank.
+
+    The model (a preset name stored with the checkpoint, unless ``model`` is given), global batch, sequence
+    length and precision come from the checkpoint's plan; the strategy is planned afresh for the devices now
+    available (``cluster`` is fitted to the live world size) and the newest intact checkpoint is loaded under
+    it. Continue with ``for step in range(pm.step, total)``; ``pm.resumed.data_state`` is the saved data position.
+    """
+    from tessera.runtime.elastic import saved_plan
+
+    saved = saved_plan(checkpoint)
+    training = saved.training
+    return auto_parallelize(
+        model if model is not None else saved.model_name, cluster, global_batch=training.global_batch,
+        seq_len=training.seq_len, precision=training.precision, strategy=strategy, loss_fn=loss_fn,
+        optimizer_factory=optimizer_factory, resume_from=checkpoint,
+    )
 
 
 def default_precision(cluster: Cluster) -> Precision:

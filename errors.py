@@ -35,3 +35,7 @@ class InfeasiblePlanError(TesseraError):
 
 class RuntimeSetupError(TesseraError):
     """The distributed world does not match the plan (world size, backend, devices)."""
+
+
+class CheckpointError(TesseraError):
+    """A checkpoint is missing, incomplete (interrupted while written) or corrupt; the message names the file."""

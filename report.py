@@ -17,7 +17,10 @@ GiB = 2**30
 
 def plan_renderable(plan: Plan) -> Group:
     """The plan as rich tables: headline, memory by category, communication, alternatives."""
-    return Group(_headline(plan), _memory(plan), _communication(plan), _alternatives(plan))
+    parts = [_headline(plan), _memory(plan), _communication(plan), _alternatives(plan)]
+    if plan.degree_alternatives:
+        parts.append(_degree_alternatives(plan))
+    return Group(*parts)
 
 
 def print_plan(plan: Plan, console: Console | None = None) -> None:
@@ -106,6 +109,23 @@ def _alternatives(plan: Plan) -> Table:
             candidate.strategy.to_string(), f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
             f"{e.peak_memory_bytes / GiB:.1f}", why_it_lost(e, plan.estimate, candidate.verdict, values=False),
         )
+    return table
+
+
+def _degree_alternatives(plan: Plan) -> Table:
+    """The best strategy at every other expert-/context-parallel degree: why the plan's degrees won."""
+    s = plan.strategy
+    table = Table(title=f"Why ep={s.ep}, cp={s.cp}: the best strategy at each other degree", title_justify="left")
+    table.add_column("degree", no_wrap=True)
+    table.add_column("strategy", overflow="fold", ratio=3)
+    for column in ("step s", "GiB/device"):
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("why it lost", ratio=2)
+    for candidate in plan.degree_alternatives:
+        e = candidate.estimate
+        degree, _, verdict = candidate.verdict.partition(": ")
+        table.add_row(degree, candidate.strategy.to_string(), f"{e.step_time_s:.3f}", f"{e.peak_memory_bytes / GiB:.1f}",
+                      why_it_lost(e, plan.estimate, verdict, values=False))
     return table
 
 

@@ -2,7 +2,8 @@
 
 Mesh axes are laid out innermost first, tp -> cp -> pp -> dp (Megatron-LM's and Llama 3's order), so a
 tensor-parallel group is ``tp`` adjacent ranks (inside a node), pipeline neighbours are ``tp*cp`` ranks
-apart and data-parallel peers ``tp*cp*pp`` apart. Collective times come from ``topology.collectives``.
+apart and data-parallel peers ``tp*cp*pp`` apart (with expert parallelism, ``tp -> cp -> ep -> pp -> edp``:
+see ``Strategy``). Collective times come from ``topology.collectives``.
 
 - Tensor parallelism: one activation all-reduce per column/row pair forward and one backward (Megatron-LM;
   sequence parallelism turns each into an all-gather plus a reduce-scatter of the same total), one more
@@ -13,12 +14,18 @@ apart and data-parallel peers ``tp*cp*pp`` apart. Collective times come from ``t
   reduce-scatters gradients after it. Gradient reduction overlaps backward except its last bucket
   (~1/blocks); FSDP gathers are prefetched behind the previous block's compute.
 - Pipeline: one activation send forward and one gradient send backward per micro-batch and chunk.
+- Expert and context parallelism (``cost_models.sparse``): gradients of dense weights are reduced over the
+  ``dp * cp`` ranks holding them, of routed experts over ``(dp / ep) * cp``; the all-to-alls and the K/V
+  ring are costed there.
 """
 
 from __future__ import annotations
 
 from tessera.cost_models.memory import FP32, compute_dtype_bytes, local_params
 from tessera.cost_models.partition import StageTotals
+from tessera.cost_models.sparse import (
+    gradient_families, group_all_gather_s, group_all_reduce_s, group_reduce_scatter_s,
+)
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology.cluster import Cluster
 from tessera.topology.collectives import all_gather_time, all_reduce_time, p2p_time, reduce_scatter_time
@@ -39,7 +46,8 @@ def pp_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float
     if strategy.pp == 1:
         return 0.0
     nbytes = stage.boundary_bytes * strategy.micro_batch / strategy.cp / (strategy.tp if strategy.sp else 1)
-    return 2 * strategy.virtual_stages * p2p_time(cluster, nbytes, distance=strategy.tp * strategy.cp)
+    # Pipeline neighbours are tp*cp*ep ranks apart (Strategy's layout: ep sits inside pp).
+    return 2 * strategy.virtual_stages * p2p_time(cluster, nbytes, distance=strategy.tp * strategy.cp * strategy.ep)
 
 
 def dp_comm_s(
@@ -47,6 +55,9 @@ def dp_comm_s(
     zero3_slowdown: float = 1.0,
 ) -> dict[str, float]:
     """Data-parallel collective seconds per step by kind, before overlap (ZeRO-3's scaled by ``zero3_slowdown``)."""
+    if strategy.cp > 1 or strategy.ep > 1:
+        return _grouped_dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches,
+                                  zero3_slowdown=zero3_slowdown)
     if strategy.dp == 1:
         return {}
     params = local_params(stage, strategy)
@@ -62,6 +73,31 @@ def dp_comm_s(
                 "zero_allgather": all_gather_time(cluster, weights, **group)}
     return {"fsdp_allgather": zero3_slowdown * 2 * micro_batches * all_gather_time(cluster, weights, **group),
             "fsdp_reducescatter": zero3_slowdown * micro_batches * reduce_scatter_time(cluster, grads, **group)}
+
+
+def _grouped_dp_comm_s(
+    stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy, *, micro_batches: int,
+    zero3_slowdown: float,
+) -> dict[str, float]:
+    """``dp_comm_s`` with context or expert parallelism: dense gradients over the dp * cp ranks, expert ones over
+    edp * cp, each group reduced hierarchically over its two mesh axes (``cost_models.sparse``)."""
+    totals: dict[str, float] = {}
+    for params, axes in gradient_families(stage, strategy):
+        if not axes:
+            continue
+        grads, weights = params * FP32, params * compute_dtype_bytes(training)
+        if strategy.zero == 0:
+            kinds = {"dp_allreduce": group_all_reduce_s(cluster, grads, axes)}
+        elif strategy.zero in (1, 2):
+            scatters = micro_batches if strategy.zero == 2 else 1
+            kinds = {"zero_reducescatter": scatters * group_reduce_scatter_s(cluster, grads, axes),
+                     "zero_allgather": group_all_gather_s(cluster, weights, axes)}
+        else:
+            kinds = {"fsdp_allgather": zero3_slowdown * 2 * micro_batches * group_all_gather_s(cluster, weights, axes),
+                     "fsdp_reducescatter": zero3_slowdown * micro_batches * group_reduce_scatter_s(cluster, grads, axes)}
+        for kind, seconds in kinds.items():
+            totals[kind] = totals.get(kind, 0.0) + seconds
+    return totals
 
 
 def exposed_dp_comm_s(

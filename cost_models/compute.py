@@ -77,6 +77,22 @@ def stage_compute_s(
     )
 
 
+def compute_lower_bound_s(
+    model: StageTotals, device: DeviceSpec, training: TrainingConfig, strategy: Strategy,
+    *, calibration: Calibration = GPU_CALIBRATION,
+) -> float:
+    """Seconds of one micro-batch's compute that no pipeline stage of ``strategy`` goes below.
+
+    ``model`` is the whole model summed as one stage: its compute spread perfectly over the ``pp`` stages,
+    at the rate of its widest block (a stage is never faster). Recomputation's memory traffic is left out
+    (per stage it is not additive), so this is a bound, not an estimate.
+    """
+    forward, backward, _ = stage_compute_s(model, device, training, strategy, calibration=calibration)
+    rate = achievable_flops(device, training.precision, width=model.hidden_size / strategy.tp, calibration=calibration)
+    recompute = model.recompute_flops * strategy.micro_batch / (strategy.tp * strategy.cp * rate)
+    return (forward + backward + recompute) / strategy.pp
+
+
 def optimizer_step_s(local_params: float, device: DeviceSpec) -> float:
     """AdamW update time: memory-bound, it reads and writes params, grads and two moments in fp32."""
     bytes_touched = local_params * 4 * (2 + 1 + 2 + 2)  # param r/w, grad r, exp_avg r/w, exp_avg_sq r/w

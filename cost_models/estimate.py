@@ -1,8 +1,9 @@
 """``estimate``: one strategy in, predicted step time, throughput and per-device memory out.
 
 The step is the pipeline's time for all micro-batches on its slowest stage (compute, recomputation,
-exposed tensor-parallel and point-to-point communication, plus the schedule's bubble), then the exposed
-data-parallel communication and the optimizer update. Memory is checked on every stage; the worst one
+exposed tensor-parallel, point-to-point, expert all-to-all and context-parallel ring communication
+(``cost_models.sparse``), plus the schedule's bubble), then the exposed data-parallel communication and the
+optimizer update. Memory is checked on every stage; the worst one
 is reported.
 """
 
@@ -12,12 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tessera.cost_models.communication import dp_comm_s, exposed_dp_comm_s, pp_comm_s, tp_comm_s
-from tessera.cost_models.compute import GPU_CALIBRATION, Calibration, device_calibration, optimizer_step_s, stage_compute_s
+from tessera.cost_models.compute import (
+    GPU_CALIBRATION, Calibration, achievable_flops, compute_lower_bound_s, device_calibration, optimizer_step_s, stage_compute_s,
+)
 from tessera.cost_models.memory import local_params, stage_memory
-from tessera.cost_models.partition import StageTotals, block_policies, cached_stage_totals, split_blocks
+from tessera.cost_models.partition import StageTotals, block_policies, cached_stage_totals, split_blocks, stage_totals
 from tessera.cost_models.pipeline import bubble_micro_batches
+from tessera.cost_models.sparse import check_sparse_and_long, cp_comm_s, ep_comm_s, sharded_params
 from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
-from tessera.errors import ConfigError, NotModelledError
+from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster
 
 
@@ -30,15 +34,21 @@ class StageTime:
     recompute: float
     tp_comm: float
     pp_comm: float
+    ep_comm: float = 0.0  # expert dispatch/combine all-to-alls (on the critical path)
+    cp_comm: float = 0.0  # the part of the K/V ring the attention cores do not hide
+    cp_comm_total: float = 0.0  # the whole K/V ring, hidden or not (for the per-kind totals)
 
     @property
     def total(self) -> float:
-        return self.forward + self.backward + self.recompute + self.tp_comm + self.pp_comm
+        return self.forward + self.backward + self.recompute + self.tp_comm + self.pp_comm + self.ep_comm + self.cp_comm
 
     def parts(self) -> dict[str, float]:
         """The parts by name (what a pipeline timeline draws)."""
-        return {"forward": self.forward, "backward": self.backward, "recompute": self.recompute,
-                "tp_comm": self.tp_comm, "pp_comm": self.pp_comm}
+        parts = {"forward": self.forward, "backward": self.backward, "recompute": self.recompute,
+                 "tp_comm": self.tp_comm, "pp_comm": self.pp_comm}
+        if self.ep_comm or self.cp_comm:
+            parts.update(ep_comm=self.ep_comm, cp_comm=self.cp_comm)
+        return parts
 
 
 def estimate(
@@ -50,25 +60,18 @@ def estimate(
     ``calibration`` overrides the fitted compute-efficiency curve (calibration uses it).
     """
     check_supported(layers, cluster, strategy)
+    if strategy.ep > 1 or strategy.cp > 1:
+        check_sparse_and_long(layers, training, strategy)
     micro_batches = strategy.gradient_accumulation(training.global_batch)
     policies = block_policies(layers, strategy)
     stages = [cached_stage_totals(s, i, policies) for i, s in enumerate(split_blocks(layers, strategy))]
-    # Middle stages of a deep pipeline are identical apart from their index: cost each distinct one once.
-    distinct = {replace(stage, index=0): None for stage in stages}
-    for stage in distinct:
-        distinct[stage] = (stage_time(stage, cluster, training, strategy, calibration=calibration),
-                           dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches,
-                                     zero3_slowdown=device_calibration(cluster.device, calibration).zero3_comm_slowdown))
-    times = [distinct[replace(stage, index=0)][0] for stage in stages]
-    dp = [distinct[replace(stage, index=0)][1] for stage in stages]
+    costs = _distinct_stage_costs(stages, cluster, training, strategy, micro_batches=micro_batches, calibration=calibration)
+    times = [costs[stage][0] for stage in stages]
+    dp = [costs[stage][1] for stage in stages]
     slowest = max(range(len(stages)), key=lambda i: times[i].total)
     bubble = bubble_micro_batches(strategy) * times[slowest].total
-    exposed_dp = [
-        exposed_dp_comm_s(comm, strategy, forward_s=t.forward, backward_s=t.backward,
-                          micro_batches=micro_batches, blocks=stage.blocks)
-        for comm, t, stage in zip(dp, times, stages)
-    ]
-    optimizer = max(optimizer_step_s(_optimizer_params(stage, strategy), cluster.device) for stage in stages)
+    exposed_dp = [costs[stage][2] for stage in stages]
+    optimizer = max(optimizer_step_s(_optimizer_params(stage, strategy), cluster.device) for stage in costs)
     step = micro_batches * times[slowest].total + bubble + max(exposed_dp) + optimizer
     memory = [stage_memory(stage, training, strategy, micro_batches=micro_batches,
                            on_cpu=cluster.device.name == "local-cpu") for stage in stages]
@@ -82,7 +85,7 @@ def estimate(
         compute_time_s=micro_batches * (t.forward + t.backward),
         recompute_time_s=micro_batches * t.recompute,
         optimizer_time_s=optimizer,
-        exposed_comm_time_s=micro_batches * (t.tp_comm + t.pp_comm) + max(exposed_dp),
+        exposed_comm_time_s=micro_batches * (t.tp_comm + t.pp_comm + t.ep_comm + t.cp_comm) + max(exposed_dp),
         bubble_time_s=bubble,
         comm_time_by_kind_s=_comm_by_kind(t, dp[slowest], micro_batches),
         memory_by_category_bytes=memory[worst],
@@ -101,27 +104,62 @@ def estimate(
     )
 
 
+def step_time_lower_bound(
+    layers: Sequence[LayerStats], cluster: Cluster, training: TrainingConfig, strategy: Strategy,
+    *, calibration: Calibration = GPU_CALIBRATION, whole: StageTotals | None = None,
+) -> float:
+    """Seconds that ``estimate(...).step_time_s`` never goes below, at a small fraction of its cost.
+
+    Compute only, spread perfectly over the stages, for the micro-batches plus the schedule's bubble:
+    the estimate adds communication, the optimizer and stage imbalance, all non-negative. ``whole`` is the
+    model summed as one stage under the strategy's recomputation (pass it in when bounding many strategies).
+    """
+    whole = whole or stage_totals(layers, 0, block_policies(layers, strategy))
+    per_micro_batch = compute_lower_bound_s(whole, cluster.device, training, strategy, calibration=calibration)
+    slots = strategy.gradient_accumulation(training.global_batch) + bubble_micro_batches(strategy)
+    return slots * per_micro_batch
+
+
+def _distinct_stage_costs(
+    stages: Sequence[StageTotals], cluster: Cluster, training: TrainingConfig, strategy: Strategy,
+    *, micro_batches: int, calibration: Calibration,
+) -> dict[StageTotals, tuple[StageTime, dict[str, float], float]]:
+    """Per distinct stage (equal stages share one entry): its time, its data-parallel traffic, and the part
+    of that traffic left exposed after overlap."""
+    slowdown = device_calibration(cluster.device, calibration).zero3_comm_slowdown
+    costs = {}
+    for stage in stages:
+        if stage not in costs:
+            t = stage_time(stage, cluster, training, strategy, calibration=calibration)
+            comm = dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches, zero3_slowdown=slowdown)
+            exposed = exposed_dp_comm_s(comm, strategy, forward_s=t.forward, backward_s=t.backward,
+                                        micro_batches=micro_batches, blocks=stage.blocks)
+            costs[stage] = (t, comm, exposed)
+    return costs
+
+
 def stage_time(
     stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy,
     *, calibration: Calibration = GPU_CALIBRATION,
 ) -> StageTime:
     """Seconds one micro-batch spends on ``stage``."""
     forward, backward, recompute = stage_compute_s(stage, cluster.device, training, strategy, calibration=calibration)
-    return StageTime(forward, backward, recompute, tp_comm_s(stage, cluster, training, strategy),
+    time = StageTime(forward, backward, recompute, tp_comm_s(stage, cluster, training, strategy),
                      pp_comm_s(stage, cluster, strategy))
+    if strategy.ep == 1 and strategy.cp == 1:
+        return time
+    rate = achievable_flops(cluster.device, training.precision, width=stage.hidden_size / strategy.tp,
+                            calibration=calibration)
+    cp_total, cp_exposed = cp_comm_s(stage, cluster, strategy, flops_per_s=rate)
+    return replace(time, ep_comm=ep_comm_s(stage, cluster, strategy), cp_comm=cp_exposed, cp_comm_total=cp_total)
 
 
 def check_supported(layers: Sequence[LayerStats], cluster: Cluster, strategy: Strategy) -> None:
     """Raise unless the strategy uses only what this cost model implements and fits the cluster and model."""
-    if strategy.cp > 1 or strategy.ep > 1:
-        raise NotModelledError(
-            f"cp={strategy.cp}, ep={strategy.ep}: context and expert parallelism are not modelled yet "
-            "(sparse-and-long issue); use cp=1, ep=1"
-        )
     if strategy.world_size != cluster.num_devices:
         raise ConfigError(
             f"strategy {strategy.to_string()} uses {strategy.world_size} ranks but cluster {cluster.name} has "
-            f"{cluster.num_devices} devices; make dp*tp*pp*cp*ep = {cluster.num_devices}"
+            f"{cluster.num_devices} devices; make dp*tp*pp*cp = {cluster.num_devices} (ep is part of dp)"
         )
     heads = {layer.attention_heads for layer in layers if layer.attention_heads}
     if any(h % strategy.tp for h in heads):
@@ -129,9 +167,12 @@ def check_supported(layers: Sequence[LayerStats], cluster: Cluster, strategy: St
 
 
 def _optimizer_params(stage: StageTotals, strategy: Strategy) -> float:
-    return local_params(stage, strategy) / (strategy.dp if strategy.zero >= 1 else 1)
+    if strategy.ep == 1 and strategy.cp == 1:
+        return local_params(stage, strategy) / (strategy.dp if strategy.zero >= 1 else 1)
+    return sharded_params(stage, strategy, from_zero=1)  # dense over dp * cp, experts over edp * cp
 
 
 def _comm_by_kind(t: StageTime, dp: dict[str, float], micro_batches: int) -> dict[str, float]:
-    kinds = {"tp_allreduce": micro_batches * t.tp_comm, "pp_p2p": micro_batches * t.pp_comm, **dp}
+    kinds = {"tp_allreduce": micro_batches * t.tp_comm, "pp_p2p": micro_batches * t.pp_comm,
+             "ep_alltoall": micro_batches * t.ep_comm, "cp_ring": micro_batches * t.cp_comm_total, **dp}
     return {kind: seconds for kind, seconds in kinds.items() if seconds > 0}

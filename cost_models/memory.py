@@ -4,6 +4,9 @@ Model state per parameter (mixed precision keeps fp32 masters): fp32 parameters 
 (4 B) and two fp32 Adam moments (8 B). ZeRO stage 1 shards the moments over the data-parallel axis,
 stage 2 also the gradients, stage 3 (FSDP) also the parameters; FSDP then gathers one block at a time
 (plus one prefetched) in the compute dtype. Tensor parallelism divides blocks and vocabulary matrices.
+Expert parallelism divides routed experts by ``ep``; the "data-parallel axis" of a kind of state is the ranks
+holding the same weights: ``dp * cp`` for dense, ``(dp / ep) * cp`` for expert state (``cost_models.sparse``).
+Context parallelism divides activations by ``cp`` (each rank keeps ``s / cp`` tokens).
 
 Activations (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
 arXiv 2205.05198, Sec. 4): without sequence parallelism, the inputs of norms and the residual stream
@@ -15,6 +18,9 @@ from __future__ import annotations
 
 from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.pipeline import in_flight_micro_batches
+from tessera.cost_models.sparse import (
+    largest_gathered_params, local_param_split, ring_and_dispatch_buffer_bytes, sharded_params,
+)
 from tessera.cost_models.types import Strategy, TrainingConfig
 
 FP32 = 4
@@ -34,20 +40,21 @@ def compute_dtype_bytes(training: TrainingConfig) -> int:
 
 
 def local_params(stage: StageTotals, strategy: Strategy) -> float:
-    """Parameters of ``stage`` on one tensor-parallel rank."""
-    return stage.sharded_params / strategy.tp + stage.replicated_params
+    """Parameters of ``stage`` on one device: tp divides the sharded ones, tp * ep the routed experts."""
+    if not stage.expert_params:
+        return stage.sharded_params / strategy.tp + stage.replicated_params
+    return sum(local_param_split(stage, strategy))
 
 
 def stage_memory(
     stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, on_cpu: bool
 ) -> dict[str, int]:
     """Peak bytes on one device of ``stage`` by category."""
-    params = local_params(stage, strategy)
-    dp = strategy.dp
+    # ZeRO shards dense state over dp * cp ranks and expert state over edp * cp (cost_models.sparse).
     state = {
-        "parameters": params * FP32 / (dp if strategy.zero >= 3 else 1),
-        "gradients": params * FP32 / (dp if strategy.zero >= 2 else 1),
-        "optimizer": params * 2 * FP32 / (dp if strategy.zero >= 1 else 1),
+        "parameters": sharded_params(stage, strategy, from_zero=3) * FP32,
+        "gradients": sharded_params(stage, strategy, from_zero=2) * FP32,
+        "optimizer": sharded_params(stage, strategy, from_zero=1) * 2 * FP32,
         "activations": activation_bytes(stage, strategy, micro_batches=micro_batches),
         "buffers": _buffer_bytes(stage, training, strategy),
         "reserve": CPU_RESERVE_BYTES if on_cpu else GPU_RESERVE_BYTES,
@@ -72,8 +79,9 @@ def tp_activation_share(strategy: Strategy) -> float:
 
 def _buffer_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy) -> float:
     pipeline = 2 * stage.boundary_bytes * strategy.micro_batch if strategy.pp > 1 else 0
+    pipeline += ring_and_dispatch_buffer_bytes(stage, strategy)  # cp ring / ep all-to-all buffers (0 without them)
     if strategy.zero == 3:
-        largest = stage.largest_layer_params / strategy.tp
+        largest = largest_gathered_params(stage, strategy)
         # Gathered compute-dtype parameters of the current and prefetched block, one unsharded fp32 gradient.
         return pipeline + largest * (FSDP_PREFETCH_BLOCKS * compute_dtype_bytes(training) + FP32)
-    return pipeline + (2 * DDP_BUCKET_BYTES if strategy.dp > 1 else 0)
+    return pipeline + (2 * DDP_BUCKET_BYTES if strategy.dp * strategy.cp > 1 else 0)

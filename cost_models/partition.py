@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tessera.cost_models.types import LayerStats, Recompute, Strategy
 from tessera.errors import ConfigError
@@ -21,9 +21,13 @@ DEFAULT_TP_PAIRS_PER_BLOCK = 2  # attention and MLP, when capture did not report
 
 @dataclass(frozen=True)
 class StageTotals:
-    """What one pipeline stage computes and holds for ONE sequence, before tensor-parallel division."""
+    """What one pipeline stage computes and holds for ONE sequence, before tensor-parallel division.
 
-    index: int
+    Equality and hashing ignore ``index``: stages that hold the same work compare equal, so a cost is
+    computed once per distinct stage (the middle stages of a deep pipeline are all alike).
+    """
+
+    index: int = field(compare=False)
     sharded_params: int  # parameters that tensor parallelism divides (blocks, vocabulary matrices)
     replicated_params: int  # parameters every tensor-parallel rank keeps whole (norms, ...)
     largest_layer_params: int
@@ -39,6 +43,17 @@ class StageTotals:
     boundary_bytes: int  # activation sent to the next stage per sequence
     blocks: int
     hidden_size: int
+    # Expert and context parallelism (``cost_models.sparse``); all zero for a dense model.
+    expert_params: int = 0  # routed-expert parameters (part of sharded_params): expert parallelism divides them
+    largest_layer_expert_params: int = 0  # the routed-expert part of the largest layer
+    moe_layers: int = 0  # layers with routed experts: each costs a dispatch and a combine all-to-all per pass
+    dispatch_bytes: float = 0.0  # token activations one dispatch all-to-all carries per sequence (sum over layers)
+    recompute_dispatch_bytes: float = 0.0  # the part of dispatch_bytes whose forward is recomputed (full)
+    attention_layers: int = 0  # layers with attention: each runs one K/V ring per pass under cp
+    kv_bytes: float = 0.0  # keys + values per sequence, summed over attention layers (what the cp ring moves)
+    recompute_kv_bytes: float = 0.0  # the part of kv_bytes whose attention core is recomputed (selective or full)
+    attention_core_flops: float = 0.0  # forward FLOPs of the attention cores per sequence (hides the ring)
+    kv_heads: int = 0  # fewest key/value heads of the stage's attention layers (tp beyond it replicates K/V)
 
 
 def split_blocks(layers: Sequence[LayerStats], strategy: Strategy) -> list[list[LayerStats]]:
@@ -132,7 +147,35 @@ def stage_totals(stage: Sequence[LayerStats], index: int, policies: Mapping[str,
         boundary_bytes=stage[-1].output_bytes if stage else 0,
         blocks=len(blocks),
         hidden_size=max((block_width(b) for b in blocks), default=0),
+        **_sparse_and_long_totals(stage, policy),
     )
+
+
+def _sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:
+    """The StageTotals fields expert and context parallelism cost (see ``cost_models.sparse``)."""
+    moe = [layer for layer in stage if layer.experts]
+    attention = [layer for layer in stage if layer.attention_heads]
+    if not moe and not attention:
+        return {}
+    largest = max(stage, key=lambda layer: layer.param_count)
+    # Dispatch all-to-all payload: each token goes to top_k experts, carrying its hidden activation (the layer's
+    # output width and dtype), times the load factor the experts were measured at.
+    dispatch = {layer.fqn: layer.top_k * layer.expert_capacity_factor * layer.output_bytes for layer in moe}
+    # Keys + values: 2 x kv_heads x head_dim per token, head_dim = hidden / heads (the layer's output width).
+    kv = {layer.fqn: 2 * layer.output_bytes * (layer.kv_heads or layer.attention_heads) / layer.attention_heads
+          for layer in attention}
+    return {
+        "expert_params": sum(layer.expert_param_count for layer in moe),
+        "largest_layer_expert_params": largest.expert_param_count,
+        "moe_layers": len(moe),
+        "dispatch_bytes": sum(dispatch.values()),
+        "recompute_dispatch_bytes": sum(b for fqn, b in dispatch.items() if policy.get(fqn) == "full"),
+        "attention_layers": len(attention),
+        "kv_bytes": sum(kv.values()),
+        "recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn, "none") != "none"),
+        "attention_core_flops": sum(layer.selective_recompute_flops for layer in attention),
+        "kv_heads": min(layer.kv_heads or layer.attention_heads for layer in attention),
+    }
 
 
 def block_width(layer: LayerStats) -> int:
@@ -154,14 +197,24 @@ def _saved_bytes(layer: LayerStats, recompute: Recompute) -> int:
 
 def _tp_allreduce_count(layer: LayerStats) -> int:
     if layer.kind == "block":
-        return len(layer.tp_pairs) or DEFAULT_TP_PAIRS_PER_BLOCK
+        return _block_tp_reductions(layer)
     return int(_tp_allreduce_bytes(layer) > 0)
+
+
+def _block_tp_reductions(layer: LayerStats) -> int:
+    """Activation all-reduces of a tensor-parallel block per pass: one per linear pair, except that the routed
+    experts' pairs (one per expert) share one: their partial outputs are combined before the reduction, as
+    Megatron-Core's MoE layer does."""
+    if not layer.tp_pairs:
+        return DEFAULT_TP_PAIRS_PER_BLOCK
+    dense = sum(pair.role != "expert" for pair in layer.tp_pairs)
+    return dense + any(pair.role == "expert" for pair in layer.tp_pairs)
 
 
 def _tp_allreduce_bytes(layer: LayerStats) -> float:
     """Bytes all-reduced per pass when the layer is tensor-parallel (Megatron: one per linear pair)."""
     if layer.kind == "block":
-        return (len(layer.tp_pairs) or DEFAULT_TP_PAIRS_PER_BLOCK) * layer.output_bytes
+        return _block_tp_reductions(layer) * layer.output_bytes
     if layer.kind == "embedding" and layer.param_count:
         return layer.output_bytes  # vocabulary-parallel embedding: partial lookups are summed
     if layer.kind == "head":

@@ -87,14 +87,67 @@ class LayerStats(BaseModel):
     """Key/value heads (grouped-query attention); equal to ``attention_heads`` for multi-head attention."""
     experts: int = Field(default=0, ge=0)
     """Routed experts in the layer (0 for dense layers); expert parallelism must divide it."""
+    top_k: int = Field(default=0, ge=0)
+    """Routed experts each token is sent to (0 for dense layers, or when the model does not declare it)."""
+    expert_param_count: int = Field(default=0, ge=0)
+    """Parameters of the routed experts, all of them (a part of ``param_count``): what expert parallelism
+    divides. The router and a shared expert are dense and not included."""
+    expert_forward_flops: float = Field(default=0.0, ge=0)
+    """Forward FLOPs of the routed experts for one sequence at the measured load (a part of ``forward_flops``)."""
+    expert_backward_flops: float = Field(default=0.0, ge=0)
+    """Backward FLOPs of the routed experts for one sequence at the measured load (a part of ``backward_flops``)."""
+    expert_capacity_factor: float = Field(default=1.0, gt=0)
+    """Load factor the experts were measured at: each expert processes ``top_k * tokens / experts`` times this
+    many token slots (1.0 = perfectly balanced routing; more = headroom for the busiest expert). The expert
+    all-to-alls carry the same factor."""
     vocab_size: int = Field(default=0, ge=0)
     """Vocabulary dimension of an embedding or LM head (0 otherwise); vocabulary parallelism splits it."""
     tp_pairs: tuple[LinearPair, ...] = ()
     """Column/row-parallel linear pairs: each costs one activation all-reduce forward and one backward."""
 
+    @property
+    def params_per_expert(self) -> float:
+        """Parameters of one routed expert (0 for a dense layer)."""
+        return self.expert_param_count / self.experts if self.experts else 0.0
+
+    def expert_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs one routed expert spends on one token (``2 * 3 * hidden * ffn`` for a SwiGLU expert);
+        ``seq_len`` is the length the layer's statistics are for."""
+        slots = self.top_k * seq_len * self.expert_capacity_factor
+        return self.expert_forward_flops / slots if slots else 0.0
+
+    def expected_tokens_per_expert(self, tokens: int) -> float:
+        """Token slots each expert processes when ``tokens`` tokens are routed: ``top_k * tokens / experts``
+        times the capacity (imbalance) factor, as GShard / Switch Transformer size their expert buffers."""
+        return self.top_k * tokens / self.experts * self.expert_capacity_factor if self.experts else 0.0
+
 
 class Strategy(BaseModel):
-    """How a training run is split. String form: ``dp=16,tp=8,pp=8,zero=1,mbs=1,recompute=full``."""
+    """How a training run is split. String form: ``dp=16,tp=8,pp=8,cp=2,ep=8,zero=1,mbs=1,recompute=full``.
+
+    **Mesh convention** (what the cost model assumes and the runtime builds). The world is
+    ``dp * tp * pp * cp`` ranks, laid out innermost first ``tp -> cp -> pp -> dp`` (Llama 3's order, Llama 3
+    Herd paper Sec. 3.3.2): rank ``r = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i`` when ``ep == 1``.
+
+    - **Expert parallelism is carved out of the data-parallel axis** (Megatron-Core's and DeepSpeed-MoE's
+      choice, and DeepSeek-V3's "EP64 + ZeRO-1 DP" on 128 data-parallel replicas): ``ep`` divides ``dp``; the
+      dp axis is split ``dp = edp * ep`` and the ``ep`` part sits inside the pipeline axis, innermost first
+      ``tp -> cp -> ep -> pp -> edp`` (Megatron-Core's ``tp-cp-ep-dp-pp`` keeps ep inside pp likewise; DeepSeek-V3's
+      EP 64 spans 8 consecutive nodes): rank ``r = (((edp_i * pp + pp_i) * ep + ep_i) * cp + cp_i) * tp + tp_i``.
+      So an expert-parallel group is ``ep`` ranks ``tp * cp`` apart (inside a node when ``tp * cp * ep`` fits one),
+      pipeline neighbours are ``tp * cp * ep`` apart, and data-parallel rank ``dp_i = edp_i * ep + ep_i``. With
+      ``pp == 1`` this is exactly the ``dp`` axis split into ``(edp, ep)``, ep innermost. Each ep rank holds ``experts / ep``
+      whole experts of every MoE layer and exchanges tokens with its group by all-to-all (dispatch and
+      combine). Dense parameters (attention, norms, router, shared expert, embeddings) stay replicated over
+      all ``dp`` ranks; expert parameters are replicated over the ``edp = dp / ep`` ranks that hold the
+      same experts. Tensor parallelism splits expert weights like the dense MLP (Megatron-Core's default
+      expert tensor-parallel size = tp).
+    - **Context parallelism** splits every sequence into ``2 * cp`` chunks, rank ``i`` holding chunks ``i``
+      and ``2cp - 1 - i`` (zig-zag, as Megatron-LM / Transformer Engine and Llama 3 do, so causal attention
+      work is balanced); keys and values circulate in a ring over the ``cp`` axis. cp ranks hold identical
+      weights, so gradients are reduced (and ZeRO state sharded) over ``dp * cp`` ranks for dense
+      parameters and ``edp * cp`` ranks for expert parameters. The global batch is split over ``dp`` only.
+    """
 
     model_config = FROZEN
 
@@ -105,9 +158,9 @@ class Strategy(BaseModel):
     pp: int = Field(default=1, gt=0)
     """Pipeline-parallel degree (stages)."""
     cp: int = Field(default=1, gt=0)
-    """Context-parallel degree."""
+    """Context-parallel degree: ranks that share one sequence (a mesh axis of its own)."""
     ep: int = Field(default=1, gt=0)
-    """Expert-parallel degree."""
+    """Expert-parallel degree: carved out of ``dp`` (it divides ``dp`` and adds no ranks; see above)."""
     zero: Literal[0, 1, 2, 3] = 0
     """ZeRO stage on the data-parallel axis: 0 replicated (DDP), 1 optimizer, 2 +grads, 3 +params (FSDP)."""
     micro_batch: int = Field(default=1, gt=0)
@@ -129,7 +182,17 @@ class Strategy(BaseModel):
     def _virtual_stages_need_interleaving(self) -> "Strategy":
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule=interleaved:{self.virtual_stages}")
+        if self.dp % self.ep:
+            raise ConfigError(
+                f"ep={self.ep} must divide dp={self.dp}: expert parallelism is carved out of the data-parallel "
+                f"axis (dp counts every replica of the dense weights); e.g. dp={self.dp * self.ep},ep={self.ep}"
+            )
         return self
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert: the data-parallel ranks holding the same experts (``dp / ep``)."""
+        return self.dp // self.ep
 
     def recompute_of_block(self, index: int) -> Recompute:
         """The recomputation policy of the ``index``-th block."""
@@ -137,8 +200,8 @@ class Strategy(BaseModel):
 
     @property
     def world_size(self) -> int:
-        """Ranks this strategy occupies."""
-        return self.dp * self.tp * self.pp * self.cp * self.ep
+        """Ranks this strategy occupies: ``dp * tp * pp * cp`` (``ep`` is part of ``dp``)."""
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def name(self) -> str:

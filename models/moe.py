@@ -123,9 +123,7 @@ class MoELayer(nn.Module):
     def _run_experts(self, tokens: torch.Tensor, slot: torch.Tensor, capacity: int) -> torch.Tensor:
         """Gather each expert's ``capacity`` tokens, run the experts, return their outputs plus a zero row."""
         N, H = tokens.shape
-        filler = torch.full((self.num_experts * capacity + 1,), N, dtype=torch.long, device=tokens.device)
-        token_of = torch.arange(N, device=tokens.device).repeat(self.top_k)  # (k*N,)
-        filler = filler.scatter(0, slot, token_of)[:-1]  # (E*C,): the token in each slot; N = empty
+        filler = slot_tokens(slot, tokens=N, slots=self.num_experts * capacity, top_k=self.top_k)  # (E*C,); N = empty
         padded = torch.cat([tokens, tokens.new_zeros(1, H)])  # (N + 1, H); row N is the empty slot
         dispatched = padded[filler].view(self.num_experts, capacity, H)  # (E, C, H)
         outputs = torch.stack([expert(dispatched[e]) for e, expert in enumerate(self.experts)])  # (E, C, H)
@@ -137,6 +135,17 @@ class MoELayer(nn.Module):
         fraction = onehot.float().mean(0)  # (E,) share of assignments per expert
         mean_prob = probs.mean(0)  # (E,)
         self.aux_loss = self.aux_loss_coef * self.num_experts * (fraction * mean_prob).sum()
+
+
+def slot_tokens(slot: torch.Tensor, *, tokens: int, slots: int, top_k: int) -> torch.Tensor:
+    """The token in each of the ``slots`` dispatch slots (``tokens`` where empty), from each assignment's slot.
+
+    ``slot`` is ``(k*N,)``, every token's first choice then every second choice (as ``_slots`` returns it).
+    Shared with expert parallelism (``tessera.runtime.expert_parallel``), which must fill slots identically.
+    """
+    filler = torch.full((slots + 1,), tokens, dtype=torch.long, device=slot.device)
+    token_of = torch.arange(tokens, device=slot.device).repeat(top_k)  # (k*N,)
+    return filler.scatter(0, slot, token_of)[:-1]  # (E*C,); the last entry caught dropped assignments
 
 
 def _slots(choice: torch.Tensor, onehot: torch.Tensor, capacity: int) -> torch.Tensor:

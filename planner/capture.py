@@ -36,8 +36,9 @@ from torch import nn
 
 from tessera.cost_models.types import LayerStats
 from tessera.errors import CaptureError, ModelSpecError
+from tessera.models import is_builtin_spec
 from tessera.planner import layer_info
-from tessera.planner.experts import expected_expert_load
+from tessera.planner.experts import expected_expert_load, measured_capacity_factor
 from tessera.planner.front_ends import LeafModules, trace_model
 from tessera.planner.layer_graph import SCALED_FIELDS, LayerGraph, SeqScaling, fit_polynomial, layer_signature
 from tessera.planner.measure import LOSS, ExampleInputs, Tally, example_inputs_at, measure_at_lengths, measure_layers
@@ -80,7 +81,7 @@ def capture(
         flow, graph = _trace(model, layers, example_inputs, seq_len, front_ends, leaf_modules)
         lengths = fit_lengths(seq_len) if example_inputs is None or callable(example_inputs) else (seq_len,)
         tallies = measure_at_lengths(model, flow.order, dtype=dtype, lengths=lengths, inputs=example_inputs)
-    stats, keys = _records(model, layers, flow, graph, tallies[seq_len])
+    stats, keys = _records(model, layers, flow, graph, tallies[seq_len], capacity_factor=expert_capacity_factor)
     return LayerGraph(
         model_name=name or getattr(model, "name", None) or type(model).__name__,
         seq_len=seq_len,
@@ -100,6 +101,11 @@ def capture_preset(
     ``file.py:factory``) and capture it."""
     model, name = resolve_model(spec)
     positions = max_positions(model)
+    if positions is not None and seq_len > positions and _computed_positions(spec, model):
+        # A built-in RoPE model's tables are computed for any length (no parameters): extend them, as a
+        # long-context continuation of pre-training does (Llama 3 405B goes from 8K to 128K, arXiv:2407.21783 Sec. 3.4.2).
+        model, _ = resolve_model(f"{spec}{',' if ':' in spec else ':'}seq={seq_len}")
+        positions = max_positions(model)
     if positions is not None and seq_len > positions:  # meta would not notice positions past a table
         hint = (
             f"add max_position_embeddings={seq_len} to the spec"
@@ -110,6 +116,11 @@ def capture_preset(
             f"{spec} covers {positions} positions but seq_len={seq_len} was asked for; {hint} for a longer context"
         )
     return capture(model, seq_len=seq_len, dtype=dtype, name=name, expert_capacity_factor=expert_capacity_factor)
+
+
+def _computed_positions(spec: str, model: nn.Module) -> bool:
+    """A built-in model whose positions are rotary tables (buffers), not a learned embedding."""
+    return is_builtin_spec(spec) and hasattr(model, "rope_cos") and not hasattr(model, "pos_emb")
 
 
 def _default_inputs(model: nn.Module) -> ExampleInputs | None:
@@ -235,7 +246,8 @@ def _layer_flow(
 
 
 def _records(
-    model: nn.Module, layers: dict[str, nn.Module], flow: LayerFlow, graph: torch.fx.Graph, tallies: dict[str, Tally]
+    model: nn.Module, layers: dict[str, nn.Module], flow: LayerFlow, graph: torch.fx.Graph, tallies: dict[str, Tally],
+    *, capacity_factor: float | None = None,
 ) -> tuple[list[LayerStats], list[str]]:
     """LayerStats of every layer and the loss, with their signature keys."""
     owned = _owned_params(model, flow.order, layers)
@@ -247,6 +259,8 @@ def _records(
         module = layers[fqn]
         kind = layer_info.layer_kind(module, is_head=fqn == flow.head, in_container=fqn in elements)
         facts = _facts(model, module, kind, tallies[fqn], vocab=vocab, pairs=pairs.get(fqn, ()))
+        if facts["experts"]:
+            facts.update(_expert_facts(model, module, capacity_factor))
         keys.append(_signature_key(module, kind, owned[fqn]))
         stats.append(_layer_stats(fqn, kind, tallies[fqn], owned[fqn], facts, keys[-1]))
     keys.append(_signature_key(None, "loss", 0))
@@ -265,6 +279,15 @@ def _facts(model: nn.Module, module: nn.Module, kind: str, tally: Tally, *, voca
         "experts": layer_info.expert_count(module),
         "vocab_size": vocab if kind == "head" else embedding_vocab,
         "tp_pairs": pairs,
+    }
+
+
+def _expert_facts(model: nn.Module, module: nn.Module, capacity_factor: float | None) -> dict:
+    """The MoE fields of a layer with routed experts (see ``tessera.planner.experts``)."""
+    return {
+        "top_k": layer_info.top_k_declared(module, getattr(model, "config", None)),
+        "expert_param_count": layer_info.expert_param_count(module),
+        "expert_capacity_factor": measured_capacity_factor(module, capacity_factor),
     }
 
 
@@ -290,6 +313,8 @@ def _numbers(tally: Tally) -> dict[str, int | None]:
         "saved_bytes_full_recompute": tally.input_bytes,
         "output_bytes": tally.output_bytes,
         "selective_recompute_flops": tally.core_flops,
+        "expert_forward_flops": tally.expert_forward_flops,
+        "expert_backward_flops": tally.expert_backward_flops,
     }
 
 

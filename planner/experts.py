@@ -15,17 +15,25 @@ the busiest expert uses more). Two kinds of layer are handled, for the duration 
 
 A module's stored ``aux_loss`` (Tessera's MoE layers keep their last load-balancing loss) is put back afterwards,
 so a capture leaves no meta tensor behind in the model.
+
+What capture then reports per MoE layer (``LayerStats``): ``experts``, ``top_k``, ``expert_param_count`` (all
+routed experts), ``expert_forward_flops`` / ``expert_backward_flops`` (the routed experts' share of the layer's
+FLOPs, at the measured load) and ``expert_capacity_factor`` (the load factor measured at, see
+``measured_capacity_factor``). From those, ``expert_summary`` gives the per-expert figures a planner and a reader
+want: parameters per expert, forward FLOPs per routed token, and expected tokens per expert.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
 
+from tessera.cost_models.types import LayerStats
 from tessera.models.moe import expert_capacity
 
 
@@ -50,6 +58,48 @@ def expected_expert_load(model: nn.Module, capacity_factor: float | None) -> Ite
                 del module.forward
             else:
                 setattr(module, name, value)
+
+
+def measured_capacity_factor(layer: nn.Module, requested: float | None) -> float:
+    """The load factor ``expected_expert_load`` measures ``layer``'s experts at (1.0 for a dense layer)."""
+    for module in layer.modules():
+        if isinstance(getattr(module, "capacity_factor", None), float):
+            return requested if requested is not None else module.capacity_factor
+        if is_packed_experts(module):
+            return requested or 1.0
+    return 1.0
+
+
+@dataclass(frozen=True)
+class ExpertSummary:
+    """Per-expert figures of one kind of MoE layer, for ``tokens`` routed tokens (one micro-batch of sequences)."""
+
+    layers: int  # MoE layers of this shape
+    experts: int
+    top_k: int
+    params_per_expert: float
+    flops_per_token: float  # forward FLOPs one expert spends on one routed token
+    capacity_factor: float
+    tokens: int
+    expected_tokens_per_expert: float  # top_k * tokens / experts * capacity_factor
+
+
+def expert_summary(layers: Sequence[LayerStats], *, seq_len: int, sequences: int = 1) -> list[ExpertSummary]:
+    """One ``ExpertSummary`` per distinct MoE layer shape among ``layers`` (statistics for ``seq_len``)."""
+    groups: dict[tuple, list[LayerStats]] = {}
+    for layer in layers:
+        if layer.experts:
+            key = (layer.experts, layer.top_k, layer.expert_param_count, layer.expert_capacity_factor)
+            groups.setdefault(key, []).append(layer)
+    tokens = seq_len * sequences
+    return [
+        ExpertSummary(
+            layers=len(group), experts=first.experts, top_k=first.top_k, params_per_expert=first.params_per_expert,
+            flops_per_token=first.expert_flops_per_token(seq_len), capacity_factor=first.expert_capacity_factor,
+            tokens=tokens, expected_tokens_per_expert=first.expected_tokens_per_expert(tokens),
+        )
+        for first, group in ((g[0], g) for g in groups.values())
+    ]
 
 
 def is_packed_experts(module: nn.Module) -> bool:

@@ -37,7 +37,7 @@ from tessera.topology.cluster import Cluster
 FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 GiB = 2**30
 MESH_ORDER = ("tp", "cp", "ep", "pp", "dp")
-AXIS_UNITS = {"tp": "tp rank", "cp": "cp rank", "ep": "ep rank", "pp": "stage", "dp": "dp rank"}
+AXIS_UNITS = {"tp": "tp rank", "cp": "cp rank", "ep": "ep rank", "pp": "stage", "dp": "dp rank", "edp": "ep group"}
 DP_KIND_PREFIXES = ("dp_", "zero_", "fsdp_")
 RENDEZVOUS_PORT = 29500
 
@@ -61,12 +61,16 @@ def tokens(value: float) -> str:
 
 
 def mesh_layout(strategy: Strategy, *, devices_per_node: int) -> list[str]:
-    """Where each mesh axis lives, innermost first: ``["tp=8 inside each node", "pp=4 across 4 nodes ..."]``."""
+    """Where each mesh axis lives, innermost first: ``["tp=8 inside each node", "pp=4 across 4 nodes ..."]``.
+
+    With expert parallelism the data-parallel axis is ``ep`` (inside ``pp``) times ``edp = dp / ep`` outside it
+    (``Strategy``'s layout)."""
     lines, inner = [], 1
     for axis in MESH_ORDER:
-        degree = getattr(strategy, axis)
+        degree = strategy.expert_dp if axis == "dp" else getattr(strategy, axis)
+        name = "edp" if axis == "dp" and strategy.ep > 1 else axis
         if degree > 1:
-            lines.append(_axis_placement(axis, degree, inner=inner, per_node=devices_per_node))
+            lines.append(_axis_placement(name, degree, inner=inner, per_node=devices_per_node))
             inner *= degree
     return lines or ["one device: nothing is split"]
 
@@ -242,7 +246,7 @@ def leanest_completion(
     ZeRO-3, sequence parallelism; dp takes the devices left), estimated."""
     fields: dict[str, object] = {"micro_batch": 1, "recompute": "full", **pins}
     inner = 1
-    for axis in ("tp", "pp", "cp", "ep"):
+    for axis in ("tp", "pp", "cp"):  # ep is part of dp
         inner *= int(fields.get(axis, 1))
     fields.setdefault("dp", max(cluster.num_devices // inner, 1))
     fields.setdefault("zero", 3 if int(fields["dp"]) > 1 else 0)
@@ -311,6 +315,7 @@ def report_sections(plan: Plan, *, plan_path: str = "plan.json") -> list[Section
         _memory(plan.estimate),
         _timeline(plan),
         _alternatives(plan),
+        *_degrees(plan),
         Section("Search", (Table(("statistic", "value"), tuple(solver_statistics(plan))),)),
         _launch(plan, nodes=nodes, per_node=per_node, plan_path=plan_path),
     ]
@@ -452,6 +457,35 @@ def _alternatives(plan: Plan) -> Section:
     header = ("rank", "strategy", "step time", "tokens/s", "GiB/device", "why it lost")
     text = f"The next {len(rows)} strategies the search ranked (the plan is rank 1)."
     return Section("Alternatives", (text, Table(header, rows)))
+
+
+def _degrees(plan: Plan) -> list[Section]:
+    """Why the expert- and context-parallel degrees: what they cost and the best plan at every other degree."""
+    s, e = plan.strategy, plan.estimate
+    if s.ep == 1 and s.cp == 1 and not plan.degree_alternatives:
+        return []
+    comm = e.comm_time_by_kind_s
+    facts = []
+    if s.ep > 1:
+        facts.append(f"ep={s.ep}: each device holds 1/{s.ep} of every MoE layer's experts (expert weights, gradients "
+                     f"and Adam state divided by {s.ep}; expert gradients reduced over dp/ep = {s.expert_dp} ranks); "
+                     f"the dispatch and combine all-to-alls (two forward, two backward per MoE layer and "
+                     f"micro-batch) take {seconds(comm.get('ep_alltoall', 0.0))} per step, on the critical path")
+    if s.cp > 1:
+        facts.append(f"cp={s.cp}: each sequence is split into {2 * s.cp} zig-zag chunks (causal work balanced), "
+                     f"activations per device divided by {s.cp}; the K/V ring takes {seconds(comm.get('cp_ring', 0.0))} "
+                     f"per step, {seconds(exposed_comm_by_kind(e).get('cp_ring', 0.0))} of it not hidden behind attention")
+    rows = tuple(
+        (c.verdict.partition(":")[0], f"`{c.strategy.to_string()}`", seconds(c.estimate.step_time_s),
+         gib(c.estimate.peak_memory_bytes), why_it_lost(c.estimate, e, c.verdict.partition(": ")[2]))
+        for c in plan.degree_alternatives
+    )
+    blocks: list[Block] = [Bullets(tuple(facts))] if facts else []
+    if rows:
+        blocks += ["The fastest strategy the search estimated at every other degree (the plan: "
+                   f"ep={s.ep}, cp={s.cp}); a degree not listed was pruned by the step-time lower bound.",
+                   Table(("degree", "best strategy at that degree", "step time", "GiB/device", "why it lost"), rows)]
+    return [Section("Expert and context parallelism", tuple(blocks))]
 
 
 def _launch(plan: Plan, *, nodes: int, per_node: int, plan_path: str) -> Section:

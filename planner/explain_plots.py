@@ -72,7 +72,7 @@ def simulate_schedule(
 def _pass_durations(times: Mapping[str, float], *, v: int, split_weight: bool) -> dict[str, float]:
     """Seconds of one chunk's F, B (and W) for one micro-batch on a stage."""
     forward, backward = times.get("forward", 0.0), times.get("backward", 0.0) + times.get("recompute", 0.0)
-    comm = times.get("tp_comm", 0.0) + times.get("pp_comm", 0.0)
+    comm = sum(times.get(kind, 0.0) for kind in ("tp_comm", "pp_comm", "ep_comm", "cp_comm"))
     share = forward / (forward + backward) if forward + backward > 0 else 0.5
     f, b = (forward + comm * share) / v, (backward + comm * (1 - share)) / v
     return {"F": f, "B": b / 2, "W": b / 2} if split_weight else {"F": f, "B": b}

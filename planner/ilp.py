@@ -7,22 +7,28 @@ possible while every stage fits in device memory.
 Sets: stages ``s = 0..P-1``; recomputation policies ``r in R``; ``L`` blocks (identical; a model whose
 blocks differ is planned with its heaviest block, which over-approximates time and memory).
 
-Variables: ``x[s, r] in Z>=0`` = blocks on stage ``s`` under policy ``r``; ``T >= 0`` the pace.
+The per-stage cost is linear: a block costs ``t[s, r]`` seconds per micro-batch and ``m[s, r]`` bytes on
+stage ``s`` under ``r``, and ``T0[s]``, ``M0[s]`` are what the stage costs besides its blocks (embedding,
+head, loss, buffers, reserve, one block's recomputation buffer). All of them come from the cost model
+itself, by evaluating a stage with one and with two blocks, so the program and ``estimate`` agree; the
+search re-checks every solution with ``estimate``.
 
-    minimise    T  (then, among equal T, the number of recomputed blocks)
-    subject to  sum_{s,r} x[s, r] = L                                   (assign)
-                sum_r x[s, r] >= 1                        for all s       (nonempty_s)
-                M0[s] + sum_r m[s, r] x[s, r] <= B        for all s       (memory_s)
-                T0[s] + sum_r t[s, r] x[s, r] <= T        for all s       (pace_s)
+Because the blocks are identical, the policy mix inside a stage depends only on how many blocks it holds.
+So the inner choice is solved exactly per stage and tabulated, for every ``n = 1..L``:
 
-``t[s, r]`` and ``m[s, r]`` are a block's time per micro-batch and memory on stage ``s`` under ``r``, and
-``T0[s]``, ``M0[s]`` what the stage costs besides its blocks (embedding, head, loss, buffers, reserve,
-one block's recomputation buffer). All of them come from the cost model itself, by evaluating a stage
-with one and with two blocks, so the program and ``estimate`` agree; the search re-checks the solution
-with ``estimate``. With interleaving (V > 1) chunk sizes stay even and only recomputation is chosen
-(``x[s, r]`` summed per stage must equal the stage's fixed share). Repeated blocks are what keep the
-program small: ``P * |R|`` integers however deep the model is. Solved with OR-Tools CP-SAT on integers
-(time in microseconds, memory in KiB).
+    f[s](n) = min  T0[s] + sum_r t[s, r] x[r]   over  x in Z>=0^R,  sum_r x[r] = n,  M0[s] + sum_r m[s, r] x[r] <= B
+
+(ties: the fewest recomputed blocks, ``c[s](n)``; ``n`` is infeasible when no mix fits). The integer program
+over the stage sizes ``n[s]`` is then, with ``T`` the pace:
+
+    minimise    T, then sum_s c[s](n[s])                               (lexicographic: two solves)
+    subject to  sum_s n[s] = L                                         (assign)
+                n[s] in {n : f[s](n) is defined}         for all s     (memory_s, nonempty_s: the domain)
+                f[s](n[s]) <= T                          for all s     (pace_s, an element constraint)
+
+With interleaving (V > 1) chunk sizes stay even and only recomputation is chosen (``n[s]`` fixed to the
+stage's share). The program has ``P`` integer variables however deep the model is. Solved with OR-Tools
+CP-SAT on integers (time in microseconds); the tabulation enumerates the policy counts with numpy.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from ortools.sat.python import cp_model
 
 from tessera.cost_models.estimate import stage_time
@@ -39,8 +46,8 @@ from tessera.cost_models.types import LayerStats, Recompute, Strategy, TrainingC
 from tessera.topology.cluster import Cluster
 
 TIME_UNIT_S = 1e-6
-MEMORY_UNIT_BYTES = 1024
 SOLVER_TIME_LIMIT_S = 2.0
+INFEASIBLE = 2**40  # a table entry no pace can reach
 
 
 @dataclass(frozen=True)
@@ -95,58 +102,150 @@ def coefficients(
 
 
 def solve(
-    stages: Sequence[StageCoefficients], *, blocks: int, budget_bytes: float, fixed_blocks: Sequence[int] | None = None
+    stages: Sequence[StageCoefficients], *, blocks: int, budget_bytes: float, fixed_blocks: Sequence[int] | None = None,
+    pace_limit_s: float | None = None,
 ) -> IlpResult | None:
-    """Solve the program; ``fixed_blocks`` pins blocks per stage (interleaving). None when infeasible."""
+    """Solve the program; ``fixed_blocks`` pins blocks per stage (interleaving). None when infeasible.
+
+    ``pace_limit_s`` is a cut from outside (the pace a candidate must beat to matter): a program that
+    cannot beat it is reported infeasible.
+    """
+    tables = [stage_table(st, blocks=blocks, budget_bytes=budget_bytes) for st in stages]
+    if any(not table.feasible for table in tables):
+        return None
     model = cp_model.CpModel()
-    policies = list(stages[0].time_per_block_s)
-    x = {(s, p): model.new_int_var(0, blocks, f"x[{s},{p}]") for s in range(len(stages)) for p in policies}
-    pace = model.new_int_var(0, _time(sum(st.base_time_s for st in stages) + blocks * max(max(st.time_per_block_s.values()) for st in stages)), "T")
-    add_assignment_constraints(model, x, stages=len(stages), policies=policies, blocks=blocks, fixed_blocks=fixed_blocks)
-    add_memory_constraints(model, x, stages, policies=policies, budget_bytes=budget_bytes)
-    add_pace_constraints(model, x, pace, stages, policies=policies)
-    # Lexicographic: the pace first, then as few recomputed blocks as possible (clean plans among ties).
-    recomputed = sum(var for (s, p), var in x.items() if p != "none")
-    model.minimize(pace * (blocks + 1) + recomputed)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = SOLVER_TIME_LIMIT_S
-    solver.parameters.num_workers = 1  # deterministic: the same plan on every rank and every run
-    status = solver.solve(model)
+    sizes = add_assignment_constraints(model, tables, blocks=blocks, fixed_blocks=fixed_blocks)
+    pace = add_pace_constraints(model, sizes, tables, pace_limit_s=pace_limit_s)
+    model.minimize(pace)
+    first, status = _run(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-    bound, objective = solver.best_objective_bound, solver.objective_value
+    # Second solve: the pace held at its optimum, the fewest recomputed blocks.
+    model.add(pace <= first.value(pace)).with_name("pace_optimum")
+    model.minimize(sum(_element(model, n, table.recomputed, f"c[{s}]") for s, (n, table) in enumerate(zip(sizes, tables))))
+    for var in (pace, *sizes):
+        model.add_hint(var, first.value(var))
+    second, final = _run(model)
+    chosen = [second.value(n) for n in sizes]
     return IlpResult(
-        blocks=tuple({p: solver.value(x[s, p]) for p in policies} for s in range(len(stages))),
-        pace_s=solver.value(pace) * TIME_UNIT_S,
-        status=solver.status_name(status),
-        wall_time_s=solver.wall_time,
-        gap=(objective - bound) / objective if objective else 0.0,
+        blocks=tuple(table.mixes[n] for table, n in zip(tables, chosen)),
+        pace_s=second.value(pace) * TIME_UNIT_S,
+        status=second.status_name(final) if status == cp_model.OPTIMAL else first.status_name(status),
+        wall_time_s=first.wall_time + second.wall_time,
+        gap=_gap(first),
     )
 
 
-def add_assignment_constraints(model, x, *, stages: int, policies: list[str], blocks: int, fixed_blocks) -> None:
-    """Every block on exactly one stage; every stage non-empty (or exactly its pinned share)."""
-    model.add(sum(x.values()) == blocks).with_name("assign")
-    for s in range(stages):
-        on_stage = sum(x[s, p] for p in policies)
-        if fixed_blocks is None:
-            model.add(on_stage >= 1).with_name(f"nonempty_{s}")
-        else:
-            model.add(on_stage == fixed_blocks[s]).with_name(f"share_{s}")
+@dataclass(frozen=True)
+class StageTable:
+    """One stage's exact inner optimum for every block count ``n = 0..L`` (index ``n``)."""
+
+    time_units: tuple[int, ...]  # f(n) in TIME_UNIT_S; INFEASIBLE where no mix of n blocks fits
+    recomputed: tuple[int, ...]  # blocks recomputed by the chosen mix
+    mixes: tuple[dict[str, int], ...]  # policy -> count
+
+    @property
+    def feasible(self) -> list[int]:
+        """Block counts (>= 1) the stage can hold."""
+        return [n for n in range(1, len(self.time_units)) if self.time_units[n] < INFEASIBLE]
 
 
-def add_memory_constraints(model, x, stages: Sequence[StageCoefficients], *, policies: list[str], budget_bytes: float) -> None:
-    """Each stage's peak memory within the device budget."""
-    for s, st in enumerate(stages):
-        used = sum(_memory(st.memory_per_block_bytes[p]) * x[s, p] for p in policies)
-        model.add(_memory(st.base_memory_bytes) + used <= _memory(budget_bytes, floor=True)).with_name(f"memory_{s}")
+def stage_table(st: StageCoefficients, *, blocks: int, budget_bytes: float) -> StageTable:
+    """Enumerate the stage's policy mixes for every block count; keep the fastest that fits (then the leanest
+    in recomputation). Dominated policies (slower and no leaner than a faster one) are dropped first."""
+    order = _undominated(st)
+    n = np.arange(blocks + 1)[:, None]  # (L+1, 1) blocks on the stage
+    slow = np.arange(blocks + 1)[None, :]  # (1, L+1) blocks under the slowest kept policy (3 policies only)
+    fast, mid = order[0], order[1] if len(order) > 1 else None
+    last = order[2] if len(order) > 2 else None
+    count_last = slow if last else np.zeros_like(slow)
+    rest = n - count_last  # blocks for the two fastest policies
+    room = budget_bytes - st.base_memory_bytes - (st.memory_per_block_bytes[last] * count_last if last else 0.0)
+    if mid is None:
+        count_fast = rest.astype(float)
+        fits = room >= st.memory_per_block_bytes[fast] * rest
+    else:
+        spare = room - st.memory_per_block_bytes[mid] * rest  # memory left with every one of them on ``mid``
+        fits = spare >= 0
+        gain = st.memory_per_block_bytes[fast] - st.memory_per_block_bytes[mid]
+        count_fast = np.clip(np.floor(spare / gain), 0, rest)
+    fits &= rest >= 0
+    time = st.base_time_s + st.time_per_block_s[fast] * count_fast
+    if last is not None:
+        time = time + st.time_per_block_s[last] * count_last
+    if mid is not None:
+        time = time + st.time_per_block_s[mid] * (rest - count_fast)
+    units = np.where(fits, np.rint(time / TIME_UNIT_S), INFEASIBLE).astype(np.int64)
+    recomputed = n - count_fast if fast == "none" else n + 0 * count_fast
+    key = units * (blocks + 1) + recomputed.astype(np.int64)  # lexicographic: time, then recomputation
+    best = key.argmin(axis=1)
+    rows = range(blocks + 1)
+    return StageTable(
+        time_units=tuple(int(units[i, best[i]]) for i in rows),
+        recomputed=tuple(int(recomputed[i, best[i]]) for i in rows),
+        mixes=tuple(_mix(st, order, int(count_fast[i, best[i]]), int(count_last[0, best[i]]), i) for i in rows),
+    )
 
 
-def add_pace_constraints(model, x, pace, stages: Sequence[StageCoefficients], *, policies: list[str]) -> None:
-    """The pace is at least every stage's time per micro-batch."""
-    for s, st in enumerate(stages):
-        work = sum(_time(st.time_per_block_s[p]) * x[s, p] for p in policies)
-        model.add(_time(st.base_time_s) + work <= pace).with_name(f"pace_{s}")
+def _undominated(st: StageCoefficients) -> list[str]:
+    """Policies by time per block, fastest first, keeping only those strictly leaner than every faster one."""
+    kept: list[str] = []
+    for policy in sorted(st.time_per_block_s, key=lambda p: (st.time_per_block_s[p], st.memory_per_block_bytes[p])):
+        if not kept or st.memory_per_block_bytes[policy] < st.memory_per_block_bytes[kept[-1]]:
+            kept.append(policy)
+    return kept
+
+
+def _mix(st: StageCoefficients, order: list[str], fast: int, last: int, n: int) -> dict[str, int]:
+    mix = dict.fromkeys(st.time_per_block_s, 0)
+    mix[order[0]] = fast
+    if len(order) > 2:
+        mix[order[2]] = last
+    if len(order) > 1:
+        mix[order[1]] = n - fast - (last if len(order) > 2 else 0)
+    return mix
+
+
+def _element(model: cp_model.CpModel, index, table: Sequence[int], name: str):
+    value = model.new_int_var(min(table), max(table), name)
+    model.add_element(index, list(table), value).with_name(name)
+    return value
+
+
+def _run(model: cp_model.CpModel) -> tuple[cp_model.CpSolver, int]:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = SOLVER_TIME_LIMIT_S
+    solver.parameters.num_workers = 1  # deterministic: the same plan on every rank and every run
+    return solver, solver.solve(model)
+
+
+def _gap(solver: cp_model.CpSolver) -> float:
+    bound, objective = solver.best_objective_bound, solver.objective_value
+    return (objective - bound) / objective if objective else 0.0
+
+
+def add_assignment_constraints(model, tables: Sequence[StageTable], *, blocks: int, fixed_blocks) -> list:
+    """Blocks per stage: each stage's domain is the counts that fit its memory (nonempty: at least one);
+    every block on exactly one stage, or each stage exactly its pinned share."""
+    sizes = []
+    for s, table in enumerate(tables):
+        domain = cp_model.Domain.from_values(table.feasible)
+        sizes.append(model.new_int_var_from_domain(domain, f"n[{s}]"))
+        if fixed_blocks is not None:
+            model.add(sizes[s] == fixed_blocks[s]).with_name(f"share_{s}")
+    model.add(sum(sizes) == blocks).with_name("assign")
+    return sizes
+
+
+def add_pace_constraints(model, sizes: Sequence, tables: Sequence[StageTable], *, pace_limit_s: float | None):
+    """The pace is at least every stage's time per micro-batch at its size (and below the outside cut)."""
+    ceiling = max(max(t for t in table.time_units if t < INFEASIBLE) for table in tables)
+    if pace_limit_s is not None:
+        ceiling = min(ceiling, _time(pace_limit_s))
+    pace = model.new_int_var(0, max(ceiling, 0), "T")
+    for s, (n, table) in enumerate(zip(sizes, tables)):
+        model.add(_element(model, n, table.time_units, f"f[{s}]") <= pace).with_name(f"pace_{s}")
+    return pace
 
 
 def binding_constraint(stages: Sequence[StageCoefficients], *, blocks: int, budget_bytes: float) -> str:
@@ -160,8 +259,3 @@ def binding_constraint(stages: Sequence[StageCoefficients], *, blocks: int, budg
 
 def _time(seconds: float) -> int:
     return int(round(seconds / TIME_UNIT_S))
-
-
-def _memory(nbytes: float, *, floor: bool = False) -> int:
-    units = nbytes / MEMORY_UNIT_BYTES
-    return int(units) if floor else int(-(-units // 1))

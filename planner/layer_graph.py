@@ -35,6 +35,8 @@ SCALED_FIELDS = (
     "saved_bytes_full_recompute",
     "output_bytes",
     "selective_recompute_flops",
+    "expert_forward_flops",
+    "expert_backward_flops",
 )
 """LayerStats fields that depend on the sequence length (the rest are properties of the module)."""
 

@@ -15,7 +15,10 @@
   model's ``config`` named ``num_key_value_heads`` / ``num_kv_heads`` / ``n_kv_heads`` / ``kv_heads`` when
   present (Hugging Face repeats key/value heads before SDPA), else the key heads measured at the SDPA call.
 - **experts**: the length of a ModuleList named ``experts``, or an integer ``num_experts`` / ``num_local_experts``
-  attribute of a module in the layer (the largest found).
+  attribute of a module in the layer (the largest found). **expert parameters**: the parameters under the
+  layer's outermost modules named ``experts`` (a ModuleList of experts, or Hugging Face's packed experts); the
+  router and a shared expert are dense. **top_k**: an integer ``top_k`` / ``num_experts_per_tok`` /
+  ``moe_top_k`` attribute of a module in the layer or of the model's ``config`` (0 if none is declared).
 - **vocab_size**: the head's output width; an embedding layer's, when it holds an ``nn.Embedding`` of that many rows.
 """
 
@@ -35,6 +38,7 @@ _ATTENTION_OPS = ("scaled_dot_product", "softmax")
 _INDEX_OPS = ("topk", "argmax", "argmin", "argsort", "one_hot", "nonzero")
 _KV_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
 _EXPERT_NAMES = ("num_experts", "num_local_experts")
+_TOP_K_NAMES = ("top_k", "num_experts_per_tok", "moe_top_k")
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int] | None:
@@ -168,6 +172,31 @@ def expert_count(module: nn.Module) -> int:
             counts.append(len(sub))
         counts.extend(getattr(sub, n) for n in _EXPERT_NAMES if isinstance(getattr(sub, n, None), int))
     return max(counts)
+
+
+def expert_param_count(module: nn.Module) -> int:
+    """Parameters under the outermost submodules named ``experts`` (0 for a dense layer)."""
+    roots = [sub for name, sub in module.named_modules() if name.rpartition(".")[2] == "experts"]
+    inside = {id(m) for root in roots for m in list(root.modules())[1:]}
+    seen: set[int] = set()
+    total = 0
+    for root in roots:
+        if id(root) in inside:
+            continue
+        for p in root.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+    return total
+
+
+def top_k_declared(module: nn.Module, config: object) -> int:
+    """Routed experts per token declared by the layer's modules or the model's config (0 if none)."""
+    for sub in module.modules():
+        found = next((getattr(sub, n) for n in _TOP_K_NAMES if isinstance(getattr(sub, n, None), int)), 0)
+        if found:
+            return found
+    return next((getattr(config, n) for n in _TOP_K_NAMES if isinstance(getattr(config, n, None), int)), 0)
 
 
 def embedding_vocab(module: nn.Module, vocab: int) -> int:

@@ -7,7 +7,9 @@ measured again under ``FakeTensorMode``, where models that check whether they ar
 mask code does, and calls ``.item()`` otherwise -- take their tracing path. Per layer:
 
 - FLOPs: ``FlopCounterMode`` (its module tracker attributes ops to modules in forward and backward); one counter
-  spans both passes, and the backward share is the total minus a snapshot taken after the forward.
+  spans both passes, and the backward share is the total minus a snapshot taken after the forward. The routed
+  experts' share (``expert_*_flops``) is what the tracker attributes to the layer's modules named ``experts``
+  (``...experts`` for packed experts, ``...experts.<i>`` for a ModuleList of them), each counted once.
 - saved bytes: a ``saved_tensors_hooks`` ledger charges each storage autograd saves to the layer running when it
   is first saved (views and repeats count once); parameter and buffer storages are never counted.
 - selective-recompute bytes: what stays saved when each attention core (SDPA call) is recomputed -- see
@@ -65,6 +67,8 @@ class Tally:
     output_width: int = 0
     heads: int = 0
     kv_heads: int = 0
+    expert_forward_flops: int = 0
+    expert_backward_flops: int = 0
 
 
 @dataclass
@@ -387,6 +391,9 @@ def _finalize(
         tally.forward_flops = flops(forward, f"{root}.{fqn}")
         tally.backward_flops = flops(total, f"{root}.{fqn}") - tally.forward_flops
         tally.core_flops = sum(forward.get(f"{root}.{fqn}", {}).get(op, 0) for op in CORE_OPS)
+        experts = _expert_keys(total, f"{root}.{fqn}")
+        tally.expert_forward_flops = sum(flops(forward, key) for key in experts)
+        tally.expert_backward_flops = sum(flops(total, key) for key in experts) - tally.expert_forward_flops
         if tally.saved_bytes_selective is not None:
             tally.saved_bytes_selective = kept.get(fqn, 0)
     glue_fwd = flops(forward, root) - sum(tallies[fqn].forward_flops for fqn in layers)
@@ -398,3 +405,18 @@ def _finalize(
     tallies[layers[0]].backward_flops += glue_bwd
     tallies[LOSS].forward_flops = flops(forward, "Global") - flops(forward, root)
     tallies[LOSS].backward_flops = flops(total, "Global") - flops(total, root) - tallies[LOSS].forward_flops
+
+
+def _expert_keys(counts: dict, prefix: str) -> set[str]:
+    """FlopCounterMode module keys of the routed experts under ``prefix``: ``...experts`` (packed) or
+    ``...experts.<i>`` (a ModuleList), the outermost of each, so every op counts once."""
+    found = set()
+    for key in counts:
+        if not key.startswith(prefix + "."):
+            continue
+        parts = key[len(prefix) + 1 :].split(".")
+        if "experts" in parts:
+            end = parts.index("experts") + 1
+            end += end < len(parts) and parts[end].isdigit()
+            found.add(f"{prefix}.{'.'.join(parts[:end])}")
+    return found

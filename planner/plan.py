@@ -97,6 +97,9 @@ class Plan(BaseModel):
     """Per-layer decisions in model order."""
     alternatives: tuple[Candidate, ...] = ()
     """Runners-up, best first."""
+    degree_alternatives: tuple[Candidate, ...] = ()
+    """The best estimated strategy at each other expert-/context-parallel degree (``ep``, ``cp``) the search
+    reached: why the chosen degrees won (``planner.degrees``). Empty for a dense, short-sequence search."""
     candidates_evaluated: int = 1
     """Strategies the search estimated."""
     search_time_s: float = 0.0

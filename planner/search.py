@@ -1,7 +1,9 @@
-"""Search: enumerate strategies (``planner.space``), estimate each, keep the fastest that fits in memory.
+"""Search: enumerate strategies (``planner.space``), estimate the promising ones, keep the fastest that fits.
 
-Exhaustive over the space for now; the planner issue adds lower-bound pruning and the integer program
-for per-layer recomputation and stage boundaries.
+Candidates are visited in order of a cheap step-time lower bound (compute spread perfectly over the
+pipeline, ``cost_models.estimate.step_time_lower_bound``); once the bound reaches the fastest fitting
+estimate found so far, no later candidate can win and the enumeration stops. The most promising outer
+candidates are then refined by the integer program (``planner.refine``).
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ import time
 from collections.abc import Callable, Mapping
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
-from tessera.cost_models.partition import block_policies, split_chunks
+from tessera.cost_models.estimate import step_time_lower_bound
+from tessera.cost_models.partition import block_policies, split_chunks, stage_totals
+from tessera.cost_models.types import LayerStats
 from tessera.errors import ConfigError, InfeasiblePlanError
+from tessera.planner.degrees import degree_alternatives
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Candidate, Plan, PlannedLayer, SolverStats
 from tessera.planner.refine import RefineStats, refine
@@ -20,6 +25,7 @@ from tessera.topology.cluster import Cluster
 
 GiB = 2**30
 RUNNERS_UP = 5
+RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}  # time order: recomputing more never runs faster
 Progress = Callable[[int, int], None]
 
 
@@ -29,34 +35,46 @@ def rank_candidates(
 ) -> list[tuple[Strategy, Estimate]]:
     """Every strategy under ``pins`` with its estimate, fastest first (ties: leaner, then by name).
 
-    Pruned without estimating: a mesh shape and ZeRO stage whose model state alone overflows the device,
-    and micro-batches larger than one at which no recomputation policy fit (activations only grow with
-    the micro-batch, except under GPipe).
+    Pruned without estimating: a mesh shape and ZeRO stage whose model state alone overflows the device;
+    micro-batches larger than one at which no recomputation policy fit (activations only grow with the
+    micro-batch, except under GPipe); and a recomputation policy costlier than one that already fits with
+    every other choice equal (recomputing more only adds time: it is dominated).
     """
     pins = dict(pins or {})
     check_pins(pins, cluster)
     layers = list(graph.layers)
-    params = sum(layer.param_count for layer in layers)
+    params = _dense_and_expert_params(layers)
     no_fit_at: dict[tuple, int] = {}
     fits_at: set[tuple] = set()
+    cheapest_fit: dict[tuple, int] = {}  # outer choices -> cost rank of the cheapest recomputation that fits
     scored, overflowing = [], []
-    candidates = list(strategies(layers, cluster, training, pins))
-    for done, strategy in enumerate(candidates, 1):
+    candidates = _by_lower_bound(layers, cluster, training, list(strategies(layers, cluster, training, pins)))
+    incumbent = float("inf")  # fastest fitting step so far
+    for done, (bound, strategy) in enumerate(candidates, 1):
         if progress is not None and (done % 256 == 0 or done == len(candidates)):
             progress(done, len(candidates))
-        key = (strategy.dp, strategy.tp, strategy.pp, strategy.zero, strategy.sp, strategy.schedule, strategy.virtual_stages)
+        if bound >= incumbent:  # sorted by bound: no later candidate can be faster either
+            break
+        key = (strategy.dp, strategy.tp, strategy.pp, strategy.cp, strategy.ep, strategy.zero, strategy.sp,
+               strategy.schedule, strategy.virtual_stages)
         if _state_bytes_lower_bound(params, strategy) > cluster.device.memory_bytes:
             overflowing.append(strategy)
             continue
         if strategy.schedule != "gpipe" and no_fit_at.get(key, strategy.micro_batch) < strategy.micro_batch:
             continue
+        if cheapest_fit.get((*key, strategy.micro_batch), len(RECOMPUTE_COST)) < RECOMPUTE_COST[strategy.recompute]:
+            continue
         est = estimate(layers, cluster, training, strategy)
         scored.append((strategy, est))
         if est.fits:
+            incumbent = min(incumbent, est.step_time_s)
             fits_at.add((*key, strategy.micro_batch))
+            cheapest_fit.setdefault((*key, strategy.micro_batch), RECOMPUTE_COST[strategy.recompute])
             no_fit_at.pop(key, None)
         elif (*key, strategy.micro_batch) not in fits_at and strategy.recompute == "full":
             no_fit_at.setdefault(key, strategy.micro_batch)
+    if progress is not None:
+        progress(len(candidates), len(candidates))
     if overflowing and not fits_at:  # nothing fits: estimate the leanest pruned ones so the diagnosis is exact
         leanest = min((_state_bytes_lower_bound(params, s), s.micro_batch) for s in overflowing)
         scored += [(s, estimate(layers, cluster, training, s)) for s in overflowing
@@ -70,11 +88,34 @@ def rank_candidates(
     return scored
 
 
-def _state_bytes_lower_bound(params: int, strategy: Strategy) -> float:
-    """fp32 parameters, gradients and Adam moments per device, spread perfectly over tp*pp (and dp per ZeRO)."""
-    dp = strategy.dp
-    per_param = 4 / (dp if strategy.zero >= 3 else 1) + 4 / (dp if strategy.zero >= 2 else 1) + 8 / (dp if strategy.zero >= 1 else 1)
-    return params * per_param / (strategy.tp * strategy.pp)
+def _by_lower_bound(
+    layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, candidates: list[Strategy]
+) -> list[tuple[float, Strategy]]:
+    """Candidates with their step-time lower bound, lowest first (stable: the space's order breaks ties)."""
+    blocks = [layer.fqn for layer in layers if layer.kind == "block"]
+    wholes = {policy: stage_totals(layers, 0, dict.fromkeys(blocks, policy)) for policy in RECOMPUTE_COST}
+    bounded = [(step_time_lower_bound(layers, cluster, training, s, whole=wholes[s.recompute]), s) for s in candidates]
+    return sorted(bounded, key=lambda pair: pair[0])
+
+
+def _dense_and_expert_params(layers: list[LayerStats]) -> tuple[int, int]:
+    """The model's parameters split into dense ones and routed experts (which expert parallelism divides)."""
+    expert = sum(layer.expert_param_count for layer in layers)
+    return sum(layer.param_count for layer in layers) - expert, expert
+
+
+def _state_bytes_lower_bound(params: tuple[int, int], strategy: Strategy) -> float:
+    """fp32 parameters, gradients and Adam moments per device, spread perfectly over tp*pp (experts also over ep),
+    and per ZeRO stage over the ranks holding the same weights: dp*cp for dense, (dp/ep)*cp for experts."""
+    dense, expert = params
+    return (dense * _state_bytes_per_param(strategy, strategy.dp * strategy.cp)
+            + expert * _state_bytes_per_param(strategy, strategy.expert_dp * strategy.cp) / strategy.ep
+            ) / (strategy.tp * strategy.pp)
+
+
+def _state_bytes_per_param(strategy: Strategy, group: int) -> float:
+    zero = strategy.zero
+    return 4 / (group if zero >= 3 else 1) + 4 / (group if zero >= 2 else 1) + 8 / (group if zero >= 1 else 1)
 
 
 def best_candidate(scored: list[tuple[Strategy, Estimate]]) -> tuple[Strategy, Estimate]:
@@ -110,6 +151,7 @@ def search(
         estimate=best_estimate,
         layers=planned_layers(graph, best),
         alternatives=runners_up(scored, best_estimate, top=top),
+        degree_alternatives=degree_alternatives(scored, best, best_estimate),
         candidates_evaluated=len(scored),
         search_time_s=time.perf_counter() - start,
         solver=SolverStats(

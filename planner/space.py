@@ -1,11 +1,21 @@
 """The search space: every strategy the model, the cluster and the batch admit.
 
-Axes: ``dp * tp * pp = world`` (cp and ep arrive with the sparse-and-long issue). Tensor parallelism
-stays inside the innermost link level (a node) and divides the attention heads; pipeline parallelism
-never has more stages than blocks; dp divides the global batch. Per axis choice: ZeRO stage, micro-batch,
-recomputation, and for pipelines the schedule. Sequence parallelism is on whenever tp > 1: it moves the
-same bytes as plain tensor parallelism and divides activations further. Pinned fields (``--fix``) are
-taken as given, even where a default rule (tp inside a node) would forbid them.
+Axes: ``dp * tp * pp * cp = world``, and ``ep`` carved out of ``dp`` (``Strategy``'s mesh convention). Tensor
+parallelism stays inside the innermost link level (a node) and divides the attention heads; pipeline
+parallelism never has more stages than blocks; dp divides the global batch. Per axis choice: ZeRO stage,
+micro-batch, recomputation, and for pipelines the schedule. Sequence parallelism is on whenever tp > 1: it
+moves the same bytes as plain tensor parallelism and divides activations further.
+
+Expert and context parallelism, pruned so that dense, short-sequence searches keep their size:
+
+- ``ep > 1`` only for a model with routed experts; ``ep`` divides every MoE layer's experts and ``dp``.
+- ``cp > 1`` only when a sequence is long (``seq_len >= LONG_CONTEXT_TOKENS``): below that, activations fit
+  without it and the K/V ring only adds traffic (Llama 3 pre-trains 8K without CP and uses CP 16 at 128K,
+  arXiv:2407.21783 Sec. 3.3.2). ``2 * cp`` divides ``seq_len`` (zig-zag chunks) and every rank keeps at least
+  ``MIN_TOKENS_PER_CP_RANK`` tokens, so the ring's steps stay long enough to hide behind attention.
+
+Pinned fields (``--fix``) are taken as given, even where a default rule (tp inside a node, cp only for long
+sequences) would forbid them.
 """
 
 from __future__ import annotations
@@ -14,10 +24,12 @@ from collections.abc import Iterator, Mapping
 
 from tessera.cost_models import Strategy, TrainingConfig
 from tessera.cost_models.types import LayerStats
-from tessera.errors import ConfigError, NotModelledError
+from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster
 
 MAX_MICRO_BATCH = 16
+LONG_CONTEXT_TOKENS = 16384
+MIN_TOKENS_PER_CP_RANK = 2048
 ZERO_STAGES = (0, 1, 2, 3)
 VIRTUAL_STAGES = (2, 3, 4)
 
@@ -27,37 +39,62 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def mesh_shapes(layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object]) -> Iterator[tuple[int, int, int]]:
-    """(dp, tp, pp) factorisations of the world the model and topology admit."""
+def mesh_shapes(layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object]) -> Iterator[tuple[int, int, int, int, int]]:
+    """(dp, tp, pp, cp, ep) shapes of the world the model and topology admit (``dp * tp * pp * cp = world``)."""
     world, blocks = cluster.num_devices, sum(layer.kind == "block" for layer in layers)
     heads = {layer.attention_heads for layer in layers if layer.attention_heads}
+    experts = {layer.experts for layer in layers if layer.experts}
     for tp in divisors(world):
         if "tp" in pins:
             if tp != pins["tp"]:
                 continue
         elif cluster.devices_per_node % tp or any(h % tp for h in heads):
             continue  # a tensor-parallel group must tile the node (the fast link domain) and split the heads
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            if pp > max(blocks, 1) or training.global_batch % dp:
-                continue
-            if pins.get("pp", pp) == pp and pins.get("dp", dp) == dp:
-                yield dp, tp, pp
+        for cp in context_degrees(world // tp, training, pins):
+            for pp in divisors(world // (tp * cp)):
+                dp = world // (tp * cp * pp)
+                if pp > max(blocks, 1) or training.global_batch % dp:
+                    continue
+                if pins.get("pp", pp) == pp and pins.get("dp", dp) == dp:
+                    for ep in expert_degrees(dp, experts, pins):
+                        yield dp, tp, pp, cp, ep
+
+
+def context_degrees(ranks: int, training: TrainingConfig, pins: Mapping[str, object]) -> list[int]:
+    """Context-parallel degrees to try among ``ranks`` (see the module docstring)."""
+    if "cp" in pins:
+        cp = int(pins["cp"])
+        return [cp] if ranks % cp == 0 and training.seq_len % (2 * cp) == 0 else []
+    if training.seq_len < LONG_CONTEXT_TOKENS:
+        return [1]
+    return [cp for cp in divisors(ranks)
+            if training.seq_len % (2 * cp) == 0 and training.seq_len // cp >= MIN_TOKENS_PER_CP_RANK]
+
+
+def expert_degrees(dp: int, experts: set[int], pins: Mapping[str, object]) -> list[int]:
+    """Expert-parallel degrees to try on ``dp`` data-parallel ranks: divisors of dp and of every layer's experts."""
+    if "ep" in pins:
+        ep = int(pins["ep"])
+        return [ep] if dp % ep == 0 and (ep == 1 or experts and all(e % ep == 0 for e in experts)) else []
+    if not experts:
+        return [1]
+    return [ep for ep in divisors(dp) if all(e % ep == 0 for e in experts)]
 
 
 def strategies(layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object]) -> Iterator[Strategy]:
     """Every candidate strategy, in a fixed order, honouring ``pins``."""
     measured_selective = any(layer.saved_bytes_selective is not None for layer in layers)
-    recomputes = _pinned(pins, "recompute", ["none", "full"] + (["selective"] if measured_selective else []))
+    # Cheapest first: the search skips a policy once a cheaper one fits.
+    recomputes = _pinned(pins, "recompute", ["none"] + (["selective"] if measured_selective else []) + ["full"])
     blocks = sum(layer.kind == "block" for layer in layers)
-    for dp, tp, pp in mesh_shapes(layers, cluster, training, pins):
+    for dp, tp, pp, cp, ep in mesh_shapes(layers, cluster, training, pins):
         micro_batches = [m for m in divisors(training.global_batch // dp) if m <= MAX_MICRO_BATCH]
         for zero in _pinned(pins, "zero", ZERO_STAGES if dp > 1 else (0,)):
             for micro_batch in _pinned(pins, "micro_batch", micro_batches):
                 for recompute in recomputes:
                     for schedule, chunks in _schedules(pp, blocks, pins):
                         yield Strategy(
-                            dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro_batch, recompute=recompute,
+                            dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batch=micro_batch, recompute=recompute,
                             sp=pins.get("sp", tp > 1), schedule=schedule, virtual_stages=chunks,
                         )
 
@@ -78,14 +115,14 @@ def _schedules(pp: int, blocks: int, pins: Mapping[str, object]) -> list[tuple[s
 
 
 def check_pins(pins: Mapping[str, object], cluster: Cluster) -> None:
-    """Raise if the pins ask for what is not modelled or cannot multiply to the world size."""
-    if int(pins.get("cp", 1)) > 1 or int(pins.get("ep", 1)) > 1:
-        raise NotModelledError("context and expert parallelism are not planned yet (sparse-and-long issue); drop cp/ep")
+    """Raise if the pins cannot multiply to the world size (``ep`` is part of ``dp`` and adds no ranks)."""
     product = 1
-    for axis in ("dp", "tp", "pp", "cp", "ep"):
+    for axis in ("dp", "tp", "pp", "cp"):
         product *= int(pins.get(axis, 1))
     if product > cluster.num_devices or cluster.num_devices % product:
         raise ConfigError(
             f"the pinned axes need {product} ranks, which does not fit the {cluster.num_devices} devices of "
-            f"cluster {cluster.name}; make dp*tp*pp*cp*ep divide {cluster.num_devices}"
+            f"cluster {cluster.name}; make dp*tp*pp*cp divide {cluster.num_devices}"
         )
+    if "dp" in pins and int(pins["dp"]) % int(pins.get("ep", 1)):
+        raise ConfigError(f"ep={pins['ep']} must divide dp={pins['dp']}: expert parallelism is carved out of dp")

@@ -2,8 +2,9 @@
 
 Order of application (torchtitan's, for the same reasons):
 
-1. check the plan is the same on every rank, build the ``("dp", "pp", "tp")`` mesh, broadcast rank 0's
-   weights (so ranks need not be seeded identically; skipped for a model on meta);
+1. check the plan is the same on every rank, build the ``("dp", "pp", "cp", "tp")`` mesh, broadcast rank 0's
+   weights (so ranks need not be seeded identically; skipped for a model on meta); with ``ep > 1``, replace
+   each MoE layer by its expert-parallel form holding this rank's experts (``runtime.expert_parallel``);
 2. pipeline: free the layers of chunks other ranks run;
 3. recomputation per layer, full or selective (hooks: FQNs unchanged);
 4. tensor (+ sequence) parallelism on this rank's layers (``runtime.tensor_parallel``; after recomputation
@@ -12,7 +13,9 @@ Order of application (torchtitan's, for the same reasons):
 6. pipeline: one module per local chunk (``runtime.pipeline``);
 7. the data-parallel axis on each module: DDP, FSDP2-``replicate``, ZeRO-1/2/3 (``runtime.data_parallel``);
 8. a model on the meta device is materialised now, shard by shard (``runtime.materialize``);
-9. the optimizer over the rank's parameters; the pipeline schedule.
+9. with ``cp > 1``, ring attention and this rank's sequence positions (``runtime.context_parallel``; after
+   materialisation, which recomputes the RoPE tables);
+10. the optimizer over the rank's parameters; the pipeline schedule.
 
 The runtime reads only the ``Plan`` data model (never the planner or the cost model's internals).
 """
@@ -34,7 +37,9 @@ from tessera.runtime import pipeline as pp_
 from tessera.runtime.compile import compile_blocks as compile_block_forwards
 from tessera.runtime.data_parallel import apply_data_parallel, broadcast_module_states, uses_ddp
 from tessera.runtime.materialize import check_plan_agrees, is_on_meta, materialize_shards
-from tessera.runtime.mesh import PP, TP, build_mesh, check_axes_supported, device_type
+from tessera.runtime.context_parallel import apply_context_parallel, check_context_parallel
+from tessera.runtime.expert_parallel import apply_expert_parallel, check_expert_parallel
+from tessera.runtime.mesh import PP, TP, build_mesh, device_type
 from tessera.runtime.parallel_model import LossFn, ParallelModel
 from tessera.runtime.recompute import apply_recompute
 from tessera.runtime.tensor_parallel import (
@@ -87,11 +92,14 @@ def apply_plan(
     if mesh is not None:
         check_plan_agrees(plan)
         broadcast_module_states(model)
+    _split_experts_and_context(model, plan, mesh, on_meta=on_meta, compile_blocks=compile_blocks)
     chunks = pp_.local_chunks(plan, mesh.get_local_rank(PP)) if mesh is not None else [0]
     layers = [layer for layer in plan.layers if layer.chunk in chunks and layer.kind != "loss"]
     _shard_layers(model, plan, layers, mesh, chunks=chunks, tp_pairs=tp_pairs, compile_blocks=compile_blocks)
     modules = _chunk_modules(model, plan, chunks)
     modules = _data_parallel(model, plan, modules, mesh, on_meta=on_meta, device=device)
+    if plan.strategy.cp > 1:
+        apply_context_parallel(model, mesh, seq_len=plan.training.seq_len)
     optimizer = (optimizer_factory or default_optimizer_factory)(_unique_parameters(modules))
     loss = loss_fn or default_loss_fn
     if plan.strategy.tp > 1:
@@ -103,7 +111,6 @@ def apply_plan(
 
 def check_supported(plan: Plan) -> None:
     """Raise ``NotModelledError``/``ConfigError`` naming the problem if the runtime cannot run ``plan``."""
-    check_axes_supported(plan.strategy)
     if plan.training.precision == "fp16":
         raise NotModelledError(
             "precision fp16 needs dynamic loss scaling (a GradScaler whose overflow check agrees across "
@@ -113,6 +120,18 @@ def check_supported(plan: Plan) -> None:
         check_sequence_parallel(plan.training.seq_len, plan.strategy.tp)
     if plan.strategy.pp > 1:
         pp_.check_chunks(plan)
+
+
+def _split_experts_and_context(
+    model: nn.Module, plan: Plan, mesh: DeviceMesh | None, *, on_meta: bool, compile_blocks: bool
+) -> None:
+    """Check expert and context parallelism against the model (every rank, before sharding); split the experts."""
+    strategy = plan.strategy
+    if strategy.cp > 1:
+        check_context_parallel(model, strategy, seq_len=plan.training.seq_len, compile_blocks=compile_blocks)
+    if strategy.ep > 1:
+        check_expert_parallel(model, strategy, on_meta=on_meta)
+        apply_expert_parallel(model, mesh, ep=strategy.ep)
 
 
 def recompute_fqns(plan: Plan, policy: str = "full", layers: Iterable[PlannedLayer] | None = None) -> tuple[str, ...]:
@@ -154,7 +173,7 @@ def _data_parallel(
 ) -> list[nn.Module]:
     """Step 7 (and 8): wrap or shard each module over ``dp``; materialise a meta model around it."""
     strategy = plan.strategy
-    wraps = mesh is not None and (strategy.dp > 1 or strategy.zero > 0)
+    wraps = mesh is not None and (strategy.dp * strategy.cp > 1 or strategy.zero > 0)  # cp ranks average too
     ddp = wraps and uses_ddp(strategy)
     layer_fqns = [layer.fqn for layer in plan.layers if layer.kind != "loss"]
     if on_meta and (ddp or not wraps):  # DDP cannot wrap a meta model: materialise first

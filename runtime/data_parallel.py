@@ -40,14 +40,21 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from tessera.cost_models.types import Precision, Strategy
-from tessera.runtime.mesh import DP
+from tessera.runtime.expert_parallel import apply_expert_data_parallel
+from tessera.runtime.mesh import data_mesh
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def uses_ddp(strategy: Strategy) -> bool:
-    """Whether the plan's data-parallel axis is a ``DistributedDataParallel`` wrapper."""
-    return strategy.zero == 0 and strategy.tp == 1 and strategy.pp == 1
+    """Whether the plan's data-parallel axis is a ``DistributedDataParallel`` wrapper.
+
+    Not with expert parallelism (expert gradients reduce over another group, which FSDP2 units express and
+    DDP does not) nor context parallelism (DDP broadcasts rank 0's buffers before every forward, which would
+    overwrite each cp rank's own rows of the RoPE tables); FSDP2 ``replicate`` does the same all-reduce.
+    """
+    plain = strategy.tp == 1 and strategy.pp == 1 and strategy.ep == 1 and strategy.cp == 1
+    return strategy.zero == 0 and plain
 
 
 def apply_data_parallel(
@@ -60,10 +67,12 @@ def apply_data_parallel(
     (sharded or replicated in place by FSDP2 machinery).
     """
     zero = strategy.zero
+    if strategy.ep > 1:
+        apply_expert_data_parallel(module, mesh, strategy=strategy, mp_policy=mixed_precision_policy(precision))
     if uses_ddp(strategy):
         return apply_ddp(module, mesh)
     if zero == 0:
-        return replicate(module, mesh=mesh[DP], mp_policy=mixed_precision_policy(precision))
+        return replicate(module, mesh=data_mesh(mesh), mp_policy=mixed_precision_policy(precision))
     return apply_fsdp(module, mesh, block_fqns=block_fqns, mixed_precision=precision,
                       reshard_after_forward=zero == 3)
 
@@ -73,7 +82,7 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> DistributedDataParallel:
 
     Parameter FQNs gain a ``module.`` prefix on the returned wrapper (``wrapper.module`` is ``model``).
     """
-    return DistributedDataParallel(model, process_group=mesh.get_group(DP))
+    return DistributedDataParallel(model, process_group=data_mesh(mesh).get_group())
 
 
 def apply_fsdp(
@@ -89,7 +98,7 @@ def apply_fsdp(
     ``DTensor`` shards (``p.full_tensor()`` gathers one).
     """
     policy = mixed_precision_policy(mixed_precision)
-    dp_mesh = mesh[DP]
+    dp_mesh = data_mesh(mesh)
     for fqn in block_fqns:
         fully_shard(model.get_submodule(fqn), mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

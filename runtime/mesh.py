@@ -1,11 +1,21 @@
-"""The device mesh a plan runs on: named axes ``("dp", "pp", "tp")``, innermost (fastest-varying) last.
+"""The device mesh a plan runs on: named axes ``("dp", "pp", "cp", "tp")``, innermost (fastest-varying) last.
 
-Ranks are laid out tensor-parallel innermost, then pipeline, then data parallel: rank
-``r = (dp_index * pp + pp_index) * tp + tp_index``. Tensor parallelism, which communicates on every layer,
-therefore stays inside a node (NVLink domain) whenever ``tp`` divides the GPUs per node, and pipeline
-neighbours are the next-closest ranks. Size-1 axes are always kept, so code can ask for any axis by name
-(``mesh["tp"]``, ``mesh.get_group("dp")``) whatever the strategy; a size-1 axis costs one trivial group.
-Context and expert parallelism (``cp``, ``ep``) will be further named axes between ``tp`` and ``pp``.
+Ranks are laid out tensor-parallel innermost, then context-parallel, then pipeline, then data parallel (the
+convention ``Strategy`` documents and the cost model counts; Megatron-LM's and Llama 3's order): rank
+``r = ((dp_index * pp + pp_index) * cp + cp_index) * tp + tp_index``. Tensor parallelism, which communicates on
+every layer, therefore stays inside a node (NVLink domain) whenever ``tp`` divides the GPUs per node; the
+context-parallel ring is next-closest; then pipeline neighbours. Size-1 axes are always kept, so code can ask
+for any axis by name (``mesh["tp"]``, ``mesh.get_group("dp")``) whatever the strategy; a size-1 axis costs one
+trivial group. The world is ``dp * pp * cp * tp`` ranks.
+
+Two derived meshes share the root mesh's ranks and layout:
+
+- :func:`data_mesh`: the ranks that hold the same dense weights and see different tokens, ``dp * cp`` of them
+  (the ``dp`` and ``cp`` axes flattened). Dense gradients are averaged, and ZeRO state sharded, over it.
+- :func:`expert_mesh`: expert parallelism is carved out of the data-parallel axis (``ep`` divides ``dp``; it
+  adds no ranks): ``dp`` is split ``("edp", "ep")`` with ``ep`` innermost, so an expert-parallel group is ``ep``
+  consecutive data-parallel ranks. ``ep`` ranks hold different experts and exchange tokens (all-to-all);
+  the ``edp = dp / ep`` ranks of the ``edp`` axis hold the same experts and average their gradients.
 """
 
 from __future__ import annotations
@@ -14,26 +24,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tessera.cost_models.types import Strategy
-from tessera.errors import NotModelledError, RuntimeSetupError
+from tessera.errors import RuntimeSetupError
 
-DP, PP, TP = "dp", "pp", "tp"
-AXES = (DP, PP, TP)
+DP, PP, CP, TP = "dp", "pp", "cp", "tp"
+AXES = (DP, PP, CP, TP)
 """Mesh axis names, outermost first."""
-UNSUPPORTED_AXES = {
-    "cp": "context parallelism (not written yet)",
-    "ep": "expert parallelism (runtime/experts.py, not written yet)",
-}
-
-
-def check_axes_supported(strategy: Strategy) -> None:
-    """Raise ``NotModelledError`` if the strategy uses a mesh axis the runtime cannot build yet."""
-    for axis, feature in UNSUPPORTED_AXES.items():
-        degree = getattr(strategy, axis)
-        if degree > 1:
-            raise NotModelledError(
-                f"strategy {strategy.to_string()!r} uses {axis}={degree}, but the runtime does not implement "
-                f"{feature}; apply a plan with {axis}=1 for now"
-            )
+EDP, EP = "edp", "ep"
+"""Axes :func:`expert_mesh` splits ``dp`` into: replicas of the same experts, and the expert-parallel group."""
+DATA = "dp_cp"
+"""Name of :func:`data_mesh`'s single (flattened) axis."""
 
 
 def device_type() -> str:
@@ -41,14 +40,13 @@ def device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def mesh_shape(strategy: Strategy) -> tuple[int, int, int]:
-    """Sizes of the ``("dp", "pp", "tp")`` axes."""
-    return strategy.dp, strategy.pp, strategy.tp
+def mesh_shape(strategy: Strategy) -> tuple[int, int, int, int]:
+    """Sizes of the ``("dp", "pp", "cp", "tp")`` axes."""
+    return strategy.dp, strategy.pp, strategy.cp, strategy.tp
 
 
 def build_mesh(strategy: Strategy) -> DeviceMesh:
-    """Build the named mesh ``("dp", "pp", "tp")`` for ``strategy`` over the initialised default process group."""
-    check_axes_supported(strategy)
+    """Build the named mesh ``("dp", "pp", "cp", "tp")`` for ``strategy`` over the initialised default process group."""
     if not dist.is_initialized():
         raise RuntimeSetupError(
             f"strategy {strategy.to_string()!r} needs {strategy.world_size} ranks but no process group is "
@@ -63,8 +61,31 @@ def build_mesh(strategy: Strategy) -> DeviceMesh:
     key = (device_type(), mesh_shape(strategy), id(dist.group.WORLD))
     if key not in _MESHES:  # each axis costs process groups (a rendezvous each): build a shape once per world
         _MESHES.clear()
+        _DERIVED.clear()
         _MESHES[key] = init_device_mesh(key[0], key[1], mesh_dim_names=AXES)
     return _MESHES[key]
 
 
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh of ranks holding the same dense weights: ``dp`` (and ``cp``, flattened into it when > 1)."""
+    if mesh[CP].size() == 1:
+        return mesh[DP]
+    key = (id(mesh), DATA)
+    if key not in _DERIVED:  # kept here: slicing a flattened axis from the root mesh is deprecated
+        _DERIVED[key] = mesh[DP, CP]._flatten(DATA)
+    return _DERIVED[key]
+
+
+def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The root mesh with ``dp`` split into ``("edp", "ep")``, ``ep`` innermost: ``(edp, ep, pp, cp, tp)``."""
+    dp = mesh[DP].size()
+    if dp % ep:
+        raise RuntimeSetupError(f"ep={ep} does not divide the mesh's dp={dp}; plan with an ep that divides dp")
+    key = (id(mesh), EP, ep)
+    if key not in _DERIVED:
+        _DERIVED[key] = mesh._unflatten(DP, (dp // ep, ep), (EDP, EP))
+    return _DERIVED[key]
+
+
 _MESHES: dict[tuple, DeviceMesh] = {}
+_DERIVED: dict[tuple, DeviceMesh] = {}

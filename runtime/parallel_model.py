@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,8 +27,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tessera.errors import ConfigError
 from tessera.planner.plan import Plan
+from tessera.runtime.checkpoint import Checkpointer, CheckpointInfo, PendingSave
 from tessera.runtime.data_parallel import COMPUTE_DTYPES
-from tessera.runtime.mesh import DP, PP
+from tessera.runtime.context_parallel import shard_sequence
+from tessera.runtime.mesh import CP, DP, PP, data_mesh
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -62,6 +66,11 @@ class ParallelModel:
         """Number of ranks in the run."""
         self.dp_rank = mesh.get_local_rank(DP) if mesh is not None else 0
         """Index of this rank on the data-parallel axis: which slice of the global batch it trains on."""
+        self.step = 0
+        """Optimizer steps taken (restored by :meth:`load`): the index of the next global batch to train on."""
+        self.resumed: CheckpointInfo | None = None
+        """What the last :meth:`load` restored (its ``data_state`` is the data position saved), else ``None``."""
+        self._checkpointer = Checkpointer()
 
     @property
     def module(self) -> nn.Module:
@@ -94,7 +103,30 @@ class ParallelModel:
             local_loss = self._run_pipeline(inputs, targets)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
         return self._mean_over_dp(local_loss)
+
+    def save(self, root: str | Path, *, data_state: Any = None, async_save: bool = False,
+             keep_last: int | None = None) -> PendingSave:
+        """Save a sharded checkpoint of this step to ``root/step-<step>`` (call on every rank; see
+        ``runtime.checkpoint``): model, optimizer, step, RNG states, ``data_state`` (the data position) and the
+        plan. ``async_save`` returns once the state is copied to host memory and writes in the background;
+        ``keep_last`` deletes older complete checkpoints beyond that many. ``.wait()`` on the result returns the
+        committed folder.
+        """
+        return self._checkpointer.save(self, root, data_state=data_state, async_save=async_save, keep_last=keep_last)
+
+    def load(self, path: str | Path, *, verify: bool = True) -> CheckpointInfo:
+        """Restore a checkpoint saved under any plan and world size (call on every rank): ``path`` is a
+        ``step-*`` folder, or the root given to :meth:`save` (then the newest intact checkpoint is used).
+        ``verify`` checks every file's SHA-256; ``CheckpointError`` names what is incomplete or corrupt.
+        """
+        self.resumed = self._checkpointer.load(self, path, verify=verify)
+        return self.resumed
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Block until an asynchronous save is committed; its folder (``None`` if none was in flight)."""
+        return self._checkpointer.wait()
 
     def _run_micro_batches(self, inputs: torch.Tensor, targets: torch.Tensor, accumulation: int) -> torch.Tensor:
         micro = self.plan.strategy.micro_batch
@@ -137,8 +169,12 @@ class ParallelModel:
         return self.plan.strategy.gradient_accumulation(inputs.shape[0])
 
     def _local_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows (``dp``) and, with context parallelism, its zig-zag share of each sequence (``cp``)."""
         rows = tensor.shape[0] // self.plan.strategy.dp
-        return tensor[self.dp_rank * rows : (self.dp_rank + 1) * rows].to(self.device)  # (B/dp, T)
+        tensor = tensor[self.dp_rank * rows : (self.dp_rank + 1) * rows]  # (B/dp, T)
+        if self.plan.strategy.cp > 1:
+            tensor = shard_sequence(tensor, cp=self.plan.strategy.cp, rank=self.mesh.get_local_rank(CP))  # (B/dp, T/cp)
+        return tensor.to(self.device)
 
     def _gradient_sync(self, *, enabled: bool) -> AbstractContextManager:
         """Reduce gradients once per step where the plan keeps full-size gradients anyway.
@@ -168,5 +204,6 @@ class ParallelModel:
     def _mean_over_dp(self, local_loss: torch.Tensor) -> float:
         if self.mesh is None:
             return local_loss.item()
-        dist.all_reduce(local_loss, group=self.mesh.get_group(DP))  # gloo has no AVG: sum, then divide
-        return local_loss.item() / self.plan.strategy.dp
+        group = data_mesh(self.mesh).get_group()  # dp (x cp: each cp rank's loss is over its share of the tokens)
+        dist.all_reduce(local_loss, group=group)  # gloo has no AVG: sum, then divide
+        return local_loss.item() / dist.get_world_size(group)

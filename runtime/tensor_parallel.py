@@ -9,8 +9,10 @@ width. How each planned layer is split, by ``kind``:
 - ``embedding``: every ``nn.Embedding`` in it is vocabulary-parallel (``RowwiseParallel``: the table's rows are
   sharded, each rank looks up the tokens it owns, the partial rows are all-reduced to a replicated output).
 - ``block``: its column/row linear pairs (``LinearPair``) come from the caller (capture's data-flow analysis,
-  ``LayerStats.tp_pairs``) when given, else from the module tree (:func:`find_linear_pairs`). Norms stay
-  replicated. Any other parameter in a block is refused by name: we do not know how to split it.
+  ``LayerStats.tp_pairs``) when given, else from the module tree (:func:`find_linear_pairs`). Norms and the
+  router of a mixture-of-experts layer stay replicated (every rank routes the same tokens; each expert is a
+  pair like the dense MLP, as Megatron-Core splits experts). Any other parameter in a block is refused by
+  name: we do not know how to split it.
 - ``norm``: replicated (sequence-parallel with ``sp``).
 - ``head``: a linear split column-wise over the vocabulary. Its output stays sharded, ``(B, T, V / tp)`` per
   rank, and :class:`VocabParallelLoss` computes the cross-entropy with ``loss_parallel``: no rank ever
@@ -45,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 
 from tessera.cost_models.types import LinearPair
 from tessera.errors import ConfigError, NotModelledError
+from tessera.models.moe import MoELayer
 from tessera.planner.plan import PlannedLayer
 
 NORMS = (nn.LayerNorm, nn.RMSNorm)
@@ -148,8 +151,10 @@ def find_linear_pairs(block: nn.Module) -> tuple[LinearPair, ...]:
     reordered projection is refused rather than split wrongly.
     """
     found = []
+    routers = set(replicated_modules(block))
     for name, container in block.named_modules():
-        linears = [child_name for child_name, child in container.named_children() if isinstance(child, nn.Linear)]
+        linears = [child_name for child_name, child in container.named_children()
+                   if isinstance(child, nn.Linear) and _join(name, child_name) not in routers]
         if linears:
             role = "attention" if isinstance(getattr(container, "head_dim", None), int) else "mlp"
             names = [_join(name, child_name) for child_name in linears]
@@ -168,10 +173,19 @@ def _block_styles(fqn: str, block: nn.Module, *, tp: int, sp: bool, pairs: tuple
         styles.update({name: ColwiseParallel(input_layouts=column_input) for name in pair.column})
         styles[pair.row] = RowwiseParallel(output_layouts=row_output)
     norms = [name for name, child in block.named_modules() if name and is_norm(child)]
+    replicated = replicated_modules(block)
+    if sp and replicated:
+        raise NotModelledError(f"sequence parallelism through the mixture-of-experts layer of {fqn} is not "
+                               "implemented (experts see a dispatch buffer, not a sequence); plan with sp=false")
     if sp:
         styles.update({name: SequenceParallel() for name in norms})
-    _require_covered(fqn, block, set(styles) | set(norms))
+    _require_covered(fqn, block, set(styles) | set(norms) | set(replicated))
     return styles
+
+
+def replicated_modules(block: nn.Module) -> list[str]:
+    """Linears a block keeps whole on every tensor-parallel rank: the routers of its mixture-of-experts layers."""
+    return [_join(name, "router") for name, child in block.named_modules() if isinstance(child, MoELayer)]
 
 
 def residual_width(block: nn.Module) -> int | None:

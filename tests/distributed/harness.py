@@ -294,3 +294,108 @@ def extra_results(world: int, name: str) -> list:
         if isinstance(result[name], dict) and "error" in result[name]:
             raise AssertionError(f"{name} failed:\n{result[name]['error']}")
     return [result[name] for result in per_rank]
+
+
+# ------------------------------------------------------------------------- expert and context parallelism
+
+# moe-tiny (2 blocks, 4 experts, top-2, no shared expert) at capacity factor 2 = experts / top_k: each expert
+# has a slot for every token, so no assignment is ever dropped. Under data (and expert) parallelism each rank
+# routes its own rows with a capacity computed from its own token count (what a real run does, as GShard);
+# the single-process reference routes the whole batch at once. Without drops both compute exactly the same
+# function of each token, so training must match. Drops themselves are checked where the two agree by
+# definition: ``expert_layer_check`` compares the expert-parallel layer with the single-process layer called
+# on the same local tokens, at capacity factor 1 (where tokens are dropped).
+MOE = "moe-tiny:capacity=2"
+MOE_DROPS = "moe-tiny"
+
+# (spec, strategy, precision, meta); one spawn per world size for both test files (start-up dominates).
+SPARSE_LONG_CASES = {
+    2: [(MOE, "dp=2,ep=2,mbs=4", "fp32", False),  # EP alone: dense parts data-parallel, experts split
+        (MOE, "dp=2,ep=2,zero=3,mbs=2,recompute=full", "fp32", False),  # + FSDP, accumulation 2, recompute
+        (MOE, "dp=1,tp=2,mbs=4", "fp32", False),  # MoE under TP alone: experts split like the MLP
+        (LLAMA, "dp=1,cp=2,mbs=4", "fp32", False),  # CP alone: RoPE at global positions, GQA
+        (GPT, "dp=1,cp=2,mbs=2,recompute=full", "fp32", False)],  # learned positions, accumulation 4
+    4: [(MOE, "dp=4,ep=4,mbs=1", "fp32", False),  # one expert per rank, accumulation 2
+        (MOE, "dp=4,ep=2,zero=1,mbs=2", "fp32", False),  # EP with DP: experts replicated over edp=2
+        (MOE, "dp=2,ep=2,tp=2,mbs=4", "fp32", False),  # EP with TP on attention and experts
+        (LLAMA, "dp=1,cp=4,mbs=4,recompute=full", "fp32", False),  # a ring of 4
+        (GPT, "dp=2,cp=2,zero=3,mbs=2", "fp32", False),  # CP with DP (FSDP over dp x cp)
+        (LLAMA, "dp=2,cp=2,zero=0,mbs=4", "fp32", False),  # CP with DP (replicate over dp x cp)
+        (LLAMA, "dp=1,cp=2,tp=2,mbs=4", "fp32", False)],  # CP with TP
+}
+
+
+def expert_layer_check() -> dict:
+    """Runs on every rank: the expert-parallel layer against the single-process ``MoELayer`` where tokens drop.
+
+    Every rank routes different tokens; the reference runs the full layer on each rank's tokens in turn.
+    Outputs, input gradients and router gradients must equal the reference on this rank's tokens; each local
+    expert's weight gradient, times ``ep`` (the layer divides it by ``ep`` for the data-parallel average),
+    must equal the sum over every rank's tokens. Also returns what makes the check meaningful: dropped
+    assignments and the uneven all-to-all splits.
+    """
+    from tessera.models.moe import MoELayer, expert_capacity  # noqa: PLC0415
+    from tessera.runtime.expert_parallel import ExpertParallelMoE  # noqa: PLC0415
+    from tessera.runtime.mesh import EP, build_mesh, expert_mesh  # noqa: PLC0415
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = model_config(MOE_DROPS)
+    torch.manual_seed(SEED)
+    layer = MoELayer(config)
+    data = [_layer_data(config.hidden, r) for r in range(world)]
+    reference, expert_sums = _reference_layer_runs(layer, data, rank)
+    emesh = expert_mesh(build_mesh(Strategy(dp=world, ep=world)), world)
+    # the same modules (the reference's results are copies): this rank's experts, run by all-to-all
+    ep_layer = ExpertParallelMoE(layer, group=emesh.get_group(EP), ep=world, ep_rank=emesh.get_local_rank(EP))
+    ours = _layer_run(ep_layer, *data[rank])
+    x = data[rank][0].flatten(0, 1)
+    chosen = F.softmax(layer.router(x).float(), dim=-1).topk(config.top_k, dim=-1).indices  # (N, k)
+    loads = torch.bincount(chosen.flatten(), minlength=config.experts)  # (E,)
+    capacity = expert_capacity(x.shape[0], experts=config.experts, top_k=config.top_k,
+                               capacity_factor=config.capacity_factor)
+    local_experts = {name: param.grad * world for name, param in ep_layer.experts.named_parameters()}
+    return {"ours": ours, "reference": reference, "experts": local_experts,
+            "expert_sums": {name: expert_sums[name] for name in local_experts},
+            "dropped": int((loads - capacity).clamp(min=0).sum()),
+            "splits": loads.clamp(max=capacity).view(world, -1).sum(1).tolist()}
+
+
+def _layer_data(hidden: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(2, SEQ_LEN, hidden, generator=generator), torch.randn(2, SEQ_LEN, hidden, generator=generator)
+
+
+def _layer_run(layer: nn.Module, inputs: torch.Tensor, output_grad: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Forward and backward of ``(layer(inputs) * output_grad).sum()``: output, input and router gradients."""
+    layer.zero_grad()
+    inputs = inputs.clone().requires_grad_()
+    output = layer(inputs)
+    (output * output_grad).sum().backward()
+    return {"output": output.detach(), "input_grad": inputs.grad, "router_grad": layer.router.weight.grad.clone()}
+
+
+def _reference_layer_runs(layer: nn.Module, data: list, rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The single-process layer on each rank's tokens: this rank's run, and expert gradients summed over ranks."""
+    sums: dict[str, torch.Tensor] = {}
+    mine = {}
+    for index, (inputs, output_grad) in enumerate(data):
+        run = _layer_run(layer, inputs, output_grad)
+        mine = run if index == rank else mine
+        for name, param in layer.experts.named_parameters():
+            sums[name] = sums.get(name, 0) + param.grad
+    return mine, sums
+
+
+def _sparse_long_world(cases: list[tuple]) -> dict:
+    return run_world(cases, extras=(expert_layer_check,))
+
+
+@functools.cache
+def sparse_long_results(world: int) -> list[dict]:
+    """Every expert- and context-parallel case of one world size and ``expert_layer_check``, in one spawn."""
+    from tessera.runtime.launch import WorkerError, spawn  # noqa: PLC0415
+
+    try:
+        return spawn(_sparse_long_world, nprocs=world, args=(SPARSE_LONG_CASES[world],), timeout_s=600)
+    except WorkerError as error:
+        return [{"spawn_error": str(error)}] * world

@@ -55,6 +55,35 @@ def test_ilp_matches_brute_force(stages, blocks, budget):
     assert result.status == "OPTIMAL" and result.gap == 0
 
 
+def three_policy_stage(base_time, base_memory):
+    return StageCoefficients(
+        base_time_s=base_time, base_memory_bytes=base_memory * GiB,
+        time_per_block_s={"none": 1.0, "selective": 1.08, "full": 1.35},
+        memory_per_block_bytes={"none": 10.0 * GiB, "selective": 5.5 * GiB, "full": 2.0 * GiB},
+    )
+
+
+@pytest.mark.parametrize(
+    ("stages", "blocks", "budget"),
+    [
+        ([three_policy_stage(0.5, 10), three_policy_stage(0.0, 5), three_policy_stage(1.5, 20)], 5, 38),
+        ([three_policy_stage(0.2, 30), three_policy_stage(0.9, 8)], 6, 50),
+    ],
+)
+def test_ilp_matches_brute_force_with_selective_recomputation(stages, blocks, budget):
+    expected = brute_force(stages, blocks=blocks, budget=budget * GiB)
+    result = solve(stages, blocks=blocks, budget_bytes=budget * GiB)
+    assert result is not None and result.pace_s == pytest.approx(expected, abs=2e-6)
+    assert sum(sum(mix.values()) for mix in result.blocks) == blocks
+
+
+def test_ilp_honours_an_outside_pace_cut():
+    stages = [stage(0.5, 10), stage(0.0, 5)]
+    optimum = solve(stages, blocks=6, budget_bytes=40 * GiB).pace_s
+    assert solve(stages, blocks=6, budget_bytes=40 * GiB, pace_limit_s=optimum * 0.99) is None
+    assert solve(stages, blocks=6, budget_bytes=40 * GiB, pace_limit_s=optimum * 1.01).pace_s == pytest.approx(optimum)
+
+
 def test_ilp_reports_infeasible():
     assert solve([stage(0.0, 50), stage(0.0, 50)], blocks=4, budget_bytes=40 * GiB) is None
 

@@ -1,0 +1,226 @@
+r"""Expert parallelism (sparse models) and context parallelism (long sequences): their traffic and state.
+
+The mesh convention is ``Strategy``'s: ``world = dp * tp * pp * cp``; ``ep`` is carved out of ``dp``
+(``dp = edp * ep``), laid out innermost first ``tp -> cp -> ep -> pp -> edp``. So an expert-parallel group is
+``ep`` ranks ``tp * cp`` apart, a context-parallel ring ``cp`` ranks ``tp`` apart, and ranks that hold the same
+weights are ``dp * cp`` (dense: the cp and ep axes, contiguous, then edp) or ``edp * cp`` (experts). Notation below: ``b`` micro-batch sequences,
+``s`` tokens per sequence, ``h`` hidden size, ``k`` experts per token, ``f`` the load (capacity) factor the
+experts were measured at, ``B`` bytes per element of the activations.
+
+**Expert parallelism** (GShard, Lepikhin et al. 2020, arXiv:2006.16668, Sec. 2.2; Megatron-Core's all-to-all
+token dispatcher). Each MoE layer sends every local token's hidden state to its ``k`` experts and brings the
+outputs back: a *dispatch* and a *combine* all-to-all in the forward, and the same two (transposed) in the
+backward; a fully recomputed layer runs its forward pair again. Per device and layer, one all-to-all carries
+
+    N_ep = b * (s / cp) * k * f * h * B / tp
+
+(the tokens of this rank's sequence shard; with tensor parallelism each tp rank dispatches ``1/tp`` of them,
+as Megatron-Core does under sequence parallelism, and the others arrive by the tp all-gather the block's
+tensor parallelism already pays). Routing is assumed uniform, so ``N_ep / ep`` goes to each peer:
+``topology.collectives.all_to_all_time`` places the group (``ep`` ranks ``tp * cp`` apart) on the hierarchy: an ep
+group of 8 with tp = cp = 1 stays on NVLink; with tp = 2 it spans two nodes and most of its traffic crosses the
+network. The all-to-alls are on the critical path:
+Megatron-Core's default dispatcher does not overlap them (DeepSeek-V3's DualPipe hides them behind another
+micro-batch's compute, arXiv:2412.19437 Sec. 3.2.1; Tessera does not model that overlap, so it over-states
+exposed all-to-all time for DualPipe-style runs). Expert compute per device does not change with ``ep``:
+each rank's ``E/ep`` experts receive ``k f b s / ep`` slots from each of ``ep`` peers, i.e. the same
+``k f b s`` slots the rank would process without expert parallelism (at the balanced load the capture measured).
+
+**Context parallelism** (ring attention, Liu et al. 2023, arXiv:2310.01889; Megatron-LM / Transformer Engine's
+``cp`` with zig-zag chunks; Llama 3, arXiv:2407.21783 Sec. 3.3.2). A rank holds ``s / cp`` tokens (chunks ``i``
+and ``2cp-1-i`` of ``2cp``, which balances causal attention: every rank computes the same number of unmasked
+score blocks, so compute divides evenly by ``cp`` as ``compute.py`` assumes). Per attention layer the forward
+passes the local keys and values around the ring, ``cp - 1`` steps of
+
+    N_kv = b * (s / cp) * 2 * kv_heads * head_dim * B / min(tp, kv_heads)
+
+bytes to the next rank (tensor parallelism splits the kv heads; beyond ``kv_heads`` ranks they are
+replicated); the backward passes K/V again with their gradients (``2 N_kv`` per step); a recomputed
+attention core (selective or full) repeats the forward ring. Each step overlaps the attention of the chunk
+pair already received: ``core_flops * b / (cp^2 * tp)`` FLOPs forward and 2.5x that backward (the flash
+backward, ``planner.kernels``); only ``max(0, t_step - t_attention_step)`` is exposed. Activations are divided
+by ``cp`` (``memory.activation_bytes``); the ring keeps four K/V-sized buffers (K/V received and being sent,
+and in backward their gradients).
+
+**Gradients and ZeRO.** Dense gradients are reduced over the ``dp * cp`` ranks holding the same weights, expert
+gradients over the ``edp * cp`` ranks holding the same experts (Megatron-Core's expert data-parallel group);
+ZeRO shards each kind of state over its own group. A group spanning two mesh axes is reduced hierarchically,
+inner axis first (``group_*_time``): reduce-scatter ``N`` over the inner axis then the ``N / n_inner`` shard
+over the outer; all-reduce = inner reduce-scatter + outer all-reduce of the shard + inner all-gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tessera.cost_models.partition import StageTotals
+from tessera.cost_models.types import LayerStats, Strategy, TrainingConfig
+from tessera.errors import ConfigError
+from tessera.topology.cluster import Cluster
+from tessera.topology.collectives import (
+    all_gather_time, all_reduce_time, all_to_all_time, p2p_time, reduce_scatter_time,
+)
+
+Axes = tuple[tuple[int, int], ...]
+"""A group spanning mesh axes: ``(size, stride)`` per axis, innermost first; size-1 axes left out."""
+
+FLASH_BACKWARD_RATIO = 2.5  # flash-attention backward FLOPs / forward (planner.kernels: recomputed scores)
+RING_BUFFERS = 4  # K/V received + K/V being sent; in backward also dK/dV in flight (two more of the same size)
+DISPATCH_BUFFERS = 2  # an all-to-all's send and receive buffers, one layer at a time
+
+
+# ----------------------------------------------------------------------------------------------- state
+
+
+def local_param_split(stage: StageTotals, strategy: Strategy) -> tuple[float, float]:
+    """``(dense, expert)`` parameters of ``stage`` on one device: tp divides the sharded ones, ep the experts."""
+    dense = (stage.sharded_params - stage.expert_params) / strategy.tp + stage.replicated_params
+    return dense, stage.expert_params / (strategy.tp * strategy.ep)
+
+
+def dense_group(strategy: Strategy) -> Axes:
+    """Ranks holding the same dense weights: cp and ep, contiguous (cp * ep ranks tp apart), then edp
+    (stride tp*cp*ep*pp). Without ep: the cp ring and the dp axis (stride tp*cp*pp)."""
+    outer_stride = strategy.tp * strategy.cp * strategy.ep * strategy.pp
+    return _axes((strategy.cp * strategy.ep, strategy.tp), (strategy.expert_dp, outer_stride))
+
+
+def expert_group(strategy: Strategy) -> Axes:
+    """Ranks holding the same experts: the cp ring (stride tp) and the edp axis (stride tp*cp*ep*pp)."""
+    return _axes((strategy.cp, strategy.tp), (strategy.expert_dp, strategy.tp * strategy.cp * strategy.ep * strategy.pp))
+
+
+def gradient_families(stage: StageTotals, strategy: Strategy) -> list[tuple[float, Axes]]:
+    """``(local parameters, group)`` per kind of weight whose gradients are reduced together (and whose ZeRO
+    state is sharded together): dense, then routed experts. Families with no parameters are left out."""
+    dense, expert = local_param_split(stage, strategy)
+    families = [(dense, dense_group(strategy))]
+    if expert:
+        families.append((expert, expert_group(strategy)))
+    return families
+
+
+def group_size(axes: Axes) -> int:
+    """Ranks in a group."""
+    size = 1
+    for n, _ in axes:
+        size *= n
+    return size
+
+
+def sharded_params(stage: StageTotals, strategy: Strategy, *, from_zero: int) -> float:
+    """Local parameters' worth of one kind of state per device: divided by each family's group when the
+    ZeRO stage is at least ``from_zero`` (1: optimizer moments, 2: gradients, 3: parameters)."""
+    return sum(params / (group_size(axes) if strategy.zero >= from_zero else 1)
+               for params, axes in gradient_families(stage, strategy))
+
+
+def largest_gathered_params(stage: StageTotals, strategy: Strategy) -> float:
+    """Parameters of the stage's largest layer as FSDP gathers them on one device (experts stay ep-sharded)."""
+    dense = stage.largest_layer_params - stage.largest_layer_expert_params
+    return dense / strategy.tp + stage.largest_layer_expert_params / (strategy.tp * strategy.ep)
+
+
+def ring_and_dispatch_buffer_bytes(stage: StageTotals, strategy: Strategy) -> float:
+    """Transient communication buffers of the cp ring and the ep all-to-all on one device."""
+    total = 0.0
+    if strategy.cp > 1 and stage.attention_layers:
+        total += RING_BUFFERS * _kv_step_bytes(stage, strategy)
+    if strategy.ep > 1 and stage.moe_layers:
+        total += DISPATCH_BUFFERS * _dispatch_bytes_per_layer(stage, strategy)
+    return total
+
+
+# ----------------------------------------------------------------------------------------------- expert parallelism
+
+
+def ep_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float:
+    """Dispatch and combine all-to-all seconds of one micro-batch on one device of ``stage`` (all exposed)."""
+    if strategy.ep == 1 or not stage.moe_layers:
+        return 0.0
+    one = all_to_all_time(cluster, _dispatch_bytes_per_layer(stage, strategy), group_size=strategy.ep,
+                          stride=strategy.tp * strategy.cp)
+    recomputed = stage.recompute_dispatch_bytes / stage.dispatch_bytes if stage.dispatch_bytes else 0.0
+    return stage.moe_layers * one * (4 + 2 * recomputed)  # fwd dispatch+combine, bwd both, recomputed fwd again
+
+
+def _dispatch_bytes_per_layer(stage: StageTotals, strategy: Strategy) -> float:
+    return stage.dispatch_bytes / stage.moe_layers * strategy.micro_batch / (strategy.cp * strategy.tp)
+
+
+# ----------------------------------------------------------------------------------------------- context parallelism
+
+
+def cp_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy, *, flops_per_s: float) -> tuple[float, float]:
+    """``(total, exposed)`` K/V ring seconds of one micro-batch on one device of ``stage``; ``flops_per_s`` is
+    the rate the attention cores that hide it run at."""
+    if strategy.cp == 1 or not stage.attention_layers:
+        return 0.0, 0.0
+    layers, steps = stage.attention_layers, strategy.cp - 1
+    forward = p2p_time(cluster, _kv_step_bytes(stage, strategy), group_size=strategy.cp, stride=strategy.tp)
+    backward = p2p_time(cluster, 2 * _kv_step_bytes(stage, strategy), group_size=strategy.cp, stride=strategy.tp)
+    attention = stage.attention_core_flops / layers * strategy.micro_batch / (strategy.cp**2 * strategy.tp * flops_per_s)
+    recomputed = stage.recompute_kv_bytes / stage.kv_bytes if stage.kv_bytes else 0.0
+    total = layers * steps * (forward * (1 + recomputed) + backward)
+    exposed = layers * steps * (
+        max(0.0, forward - attention) * (1 + recomputed) + max(0.0, backward - FLASH_BACKWARD_RATIO * attention)
+    )
+    return total, exposed
+
+
+def _kv_step_bytes(stage: StageTotals, strategy: Strategy) -> float:
+    """K/V bytes one ring step sends from one device, for one attention layer."""
+    heads_split = min(strategy.tp, stage.kv_heads or strategy.tp)
+    return stage.kv_bytes / stage.attention_layers * strategy.micro_batch / (strategy.cp * heads_split)
+
+
+# ----------------------------------------------------------------------------------------------- groups on two axes
+
+
+def group_reduce_scatter_s(cluster: Cluster, nbytes: float, axes: Axes) -> float:
+    """Reduce-scatter ``nbytes`` over a group on ``axes``: inner axis first, then the shard over the next."""
+    total, data = 0.0, nbytes
+    for n, stride in axes:
+        total += reduce_scatter_time(cluster, data, group_size=n, stride=stride)
+        data /= n
+    return total
+
+
+def group_all_gather_s(cluster: Cluster, nbytes: float, axes: Axes) -> float:
+    """All-gather into an ``nbytes`` buffer over a group on ``axes`` (the mirror image of the reduce-scatter)."""
+    total, data = 0.0, nbytes
+    for n, stride in axes:
+        total += all_gather_time(cluster, data, group_size=n, stride=stride)
+        data /= n
+    return total
+
+
+def group_all_reduce_s(cluster: Cluster, nbytes: float, axes: Axes) -> float:
+    """All-reduce ``nbytes``: reduce-scatter over the inner axes, all-reduce the shard on the outermost, gather back."""
+    if not axes:
+        return 0.0
+    *inner, (n, stride) = axes
+    inner_s = group_reduce_scatter_s(cluster, nbytes, tuple(inner)) + group_all_gather_s(cluster, nbytes, tuple(inner))
+    return inner_s + all_reduce_time(cluster, nbytes / group_size(tuple(inner)), group_size=n, stride=stride)
+
+
+def _axes(*pairs: tuple[int, int]) -> Axes:
+    return tuple((n, stride) for n, stride in pairs if n > 1)
+
+
+# ----------------------------------------------------------------------------------------------- rules
+
+
+def check_sparse_and_long(layers: Sequence[LayerStats], training: TrainingConfig, strategy: Strategy) -> None:
+    """Raise unless ``ep`` divides every MoE layer's experts and ``cp`` splits the sequence into ``2 cp`` chunks."""
+    if strategy.ep > 1:
+        experts = {layer.experts for layer in layers if layer.experts}
+        if not experts:
+            raise ConfigError(f"ep={strategy.ep} needs a model with routed experts; this one has none: use ep=1")
+        if any(e % strategy.ep for e in experts):
+            raise ConfigError(f"ep={strategy.ep} does not divide the experts per layer {sorted(experts)}; pick a divisor")
+    if strategy.cp > 1 and training.seq_len % (2 * strategy.cp):
+        raise ConfigError(
+            f"cp={strategy.cp} splits each sequence into 2*cp = {2 * strategy.cp} zig-zag chunks, which must divide "
+            f"seq_len={training.seq_len}; pick a cp with 2*cp dividing it"
+        )

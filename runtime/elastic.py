@@ -1,0 +1,111 @@
+"""Elastic restarts: re-plan a run for the devices that remain and continue from its newest intact checkpoint.
+
+Under torchrun's elastic mode (``torchrun --nnodes=MIN:MAX --max-restarts=N ...``) a failed rank or a lost
+node stops every worker; torchrun re-runs the rendezvous with the agents still alive and starts the script
+again with the new ``WORLD_SIZE``. A script written as::
+
+    pm = tessera.auto_parallelize(model, "dgx-h100:nodes=4", global_batch=512, seq_len=4096, resume_from="ckpt")
+    for step in range(pm.step, total_steps):
+        pm.train_step(batches[step])
+        if (step + 1) % 100 == 0:
+            pm.save("ckpt", async_save=True)
+
+therefore re-plans itself on every (re)start: with ``resume_from`` the cluster is fitted to the live world
+(:func:`fit_cluster_to_world`: ``dgx-h100:nodes=4`` becomes ``dgx-h100:nodes=3`` when a node is gone), the
+planner picks the best strategy for it, and :func:`resume_if_possible` loads the newest intact checkpoint
+under that plan (``runtime.checkpoint`` reshards it). On the first start, with no checkpoint yet, it trains
+from scratch, so one command serves the first launch and every restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch.distributed as dist
+
+from tessera.errors import CheckpointError
+from tessera.planner.plan import Plan
+from tessera.runtime.checkpoint import (
+    PLAN_FILE, CheckpointInfo, complete_checkpoints, has_checkpoint,
+)
+from tessera.runtime.parallel_model import ParallelModel
+from tessera.topology import Cluster, load_cluster
+from tessera.topology.presets import preset_names, preset_size_key
+
+log = logging.getLogger(__name__)
+
+
+def live_world_size() -> int:
+    """Ranks in the initialised process group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def fit_cluster_to_world(cluster: Cluster, world: int) -> Cluster:
+    """``cluster`` resized to ``world`` devices of the same kind with the same link levels.
+
+    A preset spec stays a preset spec (``cpu:ranks=4`` -> ``cpu:ranks=3``; ``dgx-h100:nodes=4`` ->
+    ``dgx-h100:nodes=3`` when ``world`` is whole nodes), so the new plan still names a cluster that
+    ``tessera launch`` can read; otherwise the cluster is copied with ``world`` devices.
+    """
+    if world == cluster.num_devices:
+        return cluster
+    spec = _resized_preset_spec(cluster, world)
+    if spec is not None:
+        return load_cluster(spec)
+    levels = list(cluster.levels)
+    if levels[-1].group_size < world:
+        levels[-1] = levels[-1].model_copy(update={"group_size": world})
+    return Cluster.model_validate(
+        {**cluster.model_dump(), "name": f"{cluster.name} (resized to {world} devices)", "num_devices": world,
+         "levels": levels}
+    )
+
+
+def _resized_preset_spec(cluster: Cluster, world: int) -> str | None:
+    name, sep, _ = cluster.name.partition(":")
+    if not sep or name not in preset_names():
+        return None
+    key = preset_size_key(name)
+    per_unit = 1 if key == "ranks" else cluster.devices_per_node
+    return f"{name}:{key}={world // per_unit}" if world % per_unit == 0 else None
+
+
+def saved_plan(checkpoint: str | Path) -> Plan:
+    """The plan stored in ``checkpoint`` (a ``step-*`` folder, or a root: its newest complete checkpoint)."""
+    path = Path(checkpoint)
+    folders = [path] if (path / PLAN_FILE).exists() else complete_checkpoints(path)
+    if not folders:
+        raise CheckpointError(
+            f"no complete checkpoint in {path}; pass the folder given to ParallelModel.save (or a step-* folder in it)"
+        )
+    return Plan.from_json(folders[0] / PLAN_FILE)
+
+
+def resume_if_possible(pm: ParallelModel, root: str | Path, *, verify: bool = True) -> CheckpointInfo | None:
+    """Load the newest intact checkpoint of ``root`` into ``pm``; ``None`` (train from scratch) if it has none.
+
+    Every rank takes rank 0's view of whether a checkpoint exists, so they all load or none does.
+    """
+    exists = [has_checkpoint(root)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(exists, src=0)
+    if not exists[0]:
+        log.info("no checkpoint in %s yet: training from scratch", root)
+        return None
+    check_same_model(pm.plan, root)
+    info = pm.load(root, verify=verify)
+    log.info("resumed from %s at step %d (saved under %s on %d ranks; now %s on %d)", info.path, info.step,
+             info.saved_strategy, info.saved_world_size, pm.plan.strategy.to_string(), pm.world_size)
+    return info
+
+
+def check_same_model(plan: Plan, checkpoint: str | Path) -> None:
+    """Raise ``CheckpointError`` if ``checkpoint`` was saved from a model of another size than ``plan``'s."""
+    saved = saved_plan(checkpoint)
+    if saved.param_count != plan.param_count:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was saved from {saved.model_name} ({saved.param_count:,} parameters) but "
+            f"this model, {plan.model_name}, has {plan.param_count:,}; resume with the model it was saved from"
+        )
+

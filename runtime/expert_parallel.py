@@ -1,0 +1,218 @@
+"""Expert parallelism: each rank of an ``ep`` group holds ``experts / ep`` whole experts of every MoE layer and
+exchanges tokens with its group by all-to-all (GShard, Lepikhin et al. 2020, arXiv:2006.16668; the
+dispatch/combine pattern of DeepSpeed-MoE and Megatron-Core).
+
+**Where the ep group comes from.** Expert parallelism is carved out of the data-parallel axis
+(``Strategy``'s convention; ``runtime.mesh.expert_mesh``): ``dp = edp * ep``. Each data-parallel rank still
+routes its own tokens (its rows of the batch); the ``ep`` consecutive data-parallel ranks of a group pool
+their experts. Dense parameters (attention, norms, router, shared expert, embeddings, head) stay replicated
+over all ``dp`` ranks; each expert lives on one rank of every ep group, replicated over the ``edp`` groups.
+
+**What a layer does** (:class:`ExpertParallelMoE`, a ``MoELayer`` whose experts run remotely). Routing,
+capacity and the weighted combine are the single-process layer's own code (``models.moe``), run on this
+rank's tokens: capacity is per rank, ``ceil(top_k * local_tokens / experts * capacity_factor)``, exactly what
+``MoELayer`` computes when it is called on the same tokens, so the same assignments are dropped (GShard
+likewise sizes expert buffers per group of local tokens). Then, instead of running all experts on the
+``(E, C, H)`` buffer:
+
+1. only the *filled* slots travel (an expert's filled slots are a prefix of its ``C``: arrival order): the
+   per-expert fill counts are exchanged first (one small all-to-all), then the token rows with
+   ``all_to_all_single`` and uneven splits -- rank ``j`` receives, from every peer, the rows for its own
+   experts (no padding is sent; gloo supports uneven splits, see PLATFORM-NOTES);
+2. each local expert runs once on the rows all peers sent it;
+3. the outputs go back by the inverse all-to-all and land in the slots they came from; the combine is the
+   single-process one. Autograd: the backward of an all-to-all is the all-to-all with the splits swapped.
+
+**Gradients.** A local expert's gradient, after backward, is the sum of the gradients of the ``ep`` ranks'
+local losses (their tokens' backward came back through the all-to-all). Dense gradients are averaged over
+``dp`` (each rank's loss is the mean over its rows). So expert gradients are reduced over the ``edp`` ranks
+holding the same expert and divided by ``dp`` (not ``edp``). torchtitan sets FSDP2's
+``set_gradient_divide_factor(dp)``; on gloo that needs ``PREMUL_SUM`` (absent) or the sum-only mode, which in
+torch 2.13 divides twice when the reduce-scatter group has one rank (``replicate``, or ``edp == 1``). So the
+layer instead scales each expert's weight gradients by ``1/ep`` in backward (an identity with a scaled
+gradient around the expert, the rows' own gradient scaled back) and the wrapping averages over ``edp`` as
+usual: ``1 / (ep * edp) = 1 / dp``. Experts are wrapped per expert (a ``ModuleDict`` is never called, so it cannot be an FSDP
+unit) with the plan's ZeRO stage over the ``edp`` axis, before the dense wrapping (which then skips them).
+
+**Tensor parallelism** composes: tensor-parallel ranks see the same tokens, so the ep group is the ranks of
+one tensor-parallel index; experts are split like the dense MLP (gate/up column-wise, down row-wise: what
+``Strategy`` tells the cost model) by ``runtime.tensor_parallel``, and every tensor-parallel rank does the
+same dispatch for its slice of each expert. The router stays whole.
+
+Not implemented (``NotModelledError`` from ``check_expert_parallel``): pipeline parallelism, context
+parallelism and sequence parallelism together with ``ep > 1``, and a model built on the meta device (its
+sharded initialisation would have to draw every remote expert too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed._composable.replicate_with_fsdp import replicate
+
+from tessera.cost_models.types import Precision, Strategy
+from tessera.errors import NotModelledError
+from tessera.models.moe import MoELayer, slot_tokens
+from tessera.runtime.mesh import EDP, EP, expert_mesh
+
+
+class ExpertParallelMoE(MoELayer):
+    """A ``MoELayer`` holding only this rank's experts; tokens reach them by all-to-all over ``group``.
+
+    Same parameters (shared, not copied) and FQNs as the layer it replaces: ``experts`` is a ``ModuleDict``
+    keyed by the global expert index, so ``experts.5.up.weight`` keeps its name on the rank that holds it.
+    """
+
+    def __init__(self, layer: MoELayer, *, group: dist.ProcessGroup, ep: int, ep_rank: int) -> None:
+        nn.Module.__init__(self)  # MoELayer.__init__ would build fresh experts from a config
+        per_rank = layer.num_experts // ep
+        self.router = layer.router
+        self.experts = nn.ModuleDict({str(e): layer.experts[e] for e in range(ep_rank * per_rank, (ep_rank + 1) * per_rank)})
+        self.shared = layer.shared
+        self.num_experts, self.top_k = layer.num_experts, layer.top_k
+        self.capacity_factor, self.aux_loss_coef = layer.capacity_factor, layer.aux_loss_coef
+        self.aux_loss: torch.Tensor | None = None
+        self.group, self.ep = group, ep
+
+    def _run_experts(self, tokens: torch.Tensor, slot: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Outputs for every slot of this rank's dispatch buffer, ``(E*C + 1, H)``, last row zeros (as ``MoELayer``)."""
+        N, H = tokens.shape
+        filler = slot_tokens(slot, tokens=N, slots=self.num_experts * capacity, top_k=self.top_k)  # (E*C,)
+        filled = filler < N  # (E*C,)
+        sent = filled.nonzero().squeeze(1)  # (S,) filled slots, expert-major: each expert's are contiguous
+        counts = filled.view(self.num_experts, capacity).sum(1)  # (E,) rows this rank sends each expert
+        received = self._exchange_counts(counts)  # (ep, E/ep): rows each peer sends each local expert
+        send_splits = counts.view(self.ep, -1).sum(1).tolist()  # rows to each peer (experts are in rank order)
+        recv_splits = received.sum(1).tolist()  # rows from each peer
+        rows = all_to_all(tokens[filler[sent]], recv_splits, send_splits, self.group)  # (R, H)
+        outputs = self._run_local_experts(rows, received)  # (R, H)
+        back = all_to_all(outputs, send_splits, recv_splits, self.group)  # (S, H)
+        return tokens.new_zeros(self.num_experts * capacity + 1, H).index_copy(0, sent, back)  # (E*C + 1, H)
+
+    def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Each peer's row counts for this rank's experts, ``(ep, E/ep)``: one even all-to-all of ``(E,)``."""
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)
+        return received.view(self.ep, -1)
+
+    def _run_local_experts(self, rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        """Run each local expert once on its rows from every peer; outputs in the order ``rows`` arrived.
+
+        ``rows`` arrive peer-major (peer, then local expert, then slot); group them expert-major, run, undo.
+        """
+        local = received.size(1)
+        expert_of_row = torch.arange(local, device=rows.device).repeat(self.ep).repeat_interleave(received.flatten())  # (R,)
+        order = torch.argsort(expert_of_row, stable=True)  # (R,)
+        grouped = rows[order].split(received.sum(0).tolist())  # E/ep chunks, (R_e, H) each
+        outputs = torch.cat([self._run_expert(expert, chunk) for expert, chunk in zip(self.experts.values(), grouped)])
+        return outputs[torch.argsort(order)]  # (R, H) back in arrival order
+
+    def _run_expert(self, expert: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """``expert(rows)`` with its weight gradients divided by ``ep`` and the rows' gradients unchanged.
+
+        The data-parallel wrapping averages expert gradients over ``edp``; with this ``1/ep`` they are averaged
+        over ``dp`` like the dense ones (module docstring). Scaling the output gradient by ``1/ep`` scales every
+        gradient inside the expert; the input's is scaled back by ``ep``.
+        """
+        return scale_gradient(expert(scale_gradient(rows, float(self.ep))), 1.0 / self.ep)  # (R_e, H)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` over dim 0 with uneven splits; its backward is the inverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by ``factor`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x`` unchanged, its gradient multiplied by ``factor``."""
+    return _ScaleGradient.apply(x, factor)
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable ``all_to_all_single``: send ``in_splits[j]`` rows of ``x`` to peer ``j``, receive ``out_splits[j]``."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+# --------------------------------------------------------------------------------------------- applying it
+
+
+def check_expert_parallel(model: nn.Module, strategy: Strategy, *, on_meta: bool) -> None:
+    """Raise ``NotModelledError`` naming what the runtime cannot do for ``ep > 1`` on ``model``."""
+    unsupported = {"pp": strategy.pp > 1, "cp": strategy.cp > 1, "sp": strategy.sp}
+    for name, used in unsupported.items():
+        if used:
+            raise NotModelledError(
+                f"strategy {strategy.to_string()!r}: expert parallelism together with {name} is not implemented by "
+                f"the runtime; plan with ep=1 or without {name}"
+            )
+    if on_meta:
+        raise NotModelledError("expert parallelism on a model built on the meta device is not implemented (the "
+                               "sharded initialisation would have to draw remote experts); build it on the CPU")
+    layers = [module for module in model.modules() if isinstance(module, MoELayer)]
+    if not layers:
+        raise NotModelledError(f"ep={strategy.ep} but the model has no MoE layer (tessera.models.moe.MoELayer) to "
+                               "split; plan it with ep=1")
+    for layer in layers:
+        if layer.num_experts % strategy.ep:
+            raise NotModelledError(f"{layer.num_experts} experts cannot be split evenly over ep={strategy.ep}; "
+                                   f"plan with an ep that divides {layer.num_experts}")
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, *, ep: int) -> None:
+    """Replace every ``MoELayer`` of ``model`` (in place) by an :class:`ExpertParallelMoE` over the mesh's ep axis;
+    the experts other ranks hold are dropped (every rank must hold the same weights beforehand)."""
+    emesh = expert_mesh(mesh, ep)
+    group, ep_rank = emesh.get_group(EP), emesh.get_local_rank(EP)
+    for name, layer in list(model.named_modules()):
+        if isinstance(layer, MoELayer) and not isinstance(layer, ExpertParallelMoE):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, ExpertParallelMoE(layer, group=group, ep=ep, ep_rank=ep_rank))
+
+
+def expert_layers(model: nn.Module) -> Iterator[ExpertParallelMoE]:
+    """The expert-parallel layers of ``model``."""
+    return (module for module in model.modules() if isinstance(module, ExpertParallelMoE))
+
+
+def apply_expert_data_parallel(model: nn.Module, mesh: DeviceMesh, *, strategy: Strategy, mp_policy) -> None:
+    """Average each local expert's gradient over the ``edp`` ranks holding it (``1/ep`` is applied in backward:
+    ``ExpertParallelMoE._run_expert``), so it ends up divided by ``dp`` like the dense ones.
+
+    ZeRO-0 replicates each expert (FSDP2 ``replicate``); ZeRO-1/2/3 shard it over ``edp`` like the dense units.
+    Call before the dense data-parallel wrapping, which then leaves the experts alone.
+    """
+    edp_mesh = expert_mesh(mesh, strategy.ep)[EDP]
+    for layer in expert_layers(model):
+        for expert in layer.experts.values():
+            if strategy.zero == 0:
+                replicate(expert, mesh=edp_mesh, mp_policy=mp_policy)
+            else:
+                fully_shard(expert, mesh=edp_mesh, mp_policy=mp_policy, reshard_after_forward=strategy.zero == 3)
