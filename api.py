@@ -37,14 +37,17 @@ def plan(
     strategy: Strategy | str | None = None,
     top: int = 5,
     progress: Callable[[int, int], None] | None = None,
+    expert_capacity_factor: float | None = None,
 ) -> Plan:
     """Choose how to split training of ``model`` on ``cluster``; never allocates real weights.
 
     ``model`` is an ``nn.Module`` (on any device, meta included) or a preset name such as ``llama3-70b``.
     ``precision`` defaults to bf16 mixed precision on accelerators and fp32 on CPU ranks. ``strategy``
     pins strategy fields (``"tp=8,pp=4"``) and searches the rest; a complete strategy is just evaluated.
+    ``expert_capacity_factor`` sets the load MoE experts are planned for (``tessera.planner.experts``).
     """
-    graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision)
+    graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
+                                         expert_capacity_factor=expert_capacity_factor)
     return search(graph, resolved, training, pins=_pins(strategy), top=top, progress=progress)
 
 
@@ -56,12 +59,14 @@ def evaluate(
     seq_len: int,
     strategy: Strategy | str,
     precision: Precision | None = None,
+    expert_capacity_factor: float | None = None,
 ) -> tuple[Strategy, Estimate]:
     """Predict ``strategy`` (fields left out are filled with the planner's best choice under the given ones).
 
     Unlike :func:`plan`, a strategy that does not fit is still returned; its ``Estimate.fits`` is False.
     """
-    graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision)
+    graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
+                                         expert_capacity_factor=expert_capacity_factor)
     return best_candidate(rank_candidates(graph, resolved, training, pins=_pins(strategy)))
 
 
@@ -74,6 +79,7 @@ def compare(
     baselines: Sequence[Strategy | str],
     precision: Precision | None = None,
     top: int = 5,
+    expert_capacity_factor: float | None = None,
 ) -> Comparison:
     """Tessera's plan next to hand-tuned ``baselines``, each evaluated on the same cost model.
 
@@ -84,7 +90,8 @@ def compare(
     reason. A malformed baseline string raises ``ConfigError`` before anything is searched.
     """
     pins = [(b if isinstance(b, str) else b.to_string(), _pins(b)) for b in baselines]  # parse all before searching
-    graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision)
+    graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
+                                         expert_capacity_factor=expert_capacity_factor)
     chosen = search(graph, resolved, training, top=top)
     return build_comparison(chosen, [
         evaluate_baseline(graph, resolved, training, requested=requested, pins=pinned, plan=chosen.estimate)
@@ -93,7 +100,8 @@ def compare(
 
 
 def _prepare(
-    model: nn.Module | str, cluster: Cluster | str, *, global_batch: int, seq_len: int, precision: Precision | None
+    model: nn.Module | str, cluster: Cluster | str, *, global_batch: int, seq_len: int, precision: Precision | None,
+    expert_capacity_factor: float | None = None,
 ) -> tuple[LayerGraph, Cluster, TrainingConfig]:
     resolved = load_cluster(cluster)
     training = TrainingConfig(
@@ -101,9 +109,9 @@ def _prepare(
     )
     dtype = DTYPES[training.precision]
     graph = (
-        capture_preset(model, seq_len=seq_len, dtype=dtype)
+        capture_preset(model, seq_len=seq_len, dtype=dtype, expert_capacity_factor=expert_capacity_factor)
         if isinstance(model, str)
-        else capture(model, seq_len=seq_len, dtype=dtype)
+        else capture(model, seq_len=seq_len, dtype=dtype, expert_capacity_factor=expert_capacity_factor)
     )
     return graph, resolved, training
 

@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--fix", metavar="STR", help="pin strategy fields and search the rest, e.g. tp=8,pp=4")
     plan.add_argument("--top", type=int, default=5, help="runners-up to show (default 5)")
     plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    _add_reliability_args(plan)
     evaluate = verbs.add_parser("evaluate", help="predict one strategy; fields left out are filled by the planner")
     _add_planning_args(evaluate)
     evaluate.add_argument("--strategy", required=True, help="e.g. tp=8,pp=8,dp=16,mbs=1,schedule=interleaved:2")
@@ -35,6 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--baseline", action="append", required=True, metavar="STR",
                          help="a hand-tuned strategy, e.g. tp=8,pp=8,dp=16,mbs=1 (repeat for more; fields left out "
                          "are filled by the planner)")
+    resume = verbs.add_parser("resume", help="re-plan a checkpointed run for the devices now available; print how "
+                              "to relaunch it")
+    resume.add_argument("checkpoint", help="checkpoint folder (the root given to ParallelModel.save, or a step-* in it)")
+    resume.add_argument("--cluster", required=True, help="the devices now available, e.g. dgx-h100:nodes=3")
+    resume.add_argument("--script", default="train.py", help="training script each rank runs (default train.py)")
+    resume.add_argument("--json", metavar="PATH", help="also write the new plan as JSON")
+    resume.add_argument("--debug", action="store_true", help="show tracebacks")
+    export = verbs.add_parser("export", help="write a checkpoint's model weights as one plain torch.save state dict")
+    export.add_argument("checkpoint", help="checkpoint folder (a root: its newest intact checkpoint)")
+    export.add_argument("out", help="file to write, e.g. model.pt (loads with model.load_state_dict(torch.load(out)))")
+    export.add_argument("--debug", action="store_true", help="show tracebacks")
     launch = verbs.add_parser("launch", help="print the torchrun (or SLURM) command lines that run a plan")
     launch.add_argument("plan", help="plan JSON written by 'tessera plan --json PATH'")
     launch.add_argument("--script", default="train.py", help="training script each rank runs (default train.py)")
@@ -59,6 +71,9 @@ def _add_planning_args(parser: argparse.ArgumentParser, *, formats: Sequence[str
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 8 per device)")
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 on GPUs, fp32 on CPU")
+    parser.add_argument("--expert-capacity", type=float, default=None, metavar="F",
+                        help="MoE load factor: each expert is planned for top_k * tokens / experts * F token slots "
+                        "(routing imbalance headroom; default: the model's capacity_factor, 1.0)")
     parser.add_argument("--format", choices=formats, default="table", help=f"output format: {', '.join(formats)} (default table)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -79,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
+    if args.verb == "resume":
+        return _resume(args, console)
+    if args.verb == "export":
+        return _export(args, console)
     if args.verb == "launch":
         return _launch(args)
     if args.verb == "presets":
@@ -99,7 +118,7 @@ def _workload(args: argparse.Namespace) -> dict:
     cluster = load_cluster(args.cluster)
     return dict(
         model=args.model, cluster=cluster, global_batch=args.global_batch or 8 * cluster.num_devices,
-        seq_len=args.seq_len, precision=args.precision,
+        seq_len=args.seq_len, precision=args.precision, expert_capacity_factor=args.expert_capacity,
     )
 
 
@@ -130,6 +149,8 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         print(plan.to_json())
     else:
         print_plan(plan, console)
+        if args.mtbf_hours is not None:
+            _print_reliability(plan, args, console)
     if args.json:
         plan.to_json(args.json)
         console.print(f"plan written to {args.json}")
@@ -177,6 +198,63 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps(estimate_json(strategy, estimate), indent=2))
     else:
         print_estimate(strategy, estimate, console)
+    return 0
+
+
+def _add_reliability_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("reliability (opt-in: printed when --mtbf-hours is given)")
+    group.add_argument("--mtbf-hours", type=float, default=None, help="mean time between failures of the whole job")
+    group.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+                       help="checkpoint interval in steps (default: the Young/Daly optimum)")
+    group.add_argument("--checkpoint-gbps", type=float, default=None, metavar="GB/S",
+                       help="checkpoint write bandwidth per device (default 0.12: Llama 3's 2 TB/s for 16K GPUs)")
+    group.add_argument("--async-checkpoint", action="store_true", help="asynchronous saves (dcp.async_save)")
+    group.add_argument("--restart-minutes", type=float, default=0.0,
+                       help="relaunch time after a failure, on top of reading the checkpoint back (default 0)")
+
+
+def _print_reliability(plan, args: argparse.Namespace, console: Console) -> None:
+    """Checkpoint cost, the Young/Daly interval and the expected time lost to failures (cost_models.reliability)."""
+    from tessera.cost_models import reliability as r
+    from tessera.errors import ConfigError
+
+    if args.mtbf_hours <= 0 or (args.checkpoint_every is not None and args.checkpoint_every < 1):
+        raise ConfigError("--mtbf-hours must be positive and --checkpoint-every at least 1 step")
+    bandwidth = args.checkpoint_gbps * 1e9 if args.checkpoint_gbps else r.LLAMA3_STORAGE_BYTES_PER_S_PER_GPU
+    cost = r.checkpoint_cost(plan.param_count, num_devices=plan.strategy.world_size,
+                             write_bytes_per_s_per_device=bandwidth, asynchronous=args.async_checkpoint)
+    step_s = plan.estimate.step_time_s
+    interval = args.checkpoint_every * step_s if args.checkpoint_every else None
+    estimate = r.reliability_estimate(cost, mtbf_s=args.mtbf_hours * 3600, interval_s=interval,
+                                      restart_s=cost.write_time_s + args.restart_minutes * 60)
+    console.print(estimate.summary(step_time_s=step_s), highlight=False, soft_wrap=True)
+
+
+def _resume(args: argparse.Namespace, console: Console) -> int:
+    """Re-plan the checkpoint's model and training for ``--cluster``; print the plan and the relaunch lines."""
+    import tessera
+    from tessera.report import print_plan
+    from tessera.runtime.elastic import saved_plan
+    from tessera.runtime.launch import launch_commands
+
+    saved = saved_plan(args.checkpoint)
+    training = saved.training
+    plan = tessera.plan(saved.model_name, args.cluster, global_batch=training.global_batch, seq_len=training.seq_len,
+                        precision=training.precision)
+    console.print(f"saved under {saved.strategy.to_string()} on {saved.strategy.world_size} devices; "
+                  f"re-planned for {plan.cluster}:", highlight=False, soft_wrap=True)
+    print_plan(plan, console)
+    if args.json:
+        plan.to_json(args.json)
+    print("\n".join(launch_commands(plan, args.script, script_args=["--resume-from", args.checkpoint])))
+    return 0
+
+
+def _export(args: argparse.Namespace, console: Console) -> int:
+    from tessera.runtime.checkpoint import export_model_state_dict
+
+    out = export_model_state_dict(args.checkpoint, args.out)
+    console.print(f"model weights written to {out}")
     return 0
 
 

@@ -76,7 +76,7 @@ def candidates(spec: str, cluster: str) -> list[Plan]:
     from tessera.planner.search import planned_layers
 
     graph, resolved, training = _prepare(spec, cluster, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, precision=None)
-    fitting = [(s, e) for s, e in rank_candidates(graph, resolved, training) if e.fits][:MAX_STRATEGIES]
+    fitting = [(s, e) for s, e in rank_candidates(graph, resolved, training, prune=False) if e.fits][:MAX_STRATEGIES]
     return [
         Plan(model_name=spec, param_count=graph.param_count, cluster=resolved.name, device_name=resolved.device.name,
              training=training, strategy=s, estimate=e, layers=planned_layers(graph, s))

@@ -19,14 +19,21 @@ from torch.utils._pytree import tree_leaves
 class PeakMemoryMeter(TorchDispatchMode):
     """``with PeakMemoryMeter(baseline) as meter: ...``; then ``meter.peak_bytes``."""
 
-    def __init__(self, baseline_bytes: int = 0) -> None:
+    def __init__(self, baseline_bytes: int = 0, *, snapshot: bool = False) -> None:
         super().__init__()
         self.live = {}
         self.current = baseline_bytes
         self.peak_bytes = baseline_bytes
+        self.snapshot = snapshot
+        """Keep ``peak_live``: what each storage alive at the peak is (slow; for breakdowns)."""
+        self.peak_live: dict[int, tuple[int, str, tuple]] = {}
+        """At the peak: storage key -> (bytes, creating op, shape). Only with ``snapshot``."""
+        self._origin: dict[int, tuple[str, tuple]] = {}
+        self._func = ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self._func = str(func)
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self._count(tensor)
@@ -45,11 +52,17 @@ class PeakMemoryMeter(TorchDispatchMode):
             return
         self.live[key] = storage.nbytes()
         self.current += storage.nbytes()
-        self.peak_bytes = max(self.peak_bytes, self.current)
+        if self.snapshot:
+            self._origin[key] = (self._func, tuple(tensor.shape))
+        if self.current > self.peak_bytes:
+            self.peak_bytes = self.current
+            if self.snapshot:
+                self.peak_live = {k: (n, *self._origin[k]) for k, n in self.live.items()}
         weakref.finalize(storage, self._free, key)
 
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
+        self._origin.pop(key, None)
 
 
 def resident_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

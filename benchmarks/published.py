@@ -83,6 +83,8 @@ def pins(run: dict) -> dict[str, object]:
         fixed["micro_batch"] = training["micro_batch"]
     if isinstance(par.get("sequence_parallel"), bool):
         fixed["sp"] = par["sequence_parallel"]
+    if "--tp-comm-overlap" in str(run.get("notes", "")):  # the source says it overlapped TP communication
+        fixed["tp_overlap"] = True
     recompute = str(par.get("recompute") or "")
     if run["id"].startswith("megatron-sc21") or recompute.startswith("full"):
         fixed["recompute"] = "full"  # SC'21 ran (and counted FLOPs) with full recomputation

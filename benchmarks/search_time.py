@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 HERE = Path(__file__).resolve().parent
+LOAD = __import__("os").getloadavg()
 ONE_T = "gpt:layers=128,hidden=25600,heads=160,vocab=51200,seq=2048"
 # (model, seq_len, cluster, global batch, target seconds or None)
 POINTS = [
@@ -29,12 +30,18 @@ POINTS = [
                          ("llama3-70b", 8192), (ONE_T, 2048))
       for nodes in (1, 32, 256, 2048)],
 ]
+# The interpreter and torch's own import (~1.5 s here) come before the clock starts; everything Tessera
+# does -- its import, capture (which pulls in torch._dynamo for meta-tensor ops), search, ILPs -- is timed.
 CHILD = """
 import json, resource, sys, time
+t0 = time.perf_counter()
+import torch
+torch_import_s = time.perf_counter() - t0
 import tessera
 t = time.perf_counter()
 plan = tessera.plan(sys.argv[1], sys.argv[2], global_batch=int(sys.argv[3]), seq_len=int(sys.argv[4]))
-print(json.dumps({"seconds": time.perf_counter() - t, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+print(json.dumps({"seconds": time.perf_counter() - t, "torch_import_s": torch_import_s,
+                  "search_s": plan.search_time_s, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "params": plan.param_count, "devices": plan.estimate.num_devices, "strategy": plan.strategy.to_string(),
                   "candidates": plan.candidates_evaluated, "ilp": plan.solver.ilp_solved, "gap": plan.solver.worst_gap}))
 """
@@ -56,15 +63,17 @@ def main() -> None:
         rows.append((model, seq, cluster, batch, target, result))
         print(model, cluster, result, flush=True)
     table = Table(title="Planning time (capture + search), fresh process per point")
-    for column in ("model", "params", "cluster", "devices", "batch", "seconds", "target", "peak RSS MB", "candidates", "ILPs", "plan"):
+    for column in ("model", "params", "cluster", "devices", "batch", "seconds", "target", "of which search", "torch import (not counted)",
+                   "peak RSS MB", "candidates", "ILPs", "plan"):
         table.add_column(column)
     lines = []
     for model, seq, cluster, batch, target, r in rows:
         if "error" in r:
-            cells = (model, "-", cluster, "-", str(batch), "error", "-", "-", "-", "-", r["error"])
+            cells = (model, "-", cluster, "-", str(batch), "error", "-", "-", "-", "-", "-", "-", r["error"])
         else:
             cells = (model, f"{r['params'] / 1e9:.1f}B", cluster, str(r["devices"]), str(batch), f"{r['seconds']:.1f}",
-                     f"<= {target:.0f}" if target else "", f"{r['rss_mb']:.0f}", str(r["candidates"]), str(r["ilp"]), r["strategy"])
+                     f"<= {target:.0f}" if target else "", f"{r['search_s']:.1f}", f"{r['torch_import_s']:.1f}",
+                     f"{r['rss_mb']:.0f}", str(r["candidates"]), str(r["ilp"]), r["strategy"])
         table.add_row(*cells)
         lines.append("| " + " | ".join(cells) + " |")
     Console(width=200).print(table)
@@ -74,14 +83,17 @@ def main() -> None:
 def write_results(lines: list[str], rows: list) -> None:
     date = datetime.date.today().isoformat()
     stem = HERE / "results" / f"search-time-{platform.machine()}-cpu-{date}"
-    header = "| model | params | cluster | devices | batch | seconds | target | peak RSS MB | candidates | ILPs | plan |"
+    header = ("| model | params | cluster | devices | batch | seconds | target | of which search | torch import (not counted) "
+              "| peak RSS MB | candidates | ILPs | plan |")
     plot_note = _plot(rows, stem.with_suffix(".png"))
     stem.with_suffix(".md").write_text("\n".join([
         f"# Planning time as model and cluster grow ({date}, {platform.processor() or platform.machine()}, "
         f"{__import__('os').cpu_count()} cores)", "",
-        "Command: `.venv/bin/python benchmarks/search_time.py`. Each point plans in a fresh process; seconds include "
-        "capture on the meta device and the search with its integer programs.", "", plot_note, "",
-        header, "|" + "---|" * 11, *lines, "",
+        "Command: `.venv/bin/python benchmarks/search_time.py`. Each point plans in a fresh process; seconds are "
+        "`tessera.plan(...)` from just after `import torch`: Tessera's import, capture on the meta device and the "
+        f"search with its integer programs. Load average before / after: {LOAD[0]:.2f} / {__import__('os').getloadavg()[0]:.2f} "
+        "on this machine's cores (other jobs inflate every figure).", "", plot_note, "",
+        header, "|" + "---|" * 13, *lines, "",
     ]))
     print(f"written {stem.with_suffix('.md').relative_to(HERE.parent)}")
 

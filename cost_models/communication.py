@@ -38,7 +38,10 @@ def tp_comm_s(stage: StageTotals, cluster: Cluster, training: TrainingConfig, st
     passes = 2 + stage.full_recompute_blocks / max(stage.blocks, 1)
     count = max(stage.tp_allreduce_count, 1)
     nbytes = stage.tp_allreduce_bytes * strategy.micro_batch / strategy.cp / count
-    return passes * count * all_reduce_time(cluster, nbytes, group_size=strategy.tp)
+    seconds = passes * count * all_reduce_time(cluster, nbytes, group_size=strategy.tp)
+    # Overlapped: each collective is split into tp ring steps, each hidden behind the partial matmul of
+    # the previous one; only one step in tp stays on the critical path (Wang et al., ASPLOS'23).
+    return seconds / strategy.tp if strategy.tp_overlap else seconds
 
 
 def pp_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float:

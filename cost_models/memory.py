@@ -78,7 +78,8 @@ def tp_activation_share(strategy: Strategy) -> float:
 
 
 def _buffer_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy) -> float:
-    pipeline = 2 * stage.boundary_bytes * strategy.micro_batch if strategy.pp > 1 else 0
+    # Send and receive buffers of the stage boundary: one micro-batch's boundary activation (s / cp tokens).
+    pipeline = 2 * stage.boundary_bytes * strategy.micro_batch / strategy.cp if strategy.pp > 1 else 0
     pipeline += ring_and_dispatch_buffer_bytes(stage, strategy)  # cp ring / ep all-to-all buffers (0 without them)
     if strategy.zero == 3:
         largest = largest_gathered_params(stage, strategy)

@@ -169,6 +169,10 @@ class Strategy(BaseModel):
     """Activation recomputation applied to every repeated block."""
     sp: bool = False
     """Sequence parallelism on the tensor-parallel axis."""
+    tp_overlap: bool = False
+    """Tensor-parallel collectives decomposed and overlapped with the matmuls they feed (Megatron-Core
+    ``--tp-comm-overlap``; Wang et al., ASPLOS'23, arXiv:2105.05720). Tessera's runtime does not do this, so
+    the planner never chooses it; pin it to evaluate a configuration that used it."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule (ignored when ``pp == 1``)."""
     virtual_stages: int = Field(default=1, gt=0)
@@ -225,6 +229,8 @@ class Strategy(BaseModel):
         parts += [f"zero={self.zero}", f"mbs={self.micro_batch}", f"recompute={self.recompute}"]
         if self.sp:
             parts.append("sp=true")
+        if self.tp_overlap:
+            parts.append("tp_overlap=true")
         if self.block_recompute:
             parts.append("block_recompute=" + "/".join(_run_lengths(self.block_recompute)))
         if self.chunk_blocks:
@@ -257,12 +263,15 @@ class Strategy(BaseModel):
                 except ValueError:
                     raise ConfigError(f"bad strategy item {item!r}; write e.g. chunk_blocks=4/4/3 or block_recompute=2xfull/1xnone") from None
                 continue
-            values[key] = value.strip().lower() in ("1", "true", "yes", "on") if key == "sp" else _coerce(value.strip())
+            is_flag = key in ("sp", "tp_overlap")
+            values[key] = value.strip().lower() in ("1", "true", "yes", "on") if is_flag else _coerce(value.strip())
         if isinstance(values.get("schedule"), str) and ":" in values["schedule"]:
             schedule, chunks = values["schedule"].split(":", 1)
             values["schedule"], values["virtual_stages"] = schedule, _coerce(chunks)
         try:
-            cls.model_validate(values)
+            # A partial pin leaves dp to the search: check ep against a dp it divides (ep is carved out of dp).
+            ep = values.get("ep", 1)
+            cls.model_validate({"dp": ep if isinstance(ep, int) and ep > 0 else 1, **values})
         except ValueError as exc:
             problem = exc.errors()[0] if hasattr(exc, "errors") else {"loc": ("?",), "msg": str(exc)}
             raise ConfigError(f"bad strategy {text!r}: {'.'.join(map(str, problem['loc'])) or 'value'}: {problem['msg']}") from None

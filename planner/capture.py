@@ -61,6 +61,7 @@ def capture(
     front_ends: Sequence[str] | None = None,
     leaf_modules: LeafModules = (),
     expert_capacity_factor: float | None = None,
+    fit_seq_scaling: bool = False,
 ) -> LayerGraph:
     """Trace and measure ``model`` for one sequence of ``seq_len`` tokens, on meta (or fake meta) tensors.
 
@@ -71,7 +72,10 @@ def capture(
     inputs ``seq_len`` is just recorded). ``front_ends`` restricts and orders the tracers (``"fx"``,
     ``"export"``, ``"make_fx"``); ``leaf_modules`` (classes or FQNs) are recorded by torch.fx as one call.
     ``expert_capacity_factor`` sets the expected expert load (``tessera.planner.experts``). ``name`` defaults to
-    ``model.name`` or the class name. Raises CaptureError naming the module and the op that failed.
+    ``model.name`` or the class name. ``fit_seq_scaling`` also measures at ``seq_len / 2`` and ``/ 4`` and fits
+    each statistic's polynomial in the sequence length, so ``LayerGraph.at_seq_len`` can rescale (three
+    measurements instead of one; planning one length does not need it). Raises CaptureError naming the
+    module and the op that failed.
     """
     if seq_len <= 0:
         raise CaptureError(f"seq_len must be positive, got {seq_len}")
@@ -79,7 +83,8 @@ def capture(
     layers = find_layers(model)
     with expected_expert_load(model, expert_capacity_factor):
         flow, graph = _trace(model, layers, example_inputs, seq_len, front_ends, leaf_modules)
-        lengths = fit_lengths(seq_len) if example_inputs is None or callable(example_inputs) else (seq_len,)
+        rescalable = fit_seq_scaling and (example_inputs is None or callable(example_inputs))
+        lengths = fit_lengths(seq_len) if rescalable else (seq_len,)
         tallies = measure_at_lengths(model, flow.order, dtype=dtype, lengths=lengths, inputs=example_inputs)
     stats, keys = _records(model, layers, flow, graph, tallies[seq_len], capacity_factor=expert_capacity_factor)
     return LayerGraph(
@@ -95,10 +100,11 @@ def capture(
 
 
 def capture_preset(
-    spec: str, *, seq_len: int, dtype: torch.dtype = torch.bfloat16, expert_capacity_factor: float | None = None
+    spec: str, *, seq_len: int, dtype: torch.dtype = torch.bfloat16, expert_capacity_factor: float | None = None,
+    fit_seq_scaling: bool = False,
 ) -> LayerGraph:
     """Build the model a spec names on meta (``tessera.planner.model_source``: presets, ``hf:...``,
-    ``file.py:factory``) and capture it."""
+    ``file.py:factory``) and capture it (``fit_seq_scaling``: see :func:`capture`)."""
     model, name = resolve_model(spec)
     positions = max_positions(model)
     if positions is not None and seq_len > positions and _computed_positions(spec, model):
@@ -115,7 +121,8 @@ def capture_preset(
         raise ModelSpecError(
             f"{spec} covers {positions} positions but seq_len={seq_len} was asked for; {hint} for a longer context"
         )
-    return capture(model, seq_len=seq_len, dtype=dtype, name=name, expert_capacity_factor=expert_capacity_factor)
+    return capture(model, seq_len=seq_len, dtype=dtype, name=name, expert_capacity_factor=expert_capacity_factor,
+                   fit_seq_scaling=fit_seq_scaling)
 
 
 def _computed_positions(spec: str, model: nn.Module) -> bool:

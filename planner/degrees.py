@@ -3,41 +3,61 @@
 The runners-up of ``search.runners_up`` are the next-fastest strategies overall; they often share the chosen
 ``ep`` and ``cp`` and so say nothing about those choices. Here, for each axis (``ep`` for a model with routed
 experts, ``cp`` when the search tried context parallelism), the fastest fitting estimate at every other degree
-is kept (the leanest one when none of that degree fits), with a verdict naming the step-time terms that
-differ most (``explain.why_it_lost`` words them). A degree the search never estimated was pruned by the
-step-time lower bound: its compute alone could not beat the plan's step.
+is kept, with a verdict (``explain.why_it_lost`` adds the step-time term that differs most). The search stops
+estimating once its step-time lower bound reaches the best plan, so a degree may have been reached only by
+candidates that do not fit; for such a degree a search pinned to it (``rerank``) finds its best fitting
+strategy, or else the leanest one is reported with how far over memory it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from tessera.cost_models import Estimate, Strategy
+from tessera.errors import TesseraError
 from tessera.planner.plan import Candidate
 
 GiB = 2**30
 AXES = ("ep", "cp")
 
 
-def degree_alternatives(scored: Sequence[tuple[Strategy, Estimate]], best: Strategy, best_estimate: Estimate) -> tuple[Candidate, ...]:
-    """Per axis in ``AXES`` that the search varied, the best candidate at every degree other than ``best``'s."""
+Rerank = Callable[[Mapping[str, object]], list[tuple[Strategy, Estimate]]]
+"""Ranked candidates of the same search with extra pins (``{"cp": 16}``)."""
+
+
+def degree_alternatives(
+    scored: Sequence[tuple[Strategy, Estimate]], best: Strategy, best_estimate: Estimate, *, rerank: Rerank | None = None,
+) -> tuple[Candidate, ...]:
+    """Per axis in ``AXES``, the best candidate at every degree the search reached other than ``best``'s."""
     found: list[Candidate] = []
     for axis in AXES:
-        degrees = {getattr(s, axis) for s, _ in scored}
-        if len(degrees) < 2 and getattr(best, axis) == 1:
-            continue
-        for degree in sorted(degrees - {getattr(best, axis)}):
+        chosen = getattr(best, axis)
+        degrees = {getattr(s, axis) for s, _ in scored} | ({1} if chosen > 1 else set())  # always: why not without it
+        for degree in sorted(degrees - {chosen}):
             pair = _best_at(scored, axis, degree)
-            found.append(Candidate(strategy=pair[0], estimate=pair[1], verdict=_verdict(axis, degree, pair[1], best_estimate)))
+            if (pair is None or not pair[1].fits) and rerank is not None:
+                pair = _best_pinned(rerank, axis, degree) or pair
+            if pair is not None:
+                verdict = _verdict(axis, degree, pair[1], best_estimate)
+                found.append(Candidate(strategy=pair[0], estimate=pair[1], verdict=verdict))
     return tuple(found)
 
 
-def _best_at(scored: Sequence[tuple[Strategy, Estimate]], axis: str, degree: int) -> tuple[Strategy, Estimate]:
+def _best_pinned(rerank: Rerank, axis: str, degree: int) -> tuple[Strategy, Estimate] | None:
+    """The fastest fitting strategy at ``degree`` (else the leanest), from a search pinned to it."""
+    try:
+        ranked = rerank({axis: degree})
+    except TesseraError:
+        return None
+    return next((pair for pair in ranked if pair[1].fits), min(ranked, key=lambda p: p[1].peak_memory_bytes, default=None))
+
+
+def _best_at(scored: Sequence[tuple[Strategy, Estimate]], axis: str, degree: int) -> tuple[Strategy, Estimate] | None:
     at = [pair for pair in scored if getattr(pair[0], axis) == degree]
     fitting = [pair for pair in at if pair[1].fits]
     if fitting:
         return min(fitting, key=lambda pair: pair[1].step_time_s)
-    return min(at, key=lambda pair: pair[1].peak_memory_bytes)
+    return min(at, key=lambda pair: pair[1].peak_memory_bytes, default=None)
 
 
 def _verdict(axis: str, degree: int, candidate: Estimate, best: Estimate) -> str:

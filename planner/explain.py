@@ -8,12 +8,15 @@ tokens/s to units).
 
 Where the step time goes (:func:`step_terms`): compute, recompute, exposed communication per kind,
 bubble and optimizer, which sum to ``Estimate.step_time_s``. The estimate states exposed communication
-as one number; it is split by kind as the cost model accrues it: tensor-, context-, expert-parallel and
-pipeline transfers sit on the critical path in full, and what is left is data-parallel communication,
-shared among its kinds in proportion to their totals.
+as one number; it is split by kind as the cost model accrues it: tensor-, expert-parallel and pipeline
+transfers sit on the critical path in full, the context-parallel K/V ring by the part attention does not hide
+(the slowest stage's ``cp_comm``), and what is left is data-parallel communication, shared among its kinds in
+proportion to their totals.
 
-Mesh axes are laid out innermost first, tp -> cp -> ep -> pp -> dp (``cost_models.communication``), so
-:func:`mesh_layout` says which axes live inside a node and which cross nodes.
+Mesh axes are laid out innermost first, tp -> cp -> ep -> pp -> dp, the dp axis standing for the ``dp / ep``
+replicas of each expert group when ``ep > 1`` (``Strategy``'s convention), so :func:`mesh_layout` says which
+axes live inside a node and which cross nodes. Why the expert- and context-parallel degrees were chosen:
+the section built from ``Plan.degree_alternatives`` (``planner.degrees``).
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def exposed_comm_by_kind(e: Estimate) -> dict[str, float]:
     left, exposed = e.exposed_comm_time_s, {}
     for kind, total in e.comm_time_by_kind_s.items():
         if not kind.startswith(DP_KIND_PREFIXES):
-            exposed[kind] = min(total, left)
+            exposed[kind] = min(_exposed_cp_ring_s(e) if kind == "cp_ring" else total, left)
             left -= exposed[kind]
     dp = {kind: total for kind, total in e.comm_time_by_kind_s.items() if kind.startswith(DP_KIND_PREFIXES)}
     for kind, total in dp.items():
@@ -108,6 +111,14 @@ def exposed_comm_by_kind(e: Estimate) -> dict[str, float]:
     if not dp and left > 1e-12:
         exposed["other"] = left
     return exposed
+
+
+def _exposed_cp_ring_s(e: Estimate) -> float:
+    """The part of the K/V ring attention does not hide, per step: the slowest stage's ``cp_comm`` share."""
+    if not e.stage_time_per_micro_batch_s:
+        return e.comm_time_by_kind_s.get("cp_ring", 0.0)
+    slowest = max(e.stage_time_per_micro_batch_s, key=lambda parts: sum(parts.values()))
+    return e.micro_batches * slowest.get("cp_comm", 0.0)
 
 
 def step_terms(e: Estimate) -> dict[str, float]:
@@ -467,8 +478,10 @@ def _degrees(plan: Plan) -> list[Section]:
     comm = e.comm_time_by_kind_s
     facts = []
     if s.ep > 1:
+        replicas = s.expert_dp * s.cp
+        reduced = f"reduced over {replicas} ranks (dp/ep x cp)" if replicas > 1 else "not reduced: each expert lives on one rank"
         facts.append(f"ep={s.ep}: each device holds 1/{s.ep} of every MoE layer's experts (expert weights, gradients "
-                     f"and Adam state divided by {s.ep}; expert gradients reduced over dp/ep = {s.expert_dp} ranks); "
+                     f"and Adam state divided by {s.ep}; expert gradients {reduced}); "
                      f"the dispatch and combine all-to-alls (two forward, two backward per MoE layer and "
                      f"micro-batch) take {seconds(comm.get('ep_alltoall', 0.0))} per step, on the critical path")
     if s.cp > 1:
@@ -483,7 +496,8 @@ def _degrees(plan: Plan) -> list[Section]:
     blocks: list[Block] = [Bullets(tuple(facts))] if facts else []
     if rows:
         blocks += ["The fastest strategy the search estimated at every other degree (the plan: "
-                   f"ep={s.ep}, cp={s.cp}); a degree not listed was pruned by the step-time lower bound.",
+                   f"ep={s.ep}, cp={s.cp}); a degree the search space admits that is not listed was pruned by the step-time "
+                   "lower bound (its compute alone could not beat the plan).",
                    Table(("degree", "best strategy at that degree", "step time", "GiB/device", "why it lost"), rows)]
     return [Section("Expert and context parallelism", tuple(blocks))]
 

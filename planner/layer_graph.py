@@ -131,8 +131,8 @@ class LayerGraph(BaseModel):
         """The same model at another sequence length, from the fitted polynomials (no re-tracing)."""
         if not self.seq_scaling:
             raise CaptureError(
-                f"{self.model_name} was captured with fixed example inputs, so its statistics cannot be rescaled; "
-                "capture it with token-id inputs or example_inputs given as a function of seq_len"
+                f"{self.model_name} was captured without sequence scaling, so its statistics cannot be rescaled; "
+                "capture it with fit_seq_scaling=True and token-id inputs or example_inputs given as a function of seq_len"
             )
         if seq_len <= 0:
             raise CaptureError(f"seq_len must be positive, got {seq_len}")

@@ -31,14 +31,17 @@ Progress = Callable[[int, int], None]
 
 def rank_candidates(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object] | None = None,
-    progress: Progress | None = None,
+    progress: Progress | None = None, prune: bool = True,
 ) -> list[tuple[Strategy, Estimate]]:
     """Every strategy under ``pins`` with its estimate, fastest first (ties: leaner, then by name).
 
-    Pruned without estimating: a mesh shape and ZeRO stage whose model state alone overflows the device;
-    micro-batches larger than one at which no recomputation policy fit (activations only grow with the
-    micro-batch, except under GPipe); and a recomputation policy costlier than one that already fits with
-    every other choice equal (recomputing more only adds time: it is dominated).
+    Never estimated, because they cannot fit: a mesh shape and ZeRO stage whose model state alone overflows
+    the device, and micro-batches larger than one at which no recomputation policy fit (activations only
+    grow with the micro-batch, except under GPipe). With ``prune`` (the default) also those that cannot
+    win: candidates whose step-time lower bound reaches the fastest fitting estimate found so far, and a
+    recomputation policy costlier than one that already fits with every other choice equal (recomputing
+    more only adds time). ``prune=False`` estimates every candidate that may fit (a study of the whole
+    space, such as the local-truth benchmark).
     """
     pins = dict(pins or {})
     check_pins(pins, cluster)
@@ -53,7 +56,7 @@ def rank_candidates(
     for done, (bound, strategy) in enumerate(candidates, 1):
         if progress is not None and (done % 256 == 0 or done == len(candidates)):
             progress(done, len(candidates))
-        if bound >= incumbent:  # sorted by bound: no later candidate can be faster either
+        if prune and bound >= incumbent:  # sorted by bound: no later candidate can be faster either
             break
         key = (strategy.dp, strategy.tp, strategy.pp, strategy.cp, strategy.ep, strategy.zero, strategy.sp,
                strategy.schedule, strategy.virtual_stages)
@@ -62,7 +65,7 @@ def rank_candidates(
             continue
         if strategy.schedule != "gpipe" and no_fit_at.get(key, strategy.micro_batch) < strategy.micro_batch:
             continue
-        if cheapest_fit.get((*key, strategy.micro_batch), len(RECOMPUTE_COST)) < RECOMPUTE_COST[strategy.recompute]:
+        if prune and cheapest_fit.get((*key, strategy.micro_batch), len(RECOMPUTE_COST)) < RECOMPUTE_COST[strategy.recompute]:
             continue
         est = estimate(layers, cluster, training, strategy)
         scored.append((strategy, est))
@@ -151,7 +154,10 @@ def search(
         estimate=best_estimate,
         layers=planned_layers(graph, best),
         alternatives=runners_up(scored, best_estimate, top=top),
-        degree_alternatives=degree_alternatives(scored, best, best_estimate),
+        degree_alternatives=degree_alternatives(
+            scored, best, best_estimate,
+            rerank=lambda extra: rank_candidates(graph, cluster, training, pins={**(pins or {}), **extra}),
+        ),
         candidates_evaluated=len(scored),
         search_time_s=time.perf_counter() - start,
         solver=SolverStats(

@@ -96,6 +96,7 @@ def strategies(layers: list[LayerStats], cluster: Cluster, training: TrainingCon
                         yield Strategy(
                             dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batch=micro_batch, recompute=recompute,
                             sp=pins.get("sp", tp > 1), schedule=schedule, virtual_stages=chunks,
+                            tp_overlap=pins.get("tp_overlap", False),  # never chosen: the runtime lacks it
                         )
 
 

@@ -83,7 +83,10 @@ def apply_plan(
     each block with ``torch.compile``. With tensor parallelism the loss function receives vocabulary-sharded
     logits as a ``DTensor`` (``F.cross_entropy`` works on them). Raises ``NotModelledError`` for parts of
     a plan the runtime does not implement or layers it cannot split, ``RuntimeSetupError`` when the world
-    does not match the plan.
+    does not match the plan. Expert parallelism (``ep > 1``) needs ``tessera.models.moe`` layers (a model on
+    meta is materialised whole before its experts are split, as for DDP); context parallelism (``cp > 1``)
+    needs batches of the planned ``seq_len``; neither composes with pipelining (``NotModelledError`` names
+    the combination).
     """
     check_supported(plan)
     on_meta = is_on_meta(model)
@@ -92,7 +95,8 @@ def apply_plan(
     if mesh is not None:
         check_plan_agrees(plan)
         broadcast_module_states(model)
-    _split_experts_and_context(model, plan, mesh, on_meta=on_meta, compile_blocks=compile_blocks)
+    _check_experts_and_context(model, plan, compile_blocks=compile_blocks)
+    on_meta = _split_experts(model, plan, mesh, on_meta=on_meta, device=device)
     chunks = pp_.local_chunks(plan, mesh.get_local_rank(PP)) if mesh is not None else [0]
     layers = [layer for layer in plan.layers if layer.chunk in chunks and layer.kind != "loss"]
     _shard_layers(model, plan, layers, mesh, chunks=chunks, tp_pairs=tp_pairs, compile_blocks=compile_blocks)
@@ -116,22 +120,40 @@ def check_supported(plan: Plan) -> None:
             "precision fp16 needs dynamic loss scaling (a GradScaler whose overflow check agrees across "
             "sharded ranks), which the runtime does not implement yet; plan with bf16 or fp32"
         )
+    if plan.strategy.tp_overlap:
+        raise NotModelledError(
+            "tp_overlap (tensor-parallel collectives overlapped with their matmuls) is a cost-model option for "
+            "evaluating published configurations; the runtime does not implement it: drop tp_overlap=true"
+        )
     if plan.strategy.sp and plan.strategy.tp > 1:
         check_sequence_parallel(plan.training.seq_len, plan.strategy.tp)
     if plan.strategy.pp > 1:
         pp_.check_chunks(plan)
 
 
-def _split_experts_and_context(
-    model: nn.Module, plan: Plan, mesh: DeviceMesh | None, *, on_meta: bool, compile_blocks: bool
-) -> None:
-    """Check expert and context parallelism against the model (every rank, before sharding); split the experts."""
+def _check_experts_and_context(model: nn.Module, plan: Plan, *, compile_blocks: bool) -> None:
+    """Check expert and context parallelism against the model, on every rank, before anything is changed."""
     strategy = plan.strategy
     if strategy.cp > 1:
         check_context_parallel(model, strategy, seq_len=plan.training.seq_len, compile_blocks=compile_blocks)
     if strategy.ep > 1:
-        check_expert_parallel(model, strategy, on_meta=on_meta)
-        apply_expert_parallel(model, mesh, ep=strategy.ep)
+        check_expert_parallel(model, strategy, selective_recompute=bool(recompute_fqns(plan, "selective")))
+
+
+def _split_experts(
+    model: nn.Module, plan: Plan, mesh: DeviceMesh | None, *, on_meta: bool, device: torch.device
+) -> bool:
+    """Keep this rank's experts (``ep > 1``); returns whether the model is still on meta.
+
+    A meta model is materialised whole first, as for DDP: the sharded initialisation draws every parameter
+    of the model tree in order, and the remote experts are no longer in it once split.
+    """
+    if plan.strategy.ep == 1:
+        return on_meta
+    if on_meta:
+        materialize_shards(model, [model], layer_fqns=_layer_fqns(plan), device=device)
+    apply_expert_parallel(model, mesh, ep=plan.strategy.ep)
+    return False
 
 
 def recompute_fqns(plan: Plan, policy: str = "full", layers: Iterable[PlannedLayer] | None = None) -> tuple[str, ...]:
@@ -175,7 +197,7 @@ def _data_parallel(
     strategy = plan.strategy
     wraps = mesh is not None and (strategy.dp * strategy.cp > 1 or strategy.zero > 0)  # cp ranks average too
     ddp = wraps and uses_ddp(strategy)
-    layer_fqns = [layer.fqn for layer in plan.layers if layer.kind != "loss"]
+    layer_fqns = _layer_fqns(plan)
     if on_meta and (ddp or not wraps):  # DDP cannot wrap a meta model: materialise first
         materialize_shards(model, modules, layer_fqns=layer_fqns, device=device)
     if wraps:
@@ -197,6 +219,10 @@ def _schedule(plan: Plan, modules: list[nn.Module], chunks: list[int], mesh: Dev
                               group=mesh.get_group(PP))
     micro_batches = plan.strategy.gradient_accumulation(plan.training.global_batch)
     return pp_.build_schedule(stages, plan.strategy, micro_batches=micro_batches, loss_fn=loss_fn)
+
+
+def _layer_fqns(plan: Plan) -> list[str]:
+    return [layer.fqn for layer in plan.layers if layer.kind != "loss"]
 
 
 def _holds(module: nn.Module, fqn: str) -> bool:

@@ -47,8 +47,10 @@ import random
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -176,10 +178,12 @@ class Checkpointer:
         commit = dict(final=final, step=pm.step, strategy=pm.plan.strategy.to_string(), group=group,
                       keep_last=keep_last)
         if not async_save:
-            dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=group is None)
+            with _single_process_quiet(group):
+                dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=group is None)
             _commit(partial, **commit)
             return PendingSave(final)
-        written = dcp.async_save(state, checkpoint_id=partial, process_group=group, no_dist=group is None)
+        with _single_process_quiet(group):
+            written = dcp.async_save(state, checkpoint_id=partial, process_group=group, no_dist=group is None)
         written = getattr(written, "upload_completion", written)  # AsyncSaveResponse with a custom stager
         self._pending = PendingSave(final, _then(written, lambda: _commit(partial, **commit)))
         return self._pending
@@ -192,7 +196,8 @@ class Checkpointer:
         manifest = read_manifest(folder)
         module = state_module(pm.modules)
         state = _state_dict(pm)  # initialises the optimizer's state, so DCP has tensors to load into
-        dcp.load(state, checkpoint_id=folder, process_group=group, no_dist=group is None)
+        with _single_process_quiet(group):
+            dcp.load(state, checkpoint_id=folder, process_group=group, no_dist=group is None)
         set_state_dict(module, pm.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=STATE_OPTIONS)
         _restore_rng(folder, saved_world=manifest.world_size, group=group)
@@ -471,7 +476,8 @@ def export_model_state_dict(checkpoint: str | Path, out: str | Path, *, verify: 
         path = metadata.planner_data[key]  # ("model", "blocks.0.attn.q.weight")
         if path[0] == "model" and isinstance(item, TensorStorageMetadata):
             weights[".".join(str(part) for part in path[1:])] = torch.empty(item.size, dtype=item.properties.dtype)
-    dcp.load({"model": weights}, checkpoint_id=folder, no_dist=True)
+    with _single_process_quiet(None):
+        dcp.load({"model": weights}, checkpoint_id=folder, no_dist=True)
     out = Path(out)
     torch.save(weights, out)
     return out
@@ -544,3 +550,12 @@ def _all_gather(value: Any, group: dist.ProcessGroup | None) -> list:
 def _barrier(group: dist.ProcessGroup | None) -> None:
     if group is not None:
         dist.barrier(group=group)
+
+
+@contextmanager
+def _single_process_quiet(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Without a process group DCP warns that it assumes a single process, which is what we asked for."""
+    with warnings.catch_warnings():
+        if group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield

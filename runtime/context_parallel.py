@@ -3,10 +3,12 @@
 **Why Tessera's own ring attention.** PyTorch's ``torch.distributed.tensor.experimental.context_parallel``
 replaces the CUDA attention kernels only (``aten._scaled_dot_product_{flash,efficient,cudnn}_attention`` and
 their backwards, in the dispatch table of its ``_context_parallel/_attention.py``); on CPU, SDPA dispatches to
-``aten._scaled_dot_product_flash_attention_for_cpu``, which it does not handle. So the runtime brings a ring
-attention of its own (Liu et al. 2023, "Ring Attention with Blockwise Transformers", arXiv:2310.01889), with
-an explicit forward and backward (:class:`RingAttention`), over point-to-point ``isend``/``irecv`` (gloo
-supports them).
+``aten._scaled_dot_product_flash_attention_for_cpu``, which it does not handle (tried with torch 2.13 on 2 gloo
+ranks: "Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+registered"). So the runtime brings a ring attention of its own (Liu et al. 2023, "Ring Attention with
+Blockwise Transformers", arXiv:2310.01889), with an explicit forward and backward (:class:`RingAttention`),
+over point-to-point ``isend``/``irecv`` (gloo supports them). On CUDA the same code runs (NCCL); switching
+to PyTorch's kernels there is future work.
 
 **Sequence layout: zig-zag.** A sequence of ``T`` tokens is cut into ``2 * cp`` chunks; cp rank ``i`` holds
 chunks ``i`` and ``2cp - 1 - i`` (:func:`zigzag_positions`), as Megatron-LM / Transformer Engine and Llama 3
@@ -36,8 +38,8 @@ log-sum-exp, as flash attention does. Backward: the key/value blocks travel the 
 gradient accumulators; each rank adds its queries' contribution; after ``cp`` shifts every accumulator is
 back at its owner. Memory: one block of keys/values in flight, never the whole sequence's.
 
-Not implemented (``NotModelledError`` from :func:`check_context_parallel`): pipeline parallelism, sequence
-parallelism, expert parallelism (``runtime.expert_parallel``) and ``torch.compile`` together with ``cp > 1``;
+Expert parallelism composes (``runtime.expert_parallel``). Not implemented (``NotModelledError`` from
+:func:`check_context_parallel`): pipeline parallelism, sequence parallelism and ``torch.compile`` with ``cp > 1``;
 attention with an explicit mask, dropout or no causal mask.
 """
 
@@ -125,7 +127,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: 
 
 
 def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
-    """Key/value heads repeated for grouped-query attention, as SDPA's ``enable_gqa``: (B, nkv, t, hd) -> (B, nh, t, hd)."""
+    """Key/value heads repeated for grouped-query attention as SDPA's ``enable_gqa`` does:
+    (B, nkv, t, hd) -> (B, nh, t, hd)."""
     return kv.repeat_interleave(groups, dim=1) if groups > 1 else kv
 
 
@@ -205,7 +208,9 @@ def _block_grads(q, keys, values, grad_out, lse, delta, mask, scale: float):
     return grad_q, grad_keys, grad_values
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: _Ring, scale: float | None = None) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring: _Ring, scale: float | None = None
+) -> torch.Tensor:
     """Causal attention ``(B, nh, t, hd)`` of this rank's zig-zag queries over the whole sequence (GQA allowed)."""
     if q.shape[1] % k.shape[1]:
         raise NotModelledError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
@@ -249,7 +254,7 @@ class _RingAttentionForward:
 
 def check_context_parallel(model: nn.Module, strategy: Strategy, *, seq_len: int, compile_blocks: bool) -> None:
     """Raise ``NotModelledError``/``ConfigError`` naming what the runtime cannot do for ``cp > 1`` on ``model``."""
-    unsupported = {"pp": strategy.pp > 1, "sp": strategy.sp, "ep": strategy.ep > 1, "torch.compile": compile_blocks}
+    unsupported = {"pp": strategy.pp > 1, "sp": strategy.sp, "torch.compile": compile_blocks}
     for name, used in unsupported.items():
         if used:
             raise NotModelledError(f"strategy {strategy.to_string()!r}: context parallelism together with {name} "

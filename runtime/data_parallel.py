@@ -1,7 +1,11 @@
 """The data-parallel axis: ZeRO stages 0-3 over the ``dp`` mesh axis.
 
 Every stage averages gradients over ``dp``, so a step on ``dp`` ranks equals a single-device step on the
-concatenated batch (up to the summation order of the reduction).
+concatenated batch (up to the summation order of the reduction). With context parallelism the ``cp`` ranks of
+a sequence hold the same weights and see different tokens: dense gradients are averaged, and ZeRO state is
+sharded, over ``dp * cp`` ranks (``runtime.mesh.data_mesh``). With expert parallelism each expert is its own
+unit over the ``edp`` ranks that hold it (``runtime.expert_parallel.apply_expert_data_parallel``), wrapped
+first so that the dense units leave it alone.
 
 - **ZeRO-0** (replicated): ``DistributedDataParallel`` for pure data parallelism; with tensor parallelism
   (``DTensor`` parameters, which DDP cannot bucket) or pipeline stages (pipelining's shape inference runs a

@@ -31,17 +31,24 @@ holding the same expert and divided by ``dp`` (not ``edp``). torchtitan sets FSD
 torch 2.13 divides twice when the reduce-scatter group has one rank (``replicate``, or ``edp == 1``). So the
 layer instead scales each expert's weight gradients by ``1/ep`` in backward (an identity with a scaled
 gradient around the expert, the rows' own gradient scaled back) and the wrapping averages over ``edp`` as
-usual: ``1 / (ep * edp) = 1 / dp``. Experts are wrapped per expert (a ``ModuleDict`` is never called, so it cannot be an FSDP
-unit) with the plan's ZeRO stage over the ``edp`` axis, before the dense wrapping (which then skips them).
+usual: ``1 / (ep * edp) = 1 / dp``. Experts are wrapped per expert (a ``ModuleDict`` is never called, so
+it cannot be an FSDP unit) with the plan's ZeRO stage over the ``edp`` axis, before the dense wrapping
+(which then skips them). The load-balancing ``aux_loss`` each layer stores is that of this rank's tokens.
 
 **Tensor parallelism** composes: tensor-parallel ranks see the same tokens, so the ep group is the ranks of
 one tensor-parallel index; experts are split like the dense MLP (gate/up column-wise, down row-wise: what
 ``Strategy`` tells the cost model) by ``runtime.tensor_parallel``, and every tensor-parallel rank does the
 same dispatch for its slice of each expert. The router stays whole.
 
-Not implemented (``NotModelledError`` from ``check_expert_parallel``): pipeline parallelism, context
-parallelism and sequence parallelism together with ``ep > 1``, and a model built on the meta device (its
-sharded initialisation would have to draw every remote expert too).
+**Context parallelism** composes: each cp rank routes its share of the sequence (capacity from its own token
+count), its ep group is the ranks of its cp index, and expert gradients are averaged over ``edp * cp`` ranks
+(``runtime.mesh.expert_data_mesh``), dense ones over ``dp * cp``: ``1 / (ep * edp * cp) = 1 / (dp * cp)``.
+
+Not implemented (``NotModelledError`` from ``check_expert_parallel``): pipeline parallelism, sequence
+parallelism and selective recomputation (full recomputation works) with ``ep > 1``.
+A model on the meta device is materialised whole on every rank before its experts are split (``apply_plan``,
+as for DDP): correct, but each rank briefly holds every expert; initialising only the local experts would
+need ``runtime.materialize`` to draw and drop the remote ones.
 """
 
 from __future__ import annotations
@@ -51,14 +58,14 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from tessera.cost_models.types import Precision, Strategy
+from tessera.cost_models.types import Strategy
 from tessera.errors import NotModelledError
 from tessera.models.moe import MoELayer, slot_tokens
-from tessera.runtime.mesh import EDP, EP, expert_mesh
+from tessera.runtime.mesh import EP, expert_data_mesh, expert_mesh
 
 
 class ExpertParallelMoE(MoELayer):
@@ -72,7 +79,8 @@ class ExpertParallelMoE(MoELayer):
         nn.Module.__init__(self)  # MoELayer.__init__ would build fresh experts from a config
         per_rank = layer.num_experts // ep
         self.router = layer.router
-        self.experts = nn.ModuleDict({str(e): layer.experts[e] for e in range(ep_rank * per_rank, (ep_rank + 1) * per_rank)})
+        local = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+        self.experts = nn.ModuleDict({str(e): layer.experts[e] for e in local})
         self.shared = layer.shared
         self.num_experts, self.top_k = layer.num_experts, layer.top_k
         self.capacity_factor, self.aux_loss_coef = layer.capacity_factor, layer.aux_loss_coef
@@ -80,7 +88,8 @@ class ExpertParallelMoE(MoELayer):
         self.group, self.ep = group, ep
 
     def _run_experts(self, tokens: torch.Tensor, slot: torch.Tensor, capacity: int) -> torch.Tensor:
-        """Outputs for every slot of this rank's dispatch buffer, ``(E*C + 1, H)``, last row zeros (as ``MoELayer``)."""
+        """Outputs for every slot of this rank's dispatch buffer, ``(E*C + 1, H)``, the last row zeros (as in
+        ``MoELayer``): filled slots go to the experts' ranks and come back; empty slots stay zero."""
         N, H = tokens.shape
         filler = slot_tokens(slot, tokens=N, slots=self.num_experts * capacity, top_k=self.top_k)  # (E*C,)
         filled = filler < N  # (E*C,)
@@ -106,7 +115,8 @@ class ExpertParallelMoE(MoELayer):
         ``rows`` arrive peer-major (peer, then local expert, then slot); group them expert-major, run, undo.
         """
         local = received.size(1)
-        expert_of_row = torch.arange(local, device=rows.device).repeat(self.ep).repeat_interleave(received.flatten())  # (R,)
+        experts = torch.arange(local, device=rows.device).repeat(self.ep)  # (ep * E/ep,) peer-major
+        expert_of_row = experts.repeat_interleave(received.flatten())  # (R,)
         order = torch.argsort(expert_of_row, stable=True)  # (R,)
         grouped = rows[order].split(received.sum(0).tolist())  # E/ep chunks, (R_e, H) each
         outputs = torch.cat([self._run_expert(expert, chunk) for expert, chunk in zip(self.experts.values(), grouped)])
@@ -157,25 +167,28 @@ def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Differentiable ``all_to_all_single``: send ``in_splits[j]`` rows of ``x`` to peer ``j``, receive ``out_splits[j]``."""
+    """Differentiable ``all_to_all_single``: send ``in_splits[j]`` rows of ``x`` to peer ``j``, receive
+    ``out_splits[j]`` rows from it."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
 # --------------------------------------------------------------------------------------------- applying it
 
 
-def check_expert_parallel(model: nn.Module, strategy: Strategy, *, on_meta: bool) -> None:
-    """Raise ``NotModelledError`` naming what the runtime cannot do for ``ep > 1`` on ``model``."""
-    unsupported = {"pp": strategy.pp > 1, "cp": strategy.cp > 1, "sp": strategy.sp}
+def check_expert_parallel(model: nn.Module, strategy: Strategy, *, selective_recompute: bool = False) -> None:
+    """Raise ``NotModelledError`` naming what the runtime cannot do for ``ep > 1`` on ``model``.
+
+    Selective recomputation of a block is refused: the experts are FSDP2 units inside the block, and their
+    hooks issue a different sequence of ops when the block is recomputed than when it first ran, which
+    selective checkpointing (it replays saved ops by count) rejects. Full recomputation works.
+    """
+    unsupported = {"pp": strategy.pp > 1, "sp": strategy.sp, "selective recomputation": selective_recompute}
     for name, used in unsupported.items():
         if used:
             raise NotModelledError(
                 f"strategy {strategy.to_string()!r}: expert parallelism together with {name} is not implemented by "
                 f"the runtime; plan with ep=1 or without {name}"
             )
-    if on_meta:
-        raise NotModelledError("expert parallelism on a model built on the meta device is not implemented (the "
-                               "sharded initialisation would have to draw remote experts); build it on the CPU")
     layers = [module for module in model.modules() if isinstance(module, MoELayer)]
     if not layers:
         raise NotModelledError(f"ep={strategy.ep} but the model has no MoE layer (tessera.models.moe.MoELayer) to "
@@ -202,14 +215,16 @@ def expert_layers(model: nn.Module) -> Iterator[ExpertParallelMoE]:
     return (module for module in model.modules() if isinstance(module, ExpertParallelMoE))
 
 
-def apply_expert_data_parallel(model: nn.Module, mesh: DeviceMesh, *, strategy: Strategy, mp_policy) -> None:
-    """Average each local expert's gradient over the ``edp`` ranks holding it (``1/ep`` is applied in backward:
-    ``ExpertParallelMoE._run_expert``), so it ends up divided by ``dp`` like the dense ones.
+def apply_expert_data_parallel(
+    model: nn.Module, mesh: DeviceMesh, *, strategy: Strategy, mp_policy: MixedPrecisionPolicy
+) -> None:
+    """Average each local expert's gradient over the ``edp`` (x ``cp``) ranks holding it; ``1/ep`` is applied in
+    backward (``ExpertParallelMoE._run_expert``), so it ends up divided by ``dp`` (x ``cp``) like the dense ones.
 
-    ZeRO-0 replicates each expert (FSDP2 ``replicate``); ZeRO-1/2/3 shard it over ``edp`` like the dense units.
+    ZeRO-0 replicates each expert (FSDP2 ``replicate``); ZeRO-1/2/3 shard it over those ranks like the dense units.
     Call before the dense data-parallel wrapping, which then leaves the experts alone.
     """
-    edp_mesh = expert_mesh(mesh, strategy.ep)[EDP]
+    edp_mesh = expert_data_mesh(mesh, strategy.ep)  # edp (x cp)
     for layer in expert_layers(model):
         for expert in layer.experts.values():
             if strategy.zero == 0:

@@ -14,8 +14,9 @@ Two derived meshes share the root mesh's ranks and layout:
   (the ``dp`` and ``cp`` axes flattened). Dense gradients are averaged, and ZeRO state sharded, over it.
 - :func:`expert_mesh`: expert parallelism is carved out of the data-parallel axis (``ep`` divides ``dp``; it
   adds no ranks): ``dp`` is split ``("edp", "ep")`` with ``ep`` innermost, so an expert-parallel group is ``ep``
-  consecutive data-parallel ranks. ``ep`` ranks hold different experts and exchange tokens (all-to-all);
-  the ``edp = dp / ep`` ranks of the ``edp`` axis hold the same experts and average their gradients.
+  consecutive data-parallel ranks (of one cp index). ``ep`` ranks hold different experts and exchange tokens
+  (all-to-all); the ``edp = dp / ep`` ranks of the ``edp`` axis, times the ``cp`` ranks, hold the same experts
+  and see different tokens: :func:`expert_data_mesh`, over which expert gradients are averaged.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ AXES = (DP, PP, CP, TP)
 """Mesh axis names, outermost first."""
 EDP, EP = "edp", "ep"
 """Axes :func:`expert_mesh` splits ``dp`` into: replicas of the same experts, and the expert-parallel group."""
-DATA = "dp_cp"
-"""Name of :func:`data_mesh`'s single (flattened) axis."""
+DATA, EXPERT_DATA = "dp_cp", "edp_cp"
+"""Names of the single (flattened) axes of :func:`data_mesh` and :func:`expert_data_mesh`."""
 
 
 def device_type() -> str:
@@ -84,6 +85,17 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     key = (id(mesh), EP, ep)
     if key not in _DERIVED:
         _DERIVED[key] = mesh._unflatten(DP, (dp // ep, ep), (EDP, EP))
+    return _DERIVED[key]
+
+
+def expert_data_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The 1-D mesh of ranks holding the same experts: ``edp`` (and ``cp``, flattened into it when > 1)."""
+    emesh = expert_mesh(mesh, ep)
+    if mesh[CP].size() == 1:
+        return emesh[EDP]
+    key = (id(mesh), EXPERT_DATA, ep)
+    if key not in _DERIVED:
+        _DERIVED[key] = emesh[EDP, CP]._flatten(EXPERT_DATA)
     return _DERIVED[key]
 
 

@@ -5,7 +5,9 @@ keeps its contiguous data-parallel slice of rows (rank ``r`` of ``dp`` keeps row
 ``[r * global_batch / dp, (r + 1) * global_batch / dp)``) and splits it into micro-batches of
 ``plan.strategy.micro_batch`` rows. A step therefore equals one single-device step on the whole batch
 with the mean loss over all of it, whatever dp, tp, pp and micro-batch are. Tensor-parallel ranks of one
-data-parallel group see the same rows. With pipeline parallelism the schedule runs the micro-batches; the
+data-parallel group see the same rows. With context parallelism (``cp > 1``) each rank of a cp group keeps
+its zig-zag share of every sequence of those rows, ``(B/dp, T/cp)`` (``runtime.context_parallel``), and the
+loss is averaged over ``dp * cp`` ranks. With pipeline parallelism the schedule runs the micro-batches; the
 loss exists on the last stage and is broadcast so ``train_step`` returns the same float on every rank.
 """
 
@@ -173,7 +175,8 @@ class ParallelModel:
         rows = tensor.shape[0] // self.plan.strategy.dp
         tensor = tensor[self.dp_rank * rows : (self.dp_rank + 1) * rows]  # (B/dp, T)
         if self.plan.strategy.cp > 1:
-            tensor = shard_sequence(tensor, cp=self.plan.strategy.cp, rank=self.mesh.get_local_rank(CP))  # (B/dp, T/cp)
+            cp_rank = self.mesh.get_local_rank(CP)
+            tensor = shard_sequence(tensor, cp=self.plan.strategy.cp, rank=cp_rank)  # (B/dp, T/cp)
         return tensor.to(self.device)
 
     def _gradient_sync(self, *, enabled: bool) -> AbstractContextManager:

@@ -313,11 +313,13 @@ SPARSE_LONG_CASES = {
     2: [(MOE, "dp=2,ep=2,mbs=4", "fp32", False),  # EP alone: dense parts data-parallel, experts split
         (MOE, "dp=2,ep=2,zero=3,mbs=2,recompute=full", "fp32", False),  # + FSDP, accumulation 2, recompute
         (MOE, "dp=1,tp=2,mbs=4", "fp32", False),  # MoE under TP alone: experts split like the MLP
-        (LLAMA, "dp=1,cp=2,mbs=4", "fp32", False),  # CP alone: RoPE at global positions, GQA
+        (MOE, "dp=2,ep=2,zero=3,mbs=4", "bf16", True),  # bf16 all-to-alls, FSDP2 mixed precision; built on meta
+        (LLAMA, "dp=1,cp=2,mbs=4,recompute=selective", "fp32", False),  # CP alone: RoPE at global positions, GQA
         (GPT, "dp=1,cp=2,mbs=2,recompute=full", "fp32", False)],  # learned positions, accumulation 4
     4: [(MOE, "dp=4,ep=4,mbs=1", "fp32", False),  # one expert per rank, accumulation 2
         (MOE, "dp=4,ep=2,zero=1,mbs=2", "fp32", False),  # EP with DP: experts replicated over edp=2
         (MOE, "dp=2,ep=2,tp=2,mbs=4", "fp32", False),  # EP with TP on attention and experts
+        (MOE, "dp=2,ep=2,cp=2,zero=1,mbs=4", "fp32", False),  # EP with CP: experts averaged over edp x cp
         (LLAMA, "dp=1,cp=4,mbs=4,recompute=full", "fp32", False),  # a ring of 4
         (GPT, "dp=2,cp=2,zero=3,mbs=2", "fp32", False),  # CP with DP (FSDP over dp x cp)
         (LLAMA, "dp=2,cp=2,zero=0,mbs=4", "fp32", False),  # CP with DP (replicate over dp x cp)
@@ -386,8 +388,28 @@ def _reference_layer_runs(layer: nn.Module, data: list, rank: int) -> tuple[dict
     return mine, sums
 
 
-def _sparse_long_world(cases: list[tuple]) -> dict:
-    return run_world(cases, extras=(expert_layer_check,))
+AUTO_PINNED_SPARSE_LONG = ((MOE, "dp=2,ep=2,zero=1,mbs=4,recompute=none"),
+                           (LLAMA, "dp=1,cp=2,zero=0,mbs=4,recompute=none"))
+
+
+def auto_pinned_sparse_long() -> dict:
+    """Runs on every rank: the public entry point (capture, cost model, plan, runtime) with pinned ep / cp."""
+    import tessera  # noqa: PLC0415
+
+    losses = {}
+    for spec, strategy in AUTO_PINNED_SPARSE_LONG:
+        torch.manual_seed(SEED)
+        parallel = tessera.auto_parallelize(spec, f"cpu:ranks={dist.get_world_size()}", global_batch=GLOBAL_BATCH,
+                                            seq_len=SEQ_LEN, strategy=strategy)
+        losses[spec] = [parallel.train_step(batch) for batch in make_batches(spec)]
+    return losses
+
+
+SPARSE_LONG_EXTRAS = {2: (expert_layer_check, auto_pinned_sparse_long), 4: (expert_layer_check,)}
+
+
+def _sparse_long_world(cases: list[tuple], extras: tuple) -> dict:
+    return run_world(cases, extras=extras)
 
 
 @functools.cache
@@ -396,6 +418,7 @@ def sparse_long_results(world: int) -> list[dict]:
     from tessera.runtime.launch import WorkerError, spawn  # noqa: PLC0415
 
     try:
-        return spawn(_sparse_long_world, nprocs=world, args=(SPARSE_LONG_CASES[world],), timeout_s=600)
+        return spawn(_sparse_long_world, nprocs=world, args=(SPARSE_LONG_CASES[world], SPARSE_LONG_EXTRAS[world]),
+                     timeout_s=600)
     except WorkerError as error:
         return [{"spawn_error": str(error)}] * world

@@ -112,27 +112,32 @@ def _agent_command(store_port: int, root: Path, log_path: Path) -> list[str]:
     ]
 
 
-def run_elastic_job(tmp_path: Path) -> list[dict]:
-    """Start the four agents (the store they rendezvous on lives here, so any agent may die) and wait."""
+def run_elastic_job(tmp_path: Path, *, timeout_s: float = 300) -> list[dict]:
+    """Start the four agents (the store they rendezvous on lives here, so any agent may die) and wait.
+
+    Each agent writes to its own log file: pipes that nobody drains while the test waits on another agent
+    would fill up and block the agent writing to them.
+    """
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", _free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
     root, log_path = tmp_path / "ckpt", tmp_path / "events.jsonl"
     env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}  # torchrun leaves folders in TMPDIR
     command = _agent_command(store.port, root, log_path)
-    agents = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for _ in range(AGENTS)]
-    outputs = []
-    try:
-        for agent in agents:
-            outputs.append(agent.communicate(timeout=400)[0])
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-    killed = [a for a in agents if a.returncode == -signal.SIGKILL]
-    assert len(killed) == 1, "exactly one agent should have been killed:\n" + "\n".join(o[-3000:] for o in outputs)
-    assert all(a.returncode == 0 for a in agents if a not in killed), "\n".join(o[-3000:] for o in outputs)
+    logs = [tmp_path / f"agent{index}.log" for index in range(AGENTS)]
+    agents = [subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT) for log in logs]
+    deadline = time.monotonic() + timeout_s
+    while any(agent.poll() is None for agent in agents) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for agent in agents:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    outputs = "\n".join(f"--- agent {i} (exit {a.returncode}):\n{log.read_text()[-3000:]}"
+                         for i, (a, log) in enumerate(zip(agents, logs)))
+    killed = [agent for agent in agents if agent.returncode == -signal.SIGKILL]
+    assert len(killed) == 1, "exactly one agent should have been killed (by its rank):\n" + outputs
+    assert all(agent.returncode == 0 for agent in agents if agent not in killed), outputs
     return [json.loads(line) for line in log_path.read_text().splitlines()]
 
 

@@ -279,6 +279,36 @@ def test_moe_experts_are_measured_at_their_expected_load() -> None:
     assert expert_flops(skewed) - expert_flops(balanced) == 0.5 * expected * per_token
 
 
+def test_moe_layers_report_per_expert_parameters_flops_and_load() -> None:
+    """What expert parallelism needs: routed-expert parameters and FLOPs apart from the dense ones, top_k, the
+    load factor measured at; per expert: parameters, FLOPs per routed token, expected tokens."""
+    from tessera.planner.experts import expert_summary
+
+    hidden, ffn, experts, top_k, seq = 64, 128, 4, 2, 32
+    graph = capture_preset("moe-tiny:shared=32", seq_len=seq, expert_capacity_factor=1.5)
+    block = graph.blocks[0]
+    per_expert = 3 * hidden * ffn  # gate, up, down (no biases)
+    assert (block.experts, block.top_k, block.expert_capacity_factor) == (experts, top_k, 1.5)
+    assert block.expert_param_count == experts * per_expert < block.param_count  # router, shared, attention are dense
+    slots = top_k * seq * 1.5  # token slots over all experts at factor 1.5
+    assert block.expert_forward_flops == slots * 2 * per_expert
+    assert block.expert_backward_flops == 2 * block.expert_forward_flops  # input and weight gradients
+    [summary] = expert_summary(graph.layers, seq_len=seq)
+    assert (summary.layers, summary.params_per_expert, summary.flops_per_token) == (2, per_expert, 2 * per_expert)
+    assert summary.expected_tokens_per_expert == top_k * seq / experts * 1.5
+    assert graph.layer("tok_emb").expert_param_count == 0 and graph.layer("tok_emb").top_k == 0
+    # The fields rescale with the sequence like every other measured number.
+    assert graph.at_seq_len(2 * seq).blocks[0].expert_forward_flops == 2 * block.expert_forward_flops
+
+
+def test_a_rope_preset_extends_its_tables_to_a_longer_sequence() -> None:
+    """A built-in RoPE model computes its position tables (no parameters): a longer sequence needs no override."""
+    graph = capture_preset("llama-tiny", seq_len=128)  # the preset covers 64 positions
+    assert graph.seq_len == 128 and graph.param_count == capture_preset("llama-tiny", seq_len=64).param_count
+    with pytest.raises(ModelSpecError, match="covers 64 positions"):
+        capture_preset("gpt-tiny", seq_len=128)  # learned positions: the table is a parameter
+
+
 def test_untraceable_model_raises_capture_error_naming_the_module() -> None:
     class Gate(nn.Module):
         def __init__(self) -> None:

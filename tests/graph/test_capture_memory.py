@@ -116,7 +116,7 @@ def test_forward_flops_agree_with_flop_counter(name: str) -> None:
     ("spec", "seq"), [("gpt3-175b:layers=2", 2048), ("gpt:layers=2,hidden=256,heads=4,vocab=64,seq=512", 512)]
 )
 def test_gpt_layer_flops_match_narayanan_eq3(spec: str, seq: int) -> None:
-    graph = capture_preset(spec, seq_len=seq)
+    graph = capture_preset(spec, seq_len=seq, fit_seq_scaling=True)
     h = model_config(spec).hidden
     analytic: Callable[[int], float] = lambda s: 24 * s * h * h * (1 + s / (6 * h))  # noqa: E731
     for block in graph.blocks:

@@ -29,16 +29,16 @@ def test_fit_is_exact_on_quadratics_and_rational_otherwise() -> None:
     ],
 )
 def test_at_seq_len_equals_a_direct_capture(spec: str) -> None:
-    graph = capture_preset(spec, seq_len=64)
+    graph = capture_preset(spec, seq_len=64, fit_seq_scaling=True)
     rescaled = graph.at_seq_len(48)
-    direct = capture_preset(spec, seq_len=48)
+    direct = capture_preset(spec, seq_len=48, fit_seq_scaling=True)
     assert rescaled.layers == direct.layers  # every statistic and every signature
     assert rescaled == direct  # and the polynomials themselves
     assert graph.at_seq_len(64) == graph
 
 
 def test_attention_makes_flops_quadratic_and_bytes_linear() -> None:
-    graph = capture_preset("gpt:layers=3,hidden=96,heads=4,vocab=128,seq=64", seq_len=64)
+    graph = capture_preset("gpt:layers=3,hidden=96,heads=4,vocab=128,seq=64", seq_len=64, fit_seq_scaling=True)
     block = {s.fqn: s for s in graph.seq_scaling}["blocks.1"].coefficients
     c0, c1, c2 = block["forward_flops"]
     assert (c0, c1, c2) == (0, 2 * 12 * 96 * 96, 4 * 96)  # 24 s h^2 + 4 s^2 h: Narayanan et al. 2021, eq. 3
@@ -47,7 +47,7 @@ def test_attention_makes_flops_quadratic_and_bytes_linear() -> None:
 
 
 def test_scaling_survives_json_and_long_sequences() -> None:
-    graph = capture_preset("llama-tiny", seq_len=32)
+    graph = capture_preset("llama-tiny", seq_len=32, fit_seq_scaling=True)
     again = LayerGraph.model_validate_json(graph.model_dump_json())
     assert again == graph and again.at_seq_len(1 << 20) == graph.at_seq_len(1 << 20)
     long = graph.at_seq_len(1 << 20)
@@ -57,11 +57,11 @@ def test_scaling_survives_json_and_long_sequences() -> None:
 def test_fixed_example_inputs_cannot_be_rescaled() -> None:
     model = build_model("gpt-tiny", device="meta")
     ids = torch.zeros(1, 16, dtype=torch.long)
-    graph = capture(model, seq_len=16, example_inputs=(ids,))
+    graph = capture(model, seq_len=16, example_inputs=(ids,), fit_seq_scaling=True)
     assert graph.seq_scaling == ()
     with pytest.raises(CaptureError, match="function of seq_len"):
         graph.at_seq_len(32)
-    by_function = capture(model, seq_len=16, example_inputs=lambda s: (torch.zeros(1, s, dtype=torch.long),))
+    by_function = capture(model, seq_len=16, example_inputs=lambda s: (torch.zeros(1, s, dtype=torch.long),), fit_seq_scaling=True)
     assert by_function.layers == graph.layers and by_function.at_seq_len(32).seq_len == 32
 
 

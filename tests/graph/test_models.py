@@ -233,3 +233,19 @@ def test_moe_traces_with_fx_and_runs_on_meta() -> None:
     torch.testing.assert_close(traced(ids), model(ids), rtol=0, atol=0)
     meta = build_model("moe-tiny", device="meta")
     assert meta(torch.zeros(1, 16, dtype=torch.long, device="meta")).shape == (1, 16, 256)
+
+
+def test_deepseek_v3_shaped_preset() -> None:
+    """DeepSeek-V3 (arXiv:2412.19437 Sec. 4.2): 61 layers, hidden 7168, 128 heads, 1 shared + 256 routed experts of
+    2048, top-8, vocabulary 129280. GQA stands in for MLA and every layer is MoE (see the preset's comment): about
+    705B parameters against the paper's 671B, 38.6B active against 37B."""
+    config = model_config("deepseek-v3")
+    assert (config.layers, config.hidden, config.heads, config.kv_heads) == (61, 7168, 128, 128)
+    assert (config.experts, config.top_k, config.ffn_hidden, config.shared_ffn, config.vocab) == (256, 8, 2048, 2048, 129280)
+    one = build_model("deepseek-v3:layers=1", device="meta")  # 61 layers take ~15 s to build even on meta
+    block = _param_count(one.blocks[0])
+    total = _param_count(one) + 60 * block
+    assert total == pytest.approx(705e9, rel=0.005) and total == pytest.approx(671e9, rel=0.06)
+    expert = 3 * 7168 * 2048
+    active = total - 61 * (256 - 8) * expert
+    assert active == pytest.approx(38.6e9, rel=0.01) and active == pytest.approx(37e9, rel=0.05)

@@ -8,7 +8,7 @@ from tessera.cost_models.memory import REPLICATED_ACTIVATION_SHARE
 from tessera.cost_models.partition import split_blocks
 from tessera.cost_models.pipeline import bubble_micro_batches, in_flight_micro_batches
 from tessera.cost_models.types import LayerStats
-from tessera.errors import ConfigError, NotModelledError
+from tessera.errors import ConfigError
 from tessera.topology import load_cluster
 from tessera.topology.collectives import all_reduce_time
 
@@ -134,10 +134,10 @@ def test_mfu_and_throughput_are_consistent():
     assert e.model_tflops_per_device == pytest.approx(e.mfu * 989)
 
 
-def test_unmodelled_axes_and_wrong_shapes_are_refused():
-    with pytest.raises(NotModelledError, match="cp=2"):
-        run("dp=4,cp=2")
-    with pytest.raises(ConfigError, match="dp\\*tp\\*pp\\*cp\\*ep = 8"):
+def test_wrong_shapes_are_refused():
+    with pytest.raises(ConfigError, match="ep=2 needs a model with routed experts"):
+        run("dp=8,ep=2")  # expert and context parallelism: tests/unit/test_cost_model_sparse.py
+    with pytest.raises(ConfigError, match="dp\\*tp\\*pp\\*cp = 8"):
         run("dp=4")
     with pytest.raises(ConfigError, match="not divisible"):
         run("dp=8", training=TrainingConfig(global_batch=12, seq_len=8))

@@ -1,0 +1,176 @@
+"""Reliability cost: what checkpoints cost at a given interval and what failures cost for a given MTBF.
+
+Pure arithmetic on numbers; no torch. The model is the classic first-order one of checkpoint/restart:
+
+- a checkpoint every ``tau`` seconds of training costs ``delta`` seconds of blocked training each time;
+- failures arrive at random with mean time between failures ``M`` (of the whole job: a job on ``n`` devices
+  fails ``n`` times as often as one device, :func:`job_mtbf_s`);
+- each failure costs the restart ``R`` (relaunch, re-plan, load) plus the work since the last committed
+  checkpoint: on average half an interval, ``(tau + delta) / 2``, plus, with asynchronous saves, the time a
+  checkpoint takes to commit after training resumed (the one being written is not yet usable).
+
+Fraction of wall time lost (:func:`expected_waste_fraction`)::
+
+    W(tau) = delta / (tau + delta) + (R + (tau + delta) / 2 + commit_lag) / M
+
+Minimising ``delta / tau + tau / (2 M)`` gives Young's interval ``tau = sqrt(2 delta M)`` (J. W. Young, "A
+first order approximation to the optimum checkpoint interval", Communications of the ACM 17(9):530-531,
+1974). Daly's higher-order estimate, accurate when ``delta`` is not small against ``M``:
+``tau = sqrt(2 delta M) * (1 + sqrt(delta / (2 M)) / 3 + (delta / (2 M)) / 9) - delta`` for ``delta < 2 M``,
+else ``tau = M`` (J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps",
+Future Generation Computer Systems 22(3):303-312, 2006, eq. 37). :func:`optimal_interval_s` uses Daly's.
+
+What a checkpoint costs (:func:`checkpoint_cost`): Tessera's checkpoints hold fp32 parameters and AdamW's
+two fp32 moments, 12 bytes per parameter (``runtime.checkpoint``), written in parallel by every device (DCP
+writes each shard once), so the write takes ``bytes / (devices * per-device bandwidth)``, or longer when the
+storage system's aggregate bandwidth is the limit. A synchronous save blocks training for the whole write;
+an asynchronous one (``dcp.async_save``) only for the copy to host memory, and the write overlaps the next
+steps, unless it takes longer than the interval, in which case the next save waits for the rest.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+CHECKPOINT_BYTES_PER_PARAM = 12
+"""fp32 parameter + AdamW's fp32 exp_avg and exp_avg_sq (what ``runtime.checkpoint`` saves per parameter)."""
+LLAMA3_STORAGE_BYTES_PER_S_PER_GPU = 2e12 / 16384
+"""Sustained checkpoint write bandwidth per GPU in Meta's Llama 3 training: the Tectonic file system's
+2 TB/s sustained throughput shared by 16K H100 GPUs (Llama Team, "The Llama 3 Herd of Models",
+arXiv 2407.21783, Sec. 3.3.1). A conservative default when the storage is unknown."""
+PCIE5_X16_BYTES_PER_S = 63e9
+"""Device-to-host copy bandwidth for the staging of an asynchronous save: PCIe 5.0 x16, 32 GT/s x 16 lanes with
+128b/130b encoding, about 63 GB/s per direction (PCI-SIG, PCI Express Base Specification 5.0)."""
+
+
+class CheckpointCost(BaseModel):
+    """What one checkpoint costs."""
+
+    model_config = FROZEN
+
+    total_bytes: float = Field(ge=0)
+    """Bytes of the whole checkpoint (every device's shards together)."""
+    write_time_s: float = Field(ge=0)
+    """Time to write it, all devices in parallel."""
+    staging_time_s: float = Field(ge=0)
+    """Time to copy a device's shard to host memory (what an asynchronous save blocks for)."""
+    asynchronous: bool
+    """Whether the save is asynchronous (``dcp.async_save``)."""
+
+
+class ReliabilityEstimate(BaseModel):
+    """Checkpoint overhead and expected time lost to failures at one checkpoint interval."""
+
+    model_config = FROZEN
+
+    mtbf_s: float = Field(gt=0)
+    """Mean time between failures of the whole job."""
+    checkpoint: CheckpointCost
+    """Cost of one checkpoint."""
+    restart_s: float = Field(ge=0)
+    """Time from a failure to training again (relaunch, re-plan, load), rework excluded."""
+    interval_s: float = Field(gt=0)
+    """Training time between checkpoints."""
+    optimal_interval_s: float = Field(gt=0)
+    """Daly's optimal interval for this checkpoint cost and MTBF."""
+    blocking_s: float = Field(ge=0)
+    """Training time each checkpoint blocks."""
+    checkpoint_fraction: float = Field(ge=0)
+    """Share of wall time spent blocked in checkpoints."""
+    failure_fraction: float = Field(ge=0)
+    """Share of wall time lost to failures (restart plus rework since the last committed checkpoint)."""
+
+    @property
+    def waste_fraction(self) -> float:
+        """Share of wall time that makes no progress (at most 1)."""
+        return min(1.0, self.checkpoint_fraction + self.failure_fraction)
+
+    def summary(self, *, step_time_s: float | None = None) -> str:
+        """Plain-text lines for the CLI (intervals also in steps when ``step_time_s`` is given)."""
+        c = self.checkpoint
+        kind = "async" if c.asynchronous else "sync"
+
+        def steps(seconds: float) -> str:
+            return f" ({seconds / step_time_s:,.0f} steps)" if step_time_s else ""
+
+        return "\n".join([
+            f"checkpoint {c.total_bytes / 1e9:,.1f} GB, write {c.write_time_s:,.1f} s, blocks training "
+            f"{self.blocking_s:,.1f} s ({kind})",
+            f"interval   every {self.interval_s / 60:,.1f} min{steps(self.interval_s)}; Young/Daly optimum "
+            f"{self.optimal_interval_s / 60:,.1f} min{steps(self.optimal_interval_s)} at MTBF {self.mtbf_s / 3600:,.1f} h",
+            f"lost time  {self.waste_fraction:.1%} of wall time: checkpoints {self.checkpoint_fraction:.1%}, "
+            f"failures {self.failure_fraction:.1%} (restart {self.restart_s / 60:,.1f} min + rework)",
+        ])
+
+
+def job_mtbf_s(device_mtbf_s: float, num_devices: int) -> float:
+    """MTBF of a job that stops when any of ``num_devices`` independent devices fails."""
+    return device_mtbf_s / num_devices
+
+
+def checkpoint_cost(
+    param_count: int, *, num_devices: int, write_bytes_per_s_per_device: float,
+    aggregate_write_bytes_per_s: float | None = None, asynchronous: bool = False,
+    staging_bytes_per_s: float = PCIE5_X16_BYTES_PER_S,
+) -> CheckpointCost:
+    """Bytes and time of one checkpoint of a ``param_count``-parameter model trained with AdamW."""
+    total = param_count * CHECKPOINT_BYTES_PER_PARAM
+    bandwidth = num_devices * write_bytes_per_s_per_device
+    if aggregate_write_bytes_per_s is not None:
+        bandwidth = min(bandwidth, aggregate_write_bytes_per_s)
+    return CheckpointCost(total_bytes=total, write_time_s=total / bandwidth,
+                          staging_time_s=total / num_devices / staging_bytes_per_s, asynchronous=asynchronous)
+
+
+def young_interval_s(checkpoint_s: float, mtbf_s: float) -> float:
+    """Young (1974): ``sqrt(2 * checkpoint cost * MTBF)``."""
+    return math.sqrt(2 * checkpoint_s * mtbf_s)
+
+
+def optimal_interval_s(checkpoint_s: float, mtbf_s: float) -> float:
+    """Daly (2006, eq. 37): Young's interval with higher-order terms; ``MTBF`` when ``delta >= 2 MTBF``."""
+    if checkpoint_s <= 0:
+        raise ValueError("a checkpoint that costs nothing has no optimal interval: checkpoint every step")
+    if checkpoint_s >= 2 * mtbf_s:
+        return mtbf_s
+    ratio = checkpoint_s / (2 * mtbf_s)
+    return young_interval_s(checkpoint_s, mtbf_s) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - checkpoint_s
+
+
+def blocking_time_s(cost: CheckpointCost, interval_s: float) -> float:
+    """Training time one checkpoint blocks: the whole write (sync), else the staging copy plus any part of the
+    write that the interval cannot hide (the next save waits for the previous one)."""
+    if not cost.asynchronous:
+        return cost.write_time_s
+    return max(cost.staging_time_s, cost.write_time_s - interval_s)
+
+
+def expected_waste_fraction(interval_s: float, *, blocking_s: float, restart_s: float, mtbf_s: float,
+                            commit_lag_s: float = 0.0) -> tuple[float, float]:
+    """(checkpoint share, failure share) of wall time: ``W(tau)`` of the module docstring, split in two."""
+    period = interval_s + blocking_s
+    return blocking_s / period, (restart_s + period / 2 + commit_lag_s) / mtbf_s
+
+
+def reliability_estimate(
+    cost: CheckpointCost, *, mtbf_s: float, interval_s: float | None = None, restart_s: float | None = None
+) -> ReliabilityEstimate:
+    """The estimate at ``interval_s`` (default: the optimal one). ``restart_s`` defaults to reading the
+    checkpoint back (as long as writing it): add your scheduler's relaunch time to it."""
+    blocking_at_optimum = cost.staging_time_s if cost.asynchronous else cost.write_time_s
+    optimum = optimal_interval_s(max(blocking_at_optimum, 1e-9), mtbf_s)
+    if cost.asynchronous:
+        optimum = max(optimum, cost.write_time_s)  # shorter intervals queue the writes
+    interval = optimum if interval_s is None else interval_s
+    restart = cost.write_time_s if restart_s is None else restart_s
+    blocking = blocking_time_s(cost, interval)
+    lag = max(0.0, cost.write_time_s - cost.staging_time_s) if cost.asynchronous else 0.0
+    checkpoint_share, failure_share = expected_waste_fraction(interval, blocking_s=blocking, restart_s=restart,
+                                                              mtbf_s=mtbf_s, commit_lag_s=lag)
+    return ReliabilityEstimate(
+        mtbf_s=mtbf_s, checkpoint=cost, restart_s=restart, interval_s=interval, optimal_interval_s=optimum,
+        blocking_s=blocking, checkpoint_fraction=checkpoint_share, failure_fraction=failure_share,
+    )

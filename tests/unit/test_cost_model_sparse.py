@@ -1,0 +1,250 @@
+"""Expert and context parallelism in the cost model and the search space, against arithmetic done by hand.
+
+The cluster is two link levels with round numbers and no latency (nodes of 8 at 100 GB/s per device and
+direction, a network at 10 GB/s), so every collective below is bytes over bandwidth times its volume factor.
+"""
+
+import pytest
+
+from tessera.cost_models import Strategy, TrainingConfig, estimate
+from tessera.cost_models.compute import Calibration
+from tessera.cost_models.estimate import stage_time
+from tessera.cost_models.partition import stage_totals
+from tessera.cost_models.sparse import (
+    cp_comm_s, dense_group, ep_comm_s, expert_group, group_all_reduce_s, local_param_split,
+)
+from tessera.cost_models.types import LayerStats, LinearPair
+from tessera.errors import ConfigError
+from tessera.planner.space import LONG_CONTEXT_TOKENS, mesh_shapes
+from tessera.topology.clusterfile import cluster_from_raw
+from tessera.topology.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
+
+GiB = 2**30
+FLAT = Calibration(peak_fraction=0.5, half_width=0.0, traffic_factor=0.0)  # achievable = 494.5 TFLOP/s, any width
+NODE_BW, NET_BW = 100e9, 10e9
+
+
+def cluster(nodes: int):
+    raw = {
+        "device": "H100-SXM-80GB", "devices_per_node": 8, "size_key": "nodes",
+        "levels": [
+            {"name": "nvlink", "group_size": "node", "bandwidth_gb_per_s": NODE_BW / 1e9, "latency_us": 0},
+            {"name": "network", "group_size": "world", "bandwidth_gb_per_s": NET_BW / 1e9, "latency_us": 0},
+        ],
+    }
+    return cluster_from_raw(raw, name=f"test:nodes={nodes}", size=nodes)
+
+
+OUT = 2**24  # output bytes of a block for one sequence (e.g. 2048 tokens x 4096 x 2 B)
+EXPERT_PARAMS, DENSE_PARAMS = 8 * 10**8, 2 * 10**8
+
+
+def moe_block(i: int, *, experts: int = 8, top_k: int = 2, factor: float = 1.0) -> LayerStats:
+    return LayerStats(
+        fqn=f"blocks.{i}", kind="block", signature="m", param_count=DENSE_PARAMS + EXPERT_PARAMS,
+        forward_flops=1e12, backward_flops=2e12, saved_bytes_no_recompute=GiB, saved_bytes_full_recompute=OUT,
+        output_bytes=OUT, hidden_size=4096, attention_heads=32, kv_heads=8, experts=experts, top_k=top_k,
+        expert_param_count=EXPERT_PARAMS, expert_forward_flops=5e11, expert_backward_flops=1e12,
+        expert_capacity_factor=factor, selective_recompute_flops=1e11, saved_bytes_selective=GiB // 2,
+        tp_pairs=(LinearPair(column=("attn.q", "attn.k", "attn.v"), row="attn.o", role="attention"),
+                  *(LinearPair(column=(f"moe.experts.{e}.gate", f"moe.experts.{e}.up"), row=f"moe.experts.{e}.down",
+                               role="expert") for e in range(experts))),
+    )
+
+
+def dense_block(i: int, *, core_flops: float = 1e11) -> LayerStats:
+    return LayerStats(
+        fqn=f"blocks.{i}", kind="block", signature="d", param_count=10**9, forward_flops=1e12, backward_flops=2e12,
+        saved_bytes_no_recompute=GiB, saved_bytes_full_recompute=OUT, output_bytes=OUT, hidden_size=4096,
+        attention_heads=32, kv_heads=8, selective_recompute_flops=core_flops, saved_bytes_selective=GiB // 2,
+    )
+
+
+MOE = [moe_block(i) for i in range(4)]
+TRAINING = TrainingConfig(global_batch=64, seq_len=2048)
+
+
+# ----------------------------------------------------------------------------------------------- conventions
+
+
+def test_ep_is_carved_out_of_dp_and_adds_no_ranks():
+    s = Strategy.parse("dp=16,tp=2,cp=2,ep=8,zero=1")
+    assert s.world_size == 16 * 2 * 2 and s.expert_dp == 2
+    assert Strategy.parse(s.to_string()) == s and "cp=2" in s.to_string() and "ep=8" in s.to_string()
+    with pytest.raises(ConfigError, match="ep=4 must divide dp=2"):
+        Strategy.parse("dp=2,ep=4")
+
+
+def test_weight_groups_follow_the_layout_tp_cp_ep_pp_edp():
+    # Dense weights: cp*ep contiguous ranks tp apart, then edp = dp/ep at stride tp*cp*ep*pp.
+    s = Strategy(dp=4, tp=2, cp=2, ep=2, pp=3)
+    assert dense_group(s) == ((4, 2), (2, 24))
+    assert expert_group(s) == ((2, 2), (2, 24))
+    # Without ep or cp it is the plain dp axis at stride tp*pp.
+    assert dense_group(Strategy(dp=8, tp=2, pp=2)) == ((8, 4),)
+    assert expert_group(Strategy(dp=8, ep=8)) == ()  # every expert lives once: nothing to reduce
+
+
+def test_a_group_on_two_axes_reduces_hierarchically():
+    c, n = cluster(4), 8 * GiB
+    axes = ((2, 1), (4, 8))  # 2 ranks in a node, then 4 nodes
+    expected = (reduce_scatter_time(c, n, group_size=2) + all_gather_time(c, n, group_size=2)
+                + all_reduce_time(c, n / 2, group_size=4, stride=8))
+    assert group_all_reduce_s(c, n, axes) == pytest.approx(expected)
+    assert group_all_reduce_s(c, n, ((8, 4),)) == pytest.approx(all_reduce_time(c, n, group_size=8, stride=4))
+
+
+# ----------------------------------------------------------------------------------------------- expert parallelism
+
+
+def test_expert_parameters_divide_by_ep_dense_ones_do_not():
+    totals = stage_totals(MOE, 0, {})
+    dense, expert = local_param_split(totals, Strategy(dp=8, tp=2, ep=4))
+    assert dense == pytest.approx(4 * DENSE_PARAMS / 2) and expert == pytest.approx(4 * EXPERT_PARAMS / 8)
+
+
+def test_all_to_all_inside_a_node():
+    # ep=8, tp=1: one NVLink phase; each of the 4 a2a per layer (dispatch+combine, fwd+bwd) moves
+    # N = mbs * s * k * f * h * B = 2 * 2 * OUT bytes per device, 7/8 of it to peers.
+    s = Strategy(dp=8, ep=8, micro_batch=2)
+    n = 2 * 2 * 1.0 * OUT
+    per_a2a = 7 / 8 * n / NODE_BW
+    assert ep_comm_s(stage_totals(MOE, 0, {}), cluster(1), s) == pytest.approx(4 * 4 * per_a2a)
+
+
+def test_all_to_all_across_nodes_is_bound_by_the_network():
+    # tp=2 puts the 8 ep ranks 2 apart: 4 per node over 2 nodes. Peers: 3 on NVLink, 4 across the network;
+    # the slower share dominates: 4/8 * N / 10 GB/s, with N halved by tp (each tp rank sends 1/tp of the tokens).
+    s = Strategy(dp=8, tp=2, ep=8, micro_batch=1)
+    n = 1 * 2 * 1.0 * OUT / 2
+    per_a2a = max(3 / 8 * n / NODE_BW, 4 / 8 * n / NET_BW)
+    assert ep_comm_s(stage_totals(MOE, 0, {}), cluster(2), s) == pytest.approx(4 * 4 * per_a2a)
+
+
+def test_capacity_factor_and_full_recompute_scale_the_all_to_all():
+    s, c = Strategy(dp=8, ep=8), cluster(1)
+    base = ep_comm_s(stage_totals(MOE, 0, {}), c, s)
+    busier = [moe_block(i, factor=1.25) for i in range(4)]
+    assert ep_comm_s(stage_totals(busier, 0, {}), c, s) == pytest.approx(1.25 * base)
+    full = stage_totals(MOE, 0, {b.fqn: "full" for b in MOE})
+    assert ep_comm_s(full, c, s) == pytest.approx(6 / 4 * base)  # the forward pair runs again
+
+
+def test_expert_state_shards_over_the_smaller_group():
+    # dp=8, ep=4, ZeRO-1: dense Adam moments over 8 ranks, expert ones over dp/ep = 2 ranks.
+    e = estimate(MOE, cluster(1), TRAINING, Strategy.parse("dp=8,ep=4,zero=1,mbs=1"), calibration=FLAT)
+    dense, expert = 4 * DENSE_PARAMS, 4 * EXPERT_PARAMS / 4
+    assert e.memory_by_category_bytes["parameters"] == int((dense + expert) * 4)
+    assert e.memory_by_category_bytes["optimizer"] == int((dense / 8 + expert / 2) * 8)
+    assert e.comm_time_by_kind_s["ep_alltoall"] > 0
+
+
+def test_expert_gradients_reduce_over_fewer_ranks():
+    c = cluster(2)
+    plain = estimate(MOE, c, TRAINING, Strategy.parse("dp=16,zero=0,mbs=1,recompute=full"), calibration=FLAT)
+    expert = estimate(MOE, c, TRAINING, Strategy.parse("dp=16,ep=8,zero=0,mbs=1,recompute=full"), calibration=FLAT)
+    # Dense: 16 ranks (8 in a node x 2 nodes); experts: 1/8 of them per device, over edp=2 ranks across nodes.
+    dense_bytes, expert_bytes = 4 * DENSE_PARAMS * 4, 4 * EXPERT_PARAMS / 8 * 4
+    expected = (group_all_reduce_s(c, dense_bytes, ((8, 1), (2, 8))) + all_reduce_time(c, expert_bytes, group_size=2, stride=8))
+    assert expert.comm_time_by_kind_s["dp_allreduce"] == pytest.approx(expected)
+    assert expert.comm_time_by_kind_s["dp_allreduce"] < plain.comm_time_by_kind_s["dp_allreduce"]
+
+
+def test_expert_pairs_share_one_tensor_parallel_reduction():
+    totals = stage_totals(MOE[:1], 0, {})
+    assert totals.tp_allreduce_count == 2 and totals.tp_allreduce_bytes == 2 * OUT  # attention + experts
+
+
+def test_ep_needs_experts_it_divides():
+    with pytest.raises(ConfigError, match="ep=2 needs a model with routed experts"):
+        estimate([dense_block(0)], cluster(1), TRAINING, Strategy.parse("dp=8,ep=2"))
+    odd = [moe_block(0, experts=6)]
+    with pytest.raises(ConfigError, match="does not divide the experts"):
+        estimate(odd, cluster(1), TRAINING, Strategy.parse("dp=8,ep=4"))
+
+
+# ----------------------------------------------------------------------------------------------- context parallelism
+
+
+def test_ring_exchange_and_its_overlap_with_attention():
+    # cp=4 inside a node (tp=1). K+V per sequence: 2 * OUT * kv_heads/heads = OUT/2; per rank and ring step
+    # OUT/2/4 bytes. Forward: 3 steps of p2p(OUT/8); backward: 3 of p2p(OUT/4) (K/V and their gradients).
+    # Each step hides behind core/(cp^2 tp) attention FLOPs forward, 2.5x that backward.
+    layers = [dense_block(i, core_flops=4e10) for i in range(2)]
+    s, c = Strategy(dp=2, cp=4), cluster(1)
+    fwd, bwd = OUT / 8 / NODE_BW, OUT / 4 / NODE_BW
+    attention = 4e10 / 16 / (989e12 * 0.5)
+    total, exposed = cp_comm_s(stage_totals(layers, 0, {}), c, s, flops_per_s=989e12 * 0.5)
+    assert total == pytest.approx(2 * 3 * (fwd + bwd))
+    assert exposed == pytest.approx(2 * 3 * (max(0, fwd - attention) + max(0, bwd - 2.5 * attention)))
+    assert 0 < exposed < total
+    # Long enough attention hides the ring entirely.
+    long = [dense_block(i, core_flops=1e14) for i in range(2)]
+    assert cp_comm_s(stage_totals(long, 0, {}), c, s, flops_per_s=989e12 * 0.5)[1] == 0
+
+
+def test_recomputed_attention_reruns_the_forward_ring():
+    layers = [dense_block(i) for i in range(2)]
+    s, c = Strategy(dp=2, cp=4), cluster(1)
+    plain = cp_comm_s(stage_totals(layers, 0, {}), c, s, flops_per_s=1e15)[0]
+    selective = cp_comm_s(stage_totals(layers, 0, {b.fqn: "selective" for b in layers}), c, s, flops_per_s=1e15)[0]
+    fwd, bwd = OUT / 8 / NODE_BW, OUT / 4 / NODE_BW
+    assert selective - plain == pytest.approx(2 * 3 * fwd)
+    assert plain == pytest.approx(2 * 3 * (fwd + bwd))
+
+
+def test_cp_divides_activations_and_adds_ring_time_to_the_step():
+    layers = [dense_block(i) for i in range(2)]
+    training = TrainingConfig(global_batch=8, seq_len=4096)
+    one = estimate(layers, cluster(1), training, Strategy.parse("dp=8,mbs=1"), calibration=FLAT)
+    four = estimate(layers, cluster(1), training, Strategy.parse("dp=2,cp=4,mbs=1"), calibration=FLAT)
+    assert four.memory_by_category_bytes["activations"] == pytest.approx(one.memory_by_category_bytes["activations"] / 4, rel=1e-6)
+    assert four.comm_time_by_kind_s["cp_ring"] > 0
+    t = stage_time(stage_totals(layers, 0, {}), cluster(1), training, Strategy.parse("dp=2,cp=4,mbs=1"), calibration=FLAT)
+    assert t.total == pytest.approx(t.forward + t.backward + t.recompute + t.tp_comm + t.pp_comm + t.cp_comm)
+
+
+def test_cp_gradients_reduce_over_dp_times_cp():
+    layers = [dense_block(i) for i in range(2)]
+    c, training = cluster(1), TrainingConfig(global_batch=8, seq_len=4096)
+    e = estimate(layers, c, training, Strategy.parse("dp=2,cp=4,zero=0,mbs=1"), calibration=FLAT)
+    grads = 2 * 10**9 * 4
+    assert e.comm_time_by_kind_s["dp_allreduce"] == pytest.approx(group_all_reduce_s(c, grads, ((4, 1), (2, 4))))
+    z1 = estimate(layers, c, training, Strategy.parse("dp=2,cp=4,zero=1,mbs=1"), calibration=FLAT)
+    assert z1.memory_by_category_bytes["optimizer"] == int(2 * 10**9 * 8 / 8)  # moments over dp*cp = 8 ranks
+
+
+def test_zigzag_needs_2cp_to_divide_the_sequence():
+    with pytest.raises(ConfigError, match="2\\*cp = 8 zig-zag chunks"):
+        estimate([dense_block(0)], cluster(1), TrainingConfig(global_batch=2, seq_len=100), Strategy.parse("dp=2,cp=4"))
+
+
+# ----------------------------------------------------------------------------------------------- search space
+
+
+def test_space_tries_ep_only_for_moe_models_and_cp_only_for_long_sequences():
+    c = cluster(2)
+    shapes = set(mesh_shapes(MOE, c, TRAINING, {}))
+    assert {ep for *_, ep in shapes} == {1, 2, 4, 8} and {cp for _, _, _, cp, _ in shapes} == {1}
+    assert all(dp % ep == 0 for dp, _, _, _, ep in shapes)
+    dense = [dense_block(i) for i in range(4)]
+    assert {ep for *_, ep in mesh_shapes(dense, c, TRAINING, {})} == {1}
+    long = TrainingConfig(global_batch=16, seq_len=LONG_CONTEXT_TOKENS)
+    cps = {cp for _, _, _, cp, _ in mesh_shapes(dense, c, long, {})}
+    assert cps == {1, 2, 4, 8}  # every rank keeps >= 2048 tokens: 16384 / 8
+    assert {(cp, ep) for _, _, _, cp, ep in mesh_shapes(MOE, c, TRAINING, {"ep": 4, "cp": 2})} == {(2, 4)}
+
+
+def test_plan_explains_its_expert_degree_with_the_best_plan_at_every_other():
+    from tessera.planner.layer_graph import LayerGraph
+    from tessera.planner.search import search
+
+    graph = LayerGraph(model_name="moe", seq_len=2048, dtype="bf16", front_end="fx", layers=tuple(MOE), edges=())
+    plan = search(graph, cluster(2), TRAINING)
+    others = {c.strategy.ep: c for c in plan.degree_alternatives}
+    # Degrees the bound-ordered search reached are listed; "without expert parallelism" always is.
+    assert plan.strategy.ep not in others and set(others) <= {1, 2, 4, 8} and (plan.strategy.ep == 1 or 1 in others)
+    for ep, candidate in others.items():
+        assert candidate.verdict.startswith(f"ep={ep}: ")
+        if candidate.estimate.fits:
+            assert candidate.estimate.step_time_s >= plan.estimate.step_time_s
