@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "are filled by the planner)")
     resume = verbs.add_parser("resume", help="re-plan a checkpointed run for the devices now available; print how "
                               "to relaunch it")
-    resume.add_argument("checkpoint", help="checkpoint folder (the root given to ParallelModel.save, or a step-* in it)")
+    resume.add_argument("checkpoint", help="checkpoint folder (the root given to ParallelModel.save, or a step-*)")
     resume.add_argument("--cluster", required=True, help="the devices now available, e.g. dgx-h100:nodes=3")
     resume.add_argument("--script", default="train.py", help="training script each rank runs (default train.py)")
     resume.add_argument("--json", metavar="PATH", help="also write the new plan as JSON")

@@ -19,9 +19,10 @@ from torch.utils._pytree import tree_leaves
 class PeakMemoryMeter(TorchDispatchMode):
     """``with PeakMemoryMeter(baseline) as meter: ...``; then ``meter.peak_bytes``."""
 
-    def __init__(self, baseline_bytes: int = 0, *, snapshot: bool = False) -> None:
+    def __init__(self, baseline_bytes: int = 0, *, snapshot: bool = False, resident: tuple = ()) -> None:
         super().__init__()
-        self.live = {}
+        # Storages already counted in ``baseline_bytes``: in-place updates and views of them are not new.
+        self.live = {t.untyped_storage().data_ptr(): 0 for t in resident}
         self.current = baseline_bytes
         self.peak_bytes = baseline_bytes
         self.snapshot = snapshot
@@ -57,7 +58,7 @@ class PeakMemoryMeter(TorchDispatchMode):
         if self.current > self.peak_bytes:
             self.peak_bytes = self.current
             if self.snapshot:
-                self.peak_live = {k: (n, *self._origin[k]) for k, n in self.live.items()}
+                self.peak_live = {k: (n, *self._origin[k]) for k, n in self.live.items() if n}
         weakref.finalize(storage, self._free, key)
 
     def _free(self, key: int) -> None:
@@ -77,3 +78,53 @@ def resident_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+class AllocatorMeter:
+    """``with AllocatorMeter(baseline) as meter: ...``; then ``meter.peak_bytes``: the peak of what the CPU
+    allocator handed out, from the profiler's memory events (``torch.profiler``, ``profile_memory=True``).
+
+    Unlike :class:`PeakMemoryMeter` it sees allocations made outside the dispatcher: FSDP2 allocates its
+    unsharded parameters with ``untyped_storage().resize_()`` (``_fsdp_param.alloc_storage``), and C++
+    components (DDP's reducer, autograd's gradient accumulation into buckets) allocate directly. Bytes alive
+    when it starts are passed in as ``baseline_bytes``.
+    """
+
+    def __init__(self, baseline_bytes: int = 0) -> None:
+        self.baseline_bytes = baseline_bytes
+        self.peak_bytes = baseline_bytes
+        self.peak_op = ""
+        """Name of the last operator that started before the peak (where in the step it happened)."""
+        self._profile = None
+
+    def __enter__(self) -> AllocatorMeter:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._profile.__exit__(*exc)
+        events = sorted(self._profile.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+        current, last_op = self.baseline_bytes, ""
+        for event in events:
+            if event.name() != "[memory]":
+                last_op = event.name()
+                continue
+            current += event.nbytes()
+            if current > self.peak_bytes:
+                self.peak_bytes, self.peak_op = current, last_op
+
+
+def ddp_bucket_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a ``DistributedDataParallel`` wrapper's gradient buckets (0 for anything else).
+
+    The reducer allocates one flat tensor per bucket at construction, covering every parameter that requires a
+    gradient (``Reducer::initialize_buckets``), so the buckets together hold a second copy of the gradients
+    (unless ``gradient_as_bucket_view=True``). They are not parameters, gradients or optimizer state, and they
+    exist before any step, so neither meter sees them: they are added to the baseline.
+    """
+    if not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return 0
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)

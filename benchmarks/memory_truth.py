@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import platform
 import statistics
 import sys
@@ -47,8 +48,14 @@ STRATEGIES = {  # name -> pins over the 4 ranks; everything else fixed so each r
 
 
 def measure(spec: str, plan_json: str, global_batch: int, seq_len: int) -> int:
-    """On every rank: apply the plan, one warm-up step, then the peak live tensor bytes of one step."""
-    from memory_meter import PeakMemoryMeter, resident_bytes
+    """On every rank: apply the plan, warm up, then the peak bytes the CPU allocator holds during one step.
+
+    Baseline: parameters, optimizer state (gradients are freed by ``zero_grad(set_to_none=True)``) and DDP's
+    gradient buckets, which live from construction on. DDP rebuilds its buckets in the forward after the first
+    synchronised backward (``Reducer::rebuild_buckets``); a second warm-up step keeps that swap (whose free the
+    profiler cannot attribute) out of the measured step.
+    """
+    from memory_meter import AllocatorMeter, ddp_bucket_bytes, resident_bytes
 
     from tessera.runtime.apply import apply_plan
 
@@ -57,9 +64,11 @@ def measure(spec: str, plan_json: str, global_batch: int, seq_len: int) -> int:
     parallel = apply_plan(build_model(spec, device="cpu"), plan)
     tokens = torch.randint(model_config(spec).vocab, (global_batch, seq_len + 1), generator=torch.Generator().manual_seed(1))
     batch = (tokens[:, :-1], tokens[:, 1:])
-    parallel.train_step(batch)  # warm-up: optimizer state exists from here on
+    buckets = sum(ddp_bucket_bytes(module) for module in parallel.modules)
+    for _ in range(2 if buckets else 1):
+        parallel.train_step(batch)  # warm-up: optimizer state exists from here on
     resident = sum(resident_bytes(module, parallel.optimizer) for module in parallel.modules)
-    with PeakMemoryMeter(resident) as meter:
+    with AllocatorMeter(resident + buckets) as meter:
         parallel.train_step(batch)
     return meter.peak_bytes
 
@@ -80,41 +89,62 @@ def plan_for(spec: str, pins: str, ranks: int, global_batch: int, seq_len: int) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of the models")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of the paths")
+    parser.add_argument("--reuse", type=Path, help="take the measured peaks from this JSON (written by a run) and "
+                        "only re-predict: for iterating on the cost model; the measurement does not depend on it")
     args = parser.parse_args()
-    rows = []
-    for model, (spec, global_batch, seq_len) in MODELS.items():
-        for name, pins in STRATEGIES.items():
-            plan = plan_for(spec, pins, args.ranks, global_batch, seq_len)
-            peaks = spawn(measure, nprocs=args.ranks, args=(spec, plan.to_json(), global_batch, seq_len), timeout_s=600)
-            predicted = plan.estimate.peak_memory_bytes - CPU_RESERVE_BYTES
-            rows.append((model, name, plan.strategy.to_string(), predicted, max(peaks)))
-            print(model, name, f"predicted {predicted / 2**20:.2f} MiB measured {max(peaks) / 2**20:.2f} MiB "
-                  f"error {predicted / max(peaks) - 1:+.1%}", flush=True)
-    report(rows, args.ranks)
+    reused = json.loads(args.reuse.read_text()) if args.reuse else {}
+    rows, measured = [], {}
+    for model in args.models.split(","):
+        spec, global_batch, seq_len = MODELS[model]
+        for name in args.strategies.split(","):
+            plan = plan_for(spec, STRATEGIES[name], args.ranks, global_batch, seq_len)
+            key = f"{model}|{name}"
+            peaks = reused.get(key) or spawn(measure, nprocs=args.ranks, args=(spec, plan.to_json(), global_batch, seq_len), timeout_s=1200)
+            measured[key] = peaks
+            stages = [peak - CPU_RESERVE_BYTES for peak in plan.estimate.stage_peak_memory_bytes]
+            rows.append((model, name, plan.strategy.to_string(), max(stages), max(peaks), stages, peaks))
+            print(model, name, f"predicted {max(stages) / 2**20:.2f} MiB measured {max(peaks) / 2**20:.2f} MiB "
+                  f"error {max(stages) / max(peaks) - 1:+.1%}", flush=True)
+    report(rows, args.ranks, measured, reused=bool(args.reuse))
 
 
-def report(rows: list[tuple], ranks: int) -> None:
-    errors = [abs(p / m - 1) for *_, p, m in rows]
+def report(rows: list[tuple], ranks: int, measured: dict[str, list[int]], *, reused: bool) -> None:
+    errors = [abs(p / m - 1) for _, _, _, p, m, *_ in rows]
     verdict = (f"{len(rows)} runs; |error| median {statistics.median(errors):.1%}, worst {max(errors):.1%}; "
                f"within 10%: {sum(e <= 0.10 for e in errors)}/{len(rows)}")
-    table = Table(title=f"Peak tensor memory per device, predicted vs measured ({ranks} gloo ranks)")
-    for column in ("model", "runtime path", "strategy", "predicted MiB", "measured MiB", "error"):
+    table = Table(title=f"Peak memory per device, predicted vs measured ({ranks} gloo ranks)")
+    for column in ("model", "runtime path", "strategy", "predicted MiB", "measured MiB", "error", "per stage / per rank"):
         table.add_column(column)
-    for model, name, strategy, p, m in rows:
-        table.add_row(model, name, strategy, f"{p / 2**20:.2f}", f"{m / 2**20:.2f}", f"{p / m - 1:+.1%}")
-    Console(width=200).print(table)
+    for model, name, strategy, p, m, stages, peaks in rows:
+        table.add_row(model, name, strategy, f"{p / 2**20:.2f}", f"{m / 2**20:.2f}", f"{p / m - 1:+.1%}", _per_rank(stages, peaks))
+    Console(width=220).print(table)
     print(verdict)
     date = datetime.date.today().isoformat()
-    out = HERE / "results" / f"memory-truth-{platform.machine()}-cpu-{date}.md"
+    stem = HERE / "results" / f"memory-truth-{platform.machine()}-cpu-{date}"
+    if not reused:
+        stem.with_suffix(".json").write_text(json.dumps(measured, indent=1) + "\n")
     lines = [f"# Peak memory per device: predicted vs measured ({ranks} gloo ranks, {date})", "",
              f"Command: `.venv/bin/python benchmarks/memory_truth.py --ranks {ranks}`. Predicted: the estimate's "
-             "peak minus its fixed CPU reserve; measured: largest peak of live tensors over the ranks during one step "
-             "after a warm-up step (`benchmarks/memory_meter.py`).", "", verdict, "",
-             "| model | runtime path | strategy | predicted MiB | measured MiB | error |", "|---|---|---|---|---|---|"]
-    lines += [f"| {model} | {name} | `{s}` | {p / 2**20:.2f} | {m / 2**20:.2f} | {p / m - 1:+.1%} |"
-              for model, name, s, p, m in rows]
-    out.write_text("\n".join(lines) + "\n")
-    print(f"written {out.relative_to(HERE.parent)}")
+             "peak minus its fixed CPU reserve (largest over pipeline stages); measured: the largest over the ranks of "
+             "the peak bytes the CPU allocator held during one step after warm-up (`benchmarks/memory_meter.py`'s "
+             "`AllocatorMeter`: profiler memory events on top of parameters, optimizer state and DDP's buckets). "
+             "Per-rank measured peaks are in the `.json` next to this file.", "", verdict, "",
+             "| model | runtime path | strategy | predicted MiB | measured MiB | error | per stage predicted / per rank measured |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {model} | {name} | `{s}` | {p / 2**20:.2f} | {m / 2**20:.2f} | {p / m - 1:+.1%} | {_per_rank(st, pk)} |"
+              for model, name, s, p, m, st, pk in rows]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"written {stem.with_suffix('.md').relative_to(HERE.parent)}")
+
+
+def _per_rank(stages: list[int], peaks: list[int]) -> str:
+    """For pipelined rows, each stage's prediction against the ranks of that stage (rank r runs stage r % pp: the
+    pipelined rows have tp = cp = 1, ``runtime.mesh``)."""
+    if len(stages) == 1:
+        return ""
+    return " ".join(f"{stages[r % len(stages)] / 2**20:.1f}/{peak / 2**20:.1f}" for r, peak in enumerate(peaks))
 
 
 if __name__ == "__main__":

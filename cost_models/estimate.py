@@ -23,6 +23,7 @@ from tessera.cost_models.sparse import check_sparse_and_long, cp_comm_s, ep_comm
 from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster
+from tessera.topology.collectives import all_to_all_time
 
 
 @dataclass(frozen=True)
@@ -110,14 +111,40 @@ def step_time_lower_bound(
 ) -> float:
     """Seconds that ``estimate(...).step_time_s`` never goes below, at a small fraction of its cost.
 
-    Compute only, spread perfectly over the stages, for the micro-batches plus the schedule's bubble:
-    the estimate adds communication, the optimizer and stage imbalance, all non-negative. ``whole`` is the
-    model summed as one stage under the strategy's recomputation (pass it in when bounding many strategies).
+    Compute and the expert all-to-alls, spread perfectly over the stages, for the micro-batches plus the
+    schedule's bubble. The slowest stage's time is at least the mean of the ``pp`` stages' times, and each
+    part of that mean is bounded from below: compute by ``compute_lower_bound_s``, the expert all-to-alls by
+    ``_ep_comm_lower_bound_s`` (both summed over stages); the estimate adds the other communication, the
+    optimizer and stage imbalance, all non-negative. ``whole`` is the model summed as one stage under the
+    strategy's recomputation (pass it in when bounding many strategies).
     """
     whole = whole or stage_totals(layers, 0, block_policies(layers, strategy))
     per_micro_batch = compute_lower_bound_s(whole, cluster.device, training, strategy, calibration=calibration)
+    per_micro_batch += _ep_comm_lower_bound_s(layers, cluster, strategy, whole) / strategy.pp
     slots = strategy.gradient_accumulation(training.global_batch) + bubble_micro_batches(strategy)
     return slots * per_micro_batch
+
+
+def _ep_comm_lower_bound_s(
+    layers: Sequence[LayerStats], cluster: Cluster, strategy: Strategy, whole: StageTotals
+) -> float:
+    """Expert all-to-all seconds of one micro-batch summed over the pipeline stages, never above what
+    ``estimate`` charges them (``sparse.ep_comm_s``).
+
+    Stage ``i`` with ``m_i`` MoE layers, dispatch payload ``D_i`` and fully recomputed payload ``R_i <= D_i`` is
+    charged ``m_i * a2a(D_i / m_i * b / (cp tp)) * (4 + 2 R_i / D_i)``. The all-to-all time never falls as its
+    bytes grow (latency plus bytes over bandwidth) and ``D_i / m_i`` is a mean of per-layer payloads, so it is at
+    least ``d_min``, the smallest MoE layer's: the sum is at least ``4 M a2a(d_min b / (cp tp))`` for the model's
+    ``M`` MoE layers, and ``6 M a2a(...)`` when every MoE layer is fully recomputed (``R = D`` in sum, hence in
+    every stage). A factor ``1 - 1e-9`` keeps the bound below the estimate through rounding.
+    """
+    if strategy.ep == 1 or not whole.moe_layers:
+        return 0.0
+    d_min = min(layer.top_k * layer.expert_capacity_factor * layer.output_bytes for layer in layers if layer.experts)
+    one = all_to_all_time(cluster, d_min * strategy.micro_batch / (strategy.cp * strategy.tp),
+                          group_size=strategy.ep, stride=strategy.tp * strategy.cp)
+    passes = 6 if whole.dispatch_bytes and whole.recompute_dispatch_bytes >= whole.dispatch_bytes else 4
+    return (1 - 1e-9) * passes * whole.moe_layers * one
 
 
 def _distinct_stage_costs(

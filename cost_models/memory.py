@@ -25,7 +25,6 @@ from tessera.cost_models.types import Strategy, TrainingConfig
 
 FP32 = 4
 GiB = 2**30
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP default bucket_cap_mb=25; two buckets in flight
 FSDP_PREFETCH_BLOCKS = 2  # the block being computed plus the one prefetched
 REPLICATED_ACTIVATION_SHARE = 10 / 34  # Korthikanti et al. eq. 2: sbh(10 + 24/t) of sbh*34 without SP
 # Allowance outside tensors: CUDA context, NCCL buffers and allocator fragmentation (~2 GiB on GPUs,
@@ -49,17 +48,140 @@ def local_params(stage: StageTotals, strategy: Strategy) -> float:
 def stage_memory(
     stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, on_cpu: bool
 ) -> dict[str, int]:
-    """Peak bytes on one device of ``stage`` by category."""
-    # ZeRO shards dense state over dp * cp ranks and expert state over edp * cp (cost_models.sparse).
-    state = {
-        "parameters": sharded_params(stage, strategy, from_zero=3) * FP32,
-        "gradients": sharded_params(stage, strategy, from_zero=2) * FP32,
+    """Peak bytes on one device of ``stage`` by category: the higher of the step's two high-water marks.
+
+    A step peaks either where the backward of its last in-flight micro-batch starts (:func:`backward_memory`:
+    every saved activation alive, the loss gradient just materialised) or after the backward
+    (:func:`step_end_memory`: activations freed, gradients complete, the pipeline's outputs merged, the
+    optimizer stepping). Large activations put the peak at the first, large model state at the second.
+    """
+    reserve = CPU_RESERVE_BYTES if on_cpu else GPU_RESERVE_BYTES
+    marks = (backward_memory(stage, training, strategy, micro_batches=micro_batches),
+             step_end_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu))
+    peak = max(marks, key=lambda mark: sum(mark.values()))
+    return {**{name: int(value) for name, value in peak.items()}, "reserve": reserve}
+
+
+def backward_memory(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int) -> dict:
+    """Bytes by category when the backward of the stage's last in-flight micro-batch starts."""
+    return {
+        "parameters": parameter_bytes(stage, training, strategy, in_backward=True),
+        "gradients": held_gradient_bytes(stage, strategy, micro_batches=micro_batches),
         "optimizer": sharded_params(stage, strategy, from_zero=1) * 2 * FP32,
-        "activations": activation_bytes(stage, strategy, micro_batches=micro_batches),
-        "buffers": _buffer_bytes(stage, training, strategy),
-        "reserve": CPU_RESERVE_BYTES if on_cpu else GPU_RESERVE_BYTES,
+        "activations": activation_bytes(stage, strategy, micro_batches=micro_batches) + loss_gradient_bytes(stage, strategy),
+        "buffers": _buffer_bytes(stage, training, strategy) + pipeline_output_bytes(stage, strategy, micro_batches=micro_batches),
     }
-    return {name: int(value) for name, value in state.items()}
+
+
+def step_end_memory(
+    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, on_cpu: bool
+) -> dict:
+    """Bytes by category after the backward: reduced gradients, merged pipeline outputs, optimizer temporaries."""
+    # ZeRO-0 keeps the full gradient; every FSDP2 stage (1-3) reduce-scatters it to the 1/dp shard it steps on.
+    if strategy.zero == 0:
+        gradients = (local_params(stage, strategy) + replicated_embedding_gradient_params(stage, strategy)) * FP32
+    else:
+        gradients = sharded_params(stage, strategy, from_zero=1) * FP32
+    merged = 2 * pipeline_output_bytes(stage, strategy, micro_batches=micro_batches)  # the chunks + their torch.cat
+    return {
+        "parameters": parameter_bytes(stage, training, strategy, in_backward=False),
+        "gradients": gradients,
+        "optimizer": sharded_params(stage, strategy, from_zero=1) * 2 * FP32,
+        "activations": 0.0,
+        "buffers": ddp_bucket_bytes(stage, strategy) + merged + optimizer_temporary_bytes(stage, strategy, on_cpu=on_cpu),
+    }
+
+
+def parameter_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, in_backward: bool) -> float:
+    """fp32 master parameters, plus, for ZeRO-1/2 between forward and backward, the gathered compute copy.
+
+    FSDP2 shards the parameters of ZeRO-1/2 too (``runtime.data_parallel``: ``fully_shard`` with
+    ``reshard_after_forward=False``): the fp32 masters are 1/dp at rest, and the all-gathered parameters (a
+    separate storage in the compute dtype, ``FSDPParam.alloc_all_gather_outputs``) stay alive from each unit's
+    forward until its backward has run (``reshard_after_forward=False``), so at the backward's start all of
+    them are. ZeRO-3's gathered blocks are transient (``_buffer_bytes``).
+    """
+    masters = sharded_params(stage, strategy, from_zero=1 if strategy.zero in (1, 2) else 3) * FP32
+    if in_backward and strategy.zero in (1, 2):
+        return masters + local_params(stage, strategy) * compute_dtype_bytes(training)
+    return masters
+
+
+def held_gradient_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
+    """Gradients alive when the last in-flight micro-batch's backward starts: those of earlier micro-batches.
+
+    The optimizer's ``zero_grad(set_to_none=True)`` frees them every step, so a step whose peak comes before
+    any backward (one micro-batch, or a pipeline stage whose in-flight count only peaks once) holds none.
+    Accumulated over micro-batches they are full-size where the reduction waits for the last micro-batch —
+    DDP's ``no_sync``, FSDP2 ZeRO-0/1 with gradient sync off (it accumulates the unsharded gradient in fp32),
+    and every stage under ``torch.distributed.pipelining`` (it syncs on the last micro-batch only) — and the
+    1/dp shard where ZeRO-2/3 reduce-scatter after every micro-batch.
+    """
+    in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
+    if micro_batches <= in_flight:
+        return 0.0
+    if strategy.zero <= 1 or strategy.pp > 1:
+        return (local_params(stage, strategy) + replicated_embedding_gradient_params(stage, strategy)) * FP32
+    return sharded_params(stage, strategy, from_zero=2) * FP32
+
+
+def replicated_embedding_gradient_params(stage: StageTotals, strategy: Strategy) -> float:
+    """Extra gradient elements of vocabulary-parallel embeddings under tensor parallelism.
+
+    DTensor's embedding backward gives a row-sharded (``Shard(0)``, ``RowwiseParallel``) embedding weight a
+    ``Replicate`` gradient: every tp rank holds the whole ``vocab x h`` gradient, ``1 - 1/tp`` more than its
+    shard (checked on torch 2.13: ``weight.grad.placements == (Replicate(),)``). Counted where the unsharded
+    gradient is what the step holds (ZeRO-0/1 accumulation; FSDP2's reduce-scatter of ZeRO-2/3 re-shards it).
+    """
+    if strategy.tp == 1 or strategy.zero > 1:
+        return 0.0
+    return stage.embedding_params * (1 - 1 / strategy.tp)
+
+
+def loss_gradient_bytes(stage: StageTotals, strategy: Strategy) -> float:
+    """The loss's backward on its micro-batch: two tensors the size of the saved log-probabilities.
+
+    ``nll_loss_backward`` writes a dense gradient of the log-probabilities, and ``_log_softmax_backward_data``
+    the logits' gradient from it, while every activation of the micro-batch is still saved: the first
+    operation of the backward is its high-water mark. Under tensor parallelism ``loss_parallel`` keeps the
+    vocabulary sharded (1/tp); context parallelism splits the tokens (1/cp).
+    """
+    return 2 * stage.loss_saved_bytes * strategy.micro_batch / (strategy.tp * strategy.cp)
+
+
+def pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
+    """The last pipeline stage's outputs (logits) of every micro-batch of the step.
+
+    ``torch.distributed.pipelining`` keeps each micro-batch's output in ``stage.output_chunks`` until the step
+    ends and then concatenates them (``_PipelineSchedule._merge_outputs`` -> ``merge_chunks``: ``torch.cat``),
+    even though Tessera's runtime only reads the losses; so the last stage holds ``micro_batches`` logits at
+    the end of the step, twice during the merge. (The runtime could drop them: reported to its owners.)
+    """
+    if strategy.pp == 1:
+        return 0.0
+    return stage.logits_bytes * strategy.micro_batch * micro_batches / (strategy.tp * strategy.cp)
+
+
+def ddp_bucket_bytes(stage: StageTotals, strategy: Strategy) -> float:
+    """DDP's gradient buckets: a second copy of every local gradient, allocated once at construction.
+
+    ``DistributedDataParallel`` (the runtime's ZeRO-0 path without tp/pp/cp/ep, ``runtime.data_parallel``)
+    flattens all gradients into buckets (``bucket_cap_mb=25``, the first 1 MiB) for the all-reduce; together
+    the buckets cover every parameter, in the gradients' dtype (fp32 masters: autocast keeps parameters
+    fp32), and they persist (``gradient_as_bucket_view=False``, the default, copies into them).
+    """
+    plain = strategy.tp == strategy.pp == strategy.cp == strategy.ep == 1
+    if strategy.zero != 0 or not plain or strategy.dp == 1:
+        return 0.0
+    return local_params(stage, strategy) * FP32
+
+
+def optimizer_temporary_bytes(stage: StageTotals, strategy: Strategy, *, on_cpu: bool) -> float:
+    """AdamW's step temporaries. On GPUs PyTorch picks the ``foreach`` implementation, whose
+    ``torch._foreach_sqrt(exp_avg_sqs)`` materialises one fp32 tensor per parameter at once (the size of the
+    local optimizer shard); on CPU it picks the per-tensor loop (``_single_tensor_adamw``), whose temporaries
+    are one parameter's worth at a time: negligible against a stage."""
+    return 0.0 if on_cpu else sharded_params(stage, strategy, from_zero=1) * FP32
 
 
 def activation_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
@@ -67,7 +189,20 @@ def activation_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: i
     per_micro_batch = stage.saved_bytes * strategy.micro_batch
     in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
     held = per_micro_batch * in_flight + stage.recompute_buffer_bytes * strategy.micro_batch
-    return held * tp_activation_share(strategy) / strategy.cp
+    return (held * tp_activation_share(strategy) + sp_gathered_input_bytes(stage, strategy) * in_flight) / strategy.cp
+
+
+def sp_gathered_input_bytes(stage: StageTotals, strategy: Strategy) -> float:
+    """What PyTorch's sequence parallelism keeps beyond ``1/tp`` of a micro-batch's activations.
+
+    Korthikanti et al.'s ``34 sbh / t`` assumes Megatron-LM's sequence parallelism, which saves the local
+    ``s/t`` shard in front of each column-parallel pair and all-gathers it again in the backward. DTensor's
+    ``SequenceParallel`` -> ``ColwiseParallel`` (``runtime.tensor_parallel``) all-gathers the input once and the
+    linear saves the gathered tensor, so each pair's input (and the head's) is kept whole: ``1 - 1/t`` of it more.
+    """
+    if strategy.tp == 1 or not strategy.sp:
+        return 0.0
+    return stage.sp_gathered_bytes * strategy.micro_batch * (1 - 1 / strategy.tp)
 
 
 def tp_activation_share(strategy: Strategy) -> float:
@@ -78,11 +213,27 @@ def tp_activation_share(strategy: Strategy) -> float:
 
 
 def _buffer_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy) -> float:
+    """Communication and gathering buffers alive at the backward's start."""
     # Send and receive buffers of the stage boundary: one micro-batch's boundary activation (s / cp tokens).
     pipeline = 2 * stage.boundary_bytes * strategy.micro_batch / strategy.cp if strategy.pp > 1 else 0
     pipeline += ring_and_dispatch_buffer_bytes(stage, strategy)  # cp ring / ep all-to-all buffers (0 without them)
     if strategy.zero == 3:
-        largest = largest_gathered_params(stage, strategy)
-        # Gathered compute-dtype parameters of the current and prefetched block, one unsharded fp32 gradient.
-        return pipeline + largest * (FSDP_PREFETCH_BLOCKS * compute_dtype_bytes(training) + FP32)
-    return pipeline + (2 * DDP_BUCKET_BYTES if strategy.dp * strategy.cp > 1 else 0)
+        return pipeline + zero3_gathered_bytes(stage, training, strategy)
+    return pipeline + ddp_bucket_bytes(stage, strategy)
+
+
+def zero3_gathered_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy) -> float:
+    """ZeRO-3 (FSDP2 ``fully_shard`` per block, then the root): the parameters gathered at the backward's start.
+
+    The root unit (everything outside the blocks: embeddings, final norm, head) is gathered for the whole
+    forward and backward: FSDP2 never reshards the root after forward (``FSDPState._lazy_init`` clears the
+    root's ``post_forward_mesh_info``), since its backward needs it at once. Of the blocks,
+    ``FSDP_PREFETCH_BLOCKS`` are gathered (the one computing and the one prefetched), and the one computing
+    holds its unsharded fp32 gradient until it is reduce-scattered.
+    """
+    root = stage.root_sharded_params / strategy.tp + stage.root_replicated_params
+    if stage.largest_block_params >= stage.largest_layer_params:
+        block = largest_gathered_params(stage, strategy)  # the largest layer is a block (experts ep-sharded)
+    else:
+        block = stage.largest_block_params / strategy.tp
+    return (root + FSDP_PREFETCH_BLOCKS * block) * compute_dtype_bytes(training) + block * FP32

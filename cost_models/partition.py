@@ -54,6 +54,14 @@ class StageTotals:
     recompute_kv_bytes: float = 0.0  # the part of kv_bytes whose attention core is recomputed (selective or full)
     attention_core_flops: float = 0.0  # forward FLOPs of the attention cores per sequence (hides the ring)
     kv_heads: int = 0  # fewest key/value heads of the stage's attention layers (tp beyond it replicates K/V)
+    # What the runtime holds around the loss and outside the blocks (``cost_models.memory``).
+    root_sharded_params: int = 0  # parameters outside blocks that tp divides (embeddings, head): FSDP's root group
+    root_replicated_params: int = 0  # parameters outside blocks that every tp rank keeps whole (final norm)
+    loss_saved_bytes: int = 0  # what the stage's loss layer saves per sequence (log-probabilities), 0 if none
+    logits_bytes: int = 0  # per sequence, the output of the layer feeding the loss (the stage's pipeline output)
+    largest_block_params: int = 0  # parameters of the stage's largest block (an FSDP unit under ZeRO-3)
+    embedding_params: int = 0  # parameters of embedding layers (vocabulary-parallel under tp)
+    sp_gathered_bytes: int = 0  # per sequence, inputs of column-parallel linears that sp all-gathers and saves whole
 
 
 def split_blocks(layers: Sequence[LayerStats], strategy: Strategy) -> list[list[LayerStats]]:
@@ -148,7 +156,34 @@ def stage_totals(stage: Sequence[LayerStats], index: int, policies: Mapping[str,
         blocks=len(blocks),
         hidden_size=max((block_width(b) for b in blocks), default=0),
         **_sparse_and_long_totals(stage, policy),
+        **_root_and_loss_totals(stage),
+        sp_gathered_bytes=sum(_sp_gathered_bytes(layer, policy[layer.fqn]) for layer in stage),
     )
+
+
+def _sp_gathered_bytes(layer: LayerStats, recompute: Recompute) -> float:
+    """Per sequence, what sequence parallelism all-gathers in front of a layer's column-parallel linears and the
+    linears save for their weight gradient: one residual-width input per linear pair of a block (unless the
+    block is fully recomputed, which saves only its input), and the head's input."""
+    if layer.kind == "block" and recompute != "full":
+        return _block_tp_reductions(layer) * layer.output_bytes
+    if layer.kind == "head":
+        return layer.saved_bytes_full_recompute
+    return 0.0
+
+
+def _root_and_loss_totals(stage: Sequence[LayerStats]) -> dict:
+    """The StageTotals fields of the layers outside blocks and of the loss (see ``cost_models.memory``)."""
+    root = [layer for layer in stage if layer.kind != "block"]
+    losses = [i for i, layer in enumerate(stage) if layer.kind == "loss"]
+    return {
+        "root_sharded_params": sum(layer.param_count for layer in root if layer.kind in TP_SHARDED_KINDS),
+        "root_replicated_params": sum(layer.param_count for layer in root if layer.kind not in TP_SHARDED_KINDS),
+        "loss_saved_bytes": sum(stage[i].saved_bytes_no_recompute for i in losses),
+        "logits_bytes": sum(stage[i - 1].output_bytes for i in losses if i > 0),
+        "largest_block_params": max((layer.param_count for layer in stage if layer.kind == "block"), default=0),
+        "embedding_params": sum(layer.param_count for layer in root if layer.kind == "embedding"),
+    }
 
 
 def _sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:

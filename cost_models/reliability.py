@@ -100,7 +100,8 @@ class ReliabilityEstimate(BaseModel):
             f"checkpoint {c.total_bytes / 1e9:,.1f} GB, write {c.write_time_s:,.1f} s, blocks training "
             f"{self.blocking_s:,.1f} s ({kind})",
             f"interval   every {self.interval_s / 60:,.1f} min{steps(self.interval_s)}; Young/Daly optimum "
-            f"{self.optimal_interval_s / 60:,.1f} min{steps(self.optimal_interval_s)} at MTBF {self.mtbf_s / 3600:,.1f} h",
+            f"{self.optimal_interval_s / 60:,.1f} min{steps(self.optimal_interval_s)} "
+            f"at MTBF {self.mtbf_s / 3600:,.1f} h",
             f"lost time  {self.waste_fraction:.1%} of wall time: checkpoints {self.checkpoint_fraction:.1%}, "
             f"failures {self.failure_fraction:.1%} (restart {self.restart_s / 60:,.1f} min + rework)",
         ])

@@ -82,11 +82,11 @@ def capture(
     example_inputs = example_inputs if example_inputs is not None else _default_inputs(model)
     layers = find_layers(model)
     with expected_expert_load(model, expert_capacity_factor):
-        flow, graph = _trace(model, layers, example_inputs, seq_len, front_ends, leaf_modules)
+        flow, pairs = _trace(model, layers, example_inputs, seq_len, front_ends, leaf_modules)
         rescalable = fit_seq_scaling and (example_inputs is None or callable(example_inputs))
         lengths = fit_lengths(seq_len) if rescalable else (seq_len,)
         tallies = measure_at_lengths(model, flow.order, dtype=dtype, lengths=lengths, inputs=example_inputs)
-    stats, keys = _records(model, layers, flow, graph, tallies[seq_len], capacity_factor=expert_capacity_factor)
+    stats, keys = _records(model, layers, flow, pairs, tallies[seq_len], capacity_factor=expert_capacity_factor)
     return LayerGraph(
         model_name=name or getattr(model, "name", None) or type(model).__name__,
         seq_len=seq_len,
@@ -205,7 +205,8 @@ def _trace(
     seq_len: int,
     front_ends: Sequence[str] | None,
     leaf_modules: LeafModules,
-) -> tuple[LayerFlow, torch.fx.Graph]:
+) -> tuple[LayerFlow, dict[str, tuple]]:
+    """The layer flow and the tensor-parallel pairs per layer (``layer_info.tp_pairs``)."""
     args, kwargs = example_inputs_at(example_inputs, seq_len)
     traced = trace_model(model, args, kwargs, front_ends=front_ends, leaf_modules=leaf_modules)
     flow = _layer_flow(traced.front_end, traced.graph, layers, traced.fallback_reasons)
@@ -214,7 +215,13 @@ def _trace(
             f"{type(model).__name__} calls no child module in forward, so there is nothing to plan per layer; "
             "wrap its computation in submodules (embedding, blocks, head)"
         )
-    return flow, traced.graph
+    try:
+        pairs = layer_info.tp_pairs(traced.graph, model, layers, replicas=traced.replicas, outputs=traced.outputs)
+    except layer_info.NotReplicable:  # a repeated element's pairs depend on its surroundings: trace every call
+        traced = trace_model(model, args, kwargs, front_ends=front_ends, leaf_modules=leaf_modules, replicate=False)
+        flow = _layer_flow(traced.front_end, traced.graph, layers, traced.fallback_reasons)
+        pairs = layer_info.tp_pairs(traced.graph, model, layers)
+    return flow, pairs
 
 
 def _reads_metadata(node: torch.fx.Node) -> bool:
@@ -253,13 +260,12 @@ def _layer_flow(
 
 
 def _records(
-    model: nn.Module, layers: dict[str, nn.Module], flow: LayerFlow, graph: torch.fx.Graph, tallies: dict[str, Tally],
+    model: nn.Module, layers: dict[str, nn.Module], flow: LayerFlow, pairs: dict[str, tuple], tallies: dict[str, Tally],
     *, capacity_factor: float | None = None,
 ) -> tuple[list[LayerStats], list[str]]:
     """LayerStats of every layer and the loss, with their signature keys."""
     owned = _owned_params(model, flow.order, layers)
     elements = layer_info.container_elements(model, layers)
-    pairs = layer_info.tp_pairs(graph, model, layers)
     vocab = tallies[flow.head].output_width if flow.head else 0
     stats, keys = [], []
     for fqn in flow.order:

@@ -35,6 +35,7 @@ from torch import nn
 
 from tessera.cost_models.types import LayerStats
 from tessera.models.moe import expert_capacity
+from tessera.planner.layer_info import attribute
 
 
 @contextmanager
@@ -44,7 +45,7 @@ def expected_expert_load(model: nn.Module, capacity_factor: float | None) -> Ite
     for module in model.modules():
         if "aux_loss" in vars(module):  # a stored load-balancing loss: a capture's meta value must not stay behind
             restore.append((module, "aux_loss", module.aux_loss))
-        if isinstance(getattr(module, "capacity_factor", None), float) and capacity_factor is not None:
+        if isinstance(attribute(module, "capacity_factor"), float) and capacity_factor is not None:
             restore.append((module, "capacity_factor", module.capacity_factor))
             module.capacity_factor = capacity_factor
         elif is_packed_experts(module):
@@ -63,7 +64,7 @@ def expected_expert_load(model: nn.Module, capacity_factor: float | None) -> Ite
 def measured_capacity_factor(layer: nn.Module, requested: float | None) -> float:
     """The load factor ``expected_expert_load`` measures ``layer``'s experts at (1.0 for a dense layer)."""
     for module in layer.modules():
-        if isinstance(getattr(module, "capacity_factor", None), float):
+        if isinstance(attribute(module, "capacity_factor"), float):
             return requested if requested is not None else module.capacity_factor
         if is_packed_experts(module):
             return requested or 1.0
@@ -104,11 +105,11 @@ def expert_summary(layers: Sequence[LayerStats], *, seq_len: int, sequences: int
 
 def is_packed_experts(module: nn.Module) -> bool:
     """A Hugging Face experts module holding all experts' weights as 3-D tensors."""
-    weights = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
+    weights = [attribute(module, name) for name in ("gate_up_proj", "down_proj")]
     return (
         all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights)
-        and isinstance(getattr(module, "num_experts", None), int)
-        and callable(getattr(module, "act_fn", None))
+        and isinstance(attribute(module, "num_experts"), int)
+        and callable(attribute(module, "act_fn"))
     )
 
 

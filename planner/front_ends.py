@@ -15,6 +15,15 @@ copy whose parameters and buffers are meta tensors, so no weight is copied). Nod
 ``meta["nn_module_stack"]`` (innermost module last); fx ``call_module`` / ``get_attr`` nodes name their module in
 ``target``. ``leaf_modules`` (classes or FQNs) apply to ``torch.fx`` only: a leaf is recorded as one call, so its
 forward may hold Python the tracer cannot follow.
+
+Repeated container elements (``torch.fx`` only): tracing inlines every module call, so a model of 61 blocks of
+256 experts each costs 15,000+ traced sub-forwards. As ``tessera.planner.replay`` does for measurement, an element
+of a ``ModuleList`` / ``ModuleDict`` / ``Sequential`` is traced only until the last two traced elements of its
+group (same container, class and parameter/buffer shapes) produced the same graph (ops, targets relative to the
+element, data flow) from the same kind of arguments; later elements called with that kind of arguments are
+recorded as one ``call_module`` node, and ``Traced.replicas`` maps each to the traced element it repeats
+(``Traced.outputs`` holds that element's output nodes). Graph analyses expand a replica from its representative
+(``tessera.planner.layer_info.tp_pairs``); ``trace_model(..., replicate=False)`` traces every call.
 """
 
 from __future__ import annotations
@@ -22,14 +31,18 @@ from __future__ import annotations
 import copy
 import os
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from tessera.errors import CaptureError
+from tessera.planner.replay import CONTAINERS
+from tessera.planner.replay import _shape_key as shape_key
 
 FX, EXPORT, MAKE_FX = "torch.fx.symbolic_trace", "torch.export", "make_fx"
 FRONT_ENDS: tuple[str, ...] = (FX, EXPORT, MAKE_FX)
@@ -52,6 +65,10 @@ class Traced:
     front_end: str
     graph: torch.fx.Graph
     fallback_reasons: tuple[str, ...]
+    replicas: Mapping[str, str] = field(default_factory=dict)
+    """FQN of an element recorded as one ``call_module`` node -> the traced element it repeats."""
+    outputs: Mapping[str, tuple[torch.fx.Node, ...]] = field(default_factory=dict)
+    """A repeated (traced) element -> the graph nodes of its outputs."""
 
 
 def trace_model(
@@ -61,15 +78,23 @@ def trace_model(
     *,
     front_ends: Sequence[str] | None = None,
     leaf_modules: LeafModules = (),
+    replicate: bool = True,
 ) -> Traced:
-    """Graph from the first front end that traces ``model`` on meta ``args`` / ``kwargs``; CaptureError if none."""
+    """Graph from the first front end that traces ``model`` on meta ``args`` / ``kwargs``; CaptureError if none.
+
+    ``replicate``: record repeated container elements as one node each (torch.fx; see the module docstring).
+    """
     reasons: list[str] = []
     twin: nn.Module | None = None  # made once, only if a front end that runs the forward is reached
     for name in resolve_front_ends(front_ends):
         if name != FX and twin is None:
             twin = meta_twin(model)
         try:
-            graph = _TRACERS[name](model if name == FX else twin, args, kwargs, leaf_modules)
+            if name == FX:
+                tracer = _Tracer(leaf_modules, replicate=replicate)
+                graph = tracer.trace(model)
+                return Traced(name, graph, tuple(reasons), dict(tracer.repeats.replicas), dict(tracer.repeats.outputs))
+            graph = _TRACERS[name](twin, args, kwargs, leaf_modules)
         except Exception as exc:  # any tracer failure: record it, try the next front end
             reasons.append(describe_failure(name, model, exc))
             continue
@@ -104,22 +129,92 @@ def meta_twin(model: nn.Module) -> nn.Module:
 class _Tracer(torch.fx.Tracer):
     """``symbolic_trace``'s tracer with user leaf modules; remembers the innermost module a tracing error came from."""
 
-    def __init__(self, leaf_modules: LeafModules) -> None:
+    def __init__(self, leaf_modules: LeafModules, *, replicate: bool = False) -> None:
         super().__init__()
         self.leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
         self.leaf_names = {m for m in leaf_modules if isinstance(m, str)}
+        self.repeats = _Repeats(self, enabled=replicate)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, self.leaf_types) or module_qualified_name in self.leaf_names:
+            return True
+        if module_qualified_name == self.repeats.leaf_now:
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> object:
         try:
-            return super().call_module(m, forward, args, kwargs)
+            return self.repeats.call(m, lambda: super(_Tracer, self).call_module(m, forward, args, kwargs), args, kwargs)
         except Exception as exc:
             _blame(exc, self.path_of_module(m), m)
             raise
+
+
+class _Repeats:
+    """Which container elements a ``_Tracer`` traces and which it records as one node (module docstring)."""
+
+    def __init__(self, tracer: _Tracer, *, enabled: bool) -> None:
+        self.tracer, self.enabled = tracer, enabled
+        self.leaf_now: str | None = None
+        self.traced: dict[tuple, list[tuple[str, tuple, tuple]]] = {}  # group -> [(fqn, arguments, graph)]
+        self.replicas: dict[str, str] = {}
+        self.outputs: dict[str, tuple[torch.fx.Node, ...]] = {}
+
+    def call(self, m: nn.Module, trace: Callable[[], object], args: tuple, kwargs: dict) -> object:
+        fqn = self.tracer.path_of_module(m)
+        group = self._group(fqn, m) if self.enabled else None
+        if group is None or self.tracer.is_leaf_module(m, fqn):  # a leaf anyway: nothing to repeat
+            return trace()
+        arguments = _describe_arguments((args, kwargs))
+        done = self.traced.setdefault(group, [])
+        if len(done) >= 2 and done[-1][1:] == done[-2][1:] and done[-1][1] == arguments and fqn not in self.outputs:
+            self.replicas[fqn], self.leaf_now = done[-1][0], fqn
+            try:
+                return trace()  # a leaf now: one call_module node
+            finally:
+                self.leaf_now = None
+        graph = self.tracer.graph
+        before = len(graph.nodes)
+        out = trace()
+        nodes = list(islice(reversed(graph.nodes), len(graph.nodes) - before))[::-1]
+        done.append((fqn, arguments, _describe_nodes(nodes, fqn)))
+        self.outputs[fqn] = tuple(x.node for x in tree_leaves(out) if isinstance(x, torch.fx.Proxy))
+        return out
+
+    def _group(self, fqn: str, m: nn.Module) -> tuple | None:
+        """(container, shape key) of a container element, None for any other module."""
+        parent = fqn.rpartition(".")[0]
+        if not fqn or not isinstance(self.tracer.root.get_submodule(parent), CONTAINERS):
+            return None
+        return parent, shape_key(m)
+
+
+def _describe_arguments(value: object) -> tuple:
+    """Kind of each argument leaf: a traced value, or the plain value itself (others by type)."""
+    plain = (int, float, bool, str, type(None))
+    return tuple(
+        "proxy" if isinstance(x, torch.fx.Proxy) else x if isinstance(x, plain) else type(x).__qualname__
+        for x in tree_leaves(value)
+    )
+
+
+def _describe_nodes(nodes: list[torch.fx.Node], fqn: str) -> tuple:
+    """The graph an element's forward produced, with module names relative to the element and arguments as
+    positions among these nodes (``-1``: a node from outside)."""
+    index = {node: i for i, node in enumerate(nodes)}
+
+    def relative(value: object) -> object:
+        if isinstance(value, torch.fx.Node):
+            return ("node", index.get(value, -1))
+        if isinstance(value, str) and (value == fqn or value.startswith(fqn + ".")):
+            return ("self", value[len(fqn):])
+        return value if isinstance(value, (int, float, bool, str, type(None))) else repr(value)
+
+    return tuple(
+        (node.op, relative(str(node.target)) if node.op in ("call_module", "get_attr") else str(node.target),
+         tuple(relative(a) for a in tree_leaves(node.args)), tuple(node.kwargs), tuple(relative(a) for a in tree_leaves(node.kwargs)))
+        for node in nodes
+    )
 
 
 def _trace_fx(model: nn.Module, _args: tuple, _kwargs: dict, leaf_modules: LeafModules) -> torch.fx.Graph:

@@ -10,7 +10,10 @@
   (``row.out_features == column.in_features``). Those linears are its *columns*. The role is ``expert`` for a row
   under an ``experts`` module, ``attention`` when the path crosses an attention op (SDPA, softmax), else ``mlp``.
   Hugging Face's packed experts (3-D parameters) are not linears, so their layers report only attention pairs.
-  A user leaf module is one graph node, so pairs inside it are not seen.
+  A user leaf module is one graph node, so pairs inside it are not seen. A repeated container element that the
+  tracer recorded as one node (``tessera.planner.front_ends``) gets its representative's pairs, renamed; when that
+  would not be exact (a linear inside the representative fed from outside it) ``NotReplicable`` is raised and
+  capture traces every element instead.
 - **heads**: query heads as measured at the SDPA call; **kv_heads**: an attribute of the layer's modules or the
   model's ``config`` named ``num_key_value_heads`` / ``num_kv_heads`` / ``n_kv_heads`` / ``kv_heads`` when
   present (Hugging Face repeats key/value heads before SDPA), else the key heads measured at the SDPA call.
@@ -24,7 +27,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -101,13 +104,25 @@ def enclosing(path: str, names: Iterable[str] | set[str]) -> str | None:
     return None
 
 
+class NotReplicable(Exception):
+    """A replica's tensor-parallel pairs cannot be copied exactly from its representative: trace it in full."""
+
+
 def tp_pairs(
-    graph: torch.fx.Graph, model: nn.Module, layers: dict[str, nn.Module]
+    graph: torch.fx.Graph, model: nn.Module, layers: dict[str, nn.Module], *,
+    replicas: Mapping[str, str] | None = None, outputs: Mapping[str, tuple[torch.fx.Node, ...]] | None = None,
 ) -> dict[str, tuple[LinearPair, ...]]:
-    """Column/row-parallel linear pairs per layer FQN, from the data flow of ``graph``."""
-    dims = {fqn: d for fqn, m in model.named_modules() if (d := linear_dims(m)) is not None}
-    norms = {fqn for fqn, m in model.named_modules() if is_norm(m)}
-    feeds = _linear_feeds(graph, set(dims), norms)
+    """Column/row-parallel linear pairs per layer FQN, from the data flow of ``graph``.
+
+    ``replicas`` / ``outputs``: the repeated elements recorded as one node (``front_ends.Traced``).
+    """
+    dims, norms = {}, set()
+    for fqn, m in model.named_modules():
+        if (d := linear_dims(m)) is not None:
+            dims[fqn] = d
+        elif is_norm(m):
+            norms.add(fqn)
+    feeds = _linear_feeds(graph, set(dims), norms, _Replicas(replicas or {}, outputs or {}))
     position = {fqn: i for i, fqn in enumerate(dims)}  # model order
     pairs: dict[str, list[LinearPair]] = {}
     for row in sorted(feeds, key=position.__getitem__):
@@ -123,12 +138,17 @@ def tp_pairs(
     return {layer: tuple(found) for layer, found in pairs.items()}
 
 
-def _linear_feeds(graph: torch.fx.Graph, linears: set[str], norms: set[str]) -> dict[str, set[tuple[str, bool]]]:
+def _linear_feeds(
+    graph: torch.fx.Graph, linears: set[str], norms: set[str], replicas: "_Replicas"
+) -> dict[str, set[tuple[str, bool]]]:
     """For each linear: the linears whose outputs reach its input, and whether through an attention op."""
     reach: dict[torch.fx.Node, frozenset[tuple[str, bool]]] = {}
     feeds: dict[str, set[tuple[str, bool]]] = {}
     for node in graph.nodes:
         incoming = frozenset().union(*(reach.get(n, frozenset()) for n in node.all_input_nodes))
+        if node.op == "call_module" and node.target in replicas.of:
+            reach[node] = replicas.expand(str(node.target), incoming, reach, feeds)
+            continue
         path = node_path(node)
         linear = enclosing(path, linears) if path else None
         name = _op_name(node)
@@ -144,6 +164,34 @@ def _linear_feeds(graph: torch.fx.Graph, linears: set[str], norms: set[str]) -> 
     return feeds
 
 
+class _Replicas:
+    """Expands a replica node in the reach analysis: its linears' feeds and its output reach are the
+    representative's with the representative's name replaced by the replica's."""
+
+    def __init__(self, of: Mapping[str, str], outputs: Mapping[str, tuple[torch.fx.Node, ...]]) -> None:
+        self.of, self.outputs = of, outputs
+        self.inside: dict[str, list[str]] = {}  # representative -> the linears that ran inside it
+
+    def expand(
+        self, fqn: str, incoming: frozenset, reach: dict[torch.fx.Node, frozenset], feeds: dict[str, set]
+    ) -> frozenset[tuple[str, bool]]:
+        rep = self.of[fqn]
+        prefix = rep + "."
+
+        def rename(name: str) -> str:
+            return fqn + name[len(rep):]
+
+        if rep not in self.inside:
+            self.inside[rep] = [linear for linear in feeds if linear.startswith(prefix)]
+        for linear in self.inside[rep]:
+            if any(not src.startswith(prefix) for src, _ in feeds[linear]):
+                raise NotReplicable(f"{linear} is fed from outside {rep}")
+            feeds[rename(linear)] = {(rename(src), crossed) for src, crossed in feeds[linear]}
+        out = frozenset().union(*(reach.get(n, frozenset()) for n in self.outputs.get(rep, ())))
+        own = frozenset((rename(src), crossed) for src, crossed in out if src.startswith(prefix))
+        return own | incoming if len(own) < len(out) else own  # what it passes through from its inputs
+
+
 def _op_name(node: torch.fx.Node) -> str:
     if node.op == "call_method":
         return str(node.target)
@@ -155,10 +203,28 @@ def _op_name(node: torch.fx.Node) -> str:
 # ----------------------------------------------------------------------------------------------- model facts
 
 
+def attribute(module: object, name: str) -> object:
+    """``getattr(module, name, None)`` without the slow failed lookup of ``nn.Module.__getattr__`` (which only
+    finds parameters, buffers and submodules): capture asks this of every module of a 60,000-module model."""
+    if (not isinstance(module, nn.Module) or type(module).__getattr__ is not nn.Module.__getattr__
+            or name in module.__dict__ or hasattr(type(module), name)):
+        return getattr(module, name, None)
+    for store in ("_parameters", "_buffers", "_modules"):
+        found = module.__dict__.get(store) or {}
+        if name in found:
+            return found[name]
+    return None
+
+
+def _declared(module: object, names: tuple[str, ...]) -> list[int]:
+    """The integer attributes of ``module`` among ``names``, in that order."""
+    return [value for name in names if isinstance(value := attribute(module, name), int)]
+
+
 def kv_heads_declared(module: nn.Module, config: object) -> int:
     """Key/value heads declared by an attribute of ``module``'s submodules or by ``config`` (0 if none)."""
     for sub in module.modules():
-        found = next((getattr(sub, n) for n in _KV_NAMES if isinstance(getattr(sub, n, None), int)), 0)
+        found = next(iter(_declared(sub, _KV_NAMES)), 0)
         if found:
             return found
     return next((getattr(config, n) for n in _KV_NAMES if isinstance(getattr(config, n, None), int)), 0)
@@ -170,7 +236,7 @@ def expert_count(module: nn.Module) -> int:
     for name, sub in module.named_modules():
         if isinstance(sub, nn.ModuleList) and name.rpartition(".")[2] == "experts":
             counts.append(len(sub))
-        counts.extend(getattr(sub, n) for n in _EXPERT_NAMES if isinstance(getattr(sub, n, None), int))
+        counts.extend(_declared(sub, _EXPERT_NAMES))
     return max(counts)
 
 
@@ -193,7 +259,7 @@ def expert_param_count(module: nn.Module) -> int:
 def top_k_declared(module: nn.Module, config: object) -> int:
     """Routed experts per token declared by the layer's modules or the model's config (0 if none)."""
     for sub in module.modules():
-        found = next((getattr(sub, n) for n in _TOP_K_NAMES if isinstance(getattr(sub, n, None), int)), 0)
+        found = next(iter(_declared(sub, _TOP_K_NAMES)), 0)
         if found:
             return found
     return next((getattr(config, n) for n in _TOP_K_NAMES if isinstance(getattr(config, n, None), int)), 0)

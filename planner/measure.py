@@ -44,7 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tessera.errors import CaptureError
 from tessera.planner.front_ends import first_line, user_frame
 from tessera.planner.kernels import CORE_OPS, FusedKernels
-from tessera.planner.replay import BlockReplay
+from tessera.planner.replay import BlockReplay, ElementReplay
 
 LOSS = "loss"
 """FQN of the loss layer (computed outside the model)."""
@@ -183,15 +183,19 @@ def _measure_once(
     meta_inputs = tree_map(lambda x: _stand_in(x, mode, dtype), inputs)
     with mode or nullcontext(), FlopCounterMode(display=False) as counter:
         replay = BlockReplay(model, order if reuse_repeated else (), counter, root=root)
+        elements = ElementReplay(model, order if reuse_repeated else (), counter, ledger, root=root)
         with ExitStack() as stack:
             stack.enter_context(FusedKernels(ledger))
             stack.enter_context(_io_hooks(model, tallies, scope, resident))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda t: t))
             stack.enter_context(replay.installed(lambda fqn: tallies[fqn].saved_bytes))
+            stack.enter_context(elements.installed())
             loss = _forward_and_loss(model, state, meta_inputs, scope, tallies)
         forward_counts = counter.get_flop_counts()
         _backward(loss)
-    _finalize(tallies, ledger, forward_counts, counter.get_flop_counts(), root=root, replayed=replay.replayed)
+    total_counts = counter.get_flop_counts()
+    elements.add_backward(forward_counts, total_counts)
+    _finalize(tallies, ledger, forward_counts, total_counts, root=root, replayed=replay.replayed)
     return tallies
 
 
@@ -331,6 +335,7 @@ class _Ledger:
         self.nbytes: dict[int, int] = {}
         self.kept: set[int] = set()
         self.refs: dict[int, object] = {}  # holding the storages keeps their ids unique
+        self.charged: list[int] = []  # storages in the order they were first charged
         self.in_core = False
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -344,10 +349,33 @@ class _Ledger:
         if key in self.resident:
             return
         if key not in self.owner:
-            self.owner[key], self.nbytes[key], self.refs[key] = self.scope.current(), storage.nbytes(), storage
-            self.tallies[self.owner[key]].saved_bytes += self.nbytes[key]
+            self._own(key, storage, storage.nbytes())
         if kept:
             self.kept.add(key)
+
+    def _own(self, key: int, ref: object, nbytes: int) -> None:
+        self.owner[key], self.nbytes[key], self.refs[key] = self.scope.current(), nbytes, ref
+        self.tallies[self.owner[key]].saved_bytes += nbytes
+        self.charged.append(key)
+
+    def mark(self) -> int:
+        """A point to measure what is charged from (``since``)."""
+        return len(self.charged)
+
+    def since(self, mark: int) -> tuple[int, int]:
+        """(kept, other) bytes first charged after ``mark``: what selective recomputation keeps, and the rest."""
+        keys = self.charged[mark:]
+        kept = sum(self.nbytes[k] for k in keys if k in self.kept)
+        return kept, sum(self.nbytes[k] for k in keys) - kept
+
+    def charge_replayed(self, kept: int, other: int) -> None:
+        """Charge what a replayed element would have saved (``replay.ElementReplay``) to the running layer."""
+        for nbytes, is_kept in ((kept, True), (other, False)):
+            if nbytes:
+                token = object()  # stands for the storages it would have saved
+                self._own(id(token), token, nbytes)
+                if is_kept:
+                    self.kept.add(id(token))
 
     def attention_started(self, query: torch.Tensor, key: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
         tally = self.tallies[self.scope.current()]

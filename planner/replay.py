@@ -69,6 +69,79 @@ class BlockReplay:
         return run
 
 
+class ElementReplay:
+    """The same rule one level down: repeated elements of a container *inside* a layer (a block's experts).
+
+    A replayed element runs nothing, so what it would have added is injected: its representative's forward
+    FLOPs (per op) into the counter under the modules active now (the element and its callers, as
+    FlopCounterMode would have attributed them), its saved bytes into the ledger (``measure._Ledger``), and,
+    once the backward has run, the representative's backward FLOPs under the same modules (``add_backward``).
+    """
+
+    def __init__(self, model: nn.Module, order: tuple[str, ...], counter: FlopCounterMode, ledger, *, root: str) -> None:  # noqa: ANN001
+        self.counter, self.ledger, self.root = counter, ledger, root
+        self.elements: dict[str, nn.Module] = {}  # fqn -> element of a container inside a layer
+        for fqn in order:
+            for name, module in model.get_submodule(fqn).named_modules(prefix=fqn):
+                if name != fqn and isinstance(module, CONTAINERS) and len(module) > 2:
+                    self.elements.update({f"{name}.{child}": m for child, m in module.named_children()})
+        self.measured: dict[tuple, list[str]] = {}  # group -> measured elements, in call order
+        self.seen: dict[str, tuple] = {}  # measured fqn -> (inputs, outputs, forward flops, saved bytes)
+        self.forward: dict[str, dict] = {}  # measured fqn -> its forward FLOPs per op
+        self.saved: dict[str, tuple[int, int]] = {}  # measured fqn -> (kept, other) saved bytes
+        self.outputs: dict[str, object] = {}
+        self.replayed: list[tuple[str, str, frozenset[str]]] = []  # (fqn, representative, modules active)
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        for fqn, module in self.elements.items():
+            module.forward = self._wrap(fqn, module, module.forward)
+        try:
+            yield
+        finally:
+            for module in self.elements.values():
+                del module.forward
+
+    def _wrap(self, fqn: str, module: nn.Module, forward: Callable) -> Callable:
+        def run(*args: object, **kwargs: object) -> object:
+            group = (fqn.rpartition(".")[0], _shape_key(module))
+            inputs = _describe((args, kwargs))
+            measured = self.measured.setdefault(group, [])
+            if len(measured) >= 2 and self.seen[measured[-1]] == self.seen[measured[-2]] and fqn not in self.seen:
+                if self.seen[measured[-1]][0] == inputs:
+                    return self._replay(fqn, measured[-1], args, kwargs)
+            mark = self.ledger.mark()
+            out = forward(*args, **kwargs)
+            counts = dict(self.counter.flop_counts.get(f"{self.root}.{fqn}", {}))
+            self.forward[fqn], self.saved[fqn], self.outputs[fqn] = counts, self.ledger.since(mark), out
+            self.seen[fqn] = (inputs, _describe(out), sorted(counts.items(), key=str), self.saved[fqn])
+            measured.append(fqn)
+            return out
+
+        return run
+
+    def _replay(self, fqn: str, rep: str, args: tuple, kwargs: dict) -> object:
+        active = frozenset(self.counter.mod_tracker.parents)
+        for parent in active:
+            for op, flops in self.forward[rep].items():
+                self.counter.flop_counts[parent][op] += flops
+        self.ledger.charge_replayed(*self.saved[rep])
+        self.replayed.append((fqn, rep, active))
+        return _replay(self.outputs[rep], args, kwargs)
+
+    def add_backward(self, forward: dict[str, dict], total: dict[str, dict]) -> None:
+        """Add each replayed element's backward FLOPs (its representative's: total - forward) to ``total``, in
+        the order they were replayed (an element's own replayed parts are in its representative's total)."""
+        for _fqn, rep, active in self.replayed:
+            key = f"{self.root}.{rep}"
+            backward = {op: n - forward.get(key, {}).get(op, 0) for op, n in total.get(key, {}).items()}
+            for parent in active:
+                counts = total.setdefault(parent, {})
+                for op, flops in backward.items():
+                    if flops:
+                        counts[op] = counts.get(op, 0) + flops
+
+
 def _shape_key(module: nn.Module) -> tuple:
     tensors = [*module.named_parameters(), *module.named_buffers()]
     return type(module).__qualname__, tuple((n, tuple(t.shape), t.dtype) for n, t in tensors)

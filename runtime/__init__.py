@@ -1,6 +1,6 @@
 """Runtime: apply a ``Plan`` to a real model with torch.distributed and train it.
 
-``apply_plan(model, plan) -> ParallelModel`` builds the ``("dp", "pp", "cp", "tp")`` mesh and applies, in order:
+``apply_plan(model, plan) -> ParallelModel`` builds the ``("edp", "pp", "ep", "cp", "tp")`` mesh (``runtime.mesh``) and applies, in order:
 expert parallelism (MoE experts split over ``ep`` ranks carved out of ``dp``, tokens exchanged by
 all-to-all), tensor (+ sequence) parallelism from the model's structure, per-layer recomputation (full or selective),
 optional ``torch.compile`` per block, the pipeline split and schedule, and the data-parallel axis (DDP,

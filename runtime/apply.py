@@ -2,9 +2,11 @@
 
 Order of application (torchtitan's, for the same reasons):
 
-1. check the plan is the same on every rank, build the ``("dp", "pp", "cp", "tp")`` mesh, broadcast rank 0's
-   weights (so ranks need not be seeded identically; skipped for a model on meta); with ``ep > 1``, replace
-   each MoE layer by its expert-parallel form holding this rank's experts (``runtime.expert_parallel``);
+1. refuse what the runtime cannot run (before any collective: alike on every rank, and without a process
+   group); build the ``("edp", "pp", "ep", "cp", "tp")`` mesh (``"dp"`` is ``edp`` x ``ep`` flattened;
+   ``runtime.mesh``), check the plan is the same on every rank, broadcast rank 0's weights (so ranks need not
+   be seeded identically; skipped for a model on meta); with ``ep > 1``, replace each MoE layer by its
+   expert-parallel form holding this rank's experts (``runtime.expert_parallel``);
 2. pipeline: free the layers of chunks other ranks run;
 3. recomputation per layer, full or selective (hooks: FQNs unchanged);
 4. tensor (+ sequence) parallelism on this rank's layers (``runtime.tensor_parallel``; after recomputation
@@ -84,18 +86,18 @@ def apply_plan(
     logits as a ``DTensor`` (``F.cross_entropy`` works on them). Raises ``NotModelledError`` for parts of
     a plan the runtime does not implement or layers it cannot split, ``RuntimeSetupError`` when the world
     does not match the plan. Expert parallelism (``ep > 1``) needs ``tessera.models.moe`` layers (a model on
-    meta is materialised whole before its experts are split, as for DDP); context parallelism (``cp > 1``)
-    needs batches of the planned ``seq_len``; neither composes with pipelining (``NotModelledError`` names
-    the combination).
+    meta is materialised whole before its experts are split, as for DDP) and composes with pipelining;
+    context parallelism (``cp > 1``) needs batches of the planned ``seq_len`` and does not compose with
+    pipelining (``NotModelledError`` names the combination).
     """
     check_supported(plan)
+    _check_experts_and_context(model, plan, compile_blocks=compile_blocks)  # before any process group is made
     on_meta = is_on_meta(model)
     mesh = None if _runs_without_process_group(plan) else build_mesh(plan.strategy)
     device = _target_device(model, on_meta=on_meta)
     if mesh is not None:
         check_plan_agrees(plan)
         broadcast_module_states(model)
-    _check_experts_and_context(model, plan, compile_blocks=compile_blocks)
     on_meta = _split_experts(model, plan, mesh, on_meta=on_meta, device=device)
     chunks = pp_.local_chunks(plan, mesh.get_local_rank(PP)) if mesh is not None else [0]
     layers = [layer for layer in plan.layers if layer.chunk in chunks and layer.kind != "loss"]

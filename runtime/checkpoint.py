@@ -174,18 +174,18 @@ class Checkpointer:
         final, partial = step_folder(root, pm.step), root / f".{STEP_PREFIX}{pm.step:08d}{PARTIAL_SUFFIX}"
         _prepare_partial(final, partial, group)
         _write_side_files(pm, partial, data_state, group)
-        state = _state_dict(pm)
-        commit = dict(final=final, step=pm.step, strategy=pm.plan.strategy.to_string(), group=group,
-                      keep_last=keep_last)
+        state = _state_dict(state_module(pm.modules), pm.optimizer)
+        step, strategy = pm.step, pm.plan.strategy.to_string()
+
+        def commit() -> None:
+            _commit(partial, final=final, step=step, strategy=strategy, group=group, keep_last=keep_last)
+
         if not async_save:
             with _single_process_quiet(group):
                 dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=group is None)
-            _commit(partial, **commit)
+            commit()
             return PendingSave(final)
-        with _single_process_quiet(group):
-            written = dcp.async_save(state, checkpoint_id=partial, process_group=group, no_dist=group is None)
-        written = getattr(written, "upload_completion", written)  # AsyncSaveResponse with a custom stager
-        self._pending = PendingSave(final, _then(written, lambda: _commit(partial, **commit)))
+        self._pending = PendingSave(final, _then(_write_async(state, partial, group), commit))
         return self._pending
 
     def load(self, pm: ParallelModel, path: str | Path, *, verify: bool = True) -> CheckpointInfo:
@@ -195,7 +195,7 @@ class Checkpointer:
         folder, skipped = select_checkpoint(Path(path), verify=verify, group=group)
         manifest = read_manifest(folder)
         module = state_module(pm.modules)
-        state = _state_dict(pm)  # initialises the optimizer's state, so DCP has tensors to load into
+        state = _state_dict(module, pm.optimizer)  # initialises the optimizer's state: DCP loads into its tensors
         with _single_process_quiet(group):
             dcp.load(state, checkpoint_id=folder, process_group=group, no_dist=group is None)
         set_state_dict(module, pm.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
@@ -254,9 +254,9 @@ def _merge_trees(modules: list[nn.Module]) -> nn.Module:
     return merged
 
 
-def _state_dict(pm: ParallelModel) -> dict[str, Any]:
+def _state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` keyed by the user's FQNs; tensors are this rank's shards."""
-    model_state, optim_state = get_state_dict(state_module(pm.modules), pm.optimizer, options=STATE_OPTIONS)
+    model_state, optim_state = get_state_dict(module, optimizer, options=STATE_OPTIONS)
     return {"model": model_state, "optim": optim_state}
 
 
@@ -333,6 +333,13 @@ def _prune(root: Path, keep_last: int) -> None:
     """Delete complete checkpoints older than the newest ``keep_last``."""
     for folder in complete_checkpoints(root)[keep_last:]:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _write_async(state: dict[str, Any], partial: Path, group: dist.ProcessGroup | None) -> Future:
+    """``dcp.async_save``: returns once ``state`` is copied to host memory; the future completes when written."""
+    with _single_process_quiet(group):
+        written = dcp.async_save(state, checkpoint_id=partial, process_group=group, no_dist=group is None)
+    return getattr(written, "upload_completion", written)  # an AsyncSaveResponse with a non-blocking stager
 
 
 def _then(future: Future, action) -> Future:

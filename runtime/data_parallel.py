@@ -1,4 +1,5 @@
-"""The data-parallel axis: ZeRO stages 0-3 over the ``dp`` mesh axis.
+"""The data-parallel axis: ZeRO stages 0-3 over the ``dp`` mesh axis (``edp`` x ``ep`` flattened: every rank
+with this rank's pipeline, context and tensor indices; ``runtime.mesh``).
 
 Every stage averages gradients over ``dp``, so a step on ``dp`` ranks equals a single-device step on the
 concatenated batch (up to the summation order of the reduction). With context parallelism the ``cp`` ranks of

@@ -15,6 +15,11 @@ therefore re-plans itself on every (re)start: with ``resume_from`` the cluster i
 planner picks the best strategy for it, and :func:`resume_if_possible` loads the newest intact checkpoint
 under that plan (``runtime.checkpoint`` reshards it). On the first start, with no checkpoint yet, it trains
 from scratch, so one command serves the first launch and every restart.
+
+Launch with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment (torch's own opt-out): by default
+the workers of every rendezvous round share one store, hosted by the first round's rank-0 agent, and after a
+restart the new ranks can read the gloo addresses the dead round left there and fail with "Connection
+refused" (seen in ``tests/distributed/test_elastic.py``); with it each round's rank 0 hosts a fresh store.
 """
 
 from __future__ import annotations

@@ -3,10 +3,12 @@ exchanges tokens with its group by all-to-all (GShard, Lepikhin et al. 2020, arX
 dispatch/combine pattern of DeepSpeed-MoE and Megatron-Core).
 
 **Where the ep group comes from.** Expert parallelism is carved out of the data-parallel axis
-(``Strategy``'s convention; ``runtime.mesh.expert_mesh``): ``dp = edp * ep``. Each data-parallel rank still
-routes its own tokens (its rows of the batch); the ``ep`` consecutive data-parallel ranks of a group pool
-their experts. Dense parameters (attention, norms, router, shared expert, embeddings, head) stay replicated
-over all ``dp`` ranks; each expert lives on one rank of every ep group, replicated over the ``edp`` groups.
+(``Strategy``'s convention; ``runtime.mesh``): ``dp = edp * ep``, the ``ep`` axis inside the pipeline axis
+(mesh ``("edp", "pp", "ep", "cp", "tp")``), so an ep group is ``ep`` ranks of one pipeline stage, ``tp * cp``
+apart. Each data-parallel rank still routes its own tokens (its rows of the batch); the ``ep`` data-parallel
+ranks of a group pool their experts. Dense parameters (attention, norms, router, shared expert, embeddings,
+head) stay replicated over all ``dp`` ranks; each expert lives on one rank of every ep group, replicated over
+the ``edp`` groups.
 
 **What a layer does** (:class:`ExpertParallelMoE`, a ``MoELayer`` whose experts run remotely). Routing,
 capacity and the weighted combine are the single-process layer's own code (``models.moe``), run on this
@@ -44,8 +46,13 @@ same dispatch for its slice of each expert. The router stays whole.
 count), its ep group is the ranks of its cp index, and expert gradients are averaged over ``edp * cp`` ranks
 (``runtime.mesh.expert_data_mesh``), dense ones over ``dp * cp``: ``1 / (ep * edp * cp) = 1 / (dp * cp)``.
 
-Not implemented (``NotModelledError`` from ``check_expert_parallel``): pipeline parallelism, sequence
-parallelism and selective recomputation (full recomputation works) with ``ep > 1``.
+**Pipeline parallelism** composes: the ep group of a rank is in its own pipeline stage, so its peers run the
+same chunk's MoE layers on the same micro-batch schedule and their all-to-alls pair up (pipelining's shape
+inference runs each stage's forward and backward once more, on every ep peer alike). Each chunk module's
+experts are wrapped over ``edp`` like the dense units over ``dp``.
+
+Not implemented (``NotModelledError`` from ``check_expert_parallel``): sequence parallelism and selective
+recomputation (full recomputation works) with ``ep > 1``.
 A model on the meta device is materialised whole on every rank before its experts are split (``apply_plan``,
 as for DDP): correct, but each rank briefly holds every expert; initialising only the local experts would
 need ``runtime.materialize`` to draw and drop the remote ones.
@@ -63,9 +70,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from tessera.cost_models.types import Strategy
-from tessera.errors import NotModelledError
+from tessera.errors import NotModelledError, RuntimeSetupError
 from tessera.models.moe import MoELayer, slot_tokens
-from tessera.runtime.mesh import EP, expert_data_mesh, expert_mesh
+from tessera.runtime.mesh import EP, expert_data_mesh
 
 
 class ExpertParallelMoE(MoELayer):
@@ -182,7 +189,7 @@ def check_expert_parallel(model: nn.Module, strategy: Strategy, *, selective_rec
     hooks issue a different sequence of ops when the block is recomputed than when it first ran, which
     selective checkpointing (it replays saved ops by count) rejects. Full recomputation works.
     """
-    unsupported = {"pp": strategy.pp > 1, "sp": strategy.sp, "selective recomputation": selective_recompute}
+    unsupported = {"sp": strategy.sp, "selective recomputation": selective_recompute}
     for name, used in unsupported.items():
         if used:
             raise NotModelledError(
@@ -202,8 +209,10 @@ def check_expert_parallel(model: nn.Module, strategy: Strategy, *, selective_rec
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, *, ep: int) -> None:
     """Replace every ``MoELayer`` of ``model`` (in place) by an :class:`ExpertParallelMoE` over the mesh's ep axis;
     the experts other ranks hold are dropped (every rank must hold the same weights beforehand)."""
-    emesh = expert_mesh(mesh, ep)
-    group, ep_rank = emesh.get_group(EP), emesh.get_local_rank(EP)
+    if mesh[EP].size() != ep:
+        raise RuntimeSetupError(f"the mesh's ep axis has {mesh[EP].size()} ranks but the plan says ep={ep}; "
+                                "build the mesh from the plan's strategy (runtime.mesh.build_mesh)")
+    group, ep_rank = mesh.get_group(EP), mesh.get_local_rank(EP)
     for name, layer in list(model.named_modules()):
         if isinstance(layer, MoELayer) and not isinstance(layer, ExpertParallelMoE):
             parent, _, child = name.rpartition(".")
@@ -224,7 +233,7 @@ def apply_expert_data_parallel(
     ZeRO-0 replicates each expert (FSDP2 ``replicate``); ZeRO-1/2/3 shard it over those ranks like the dense units.
     Call before the dense data-parallel wrapping, which then leaves the experts alone.
     """
-    edp_mesh = expert_data_mesh(mesh, strategy.ep)  # edp (x cp)
+    edp_mesh = expert_data_mesh(mesh)  # edp (x cp)
     for layer in expert_layers(model):
         for expert in layer.experts.values():
             if strategy.zero == 0:

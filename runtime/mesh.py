@@ -1,22 +1,34 @@
-"""The device mesh a plan runs on: named axes ``("dp", "pp", "cp", "tp")``, innermost (fastest-varying) last.
+"""The device mesh a plan runs on: named axes ``("edp", "pp", "ep", "cp", "tp")``, innermost (fastest-varying) last.
 
-Ranks are laid out tensor-parallel innermost, then context-parallel, then pipeline, then data parallel (the
-convention ``Strategy`` documents and the cost model counts; Megatron-LM's and Llama 3's order): rank
-``r = ((dp_index * pp + pp_index) * cp + cp_index) * tp + tp_index``. Tensor parallelism, which communicates on
-every layer, therefore stays inside a node (NVLink domain) whenever ``tp`` divides the GPUs per node; the
-context-parallel ring is next-closest; then pipeline neighbours. Size-1 axes are always kept, so code can ask
-for any axis by name (``mesh["tp"]``, ``mesh.get_group("dp")``) whatever the strategy; a size-1 axis costs one
-trivial group. The world is ``dp * pp * cp * tp`` ranks.
+The layout is the one ``Strategy`` documents and the cost model counts (Llama 3's ``tp -> cp -> pp -> dp``
+order, with expert parallelism carved out of ``dp`` inside the pipeline axis as Megatron-Core does): the data-
+parallel axis is split ``dp = edp * ep`` and rank ``r`` has data-parallel rank ``dp_i = edp_i * ep + ep_i`` with
 
-Two derived meshes share the root mesh's ranks and layout:
+    ``r = (((edp_i * pp + pp_i) * ep + ep_i) * cp + cp_i) * tp + tp_i``.
+
+Tensor parallelism, which communicates on every layer, stays inside a node (NVLink domain) whenever ``tp``
+divides the GPUs per node; the context-parallel ring is next-closest; an expert-parallel group (its
+all-to-alls) sits inside one pipeline stage, ``tp * cp`` ranks apart, so inside a node when ``tp * cp * ep``
+fits one; pipeline neighbours are ``tp * cp * ep`` ranks apart; the ``edp`` replicas are outermost. Without
+expert parallelism (``ep == 1``), or without pipelining (``pp == 1``), this is exactly the plain
+``("dp", "pp", "cp", "tp")`` layout, ``r = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i``.
+
+Size-1 axes are always kept, so code can ask for any axis by name (``mesh["tp"]``, ``mesh.get_group("ep")``)
+whatever the strategy; a size-1 axis costs one trivial group. The world is ``dp * pp * cp * tp`` ranks.
+
+**The data-parallel axis ``"dp"``** is not a dimension of the root mesh but the flattened ``("edp", "ep")``
+pair (DeviceMesh ``_flatten``, a process group of its own): the ranks with equal ``(pp_i, cp_i, tp_i)``, in
+``dp_i`` order. :func:`build_mesh` creates it, and the root mesh resolves the name for groups and local ranks
+(``mesh.get_group("dp")``, ``mesh.get_local_rank("dp")``: which rows of the batch a rank trains on); for the
+1-D mesh itself use :func:`dp_mesh` (slicing a flattened name from the root mesh is deprecated in torch).
+
+Derived meshes, all sharing the root mesh's ranks and layout:
 
 - :func:`data_mesh`: the ranks that hold the same dense weights and see different tokens, ``dp * cp`` of them
-  (the ``dp`` and ``cp`` axes flattened). Dense gradients are averaged, and ZeRO state sharded, over it.
-- :func:`expert_mesh`: expert parallelism is carved out of the data-parallel axis (``ep`` divides ``dp``; it
-  adds no ranks): ``dp`` is split ``("edp", "ep")`` with ``ep`` innermost, so an expert-parallel group is ``ep``
-  consecutive data-parallel ranks (of one cp index). ``ep`` ranks hold different experts and exchange tokens
-  (all-to-all); the ``edp = dp / ep`` ranks of the ``edp`` axis, times the ``cp`` ranks, hold the same experts
-  and see different tokens: :func:`expert_data_mesh`, over which expert gradients are averaged.
+  (``edp``, ``ep`` and ``cp`` flattened). Dense gradients are averaged, and ZeRO state sharded, over it.
+- the ``ep`` axis (``mesh["ep"]``): ranks holding different experts, exchanging tokens by all-to-all;
+- :func:`expert_data_mesh`: the ``edp * cp`` ranks (``edp`` and ``cp`` flattened) that hold the same experts
+  and see different tokens, over which expert gradients are averaged.
 """
 
 from __future__ import annotations
@@ -27,13 +39,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tessera.cost_models.types import Strategy
 from tessera.errors import RuntimeSetupError
 
-DP, PP, CP, TP = "dp", "pp", "cp", "tp"
-AXES = (DP, PP, CP, TP)
+EDP, PP, EP, CP, TP = "edp", "pp", "ep", "cp", "tp"
+AXES = (EDP, PP, EP, CP, TP)
 """Mesh axis names, outermost first."""
-EDP, EP = "edp", "ep"
-"""Axes :func:`expert_mesh` splits ``dp`` into: replicas of the same experts, and the expert-parallel group."""
+DP = "dp"
+"""The data-parallel axis: ``("edp", "ep")`` flattened (:func:`dp_mesh`)."""
 DATA, EXPERT_DATA = "dp_cp", "edp_cp"
-"""Names of the single (flattened) axes of :func:`data_mesh` and :func:`expert_data_mesh`."""
+"""Names of the flattened axes of :func:`data_mesh` and :func:`expert_data_mesh` when ``cp > 1``."""
 
 
 def device_type() -> str:
@@ -41,13 +53,14 @@ def device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def mesh_shape(strategy: Strategy) -> tuple[int, int, int, int]:
-    """Sizes of the ``("dp", "pp", "cp", "tp")`` axes."""
-    return strategy.dp, strategy.pp, strategy.cp, strategy.tp
+def mesh_shape(strategy: Strategy) -> tuple[int, int, int, int, int]:
+    """Sizes of the ``("edp", "pp", "ep", "cp", "tp")`` axes."""
+    return strategy.expert_dp, strategy.pp, strategy.ep, strategy.cp, strategy.tp
 
 
 def build_mesh(strategy: Strategy) -> DeviceMesh:
-    """Build the named mesh ``("dp", "pp", "cp", "tp")`` for ``strategy`` over the initialised default process group."""
+    """Build the named mesh ``("edp", "pp", "ep", "cp", "tp")`` for ``strategy``, and its flattened ``"dp"``
+    axis, over the initialised default process group."""
     if not dist.is_initialized():
         raise RuntimeSetupError(
             f"strategy {strategy.to_string()!r} needs {strategy.world_size} ranks but no process group is "
@@ -59,45 +72,34 @@ def build_mesh(strategy: Strategy) -> DeviceMesh:
             f"strategy {strategy.to_string()!r} needs {strategy.world_size} ranks but the process group has "
             f"{world_size}; relaunch with {strategy.world_size} processes or re-plan for {world_size} devices"
         )
-    key = (device_type(), mesh_shape(strategy), id(dist.group.WORLD))
-    if key not in _MESHES:  # each axis costs process groups (a rendezvous each): build a shape once per world
+    world = dist.group.WORLD
+    key = (device_type(), mesh_shape(strategy), id(world))
+    cached = _MESHES.get(key)
+    if cached is None or cached[0] is not world:  # each axis costs process groups (a rendezvous each): once per world
         _MESHES.clear()
-        _DERIVED.clear()
-        _MESHES[key] = init_device_mesh(key[0], key[1], mesh_dim_names=AXES)
-    return _MESHES[key]
+        mesh = init_device_mesh(key[0], key[1], mesh_dim_names=AXES)
+        mesh[EDP, EP]._flatten(DP)  # registered on the root mesh: mesh.get_group("dp") / get_local_rank("dp")
+        _MESHES[key] = (world, mesh)  # the world group is kept alive so that its id is not reused
+    return _MESHES[key][1]
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D data-parallel mesh: ``edp`` and ``ep`` flattened, ``dp_i = edp_i * ep + ep_i``."""
+    return mesh[EDP, EP]._flatten(DP)  # torch returns the one build_mesh created
 
 
 def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D mesh of ranks holding the same dense weights: ``dp`` (and ``cp``, flattened into it when > 1)."""
     if mesh[CP].size() == 1:
-        return mesh[DP]
-    key = (id(mesh), DATA)
-    if key not in _DERIVED:  # kept here: slicing a flattened axis from the root mesh is deprecated
-        _DERIVED[key] = mesh[DP, CP]._flatten(DATA)
-    return _DERIVED[key]
+        return dp_mesh(mesh)
+    return mesh[EDP, EP, CP]._flatten(DATA)  # created once: torch returns an existing flattening of the same ranks
 
 
-def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """The root mesh with ``dp`` split into ``("edp", "ep")``, ``ep`` innermost: ``(edp, ep, pp, cp, tp)``."""
-    dp = mesh[DP].size()
-    if dp % ep:
-        raise RuntimeSetupError(f"ep={ep} does not divide the mesh's dp={dp}; plan with an ep that divides dp")
-    key = (id(mesh), EP, ep)
-    if key not in _DERIVED:
-        _DERIVED[key] = mesh._unflatten(DP, (dp // ep, ep), (EDP, EP))
-    return _DERIVED[key]
-
-
-def expert_data_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D mesh of ranks holding the same experts: ``edp`` (and ``cp``, flattened into it when > 1)."""
-    emesh = expert_mesh(mesh, ep)
     if mesh[CP].size() == 1:
-        return emesh[EDP]
-    key = (id(mesh), EXPERT_DATA, ep)
-    if key not in _DERIVED:
-        _DERIVED[key] = emesh[EDP, CP]._flatten(EXPERT_DATA)
-    return _DERIVED[key]
+        return mesh[EDP]
+    return mesh[EDP, CP]._flatten(EXPERT_DATA)
 
 
-_MESHES: dict[tuple, DeviceMesh] = {}
-_DERIVED: dict[tuple, DeviceMesh] = {}
+_MESHES: dict[tuple, tuple[dist.ProcessGroup, DeviceMesh]] = {}

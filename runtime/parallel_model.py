@@ -55,7 +55,7 @@ class ParallelModel:
         self.loss_fn = loss_fn
         """``loss_fn(outputs, targets)``: mean loss of one micro-batch (vocabulary-parallel under tp)."""
         self.mesh = mesh
-        """The ``("dp", "pp", "tp")`` device mesh, or ``None`` when running without a process group."""
+        """The ``("edp", "pp", "ep", "cp", "tp")`` device mesh (``"dp"`` is ``edp x ep`` flattened; see ``runtime.mesh``), or ``None`` without a process group."""
         self.device = device
         """Device the rank's batches are moved to."""
         self.schedule = schedule

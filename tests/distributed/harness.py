@@ -320,6 +320,10 @@ SPARSE_LONG_CASES = {
         (MOE, "dp=4,ep=2,zero=1,mbs=2", "fp32", False),  # EP with DP: experts replicated over edp=2
         (MOE, "dp=2,ep=2,tp=2,mbs=4", "fp32", False),  # EP with TP on attention and experts
         (MOE, "dp=2,ep=2,cp=2,zero=1,mbs=4", "fp32", False),  # EP with CP: experts averaged over edp x cp
+        # EP with PP: each ep group inside a pipeline stage (mesh edp, pp, ep, cp, tp); 2 micro-batches
+        (MOE, "dp=2,ep=2,pp=2,mbs=2,schedule=1f1b", "fp32", False),
+        (MOE, "dp=2,ep=2,pp=2,zero=1,mbs=1,schedule=1f1b", "fp32", False),  # + ZeRO-1, 4 micro-batches
+        (MOE, "dp=2,ep=2,pp=2,mbs=2,schedule=zero-bubble", "fp32", False),  # all-to-alls in split backward
         (LLAMA, "dp=1,cp=4,mbs=4,recompute=full", "fp32", False),  # a ring of 4
         (GPT, "dp=2,cp=2,zero=3,mbs=2", "fp32", False),  # CP with DP (FSDP over dp x cp)
         (LLAMA, "dp=2,cp=2,zero=0,mbs=4", "fp32", False),  # CP with DP (replicate over dp x cp)
@@ -338,7 +342,7 @@ def expert_layer_check() -> dict:
     """
     from tessera.models.moe import MoELayer, expert_capacity  # noqa: PLC0415
     from tessera.runtime.expert_parallel import ExpertParallelMoE  # noqa: PLC0415
-    from tessera.runtime.mesh import EP, build_mesh, expert_mesh  # noqa: PLC0415
+    from tessera.runtime.mesh import EP, build_mesh  # noqa: PLC0415
 
     world, rank = dist.get_world_size(), dist.get_rank()
     config = model_config(MOE_DROPS)
@@ -346,9 +350,9 @@ def expert_layer_check() -> dict:
     layer = MoELayer(config)
     data = [_layer_data(config.hidden, r) for r in range(world)]
     reference, expert_sums = _reference_layer_runs(layer, data, rank)
-    emesh = expert_mesh(build_mesh(Strategy(dp=world, ep=world)), world)
+    mesh = build_mesh(Strategy(dp=world, ep=world))
     # the same modules (the reference's results are copies): this rank's experts, run by all-to-all
-    ep_layer = ExpertParallelMoE(layer, group=emesh.get_group(EP), ep=world, ep_rank=emesh.get_local_rank(EP))
+    ep_layer = ExpertParallelMoE(layer, group=mesh.get_group(EP), ep=world, ep_rank=mesh.get_local_rank(EP))
     ours = _layer_run(ep_layer, *data[rank])
     x = data[rank][0].flatten(0, 1)
     chosen = F.softmax(layer.router(x).float(), dim=-1).topk(config.top_k, dim=-1).indices  # (N, k)

@@ -75,10 +75,13 @@ def test_single_process_meta_model_is_initialised_like_the_unsharded_one():
 
 @pytest.mark.parametrize(
     ("strategy", "precision", "missing"),
-    [("dp=1,cp=2", "fp32", "context parallelism"), ("dp=1,ep=2", "fp32", "expert parallelism"),
+    [("dp=1,cp=2,pp=2", "fp32", "context parallelism together with pp"),
+     ("dp=2,ep=2,tp=2,sp=true", "fp32", "expert parallelism together with sp"),
+     ("dp=2,ep=2", "fp32", "no MoE layer"),  # GPT has no experts to split
      ("dp=1", "fp16", "loss scaling")],
 )
 def test_unimplemented_parts_of_a_plan_are_refused_by_name(strategy, precision, missing):
+    # Refused before any process group is needed (apply_plan checks first), alike on every rank.
     model = make_model(GPT)
     with pytest.raises(NotModelledError, match=missing):
         apply_plan(model, make_plan(GPT, model, strategy, precision))
