@@ -26,6 +26,8 @@ from tessera.cost_models.types import Strategy, TrainingConfig
 FP32 = 4
 GiB = 2**30
 FSDP_PREFETCH_BLOCKS = 2  # the block being computed plus the one prefetched
+LOSS_TEMPORARIES = 2  # cross-entropy backward: d(log-probs) and d(logits) (``loss_gradient_bytes``)
+LOSS_PARALLEL_TEMPORARIES = 3  # loss_parallel forward: logits, x - max and exp beside the result
 REPLICATED_ACTIVATION_SHARE = 10 / 34  # Korthikanti et al. eq. 2: sbh(10 + 24/t) of sbh*34 without SP
 # Allowance outside tensors: CUDA context, NCCL buffers and allocator fragmentation (~2 GiB on GPUs,
 # a stated assumption); a CPU rank costs ~220 MB before any model (shared/PLATFORM-NOTES.md).
@@ -139,14 +141,17 @@ def replicated_embedding_gradient_params(stage: StageTotals, strategy: Strategy)
 
 
 def loss_gradient_bytes(stage: StageTotals, strategy: Strategy) -> float:
-    """The loss's backward on its micro-batch: two tensors the size of the saved log-probabilities.
+    """The loss's working tensors on its micro-batch, beyond the saved log-probabilities, all activations alive.
 
-    ``nll_loss_backward`` writes a dense gradient of the log-probabilities, and ``_log_softmax_backward_data``
-    the logits' gradient from it, while every activation of the micro-batch is still saved: the first
-    operation of the backward is its high-water mark. Under tensor parallelism ``loss_parallel`` keeps the
-    vocabulary sharded (1/tp); context parallelism splits the tokens (1/cp).
+    Plain cross-entropy (``tp == 1``): the backward's first operations, ``nll_loss_backward`` (a dense gradient
+    of the log-probabilities) and ``_log_softmax_backward_data`` (the logits' gradient), hold two
+    log-probability-sized tensors: ``LOSS_TEMPORARIES``. Under tensor parallelism ``loss_parallel`` computes the
+    vocabulary-sharded log-softmax from aten pieces (``x - max``, ``exp``, the sum's all-reduce, the result), and
+    its forward keeps the logits and three shard-sized tensors alive at once: ``LOSS_PARALLEL_TEMPORARIES``
+    (the logits are otherwise freed). Sizes are 1/tp (vocabulary shards) and 1/cp (tokens).
     """
-    return 2 * stage.loss_saved_bytes * strategy.micro_batch / (strategy.tp * strategy.cp)
+    temporaries = LOSS_TEMPORARIES if strategy.tp == 1 else LOSS_PARALLEL_TEMPORARIES
+    return temporaries * stage.loss_saved_bytes * strategy.micro_batch / (strategy.tp * strategy.cp)
 
 
 def pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:

@@ -111,12 +111,18 @@ def test_overlapped_tensor_parallelism_exposes_one_ring_step_in_tp():
 
 def test_korthikanti_activation_share_with_and_without_sequence_parallelism():
     # Korthikanti et al. eq. 2 and 4: sbh(10 + 24/t) without SP, sbh*34/t with SP (of sbh*34 unsplit).
+    # Small blocks (1e6 parameters) so that the step peaks where the backward starts, with all activations alive.
+    layers = [block(i, params=10**6) for i in range(4)]
     training = TrainingConfig(global_batch=1, seq_len=4096)
-    plain = run("dp=8,mbs=1", cluster=H100_NODE, training=TrainingConfig(global_batch=8, seq_len=4096))
-    no_sp, sp = run("dp=1,tp=8,mbs=1", training=training), run("dp=1,tp=8,mbs=1,sp=true", training=training)
+    plain = run("dp=8,mbs=1", layers=layers, training=TrainingConfig(global_batch=8, seq_len=4096))
+    no_sp = run("dp=1,tp=8,mbs=1", layers=layers, training=training)
+    sp = run("dp=1,tp=8,mbs=1,sp=true", layers=layers, training=training)
     whole = plain.memory_by_category_bytes["activations"]
+    assert whole == 4 * 2 * GiB
     assert no_sp.memory_by_category_bytes["activations"] == pytest.approx(whole * (10 + 24 / 8) / 34, rel=1e-6)
-    assert sp.memory_by_category_bytes["activations"] == pytest.approx(whole / 8, rel=1e-6)
+    # PyTorch's sequence parallelism also keeps each pair's all-gathered input whole (2 pairs x 4 blocks).
+    gathered = 4 * 2 * layers[0].output_bytes * (1 - 1 / 8)
+    assert sp.memory_by_category_bytes["activations"] == pytest.approx(whole / 8 + gathered, rel=1e-6)
     assert REPLICATED_ACTIVATION_SHARE == pytest.approx(10 / 34)
 
 
@@ -178,3 +184,80 @@ def test_strategy_string_round_trip_and_errors():
         Strategy.parse("tensor=2")
     with pytest.raises(ConfigError, match="zero"):
         Strategy.parse("zero=7")
+
+
+# ------------------------------------------------------------------- memory terms of the runtime's mechanisms
+def _layer(fqn: str, kind: str, *, params: int = 0, saved: int = 0, out: int = 0, head_in: int = 0) -> LayerStats:
+    return LayerStats(fqn=fqn, kind=kind, signature=fqn, param_count=params, forward_flops=0, backward_flops=0,
+                      saved_bytes_no_recompute=saved, saved_bytes_full_recompute=head_in or saved, output_bytes=out)
+
+
+# Embedding 100 params, two blocks of 1000 (saved 64 B, output 8 B per sequence), norm 10, head 200 whose input is
+# 8 B and output (the logits) 50 B, and a loss saving 40 B of log-probabilities per sequence.
+MODEL = [_layer("emb", "embedding", params=100, out=8), _layer("blocks.0", "block", params=1000, saved=64, out=8),
+         _layer("blocks.1", "block", params=1000, saved=64, out=8), _layer("norm", "norm", params=10, out=8),
+         _layer("head", "head", params=200, saved=8, out=50, head_in=8), _layer("loss", "loss", saved=40)]
+
+
+def _totals(strategy: str):
+    from tessera.cost_models.partition import stage_totals
+    s = Strategy.parse(strategy)
+    return stage_totals(MODEL, 0, {}), s
+
+
+def test_root_loss_and_gathered_totals_of_a_stage():
+    totals, _ = _totals("dp=1")
+    assert (totals.root_sharded_params, totals.root_replicated_params, totals.embedding_params) == (300, 10, 100)
+    assert (totals.loss_saved_bytes, totals.logits_bytes, totals.largest_block_params) == (40, 50, 1000)
+    assert totals.sp_gathered_bytes == 2 * 2 * 8 + 8  # two pairs per block, and the head's input
+
+
+def test_loss_temporaries_plain_and_vocabulary_parallel():
+    from tessera.cost_models.memory import loss_gradient_bytes
+    totals, s = _totals("dp=1,mbs=2")
+    assert loss_gradient_bytes(totals, s) == 2 * 40 * 2
+    totals, s = _totals("dp=1,tp=2,mbs=2")
+    assert loss_gradient_bytes(totals, s) == 3 * 40 * 2 / 2
+
+
+def test_ddp_buckets_only_on_the_ddp_path():
+    from tessera.cost_models.memory import ddp_bucket_bytes
+    totals, s = _totals("dp=4,zero=0")
+    assert ddp_bucket_bytes(totals, s) == 2310 * 4  # a second fp32 copy of every gradient
+    for other in ("dp=4,zero=1", "dp=2,tp=2,zero=0", "dp=2,pp=2,zero=0", "dp=1"):
+        assert ddp_bucket_bytes(*_totals(other)) == 0
+
+
+def test_held_gradients_only_after_an_earlier_backward():
+    from tessera.cost_models.memory import held_gradient_bytes
+    totals, s = _totals("dp=4,zero=2,mbs=1")
+    assert held_gradient_bytes(totals, s, micro_batches=1) == 0
+    assert held_gradient_bytes(totals, s, micro_batches=2) == 2310 * 4 / 4  # ZeRO-2 accumulates its shard
+    totals, s = _totals("dp=4,zero=1,mbs=1")
+    assert held_gradient_bytes(totals, s, micro_batches=2) == 2310 * 4  # FSDP2 without sync: unsharded fp32
+    totals, s = _totals("dp=1,tp=2,zero=0,mbs=1")  # DTensor gives the row-sharded embedding a Replicate gradient
+    assert held_gradient_bytes(totals, s, micro_batches=2) == (2300 / 2 + 10 + 100 / 2) * 4
+
+
+def test_zero12_keep_gathered_parameters_and_zero3_the_root():
+    from tessera.cost_models.memory import parameter_bytes, zero3_gathered_bytes
+    training = TrainingConfig(global_batch=8, seq_len=16)  # bf16
+    totals, s = _totals("dp=4,zero=1")
+    assert parameter_bytes(totals, training, s, in_backward=True) == 2310 * 4 / 4 + 2310 * 2
+    assert parameter_bytes(totals, training, s, in_backward=False) == 2310 * 4 / 4
+    totals, s = _totals("dp=4,zero=3")
+    assert zero3_gathered_bytes(totals, training, s) == (310 + 2 * 1000) * 2 + 1000 * 4
+
+
+def test_pipeline_last_stage_keeps_and_merges_every_output():
+    from tessera.cost_models.memory import pipeline_output_bytes
+    totals, s = _totals("dp=1,pp=4,mbs=2")
+    assert pipeline_output_bytes(totals, s, micro_batches=8) == 50 * 2 * 8
+    assert pipeline_output_bytes(*_totals("dp=1,mbs=2"), micro_batches=8) == 0
+
+
+def test_sequence_parallel_keeps_gathered_linear_inputs():
+    from tessera.cost_models.memory import sp_gathered_input_bytes
+    totals, s = _totals("dp=1,tp=4,sp=true,mbs=2")
+    assert sp_gathered_input_bytes(totals, s) == 40 * 2 * (1 - 1 / 4)
+    assert sp_gathered_input_bytes(*_totals("dp=1,tp=4,mbs=2")) == 0
