@@ -4,7 +4,11 @@ A ``TorchDispatchMode`` sees every op's outputs; each new storage is counted unt
 finalizer subtracts it). Wrapper subclasses (DTensor) are flattened to their local tensors. The bytes
 alive when the meter starts (parameters, gradients, optimizer state) are passed in as ``baseline_bytes``.
 Unlike MemTracker it needs no module hooks, so modules called several times per step (gradient
-accumulation, pipeline schedules) are fine.
+accumulation, pipeline schedules) are fine. Pass the resident tensors as ``resident`` so that in-place updates
+and views of them (the optimizer step) are not counted again. It cannot see storage that is not an op's output:
+FSDP2's ``untyped_storage().resize_()`` allocations, C++ allocations (DDP's reducer). :class:`AllocatorMeter`
+sees those and is what ``memory_truth.py`` measures with; this meter's ``snapshot`` says what was live at its
+peak (op and shape), for breakdowns.
 """
 
 from __future__ import annotations

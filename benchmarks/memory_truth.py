@@ -1,12 +1,15 @@
 """Predicted vs measured peak memory per device, for DDP, each ZeRO stage, TP and PP, on real gloo ranks.
 
-Run: ``.venv/bin/python benchmarks/memory_truth.py [--ranks 4]`` (a few minutes; timing does not matter
-here, so a busy machine gives the same figures). For a tiny and a small model, each strategy is planned with
-``tessera.evaluate`` (everything pinned), applied to the real model on ``--ranks`` gloo ranks, run for one
-warm-up step, then one step under ``benchmarks/memory_meter.py``'s ``PeakMemoryMeter``. The prediction is
-the estimate's peak per device minus its fixed CPU reserve (the meter counts tensors only); the measurement
-is the largest peak over the ranks (pipeline stages differ). Goal (cost-model issue): within 10%.
-Writes ``benchmarks/results/memory-truth-<hardware>-<date>.md``.
+Run: ``.venv/bin/python benchmarks/memory_truth.py [--ranks 4] [--models ...] [--strategies ...]`` (about
+20-40 minutes on a busy 2-core machine; timing does not matter here). For a tiny and two small models, each
+strategy is planned with the cost model (everything pinned), applied to the real model on ``--ranks`` gloo
+ranks, run for a warm-up step (two under DDP, whose buckets are rebuilt after the first synchronised backward),
+then one step under ``benchmarks/memory_meter.py``'s ``AllocatorMeter``: the peak of what the CPU allocator
+held, from the profiler's memory events (it sees FSDP2's ``storage.resize_`` allocations and C++ ones, which a
+dispatch-mode meter misses), on top of the parameters, optimizer state and DDP's gradient buckets. The
+prediction is the estimate's worst stage minus its fixed CPU reserve; the measurement the worst rank.
+Goal (cost-model issue #5): within 10%. Writes ``benchmarks/results/memory-truth-<hardware>-<date>.md`` and the
+per-rank peaks to the ``.json`` beside it; ``--reuse that.json`` re-predicts without measuring again.
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of the models")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of the paths")
     parser.add_argument("--reuse", type=Path, help="take the measured peaks from this JSON (written by a run) and "
-                        "only re-predict: for iterating on the cost model; the measurement does not depend on it")
+                        "only re-predict (for iterating on the cost model; the measurement does not depend on it); "
+                        "rows missing from it are measured and added")
     args = parser.parse_args()
     reused = json.loads(args.reuse.read_text()) if args.reuse else {}
     rows, measured = [], {}
@@ -107,7 +111,7 @@ def main() -> None:
             rows.append((model, name, plan.strategy.to_string(), max(stages), max(peaks), stages, peaks))
             print(model, name, f"predicted {max(stages) / 2**20:.2f} MiB measured {max(peaks) / 2**20:.2f} MiB "
                   f"error {max(stages) / max(peaks) - 1:+.1%}", flush=True)
-    report(rows, args.ranks, measured, reused=bool(args.reuse))
+    report(rows, args.ranks, {**reused, **measured}, reused=measured.keys() <= reused.keys())
 
 
 def report(rows: list[tuple], ranks: int, measured: dict[str, list[int]], *, reused: bool) -> None:
@@ -130,7 +134,9 @@ def report(rows: list[tuple], ranks: int, measured: dict[str, list[int]], *, reu
              "peak minus its fixed CPU reserve (largest over pipeline stages); measured: the largest over the ranks of "
              "the peak bytes the CPU allocator held during one step after warm-up (`benchmarks/memory_meter.py`'s "
              "`AllocatorMeter`: profiler memory events on top of parameters, optimizer state and DDP's buckets). "
-             "Per-rank measured peaks are in the `.json` next to this file.", "", verdict, "",
+             "Per-rank measured peaks are in the `.json` next to this file."
+             + (" Predictions were recomputed from that file (`--reuse`): the measurement does not depend on the "
+                "cost model." if reused else ""), "", verdict, "",
              "| model | runtime path | strategy | predicted MiB | measured MiB | error | per stage predicted / per rank measured |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {model} | {name} | `{s}` | {p / 2**20:.2f} | {m / 2**20:.2f} | {p / m - 1:+.1%} | {_per_rank(st, pk)} |"

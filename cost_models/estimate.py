@@ -23,7 +23,7 @@ from tessera.cost_models.sparse import check_sparse_and_long, cp_comm_s, ep_comm
 from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster
-from tessera.topology.collectives import all_to_all_time
+from tessera.topology.collectives import all_reduce_time, all_to_all_time
 
 
 @dataclass(frozen=True)
@@ -114,13 +114,15 @@ def step_time_lower_bound(
     Compute and the expert all-to-alls, spread perfectly over the stages, for the micro-batches plus the
     schedule's bubble. The slowest stage's time is at least the mean of the ``pp`` stages' times, and each
     part of that mean is bounded from below: compute by ``compute_lower_bound_s``, the expert all-to-alls by
-    ``_ep_comm_lower_bound_s`` (both summed over stages); the estimate adds the other communication, the
+    ``_ep_comm_lower_bound_s``, the tensor-parallel all-reduces by ``_tp_comm_lower_bound_s`` (all summed over
+    stages); the estimate adds the other communication, the
     optimizer and stage imbalance, all non-negative. ``whole`` is the model summed as one stage under the
     strategy's recomputation (pass it in when bounding many strategies).
     """
     whole = whole or stage_totals(layers, 0, block_policies(layers, strategy))
     per_micro_batch = compute_lower_bound_s(whole, cluster.device, training, strategy, calibration=calibration)
     per_micro_batch += _ep_comm_lower_bound_s(layers, cluster, strategy, whole) / strategy.pp
+    per_micro_batch += _tp_comm_lower_bound_s(whole, cluster, strategy) / strategy.pp
     slots = strategy.gradient_accumulation(training.global_batch) + bubble_micro_batches(strategy)
     return slots * per_micro_batch
 
@@ -145,6 +147,25 @@ def _ep_comm_lower_bound_s(
                           group_size=strategy.ep, stride=strategy.tp * strategy.cp)
     passes = 6 if whole.dispatch_bytes and whole.recompute_dispatch_bytes >= whole.dispatch_bytes else 4
     return (1 - 1e-9) * passes * whole.moe_layers * one
+
+
+def _tp_comm_lower_bound_s(whole: StageTotals, cluster: Cluster, strategy: Strategy) -> float:
+    """Tensor-parallel all-reduce seconds of one micro-batch summed over the pipeline stages, never above what
+    ``estimate`` charges them (``communication.tp_comm_s``).
+
+    Stage ``i`` is charged ``passes_i * n_i * AR(B_i / n_i)`` with ``passes_i >= 2``, ``n_i`` all-reduces of
+    ``B_i`` bytes in all. ``AR`` (``topology.collectives.all_reduce_time``) is a sum over link levels of minima
+    of affine functions of the bytes with non-negative coefficients (latency plus bytes over bandwidth), so
+    ``AR(x) >= S x`` with ``S`` its asymptotic slope, ``AR(X) / X`` for a huge ``X``: the sum is at least
+    ``2 S sum_i B_i``, which is ``2 S`` times the whole model's bytes (``B`` adds up over stages). A factor
+    ``1 - 1e-9`` covers rounding and the ``1e-30``-relative latency left in the slope.
+    """
+    if strategy.tp == 1 or whole.tp_allreduce_bytes <= 0:
+        return 0.0
+    huge = 1e30
+    slope = all_reduce_time(cluster, huge, group_size=strategy.tp) / huge
+    seconds = 2 * slope * whole.tp_allreduce_bytes * strategy.micro_batch / strategy.cp
+    return (1 - 1e-9) * (seconds / strategy.tp if strategy.tp_overlap else seconds)
 
 
 def _distinct_stage_costs(

@@ -1,17 +1,27 @@
 """Per-device memory of one pipeline stage, by category, as Tessera's runtime holds it.
 
 Model state per parameter (mixed precision keeps fp32 masters): fp32 parameters (4 B), fp32 gradients
-(4 B) and two fp32 Adam moments (8 B). ZeRO stage 1 shards the moments over the data-parallel axis,
-stage 2 also the gradients, stage 3 (FSDP) also the parameters; FSDP then gathers one block at a time
-(plus one prefetched) in the compute dtype. Tensor parallelism divides blocks and vocabulary matrices.
+(4 B) and two fp32 Adam moments (8 B). Tessera's runtime (``runtime.data_parallel``) holds them as follows:
+ZeRO-0 is DDP (plus a bucket copy of the gradients) or FSDP2 ``replicate``; ZeRO-1/2 are FSDP2 with
+``reshard_after_forward=False`` (fp32 masters and moments 1/dp, the gathered parameters kept whole from
+forward to backward; ZeRO-1 accumulates the unsharded gradient over micro-batches, ZeRO-2 its shard);
+ZeRO-3 gathers one block at a time (plus one prefetched) and the root layers for the whole step.
+Tensor parallelism divides blocks and vocabulary matrices.
 Expert parallelism divides routed experts by ``ep``; the "data-parallel axis" of a kind of state is the ranks
 holding the same weights: ``dp * cp`` for dense, ``(dp / ep) * cp`` for expert state (``cost_models.sparse``).
 Context parallelism divides activations by ``cp`` (each rank keeps ``s / cp`` tokens).
 
+A step has two high-water marks (:func:`stage_memory` reports the higher): the start of the backward of the
+last in-flight micro-batch (all activations saved, the loss's temporaries, gradients of earlier micro-batches)
+and the end of the backward (complete gradients, the pipeline's merged outputs, optimizer temporaries). Each
+term's docstring says which torch behaviour it stands for; ``benchmarks/memory_truth.py`` checks them against
+the CPU allocator on real gloo ranks.
+
 Activations (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
 arXiv 2205.05198, Sec. 4): without sequence parallelism, the inputs of norms and the residual stream
 (10 of the 34 ``sbh`` bytes per layer) are replicated on every tensor-parallel rank; with it everything
-is divided by ``tp``.
+is divided by ``tp``, except the inputs PyTorch's sequence parallelism all-gathers and saves whole
+(:func:`sp_gathered_input_bytes`).
 """
 
 from __future__ import annotations
@@ -28,6 +38,10 @@ GiB = 2**30
 FSDP_PREFETCH_BLOCKS = 2  # the block being computed plus the one prefetched
 LOSS_TEMPORARIES = 2  # cross-entropy backward: d(log-probs) and d(logits) (``loss_gradient_bytes``)
 LOSS_PARALLEL_TEMPORARIES = 3  # loss_parallel forward: logits, x - max and exp beside the result
+# A fact about the runtime, not a setting: ``runtime/parallel_model.py`` runs ``schedule.step(return_outputs=False)``,
+# so the last stage does not keep every micro-batch's logits for a merged output (``pipeline_output_bytes``).
+# True describes pipelining's default (``return_outputs=True``), for a runtime that asks for the outputs.
+PIPELINE_KEEPS_OUTPUTS = False
 REPLICATED_ACTIVATION_SHARE = 10 / 34  # Korthikanti et al. eq. 2: sbh(10 + 24/t) of sbh*34 without SP
 # Allowance outside tensors: CUDA context, NCCL buffers and allocator fragmentation (~2 GiB on GPUs,
 # a stated assumption); a CPU rank costs ~220 MB before any model (shared/PLATFORM-NOTES.md).
@@ -84,7 +98,7 @@ def step_end_memory(
         gradients = (local_params(stage, strategy) + replicated_embedding_gradient_params(stage, strategy)) * FP32
     else:
         gradients = sharded_params(stage, strategy, from_zero=1) * FP32
-    merged = 2 * pipeline_output_bytes(stage, strategy, micro_batches=micro_batches)  # the chunks + their torch.cat
+    merged = merged_pipeline_output_bytes(stage, strategy, micro_batches=micro_batches)
     return {
         "parameters": parameter_bytes(stage, training, strategy, in_backward=False),
         "gradients": gradients,
@@ -95,18 +109,31 @@ def step_end_memory(
 
 
 def parameter_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, in_backward: bool) -> float:
-    """fp32 master parameters, plus, for ZeRO-1/2 between forward and backward, the gathered compute copy.
+    """fp32 master parameters, plus, for the FSDP2 paths that keep them between forward and backward, the
+    gathered copy.
 
     FSDP2 shards the parameters of ZeRO-1/2 too (``runtime.data_parallel``: ``fully_shard`` with
     ``reshard_after_forward=False``): the fp32 masters are 1/dp at rest, and the all-gathered parameters (a
     separate storage in the compute dtype, ``FSDPParam.alloc_all_gather_outputs``) stay alive from each unit's
     forward until its backward has run (``reshard_after_forward=False``), so at the backward's start all of
-    them are. ZeRO-3's gathered blocks are transient (``_buffer_bytes``).
+    them are. FSDP2's ``replicate`` (ZeRO-0 with tp/pp/cp/ep) is the same machinery over a shard group of one
+    rank: masters whole, and the same unsharded copy. ZeRO-3's gathered blocks are transient (``_buffer_bytes``).
     """
     masters = sharded_params(stage, strategy, from_zero=1 if strategy.zero in (1, 2) else 3) * FP32
-    if in_backward and strategy.zero in (1, 2):
+    if in_backward and (strategy.zero in (1, 2) or uses_fsdp2_replicate(strategy)):
         return masters + local_params(stage, strategy) * compute_dtype_bytes(training)
     return masters
+
+
+def uses_ddp(strategy: Strategy) -> bool:
+    """Whether the runtime's data-parallel axis is ``DistributedDataParallel`` (``runtime.data_parallel``)."""
+    plain = strategy.tp == strategy.pp == strategy.cp == strategy.ep == 1
+    return strategy.zero == 0 and plain and strategy.dp > 1
+
+
+def uses_fsdp2_replicate(strategy: Strategy) -> bool:
+    """Whether it is FSDP2's ``replicate`` (ZeRO-0 over ``dp * cp`` ranks with tp, pp, cp or ep)."""
+    return strategy.zero == 0 and strategy.dp * strategy.cp > 1 and not uses_ddp(strategy)
 
 
 def held_gradient_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
@@ -155,16 +182,33 @@ def loss_gradient_bytes(stage: StageTotals, strategy: Strategy) -> float:
 
 
 def pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
-    """The last pipeline stage's outputs (logits) of every micro-batch of the step.
+    """A pipeline stage's forward outputs that ``torch.distributed.pipelining`` keeps during the backward phase.
 
-    ``torch.distributed.pipelining`` keeps each micro-batch's output in ``stage.output_chunks`` until the step
-    ends and then concatenates them (``_PipelineSchedule._merge_outputs`` -> ``merge_chunks``: ``torch.cat``),
-    even though Tessera's runtime only reads the losses; so the last stage holds ``micro_batches`` logits at
-    the end of the step, twice during the merge. (The runtime could drop them: reported to its owners.)
+    Each stage keeps the output of every in-flight micro-batch (``fwd_cache``: its backward starts from it):
+    the boundary activation, or on the last stage the logits (which autograd alone would not keep: the loss
+    saves its log-probabilities). While ``PIPELINE_KEEPS_OUTPUTS`` holds, the last stage also keeps every
+    micro-batch's logits for the step's merged output (:func:`merged_pipeline_output_bytes`).
     """
     if strategy.pp == 1:
         return 0.0
-    return stage.logits_bytes * strategy.micro_batch * micro_batches / (strategy.tp * strategy.cp)
+    if stage.logits_bytes:
+        kept = micro_batches if PIPELINE_KEEPS_OUTPUTS else 1
+        return stage.logits_bytes * strategy.micro_batch * kept / (strategy.tp * strategy.cp)
+    in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
+    return stage.boundary_bytes * strategy.micro_batch * in_flight / strategy.cp
+
+
+def merged_pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
+    """The last stage's outputs at the end of the step, while ``PIPELINE_KEEPS_OUTPUTS`` holds.
+
+    ``ParallelModel._run_pipeline`` calls ``schedule.step()`` with the default ``return_outputs=True``:
+    pipelining then keeps each micro-batch's output (``stage.output_chunks``) until the step ends and
+    concatenates them (``_PipelineSchedule._merge_outputs`` -> ``merge_chunks``: ``torch.cat``), although the
+    runtime reads only the losses: ``micro_batches`` logits, twice during the merge.
+    """
+    if strategy.pp == 1 or not stage.logits_bytes or not PIPELINE_KEEPS_OUTPUTS:
+        return 0.0
+    return 2 * stage.logits_bytes * strategy.micro_batch * micro_batches / (strategy.tp * strategy.cp)
 
 
 def ddp_bucket_bytes(stage: StageTotals, strategy: Strategy) -> float:
@@ -175,10 +219,7 @@ def ddp_bucket_bytes(stage: StageTotals, strategy: Strategy) -> float:
     the buckets cover every parameter, in the gradients' dtype (fp32 masters: autocast keeps parameters
     fp32), and they persist (``gradient_as_bucket_view=False``, the default, copies into them).
     """
-    plain = strategy.tp == strategy.pp == strategy.cp == strategy.ep == 1
-    if strategy.zero != 0 or not plain or strategy.dp == 1:
-        return 0.0
-    return local_params(stage, strategy) * FP32
+    return local_params(stage, strategy) * FP32 if uses_ddp(strategy) else 0.0
 
 
 def optimizer_temporary_bytes(stage: StageTotals, strategy: Strategy, *, on_cpu: bool) -> float:
@@ -228,17 +269,22 @@ def _buffer_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strate
 
 
 def zero3_gathered_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy) -> float:
-    """ZeRO-3 (FSDP2 ``fully_shard`` per block, then the root): the parameters gathered at the backward's start.
+    """ZeRO-3 (FSDP2 ``fully_shard`` per block, then the root): what is gathered as the backward starts, or as
+    its first block runs, whichever is more.
 
     The root unit (everything outside the blocks: embeddings, final norm, head) is gathered for the whole
     forward and backward: FSDP2 never reshards the root after forward (``FSDPState._lazy_init`` clears the
-    root's ``post_forward_mesh_info``), since its backward needs it at once. Of the blocks,
-    ``FSDP_PREFETCH_BLOCKS`` are gathered (the one computing and the one prefetched), and the one computing
-    holds its unsharded fp32 gradient until it is reduce-scattered.
+    root's ``post_forward_mesh_info``), since its backward needs it at once. When the backward starts (the
+    loss's temporaries alive, ``loss_gradient_bytes``) one block is gathered too: the last, prefetched for its
+    backward. While that block's backward runs, the loss's temporaries are gone and ``FSDP_PREFETCH_BLOCKS``
+    blocks are gathered (it and the next, prefetched) plus its unsharded fp32 gradient awaiting the
+    reduce-scatter: that moment is higher when a block outweighs the loss's temporaries.
     """
     root = stage.root_sharded_params / strategy.tp + stage.root_replicated_params
     if stage.largest_block_params >= stage.largest_layer_params:
         block = largest_gathered_params(stage, strategy)  # the largest layer is a block (experts ep-sharded)
     else:
         block = stage.largest_block_params / strategy.tp
-    return (root + FSDP_PREFETCH_BLOCKS * block) * compute_dtype_bytes(training) + block * FP32
+    compute = compute_dtype_bytes(training)
+    first_block = (FSDP_PREFETCH_BLOCKS - 1) * block * compute + block * FP32 - loss_gradient_bytes(stage, strategy)
+    return (root + block) * compute + max(0.0, first_block)

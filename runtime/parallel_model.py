@@ -148,7 +148,8 @@ class ParallelModel:
         args = (inputs,) if 0 in self.chunks else ()
         kwargs = {"target": targets, "losses": losses} if has_last else {}
         with self._step_context(last_micro_batch=True):
-            self.schedule.step(*args, **kwargs)
+            # Only the losses are read: return_outputs=False lets the last stage free each micro-batch's logits.
+            self.schedule.step(*args, return_outputs=False, **kwargs)
         local_loss = torch.stack([loss.detach().float() for loss in losses]).mean() if has_last else torch.zeros(())
         local_loss = local_loss.to(self.device)
         group = self.mesh.get_group(PP)

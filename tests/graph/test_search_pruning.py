@@ -35,23 +35,30 @@ def test_pruned_search_equals_exhaustive(model, cluster, batch, seq):
         assert step_time_lower_bound(layers, resolved, training, strategy) <= est.step_time_s * (1 + 1e-12)
 
 
-def test_expert_all_to_all_bound_is_below_what_estimate_charges():
-    """The all-to-all part of the bound: positive under ep, never above the stages' summed ep_comm."""
-    from tessera.cost_models.estimate import _ep_comm_lower_bound_s
+def test_communication_bounds_are_below_what_estimate_charges():
+    """The all-to-all and tensor-parallel parts of the bound: positive under ep (tp), never above the stages'
+    summed ep_comm (tp_comm)."""
+    from tessera.cost_models.communication import tp_comm_s
+    from tessera.cost_models.estimate import _ep_comm_lower_bound_s, _tp_comm_lower_bound_s
     from tessera.cost_models.partition import block_policies, split_blocks, stage_totals
     from tessera.cost_models.sparse import ep_comm_s
 
     graph, resolved, training = _prepare("mixtral-8x7b:layers=4", "dgx-h100:nodes=2", global_batch=64, seq_len=4096,
                                          precision=None)
     layers = list(graph.layers)
-    checked = 0
+    checked = {"ep": 0, "tp": 0}
     for strategy in strategies(layers, resolved, training, {}):
-        if strategy.ep == 1:
-            continue
         policies = block_policies(layers, strategy)
-        charged = sum(ep_comm_s(stage_totals(stage, i, policies), resolved, strategy)
-                      for i, stage in enumerate(split_blocks(layers, strategy)))
-        bound = _ep_comm_lower_bound_s(layers, resolved, strategy, stage_totals(layers, 0, policies))
-        assert 0 < bound <= charged
-        checked += 1
-    assert checked
+        stages = [stage_totals(stage, i, policies) for i, stage in enumerate(split_blocks(layers, strategy))]
+        whole = stage_totals(layers, 0, policies)
+        if strategy.ep > 1:
+            bound = _ep_comm_lower_bound_s(layers, resolved, strategy, whole)
+            assert 0 < bound <= sum(ep_comm_s(stage, resolved, strategy) for stage in stages)
+            checked["ep"] += 1
+        if strategy.tp > 1:
+            for overlap in (False, True):
+                variant = strategy.model_copy(update={"tp_overlap": overlap})
+                bound = _tp_comm_lower_bound_s(whole, resolved, variant)
+                assert 0 < bound <= sum(tp_comm_s(stage, resolved, training, variant) for stage in stages)
+            checked["tp"] += 1
+    assert checked["ep"] and checked["tp"]

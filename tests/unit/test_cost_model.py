@@ -246,7 +246,9 @@ def test_zero12_keep_gathered_parameters_and_zero3_the_root():
     assert parameter_bytes(totals, training, s, in_backward=True) == 2310 * 4 / 4 + 2310 * 2
     assert parameter_bytes(totals, training, s, in_backward=False) == 2310 * 4 / 4
     totals, s = _totals("dp=4,zero=3")
-    assert zero3_gathered_bytes(totals, training, s) == (310 + 2 * 1000) * 2 + 1000 * 4
+    # Root (310) and the last block gathered in bf16; the first block's backward adds the next block (bf16) and
+    # its fp32 gradient, less the loss's two 40 B temporaries freed by then.
+    assert zero3_gathered_bytes(totals, training, s) == (310 + 1000) * 2 + (1000 * 2 + 1000 * 4 - 2 * 40)
 
 
 def test_pipeline_last_stage_keeps_and_merges_every_output():
@@ -261,3 +263,14 @@ def test_sequence_parallel_keeps_gathered_linear_inputs():
     totals, s = _totals("dp=1,tp=4,sp=true,mbs=2")
     assert sp_gathered_input_bytes(totals, s) == 40 * 2 * (1 - 1 / 4)
     assert sp_gathered_input_bytes(*_totals("dp=1,tp=4,mbs=2")) == 0
+
+
+def test_inner_pipeline_stages_keep_their_in_flight_outputs_and_the_last_merges():
+    from tessera.cost_models.memory import merged_pipeline_output_bytes, pipeline_output_bytes
+    from tessera.cost_models.partition import stage_totals
+    s = Strategy.parse("dp=1,pp=4,mbs=2")
+    first = stage_totals(MODEL[:2], 0, {})  # no loss: its boundary output (8 B) for each of 4 in-flight micro-batches
+    assert pipeline_output_bytes(first, s, micro_batches=8) == 8 * 2 * 4
+    assert merged_pipeline_output_bytes(first, s, micro_batches=8) == 0
+    last, _ = _totals("dp=1,pp=4,mbs=2")
+    assert merged_pipeline_output_bytes(last, s, micro_batches=8) == 2 * 50 * 2 * 8  # the chunks and their cat
