@@ -199,9 +199,8 @@ def pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micro_batch
 
 
 def merged_pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
-    """The last stage's outputs at the end of the step, while ``PIPELINE_KEEPS_OUTPUTS`` holds.
-
-    ``ParallelModel._run_pipeline`` calls ``schedule.step()`` with the default ``return_outputs=True``:
+    """The last stage's outputs at the end of the step, while ``PIPELINE_KEEPS_OUTPUTS`` holds (it does not:
+    the runtime passes ``return_outputs=False``). With pipelining's default ``return_outputs=True``:
     pipelining then keeps each micro-batch's output (``stage.output_chunks``) until the step ends and
     concatenates them (``_PipelineSchedule._merge_outputs`` -> ``merge_chunks``: ``torch.cat``), although the
     runtime reads only the losses: ``micro_batches`` logits, twice during the merge.

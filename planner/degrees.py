@@ -5,8 +5,10 @@ The runners-up of ``search.runners_up`` are the next-fastest strategies overall;
 experts, ``cp`` when the search tried context parallelism), the fastest fitting estimate at every other degree
 is kept, with a verdict (``explain.why_it_lost`` adds the step-time term that differs most). The search stops
 estimating once its step-time lower bound reaches the best plan, so a degree may have been reached only by
-candidates that do not fit; for such a degree a search pinned to it (``rerank``) finds its best fitting
-strategy, or else the leanest one is reported with how far over memory it is.
+candidates that do not fit, or not at all (``admitted``: every degree the search space holds), and the best
+estimated at a degree is the best there only below the bound the search stopped at (``exact_below_s``). For
+any other degree a search pinned to it (``rerank``) finds its best fitting strategy (the faster of the two is
+kept), or else the leanest one is reported with how far over memory it is.
 """
 
 from __future__ import annotations
@@ -27,16 +29,22 @@ Rerank = Callable[[Mapping[str, object]], list[tuple[Strategy, Estimate]]]
 
 def degree_alternatives(
     scored: Sequence[tuple[Strategy, Estimate]], best: Strategy, best_estimate: Estimate, *, rerank: Rerank | None = None,
+    admitted: Mapping[str, Sequence[int]] | None = None, exact_below_s: float = float("inf"),
 ) -> tuple[Candidate, ...]:
-    """Per axis in ``AXES``, the best candidate at every degree the search reached other than ``best``'s."""
+    """Per axis in ``AXES``, the best candidate at every degree the search reached or the space ``admitted``
+    (axis -> degrees), other than ``best``'s."""
     found: list[Candidate] = []
     for axis in AXES:
         chosen = getattr(best, axis)
         degrees = {getattr(s, axis) for s, _ in scored} | ({1} if chosen > 1 else set())  # always: why not without it
+        degrees |= set((admitted or {}).get(axis, ()))
         for degree in sorted(degrees - {chosen}):
             pair = _best_at(scored, axis, degree)
-            if (pair is None or not pair[1].fits) and rerank is not None:
-                pair = _best_pinned(rerank, axis, degree) or pair
+            if (pair is None or not pair[1].fits or pair[1].step_time_s >= exact_below_s) and rerank is not None:
+                pinned = _best_pinned(rerank, axis, degree)
+                if pinned is not None and pinned[1].fits and pair is not None and pair[1].fits:
+                    pinned = min(pinned, pair, key=lambda p: p[1].step_time_s)
+                pair = pinned or pair
             if pair is not None:
                 verdict = _verdict(axis, degree, pair[1], best_estimate)
                 found.append(Candidate(strategy=pair[0], estimate=pair[1], verdict=verdict))

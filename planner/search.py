@@ -20,7 +20,7 @@ from tessera.planner.degrees import degree_alternatives
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Candidate, Plan, PlannedLayer, SolverStats
 from tessera.planner.refine import RefineStats, refine
-from tessera.planner.space import check_pins, strategies
+from tessera.planner.space import check_pins, mesh_shapes, strategies
 from tessera.topology.cluster import Cluster
 
 GiB = 2**30
@@ -31,7 +31,7 @@ Progress = Callable[[int, int], None]
 
 def rank_candidates(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object] | None = None,
-    progress: Progress | None = None, prune: bool = True,
+    progress: Progress | None = None, prune: bool = True, reached: dict[str, float] | None = None,
 ) -> list[tuple[Strategy, Estimate]]:
     """Every strategy under ``pins`` with its estimate, fastest first (ties: leaner, then by name).
 
@@ -41,7 +41,8 @@ def rank_candidates(
     win: candidates whose step-time lower bound reaches the fastest fitting estimate found so far, and a
     recomputation policy costlier than one that already fits with every other choice equal (recomputing
     more only adds time). ``prune=False`` estimates every candidate that may fit (a study of the whole
-    space, such as the local-truth benchmark).
+    space, such as the local-truth benchmark). ``reached["bound"]`` is set to the lower bound the enumeration
+    stopped at: every candidate of the space whose estimate is below it was estimated (``inf``: all were).
     """
     pins = dict(pins or {})
     check_pins(pins, cluster)
@@ -57,6 +58,8 @@ def rank_candidates(
         if progress is not None and (done % 256 == 0 or done == len(candidates)):
             progress(done, len(candidates))
         if prune and bound >= incumbent:  # sorted by bound: no later candidate can be faster either
+            if reached is not None:
+                reached["bound"] = bound
             break
         key = (strategy.dp, strategy.tp, strategy.pp, strategy.cp, strategy.ep, strategy.zero, strategy.sp,
                strategy.schedule, strategy.virtual_stages)
@@ -135,7 +138,8 @@ def search(
     ``progress(done, total)`` is called as candidates are estimated (the CLI draws a bar with it).
     """
     start = time.perf_counter()
-    scored = rank_candidates(graph, cluster, training, pins=pins, progress=progress)
+    reached = {"bound": float("inf")}
+    scored = rank_candidates(graph, cluster, training, pins=pins, progress=progress, reached=reached)
     stats = RefineStats()
     if not _per_layer_pinned(pins or {}):
         refined = refine(list(graph.layers), cluster, training, scored, policies=_policies(graph, pins or {}), stats=stats)
@@ -157,6 +161,7 @@ def search(
         degree_alternatives=degree_alternatives(
             scored, best, best_estimate,
             rerank=lambda extra: rank_candidates(graph, cluster, training, pins={**(pins or {}), **extra}),
+            admitted=_admitted_degrees(graph, cluster, training, pins or {}), exact_below_s=reached["bound"],
         ),
         candidates_evaluated=len(scored),
         search_time_s=time.perf_counter() - start,
@@ -165,6 +170,14 @@ def search(
             ilp_time_s=stats.solver_time_s, worst_gap=stats.worst_gap, ilp_improvements=len(stats.improved),
         ),
     )
+
+
+def _admitted_degrees(
+    graph: LayerGraph, cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object]
+) -> dict[str, set[int]]:
+    """Expert- and context-parallel degrees of the search space, reached by the pruned search or not."""
+    shapes = list(mesh_shapes(list(graph.layers), cluster, training, pins))
+    return {"ep": {shape[4] for shape in shapes}, "cp": {shape[3] for shape in shapes}}
 
 
 def _per_layer_pinned(pins: Mapping[str, object]) -> bool:

@@ -285,7 +285,7 @@ def test_moe_layers_report_per_expert_parameters_flops_and_load() -> None:
     from tessera.planner.experts import expert_summary
 
     hidden, ffn, experts, top_k, seq = 64, 128, 4, 2, 32
-    graph = capture_preset("moe-tiny:shared=32", seq_len=seq, expert_capacity_factor=1.5)
+    graph = capture_preset("moe-tiny:shared=32", seq_len=seq, expert_capacity_factor=1.5, fit_seq_scaling=True)
     block = graph.blocks[0]
     per_expert = 3 * hidden * ffn  # gate, up, down (no biases)
     assert (block.experts, block.top_k, block.expert_capacity_factor) == (experts, top_k, 1.5)

@@ -72,7 +72,9 @@ def test_hf_block_flops_are_the_analytic_count(captured) -> None:  # noqa: ANN00
 def test_hf_rescales_to_other_sequence_lengths(captured) -> None:  # noqa: ANN001
     name, _, graph = captured
     if name in ("llama", "bert"):  # a causal (mask T x T) and a bidirectional model; the others cost the same
-        assert graph.at_seq_len(24) == capture_preset(SPECS[name], seq_len=24)
+        scaled = capture_preset(SPECS[name], seq_len=graph.seq_len, fit_seq_scaling=True)
+        assert scaled.layers == graph.layers
+        assert scaled.at_seq_len(24) == capture_preset(SPECS[name], seq_len=24, fit_seq_scaling=True)
 
 
 def test_hf_mixtral_expert_load_is_settable() -> None:

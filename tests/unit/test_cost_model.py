@@ -251,11 +251,13 @@ def test_zero12_keep_gathered_parameters_and_zero3_the_root():
     assert zero3_gathered_bytes(totals, training, s) == (310 + 1000) * 2 + (1000 * 2 + 1000 * 4 - 2 * 40)
 
 
-def test_pipeline_last_stage_keeps_and_merges_every_output():
-    from tessera.cost_models.memory import pipeline_output_bytes
+def test_pipeline_last_stage_keeps_one_output_unless_the_runtime_merges_them(monkeypatch):
+    from tessera.cost_models import memory
     totals, s = _totals("dp=1,pp=4,mbs=2")
-    assert pipeline_output_bytes(totals, s, micro_batches=8) == 50 * 2 * 8
-    assert pipeline_output_bytes(*_totals("dp=1,mbs=2"), micro_batches=8) == 0
+    assert memory.pipeline_output_bytes(totals, s, micro_batches=8) == 50 * 2  # return_outputs=False: one in flight
+    monkeypatch.setattr(memory, "PIPELINE_KEEPS_OUTPUTS", True)  # pipelining's default keeps every micro-batch's
+    assert memory.pipeline_output_bytes(totals, s, micro_batches=8) == 50 * 2 * 8
+    assert memory.pipeline_output_bytes(*_totals("dp=1,mbs=2"), micro_batches=8) == 0
 
 
 def test_sequence_parallel_keeps_gathered_linear_inputs():
@@ -265,7 +267,8 @@ def test_sequence_parallel_keeps_gathered_linear_inputs():
     assert sp_gathered_input_bytes(*_totals("dp=1,tp=4,mbs=2")) == 0
 
 
-def test_inner_pipeline_stages_keep_their_in_flight_outputs_and_the_last_merges():
+def test_inner_pipeline_stages_keep_their_in_flight_outputs_and_the_last_merges(monkeypatch):
+    from tessera.cost_models import memory
     from tessera.cost_models.memory import merged_pipeline_output_bytes, pipeline_output_bytes
     from tessera.cost_models.partition import stage_totals
     s = Strategy.parse("dp=1,pp=4,mbs=2")
@@ -273,4 +276,6 @@ def test_inner_pipeline_stages_keep_their_in_flight_outputs_and_the_last_merges(
     assert pipeline_output_bytes(first, s, micro_batches=8) == 8 * 2 * 4
     assert merged_pipeline_output_bytes(first, s, micro_batches=8) == 0
     last, _ = _totals("dp=1,pp=4,mbs=2")
+    assert merged_pipeline_output_bytes(last, s, micro_batches=8) == 0  # the runtime asks for no merged output
+    monkeypatch.setattr(memory, "PIPELINE_KEEPS_OUTPUTS", True)
     assert merged_pipeline_output_bytes(last, s, micro_batches=8) == 2 * 50 * 2 * 8  # the chunks and their cat
