@@ -52,7 +52,9 @@ def refine(
         seen.add(key)
         if len(seen) > MAX_SOLVES:
             break
-        found = _refine_one(layers, cluster, training, key, policies=policies, incumbent=incumbent, stats=stats)
+        # Zero-bubble splits the backward; the runtime cannot recompute under it, so only stage sizes are chosen.
+        allowed = ["none"] if key.schedule == "zero-bubble" else policies
+        found = _refine_one(layers, cluster, training, key, policies=allowed, incumbent=incumbent, stats=stats)
         if found and found[1].fits and found[1].step_time_s < incumbent:
             incumbent = found[1].step_time_s
             refined.append(found)

@@ -122,6 +122,15 @@ def check_supported(plan: Plan) -> None:
             "precision fp16 needs dynamic loss scaling (a GradScaler whose overflow check agrees across "
             "sharded ranks), which the runtime does not implement yet; plan with bf16 or fp32"
         )
+    if plan.strategy.schedule == "zero-bubble" and plan.strategy.pp > 1 and any(
+        layer.recompute != "none" for layer in plan.layers
+    ):
+        raise NotModelledError(
+            "schedule=zero-bubble with activation recomputation: the schedule runs each backward as separate input- "
+            "and weight-gradient passes, and torch 2.13's non-reentrant checkpoint then recomputes a second time "
+            "and fails ('_GeneratorContextManager' object has no attribute 'args'); use schedule=1f1b or "
+            "interleaved with recomputation, or zero-bubble without it"
+        )
     if plan.strategy.tp_overlap:
         raise NotModelledError(
             "tp_overlap (tensor-parallel collectives overlapped with their matmuls) is a cost-model option for "

@@ -97,6 +97,14 @@ def test_overlapped_tensor_parallelism_is_a_cost_model_option_the_runtime_refuse
         check_supported(plan)
 
 
+def test_zero_bubble_with_recomputation_is_refused_by_name():
+    from tessera.runtime.apply import check_supported
+
+    plan = make_plan(GPT, make_model(GPT, device="meta"), "dp=1,pp=2,schedule=zero-bubble,recompute=full")
+    with pytest.raises(NotModelledError, match="zero-bubble with activation recomputation"):
+        check_supported(plan)
+
+
 class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
