@@ -179,18 +179,19 @@ def _kv_step_bytes(stage: StageTotals, strategy: Strategy) -> float:
 
 def group_reduce_scatter_s(cluster: Cluster, nbytes: float, axes: Axes) -> float:
     """Reduce-scatter ``nbytes`` over a group on ``axes``: inner axis first, then the shard over the next."""
-    total, data = 0.0, nbytes
-    for n, stride in axes:
-        total += reduce_scatter_time(cluster, data, group_size=n, stride=stride)
-        data /= n
-    return total
+    return _axis_by_axis_s(reduce_scatter_time, cluster, nbytes, axes)
 
 
 def group_all_gather_s(cluster: Cluster, nbytes: float, axes: Axes) -> float:
     """All-gather into an ``nbytes`` buffer over a group on ``axes`` (the mirror image of the reduce-scatter)."""
+    return _axis_by_axis_s(all_gather_time, cluster, nbytes, axes)
+
+
+def _axis_by_axis_s(collective, cluster: Cluster, nbytes: float, axes: Axes) -> float:
+    """One collective per axis, inner first, each on the share the previous axis left (``nbytes / n``)."""
     total, data = 0.0, nbytes
     for n, stride in axes:
-        total += all_gather_time(cluster, data, group_size=n, stride=stride)
+        total += collective(cluster, data, group_size=n, stride=stride)
         data /= n
     return total
 
