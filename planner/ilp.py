@@ -136,6 +136,34 @@ def solve(
     )
 
 
+def optimal_pace_s(
+    stages: Sequence[StageCoefficients], *, blocks: int, budget_bytes: float, fixed_blocks: Sequence[int] | None = None,
+) -> float | None:
+    """The program's optimal pace, found without the solver (None when infeasible): a bound to prune with.
+
+    Each table is increasing in ``n`` and feasible on a prefix, so a pace ``T`` is reachable exactly when
+    every stage holds at least one block within ``T`` and together they hold ``L``; the optimum is the
+    smallest table entry that is reachable (binary search). The solver still makes the final choice.
+    """
+    tables = [stage_table(st, blocks=blocks, budget_bytes=budget_bytes) for st in stages]
+    if fixed_blocks is not None:
+        paces = [table.time_units[n] for table, n in zip(tables, fixed_blocks)]
+        return None if max(paces) >= INFEASIBLE else max(paces) * TIME_UNIT_S
+    values = sorted({t for table in tables for t in table.time_units[1:] if t < INFEASIBLE})
+
+    def reachable(pace: int) -> bool:
+        held = [sum(1 for t in table.time_units[1:] if t <= pace) for table in tables]
+        return min(held) >= 1 and sum(held) >= blocks
+
+    if not values or not reachable(values[-1]):
+        return None
+    low, high = 0, len(values) - 1
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if reachable(values[middle]) else (middle + 1, high)
+    return values[low] * TIME_UNIT_S
+
+
 @dataclass(frozen=True)
 class StageTable:
     """One stage's exact inner optimum for every block count ``n = 0..L`` (index ``n``)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
 from tessera.cost_models.pipeline import bubble_micro_batches
 from tessera.cost_models.types import LayerStats, Recompute
-from tessera.planner.ilp import StageCoefficients, coefficients, solve
+from tessera.planner.ilp import StageCoefficients, coefficients, optimal_pace_s, solve
 from tessera.topology.cluster import Cluster
 
 MAX_SOLVES = 16
@@ -70,6 +70,10 @@ def _refine_one(layers, cluster, training, key: Strategy, *, policies, incumbent
         return None
     fixed = _even_stage_shares(blocks, key) if key.virtual_stages > 1 else None
     budget = float(cluster.device.memory_bytes)
+    pace = optimal_pace_s(coeffs, blocks=blocks, budget_bytes=budget, fixed_blocks=fixed)
+    if pace is not None and _slots(key, training) * pace >= incumbent:  # even the optimum cannot win: skip the solve
+        stats.pruned += 1
+        return None
     for _ in range(BUDGET_RETRIES + 1):
         result = solve(coeffs, blocks=blocks, budget_bytes=budget, fixed_blocks=fixed)
         if result is None:
@@ -91,8 +95,12 @@ def _lower_bound_step(coeffs: Sequence[StageCoefficients], key: Strategy, traini
     cheapest = [min(st.time_per_block_s.values()) for st in coeffs]
     balanced = (sum(st.base_time_s for st in coeffs) + blocks * min(cheapest)) / len(coeffs)
     one_block = max(st.base_time_s + c for st, c in zip(coeffs, cheapest))
-    micro_batches = key.gradient_accumulation(training.global_batch)
-    return (micro_batches + bubble_micro_batches(key)) * max(balanced, one_block)
+    return _slots(key, training) * max(balanced, one_block)
+
+
+def _slots(key: Strategy, training: TrainingConfig) -> float:
+    """Micro-batch times per step on the slowest stage: the micro-batches plus the schedule's bubble."""
+    return key.gradient_accumulation(training.global_batch) + bubble_micro_batches(key)
 
 
 def _even_stage_shares(blocks: int, strategy: Strategy) -> list[int]:

@@ -6,7 +6,7 @@ import pytest
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.types import LayerStats
-from tessera.planner.ilp import StageCoefficients, solve
+from tessera.planner.ilp import StageCoefficients, optimal_pace_s, solve
 from tessera.planner.refine import materialise
 from tessera.topology import load_cluster
 
@@ -53,6 +53,7 @@ def test_ilp_matches_brute_force(stages, blocks, budget):
     assert result is not None and expected is not None
     assert result.pace_s == pytest.approx(expected, abs=2e-6)  # time is solved in integer microseconds
     assert result.status == "OPTIMAL" and result.gap == 0
+    assert optimal_pace_s(stages, blocks=blocks, budget_bytes=budget * GiB) == pytest.approx(expected, abs=2e-6)
 
 
 def three_policy_stage(base_time, base_memory):
@@ -75,6 +76,7 @@ def test_ilp_matches_brute_force_with_selective_recomputation(stages, blocks, bu
     result = solve(stages, blocks=blocks, budget_bytes=budget * GiB)
     assert result is not None and result.pace_s == pytest.approx(expected, abs=2e-6)
     assert sum(sum(mix.values()) for mix in result.blocks) == blocks
+    assert optimal_pace_s(stages, blocks=blocks, budget_bytes=budget * GiB) == pytest.approx(expected, abs=2e-6)
 
 
 def test_ilp_honours_an_outside_pace_cut():
@@ -86,6 +88,7 @@ def test_ilp_honours_an_outside_pace_cut():
 
 def test_ilp_reports_infeasible():
     assert solve([stage(0.0, 50), stage(0.0, 50)], blocks=4, budget_bytes=40 * GiB) is None
+    assert optimal_pace_s([stage(0.0, 50), stage(0.0, 50)], blocks=4, budget_bytes=40 * GiB) is None
 
 
 def test_ilp_recomputes_only_as_many_blocks_as_memory_needs():
