@@ -103,14 +103,14 @@ def coefficients(
 
 def solve(
     stages: Sequence[StageCoefficients], *, blocks: int, budget_bytes: float, fixed_blocks: Sequence[int] | None = None,
-    pace_limit_s: float | None = None,
+    pace_limit_s: float | None = None, tables: Sequence["StageTable"] | None = None,
 ) -> IlpResult | None:
     """Solve the program; ``fixed_blocks`` pins blocks per stage (interleaving). None when infeasible.
 
     ``pace_limit_s`` is a cut from outside (the pace a candidate must beat to matter): a program that
-    cannot beat it is reported infeasible.
+    cannot beat it is reported infeasible. ``tables``: :func:`stage_tables` of the same arguments, if at hand.
     """
-    tables = [stage_table(st, blocks=blocks, budget_bytes=budget_bytes) for st in stages]
+    tables = tables or stage_tables(stages, blocks=blocks, budget_bytes=budget_bytes)
     if any(not table.feasible for table in tables):
         return None
     model = cp_model.CpModel()
@@ -136,16 +136,23 @@ def solve(
     )
 
 
+def stage_tables(stages: Sequence[StageCoefficients], *, blocks: int, budget_bytes: float) -> list["StageTable"]:
+    """Every stage's table (:func:`stage_table`): compute once, pass to :func:`optimal_pace_s` and :func:`solve`."""
+    return [stage_table(st, blocks=blocks, budget_bytes=budget_bytes) for st in stages]
+
+
 def optimal_pace_s(
     stages: Sequence[StageCoefficients], *, blocks: int, budget_bytes: float, fixed_blocks: Sequence[int] | None = None,
+    tables: Sequence["StageTable"] | None = None,
 ) -> float | None:
     """The program's optimal pace, found without the solver (None when infeasible): a bound to prune with.
 
     Each table is increasing in ``n`` and feasible on a prefix, so a pace ``T`` is reachable exactly when
     every stage holds at least one block within ``T`` and together they hold ``L``; the optimum is the
     smallest table entry that is reachable (binary search). The solver still makes the final choice.
+    ``tables`` are :func:`stage_tables` of the same arguments, when already computed.
     """
-    tables = [stage_table(st, blocks=blocks, budget_bytes=budget_bytes) for st in stages]
+    tables = tables or stage_tables(stages, blocks=blocks, budget_bytes=budget_bytes)
     if fixed_blocks is not None:
         paces = [table.time_units[n] for table, n in zip(tables, fixed_blocks)]
         return None if max(paces) >= INFEASIBLE else max(paces) * TIME_UNIT_S

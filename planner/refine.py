@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
 from tessera.cost_models.pipeline import bubble_micro_batches
 from tessera.cost_models.types import LayerStats, Recompute
-from tessera.planner.ilp import StageCoefficients, coefficients, optimal_pace_s, solve
+from tessera.planner.ilp import StageCoefficients, coefficients, optimal_pace_s, solve, stage_tables
 from tessera.topology.cluster import Cluster
 
 MAX_SOLVES = 16
@@ -70,12 +70,14 @@ def _refine_one(layers, cluster, training, key: Strategy, *, policies, incumbent
         return None
     fixed = _even_stage_shares(blocks, key) if key.virtual_stages > 1 else None
     budget = float(cluster.device.memory_bytes)
-    pace = optimal_pace_s(coeffs, blocks=blocks, budget_bytes=budget, fixed_blocks=fixed)
+    tables = stage_tables(coeffs, blocks=blocks, budget_bytes=budget)  # shared by the bound and the first solve
+    pace = optimal_pace_s(coeffs, blocks=blocks, budget_bytes=budget, fixed_blocks=fixed, tables=tables)
     if pace is not None and _slots(key, training) * pace >= incumbent:  # even the optimum cannot win: skip the solve
         stats.pruned += 1
         return None
     for _ in range(BUDGET_RETRIES + 1):
-        result = solve(coeffs, blocks=blocks, budget_bytes=budget, fixed_blocks=fixed)
+        result = solve(coeffs, blocks=blocks, budget_bytes=budget, fixed_blocks=fixed, tables=tables)
+        tables = None  # a retry tightens the budget: its tables differ
         if result is None:
             stats.infeasible += 1
             return None
