@@ -244,8 +244,9 @@ def sp_gathered_input_bytes(stage: StageTotals, strategy: Strategy) -> float:
     ``s/t`` shard in front of each column-parallel pair and all-gathers it again in the backward. DTensor's
     ``SequenceParallel`` -> ``ColwiseParallel`` (``runtime.tensor_parallel``) all-gathers the input once and the
     linear saves the gathered tensor, so each pair's input (and the head's) is kept whole: ``1 - 1/t`` of it more.
+    ``Strategy.sp_regather`` describes Megatron-LM's way (nothing more kept).
     """
-    if strategy.tp == 1 or not strategy.sp:
+    if strategy.tp == 1 or not strategy.sp or strategy.sp_regather:
         return 0.0
     return stage.sp_gathered_bytes * strategy.micro_batch * (1 - 1 / strategy.tp)
 

@@ -173,6 +173,12 @@ class Strategy(BaseModel):
     """Tensor-parallel collectives decomposed and overlapped with the matmuls they feed (Megatron-Core
     ``--tp-comm-overlap``; Wang et al., ASPLOS'23, arXiv:2105.05720). Tessera's runtime does not do this, so
     the planner never chooses it; pin it to evaluate a configuration that used it."""
+    sp_regather: bool = False
+    """Sequence parallelism saves each column-parallel input's local ``s/tp`` shard and all-gathers it again
+    in the backward, overlapped with the input-gradient matmul (Megatron-LM's ``sequence_parallel``; what
+    Korthikanti et al.'s ``34 sbh / t`` assumes). Tessera's runtime saves the gathered input instead
+    (``cost_models.memory.sp_gathered_input_bytes``), so the planner never chooses it; pin it to evaluate a
+    Megatron-LM configuration."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule (ignored when ``pp == 1``)."""
     virtual_stages: int = Field(default=1, gt=0)
@@ -231,6 +237,8 @@ class Strategy(BaseModel):
             parts.append("sp=true")
         if self.tp_overlap:
             parts.append("tp_overlap=true")
+        if self.sp_regather:
+            parts.append("sp_regather=true")
         if self.block_recompute:
             parts.append("block_recompute=" + "/".join(_run_lengths(self.block_recompute)))
         if self.chunk_blocks:
@@ -263,7 +271,7 @@ class Strategy(BaseModel):
                 except ValueError:
                     raise ConfigError(f"bad strategy item {item!r}; write e.g. chunk_blocks=4/4/3 or block_recompute=2xfull/1xnone") from None
                 continue
-            is_flag = key in ("sp", "tp_overlap")
+            is_flag = key in ("sp", "tp_overlap", "sp_regather")
             values[key] = value.strip().lower() in ("1", "true", "yes", "on") if is_flag else _coerce(value.strip())
         if isinstance(values.get("schedule"), str) and ":" in values["schedule"]:
             schedule, chunks = values["schedule"].split(":", 1)

@@ -98,7 +98,8 @@ def strategies(layers: list[LayerStats], cluster: Cluster, training: TrainingCon
                         yield Strategy(
                             dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batch=micro_batch, recompute=recompute,
                             sp=pins.get("sp", tp > 1), schedule=schedule, virtual_stages=chunks,
-                            tp_overlap=pins.get("tp_overlap", False),  # never chosen: the runtime lacks it
+                            # never chosen: the runtime lacks both
+                            tp_overlap=pins.get("tp_overlap", False), sp_regather=pins.get("sp_regather", False),
                         )
 
 

@@ -136,6 +136,12 @@ def check_supported(plan: Plan) -> None:
             "tp_overlap (tensor-parallel collectives overlapped with their matmuls) is a cost-model option for "
             "evaluating published configurations; the runtime does not implement it: drop tp_overlap=true"
         )
+    if plan.strategy.sp_regather:
+        raise NotModelledError(
+            "sp_regather (Megatron-LM's sequence parallelism: save the input shard, all-gather it again in the "
+            "backward) is a cost-model option for evaluating published configurations; the runtime saves the "
+            "gathered input instead: drop sp_regather=true"
+        )
     if plan.strategy.sp and plan.strategy.tp > 1:
         check_sequence_parallel(plan.training.seq_len, plan.strategy.tp)
     if plan.strategy.pp > 1:

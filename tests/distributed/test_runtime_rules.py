@@ -89,11 +89,14 @@ def test_sequence_parallel_needs_a_divisible_sequence():
         check_sequence_parallel(10, 4)
 
 
-def test_overlapped_tensor_parallelism_is_a_cost_model_option_the_runtime_refuses():
+def test_megatron_only_cost_model_options_are_refused_by_the_runtime():
     from tessera.runtime.apply import check_supported
 
     plan = make_plan(GPT, make_model(GPT, device="meta"), "dp=1,tp=2,tp_overlap=true")
     with pytest.raises(NotModelledError, match="drop tp_overlap=true"):
+        check_supported(plan)
+    plan = make_plan(GPT, make_model(GPT, device="meta"), "dp=1,tp=2,sp=true,sp_regather=true")
+    with pytest.raises(NotModelledError, match="drop sp_regather=true"):
         check_supported(plan)
 
 

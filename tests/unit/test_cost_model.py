@@ -265,6 +265,10 @@ def test_sequence_parallel_keeps_gathered_linear_inputs():
     totals, s = _totals("dp=1,tp=4,sp=true,mbs=2")
     assert sp_gathered_input_bytes(totals, s) == 40 * 2 * (1 - 1 / 4)
     assert sp_gathered_input_bytes(*_totals("dp=1,tp=4,mbs=2")) == 0
+    # Megatron-LM's sequence parallelism keeps only the shard and gathers it again in the backward.
+    regather = Strategy.parse("dp=1,tp=4,sp=true,mbs=2,sp_regather=true")
+    assert sp_gathered_input_bytes(totals, regather) == 0
+    assert regather.to_string().endswith("sp_regather=true") and Strategy.parse(regather.to_string()) == regather
 
 
 def test_inner_pipeline_stages_keep_their_in_flight_outputs_and_the_last_merges(monkeypatch):
