@@ -30,6 +30,12 @@ Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all",
 Algorithm = Literal["ring", "tree", "flat", "direct"]
 
 
+def _valid_link(pair: tuple[float, float]) -> bool:
+    """A measured ``(latency_s, bandwidth_bytes_per_s)`` pair a cost can be computed from."""
+    latency, bandwidth = pair
+    return latency >= 0 and bandwidth > 0
+
+
 class DeviceSpec(BaseModel):
     """One accelerator (or CPU socket share) as the cost model sees it."""
 
@@ -96,6 +102,12 @@ class LinkLevel(BaseModel):
     level-wide values for that ``p`` (as NCCL's tuning tables beat a formula): measured ``p``-scaling wins
     where the formula's does not hold, e.g. on CPU ranks sharing cores a ring step among 4 ranks costs more
     than one among 2. ``efficiency``, ``oversubscription`` and the local cost do not apply to these."""
+    collective_measured_by_layout: dict[Collective, dict[int, dict[int, tuple[float, float]]]] = Field(default_factory=dict)
+    """``(latency_s, bandwidth_bytes_per_s)`` fitted by ``tessera profile`` for one group layout, per collective,
+    ``p`` and ``stride``: ``p`` participants ``stride`` ranks apart, the group crossing only this level (for
+    point-to-point: a pair ``stride`` apart). Used instead of ``collective_measured`` for exactly that layout.
+    Where ranks share CPU cores, which ranks pair up matters (groups {0,1},{2,3} and {0,2},{1,3} contend
+    differently), and a mesh axis asks for exactly the layouts the profiler measured."""
     collective_algorithm: dict[Collective, Algorithm] = Field(default_factory=dict)
     """The algorithm the communication library uses for a collective at this level, where known (fitted by
     ``tessera profile``: gloo broadcasts ``flat`` from the root). Absent: the faster of ring and tree, as
@@ -114,9 +126,20 @@ class LinkLevel(BaseModel):
     @field_validator("collective_measured")
     @classmethod
     def _measured_positive(cls, values: dict[str, dict[int, tuple[float, float]]]) -> dict:
-        bad = {k: table for k, table in values.items() if any(p < 2 or a < 0 or b <= 0 for p, (a, b) in table.items())}
+        bad = {k: table for k, table in values.items() if any(p < 2 or not _valid_link(pair) for p, pair in table.items())}
         if bad:
             raise ValueError(f"entries need p >= 2, latency >= 0 and bandwidth > 0, got {bad}")
+        return values
+
+    @field_validator("collective_measured_by_layout")
+    @classmethod
+    def _layouts_positive(cls, values: dict[str, dict[int, dict[int, tuple[float, float]]]]) -> dict:
+        bad = {
+            k: table for k, table in values.items()
+            if any(p < 2 or s < 1 or not _valid_link(pair) for p, row in table.items() for s, pair in row.items())
+        }
+        if bad:
+            raise ValueError(f"entries need p >= 2, stride >= 1, latency >= 0 and bandwidth > 0, got {bad}")
         return values
 
     @field_validator("collective_latency_s", "collective_local_s_per_byte")
@@ -136,6 +159,14 @@ class LinkLevel(BaseModel):
         efficiency = self.collective_efficiency.get(collective, self.efficiency)
         latency = self.collective_latency_s.get(collective, self.latency_s)
         return latency, self.bandwidth_bytes_per_s * efficiency / self.oversubscription
+
+    def measured_link(self, collective: Collective, p: int, *, stride: int | None = None) -> tuple[float, float] | None:
+        """``(latency_s, bandwidth_bytes_per_s)`` profiled for ``p`` participants: for the layout ``(p, stride)``
+        where measured (``stride`` given), else for ``p`` with any stride; ``None`` where neither was."""
+        by_layout = self.collective_measured_by_layout.get(collective, {}).get(p, {})
+        if stride is not None and stride in by_layout:
+            return by_layout[stride]
+        return self.collective_measured.get(collective, {}).get(p)
 
 
 class DeviceGroup(BaseModel):

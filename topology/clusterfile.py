@@ -21,6 +21,7 @@ takes it from its spec (``dgx-h100:nodes=8``). Every malformed field is reported
         collective_latency_us: {broadcast: 5}        # optional
         collective_local_ns_per_byte: {all_reduce: 0.2}  # optional: per-byte cost on the device itself
         collective_measured: {all_reduce: {4: [660, 0.5]}}  # optional: p -> [latency_us, bandwidth_gb_per_s]
+        collective_measured_by_layout: {all_reduce: {2: {1: [310, 0.6], 2: [290, 0.7]}}}  # optional: p -> stride -> same
         collective_algorithm: {broadcast: flat}      # optional: ring | tree | flat | direct
         source: where the numbers come from
     extra_devices:                   # optional: other device kinds on the fabric (not planned on)
@@ -51,7 +52,7 @@ REQUIRED_FIELDS = ("device", "devices_per_node", "size_key", "levels")
 LEVEL_FIELDS = (
     "name", "group_size", "bandwidth_gb_per_s", "latency_us", "efficiency", "oversubscription",
     "collective_efficiency", "collective_latency_us", "collective_local_ns_per_byte", "collective_measured",
-    "collective_algorithm", "source",
+    "collective_measured_by_layout", "collective_algorithm", "source",
 )
 LEVEL_REQUIRED = ("name", "group_size", "bandwidth_gb_per_s", "latency_us")
 
@@ -177,6 +178,7 @@ def _link_level(raw: Any, index: int, *, name: str, per_node: int, world: int) -
     latencies = _mapping(raw, "collective_latency_us", where=where)
     local = _mapping(raw, "collective_local_ns_per_byte", where=where)
     measured = _measured(_mapping(raw, "collective_measured", where=where), where=where)
+    by_layout = _measured_by_layout(_mapping(raw, "collective_measured_by_layout", where=where), where=where)
     try:
         return LinkLevel(
             name=raw["name"],
@@ -193,6 +195,7 @@ def _link_level(raw: Any, index: int, *, name: str, per_node: int, world: int) -
                 key: _number(value, f"{where}: field 'collective_local_ns_per_byte.{key}'") * 1e-9 for key, value in local.items()
             },
             collective_measured=measured,
+            collective_measured_by_layout=by_layout,
             collective_algorithm=raw.get("collective_algorithm") or {},
             source=raw.get("source", "not given"),
         )
@@ -213,18 +216,34 @@ def _mapping(raw: dict, field: str, *, where: str) -> dict:
 
 def _measured(raw: dict, *, where: str) -> dict:
     """``{collective: {p: [latency_us, bandwidth_gb_per_s]}}`` in seconds and bytes/s."""
-    out = {}
+    return {
+        collective: _links_by_key(table, what=f"{where}: field 'collective_measured.{collective}'", key="group sizes")
+        for collective, table in raw.items()
+    }
+
+
+def _measured_by_layout(raw: dict, *, where: str) -> dict:
+    """``{collective: {p: {stride: [latency_us, bandwidth_gb_per_s]}}}`` in seconds and bytes/s."""
+    out: dict = {}
     for collective, table in raw.items():
-        what = f"{where}: field 'collective_measured.{collective}'"
+        what = f"{where}: field 'collective_measured_by_layout.{collective}'"
         if not isinstance(table, dict):
-            raise ClusterSpecError(f"{what} must map group sizes to [latency_us, bandwidth_gb_per_s]")
-        out[collective] = {}
-        for p, pair in table.items():
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise ClusterSpecError(f"{what}.{p} must be [latency_us, bandwidth_gb_per_s], got {pair!r}")
-            out[collective][positive_int(p, f"{what} key")] = (
-                _number(pair[0], f"{what}.{p}[0]") * 1e-6, _number(pair[1], f"{what}.{p}[1]") * 1e9
-            )
+            raise ClusterSpecError(f"{what} must map group sizes to {{stride: [latency_us, bandwidth_gb_per_s]}}")
+        out[collective] = {
+            positive_int(p, f"{what} key"): _links_by_key(row, what=f"{what}.{p}", key="strides") for p, row in table.items()
+        }
+    return out
+
+
+def _links_by_key(table: Any, *, what: str, key: str) -> dict[int, tuple[float, float]]:
+    """``{int: [latency_us, bandwidth_gb_per_s]}`` in seconds and bytes/s; ``key`` names what the ints are."""
+    if not isinstance(table, dict):
+        raise ClusterSpecError(f"{what} must map {key} to [latency_us, bandwidth_gb_per_s]")
+    out = {}
+    for k, pair in table.items():
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ClusterSpecError(f"{what}.{k} must be [latency_us, bandwidth_gb_per_s], got {pair!r}")
+        out[positive_int(k, f"{what} key")] = (_number(pair[0], f"{what}.{k}[0]") * 1e-6, _number(pair[1], f"{what}.{k}[1]") * 1e9)
     return out
 
 
@@ -257,14 +276,21 @@ def _level_to_raw(level: LinkLevel) -> dict[str, Any]:
             key: significant(value * 1e9) for key, value in level.collective_local_s_per_byte.items()
         }
     if level.collective_measured:
-        raw["collective_measured"] = {
-            key: {p: [significant(a * 1e6), significant(b / 1e9)] for p, (a, b) in sorted(table.items())}
-            for key, table in level.collective_measured.items()
+        raw["collective_measured"] = {key: _links_to_raw(table) for key, table in level.collective_measured.items()}
+    if level.collective_measured_by_layout:
+        raw["collective_measured_by_layout"] = {
+            key: {p: _links_to_raw(row) for p, row in sorted(table.items())}
+            for key, table in level.collective_measured_by_layout.items()
         }
     if level.collective_algorithm:
         raw["collective_algorithm"] = dict(level.collective_algorithm)
     raw["source"] = level.source
     return raw
+
+
+def _links_to_raw(table: dict[int, tuple[float, float]]) -> dict[int, list[float]]:
+    """``{int: (latency_s, bandwidth_bytes_per_s)}`` as ``{int: [latency_us, bandwidth_gb_per_s]}``."""
+    return {k: [significant(latency * 1e6), significant(bandwidth / 1e9)] for k, (latency, bandwidth) in sorted(table.items())}
 
 
 def _number(value: Any, what: str) -> float:

@@ -13,7 +13,8 @@ network level (``p = 8``, one GPU per node); a group of 16 with stride 1 has two
 **One level, p participants, D bytes** — ``t = steps(p) * alpha + volume(p) * D / B + gamma * D``
 (``coefficients``; ``gamma`` is the level's per-byte local cost, ``LinkLevel.collective_local_s_per_byte``,
 0 unless profiled; a profiled level may also carry alpha and B measured for exactly this ``p``,
-``LinkLevel.collective_measured``, which then replace the level-wide values):
+``LinkLevel.collective_measured``, or for exactly this layout, ``p`` ranks ``stride`` apart,
+``LinkLevel.collective_measured_by_layout``, which then replace the level-wide values; see ``level_time``):
 
 =================  =========  ===========================  ==========================
 collective         algorithm  steps                        volume
@@ -102,19 +103,24 @@ def coefficients(collective: str, algorithm: str, p: int) -> tuple[float, float]
     return float(steps), float(volume)
 
 
-def level_time(level: LinkLevel, collective: Collective, nbytes: float, p: int, *, algorithm: str = "auto") -> float:
+def level_time(
+    level: LinkLevel, collective: Collective, nbytes: float, p: int, *, algorithm: str = "auto",
+    stride: int | None = None,
+) -> float:
     """Seconds for ``collective`` of ``nbytes`` among ``p`` participants on one level.
 
     ``algorithm="auto"`` uses the level's pinned algorithm for the collective if it has one, else the
-    fastest the collective allows (``ALGORITHMS``). Where the level has values measured for exactly ``p``
-    participants (``LinkLevel.collective_measured``) they replace the level-wide alpha, B and gamma.
+    fastest the collective allows (``ALGORITHMS``). Where the level has values measured for exactly this
+    layout (``stride``: the group's rank stride, given when the group crosses this level only;
+    ``LinkLevel.collective_measured_by_layout``) or else for exactly ``p`` participants
+    (``LinkLevel.collective_measured``), they replace the level-wide alpha, B and gamma.
     """
     if p <= 1 or nbytes <= 0:
         return 0.0
     alpha, bandwidth = level.link(collective)
     gamma = level.collective_local_s_per_byte.get(collective, 0.0)
     pinned = level.collective_algorithm.get(collective)
-    measured = level.collective_measured.get(collective, {}).get(p)
+    measured = level.measured_link(collective, p, stride=stride)
     if measured is not None and algorithm in ("auto", pinned or ALGORITHMS[collective][0]):
         steps, volume = coefficients(collective, pinned or ALGORITHMS[collective][0], p)
         return steps * measured[0] + volume * nbytes / measured[1]
@@ -145,6 +151,11 @@ def participants_per_level(cluster: Cluster, *, group_size: int, stride: int = 1
     return phases
 
 
+def _one_level_stride(phases: list, stride: int) -> int | None:
+    """``stride`` when the group crosses one level only (a layout the profiler measures as such), else None."""
+    return stride if len(phases) == 1 else None
+
+
 def _sharded_phases(cluster: Cluster, nbytes: float, *, group_size: int, stride: int) -> list[tuple[LinkLevel, int, float]]:
     """``(level, p, D)``: each phase with the data left after the levels below have split it."""
     phases, data = [], float(nbytes)
@@ -159,7 +170,8 @@ def reduce_scatter_time(cluster: Cluster, nbytes: float, *, group_size: int, str
     if group_size <= 1:
         return 0.0
     phases = _sharded_phases(cluster, nbytes, group_size=group_size, stride=stride)
-    return sum(level_time(level, "reduce_scatter", data, p) for level, p, data in phases)
+    layout = _one_level_stride(phases, stride)
+    return sum(level_time(level, "reduce_scatter", data, p, stride=layout) for level, p, data in phases)
 
 
 def all_gather_time(cluster: Cluster, nbytes: float, *, group_size: int, stride: int = 1) -> float:
@@ -167,7 +179,8 @@ def all_gather_time(cluster: Cluster, nbytes: float, *, group_size: int, stride:
     if group_size <= 1:
         return 0.0
     phases = _sharded_phases(cluster, nbytes, group_size=group_size, stride=stride)
-    return sum(level_time(level, "all_gather", data, p) for level, p, data in phases)
+    layout = _one_level_stride(phases, stride)
+    return sum(level_time(level, "all_gather", data, p, stride=layout) for level, p, data in phases)
 
 
 def all_reduce_time(
@@ -177,11 +190,12 @@ def all_reduce_time(
     """Seconds to all-reduce ``nbytes``: reduce-scatter inward, ring or tree at the top, all-gather back."""
     if group_size <= 1:
         return 0.0
-    *inner, (top, p, data) = _sharded_phases(cluster, nbytes, group_size=group_size, stride=stride)
+    phases = _sharded_phases(cluster, nbytes, group_size=group_size, stride=stride)
+    *inner, (top, p, data) = phases
     inner_s = sum(
         level_time(level, "reduce_scatter", d, q) + level_time(level, "all_gather", d, q) for level, q, d in inner
     )
-    return inner_s + level_time(top, "all_reduce", data, p, algorithm=algorithm)
+    return inner_s + level_time(top, "all_reduce", data, p, algorithm=algorithm, stride=_one_level_stride(phases, stride))
 
 
 def broadcast_time(
@@ -192,15 +206,20 @@ def broadcast_time(
     if group_size <= 1:
         return 0.0
     phases = participants_per_level(cluster, group_size=group_size, stride=stride)
-    return sum(level_time(level, "broadcast", nbytes, p, algorithm=algorithm) for level, p in phases)
+    layout = _one_level_stride(phases, stride)
+    return sum(level_time(level, "broadcast", nbytes, p, algorithm=algorithm, stride=layout) for level, p in phases)
 
 
 def all_to_all_time(cluster: Cluster, nbytes: float, *, group_size: int, stride: int = 1) -> float:
     """Seconds for an all-to-all where each rank holds ``nbytes``, ``nbytes/n`` for each member."""
     if group_size <= 1 or nbytes <= 0:
         return 0.0
+    phases = participants_per_level(cluster, group_size=group_size, stride=stride)
+    if len(phases) == 1:  # one level: the table's formula, with what was measured for the layout or p
+        (level, p), = phases
+        return level_time(level, "all_to_all", nbytes, p, stride=stride)
     latency_s, transfer_s, below = 0.0, 0.0, 1
-    for level, p in participants_per_level(cluster, group_size=group_size, stride=stride):
+    for level, p in phases:
         peers = below * p - below  # members first reached at this level
         alpha, bandwidth = level.link("all_to_all")
         latency_s += peers * alpha + level.collective_local_s_per_byte.get("all_to_all", 0.0) * nbytes
@@ -222,7 +241,8 @@ def p2p_time(
     if group_size <= 1 or nbytes <= 0:
         return 0.0
     level = cluster.level_spanned(group_size, stride=stride)
-    return level_time(level, "p2p", nbytes, 2)
+    pair_level = cluster.level_spanned(2, stride=stride)  # where a measured pair this far apart talked
+    return level_time(level, "p2p", nbytes, 2, stride=stride if pair_level.name == level.name else None)
 
 
 def collective_time(collective: Collective, cluster: Cluster, nbytes: float, *, group_size: int, stride: int = 1) -> float:

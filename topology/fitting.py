@@ -23,7 +23,11 @@ the ``p``-dependence picks one (gloo's broadcast fits ``flat``).
 Where the level was measured with several group sizes, ``alpha`` and ``B`` are also fitted for each ``p``
 alone (``LinkLevel.collective_measured``): the formulas' ``p``-scaling does not hold for ranks that share
 CPU cores (a 4-rank gloo ring step waits on more context switches than a 2-rank one), and the planner asks
-for exactly the group sizes that were measured. The level-wide fit serves every other ``p``.
+for exactly the group sizes that were measured. Where one ``p`` was measured with several strides, they are
+fitted for each layout ``(p, stride)`` alone too (``LinkLevel.collective_measured_by_layout``): on shared
+cores which ranks pair up matters (4 gloo ranks on 2 cores: pairs {0,1},{2,3} send ~10% slower than {0,2},
+{1,3} in every profile, which a per-``p`` fit averages away), and a mesh axis asks for exactly these
+layouts. The level-wide fit serves every other ``p``; the per-``p`` fit, strides that were not measured.
 
 The level's ``bandwidth_bytes_per_s`` is the largest fitted ``B_c``; each collective keeps
 ``B_c / bandwidth`` as its ``collective_efficiency``, its ``alpha_c`` as ``collective_latency_s`` and its
@@ -33,7 +37,8 @@ algorithm as ``collective_algorithm``, so ``tessera.topology.collectives`` repro
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, Field
@@ -88,10 +93,22 @@ class CollectiveFit(BaseModel):
     by_group_size: dict[int, tuple[float, float]] = Field(default_factory=dict)
     """``p -> (latency_s, bandwidth_bytes_per_s)`` fitted on the points of each group size alone (same
     algorithm), when the level was measured with more than one ``p``."""
+    by_layout: dict[int, dict[int, tuple[float, float]]] = Field(default_factory=dict)
+    """``p -> stride -> (latency_s, bandwidth_bytes_per_s)`` fitted on the points of each layout alone (same
+    algorithm), for the group sizes measured with more than one stride."""
     size_dependent: bool = True
     """False when the times showed no growth with size (``bandwidth_bytes_per_s`` is then a 1e15 stand-in)."""
     points: int = Field(gt=0)
     """Number of measurements fitted."""
+
+
+class Point(NamedTuple):
+    """One measurement as a level's fit sees it: ``p`` participants ``stride`` ranks apart at the level."""
+
+    p: int
+    stride: int
+    nbytes: int
+    seconds: float
 
 
 NO_SLOPE_BANDWIDTH = 1e15
@@ -142,16 +159,16 @@ def _proportional(x: np.ndarray, y: np.ndarray) -> bool:
     return bool(np.nanmax(ratio) - np.nanmin(ratio) <= 1e-9 * np.nanmax(np.abs(ratio))) if np.any(x) else False
 
 
-def fit_collective(level: LinkLevel, collective: Collective, points: Sequence[tuple[int, int, float]]) -> CollectiveFit:
-    """Fit one collective at one level from ``(p, nbytes, seconds)`` points, choosing the algorithm."""
-    per_p = {p: sum(1 for q, _, _ in points if q == p) for p, _, _ in points}
-    weights = [1 / per_p[p] for p, _, _ in points]  # every group size counts equally, however many layouts it has
+def fit_collective(level: LinkLevel, collective: Collective, points: Sequence[Point]) -> CollectiveFit:
+    """Fit one collective at one level from its points, choosing the algorithm."""
+    per_p = {p: sum(1 for point in points if point.p == p) for p, *_ in points}
+    weights = [1 / per_p[point.p] for point in points]  # every group size counts equally, however many layouts it has
     fits = []
     for algorithm in ALGORITHMS[collective]:
-        rows = [coefficients(collective, algorithm, p) for p, _, _ in points]
+        rows = [coefficients(collective, algorithm, point.p) for point in points]
         alpha, bandwidth, gamma, rms = fit_alpha_beta(
-            [steps for steps, _ in rows], [volume * n for (_, volume), (_, n, _) in zip(rows, points)],
-            [t for _, _, t in points], local_bytes=[n for _, n, _ in points], weights=weights,
+            [steps for steps, _ in rows], [volume * point.nbytes for (_, volume), point in zip(rows, points)],
+            [point.seconds for point in points], local_bytes=[point.nbytes for point in points], weights=weights,
         )
         fits.append(CollectiveFit(
             level=level.name, collective=collective, algorithm=algorithm, latency_s=alpha,
@@ -160,37 +177,56 @@ def fit_collective(level: LinkLevel, collective: Collective, points: Sequence[tu
         ))
     best = min(fits, key=lambda fit: fit.rel_rms)
     chosen = fits[0] if fits[0].rel_rms <= best.rel_rms * (1 + ALGORITHM_MARGIN) else best
-    return chosen.model_copy(update={"by_group_size": _fit_each_group_size(collective, chosen.algorithm, points)})
+    return chosen.model_copy(update={
+        "by_group_size": _fit_each_group_size(collective, chosen.algorithm, points),
+        "by_layout": _fit_each_layout(collective, chosen.algorithm, points),
+    })
 
 
-def _fit_each_group_size(collective: str, algorithm: str, points: Sequence[tuple[int, int, float]]) -> dict:
+def _fit_each_group_size(collective: str, algorithm: str, points: Sequence[Point]) -> dict[int, tuple[float, float]]:
     """``p -> (alpha, bandwidth)`` for each group size with two or more sizes, if there are several ``p``."""
-    sizes = sorted({p for p, _, _ in points})
-    if len(sizes) < 2:
+    if len({point.p for point in points}) < 2:
         return {}
+    return _fit_each(collective, algorithm, points, key=lambda point: point.p)
+
+
+def _fit_each_layout(collective: str, algorithm: str, points: Sequence[Point]) -> dict[int, dict[int, tuple[float, float]]]:
+    """``p -> stride -> (alpha, bandwidth)`` for each group size measured with several strides."""
     table = {}
-    for p in sizes:
-        mine = [(n, t) for q, n, t in points if q == p]
-        if len({n for n, _ in mine}) < 2:
+    for p in sorted({point.p for point in points}):
+        mine = [point for point in points if point.p == p]
+        if len({point.stride for point in mine}) > 1:
+            table[p] = _fit_each(collective, algorithm, mine, key=lambda point: point.stride)
+    return {p: row for p, row in table.items() if row}
+
+
+def _fit_each(
+    collective: str, algorithm: str, points: Sequence[Point], *, key: Callable[[Point], int]
+) -> dict[int, tuple[float, float]]:
+    """``key -> (alpha, bandwidth)`` fitted on each set of points sharing a key and two or more sizes."""
+    table = {}
+    for value in sorted({key(point) for point in points}):
+        mine = [point for point in points if key(point) == value]
+        if len({point.nbytes for point in mine}) < 2:
             continue
-        steps, volume = coefficients(collective, algorithm, p)
-        alpha, bandwidth, _, _ = fit_alpha_beta([steps] * len(mine), [volume * n for n, _ in mine], [t for _, t in mine])
-        table[p] = (alpha, bandwidth)
+        steps, volume = coefficients(collective, algorithm, mine[0].p)  # one p per set: both keys imply it
+        alpha, bandwidth, _, _ = fit_alpha_beta(
+            [steps] * len(mine), [volume * point.nbytes for point in mine], [point.seconds for point in mine]
+        )
+        table[value] = (alpha, bandwidth)
     return table
 
 
-def single_level_points(
-    skeleton: Cluster, measurements: Sequence[Measurement]
-) -> dict[tuple[str, str], list[tuple[int, int, float]]]:
-    """``(level name, collective) -> [(p, nbytes, seconds)]`` for layouts crossing exactly one level."""
-    points: dict[tuple[str, str], list[tuple[int, int, float]]] = {}
+def single_level_points(skeleton: Cluster, measurements: Sequence[Measurement]) -> dict[tuple[str, str], list[Point]]:
+    """``(level name, collective) -> points`` for layouts crossing exactly one level."""
+    points: dict[tuple[str, str], list[Point]] = {}
     for m in measurements:
         phases = participants_per_level(skeleton, group_size=m.group_size, stride=m.stride)
         if m.collective == "p2p":  # a pair: one hop at the level the pair spans
             phases = [(skeleton.level_spanned(2, stride=m.stride), 2)]
         if len(phases) == 1:
             level, p = phases[0]
-            points.setdefault((level.name, m.collective), []).append((p, m.nbytes, m.seconds))
+            points.setdefault((level.name, m.collective), []).append(Point(p, m.stride, m.nbytes, m.seconds))
     return points
 
 
@@ -240,6 +276,7 @@ def _level_from_fits(level: LinkLevel, fits: Sequence[CollectiveFit], *, source:
         collective_local_s_per_byte={fit.collective: fit.local_s_per_byte for fit in fits if fit.local_s_per_byte > 0},
         collective_algorithm={fit.collective: fit.algorithm for fit in fits},
         collective_measured={fit.collective: dict(fit.by_group_size) for fit in fits if fit.by_group_size},
+        collective_measured_by_layout={fit.collective: dict(fit.by_layout) for fit in fits if fit.by_layout},
         source=source,
     )
 

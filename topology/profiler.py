@@ -12,8 +12,8 @@
    point-to-point on pairs, over ``ProfileSweep.sizes_bytes`` (how each point is timed:
    ``tessera.topology.measure``).
 4. **Fit.** ``tessera.topology.fitting`` fits latency and bandwidth per level and collective (weighted
-   non-negative least squares on ``alpha * steps + bytes * volume / B + bytes * gamma``, and per group
-   size) and builds the Cluster.
+   non-negative least squares on ``alpha * steps + bytes * volume / B + bytes * gamma``, per group
+   size and per group layout) and builds the Cluster.
 5. **Record.** Rank 0 writes the cluster file (``tessera.topology.clusterfile`` format) with a ``profile``
    section: date, host, hardware, software, the sweep, the device measurements, every raw trial and every
    fit. ``load_cluster(path)`` reads it; ``load_profile(path)`` reads the measurements back too.

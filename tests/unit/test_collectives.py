@@ -206,6 +206,48 @@ def test_values_measured_for_a_group_size_replace_the_level_wide_ones_for_that_s
     assert all_reduce_time(c, 1e8, group_size=4) == pytest.approx(all_reduce_time(cluster(level(group=4, bw=GB, alpha=1e-4)), 1e8, group_size=4))
 
 
+def test_values_measured_for_a_layout_replace_the_per_size_ones_for_that_layout_only():
+    lvl = level(group=4, bw=1 * GB, alpha=1e-4, collective_measured={"all_gather": {2: (1e-3, 0.5 * GB)}},
+                collective_measured_by_layout={"all_gather": {2: {2: (2e-3, 0.25 * GB)}}, "all_to_all": {2: {1: (3e-3, GB)}},
+                                               "p2p": {2: {2: (4e-3, 2 * GB)}}})
+    c = cluster(lvl)
+    assert all_gather_time(c, 1e8, group_size=2, stride=2) == pytest.approx(2e-3 + 1 / 2 * 1e8 / 0.25e9)  # the layout
+    assert all_gather_time(c, 1e8, group_size=2, stride=1) == pytest.approx(1e-3 + 1 / 2 * 1e8 / 0.5e9)  # the p
+    assert all_gather_time(c, 1e8, group_size=4) == pytest.approx(3 * 1e-4 + 3 / 4 * 1e8 / 1e9)  # the level
+    assert all_to_all_time(c, 1e8, group_size=2, stride=1) == pytest.approx(3e-3 + 1 / 2 * 1e8 / 1e9)
+    assert all_to_all_time(c, 1e8, group_size=2, stride=2) == pytest.approx(1e-4 + 1 / 2 * 1e8 / 1e9)
+    assert p2p_time(c, 1e8, distance=2) == pytest.approx(4e-3 + 1e8 / 2e9)
+    assert p2p_time(c, 1e8, distance=1) == pytest.approx(1e-4 + 1e8 / 1e9)
+
+
+def test_a_layout_entry_applies_only_to_groups_crossing_that_level_alone():
+    plain = cluster(level("node", 4, bw=400 * GB, alpha=2e-6), level("net", 8, bw=50 * GB, alpha=10e-6))
+    entry = {2: {1: (5e-3, 0.1 * GB), 4: (5e-3, 0.1 * GB)}}
+    net = plain.levels[1].model_copy(update={"collective_measured_by_layout": {"reduce_scatter": entry, "p2p": entry}})
+    c = cluster(plain.levels[0], net)
+    # two ranks 4 apart meet at the network level only: the layout measured there
+    assert reduce_scatter_time(c, 1e8, group_size=2, stride=4) == pytest.approx(5e-3 + 1 / 2 * 1e8 / 0.1e9)
+    assert p2p_time(c, 1e8, distance=4) == pytest.approx(5e-3 + 1e8 / 0.1e9)
+    # the world crosses both levels (its network phase has p = 2, stride 1 is not that phase's layout)
+    assert reduce_scatter_time(c, 1e8, group_size=8) == pytest.approx(reduce_scatter_time(plain, 1e8, group_size=8))
+    # its slowest hop crosses the network between neighbours, not a pair measured 1 apart inside a node
+    assert p2p_time(c, 1e8, group_size=8) == pytest.approx(p2p_time(plain, 1e8, group_size=8))
+
+
+def test_fit_keeps_each_measured_layout_and_pools_group_sizes_for_the_rest():
+    ring = {"all_reduce": "ring", "broadcast": "flat"}
+    packed = cluster(level("loop", 4, bw=2 * GB, alpha=3e-4, collective_algorithm=ring))
+    spread = cluster(level("loop", 4, bw=1 * GB, alpha=5e-4, collective_algorithm=ring))
+    sizes = [2**k for k in range(12, 25, 2)]
+    measured = synthetic(packed, [(2, 1), (4, 1)], sizes) + synthetic(spread, [(2, 2)], sizes)
+    fitted, fits = fit_cluster(packed, measured, device=DEVICE, name="fit", source="synthetic")
+    assert all(set(fit.by_layout) == {2} and set(fit.by_layout[2]) == {1, 2} for fit in fits)
+    assert fitted.levels[0].collective_measured_by_layout["all_gather"][2][2] == pytest.approx((5e-4, 1 * GB), rel=1e-6)
+    for m in measured:  # every measured layout is reproduced, though 2 x 1 and 2 x 2 follow different lines
+        g = 2 if m.collective == "p2p" else m.group_size
+        assert collective_time(m.collective, fitted, m.nbytes, group_size=g, stride=m.stride) == pytest.approx(m.seconds, rel=1e-6)
+
+
 def test_profiler_layouts_tile_the_world_and_cover_each_level():
     from tessera.topology.profiler import group_layouts
     from tessera.topology.measure import groups_of

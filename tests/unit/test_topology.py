@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from tessera.errors import ClusterSpecError
@@ -160,6 +162,14 @@ BASE = "device: H100-SXM-80GB\ndevices_per_node: 8\nsize_key: nodes\nsize: 2\n"
          r"levels\[0\]: field 'collective_algorithm.all_reduce'"),
         (BASE + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3, collective_measured: {all_reduce: {4: [3]}}}\n",
          r"levels\[0\]: field 'collective_measured.all_reduce'.4 must be \[latency_us, bandwidth_gb_per_s\]"),
+        (BASE + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3, collective_measured_by_layout: {all_reduce: {2: {1: [3]}}}}\n",
+         r"levels\[0\]: field 'collective_measured_by_layout.all_reduce'.2.1 must be \[latency_us, bandwidth_gb_per_s\]"),
+        (BASE + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3, collective_measured_by_layout: {all_reduce: {2: [3, 4]}}}\n",
+         r"levels\[0\]: field 'collective_measured_by_layout.all_reduce'.2 must map strides to"),
+        (BASE + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3, collective_measured_by_layout: {all_reduce: {2: {0: [3, 4]}}}}\n",
+         r"levels\[0\]: field 'collective_measured_by_layout.all_reduce'.2 key must be a positive integer"),
+        (BASE + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3, collective_measured_by_layout: {all_reduce: {2: {1: [3, 0]}}}}\n",
+         r"levels\[0\]: field 'collective_measured_by_layout': .*bandwidth > 0"),
         (BASE + "levels:\n  - {name: nv, group_size: half, bandwidth_gb_per_s: 4, latency_us: 3}\n",
          r"levels\[0\]: field 'group_size'"),
         (BASE + "levels:\n  - {name: nv, group_size: node, bandwidth_gb_per_s: 4, latency_us: 3}\n",
@@ -191,6 +201,7 @@ def test_inline_device_oversubscription_and_extra_devices_round_trip(tmp_path):
         "  - {name: leaf, group_size: 8 nodes, bandwidth_gb_per_s: 50, latency_us: 10}\n"
         "  - {name: agg, group_size: world, bandwidth_gb_per_s: 50, latency_us: 15, oversubscription: 7,"
         " collective_measured: {all_reduce: {2: [20, 40], 4: [25, 30.5]}}, collective_local_ns_per_byte: {all_reduce: 0.1},"
+        " collective_measured_by_layout: {all_reduce: {2: {4: [21, 41], 16: [22, 39]}}},"
         " collective_algorithm: {broadcast: flat}}\n"
         "extra_devices:\n  - {device: A100-SXM-80GB, count: 16, note: older pod on the same spine}\n"
     ))
@@ -199,8 +210,15 @@ def test_inline_device_oversubscription_and_extra_devices_round_trip(tmp_path):
     assert [lvl.group_size for lvl in cluster.levels] == [4, 32, 64] and cluster.levels[2].oversubscription == 7
     assert cluster.extra_devices[0].device.name == "A100-SXM-80GB" and cluster.extra_devices[0].num_devices == 16
     assert cluster.levels[2].collective_measured["all_reduce"][4] == pytest.approx((25e-6, 30.5e9))
+    assert cluster.levels[2].collective_measured_by_layout["all_reduce"][2][16] == pytest.approx((22e-6, 39e9))
     again = cluster_from_raw(cluster_to_raw(cluster), name=cluster.name, size=cluster.num_devices)
     assert_close(again.model_dump(), cluster.model_dump())
+
+
+def test_a_profiled_file_without_per_layout_values_still_loads():
+    cluster = load_cluster(str(Path(__file__).parents[2] / "benchmarks/results/cluster-x86_64-cpu-2026-11-30.yaml"))
+    level = cluster.levels[0]
+    assert level.collective_measured["all_reduce"] and not level.collective_measured_by_layout
 
 
 def assert_close(a, b):
