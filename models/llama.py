@@ -3,6 +3,11 @@
 Module names are part of Tessera's contract: ``tok_emb``, ``blocks.{i}.attn_norm``, ``blocks.{i}.attn.{q,k,v,o}``,
 ``blocks.{i}.mlp_norm``, ``blocks.{i}.mlp.{gate,up,down}``, ``norm``, ``head``.
 
+The skeleton (embedding, RoPE tables, blocks, final norm, head, initialisation) is shared with the
+mixture-of-experts model (``models.moe``): its blocks differ only in their feed-forward half, so ``LlamaBlock``
+builds and calls that half through :meth:`LlamaBlock.build_feed_forward` / :meth:`LlamaBlock.feed_forward`, and
+``Llama`` builds its blocks from the class in ``block_class``.
+
 RoPE uses real cos/sin tables (the "rotate half" form used by Hugging Face), not complex numbers, so the model
 builds and runs on the meta device. The tables are non-persistent buffers on the root module, shared by every
 block: they are recomputed by ``reset_parameters`` and never saved in a checkpoint. Llama 3.1's long-context
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,16 +46,24 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     tie_embeddings: bool = False
 
+    family: ClassVar[str] = "Llama"
+    """Name errors use (a subclass's own)."""
+    positive_fields: ClassVar[tuple[str, ...]] = (
+        "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len"
+    )
+    """Fields that must be > 0, checked in this order."""
+
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len"):
+        for name in self.positive_fields:
             if getattr(self, name) <= 0:
-                raise ModelSpecError(f"Llama {name} must be positive, got {getattr(self, name)}")
+                raise ModelSpecError(f"{self.family} {name} must be positive, got {getattr(self, name)}")
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:
             raise ModelSpecError(
-                f"Llama hidden={self.hidden} must split into heads={self.heads} of even size (RoPE rotates pairs)"
+                f"{self.family} hidden={self.hidden} must split into heads={self.heads} of even size "
+                "(RoPE rotates pairs)"
             )
         if self.heads % self.kv_heads:
-            raise ModelSpecError(f"Llama heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+            raise ModelSpecError(f"{self.family} heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
 
     @property
     def head_dim(self) -> int:
@@ -112,28 +126,43 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """Pre-RMSNorm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-RMSNorm block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    A subclass replaces the feed-forward half by overriding :meth:`build_feed_forward` and :meth:`feed_forward`
+    (registered last, after ``mlp_norm``: module order fixes the order weights are initialised in).
+    """
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
         self.attn = GroupedQueryAttention(config)
         self.mlp_norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
+        self.build_feed_forward(config)
+
+    def build_feed_forward(self, config: LlamaConfig) -> None:
+        """Register the feed-forward module (here ``mlp``, a SwiGLU)."""
         self.mlp = SwiGLU(config.hidden, config.ffn_hidden)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward half on the normalised input: (B, T, H) -> (B, T, H)."""
+        return self.mlp(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, H)
-        return x + self.mlp(self.mlp_norm(x))  # (B, T, H)
+        return x + self.feed_forward(self.mlp_norm(x))  # (B, T, H)
 
 
 class Llama(nn.Module):
     """Llama language model: ``forward(input_ids (B, T)) -> logits (B, T, vocab)``."""
 
+    block_class: ClassVar[type[LlamaBlock]] = LlamaBlock
+    """The block every layer is (a subclass swaps in its own, e.g. ``MoEBlock``)."""
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab, config.hidden)
-        self.blocks = nn.ModuleList(LlamaBlock(config) for _ in range(config.layers))
+        self.blocks = nn.ModuleList(self.block_class(config) for _ in range(config.layers))
         self.norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
         self.head = nn.Linear(config.hidden, config.vocab, bias=False)
         self.tie_weights()
@@ -152,7 +181,8 @@ class Llama(nn.Module):
     def reset_parameters(self) -> None:
         """Initialise parameters from the global torch RNG and recompute the RoPE tables (call after ``to_empty``).
 
-        Normal(0, 0.02) weights, unit norms; residual output projections use 0.02 / sqrt(2 * layers).
+        Normal(0, 0.02) weights, unit norms; residual output projections (``attn.o`` and every ``down``: the
+        MLP's, or each expert's and the shared expert's) use 0.02 / sqrt(2 * layers).
         """
         self.tie_weights()
         scaled_std = INIT_STD / math.sqrt(2 * self.config.layers)
@@ -162,7 +192,7 @@ class Llama(nn.Module):
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 if module is self.head and self.config.tie_embeddings:
                     continue  # shares tok_emb.weight, already initialised
-                std = scaled_std if name.endswith(("attn.o", "mlp.down")) else INIT_STD
+                std = scaled_std if name.endswith(("attn.o", ".down")) else INIT_STD
                 nn.init.normal_(module.weight, mean=0.0, std=std)
         cos, sin = rope_tables(self.config, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)

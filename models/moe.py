@@ -23,60 +23,48 @@ stores its last value in ``.aux_loss``; ``MoE.aux_loss()`` sums them, so a train
 Module names (Tessera's contract): ``tok_emb``, ``blocks.{i}.attn_norm``, ``blocks.{i}.attn.{q,k,v,o}``,
 ``blocks.{i}.mlp_norm``, ``blocks.{i}.moe.router``, ``blocks.{i}.moe.experts.{e}.{gate,up,down}``,
 ``blocks.{i}.moe.shared.{gate,up,down}``, ``norm``, ``head``.
+
+The model is a ``Llama`` whose blocks put a ``MoELayer`` (named ``moe``) where Llama has its SwiGLU ``mlp``, and
+``MoEConfig`` is a ``LlamaConfig`` with the routing fields: embedding, RoPE, attention, norms, head and
+initialisation are Llama's own code.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tessera.errors import ModelSpecError
-from tessera.models.llama import INIT_STD, NORM_EPS, GroupedQueryAttention, SwiGLU, rope_tables
+from tessera.models.llama import Llama, LlamaBlock, LlamaConfig, SwiGLU
 
 
-@dataclass(frozen=True)
-class MoEConfig:
-    """Shape of a mixture-of-experts model. ``seq_len`` is the longest sequence the RoPE tables cover."""
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig(LlamaConfig):
+    """Shape of a mixture-of-experts model: a Llama shape (``ffn_hidden`` is each expert's) plus the routing.
 
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    vocab: int
-    seq_len: int
+    The fields added here are keyword-only (they follow Llama's defaulted fields).
+    """
+
     experts: int
     top_k: int = 2
     shared_ffn: int = 0
     capacity_factor: float = 1.0
     aux_loss_coef: float = 0.01
-    rope_theta: float = 1000000.0
-    tie_embeddings: bool = False
+    rope_theta: float = 1000000.0  # Mixtral's (Llama 3's is 500000)
+
+    family: ClassVar[str] = "MoE"
+    positive_fields: ClassVar[tuple[str, ...]] = LlamaConfig.positive_fields + ("experts", "top_k")
 
     def __post_init__(self) -> None:
-        names = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len", "experts", "top_k")
-        for name in names:
-            if getattr(self, name) <= 0:
-                raise ModelSpecError(f"MoE {name} must be positive, got {getattr(self, name)}")
-        if self.hidden % self.heads or (self.hidden // self.heads) % 2:
-            raise ModelSpecError(
-                f"MoE hidden={self.hidden} must split into heads={self.heads} of even size (RoPE rotates pairs)"
-            )
-        if self.heads % self.kv_heads:
-            raise ModelSpecError(f"MoE heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        super().__post_init__()
         if self.top_k > self.experts:
             raise ModelSpecError(f"MoE top_k={self.top_k} exceeds experts={self.experts}; pick top_k <= experts")
         if self.capacity_factor < 0.01 or self.shared_ffn < 0 or self.aux_loss_coef < 0:
             raise ModelSpecError("MoE capacity_factor must be >= 0.01; shared_ffn and aux_loss_coef non-negative")
-
-    @property
-    def head_dim(self) -> int:
-        """Features per attention head."""
-        return self.hidden // self.heads
 
 
 def expert_capacity(tokens: int, *, experts: int, top_k: int, capacity_factor: float) -> int:
@@ -155,68 +143,21 @@ def _slots(choice: torch.Tensor, onehot: torch.Tensor, capacity: int) -> torch.T
     return torch.where(position < capacity, choice * capacity + position, experts * capacity)
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(LlamaBlock):
     """Pre-RMSNorm block: x + attn(norm(x)), then x + moe(norm(x))."""
 
-    def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.attn_norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
-        self.attn = GroupedQueryAttention(config)  # reads hidden, heads, kv_heads, head_dim
-        self.mlp_norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
+    def build_feed_forward(self, config: MoEConfig) -> None:
+        """Register the routed experts as ``moe`` (in place of Llama's ``mlp``)."""
         self.moe = MoELayer(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, H)
-        return x + self.moe(self.mlp_norm(x))  # (B, T, H)
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)  # (B, T, H)
 
 
-class MoE(nn.Module):
+class MoE(Llama):
     """MoE language model: ``forward(input_ids (B, T)) -> logits (B, T, vocab)``; ``aux_loss()`` after it."""
 
-    def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.tok_emb = nn.Embedding(config.vocab, config.hidden)
-        self.blocks = nn.ModuleList(MoEBlock(config) for _ in range(config.layers))
-        self.norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
-        self.head = nn.Linear(config.hidden, config.vocab, bias=False)
-        self.tie_weights()
-        self.register_buffer("rope_cos", torch.empty(config.seq_len, config.head_dim), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(config.seq_len, config.head_dim), persistent=False)
-        if not self.tok_emb.weight.is_meta:  # on meta there is nothing to initialise
-            self.reset_parameters()
-
-    def tie_weights(self) -> None:
-        """Share ``tok_emb.weight`` with ``head`` when configured; ``to_empty`` from meta unties them."""
-        if self.config.tie_embeddings:
-            self.head.weight = self.tok_emb.weight
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Initialise from the global torch RNG (call after ``to_empty``): normal(0, 0.02), unit norms, residual
-        output projections (``attn.o``, every ``down``) 0.02 / sqrt(2 * layers); recompute the RoPE tables."""
-        self.tie_weights()
-        scaled_std = INIT_STD / math.sqrt(2 * self.config.layers)
-        for name, module in self.named_modules():  # fixed order -> same seed, same weights
-            if isinstance(module, nn.RMSNorm):
-                nn.init.ones_(module.weight)
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                if module is self.head and self.config.tie_embeddings:
-                    continue
-                std = scaled_std if name.endswith(("attn.o", ".down")) else INIT_STD
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-        cos, sin = rope_tables(self.config, device=self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        T = input_ids.size(1)
-        x = self.tok_emb(input_ids)  # (B, T, H)
-        cos = torch.narrow(self.rope_cos, 0, 0, T).to(x.dtype)  # (T, hd)
-        sin = torch.narrow(self.rope_sin, 0, 0, T).to(x.dtype)  # (T, hd)
-        for block in self.blocks:
-            x = block(x, cos, sin)  # (B, T, H)
-        return self.head(self.norm(x))  # (B, T, V)
+    block_class = MoEBlock
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of the blocks' load-balancing losses from the last forward (add it to the training loss)."""

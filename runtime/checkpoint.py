@@ -15,15 +15,14 @@ chunks the *new* plan's shards cover. So a checkpoint saved under tp=2 x dp=2 on
 ranks, or in one process without a process group; :func:`export_model_state_dict` writes one plain
 ``torch.save`` file that ``model.load_state_dict`` accepts.
 
-**Atomic commit.** Files go to ``root/.step-00000012.partial``. Once every rank's files and DCP's ``.metadata``
-exist, the ranks hash the files (each a share), rank 0 writes ``manifest.json`` (each file's size and SHA-256),
-then the ``COMPLETE`` marker (the manifest's own hash), fsyncs, and renames the folder to ``root/step-00000012``.
-A folder without the marker, or still named ``.partial``, is never loaded, so a crash mid-write leaves only an
-ignored partial folder. A load checks the files against the manifest (sizes always; SHA-256 too with
-``verify=True``, the default, each rank hashing a share): a truncated or corrupted checkpoint is reported by
-file, never loaded silently. Given the root folder, the newest intact checkpoint is used and the skipped ones
-are named (``CheckpointInfo.skipped``, and a logged warning). The root must be on a file system every rank
-sees (DCP's ``FileSystemWriter`` assumes it: rank 0 writes the metadata of all).
+**On disk** (``runtime.checkpoint_files``: the folder layout, the manifest, the atomic commit and how damage is
+detected). Files are written to a ``.partial`` folder and committed by a manifest of every file's size and
+SHA-256, a ``COMPLETE`` marker and a rename, so a crash mid-write leaves only an ignored partial folder. A load
+checks the files against the manifest (sizes always; SHA-256 too with ``verify=True``, the default): a truncated
+or corrupted checkpoint is reported by file, never loaded silently. Given the root folder, the newest intact
+checkpoint is used and the skipped ones are named (``CheckpointInfo.skipped``, and a logged warning). The root
+must be on a file system every rank sees (DCP's ``FileSystemWriter`` assumes it: rank 0 writes the metadata of
+all).
 
 **RNG.** Each rank's CPU (and, when initialised, CUDA) generator and Python ``random`` state. Under the same
 world size rank ``r`` gets rank ``r``'s states back; under another world size every rank gets rank 0's (the
@@ -40,13 +39,9 @@ DTensor's CUDA RNG tracker (dropout under tensor parallelism on GPUs).
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
 import random
 import shutil
 import threading
-import time
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -63,56 +58,26 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tessera.errors import CheckpointError
+from tessera.runtime.checkpoint_files import (
+    DATA_FILE, FORMAT_VERSION, HASH_BLOCK_BYTES, MANIFEST, MARKER, PARTIAL_SUFFIX, PLAN_FILE, RNG_FOLDER,
+    STEP_PREFIX, FileRecord, Manifest, broadcast, check_checkpoint, commit_checkpoint, complete_checkpoints,
+    has_checkpoint, partial_folder, rank, read_manifest, select_checkpoint, step_folder, world, write_durably,
+)
 
 if TYPE_CHECKING:
     from tessera.runtime.parallel_model import ParallelModel
 
-log = logging.getLogger(__name__)
+__all__ = [  # the save/load flow, and the on-disk names of ``checkpoint_files`` so one import serves callers
+    "DATA_FILE", "FORMAT_VERSION", "HASH_BLOCK_BYTES", "MANIFEST", "MARKER", "PARTIAL_SUFFIX", "PLAN_FILE",
+    "RNG_FOLDER", "STEP_PREFIX", "CheckpointInfo", "Checkpointer", "FileRecord", "Manifest", "PendingSave",
+    "check_checkpoint", "complete_checkpoints", "export_model_state_dict", "has_checkpoint", "read_manifest",
+    "select_checkpoint", "state_module", "step_folder",
+]
 
-STEP_PREFIX = "step-"
-PARTIAL_SUFFIX = ".partial"
-MARKER = "COMPLETE"
-MANIFEST = "manifest.json"
-PLAN_FILE = "plan.json"
-DATA_FILE = "data.pt"
-RNG_FOLDER = "rng"
-FORMAT_VERSION = 1
-HASH_BLOCK_BYTES = 1 << 24
-FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 """Optimizer state and param-group settings keyed per FQN (``param_groups.<fqn>.lr``): the nested form keeps
 ``param_groups`` as one list per rank under one key, which DCP de-duplicates across ranks, so pipeline ranks
 (each with its own parameters) would get rank 0's groups back."""
-
-
-class FileRecord(BaseModel):
-    """One file of a checkpoint as it was written."""
-
-    model_config = FROZEN
-
-    size_bytes: int
-    """Length of the file."""
-    sha256: str
-    """SHA-256 of its content (hex)."""
-
-
-class Manifest(BaseModel):
-    """Written by rank 0 after every file exists and before the ``COMPLETE`` marker."""
-
-    model_config = FROZEN
-
-    format_version: int = FORMAT_VERSION
-    """Version of this layout."""
-    step: int
-    """Optimizer steps taken when the checkpoint was saved."""
-    world_size: int
-    """Ranks that wrote it."""
-    strategy: str
-    """The plan's strategy string (the whole plan is in ``plan.json``)."""
-    saved_unix_s: float
-    """When it was committed."""
-    files: dict[str, FileRecord]
-    """Every other file in the folder (relative POSIX path), with its size and hash."""
 
 
 class CheckpointInfo(BaseModel):
@@ -171,14 +136,14 @@ class Checkpointer:
         """Write ``root/step-<pm.step>``; see the module docstring. Call on every rank."""
         self.wait()
         root, group = Path(root), self._process_group()
-        final, partial = step_folder(root, pm.step), root / f".{STEP_PREFIX}{pm.step:08d}{PARTIAL_SUFFIX}"
+        final, partial = step_folder(root, pm.step), partial_folder(root, pm.step)
         _prepare_partial(final, partial, group)
         _write_side_files(pm, partial, data_state, group)
         state = _state_dict(state_module(pm.modules), pm.optimizer)
         step, strategy = pm.step, pm.plan.strategy.to_string()
 
         def commit() -> None:
-            _commit(partial, final=final, step=step, strategy=strategy, group=group, keep_last=keep_last)
+            commit_checkpoint(partial, final=final, step=step, strategy=strategy, group=group, keep_last=keep_last)
 
         if not async_save:
             with _single_process_quiet(group):
@@ -269,7 +234,7 @@ def _rng_state() -> dict[str, Any]:
 
 def _restore_rng(folder: Path, *, saved_world: int, group: dist.ProcessGroup | None) -> None:
     """This rank's saved RNG states under the same world size; rank 0's under another (see module docstring)."""
-    source = _rank(group) if saved_world == _world(group) else 0
+    source = rank(group) if saved_world == world(group) else 0
     state = torch.load(folder / RNG_FOLDER / f"rank-{source:05d}.pt", weights_only=True)
     torch.set_rng_state(state["cpu"])
     random.setstate(state["python"])
@@ -280,59 +245,28 @@ def _restore_rng(folder: Path, *, saved_world: int, group: dist.ProcessGroup | N
 # ------------------------------------------------------------------------------------------------ writing
 
 
-def step_folder(root: Path, step: int) -> Path:
-    """Where the checkpoint of ``step`` lives once committed."""
-    return root / f"{STEP_PREFIX}{step:08d}"
-
-
 def _prepare_partial(final: Path, partial: Path, group: dist.ProcessGroup | None) -> None:
     """Rank 0 empties the partial folder; every rank raises alike if the step was already saved."""
     problem = None
-    if _rank(group) == 0:
+    if rank(group) == 0:
         if final.exists():
             problem = (f"checkpoint {final} already exists; a step is saved once: train on before saving again, "
                        "or delete it to replace it")
         else:
             shutil.rmtree(partial, ignore_errors=True)  # left by a save that was interrupted
             (partial / RNG_FOLDER).mkdir(parents=True)
-    problem = _broadcast(problem, group)
+    problem = broadcast(problem, group)
     if problem:
         raise CheckpointError(problem)
 
 
 def _write_side_files(pm: ParallelModel, partial: Path, data_state: Any, group: dist.ProcessGroup | None) -> None:
     """Every rank its RNG states; rank 0 the plan and the data position."""
-    rank = _rank(group)
-    _write_durably(partial / RNG_FOLDER / f"rank-{rank:05d}.pt", lambda path: torch.save(_rng_state(), path))
-    if rank == 0:
-        _write_durably(partial / PLAN_FILE, lambda path: pm.plan.to_json(path))
-        _write_durably(partial / DATA_FILE, lambda path: torch.save(data_state, path))
-
-
-def _commit(
-    partial: Path, *, final: Path, step: int, strategy: str, group: dist.ProcessGroup | None, keep_last: int | None
-) -> None:
-    """Hash the files (a share per rank), then rank 0 writes manifest and marker and renames the folder."""
-    names = _broadcast(_list_files(partial) if _rank(group) == 0 else None, group)
-    mine = {name: _file_record(partial / name) for name in names[_rank(group)::_world(group)]}
-    files = {name: record for share in _all_gather(mine, group) for name, record in share.items()}
-    if _rank(group) == 0:
-        manifest = Manifest(step=step, world_size=_world(group), strategy=strategy, saved_unix_s=time.time(),
-                            files=dict(sorted(files.items())))
-        text = manifest.model_dump_json(indent=2)
-        _write_durably(partial / MANIFEST, lambda path: path.write_text(text))
-        _write_durably(partial / MARKER, lambda path: path.write_text(_sha256_text(text)))
-        os.replace(partial, final)
-        _fsync_folder(final.parent)
-        if keep_last is not None:
-            _prune(final.parent, keep_last)
-    _barrier(group)  # nobody returns before the checkpoint is visible under its final name
-
-
-def _prune(root: Path, keep_last: int) -> None:
-    """Delete complete checkpoints older than the newest ``keep_last``."""
-    for folder in complete_checkpoints(root)[keep_last:]:
-        shutil.rmtree(folder, ignore_errors=True)
+    this_rank = rank(group)
+    write_durably(partial / RNG_FOLDER / f"rank-{this_rank:05d}.pt", lambda path: torch.save(_rng_state(), path))
+    if this_rank == 0:
+        write_durably(partial / PLAN_FILE, lambda path: pm.plan.to_json(path))
+        write_durably(partial / DATA_FILE, lambda path: torch.save(data_state, path))
 
 
 def _write_async(state: dict[str, Any], partial: Path, group: dist.ProcessGroup | None) -> Future:
@@ -358,115 +292,6 @@ def _then(future: Future, action) -> Future:
     return done
 
 
-# ------------------------------------------------------------------------------------------------ reading
-
-
-def select_checkpoint(path: Path, *, verify: bool, group: dist.ProcessGroup | None) -> tuple[Path, list[str]]:
-    """The folder to load and the newer ones skipped; raises ``CheckpointError`` when none can be loaded.
-
-    A ``step-*`` folder must itself be intact. A root folder yields its newest intact checkpoint.
-    """
-    if _is_checkpoint_folder(path):
-        problem = check_checkpoint(path, verify=verify, group=group)
-        if problem:
-            raise CheckpointError(f"{problem}; {_previous_hint(path)}")
-        return path, []
-    candidates = _broadcast(complete_checkpoints(path) if _rank(group) == 0 else None, group)
-    if not candidates:
-        raise CheckpointError(_nothing_found(path))
-    skipped = []
-    for folder in candidates:
-        problem = check_checkpoint(folder, verify=verify, group=group)
-        if problem is None:
-            if skipped and _rank(group) == 0:
-                log.warning("loading %s; skipped newer checkpoint(s): %s", folder, "; ".join(skipped))
-            return folder, skipped
-        skipped.append(problem)
-    raise CheckpointError(f"no intact checkpoint in {path}: " + "; ".join(skipped))
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Committed checkpoint folders under ``root`` (marker present; not yet verified), newest first."""
-    if not root.is_dir():
-        return []
-    folders = [p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and (p / MARKER).exists()]
-    return sorted(folders, key=lambda p: p.name, reverse=True)
-
-
-def has_checkpoint(root: str | Path) -> bool:
-    """Whether ``root`` is a committed checkpoint or holds one (so resuming from it can start)."""
-    root = Path(root)
-    return (root / MARKER).exists() or bool(complete_checkpoints(root))
-
-
-def check_checkpoint(folder: Path, *, verify: bool, group: dist.ProcessGroup | None) -> str | None:
-    """Why ``folder`` cannot be loaded (the same answer on every rank), or ``None`` when it is intact."""
-    problem = _broadcast(_manifest_problem(folder) if _rank(group) == 0 else None, group)
-    if problem:
-        return problem
-    manifest = read_manifest(folder)
-    names = sorted(manifest.files)
-    mine = [_file_problem(folder, name, manifest.files[name], verify=verify)
-            for name in names[_rank(group)::_world(group)]]
-    problems = [p for share in _all_gather(mine, group) for p in share if p]
-    return f"checkpoint {folder} is corrupt: {'; '.join(sorted(problems))}" if problems else None
-
-
-def read_manifest(folder: Path) -> Manifest:
-    """The manifest of a committed checkpoint."""
-    return Manifest.model_validate_json((folder / MANIFEST).read_text())
-
-
-def _manifest_problem(folder: Path) -> str | None:
-    if not folder.is_dir():
-        return f"checkpoint {folder} does not exist"
-    if folder.name.endswith(PARTIAL_SUFFIX) or not (folder / MARKER).exists():
-        return (f"checkpoint {folder} is incomplete (no {MARKER} marker): it was interrupted while being "
-                "written and is never loaded")
-    try:
-        text = (folder / MANIFEST).read_text()
-        Manifest.model_validate_json(text)
-    except (OSError, ValueError) as error:
-        return f"checkpoint {folder} is corrupt: its {MANIFEST} is unreadable ({type(error).__name__})"
-    if (folder / MARKER).read_text().strip() != _sha256_text(text):
-        return f"checkpoint {folder} is corrupt: {MANIFEST} does not match the hash in its {MARKER} marker"
-    return None
-
-
-def _file_problem(folder: Path, name: str, record: FileRecord, *, verify: bool) -> str | None:
-    path = folder / name
-    if not path.is_file():
-        return f"file {name} is missing"
-    size = path.stat().st_size
-    if size != record.size_bytes:
-        return f"file {name} has {size} bytes but {record.size_bytes} were written (truncated or overwritten)"
-    if verify and _file_record(path).sha256 != record.sha256:
-        return f"file {name} does not match the SHA-256 recorded when it was written (its bytes changed on disk)"
-    return None
-
-
-def _previous_hint(folder: Path) -> str:
-    """Where to go instead of a broken ``folder``: the newest committed checkpoint before it."""
-    older = [p for p in complete_checkpoints(folder.parent) if p.name < folder.name.lstrip(".")]
-    if not older:
-        return f"there is no complete checkpoint before it in {folder.parent}; start from scratch"
-    return (f"the last complete checkpoint before it is {older[0]}: load that, or pass the folder {folder.parent} "
-            "to load the newest intact one")
-
-
-def _nothing_found(root: Path) -> str:
-    if not root.exists():
-        return f"checkpoint folder {root} does not exist; pass the folder given to ParallelModel.save"
-    partial = sorted(p.name for p in root.iterdir() if p.name.endswith(PARTIAL_SUFFIX))
-    found = f" (only {', '.join(partial)}: interrupted while being written)" if partial else ""
-    return f"no complete checkpoint in {root}{found}; resume from an older copy or start from scratch"
-
-
-def _is_checkpoint_folder(path: Path) -> bool:
-    name = path.name.lstrip(".")
-    return name.startswith(STEP_PREFIX) or (path / MANIFEST).exists() or (path / MARKER).exists()
-
-
 # ------------------------------------------------------------------------------------------------ export
 
 
@@ -488,75 +313,6 @@ def export_model_state_dict(checkpoint: str | Path, out: str | Path, *, verify: 
     out = Path(out)
     torch.save(weights, out)
     return out
-
-
-# ------------------------------------------------------------------------------------------------ files
-
-
-def _list_files(folder: Path) -> list[str]:
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-
-
-def _file_record(path: Path) -> FileRecord:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(HASH_BLOCK_BYTES):
-            digest.update(block)
-    return FileRecord(size_bytes=path.stat().st_size, sha256=digest.hexdigest())
-
-
-def _sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _write_durably(path: Path, write) -> None:
-    """Write ``path`` with ``write(path)`` and fsync it, so a marker written later never precedes its data."""
-    write(path)
-    with path.open("rb+") as handle:
-        os.fsync(handle.fileno())
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Make a rename inside ``folder`` durable (POSIX: fsync the directory)."""
-    handle = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
-
-
-# ------------------------------------------------------------------------------------------------ collectives
-# ``group`` None means this process alone (no process group): every helper is then the identity.
-
-
-def _rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group) if group is not None else 0
-
-
-def _world(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if group is not None else 1
-
-
-def _broadcast(value: Any, group: dist.ProcessGroup | None) -> Any:
-    """Rank 0's ``value`` on every rank."""
-    if group is None:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
-
-
-def _all_gather(value: Any, group: dist.ProcessGroup | None) -> list:
-    if group is None:
-        return [value]
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, value, group=group)
-    return gathered
-
-
-def _barrier(group: dist.ProcessGroup | None) -> None:
-    if group is not None:
-        dist.barrier(group=group)
 
 
 @contextmanager

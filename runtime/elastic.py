@@ -31,9 +31,8 @@ import torch.distributed as dist
 
 from tessera.errors import CheckpointError
 from tessera.planner.plan import Plan
-from tessera.runtime.checkpoint import (
-    PLAN_FILE, CheckpointInfo, complete_checkpoints, has_checkpoint,
-)
+from tessera.runtime.checkpoint import CheckpointInfo
+from tessera.runtime.checkpoint_files import PLAN_FILE, complete_checkpoints, has_checkpoint
 from tessera.runtime.parallel_model import ParallelModel
 from tessera.topology import Cluster, load_cluster
 from tessera.topology.presets import preset_names, preset_size_key

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from tessera.cost_models.types import Strategy
 from tessera.errors import CheckpointError
 from tessera.runtime.apply import apply_plan
-from tessera.runtime.checkpoint import MARKER, export_model_state_dict, read_manifest
+from tessera.runtime.checkpoint import export_model_state_dict
+from tessera.runtime.checkpoint_files import MARKER, read_manifest
 from tessera.runtime.elastic import fit_cluster_to_world
 from tessera.topology import load_cluster
 
