@@ -5,8 +5,9 @@ Run: ``.venv/bin/python benchmarks/memory_truth.py [--ranks 4] [--models ...] [-
 strategy is planned with the cost model (everything pinned), applied to the real model on ``--ranks`` gloo
 ranks, run for a warm-up step (two under DDP, whose buckets are rebuilt after the first synchronised backward),
 then one step under ``benchmarks/memory_meter.py``'s ``AllocatorMeter``: the peak of what the CPU allocator
-held, from the profiler's memory events (it sees FSDP2's ``storage.resize_`` allocations and C++ ones, which a
-dispatch-mode meter misses), on top of the parameters, optimizer state and DDP's gradient buckets. The
+held, from the running total the allocator reports with the profiler's memory events (it sees FSDP2's
+``storage.resize_`` allocations and C++ ones, which a dispatch-mode meter misses, and frees on gloo's worker
+threads, which the events alone miss), on top of the parameters, optimizer state and DDP's gradient buckets. The
 prediction is the estimate's worst stage minus its fixed CPU reserve; the measurement the worst rank.
 Goal (cost-model issue #5): within 10%. Writes ``benchmarks/results/memory-truth-<hardware>-<date>.md`` and the
 per-rank peaks to the ``.json`` beside it; ``--reuse that.json`` re-predicts without measuring again.
@@ -97,6 +98,8 @@ def main() -> None:
     parser.add_argument("--reuse", type=Path, help="take the measured peaks from this JSON (written by a run) and "
                         "only re-predict (for iterating on the cost model; the measurement does not depend on it); "
                         "rows missing from it are measured and added")
+    parser.add_argument("--no-write", action="store_true", help="print the table only; leave benchmarks/results alone "
+                        "(for checking a few rows without overwriting the full run's files)")
     args = parser.parse_args()
     reused = json.loads(args.reuse.read_text()) if args.reuse else {}
     rows, measured = [], {}
@@ -109,12 +112,13 @@ def main() -> None:
             measured[key] = peaks
             stages = [peak - CPU_RESERVE_BYTES for peak in plan.estimate.stage_peak_memory_bytes]
             rows.append((model, name, plan.strategy.to_string(), max(stages), max(peaks), stages, peaks))
+            per_rank = " ".join(f"{peak / 2**20:.2f}" for peak in peaks)
             print(model, name, f"predicted {max(stages) / 2**20:.2f} MiB measured {max(peaks) / 2**20:.2f} MiB "
-                  f"error {max(stages) / max(peaks) - 1:+.1%}", flush=True)
-    report(rows, args.ranks, {**reused, **measured}, reused=measured.keys() <= reused.keys())
+                  f"error {max(stages) / max(peaks) - 1:+.1%} (per rank MiB: {per_rank})", flush=True)
+    report(rows, args.ranks, {**reused, **measured}, reused=measured.keys() <= reused.keys(), write=not args.no_write)
 
 
-def report(rows: list[tuple], ranks: int, measured: dict[str, list[int]], *, reused: bool) -> None:
+def report(rows: list[tuple], ranks: int, measured: dict[str, list[int]], *, reused: bool, write: bool) -> None:
     errors = [abs(p / m - 1) for _, _, _, p, m, *_ in rows]
     verdict = (f"{len(rows)} runs; |error| median {statistics.median(errors):.1%}, worst {max(errors):.1%}; "
                f"within 10%: {sum(e <= 0.10 for e in errors)}/{len(rows)}")
@@ -125,6 +129,8 @@ def report(rows: list[tuple], ranks: int, measured: dict[str, list[int]], *, reu
         table.add_row(model, name, strategy, f"{p / 2**20:.2f}", f"{m / 2**20:.2f}", f"{p / m - 1:+.1%}", _per_rank(stages, peaks))
     Console(width=220).print(table)
     print(verdict)
+    if not write:
+        return
     date = datetime.date.today().isoformat()
     stem = HERE / "results" / f"memory-truth-{platform.machine()}-cpu-{date}"
     if not reused:
@@ -133,7 +139,8 @@ def report(rows: list[tuple], ranks: int, measured: dict[str, list[int]], *, reu
              f"Command: `.venv/bin/python benchmarks/memory_truth.py --ranks {ranks}`. Predicted: the estimate's "
              "peak minus its fixed CPU reserve (largest over pipeline stages); measured: the largest over the ranks of "
              "the peak bytes the CPU allocator held during one step after warm-up (`benchmarks/memory_meter.py`'s "
-             "`AllocatorMeter`: profiler memory events on top of parameters, optimizer state and DDP's buckets). "
+             "`AllocatorMeter`: the CPU allocator's running total, frees on gloo's threads included, on top of parameters, "
+             "optimizer state and DDP's buckets). "
              "Per-rank measured peaks are in the `.json` next to this file."
              + (" Predictions were recomputed from that file (`--reuse`): the measurement does not depend on the "
                 "cost model." if reused else ""), "", verdict, "",

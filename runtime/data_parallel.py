@@ -106,6 +106,9 @@ def apply_fsdp(
     dp_mesh = data_mesh(mesh)
     for fqn in block_fqns:
         fully_shard(model.get_submodule(fqn), mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # Passed explicitly, the root reshards after forward too (FSDP2 keeps it gathered only when the argument is
+    # left to its default): at ZeRO-3 the backward's start then holds no gathered unit, and the root is
+    # re-gathered once the loss's backward has freed its tensors (``cost_models.memory.zero3_gathered_bytes``).
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
 

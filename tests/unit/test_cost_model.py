@@ -239,16 +239,31 @@ def test_held_gradients_only_after_an_earlier_backward():
     assert held_gradient_bytes(totals, s, micro_batches=2) == (2300 / 2 + 10 + 100 / 2) * 4
 
 
-def test_zero12_keep_gathered_parameters_and_zero3_the_root():
-    from tessera.cost_models.memory import parameter_bytes, zero3_gathered_bytes
+def test_zero12_keep_gathered_parameters():
+    from tessera.cost_models.memory import parameter_bytes
     training = TrainingConfig(global_batch=8, seq_len=16)  # bf16
     totals, s = _totals("dp=4,zero=1")
     assert parameter_bytes(totals, training, s, in_backward=True) == 2310 * 4 / 4 + 2310 * 2
     assert parameter_bytes(totals, training, s, in_backward=False) == 2310 * 4 / 4
+
+
+def test_zero3_gathers_at_the_highest_of_three_backward_moments():
+    from dataclasses import replace
+
+    from tessera.cost_models.memory import loss_backward_released_bytes, zero3_gathered_bytes
+    training = TrainingConfig(global_batch=8, seq_len=16)  # bf16
     totals, s = _totals("dp=4,zero=3")
-    # Root (310) and the last block gathered in bf16; the first block's backward adds the next block (bf16) and
-    # its fp32 gradient, less the loss's two 40 B temporaries freed by then.
-    assert zero3_gathered_bytes(totals, training, s) == (310 + 1000) * 2 + (1000 * 2 + 1000 * 4 - 2 * 40)
+    # Once the loss's backward has run: its two 40 B temporaries and its 40 B of saved log-probabilities are freed.
+    assert loss_backward_released_bytes(totals, s) == 3 * 40
+    # A block's backward binds: root (310) and two blocks (1000) in bf16, the block's fp32 gradient, less the loss.
+    assert zero3_gathered_bytes(totals, training, s) == 310 * 2 + 2 * 1000 * 2 + 1000 * 4 - 3 * 40
+    # With small blocks, the root's re-gather binds: twice the root in bf16 (all-gather output and the copy-out
+    # storages) beside the logits' 40 B gradient, less what the loss freed.
+    small_blocks = replace(totals, largest_block_params=10)
+    assert zero3_gathered_bytes(small_blocks, training, s) == 2 * 310 * 2 + 40 - 3 * 40
+    # With a loss larger than both, the backward's start binds, where every unit is resharded: nothing gathered.
+    large_loss = replace(small_blocks, loss_saved_bytes=1000)
+    assert zero3_gathered_bytes(large_loss, training, s) == 0
 
 
 def test_pipeline_last_stage_keeps_one_output_unless_the_runtime_merges_them(monkeypatch):
