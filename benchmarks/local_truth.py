@@ -1,26 +1,36 @@
 """Predicted vs measured: every feasible strategy run for real on this machine's gloo ranks.
 
-Run: ``.venv/bin/python benchmarks/local_truth.py [--cluster cluster.yaml] [--ranks 4] [--steps 3]``
+Run: ``.venv/bin/python benchmarks/local_truth.py [--cluster cluster.yaml] [--ranks 4] [--steps 5]``
 (a profiled cluster file from ``tessera profile --nproc 4 --out cluster.yaml`` makes the time predictions
 meaningful; without one the nominal ``cpu`` preset is used). For a small GPT and a small Llama it plans,
 then runs every strategy the planner considers feasible (uniform recomputation, as enumerated) for a few
-steps, records the measured step time (max over ranks, after a warm-up step) and each rank's peak live tensor
-memory over one step (``benchmarks/memory_meter.py``), and reports:
+steps, records the measured step time and each rank's peak memory over one more step, and reports:
 
 - Spearman rank correlation between predicted and measured step time (goal >= 0.8);
 - regret: measured time of the plan Tessera would choose / fastest measured (goal <= 1.10);
 - memory error: predicted tensor memory (estimate minus its fixed reserve) vs measured peak.
 
-Strategies the runtime cannot run yet are listed as skipped with the reason. Writes
-``benchmarks/results/local-truth-<hardware>-<date>.md``.
+Timing: after warm-up, every step starts at a barrier; a step's time is its slowest rank's, and the
+strategy's time is the median over ``--steps`` steps (a burst of load elsewhere on shared cores spoils one
+step, not the figure). Each rank's median CPU seconds per step go to the ``.json`` too: load elsewhere
+inflates them far less than wall time, so they tell a loaded run's noise from the strategy's cost.
+Memory: one further step under ``benchmarks/memory_meter.py``'s ``AllocatorMeter``
+(the peak the CPU allocator held, on top of parameters, optimizer state and DDP's buckets), as
+``memory_truth.py`` measures it. ``--strategies "s1;s2"`` runs a fixed list instead of the sample (a quick
+check); ``--reuse results.json`` re-predicts the measurements a run wrote, without running anything (the
+measurement does not depend on the cost model). A strategy the runtime refuses is listed with its error.
+Writes ``benchmarks/results/local-truth-<hardware>-<date>.md`` and the measurements to the ``.json`` beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,16 +39,18 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-import tessera
+from tessera.cost_models import estimate
 from tessera.cost_models.memory import CPU_RESERVE_BYTES
+from tessera.cost_models.types import Strategy
 from tessera.errors import TesseraError
 from tessera.models import build_model, model_config
 from tessera.planner.plan import Plan
-from tessera.planner.search import rank_candidates
+from tessera.planner.search import planned_layers, rank_candidates
 from tessera.runtime.apply import apply_plan
 from tessera.runtime.launch import WorkerError, spawn
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 MODELS = {
     "small-gpt": "gpt:layers=4,hidden=256,heads=8,vocab=4096,seq=256",
     "small-llama": "llama:layers=4,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=4096,seq=256",
@@ -48,49 +60,62 @@ MAX_STRATEGIES = 24
 
 
 def run_strategy(spec: str, plan_json: str, steps: int) -> dict:
-    """On every rank: apply the plan, warm up, time ``steps`` steps, then track one step's memory."""
-    from memory_meter import PeakMemoryMeter, resident_bytes
+    """On every rank: apply the plan, warm up, time ``steps`` steps one by one, then measure one step's memory."""
+    from memory_meter import AllocatorMeter, ddp_bucket_bytes, resident_bytes
 
     plan = Plan.from_json(plan_json)
     torch.manual_seed(0)
-    model = build_model(spec, device="cpu")
-    parallel = apply_plan(model, plan)
-    vocab = model_config(spec).vocab
-    tokens = torch.randint(vocab, (GLOBAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
+    parallel = apply_plan(build_model(spec, device="cpu"), plan)
+    tokens = torch.randint(model_config(spec).vocab, (GLOBAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
     batch = (tokens[:, :-1], tokens[:, 1:])
-    parallel.train_step(batch)  # warm-up: allocator, optimizer state
-    dist.barrier()
-    start = time.perf_counter()
+    buckets = sum(ddp_bucket_bytes(module) for module in parallel.modules)
+    for _ in range(2 if buckets else 1):  # warm-up: allocator, optimizer state, DDP's rebuilt buckets
+        parallel.train_step(batch)
+    seconds, cpu_seconds = [], []
     for _ in range(steps):
+        dist.barrier()
+        start, cpu_start = time.perf_counter(), cpu_time_s()
         parallel.train_step(batch)
-    dist.barrier()
-    seconds = (time.perf_counter() - start) / steps
-    with PeakMemoryMeter(resident_bytes(parallel.module, parallel.optimizer)) as meter:
+        seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(cpu_time_s() - cpu_start)
+    resident = sum(resident_bytes(module, parallel.optimizer) for module in parallel.modules)
+    with AllocatorMeter(resident + buckets) as meter:
         parallel.train_step(batch)
-    return {"seconds": seconds, "peak_bytes": meter.peak_bytes}
+    return {"step_s": seconds, "cpu_s": cpu_seconds, "peak_bytes": meter.peak_bytes}
 
 
-def candidates(spec: str, cluster: str) -> tuple[list[Plan], int]:
+def cpu_time_s() -> float:
+    """This process's user + system CPU seconds, all threads (gloo's included): what a step costs the shared
+    cores, which load elsewhere on the machine does not inflate the way it does wall time."""
+    times = os.times()
+    return times.user + times.system
+
+
+def prepared(spec: str, cluster: str):
+    from tessera.api import _prepare
+
+    return _prepare(spec, cluster, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, precision=None)
+
+
+def as_plan(spec: str, prepared_model, strategy: Strategy, prediction=None) -> Plan:
+    graph, cluster, training = prepared_model
+    prediction = prediction or estimate(list(graph.layers), cluster, training, strategy)
+    return Plan(model_name=spec, param_count=graph.param_count, cluster=cluster.name, device_name=cluster.device.name,
+                training=training, strategy=strategy, estimate=prediction, layers=planned_layers(graph, strategy))
+
+
+def candidates(spec: str, cluster: str, max_strategies: int) -> tuple[list[Plan], int]:
     """Fitting strategies as plans, predicted-fastest first, and how many fit in all.
 
     The uniform space holds ~300 fitting strategies here (~20 s of real running each): the benchmark runs
-    ``MAX_STRATEGIES`` of them spread evenly over the predicted ranking -- the predicted fastest (what
+    ``max_strategies`` of them spread evenly over the predicted ranking -- the predicted fastest (what
     Tessera would choose) first, then every k-th -- so the correlation covers the whole range and the
     regret compares Tessera's choice with strategies from every part of it.
     """
-    from tessera.api import _prepare
-    from tessera.planner.search import planned_layers
-
-    graph, resolved, training = _prepare(spec, cluster, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, precision=None)
-    fitting = [(s, e) for s, e in rank_candidates(graph, resolved, training, prune=False) if e.fits]
-    step = max(1, len(fitting) // MAX_STRATEGIES)
-    sample = fitting[::step][:MAX_STRATEGIES]
-    plans = [
-        Plan(model_name=spec, param_count=graph.param_count, cluster=resolved.name, device_name=resolved.device.name,
-             training=training, strategy=s, estimate=e, layers=planned_layers(graph, s))
-        for s, e in sample
-    ]
-    return plans, len(fitting)
+    model = prepared(spec, cluster)
+    fitting = [(s, e) for s, e in rank_candidates(*model, prune=False) if e.fits]
+    step = max(1, len(fitting) // max_strategies)
+    return [as_plan(spec, model, s, e) for s, e in fitting[::step][:max_strategies]], len(fitting)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -114,22 +139,39 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
-def measure_model(name: str, spec: str, cluster: str, ranks: int, steps: int) -> tuple[list[tuple], list[str], str]:
-    rows, skipped = [], []
-    plans, feasible = candidates(spec, cluster)
-    print(f"{name}: running {len(plans)} of {feasible} fitting strategies", flush=True)
+def failure_reason(error: Exception) -> str:
+    """The launcher's headline and the failing rank's exception line (the traceback's last line)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[0] if len(lines) == 1 else f"{lines[-1].strip()} ({lines[0].removesuffix('; its traceback:')})"
+
+
+def measure(spec: str, plans: list[Plan], ranks: int, steps: int) -> tuple[dict, list[str]]:
+    """Run every plan; measurements keyed by strategy (per-step slowest-rank seconds, per-rank peaks)."""
+    measured, failed = {}, []
     for plan in plans:
+        key = plan.strategy.to_string()
         try:
             results = spawn(run_strategy, nprocs=ranks, args=(spec, plan.to_json(), steps), timeout_s=600)
         except (WorkerError, TesseraError) as error:
-            skipped.append(f"{plan.strategy.to_string()}: {str(error).splitlines()[0][:160]}")
+            failed.append(f"{key}: {failure_reason(error)}")
+            print(f"{key} failed: {failure_reason(error)}", flush=True)
             continue
-        measured = max(r["seconds"] for r in results)
-        peak = max(r["peak_bytes"] for r in results)
+        step_s = [max(r["step_s"][i] for r in results) for i in range(steps)]
+        measured[key] = {"step_s": step_s, "cpu_s": [statistics.median(r["cpu_s"]) for r in results],
+                         "peak_bytes": [r["peak_bytes"] for r in results], "load_average_1m": round(os.getloadavg()[0], 2)}
+        print(key, f"steps {[round(s, 3) for s in step_s]} predicted {plan.estimate.step_time_s:.3f}", flush=True)
+    return measured, failed
+
+
+def rows_of(spec: str, cluster: str, measured: dict) -> list[tuple]:
+    """(strategy, predicted s, measured s, predicted tensor bytes, measured peak bytes), re-predicted now."""
+    model = prepared(spec, cluster)
+    rows = []
+    for key, m in measured.items():
+        plan = as_plan(spec, model, Strategy.parse(key))
         predicted_tensors = plan.estimate.peak_memory_bytes - CPU_RESERVE_BYTES
-        rows.append((plan.strategy.to_string(), plan.estimate.step_time_s, measured, predicted_tensors, peak))
-        print(name, rows[-1], flush=True)
-    return rows, skipped, summary(name, rows) + f" ({len(plans)} of {feasible} fitting strategies, evenly spaced in predicted rank)"
+        rows.append((key, plan.estimate.step_time_s, statistics.median(m["step_s"]), predicted_tensors, max(m["peak_bytes"])))
+    return rows
 
 
 def summary(name: str, rows: list[tuple]) -> str:
@@ -148,39 +190,72 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", default=None, help="profiled cluster YAML (default: the cpu preset)")
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy (the median is reported)")
+    parser.add_argument("--max-strategies", type=int, default=MAX_STRATEGIES, help="strategies sampled per model")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of the models")
+    parser.add_argument("--strategies", help="run these ';'-separated strategies instead of the sample")
+    parser.add_argument("--reuse", type=Path, help="re-predict the measurements in this JSON (written by a run)")
+    parser.add_argument("--out", type=Path, default=HERE / "results", help="folder for the .md and .json")
     args = parser.parse_args()
     cluster = args.cluster or f"cpu:ranks={args.ranks}"
+    reused = json.loads(args.reuse.read_text()) if args.reuse else {}
     console = Console(width=180)
-    sections = []
-    for name, spec in MODELS.items():
-        rows, skipped, text = measure_model(name, spec, cluster, args.ranks, args.steps)
-        table = Table(title=f"{name} ({spec}) on {cluster}")
-        for column in ("strategy", "predicted s", "measured s", "predicted MiB", "measured MiB"):
-            table.add_column(column)
-        for s, p, m, pm, mm in rows:
-            table.add_row(s, f"{p:.3f}", f"{m:.3f}", f"{pm / 2**20:.0f}", f"{mm / 2**20:.0f}")
-        console.print(table)
+    sections, measurements = [], {}
+    for name in args.models.split(","):
+        spec = MODELS[name]
+        measured, failed, note = reused.get(name, {}).get("measured", {}), reused.get(name, {}).get("failed", []), ""
+        if not args.reuse:
+            plans, note = planned_runs(spec, cluster, args)
+            print(f"{name}: running {len(plans)} strategies{note}", flush=True)
+            measured, failed = measure(spec, plans, args.ranks, args.steps)
+        measurements[name] = {"measured": measured, "failed": failed}
+        rows = rows_of(spec, cluster, measured)
+        text = summary(name, rows) + note
+        print_table(console, f"{name} ({spec}) on {cluster}", rows)
         console.print(text)
-        sections.append((name, spec, rows, skipped, text))
-    write_markdown(cluster, sections, args)
+        sections.append((name, spec, rows, failed, text))
+    write_results(cluster, sections, measurements, args)
 
 
-def write_markdown(cluster: str, sections: list, args: argparse.Namespace) -> None:
+def planned_runs(spec: str, cluster: str, args: argparse.Namespace) -> tuple[list[Plan], str]:
+    if args.strategies:
+        model = prepared(spec, cluster)
+        return [as_plan(spec, model, Strategy.parse(s)) for s in args.strategies.split(";")], " (fixed list)"
+    plans, feasible = candidates(spec, cluster, args.max_strategies)
+    return plans, f" ({len(plans)} of {feasible} fitting strategies, evenly spaced in predicted rank)"
+
+
+def print_table(console: Console, title: str, rows: list[tuple]) -> None:
+    table = Table(title=title)
+    for column in ("strategy", "predicted s", "measured s", "predicted MiB", "measured MiB"):
+        table.add_column(column)
+    for s, p, m, pm, mm in sorted(rows, key=lambda r: r[1]):
+        table.add_row(s, f"{p:.3f}", f"{m:.3f}", f"{pm / 2**20:.0f}", f"{mm / 2**20:.0f}")
+    console.print(table)
+
+
+def write_results(cluster: str, sections: list, measurements: dict, args: argparse.Namespace) -> None:
     date = datetime.date.today().isoformat()
-    out = HERE / "results" / f"local-truth-{platform.machine()}-cpu-{date}.md"
+    stem = args.out / f"local-truth-{platform.machine()}-cpu-{date}"
+    if not args.reuse:
+        stem.with_suffix(".json").write_text(json.dumps(measurements, indent=1) + "\n")
+    command = " ".join(["benchmarks/local_truth.py", *sys.argv[1:]])
+    loads = [m["load_average_1m"] for v in measurements.values() for m in v["measured"].values()]
     lines = [f"# Predicted vs measured on {args.ranks} gloo ranks ({date})", "",
-             f"Command: `.venv/bin/python benchmarks/local_truth.py --ranks {args.ranks} --steps {args.steps}"
-             + (f" --cluster {args.cluster}`" if args.cluster else "`") + f"; cluster `{cluster}`.", ""]
+             f"Command: `.venv/bin/python {command}`; cluster `{cluster}`. Measured: median over timed steps of the "
+             "slowest rank's step time; peak memory from the CPU allocator's events over one more step. Per-step "
+             f"times are in the `.json` beside this file. 1-minute load average after each run: "
+             + (f"{min(loads)}-{max(loads)}." if loads else "n/a."), ""]
     lines += [text for *_, text in sections] + [""]
-    for name, spec, rows, skipped, _ in sections:
+    for name, spec, rows, failed, _ in sections:
         lines += [f"## {name}: `{spec}`", "", "| strategy | predicted s | measured s | predicted MiB | measured MiB |", "|---|---|---|---|---|"]
-        lines += [f"| {s} | {p:.3f} | {m:.3f} | {pm / 2**20:.0f} | {mm / 2**20:.0f} |" for s, p, m, pm, mm in rows]
-        if skipped:
-            lines += ["", "Not run (runtime refused):", *[f"- {item}" for item in skipped]]
+        lines += [f"| {s} | {p:.3f} | {m:.3f} | {pm / 2**20:.0f} | {mm / 2**20:.0f} |"
+                  for s, p, m, pm, mm in sorted(rows, key=lambda r: r[1])]
+        if failed:
+            lines += ["", "Not run (the runtime refused or failed):", *[f"- {item}" for item in failed]]
         lines.append("")
-    out.write_text("\n".join(lines))
-    print(f"written {out.relative_to(HERE.parent)}")
+    stem.with_suffix(".md").write_text("\n".join(lines))
+    print(f"written {stem.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

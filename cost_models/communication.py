@@ -12,7 +12,11 @@ see ``Strategy``). Collective times come from ``topology.collectives``.
   per step; 1 reduce-scatters them and all-gathers updated parameters; 2 reduce-scatters after every
   micro-batch; 3 (FSDP) gathers parameters before forward and backward of every micro-batch and
   reduce-scatters gradients after it. Gradient reduction overlaps backward except its last bucket
-  (~1/blocks); FSDP gathers are prefetched behind the previous block's compute.
+  (~1/blocks); FSDP gathers are prefetched behind the previous block's compute. Ranks that share CPU cores
+  (``DeviceSpec.solo_speedup > 1``) overlap nothing: gloo moves the bytes on the cores the compute is using.
+  ZeRO collectives are scaled by FSDP2's measured slowdown where profiled (``sharded_comm_slowdown``).
+- Tensor parallelism on a device with a measured per-linear overhead at that degree: the collectives' fixed
+  costs are in that overhead (``compute.framework_overhead_s``); here only what their bytes add.
 - Pipeline: one activation send forward and one gradient send backward per micro-batch and chunk.
 - Expert and context parallelism (``cost_models.sparse``): gradients of dense weights are reduced over the
   ``dp * cp`` ranks holding them, of routed experts over ``(dp / ep) * cp``; the all-to-alls and the K/V
@@ -27,7 +31,7 @@ from tessera.cost_models.sparse import (
     gradient_families, group_all_gather_s, group_all_reduce_s, group_reduce_scatter_s,
 )
 from tessera.cost_models.types import Strategy, TrainingConfig
-from tessera.topology.cluster import Cluster
+from tessera.topology.cluster import Cluster, DeviceSpec
 from tessera.topology.collectives import all_gather_time, all_reduce_time, p2p_time, reduce_scatter_time
 
 
@@ -38,10 +42,21 @@ def tp_comm_s(stage: StageTotals, cluster: Cluster, training: TrainingConfig, st
     passes = 2 + stage.full_recompute_blocks / max(stage.blocks, 1)
     count = max(stage.tp_allreduce_count, 1)
     nbytes = stage.tp_allreduce_bytes * strategy.micro_batch / strategy.cp / count
-    seconds = passes * count * all_reduce_time(cluster, nbytes, group_size=strategy.tp)
+    # A profiled per-linear overhead at this degree already holds the collectives' fixed costs (measured on a
+    # block too small to move bytes, ``compute.framework_overhead_s``): only what the bytes add is left here.
+    measured = strategy.tp in cluster.device.linear_overhead_s
+    fixed = _latency_s(cluster, group_size=strategy.tp) if measured else 0.0
+    seconds = passes * count * (all_reduce_time(cluster, nbytes, group_size=strategy.tp) - fixed)
     # Overlapped: each collective is split into tp ring steps, each hidden behind the partial matmul of
     # the previous one; only one step in tp stays on the critical path (Wang et al., ASPLOS'23).
     return seconds / strategy.tp if strategy.tp_overlap else seconds
+
+
+def _latency_s(cluster: Cluster, *, group_size: int) -> float:
+    """An all-reduce's time at zero bytes: its time at 1 byte less the slope from 1 to 2 bytes (the time is
+    latency plus an affine cost per byte; at 0 bytes ``all_reduce_time`` returns 0, nothing to send)."""
+    one, two = (all_reduce_time(cluster, float(n), group_size=group_size) for n in (1, 2))
+    return 2 * one - two
 
 
 def pp_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float:
@@ -53,34 +68,46 @@ def pp_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float
     return 2 * strategy.virtual_stages * p2p_time(cluster, nbytes, distance=strategy.tp * strategy.cp * strategy.ep)
 
 
+def sharded_comm_slowdown(device: DeviceSpec, strategy: Strategy, *, zero3_calibrated: float) -> float:
+    """Factor on the ZeRO collectives of ``strategy``: FSDP2's measured one on a profiled device (the runtime runs
+    ZeRO-1 to 3 on FSDP2), else ``zero3_calibrated`` for ZeRO-3 (``compute.Calibration``) and none for 1 and 2."""
+    if strategy.zero == 0:
+        return 1.0
+    if device.fsdp_comm_slowdown is not None:
+        return device.fsdp_comm_slowdown
+    return zero3_calibrated if strategy.zero == 3 else 1.0
+
+
 def dp_comm_s(
     stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy, *, micro_batches: int,
-    zero3_slowdown: float = 1.0,
+    sharded_slowdown: float = 1.0,
 ) -> dict[str, float]:
-    """Data-parallel collective seconds per step by kind, before overlap (ZeRO-3's scaled by ``zero3_slowdown``)."""
+    """Data-parallel collective seconds per step by kind, before overlap (ZeRO's scaled by ``sharded_slowdown``,
+    see ``sharded_comm_slowdown``)."""
     if strategy.cp > 1 or strategy.ep > 1:
         return _grouped_dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches,
-                                  zero3_slowdown=zero3_slowdown)
+                                  sharded_slowdown=sharded_slowdown)
     if strategy.dp == 1:
         return {}
     params = local_params(stage, strategy)
     group = {"group_size": strategy.dp, "stride": strategy.tp * strategy.cp * strategy.pp}
     grads, weights = params * FP32, params * compute_dtype_bytes(training)
+    s = sharded_slowdown
     if strategy.zero == 0:
         return {"dp_allreduce": all_reduce_time(cluster, grads, **group)}
     if strategy.zero == 1:
-        return {"zero_reducescatter": reduce_scatter_time(cluster, grads, **group),
-                "zero_allgather": all_gather_time(cluster, weights, **group)}
+        return {"zero_reducescatter": s * reduce_scatter_time(cluster, grads, **group),
+                "zero_allgather": s * all_gather_time(cluster, weights, **group)}
     if strategy.zero == 2:
-        return {"zero_reducescatter": micro_batches * reduce_scatter_time(cluster, grads, **group),
-                "zero_allgather": all_gather_time(cluster, weights, **group)}
-    return {"fsdp_allgather": zero3_slowdown * 2 * micro_batches * all_gather_time(cluster, weights, **group),
-            "fsdp_reducescatter": zero3_slowdown * micro_batches * reduce_scatter_time(cluster, grads, **group)}
+        return {"zero_reducescatter": s * micro_batches * reduce_scatter_time(cluster, grads, **group),
+                "zero_allgather": s * all_gather_time(cluster, weights, **group)}
+    return {"fsdp_allgather": s * 2 * micro_batches * all_gather_time(cluster, weights, **group),
+            "fsdp_reducescatter": s * micro_batches * reduce_scatter_time(cluster, grads, **group)}
 
 
 def _grouped_dp_comm_s(
     stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy, *, micro_batches: int,
-    zero3_slowdown: float,
+    sharded_slowdown: float,
 ) -> dict[str, float]:
     """``dp_comm_s`` with context or expert parallelism: dense gradients over the dp * cp ranks, expert ones over
     edp * cp, each group reduced hierarchically over its two mesh axes (``cost_models.sparse``)."""
@@ -88,25 +115,29 @@ def _grouped_dp_comm_s(
     for params, axes in gradient_families(stage, strategy):
         if not axes:
             continue
-        grads, weights = params * FP32, params * compute_dtype_bytes(training)
+        grads, weights, s = params * FP32, params * compute_dtype_bytes(training), sharded_slowdown
         if strategy.zero == 0:
             kinds = {"dp_allreduce": group_all_reduce_s(cluster, grads, axes)}
         elif strategy.zero in (1, 2):
             scatters = micro_batches if strategy.zero == 2 else 1
-            kinds = {"zero_reducescatter": scatters * group_reduce_scatter_s(cluster, grads, axes),
-                     "zero_allgather": group_all_gather_s(cluster, weights, axes)}
+            kinds = {"zero_reducescatter": s * scatters * group_reduce_scatter_s(cluster, grads, axes),
+                     "zero_allgather": s * group_all_gather_s(cluster, weights, axes)}
         else:
-            kinds = {"fsdp_allgather": zero3_slowdown * 2 * micro_batches * group_all_gather_s(cluster, weights, axes),
-                     "fsdp_reducescatter": zero3_slowdown * micro_batches * group_reduce_scatter_s(cluster, grads, axes)}
+            kinds = {"fsdp_allgather": s * 2 * micro_batches * group_all_gather_s(cluster, weights, axes),
+                     "fsdp_reducescatter": s * micro_batches * group_reduce_scatter_s(cluster, grads, axes)}
         for kind, seconds in kinds.items():
             totals[kind] = totals.get(kind, 0.0) + seconds
     return totals
 
 
 def exposed_dp_comm_s(
-    comm: dict[str, float], strategy: Strategy, *, forward_s: float, backward_s: float, micro_batches: int, blocks: int
+    comm: dict[str, float], strategy: Strategy, *, forward_s: float, backward_s: float, micro_batches: int, blocks: int,
+    overlap: bool = True,
 ) -> float:
-    """Data-parallel communication left on the critical path after overlap with compute."""
+    """Data-parallel communication left on the critical path after overlap with compute (all of it without
+    ``overlap``: ranks that share CPU cores move the bytes with the cores their compute is using)."""
+    if not overlap:
+        return sum(comm.values())
     tail = 1 / max(blocks, 1)
     if strategy.zero == 3:
         total = sum(comm.values())

@@ -4,6 +4,10 @@ Achievable throughput follows a saturating curve in the width of the local matri
 (``d = hidden / tp``): ``efficiency(d) = peak_fraction * d / (d + half_width)``. Narrow matmuls (small
 models, or large tensor-parallel degrees) reach a smaller share of peak, as the Megatron-LM tables show.
 The two constants are fitted on the training split of the published runs (``benchmarks/published.py``).
+
+Where the profiler measured it (CPU ranks), each micro-batch also pays the framework's host overhead per
+linear (``DeviceSpec.linear_overhead_s``: Python, dispatch, autograd, DTensor under tensor parallelism): on
+a CPU the host and the arithmetic share the same cores, so it adds to the compute time.
 """
 
 from __future__ import annotations
@@ -41,8 +45,12 @@ class Calibration:
 # on DeepSpeed ZeRO-3 runs (SC'21 Table 2), the only sharded-data-parallel measurements at scale in the set:
 # until FSDP2 is measured at scale, Tessera assumes it communicates no better than they did.
 GPU_CALIBRATION = Calibration(peak_fraction=0.7, half_width=160.0, traffic_factor=4.0, zero3_comm_slowdown=5.0)
-# CPU ranks: the per-core figure in topology.hardware is already a sustained rate.
-CPU_CALIBRATION = Calibration(peak_fraction=1.0, half_width=0.0, traffic_factor=0.0)
+# CPU ranks: the profiled matmul rate is already a sustained rate, flat in width (1 thread: 105-115 GF/s per
+# CPU-second from 256^2 to 1024^2). The non-matmul work (norms, GELU, softmax, attention backward, loss) is
+# charged as on GPUs, ``traffic_factor`` passes at the profiled copy bandwidth: one thread runs the small GPT of
+# benchmarks/local_truth.py at ~0.095 CPU-s per sequence forward + backward, ~0.055 s of it matmul FLOPs at the
+# matmul rate, the other ~0.04 s about 4-5.5 passes over its 21 MiB of saved activations (2026-11-30).
+CPU_CALIBRATION = Calibration(peak_fraction=1.0, half_width=0.0, traffic_factor=GPU_CALIBRATION.traffic_factor)
 
 
 def device_calibration(device: DeviceSpec, calibration: Calibration = GPU_CALIBRATION) -> Calibration:
@@ -70,11 +78,32 @@ def stage_compute_s(
         strategy.tp * strategy.cp * device.memory_bandwidth_bytes_per_s
     )
     recompute_share = stage.recompute_flops / stage.forward_flops if stage.forward_flops else 0.0
+    forward_overhead, backward_overhead = framework_overhead_s(stage, device, tp=strategy.tp)
     return (
-        stage.forward_flops * scale + traffic,
-        stage.backward_flops * scale + 2 * traffic,
-        stage.recompute_flops * scale + traffic * recompute_share,
+        stage.forward_flops * scale + traffic + forward_overhead,
+        stage.backward_flops * scale + 2 * traffic + backward_overhead,
+        stage.recompute_flops * scale + (traffic + forward_overhead) * recompute_share,
     )
+
+
+def framework_overhead_s(stage: StageTotals, device: DeviceSpec, *, tp: int) -> tuple[float, float]:
+    """(forward, backward) host seconds one micro-batch of ``stage`` costs beyond its arithmetic: its linears
+    times the device's measured overhead per linear at this tensor-parallel degree (0 where not measured),
+    split between the passes as their FLOPs are."""
+    per_linear = linear_overhead_s(device, tp)
+    total_flops = stage.forward_flops + stage.backward_flops
+    if not per_linear or not total_flops:
+        return 0.0, 0.0
+    overhead = stage.linears * per_linear
+    forward = overhead * stage.forward_flops / total_flops
+    return forward, overhead - forward
+
+
+def linear_overhead_s(device: DeviceSpec, tp: int) -> float:
+    """The device's host overhead per linear and micro-batch at tensor-parallel degree ``tp``: measured at that
+    degree, else at the largest measured degree below it (a lower bound), else 0."""
+    measured = [degree for degree in device.linear_overhead_s if degree <= tp]
+    return device.linear_overhead_s[max(measured)] if measured else 0.0
 
 
 def compute_lower_bound_s(

@@ -2,9 +2,9 @@
 
 The step is the pipeline's time for all micro-batches on its slowest stage (compute, recomputation,
 exposed tensor-parallel, point-to-point, expert all-to-all and context-parallel ring communication
-(``cost_models.sparse``), plus the schedule's bubble), then the exposed data-parallel communication and the
-optimizer update. Memory is checked on every stage; the worst one
-is reported.
+(``cost_models.sparse``), plus the schedule's bubble; on ranks sharing CPU cores, bounded by the mean stage's
+work instead: ``cost_models.pipeline.pipeline_time_s``), then the exposed data-parallel communication and the
+optimizer update. Memory is checked on every stage; the worst one is reported.
 """
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from tessera.cost_models.communication import dp_comm_s, exposed_dp_comm_s, pp_comm_s, tp_comm_s
+from tessera.cost_models.communication import (
+    dp_comm_s, exposed_dp_comm_s, pp_comm_s, sharded_comm_slowdown, tp_comm_s,
+)
 from tessera.cost_models.compute import (
     GPU_CALIBRATION, Calibration, achievable_flops, compute_lower_bound_s, device_calibration, optimizer_step_s, stage_compute_s,
 )
 from tessera.cost_models.memory import local_params, stage_memory
 from tessera.cost_models.partition import StageTotals, block_policies, cached_stage_totals, split_blocks, stage_totals
-from tessera.cost_models.pipeline import bubble_micro_batches
+from tessera.cost_models.pipeline import pipeline_slots_lower_bound, pipeline_time_s
 from tessera.cost_models.sparse import check_sparse_and_long, cp_comm_s, ep_comm_s, sharded_params
 from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
 from tessera.errors import ConfigError
@@ -70,10 +72,12 @@ def estimate(
     times = [costs[stage][0] for stage in stages]
     dp = [costs[stage][1] for stage in stages]
     slowest = max(range(len(stages)), key=lambda i: times[i].total)
-    bubble = bubble_micro_batches(strategy) * times[slowest].total
+    pipeline = pipeline_time_s(strategy, micro_batches=micro_batches, stage_times_s=[t.total for t in times],
+                               solo_speedup=cluster.device.solo_speedup)
+    bubble = pipeline - micro_batches * times[slowest].total  # < 0 where idle ranks' cores speed up the slowest
     exposed_dp = [costs[stage][2] for stage in stages]
     optimizer = max(optimizer_step_s(_optimizer_params(stage, strategy), cluster.device) for stage in costs)
-    step = micro_batches * times[slowest].total + bubble + max(exposed_dp) + optimizer
+    step = pipeline + max(exposed_dp) + optimizer
     memory = [stage_memory(stage, training, strategy, micro_batches=micro_batches,
                            on_cpu=cluster.device.name == "local-cpu") for stage in stages]
     worst = max(range(len(stages)), key=lambda i: sum(memory[i].values()))
@@ -112,7 +116,8 @@ def step_time_lower_bound(
     """Seconds that ``estimate(...).step_time_s`` never goes below, at a small fraction of its cost.
 
     Compute and the expert all-to-alls, spread perfectly over the stages, for the micro-batches plus the
-    schedule's bubble. The slowest stage's time is at least the mean of the ``pp`` stages' times, and each
+    schedule's bubble (fewer slots on ranks sharing cores: ``pipeline_slots_lower_bound``). The pipeline's time
+    is at least those slots times the mean of the ``pp`` stages' times, and each
     part of that mean is bounded from below: compute by ``compute_lower_bound_s``, the expert all-to-alls by
     ``_ep_comm_lower_bound_s``, the tensor-parallel all-reduces by ``_tp_comm_lower_bound_s`` (all summed over
     stages); the estimate adds the other communication, the
@@ -123,7 +128,8 @@ def step_time_lower_bound(
     per_micro_batch = compute_lower_bound_s(whole, cluster.device, training, strategy, calibration=calibration)
     per_micro_batch += _ep_comm_lower_bound_s(layers, cluster, strategy, whole) / strategy.pp
     per_micro_batch += _tp_comm_lower_bound_s(whole, cluster, strategy) / strategy.pp
-    slots = strategy.gradient_accumulation(training.global_batch) + bubble_micro_batches(strategy)
+    slots = pipeline_slots_lower_bound(strategy, micro_batches=strategy.gradient_accumulation(training.global_batch),
+                                       solo_speedup=cluster.device.solo_speedup)
     return slots * per_micro_batch
 
 
@@ -174,14 +180,16 @@ def _distinct_stage_costs(
 ) -> dict[StageTotals, tuple[StageTime, dict[str, float], float]]:
     """Per distinct stage (equal stages share one entry): its time, its data-parallel traffic, and the part
     of that traffic left exposed after overlap."""
-    slowdown = device_calibration(cluster.device, calibration).zero3_comm_slowdown
+    calibrated = device_calibration(cluster.device, calibration).zero3_comm_slowdown
+    slowdown = sharded_comm_slowdown(cluster.device, strategy, zero3_calibrated=calibrated)
+    overlap = cluster.device.solo_speedup == 1.0  # ranks sharing cores communicate with their compute's cores
     costs = {}
     for stage in stages:
         if stage not in costs:
             t = stage_time(stage, cluster, training, strategy, calibration=calibration)
-            comm = dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches, zero3_slowdown=slowdown)
+            comm = dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches, sharded_slowdown=slowdown)
             exposed = exposed_dp_comm_s(comm, strategy, forward_s=t.forward, backward_s=t.backward,
-                                        micro_batches=micro_batches, blocks=stage.blocks)
+                                        micro_batches=micro_batches, blocks=stage.blocks, overlap=overlap)
             costs[stage] = (t, comm, exposed)
     return costs
 

@@ -17,6 +17,7 @@ from tessera.errors import ConfigError
 
 TP_SHARDED_KINDS = ("block", "embedding", "head")
 DEFAULT_TP_PAIRS_PER_BLOCK = 2  # attention and MLP, when capture did not report the pairs
+DEFAULT_LINEARS_PER_BLOCK = 6  # q, k, v, o, up, down, when capture did not report the pairs
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class StageTotals:
     largest_block_params: int = 0  # parameters of the stage's largest block (an FSDP unit under ZeRO-3)
     embedding_params: int = 0  # parameters of embedding layers (vocabulary-parallel under tp)
     sp_gathered_bytes: int = 0  # per sequence, inputs of column-parallel linears that sp all-gathers and saves whole
+    linears: int = 0  # linears of the blocks' pairs and heads: each costs framework overhead per micro-batch
 
 
 def split_blocks(layers: Sequence[LayerStats], strategy: Strategy) -> list[list[LayerStats]]:
@@ -158,6 +160,7 @@ def stage_totals(stage: Sequence[LayerStats], index: int, policies: Mapping[str,
         **_sparse_and_long_totals(stage, policy),
         **_root_and_loss_totals(stage),
         sp_gathered_bytes=sum(_sp_gathered_bytes(layer, policy[layer.fqn]) for layer in stage),
+        linears=sum(_linears(layer) for layer in stage),
     )
 
 
@@ -244,6 +247,20 @@ def _block_tp_reductions(layer: LayerStats) -> int:
         return DEFAULT_TP_PAIRS_PER_BLOCK
     dense = sum(pair.role != "expert" for pair in layer.tp_pairs)
     return dense + any(pair.role == "expert" for pair in layer.tp_pairs)
+
+
+def _linears(layer: LayerStats) -> int:
+    """Linears whose framework overhead a micro-batch pays (``DeviceSpec.linear_overhead_s``): a block's pairs'
+    (the routed experts counted as one pair, as for their reduction), a head's one."""
+    if layer.kind == "head":
+        return 1
+    if layer.kind != "block":
+        return 0
+    if not layer.tp_pairs:
+        return DEFAULT_LINEARS_PER_BLOCK
+    dense = [pair for pair in layer.tp_pairs if pair.role != "expert"]
+    experts = [pair for pair in layer.tp_pairs if pair.role == "expert"][:1]
+    return sum(len(pair.column) + 1 for pair in dense + experts)
 
 
 def _tp_allreduce_bytes(layer: LayerStats) -> float:

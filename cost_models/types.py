@@ -350,7 +350,8 @@ class Estimate(BaseModel):
     hfu: float = 0.0
     """Hardware FLOPs utilisation: executed FLOP/s divided by the cluster's peak."""
     bubble_time_s: float = 0.0
-    """Pipeline idle time per step on the slowest stage."""
+    """Pipeline idle time per step on the slowest stage. Negative where ranks share CPU cores and the idle ranks'
+    share lets the slowest stage run faster than its all-ranks-busy time (``cost_models.pipeline``)."""
     stage_peak_memory_bytes: tuple[int, ...] = ()
     """Predicted peak memory of each pipeline stage (``memory_by_category_bytes`` is the worst one)."""
     stage_memory_by_category_bytes: tuple[dict[str, int], ...] = ()

@@ -93,7 +93,7 @@ def strategies(layers: list[LayerStats], cluster: Cluster, training: TrainingCon
             for micro_batch in _pinned(pins, "micro_batch", micro_batches):
                 for recompute in recomputes:
                     for schedule, chunks in _schedules(pp, blocks, pins):
-                        if schedule == "zero-bubble" and recompute != "none" and "schedule" not in pins:
+                        if schedule == "zero-bubble" and recompute != "none" and "recompute" not in pins:
                             continue  # the runtime cannot recompute under a split backward (runtime.apply)
                         yield Strategy(
                             dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batch=micro_batch, recompute=recompute,

@@ -187,7 +187,10 @@ class ParallelModel:
         (ZeRO-0 with tensor parallelism) and ZeRO-1, which hold an unsharded gradient through the step and
         reduce (scatter) it once. ZeRO-2/3 reduce-scatter after every micro-batch on purpose: skipping it would
         keep an unsharded fp32 gradient of the whole model on every rank, which is what they exist to avoid
-        (and what the cost model assumes). Pipeline schedules manage gradient sync themselves.
+        (and what the cost model assumes). ZeRO-1/2 also keep their parameters unsharded until the last
+        micro-batch's backward: FSDP2 reshards after every backward by default and would all-gather them again
+        for each micro-batch, where ZeRO-1/2 gather once per step (``runtime.data_parallel``; the cost model
+        charges one all-gather). Pipeline schedules manage both themselves (``PipelineStage`` sets them).
         """
         if self.schedule is not None:
             return nullcontext()
@@ -196,6 +199,8 @@ class ParallelModel:
             return nullcontext() if enabled else module.no_sync()
         if isinstance(module, FSDPModule) and self.plan.strategy.zero <= 1:
             module.set_requires_gradient_sync(enabled)
+        if isinstance(module, FSDPModule) and self.plan.strategy.zero in (1, 2):
+            module.set_reshard_after_backward(enabled)
         return nullcontext()
 
     def _autocast(self) -> AbstractContextManager:

@@ -17,7 +17,8 @@ are shared likewise. Layers of chunks another rank runs are moved to the meta de
 **Placement.** With ``pp`` ranks and ``V`` chunks per rank (``interleaved:V``), chunk ``c`` runs on
 pipeline rank ``c % pp`` (Megatron-LM's interleaving; ``V = 1`` is one chunk per rank).
 
-**Schedules.** ``gpipe`` -> ``ScheduleGPipe``, ``1f1b`` -> ``Schedule1F1B``, ``interleaved`` ->
+**Schedules.** ``gpipe`` -> ``ScheduleGPipe``, ``1f1b`` -> ``Schedule1F1B`` (``ScheduleGPipe`` with fewer
+micro-batches than stages, which ``Schedule1F1B`` refuses), ``interleaved`` ->
 ``ScheduleInterleaved1F1B``, ``zero-bubble`` -> ``ScheduleInterleavedZeroBubble`` (backward split into input
 and weight gradients; it accepts one chunk per rank). A step feeds the rank's data-parallel slice of the
 global batch; the schedule cuts it into ``global_batch / (dp * micro_batch)`` micro-batches, computes the
@@ -203,19 +204,30 @@ def build_stages(
     ]
 
 
+def single_stage_schedule(strategy: Strategy, *, micro_batches: int) -> type[_PipelineSchedule]:
+    """The schedule class for one chunk per rank. ``Schedule1F1B`` refuses fewer micro-batches than stages, so
+    1F1B then runs as GPipe: the same ``m + pp - 1`` slots (with ``m < pp`` 1F1B's warm-up already runs every
+    forward of stage 0 before its first backward), but every stage holds all ``m`` micro-batches, which
+    ``cost_models.pipeline.in_flight_micro_batches`` charges."""
+    if strategy.schedule == "1f1b" and micro_batches < strategy.pp:
+        return ScheduleGPipe
+    return SINGLE_STAGE[strategy.schedule]
+
+
 def build_schedule(
     stages: list[PipelineStage], strategy: Strategy, *, micro_batches: int, loss_fn: Callable
 ) -> _PipelineSchedule:
     """The plan's schedule over this rank's stages, running ``micro_batches`` per step.
 
-    PyTorch's own limits (1F1B: at least as many micro-batches as stages; interleaved and zero-bubble: a
-    multiple of the rounds) surface as ``ConfigError`` naming the schedule and the numbers.
+    PyTorch's own limits (interleaved and zero-bubble: a multiple of the rounds) surface as ``ConfigError``
+    naming the schedule and the numbers.
     """
     if strategy.schedule in SINGLE_STAGE and len(stages) != 1:
         raise ConfigError(f"schedule {strategy.schedule} runs one chunk per rank, this rank has {len(stages)}")
     try:
         if strategy.schedule in SINGLE_STAGE:
-            return SINGLE_STAGE[strategy.schedule](stages[0], micro_batches, loss_fn=loss_fn)
+            schedule = single_stage_schedule(strategy, micro_batches=micro_batches)
+            return schedule(stages[0], micro_batches, loss_fn=loss_fn)
         return MULTI_STAGE[strategy.schedule](stages, micro_batches, loss_fn=loss_fn)
     except ValueError as error:
         raise ConfigError(

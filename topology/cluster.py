@@ -53,6 +53,20 @@ class DeviceSpec(BaseModel):
     scale_up_bandwidth_bytes_per_s: float | None = Field(default=None, gt=0)
     """Per-direction bandwidth of the device's scale-up links (NVLink, Infinity Fabric, ICI, on-chip RoCE)
     in bytes/s, summed over its links; ``None`` where not catalogued."""
+    solo_speedup: float = Field(default=1.0, ge=1.0)
+    """How many times faster one rank computes alone than when every rank of its host computes at once: ranks
+    that share CPU cores (about ranks / cores), measured by ``tessera profile``; 1.0 where each rank has a
+    device of its own. ``peak_flops_by_dtype`` and the bandwidth are the all-ranks figures."""
+    linear_overhead_s: dict[int, float] = Field(default_factory=dict)
+    """Host seconds the framework spends per linear layer of a transformer block per micro-batch (forward and
+    backward, the block's other ops counted pro rata), by tensor-parallel degree: ``1`` plain tensors, ``t`` a
+    block split over ``t`` ranks with DTensor and sequence parallelism, its collectives at negligible size
+    included. Measured by ``tessera profile`` on CPU ranks, where it adds to the compute on the same cores;
+    empty where not measured (an accelerator's host runs ahead of it and hides the overhead)."""
+    fsdp_comm_slowdown: float | None = Field(default=None, ge=1.0)
+    """How many times longer FSDP2's parameter all-gathers and gradient reduce-scatters take than the bare
+    collectives of the same bytes (its flat-buffer copies, hooks and DTensor bookkeeping), measured by
+    ``tessera profile`` on CPU ranks; ``None`` where not measured (the cost model's calibration applies)."""
     source: str
     """Where every number above comes from (datasheet, paper table, or a measurement command)."""
 

@@ -26,7 +26,8 @@ LOCAL_CPU = "local-cpu"
 
 DEVICE_FIELDS = (
     "name", "peak_tflops", "memory_gib", "memory_gb", "memory_bandwidth_tb_per_s",
-    "memory_bandwidth_gb_per_s", "scale_up_gb_per_s", "source",
+    "memory_bandwidth_gb_per_s", "scale_up_gb_per_s", "solo_speedup", "linear_overhead_ms", "fsdp_comm_slowdown",
+    "source",
 )
 
 
@@ -56,8 +57,26 @@ def device_from_raw(raw: Any, *, where: str) -> DeviceSpec:
             None if raw.get("scale_up_gb_per_s") is None
             else _positive(raw["scale_up_gb_per_s"], f"{where}: field 'scale_up_gb_per_s'") * 1e9
         ),
+        solo_speedup=_positive(raw.get("solo_speedup", 1.0), f"{where}: field 'solo_speedup'"),
+        linear_overhead_s=_overheads_s(raw.get("linear_overhead_ms") or {}, where=f"{where}: field 'linear_overhead_ms'"),
+        fsdp_comm_slowdown=(
+            None if raw.get("fsdp_comm_slowdown") is None
+            else _positive(raw["fsdp_comm_slowdown"], f"{where}: field 'fsdp_comm_slowdown'")
+        ),
         source=str(raw["source"]),
     )
+
+
+def _overheads_s(raw: Any, *, where: str) -> dict[int, float]:
+    """``{tensor-parallel degree: milliseconds}`` -> ``{degree: seconds}``."""
+    if not isinstance(raw, dict):
+        raise ClusterSpecError(f"{where} must map tensor-parallel degrees to milliseconds, e.g. {{1: 0.3, 2: 4.0}}")
+    overheads = {}
+    for degree, ms in raw.items():
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise ClusterSpecError(f"{where}: degree {degree!r} must be a positive integer")
+        overheads[degree] = _positive(ms, f"{where}.{degree}") / 1e3
+    return overheads
 
 
 def device_to_raw(spec: DeviceSpec) -> dict[str, Any]:
@@ -70,6 +89,12 @@ def device_to_raw(spec: DeviceSpec) -> dict[str, Any]:
     }
     if spec.scale_up_bandwidth_bytes_per_s is not None:
         raw["scale_up_gb_per_s"] = _significant(spec.scale_up_bandwidth_bytes_per_s / 1e9)
+    if spec.solo_speedup != 1.0:
+        raw["solo_speedup"] = _significant(spec.solo_speedup)
+    if spec.linear_overhead_s:
+        raw["linear_overhead_ms"] = {degree: _significant(s * 1e3) for degree, s in spec.linear_overhead_s.items()}
+    if spec.fsdp_comm_slowdown is not None:
+        raw["fsdp_comm_slowdown"] = _significant(spec.fsdp_comm_slowdown)
     raw["source"] = spec.source
     return raw
 

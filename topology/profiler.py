@@ -7,7 +7,10 @@
    inter-node). The group layouts measured are mesh axes: ``group_size`` ranks ``stride`` apart, every
    such group of the world running at once (``group_layouts``).
 2. **Device.** Each rank, all at once, times fp32 and bf16 matmuls and a large copy; the slowest rank's
-   figures are the device's FLOP/s and memory bandwidth (ranks share a CPU, so this is what each gets).
+   figures are the device's FLOP/s and memory bandwidth (ranks share a CPU, so this is what each gets). On CPU
+   ranks also: how much faster rank 0 computes alone (what a rank gains while others wait), the host
+   overhead per linear of a tiny transformer block, plain and split over each tensor-parallel degree, and how
+   much longer FSDP2's gathers and reduce-scatters take than the bare collectives.
 3. **Collectives.** All-reduce, all-gather, reduce-scatter, all-to-all and broadcast on every layout, and
    point-to-point on pairs, over ``ProfileSweep.sizes_bytes`` (how each point is timed:
    ``tessera.topology.measure``).
@@ -94,7 +97,8 @@ def profile_world(*, sweep: ProfileSweep | None = None, out: str | Path | None =
     skeleton = _skeleton(world, per_node=per_node, backend=dist.get_backend())
     layouts = group_layouts(world, per_node=per_node)
     with _progress_bar(enabled=progress and rank == 0) as bar:
-        measured_device = measure_device(device, sweep=sweep, bar=bar)
+        tp_degrees = sorted({g for g, stride in layouts if stride == 1 and g <= per_node})  # tp stays in a node
+        measured_device = measure_device(device, sweep=sweep, bar=bar, tp_degrees=tp_degrees)
         measurements = measure_collectives(layouts, device, sweep=sweep, bar=bar)
     host = _host_info(world=world, per_node=per_node, device=device) | {"load_average_1m_before": round(load_before, 2)}
     spec = _device_spec(measured_device, device=device, per_node=per_node, host=host)
@@ -251,11 +255,17 @@ def _device_spec(measured: DeviceMeasurement, *, device: torch.device, per_node:
         peak_flops_by_dtype=dict(measured.matmul_flops_by_dtype),
         memory_bytes=memory,
         memory_bandwidth_bytes_per_s=measured.memory_bandwidth_bytes_per_s,
+        solo_speedup=measured.solo_speedup,
+        linear_overhead_s=dict(measured.linear_overhead_s),
+        fsdp_comm_slowdown=measured.fsdp_comm_slowdown,
         source=(
             f"measured by tessera profile on {host['hostname']} ({host['date']}): {measured.matmul_dim}^2 matmul "
             f"FLOP/s and {measured.copy_bytes // MiB} MiB copy bandwidth achieved per rank with all "
             f"{host['world_size']} ranks running, {measured.threads_per_rank} thread(s) per rank; memory = "
             f"{'host memory / ranks per host' if device.type == 'cpu' else 'device total'}"
+            + ("; solo speed-up: rank 0's matmul alone; linear overhead: a reference transformer block's forward "
+               "and backward at negligible size, per linear, by tensor-parallel degree; FSDP slowdown: a ZeRO-3 unit's "
+               "gathers and reduce-scatter over the bare collectives" if device.type == "cpu" else "")
         ),
     )
 
