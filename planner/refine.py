@@ -65,14 +65,14 @@ def refine(
 def _refine_one(layers, cluster, training, key: Strategy, *, policies, incumbent: float, stats: RefineStats):
     coeffs = coefficients(layers, cluster, training, key, policies=policies)
     blocks = sum(layer.kind == "block" for layer in layers)
-    if _lower_bound_step(coeffs, key, training, blocks=blocks) >= incumbent:
+    if _lower_bound_step(coeffs, key, training, cluster, blocks=blocks) >= incumbent:
         stats.pruned += 1
         return None
     fixed = _even_stage_shares(blocks, key) if key.virtual_stages > 1 else None
     budget = float(cluster.device.memory_bytes)
     tables = stage_tables(coeffs, blocks=blocks, budget_bytes=budget)  # shared by the bound and the first solve
     pace = optimal_pace_s(coeffs, blocks=blocks, budget_bytes=budget, fixed_blocks=fixed, tables=tables)
-    if pace is not None and _slots(key, training) * pace >= incumbent:  # even the optimum cannot win: skip the solve
+    if pace is not None and _slots(key, training, cluster) * pace >= incumbent:  # even the optimum cannot win: skip the solve
         stats.pruned += 1
         return None
     for _ in range(BUDGET_RETRIES + 1):
@@ -92,17 +92,22 @@ def _refine_one(layers, cluster, training, key: Strategy, *, policies, incumbent
     return None
 
 
-def _lower_bound_step(coeffs: Sequence[StageCoefficients], key: Strategy, training: TrainingConfig, *, blocks: int) -> float:
-    """Pace bound with the cheapest policy and perfectly balanced stages, times the schedule's slots."""
+def _lower_bound_step(coeffs: Sequence[StageCoefficients], key: Strategy, training: TrainingConfig, cluster: Cluster, *,
+                      blocks: int) -> float:
+    """Pace bound with the cheapest policy and perfectly balanced stages, times the schedule's slots (and, on
+    ranks sharing cores, the work bound: every micro-batch on a mean stage)."""
     cheapest = [min(st.time_per_block_s.values()) for st in coeffs]
     balanced = (sum(st.base_time_s for st in coeffs) + blocks * min(cheapest)) / len(coeffs)
     one_block = max(st.base_time_s + c for st, c in zip(coeffs, cheapest))
-    return _slots(key, training) * max(balanced, one_block)
+    work = key.gradient_accumulation(training.global_batch) * balanced
+    return max(work, _slots(key, training, cluster) * max(balanced, one_block))
 
 
-def _slots(key: Strategy, training: TrainingConfig) -> float:
-    """Micro-batch times per step on the slowest stage: the micro-batches plus the schedule's bubble."""
-    return key.gradient_accumulation(training.global_batch) + bubble_micro_batches(key)
+def _slots(key: Strategy, training: TrainingConfig, cluster: Cluster) -> float:
+    """Slowest-stage micro-batch times per step at least: the micro-batches plus the schedule's bubble, run up
+    to ``solo_speedup`` times faster where ranks share cores (``cost_models.pipeline.pipeline_time_s``)."""
+    slots = key.gradient_accumulation(training.global_batch) + bubble_micro_batches(key)
+    return slots / cluster.device.solo_speedup
 
 
 def _even_stage_shares(blocks: int, strategy: Strategy) -> list[int]:

@@ -53,12 +53,12 @@ class ProfileSweep(BaseModel):
     """Message sizes (bytes, as the cost functions define them): 4 KiB to 16 MiB in powers of two."""
     collectives: tuple[Collective, ...] = COLLECTIVES
     """Collectives to measure (point-to-point runs on pairs only)."""
-    trials: int = Field(default=21, gt=0)
+    trials: int = Field(default=19, gt=0)
     """Trials per point; each is ``k`` back-to-back ops. Many short trials beat a few long ones: on ranks
     that share CPU cores one trial of a small collective can take 1-6x another (wake-ups queue behind other
-    ranks), and the faster-half mean of 21 trials repeats within ~15% where that of 7 repeated within ~30%
+    ranks), and the faster-half mean of ~20 trials repeats within ~15% where that of 7 repeated within ~30%
     (odd vs even trials, 4 gloo ranks on 2 cores; ``benchmarks/collectives_fit.py``)."""
-    min_trial_s: float = Field(default=0.008, gt=0)
+    min_trial_s: float = Field(default=0.007, gt=0)
     """Ops per trial are chosen so a trial lasts at least this long: a latency-bound op is a chain of
     process wake-ups, and averaging several of them smooths the scheduler's noise."""
     max_ops_per_trial: int = Field(default=50, gt=0)
