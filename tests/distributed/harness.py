@@ -267,6 +267,7 @@ MODEL_PARALLEL_CASES = {
         (LLAMA, "dp=1,tp=2,pp=2,sp=true,mbs=2,schedule=1f1b,recompute=full", "fp32", False),
         (GPT, "dp=1,tp=2,pp=2,mbs=2,schedule=interleaved:2,recompute=selective", "fp32", False),
         (GPT, "dp=1,pp=4,mbs=1,schedule=gpipe", "fp32", False),
+        (GPT, "dp=1,pp=4,mbs=4,schedule=1f1b", "fp32", False),  # 2 micro-batches < 4 stages: runs as GPipe
         (LLAMA, "dp=2,tp=2,sp=true,zero=3,mbs=4", "fp32", True),
         (LLAMA, "dp=1,tp=2,pp=2,mbs=2,schedule=zero-bubble", "fp32", True)],
 }
