@@ -1,10 +1,10 @@
 """Predicted vs measured: every feasible strategy run for real on this machine's gloo ranks.
 
-Run: ``.venv/bin/python benchmarks/local_truth.py [--cluster cluster.yaml] [--ranks 4] [--steps 5]``
+Run: ``.venv/bin/python benchmarks/local_truth.py [--cluster cluster.yaml] [--ranks 4] [--steps 3]``
 (a profiled cluster file from ``tessera profile --nproc 4 --out cluster.yaml`` makes the time predictions
 meaningful; without one the nominal ``cpu`` preset is used). For a small GPT and a small Llama it plans,
 then runs every strategy the planner considers feasible (uniform recomputation, as enumerated) for a few
-steps, records the measured step time and each rank's peak memory over one more step, and reports:
+steps, in a fixed random order, one after another on the same ranks, records the measured step time and each rank's peak memory over one more step, and reports:
 
 - Spearman rank correlation between predicted and measured step time (goal >= 0.8);
 - regret: measured time of the plan Tessera would choose / fastest measured (goal <= 1.10);
@@ -17,7 +17,8 @@ inflates them far less than wall time, so they tell a loaded run's noise from th
 Memory: one further step under ``benchmarks/memory_meter.py``'s ``AllocatorMeter``
 (the peak the CPU allocator held, on top of parameters, optimizer state and DDP's buckets), as
 ``memory_truth.py`` measures it. ``--strategies "s1;s2"`` runs a fixed list instead of the sample (a quick
-check); ``--reuse results.json`` re-predicts the measurements a run wrote, without running anything (the
+check); ``--max-strategies N`` runs N spread over the predicted ranking. Measurements are appended to a
+``.jsonl`` journal as they are taken: ``--resume journal.jsonl`` continues a stopped run. ``--reuse results.json`` re-predicts the measurements a run wrote, without running anything (the
 measurement does not depend on the cost model). A strategy the runtime refuses is listed with its error.
 Writes ``benchmarks/results/local-truth-<hardware>-<date>.md`` and the measurements to the ``.json`` beside it.
 """
@@ -26,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -56,7 +59,25 @@ MODELS = {
     "small-llama": "llama:layers=4,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=4096,seq=256",
 }
 GLOBAL_BATCH, SEQ_LEN = 16, 256
-MAX_STRATEGIES = 24
+BATCH, BATCH_TIMEOUT_S = 20, 1800
+"""Strategies per spawn, and its time limit (a hung collective costs at most this)."""
+
+
+def run_strategies(name: str, spec: str, plan_jsons: list[str], steps: int, journal: str) -> None:
+    """On every rank, one strategy after another in this one process group (a fresh spawn costs ~9 s here);
+    rank 0 appends each strategy's measurements to ``journal`` as soon as every rank has them, so a run that
+    is stopped (or a strategy that fails) loses only the strategy in flight."""
+    for index, plan_json in enumerate(plan_jsons):
+        result = run_strategy(spec, plan_json, steps)
+        results = [None] * dist.get_world_size()
+        dist.all_gather_object(results, result)
+        if dist.get_rank() == 0:
+            key = Plan.from_json(plan_json).strategy.to_string()
+            entry = {"model": name, "strategy": key, "ranks": results, "load_average_1m": round(os.getloadavg()[0], 2)}
+            append(Path(journal), entry)
+            print(f"[{index + 1}/{len(plan_jsons)}] {key} steps {[round(s, 3) for s in measurement(entry, steps)['step_s']]}",
+                  flush=True)
+        gc.collect()  # the previous strategy's tensors, before the next one's memory is measured
 
 
 def run_strategy(spec: str, plan_json: str, steps: int) -> dict:
@@ -104,18 +125,18 @@ def as_plan(spec: str, prepared_model, strategy: Strategy, prediction=None) -> P
                 training=training, strategy=strategy, estimate=prediction, layers=planned_layers(graph, strategy))
 
 
-def candidates(spec: str, cluster: str, max_strategies: int) -> tuple[list[Plan], int]:
+def candidates(spec: str, cluster: str, max_strategies: int | None) -> tuple[list[Plan], int]:
     """Fitting strategies as plans, predicted-fastest first, and how many fit in all.
 
-    The uniform space holds ~300 fitting strategies here (~20 s of real running each): the benchmark runs
-    ``max_strategies`` of them spread evenly over the predicted ranking -- the predicted fastest (what
-    Tessera would choose) first, then every k-th -- so the correlation covers the whole range and the
-    regret compares Tessera's choice with strategies from every part of it.
+    Every fitting strategy by default (266 per model here: ~25 min of real running per model). With
+    ``max_strategies``, that many spread evenly over the predicted ranking -- the predicted fastest (what
+    Tessera would choose) first, then every k-th -- so a quick run still covers the whole range.
     """
     model = prepared(spec, cluster)
     fitting = [(s, e) for s, e in rank_candidates(*model, prune=False) if e.fits]
-    step = max(1, len(fitting) // max_strategies)
-    return [as_plan(spec, model, s, e) for s, e in fitting[::step][:max_strategies]], len(fitting)
+    step = max(1, len(fitting) // max_strategies) if max_strategies else 1
+    chosen = fitting[::step][:max_strategies] if max_strategies else fitting
+    return [as_plan(spec, model, s, e) for s, e in chosen], len(fitting)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -145,22 +166,48 @@ def failure_reason(error: Exception) -> str:
     return lines[0] if len(lines) == 1 else f"{lines[-1].strip()} ({lines[0].removesuffix('; its traceback:')})"
 
 
-def measure(spec: str, plans: list[Plan], ranks: int, steps: int) -> tuple[dict, list[str]]:
-    """Run every plan; measurements keyed by strategy (per-step slowest-rank seconds, per-rank peaks)."""
-    measured, failed = {}, []
-    for plan in plans:
-        key = plan.strategy.to_string()
+def measure(name: str, spec: str, plans: list[Plan], ranks: int, steps: int, journal: Path) -> tuple[dict, list[str]]:
+    """Run every plan not yet in ``journal``, in batches on one set of ranks; return the journal's measurements
+    for ``name`` keyed by strategy (per-step slowest-rank seconds, per-rank peaks) and the failures.
+
+    A strategy that raises on any rank ends its batch (the launcher stops the other ranks at once); it is
+    journaled as failed with its rank's exception and the batch resumes after it on fresh ranks.
+    """
+    while todo := [plan for plan in plans if plan.strategy.to_string() not in journaled(journal, name)]:
+        batch = todo[:BATCH]
         try:
-            results = spawn(run_strategy, nprocs=ranks, args=(spec, plan.to_json(), steps), timeout_s=600)
+            spawn(run_strategies, nprocs=ranks, args=(name, spec, [p.to_json() for p in batch], steps, str(journal)),
+                  timeout_s=BATCH_TIMEOUT_S)
         except (WorkerError, TesseraError) as error:
-            failed.append(f"{key}: {failure_reason(error)}")
+            in_flight = next(p for p in batch if p.strategy.to_string() not in journaled(journal, name))
+            key = in_flight.strategy.to_string()
             print(f"{key} failed: {failure_reason(error)}", flush=True)
-            continue
-        step_s = [max(r["step_s"][i] for r in results) for i in range(steps)]
-        measured[key] = {"step_s": step_s, "cpu_s": [statistics.median(r["cpu_s"]) for r in results],
-                         "peak_bytes": [r["peak_bytes"] for r in results], "load_average_1m": round(os.getloadavg()[0], 2)}
-        print(key, f"steps {[round(s, 3) for s in step_s]} predicted {plan.estimate.step_time_s:.3f}", flush=True)
-    return measured, failed
+            append(journal, {"model": name, "strategy": key, "error": failure_reason(error)})
+    wanted = {plan.strategy.to_string() for plan in plans}
+    entries = {key: e for key, e in journaled(journal, name).items() if key in wanted}
+    measured = {key: measurement(e, steps) for key, e in entries.items() if "error" not in e}
+    return measured, [f"{key}: {e['error']}" for key, e in entries.items() if "error" in e]
+
+
+def journaled(journal: Path, name: str) -> dict[str, dict]:
+    """The journal's entries for model ``name``, by strategy (a later entry for a strategy replaces earlier)."""
+    if not journal.exists():
+        return {}
+    entries = (json.loads(line) for line in journal.read_text().splitlines() if line.strip())
+    return {e["strategy"]: e for e in entries if e["model"] == name}
+
+
+def append(journal: Path, entry: dict) -> None:
+    with open(journal, "a") as file:
+        file.write(json.dumps(entry) + "\n")
+
+
+def measurement(entry: dict, steps: int) -> dict:
+    """A journal entry as the ``.json`` keeps it: each step's slowest rank, each rank's median CPU seconds."""
+    ranks = entry["ranks"]
+    return {"step_s": [max(r["step_s"][i] for r in ranks) for i in range(len(ranks[0]["step_s"]))],
+            "cpu_s": [statistics.median(r["cpu_s"]) for r in ranks], "peak_bytes": [r["peak_bytes"] for r in ranks],
+            "load_average_1m": entry["load_average_1m"]}
 
 
 def rows_of(spec: str, cluster: str, measured: dict) -> list[tuple]:
@@ -190,24 +237,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", default=None, help="profiled cluster YAML (default: the cpu preset)")
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy (the median is reported)")
-    parser.add_argument("--max-strategies", type=int, default=MAX_STRATEGIES, help="strategies sampled per model")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per strategy (the median is reported)")
+    parser.add_argument("--max-strategies", type=int, help="run this many per model, evenly spaced in predicted "
+                        "rank (default: every fitting strategy)")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of the models")
     parser.add_argument("--strategies", help="run these ';'-separated strategies instead of the sample")
     parser.add_argument("--reuse", type=Path, help="re-predict the measurements in this JSON (written by a run)")
+    parser.add_argument("--resume", type=Path, metavar="JOURNAL", help="continue a stopped run: keep this journal's "
+                        "measurements (the .jsonl a run writes as it goes) and run only the strategies it lacks")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="folder for the .md and .json")
     args = parser.parse_args()
     cluster = args.cluster or f"cpu:ranks={args.ranks}"
     reused = json.loads(args.reuse.read_text()) if args.reuse else {}
     console = Console(width=180)
     sections, measurements = [], {}
+    journal = None if args.reuse else journal_path(args)
     for name in args.models.split(","):
         spec = MODELS[name]
         measured, failed, note = reused.get(name, {}).get("measured", {}), reused.get(name, {}).get("failed", []), ""
         if not args.reuse:
             plans, note = planned_runs(spec, cluster, args)
             print(f"{name}: running {len(plans)} strategies{note}", flush=True)
-            measured, failed = measure(spec, plans, args.ranks, args.steps)
+            measured, failed = measure(name, spec, plans, args.ranks, args.steps, journal)
         measurements[name] = {"measured": measured, "failed": failed}
         rows = rows_of(spec, cluster, measured)
         text = summary(name, rows) + note
@@ -217,12 +268,39 @@ def main() -> None:
     write_results(cluster, sections, measurements, args)
 
 
+def journal_path(args: argparse.Namespace) -> Path:
+    """Where measurements are appended as they are taken: ``--resume``'s file, else a new one beside the results."""
+    if args.resume:
+        if not args.resume.exists():
+            raise SystemExit(f"--resume {args.resume}: no such journal; start without --resume to begin one")
+        return args.resume
+    journal = results_stem(args).with_suffix(".jsonl")
+    if journal.exists():
+        raise SystemExit(f"{journal} exists (measurements of an earlier run): continue it with --resume {journal}, "
+                         "or move it away to start afresh")
+    return journal
+
+
+def results_stem(args: argparse.Namespace) -> Path:
+    return args.out / f"local-truth-{platform.machine()}-cpu-{datetime.date.today().isoformat()}"
+
+
 def planned_runs(spec: str, cluster: str, args: argparse.Namespace) -> tuple[list[Plan], str]:
     if args.strategies:
         model = prepared(spec, cluster)
         return [as_plan(spec, model, Strategy.parse(s)) for s in args.strategies.split(";")], " (fixed list)"
     plans, feasible = candidates(spec, cluster, args.max_strategies)
-    return plans, f" ({len(plans)} of {feasible} fitting strategies, evenly spaced in predicted rank)"
+    if len(plans) == feasible:
+        return shuffled(plans), f" (every one of the {feasible} fitting strategies)"
+    return shuffled(plans), f" ({len(plans)} of {feasible} fitting strategies, evenly spaced in predicted rank)"
+
+
+def shuffled(plans: list[Plan]) -> list[Plan]:
+    """Run in a fixed random order: a drift in the machine's state over the run (load, heat) then scatters
+    over the predicted ranking instead of tilting it."""
+    order = list(plans)
+    random.Random(0).shuffle(order)
+    return order
 
 
 def print_table(console: Console, title: str, rows: list[tuple]) -> None:
@@ -236,7 +314,7 @@ def print_table(console: Console, title: str, rows: list[tuple]) -> None:
 
 def write_results(cluster: str, sections: list, measurements: dict, args: argparse.Namespace) -> None:
     date = datetime.date.today().isoformat()
-    stem = args.out / f"local-truth-{platform.machine()}-cpu-{date}"
+    stem = results_stem(args)
     if not args.reuse:
         stem.with_suffix(".json").write_text(json.dumps(measurements, indent=1) + "\n")
     command = " ".join(["benchmarks/local_truth.py", *sys.argv[1:]])

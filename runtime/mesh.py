@@ -76,7 +76,8 @@ def build_mesh(strategy: Strategy) -> DeviceMesh:
     key = (device_type(), mesh_shape(strategy), id(world))
     cached = _MESHES.get(key)
     if cached is None or cached[0] is not world:  # each axis costs process groups (a rendezvous each): once per world
-        _MESHES.clear()
+        if any(kept is not world for kept, _ in _MESHES.values()):
+            _MESHES.clear()  # a new world: the old one's meshes are dead
         mesh = init_device_mesh(key[0], key[1], mesh_dim_names=AXES)
         mesh[EDP, EP]._flatten(DP)  # registered on the root mesh: mesh.get_group("dp") / get_local_rank("dp")
         _MESHES[key] = (world, mesh)  # the world group is kept alive so that its id is not reused
