@@ -108,7 +108,8 @@ def markdown(result: ProfileResult, rows, *, wall_s: float | None, command: str)
         f"Profile (the same run `tessera profile --nproc {host['world_size']}` does): "
         f"{'(read from a file)' if wall_s is None else f'{wall_s:.1f} s wall clock including process start-up'}, "
         f"{result.elapsed_s:.1f} s inside the ranks; {len(result.measurements)} points, {result.sweep.trials} trials "
-        f"each of at least {result.sweep.min_trial_s * 1e3:.0f} ms (up to {result.sweep.max_ops_per_trial} ops).",
+        f"each of at least {result.sweep.min_trial_s * 1e3:.0f} ms (up to {result.sweep.max_ops_per_trial} ops; "
+        f"{result.sweep.long_op_trials} trials of one op where one op takes longer).",
         "Fitted on 4 KiB, 16 KiB, ..., 16 MiB (even powers of two); predicted 8 KiB, 32 KiB, ..., 8 MiB.",
         f"Load average (1 min) before / after: {host.get('load_average_1m_before')} / "
         f"{host.get('load_average_1m_after')} on {host['cpu_count']} cores (other jobs shared the machine).",

@@ -7,7 +7,9 @@ The two constants are fitted on the training split of the published runs (``benc
 
 Where the profiler measured it (CPU ranks), each micro-batch also pays the framework's host overhead per
 linear (``DeviceSpec.linear_overhead_s``: Python, dispatch, autograd, DTensor under tensor parallelism): on
-a CPU the host and the arithmetic share the same cores, so it adds to the compute time.
+a CPU the host and the arithmetic share the same cores, so it adds to the compute time. Tensor-parallel
+arithmetic there is also slowed by ``DeviceSpec.tp_compute_slowdown``: ranks sharing cores wait for their
+partners at every collective of a layer.
 """
 
 from __future__ import annotations
@@ -72,9 +74,10 @@ def stage_compute_s(
     """(forward, backward, recompute) seconds of one micro-batch on one device of ``stage``."""
     width = stage.hidden_size / strategy.tp
     rate = achievable_flops(device, training.precision, width=width, calibration=calibration)
-    scale = strategy.micro_batch / (strategy.tp * strategy.cp * rate)
+    waiting = measured_by_degree(device.tp_compute_slowdown, strategy.tp, default=1.0)
+    scale = waiting * strategy.micro_batch / (strategy.tp * strategy.cp * rate)
     constants = device_calibration(device, calibration)
-    traffic = constants.traffic_factor * stage.activation_traffic_bytes * strategy.micro_batch / (
+    traffic = waiting * constants.traffic_factor * stage.activation_traffic_bytes * strategy.micro_batch / (
         strategy.tp * strategy.cp * device.memory_bandwidth_bytes_per_s
     )
     recompute_share = stage.recompute_flops / stage.forward_flops if stage.forward_flops else 0.0
@@ -100,10 +103,15 @@ def framework_overhead_s(stage: StageTotals, device: DeviceSpec, *, tp: int) -> 
 
 
 def linear_overhead_s(device: DeviceSpec, tp: int) -> float:
-    """The device's host overhead per linear and micro-batch at tensor-parallel degree ``tp``: measured at that
-    degree, else at the largest measured degree below it (a lower bound), else 0."""
-    measured = [degree for degree in device.linear_overhead_s if degree <= tp]
-    return device.linear_overhead_s[max(measured)] if measured else 0.0
+    """The device's host overhead per linear and micro-batch at tensor-parallel degree ``tp`` (0 unmeasured)."""
+    return measured_by_degree(device.linear_overhead_s, tp, default=0.0)
+
+
+def measured_by_degree(values: dict[int, float], tp: int, *, default: float) -> float:
+    """A per-degree measurement at tensor-parallel degree ``tp``: measured at that degree, else at the largest
+    measured degree below it (a lower bound: both grow with the degree), else ``default``."""
+    measured = [degree for degree in values if degree <= tp]
+    return values[max(measured)] if measured else default
 
 
 def compute_lower_bound_s(

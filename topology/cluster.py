@@ -67,6 +67,10 @@ class DeviceSpec(BaseModel):
     """How many times longer FSDP2's parameter all-gathers and gradient reduce-scatters take than the bare
     collectives of the same bytes (its flat-buffer copies, hooks and DTensor bookkeeping), measured by
     ``tessera profile`` on CPU ranks; ``None`` where not measured (the cost model's calibration applies)."""
+    tp_compute_slowdown: dict[int, float] = Field(default_factory=dict)
+    """How many times longer a transformer block's arithmetic takes split over ``t`` tensor-parallel ranks than
+    ``1/t`` of the whole block's, by degree ``t``: on CPU ranks that share cores a rank waits for its partners
+    at every collective (measured by ``tessera profile``); empty where not measured (1: a device per rank)."""
     source: str
     """Where every number above comes from (datasheet, paper table, or a measurement command)."""
 

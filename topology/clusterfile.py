@@ -31,8 +31,8 @@ takes it from its spec (``dgx-h100:nodes=8``). Every malformed field is reported
 An inline device has ``name``, ``peak_tflops`` (dtype -> TFLOP/s), ``memory_gb`` or ``memory_gib``,
 ``memory_bandwidth_tb_per_s`` or ``memory_bandwidth_gb_per_s``, optional ``scale_up_gb_per_s``, and
 ``source`` (see ``topology/catalog.yaml``). Devices the profiler measured on ranks that share CPU cores also
-carry ``solo_speedup``, ``linear_overhead_ms`` (tensor-parallel degree -> ms per linear) and
-``fsdp_comm_slowdown`` (``topology.cluster.DeviceSpec``).
+carry ``solo_speedup``, ``linear_overhead_ms`` (tensor-parallel degree -> ms per linear),
+``fsdp_comm_slowdown`` and ``tp_compute_slowdown`` (degree -> factor) (``topology.cluster.DeviceSpec``).
 
 Levels whose group is at least the world are cut to the world, and the levels outside it dropped, so
 ``dgx-h100:nodes=1`` has only its NVLink level and ``dgx-h100:nodes=8`` no spine.

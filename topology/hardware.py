@@ -27,7 +27,7 @@ LOCAL_CPU = "local-cpu"
 DEVICE_FIELDS = (
     "name", "peak_tflops", "memory_gib", "memory_gb", "memory_bandwidth_tb_per_s",
     "memory_bandwidth_gb_per_s", "scale_up_gb_per_s", "solo_speedup", "linear_overhead_ms", "fsdp_comm_slowdown",
-    "source",
+    "tp_compute_slowdown", "source",
 )
 
 
@@ -63,20 +63,28 @@ def device_from_raw(raw: Any, *, where: str) -> DeviceSpec:
             None if raw.get("fsdp_comm_slowdown") is None
             else _positive(raw["fsdp_comm_slowdown"], f"{where}: field 'fsdp_comm_slowdown'")
         ),
+        tp_compute_slowdown=_by_degree(
+            raw.get("tp_compute_slowdown") or {}, where=f"{where}: field 'tp_compute_slowdown'", unit="factor"
+        ),
         source=str(raw["source"]),
     )
 
 
 def _overheads_s(raw: Any, *, where: str) -> dict[int, float]:
     """``{tensor-parallel degree: milliseconds}`` -> ``{degree: seconds}``."""
+    return {degree: ms / 1e3 for degree, ms in _by_degree(raw, where=where, unit="milliseconds").items()}
+
+
+def _by_degree(raw: Any, *, where: str, unit: str) -> dict[int, float]:
+    """``{tensor-parallel degree: positive number}``, checked."""
     if not isinstance(raw, dict):
-        raise ClusterSpecError(f"{where} must map tensor-parallel degrees to milliseconds, e.g. {{1: 0.3, 2: 4.0}}")
-    overheads = {}
-    for degree, ms in raw.items():
+        raise ClusterSpecError(f"{where} must map tensor-parallel degrees to {unit}, e.g. {{1: 0.3, 2: 4.0}}")
+    values = {}
+    for degree, value in raw.items():
         if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
             raise ClusterSpecError(f"{where}: degree {degree!r} must be a positive integer")
-        overheads[degree] = _positive(ms, f"{where}.{degree}") / 1e3
-    return overheads
+        values[degree] = _positive(value, f"{where}.{degree}")
+    return values
 
 
 def device_to_raw(spec: DeviceSpec) -> dict[str, Any]:
@@ -95,6 +103,8 @@ def device_to_raw(spec: DeviceSpec) -> dict[str, Any]:
         raw["linear_overhead_ms"] = {degree: _significant(s * 1e3) for degree, s in spec.linear_overhead_s.items()}
     if spec.fsdp_comm_slowdown is not None:
         raw["fsdp_comm_slowdown"] = _significant(spec.fsdp_comm_slowdown)
+    if spec.tp_compute_slowdown:
+        raw["tp_compute_slowdown"] = {degree: _significant(x) for degree, x in spec.tp_compute_slowdown.items()}
     raw["source"] = spec.source
     return raw
 

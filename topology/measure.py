@@ -6,6 +6,10 @@ trials sweep every point in turn, ``trials`` times, so a burst of load elsewhere
 one trial of many points, not on every trial of one. A point's time is the mean of the faster half of its
 trials, each the slowest rank's per-op time: scheduling delays only ever add time, so the slow half is
 mostly noise from elsewhere. Every rank ends with the same numbers (timings are reduced across ranks).
+
+A pass runs the points smallest message first, so each point follows one of its own size: a latency-bound
+point timed right after a multi-MiB one read up to 2x slow on 4 ranks sharing 2 cores (the 4 KiB points,
+which followed the previous collective's 16 MiB one), and that pulled the fitted latency up.
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ class ProfileSweep(BaseModel):
     that share CPU cores one trial of a small collective can take 1-6x another (wake-ups queue behind other
     ranks), and the faster-half mean of ~20 trials repeats within ~15% where that of 7 repeated within ~30%
     (odd vs even trials, 4 gloo ranks on 2 cores; ``benchmarks/collectives_fit.py``)."""
+    long_op_trials: int = Field(default=10, gt=0)
+    """Trials for a point whose one op outlasts ``min_trial_s`` (a trial of one op: multi-MiB messages). Their
+    time is bandwidth, not a chain of wake-ups, and repeats within ~5-10% (odd vs even trials, 4 gloo ranks on 2
+    cores), so fewer trials suffice, and the time saved goes to the latency-bound points' trials."""
     min_trial_s: float = Field(default=0.007, gt=0)
     """Ops per trial are chosen so a trial lasts at least this long: a latency-bound op is a chain of
     process wake-ups, and averaging several of them smooths the scheduler's noise."""
@@ -69,7 +77,7 @@ class ProfileSweep(BaseModel):
     @classmethod
     def quick(cls) -> "ProfileSweep":
         """A reduced sweep for tests and smoke runs (a few seconds on 2 CPU ranks)."""
-        return cls(sizes_bytes=(2**12, 2**16, 2**20), trials=3, min_trial_s=0.002, compute_time_s=0.1)
+        return cls(sizes_bytes=(2**12, 2**16, 2**20), trials=3, long_op_trials=2, min_trial_s=0.002, compute_time_s=0.1)
 
 
 class DeviceMeasurement(BaseModel):
@@ -94,6 +102,9 @@ class DeviceMeasurement(BaseModel):
     degree (slowest rank, every rank running; CPU only): see ``measure_linear_overhead``."""
     fsdp_comm_slowdown: float | None = None
     """FSDP2's gathers and reduce-scatter of a unit over the bare collectives (CPU only): ``fsdp_slowdown``."""
+    tp_compute_slowdown: dict[int, float] = Field(default_factory=dict)
+    """A tensor-parallel block's arithmetic over its share of the whole block's, by degree (CPU only):
+    ``tp_compute_slowdown``."""
 
 
 def groups_of(world: int, group_size: int, stride: int) -> list[list[int]]:
@@ -141,11 +152,12 @@ def measure_device(
         flops[name] = 2 * n**3 * _rate(lambda: torch.mm(a, b), device=device, min_time_s=sweep.compute_time_s)
         if bar:
             bar.advance(task)
-    solo, overheads, fsdp = 1.0, {}, None
+    solo, overheads, fsdp, tp_slowdown = 1.0, {}, None, {}
     if device.type == "cpu":  # accelerators: a device per rank, and the host's overhead hides behind it
         solo = solo_speedup(flops["fp32"], dim=dim, device=device, sweep=sweep)
         overheads = measure_linear_overhead((1, *tp_degrees), flops_per_s=flops["fp32"], device=device, sweep=sweep)
         fsdp = fsdp_slowdown(device=device, sweep=sweep)
+        tp_slowdown = tp_compute_slowdown(overheads, device=device, sweep=sweep)
     if bar:
         bar.advance(task)
     copy_bytes = (1024 if device.type == "cuda" else 64) * MiB
@@ -159,7 +171,7 @@ def measure_device(
     return DeviceMeasurement(
         matmul_flops_by_dtype={"fp32": values[0], "bf16": values[1]}, matmul_dim=dim,
         memory_bandwidth_bytes_per_s=values[2], copy_bytes=copy_bytes, threads_per_rank=torch.get_num_threads(),
-        solo_speedup=solo, linear_overhead_s=overheads, fsdp_comm_slowdown=fsdp,
+        solo_speedup=solo, linear_overhead_s=overheads, fsdp_comm_slowdown=fsdp, tp_compute_slowdown=tp_slowdown,
     )
 
 
@@ -195,6 +207,7 @@ def measure_collectives(layouts: Sequence[tuple[int, int]], device: torch.device
             for nbytes in sweep.sizes_bytes:
                 op = _collective_op(collective, nbytes, group=mine, members=members, device=device)
                 points.append((collective, group_size, stride, nbytes, op))
+    points.sort(key=lambda point: point[3])  # smallest first, each point after one of its own size (module docstring)
     ops_per_trial = _calibrate(points, device=device, sweep=sweep, bar=bar)
     trials = _run_trials(points, ops_per_trial, device=device, sweep=sweep, bar=bar)
     halved = [[x / 2 for x in t] if c == "p2p" else t for (c, *_), t in zip(points, trials)]  # p2p: round trip
@@ -263,21 +276,25 @@ def _calibrate(points: list, *, device: torch.device, sweep: ProfileSweep, bar: 
 
 
 def _run_trials(points: list, ops_per_trial: list[int], *, device: torch.device, sweep: ProfileSweep, bar: Any) -> list[list[float]]:
-    """Sweep every point once per pass, ``trials`` passes; each trial's time is the slowest rank's."""
-    task = bar.add_task("collectives: timing", total=sweep.trials * len(points)) if bar else None
-    local = [[0.0] * sweep.trials for _ in points]
+    """Sweep every point once per pass, ``trials`` passes (``long_op_trials`` for a point of one op per trial);
+    each trial's time is the slowest rank's."""
+    counts = [sweep.trials if k > 1 else min(sweep.trials, sweep.long_op_trials) for k in ops_per_trial]
+    task = bar.add_task("collectives: timing", total=sum(counts)) if bar else None
+    local = [[] for _ in points]
     for trial in range(sweep.trials):
         for i, ((*_, op), k) in enumerate(zip(points, ops_per_trial)):
+            if trial >= counts[i]:
+                continue
             dist.barrier()
             started = time.perf_counter()
             for _ in range(k):
                 op()
             sync(device)
-            local[i][trial] = (time.perf_counter() - started) / k
+            local[i].append((time.perf_counter() - started) / k)
             if bar:
                 bar.advance(task)
-    flat = reduce_values([t for row in local for t in row], op=dist.ReduceOp.MAX, device=device)
-    return [flat[i * sweep.trials:(i + 1) * sweep.trials] for i in range(len(points))]
+    flat = iter(reduce_values([t for row in local for t in row], op=dist.ReduceOp.MAX, device=device))
+    return [[next(flat) for _ in range(count)] for count in counts]
 
 
 # --------------------------------------------------------------------------- framework overhead of a block
@@ -358,16 +375,18 @@ def _plain_pass(block: nn.Module, hidden: torch.Tensor) -> Callable[[], None]:
     return lambda: block(hidden).sum().backward()
 
 
-def _tensor_parallel_pass(degree: int, *, device: torch.device) -> Callable[[], None]:
-    """Forward + backward of the reference block split over this rank's group of ``degree`` consecutive ranks,
+def _tensor_parallel_pass(
+    degree: int, *, device: torch.device, width: int = REFERENCE_WIDTH, tokens: int = REFERENCE_TOKENS
+) -> Callable[[], None]:
+    """Forward + backward of a reference block split over this rank's group of ``degree`` consecutive ranks,
     the residual stream sharded over the sequence between the pairs (``runtime.tensor_parallel``'s layout)."""
     mesh = DeviceMesh(device.type, torch.arange(dist.get_world_size()).reshape(-1, degree), mesh_dim_names=("rest", "tp"))
     styles = {"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
               "attn": _gather_sequence(), "mlp": _gather_sequence(),
               **{f"attn.{name}": ColwiseParallel() for name in "qkv"}, "mlp.up": ColwiseParallel(),
               "attn.o": RowwiseParallel(output_layouts=Shard(1)), "mlp.down": RowwiseParallel(output_layouts=Shard(1))}
-    block = parallelize_module(_ReferenceBlock().to(device), mesh["tp"], styles)
-    local = torch.randn(1, REFERENCE_TOKENS // degree, REFERENCE_WIDTH, device=device)  # (B, T / tp, H)
+    block = parallelize_module(_ReferenceBlock(width).to(device), mesh["tp"], styles)
+    local = torch.randn(1, tokens // degree, width, device=device)  # (B, T / tp, H)
     return lambda: block(local).sum().backward()
 
 
@@ -376,7 +395,7 @@ def _gather_sequence() -> PrepareModuleInput:
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
 
 
-def _pass_seconds(run: Callable[[], None], *, device: torch.device, sweep: ProfileSweep) -> float:
+def _pass_seconds(run: Callable[[], None], *, device: torch.device, sweep: ProfileSweep, min_calls: int | None = None) -> float:
     """Seconds per call of ``run`` on every rank at once: the same number of calls everywhere (collectives
     inside must match), at least ``trials`` and enough for ``compute_time_s``; the median per rank, then the
     slowest rank. The median, not the faster half: ranks sharing cores wait for each other's wake-ups in
@@ -388,7 +407,7 @@ def _pass_seconds(run: Callable[[], None], *, device: torch.device, sweep: Profi
     run()
     sync(device)
     once = reduce_values([time.perf_counter() - started], op=dist.ReduceOp.MAX, device=device)[0]
-    calls = max(sweep.trials, min(500, math.ceil(sweep.compute_time_s / max(once, 1e-9))))
+    calls = max(sweep.trials if min_calls is None else min_calls, min(500, math.ceil(sweep.compute_time_s / max(once, 1e-9))))
     times = []
     dist.barrier()
     for _ in range(calls):
@@ -426,3 +445,32 @@ def fsdp_slowdown(*, device: torch.device, sweep: ProfileSweep) -> float:
     arithmetic = _pass_seconds(lambda: plain(token).sum().backward(), device=device, sweep=sweep)
     fsdp = _pass_seconds(lambda: sharded(token).sum().backward(), device=device, sweep=sweep)
     return max(1.0, (fsdp - arithmetic) / _pass_seconds(bare, device=device, sweep=sweep))
+
+
+TP_BLOCK_WIDTH, TP_BLOCK_TOKENS, TP_BLOCK_CALLS = 256, 1024, 7
+"""The block ``tp_compute_slowdown`` splits: a small model's width (``benchmarks/local_truth.py``) on four
+sequences of 256 tokens, ~0.15 s of arithmetic at a CPU rank's rate, timed over 7 calls (the profile's time
+budget): enough arithmetic between collectives for the slowdown to show (on 256 tokens the fixed costs per
+linear swamp it; 4 ranks on 2 cores, 2026-11-30: 1.3x at degrees 2 and 4 on 2048 tokens)."""
+
+
+def tp_compute_slowdown(overheads: dict[int, float], *, device: torch.device, sweep: ProfileSweep) -> dict[int, float]:
+    """How many times longer a block's arithmetic takes split over ``t`` ranks than ``1/t`` of the whole block's,
+    for each degree ``t > 1`` in ``overheads`` (every rank running, ``t``-rank groups side by side; CPU only).
+
+    Ranks that share cores and meet at every collective of a layer wait for each other, and the split block
+    moves more bytes per FLOP (sequence-parallel gathers, DTensor's redistributions). The fixed costs per
+    linear (``overheads``, ``measure_linear_overhead``) are taken out of both passes. Never below 1 (noise)."""
+    block = _ReferenceBlock(TP_BLOCK_WIDTH).to(device)
+    hidden = torch.randn(1, TP_BLOCK_TOKENS, TP_BLOCK_WIDTH, device=device)  # (B, T, H)
+
+    def arithmetic_s(run: Callable[[], None], degree: int) -> float:
+        seconds = _pass_seconds(run, device=device, sweep=sweep, min_calls=TP_BLOCK_CALLS)
+        return seconds - REFERENCE_LINEARS * overheads[degree]
+
+    whole = arithmetic_s(_plain_pass(block, hidden), 1)
+    slowdowns = {}
+    for degree in sorted(d for d in overheads if d > 1):
+        split = arithmetic_s(_tensor_parallel_pass(degree, device=device, width=TP_BLOCK_WIDTH, tokens=TP_BLOCK_TOKENS), degree)
+        slowdowns[degree] = max(1.0, split * degree / max(whole, 1e-9))
+    return slowdowns

@@ -258,6 +258,7 @@ def _device_spec(measured: DeviceMeasurement, *, device: torch.device, per_node:
         solo_speedup=measured.solo_speedup,
         linear_overhead_s=dict(measured.linear_overhead_s),
         fsdp_comm_slowdown=measured.fsdp_comm_slowdown,
+        tp_compute_slowdown=dict(measured.tp_compute_slowdown),
         source=(
             f"measured by tessera profile on {host['hostname']} ({host['date']}): {measured.matmul_dim}^2 matmul "
             f"FLOP/s and {measured.copy_bytes // MiB} MiB copy bandwidth achieved per rank with all "
@@ -265,7 +266,8 @@ def _device_spec(measured: DeviceMeasurement, *, device: torch.device, per_node:
             f"{'host memory / ranks per host' if device.type == 'cpu' else 'device total'}"
             + ("; solo speed-up: rank 0's matmul alone; linear overhead: a reference transformer block's forward "
                "and backward at negligible size, per linear, by tensor-parallel degree; FSDP slowdown: a ZeRO-3 unit's "
-               "gathers and reduce-scatter over the bare collectives" if device.type == "cpu" else "")
+               "gathers and reduce-scatter over the bare collectives; tensor-parallel compute slowdown: a 256-wide "
+               "block on 256 tokens split by degree over 1/degree of it whole" if device.type == "cpu" else "")
         ),
     )
 
