@@ -44,6 +44,12 @@ def in_flight_micro_batches(strategy: Strategy, *, stage: int, micro_batches: in
         return 1.0
     if strategy.schedule == "gpipe" or (strategy.schedule == "1f1b" and micro_batches < p):
         return float(micro_batches)  # 1F1B with m < p runs as GPipe (runtime.pipeline.single_stage_schedule)
+    if strategy.schedule == "zero-bubble" and strategy.zero < 3:
+        # PyTorch's ZB1P (ScheduleInterleavedZeroBubble) runs rank r's weight-gradient halves r micro-batches
+        # late (``_get_1f1b_rank_ops(num_1f1b_microbatches=rank)``) and a micro-batch's saved activations live
+        # until its weight half: p - r in flight as in 1F1B plus r awaiting their weight gradients. Under
+        # ZeRO-3 the measured peaks are 1F1B's (benchmarks/local_truth.py: its zero-bubble ZeRO-3 rows).
+        return float(min(micro_batches, p))
     held = float(min(micro_batches, p - stage))
     if strategy.schedule == "interleaved":
         held *= 1 + (p - 1) / (p * strategy.virtual_stages)

@@ -133,6 +133,12 @@ def test_pipeline_bubble_and_in_flight_micro_batches():
     assert in_flight_micro_batches(s, stage=0, micro_batches=8) == 4
     assert in_flight_micro_batches(s, stage=3, micro_batches=8) == 1
     assert in_flight_micro_batches(Strategy.parse("dp=1,pp=4,schedule=gpipe"), stage=3, micro_batches=8) == 8
+    # ZB1P: stage r's weight halves run r micro-batches late, so every stage holds p; under ZeRO-3 as 1F1B
+    zero_bubble = Strategy.parse("dp=1,pp=4,schedule=zero-bubble")
+    assert [in_flight_micro_batches(zero_bubble, stage=r, micro_batches=8) for r in range(4)] == [4, 4, 4, 4]
+    assert in_flight_micro_batches(zero_bubble, stage=3, micro_batches=2) == 2
+    zero3 = Strategy.parse("dp=2,pp=2,zero=3,schedule=zero-bubble")
+    assert [in_flight_micro_batches(zero3, stage=r, micro_batches=8) for r in range(2)] == [2, 1]
     two_nodes = load_cluster("dgx-h100:nodes=2")
     layers = [block(i) for i in range(8)]
     e = estimate(layers, two_nodes, TrainingConfig(global_batch=16, seq_len=4096), Strategy.parse("dp=4,pp=4,mbs=1"), calibration=FLAT)

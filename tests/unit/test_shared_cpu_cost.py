@@ -7,13 +7,14 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.communication import tp_comm_s
-from tessera.cost_models.compute import framework_overhead_s, linear_overhead_s
+from tessera.cost_models.compute import framework_overhead_s, linear_overhead_s, stage_compute_s
 from tessera.cost_models.estimate import step_time_lower_bound
 from tessera.cost_models.partition import block_policies, stage_totals
 from tessera.cost_models.pipeline import bubble_micro_batches, in_flight_micro_batches, pipeline_time_s
 from tessera.cost_models.types import LayerStats, LinearPair
 from tessera.runtime.pipeline import single_stage_schedule
 from tessera.topology import load_cluster
+from tessera.errors import ClusterSpecError
 from tessera.topology.hardware import device_from_raw, device_to_raw
 
 MiB = 2**20
@@ -33,9 +34,10 @@ LAYERS = [layer(f"blocks.{i}", "block", pairs=PAIRS) for i in range(4)] + [layer
 TRAINING = TrainingConfig(global_batch=16, seq_len=256, precision="fp32")
 
 
-def cpu_cluster(tmp_path, *, solo_speedup: float = 1.0, overhead_ms: dict | None = None):
+def cpu_cluster(tmp_path, *, solo_speedup: float = 1.0, overhead_ms: dict | None = None, tp_slowdown: dict | None = None):
     device = {"name": "local-cpu", "peak_tflops": {"fp32": 0.05}, "memory_gb": 6, "memory_bandwidth_gb_per_s": 4,
-              "solo_speedup": solo_speedup, "linear_overhead_ms": overhead_ms or {}, "source": "test"}
+              "solo_speedup": solo_speedup, "linear_overhead_ms": overhead_ms or {},
+              "tp_compute_slowdown": tp_slowdown or {}, "source": "test"}
     path = tmp_path / "cpu.yaml"
     path.write_text(yaml.safe_dump({
         "device": device, "devices_per_node": 4, "size_key": "ranks", "size": 4,
@@ -46,10 +48,23 @@ def cpu_cluster(tmp_path, *, solo_speedup: float = 1.0, overhead_ms: dict | None
 
 def test_profiled_device_fields_round_trip():
     raw = {"name": "local-cpu", "peak_tflops": {"fp32": 0.05}, "memory_gb": 6, "memory_bandwidth_gb_per_s": 4,
-           "solo_speedup": 2.0, "linear_overhead_ms": {1: 0.2, 2: 6.0}, "source": "test"}
+           "solo_speedup": 2.0, "linear_overhead_ms": {1: 0.2, 2: 6.0}, "tp_compute_slowdown": {2: 1.3}, "source": "test"}
     spec = device_from_raw(raw, where="test")
     assert spec.solo_speedup == 2.0 and spec.linear_overhead_s == {1: pytest.approx(2e-4), 2: pytest.approx(6e-3)}
+    assert spec.tp_compute_slowdown == {2: 1.3}
     assert device_from_raw(device_to_raw(spec), where="again") == spec
+    with pytest.raises(ClusterSpecError, match=r"field 'tp_compute_slowdown'.*degree 'two'"):
+        device_from_raw({**raw, "tp_compute_slowdown": {"two": 1.3}}, where="test")
+
+
+def test_tensor_parallel_slowdown_scales_the_arithmetic_at_its_degree_only(tmp_path):
+    plain, slowed = cpu_cluster(tmp_path), cpu_cluster(tmp_path, tp_slowdown={2: 1.5})
+    for text, factor in (("dp=2,tp=2,mbs=1", 1.5), ("dp=1,tp=4,mbs=1", 1.5), ("dp=4,mbs=1", 1.0)):
+        strategy = Strategy.parse(text)
+        stage = stage_totals(LAYERS, 0, block_policies(LAYERS, strategy))
+        before = stage_compute_s(stage, plain.device, TRAINING, strategy)
+        after = stage_compute_s(stage, slowed.device, TRAINING, strategy)
+        assert after == pytest.approx(tuple(factor * part for part in before)), text
 
 
 def test_catalog_devices_have_no_sharing_and_no_overhead():
