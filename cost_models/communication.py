@@ -95,14 +95,27 @@ def dp_comm_s(
     s = sharded_slowdown
     if strategy.zero == 0:
         return {"dp_allreduce": all_reduce_time(cluster, grads, **group)}
-    if strategy.zero == 1:
-        return {"zero_reducescatter": s * reduce_scatter_time(cluster, grads, **group),
-                "zero_allgather": s * all_gather_time(cluster, weights, **group)}
-    if strategy.zero == 2:
-        return {"zero_reducescatter": s * micro_batches * reduce_scatter_time(cluster, grads, **group),
-                "zero_allgather": s * all_gather_time(cluster, weights, **group)}
-    return {"fsdp_allgather": s * 2 * micro_batches * all_gather_time(cluster, weights, **group),
-            "fsdp_reducescatter": s * micro_batches * reduce_scatter_time(cluster, grads, **group)}
+    gathers, scatters = sharded_collective_counts(strategy, micro_batches=micro_batches)
+    kinds = ("zero_allgather", "zero_reducescatter") if strategy.zero < 3 else ("fsdp_allgather", "fsdp_reducescatter")
+    return {kinds[1]: s * scatters * reduce_scatter_time(cluster, grads, **group),
+            kinds[0]: s * gathers * all_gather_time(cluster, weights, **group)}
+
+
+def sharded_collective_counts(strategy: Strategy, *, micro_batches: int) -> tuple[int, int]:
+    """(parameter all-gathers, gradient reduce-scatters) per step of ZeRO-1/2/3 as the runtime runs them.
+
+    ZeRO-1/2 gather once per step; ZeRO-1 reduce-scatters once, ZeRO-2 after every micro-batch; ZeRO-3 gathers
+    each block for its forward and again for its backward and reduce-scatters every micro-batch. Under
+    pipelining, ``PipelineStage`` turns FSDP2's gradient sync and resharding after backward off for all but
+    the last micro-batch: one reduce-scatter per step, and ZeRO-3's parameters stay gathered from a backward
+    to the next forward, so with 1F1B's order (forwards, then alternating, then backwards) the warm-up
+    forwards and every backward but the cool-down's gather: ``micro_batches + 1`` gathers per step.
+    """
+    if strategy.pp > 1:
+        return (micro_batches + 1 if strategy.zero == 3 else 1), 1
+    if strategy.zero == 3:
+        return 2 * micro_batches, micro_batches
+    return 1, (micro_batches if strategy.zero == 2 else 1)
 
 
 def _grouped_dp_comm_s(
@@ -118,13 +131,11 @@ def _grouped_dp_comm_s(
         grads, weights, s = params * FP32, params * compute_dtype_bytes(training), sharded_slowdown
         if strategy.zero == 0:
             kinds = {"dp_allreduce": group_all_reduce_s(cluster, grads, axes)}
-        elif strategy.zero in (1, 2):
-            scatters = micro_batches if strategy.zero == 2 else 1
-            kinds = {"zero_reducescatter": s * scatters * group_reduce_scatter_s(cluster, grads, axes),
-                     "zero_allgather": s * group_all_gather_s(cluster, weights, axes)}
         else:
-            kinds = {"fsdp_allgather": s * 2 * micro_batches * group_all_gather_s(cluster, weights, axes),
-                     "fsdp_reducescatter": s * micro_batches * group_reduce_scatter_s(cluster, grads, axes)}
+            gathers, scatters = sharded_collective_counts(strategy, micro_batches=micro_batches)
+            prefix = "zero" if strategy.zero < 3 else "fsdp"
+            kinds = {f"{prefix}_reducescatter": s * scatters * group_reduce_scatter_s(cluster, grads, axes),
+                     f"{prefix}_allgather": s * gathers * group_all_gather_s(cluster, weights, axes)}
         for kind, seconds in kinds.items():
             totals[kind] = totals.get(kind, 0.0) + seconds
     return totals

@@ -136,6 +136,30 @@ def _rate(fn: Callable[[], None], *, device: torch.device, min_time_s: float) ->
             return calls / elapsed
 
 
+def _shared_rate(fn: Callable[[], None], *, device: torch.device, min_time_s: float) -> float:
+    """Calls of ``fn`` per second per rank while every rank calls it: the same number of calls on every rank,
+    enough for ``min_time_s``, over the slowest rank's time.
+
+    Each rank timing its own window (``_rate``) reads high on ranks that share cores: ranks leave the barrier
+    at different moments and finish at different moments, and a rank running while others have not started or
+    are done gets more than its share (4 ranks on 2 cores: 48 to 82 GFLOP/s from one profile to the next, while
+    one rank alone repeated within 15%). Over the slowest rank's time, every call of every rank is counted."""
+    fn()
+    sync(device)
+    started = time.perf_counter()
+    fn()
+    sync(device)
+    once = reduce_values([time.perf_counter() - started], op=dist.ReduceOp.MAX, device=device)[0]
+    calls = max(2, math.ceil(min_time_s / max(once, 1e-9)))
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    slowest = reduce_values([time.perf_counter() - started], op=dist.ReduceOp.MAX, device=device)[0]
+    return calls / slowest
+
+
 def measure_device(
     device: torch.device, *, sweep: ProfileSweep, bar: Any, tp_degrees: Sequence[int] = ()
 ) -> DeviceMeasurement:
@@ -149,7 +173,7 @@ def measure_device(
         n = dim if dtype == torch.float32 or device.type == "cuda" else dim // 2  # CPU bf16 may be emulated: keep it short
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
         dist.barrier()
-        flops[name] = 2 * n**3 * _rate(lambda: torch.mm(a, b), device=device, min_time_s=sweep.compute_time_s)
+        flops[name] = 2 * n**3 * _shared_rate(lambda: torch.mm(a, b), device=device, min_time_s=sweep.compute_time_s)
         if bar:
             bar.advance(task)
     solo, overheads, fsdp, tp_slowdown = 1.0, {}, None, {}
@@ -164,7 +188,7 @@ def measure_device(
     src = torch.ones(copy_bytes // 4, device=device)
     dst = torch.empty_like(src)
     dist.barrier()
-    bandwidth = 2 * copy_bytes * _rate(lambda: dst.copy_(src), device=device, min_time_s=sweep.compute_time_s)
+    bandwidth = 2 * copy_bytes * _shared_rate(lambda: dst.copy_(src), device=device, min_time_s=sweep.compute_time_s)
     if bar:
         bar.advance(task)
     values = reduce_values([flops["fp32"], flops["bf16"], bandwidth], op=dist.ReduceOp.MIN, device=device)

@@ -304,3 +304,17 @@ def test_inner_pipeline_stages_keep_their_in_flight_outputs_and_the_last_merges(
     assert merged_pipeline_output_bytes(last, s, micro_batches=8) == 0  # the runtime asks for no merged output
     monkeypatch.setattr(memory, "PIPELINE_KEEPS_OUTPUTS", True)
     assert merged_pipeline_output_bytes(last, s, micro_batches=8) == 2 * 50 * 2 * 8  # the chunks and their cat
+
+
+def test_sharded_collectives_per_step_follow_the_runtime():
+    from tessera.cost_models.communication import sharded_collective_counts
+
+    def counts(text: str) -> tuple[int, int]:
+        return sharded_collective_counts(Strategy.parse(text), micro_batches=8)
+
+    assert counts("dp=4,zero=1") == (1, 1)  # one gather, one reduce-scatter on the last micro-batch
+    assert counts("dp=4,zero=2") == (1, 8)  # reduce-scatter after every micro-batch
+    assert counts("dp=4,zero=3") == (16, 8)  # gathered for each forward and each backward
+    # under pipelining, PipelineStage defers FSDP2's gradient sync and resharding to the last micro-batch
+    assert counts("dp=2,pp=2,zero=2") == (1, 1)
+    assert counts("dp=2,pp=2,zero=3") == (9, 1)
