@@ -303,6 +303,24 @@ def shuffled(plans: list[Plan]) -> list[Plan]:
     return order
 
 
+def error_by_axis(rows: list[tuple]) -> list[str]:
+    """Median measured / predicted step time (and peak memory) for each value of each strategy axis: which
+    kind of strategy the model gets wrong, and which way."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for key, predicted, measured, predicted_bytes, measured_bytes in rows:
+        s = Strategy.parse(key)
+        schedule = s.schedule if s.pp > 1 else "none"
+        for axis in (f"tp={s.tp}", f"pp={s.pp}", f"zero={s.zero}", f"recompute={s.recompute}", f"schedule={schedule}"):
+            groups.setdefault(axis, []).append((measured / predicted, measured_bytes / predicted_bytes))
+    lines = ["| strategies with | count | measured / predicted time, median (range) | memory, median (range) |",
+             "|---|---|---|---|"]
+    for axis, ratios in sorted(groups.items()):
+        times, memory = [t for t, _ in ratios], [m for _, m in ratios]
+        lines.append(f"| {axis} | {len(ratios)} | {statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f}) | "
+                     f"{statistics.median(memory):.2f} ({min(memory):.2f}-{max(memory):.2f}) |")
+    return lines
+
+
 def print_table(console: Console, title: str, rows: list[tuple]) -> None:
     table = Table(title=title)
     for column in ("strategy", "predicted s", "measured s", "predicted MiB", "measured MiB"):
@@ -329,6 +347,7 @@ def write_results(cluster: str, sections: list, measurements: dict, args: argpar
         lines += [f"## {name}: `{spec}`", "", "| strategy | predicted s | measured s | predicted MiB | measured MiB |", "|---|---|---|---|---|"]
         lines += [f"| {s} | {p:.3f} | {m:.3f} | {pm / 2**20:.0f} | {mm / 2**20:.0f} |"
                   for s, p, m, pm, mm in sorted(rows, key=lambda r: r[1])]
+        lines += ["", *error_by_axis(rows)]
         if failed:
             lines += ["", "Not run (the runtime refused or failed):", *[f"- {item}" for item in failed]]
         lines.append("")
