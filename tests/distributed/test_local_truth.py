@@ -1,6 +1,7 @@
 """``benchmarks/local_truth.py``'s runner: strategies one after another on one set of gloo ranks, each
 journaled as it finishes, a failing one recorded with its error, and a resumed run re-running nothing."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -48,3 +49,33 @@ def test_strategies_are_journaled_one_by_one_and_a_failure_does_not_stop_the_res
     monkeypatch.setattr(local_truth, "spawn", no_spawn)
     assert local_truth.measure("tiny", TINY_GPT, plans, 2, 2, journal) == (measured, failed)
     assert local_truth.journaled(journal, "another-model") == {}
+
+
+def test_finalists_are_rerun_in_rounds_and_a_resumed_confirmation_reruns_nothing(local_truth, tmp_path, monkeypatch):
+    model = local_truth.prepared(TINY_GPT, "cpu:ranks=2")
+    plans = [local_truth.as_plan(TINY_GPT, model, Strategy.parse(s)) for s in (RUNS, RUNS_AFTER_FAILURE)]
+    keys = [plan.strategy.to_string() for plan in plans]
+    journal = tmp_path / "journal.jsonl"
+
+    confirmed = local_truth.confirm("tiny", TINY_GPT, plans, 2, 2, 2, journal)
+
+    assert set(confirmed) == set(keys)
+    assert all(len(steps) == 4 and min(steps) > 0 for steps in confirmed.values())  # 2 rounds x 2 timed steps
+    ran = [json.loads(line)["strategy"] for line in journal.read_text().splitlines()]
+    assert ran == [keys[0], keys[1], keys[0], keys[1]]  # round-robin, not one strategy's rounds back to back
+    assert local_truth.journaled(journal, "tiny") == {}  # re-runs are not the sweep's measurements
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a confirmation with every round journaled must not start ranks")
+
+    monkeypatch.setattr(local_truth, "spawn", no_spawn)
+    assert local_truth.confirm("tiny", TINY_GPT, plans, 2, 2, 2, journal) == confirmed
+
+
+def test_regret_is_the_choices_median_over_the_fastest_finalists(local_truth):
+    rows = [("a", 1.0, 1.3, 0, 0), ("b", 1.1, 0.9, 0, 0), ("c", 1.2, 1.0, 0, 0), ("d", 1.3, 1.1, 0, 0)]
+    assert local_truth.finalists(rows, 2) == ["a", "b", "c"]  # the predicted fastest, then the sweep's fastest
+
+    text = local_truth.confirmed_regret("a", {"a": [1.1, 1.0, 5.0], "b": [0.9, 1.0, 1.1], "c": [1.2, 1.2, 1.2]})
+    assert text.startswith("regret 1.10 over the 3 finalists") and "fastest b" in text
+    assert "not confirmed" in local_truth.confirmed_regret("a", {"b": [1.0], "c": [1.0]})

@@ -217,7 +217,7 @@ def test_inline_device_oversubscription_and_extra_devices_round_trip(tmp_path):
 
 def test_a_profiled_file_without_per_layout_values_still_loads(tmp_path):
     import yaml
-    raw = yaml.safe_load((Path(__file__).parents[2] / "benchmarks/results/cluster-x86_64-cpu-2026-11-30.yaml").read_text())
+    raw = yaml.safe_load((Path(__file__).parents[2] / "benchmarks/results/cluster-x86_64-cpu-2026-12-01.yaml").read_text())
     for level in raw["levels"]:  # files written before per-layout fits existed lack the table
         level.pop("collective_measured_by_layout", None)
     (tmp_path / "old.yaml").write_text(yaml.safe_dump(raw))
