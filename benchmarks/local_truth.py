@@ -233,11 +233,16 @@ def confirm(name: str, spec: str, plans: list[Plan], rounds: int, ranks: int, st
     load falls on all of them alike, measures it without that bias.
     """
     by_key = {plan.strategy.to_string(): plan for plan in plans}
-    while todo := [key for r in range(rounds) for key in by_key if len(confirmations(journal, name).get(key, [])) <= r]:
+    while todo := rounds_to_run(confirmations(journal, name), list(by_key), rounds):
         spawn(run_strategies, nprocs=ranks, args=(name, spec, [by_key[k].to_json() for k in todo], steps, str(journal), True),
               timeout_s=BATCH_TIMEOUT_S)
     runs = confirmations(journal, name)
     return {key: [s for e in runs[key][:rounds] for s in measurement(e, steps)["step_s"]] for key in by_key}
+
+
+def rounds_to_run(done: dict[str, list[dict]], keys: list[str], rounds: int) -> list[str]:
+    """The re-runs still missing, round by round: a key appears once for each round it has not had."""
+    return [key for r in range(rounds) for key in keys if len(done.get(key, [])) <= r]
 
 
 def append(journal: Path, entry: dict) -> None:
