@@ -4,7 +4,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RANK = {"errors": -1, "topology": 0, "cost_models": 1, "planner": 2, "runtime": 3, "api": 4, "cli": 4, "report": 4}
+RANK = {"errors": -1, "files": -1, "topology": 0, "cost_models": 1, "planner": 2, "runtime": 3, "api": 4, "cli": 4, "report": 4}
 
 
 def tessera_imports(path: Path) -> set[str]:
