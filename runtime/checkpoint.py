@@ -28,6 +28,13 @@ all).
 world size rank ``r`` gets rank ``r``'s states back; under another world size every rank gets rank 0's (the
 runtime already requires every rank to be seeded identically: ``runtime.materialize.check_same_seed``).
 
+**Received checkpoints run no code** (``runtime.checkpoint_reader``): DCP's pickled ``.metadata`` and non-tensor
+values are read by restricted loaders; a file naming anything else is refused with a ``CheckpointError``.
+
+**One save per root at a time; failures leave nothing behind** (``runtime.checkpoint_files``): rank 0 locks the
+root for the whole save, a failure on any rank (a full disk included) raises ``CheckpointError`` on every rank
+and removes the partial folder, and ``keep_last`` must be at least 1.
+
 **Asynchronous save.** ``async_save=True`` uses ``dcp.async_save``: the state is copied to host memory (all the
 training loop waits for), then written and committed by a background thread on a dedicated gloo process group,
 so its collectives never interleave with training's. At most one save is in flight: the next save, a load, or
@@ -47,29 +54,32 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tessera.errors import CheckpointError
+from tessera.files import check_writable_file, write_atomically
+from tessera.planner.plan import Plan
 from tessera.runtime.checkpoint_files import (
     DATA_FILE, FORMAT_VERSION, HASH_BLOCK_BYTES, MANIFEST, MARKER, PARTIAL_SUFFIX, PLAN_FILE, RNG_FOLDER,
-    STEP_PREFIX, FileRecord, Manifest, broadcast, check_checkpoint, commit_checkpoint, complete_checkpoints,
-    has_checkpoint, partial_folder, rank, read_manifest, select_checkpoint, step_folder, world, write_durably,
+    STEP_PREFIX, FileRecord, Manifest, RootLock, broadcast, check_checkpoint, check_keep_last, commit_checkpoint,
+    complete_checkpoints, describe_failure, discard_partial, has_checkpoint, partial_folder, rank, read_manifest,
+    select_checkpoint, step_folder, together, world, write_durably,
 )
-
-if TYPE_CHECKING:
-    from tessera.runtime.parallel_model import ParallelModel
+from tessera.runtime.checkpoint_reader import SafeLoadPlanner, SafeReader, load_metadata
 
 __all__ = [  # the save/load flow, and the on-disk names of ``checkpoint_files`` so one import serves callers
     "DATA_FILE", "FORMAT_VERSION", "HASH_BLOCK_BYTES", "MANIFEST", "MARKER", "PARTIAL_SUFFIX", "PLAN_FILE",
     "RNG_FOLDER", "STEP_PREFIX", "CheckpointInfo", "Checkpointer", "FileRecord", "Manifest", "PendingSave",
+    "TrainingState",
     "check_checkpoint", "complete_checkpoints", "export_model_state_dict", "has_checkpoint", "read_manifest",
     "select_checkpoint", "state_module", "step_folder",
 ]
@@ -97,6 +107,15 @@ class CheckpointInfo(BaseModel):
     """The ``data_state`` passed to ``save`` (the data position), or ``None``."""
     skipped: tuple[str, ...] = ()
     """Newer checkpoints passed over, each with the reason (incomplete or corrupt)."""
+
+
+class TrainingState(Protocol):
+    """What a checkpoint saves and restores; ``ParallelModel`` is one (this module does not import it)."""
+
+    modules: Sequence[nn.Module]
+    optimizer: torch.optim.Optimizer
+    plan: Plan
+    step: int
 
 
 class PendingSave:
@@ -130,43 +149,56 @@ class Checkpointer:
         self._pending: PendingSave | None = None
 
     def save(
-        self, pm: ParallelModel, root: str | Path, *, data_state: Any = None, async_save: bool = False,
+        self, state: TrainingState, root: str | Path, *, data_state: Any = None, async_save: bool = False,
         keep_last: int | None = None,
     ) -> PendingSave:
-        """Write ``root/step-<pm.step>``; see the module docstring. Call on every rank."""
+        """Write ``root/step-<state.step>``; see the module docstring. Call on every rank."""
+        check_keep_last(keep_last)
         self.wait()
         root, group = Path(root), self._process_group()
-        final, partial = step_folder(root, pm.step), partial_folder(root, pm.step)
-        _prepare_partial(final, partial, group)
-        _write_side_files(pm, partial, data_state, group)
-        state = _state_dict(state_module(pm.modules), pm.optimizer)
-        step, strategy = pm.step, pm.plan.strategy.to_string()
+        final, partial = step_folder(root, state.step), partial_folder(root, state.step)
+        lock = RootLock.acquire(root, group)
+        try:
+            _prepare_partial(final, partial, group)
+            together(lambda: _write_side_files(state, partial, data_state, group), group,
+                     what=f"writing the plan, RNG and data files of {partial}")
+            tensors = _state_dict(state_module(state.modules), state.optimizer)
+            strategy = state.plan.strategy.to_string()
 
-        def commit() -> None:
-            commit_checkpoint(partial, final=final, step=step, strategy=strategy, group=group, keep_last=keep_last)
+            def commit() -> None:
+                commit_checkpoint(partial, final=final, step=state.step, strategy=strategy, group=group,
+                                  keep_last=keep_last)
 
-        if not async_save:
-            with _single_process_quiet(group):
-                dcp.save(state, checkpoint_id=partial, process_group=group, no_dist=group is None)
-            commit()
-            return PendingSave(final)
-        self._pending = PendingSave(final, _then(_write_async(state, partial, group), commit))
+            if not async_save:
+                together(lambda: _write_tensors(tensors, partial, group), group, what=f"writing {partial}")
+                commit()
+                lock.release()
+                return PendingSave(final)
+            written = together(lambda: _write_async(tensors, partial, group), group, what=f"staging {partial}")
+        except BaseException:
+            discard_partial(partial, group)
+            lock.release()
+            raise
+        self._pending = PendingSave(final, _then(written, commit, cleanup=lambda: discard_partial(partial, group),
+                                                 finally_=lock.release))
         return self._pending
 
-    def load(self, pm: ParallelModel, path: str | Path, *, verify: bool = True) -> CheckpointInfo:
-        """Load the checkpoint at ``path`` (a ``step-*`` folder, or a root: the newest intact one) into ``pm``."""
+    def load(self, state: TrainingState, path: str | Path, *, verify: bool = True) -> CheckpointInfo:
+        """Load the checkpoint at ``path`` (a ``step-*`` folder, or a root: the newest intact one) into ``state``.
+
+        Falling back from a root past corrupt newer checkpoints moves them aside (``step-N.corrupt-<time>``),
+        so the run can save those steps again."""
         self.wait()
         group = self._process_group()
-        folder, skipped = select_checkpoint(Path(path), verify=verify, group=group)
+        folder, skipped = select_checkpoint(Path(path), verify=verify, group=group, set_aside=True)
         manifest = read_manifest(folder)
-        module = state_module(pm.modules)
-        state = _state_dict(module, pm.optimizer)  # initialises the optimizer's state: DCP loads into its tensors
-        with _single_process_quiet(group):
-            dcp.load(state, checkpoint_id=folder, process_group=group, no_dist=group is None)
-        set_state_dict(module, pm.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        module = state_module(state.modules)
+        tensors = _state_dict(module, state.optimizer)  # initialises the optimizer's state: DCP loads into it
+        _read_tensors(tensors, folder, group)
+        set_state_dict(module, state.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"],
                        options=STATE_OPTIONS)
         _restore_rng(folder, saved_world=manifest.world_size, group=group)
-        pm.step = manifest.step
+        state.step = manifest.step
         return CheckpointInfo(
             path=str(folder), step=manifest.step, saved_world_size=manifest.world_size,
             saved_strategy=manifest.strategy, data_state=torch.load(folder / DATA_FILE, weights_only=True),
@@ -246,27 +278,49 @@ def _restore_rng(folder: Path, *, saved_world: int, group: dist.ProcessGroup | N
 
 
 def _prepare_partial(final: Path, partial: Path, group: dist.ProcessGroup | None) -> None:
-    """Rank 0 empties the partial folder; every rank raises alike if the step was already saved."""
+    """Rank 0 empties the partial folder (the root is locked: no other save is writing it); every rank raises
+    alike if the step was already saved."""
     problem = None
     if rank(group) == 0:
         if final.exists():
             problem = (f"checkpoint {final} already exists; a step is saved once: train on before saving again, "
-                       "or delete it to replace it")
+                       "or move it away to replace it")
         else:
-            shutil.rmtree(partial, ignore_errors=True)  # left by a save that was interrupted
-            (partial / RNG_FOLDER).mkdir(parents=True)
+            try:
+                shutil.rmtree(partial, ignore_errors=True)  # left by a save that was interrupted
+                (partial / RNG_FOLDER).mkdir(parents=True)
+            except OSError as error:
+                problem = f"cannot write a checkpoint into {final.parent}: {describe_failure(error)}"
     problem = broadcast(problem, group)
     if problem:
         raise CheckpointError(problem)
 
 
-def _write_side_files(pm: ParallelModel, partial: Path, data_state: Any, group: dist.ProcessGroup | None) -> None:
+def _write_side_files(state: TrainingState, partial: Path, data_state: Any, group: dist.ProcessGroup | None) -> None:
     """Every rank its RNG states; rank 0 the plan and the data position."""
     this_rank = rank(group)
     write_durably(partial / RNG_FOLDER / f"rank-{this_rank:05d}.pt", lambda path: torch.save(_rng_state(), path))
     if this_rank == 0:
-        write_durably(partial / PLAN_FILE, lambda path: pm.plan.to_json(path))
+        write_durably(partial / PLAN_FILE, lambda path: path.write_text(state.plan.to_json()))
         write_durably(partial / DATA_FILE, lambda path: torch.save(data_state, path))
+
+
+def _write_tensors(tensors: dict[str, Any], partial: Path, group: dist.ProcessGroup | None) -> None:
+    with _single_process_quiet(group):
+        dcp.save(tensors, checkpoint_id=partial, process_group=group, no_dist=group is None)
+
+
+def _read_tensors(tensors: dict[str, Any], folder: Path, group: dist.ProcessGroup | None) -> None:
+    """``dcp.load`` into ``tensors`` through the restricted reader; its errors as one ``CheckpointError``."""
+    try:
+        with _single_process_quiet(group):
+            dcp.load(tensors, checkpoint_id=folder, storage_reader=SafeReader(folder), planner=SafeLoadPlanner(),
+                     process_group=group, no_dist=group is None)
+    except CheckpointException as error:
+        inner = next(iter(error.failures.values()))[0] if error.failures else error
+        if isinstance(inner, CheckpointError):
+            raise inner from None
+        raise CheckpointError(f"cannot load {folder}: {describe_failure(error)}") from None
 
 
 def _write_async(state: dict[str, Any], partial: Path, group: dist.ProcessGroup | None) -> Future:
@@ -276,8 +330,9 @@ def _write_async(state: dict[str, Any], partial: Path, group: dist.ProcessGroup 
     return getattr(written, "upload_completion", written)  # an AsyncSaveResponse with a non-blocking stager
 
 
-def _then(future: Future, action) -> Future:
-    """A future that completes after ``future`` and then ``action()`` (run on a background thread)."""
+def _then(future: Future, action, *, cleanup, finally_) -> Future:
+    """A future that completes after ``future`` and then ``action()`` (run on a background thread); on failure
+    ``cleanup()`` runs first; ``finally_()`` always runs last."""
     done: Future = Future()
 
     def run() -> None:
@@ -286,7 +341,10 @@ def _then(future: Future, action) -> Future:
             action()
             done.set_result(None)
         except BaseException as error:  # surfaced by PendingSave.wait
+            cleanup()
             done.set_exception(error)
+        finally:
+            finally_()
 
     threading.Thread(target=run, name="tessera-checkpoint-commit", daemon=True).start()
     return done
@@ -295,24 +353,40 @@ def _then(future: Future, action) -> Future:
 # ------------------------------------------------------------------------------------------------ export
 
 
-def export_model_state_dict(checkpoint: str | Path, out: str | Path, *, verify: bool = True) -> Path:
+def export_model_state_dict(
+    checkpoint: str | Path, out: str | Path, *, verify: bool = True, overwrite: bool = False
+) -> Path:
     """Write the model's weights of ``checkpoint`` (a folder or a root) to one ``torch.save`` file.
 
     The file is a plain ``{fqn: tensor}`` state dict of full tensors: ``model.load_state_dict(torch.load(out))``
-    works on the unsharded model. Runs in one process (reads every shard); needs no process group.
+    works on the unsharded model. Runs in one process (reads every shard); needs no process group. An existing
+    ``out`` is replaced only with ``overwrite=True``; the file appears whole or not at all.
     """
+    out = check_writable_file(out, what="export file")
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out} already exists; choose another file name or pass overwrite=True "
+                              "(tessera export --overwrite) to replace it")
     folder, _ = select_checkpoint(Path(checkpoint), verify=verify, group=None)
-    metadata = dcp.FileSystemReader(folder).read_metadata()
-    weights: dict[str, torch.Tensor] = {}
+    metadata = load_metadata(folder)
+    weights = _empty_weights(folder, metadata)
+    _read_tensors({"model": weights}, folder, None)
+    return write_atomically(out, lambda path: torch.save(weights, path), what="export file")
+
+
+def _empty_weights(folder: Path, metadata: Any) -> dict[str, torch.Tensor]:
+    """An empty full tensor per model weight the metadata lists, after checking the files can hold them all (so
+    metadata claiming absurd sizes fails with a message, not an allocation error)."""
+    shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
     for key, item in metadata.state_dict_metadata.items():
-        path = metadata.planner_data[key]  # ("model", "blocks.0.attn.q.weight")
-        if path[0] == "model" and isinstance(item, TensorStorageMetadata):
-            weights[".".join(str(part) for part in path[1:])] = torch.empty(item.size, dtype=item.properties.dtype)
-    with _single_process_quiet(None):
-        dcp.load({"model": weights}, checkpoint_id=folder, no_dist=True)
-    out = Path(out)
-    torch.save(weights, out)
-    return out
+        path = metadata.planner_data.get(key, ())  # ("model", "blocks.0.attn.q.weight")
+        if path and path[0] == "model" and isinstance(item, TensorStorageMetadata):
+            shapes[".".join(str(part) for part in path[1:])] = (item.size, item.properties.dtype)
+    claimed = sum(size.numel() * dtype.itemsize for size, dtype in shapes.values())
+    stored = sum(record.size_bytes for name, record in read_manifest(folder).files.items() if name.endswith(".distcp"))
+    if claimed > stored:
+        raise CheckpointError(f"checkpoint {folder}: its metadata lists {claimed:,} bytes of weights but its data "
+                              f"files hold {stored:,}; the metadata is corrupt, load an older checkpoint")
+    return {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in shapes.items()}
 
 
 @contextmanager

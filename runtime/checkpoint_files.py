@@ -29,25 +29,42 @@ its recorded size (always checked) and SHA-256 (with ``verify=True``; each rank 
 reported by file. Given the root folder, :func:`select_checkpoint` takes the newest intact checkpoint and names
 the newer ones it skipped and why.
 
+**Tessera's own folders only.** Only folders named exactly ``step-NNNNNNNN`` whose manifest is intact are managed:
+ordered by their step number, pruned by ``keep_last``, skipped on load. A folder of the user's that merely starts
+with ``step-`` is never touched. A corrupt checkpoint that a load from the root falls back past is renamed
+``step-NNNNNNNN.corrupt-<UTC time>`` (kept for inspection, never deleted), so the run can save that step again.
+
+**One writer per root** (:class:`RootLock`). Rank 0 holds an exclusive ``flock`` on ``root/.tessera-save.lock``
+from the start of a save until its commit; a second save into the same root (another job, another
+``ParallelModel``) fails at once with a ``CheckpointError`` instead of writing into the same partial folder.
+The operating system releases the lock when its process dies, so a crash never leaves the root locked.
+
+**Failures.** A step that fails on any rank (a full disk, a permission, DCP's ``CheckpointException``) raises the
+same ``CheckpointError`` on every rank (:func:`together`), and the partial folder is removed.
+
 Every function taking ``group`` runs on every rank of it (rank 0 lists and decides, all ranks share the
 hashing) and returns the same answer everywhere; ``group=None`` means this process alone.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tessera.errors import CheckpointError
+from tessera.runtime.checkpoint_reader import is_inside
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +75,12 @@ MANIFEST = "manifest.json"
 PLAN_FILE = "plan.json"
 DATA_FILE = "data.pt"
 RNG_FOLDER = "rng"
+LOCK_FILE = ".tessera-save.lock"
+CORRUPT_SUFFIX = ".corrupt-"
 FORMAT_VERSION = 1
+STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d{{8,}})$")
+"""A committed checkpoint's folder name: ``step-`` and the step, zero-padded to at least 8 digits."""
+T = TypeVar("T")
 HASH_BLOCK_BYTES = 1 << 24
 FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
@@ -92,6 +114,14 @@ class Manifest(BaseModel):
     files: dict[str, FileRecord]
     """Every other file in the folder (relative POSIX path), with its size and hash."""
 
+    @field_validator("files")
+    @classmethod
+    def _files_inside_the_folder(cls, files: dict[str, FileRecord]) -> dict[str, FileRecord]:
+        outside = [name for name in files if not is_inside(name)]
+        if outside:
+            raise ValueError(f"file names outside the checkpoint folder: {', '.join(repr(n[:80]) for n in outside[:3])}")
+        return files
+
 
 # ------------------------------------------------------------------------------------------------ layout
 
@@ -106,42 +136,146 @@ def partial_folder(root: Path, step: int) -> Path:
     return root / f".{STEP_PREFIX}{step:08d}{PARTIAL_SUFFIX}"
 
 
+def step_of(folder: Path) -> int | None:
+    """The step a committed checkpoint's folder name says, or ``None`` for any other name."""
+    match = STEP_NAME.match(folder.name)
+    return int(match[1]) if match else None
+
+
+def check_keep_last(keep_last: int | None) -> None:
+    """``keep_last`` must keep at least the checkpoint just written."""
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(f"keep_last={keep_last!r} would delete the checkpoint just written; pass an integer "
+                              ">= 1 (how many recent checkpoints to keep) or None to keep them all")
+
+
+class RootLock:
+    """Rank 0's exclusive ``flock`` on ``root/.tessera-save.lock`` while one save writes into ``root``."""
+
+    def __init__(self, handle: int | None) -> None:
+        self._handle = handle
+
+    @classmethod
+    def acquire(cls, root: Path, group: dist.ProcessGroup | None) -> RootLock:
+        """Take the lock on rank 0 (creating ``root``); every rank raises alike if another save holds it."""
+        handle, problem = None, None
+        if rank(group) == 0:
+            try:
+                handle = _lock(root)
+            except (OSError, CheckpointError) as error:
+                problem = str(error) if isinstance(error, CheckpointError) else f"cannot create {root}: {error}"
+        problem = broadcast(problem, group)
+        if problem:
+            raise CheckpointError(problem)
+        return cls(handle)
+
+    def release(self) -> None:
+        """Let the next save in (idempotent)."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            os.close(handle)
+
+
+def _lock(root: Path) -> int:
+    root.mkdir(parents=True, exist_ok=True)
+    handle = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(handle, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(handle)
+        raise CheckpointError(
+            f"another save is writing into {root} (process {holder} holds {root / LOCK_FILE}); one writer per "
+            "checkpoint root: give each run its own folder, or wait for that save to finish"
+        ) from None
+    os.ftruncate(handle, 0)
+    os.pwrite(handle, str(os.getpid()).encode(), 0)
+    return handle
+
+
+def discard_partial(partial: Path, group: dist.ProcessGroup | None) -> None:
+    """Rank 0 removes a failed save's partial folder (never a committed one: the name says ``.partial``)."""
+    if rank(group) == 0 and partial.name.endswith(PARTIAL_SUFFIX):
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 # ------------------------------------------------------------------------------------------------ commit
 
 
 def commit_checkpoint(
     partial: Path, *, final: Path, step: int, strategy: str, group: dist.ProcessGroup | None, keep_last: int | None
 ) -> None:
-    """Hash the files (a share per rank), then rank 0 writes manifest and marker and renames the folder."""
+    """Hash the files (a share per rank), then rank 0 writes manifest and marker and renames the folder.
+
+    A failure on any rank raises the same ``CheckpointError`` on every rank (nobody waits for a rank that failed).
+    """
+    check_keep_last(keep_last)
     names = broadcast(_list_files(partial) if rank(group) == 0 else None, group)
-    mine = {name: _file_record(partial / name) for name in names[rank(group)::world(group)]}
+    mine = together(lambda: {name: _file_record(partial / name) for name in names[rank(group)::world(group)]},
+                    group, what=f"hashing the files of {partial}")
     files = {name: record for share in all_gather(mine, group) for name, record in share.items()}
-    if rank(group) == 0:
-        manifest = Manifest(step=step, world_size=world(group), strategy=strategy, saved_unix_s=time.time(),
-                            files=dict(sorted(files.items())))
-        text = manifest.model_dump_json(indent=2)
-        write_durably(partial / MANIFEST, lambda path: path.write_text(text))
-        write_durably(partial / MARKER, lambda path: path.write_text(_sha256_text(text)))
-        os.replace(partial, final)
-        _fsync_folder(final.parent)
-        if keep_last is not None:
-            _prune(final.parent, keep_last)
-    barrier(group)  # nobody returns before the checkpoint is visible under its final name
+    together(lambda: _write_manifest_and_rename(partial, final, files, step=step, strategy=strategy,
+                                                world_size=world(group), keep_last=keep_last) if rank(group) == 0
+             else None, group, what=f"committing {final}")  # nobody returns before the checkpoint is visible
+
+
+def _write_manifest_and_rename(
+    partial: Path, final: Path, files: dict[str, FileRecord], *, step: int, strategy: str, world_size: int,
+    keep_last: int | None,
+) -> None:
+    manifest = Manifest(step=step, world_size=world_size, strategy=strategy, saved_unix_s=time.time(),
+                        files=dict(sorted(files.items())))
+    text = manifest.model_dump_json(indent=2)
+    write_durably(partial / MANIFEST, lambda path: path.write_text(text))
+    write_durably(partial / MARKER, lambda path: path.write_text(_sha256_text(text)))
+    os.rename(partial, final)  # never over an existing folder: _prepare_partial refused that step already
+    _fsync_folder(final.parent)
+    if keep_last is not None:
+        _prune(final.parent, keep_last)
 
 
 def _prune(root: Path, keep_last: int) -> None:
-    """Delete complete checkpoints older than the newest ``keep_last``."""
+    """Delete Tessera's intact checkpoints older than the newest ``keep_last`` (nothing else under ``root``)."""
     for folder in complete_checkpoints(root)[keep_last:]:
-        shutil.rmtree(folder, ignore_errors=True)
+        if _manifest_problem(folder) is None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def together(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> T:
+    """``action()`` on every rank; if it fails on any rank, the same ``CheckpointError`` is raised on all of them."""
+    value, problem = None, None
+    try:
+        value = action()
+    except CheckpointError as error:
+        problem = str(error)
+    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+        problem = f"{what} failed on rank {rank(group)}: {describe_failure(error)}"
+    problems = [p for p in all_gather(problem, group) if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    return value
+
+
+def describe_failure(error: BaseException) -> str:
+    """One line for an error, looking inside DCP's ``CheckpointException`` for the rank's own exception."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.strerror}" + (f" ({error.filename})" if error.filename else "")
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
 
 
 # ------------------------------------------------------------------------------------------------ finding and checking
 
 
-def select_checkpoint(path: Path, *, verify: bool, group: dist.ProcessGroup | None) -> tuple[Path, list[str]]:
+def select_checkpoint(
+    path: Path, *, verify: bool, group: dist.ProcessGroup | None, set_aside: bool = False
+) -> tuple[Path, list[str]]:
     """The folder to load and the newer ones skipped; raises ``CheckpointError`` when none can be loaded.
 
-    A ``step-*`` folder must itself be intact. A root folder yields its newest intact checkpoint.
+    A ``step-*`` folder must itself be intact. A root folder yields its newest intact checkpoint; with
+    ``set_aside`` (a training run falling back) the corrupt newer ones are renamed ``step-N.corrupt-<time>``.
     """
     if _is_checkpoint_folder(path):
         problem = check_checkpoint(path, verify=verify, group=group)
@@ -158,16 +292,31 @@ def select_checkpoint(path: Path, *, verify: bool, group: dist.ProcessGroup | No
             if skipped and rank(group) == 0:
                 log.warning("loading %s; skipped newer checkpoint(s): %s", folder, "; ".join(skipped))
             return folder, skipped
+        if set_aside:
+            problem += f"; moved aside to {broadcast(_set_aside(folder) if rank(group) == 0 else None, group)}"
         skipped.append(problem)
     raise CheckpointError(f"no intact checkpoint in {path}: " + "; ".join(skipped))
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Committed checkpoint folders under ``root`` (marker present; not yet verified), newest first."""
+    """Committed checkpoint folders under ``root`` (``step-NNNNNNNN`` with a marker; not yet verified), newest
+    (highest step) first."""
     if not root.is_dir():
         return []
-    folders = [p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and (p / MARKER).exists()]
-    return sorted(folders, key=lambda p: p.name, reverse=True)
+    folders = [p for p in root.iterdir() if step_of(p) is not None and p.is_dir() and (p / MARKER).exists()]
+    return sorted(folders, key=step_of, reverse=True)
+
+
+def _set_aside(folder: Path) -> str:
+    """Rename a corrupt checkpoint out of the managed names (kept, never deleted); the new name."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = folder.with_name(f"{folder.name}{CORRUPT_SUFFIX}{stamp}")
+    try:
+        os.rename(folder, target)
+    except OSError as error:
+        log.warning("could not move corrupt checkpoint %s aside: %s", folder, error)
+        return f"(not moved: {error.strerror})"
+    return str(target)
 
 
 def has_checkpoint(root: str | Path) -> bool:
@@ -203,15 +352,18 @@ def _manifest_problem(folder: Path) -> str | None:
     try:
         text = (folder / MANIFEST).read_text()
         Manifest.model_validate_json(text)
+        marker = (folder / MARKER).read_text().strip()
     except (OSError, ValueError) as error:
         return f"checkpoint {folder} is corrupt: its {MANIFEST} is unreadable ({type(error).__name__})"
-    if (folder / MARKER).read_text().strip() != _sha256_text(text):
+    if marker != _sha256_text(text):
         return f"checkpoint {folder} is corrupt: {MANIFEST} does not match the hash in its {MARKER} marker"
     return None
 
 
 def _file_problem(folder: Path, name: str, record: FileRecord, *, verify: bool) -> str | None:
     path = folder / name
+    if path.is_symlink():
+        return f"file {name} is a symbolic link (a checkpoint holds only plain files)"
     if not path.is_file():
         return f"file {name} is missing"
     size = path.stat().st_size
@@ -224,7 +376,8 @@ def _file_problem(folder: Path, name: str, record: FileRecord, *, verify: bool) 
 
 def _previous_hint(folder: Path) -> str:
     """Where to go instead of a broken ``folder``: the newest committed checkpoint before it."""
-    older = [p for p in complete_checkpoints(folder.parent) if p.name < folder.name.lstrip(".")]
+    step = step_of(Path(folder.name.lstrip(".").removesuffix(PARTIAL_SUFFIX)))
+    older = [p for p in complete_checkpoints(folder.parent) if step is None or step_of(p) < step]
     if not older:
         return f"there is no complete checkpoint before it in {folder.parent}; start from scratch"
     return (f"the last complete checkpoint before it is {older[0]}: load that, or pass the folder {folder.parent} "
