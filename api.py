@@ -12,12 +12,13 @@ from torch import nn
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig
 from tessera.cost_models.types import Precision
-from tessera.errors import RuntimeSetupError
+from tessera.errors import CheckpointError, RuntimeSetupError
 from tessera.models import build_model
 from tessera.planner.capture import capture, capture_preset
 from tessera.planner.explain import Comparison, build_comparison, evaluate_baseline
 from tessera.planner.plan import Plan
 from tessera.planner.layer_graph import LayerGraph
+from tessera.planner.model_source import runs_user_code
 from tessera.planner.search import best_candidate, rank_candidates, search
 from tessera.topology import Cluster, load_cluster
 
@@ -175,27 +176,48 @@ def resume(
     checkpoint: str | Path,
     cluster: Cluster | str,
     *,
-    model: nn.Module | None = None,
+    model: nn.Module | str | None = None,
     strategy: Strategy | str | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     optimizer_factory: Callable[..., torch.optim.Optimizer] | None = None,
+    trust_model_factory: bool = False,
 ) -> ParallelModel:
     """Continue the run saved in ``checkpoint`` on ``cluster`` (re-planned for it): run on every rank.
 
-    The model (a preset name stored with the checkpoint, unless ``model`` is given), global batch, sequence
+    The model (the spec stored with the checkpoint, unless ``model`` is given), global batch, sequence
     length and precision come from the checkpoint's plan; the strategy is planned afresh for the devices now
     available (``cluster`` is fitted to the live world size) and the newest intact checkpoint is loaded under
     it. Continue with ``for step in range(pm.step, total)``; ``pm.resumed.data_state`` is the saved data position.
+
+    A checkpoint whose plan names a model factory (``file.py:make_model``, ``module:make_model``) would import and
+    run that code: it is used only when ``model`` names it again or with ``trust_model_factory=True``.
     """
     from tessera.runtime.elastic import saved_plan
 
     saved = saved_plan(checkpoint)
     training = saved.training
     return auto_parallelize(
-        model if model is not None else saved.model_name, cluster, global_batch=training.global_batch,
-        seq_len=training.seq_len, precision=training.precision, strategy=strategy, loss_fn=loss_fn,
-        optimizer_factory=optimizer_factory, resume_from=checkpoint,
+        checkpoint_model(saved, checkpoint, model=model, trust_model_factory=trust_model_factory), cluster,
+        global_batch=training.global_batch, seq_len=training.seq_len, precision=training.precision,
+        strategy=strategy, loss_fn=loss_fn, optimizer_factory=optimizer_factory, resume_from=checkpoint,
     )
+
+
+def checkpoint_model(
+    saved: Plan, checkpoint: str | Path, *, model: nn.Module | str | None, trust_model_factory: bool
+) -> nn.Module | str:
+    """The model to resume ``checkpoint`` with: ``model`` if given, else the spec its plan names, which may run
+    user code (a factory) only when the caller trusts it."""
+    if model is not None:
+        return model
+    if runs_user_code(saved.model_name) and not trust_model_factory:
+        spec = saved.model_name[:160]
+        raise CheckpointError(
+            f"checkpoint {checkpoint} names the model factory {spec!r} in its plan.json; building it would import "
+            f"and run that code. Read it, then name it yourself (tessera resume ... --model '{spec}', or "
+            "tessera.resume(..., model=...)) or pass --trust-model-factory (trust_model_factory=True)"
+        )
+    return saved.model_name
 
 
 def default_precision(cluster: Cluster) -> Precision:

@@ -44,6 +44,12 @@ def resolve_model(spec: str) -> tuple[nn.Module, str]:
     return build_model(spec, device="meta"), spec  # raises ModelSpecError listing the presets when unknown
 
 
+def runs_user_code(spec: str) -> bool:
+    """Whether building ``spec`` imports and calls user code (a ``file.py:factory`` or ``module:factory``)."""
+    spec = spec.strip()
+    return not spec.startswith("hf:") and bool(_FACTORY.match(spec)) and not is_builtin_spec(spec)
+
+
 def max_positions(model: nn.Module) -> int | None:
     """Longest sequence the model's position tables cover (built-in ``seq_len``, HF ``max_position_embeddings``)."""
     config = getattr(model, "config", None)
