@@ -42,10 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--cluster", required=True, help="the devices now available, e.g. dgx-h100:nodes=3")
     resume.add_argument("--script", default="train.py", help="training script each rank runs (default train.py)")
     resume.add_argument("--json", metavar="PATH", help="also write the new plan as JSON")
+    resume.add_argument("--model", default=None, help="the model to re-plan (default: the one the checkpoint names; a "
+                        "factory named there, file.py:fn or module:fn, runs only if given here or trusted)")
+    resume.add_argument("--trust-model-factory", action="store_true",
+                        help="import and run the model factory the checkpoint's plan.json names (only for "
+                        "checkpoints you or someone you trust wrote)")
     resume.add_argument("--debug", action="store_true", help="show tracebacks")
     export = verbs.add_parser("export", help="write a checkpoint's model weights as one plain torch.save state dict")
     export.add_argument("checkpoint", help="checkpoint folder (a root: its newest intact checkpoint)")
     export.add_argument("out", help="file to write, e.g. model.pt (loads with model.load_state_dict(torch.load(out)))")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     export.add_argument("--debug", action="store_true", help="show tracebacks")
     launch = verbs.add_parser("launch", help="print the torchrun (or SLURM) command lines that run a plan")
     launch.add_argument("plan", help="plan JSON written by 'tessera plan --json PATH'")
@@ -233,16 +239,18 @@ def _print_reliability(plan, args: argparse.Namespace, console: Console) -> None
 def _resume(args: argparse.Namespace, console: Console) -> int:
     """Re-plan the checkpoint's model and training for ``--cluster``; print the plan and the relaunch lines."""
     import tessera
+    from tessera.api import checkpoint_model
     from tessera.report import print_plan
     from tessera.runtime.elastic import saved_plan
     from tessera.runtime.launch import launch_commands
 
     saved = saved_plan(args.checkpoint)
+    model = checkpoint_model(saved, args.checkpoint, model=args.model, trust_model_factory=args.trust_model_factory)
     training = saved.training
-    plan = tessera.plan(saved.model_name, args.cluster, global_batch=training.global_batch, seq_len=training.seq_len,
+    plan = tessera.plan(model, args.cluster, global_batch=training.global_batch, seq_len=training.seq_len,
                         precision=training.precision)
     console.print(f"saved under {saved.strategy.to_string()} on {saved.strategy.world_size} devices; "
-                  f"re-planned for {plan.cluster}:", highlight=False, soft_wrap=True)
+                  f"re-planned for {plan.cluster}:", highlight=False, soft_wrap=True, markup=False)
     print_plan(plan, console)
     if args.json:
         plan.to_json(args.json)
@@ -253,8 +261,8 @@ def _resume(args: argparse.Namespace, console: Console) -> int:
 def _export(args: argparse.Namespace, console: Console) -> int:
     from tessera.runtime.checkpoint import export_model_state_dict
 
-    out = export_model_state_dict(args.checkpoint, args.out)
-    console.print(f"model weights written to {out}")
+    out = export_model_state_dict(args.checkpoint, args.out, overwrite=args.overwrite)
+    console.print(f"model weights written to {out}", markup=False, highlight=False)
     return 0
 
 
