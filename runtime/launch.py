@@ -138,18 +138,25 @@ def _failed_ranks(procs: list, workdir: Path) -> list[int]:
 
 
 def _describe_failure(failed: list[int], procs: list, workdir: Path) -> WorkerError:
-    """Blame the rank whose error came first: later ones are usually peers losing their connection."""
+    """Blame the rank that failed first: later ones are usually peers losing their connection.
+
+    A rank that died without a traceback (killed by a signal: ``kill -9``, the OOM killer; or ``os._exit``)
+    is blamed before any rank that raised: a peer's death makes the others raise, never die silently. Among
+    ranks that raised, the earliest traceback is blamed (checked before the launcher kills anyone).
+    """
     reports = []
     for rank in failed:
         path = _error_path(workdir, rank)
         if path.exists():
             report = json.loads(path.read_text())
-            reports.append((report["unix_time_s"], rank, report["traceback"]))
+            reports.append((1, report["unix_time_s"], rank, report["traceback"]))
         else:
-            reports.append((float("inf"), rank, f"process exited with code {procs[rank].exitcode}, no traceback\n"))
+            code = procs[rank].exitcode
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+            reports.append((0, 0.0, rank, f"process {how}, no traceback\n"))
     reports.sort()
-    _, first_rank, first_text = reports[0]
-    others = [rank for _, rank, _ in reports[1:]]
+    first_rank, first_text = reports[0][2:]
+    others = [report[2] for report in reports[1:]]
     also = f" (ranks {others} failed after it)" if others else ""
     return WorkerError(f"rank {first_rank} of {len(procs)} failed{also}; its traceback:\n{first_text}")
 

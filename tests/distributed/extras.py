@@ -6,6 +6,7 @@ Each function runs on every rank and returns a picklable result (or raises: the 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import torch
@@ -68,12 +69,17 @@ def plans_disagree() -> str:
 
 
 def compiled_blocks() -> list[float]:
-    """torch.compile per block under FSDP2 (ZeRO-3) with recomputation; each rank its own Inductor cache."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"tessera-inductor-rank{dist.get_rank()}-")
-    model = make_model(COMPILE_MODEL)
-    plan = make_plan(COMPILE_MODEL, model, f"dp={dist.get_world_size()},zero=3,mbs=4,recompute=full")
-    parallel = apply_plan(model, plan, compile_blocks=True)
-    return [parallel.train_step(batch) for batch in make_batches(COMPILE_MODEL, COMPILE_STEPS)]
+    """torch.compile per block under FSDP2 (ZeRO-3) with recomputation; each rank its own Inductor cache, removed
+    afterwards."""
+    cache = tempfile.mkdtemp(prefix=f"tessera-inductor-rank{dist.get_rank()}-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    try:
+        model = make_model(COMPILE_MODEL)
+        plan = make_plan(COMPILE_MODEL, model, f"dp={dist.get_world_size()},zero=3,mbs=4,recompute=full")
+        parallel = apply_plan(model, plan, compile_blocks=True)
+        return [parallel.train_step(batch) for batch in make_batches(COMPILE_MODEL, COMPILE_STEPS)]
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 EXTRAS = {

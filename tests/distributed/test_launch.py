@@ -1,5 +1,7 @@
 """The local launcher: results come back in rank order; a failing or hanging rank is reported, not waited on."""
 
+import os
+import signal
 import time
 
 import pytest
@@ -24,6 +26,14 @@ def _fail_on_rank_one() -> None:
     dist.barrier()  # rank 0 blocks here forever; the launcher must kill it
 
 
+def _killed_on_rank_one() -> None:
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # no traceback, no error file: as the OOM killer does
+    time.sleep(1)  # rank 1 is surely dead by now
+    dist.barrier()  # rank 0 raises here (peer gone) and writes a traceback
+
+
 def _sleep_forever() -> None:
     time.sleep(600)
 
@@ -42,6 +52,14 @@ def test_raising_rank_is_named_with_its_traceback_and_the_others_are_killed():
     assert "ValueError: boom on rank one" in message
     assert "_fail_on_rank_one" in message  # the traceback, not just the message
     assert time.monotonic() - started < 30  # did not wait for the 60 s timeout
+
+
+def test_a_rank_killed_by_a_signal_is_blamed_not_the_peer_that_lost_it():
+    with pytest.raises(WorkerError) as caught:
+        spawn(_killed_on_rank_one, nprocs=2, timeout_s=60)
+    message = str(caught.value)
+    assert message.startswith("rank 1 of 2 failed"), message
+    assert "killed by signal 9" in message
 
 
 def test_hanging_ranks_raise_a_timeout_error():
