@@ -15,19 +15,38 @@ Collective costs on this model are in ``tessera.topology.collectives``; presets 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tessera.errors import ClusterSpecError
+from tessera.topology.validation import MAX_DEVICES, quoted
 
 FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+CHECKED = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+"""The cluster models' configuration: ``FROZEN`` that also refuses infinite and NaN numbers (bandwidths,
+latencies, FLOP/s...), which no device has and which the cost model would divide by."""
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
 """Collective kinds the cost model and the profiler know, in the order reports list them."""
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p"]
 Algorithm = Literal["ring", "tree", "flat", "direct"]
+
+
+def _check_values(values: dict, ok: Callable[[float], bool], *, need: str) -> dict:
+    """``values`` when ``ok`` holds for every value, else a ``ValueError`` quoting the first that fails."""
+    bad = {k: v for k, v in values.items() if not ok(v)}
+    if bad:
+        raise ValueError(f"values must be {need}, got {_first_item(bad)}")
+    return values
+
+
+def _first_item(bad: dict) -> str:
+    """``{'fp32': 0.0}``, or ``{'fp32': 0.0} and 3 more``: the offending entries of a mapping, bounded."""
+    key, value = next(iter(bad.items()))
+    return f"{{{quoted(key)}: {quoted(value)}}}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
 
 
 def _valid_link(pair: tuple[float, float]) -> bool:
@@ -39,7 +58,7 @@ def _valid_link(pair: tuple[float, float]) -> bool:
 class DeviceSpec(BaseModel):
     """One accelerator (or CPU socket share) as the cost model sees it."""
 
-    model_config = FROZEN
+    model_config = CHECKED
 
     name: str
     """Catalog name, e.g. ``H100-SXM-80GB``; ``local-cpu`` for this machine's CPU."""
@@ -74,6 +93,16 @@ class DeviceSpec(BaseModel):
     source: str
     """Where every number above comes from (datasheet, paper table, or a measurement command)."""
 
+    @field_validator("peak_flops_by_dtype", "tp_compute_slowdown")
+    @classmethod
+    def _rates_positive(cls, values: dict) -> dict:
+        return _check_values(values, lambda v: v > 0, need="positive")
+
+    @field_validator("linear_overhead_s")
+    @classmethod
+    def _overheads_not_negative(cls, values: dict[int, float]) -> dict[int, float]:
+        return _check_values(values, lambda v: v >= 0, need=">= 0")
+
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype``; fp16 falls back to bf16 and vice versa."""
         for key in (dtype, {"bf16": "fp16", "fp16": "bf16"}.get(dtype, dtype)):
@@ -88,7 +117,7 @@ class DeviceSpec(BaseModel):
 class LinkLevel(BaseModel):
     """One level of the link hierarchy, innermost first (e.g. NVLink domain, then InfiniBand leaf, spine)."""
 
-    model_config = FROZEN
+    model_config = CHECKED
 
     name: str
     """Human name, e.g. ``nvlink`` or ``infiniband``."""
@@ -136,17 +165,14 @@ class LinkLevel(BaseModel):
     @field_validator("collective_efficiency")
     @classmethod
     def _efficiencies_in_range(cls, values: dict[str, float]) -> dict[str, float]:
-        bad = {k: v for k, v in values.items() if not 0 < v <= 1}
-        if bad:
-            raise ValueError(f"values must be in (0, 1], got {bad}")
-        return values
+        return _check_values(values, lambda v: 0 < v <= 1, need="in (0, 1]")
 
     @field_validator("collective_measured")
     @classmethod
     def _measured_positive(cls, values: dict[str, dict[int, tuple[float, float]]]) -> dict:
         bad = {k: table for k, table in values.items() if any(p < 2 or not _valid_link(pair) for p, pair in table.items())}
         if bad:
-            raise ValueError(f"entries need p >= 2, latency >= 0 and bandwidth > 0, got {bad}")
+            raise ValueError(f"entries need p >= 2, latency >= 0 and bandwidth > 0, got {_first_item(bad)}")
         return values
 
     @field_validator("collective_measured_by_layout")
@@ -157,16 +183,13 @@ class LinkLevel(BaseModel):
             if any(p < 2 or s < 1 or not _valid_link(pair) for p, row in table.items() for s, pair in row.items())
         }
         if bad:
-            raise ValueError(f"entries need p >= 2, stride >= 1, latency >= 0 and bandwidth > 0, got {bad}")
+            raise ValueError(f"entries need p >= 2, stride >= 1, latency >= 0 and bandwidth > 0, got {_first_item(bad)}")
         return values
 
     @field_validator("collective_latency_s", "collective_local_s_per_byte")
     @classmethod
     def _latencies_not_negative(cls, values: dict[str, float]) -> dict[str, float]:
-        bad = {k: v for k, v in values.items() if v < 0}
-        if bad:
-            raise ValueError(f"values must be >= 0, got {bad}")
-        return values
+        return _check_values(values, lambda v: v >= 0, need=">= 0")
 
     def link(self, collective: Collective) -> tuple[float, float]:
         """``(latency_s, bandwidth_bytes_per_s)`` one device reaches in ``collective`` across this level.
@@ -190,11 +213,11 @@ class LinkLevel(BaseModel):
 class DeviceGroup(BaseModel):
     """Devices of a second kind in a heterogeneous cluster (recorded; not planned on yet)."""
 
-    model_config = FROZEN
+    model_config = CHECKED
 
     device: DeviceSpec
     """The device kind of this group."""
-    num_devices: int = Field(gt=0)
+    num_devices: int = Field(gt=0, le=MAX_DEVICES)
     """How many devices of this kind."""
     note: str = ""
     """How the group attaches to the cluster (e.g. 'a second pod of A100 nodes on the same spine')."""
@@ -209,14 +232,14 @@ class Cluster(BaseModel):
     so a cluster file round-trips and a later planner can place work on them.
     """
 
-    model_config = FROZEN
+    model_config = CHECKED
 
     name: str
     """Spec this cluster was built from, e.g. ``dgx-h100:nodes=8``."""
     device: DeviceSpec
     """The device every planned rank runs on (the primary kind)."""
-    num_devices: int = Field(gt=0)
-    """Total devices of the primary kind (world size)."""
+    num_devices: int = Field(gt=0, le=MAX_DEVICES)
+    """Total devices of the primary kind (world size), at most ``MAX_DEVICES``."""
     levels: tuple[LinkLevel, ...]
     """Link levels innermost first; the last one must span the whole cluster."""
     extra_devices: tuple[DeviceGroup, ...] = ()

@@ -36,6 +36,9 @@ carry ``solo_speedup``, ``linear_overhead_ms`` (tensor-parallel degree -> ms per
 
 Levels whose group is at least the world are cut to the world, and the levels outside it dropped, so
 ``dgx-h100:nodes=1`` has only its NVLink level and ``dgx-h100:nodes=8`` no spine.
+
+Every count (``size``, ``devices_per_node``, group sizes, the world they make) is at most
+``topology.validation.MAX_DEVICES``; every number is finite, and bandwidths, memory and FLOP/s are positive.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from pydantic import ValidationError
 from tessera.errors import ClusterSpecError
 from tessera.topology.cluster import Cluster, DeviceGroup, DeviceSpec, LinkLevel
 from tessera.topology.hardware import LOCAL_CPU, device, device_from_raw, device_to_raw, local_cpu_device
+from tessera.topology.validation import MAX_DEVICES, finite_number, first_problem, quoted, short
 
 TOP_FIELDS = ("description", "device", "devices_per_node", "size_key", "size", "levels", "extra_devices", "profile")
 REQUIRED_FIELDS = ("device", "devices_per_node", "size_key", "levels")
@@ -57,6 +61,9 @@ LEVEL_FIELDS = (
     "collective_measured_by_layout", "collective_algorithm", "source",
 )
 LEVEL_REQUIRED = ("name", "group_size", "bandwidth_gb_per_s", "latency_us")
+LEVEL_RENAMES = {"latency_s": "latency_us", "bandwidth_bytes_per_s": "bandwidth_gb_per_s",
+                 "local_s_per_byte": "local_ns_per_byte"}
+"""``LinkLevel`` field names -> the file's names, for error messages."""
 
 
 def cluster_from_raw(raw: Any, *, name: str, size: int) -> Cluster:
@@ -65,24 +72,24 @@ def cluster_from_raw(raw: Any, *, name: str, size: int) -> Cluster:
         raise ClusterSpecError(f"cluster {name}: expected a mapping of fields ({', '.join(REQUIRED_FIELDS)})")
     _check_fields(raw, known=TOP_FIELDS, required=REQUIRED_FIELDS, where=f"cluster {name}")
     if raw["size_key"] not in ("nodes", "ranks"):
-        raise ClusterSpecError(f"cluster {name}: field 'size_key' must be 'nodes' or 'ranks', got {raw['size_key']!r}")
+        raise ClusterSpecError(f"cluster {name}: field 'size_key' must be 'nodes' or 'ranks', got {quoted(raw['size_key'])}")
     per_node = size if raw["devices_per_node"] == "world" else positive_int(
         raw["devices_per_node"], f"cluster {name}: field 'devices_per_node'"
     )
     world = size if raw["size_key"] == "ranks" else size * per_node
+    check_device_count(world, f"cluster {name}")
     if not isinstance(raw["levels"], list) or not raw["levels"]:
         raise ClusterSpecError(f"cluster {name}: field 'levels' must be a non-empty list of link levels")
     levels = _levels_within_world(
         [_link_level(level, i, name=name, per_node=per_node, world=world) for i, level in enumerate(raw["levels"])],
         world=world,
     )
-    return Cluster(
-        name=name,
-        device=_device(raw["device"], world=world, where=f"cluster {name}: field 'device'"),
-        num_devices=world,
-        levels=levels,
-        extra_devices=_extra_devices(raw.get("extra_devices") or [], name=name),
-    )
+    device_spec = _device(raw["device"], world=world, where=f"cluster {name}: field 'device'")
+    extra = _extra_devices(raw.get("extra_devices") or [], name=name)
+    try:
+        return Cluster(name=name, device=device_spec, num_devices=world, levels=levels, extra_devices=extra)
+    except ValidationError as exc:
+        raise ClusterSpecError(f"cluster {name}: {first_problem(exc)}; fix the value") from None
 
 
 def cluster_to_raw(cluster: Cluster, *, description: str = "", profile: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -110,21 +117,31 @@ def significant(value: float, digits: int = 6) -> float:
     return float(f"{value:.{digits}g}")
 
 
-def positive_int(value: Any, what: str) -> int:
-    """``value`` as a positive int, or an error saying ``what`` was wrong."""
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        number = 0
-    if number <= 0 or isinstance(value, bool) or str(number) != str(value).strip():
-        raise ClusterSpecError(f"{what} must be a positive integer, got {value!r}")
-    return number
+def positive_int(value: Any, what: str, *, at_most: int = MAX_DEVICES) -> int:
+    """``value`` as an int in ``[1, at_most]``, or an error saying ``what`` was wrong (every count in a cluster
+    spec is a number of devices, so at most ``MAX_DEVICES`` by default)."""
+    text = str(value).strip() if isinstance(value, (int, str)) and not isinstance(value, bool) else ""
+    digits = text.lstrip("0") if text.isascii() and text.isdigit() else ""
+    if not digits:
+        raise ClusterSpecError(f"{what} must be a positive integer, got {quoted(value)}")
+    if len(digits) > len(str(at_most)) or int(digits) > at_most:  # the length first: int() of 5,000 digits raises
+        raise ClusterSpecError(f"{what} must be at most {at_most:,} (Tessera plans up to {MAX_DEVICES:,} devices), "
+                               f"got {quoted(value)}")
+    return int(digits)
+
+
+def check_device_count(world: int, where: str) -> None:
+    """Raise unless ``world`` devices is within ``MAX_DEVICES``."""
+    if world > MAX_DEVICES:
+        raise ClusterSpecError(f"{where} has {world:,} devices, more than the {MAX_DEVICES:,} Tessera plans for; "
+                               "use fewer nodes or ranks")
 
 
 def _check_fields(raw: dict, *, known: tuple[str, ...], required: tuple[str, ...], where: str) -> None:
-    unknown = sorted(str(key) for key in set(raw) - set(known))
+    unknown = sorted(short(key) for key in raw if key not in known)
     if unknown:
-        raise ClusterSpecError(f"{where}: unknown field(s) {', '.join(unknown)}; known fields: {', '.join(known)}")
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        raise ClusterSpecError(f"{where}: unknown field(s) {', '.join(unknown[:3])}{more}; known fields: {', '.join(known)}")
     missing = [field for field in required if field not in raw]
     if missing:
         raise ClusterSpecError(f"{where}: missing field(s) {', '.join(missing)}")
@@ -163,12 +180,13 @@ def _group_size(value: Any, *, where: str, per_node: int, world: int) -> int:
         return world
     match = re.fullmatch(r"\s*(\d+)\s+nodes?\s*", value) if isinstance(value, str) else None
     if match:
-        return positive_int(match.group(1), f"{where}: field 'group_size'") * per_node
+        return positive_int(match.group(1), f"{where}: field 'group_size'", at_most=max(MAX_DEVICES // per_node, 1)) * per_node
     try:
         return positive_int(value, f"{where}: field 'group_size'")
     except ClusterSpecError:
         raise ClusterSpecError(
-            f"{where}: field 'group_size' must be a device count, 'node', 'world' or 'K nodes', got {value!r}"
+            f"{where}: field 'group_size' must be a device count up to {MAX_DEVICES:,}, 'node', 'world' or 'K nodes', "
+            f"got {quoted(value)}"
         ) from None
 
 
@@ -185,7 +203,7 @@ def _link_level(raw: Any, index: int, *, name: str, per_node: int, world: int) -
         return LinkLevel(
             name=raw["name"],
             group_size=_group_size(raw["group_size"], where=where, per_node=per_node, world=world),
-            bandwidth_bytes_per_s=_number(raw["bandwidth_gb_per_s"], f"{where}: field 'bandwidth_gb_per_s'") * 1e9,
+            bandwidth_bytes_per_s=_number(raw["bandwidth_gb_per_s"], f"{where}: field 'bandwidth_gb_per_s'", positive=True) * 1e9,
             latency_s=_number(raw["latency_us"], f"{where}: field 'latency_us'") * 1e-6,
             efficiency=raw.get("efficiency", 1.0),
             oversubscription=raw.get("oversubscription", 1.0),
@@ -202,11 +220,7 @@ def _link_level(raw: Any, index: int, *, name: str, per_node: int, world: int) -
             source=raw.get("source", "not given"),
         )
     except ValidationError as exc:
-        error = exc.errors()[0]
-        field = ".".join(str(part) for part in error["loc"])
-        field = field.replace("latency_s", "latency_us").replace("bandwidth_bytes_per_s", "bandwidth_gb_per_s")
-        field = field.replace("local_s_per_byte", "local_ns_per_byte")
-        raise ClusterSpecError(f"{where}: field {field!r}: {error['msg']}") from None
+        raise ClusterSpecError(f"{where}: {first_problem(exc, renames=LEVEL_RENAMES)}; fix the value") from None
 
 
 def _mapping(raw: dict, field: str, *, where: str) -> dict:
@@ -244,8 +258,8 @@ def _links_by_key(table: Any, *, what: str, key: str) -> dict[int, tuple[float, 
     out = {}
     for k, pair in table.items():
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise ClusterSpecError(f"{what}.{k} must be [latency_us, bandwidth_gb_per_s], got {pair!r}")
-        out[positive_int(k, f"{what} key")] = (_number(pair[0], f"{what}.{k}[0]") * 1e-6, _number(pair[1], f"{what}.{k}[1]") * 1e9)
+            raise ClusterSpecError(f"{what}.{k} must be [latency_us, bandwidth_gb_per_s], got {quoted(pair)}")
+        out[positive_int(k, f"{what} key")] = (_number(pair[0], f"{what}.{k}[0]") * 1e-6, _number(pair[1], f"{what}.{k}[1]", positive=True) * 1e9)
     return out
 
 
@@ -295,8 +309,11 @@ def _links_to_raw(table: dict[int, tuple[float, float]]) -> dict[int, list[float
     return {k: [significant(latency * 1e6), significant(bandwidth / 1e9)] for k, (latency, bandwidth) in sorted(table.items())}
 
 
-def _number(value: Any, what: str) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ClusterSpecError(f"{what} must be a number, got {value!r}") from None
+def _number(value: Any, what: str, *, positive: bool = False) -> float:
+    """``value`` as a finite number, ``> 0`` where ``positive`` (bandwidths) and ``>= 0`` otherwise (latencies,
+    per-byte costs): checked in the file's units, so the error quotes what the user wrote."""
+    number = finite_number(value)
+    if number is None or number < 0 or (positive and number == 0):
+        need = "a positive" if positive else "a non-negative"
+        raise ClusterSpecError(f"{what} must be {need} finite number, got {quoted(value)}")
+    return number

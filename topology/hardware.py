@@ -14,9 +14,11 @@ from importlib import resources
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from tessera.errors import ClusterSpecError
 from tessera.topology.cluster import DeviceSpec
+from tessera.topology.validation import finite_number, first_problem, quoted, short
 
 GB = 10**9
 GiB = 2**30
@@ -30,26 +32,44 @@ DEVICE_FIELDS = (
     "tp_compute_slowdown", "source",
 )
 
+DEVICE_RENAMES = {"peak_flops_by_dtype": "peak_tflops", "memory_bandwidth_bytes_per_s": "memory_bandwidth (bytes/s)",
+                  "scale_up_bandwidth_bytes_per_s": "scale_up_gb_per_s (bytes/s)", "linear_overhead_s": "linear_overhead_ms"}
+"""``DeviceSpec`` field names -> the file's names, for error messages (a value too large to be finite once
+converted to SI units is reported here)."""
+
 
 def device_from_raw(raw: Any, *, where: str) -> DeviceSpec:
     """A ``DeviceSpec`` from a catalog entry or an inline cluster-file device; errors name the field."""
+    _check_device_raw(raw, where=where)
+    try:
+        return DeviceSpec(**_device_fields(raw, where=where))
+    except ValidationError as exc:
+        raise ClusterSpecError(f"{where}: {first_problem(exc, renames=DEVICE_RENAMES)}; fix the value") from None
+
+
+def _check_device_raw(raw: Any, *, where: str) -> None:
     if not isinstance(raw, dict):
         raise ClusterSpecError(f"{where}: a device must be a mapping with fields {', '.join(DEVICE_FIELDS)}")
-    unknown = sorted(set(raw) - set(DEVICE_FIELDS))
+    unknown = sorted(short(key) for key in raw if key not in DEVICE_FIELDS)
     if unknown:
-        raise ClusterSpecError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(DEVICE_FIELDS)}")
+        raise ClusterSpecError(f"{where}: unknown field(s) {', '.join(unknown[:3])}; known: {', '.join(DEVICE_FIELDS)}")
     for field in ("name", "peak_tflops", "source"):
         if field not in raw:
             raise ClusterSpecError(f"{where}: missing field '{field}'")
     peaks = raw["peak_tflops"]
     if not isinstance(peaks, dict) or not peaks:
         raise ClusterSpecError(f"{where}: field 'peak_tflops' must map dtypes to TFLOP/s, e.g. {{bf16: 989}}")
-    return DeviceSpec(
+
+
+def _device_fields(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """``DeviceSpec``'s fields from a checked raw device, each number checked and in SI units."""
+    return dict(
         name=str(raw["name"]),
         peak_flops_by_dtype={
-            str(dtype): _positive(value, f"{where}: field 'peak_tflops.{dtype}'") * TFLOPS for dtype, value in peaks.items()
+            str(dtype): _positive(value, f"{where}: field 'peak_tflops.{dtype}'") * TFLOPS
+            for dtype, value in raw["peak_tflops"].items()
         },
-        memory_bytes=int(_one_of(raw, {"memory_gib": GiB, "memory_gb": GB}, where=where)),
+        memory_bytes=max(1, int(_one_of(raw, {"memory_gib": GiB, "memory_gb": GB}, where=where))),
         memory_bandwidth_bytes_per_s=_one_of(
             raw, {"memory_bandwidth_tb_per_s": 1e12, "memory_bandwidth_gb_per_s": 1e9}, where=where
         ),
@@ -82,7 +102,7 @@ def _by_degree(raw: Any, *, where: str, unit: str) -> dict[int, float]:
     values = {}
     for degree, value in raw.items():
         if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-            raise ClusterSpecError(f"{where}: degree {degree!r} must be a positive integer")
+            raise ClusterSpecError(f"{where}: degree {quoted(degree)} must be a positive integer")
         values[degree] = _positive(value, f"{where}.{degree}")
     return values
 
@@ -122,12 +142,9 @@ def _one_of(raw: dict[str, Any], units: dict[str, float], *, where: str) -> floa
 
 
 def _positive(value: Any, what: str) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = float("nan")
-    if not number > 0 or isinstance(value, bool):
-        raise ClusterSpecError(f"{what} must be a positive number, got {value!r}")
+    number = finite_number(value)
+    if number is None or number <= 0:
+        raise ClusterSpecError(f"{what} must be a positive finite number, got {quoted(value)}")
     return number
 
 
@@ -163,7 +180,7 @@ def device(name: str) -> DeviceSpec:
         return _catalog()[name]
     except KeyError:
         known = ", ".join([*sorted(_catalog()), LOCAL_CPU])
-        raise ClusterSpecError(f"unknown device {name!r}; known devices: {known}") from None
+        raise ClusterSpecError(f"unknown device {quoted(name)}; known devices: {known}") from None
 
 
 def catalog() -> dict[str, DeviceSpec]:

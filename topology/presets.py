@@ -2,7 +2,8 @@
 
 A preset is a YAML file in ``topology/presets/`` in the format ``tessera.topology.clusterfile`` documents;
 its ``size_key`` (``nodes`` or ``ranks``) is the one argument the spec takes. Every malformed field is
-reported by name.
+reported by name. Cluster files are read with ``topology.validation``'s strict YAML loader (no anchors,
+aliases or duplicate keys; at most ``MAX_YAML_BYTES``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import yaml
 from tessera.errors import ClusterSpecError
 from tessera.topology.cluster import Cluster
 from tessera.topology.clusterfile import cluster_from_raw, positive_int
+from tessera.topology.validation import YamlRefused, load_yaml_text, quoted, read_bounded_text
 
 
 def preset_names() -> list[str]:
@@ -42,20 +44,35 @@ def load_cluster(spec: str | Path | Cluster) -> Cluster:
 
 def _preset_raw(name: str) -> dict:
     if name not in preset_names():
-        raise ClusterSpecError(f"unknown cluster preset {name!r}; known presets: {', '.join(preset_names())}")
+        raise ClusterSpecError(f"unknown cluster preset {quoted(name)}; known presets: {', '.join(preset_names())}")
     return yaml.safe_load((resources.files("tessera.topology") / "presets" / f"{name}.yaml").read_text())
 
 
 def _cluster_from_file(path: Path) -> Cluster:
-    if not path.exists():
-        raise ClusterSpecError(f"cluster file {path} does not exist; pass a preset ({', '.join(preset_names())}) or a path")
+    if not path.is_file():
+        what = "is not a file" if path.exists() else "does not exist"
+        raise ClusterSpecError(f"cluster file {path} {what}; pass a preset ({', '.join(preset_names())}) or a path")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml_text(read_bounded_text(path))
+    except OSError as exc:
+        raise ClusterSpecError(f"cannot read cluster file {path}: {exc.strerror or exc}; check its permissions") from None
+    except ValueError as exc:
+        raise ClusterSpecError(f"cluster file {path} {exc}; pass a cluster file in the documented format") from None
+    except YamlRefused as exc:
+        raise ClusterSpecError(f"cluster file {path}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ClusterSpecError(f"{path}: not valid YAML ({exc})") from None
+        raise ClusterSpecError(f"{path}: not valid YAML ({_one_line(exc)}); fix the file") from None
+    except RecursionError:
+        raise ClusterSpecError(f"cluster file {path} nests too deeply to be a cluster file; fix the file") from None
     if not isinstance(raw, dict) or "size" not in raw:
         raise ClusterSpecError(f"{path}: field 'size' is missing (number of nodes or ranks)")
     return cluster_from_raw(raw, name=str(path), size=positive_int(raw["size"], f"{path}: field 'size'"))
+
+
+def _one_line(exc: yaml.YAMLError) -> str:
+    """A YAML error in one bounded line (PyYAML's own spans several, with a snippet of the file)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _parse_size(args: str, size_key: str, name: str) -> int:
@@ -63,5 +80,5 @@ def _parse_size(args: str, size_key: str, name: str) -> int:
         return 1
     key, sep, value = args.partition("=")
     if not sep or key != size_key:
-        raise ClusterSpecError(f"cluster preset {name!r} takes '{size_key}=N' (e.g. '{name}:{size_key}=2'), got {args!r}")
-    return positive_int(value, f"'{size_key}' in {name}:{args}")
+        raise ClusterSpecError(f"cluster preset {name!r} takes '{size_key}=N' (e.g. '{name}:{size_key}=2'), got {quoted(args)}")
+    return positive_int(value, f"'{size_key}' in cluster preset {name}")
