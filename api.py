@@ -13,12 +13,11 @@ from torch import nn
 from tessera.cost_models import Estimate, Strategy, TrainingConfig
 from tessera.cost_models.types import Precision
 from tessera.errors import CheckpointError, RuntimeSetupError
-from tessera.models import build_model
 from tessera.planner.capture import capture, capture_preset
 from tessera.planner.explain import Comparison, build_comparison, evaluate_baseline
 from tessera.planner.plan import Plan
 from tessera.planner.layer_graph import LayerGraph
-from tessera.planner.model_source import runs_user_code
+from tessera.planner.model_source import resolve_model, runs_user_code
 from tessera.planner.search import best_candidate, rank_candidates, search
 from tessera.topology import Cluster, load_cluster
 
@@ -161,7 +160,7 @@ def auto_parallelize(
             "or plan for the world you have"
         )
     chosen = plan(model, resolved, global_batch=global_batch, seq_len=seq_len, precision=precision, strategy=strategy)
-    module = build_model(model, device="meta") if isinstance(model, str) else model
+    module = resolve_model(model)[0] if isinstance(model, str) else model  # on meta: presets, hf:..., factories
     from tessera.runtime.apply import apply_plan
 
     parallel = apply_plan(module, chosen, loss_fn=loss_fn, optimizer_factory=optimizer_factory)

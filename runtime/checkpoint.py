@@ -61,7 +61,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -74,7 +73,7 @@ from tessera.runtime.checkpoint_files import (
     complete_checkpoints, describe_failure, discard_partial, has_checkpoint, partial_folder, rank, read_manifest,
     select_checkpoint, step_folder, together, world, write_durably,
 )
-from tessera.runtime.checkpoint_reader import SafeLoadPlanner, SafeReader, load_metadata
+from tessera.runtime.checkpoint_reader import load_metadata, read_state
 
 __all__ = [  # the save/load flow, and the on-disk names of ``checkpoint_files`` so one import serves callers
     "DATA_FILE", "FORMAT_VERSION", "HASH_BLOCK_BYTES", "MANIFEST", "MARKER", "PARTIAL_SUFFIX", "PLAN_FILE",
@@ -194,7 +193,7 @@ class Checkpointer:
         manifest = read_manifest(folder)
         module = state_module(state.modules)
         tensors = _state_dict(module, state.optimizer)  # initialises the optimizer's state: DCP loads into it
-        _read_tensors(tensors, folder, group)
+        read_state(tensors, folder, group)
         set_state_dict(module, state.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"],
                        options=STATE_OPTIONS)
         _restore_rng(folder, saved_world=manifest.world_size, group=group)
@@ -310,19 +309,6 @@ def _write_tensors(tensors: dict[str, Any], partial: Path, group: dist.ProcessGr
         dcp.save(tensors, checkpoint_id=partial, process_group=group, no_dist=group is None)
 
 
-def _read_tensors(tensors: dict[str, Any], folder: Path, group: dist.ProcessGroup | None) -> None:
-    """``dcp.load`` into ``tensors`` through the restricted reader; its errors as one ``CheckpointError``."""
-    try:
-        with _single_process_quiet(group):
-            dcp.load(tensors, checkpoint_id=folder, storage_reader=SafeReader(folder), planner=SafeLoadPlanner(),
-                     process_group=group, no_dist=group is None)
-    except CheckpointException as error:
-        inner = next(iter(error.failures.values()))[0] if error.failures else error
-        if isinstance(inner, CheckpointError):
-            raise inner from None
-        raise CheckpointError(f"cannot load {folder}: {describe_failure(error)}") from None
-
-
 def _write_async(state: dict[str, Any], partial: Path, group: dist.ProcessGroup | None) -> Future:
     """``dcp.async_save``: returns once ``state`` is copied to host memory; the future completes when written."""
     with _single_process_quiet(group):
@@ -332,19 +318,20 @@ def _write_async(state: dict[str, Any], partial: Path, group: dist.ProcessGroup 
 
 def _then(future: Future, action, *, cleanup, finally_) -> Future:
     """A future that completes after ``future`` and then ``action()`` (run on a background thread); on failure
-    ``cleanup()`` runs first; ``finally_()`` always runs last."""
+    ``cleanup()`` runs first; ``finally_()`` runs before the future completes (a waiter sees its effect)."""
     done: Future = Future()
 
     def run() -> None:
         try:
             future.result()
             action()
-            done.set_result(None)
         except BaseException as error:  # surfaced by PendingSave.wait
             cleanup()
-            done.set_exception(error)
-        finally:
             finally_()
+            done.set_exception(error)
+            return
+        finally_()
+        done.set_result(None)
 
     threading.Thread(target=run, name="tessera-checkpoint-commit", daemon=True).start()
     return done
@@ -369,7 +356,7 @@ def export_model_state_dict(
     folder, _ = select_checkpoint(Path(checkpoint), verify=verify, group=None)
     metadata = load_metadata(folder)
     weights = _empty_weights(folder, metadata)
-    _read_tensors({"model": weights}, folder, None)
+    read_state({"model": weights}, folder, None)
     return write_atomically(out, lambda path: torch.save(weights, path), what="export file")
 
 

@@ -21,11 +21,16 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
+import warnings
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
@@ -121,11 +126,29 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as error:
+            found = re.search(r"GLOBAL (\S+)", str(error))
             raise CheckpointError(
-                f"checkpoint value {read_item.dest_index.fqn!r} is not plain data ({str(error).splitlines()[0][:200]}); "
-                "refusing to load it (a crafted file runs code when unpickled)"
+                f"checkpoint value {read_item.dest_index.fqn!r} is not plain data (it names "
+                f"{found[1] if found else 'a Python object'}); refusing to load it (a crafted file runs code when "
+                "unpickled)"
             ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def read_state(state: dict[str, Any], folder: Path, group: dist.ProcessGroup | None) -> None:
+    """``dcp.load`` of ``folder`` into ``state`` through :class:`SafeReader` and :class:`SafeLoadPlanner`; a
+    failure on any rank is one ``CheckpointError`` (the refusal itself, or what went wrong)."""
+    try:
+        with warnings.catch_warnings():  # without a process group DCP warns it assumes one process: as asked
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, checkpoint_id=folder, storage_reader=SafeReader(folder), planner=SafeLoadPlanner(),
+                     process_group=group, no_dist=group is None)
+    except CheckpointException as error:
+        inner = next(iter(error.failures.values()))[0] if error.failures else error
+        if isinstance(inner, CheckpointError):
+            raise inner from None
+        raise CheckpointError(f"cannot load checkpoint {folder}: {type(inner).__name__}: "
+                              f"{str(inner).splitlines()[0][:300] if str(inner) else ''}") from None

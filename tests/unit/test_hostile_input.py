@@ -1,0 +1,261 @@
+"""Hostile and careless input to checkpoints (issue 17), in one process on real checkpoints of a tiny model.
+
+A received checkpoint runs no code (crafted pickles in DCP's ``.metadata`` and in its non-tensor values, a model
+factory named in ``plan.json``); a checkpoint root is Tessera's own (only ``step-NNNNNNNN`` folders are managed,
+by step number; ``keep_last`` must keep the new one; one writer at a time); a failed save (a full disk) raises
+``CheckpointError`` and leaves nothing behind; a corrupt newest checkpoint is moved aside so the step can be
+saved again. The command-line and planning inputs are in ``test_hostile_input_cli.py`` and
+``test_hostile_input_plans.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import tessera
+from tessera.errors import CheckpointError
+from tessera.runtime.checkpoint import export_model_state_dict
+from tessera.runtime.checkpoint_files import (
+    LOCK_FILE, MANIFEST, MARKER, PLAN_FILE, RootLock, check_checkpoint, complete_checkpoints, read_manifest,
+)
+from tessera.runtime.checkpoint_reader import read_state
+
+MODEL, CLUSTER, BATCH, SEQ = "gpt-tiny", "cpu:ranks=1", 2, 16
+
+
+@pytest.fixture(scope="module")
+def pm():
+    torch.manual_seed(0)
+    return tessera.auto_parallelize(MODEL, CLUSTER, global_batch=BATCH, seq_len=SEQ)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def save_at(pm, root: Path, step: int, **kwargs) -> Path:
+    pm.step = step
+    return pm.save(root, **kwargs).wait()
+
+
+def reseal(folder: Path) -> None:
+    """Recompute the manifest and marker after tampering, as an attacker who sends a checkpoint would."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    for name, record in manifest["files"].items():
+        data = (folder / name).read_bytes()
+        record.update(size_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    text = json.dumps(manifest, indent=2)
+    (folder / MANIFEST).write_text(text)
+    (folder / MARKER).write_text(hashlib.sha256(text.encode()).hexdigest())
+
+
+class RunsCode:
+    """Unpickling this writes a file: proof that code ran."""
+
+    def __init__(self, proof: Path) -> None:
+        self.proof = proof
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.proof)!r}, 'w').write('ran')",)
+
+
+# ------------------------------------------------------------------------------------------------ no code runs
+
+
+def test_a_crafted_metadata_pickle_is_refused_without_running(pm, tmp_path):
+    folder = save_at(pm, tmp_path / "ckpt", 1)
+    proof = tmp_path / "proof"
+    (folder / ".metadata").write_bytes(pickle.dumps(RunsCode(proof)))
+    reseal(folder)
+    assert check_checkpoint(folder, verify=True, group=None) is None  # the manifest does not help
+    with pytest.raises(CheckpointError, match=r"\.metadata names builtins\.exec.*refusing"):
+        pm.load(folder)
+    with pytest.raises(CheckpointError, match=r"builtins\.exec"):
+        export_model_state_dict(folder, tmp_path / "model.pt")
+    assert not proof.exists()
+    assert not (tmp_path / "model.pt").exists()
+
+
+def test_a_crafted_non_tensor_value_is_refused_without_running(tmp_path):
+    proof = tmp_path / "proof"
+    dcp.save({"lr": RunsCode(proof)}, checkpoint_id=tmp_path / "c", no_dist=True)  # pickled, not run, at save
+    assert not proof.exists()
+    with pytest.raises(CheckpointError, match="'lr' is not plain data \\(it names .*exec\\)"):
+        read_state({"lr": None}, tmp_path / "c", None)
+    assert not proof.exists()
+
+
+def test_the_real_metadata_and_plain_values_still_load(tmp_path):
+    dcp.save({"lr": 0.5, "betas": (0.9, 0.95), "w": torch.arange(4.0)}, checkpoint_id=tmp_path, no_dist=True)
+    state = {"lr": None, "betas": None, "w": torch.zeros(4)}
+    read_state(state, tmp_path, None)
+    assert state["lr"] == 0.5 and state["betas"] == (0.9, 0.95) and state["w"].tolist() == [0, 1, 2, 3]
+
+
+def test_metadata_pointing_outside_the_folder_is_refused(pm, tmp_path):
+    folder = save_at(pm, tmp_path / "ckpt", 1)
+    with (folder / ".metadata").open("rb") as handle:
+        metadata = pickle.load(handle)  # our own file: safe to unpickle here
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../../etc/passwd"
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(folder)
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        pm.load(folder)
+
+
+def test_manifest_entries_outside_the_folder_and_links_are_corrupt(pm, tmp_path):
+    folder = save_at(pm, tmp_path / "ckpt", 1)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"]["../../outside"] = {"size_bytes": 1, "sha256": "0" * 64}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    (folder / MARKER).write_text(hashlib.sha256((folder / MANIFEST).read_bytes()).hexdigest())
+    assert "unreadable" in check_checkpoint(folder, verify=True, group=None)
+    other = save_at(pm, tmp_path / "other", 1)
+    (other / "data.pt").unlink()
+    (other / "data.pt").symlink_to("/etc/hostname")
+    assert "symbolic link" in check_checkpoint(other, verify=False, group=None)
+
+
+FACTORY = """
+from pathlib import Path
+Path({proof!r}).write_text("ran")
+from tessera.models import build_model
+
+def make():
+    return build_model("gpt-tiny", device="meta")
+"""
+
+
+def test_resume_runs_a_factory_named_in_the_checkpoint_only_when_trusted(pm, tmp_path, capsys):
+    root, proof = tmp_path / "ckpt", tmp_path / "proof"
+    folder = save_at(pm, root, 1)
+    factory = tmp_path / "evil.py"
+    factory.write_text(FACTORY.format(proof=str(proof)))
+    plan = json.loads((folder / PLAN_FILE).read_text())
+    plan["model_name"] = f"{factory}:make"
+    (folder / PLAN_FILE).write_text(json.dumps(plan))
+    reseal(folder)
+    with pytest.raises(CheckpointError, match="names the model factory .*--trust-model-factory"):
+        tessera.resume(root, CLUSTER)
+    from tessera.cli import main
+
+    assert main(["resume", str(root), "--cluster", CLUSTER]) == 2
+    assert "would import and run that code" in capsys.readouterr().err
+    assert not proof.exists()
+    resumed = tessera.resume(root, CLUSTER, trust_model_factory=True)
+    assert proof.exists() and resumed.step == 1
+    assert tessera.resume(root, CLUSTER, model=MODEL).step == 1  # naming a model runs nothing from the checkpoint
+
+
+# ------------------------------------------------------------------------------------------------ Tessera's own folders
+
+
+@pytest.mark.parametrize("keep_last", [0, -1, True, 1.5])
+def test_keep_last_that_would_delete_the_new_checkpoint_is_refused(pm, tmp_path, keep_last):
+    root = tmp_path / "ckpt"
+    first = save_at(pm, root, 1)
+    with pytest.raises(CheckpointError, match=f"keep_last={keep_last!r} would delete"):
+        save_at(pm, root, 2, keep_last=keep_last)
+    assert complete_checkpoints(root) == [first] and check_checkpoint(first, verify=True, group=None) is None
+
+
+def test_keep_last_prunes_only_tesseras_checkpoints_by_step_number(pm, tmp_path):
+    root = tmp_path / "ckpt"
+    for name in ("step-old", "step-1", "step-00000000-mine"):  # the user's, with a COMPLETE file of their own
+        (root / name).mkdir(parents=True)
+        (root / name / MARKER).write_text("mine")
+    forged = root / "step-00000005"  # Tessera's name, but not a checkpoint Tessera wrote
+    forged.mkdir()
+    (forged / MARKER).write_text("mine")
+    save_at(pm, root, 99_999_999)
+    save_at(pm, root, 100_000_000)  # nine digits: newer by number, older by string
+    save_at(pm, root, 100_000_001, keep_last=2)
+    assert [p.name for p in complete_checkpoints(root)][:2] == ["step-100000001", "step-100000000"]
+    assert not (root / "step-99999999").exists()
+    assert all((root / name / MARKER).read_text() == "mine" for name in ("step-old", "step-1", "step-00000000-mine",
+                                                                          "step-00000005"))
+    assert pm.load(root).step == 100_000_001
+
+
+def test_one_writer_per_root(pm, tmp_path):
+    root = tmp_path / "ckpt"
+    held = RootLock.acquire(root, None)  # another save in flight (another job or ParallelModel)
+    try:
+        with pytest.raises(CheckpointError, match=f"another save is writing into {root}"):
+            save_at(pm, root, 1)
+        assert not complete_checkpoints(root) and sorted(p.name for p in root.iterdir()) == [LOCK_FILE]
+    finally:
+        held.release()
+    assert save_at(pm, root, 1).name == "step-00000001"
+    pm.step = 2
+    pending = pm.save(root, async_save=True)  # the lock is held until the background commit is done...
+    assert pending.wait().name == "step-00000002"
+    assert save_at(pm, root, 3).name == "step-00000003"  # ...and released after it
+
+
+def test_a_corrupt_newest_checkpoint_is_moved_aside_and_its_step_saved_again(pm, tmp_path):
+    root = tmp_path / "ckpt"
+    save_at(pm, root, 1)
+    newest = save_at(pm, root, 2)
+    data = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data.write_bytes(bytes(data.stat().st_size))  # same size, other bytes
+    info = pm.load(root)
+    assert info.step == 1 and "moved aside to" in info.skipped[0]
+    aside = [p.name for p in root.iterdir() if p.name.startswith("step-00000002.corrupt-")]
+    assert len(aside) == 1 and (root / aside[0] / data.name).exists()  # kept for inspection, not deleted
+    pm.train_step(batch())
+    assert pm.step == 2 and pm.save(root).wait() == newest  # the elastic run does not crash-loop
+    assert pm.load(root).step == 2
+
+
+def test_export_neither_replaces_a_file_nor_leaves_half_of_one(pm, tmp_path):
+    folder = save_at(pm, tmp_path / "ckpt", 1)
+    out = tmp_path / "model.pt"
+    out.write_text("the user's")
+    with pytest.raises(CheckpointError, match="already exists.*--overwrite"):
+        export_model_state_dict(folder, out)
+    assert out.read_text() == "the user's"
+    export_model_state_dict(folder, out, overwrite=True)
+    assert set(torch.load(out, weights_only=True)) == set(pm.module.state_dict())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "model.pt"]  # no temporary file left
+
+
+# ------------------------------------------------------------------------------------------------ a full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs: room for one checkpoint of the tiny model (about 1.6 MB), not two."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()[:200]}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_raises_checkpoint_error_and_removes_the_partial(pm, small_disk):
+    root = small_disk / "ckpt"
+    first = save_at(pm, root, 1)
+    free = shutil.disk_usage(small_disk).free
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        save_at(pm, root, 2)
+    assert sorted(p.name for p in root.iterdir()) == [LOCK_FILE, first.name]  # no partial left filling the disk
+    assert shutil.disk_usage(small_disk).free == free
+    assert check_checkpoint(first, verify=True, group=None) is None and pm.load(root).step == 1
+    assert read_manifest(first).step == 1 and os.access(root, os.W_OK)
