@@ -6,13 +6,23 @@ and a cost model must never see a torch graph node, only these records.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tessera.errors import ConfigError
+from tessera.topology.validation import MAX_DEVICES, first_problem, quoted
 
 FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+CHECKED = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+"""Configuration of the models users fill in: ``FROZEN`` that also refuses infinite and NaN numbers."""
+MAX_GLOBAL_BATCH = 2**30
+"""Most sequences per step ``TrainingConfig`` takes (~10^9; published runs use up to ~10^4)."""
+MAX_SEQ_LEN = 2**24
+"""Longest sequence ``TrainingConfig`` takes (16M tokens; the longest published contexts are ~10M)."""
+MAX_BLOCKS = 2**20
+"""Most blocks ``block_recompute`` / ``chunk_blocks`` may describe (a bound on what a strategy string expands to)."""
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
@@ -20,17 +30,28 @@ Schedule = Literal["gpipe", "1f1b", "interleaved", "zero-bubble"]
 LayerKind = Literal["embedding", "block", "norm", "head", "loss", "other"]
 
 
+def config_error(exc: ValidationError, what: str) -> ConfigError:
+    """A pydantic validation error of user input as one ``ConfigError`` line naming the field and the value."""
+    return ConfigError(f"bad {what}: {first_problem(exc)}; fix that value")
+
+
 class TrainingConfig(BaseModel):
-    """What one optimizer step processes and in which precision."""
+    """What one optimizer step processes and in which precision. Invalid values raise ``ConfigError``."""
 
-    model_config = FROZEN
+    model_config = CHECKED
 
-    global_batch: int = Field(gt=0)
-    """Sequences per optimizer step, summed over all data-parallel ranks."""
-    seq_len: int = Field(gt=0)
-    """Tokens per sequence."""
+    global_batch: int = Field(gt=0, le=MAX_GLOBAL_BATCH)
+    """Sequences per optimizer step, summed over all data-parallel ranks (at most ``MAX_GLOBAL_BATCH``)."""
+    seq_len: int = Field(gt=0, le=MAX_SEQ_LEN)
+    """Tokens per sequence (at most ``MAX_SEQ_LEN``)."""
     precision: Precision = "bf16"
     """Compute dtype. ``bf16``/``fp16`` mean mixed precision: fp32 master weights, fp32 Adam state."""
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise config_error(exc, "training config") from None
 
     @property
     def tokens_per_step(self) -> int:
@@ -147,23 +168,25 @@ class Strategy(BaseModel):
       work is balanced); keys and values circulate in a ring over the ``cp`` axis. cp ranks hold identical
       weights, so gradients are reduced (and ZeRO state sharded) over ``dp * cp`` ranks for dense
       parameters and ``edp * cp`` ranks for expert parameters. The global batch is split over ``dp`` only.
+
+    Invalid values raise ``ConfigError`` naming the field (degrees are at most ``MAX_DEVICES``).
     """
 
-    model_config = FROZEN
+    model_config = CHECKED
 
-    dp: int = Field(default=1, gt=0)
+    dp: int = Field(default=1, gt=0, le=MAX_DEVICES)
     """Data-parallel degree."""
-    tp: int = Field(default=1, gt=0)
+    tp: int = Field(default=1, gt=0, le=MAX_DEVICES)
     """Tensor-parallel degree."""
-    pp: int = Field(default=1, gt=0)
+    pp: int = Field(default=1, gt=0, le=MAX_DEVICES)
     """Pipeline-parallel degree (stages)."""
-    cp: int = Field(default=1, gt=0)
+    cp: int = Field(default=1, gt=0, le=MAX_DEVICES)
     """Context-parallel degree: ranks that share one sequence (a mesh axis of its own)."""
-    ep: int = Field(default=1, gt=0)
+    ep: int = Field(default=1, gt=0, le=MAX_DEVICES)
     """Expert-parallel degree: carved out of ``dp`` (it divides ``dp`` and adds no ranks; see above)."""
     zero: Literal[0, 1, 2, 3] = 0
     """ZeRO stage on the data-parallel axis: 0 replicated (DDP), 1 optimizer, 2 +grads, 3 +params (FSDP)."""
-    micro_batch: int = Field(default=1, gt=0)
+    micro_batch: int = Field(default=1, gt=0, le=MAX_GLOBAL_BATCH)
     """Sequences per micro-batch on one data-parallel rank."""
     recompute: Recompute = "none"
     """Activation recomputation applied to every repeated block."""
@@ -181,12 +204,18 @@ class Strategy(BaseModel):
     Megatron-LM configuration."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule (ignored when ``pp == 1``)."""
-    virtual_stages: int = Field(default=1, gt=0)
+    virtual_stages: int = Field(default=1, gt=0, le=MAX_BLOCKS)
     """Model chunks per pipeline rank for the ``interleaved`` schedule (``schedule=interleaved:V``)."""
-    chunk_blocks: tuple[int, ...] = ()
+    chunk_blocks: tuple[Annotated[int, Field(gt=0, le=MAX_BLOCKS)], ...] = Field(default=(), max_length=MAX_BLOCKS)
     """Blocks in each of the ``pp * virtual_stages`` pipeline chunks, in order; empty = as even as possible."""
-    block_recompute: tuple[Recompute, ...] = ()
+    block_recompute: tuple[Recompute, ...] = Field(default=(), max_length=MAX_BLOCKS)
     """Recomputation of each block in model order; empty = ``recompute`` for every block."""
+
+    def __init__(self, /, **data: Any) -> None:  # pydantic calls it from model_validate too
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise config_error(exc, "strategy") from None
 
     @model_validator(mode="after")
     def _virtual_stages_need_interleaving(self) -> "Strategy":
@@ -254,36 +283,45 @@ class Strategy(BaseModel):
 
     @classmethod
     def parse_fields(cls, text: str) -> dict[str, object]:
-        """The fields a (possibly partial) strategy string pins, validated: ``"tp=8,pp=4"`` -> ``{tp: 8, pp: 4}``."""
-        aliases = {"mbs": "micro_batch", "zero_stage": "zero"}
+        """The fields a (possibly partial) strategy string pins, validated: ``"tp=8,pp=4"`` -> ``{tp: 8, pp: 4}``.
+
+        An unknown key, a key given twice, a malformed value or one out of range raises ``ConfigError``."""
         values: dict[str, object] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
-            key, sep, value = item.partition("=")
-            key = aliases.get(key.strip(), key.strip())
-            if not sep or key not in cls.model_fields:
-                raise ConfigError(
-                    f"bad strategy item {item!r}; expected key=value with key in "
-                    f"{sorted(set(cls.model_fields) | set(aliases))}"
-                )
-            if key in ("chunk_blocks", "block_recompute"):
-                try:
-                    values[key] = _parse_sequence(key, value.strip())
-                except ValueError:
-                    raise ConfigError(f"bad strategy item {item!r}; write e.g. chunk_blocks=4/4/3 or block_recompute=2xfull/1xnone") from None
-                continue
-            is_flag = key in ("sp", "tp_overlap", "sp_regather")
-            values[key] = value.strip().lower() in ("1", "true", "yes", "on") if is_flag else _coerce(value.strip())
+            key, value = _parse_item(item, known=cls.model_fields)
+            if key in values:
+                raise ConfigError(f"bad strategy {quoted(text)}: {key} is given twice; keep one")
+            values[key] = value
         if isinstance(values.get("schedule"), str) and ":" in values["schedule"]:
             schedule, chunks = values["schedule"].split(":", 1)
             values["schedule"], values["virtual_stages"] = schedule, _coerce(chunks)
-        try:
-            # A partial pin leaves dp to the search: check ep against a dp it divides (ep is carved out of dp).
-            ep = values.get("ep", 1)
-            cls.model_validate({"dp": ep if isinstance(ep, int) and ep > 0 else 1, **values})
-        except ValueError as exc:
-            problem = exc.errors()[0] if hasattr(exc, "errors") else {"loc": ("?",), "msg": str(exc)}
-            raise ConfigError(f"bad strategy {text!r}: {'.'.join(map(str, problem['loc'])) or 'value'}: {problem['msg']}") from None
+        # A partial pin leaves dp to the search: check ep against a dp it divides (ep is carved out of dp).
+        ep = values.get("ep", 1)
+        cls.model_validate({"dp": ep if isinstance(ep, int) and 0 < ep <= MAX_DEVICES else 1, **values})
         return values
+
+
+STRATEGY_ALIASES = {"mbs": "micro_batch", "zero_stage": "zero"}
+"""Short names a strategy string may use for ``Strategy`` fields."""
+STRATEGY_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+"""How a strategy string writes the boolean fields (``sp=true``)."""
+
+
+def _parse_item(item: str, *, known: Mapping[str, object]) -> tuple[str, object]:
+    """``"mbs=2"`` -> ``("micro_batch", 2)``: one ``key=value`` item of a strategy string, its value read."""
+    key, sep, value = (part.strip() for part in item.partition("="))
+    key = STRATEGY_ALIASES.get(key, key)
+    if not sep or key not in known:
+        raise ConfigError(
+            f"bad strategy item {quoted(item)}; expected key=value with key in {sorted(set(known) | set(STRATEGY_ALIASES))}"
+        )
+    if key in ("chunk_blocks", "block_recompute"):
+        return key, _parse_sequence(key, value, item=item)
+    if key in ("sp", "tp_overlap", "sp_regather"):
+        if value.lower() not in STRATEGY_FLAGS:
+            raise ConfigError(f"bad strategy item {quoted(item)}; write {key}=true or {key}=false")
+        return key, STRATEGY_FLAGS[value.lower()]
+    return key, _coerce(value)
 
 
 def _run_lengths(items: tuple[str, ...]) -> list[str]:
@@ -297,19 +335,32 @@ def _run_lengths(items: tuple[str, ...]) -> list[str]:
     return [f"{count}x{item}" for count, item in runs]
 
 
-def _parse_sequence(key: str, value: str) -> tuple:
-    """Read ``4/4/3`` (chunk_blocks) or ``2xfull/1xnone`` (block_recompute)."""
-    if key == "chunk_blocks":
-        return tuple(int(part) for part in value.split("/"))
-    expanded: list[str] = []
-    for part in value.split("/"):
-        count, _, item = part.rpartition("x")
-        expanded += [item] * int(count or 1)
-    return tuple(expanded)
+def _parse_sequence(key: str, value: str, *, item: str) -> tuple:
+    """Read ``4/4/3`` (chunk_blocks) or ``2xfull/1xnone`` (block_recompute), at most ``MAX_BLOCKS`` entries
+    (counted before anything is expanded)."""
+    try:
+        runs = [(1, int(part)) if key == "chunk_blocks" else _run(part) for part in value.split("/")]
+    except ValueError:
+        raise ConfigError(
+            f"bad strategy item {quoted(item)}; write e.g. chunk_blocks=4/4/3 or block_recompute=2xfull/1xnone"
+        ) from None
+    if sum(count for count, _ in runs) > MAX_BLOCKS:
+        raise ConfigError(f"bad strategy item {quoted(item)}: more than {MAX_BLOCKS:,} blocks; give one entry per block")
+    return tuple(entry for count, entry in runs for _ in range(count))
+
+
+def _run(part: str) -> tuple[int, str]:
+    """``"79xfull"`` -> ``(79, "full")``, ``"full"`` -> ``(1, "full")``; ``ValueError`` unless the count is >= 1."""
+    count, _, policy = part.rpartition("x")
+    number = int(count) if count else 1
+    if number < 1:
+        raise ValueError(f"count {number} is not positive")
+    return number, policy
 
 
 def _coerce(value: object) -> object:
-    if isinstance(value, str) and value.isdigit():
+    """A strategy string's number as an int (pydantic reports anything else); very long digit strings stay text."""
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 18:
         return int(value)
     return value
 

@@ -20,8 +20,9 @@ from tessera.planner.degrees import degree_alternatives
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Candidate, Plan, PlannedLayer, SolverStats
 from tessera.planner.refine import RefineStats, refine
-from tessera.planner.space import check_pins, mesh_shapes, strategies
+from tessera.planner.space import check_layer_pins, check_pins, mesh_shapes, strategies
 from tessera.topology.cluster import Cluster
+from tessera.topology.validation import quoted
 
 GiB = 2**30
 RUNNERS_UP = 5
@@ -47,6 +48,7 @@ def rank_candidates(
     pins = dict(pins or {})
     check_pins(pins, cluster)
     layers = list(graph.layers)
+    check_layer_pins(pins, layers)
     params = _dense_and_expert_params(layers)
     no_fit_at: dict[tuple, int] = {}
     fits_at: set[tuple] = set()
@@ -88,7 +90,7 @@ def rank_candidates(
     scored.sort(key=lambda pair: (pair[1].step_time_s, pair[1].peak_memory_bytes, pair[0].to_string()))
     if not scored:
         raise ConfigError(
-            f"no strategy matches {pins or 'the request'} on {cluster.name} with global batch "
+            f"no strategy matches {quoted(pins) if pins else 'the request'} on {cluster.name} with global batch "
             f"{training.global_batch}: dp must divide the batch, tp the heads, pp the blocks"
         )
     return scored
@@ -98,9 +100,13 @@ def _by_lower_bound(
     layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, candidates: list[Strategy]
 ) -> list[tuple[float, Strategy]]:
     """Candidates with their step-time lower bound, lowest first (stable: the space's order breaks ties)."""
-    blocks = [layer.fqn for layer in layers if layer.kind == "block"]
-    wholes = {policy: stage_totals(layers, 0, dict.fromkeys(blocks, policy)) for policy in RECOMPUTE_COST}
-    bounded = [(step_time_lower_bound(layers, cluster, training, s, whole=wholes[s.recompute]), s) for s in candidates]
+    wholes: dict[object, object] = {}  # the whole model's totals under each block recomputation
+    bounded = []
+    for s in candidates:
+        key = s.block_recompute or s.recompute
+        if key not in wholes:
+            wholes[key] = stage_totals(layers, 0, block_policies(layers, s))
+        bounded.append((step_time_lower_bound(layers, cluster, training, s, whole=wholes[key]), s))
     return sorted(bounded, key=lambda pair: pair[0])
 
 

@@ -15,11 +15,15 @@ Expert and context parallelism, pruned so that dense, short-sequence searches ke
   ``MIN_TOKENS_PER_CP_RANK`` tokens, so the ring's steps stay long enough to hide behind attention.
 
 Pinned fields (``--fix``) are taken as given, even where a default rule (tp inside a node, cp only for long
-sequences) would forbid them.
+sequences) would forbid them. Per-block pins are applied, never dropped: ``block_recompute`` is every
+candidate's recomputation (its uniform ``recompute`` then stays ``none`` unless pinned too), and
+``chunk_blocks`` admits only the pipelines of ``pp * virtual_stages == len(chunk_blocks)`` chunks.
+``check_layer_pins`` refuses, before any search, per-block pins that do not match the model.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 
 from tessera.cost_models import Strategy, TrainingConfig
@@ -35,8 +39,9 @@ VIRTUAL_STAGES = (2, 3, 4)
 
 
 def divisors(n: int) -> list[int]:
-    """Positive divisors of ``n`` in increasing order."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Positive divisors of ``n`` in increasing order, in O(sqrt n) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def mesh_shapes(layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object]) -> Iterator[tuple[int, int, int, int, int]]:
@@ -85,17 +90,20 @@ def strategies(layers: list[LayerStats], cluster: Cluster, training: TrainingCon
     """Every candidate strategy, in a fixed order, honouring ``pins``."""
     measured_selective = any(layer.saved_bytes_selective is not None for layer in layers)
     # Cheapest first: the search skips a policy once a cheaper one fits.
-    recomputes = _pinned(pins, "recompute", ["none"] + (["selective"] if measured_selective else []) + ["full"])
+    recomputes = _pinned(pins, "recompute", _recompute_options(measured_selective, pins))
     blocks = sum(layer.kind == "block" for layer in layers)
+    per_block = {key: pins[key] for key in ("block_recompute", "chunk_blocks") if key in pins}
     for dp, tp, pp, cp, ep in mesh_shapes(layers, cluster, training, pins):
-        micro_batches = [m for m in divisors(training.global_batch // dp) if m <= MAX_MICRO_BATCH]
+        micro_batches = [m for m in range(1, MAX_MICRO_BATCH + 1) if (training.global_batch // dp) % m == 0]
         for zero in _pinned(pins, "zero", ZERO_STAGES if dp > 1 else (0,)):
             for micro_batch in _pinned(pins, "micro_batch", micro_batches):
                 for recompute in recomputes:
                     for schedule, chunks in _schedules(pp, blocks, pins):
                         if schedule == "zero-bubble" and recompute != "none" and "recompute" not in pins:
                             continue  # the runtime cannot recompute under a split backward (runtime.apply)
-                        yield Strategy(
+                        if "chunk_blocks" in pins and len(pins["chunk_blocks"]) != pp * chunks:
+                            continue
+                        yield Strategy(**per_block,
                             dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batch=micro_batch, recompute=recompute,
                             sp=pins.get("sp", tp > 1), schedule=schedule, virtual_stages=chunks,
                             # never chosen: the runtime lacks both
@@ -107,15 +115,53 @@ def _pinned(pins: Mapping[str, object], key: str, options):
     return [pins[key]] if key in pins else list(options)
 
 
+def _recompute_options(measured_selective: bool, pins: Mapping[str, object]) -> list[str]:
+    """Uniform recomputation policies to try, cheapest first; only ``none`` (unused) under ``block_recompute``."""
+    if "block_recompute" in pins:
+        return ["none"]
+    return ["none"] + (["selective"] if measured_selective else []) + ["full"]
+
+
 def _schedules(pp: int, blocks: int, pins: Mapping[str, object]) -> list[tuple[str, int]]:
     if "schedule" in pins and (pins["schedule"] != "interleaved" or "virtual_stages" in pins):
         return [(pins["schedule"], pins.get("virtual_stages", 1))]
     if pp == 1:
         return [("1f1b", 1)]
-    interleaved = [("interleaved", v) for v in VIRTUAL_STAGES if blocks % (pp * v) == 0]
+    interleaved = [("interleaved", v) for v in _virtual_stage_options(pp, blocks, pins)]
     if pins.get("schedule") == "interleaved":  # chunks per rank left to the search
         return interleaved or [("interleaved", 1)]
     return [("1f1b", 1), *interleaved, ("zero-bubble", 1)]  # GPipe: 1F1B's time with more memory; pin to get it
+
+
+def _virtual_stage_options(pp: int, blocks: int, pins: Mapping[str, object]) -> list[int]:
+    """Chunks per pipeline rank to try: those that split the blocks evenly, or the one ``chunk_blocks`` implies."""
+    if "chunk_blocks" in pins:
+        chunks = len(pins["chunk_blocks"])
+        return [chunks // pp] if chunks % pp == 0 and chunks > pp else []
+    return [v for v in VIRTUAL_STAGES if blocks % (pp * v) == 0]
+
+
+def check_layer_pins(pins: Mapping[str, object], layers: list[LayerStats]) -> None:
+    """Raise unless the per-block pins fit the model: one ``block_recompute`` policy per block, ``chunk_blocks``
+    summing to the blocks and, where ``pp`` and the chunks per rank are pinned, one size per chunk."""
+    blocks = sum(layer.kind == "block" for layer in layers)
+    policies = pins.get("block_recompute")
+    if policies is not None and len(policies) != blocks:
+        raise ConfigError(
+            f"block_recompute lists {len(policies)} policies but the model has {blocks} blocks; give one per block "
+            f"(e.g. block_recompute={blocks}xfull) or leave it out"
+        )
+    sizes = pins.get("chunk_blocks")
+    if sizes is None:
+        return
+    if sum(sizes) != blocks:
+        raise ConfigError(f"chunk_blocks gives {len(sizes)} chunks of {sum(sizes)} blocks in all but the model has "
+                          f"{blocks} blocks; make the sizes add up to {blocks}")
+    if "pp" in pins and (pins.get("schedule") != "interleaved" or "virtual_stages" in pins):
+        chunks = int(pins["pp"]) * int(pins.get("virtual_stages", 1))
+        if len(sizes) != chunks:
+            raise ConfigError(f"chunk_blocks gives {len(sizes)} chunk sizes but pp={pins['pp']} x virtual_stages="
+                              f"{pins.get('virtual_stages', 1)} makes {chunks} pipeline chunks; give one size per chunk")
 
 
 def check_pins(pins: Mapping[str, object], cluster: Cluster) -> None:
