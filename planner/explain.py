@@ -21,6 +21,7 @@ the section built from ``Plan.degree_alternatives`` (``planner.degrees``).
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from pydantic import BaseModel, ConfigDict
 from tessera.cost_models import estimate as estimate_strategy
 from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
 from tessera.errors import ConfigError, TesseraError
+from tessera.files import check_writable_file, write_text_atomically
 from tessera.planner import explain_plots as plots
 from tessera.planner.explain_plots import Block, Bullets, Code, Figure, Section, Table, render_html, render_markdown
 from tessera.planner.layer_graph import LayerGraph
@@ -129,10 +131,12 @@ def step_terms(e: Estimate) -> dict[str, float]:
 
 
 def launch_command(*, nodes: int, devices_per_node: int, plan_path: str = "plan.json") -> str:
-    """The torchrun line that starts the plan's ranks (run it on every node)."""
+    """The torchrun line that starts the plan's ranks (run it on every node), every word shell-quoted so a path
+    such as ``rep; touch X #`` stays one argument; ``$HEAD_NODE`` is left for the shell to expand."""
+    head = shlex.join(["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(devices_per_node)])
     rendezvous = ("--standalone" if nodes == 1
-                  else f"--rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:{RENDEZVOUS_PORT}")
-    return f"torchrun --nnodes {nodes} --nproc-per-node {devices_per_node} {rendezvous} train.py --plan {plan_path}"
+                  else f'--rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:{RENDEZVOUS_PORT}"')
+    return f"{head} {rendezvous} {shlex.join(['train.py', '--plan', str(plan_path)])}"
 
 
 # ---------------------------------------------------------------------------------------- comparison
@@ -514,22 +518,26 @@ def _launch(plan: Plan, *, nodes: int, per_node: int, plan_path: str) -> Section
 # ----------------------------------------------------------------------------------------- documents
 
 
-def plan_markdown(plan: Plan, path: str | Path | None = None, *, plan_path: str = "plan.json") -> str:
-    """The report as Markdown; with ``path``, write it there with its charts as PNG files beside it."""
-    target = Path(path) if path is not None else None
-    if target is not None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    text = render_markdown(report_title(plan), report_sections(plan, plan_path=plan_path),
-                           figure_dir=target.parent if target is not None else None)
-    if target is not None:
-        target.write_text(text)
-    return text
+def plan_markdown(plan: Plan, *, plan_path: str = "plan.json", figure_dir: str | Path | None = None) -> str:
+    """The report as Markdown; its charts are written as PNG files into ``figure_dir`` (left out without one).
+
+    ``plan_path`` is where the launch command expects the plan's JSON."""
+    folder = Path(figure_dir) if figure_dir is not None else None
+    return render_markdown(report_title(plan), report_sections(plan, plan_path=plan_path), figure_dir=folder)
 
 
-def plan_html(plan: Plan, path: str | Path | None = None, *, plan_path: str = "plan.json") -> str:
-    """The report as one self-contained HTML page; with ``path``, also write it there."""
-    text = render_html(report_title(plan), report_sections(plan, plan_path=plan_path))
-    if path is not None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text)
-    return text
+def plan_html(plan: Plan, *, plan_path: str = "plan.json") -> str:
+    """The report as one self-contained HTML page (charts embedded)."""
+    return render_html(report_title(plan), report_sections(plan, plan_path=plan_path))
+
+
+def write_markdown(plan: Plan, path: str | Path, *, plan_path: str = "plan.json") -> Path:
+    """Write the Markdown report to ``path`` and its charts (PNG) beside it, each file atomically."""
+    target = check_writable_file(path, what="report")
+    return write_text_atomically(target, plan_markdown(plan, plan_path=plan_path, figure_dir=target.parent), what="report")
+
+
+def write_html(plan: Plan, path: str | Path, *, plan_path: str = "plan.json") -> Path:
+    """Write the self-contained HTML report to ``path`` atomically."""
+    target = check_writable_file(path, what="report")
+    return write_text_atomically(target, plan_html(plan, plan_path=plan_path), what="report")

@@ -35,6 +35,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tessera.files import write_atomically
+
 GiB = 2**30
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 CATEGORY_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
@@ -284,11 +286,12 @@ def _markdown_block(block: Block, figure_dir: Path | None) -> list[str]:
     if isinstance(block, Bullets):
         return [f"- {item}" for item in block.items]
     if isinstance(block, Code):
-        return ["```sh", block.text, "```"]
+        fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", block.text)), default=0))
+        return [f"{fence}sh", block.text, fence]  # a fence longer than any backtick run inside (CommonMark)
     if isinstance(block, Figure):
         if figure_dir is None:
             return [f"*{block.caption} (chart written when the report is saved to a folder)*"]
-        (figure_dir / f"{block.name}.png").write_bytes(block.png)
+        write_atomically(figure_dir / f"{block.name}.png", lambda temp: temp.write_bytes(block.png), what="report chart")
         return [f"![{block.caption}]({block.name}.png)"]
     cell = lambda text: text.replace("|", "\\|")  # noqa: E731
     rows = [block.header, tuple("---" for _ in block.header), *block.rows]

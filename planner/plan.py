@@ -5,15 +5,22 @@ Keyed by module FQNs (never integer ids) so a plan can be reviewed, diffed and a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tessera.cost_models.types import Estimate, LayerKind, Recompute, Strategy, TrainingConfig
+from tessera.errors import ConfigError
+from tessera.files import write_text_atomically
+from tessera.topology.validation import first_problem, quoted, short
 
 FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 SCHEMA_VERSION = 1
 GiB = 2**30
+MAX_PLAN_BYTES = 64 * 2**20
+"""Largest plan file read (64 MiB; a 1000-layer plan with its runners-up is ~1 MiB)."""
 
 
 def format_count(count: float) -> str:
@@ -108,19 +115,30 @@ class Plan(BaseModel):
     """Integer-program statistics."""
 
     def to_json(self, path: str | Path | None = None) -> str:
-        """Serialise to JSON (and write it to ``path`` when given)."""
+        """Serialise to JSON (and write it to ``path`` when given, atomically: whole or not at all)."""
         text = self.model_dump_json(indent=2)
         if path is not None:
-            Path(path).write_text(text)
+            write_text_atomically(path, text, what="plan file")
         return text
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "Plan":
-        """Read a plan from a JSON string or a file path."""
-        text = str(text_or_path)
-        if not text.lstrip().startswith("{"):
-            text = Path(text).read_text()
-        return cls.model_validate_json(text)
+        """Read a plan from a JSON string or a file path; anything wrong raises one ``ConfigError`` line naming
+        the file and the problem (a plan written by a newer Tessera says to upgrade)."""
+        text, where = _plan_text(text_or_path)
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ConfigError(f"{where} is not valid JSON ({short(str(exc), limit=120)}); pass a plan.json written by "
+                              "tessera plan --json") from None
+        _check_schema_version(raw, where=where)
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ConfigError(f"{where} is not a valid plan: {first_problem(exc)}; re-create it with tessera plan --json"
+                              ) from None
+        except ConfigError as exc:
+            raise ConfigError(f"{where} is not a valid plan: {exc}") from None
 
     def summary(self) -> str:
         """A few plain-text lines: the strategy, predicted step time and throughput, memory per device."""
@@ -136,21 +154,6 @@ class Plan(BaseModel):
             ]
         )
 
-    def to_markdown(self, path: str | Path | None = None, *, plan_path: str = "plan.json") -> str:
-        """The strategy report as Markdown; with ``path``, write it there and its charts (PNG) beside it.
-
-        ``plan_path`` is where the launch command expects this plan's JSON.
-        """
-        from tessera.planner.explain import plan_markdown
-
-        return plan_markdown(self, path, plan_path=plan_path)
-
-    def to_html(self, path: str | Path | None = None, *, plan_path: str = "plan.json") -> str:
-        """The strategy report as one self-contained HTML page (charts embedded); with ``path``, write it there."""
-        from tessera.planner.explain import plan_html
-
-        return plan_html(self, path, plan_path=plan_path)
-
     def chunk_fqns(self) -> list[tuple[str, ...]]:
         """FQNs of each pipeline chunk's layers, in chunk order (the runtime's stage split)."""
         chunks = max((layer.chunk for layer in self.layers), default=0) + 1
@@ -160,3 +163,33 @@ class Plan(BaseModel):
     def block_fqns(self) -> tuple[str, ...]:
         """FQNs of the repeated blocks: the FSDP wrapping and recomputation units."""
         return tuple(layer.fqn for layer in self.layers if layer.kind == "block")
+
+
+def _plan_text(text_or_path: str | Path) -> tuple[str, str]:
+    """The JSON text of a plan given as text or as a path, and how errors name it (``plan file X``)."""
+    text = str(text_or_path)
+    if isinstance(text_or_path, str) and text.lstrip().startswith("{"):
+        return text, "plan JSON"
+    path = Path(text)
+    where = f"plan file {path}"
+    try:
+        if path.stat().st_size > MAX_PLAN_BYTES:
+            raise ConfigError(f"{where} is larger than {MAX_PLAN_BYTES // 2**20} MiB; it is not a plan.json")
+        return path.read_text(encoding="utf-8"), where
+    except OSError as exc:
+        raise ConfigError(f"cannot read {where}: {exc.strerror or exc}; check the path") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where} is not UTF-8 text; pass a plan.json written by tessera plan --json") from None
+
+
+def _check_schema_version(raw: Any, *, where: str) -> None:
+    """Raise unless ``raw`` is a plan object of a layout this Tessera reads."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} holds {type(raw).__name__}, not a plan object; pass a plan.json written by "
+                          "tessera plan --json")
+    version = raw.get("schema_version", SCHEMA_VERSION)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ConfigError(f"{where}: schema_version must be a positive integer, got {quoted(version)}")
+    if version > SCHEMA_VERSION:
+        raise ConfigError(f"{where} was written by a newer Tessera (plan schema_version {version}; this Tessera reads "
+                          f"up to {SCHEMA_VERSION}): upgrade Tessera (pip install -U tessera) or re-plan with this one")

@@ -37,6 +37,9 @@ from tessera.topology.cluster import COLLECTIVES, FROZEN, Collective
 from tessera.topology.fitting import Measurement
 
 MiB = 2**20
+MEASURED_FLOOR_S = max(time.get_clock_info("perf_counter").resolution, 1e-9)
+"""Smallest positive time the profiler records (the timer's resolution, 1 ns on Linux): a measured difference
+at or below it is noise, and recording it as 0 or less would write a cluster file that refuses to load."""
 CALIBRATION_RUNS = 3
 """Timed runs per point before the trials; the fastest (slowest rank) sets the ops per trial."""
 # torch 2.13 renamed the single-tensor forms (the old names warn); same (output, input) order.
@@ -383,8 +386,20 @@ def measure_linear_overhead(
             continue
         run = _plain_pass(block, hidden) if degree == 1 else _tensor_parallel_pass(degree, device=device)
         seconds = _pass_seconds(run, device=device, sweep=sweep)
-        overheads[degree] = max(0.0, seconds - flops / degree / flops_per_s) / REFERENCE_LINEARS
+        overheads[degree] = per_linear_overhead_s(seconds, arithmetic_s=flops / degree / flops_per_s)
     return overheads
+
+
+def per_linear_overhead_s(pass_s: float, *, arithmetic_s: float) -> float:
+    """Host seconds per linear of the reference block: what a pass took beyond its arithmetic, shared among its
+    linears, never below ``MEASURED_FLOOR_S`` (under load the arithmetic estimate can exceed the whole pass)."""
+    return at_measured_floor((pass_s - arithmetic_s) / REFERENCE_LINEARS)
+
+
+def at_measured_floor(seconds: float) -> float:
+    """``seconds``, or ``MEASURED_FLOOR_S`` where it is smaller (zero, negative or NaN): a time the profiler
+    records is one a cluster file can hold."""
+    return seconds if seconds >= MEASURED_FLOOR_S else MEASURED_FLOOR_S
 
 
 def _block_flops(block: nn.Module, hidden: torch.Tensor) -> float:

@@ -42,16 +42,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from tessera.topology.cluster import FROZEN, Cluster, DeviceSpec, LinkLevel
-from tessera.topology.clusterfile import cluster_to_raw, significant
+from tessera.errors import ClusterSpecError
+from tessera.files import write_text_atomically
+from tessera.topology.clusterfile import cluster_from_raw, cluster_to_raw, significant
 from tessera.topology.fitting import CollectiveFit, Measurement, fit_cluster
 from tessera.topology.hardware import LOCAL_CPU, catalog
 from tessera.topology.measure import (
-    MiB, DeviceMeasurement, ProfileError, ProfileSweep, faster_half_mean, measure_collectives, measure_device,
+    MiB, DeviceMeasurement, ProfileError, ProfileSweep, at_measured_floor, faster_half_mean, measure_collectives,
+    measure_device,
 )
 from tessera.topology.presets import load_cluster
+from tessera.topology.validation import first_problem, load_yaml_text, read_bounded_text, short
 
 __all__ = [
     "DeviceMeasurement", "ProfileError", "ProfileResult", "ProfileSweep", "faster_half_mean", "group_layouts",
@@ -152,7 +156,8 @@ def group_layouts(world: int, *, per_node: int) -> list[tuple[int, int]]:
 
 
 def write_profile(result: ProfileResult, path: str | Path) -> None:
-    """Write ``result`` as a cluster file with its ``profile`` section."""
+    """Write ``result`` as a cluster file with its ``profile`` section, atomically, and only once the file's
+    content reads back as a cluster (``ProfileError`` naming the field otherwise: never a file that cannot load)."""
     profile = {
         "host": result.host,
         "elapsed_s": round(result.elapsed_s, 3),
@@ -169,7 +174,13 @@ def write_profile(result: ProfileResult, path: str | Path) -> None:
         "# Cluster file written by tessera profile (format: tessera/topology/clusterfile.py).\n"
         "# load with tessera.load_cluster(path); the 'profile' section holds the raw measurements.\n"
     )
-    Path(path).write_text(header + yaml.safe_dump(raw, sort_keys=False, default_flow_style=None, width=120))
+    try:
+        cluster_from_raw(raw, name=str(path), size=raw["size"])
+    except ClusterSpecError as exc:
+        raise ProfileError(f"the profile measured values a cluster file cannot hold ({exc}); nothing was written to "
+                           f"{path}; re-run tessera profile on a quieter machine") from None
+    text = header + yaml.safe_dump(raw, sort_keys=False, default_flow_style=None, width=120)
+    write_text_atomically(path, text, what="cluster file")
 
 
 def _rounded(value: Any) -> Any:
@@ -185,19 +196,25 @@ def _rounded(value: Any) -> Any:
 
 def load_profile(path: str | Path) -> ProfileResult:
     """Read a cluster file written by ``tessera profile`` back into a ``ProfileResult``."""
-    raw = yaml.safe_load(Path(path).read_text())
+    cluster = load_cluster(str(path))  # first: it refuses hostile YAML (aliases, size) before the raw read
+    raw = load_yaml_text(read_bounded_text(Path(path)))
     profile = raw.get("profile") if isinstance(raw, dict) else None
     if not isinstance(profile, dict):
         raise ProfileError(f"{path} has no 'profile' section; it was not written by tessera profile")
-    return ProfileResult(
-        cluster=load_cluster(str(path)),
-        measurements=tuple(Measurement(**m) for m in profile["measurements"]),
-        device=DeviceMeasurement(**profile["device"]),
-        fits=tuple(CollectiveFit(**f) for f in profile["fits"]),
-        host=profile["host"],
-        sweep=ProfileSweep(**profile["sweep"]),
-        elapsed_s=profile["elapsed_s"],
-    )
+    try:
+        return ProfileResult(
+            cluster=cluster,
+            measurements=tuple(Measurement(**m) for m in profile["measurements"]),
+            device=DeviceMeasurement(**profile["device"]),
+            fits=tuple(CollectiveFit(**f) for f in profile["fits"]),
+            host=profile["host"],
+            sweep=ProfileSweep(**profile["sweep"]),
+            elapsed_s=profile["elapsed_s"],
+        )
+    except ValidationError as exc:
+        raise ProfileError(f"{path}: 'profile' section: {first_problem(exc)}; re-run tessera profile") from None
+    except (KeyError, TypeError) as exc:
+        raise ProfileError(f"{path}: 'profile' section is malformed ({short(str(exc))}); re-run tessera profile") from None
 
 
 # --- the world -------------------------------------------------------------------------------------------
@@ -256,7 +273,7 @@ def _device_spec(measured: DeviceMeasurement, *, device: torch.device, per_node:
         memory_bytes=memory,
         memory_bandwidth_bytes_per_s=measured.memory_bandwidth_bytes_per_s,
         solo_speedup=measured.solo_speedup,
-        linear_overhead_s=dict(measured.linear_overhead_s),
+        linear_overhead_s={degree: at_measured_floor(s) for degree, s in measured.linear_overhead_s.items()},
         fsdp_comm_slowdown=measured.fsdp_comm_slowdown,
         tp_compute_slowdown=dict(measured.tp_compute_slowdown),
         source=(

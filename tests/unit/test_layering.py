@@ -38,6 +38,12 @@ def test_runtime_imports_only_the_plan_data_model_from_planner():
     assert uses <= {"tessera.planner.plan"}, uses
 
 
+def test_the_plan_is_data_it_imports_no_other_planner_module():
+    # The plan does not render itself: planner.explain imports planner.plan, never the other way (issue 17).
+    uses = {m for m in tessera_imports(ROOT / "planner" / "plan.py") if package_of(m) == "planner"}
+    assert uses <= {"tessera.planner.plan"}, uses
+
+
 def test_models_import_nothing_from_tessera_but_errors():
     uses = {m for p in (ROOT / "models").rglob("*.py") for m in tessera_imports(p)}
     assert {package_of(m) for m in uses} <= {"errors", "models"}, uses
