@@ -113,8 +113,9 @@ class ParallelModel:
         """Save a sharded checkpoint of this step to ``root/step-<step>`` (call on every rank; see
         ``runtime.checkpoint``): model, optimizer, step, RNG states, ``data_state`` (the data position) and the
         plan. ``async_save`` returns once the state is copied to host memory and writes in the background;
-        ``keep_last`` deletes older complete checkpoints beyond that many. ``.wait()`` on the result returns the
-        committed folder.
+        ``keep_last`` (at least 1) deletes Tessera's older checkpoints beyond that many (never other folders).
+        One save writes into a root at a time; any failure raises ``CheckpointError`` and leaves no partial
+        folder. ``.wait()`` on the result returns the committed folder.
         """
         return self._checkpointer.save(self, root, data_state=data_state, async_save=async_save, keep_last=keep_last)
 
