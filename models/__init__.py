@@ -14,7 +14,7 @@ from torch import nn
 from tessera.models.gpt import GPT, GPTConfig
 from tessera.models.llama import Llama, LlamaConfig
 from tessera.models.moe import MoE, MoEConfig
-from tessera.models.presets import FAMILIES, PRESETS, ModelConfig, list_presets, parse_spec
+from tessera.models.presets import FAMILIES, PRESETS, ModelConfig, list_presets, parse_spec, with_override
 
 __all__ = [
     "GPT",
@@ -28,6 +28,7 @@ __all__ = [
     "is_builtin_spec",
     "list_presets",
     "model_config",
+    "with_override",
 ]
 
 _MODEL_CLASSES: dict[type, type[nn.Module]] = {GPTConfig: GPT, LlamaConfig: Llama, MoEConfig: MoE}

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.errors import ModelSpecError
+from tessera.models.limits import check_dimension, check_dimensions, check_finite
 
 INIT_STD = 0.02
 """Weight init std of GPT-2 / Megatron-LM (Radford et al. 2019; Shoeybi et al. 2019)."""
@@ -36,9 +37,10 @@ class GPTConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "vocab", "seq_len"):
-            if getattr(self, name) <= 0:
-                raise ModelSpecError(f"GPT {name} must be positive, got {getattr(self, name)}")
+        check_dimensions(self, ("layers", "hidden", "heads", "vocab", "seq_len"), family="GPT")
+        if self.ffn_hidden is not None:
+            check_dimension("ffn_hidden", self.ffn_hidden, family="GPT")
+        check_finite("dropout", self.dropout, family="GPT")
         if self.hidden % self.heads:
             raise ModelSpecError(
                 f"GPT hidden={self.hidden} is not divisible by heads={self.heads}; pick heads that divide hidden"

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.errors import ModelSpecError
+from tessera.models.limits import check_dimensions, check_finite
 
 INIT_STD = 0.02
 """Weight init std (GPT-2 style; torchtitan's Llama uses the same for projections)."""
@@ -51,12 +52,11 @@ class LlamaConfig:
     positive_fields: ClassVar[tuple[str, ...]] = (
         "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len"
     )
-    """Fields that must be > 0, checked in this order."""
+    """Fields that must be whole numbers from 1 to their bound (``tessera.models.limits``), checked in this order."""
 
     def __post_init__(self) -> None:
-        for name in self.positive_fields:
-            if getattr(self, name) <= 0:
-                raise ModelSpecError(f"{self.family} {name} must be positive, got {getattr(self, name)}")
+        check_dimensions(self, self.positive_fields, family=self.family)
+        check_finite("rope_theta", self.rope_theta, family=self.family, positive=True)
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:
             raise ModelSpecError(
                 f"{self.family} hidden={self.hidden} must split into heads={self.heads} of even size "

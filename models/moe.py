@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.errors import ModelSpecError
+from tessera.models.limits import MAX_CAPACITY_FACTOR, MAX_EXPERT_MODULES, check_dimension, check_finite
 from tessera.models.llama import Llama, LlamaBlock, LlamaConfig, SwiGLU
 
 
@@ -63,8 +64,15 @@ class MoEConfig(LlamaConfig):
         super().__post_init__()
         if self.top_k > self.experts:
             raise ModelSpecError(f"MoE top_k={self.top_k} exceeds experts={self.experts}; pick top_k <= experts")
-        if self.capacity_factor < 0.01 or self.shared_ffn < 0 or self.aux_loss_coef < 0:
-            raise ModelSpecError("MoE capacity_factor must be >= 0.01; shared_ffn and aux_loss_coef non-negative")
+        if self.layers * self.experts > MAX_EXPERT_MODULES:
+            raise ModelSpecError(f"MoE layers x experts = {self.layers * self.experts:,} is past Tessera's bound of "
+                                 f"{MAX_EXPERT_MODULES:,} expert modules (tessera.models.limits); fewer layers or experts")
+        check_dimension("shared_ffn", self.shared_ffn, family="MoE", minimum=0)
+        check_finite("capacity_factor", self.capacity_factor, family="MoE")
+        check_finite("aux_loss_coef", self.aux_loss_coef, family="MoE")
+        if not 0.01 <= self.capacity_factor <= MAX_CAPACITY_FACTOR or self.aux_loss_coef < 0:
+            raise ModelSpecError(f"MoE capacity_factor must be >= 0.01 and <= {MAX_CAPACITY_FACTOR:g} (got "
+                                 f"{self.capacity_factor}); aux_loss_coef non-negative (got {self.aux_loss_coef})")
 
 
 def expert_capacity(tokens: int, *, experts: int, top_k: int, capacity_factor: float) -> int:

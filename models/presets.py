@@ -16,6 +16,7 @@ as short forms of ``seq_len``, ``ffn_hidden``, ``tie_embeddings``, ``rope_theta`
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from tessera.errors import ModelSpecError
 from tessera.models.gpt import GPTConfig
@@ -105,11 +106,12 @@ def parse_spec(spec: str) -> ModelConfig:
     name = name.strip()
     if name in PRESETS:
         base = PRESETS[name]
-        return _with_overrides(base, type(base), _parse_items(overrides, type(base)), spec)
+        return _with_overrides(base, type(base), _parse_items(overrides, type(base), spec=spec), spec)
     if name in FAMILIES:
-        return _with_overrides(None, FAMILIES[name], _parse_items(overrides, FAMILIES[name]), spec)
+        return _with_overrides(None, FAMILIES[name], _parse_items(overrides, FAMILIES[name], spec=spec), spec)
+    quoted = repr(name) if name == spec.strip() else f"{name!r} (in {spec.strip()[:200]!r})"
     raise ModelSpecError(
-        f"unknown model {name!r}; known presets: {', '.join(list_presets())}; "
+        f"unknown model {quoted}; known presets: {', '.join(list_presets())}; "
         f"or a family spec such as 'gpt:layers=2,hidden=64,heads=4,vocab=256,seq=64' (families: {', '.join(FAMILIES)})"
     )
 
@@ -123,7 +125,7 @@ def _with_overrides(base: ModelConfig | None, cls: type, values: dict[str, objec
     return cls(**values)
 
 
-def _parse_items(text: str, cls: type) -> dict[str, object]:
+def _parse_items(text: str, cls: type, *, spec: str) -> dict[str, object]:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, object] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -134,8 +136,20 @@ def _parse_items(text: str, cls: type) -> dict[str, object]:
             raise ModelSpecError(
                 f"bad model override {item!r} for {cls.__name__}; expected key=value with key in {', '.join(valid)}"
             )
+        if key in values:
+            raise ModelSpecError(f"model spec {spec!r} gives {key} twice; keep one")
         values[key] = _parse_value(key, raw.strip(), str(fields[key].type))
     return values
+
+
+def with_override(spec: str, key: str, value: object) -> str:
+    """``spec`` with ``key`` set to ``value``, replacing the spec's own value for it (or its short form):
+    ``with_override("llama-tiny:seq=64,layers=4", "seq", 128)`` -> ``"llama-tiny:layers=4,seq=128"``."""
+    name, _, overrides = spec.strip().partition(":")
+    full = ALIASES.get(key, key)
+    kept = [item for item in (part.strip() for part in overrides.split(","))
+            if item and ALIASES.get(item.partition("=")[0].strip(), item.partition("=")[0].strip()) != full]
+    return f"{name}:{','.join([*kept, f'{key}={value}'])}"
 
 
 def _parse_value(key: str, raw: str, type_name: str) -> object:
@@ -146,6 +160,9 @@ def _parse_value(key: str, raw: str, type_name: str) -> object:
             return raw.lower() in ("1", "true", "yes")
         if type_name.startswith("int"):
             return None if raw.lower() == "none" and "None" in type_name else int(raw)
-        return float(raw)
+        value = float(raw)
     except ValueError:
-        raise ModelSpecError(f"model override {key}={raw!r} is not a valid {type_name}") from None
+        raise ModelSpecError(f"model override {key}={raw[:60]!r} is not a valid {type_name}") from None
+    if not math.isfinite(value):
+        raise ModelSpecError(f"model override {key}={raw!r} must be a finite number")
+    return value

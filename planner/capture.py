@@ -36,7 +36,7 @@ from torch import nn
 
 from tessera.cost_models.types import LayerStats
 from tessera.errors import CaptureError, ModelSpecError
-from tessera.models import is_builtin_spec
+from tessera.models import is_builtin_spec, with_override
 from tessera.planner import layer_info
 from tessera.planner.experts import expected_expert_load, measured_capacity_factor
 from tessera.planner.front_ends import LeafModules, trace_model
@@ -110,7 +110,7 @@ def capture_preset(
     if positions is not None and seq_len > positions and _computed_positions(spec, model):
         # A built-in RoPE model's tables are computed for any length (no parameters): extend them, as a
         # long-context continuation of pre-training does (Llama 3 405B goes from 8K to 128K, arXiv:2407.21783 Sec. 3.4.2).
-        model, _ = resolve_model(f"{spec}{',' if ':' in spec else ':'}seq={seq_len}")
+        model, _ = resolve_model(with_override(spec, "seq", seq_len))
         positions = max_positions(model)
     if positions is not None and seq_len > positions:  # meta would not notice positions past a table
         hint = (

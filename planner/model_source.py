@@ -28,6 +28,7 @@ from torch import nn
 
 from tessera.errors import ModelSpecError
 from tessera.models import build_model, is_builtin_spec
+from tessera.models.limits import check_dimension
 
 _FACTORY = re.compile(r"^(?P<module>[\w./\\-]+?(\.py)?):(?P<factory>[A-Za-z_]\w*)$")
 HF_INSTALL_HINT = "pip install 'tessera[hf]'"
@@ -69,9 +70,14 @@ def factory_model(module_name: str, factory_name: str) -> nn.Module:
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise ModelSpecError(f"{module_name} has no function {factory_name!r}; it defines {', '.join(names[:12])}")
-    with torch.device("meta"):
-        model = factory()
+        raise ModelSpecError(f"{module_name} has no function {factory_name!r}; it defines "
+                             f"{', '.join(names[:12]) or 'no public functions'}")
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except (Exception, SystemExit) as exc:  # the user's code: its failure is named, not a traceback of ours
+        raise ModelSpecError(f"model factory {module_name}:{factory_name}() raised {type(exc).__name__}: "
+                             f"{_first_line(exc)}; fix the factory (call it yourself to see the traceback)") from exc
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"{module_name}:{factory_name}() returned {type(model).__name__}, not an nn.Module")
     return model
@@ -91,8 +97,14 @@ def _load_module(name: str) -> object:
         return importlib.import_module(name)
     except ModelSpecError:
         raise
-    except Exception as exc:
-        raise ModelSpecError(f"cannot import model source {name}: {type(exc).__name__}: {exc}") from exc
+    except (Exception, SystemExit) as exc:
+        raise ModelSpecError(f"cannot import model source {name}: {type(exc).__name__}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's message on one line, at most 200 characters (it may come from anyone's code)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 # ----------------------------------------------------------------------------------------------- Hugging Face
@@ -104,23 +116,46 @@ def hf_model(spec: str) -> nn.Module:
     _, _, rest = spec.partition(":")
     model_type, _, overrides = rest.partition(":")
     values = _parse_overrides(overrides)
+    if not model_type.strip():
+        raise ModelSpecError(f"{spec!r} names no model_type; write hf:<model_type>[:key=value,...], e.g. hf:llama")
     try:
         defaults = transformers.AutoConfig.for_model(model_type.strip())
     except (ValueError, KeyError) as exc:
-        raise ModelSpecError(f"unknown Hugging Face model_type {model_type!r} in {spec!r}: {exc}") from None
+        raise ModelSpecError(f"unknown Hugging Face model_type {model_type!r} in {spec!r}: {_first_line(exc)}") from None
     unknown = sorted(k for k in values if not hasattr(defaults, k))
     if unknown:
         raise ModelSpecError(
             f"{spec!r}: {model_type} configs have no {', '.join(unknown)}; keys are the config's attributes, "
             f"e.g. {', '.join(sorted(k for k in defaults.to_dict() if not k.startswith('_'))[:10])}"
         )
-    config = transformers.AutoConfig.for_model(model_type.strip(), **values)
-    config.use_cache = False
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = _hf_class(transformers, config).from_config(config, attn_implementation="sdpa")
+    _check_hf_sizes(spec, values)
+    try:
+        config = transformers.AutoConfig.for_model(model_type.strip(), **values)
+        config.use_cache = False
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            model = _hf_class(transformers, config).from_config(config, attn_implementation="sdpa")
+    except Exception as exc:  # transformers' own checks of the user's values: named, not a traceback of ours
+        raise ModelSpecError(f"{spec!r}: transformers cannot build this config: {type(exc).__name__}: "
+                             f"{_first_line(exc)}; fix the overrides") from exc
     model.config.use_cache = False
     return model
+
+
+HF_SIZES = {
+    "num_hidden_layers": "layers", "n_layer": "layers", "hidden_size": "hidden", "n_embd": "hidden",
+    "num_attention_heads": "heads", "n_head": "heads", "num_key_value_heads": "kv_heads",
+    "intermediate_size": "ffn_hidden", "vocab_size": "vocab", "max_position_embeddings": "seq_len",
+    "n_positions": "seq_len", "num_local_experts": "experts", "n_routed_experts": "experts",
+}
+"""Hugging Face config sizes checked against the built-in models' bounds (``tessera.models.limits``)."""
+
+
+def _check_hf_sizes(spec: str, values: dict[str, object]) -> None:
+    """Refuse an override of a size that is not a whole number in bounds, before transformers builds anything."""
+    for key, value in values.items():
+        if key in HF_SIZES:
+            check_dimension(HF_SIZES[key], value, family="Hugging Face", label=f"{spec!r}: {key}")
 
 
 def _transformers() -> object:
