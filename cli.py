@@ -1,6 +1,18 @@
-"""``tessera`` command line: plan, evaluate, presets.
+"""``tessera`` command line: plan, evaluate, compare, resume, export, launch, profile, presets.
 
-Errors Tessera raises on purpose print as one line and exit 2; ``--debug`` shows the traceback.
+Every value is checked where it enters, before any long work:
+
+- numbers and paths by the argparse ``type=`` functions of ``tessera.cli_args``; a bad one ends in
+  argparse's own line ``tessera VERB: error: argument --NAME: ...`` after the usage, exit 2. Sizes are
+  bounded (``cli_args.MAX_GLOBAL_BATCH``, ``MAX_SEQ_LEN``...), so an absurd one is refused at once instead of searching
+  for hours;
+- paths to write (``--json``, ``--out``) must name a file, or for a report a folder, that can be created
+  there, and every file is written whole or not at all (``tessera.files``);
+- user text (model, cluster and strategy strings, paths) is printed literally, never read as rich markup or emoji.
+
+Errors Tessera raises on purpose (``TesseraError``) print as one line ``error: ...`` and exit 2. Anything else
+is a bug: one line ``error: internal error (...)``, exit 1. Ctrl-C exits 130 quietly. ``--debug``, before or
+after the verb, shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -8,34 +20,36 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
+
+from tessera.cli_args import (
+    MAX_CAPACITY_FACTOR, MAX_COUNT, MAX_GLOBAL_BATCH, MAX_LOCAL_RANKS, MAX_NODES, MAX_SEQ_LEN, cluster_file_to_write,
+    file_to_write, finite_number, plan_file_to_read, report_folder, whole_number,
+)
 
 DEFAULT_MODEL = "llama3-8b"
 DEFAULT_CLUSTER = "dgx-h100:nodes=1"
+
+INTERNAL_ERROR_CHARS = 200
+"""How much of an unexpected exception's message the one-line internal error shows."""
+
+
+# ----------------------------------------------------------------------------------------- the parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every verb."""
     parser = argparse.ArgumentParser(prog="tessera", description="Automatic parallelism planner for PyTorch training.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    # Its own dest: a verb's --debug (default False) would otherwise overwrite this one (main ORs the two).
+    parser.add_argument("--debug", dest="debug_before_verb", action="store_true", help="show tracebacks")
     verbs = parser.add_subparsers(dest="verb", required=True)
-    plan = verbs.add_parser("plan", help="search for the fastest strategy that fits and print it")
-    _add_planning_args(plan, formats=("table", "json", "md", "html"))
-    plan.add_argument("--out", metavar="DIR", help="with --format md|html: folder for the report, its charts and "
-                      "plan.json (default tessera-report)")
-    plan.add_argument("--fix", metavar="STR", help="pin strategy fields and search the rest, e.g. tp=8,pp=4")
-    plan.add_argument("--top", type=int, default=5, help="runners-up to show (default 5)")
-    plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
-    _add_reliability_args(plan)
-    evaluate = verbs.add_parser("evaluate", help="predict one strategy; fields left out are filled by the planner")
-    _add_planning_args(evaluate)
-    evaluate.add_argument("--strategy", required=True, help="e.g. tp=8,pp=8,dp=16,mbs=1,schedule=interleaved:2")
-    compare = verbs.add_parser("compare", help="Tessera's plan next to hand-tuned strategies on the same cost model")
-    _add_planning_args(compare)
-    compare.add_argument("--baseline", action="append", required=True, metavar="STR",
-                         help="a hand-tuned strategy, e.g. tp=8,pp=8,dp=16,mbs=1 (repeat for more; fields left out "
-                         "are filled by the planner)")
+    _add_plan(verbs)
+    _add_evaluate(verbs)
+    _add_compare(verbs)
     resume = verbs.add_parser("resume", help="re-plan a checkpointed run for the devices now available; print how "
                               "to relaunch it")
     resume.add_argument("checkpoint", help="checkpoint folder (the root given to ParallelModel.save, or a step-*)")
@@ -53,78 +67,162 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", help="file to write, e.g. model.pt (loads with model.load_state_dict(torch.load(out)))")
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     export.add_argument("--debug", action="store_true", help="show tracebacks")
+    _add_launch(verbs)
+    _add_presets(verbs)
+    _add_profile(verbs)
+    return parser
+
+
+def _add_debug(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _add_plan(verbs: argparse._SubParsersAction) -> None:
+    plan = verbs.add_parser("plan", help="search for the fastest strategy that fits and print it")
+    _add_planning_args(plan, formats=("table", "json", "md", "html"))
+    plan.add_argument("--out", metavar="DIR", type=report_folder, help="with --format md|html: folder for the report, "
+                      "its charts and plan.json (default tessera-report); other files in it are left alone")
+    plan.add_argument("--fix", metavar="STR", help="pin strategy fields and search the rest, e.g. tp=8,pp=4")
+    plan.add_argument("--top", type=whole_number(unit="runners-up", at_least=0, at_most=MAX_COUNT), default=5,
+                      help="runners-up to show (default 5; 0 for none)")
+    plan.add_argument("--json", metavar="PATH", type=file_to_write("plan file"), help="also write the plan as JSON")
+    _add_reliability_args(plan)
+
+
+def _add_evaluate(verbs: argparse._SubParsersAction) -> None:
+    evaluate = verbs.add_parser("evaluate", help="predict one strategy; fields left out are filled by the planner")
+    _add_planning_args(evaluate)
+    evaluate.add_argument("--strategy", required=True, help="e.g. tp=8,pp=8,dp=16,mbs=1,schedule=interleaved:2")
+
+
+def _add_compare(verbs: argparse._SubParsersAction) -> None:
+    compare = verbs.add_parser("compare", help="Tessera's plan next to hand-tuned strategies on the same cost model")
+    _add_planning_args(compare)
+    compare.add_argument("--baseline", action="append", required=True, metavar="STR",
+                         help="a hand-tuned strategy, e.g. tp=8,pp=8,dp=16,mbs=1 (repeat for more; fields left out "
+                         "are filled by the planner)")
+
+
+def _add_launch(verbs: argparse._SubParsersAction) -> None:
     launch = verbs.add_parser("launch", help="print the torchrun (or SLURM) command lines that run a plan")
-    launch.add_argument("plan", help="plan JSON written by 'tessera plan --json PATH'")
+    launch.add_argument("plan", type=plan_file_to_read, help="plan JSON written by 'tessera plan --json PATH'")
     launch.add_argument("--script", default="train.py", help="training script each rank runs (default train.py)")
     launch.add_argument("--scheduler", choices=("torchrun", "slurm"), default="torchrun")
-    launch.add_argument("--nodes", type=int, default=None, help="default: the plan's cluster")
-    launch.add_argument("--procs-per-node", type=int, default=None, help="default: the plan's cluster")
-    launch.add_argument("--debug", action="store_true", help="show tracebacks")
-    presets = verbs.add_parser("presets", help="list model and cluster presets")
-    presets.add_argument("--debug", action="store_true", help="show tracebacks")
+    launch.add_argument("--nodes", type=whole_number(unit="nodes", at_most=MAX_NODES), default=None,
+                        help="default: the plan's cluster")
+    launch.add_argument("--procs-per-node", type=whole_number(unit="processes", at_most=MAX_NODES), default=None,
+                        help="default: the plan's cluster")
+    _add_debug(launch)
+
+
+def _add_presets(verbs: argparse._SubParsersAction) -> None:
+    _add_debug(verbs.add_parser("presets", help="list model and cluster presets"))
+
+
+def _add_profile(verbs: argparse._SubParsersAction) -> None:
     profile = verbs.add_parser("profile", help="measure this machine's fabric and devices; write a cluster file")
-    profile.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2; NCCL if that many GPUs)")
-    profile.add_argument("--out", default="cluster.yaml", help="cluster file to write (default cluster.yaml)")
+    profile.add_argument("--nproc", type=whole_number(unit="ranks", at_least=2, at_most=MAX_LOCAL_RANKS), default=2,
+                         help="local ranks to spawn (default 2; NCCL if that many GPUs)")
+    profile.add_argument("--out", type=cluster_file_to_write, default="cluster.yaml",
+                         help="cluster file to write (default cluster.yaml)")
     profile.add_argument("--quick", action="store_true", help="reduced size sweep (seconds; for smoke tests)")
-    profile.add_argument("--trials", type=int, default=None, help="trials per measured point (default 7)")
-    profile.add_argument("--debug", action="store_true", help="show tracebacks")
-    return parser
+    profile.add_argument("--trials", type=whole_number(unit="trials", at_most=MAX_COUNT), default=None,
+                         help="trials per measured point (default 7)")
+    _add_debug(profile)
 
 
 def _add_planning_args(parser: argparse.ArgumentParser, *, formats: Sequence[str] = ("table", "json")) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model preset (default {DEFAULT_MODEL}); see 'tessera presets'")
     parser.add_argument("--cluster", default=DEFAULT_CLUSTER, help=f"cluster preset or YAML file (default {DEFAULT_CLUSTER})")
-    parser.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 8 per device)")
-    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    parser.add_argument("--global-batch", type=whole_number(unit="sequences", at_most=MAX_GLOBAL_BATCH), default=None,
+                        help="sequences per step (default: 8 per device)")
+    parser.add_argument("--seq-len", type=whole_number(unit="tokens", at_most=MAX_SEQ_LEN), default=4096,
+                        help="tokens per sequence (default 4096)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 on GPUs, fp32 on CPU")
-    parser.add_argument("--expert-capacity", type=float, default=None, metavar="F",
+    capacity = finite_number(noun="a load factor", above=0, at_most=MAX_CAPACITY_FACTOR)
+    parser.add_argument("--expert-capacity", type=capacity, default=None, metavar="F",
                         help="MoE load factor: each expert is planned for top_k * tokens / experts * F token slots "
                         "(routing imbalance headroom; default: the model's capacity_factor, 1.0)")
     parser.add_argument("--format", choices=formats, default="table", help=f"output format: {', '.join(formats)} (default table)")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    _add_debug(parser)
+
+
+def _add_reliability_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("reliability (opt-in: printed when --mtbf-hours is given)")
+    group.add_argument("--mtbf-hours", type=finite_number(noun="a number of hours", above=0, at_most=1e9),
+                       default=None, help="mean time between failures of the whole job")
+    group.add_argument("--checkpoint-every", type=whole_number(unit="steps", at_most=MAX_COUNT), default=None,
+                       metavar="STEPS", help="checkpoint interval in steps (default: the Young/Daly optimum)")
+    group.add_argument("--checkpoint-gbps", type=finite_number(noun="a bandwidth in GB/s", above=0, at_most=1e6),
+                       default=None, metavar="GB/S",
+                       help="checkpoint write bandwidth per device (default 0.12: Llama 3's 2 TB/s for 16K GPUs)")
+    group.add_argument("--async-checkpoint", action="store_true", help="asynchronous saves (dcp.async_save)")
+    group.add_argument("--restart-minutes", type=finite_number(noun="a number of minutes", at_least=0, at_most=1e6),
+                       default=None, help="relaunch time after a failure, on top of reading the checkpoint back (default 0)")
+
+
+# ----------------------------------------------------------------------------------------- running a verb
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``tessera`` console script."""
-    args = build_parser().parse_args(argv)
-    console = Console()
-    from tessera.errors import TesseraError  # after parsing, so --help stays fast
-
+    """Entry point of the ``tessera`` console script: the verb's exit status (see the module docstring)."""
     try:
-        return _run(args, console)
-    except TesseraError as exc:
-        if args.debug:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # --help (0) or a bad argument (2): argparse has printed the usage and one line
+        return stop.code if isinstance(stop.code, int) else 2
+    debug = args.debug or args.debug_before_verb
+    try:
+        return _run(args, Console(emoji=False))
+    except KeyboardInterrupt:
+        if debug:
             raise
-        Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        return 2
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        return _report_error(exc)
+
+
+def _report_error(exc: Exception) -> int:
+    """Print ``exc`` as one ``error:`` line on stderr; 2 for an error Tessera raised on purpose, 1 for a bug."""
+    from tessera.errors import TesseraError
+
+    message = " ".join(str(exc).split())
+    if not isinstance(exc, TesseraError):
+        if len(message) > INTERNAL_ERROR_CHARS:
+            message = message[: INTERNAL_ERROR_CHARS - 3] + "..."
+        message = f"internal error ({type(exc).__name__}: {message}); rerun with --debug for the traceback"
+    # Text, not a markup string: the message quotes user input ('foo[/bar]', 'hf:llama:'), shown as typed.
+    Console(stderr=True, emoji=False, highlight=False).print(Text.assemble(("error:", "red"), " ", message),
+                                                             soft_wrap=True)
+    return 2 if isinstance(exc, TesseraError) else 1
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
-    if args.verb == "resume":
-        return _resume(args, console)
-    if args.verb == "export":
-        return _export(args, console)
-    if args.verb == "launch":
-        return _launch(args)
-    if args.verb == "presets":
-        return _print_presets(console)
-    if args.verb == "profile":
-        return _profile(args, console)
-    if args.verb == "evaluate":
-        return _evaluate(args, console)
-    if args.verb == "compare":
-        return _compare(args, console)
-    return _plan(args, console)
+    verbs = {"plan": _plan, "evaluate": _evaluate, "compare": _compare, "resume": _resume, "export": _export,
+             "launch": _launch, "presets": _print_presets, "profile": _profile}
+    return verbs[args.verb](args, console)
+
+
+def _say(console: Console, text: str) -> None:
+    """Print a line that may hold user text (paths, names) exactly as it is."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 def _workload(args: argparse.Namespace) -> dict:
-    """The model, cluster and training arguments shared by plan and evaluate."""
+    """The model, cluster and training arguments shared by plan, evaluate and compare."""
     from tessera.topology import load_cluster
 
     cluster = load_cluster(args.cluster)
+    global_batch = 8 * cluster.num_devices if args.global_batch is None else args.global_batch
+    if global_batch > MAX_GLOBAL_BATCH:
+        from tessera.errors import ConfigError
+
+        raise ConfigError(f"the default global batch (8 per device) on {cluster.num_devices:,} devices is "
+                          f"{global_batch:,} sequences, past Tessera's bound of {MAX_GLOBAL_BATCH:,}; pass --global-batch")
     return dict(
-        model=args.model, cluster=cluster, global_batch=args.global_batch or 8 * cluster.num_devices,
-        seq_len=args.seq_len, precision=args.precision, expert_capacity_factor=args.expert_capacity,
+        model=args.model, cluster=cluster, global_batch=global_batch, seq_len=args.seq_len,
+        precision=args.precision, expert_capacity_factor=args.expert_capacity,
     )
 
 
@@ -135,7 +233,7 @@ def _search_with_progress(args: argparse.Namespace, console: Console):
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task(f"capturing {args.model}", total=None)
+        task = bar.add_task(f"capturing {escape(args.model)}", total=None)
 
         def advance(done: int, total: int) -> None:
             bar.update(task, description="estimating strategies", completed=done, total=total)
@@ -144,12 +242,10 @@ def _search_with_progress(args: argparse.Namespace, console: Console):
 
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
-    import tessera
-    from tessera.errors import ConfigError
+    from tessera.files import write_text_atomically
     from tessera.report import print_plan
 
-    if args.out and args.format not in ("md", "html"):
-        raise ConfigError("--out DIR writes a report: add --format md or --format html")
+    _check_plan_options(args)
     plan = _search_with_progress(args, console)
     if args.format == "json":
         print(plan.to_json())
@@ -158,32 +254,59 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         if args.mtbf_hours is not None:
             _print_reliability(plan, args, console)
     if args.json:
-        plan.to_json(args.json)
-        console.print(f"plan written to {args.json}")
+        write_text_atomically(args.json, plan.to_json(), what="plan file")
+        _say(console, f"plan written to {args.json}")
     if args.format in ("md", "html"):
         _write_report(plan, args.format, out=args.out or "tessera-report", console=console)
     return 0
 
 
+def _check_plan_options(args: argparse.Namespace) -> None:
+    """Options that only mean something together, refused before the search rather than ignored after it."""
+    from tessera.errors import ConfigError
+    from tessera.files import check_writable_file
+
+    if args.out and args.format not in ("md", "html"):
+        raise ConfigError("--out DIR writes a report: add --format md or --format html")
+    reliability = {"--checkpoint-every": args.checkpoint_every, "--checkpoint-gbps": args.checkpoint_gbps,
+                   "--restart-minutes": args.restart_minutes, "--async-checkpoint": args.async_checkpoint or None}
+    given = [name for name, value in reliability.items() if value is not None]
+    if given and args.mtbf_hours is None:
+        raise ConfigError(f"{', '.join(given)} only apply to the reliability estimate: add --mtbf-hours H")
+    if args.mtbf_hours is not None and args.format == "json":
+        raise ConfigError("--mtbf-hours prints a reliability table, which --format json leaves out: use --format "
+                          "table, md or html")
+    if args.format in ("md", "html"):
+        folder = Path(args.out or "tessera-report")
+        for name in ("plan.json", f"report.{args.format}"):
+            if folder.is_dir():
+                check_writable_file(folder / name, what="report file")
+
+
 def _write_report(plan, kind: str, *, out: str, console: Console) -> None:
-    """Write ``report.md`` (with PNG charts) or a self-contained ``report.html``, and ``plan.json``, to ``out``."""
-    from pathlib import Path
+    """Write ``report.md`` (with PNG charts) or a self-contained ``report.html``, and ``plan.json``, into ``out``.
+
+    Only those files are written, each renamed into place whole; nothing else in ``out`` is touched.
+    """
+    from tessera.errors import ConfigError
+    from tessera.files import write_text_atomically
+    from tessera.planner.explain import write_html, write_markdown
 
     folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    plan_path = folder / "plan.json"
-    plan.to_json(plan_path)
-    report = folder / f"report.{kind}"
-    render = plan.to_markdown if kind == "md" else plan.to_html
-    render(report, plan_path=str(plan_path))
-    console.print(f"report written to {report} (plan: {plan_path})")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"cannot create report folder {out}: {error.strerror or error}; choose another --out") from None
+    plan_path = write_text_atomically(folder / "plan.json", plan.to_json(), what="plan file")
+    report = (write_markdown if kind == "md" else write_html)(plan, folder / f"report.{kind}", plan_path=str(plan_path))
+    _say(console, f"report written to {report} (plan: {plan_path})")
 
 
 def _compare(args: argparse.Namespace, console: Console) -> int:
     import tessera
     from tessera.report import print_comparison
 
-    with console.status(f"capturing {args.model}, searching and evaluating {len(args.baseline)} baseline(s)..."):
+    with console.status(f"capturing {escape(args.model)}, searching and evaluating {len(args.baseline)} baseline(s)..."):
         comparison = tessera.compare(**_workload(args), baselines=args.baseline)
     if args.format == "json":
         print(comparison.model_dump_json(indent=2))
@@ -198,7 +321,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     import tessera
     from tessera.report import estimate_json, print_estimate
 
-    with console.status(f"capturing {args.model} and estimating..."):
+    with console.status(f"capturing {escape(args.model)} and estimating..."):
         strategy, estimate = tessera.evaluate(**_workload(args), strategy=args.strategy)
     if args.format == "json":
         print(json.dumps(estimate_json(strategy, estimate), indent=2))
@@ -207,32 +330,19 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _add_reliability_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("reliability (opt-in: printed when --mtbf-hours is given)")
-    group.add_argument("--mtbf-hours", type=float, default=None, help="mean time between failures of the whole job")
-    group.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
-                       help="checkpoint interval in steps (default: the Young/Daly optimum)")
-    group.add_argument("--checkpoint-gbps", type=float, default=None, metavar="GB/S",
-                       help="checkpoint write bandwidth per device (default 0.12: Llama 3's 2 TB/s for 16K GPUs)")
-    group.add_argument("--async-checkpoint", action="store_true", help="asynchronous saves (dcp.async_save)")
-    group.add_argument("--restart-minutes", type=float, default=0.0,
-                       help="relaunch time after a failure, on top of reading the checkpoint back (default 0)")
-
-
 def _print_reliability(plan, args: argparse.Namespace, console: Console) -> None:
-    """Checkpoint cost, the Young/Daly interval and the expected time lost to failures (cost_models.reliability)."""
-    from tessera.cost_models import reliability as r
-    from tessera.errors import ConfigError
+    """Checkpoint cost, the Young/Daly interval and the expected time lost to failures (cost_models.reliability).
 
-    if args.mtbf_hours <= 0 or (args.checkpoint_every is not None and args.checkpoint_every < 1):
-        raise ConfigError("--mtbf-hours must be positive and --checkpoint-every at least 1 step")
-    bandwidth = args.checkpoint_gbps * 1e9 if args.checkpoint_gbps else r.LLAMA3_STORAGE_BYTES_PER_S_PER_GPU
+    The options are validated where they are parsed (positive, finite, bounded)."""
+    from tessera.cost_models import reliability as r
+
+    bandwidth = args.checkpoint_gbps * 1e9 if args.checkpoint_gbps is not None else r.LLAMA3_STORAGE_BYTES_PER_S_PER_GPU
     cost = r.checkpoint_cost(plan.param_count, num_devices=plan.strategy.world_size,
                              write_bytes_per_s_per_device=bandwidth, asynchronous=args.async_checkpoint)
     step_s = plan.estimate.step_time_s
     interval = args.checkpoint_every * step_s if args.checkpoint_every else None
     estimate = r.reliability_estimate(cost, mtbf_s=args.mtbf_hours * 3600, interval_s=interval,
-                                      restart_s=cost.write_time_s + args.restart_minutes * 60)
+                                      restart_s=cost.write_time_s + (args.restart_minutes or 0.0) * 60)
     console.print(estimate.summary(step_time_s=step_s), highlight=False, soft_wrap=True)
 
 
@@ -266,23 +376,18 @@ def _export(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from tessera.errors import ConfigError
+def _launch(args: argparse.Namespace, console: Console) -> int:
     from tessera.planner.plan import Plan
     from tessera.runtime.launch import launch_commands
 
-    if not Path(args.plan).exists():
-        raise ConfigError(f"plan file {args.plan} does not exist; write one with 'tessera plan ... --json {args.plan}'")
-    plan = Plan.from_json(Path(args.plan))
+    plan = Plan.from_json(Path(args.plan))  # the path was checked when parsed (plan_file_to_read)
     lines = launch_commands(plan, args.script, nodes=args.nodes, procs_per_node=args.procs_per_node,
                             scheduler=args.scheduler, script_args=["--plan", args.plan])
     print("\n".join(lines))
     return 0
 
 
-def _print_presets(console: Console) -> int:
+def _print_presets(args: argparse.Namespace, console: Console) -> int:
     from tessera.models import list_presets
     from tessera.topology import preset_names
 
@@ -292,26 +397,23 @@ def _print_presets(console: Console) -> int:
 
 
 def _profile(args: argparse.Namespace, console: Console) -> int:
-    """Spawn ``--nproc`` local ranks, measure collectives and the device, fit, write ``--out``."""
+    """Spawn ``--nproc`` local ranks, measure collectives and the device, fit, write ``--out`` (checked when parsed)."""
     import time
 
-    from tessera.errors import ClusterSpecError
     from tessera.topology.profiler import ProfileSweep, profile_local
 
-    if not args.out.endswith((".yaml", ".yml")):
-        raise ClusterSpecError(f"--out must end in .yaml or .yml so load_cluster can read it, got {args.out!r}")
     sweep = ProfileSweep.quick() if args.quick else ProfileSweep()
     if args.trials is not None:
         sweep = sweep.model_copy(update={"trials": args.trials})
     started = time.perf_counter()
     result = profile_local(args.nproc, sweep=sweep, out=args.out)
     for level in result.cluster.levels:
-        console.print(f"{level.name}: {level.group_size} ranks, latency {level.latency_s * 1e6:.0f} us, "
+        _say(console, f"{level.name}: {level.group_size} ranks, latency {level.latency_s * 1e6:.0f} us, "
                       f"bandwidth {level.bandwidth_bytes_per_s / 1e9:.2f} GB/s per rank (best collective)")
     device = result.cluster.device
-    console.print(f"device {device.name}: fp32 {device.peak_flops('fp32') / 1e9:.1f} GFLOP/s, memory "
+    _say(console, f"device {device.name}: fp32 {device.peak_flops('fp32') / 1e9:.1f} GFLOP/s, memory "
                   f"{device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s per rank")
-    console.print(f"cluster file written to {args.out} in {time.perf_counter() - started:.1f} s; "
+    _say(console, f"cluster file written to {args.out} in {time.perf_counter() - started:.1f} s; "
                   f"use it with --cluster {args.out}")
     return 0
 

@@ -1,9 +1,16 @@
 """Terminal rendering with rich: a plan (strategy, mesh layout, prediction, memory, runners-up, launch line)
-and a comparison of the plan with hand-tuned baselines."""
+and a comparison of the plan with hand-tuned baselines.
+
+Text that came from the user (model, cluster and device names, baseline strings, reasons quoting them) goes
+through :func:`literal` before it joins a markup string, so ``foo[/bar]`` prints as typed instead of breaking the
+render; the consoles made here also leave ``:name:`` alone (no emoji), so ``hf:llama:`` is not a llama. A console
+passed in should be made with ``emoji=False`` for the same reason (the CLI's is).
+"""
 
 from __future__ import annotations
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 
 from tessera.cost_models import Estimate, Strategy
@@ -13,6 +20,15 @@ from tessera.planner.explain import (
 from tessera.planner.plan import Plan, format_count
 
 GiB = 2**30
+
+
+def literal(value: object) -> str:
+    """``value`` as text that rich markup shows exactly as it is (``[`` escaped)."""
+    return escape(str(value))
+
+
+def _console(console: Console | None) -> Console:
+    return console or Console(emoji=False)
 
 
 def plan_renderable(plan: Plan) -> Group:
@@ -25,20 +41,23 @@ def plan_renderable(plan: Plan) -> Group:
 
 def print_plan(plan: Plan, console: Console | None = None) -> None:
     """Print the plan's tables to the terminal."""
-    (console or Console()).print(plan_renderable(plan))
+    _console(console).print(plan_renderable(plan))
 
 
 def _headline(plan: Plan) -> Table:
     e = plan.estimate
     nodes, per_node = cluster_layout(plan)
-    table = Table(title=f"Tessera plan: {plan.model_name} on {plan.cluster}", show_header=False, title_justify="left")
+    table = Table(title=f"Tessera plan: {literal(plan.model_name)} on {literal(plan.cluster)}", show_header=False,
+                  title_justify="left")
     table.add_column(style="bold")
     table.add_column(overflow="fold")
     rows = [
-        ("model", f"{plan.model_name}: {format_count(plan.param_count)} parameters, {len(plan.layers)} layers"),
-        ("cluster", f"{plan.cluster}: {e.memory_budget_bytes / GiB:.0f} GiB {plan.device_name} per device"),
+        ("model", f"{literal(plan.model_name)}: {format_count(plan.param_count)} parameters, "
+                  f"{len(plan.layers)} layers"),
+        ("cluster", f"{literal(plan.cluster)}: {e.memory_budget_bytes / GiB:.0f} GiB {literal(plan.device_name)} "
+                    "per device"),
         ("training", f"global batch {plan.training.global_batch} x {plan.training.seq_len} tokens, {plan.training.precision}"),
-        ("strategy", f"{plan.strategy.name}  [cyan]{plan.strategy.to_string()}[/]"),
+        ("strategy", f"{plan.strategy.name}  [cyan]{literal(plan.strategy.to_string())}[/]"),
         ("mesh", "; ".join(mesh_layout(plan.strategy, devices_per_node=per_node))
                  + f"; {e.micro_batches} micro-batches per step"),
         ("step time", _step_breakdown(e)),
@@ -46,7 +65,7 @@ def _headline(plan: Plan) -> Table:
                        f"({e.model_tflops_per_device:.0f} model TFLOP/s per device)"),
         ("memory", f"{e.peak_memory_bytes / GiB:.1f} / {e.memory_budget_bytes / GiB:.1f} GiB per device"),
         ("search", _search_line(plan)),
-        ("launch", launch_command(nodes=nodes, devices_per_node=per_node)),
+        ("launch", literal(launch_command(nodes=nodes, devices_per_node=per_node))),
     ]
     for key, value in rows:
         table.add_row(key, value)
@@ -106,8 +125,8 @@ def _alternatives(plan: Plan) -> Table:
     for candidate in plan.alternatives:
         e = candidate.estimate
         table.add_row(
-            candidate.strategy.to_string(), f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
-            f"{e.peak_memory_bytes / GiB:.1f}", why_it_lost(e, plan.estimate, candidate.verdict, values=False),
+            literal(candidate.strategy.to_string()), f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
+            f"{e.peak_memory_bytes / GiB:.1f}", literal(why_it_lost(e, plan.estimate, candidate.verdict, values=False)),
         )
     return table
 
@@ -124,8 +143,8 @@ def _degree_alternatives(plan: Plan) -> Table:
     for candidate in plan.degree_alternatives:
         e = candidate.estimate
         degree, _, verdict = candidate.verdict.partition(": ")
-        table.add_row(degree, candidate.strategy.to_string(), f"{e.step_time_s:.3f}", f"{e.peak_memory_bytes / GiB:.1f}",
-                      why_it_lost(e, plan.estimate, verdict, values=False))
+        table.add_row(literal(degree), literal(candidate.strategy.to_string()), f"{e.step_time_s:.3f}", f"{e.peak_memory_bytes / GiB:.1f}",
+                      literal(why_it_lost(e, plan.estimate, verdict, values=False)))
     return table
 
 
@@ -158,7 +177,7 @@ def estimate_json(strategy: Strategy, estimate: Estimate) -> dict:
 def print_estimate(strategy: Strategy, estimate: Estimate, console: Console | None = None) -> None:
     """Print one strategy's estimate: headline, memory and communication tables."""
     e = estimate
-    table = Table(title=f"Estimate: {strategy.to_string()}", show_header=False, title_justify="left")
+    table = Table(title=f"Estimate: {literal(strategy.to_string())}", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     fits = "[green]fits[/]" if e.fits else f"[red]does not fit: {(e.peak_memory_bytes - e.memory_budget_bytes) / GiB:.1f} GiB over[/]"
@@ -169,14 +188,14 @@ def print_estimate(strategy: Strategy, estimate: Estimate, console: Console | No
         ("memory", f"{e.peak_memory_bytes / GiB:.1f} / {e.memory_budget_bytes / GiB:.1f} GiB per device, {fits}"),
     ):
         table.add_row(key, value)
-    (console or Console()).print(Group(table, _memory_table(e), _communication_table(e)))
+    _console(console).print(Group(table, _memory_table(e), _communication_table(e)))
 
 
 def comparison_renderable(comparison: Comparison) -> Group:
     """The plan and each baseline side by side, then each configuration's strategy and why they differ."""
     t = comparison.training
-    table = Table(title=f"Tessera vs baselines: {comparison.model_name} on {comparison.cluster}, global batch "
-                        f"{t.global_batch} x {t.seq_len}", title_justify="left")
+    table = Table(title=f"Tessera vs baselines: {literal(comparison.model_name)} on {literal(comparison.cluster)}, "
+                        f"global batch {t.global_batch} x {t.seq_len}", title_justify="left")
     table.add_column("config", no_wrap=True)
     for column in ("step s", "tokens/s", "MFU", "GiB/device", "plan speed-up"):
         table.add_column(column, justify="right", no_wrap=True)
@@ -188,11 +207,12 @@ def comparison_renderable(comparison: Comparison) -> Group:
     details = Table(title="Strategies and why they differ", title_justify="left", show_header=False)
     details.add_column(style="bold", no_wrap=True)
     details.add_column(overflow="fold")
-    details.add_row("Tessera", f"[cyan]{comparison.plan_strategy.to_string()}[/] "
+    details.add_row("Tessera", f"[cyan]{literal(comparison.plan_strategy.to_string())}[/] "
                                f"({comparison.candidates_evaluated} strategies searched in {comparison.search_time_s:.2f} s)")
     for index, baseline in enumerate(comparison.baselines, start=1):
-        evaluated = f" -> [cyan]{baseline.strategy.to_string()}[/]" if baseline.strategy else ""
-        details.add_row(f"baseline {index}", f"{baseline.requested}{evaluated}\n{baseline.reason}")
+        evaluated = f" -> [cyan]{literal(baseline.strategy.to_string())}[/]" if baseline.strategy else ""
+        details.add_row(f"baseline {index}",
+                        f"{literal(baseline.requested)}{evaluated}\n{literal(baseline.reason)}")
     return Group(table, details)
 
 
@@ -207,7 +227,7 @@ def _baseline_cells(index: int, baseline: BaselineComparison) -> tuple[str, ...]
 
 def print_comparison(comparison: Comparison, console: Console | None = None) -> None:
     """Print the plan-versus-baselines tables to the terminal."""
-    (console or Console()).print(comparison_renderable(comparison))
+    _console(console).print(comparison_renderable(comparison))
 
 
 def comparison_terms_json(comparison: Comparison) -> dict:

@@ -1,0 +1,214 @@
+"""Hostile and careless input at the command line: one clear line, a non-zero exit, no traceback (issue 17).
+
+A subset of ``benchmarks/bad_inputs.py``'s corpus runs in-process (``tessera.cli.main``), judged by the corpus's
+own criteria; then one test per rule the CLI keeps: numbers validated where argparse reads them, user text shown
+literally, ``--debug`` on either side of the verb, output paths checked before the search, the backstop for bugs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from tessera import cli, cli_args
+from tessera.cli import main
+from tessera.errors import ModelSpecError
+from tessera.models import model_config, with_override
+from tessera.models.limits import MAX_CAPACITY_FACTOR, MAX_DIMS
+
+
+def _load_corpus():
+    """``benchmarks/`` is scripts, not a package: load the corpus from its file."""
+    path = Path(__file__).parents[2] / "benchmarks" / "bad_inputs.py"
+    spec = importlib.util.spec_from_file_location("bad_inputs", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bad_inputs"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+corpus = _load_corpus()
+CASES = {case.name: case for case in corpus.CASES}
+SUBSET = [
+    "plan/global-batch=0", "plan/global-batch=nan", f"plan/global-batch={10**15}", "plan/seq-len=-5",
+    "plan/top=-1", "plan/expert-capacity=inf", "plan/mtbf-hours=0", "plan/checkpoint-gbps=nan",
+    "plan/restart-minutes=-1", "plan/checkpoint-every without --mtbf-hours", "evaluate/global-batch=0",
+    "compare/seq-len=0", "plan/json /proc", "plan/json a folder", "plan/out is a file", "plan/json empty",
+    "launch/--nodes -1", "launch/--procs-per-node 0", "launch/a folder", "launch/dev-zero", "profile/--nproc 0",
+    "profile/--out /proc/x.yaml", "profile/--trials -1", "top/--debug alone",
+    "model/'gpt-tiny:layers=100000000'", "model/'gpt-tiny:layers=2,layers=3'", "model/markup foo[/bar]",
+    "model/markup :llama:", "factory/raises", "factory/none", "cluster/'cpu:ranks=0'", "evaluate/strategy tp=3",
+]
+"""Representative and fast: most fail while parsing; the rest after a tiny capture."""
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory) -> Path:
+    """The corpus's valid plan (``{plan}``), written by the CLI itself."""
+    folder = tmp_path_factory.mktemp("fixtures")
+    assert main([*corpus.FIXTURE_PLAN, str(folder / "plan.json")]) == 0
+    return folder
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines, "nothing on stderr"
+    return lines[-1]
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_corpus_case_is_one_clear_line(name, fixtures, tmp_path, monkeypatch, capsys):
+    case = CASES[name]
+    if case.setup is not None:
+        case.setup(tmp_path, fixtures)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(case.command(tmp_path, fixtures), capsys)
+    failure = corpus.judge(case, returncode=code, stdout=out, stderr=err, seconds=0.0, tmp=tmp_path)
+    assert failure is None, f"{failure}: {err[-400:]}"
+
+
+def test_corpus_covers_every_verb():
+    verbs = {case.verb for case in corpus.CASES}
+    assert {"plan", "evaluate", "compare", "resume", "export", "launch", "profile", "presets"} <= verbs
+    assert len(corpus.CASES) >= 200 and len(CASES) == len(corpus.CASES), "case names are unique"
+
+
+# ----------------------------------------------------------------------------------------- numbers
+
+
+def test_global_batch_zero_is_refused_not_defaulted(capsys):
+    code, _, err = run(["plan", "--global-batch", "0"], capsys)
+    assert code == 2
+    assert error_line(err) == ("tessera plan: error: argument --global-batch: expected a whole number of sequences "
+                               f"from 1 to {cli_args.MAX_GLOBAL_BATCH:,}, got '0'")
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("--seq-len", str(10**12)), ("--expert-capacity", "nan"), ("--mtbf-hours", "-inf"), ("--top", "1.5"),
+])
+def test_bad_numbers_fail_while_parsing(option, value, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_run", lambda *a: pytest.fail("a bad number reached the verb"))
+    code, _, err = run(["plan", option, value], capsys)
+    assert code == 2 and error_line(err).startswith(f"tessera plan: error: argument {option}: expected ")
+
+
+def test_launch_with_negative_nodes_is_refused(fixtures, capsys):
+    code, out, err = run(["launch", str(fixtures / "plan.json"), "--nodes", "-1"], capsys)
+    assert code == 2 and out == "" and "argument --nodes" in error_line(err)
+
+
+def test_cli_bounds_match_the_model_bounds():
+    # cli_args keeps its own copies (importing tessera.models would import torch before parsing).
+    assert cli_args.MAX_SEQ_LEN == MAX_DIMS["seq_len"]
+    assert cli_args.MAX_CAPACITY_FACTOR == MAX_CAPACITY_FACTOR
+
+
+# ----------------------------------------------------------------------------------------- model specs
+
+
+@pytest.mark.parametrize(("spec", "fragment"), [
+    ("gpt-tiny:layers=100000000", "past Tessera's bound of 1,024"),
+    ("gpt-tiny:layers=2,layers=3", "gives layers twice"),
+    ("llama-tiny:seq=64,seq_len=128", "gives seq_len twice"),
+    ("llama-tiny:rope_theta=nan", "finite"),
+    ("moe-tiny:capacity=inf", "finite"),
+    ("moe-tiny:layers=1000,experts=1000", "expert modules"),
+    ("gpt-tiny:ffn=0", "ffn_hidden must be positive"),
+    ("gpt-tiny:bogus=1", "key in dropout, ffn"),
+])
+def test_absurd_or_malformed_model_specs_fail_fast(spec, fragment):
+    with pytest.raises(ModelSpecError, match=fragment):
+        model_config(spec)
+
+
+def test_with_override_replaces_the_specs_own_value():
+    assert with_override("llama-tiny:seq=64,layers=4", "seq", 128) == "llama-tiny:layers=4,seq=128"
+    assert with_override("llama-tiny:seq_len=64", "seq", 128) == "llama-tiny:seq=128"
+    assert model_config(with_override("llama-tiny:seq=64", "seq", 128)).seq_len == 128
+
+
+def test_factory_that_raises_is_one_line_naming_it(tmp_path, capsys):
+    (tmp_path / "broken.py").write_text("def make():\n    raise ValueError('no such layer')\n")
+    code, _, err = run(["plan", "--model", f"{tmp_path}/broken.py:make", "--cluster", "cpu:ranks=2"], capsys)
+    line = error_line(err)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert line.startswith("error: model factory") and "broken.py:make()" in line and "no such layer" in line
+
+
+# ----------------------------------------------------------------------------------------- user text
+
+
+@pytest.mark.parametrize("text", ["foo[/bar]", "[red]x[/red]", ":llama:"])
+def test_markup_and_emoji_in_user_text_print_as_typed(text, capsys):
+    code, _, err = run(["plan", "--model", text], capsys)
+    assert code == 2 and error_line(err).startswith("error: unknown model") and repr(text) in error_line(err)
+
+
+def test_report_shows_user_names_literally(fixtures):
+    from tessera.planner.plan import Plan
+    from tessera.report import print_plan
+
+    plan = Plan.from_json(fixtures / "plan.json").model_copy(update={"model_name": "hf:llama:[/x]"})
+    buffer = io.StringIO()
+    print_plan(plan, Console(file=buffer, width=200, emoji=False))
+    assert "Tessera plan: hf:llama:[/x] on cpu:ranks=2" in buffer.getvalue()
+
+
+# ----------------------------------------------------------------------------------------- --debug and the backstop
+
+
+@pytest.mark.parametrize("argv", [["--debug", "plan", "--model", "nope"], ["plan", "--model", "nope", "--debug"]])
+def test_debug_before_or_after_the_verb_raises(argv):
+    with pytest.raises(ModelSpecError):
+        main(argv)
+
+
+def test_unexpected_exception_is_one_internal_error_line(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_print_presets", lambda *a: 1 / 0)
+    code, _, err = run(["presets"], capsys)
+    assert code == 1 and err.count("\n") == 1
+    assert error_line(err) == ("error: internal error (ZeroDivisionError: division by zero); rerun with --debug for "
+                               "the traceback")
+    with pytest.raises(ZeroDivisionError):
+        main(["--debug", "presets"])
+
+
+def test_ctrl_c_exits_130_quietly(monkeypatch, capsys):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_print_presets", interrupted)
+    assert run(["presets"], capsys) == (130, "", "")
+
+
+# ----------------------------------------------------------------------------------------- output paths
+
+
+@pytest.mark.parametrize("path", ["/proc/x.json", "/nonexistent/dir/p.json", "."])
+def test_unwritable_json_is_refused_before_planning(path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_search_with_progress", lambda *a: pytest.fail("searched before checking --json"))
+    code, _, err = run(["plan", "--json", path], capsys)
+    assert code == 2 and "argument --json" in error_line(err)
+
+
+def test_report_folder_keeps_the_users_files(tmp_path, capsys):
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, _, _ = run(["plan", *corpus.BASE, "--format", "md", "--out", str(out), "--json", str(tmp_path / "p.json")],
+                     capsys)
+    assert code == 0 and (out / "notes.txt").read_text() == "mine"
+    assert {"report.md", "plan.json"} <= {p.name for p in out.iterdir()} and (tmp_path / "p.json").exists()
+    assert not [p for p in (*out.iterdir(), *tmp_path.iterdir()) if p.name.startswith(".")], "no staging left behind"
+    assert "](" in (out / "report.md").read_text(), "the charts are linked beside the report"
