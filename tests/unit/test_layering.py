@@ -54,3 +54,34 @@ def test_the_check_sees_a_violation(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text("def f():\n    from tessera.runtime.apply import apply_plan\nimport tessera.planner.search\n")
     assert tessera_imports(sample) == {"tessera.runtime.apply", "tessera.planner.search"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(("tessera", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
+def imported_modules(path: Path) -> set[str]:
+    """``tessera_imports``, with ``from tessera.pkg import submodule`` resolved to the submodule."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("tessera.")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tessera."):
+            folder = ROOT.joinpath(*node.module.split(".")[1:])
+            subs = {f"{node.module}.{a.name}" for a in node.names if (folder / f"{a.name}.py").exists()}
+            found |= subs or {node.module}
+    return found
+
+
+def test_no_two_modules_import_each_other():
+    # Issue 17 ("plan stays data"): plan <-> explain and checkpoint <-> parallel_model imported each other, even if
+    # only inside functions or under TYPE_CHECKING. Every import, at any depth, counts; a package's __init__
+    # re-exporting its modules is not a module of its own.
+    import networkx as nx
+
+    graph = nx.DiGraph()
+    for path in ROOT.rglob("*.py"):
+        if path.name != "__init__.py" and not {"tests", "benchmarks", ".venv", "build"} & set(path.relative_to(ROOT).parts):
+            graph.add_edges_from((module_name(path), target) for target in imported_modules(path))
+    assert not list(nx.simple_cycles(graph))
