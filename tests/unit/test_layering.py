@@ -8,13 +8,16 @@ RANK = {"errors": -1, "files": -1, "topology": 0, "cost_models": 1, "planner": 2
 
 
 def tessera_imports(path: Path) -> set[str]:
-    """Dotted ``tessera.*`` modules imported anywhere in ``path`` (function-level imports included)."""
+    """Dotted ``tessera.*`` modules imported anywhere in ``path`` (function-level imports included);
+    ``from tessera.pkg import submodule`` counts as the submodule."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name.startswith("tessera.")}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tessera."):
-            found.add(node.module)
+            folder = ROOT.joinpath(*node.module.split(".")[1:])
+            submodules = {f"{node.module}.{a.name}" for a in node.names if (folder / f"{a.name}.py").exists()}
+            found |= submodules or {node.module}
     return found
 
 
@@ -61,19 +64,6 @@ def module_name(path: Path) -> str:
     return ".".join(("tessera", *(parts[:-1] if parts[-1] == "__init__" else parts)))
 
 
-def imported_modules(path: Path) -> set[str]:
-    """``tessera_imports``, with ``from tessera.pkg import submodule`` resolved to the submodule."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names if alias.name.startswith("tessera.")}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tessera."):
-            folder = ROOT.joinpath(*node.module.split(".")[1:])
-            subs = {f"{node.module}.{a.name}" for a in node.names if (folder / f"{a.name}.py").exists()}
-            found |= subs or {node.module}
-    return found
-
-
 def test_no_two_modules_import_each_other():
     # Issue 17 ("plan stays data"): plan <-> explain and checkpoint <-> parallel_model imported each other, even if
     # only inside functions or under TYPE_CHECKING. Every import, at any depth, counts; a package's __init__
@@ -83,5 +73,5 @@ def test_no_two_modules_import_each_other():
     graph = nx.DiGraph()
     for path in ROOT.rglob("*.py"):
         if path.name != "__init__.py" and not {"tests", "benchmarks", ".venv", "build"} & set(path.relative_to(ROOT).parts):
-            graph.add_edges_from((module_name(path), target) for target in imported_modules(path))
+            graph.add_edges_from((module_name(path), target) for target in tessera_imports(path))
     assert not list(nx.simple_cycles(graph))
