@@ -209,15 +209,20 @@ def _say(console: Console, text: str) -> None:
     console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-def _workload(args: argparse.Namespace) -> dict:
-    """The model, cluster and training arguments shared by plan, evaluate and compare."""
+def _workload(args: argparse.Namespace, *strategies: str | None) -> dict:
+    """The model, cluster and training arguments shared by plan, evaluate and compare.
+
+    The cluster and the ``strategies`` strings are checked here, before ``tessera.api`` (and torch, seconds to
+    import) is loaded, so a bad one fails at once."""
+    from tessera.cost_models import Strategy
+    from tessera.errors import ConfigError
     from tessera.topology import load_cluster
 
     cluster = load_cluster(args.cluster)
+    for text in filter(None, strategies):
+        Strategy.parse_fields(text)
     global_batch = 8 * cluster.num_devices if args.global_batch is None else args.global_batch
     if global_batch > MAX_GLOBAL_BATCH:
-        from tessera.errors import ConfigError
-
         raise ConfigError(f"the default global batch (8 per device) on {cluster.num_devices:,} devices is "
                           f"{global_batch:,} sequences, past Tessera's bound of {MAX_GLOBAL_BATCH:,}; pass --global-batch")
     return dict(
@@ -231,6 +236,7 @@ def _search_with_progress(args: argparse.Namespace, console: Console):
     import tessera
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    workload = _workload(args, args.fix)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task(f"capturing {escape(args.model)}", total=None)
@@ -238,7 +244,7 @@ def _search_with_progress(args: argparse.Namespace, console: Console):
         def advance(done: int, total: int) -> None:
             bar.update(task, description="estimating strategies", completed=done, total=total)
 
-        return tessera.plan(**_workload(args), strategy=args.fix, top=args.top, progress=advance)
+        return tessera.plan(**workload, strategy=args.fix, top=args.top, progress=advance)
 
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
@@ -306,8 +312,9 @@ def _compare(args: argparse.Namespace, console: Console) -> int:
     import tessera
     from tessera.report import print_comparison
 
+    workload = _workload(args, *args.baseline)
     with console.status(f"capturing {escape(args.model)}, searching and evaluating {len(args.baseline)} baseline(s)..."):
-        comparison = tessera.compare(**_workload(args), baselines=args.baseline)
+        comparison = tessera.compare(**workload, baselines=args.baseline)
     if args.format == "json":
         print(comparison.model_dump_json(indent=2))
     else:
@@ -321,8 +328,9 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     import tessera
     from tessera.report import estimate_json, print_estimate
 
+    workload = _workload(args, args.strategy)
     with console.status(f"capturing {escape(args.model)} and estimating..."):
-        strategy, estimate = tessera.evaluate(**_workload(args), strategy=args.strategy)
+        strategy, estimate = tessera.evaluate(**workload, strategy=args.strategy)
     if args.format == "json":
         print(json.dumps(estimate_json(strategy, estimate), indent=2))
     else:
@@ -378,9 +386,10 @@ def _export(args: argparse.Namespace, console: Console) -> int:
 
 def _launch(args: argparse.Namespace, console: Console) -> int:
     from tessera.planner.plan import Plan
-    from tessera.runtime.launch import launch_commands
 
     plan = Plan.from_json(Path(args.plan))  # the path was checked when parsed (plan_file_to_read)
+    from tessera.runtime.launch import launch_commands  # after reading the plan: the runtime takes seconds to import
+
     lines = launch_commands(plan, args.script, nodes=args.nodes, procs_per_node=args.procs_per_node,
                             scheduler=args.scheduler, script_args=["--plan", args.plan])
     print("\n".join(lines))

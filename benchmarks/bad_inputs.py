@@ -166,6 +166,7 @@ def crafted_pickle(tmp: Path) -> bytes:
 
 CLUSTER = """device: local-cpu
 devices_per_node: 2
+size_key: nodes
 size: 1
 levels:
   - name: loopback
@@ -307,10 +308,12 @@ def _cluster_cases() -> list[Case]:
         "bandwidth -1": _cluster_text(bandwidth_gb_per_s="-1"), "bandwidth inf": _cluster_text(bandwidth_gb_per_s=".inf"),
         "bandwidth nan": _cluster_text(bandwidth_gb_per_s=".nan"), "latency -1": _cluster_text(latency_us="-1"),
         "devices_per_node 0": _cluster_text(devices_per_node="0"),
-        "device memory 0": _cluster_text(device="{name: local-cpu, memory_gb: 0, peak_tflops: {fp32: 1}, "
-                                                 "memory_bandwidth_gb_per_s: 5}"),
-        "device flops nan": _cluster_text(device="{name: local-cpu, memory_gb: 4, peak_tflops: {fp32: .nan}, "
-                                                   "memory_bandwidth_gb_per_s: 5}"),
+        "device memory 0": _cluster_text(device="{name: cpu-x, memory_gb: 0, peak_tflops: {fp32: 1}, "
+                                                 "memory_bandwidth_gb_per_s: 5, source: test}"),
+        "device flops nan": _cluster_text(device="{name: cpu-x, memory_gb: 4, peak_tflops: {fp32: .nan}, "
+                                                   "memory_bandwidth_gb_per_s: 5, source: test}"),
+        "device bandwidth inf": _cluster_text(device="{name: cpu-x, memory_gb: 4, peak_tflops: {fp32: 1}, "
+                                                       "memory_bandwidth_gb_per_s: .inf, source: test}"),
     }
     for name, text in files.items():
         cases.append(planning("plan", "--cluster", "{tmp}/c.yaml", name=f"clusterfile/{name}", setup=cluster_file(text)))
@@ -580,7 +583,7 @@ def print_table(results: list[Result]) -> None:
     for r in results:
         verdict = Text("pass", "green") if r.failure is None else Text(f"FAIL: {r.failure}", "red")
         table.add_row(Text(r.case.name), verdict, f"{r.seconds:.1f}", Text(r.message[:160]))
-    Console(emoji=False).print(table)
+    Console(emoji=False, width=160).print(table)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
