@@ -51,7 +51,7 @@ from pydantic import ValidationError
 from tessera.errors import ClusterSpecError
 from tessera.topology.cluster import Cluster, DeviceGroup, DeviceSpec, LinkLevel
 from tessera.topology.hardware import LOCAL_CPU, device, device_from_raw, device_to_raw, local_cpu_device
-from tessera.topology.validation import MAX_DEVICES, finite_number, first_problem, quoted, short
+from tessera.topology.validation import MAX_DEVICES, file_number, file_value, first_problem, quoted, short
 
 TOP_FIELDS = ("description", "device", "devices_per_node", "size_key", "size", "levels", "extra_devices", "profile")
 REQUIRED_FIELDS = ("device", "devices_per_node", "size_key", "levels")
@@ -110,11 +110,6 @@ def cluster_to_raw(cluster: Cluster, *, description: str = "", profile: dict[str
     if profile is not None:
         raw["profile"] = profile
     return raw
-
-
-def significant(value: float, digits: int = 6) -> float:
-    """``value`` rounded to ``digits`` significant digits, for readable files (measurements are not finer)."""
-    return float(f"{value:.{digits}g}")
 
 
 def positive_int(value: Any, what: str, *, at_most: int = MAX_DEVICES) -> int:
@@ -203,16 +198,19 @@ def _link_level(raw: Any, index: int, *, name: str, per_node: int, world: int) -
         return LinkLevel(
             name=raw["name"],
             group_size=_group_size(raw["group_size"], where=where, per_node=per_node, world=world),
-            bandwidth_bytes_per_s=_number(raw["bandwidth_gb_per_s"], f"{where}: field 'bandwidth_gb_per_s'", positive=True) * 1e9,
-            latency_s=_number(raw["latency_us"], f"{where}: field 'latency_us'") * 1e-6,
-            efficiency=raw.get("efficiency", 1.0),
-            oversubscription=raw.get("oversubscription", 1.0),
-            collective_efficiency=raw.get("collective_efficiency") or {},
+            bandwidth_bytes_per_s=file_number(raw["bandwidth_gb_per_s"], f"{where}: field 'bandwidth_gb_per_s'", positive=True) * 1e9,
+            latency_s=file_number(raw["latency_us"], f"{where}: field 'latency_us'") * 1e-6,
+            efficiency=file_number(raw.get("efficiency", 1.0), f"{where}: field 'efficiency'", positive=True),
+            oversubscription=file_number(raw.get("oversubscription", 1.0), f"{where}: field 'oversubscription'", positive=True),
+            collective_efficiency={
+                key: file_number(value, f"{where}: field 'collective_efficiency.{key}'", positive=True)
+                for key, value in _mapping(raw, "collective_efficiency", where=where).items()
+            },
             collective_latency_s={
-                key: _number(value, f"{where}: field 'collective_latency_us.{key}'") * 1e-6 for key, value in latencies.items()
+                key: file_number(value, f"{where}: field 'collective_latency_us.{key}'") * 1e-6 for key, value in latencies.items()
             },
             collective_local_s_per_byte={
-                key: _number(value, f"{where}: field 'collective_local_ns_per_byte.{key}'") * 1e-9 for key, value in local.items()
+                key: file_number(value, f"{where}: field 'collective_local_ns_per_byte.{key}'") * 1e-9 for key, value in local.items()
             },
             collective_measured=measured,
             collective_measured_by_layout=by_layout,
@@ -259,7 +257,7 @@ def _links_by_key(table: Any, *, what: str, key: str) -> dict[int, tuple[float, 
     for k, pair in table.items():
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise ClusterSpecError(f"{what}.{k} must be [latency_us, bandwidth_gb_per_s], got {quoted(pair)}")
-        out[positive_int(k, f"{what} key")] = (_number(pair[0], f"{what}.{k}[0]") * 1e-6, _number(pair[1], f"{what}.{k}[1]", positive=True) * 1e9)
+        out[positive_int(k, f"{what} key")] = (file_number(pair[0], f"{what}.{k}[0]") * 1e-6, file_number(pair[1], f"{what}.{k}[1]", positive=True) * 1e9)
     return out
 
 
@@ -278,18 +276,18 @@ def _level_to_raw(level: LinkLevel) -> dict[str, Any]:
     raw: dict[str, Any] = {
         "name": level.name,
         "group_size": level.group_size,
-        "bandwidth_gb_per_s": significant(level.bandwidth_bytes_per_s / 1e9),
-        "latency_us": significant(level.latency_s * 1e6),
-        "efficiency": level.efficiency,
-        "oversubscription": level.oversubscription,
+        "bandwidth_gb_per_s": file_value(level.bandwidth_bytes_per_s / 1e9, positive=True),
+        "latency_us": file_value(level.latency_s * 1e6),
+        "efficiency": file_value(level.efficiency, positive=True),
+        "oversubscription": file_value(level.oversubscription, positive=True),
     }
     if level.collective_efficiency:
-        raw["collective_efficiency"] = {key: significant(value) for key, value in level.collective_efficiency.items()}
+        raw["collective_efficiency"] = {key: file_value(value, positive=True) for key, value in level.collective_efficiency.items()}
     if level.collective_latency_s:
-        raw["collective_latency_us"] = {key: significant(value * 1e6) for key, value in level.collective_latency_s.items()}
+        raw["collective_latency_us"] = {key: file_value(value * 1e6) for key, value in level.collective_latency_s.items()}
     if level.collective_local_s_per_byte:
         raw["collective_local_ns_per_byte"] = {
-            key: significant(value * 1e9) for key, value in level.collective_local_s_per_byte.items()
+            key: file_value(value * 1e9) for key, value in level.collective_local_s_per_byte.items()
         }
     if level.collective_measured:
         raw["collective_measured"] = {key: _links_to_raw(table) for key, table in level.collective_measured.items()}
@@ -306,14 +304,4 @@ def _level_to_raw(level: LinkLevel) -> dict[str, Any]:
 
 def _links_to_raw(table: dict[int, tuple[float, float]]) -> dict[int, list[float]]:
     """``{int: (latency_s, bandwidth_bytes_per_s)}`` as ``{int: [latency_us, bandwidth_gb_per_s]}``."""
-    return {k: [significant(latency * 1e6), significant(bandwidth / 1e9)] for k, (latency, bandwidth) in sorted(table.items())}
-
-
-def _number(value: Any, what: str, *, positive: bool = False) -> float:
-    """``value`` as a finite number, ``> 0`` where ``positive`` (bandwidths) and ``>= 0`` otherwise (latencies,
-    per-byte costs): checked in the file's units, so the error quotes what the user wrote."""
-    number = finite_number(value)
-    if number is None or number < 0 or (positive and number == 0):
-        need = "a positive" if positive else "a non-negative"
-        raise ClusterSpecError(f"{what} must be {need} finite number, got {quoted(value)}")
-    return number
+    return {k: [file_value(latency * 1e6), file_value(bandwidth / 1e9, positive=True)] for k, (latency, bandwidth) in sorted(table.items())}

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from tessera.errors import ClusterSpecError
 from tessera.topology.cluster import DeviceSpec
-from tessera.topology.validation import finite_number, first_problem, quoted, short
+from tessera.topology.validation import file_number, file_value, first_problem, quoted, short
 
 GB = 10**9
 GiB = 2**30
@@ -66,7 +66,7 @@ def _device_fields(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
     return dict(
         name=str(raw["name"]),
         peak_flops_by_dtype={
-            str(dtype): _positive(value, f"{where}: field 'peak_tflops.{dtype}'") * TFLOPS
+            str(dtype): file_number(value, f"{where}: field 'peak_tflops.{dtype}'", positive=True) * TFLOPS
             for dtype, value in raw["peak_tflops"].items()
         },
         memory_bytes=max(1, int(_one_of(raw, {"memory_gib": GiB, "memory_gb": GB}, where=where))),
@@ -75,13 +75,13 @@ def _device_fields(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
         ),
         scale_up_bandwidth_bytes_per_s=(
             None if raw.get("scale_up_gb_per_s") is None
-            else _positive(raw["scale_up_gb_per_s"], f"{where}: field 'scale_up_gb_per_s'") * 1e9
+            else file_number(raw["scale_up_gb_per_s"], f"{where}: field 'scale_up_gb_per_s'", positive=True) * 1e9
         ),
-        solo_speedup=_positive(raw.get("solo_speedup", 1.0), f"{where}: field 'solo_speedup'"),
+        solo_speedup=file_number(raw.get("solo_speedup", 1.0), f"{where}: field 'solo_speedup'", positive=True),
         linear_overhead_s=_overheads_s(raw.get("linear_overhead_ms") or {}, where=f"{where}: field 'linear_overhead_ms'"),
         fsdp_comm_slowdown=(
             None if raw.get("fsdp_comm_slowdown") is None
-            else _positive(raw["fsdp_comm_slowdown"], f"{where}: field 'fsdp_comm_slowdown'")
+            else file_number(raw["fsdp_comm_slowdown"], f"{where}: field 'fsdp_comm_slowdown'", positive=True)
         ),
         tp_compute_slowdown=_by_degree(
             raw.get("tp_compute_slowdown") or {}, where=f"{where}: field 'tp_compute_slowdown'", unit="factor"
@@ -103,7 +103,7 @@ def _by_degree(raw: Any, *, where: str, unit: str) -> dict[int, float]:
     for degree, value in raw.items():
         if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
             raise ClusterSpecError(f"{where}: degree {quoted(degree)} must be a positive integer")
-        values[degree] = _positive(value, f"{where}.{degree}")
+        values[degree] = file_number(value, f"{where}.{degree}", positive=True)
     return values
 
 
@@ -111,26 +111,22 @@ def device_to_raw(spec: DeviceSpec) -> dict[str, Any]:
     """The inline cluster-file form of ``spec`` (inverse of ``device_from_raw``)."""
     raw: dict[str, Any] = {
         "name": spec.name,
-        "peak_tflops": {dtype: _significant(flops / TFLOPS) for dtype, flops in spec.peak_flops_by_dtype.items()},
+        "peak_tflops": {dtype: file_value(flops / TFLOPS, positive=True) for dtype, flops in spec.peak_flops_by_dtype.items()},
         "memory_gb": spec.memory_bytes / GB,
-        "memory_bandwidth_gb_per_s": _significant(spec.memory_bandwidth_bytes_per_s / 1e9),
+        "memory_bandwidth_gb_per_s": file_value(spec.memory_bandwidth_bytes_per_s / 1e9, positive=True),
     }
     if spec.scale_up_bandwidth_bytes_per_s is not None:
-        raw["scale_up_gb_per_s"] = _significant(spec.scale_up_bandwidth_bytes_per_s / 1e9)
+        raw["scale_up_gb_per_s"] = file_value(spec.scale_up_bandwidth_bytes_per_s / 1e9, positive=True)
     if spec.solo_speedup != 1.0:
-        raw["solo_speedup"] = _significant(spec.solo_speedup)
+        raw["solo_speedup"] = file_value(spec.solo_speedup, positive=True)
     if spec.linear_overhead_s:
-        raw["linear_overhead_ms"] = {degree: _significant(s * 1e3) for degree, s in spec.linear_overhead_s.items()}
+        raw["linear_overhead_ms"] = {degree: file_value(s * 1e3, positive=True) for degree, s in spec.linear_overhead_s.items()}
     if spec.fsdp_comm_slowdown is not None:
-        raw["fsdp_comm_slowdown"] = _significant(spec.fsdp_comm_slowdown)
+        raw["fsdp_comm_slowdown"] = file_value(spec.fsdp_comm_slowdown, positive=True)
     if spec.tp_compute_slowdown:
-        raw["tp_compute_slowdown"] = {degree: _significant(x) for degree, x in spec.tp_compute_slowdown.items()}
+        raw["tp_compute_slowdown"] = {degree: file_value(x, positive=True) for degree, x in spec.tp_compute_slowdown.items()}
     raw["source"] = spec.source
     return raw
-
-
-def _significant(value: float, digits: int = 6) -> float:
-    return float(f"{value:.{digits}g}")
 
 
 def _one_of(raw: dict[str, Any], units: dict[str, float], *, where: str) -> float:
@@ -138,14 +134,7 @@ def _one_of(raw: dict[str, Any], units: dict[str, float], *, where: str) -> floa
     if len(given) != 1:
         raise ClusterSpecError(f"{where}: give exactly one of the fields {', '.join(units)} (got {given or 'none'})")
     key = given[0]
-    return _positive(raw[key], f"{where}: field '{key}'") * units[key]
-
-
-def _positive(value: Any, what: str) -> float:
-    number = finite_number(value)
-    if number is None or number <= 0:
-        raise ClusterSpecError(f"{what} must be a positive finite number, got {quoted(value)}")
-    return number
+    return file_number(raw[key], f"{where}: field '{key}'", positive=True) * units[key]
 
 
 @functools.cache

@@ -47,7 +47,7 @@ from pydantic import BaseModel, ValidationError
 from tessera.topology.cluster import FROZEN, Cluster, DeviceSpec, LinkLevel
 from tessera.errors import ClusterSpecError
 from tessera.files import write_text_atomically
-from tessera.topology.clusterfile import cluster_from_raw, cluster_to_raw, significant
+from tessera.topology.clusterfile import cluster_from_raw, cluster_to_raw
 from tessera.topology.fitting import CollectiveFit, Measurement, fit_cluster
 from tessera.topology.hardware import LOCAL_CPU, catalog
 from tessera.topology.measure import (
@@ -55,7 +55,7 @@ from tessera.topology.measure import (
     measure_device,
 )
 from tessera.topology.presets import load_cluster
-from tessera.topology.validation import first_problem, load_yaml_text, read_bounded_text, short
+from tessera.topology.validation import first_problem, load_yaml_text, read_bounded_text, short, significant
 
 __all__ = [
     "DeviceMeasurement", "ProfileError", "ProfileResult", "ProfileSweep", "faster_half_mean", "group_layouts",

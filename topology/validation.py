@@ -7,7 +7,8 @@ YAML is read with ``StrictLoader``: PyYAML's safe loader that also refuses ancho
 bytes of nested aliases, "billion laughs", expand to gigabytes; no cluster file needs them) and duplicate
 keys (PyYAML keeps the last one silently). Files are refused above ``MAX_YAML_BYTES`` before parsing.
 
-This is the lowest layer that reads user input, so ``cost_models`` and ``planner`` reuse these helpers.
+This is the lowest layer that reads user input, so ``cost_models`` and ``planner`` reuse these helpers. It
+imports only ``tessera.errors`` from Tessera.
 """
 
 from __future__ import annotations
@@ -20,12 +21,18 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from tessera.errors import ClusterSpecError
+
 MAX_QUOTED_CHARS = 80
 """Longest quoted user value in an error message (longer ones are cut and marked with ``...``)."""
 MAX_YAML_BYTES = 2**20
 """Largest cluster file read (1 MiB): a profiled file with every raw trial is ~100 KiB."""
 MAX_YAML_DEPTH = 32
 """Deepest nesting of a YAML file read (a profiled cluster file nests 6 levels)."""
+SMALLEST_NUMBER, LARGEST_NUMBER = 1e-9, 1e12
+"""Every number of a cluster file, in the file's own units (GB/s, us, TFLOP/s, GiB, ms, ratios), is 0 where 0 is
+allowed or lies in this range: wide enough for any real device or link (1 byte/s to 10^21 bytes/s), narrow enough
+that no product or quotient of them in the cost model overflows to infinity or underflows to 0."""
 MAX_DEVICES = 2**20
 """Most devices a cluster may have (1,048,576): beyond today's largest training clusters by ~10x, and small
 enough that the search's enumeration of mesh shapes stays fast."""
@@ -63,6 +70,32 @@ def first_problem(exc: ValidationError, *, renames: Mapping[str, str] | None = N
         field = field.replace(name, shown)
     got = f", got {quoted(error['input'])}" if "input" in error and not isinstance(error["input"], Mapping) else ""
     return f"field {field!r}: {error['msg']}{got}"
+
+
+def file_number(value: Any, what: str, *, positive: bool = False) -> float:
+    """A number of a cluster file, in the file's own units: finite, and 0 (unless ``positive``) or within
+    ``[SMALLEST_NUMBER, LARGEST_NUMBER]``; otherwise ``ClusterSpecError`` naming ``what`` and the value."""
+    number = finite_number(value)
+    if number is not None and (SMALLEST_NUMBER <= number <= LARGEST_NUMBER or (number == 0 and not positive)):
+        return number
+    need = "a positive number" if positive else "0 or a number"
+    raise ClusterSpecError(f"{what} must be {need} from {SMALLEST_NUMBER:g} to {LARGEST_NUMBER:g} (the file's units), "
+                           f"got {quoted(value)}")
+
+
+def significant(value: float, digits: int = 6) -> float:
+    """``value`` rounded to ``digits`` significant digits, for readable files (measurements are not finer)."""
+    return float(f"{value:.{digits}g}")
+
+
+def file_value(value: float, *, positive: bool = False) -> float:
+    """``value`` (in the file's units) as a cluster file writes it, so that ``file_number`` reads it back: 6
+    significant digits, within ``[SMALLEST_NUMBER, LARGEST_NUMBER]``; below it, 0 (``SMALLEST_NUMBER`` where
+    ``positive``): a fitted latency of 1e-12 us is 0 as far as any measurement can tell."""
+    rounded = significant(value)
+    if rounded < SMALLEST_NUMBER:
+        return SMALLEST_NUMBER if positive else 0.0
+    return min(rounded, LARGEST_NUMBER)
 
 
 def finite_number(value: Any) -> float | None:

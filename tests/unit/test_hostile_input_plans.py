@@ -176,14 +176,21 @@ def cluster_file(tmp_path, **level) -> str:
     return str(path)
 
 
+POSITIVE = r"must be a positive number from 1e-09 to 1e\+12 \(the file's units\), got "
+NON_NEGATIVE = r"must be 0 or a number from 1e-09 to 1e\+12 \(the file's units\), got "
+
+
 @pytest.mark.parametrize(("level", "message"), [
-    ({"bandwidth_gb_per_s": ".inf"}, r"'bandwidth_gb_per_s' must be a positive finite number, got inf"),
-    ({"bandwidth_gb_per_s": ".nan"}, r"'bandwidth_gb_per_s' must be a positive finite number, got nan"),
-    ({"bandwidth_gb_per_s": 0}, r"'bandwidth_gb_per_s' must be a positive finite number, got 0"),
-    ({"latency_us": -3}, r"'latency_us' must be a non-negative finite number, got -3"),
-    ({"latency_us": ".inf"}, r"'latency_us' must be a non-negative finite number, got inf"),
-    ({"oversubscription": ".inf"}, r"'oversubscription': Input should be a finite number"),
-    ({"collective_latency_us": "{p2p: -1}"}, r"'collective_latency_us.p2p' must be a non-negative finite number"),
+    ({"bandwidth_gb_per_s": ".inf"}, rf"'bandwidth_gb_per_s' {POSITIVE}inf"),
+    ({"bandwidth_gb_per_s": ".nan"}, rf"'bandwidth_gb_per_s' {POSITIVE}nan"),
+    ({"bandwidth_gb_per_s": 0}, rf"'bandwidth_gb_per_s' {POSITIVE}0"),
+    ({"bandwidth_gb_per_s": "5.0e-320"}, rf"'bandwidth_gb_per_s' {POSITIVE}5e-320"),  # 1/x overflows
+    ({"latency_us": -3}, rf"'latency_us' {NON_NEGATIVE}-3"),
+    ({"latency_us": ".inf"}, rf"'latency_us' {NON_NEGATIVE}inf"),
+    ({"latency_us": "1.0e+300"}, rf"'latency_us' {NON_NEGATIVE}1e\+300"),
+    ({"oversubscription": ".inf"}, rf"'oversubscription' {POSITIVE}inf"),
+    ({"efficiency": "1.0e-320"}, rf"'efficiency' {POSITIVE}1e-320"),
+    ({"collective_latency_us": "{p2p: -1}"}, rf"'collective_latency_us.p2p' {NON_NEGATIVE}-1"),
 ])
 def test_non_finite_or_out_of_range_link_numbers_are_refused_by_name(tmp_path, level, message):
     with pytest.raises(ClusterSpecError, match=message) as error:
@@ -192,12 +199,13 @@ def test_non_finite_or_out_of_range_link_numbers_are_refused_by_name(tmp_path, l
 
 
 @pytest.mark.parametrize(("old", "new", "message"), [
-    ("memory_gib: 9", "memory_gib: .inf", r"'memory_gib' must be a positive finite number, got inf"),
-    ("memory_gib: 9", "memory_gib: -9", r"'memory_gib' must be a positive finite number, got -9"),
-    ("bf16: 989", "bf16: 0", r"'peak_tflops.bf16' must be a positive finite number, got 0"),
-    ("bf16: 989", "bf16: 1e300", r"'peak_tflops.bf16': Input should be a finite number"),
-    ("memory_bandwidth_tb_per_s: 3.35", "memory_bandwidth_tb_per_s: .nan", r"'memory_bandwidth_tb_per_s' must be a positive"),
-], ids=["memory-inf", "memory-negative", "flops-zero", "flops-overflow", "bandwidth-nan"])
+    ("memory_gib: 9", "memory_gib: .inf", rf"'memory_gib' {POSITIVE}inf"),
+    ("memory_gib: 9", "memory_gib: -9", rf"'memory_gib' {POSITIVE}-9"),
+    ("memory_gib: 9", "memory_gib: 1.0e+300", rf"'memory_gib' {POSITIVE}1e\+300"),  # used to overflow int()
+    ("bf16: 989", "bf16: 0", rf"'peak_tflops.bf16' {POSITIVE}0"),
+    ("bf16: 989", "bf16: 1.0e+300", rf"'peak_tflops.bf16' {POSITIVE}1e\+300"),
+    ("memory_bandwidth_tb_per_s: 3.35", "memory_bandwidth_tb_per_s: .nan", rf"'memory_bandwidth_tb_per_s' {POSITIVE}nan"),
+], ids=["memory-inf", "memory-negative", "memory-huge", "flops-zero", "flops-huge", "bandwidth-nan"])
 def test_non_finite_or_non_positive_device_numbers_are_refused_by_name(tmp_path, old, new, message):
     path = tmp_path / "c.yaml"
     path.write_text(SMALL_CLUSTER.replace(old, new))
@@ -354,7 +362,9 @@ def profile_with_overheads(overheads: dict[int, float]):
 
     host = {"hostname": "test-host", "date": "2026-12-01T00:00:00+00:00", "world_size": 2}
     spec = _device_spec(measured, device=torch.device("cpu"), per_node=2, host=host)
-    level = LinkLevel(name="gloo-intra-node", group_size=2, bandwidth_bytes_per_s=1e9, latency_s=1e-4, source="test")
+    # A fitted latency and per-byte cost far below anything measurable: written as 0, not as a refused 1e-14 us.
+    level = LinkLevel(name="gloo-intra-node", group_size=2, bandwidth_bytes_per_s=1e9, latency_s=1e-20,
+                      collective_local_s_per_byte={"all_reduce": 1e-22}, source="test")
     cluster = Cluster(name="profiled", device=spec, num_devices=2, levels=(level,))
     return ProfileResult(cluster=cluster, measurements=(), device=measured, fits=(), host=host, sweep=ProfileSweep(),
                          elapsed_s=1.0)
@@ -369,6 +379,7 @@ def test_a_zero_or_negative_measured_overhead_is_written_at_the_measured_floor_a
     cluster = load_cluster(str(path))  # used to fail: "field 'linear_overhead_ms'.1 must be a positive number"
     assert cluster.device.linear_overhead_s == pytest.approx({1: MEASURED_FLOOR_S, 2: MEASURED_FLOOR_S, 4: 2e-4})
     assert load_profile(path).cluster == cluster
+    assert cluster.levels[0].latency_s == 0 and cluster.levels[0].collective_local_s_per_byte == {"all_reduce": 0}
     assert [p.name for p in tmp_path.iterdir()] == ["cluster.yaml"]  # written atomically: no temporary left
 
 

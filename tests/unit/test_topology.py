@@ -169,7 +169,7 @@ BASE = "device: H100-SXM-80GB\ndevices_per_node: 8\nsize_key: nodes\nsize: 2\n"
         (BASE + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3, collective_measured_by_layout: {all_reduce: {2: {0: [3, 4]}}}}\n",
          r"levels\[0\]: field 'collective_measured_by_layout.all_reduce'.2 key must be a positive integer"),
         (BASE + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3, collective_measured_by_layout: {all_reduce: {2: {1: [3, 0]}}}}\n",
-         r"levels\[0\]: field 'collective_measured_by_layout.all_reduce'.2.1\[1\] must be a positive finite number, got 0"),
+         r"levels\[0\]: field 'collective_measured_by_layout.all_reduce'.2.1\[1\] must be a positive number from 1e-09 to 1e\+12"),
         (BASE + "levels:\n  - {name: nv, group_size: half, bandwidth_gb_per_s: 4, latency_us: 3}\n",
          r"levels\[0\]: field 'group_size'"),
         (BASE + "levels:\n  - {name: nv, group_size: node, bandwidth_gb_per_s: 4, latency_us: 3}\n",
@@ -178,7 +178,7 @@ BASE = "device: H100-SXM-80GB\ndevices_per_node: 8\nsize_key: nodes\nsize: 2\n"
          r"field 'device': unknown device 'H1000'"),
         (BASE.replace("device: H100-SXM-80GB", "device: {name: x, peak_tflops: {bf16: fast}, memory_gb: 8, memory_bandwidth_tb_per_s: 1, source: s}")
          + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3}\n",
-         r"field 'peak_tflops.bf16' must be a positive finite number, got 'fast'"),
+         r"field 'peak_tflops.bf16' must be a positive number from 1e-09 to 1e\+12 \(the file's units\), got 'fast'"),
         (BASE.replace("device: H100-SXM-80GB", "device: {name: x, peak_tflops: {bf16: 1}, memory_bandwidth_tb_per_s: 1, source: s}")
          + "levels:\n  - {name: nv, group_size: world, bandwidth_gb_per_s: 4, latency_us: 3}\n",
          r"memory_gib, memory_gb"),
