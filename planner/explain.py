@@ -36,6 +36,7 @@ from tessera.planner.explain_plots import Block, Bullets, Code, Figure, Section,
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Plan, format_count
 from tessera.planner.search import best_candidate, rank_candidates
+from tessera.planner.space import check_layer_pins
 from tessera.topology import load_cluster
 from tessera.topology.cluster import Cluster
 
@@ -238,6 +239,10 @@ def evaluate_baseline(
     overflows the device), that leanest completion is estimated directly.
     """
     note = " (no completion fits: its leanest is shown)"
+    try:
+        check_layer_pins(pins, list(graph.layers))  # per-block pins that cannot fit the model have no completion
+    except ConfigError as exc:
+        return baseline_error(requested, str(exc))
     try:
         scored = rank_candidates(graph, cluster, training, pins=pins)
         strategy, estimate = best_candidate(scored)

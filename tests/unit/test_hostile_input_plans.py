@@ -114,6 +114,12 @@ def test_per_block_pins_that_do_not_fit_the_model_are_refused(small_cluster, pin
     one_line(error)
 
 
+def test_a_baseline_whose_per_block_pins_do_not_fit_cannot_run_and_says_why(small_cluster):
+    comparison = tessera.compare(SMALL_MODEL, small_cluster, baselines=["dp=8,block_recompute=9xfull"], **SMALL_WORKLOAD)
+    assert comparison.baselines[0].error == ("block_recompute lists 9 policies but the model has 8 blocks; give one per "
+                                             "block (e.g. block_recompute=8xfull) or leave it out")
+
+
 # ------------------------------------------------------------------ 2. report launch lines are shell-quoted
 
 
