@@ -162,18 +162,18 @@ class Checkpointer:
             together(lambda: _write_side_files(state, partial, data_state, group), group,
                      what=f"writing the plan, RNG and data files of {partial}")
             tensors = _state_dict(state_module(state.modules), state.optimizer)
-            strategy = state.plan.strategy.to_string()
+            step, strategy = state.step, state.plan.strategy.to_string()  # training moves on during an async save
 
             def commit() -> None:
-                commit_checkpoint(partial, final=final, step=state.step, strategy=strategy, group=group,
-                                  keep_last=keep_last)
+                commit_checkpoint(partial, final=final, step=step, strategy=strategy, group=group, keep_last=keep_last)
 
             if not async_save:
                 together(lambda: _write_tensors(tensors, partial, group), group, what=f"writing {partial}")
                 commit()
                 lock.release()
                 return PendingSave(final)
-            written = together(lambda: _write_async(tensors, partial, group), group, what=f"staging {partial}")
+            # Not ``together``: DCP's background thread starts using ``group`` as soon as this returns.
+            written = _write_async(tensors, partial, group)
         except BaseException:
             discard_partial(partial, group)
             lock.release()

@@ -22,7 +22,7 @@ from tessera.cost_models.types import Strategy
 from tessera.errors import CheckpointError
 from tessera.runtime.apply import apply_plan
 from tessera.runtime.checkpoint import export_model_state_dict
-from tessera.runtime.checkpoint_files import MARKER, read_manifest
+from tessera.runtime.checkpoint_files import LOCK_FILE, MARKER, read_manifest
 from tessera.runtime.elastic import fit_cluster_to_world
 from tessera.topology import load_cluster
 
@@ -310,7 +310,7 @@ def test_keep_last_prunes_older_checkpoints_and_a_step_is_saved_once(tmp_path):
     for _ in range(3):
         pm.save(tmp_path, keep_last=2)
         pm.train_step(batch)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE, "step-00000001", "step-00000002"]
     pm.step = 2
     with pytest.raises(CheckpointError, match="already exists; a step is saved once"):
         pm.save(tmp_path)
