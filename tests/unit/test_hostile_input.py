@@ -201,7 +201,8 @@ def test_one_writer_per_root(pm, tmp_path):
     assert save_at(pm, root, 1).name == "step-00000001"
     pm.step = 2
     pending = pm.save(root, async_save=True)  # the lock is held until the background commit is done...
-    assert pending.wait().name == "step-00000002"
+    pm.step = 99  # training moves on while the save is written
+    assert pending.wait().name == "step-00000002" and read_manifest(pending.path).step == 2
     assert save_at(pm, root, 3).name == "step-00000003"  # ...and released after it
 
 
