@@ -14,15 +14,17 @@ from tessera.cost_models import Estimate, Strategy, TrainingConfig
 from tessera.cost_models.types import Precision
 from tessera.errors import CheckpointError, RuntimeSetupError
 from tessera.planner.capture import capture, capture_preset
-from tessera.planner.explain import Comparison, build_comparison, evaluate_baseline
 from tessera.planner.plan import Plan
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.model_source import resolve_model, runs_user_code
-from tessera.planner.search import best_candidate, rank_candidates, search
 from tessera.topology import Cluster, load_cluster
 
 if TYPE_CHECKING:  # the runtime (torch.distributed.pipelining...) costs ~1.5 s to import; planning never needs it
+    from tessera.planner.explain import Comparison
     from tessera.runtime.apply import ParallelModel
+
+# The search (OR-Tools, which imports pandas) and the explanations (matplotlib) take ~1.5 s to import: each entry
+# point imports them after capture, so a model that cannot be built or traced fails without that wait.
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -48,6 +50,8 @@ def plan(
     """
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                                          expert_capacity_factor=expert_capacity_factor)
+    from tessera.planner.search import search
+
     return search(graph, resolved, training, pins=_pins(strategy), top=top, progress=progress)
 
 
@@ -67,6 +71,8 @@ def evaluate(
     """
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                                          expert_capacity_factor=expert_capacity_factor)
+    from tessera.planner.search import best_candidate, rank_candidates
+
     return best_candidate(rank_candidates(graph, resolved, training, pins=_pins(strategy)))
 
 
@@ -92,6 +98,9 @@ def compare(
     pins = [(b if isinstance(b, str) else b.to_string(), _pins(b)) for b in baselines]  # parse all before searching
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                                          expert_capacity_factor=expert_capacity_factor)
+    from tessera.planner.explain import build_comparison, evaluate_baseline
+    from tessera.planner.search import search
+
     chosen = search(graph, resolved, training, top=top)
     return build_comparison(chosen, [
         evaluate_baseline(graph, resolved, training, requested=requested, pins=pinned, plan=chosen.estimate)

@@ -212,13 +212,14 @@ def _say(console: Console, text: str) -> None:
 def _workload(args: argparse.Namespace, *strategies: str | None) -> dict:
     """The model, cluster and training arguments shared by plan, evaluate and compare.
 
-    The cluster and the ``strategies`` strings are checked here, before ``tessera.api`` (and torch, seconds to
-    import) is loaded, so a bad one fails at once."""
+    The cluster, a built-in model spec and the ``strategies`` strings are checked here, before ``tessera.api``
+    (and torch, seconds to import) is loaded, so a bad one fails at once."""
     from tessera.cost_models import Strategy
     from tessera.errors import ConfigError
     from tessera.topology import load_cluster
 
     cluster = load_cluster(args.cluster)
+    _check_model_spec(args.model)
     for text in filter(None, strategies):
         Strategy.parse_fields(text)
     global_batch = 8 * cluster.num_devices if args.global_batch is None else args.global_batch
@@ -229,6 +230,16 @@ def _workload(args: argparse.Namespace, *strategies: str | None) -> dict:
         model=args.model, cluster=cluster, global_batch=global_batch, seq_len=args.seq_len,
         precision=args.precision, expert_capacity_factor=args.expert_capacity,
     )
+
+
+def _check_model_spec(spec: str) -> None:
+    """A built-in spec (preset, family, overrides) or a plain unknown name fails here, without torch; Hugging Face
+    and factory specs are checked when they are built (``tessera.planner.model_source``)."""
+    from tessera.models import is_builtin_spec, model_config
+
+    text = spec.strip()
+    if is_builtin_spec(text) or ":" not in text:
+        model_config(text)
 
 
 def _search_with_progress(args: argparse.Namespace, console: Console):

@@ -1,6 +1,8 @@
 """Reference architectures (GPT, Llama, mixture-of-experts), configurable, buildable on meta, with named presets.
 
-This package imports only torch, the standard library and ``tessera.errors``, so anything may import it.
+This package imports only torch, the standard library and ``tessera.errors``, so anything may import it. The
+model classes (and torch) are imported on first use: the configs, presets and spec parsing
+(``model_config("gpt-tiny:layers=4")``) load in milliseconds, so a bad spec fails before any heavy import.
 
 >>> model = build_model("llama3-70b", device="meta")   # no memory: parameters are shapes only
 >>> model = build_model("gpt-tiny")                    # real CPU weights, same seed -> same weights
@@ -8,13 +10,15 @@ This package imports only torch, the standard library and ``tessera.errors``, so
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from importlib import import_module
+from typing import TYPE_CHECKING
 
-from tessera.models.gpt import GPT, GPTConfig
-from tessera.models.llama import Llama, LlamaConfig
-from tessera.models.moe import MoE, MoEConfig
+from tessera.models.configs import GPTConfig, LlamaConfig, MoEConfig
 from tessera.models.presets import FAMILIES, PRESETS, ModelConfig, list_presets, parse_spec, with_override
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = [
     "GPT",
@@ -31,7 +35,15 @@ __all__ = [
     "with_override",
 ]
 
-_MODEL_CLASSES: dict[type, type[nn.Module]] = {GPTConfig: GPT, LlamaConfig: Llama, MoEConfig: MoE}
+_MODULES = {"GPT": "tessera.models.gpt", "Llama": "tessera.models.llama", "MoE": "tessera.models.moe"}
+"""The model classes, imported on first use: specs are parsed and checked without importing torch."""
+_CLASS_OF_CONFIG = {GPTConfig: "GPT", LlamaConfig: "Llama", MoEConfig: "MoE"}
+
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module 'tessera.models' has no attribute {name!r}")
+    return getattr(import_module(_MODULES[name]), name)
 
 
 def is_builtin_spec(spec: str) -> bool:
@@ -52,9 +64,11 @@ def build_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
     ``torch.manual_seed`` gives the same model in every process. The model carries ``model.config`` and
     ``model.name`` (the spec).
     """
+    import torch
+
     config = parse_spec(spec)
     with torch.device("meta"):
-        model = _MODEL_CLASSES[type(config)](config)
+        model = __getattr__(_CLASS_OF_CONFIG[type(config)])(config)
     if torch.device(device).type != "meta":
         # Materialise, then initialise once: the RNG is consumed only by reset_parameters, so
         # "seed, build on meta, to_empty, seed, reset_parameters" (the distributed path) gives these same weights.

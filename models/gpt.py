@@ -10,53 +10,15 @@ on tensor-parallel local shards.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.errors import ModelSpecError
-from tessera.models.limits import check_dimension, check_dimensions, check_finite
+from tessera.models.configs import GPTConfig
 
 INIT_STD = 0.02
 """Weight init std of GPT-2 / Megatron-LM (Radford et al. 2019; Shoeybi et al. 2019)."""
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Shape of a GPT model. ``seq_len`` is the number of learned positions (the longest sequence)."""
-
-    layers: int
-    hidden: int
-    heads: int
-    vocab: int
-    seq_len: int
-    ffn_hidden: int | None = None
-    tie_embeddings: bool = False
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        check_dimensions(self, ("layers", "hidden", "heads", "vocab", "seq_len"), family="GPT")
-        if self.ffn_hidden is not None:
-            check_dimension("ffn_hidden", self.ffn_hidden, family="GPT")
-        check_finite("dropout", self.dropout, family="GPT")
-        if self.hidden % self.heads:
-            raise ModelSpecError(
-                f"GPT hidden={self.hidden} is not divisible by heads={self.heads}; pick heads that divide hidden"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ModelSpecError(f"GPT dropout must be in [0, 1), got {self.dropout}")
-
-    @property
-    def ffn(self) -> int:
-        """MLP width: ``ffn_hidden`` or 4 * hidden."""
-        return self.ffn_hidden or 4 * self.hidden
-
-    @property
-    def head_dim(self) -> int:
-        """Features per attention head."""
-        return self.hidden // self.heads
 
 
 class CausalSelfAttention(nn.Module):

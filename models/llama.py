@@ -17,58 +17,18 @@ frequency scaling is not implemented (Llama 3 pre-trains at 8K context without i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.errors import ModelSpecError
-from tessera.models.limits import check_dimensions, check_finite
+from tessera.models.configs import LlamaConfig
 
 INIT_STD = 0.02
 """Weight init std (GPT-2 style; torchtitan's Llama uses the same for projections)."""
 NORM_EPS = 1e-5
 """RMSNorm epsilon of Llama 3 (``norm_eps`` in Meta's released params.json)."""
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Shape of a Llama model. ``seq_len`` is the longest sequence the RoPE tables cover."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    vocab: int
-    seq_len: int
-    rope_theta: float = 500000.0
-    tie_embeddings: bool = False
-
-    family: ClassVar[str] = "Llama"
-    """Name errors use (a subclass's own)."""
-    positive_fields: ClassVar[tuple[str, ...]] = (
-        "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "seq_len"
-    )
-    """Fields that must be whole numbers from 1 to their bound (``tessera.models.limits``), checked in this order."""
-
-    def __post_init__(self) -> None:
-        check_dimensions(self, self.positive_fields, family=self.family)
-        check_finite("rope_theta", self.rope_theta, family=self.family, positive=True)
-        if self.hidden % self.heads or (self.hidden // self.heads) % 2:
-            raise ModelSpecError(
-                f"{self.family} hidden={self.hidden} must split into heads={self.heads} of even size "
-                "(RoPE rotates pairs)"
-            )
-        if self.heads % self.kv_heads:
-            raise ModelSpecError(f"{self.family} heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
-
-    @property
-    def head_dim(self) -> int:
-        """Features per attention head."""
-        return self.hidden // self.heads
 
 
 def rope_tables(config: LlamaConfig, *, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,48 +31,12 @@ initialisation are Llama's own code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.errors import ModelSpecError
-from tessera.models.limits import MAX_CAPACITY_FACTOR, MAX_EXPERT_MODULES, check_dimension, check_finite
-from tessera.models.llama import Llama, LlamaBlock, LlamaConfig, SwiGLU
-
-
-@dataclass(frozen=True, kw_only=True)
-class MoEConfig(LlamaConfig):
-    """Shape of a mixture-of-experts model: a Llama shape (``ffn_hidden`` is each expert's) plus the routing.
-
-    The fields added here are keyword-only (they follow Llama's defaulted fields).
-    """
-
-    experts: int
-    top_k: int = 2
-    shared_ffn: int = 0
-    capacity_factor: float = 1.0
-    aux_loss_coef: float = 0.01
-    rope_theta: float = 1000000.0  # Mixtral's (Llama 3's is 500000)
-
-    family: ClassVar[str] = "MoE"
-    positive_fields: ClassVar[tuple[str, ...]] = LlamaConfig.positive_fields + ("experts", "top_k")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.top_k > self.experts:
-            raise ModelSpecError(f"MoE top_k={self.top_k} exceeds experts={self.experts}; pick top_k <= experts")
-        if self.layers * self.experts > MAX_EXPERT_MODULES:
-            raise ModelSpecError(f"MoE layers x experts = {self.layers * self.experts:,} is past Tessera's bound of "
-                                 f"{MAX_EXPERT_MODULES:,} expert modules (tessera.models.limits); fewer layers or experts")
-        check_dimension("shared_ffn", self.shared_ffn, family="MoE", minimum=0)
-        check_finite("capacity_factor", self.capacity_factor, family="MoE")
-        check_finite("aux_loss_coef", self.aux_loss_coef, family="MoE")
-        if not 0.01 <= self.capacity_factor <= MAX_CAPACITY_FACTOR or self.aux_loss_coef < 0:
-            raise ModelSpecError(f"MoE capacity_factor must be >= 0.01 and <= {MAX_CAPACITY_FACTOR:g} (got "
-                                 f"{self.capacity_factor}); aux_loss_coef non-negative (got {self.aux_loss_coef})")
+from tessera.models.configs import MoEConfig
+from tessera.models.llama import Llama, LlamaBlock, SwiGLU
 
 
 def expert_capacity(tokens: int, *, experts: int, top_k: int, capacity_factor: float) -> int:

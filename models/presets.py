@@ -19,9 +19,7 @@ import dataclasses
 import math
 
 from tessera.errors import ModelSpecError
-from tessera.models.gpt import GPTConfig
-from tessera.models.llama import LlamaConfig
-from tessera.models.moe import MoEConfig
+from tessera.models.configs import GPTConfig, LlamaConfig, MoEConfig
 
 ModelConfig = GPTConfig | LlamaConfig | MoEConfig
 
