@@ -5,8 +5,10 @@ Order of application (torchtitan's, for the same reasons):
 1. refuse what the runtime cannot run (before any collective: alike on every rank, and without a process
    group); build the ``("edp", "pp", "ep", "cp", "tp")`` mesh (``"dp"`` is ``edp`` x ``ep`` flattened;
    ``runtime.mesh``), check the plan is the same on every rank, broadcast rank 0's weights (so ranks need not
-   be seeded identically; skipped for a model on meta); with ``ep > 1``, replace each MoE layer by its
-   expert-parallel form holding this rank's experts (``runtime.expert_parallel``);
+   be seeded identically; skipped for a model on meta); with ``dp > 1``, replace each BatchNorm layer by one
+   that normalises over the whole data-parallel batch (``runtime.data_parallel.sync_batch_norms``); with
+   ``ep > 1``, replace each MoE layer by its expert-parallel form holding this rank's experts
+   (``runtime.expert_parallel``);
 2. pipeline: free the layers of chunks other ranks run;
 3. recomputation per layer, full or selective (hooks: FQNs unchanged);
 4. tensor (+ sequence) parallelism on this rank's layers (``runtime.tensor_parallel``; after recomputation
@@ -25,6 +27,7 @@ The runtime reads only the ``Plan`` data model (never the planner or the cost mo
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,11 +36,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tessera.cost_models.types import LinearPair
-from tessera.errors import NotModelledError
+from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.plan import Plan, PlannedLayer
 from tessera.runtime import pipeline as pp_
 from tessera.runtime.compile import compile_blocks as compile_block_forwards
-from tessera.runtime.data_parallel import apply_data_parallel, broadcast_module_states, uses_ddp
+from tessera.runtime.data_parallel import (
+    apply_data_parallel,
+    broadcast_module_states,
+    check_batch_norm,
+    sync_batch_norms,
+    uses_ddp,
+)
 from tessera.runtime.materialize import check_plan_agrees, is_on_meta, materialize_shards
 from tessera.runtime.context_parallel import apply_context_parallel, check_context_parallel
 from tessera.runtime.expert_parallel import apply_expert_parallel, check_expert_parallel
@@ -56,9 +65,94 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 DEFAULT_LR = 1e-3
 
 
-def default_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every token: ``logits`` (B, T, V), ``targets`` (B, T); computed in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())  # (B*T, V) vs (B*T,)
+def default_loss_fn(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy, in fp32, of the logits in the model's ``outputs`` against integer ``targets``.
+
+    The logits are found by :func:`logits_of` (a tensor, ``.logits``, ``["logits"]`` or a tuple's first
+    element) and have shape ``(..., V)``: ``(B, T, V)`` for a language model against next-token targets
+    ``(B, T)``, ``(B, V)`` for a classifier against ``(B,)``. Targets equal to ``-100`` are ignored (PyTorch's
+    and Hugging Face's ``ignore_index``). For any other output or loss, pass ``loss_fn=`` to ``apply_plan``.
+    """
+    logits = logits_of(outputs)
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())  # (N, V) vs (N,)
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """The logits in a model's output, by duck typing (no framework is imported): the output itself if it is a
+    tensor; its ``"logits"`` entry if it is a mapping (a ``dict``, a Hugging Face ``ModelOutput``); its
+    ``logits`` attribute if it has one (a dataclass, a ``NamedTuple``); else the first element of a tuple or
+    list (Hugging Face's ``return_dict=False`` convention). Raises ``ConfigError`` naming the output's type
+    when none of these holds a tensor."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping):
+        found = outputs.get("logits")
+    elif hasattr(outputs, "logits"):
+        found = outputs.logits
+    else:
+        found = outputs[0] if isinstance(outputs, (tuple, list)) and outputs else None
+    if not isinstance(found, torch.Tensor):
+        raise ConfigError(
+            f"the default loss found no logits tensor in the model's output of type {_type_name(outputs)} (it "
+            "reads a tensor, a .logits attribute, a 'logits' key or a tuple's first element); pass "
+            "loss_fn=(outputs, targets) -> loss to apply_plan or auto_parallelize for this output"
+        )
+    return found
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def build_loss(
+    loss_fn: LossFn | None, plan: Plan, mesh: DeviceMesh | None, *, dict_output: pp_.DictOutput | None = None
+) -> LossFn:
+    """The loss ``train_step`` (and the pipeline's last stage) applies to each micro-batch's output.
+
+    ``loss_fn`` (default :func:`default_loss_fn`) receives the model's output as the model returns it, except:
+    under tensor parallelism the logits are vocabulary-sharded ``DTensor`` s (``VocabParallelLoss``): the
+    default loss finds them (:func:`logits_of`) before they are sharded, so it accepts every output it accepts
+    without tensor parallelism, while a custom ``loss_fn`` receives the output with its logits sharded in
+    place, which needs a tensor output or one with a ``.logits`` attribute (``ConfigError`` otherwise); under
+    pipeline parallelism a dict output (a Hugging Face ``ModelOutput`` traces as one) leaves the last stage as
+    a tuple (``dict_output`` says what it held: ``pipeline.return_dict_as_tuple``) and the loss receives it
+    as a plain ``dict`` again.
+    """
+    if plan.strategy.tp == 1:
+        loss = loss_fn or default_loss_fn
+    elif loss_fn is None:
+        loss = LogitsLoss(VocabParallelLoss(default_loss_fn, mesh[TP]))
+    else:
+        loss = ShardableOutputLoss(VocabParallelLoss(loss_fn, mesh[TP]))
+    return loss if dict_output is None else pp_.DictOutputLoss(loss, dict_output)
+
+
+class LogitsLoss:
+    """``loss_fn(logits_of(outputs), targets)``: the logits taken out of the output before ``loss_fn`` runs."""
+
+    def __init__(self, loss_fn: LossFn) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(logits_of(outputs), targets)
+
+
+class ShardableOutputLoss:
+    """``loss_fn(outputs, targets)`` after checking that tensor parallelism can shard the output's logits."""
+
+    def __init__(self, loss_fn: LossFn) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        if not (isinstance(outputs, torch.Tensor) or hasattr(outputs, "logits")):
+            raise ConfigError(
+                f"under tensor parallelism a custom loss_fn receives the output with its logits sharded on the "
+                f"vocabulary, found in a tensor output or a .logits attribute, not in {_type_name(outputs)}; "
+                "return one of those from the model, or drop loss_fn= (the default loss also reads 'logits' "
+                "keys and tuples)"
+            )
+        return self.loss_fn(outputs, targets)
 
 
 def default_optimizer_factory(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -82,15 +176,28 @@ def apply_plan(
     model (every rank must be seeded identically; see ``runtime.materialize``). Without an initialised
     process group the plan must have world size 1. ``tp_pairs`` optionally gives each block's column/row
     linear pairs (``LayerStats.tp_pairs``; found from the module tree otherwise). ``compile_blocks`` compiles
-    each block with ``torch.compile``. With tensor parallelism the loss function receives vocabulary-sharded
-    logits as a ``DTensor`` (``F.cross_entropy`` works on them). Raises ``NotModelledError`` for parts of
-    a plan the runtime does not implement or layers it cannot split, ``RuntimeSetupError`` when the world
-    does not match the plan. Expert parallelism (``ep > 1``) needs ``tessera.models.moe`` layers (a model on
-    meta is materialised whole before its experts are split, as for DDP) and composes with pipelining;
-    context parallelism (``cp > 1``) needs batches of the planned ``seq_len`` and does not compose with
-    pipelining (``NotModelledError`` names the combination).
+    each block with ``torch.compile``.
+
+    The loss: ``loss_fn(outputs, targets) -> scalar`` gets the model's output for one micro-batch and the
+    matching rows of the targets. Without ``loss_fn``, :func:`default_loss_fn` (cross-entropy) reads the logits
+    from a tensor output, a ``.logits`` attribute or ``"logits"`` key (Hugging Face ``ModelOutput``, dicts), or
+    a tuple's first element, under every strategy; for other outputs pass ``loss_fn`` (with tensor parallelism
+    it receives vocabulary-sharded logits as a ``DTensor``, on which ``F.cross_entropy`` works; see
+    :func:`build_loss`).
+
+    BatchNorm: with ``dp > 1`` each BatchNorm layer normalises over the whole data-parallel batch, so data
+    parallelism (DDP, ZeRO-1/2/3) trains as one process does (``runtime.data_parallel.sync_batch_norms``);
+    where its statistics could not be the whole batch's (``tp``/``cp``/``pp > 1``, more than one micro-batch
+    per step, recomputation of a layer holding it) ``NotModelledError`` names the layer and the fix.
+
+    Raises ``NotModelledError`` for parts of a plan the runtime does not implement or layers it cannot split,
+    ``RuntimeSetupError`` when the world does not match the plan. Expert parallelism (``ep > 1``) needs
+    ``tessera.models.moe`` layers (a model on meta is materialised whole before its experts are split, as for
+    DDP) and composes with pipelining; context parallelism (``cp > 1``) needs batches of the planned
+    ``seq_len`` and does not compose with pipelining (``NotModelledError`` names the combination).
     """
     check_supported(plan)
+    check_batch_norm(model, plan)
     _check_experts_and_context(model, plan, compile_blocks=compile_blocks)  # before any process group is made
     on_meta = is_on_meta(model)
     mesh = None if _runs_without_process_group(plan) else build_mesh(plan.strategy)
@@ -98,18 +205,18 @@ def apply_plan(
     if mesh is not None:
         check_plan_agrees(plan)
         broadcast_module_states(model)
+        sync_batch_norms(model, mesh)
     on_meta = _split_experts(model, plan, mesh, on_meta=on_meta, device=device)
     chunks = pp_.local_chunks(plan, mesh.get_local_rank(PP)) if mesh is not None else [0]
     layers = [layer for layer in plan.layers if layer.chunk in chunks and layer.kind != "loss"]
     _shard_layers(model, plan, layers, mesh, chunks=chunks, tp_pairs=tp_pairs, compile_blocks=compile_blocks)
     modules = _chunk_modules(model, plan, chunks)
+    dict_output = _dict_output_as_tuple(plan, modules, chunks)
     modules = _data_parallel(model, plan, modules, mesh, on_meta=on_meta, device=device)
     if plan.strategy.cp > 1:
         apply_context_parallel(model, mesh, seq_len=plan.training.seq_len)
     optimizer = (optimizer_factory or default_optimizer_factory)(_unique_parameters(modules))
-    loss = loss_fn or default_loss_fn
-    if plan.strategy.tp > 1:
-        loss = VocabParallelLoss(loss, mesh[TP])
+    loss = build_loss(loss_fn, plan, mesh, dict_output=dict_output)
     schedule = _schedule(plan, modules, chunks, mesh, device=device, loss_fn=loss)
     return ParallelModel(plan, modules, optimizer=optimizer, loss_fn=loss, mesh=mesh, device=device,
                          schedule=schedule, chunks=chunks)
@@ -204,6 +311,14 @@ def _chunk_modules(model: nn.Module, plan: Plan, chunks: list[int]) -> list[nn.M
     graph = pp_.trace_layers(model, list(layer_chunks))
     node_chunks = pp_.node_chunks(graph, layer_chunks)
     return [pp_.build_chunk_module(model, graph, node_chunks, chunk) for chunk in chunks]
+
+
+def _dict_output_as_tuple(plan: Plan, modules: list[nn.Module], chunks: list[int]) -> pp_.DictOutput | None:
+    """Pipelining: the last chunk's dict output (on its rank) becomes a tuple (``pipeline.return_dict_as_tuple``)."""
+    last = len(plan.chunk_fqns()) - 1
+    if plan.strategy.pp == 1 or last not in chunks:
+        return None
+    return pp_.return_dict_as_tuple(modules[chunks.index(last)])
 
 
 def _data_parallel(

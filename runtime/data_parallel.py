@@ -30,6 +30,18 @@ first so that the dense units leave it alone.
 Mixed precision: with bf16/fp16, FSDP2 (and ``replicate``) gather and compute parameters in that dtype and
 reduce gradients in fp32; the sharded master weights stay fp32. DDP uses ``torch.autocast`` instead (in
 ``ParallelModel``).
+
+**BatchNorm** normalises with statistics of the batch, so per-rank statistics would make ``dp`` ranks train
+differently from one process. With ``dp > 1`` every BatchNorm layer is replaced (same parameters, buffers and
+FQNs) by one that normalises over all data-parallel ranks' rows (:func:`sync_batch_norms`):
+``torch.nn.SyncBatchNorm`` on an accelerator; on CPU, where torch 2.13's ``SyncBatchNorm`` raises in forward
+("expected input tensor to be on GPU") and DDP refuses a CPU module that holds one, :class:`CpuSyncBatchNorm`,
+which computes the same statistics with differentiable all-reduces over gloo. Where the statistics could still
+not be the whole batch's, :func:`check_batch_norm` refuses the plan naming the layer: tensor or context
+parallelism (channels or tokens split across ranks), pipeline parallelism (micro-batches, and a shape-inference
+forward on empty tensors), more than one micro-batch per step (each would be normalised on its own), and
+recomputation of a layer holding BatchNorm (its running statistics would be updated twice). A step is then
+exactly one single-process step on the global batch.
 """
 
 from __future__ import annotations
@@ -42,9 +54,12 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
 from tessera.cost_models.types import Precision, Strategy
+from tessera.errors import NotModelledError
+from tessera.planner.plan import Plan
 from tessera.runtime.expert_parallel import apply_expert_data_parallel
 from tessera.runtime.mesh import data_mesh
 
@@ -132,3 +147,164 @@ def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[precision], reduce_dtype=torch.float32)
 
+
+# ------------------------------------------------------------------------------------------------ BatchNorm
+
+
+def batch_norm_fqns(model: nn.Module) -> list[str]:
+    """FQNs of the model's BatchNorm layers (every ``_BatchNorm``: ``BatchNorm1d/2d/3d``, ``SyncBatchNorm``...)."""
+    return [fqn for fqn, module in model.named_modules() if isinstance(module, _BatchNorm)]
+
+
+def check_batch_norm(model: nn.Module, plan: Plan) -> None:
+    """Refuse a plan under which BatchNorm would not compute the whole batch's statistics (see
+    :func:`sync_batch_norms`): ``NotModelledError`` naming the first such layer, the reason and the fix."""
+    fqns = batch_norm_fqns(model)
+    if not fqns:
+        return
+    problem = _batch_norm_axis_problem(plan)
+    if problem or "" in fqns:
+        raise NotModelledError(f"{_layer_name(model, fqns[0])} {problem or _ROOT_BATCH_NORM}")
+    for layer in plan.layers:
+        inside = [fqn for fqn in fqns if layer.recompute != "none" and f"{fqn}.".startswith(f"{layer.fqn}.")]
+        if inside:
+            raise NotModelledError(
+                f"{_layer_name(model, inside[0])}: recomputing {layer.fqn} ({layer.recompute}) would run BatchNorm's "
+                f"forward twice and update its running statistics twice; plan {layer.fqn} with recompute=none"
+            )
+
+
+_ROOT_BATCH_NORM = "is itself a BatchNorm layer: wrap it in a module (BatchNorm layers are replaced in their parent)"
+_FIX = "or replace BatchNorm by GroupNorm or LayerNorm (per-sample statistics)"
+
+
+def _batch_norm_axis_problem(plan: Plan) -> str | None:
+    """Why BatchNorm cannot be exact under the plan's strategy, with the fix; ``None`` when it can."""
+    strategy, global_batch = plan.strategy, plan.training.global_batch
+    if strategy.tp > 1 or strategy.cp > 1:
+        return (f"normalises over the batch, but tensor or context parallelism (tp={strategy.tp}, cp={strategy.cp}) "
+                f"would give each rank the statistics of its own shard of the channels or tokens (not implemented); "
+                f"plan with tp=1 and cp=1, {_FIX}")
+    if strategy.pp > 1:
+        return ("normalises over the batch, but pipeline parallelism runs micro-batches and a shape-inference "
+                "forward on empty tensors, which would change its statistics and running averages; plan with pp=1, "
+                f"{_FIX}")
+    micro_batches = strategy.gradient_accumulation(global_batch)
+    if micro_batches > 1:
+        return (f"normalises each micro-batch with that micro-batch's statistics, and the plan runs {micro_batches} "
+                f"micro-batches per step (global batch {global_batch}, dp={strategy.dp}, "
+                f"micro_batch={strategy.micro_batch}), so a step would not equal one step on the whole batch; plan "
+                f"with micro_batch={global_batch // strategy.dp} (one micro-batch per step), {_FIX}")
+    return None
+
+
+def _layer_name(model: nn.Module, fqn: str) -> str:
+    return f"{fqn or 'the model'} ({type(model.get_submodule(fqn)).__name__})"
+
+
+def sync_batch_norms(model: nn.Module, mesh: DeviceMesh) -> list[str]:
+    """Replace each BatchNorm layer below ``model``, in place, by one that normalises with the statistics of
+    the whole data-parallel batch; returns their FQNs (none when the data-parallel group is one rank).
+
+    Per-rank statistics would make ``dp`` ranks train differently from one process on the same batch; with
+    the statistics (and running averages) of all ``dp * cp`` ranks' rows (``runtime.mesh.data_mesh``) a step
+    equals the single-process step. On an accelerator the layer is ``torch.nn.SyncBatchNorm``; on CPU, where
+    torch 2.13's ``SyncBatchNorm`` refuses to run (and DDP refuses a CPU module holding one), it is
+    :class:`CpuSyncBatchNorm`, which computes the same statistics with two all-reduces. Parameters and
+    buffers are kept (the same objects), and so are FQNs. Call after :func:`check_batch_norm`.
+    """
+    group = data_mesh(mesh).get_group()
+    if dist.get_world_size(group) == 1:
+        return []
+    synced: dict[int, nn.Module] = {}  # a layer used twice stays one layer
+    converted = []
+    for parent_fqn, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, _BatchNorm) and not isinstance(child, (nn.SyncBatchNorm, CpuSyncBatchNorm)):
+                if id(child) not in synced:
+                    synced[id(child)] = _synced_copy(child, group, device_type=mesh.device_type)
+                setattr(parent, name, synced[id(child)])
+                converted.append(f"{parent_fqn}.{name}".removeprefix("."))
+    return converted
+
+
+def _synced_copy(layer: _BatchNorm, group: dist.ProcessGroup, *, device_type: str) -> nn.Module:
+    if device_type != "cpu":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(layer, group)
+    return CpuSyncBatchNorm.from_batch_norm(layer, group)
+
+
+class CpuSyncBatchNorm(_BatchNorm):
+    """BatchNorm over the rows of every rank of ``process_group``, on CPU (gloo), where
+    ``torch.nn.SyncBatchNorm`` raises in forward.
+
+    In training, with more than one rank: the per-channel sum and element count are all-reduced, then the sum
+    of squared deviations from that mean (two passes, as exact as one process), so every rank normalises with
+    the mean and biased variance of the global batch and updates the running averages as one process would
+    (unbiased variance over the global count, ``momentum`` or the cumulative average when it is ``None``).
+    The all-reduce is differentiable (its backward all-reduces the gradient, as ``SyncBatchNorm``'s does), so
+    input gradients carry every rank's terms. Statistics are computed in fp32. In eval mode, or on one
+    rank, it is plain BatchNorm.
+    """
+
+    def __init__(self, num_features: int, *, eps: float, momentum: float | None, affine: bool,
+                 track_running_stats: bool, process_group: dist.ProcessGroup) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device="meta")
+        self.process_group = process_group
+
+    @classmethod
+    def from_batch_norm(cls, layer: _BatchNorm, group: dist.ProcessGroup) -> CpuSyncBatchNorm:
+        """A synced layer holding ``layer``'s very parameters and buffers, in its train/eval mode."""
+        synced = cls(layer.num_features, eps=layer.eps, momentum=layer.momentum, affine=layer.affine,
+                     track_running_stats=layer.track_running_stats, process_group=group)
+        for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+            setattr(synced, name, getattr(layer, name))
+        synced.train(layer.training)
+        return synced
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training or dist.get_world_size(self.process_group) == 1:
+            return super().forward(input)
+        self._check_input_dim(input)
+        x = input.float()  # (B, C, *)
+        dims, shape = [0, *range(2, x.dim())], (1, -1) + (1,) * (x.dim() - 2)
+        totals = _SumOverGroup.apply(torch.cat([x.sum(dims), x.new_tensor([x.numel() / x.shape[1]])]),
+                                     self.process_group)  # (C + 1,): sums, then the element count
+        count, mean = totals[-1], totals[:-1] / totals[-1]  # (C,)
+        centered = x - mean.view(shape)
+        var = _SumOverGroup.apply(centered.square().sum(dims), self.process_group) / count  # biased, (C,)
+        if self.track_running_stats:
+            self._update_running_stats(mean.detach(), var.detach() * count / (count - 1))
+        output = centered * torch.rsqrt(var + self.eps).view(shape)
+        if self.affine:
+            output = output * self.weight.view(shape) + self.bias.view(shape)
+        return output.to(input.dtype)
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: torch.Tensor, unbiased_var: torch.Tensor) -> None:
+        self.num_batches_tracked.add_(1)
+        factor = 1.0 / self.num_batches_tracked.item() if self.momentum is None else self.momentum
+        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+        self.running_var.mul_(1 - factor).add_(unbiased_var.to(self.running_var.dtype), alpha=factor)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over ``group`` whose backward all-reduces the gradient: each rank's input feeds every
+    rank's output."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None

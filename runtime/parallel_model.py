@@ -34,7 +34,9 @@ from tessera.runtime.data_parallel import COMPUTE_DTYPES
 from tessera.runtime.context_parallel import shard_sequence
 from tessera.runtime.mesh import CP, DP, PP, data_mesh
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+"""``loss_fn(outputs, targets) -> scalar``: the mean loss of one micro-batch, from the model's output (a logits
+tensor, a Hugging Face ``ModelOutput``, a dict, a tuple...) and the micro-batch's rows of the targets."""
 
 
 class ParallelModel:
@@ -53,7 +55,10 @@ class ParallelModel:
         self.optimizer = optimizer
         """Optimizer over this rank's (possibly sharded) parameters."""
         self.loss_fn = loss_fn
-        """``loss_fn(outputs, targets)``: mean loss of one micro-batch (vocabulary-parallel under tp)."""
+        """``loss_fn(outputs, targets)``: mean loss of one micro-batch (vocabulary-parallel under tp). The default
+        (``runtime.apply.default_loss_fn``) is cross-entropy on the output's logits: a logits tensor, a
+        ``.logits`` attribute or ``"logits"`` key (Hugging Face ``ModelOutput``, dicts), or a tuple's first
+        element; ``runtime.apply.build_loss`` says what a custom one receives under tp and pp."""
         self.mesh = mesh
         """The ``("edp", "pp", "ep", "cp", "tp")`` device mesh (``"dp"`` is ``edp x ep`` flattened; see ``runtime.mesh``), or ``None`` without a process group."""
         self.device = device
@@ -88,7 +93,12 @@ class ParallelModel:
     def train_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         """One optimizer step on the GLOBAL batch ``(inputs, targets)``; returns the global mean loss.
 
-        The returned float is the mean loss over the whole global batch, identical on every rank.
+        The returned float is the mean loss over the whole global batch, identical on every rank. Each
+        micro-batch's loss is ``loss_fn(model(inputs), targets)``: with the default loss the model may return
+        a logits tensor ``(..., V)``, an object with ``.logits`` or a ``"logits"`` key (Hugging Face
+        ``ModelOutput``, dicts) or a tuple whose first element is the logits, against integer ``targets`` of
+        the logits' leading shape; any other output needs ``loss_fn=`` (a one-line ``ConfigError`` names the
+        output's type). Pass batches of the planned global batch: BatchNorm layers were checked for it.
         """
         inputs, targets = batch
         accumulation = self._accumulation_steps(inputs, targets)

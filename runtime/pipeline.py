@@ -7,7 +7,9 @@ all its inputs exist; a buffer read (``get_attr``) goes to the chunk of its firs
 becomes a ``GraphModule`` whose inputs are the values chunk ``c - 1`` hands over and whose outputs are the
 values later chunks still need. So a value used several stages later (Llama's RoPE ``cos``/``sin``, computed
 once from the root's buffers) travels along the pipeline with the hidden states. Values crossing a
-boundary must be tensors.
+boundary must be tensors; so must the last chunk's output (``torch.distributed.pipelining`` checks it), so a
+model returning a dict (a Hugging Face ``ModelOutput`` traces as one) has its last chunk return the dict's
+tensors as a tuple and the loss receives the dict again (:func:`return_dict_as_tuple`, :class:`DictOutputLoss`).
 
 The chunk module holds the very same layer modules (not copies) under their original FQNs:
 ``stage.get_submodule("blocks.3")`` is ``model.blocks[3]`` and ``stage.named_parameters()`` yields
@@ -29,6 +31,8 @@ single-device step on the mean loss.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -234,3 +238,47 @@ def build_schedule(
             f"schedule {strategy.schedule} cannot run {micro_batches} micro-batches per step on pp={strategy.pp} "
             f"({error}); choose a micro-batch size (or global batch) that gives a suitable count"
         ) from error
+
+
+# ------------------------------------------------------------------------------------------------ the loss
+
+
+@dataclass(frozen=True)
+class DictOutput:
+    """What the last chunk returned before :func:`return_dict_as_tuple`."""
+
+    keys: tuple[str, ...]
+    """Keys of its tensor values, in the order the chunk now returns them."""
+    constants: dict[str, Any]
+    """Its other values (``None`` fields...), put back into the dict as they are."""
+
+
+def return_dict_as_tuple(module: nn.Module) -> DictOutput | None:
+    """Make the last chunk return the tensors of its dict output as a tuple; what the dict held, else ``None``.
+
+    ``torch.distributed.pipelining`` accepts only a tensor or a tuple of tensors out of a stage, the last one
+    included, and a model returning a dict (a Hugging Face ``ModelOutput`` traces as one) is common; the loss
+    gets the dict back from :class:`DictOutputLoss`. Tensor and tuple outputs are left as they are.
+    """
+    if not isinstance(module, fx.GraphModule):
+        return None
+    output = next(node for node in module.graph.nodes if node.op == "output")
+    value = output.args[0]
+    if not isinstance(value, dict):
+        return None
+    keys = tuple(key for key, item in value.items() if isinstance(item, fx.Node))
+    output.args = (tuple(value[key] for key in keys),)
+    module.recompile()
+    return DictOutput(keys, {key: item for key, item in value.items() if key not in keys})
+
+
+class DictOutputLoss:
+    """``loss_fn(dict_output, targets)`` on the last stage of a model that returns a dict (a plain ``dict``)."""
+
+    def __init__(self, loss_fn: Callable, output: DictOutput) -> None:
+        self.loss_fn = loss_fn
+        self.output = output
+
+    def __call__(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        values = outputs if isinstance(outputs, tuple) else (outputs,)  # shape inference unpacks a 1-tuple
+        return self.loss_fn({**self.output.constants, **dict(zip(self.output.keys, values))}, targets)
