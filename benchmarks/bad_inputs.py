@@ -256,8 +256,8 @@ MARKUP = ["foo[/bar]", "[red]x[/red]", ":llama:", "[bold]", "x[/]"]
 def _model_cases() -> list[Case]:
     cases = [planning("plan", "--model", spec, name=f"model/{spec[:48]!r}") for spec in MODEL_SPECS + HF_SPECS]
     cases += [planning("plan", "--model", text, name=f"model/markup {text}", shows=text) for text in MARKUP]
-    cases.append(planning("plan", "--model", "hf:llama:", "--seq-len", "100000", name="model/hf:llama: too long",
-                          shows="hf:llama:"))
+    cases.append(planning("plan", "--model", "hf:llama:foo=1", name="model/hf:llama: (an emoji code)",
+                          shows="hf:llama:foo=1"))
     factories = {
         "raises": "def make():\n    raise ValueError('no such layer')\n",
         "none": "def make():\n    return None\n",

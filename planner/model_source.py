@@ -112,12 +112,13 @@ def _first_line(exc: BaseException) -> str:
 
 def hf_model(spec: str) -> nn.Module:
     """A Hugging Face model from ``hf:<model_type>[:key=value,...]``, randomly initialised on meta."""
-    transformers = _transformers()
     _, _, rest = spec.partition(":")
     model_type, _, overrides = rest.partition(":")
     values = _parse_overrides(overrides)
     if not model_type.strip():
         raise ModelSpecError(f"{spec!r} names no model_type; write hf:<model_type>[:key=value,...], e.g. hf:llama")
+    _check_hf_sizes(spec, values)  # before importing transformers, which takes seconds
+    transformers = _transformers()
     try:
         defaults = transformers.AutoConfig.for_model(model_type.strip())
     except (ValueError, KeyError) as exc:
@@ -128,7 +129,6 @@ def hf_model(spec: str) -> nn.Module:
             f"{spec!r}: {model_type} configs have no {', '.join(unknown)}; keys are the config's attributes, "
             f"e.g. {', '.join(sorted(k for k in defaults.to_dict() if not k.startswith('_'))[:10])}"
         )
-    _check_hf_sizes(spec, values)
     try:
         config = transformers.AutoConfig.for_model(model_type.strip(), **values)
         config.use_cache = False
