@@ -12,11 +12,13 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-MAX_GLOBAL_BATCH = 2**20
-"""Sequences per step the CLI accepts (1,048,576). Published runs use a few thousand; the search enumerates the
-divisors of each data-parallel rank's share, so a batch of 10^15 would never finish."""
+MAX_GLOBAL_BATCH = 2**30
+"""Sequences per step the CLI accepts (~10^9), as ``TrainingConfig`` (published runs use up to ~10^4): a batch
+of 10^15 is refused here instead of being searched."""
 MAX_SEQ_LEN = 2**24
-"""Tokens per sequence (16,777,216): past the longest published training contexts (10M)."""
+"""Tokens per sequence (16,777,216), as ``TrainingConfig`` and the models (the longest published contexts: 10M).
+These copies are not imported from ``tessera.cost_models``/``tessera.models`` so that parsing stays instant; a
+test keeps them equal."""
 MAX_NODES = 10**6
 """Nodes (or processes per node) ``launch`` accepts."""
 MAX_LOCAL_RANKS = 256

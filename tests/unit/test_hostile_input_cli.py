@@ -108,9 +108,12 @@ def test_launch_with_negative_nodes_is_refused(fixtures, capsys):
     assert code == 2 and out == "" and "argument --nodes" in error_line(err)
 
 
-def test_cli_bounds_match_the_model_bounds():
-    # cli_args keeps its own copies (importing tessera.models would import torch before parsing).
-    assert cli_args.MAX_SEQ_LEN == MAX_DIMS["seq_len"]
+def test_cli_bounds_match_the_data_model_bounds():
+    from tessera.cost_models import types
+
+    # cli_args keeps its own copies, so that parsing imports nothing heavy.
+    assert cli_args.MAX_SEQ_LEN == MAX_DIMS["seq_len"] == types.MAX_SEQ_LEN
+    assert cli_args.MAX_GLOBAL_BATCH == types.MAX_GLOBAL_BATCH
     assert cli_args.MAX_CAPACITY_FACTOR == MAX_CAPACITY_FACTOR
 
 
