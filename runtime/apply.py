@@ -9,7 +9,8 @@ Order of application (torchtitan's, for the same reasons):
    that normalises over the whole data-parallel batch (``runtime.data_parallel.sync_batch_norms``); with
    ``ep > 1``, replace each MoE layer by its expert-parallel form holding this rank's experts
    (``runtime.expert_parallel``);
-2. pipeline: free the layers of chunks other ranks run;
+2. pipeline: free the layers of chunks other ranks run (a weight tied across chunks keeps a copy on each
+   stage holding it: its gradients are summed over those stages before each optimizer step, step 10);
 3. recomputation per layer, full or selective (hooks: FQNs unchanged);
 4. tensor (+ sequence) parallelism on this rank's layers (``runtime.tensor_parallel``; after recomputation
    so a checkpointed first block re-runs the sequence scatter on recomputation);
@@ -200,6 +201,7 @@ def apply_plan(
     check_batch_norm(model, plan)
     _check_experts_and_context(model, plan, compile_blocks=compile_blocks)  # before any process group is made
     on_meta = is_on_meta(model)
+    ties = _cross_stage_ties(model, plan, on_meta=on_meta)
     mesh = None if _runs_without_process_group(plan) else build_mesh(plan.strategy)
     device = _target_device(model, on_meta=on_meta)
     if mesh is not None:
@@ -216,6 +218,7 @@ def apply_plan(
     if plan.strategy.cp > 1:
         apply_context_parallel(model, mesh, seq_len=plan.training.seq_len)
     optimizer = (optimizer_factory or default_optimizer_factory)(_unique_parameters(modules))
+    _sum_tied_gradients(plan, ties, modules, mesh, optimizer)
     loss = build_loss(loss_fn, plan, mesh, dict_output=dict_output)
     schedule = _schedule(plan, modules, chunks, mesh, device=device, loss_fn=loss)
     return ParallelModel(plan, modules, optimizer=optimizer, loss_fn=loss, mesh=mesh, device=device,
@@ -294,7 +297,6 @@ def _shard_layers(
     if strategy.tp > 1:  # the whole plan, on every rank: a layer another pipeline rank runs must fail here too
         check_tensor_parallel(model, plan.layers, tp=strategy.tp, sp=strategy.sp, pairs=tp_pairs)
     if strategy.pp > 1:
-        pp_.check_no_cross_chunk_ties(model, plan)
         pp_.free_remote_layers(model, plan, chunks)
     apply_recompute(model, recompute_fqns(plan, "full", layers), selective_fqns=recompute_fqns(plan, "selective", layers))
     if strategy.tp > 1:  # after recomputation: see tensor_parallel._add_sequence_hooks
@@ -311,6 +313,26 @@ def _chunk_modules(model: nn.Module, plan: Plan, chunks: list[int]) -> list[nn.M
     graph = pp_.trace_layers(model, list(layer_chunks))
     node_chunks = pp_.node_chunks(graph, layer_chunks)
     return [pp_.build_chunk_module(model, graph, node_chunks, chunk) for chunk in chunks]
+
+
+def _cross_stage_ties(model: nn.Module, plan: Plan, *, on_meta: bool) -> list[pp_.TiedWeight]:
+    """Weights tied across pipeline chunks (embedding and head), checked before any collective."""
+    if plan.strategy.pp == 1:
+        return []
+    ties = pp_.cross_chunk_ties(model, plan)
+    pp_.check_ties(ties, plan.strategy, on_meta=on_meta)
+    return ties
+
+
+def _sum_tied_gradients(plan: Plan, ties: list[pp_.TiedWeight], modules: list[nn.Module], mesh: DeviceMesh | None,
+                        optimizer: torch.optim.Optimizer) -> None:
+    """Each tied weight's copies (one per stage holding it) get the summed gradient before every optimizer step
+    (``pipeline.TiedGradients``; Megatron-LM's embedding all-reduce), so they stay equal."""
+    if not ties:
+        return
+    local = pp_.local_tied_parameters(ties, modules, mesh, pp=plan.strategy.pp, pp_rank=mesh.get_local_rank(PP))
+    if local:
+        optimizer.register_step_pre_hook(pp_.TiedGradients(local))
 
 
 def _dict_output_as_tuple(plan: Plan, modules: list[nn.Module], chunks: list[int]) -> pp_.DictOutput | None:

@@ -4,8 +4,10 @@
 (``blocks.3`` is one ``call_module`` node; what happens inside it is not traced). Each node of the root's
 glue code (``tok_emb(ids) + pos_emb(arange(T))``, RoPE table slicing...) goes to the earliest chunk where
 all its inputs exist; a buffer read (``get_attr``) goes to the chunk of its first user. Chunk ``c`` then
-becomes a ``GraphModule`` whose inputs are the values chunk ``c - 1`` hands over and whose outputs are the
-values later chunks still need. So a value used several stages later (Llama's RoPE ``cos``/``sin``, computed
+becomes a ``GraphModule`` whose inputs are the values chunk ``c - 1`` hands over (chunk 0: the root's
+arguments, default values kept) and whose outputs are the values later chunks still need. Optional arguments
+with constant defaults (``mask=None``, ``scale=1.0``) are traced at their defaults, as a step calls the model
+with its inputs only. So a value used several stages later (Llama's RoPE ``cos``/``sin``, computed
 once from the root's buffers) travels along the pipeline with the hidden states. Values crossing a
 boundary must be tensors; so must the last chunk's output (``torch.distributed.pipelining`` checks it), so a
 model returning a dict (a Hugging Face ``ModelOutput`` traces as one) has its last chunk return the dict's
@@ -30,13 +32,16 @@ single-device step on the mean loss.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -45,6 +50,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.tensor import DTensor
 
 from tessera.cost_models.types import Strategy
 from tessera.errors import ConfigError, NotModelledError
@@ -89,14 +95,36 @@ class _LayerTracer(fx.Tracer):
 
 
 def trace_layers(model: nn.Module, layer_fqns: Sequence[str]) -> fx.Graph:
-    """fx graph of ``model.forward`` with each of ``layer_fqns`` a leaf; a clear error if it cannot be traced."""
+    """fx graph of ``model.forward`` with each of ``layer_fqns`` a leaf; a clear error if it cannot be traced.
+
+    Optional arguments (``mask=None``, ``scale=1.0``) are traced at their defaults (:func:`default_constants`):
+    a step feeds the inputs only, so the chunks compute exactly what ``model(inputs)`` computes.
+    """
     try:
-        return _LayerTracer(set(layer_fqns)).trace(model)
+        return _LayerTracer(set(layer_fqns)).trace(model, concrete_args=default_constants(model))
     except Exception as error:  # fx raises many types (TraceError, TypeError on control flow...)
         raise NotModelledError(
             f"pipeline parallelism splits the model's forward with torch.fx, which cannot trace "
             f"{type(model).__name__}: {error}; plan it with pp=1"
         ) from error
+
+
+CONSTANT_DEFAULTS = (type(None), bool, int, float, str)
+"""Default values traced as constants; other defaults (a tensor...) stay a placeholder's default value."""
+
+
+def default_constants(model: nn.Module) -> dict[str, Any]:
+    """The root forward's optional arguments whose defaults are plain constants, by name, with those defaults.
+
+    Traced as constants, an unused ``mask=None`` is ``None`` wherever it goes (a block in a later chunk gets
+    ``None``, not a value handed over between stages) and ``if mask is not None`` follows the default's branch.
+    """
+    return {
+        name: param.default
+        for name, param in inspect.signature(model.forward).parameters.items()
+        if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+        and param.default is not param.empty and isinstance(param.default, CONSTANT_DEFAULTS)
+    }
 
 
 def node_chunks(graph: fx.Graph, chunk_of_layer: dict[str, int]) -> dict[fx.Node, int]:
@@ -140,8 +168,8 @@ def build_chunk_module(model: nn.Module, graph: fx.Graph, chunks: dict[fx.Node, 
     outputs = _handover(graph, chunks, chunk)
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for node in inputs:
-        env[node] = new.placeholder(node.name)
+    for node in inputs:  # the first chunk's placeholders are the root's, default values kept (``node_copy``)
+        env[node] = new.node_copy(node) if chunk == 0 else new.placeholder(node.name)
     for node in graph.nodes:
         if chunks[node] == chunk and node.op not in ("placeholder", "output"):
             env[node] = new.node_copy(node, env.__getitem__)
@@ -174,26 +202,105 @@ def _keep_buffers_non_persistent(model: nn.Module, module: fx.GraphModule) -> No
 
 
 def free_remote_layers(model: nn.Module, plan: Plan, local: Sequence[int]) -> None:
-    """Move the layers of chunks other ranks run to the meta device (frees their memory; shapes stay)."""
+    """Move the layers of chunks other ranks run to the meta device (frees their memory; shapes stay).
+
+    A parameter tied to a local layer's (:func:`cross_chunk_ties`) is kept: ``Module.to`` gives the remote
+    layer a new meta parameter (a real tensor is never moved in place to meta), so this rank keeps its copy.
+    """
     for layer in plan.layers:
         if layer.kind != "loss" and layer.chunk not in local:
             model.get_submodule(layer.fqn).to("meta")
 
 
-def check_no_cross_chunk_ties(model: nn.Module, plan: Plan) -> None:
-    """A parameter shared by layers of different chunks (tied embedding/head) would need its gradients summed
-    across stages, which the runtime does not do."""
-    owner: dict[int, tuple[str, int]] = {}
+# ------------------------------------------------------------------------------------------------ tied weights
+
+
+@dataclass(frozen=True)
+class TiedWeight:
+    """One parameter shared by layers of different pipeline chunks (an input embedding and the LM head)."""
+
+    fqns: tuple[str, ...]
+    """Its FQN in each chunk holding it, in chunk order (``tok_emb.weight``, ``head.weight``)."""
+    chunks: tuple[int, ...]
+    """The chunk of each FQN."""
+
+    def pp_ranks(self, pp: int) -> tuple[int, ...]:
+        """Pipeline ranks holding a copy (chunk ``c`` runs on ``c % pp``)."""
+        return tuple(sorted({chunk % pp for chunk in self.chunks}))
+
+
+def cross_chunk_ties(model: nn.Module, plan: Plan) -> list[TiedWeight]:
+    """Parameters shared by layers of different chunks, found by identity on the unsplit model."""
+    owners: dict[int, dict[int, str]] = {}  # id(param) -> chunk -> first FQN there
     for layer in plan.layers:
         if layer.kind == "loss":
             continue
-        for name, param in model.get_submodule(layer.fqn).named_parameters():
-            first = owner.setdefault(id(param), (f"{layer.fqn}.{name}", layer.chunk))
-            if first[1] != layer.chunk:
-                raise NotModelledError(
-                    f"{first[0]} is tied to {layer.fqn}.{name} but they run in pipeline chunks {first[1]} and "
-                    f"{layer.chunk}; untie the weights or plan with pp=1"
-                )
+        for name, param in model.get_submodule(layer.fqn).named_parameters(remove_duplicate=False):
+            owners.setdefault(id(param), {}).setdefault(layer.chunk, f"{layer.fqn}.{name}")
+    return [
+        TiedWeight(tuple(by_chunk[c] for c in sorted(by_chunk)), tuple(sorted(by_chunk)))
+        for by_chunk in owners.values() if len(by_chunk) > 1
+    ]
+
+
+def check_ties(ties: Sequence[TiedWeight], strategy: Strategy, *, on_meta: bool) -> None:
+    """Refuse the tied-weight combinations the runtime does not keep exact, naming the weight and the fix."""
+    for tie in ties:
+        names = " and ".join(tie.fqns)
+        if strategy.tp > 1:
+            raise NotModelledError(f"{names} are tied across pipeline stages, which the runtime keeps in sync only "
+                                   "with tp=1; untie them, or plan with tp=1 or pp=1")
+        if on_meta:
+            raise NotModelledError(f"{names} are tied across pipeline stages in a model on the meta device; build "
+                                   "the model on its device, or plan with pp=1")
+        if len(tie.pp_ranks(strategy.pp)) < len(tie.chunks):
+            raise NotModelledError(f"{names} are tied between chunks {tie.chunks} and two of them run on one "
+                                   f"pipeline rank under {strategy.to_string()!r}; plan other chunks or pp=1")
+
+
+def tie_group(mesh: DeviceMesh, pp_ranks: Sequence[int]) -> dist.ProcessGroup | None:
+    """The process group of this rank's copies of a tied weight: the ``pp_ranks`` of its pipeline (the ranks
+    equal on every other mesh axis; Megatron-LM's embedding group). Every rank calls it (groups are
+    created collectively); ``None`` on a rank holding no copy."""
+    pp = mesh.mesh.shape[mesh.mesh_dim_names.index("pp")]
+    pipelines = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), -1).reshape(-1, pp)  # (replicas, pp)
+    groups = [[int(row[r]) for r in pp_ranks] for row in pipelines]
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    return mine
+
+
+class TiedGradients:
+    """Optimizer pre-step hook: sum each tied weight's gradient over its copies, so every copy takes the same
+    step as the single tied parameter would.
+
+    Each stage's gradient is its layers' part of the full gradient (already averaged over data parallelism
+    and scaled by ``1 / micro-batches``, both linear), so the sum is exactly the unsplit model's gradient. A
+    gradient sharded by FSDP is summed shard by shard: both copies are sharded alike over the same ``dp``.
+    """
+
+    def __init__(self, params: Sequence[tuple[nn.Parameter, dist.ProcessGroup]]) -> None:
+        self.params = list(params)
+
+    def __call__(self, optimizer: torch.optim.Optimizer, *_) -> None:
+        for param, group in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            dist.all_reduce(grad, group=group)
+
+
+def local_tied_parameters(
+    ties: Sequence[TiedWeight], modules: Sequence[nn.Module], mesh: DeviceMesh, *, pp: int, pp_rank: int
+) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
+    """This rank's copy of each tied weight with its group (collective: call on every rank, ties in order)."""
+    params = {name.removeprefix("module."): p for m in modules for name, p in m.named_parameters()}
+    found = []
+    for tie in ties:
+        group = tie_group(mesh, tie.pp_ranks(pp))
+        if group is None or pp_rank not in tie.pp_ranks(pp):
+            continue
+        found.append((next(params[fqn] for fqn in tie.fqns if fqn in params), group))
+    return found
 
 
 # ------------------------------------------------------------------------------------------------ schedules

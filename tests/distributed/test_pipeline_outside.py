@@ -1,0 +1,249 @@
+"""Pipeline parallelism on user-written models (issue 18): optional forward arguments keep their defaults in
+the chunks, and weights tied across stages (embedding and LM head) stay tied, their gradients summed over
+the stages holding them (Megatron-LM's embedding all-reduce).
+
+Both tiny models (< 20K parameters) train under pp=2 (1F1B, interleaved:2) on 2 ranks and dp=2 x pp=2
+(DDP, FSDP) on 4 and must match single-process training (``harness`` tolerances); the two copies of the tied
+weight must be identical. A tied pipeline's checkpoint saved and loaded under the same plan resumes exactly.
+Every case of one world size runs in one spawn. Single-process checks of the chunk construction and of the
+refusals need no process group.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.cost_models.types import Strategy
+from tessera.errors import NotModelledError
+from tessera.runtime import pipeline
+from tessera.runtime.apply import apply_plan
+
+from .harness import FP32_TOL, LR, PARAM_TOL, SEED, full_tensors, make_plan
+
+pytestmark = pytest.mark.distributed
+
+VOCAB, HIDDEN, BLOCKS, BATCH, SEQ, STEPS = 64, 32, 4, 8, 16, 4
+TIED_FQNS = ("emb.weight", "head.weight")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+        h = self.down(F.gelu(self.up(self.norm(x))))  # (B, T, C)
+        if mask is not None:
+            h = h * mask[..., None]
+        return x + scale * h
+
+
+class MaskedStack(nn.Module):
+    """A user's model whose forward has optional arguments, used by the root and by every block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 0.5) -> torch.Tensor:
+        x = self.emb(ids) * scale
+        if mask is not None:
+            x = x * mask[..., None]
+        for block in self.blocks:
+            x = block(x, mask, scale)
+        return self.head(self.norm(x))
+
+
+class TiedStack(nn.Module):
+    """GPT-2/Gemma/OPT style: the LM head is the input embedding's matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        nn.init.normal_(self.emb.weight, std=0.1)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+MODELS = {"masked": MaskedStack, "tied": TiedStack}
+
+
+def make(name: str, seed: int = SEED) -> nn.Module:
+    torch.manual_seed(seed)
+    return MODELS[name]()
+
+
+def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tokens = torch.randint(VOCAB, (steps, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    return [(step[:, :-1], step[:, 1:]) for step in tokens]
+
+
+@functools.cache
+def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = make(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for inputs, targets in batches():
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, full_tensors(model.named_parameters())
+
+
+# ------------------------------------------------------------------------------------------ the spawns
+
+CASES = {
+    2: [("masked", "dp=1,pp=2,mbs=2,schedule=1f1b"),
+        ("masked", "dp=1,pp=2,mbs=1,schedule=interleaved:2"),
+        ("tied", "dp=1,pp=2,mbs=2,schedule=1f1b"),
+        ("tied", "dp=1,pp=2,mbs=1,schedule=interleaved:2")],  # tie between chunk 0 (rank 0) and chunk 3 (rank 1)
+    4: [("tied", "dp=2,pp=2,zero=0,mbs=2,schedule=1f1b"),  # tie reduction over pp after DDP's over dp
+        ("tied", "dp=2,pp=2,zero=3,mbs=1,schedule=1f1b")],  # FSDP-sharded copies, summed shard by shard
+}
+CHECKPOINT_CASE = ("tied", "dp=1,pp=2,mbs=2,schedule=1f1b")
+
+
+def build(name: str, strategy: str):
+    rank = dist.get_rank()
+    model = make(name, SEED + rank)  # rank 0's weights are broadcast: both copies of a tied weight start equal
+    return apply_plan(model, make_plan(name, model, strategy))
+
+
+def train_case(name: str, strategy: str) -> dict:
+    parallel = build(name, strategy)
+    losses = [parallel.train_step(batch) for batch in batches()]
+    return {"losses": losses, "params": full_tensors(parallel.named_parameters())}
+
+
+def checkpoint_case(folder: str) -> dict:
+    """Train 2 steps, save, train 2 more; a fresh model loading the save trains the same 2 more steps."""
+    parallel = build(*CHECKPOINT_CASE)
+    data = batches()
+    for batch in data[:2]:
+        parallel.train_step(batch)
+    parallel.save(folder).wait()
+    after = [parallel.train_step(batch) for batch in data[2:]]
+    restored = build(*CHECKPOINT_CASE)
+    restored.load(folder)
+    resumed = [restored.train_step(batch) for batch in data[2:]]
+    return {"after": after, "resumed": resumed, "params": full_tensors(parallel.named_parameters()),
+            "restored": full_tensors(restored.named_parameters())}
+
+
+def run_world(cases: list[tuple[str, str]], folder: str | None) -> dict:
+    results = {case: train_case(*case) for case in cases}
+    if folder is not None:
+        results["checkpoint"] = checkpoint_case(folder)
+    return results
+
+
+@functools.cache
+def world_results(world: int) -> list[dict]:
+    from tessera.runtime.launch import spawn  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="tessera-pp-tied-") as folder:
+        return spawn(run_world, nprocs=world, args=(CASES[world], folder if world == 2 else None), timeout_s=300)
+
+
+def case_id(case) -> str:
+    return f"{case[1]}-{case[2]}-{case[0]}ranks"
+
+
+ALL = [(world, *case) for world, cases in CASES.items() for case in cases]
+
+
+@pytest.mark.parametrize(("world", "name", "strategy"), ALL, ids=[case_id(c) for c in ALL])
+def test_pipeline_matches_single_process_training(world, name, strategy):
+    per_rank = [r[(name, strategy)] for r in world_results(world)]
+    ref_losses, ref_params = reference(name)
+    for result in per_rank:
+        torch.testing.assert_close(result["losses"], ref_losses, **FP32_TOL)
+    params = {}
+    for result in per_rank:
+        params.update(result["params"])
+    if name == "tied":
+        copies = [r["params"][fqn] for r in per_rank for fqn in TIED_FQNS if fqn in r["params"]]
+        assert len(copies) == Strategy.parse(strategy).dp * 2  # one copy on each end stage of every replica
+        assert all(torch.equal(copy_, copies[0]) for copy_ in copies), "the tied weight's copies differ"
+        assert torch.equal(params.pop("head.weight"), params["emb.weight"])
+    assert params.keys() == ref_params.keys()
+    torch.testing.assert_close(params, ref_params, **PARAM_TOL)
+
+
+def test_tied_pipeline_checkpoint_resumes_exactly():
+    per_rank = [r["checkpoint"] for r in world_results(2)]
+    for result in per_rank:
+        assert result["resumed"] == result["after"]
+        torch.testing.assert_close(result["restored"], result["params"], rtol=0, atol=0)
+    assert torch.equal(per_rank[0]["params"]["emb.weight"], per_rank[1]["params"]["head.weight"])
+
+
+# ------------------------------------------------------------------------------------------ single process
+
+
+def chunks_of(model: nn.Module, strategy: str) -> list[torch.fx.GraphModule]:
+    plan = make_plan("masked", model, strategy)
+    layer_chunks = {layer.fqn: layer.chunk for layer in plan.layers if layer.kind != "loss"}
+    graph = pipeline.trace_layers(model, list(layer_chunks))
+    node_chunks = pipeline.node_chunks(graph, layer_chunks)
+    return [pipeline.build_chunk_module(model, graph, node_chunks, c) for c in range(len(plan.chunk_fqns()))]
+
+
+def test_first_chunk_keeps_the_forwards_defaults_and_chunks_compute_the_model():
+    model = make("masked")
+    chunks = chunks_of(model, "dp=1,pp=2,mbs=1,schedule=interleaved:2")
+    defaults = [p.default for p in inspect.signature(chunks[0].forward).parameters.values()][1:]
+    assert defaults == [None, 0.5]
+    assert all(len(inspect.signature(c.forward).parameters) == 1 for c in chunks[1:])  # no None/float handed over
+    ids = batches(1)[0][0]
+    value = ids
+    for chunk in chunks:
+        value = chunk(*value) if isinstance(value, tuple) else chunk(value)
+    torch.testing.assert_close(value, model(ids), rtol=0, atol=0)
+
+
+def test_cross_chunk_ties_are_found_and_each_stage_keeps_its_copy():
+    model = make("tied")
+    plan = make_plan("tied", model, "dp=1,pp=2,mbs=2,schedule=1f1b")
+    (tie,) = pipeline.cross_chunk_ties(model, plan)
+    assert tie == pipeline.TiedWeight(TIED_FQNS, (0, 1)) and tie.pp_ranks(2) == (0, 1)
+    for local, kept in ((0, "emb"), (1, "head")):
+        freed = copy.deepcopy(model)
+        pipeline.free_remote_layers(freed, plan, [local])
+        weights = {name: freed.get_submodule(name).weight for name in ("emb", "head")}
+        assert not weights[kept].is_meta and torch.equal(weights[kept], model.emb.weight)
+        assert all(w.is_meta for name, w in weights.items() if name != kept)
+
+
+@pytest.mark.parametrize(("strategy", "meta", "match"), [
+    ("dp=1,tp=2,pp=2,mbs=2,schedule=1f1b", False, "only with tp=1"),
+    ("dp=1,pp=2,mbs=2,schedule=1f1b", True, "on the meta device"),
+])
+def test_tied_combinations_not_kept_exact_are_refused_naming_the_weights(strategy, meta, match):
+    model = make("tied")
+    plan = make_plan("tied", model, strategy)
+    ties = pipeline.cross_chunk_ties(model, plan)
+    with pytest.raises(NotModelledError, match=rf"emb\.weight and head\.weight .*{match}"):
+        pipeline.check_ties(ties, plan.strategy, on_meta=meta)
