@@ -64,6 +64,7 @@ def _headline(plan: Plan) -> Table:
         ("throughput", f"{e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}, HFU {e.hfu:.1%} "
                        f"({e.model_tflops_per_device:.0f} model TFLOP/s per device)"),
         ("memory", f"{e.peak_memory_bytes / GiB:.1f} / {e.memory_budget_bytes / GiB:.1f} GiB per device"),
+        *((f"no {axis}", literal(reason)) for axis, reason in plan.unavailable_axes.items()),
         ("search", _search_line(plan)),
         ("launch", literal(launch_command(nodes=nodes, devices_per_node=per_node))),
     ]

@@ -435,3 +435,39 @@ class Estimate(BaseModel):
         if self.peak_memory_bytes != sum(self.memory_by_category_bytes.values()):
             raise ValueError("peak_memory_bytes must equal the sum of memory_by_category_bytes")
         return self
+
+
+# ----------------------------------------------------------------------------------- what the runtime applies
+# One table for both sides of the one-way imports: capture checks a model against it (``planner.capabilities``) and
+# the search never combines what it excludes, and the runtime splits by the same table (``runtime.tensor_parallel``,
+# ``runtime.expert_parallel``). Widen it where the runtime learns a new module type or combination, never on one side.
+
+RUNTIME_SPLITS: Mapping[str, frozenset[str]] = {
+    "tp": frozenset({"torch.nn.modules.linear.Linear"}),
+    "ep": frozenset({"tessera.models.moe.MoELayer"}),
+}
+"""Axis -> the module classes (import path; a subclass counts) the runtime splits on it: tensor parallelism splits
+column/row pairs of these linears, expert parallelism these mixture-of-experts layers."""
+
+RUNTIME_EXCLUSIVE: tuple[tuple[str, str], ...] = (("ep", "sp"), ("ep", "selective"), ("cp", "sp"), ("cp", "pp"))
+"""Strategy features the runtime refuses together (``runtime.expert_parallel.check_expert_parallel``,
+``runtime.context_parallel.check_context_parallel``): a feature is an axis of degree > 1, ``sp`` (sequence
+parallelism) or ``selective`` (selective recomputation of any block)."""
+
+
+def runtime_splits(axis: str, cls: type) -> bool:
+    """Whether the runtime splits modules of class ``cls`` on ``axis`` (``RUNTIME_SPLITS``)."""
+    names = RUNTIME_SPLITS[axis]
+    return any(f"{c.__module__}.{c.__qualname__}" in names for c in cls.__mro__)
+
+
+def strategy_features(strategy: Strategy) -> set[str]:
+    """The features of ``strategy`` that ``RUNTIME_EXCLUSIVE`` speaks of."""
+    used = {axis for axis in ("tp", "pp", "cp", "ep") if getattr(strategy, axis) > 1}
+    selective = strategy.recompute == "selective" or "selective" in (strategy.block_recompute or ())
+    return used | ({"sp"} if strategy.sp else set()) | ({"selective"} if selective else set())
+
+
+def runtime_conflict(features: set[str]) -> tuple[str, str] | None:
+    """The first pair of ``features`` the runtime refuses together, or None."""
+    return next((pair for pair in RUNTIME_EXCLUSIVE if set(pair) <= features), None)

@@ -17,6 +17,8 @@ Steps (one function each):
    so ``LayerGraph.at_seq_len`` can rescale without re-tracing (see ``tessera.planner.layer_graph``).
 4. ``LayerStats`` per layer: the measurements, the parameters it owns, the facts of ``layer_info``, and a
    signature shared by identical blocks.
+5. ``unavailable_axes`` (``tessera.planner.capabilities``): the parallel axes the runtime cannot apply to this
+   model, and why, one line each.
 
 Mixture-of-experts layers are measured at their expected load (``tessera.planner.experts``). Glue (ops and
 parameters in the root module's own forward, outside every layer) is charged to the first layer. Layers the
@@ -38,6 +40,7 @@ from tessera.cost_models.types import LayerStats
 from tessera.errors import CaptureError, ModelSpecError
 from tessera.models import is_builtin_spec, with_override
 from tessera.planner import layer_info
+from tessera.planner.capabilities import unavailable_axes
 from tessera.planner.experts import expected_expert_load, measured_capacity_factor
 from tessera.planner.front_ends import LeafModules, trace_model
 from tessera.planner.layer_graph import SCALED_FIELDS, LayerGraph, SeqScaling, fit_polynomial, layer_signature
@@ -87,6 +90,7 @@ def capture(
         lengths = fit_lengths(seq_len) if rescalable else (seq_len,)
         tallies = measure_at_lengths(model, flow.order, dtype=dtype, lengths=lengths, inputs=example_inputs)
     stats, keys = _records(model, layers, flow, pairs, tallies[seq_len], capacity_factor=expert_capacity_factor)
+    unavailable = unavailable_axes(model, layers, stats, front_end=flow.front_end, fallback_reasons=flow.fallback_reasons)
     return LayerGraph(
         model_name=name or getattr(model, "name", None) or type(model).__name__,
         seq_len=seq_len,
@@ -96,6 +100,7 @@ def capture(
         edges=flow.edges,
         fallback_reasons=flow.fallback_reasons,
         seq_scaling=_scaling(stats, keys, tallies) if len(lengths) == 3 else (),
+        unavailable_axes=unavailable,
     )
 
 

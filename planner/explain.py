@@ -329,6 +329,7 @@ def report_sections(plan: Plan, *, plan_path: str = "plan.json") -> list[Section
     nodes, per_node = cluster_layout(plan)
     return [
         _overview(plan, nodes=nodes, per_node=per_node),
+        *_unavailable(plan),
         _strategy(plan, per_node=per_node),
         _prediction(plan),
         _breakdown(plan.estimate),
@@ -464,6 +465,15 @@ def _timeline(plan: Plan) -> Section:
     title = f"{label}, {drawn} of {e.micro_batches} micro-batches"
     chart = Figure("timeline", f"Pipeline timeline ({title})", plots.timeline_chart(ops, stages=len(stage_times), title=title))
     return Section("Pipeline timeline", (text, chart))
+
+
+def _unavailable(plan: Plan) -> list[Section]:
+    """The axes the runtime cannot apply to this model, one line each (none: no section)."""
+    if not plan.unavailable_axes:
+        return []
+    text = "The search planned without these axes: the runtime cannot apply them to this model."
+    rows = tuple((f"`{axis}`", reason) for axis, reason in plan.unavailable_axes.items())
+    return [Section("Unavailable axes", (text, Table(("axis", "why not"), rows)))]
 
 
 def _alternatives(plan: Plan) -> Section:

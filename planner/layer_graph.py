@@ -76,6 +76,9 @@ class LayerGraph(BaseModel):
     """Why each front end tried before ``front_end`` could not trace the model, one line each."""
     seq_scaling: tuple[SeqScaling, ...] = ()
     """Per-layer polynomials in the sequence length (empty when captured with fixed example inputs)."""
+    unavailable_axes: dict[str, str] = {}
+    """Parallel axes (``tp``, ``pp``, ``ep``) the runtime cannot apply to this model -> why, one line each
+    (``tessera.planner.capabilities``); the search plans only within the others."""
 
     @model_validator(mode="after")
     def _check_names(self) -> "LayerGraph":

@@ -113,6 +113,9 @@ class Plan(BaseModel):
     """Wall time the search took (capture excluded)."""
     solver: SolverStats = SolverStats()
     """Integer-program statistics."""
+    unavailable_axes: dict[str, str] = {}
+    """Parallel axes the runtime cannot apply to this model -> why (``LayerGraph.unavailable_axes``): the search
+    planned without them. Empty in plans written before capture recorded it."""
 
     def to_json(self, path: str | Path | None = None) -> str:
         """Serialise to JSON (and write it to ``path`` when given, atomically: whole or not at all)."""
@@ -151,6 +154,7 @@ class Plan(BaseModel):
                 f"step time  {e.step_time_s:.3f} s   {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu:.1%}",
                 f"memory     {e.peak_memory_bytes / GiB:.1f} of {e.memory_budget_bytes / GiB:.1f} GiB per device "
                 f"({memory} GiB)",
+                *(f"no {axis:<7} {reason}" for axis, reason in self.unavailable_axes.items()),
             ]
         )
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
 from tessera.cost_models.pipeline import bubble_micro_batches
-from tessera.cost_models.types import LayerStats, Recompute
+from tessera.cost_models.types import LayerStats, Recompute, runtime_conflict, strategy_features
 from tessera.planner.ilp import StageCoefficients, coefficients, optimal_pace_s, solve, stage_tables
 from tessera.topology.cluster import Cluster
 
@@ -53,7 +53,8 @@ def refine(
         if len(seen) > MAX_SOLVES:
             break
         # Zero-bubble splits the backward; the runtime cannot recompute under it, so only stage sizes are chosen.
-        allowed = ["none"] if key.schedule == "zero-bubble" else policies
+        allowed = ["none"] if key.schedule == "zero-bubble" else [
+            p for p in policies if p != "selective" or runtime_conflict(strategy_features(key) | {"selective"}) is None]
         found = _refine_one(layers, cluster, training, key, policies=allowed, incumbent=incumbent, stats=stats)
         if found and found[1].fits and found[1].step_time_s < incumbent:
             incumbent = found[1].step_time_s

@@ -46,7 +46,7 @@ def rank_candidates(
     stopped at: every candidate of the space whose estimate is below it was estimated (``inf``: all were).
     """
     pins = dict(pins or {})
-    check_pins(pins, cluster)
+    check_pins(pins, cluster, unavailable=graph.unavailable_axes)
     layers = list(graph.layers)
     check_layer_pins(pins, layers)
     params = _dense_and_expert_params(layers)
@@ -54,7 +54,7 @@ def rank_candidates(
     fits_at: set[tuple] = set()
     cheapest_fit: dict[tuple, int] = {}  # outer choices -> cost rank of the cheapest recomputation that fits
     scored, overflowing = [], []
-    candidates = _by_lower_bound(layers, cluster, training, list(strategies(layers, cluster, training, pins)))
+    candidates = _by_lower_bound(layers, cluster, training, list(strategies(layers, cluster, training, pins, unavailable=graph.unavailable_axes)))
     incumbent = float("inf")  # fastest fitting step so far
     for done, (bound, strategy) in enumerate(candidates, 1):
         if progress is not None and (done % 256 == 0 or done == len(candidates)):
@@ -169,6 +169,7 @@ def search(
             rerank=lambda extra: rank_candidates(graph, cluster, training, pins={**(pins or {}), **extra}),
             admitted=_admitted_degrees(graph, cluster, training, pins or {}), exact_below_s=reached["bound"],
         ),
+        unavailable_axes=graph.unavailable_axes,
         candidates_evaluated=len(scored),
         search_time_s=time.perf_counter() - start,
         solver=SolverStats(
@@ -182,7 +183,7 @@ def _admitted_degrees(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object]
 ) -> dict[str, set[int]]:
     """Expert- and context-parallel degrees of the search space, reached by the pruned search or not."""
-    shapes = list(mesh_shapes(list(graph.layers), cluster, training, pins))
+    shapes = list(mesh_shapes(list(graph.layers), cluster, training, pins, unavailable=graph.unavailable_axes))
     return {"ep": {shape[4] for shape in shapes}, "cp": {shape[3] for shape in shapes}}
 
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 
 from tessera.cost_models import Strategy, TrainingConfig
-from tessera.cost_models.types import LayerStats
+from tessera.cost_models.types import LayerStats, runtime_conflict, strategy_features
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster
 
@@ -44,10 +45,14 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def mesh_shapes(layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object]) -> Iterator[tuple[int, int, int, int, int]]:
-    """(dp, tp, pp, cp, ep) shapes of the world the model and topology admit (``dp * tp * pp * cp = world``)."""
+def mesh_shapes(
+    layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object], *,
+    unavailable: Mapping[str, str] = MappingProxyType({}),
+) -> Iterator[tuple[int, int, int, int, int]]:
+    """(dp, tp, pp, cp, ep) shapes of the world the model and topology admit (``dp * tp * pp * cp = world``),
+    none using an ``unavailable`` axis or a pair of axes the runtime does not combine."""
     world, blocks = cluster.num_devices, sum(layer.kind == "block" for layer in layers)
-    heads = {layer.attention_heads for layer in layers if layer.attention_heads}
+    heads = {h for layer in layers for h in (layer.attention_heads, layer.kv_heads) if h}
     experts = {layer.experts for layer in layers if layer.experts}
     for tp in divisors(world):
         if "tp" in pins:
@@ -62,7 +67,14 @@ def mesh_shapes(layers: list[LayerStats], cluster: Cluster, training: TrainingCo
                     continue
                 if pins.get("pp", pp) == pp and pins.get("dp", dp) == dp:
                     for ep in expert_degrees(dp, experts, pins):
-                        yield dp, tp, pp, cp, ep
+                        if runtime_applies(dict(tp=tp, pp=pp, cp=cp, ep=ep), unavailable):
+                            yield dp, tp, pp, cp, ep
+
+
+def runtime_applies(degrees: Mapping[str, int], unavailable: Mapping[str, str]) -> bool:
+    """No axis of degree > 1 is unavailable for the model and no two are ones the runtime does not combine."""
+    used = {axis for axis, degree in degrees.items() if degree > 1}
+    return not used & set(unavailable) and runtime_conflict(used) is None
 
 
 def context_degrees(ranks: int, training: TrainingConfig, pins: Mapping[str, object]) -> list[int]:
@@ -86,14 +98,19 @@ def expert_degrees(dp: int, experts: set[int], pins: Mapping[str, object]) -> li
     return [ep for ep in divisors(dp) if all(e % ep == 0 for e in experts)]
 
 
-def strategies(layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object]) -> Iterator[Strategy]:
-    """Every candidate strategy, in a fixed order, honouring ``pins``."""
+def strategies(
+    layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object], *,
+    unavailable: Mapping[str, str] = MappingProxyType({}),
+) -> Iterator[Strategy]:
+    """Every candidate strategy, in a fixed order, honouring ``pins``; none the runtime would refuse for the
+    model's ``unavailable`` axes or for a combination (``cost_models.types.RUNTIME_EXCLUSIVE``)."""
     measured_selective = any(layer.saved_bytes_selective is not None for layer in layers)
     # Cheapest first: the search skips a policy once a cheaper one fits.
     recomputes = _pinned(pins, "recompute", _recompute_options(measured_selective, pins))
     blocks = sum(layer.kind == "block" for layer in layers)
     per_block = {key: pins[key] for key in ("block_recompute", "chunk_blocks") if key in pins}
-    for dp, tp, pp, cp, ep in mesh_shapes(layers, cluster, training, pins):
+    for dp, tp, pp, cp, ep in mesh_shapes(layers, cluster, training, pins, unavailable=unavailable):
+        sp = pins.get("sp", tp > 1 and runtime_conflict({"sp"} | {a for a, d in (("ep", ep), ("cp", cp)) if d > 1}) is None)
         micro_batches = [m for m in range(1, MAX_MICRO_BATCH + 1) if (training.global_batch // dp) % m == 0]
         for zero in _pinned(pins, "zero", ZERO_STAGES if dp > 1 else (0,)):
             for micro_batch in _pinned(pins, "micro_batch", micro_batches):
@@ -103,12 +120,14 @@ def strategies(layers: list[LayerStats], cluster: Cluster, training: TrainingCon
                             continue  # the runtime cannot recompute under a split backward (runtime.apply)
                         if "chunk_blocks" in pins and len(pins["chunk_blocks"]) != pp * chunks:
                             continue
-                        yield Strategy(**per_block,
+                        strategy = Strategy(**per_block,
                             dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batch=micro_batch, recompute=recompute,
-                            sp=pins.get("sp", tp > 1), schedule=schedule, virtual_stages=chunks,
+                            sp=sp, schedule=schedule, virtual_stages=chunks,
                             # never chosen: the runtime lacks both
                             tp_overlap=pins.get("tp_overlap", False), sp_regather=pins.get("sp_regather", False),
                         )
+                        if runtime_conflict(strategy_features(strategy)) is None:
+                            yield strategy
 
 
 def _pinned(pins: Mapping[str, object], key: str, options):
@@ -164,8 +183,10 @@ def check_layer_pins(pins: Mapping[str, object], layers: list[LayerStats]) -> No
                               f"{pins.get('virtual_stages', 1)} makes {chunks} pipeline chunks; give one size per chunk")
 
 
-def check_pins(pins: Mapping[str, object], cluster: Cluster) -> None:
-    """Raise if the pins cannot multiply to the world size (``ep`` is part of ``dp`` and adds no ranks)."""
+def check_pins(pins: Mapping[str, object], cluster: Cluster, *, unavailable: Mapping[str, str] = MappingProxyType({})) -> None:
+    """Raise if the pins cannot multiply to the world size (``ep`` is part of ``dp`` and adds no ranks), use an
+    axis the runtime cannot apply to the model (``unavailable``) or a combination it does not run."""
+    check_runtime_pins(pins, unavailable)
     product = 1
     for axis in ("dp", "tp", "pp", "cp"):
         product *= int(pins.get(axis, 1))
@@ -176,3 +197,18 @@ def check_pins(pins: Mapping[str, object], cluster: Cluster) -> None:
         )
     if "dp" in pins and int(pins["dp"]) % int(pins.get("ep", 1)):
         raise ConfigError(f"ep={pins['ep']} must divide dp={pins['dp']}: expert parallelism is carved out of dp")
+
+
+def check_runtime_pins(pins: Mapping[str, object], unavailable: Mapping[str, str]) -> None:
+    """Raise one line naming the axis and the reason when a pin asks for what the runtime cannot apply."""
+    for axis, reason in unavailable.items():
+        if int(pins.get(axis, 1)) > 1:
+            raise ConfigError(f"{axis}={pins[axis]} is unavailable for this model: {reason}; leave {axis} out or pin {axis}=1")
+    used = {axis for axis in ("tp", "pp", "cp", "ep") if int(pins.get(axis, 1)) > 1}
+    used |= {"sp"} if pins.get("sp") else set()
+    used |= {"selective"} if pins.get("recompute") == "selective" or "selective" in (pins.get("block_recompute") or ()) else set()
+    conflict = runtime_conflict(used)
+    if conflict is not None:
+        a, b = conflict
+        raise ConfigError(f"the runtime does not implement {a} together with {b}; pin one of them off "
+                          f"(e.g. {'sp=false' if 'sp' in conflict else f'{a}=1'})")

@@ -69,7 +69,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from tessera.cost_models.types import Strategy
+from tessera.cost_models.types import Strategy, runtime_splits
 from tessera.errors import NotModelledError, RuntimeSetupError
 from tessera.models.moe import MoELayer, slot_tokens
 from tessera.runtime.mesh import EP, expert_data_mesh
@@ -196,7 +196,8 @@ def check_expert_parallel(model: nn.Module, strategy: Strategy, *, selective_rec
                 f"strategy {strategy.to_string()!r}: expert parallelism together with {name} is not implemented by "
                 f"the runtime; plan with ep=1 or without {name}"
             )
-    layers = [module for module in model.modules() if isinstance(module, MoELayer)]
+    # The layers capture also looks for (cost_models.types.RUNTIME_SPLITS), so a plan only asks ep of a model holding them.
+    layers = [module for module in model.modules() if runtime_splits("ep", type(module))]
     if not layers:
         raise NotModelledError(f"ep={strategy.ep} but the model has no MoE layer (tessera.models.moe.MoELayer) to "
                                "split; plan it with ep=1")

@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from tessera.cost_models.types import LinearPair
+from tessera.cost_models.types import LinearPair, runtime_splits
 from tessera.errors import ConfigError, NotModelledError
 from tessera.models.moe import MoELayer
 from tessera.planner.plan import PlannedLayer
@@ -154,7 +154,7 @@ def find_linear_pairs(block: nn.Module) -> tuple[LinearPair, ...]:
     routers = set(replicated_modules(block))
     for name, container in block.named_modules():
         linears = [child_name for child_name, child in container.named_children()
-                   if isinstance(child, nn.Linear) and _join(name, child_name) not in routers]
+                   if runtime_splits("tp", type(child)) and _join(name, child_name) not in routers]
         if linears:
             role = "attention" if isinstance(getattr(container, "head_dim", None), int) else "mlp"
             names = [_join(name, child_name) for child_name in linears]
@@ -243,7 +243,7 @@ def _pair_container(pair: LinearPair) -> str:
 
 def _linear(fqn: str, block: nn.Module, name: str) -> nn.Linear:
     module = block.get_submodule(name)
-    if not isinstance(module, nn.Linear):
+    if not runtime_splits("tp", type(module)):  # the rule capture checks too (cost_models.types.RUNTIME_SPLITS)
         raise NotModelledError(f"{fqn}.{name} is a {type(module).__name__}, not nn.Linear; tensor parallelism "
                                "splits only nn.Linear pairs")
     return module

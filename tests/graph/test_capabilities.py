@@ -1,0 +1,142 @@
+"""Capability-aware planning (issue 18 item 5): capture records which axes the runtime can apply to a model and
+why not, the search plans only within them, and every strategy a plan returns passes the runtime's own
+pre-checks for that model. Meta-device capture, no processes: the runtime's checks build styles and fx graphs
+only, as tests/distributed/test_runtime_rules.py does.
+"""
+
+from functools import cache
+
+import pytest
+
+import tessera
+from tessera.cost_models import TrainingConfig
+from tessera.errors import ConfigError, NotModelledError
+from tessera.planner.capture import capture_preset
+from tessera.planner.model_source import resolve_model
+from tessera.planner.plan import Plan
+from tessera.planner.search import planned_layers, search
+from tessera.planner.space import strategies
+from tessera.runtime import pipeline
+from tessera.runtime.apply import check_supported, recompute_fqns
+from tessera.runtime.context_parallel import check_context_parallel
+from tessera.runtime.data_parallel import check_batch_norm
+from tessera.runtime.expert_parallel import check_expert_parallel
+from tessera.runtime.tensor_parallel import check_tensor_parallel
+from tessera.topology import load_cluster
+
+SEQ = 64
+GPT2 = "hf:gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=256,n_positions=64"
+LLAMA = ("hf:llama:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+         "intermediate_size=128,vocab_size=256")
+MIXTRAL = ("hf:mixtral:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+           "intermediate_size=128,vocab_size=256,num_local_experts=4,num_experts_per_tok=2")
+CLUSTER = "dgx-h100:nodes=2"
+TRAINING = TrainingConfig(global_batch=64, seq_len=SEQ, precision="bf16")
+
+
+@cache
+def graph(spec: str):
+    return capture_preset(spec, seq_len=SEQ)
+
+
+@cache
+def plan_of(spec: str) -> Plan:
+    return search(graph(spec), load_cluster(CLUSTER), TRAINING)
+
+
+def runtime_accepts(spec: str, plan: Plan) -> None:
+    """The runtime's pre-checks of ``apply_plan`` for ``plan`` on the model ``spec`` builds (raise if refused)."""
+    model, _ = resolve_model(spec)
+    strategy = plan.strategy
+    check_supported(plan)
+    check_batch_norm(model, plan)
+    if strategy.cp > 1:
+        check_context_parallel(model, strategy, seq_len=plan.training.seq_len, compile_blocks=False)
+    if strategy.ep > 1:
+        check_expert_parallel(model, strategy, selective_recompute=bool(recompute_fqns(plan, "selective")))
+    if strategy.tp > 1:  # pairs from the module tree, as auto_parallelize applies it
+        check_tensor_parallel(model, plan.layers, tp=strategy.tp, sp=strategy.sp)
+    if strategy.pp > 1:
+        graph_ = pipeline.trace_layers(model, [layer.fqn for layer in plan.layers if layer.kind != "loss"])
+        pipeline.node_chunks(graph_, {layer.fqn: layer.chunk for layer in plan.layers if layer.kind != "loss"})
+
+
+def with_strategy(spec: str, plan: Plan, strategy) -> Plan:
+    return plan.model_copy(update={"strategy": strategy, "layers": planned_layers(graph(spec), strategy)})
+
+
+def test_gpt2_has_tp_unavailable_for_its_conv1d():
+    unavailable = graph(GPT2).unavailable_axes
+    assert unavailable["tp"] == "no column/row linear pairs the runtime can split in transformer.h.0.attn (Conv1D)"
+    assert "torch.fx" in unavailable["pp"] and "ep" not in unavailable  # dense: no ep to lose
+
+
+def test_tessera_plan_on_gpt2_never_splits_tensors():
+    plan = tessera.plan(GPT2, CLUSTER, global_batch=64, seq_len=SEQ)
+    assert plan.strategy.tp == 1 and all(c.strategy.tp == 1 for c in plan.alternatives)
+    assert "tp" in plan.unavailable_axes
+    assert "no tp      no column/row linear pairs" in plan.summary()
+
+
+def test_a_tessera_preset_keeps_every_axis():
+    assert graph("llama-tiny").unavailable_axes == {}
+    assert graph("moe-tiny").unavailable_axes == {}
+
+
+def test_a_pin_on_an_unavailable_axis_is_refused_naming_axis_and_reason():
+    with pytest.raises(ConfigError, match=r"tp=2 is unavailable for this model: .*Conv1D"):
+        search(graph(GPT2), load_cluster(CLUSTER), TRAINING, pins={"tp": 2})
+    with pytest.raises(ConfigError, match=r"ep=2 is unavailable for this model: .*MixtralSparseMoeBlock"):
+        search(graph(MIXTRAL), load_cluster(CLUSTER), TRAINING, pins={"ep": 2})
+
+
+def test_moe_strategies_never_pair_ep_with_sp_or_selective_recomputation():
+    layers = list(graph("moe-tiny").layers)
+    found = list(strategies(layers, load_cluster(CLUSTER), TRAINING, {}))
+    experts = [s for s in found if s.ep > 1]
+    assert experts and any(s.tp > 1 for s in experts)
+    assert not any(s.sp or s.recompute == "selective" for s in experts)
+    assert any(s.sp for s in found if s.tp > 1 and s.ep == 1)  # sequence parallelism stays where it runs
+    with pytest.raises(ConfigError, match="ep together with sp"):
+        search(graph("moe-tiny"), load_cluster(CLUSTER), TRAINING, pins={"ep": 2, "tp": 2, "sp": True})
+
+
+def test_the_plan_json_round_trip_keeps_unavailable_axes_and_old_plans_load():
+    plan = plan_of(GPT2)
+    assert Plan.from_json(plan.to_json()).unavailable_axes == plan.unavailable_axes != {}
+    old = plan.model_dump(mode="json")
+    del old["unavailable_axes"]
+    assert Plan.model_validate(old).unavailable_axes == {}
+
+
+@pytest.mark.parametrize("spec", [LLAMA, GPT2, MIXTRAL, "llama-tiny", "moe-tiny"])
+def test_every_returned_strategy_passes_the_runtime_prechecks(spec):
+    plan = plan_of(spec)
+    for candidate in (plan, *plan.alternatives, *plan.degree_alternatives):
+        strategy = candidate.strategy
+        runtime_accepts(spec, with_strategy(spec, plan, strategy) if candidate is not plan else plan)
+
+
+@pytest.mark.parametrize("spec", [GPT2, MIXTRAL, LLAMA])
+def test_an_unavailable_axis_is_one_the_runtime_refuses(spec):
+    plan = plan_of(spec)
+    for axis in graph(spec).unavailable_axes:
+        degree = {"tp": dict(tp=2, dp=8, sp=False), "pp": dict(pp=2, dp=8), "ep": dict(ep=2)}[axis]
+        strategy = plan.strategy.model_copy(update=degree)
+        with pytest.raises(NotModelledError):
+            runtime_accepts(spec, with_strategy(spec, plan, strategy))
+
+
+def test_the_report_and_the_terminal_table_say_which_axes_were_unavailable():
+    from rich.console import Console
+
+    from tessera.planner.explain import plan_markdown
+    from tessera.report import print_plan
+
+    plan = plan_of(GPT2)
+    assert "## Unavailable axes" in plan_markdown(plan) and "(Conv1D)" in plan_markdown(plan)
+    console = Console(record=True, width=200)
+    print_plan(plan, console)
+    text = console.export_text()
+    assert "no tp" in text and "Conv1D" in text
+    assert "Unavailable axes" not in plan_markdown(plan_of("llama-tiny"))
