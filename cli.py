@@ -260,10 +260,10 @@ def _search_with_progress(args: argparse.Namespace, console: Console):
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
     from tessera.files import write_text_atomically
-    from tessera.report import print_plan
 
     _check_plan_options(args)
     plan = _search_with_progress(args, console)
+    from tessera.report import print_plan  # imports the charts: only once there is a plan
     if args.format == "json":
         print(plan.to_json())
     else:
@@ -321,11 +321,11 @@ def _write_report(plan, kind: str, *, out: str, console: Console) -> None:
 
 def _compare(args: argparse.Namespace, console: Console) -> int:
     import tessera
-    from tessera.report import print_comparison
 
     workload = _workload(args, *args.baseline)
     with console.status(f"capturing {escape(args.model)}, searching and evaluating {len(args.baseline)} baseline(s)..."):
         comparison = tessera.compare(**workload, baselines=args.baseline)
+    from tessera.report import print_comparison  # imports the search and charts: only once there is a result
     if args.format == "json":
         print(comparison.model_dump_json(indent=2))
     else:
@@ -337,11 +337,11 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     import json
 
     import tessera
-    from tessera.report import estimate_json, print_estimate
 
     workload = _workload(args, args.strategy)
     with console.status(f"capturing {escape(args.model)} and estimating..."):
         strategy, estimate = tessera.evaluate(**workload, strategy=args.strategy)
+    from tessera.report import estimate_json, print_estimate  # imports the search and charts: once there is a result
     if args.format == "json":
         print(json.dumps(estimate_json(strategy, estimate), indent=2))
     else:
