@@ -473,7 +473,9 @@ def _unavailable(plan: Plan) -> list[Section]:
         return []
     text = "The search planned without these axes: the runtime cannot apply them to this model."
     rows = tuple((f"`{axis}`", reason) for axis, reason in plan.unavailable_axes.items())
-    return [Section("Unavailable axes", (text, Table(("axis", "why not"), rows)))]
+    gains = tuple(f"{c.verdict}: `{c.strategy.to_string()}`, {seconds(c.estimate.step_time_s)} per step (predicted)."
+                  for c in plan.unavailable_gains)
+    return [Section("Unavailable axes", (text, Table(("axis", "why not"), rows), *gains))]
 
 
 def _alternatives(plan: Plan) -> Section:

@@ -116,6 +116,9 @@ class Plan(BaseModel):
     unavailable_axes: dict[str, str] = {}
     """Parallel axes the runtime cannot apply to this model -> why (``LayerGraph.unavailable_axes``): the search
     planned without them. Empty in plans written before capture recorded it."""
+    unavailable_gains: tuple[Candidate, ...] = ()
+    """For each unavailable axis whose use would change the plan: the fastest strategy with it, were the runtime
+    to apply it (predicted), its verdict saying what it would gain."""
 
     def to_json(self, path: str | Path | None = None) -> str:
         """Serialise to JSON (and write it to ``path`` when given, atomically: whole or not at all)."""
@@ -155,6 +158,8 @@ class Plan(BaseModel):
                 f"memory     {e.peak_memory_bytes / GiB:.1f} of {e.memory_budget_bytes / GiB:.1f} GiB per device "
                 f"({memory} GiB)",
                 *(f"no {axis:<7} {reason}" for axis, reason in self.unavailable_axes.items()),
+                *(f"           {c.verdict} ({c.strategy.to_string()}, {c.estimate.step_time_s:.3f} s)"
+                  for c in self.unavailable_gains),
             ]
         )
 

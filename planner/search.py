@@ -170,6 +170,7 @@ def search(
             admitted=_admitted_degrees(graph, cluster, training, pins or {}), exact_below_s=reached["bound"],
         ),
         unavailable_axes=graph.unavailable_axes,
+        unavailable_gains=unavailable_gains(graph, cluster, training, pins=pins or {}, best=best_estimate),
         candidates_evaluated=len(scored),
         search_time_s=time.perf_counter() - start,
         solver=SolverStats(
@@ -177,6 +178,27 @@ def search(
             ilp_time_s=stats.solver_time_s, worst_gap=stats.worst_gap, ilp_improvements=len(stats.improved),
         ),
     )
+
+
+def unavailable_gains(
+    graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object], best: Estimate,
+) -> tuple[Candidate, ...]:
+    """For each unavailable axis, the fastest uniform strategy (no integer program) using it, were the runtime to
+    apply it to the model: what that axis would gain over the plan. Axes whose best strategy does not use them
+    are left out."""
+    found = []
+    for axis in graph.unavailable_axes:
+        rest = {other: why for other, why in graph.unavailable_axes.items() if other != axis}
+        try:
+            scored = rank_candidates(graph.model_copy(update={"unavailable_axes": rest}), cluster, training, pins=pins)
+        except ConfigError:
+            continue
+        strategy, est = best_candidate(scored)
+        if getattr(strategy, axis) > 1 and est.fits:
+            gain = 1 - est.step_time_s / best.step_time_s
+            verdict = f"{axis} would gain {gain:.1%}" if gain > 0 else f"{axis} would gain nothing"
+            found.append(Candidate(strategy=strategy, estimate=est, verdict=verdict))
+    return tuple(found)
 
 
 def _admitted_degrees(

@@ -140,3 +140,13 @@ def test_the_report_and_the_terminal_table_say_which_axes_were_unavailable():
     text = console.export_text()
     assert "no tp" in text and "Conv1D" in text
     assert "Unavailable axes" not in plan_markdown(plan_of("llama-tiny"))
+
+
+def test_what_an_unavailable_axis_would_gain_is_predicted_when_it_would_change_the_plan():
+    from tessera.planner.search import unavailable_gains
+
+    tiny = plan_of(GPT2)
+    assert unavailable_gains(graph(GPT2), load_cluster(CLUSTER), TRAINING, pins={}, best=tiny.estimate) == tiny.unavailable_gains
+    slow = tiny.estimate.model_copy(update={"step_time_s": tiny.estimate.step_time_s * 100})  # a plan tp could beat
+    gains = unavailable_gains(graph(GPT2), load_cluster(CLUSTER), TRAINING, pins={"dp": 8}, best=slow)
+    assert gains and all(g.verdict.split()[0] in ("tp", "pp") and "would gain" in g.verdict for g in gains)
