@@ -18,6 +18,14 @@ The chunk module holds the very same layer modules (not copies) under their orig
 ``blocks.3.attn.q.weight``, so checkpoints and optimizer state keep the user's names. Buffers a chunk reads
 are shared likewise. Layers of chunks another rank runs are moved to the meta device (their memory freed).
 
+**Tied weights** (an input embedding shared with the LM head: GPT-2, Gemma, OPT) stay tied, as in
+Megatron-LM: each stage holding one of the layers keeps its own copy of the weight (equal at the start:
+rank 0's weights are broadcast), and before every optimizer step the copies' gradients are summed over the
+group of those stages in each pipeline (:class:`TiedGradients`), so every copy takes the step the single
+parameter takes. Each copy keeps its layer's FQN (``emb.weight`` on the first stage, ``head.weight`` on the
+last), as a single-process state dict lists both. Refused by name (:func:`check_ties`): ties with
+``tp > 1``, in a model on the meta device, or between two chunks of one pipeline rank.
+
 **Placement.** With ``pp`` ranks and ``V`` chunks per rank (``interleaved:V``), chunk ``c`` runs on
 pipeline rank ``c % pp`` (Megatron-LM's interleaving; ``V = 1`` is one chunk per rank).
 

@@ -2,18 +2,20 @@
 the chunks, and weights tied across stages (embedding and LM head) stay tied, their gradients summed over
 the stages holding them (Megatron-LM's embedding all-reduce).
 
-Both tiny models (< 20K parameters) train under pp=2 (1F1B, interleaved:2) on 2 ranks and dp=2 x pp=2
+Both tiny models (< 25K parameters) train under pp=2 (1F1B, interleaved:2) on 2 ranks and dp=2 x pp=2
 (DDP, FSDP) on 4 and must match single-process training (``harness`` tolerances); the two copies of the tied
-weight must be identical. A tied pipeline's checkpoint saved and loaded under the same plan resumes exactly.
+weight must be identical. A tied pipeline's checkpoint resumes exactly under the same plan and in one process.
 Every case of one world size runs in one spawn. Single-process checks of the chunk construction and of the
 refusals need no process group.
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
 import inspect
+import shutil
 import tempfile
 
 import pytest
@@ -159,12 +161,16 @@ def run_world(cases: list[tuple[str, str]], folder: str | None) -> dict:
     return results
 
 
+CHECKPOINT_FOLDER = tempfile.mkdtemp(prefix="tessera-pp-tied-")  # the 2-rank spawn saves here; read in-process too
+atexit.register(shutil.rmtree, CHECKPOINT_FOLDER, ignore_errors=True)
+
+
 @functools.cache
 def world_results(world: int) -> list[dict]:
     from tessera.runtime.launch import spawn  # noqa: PLC0415
 
-    with tempfile.TemporaryDirectory(prefix="tessera-pp-tied-") as folder:
-        return spawn(run_world, nprocs=world, args=(CASES[world], folder if world == 2 else None), timeout_s=300)
+    folder = CHECKPOINT_FOLDER if world == 2 else None
+    return spawn(run_world, nprocs=world, args=(CASES[world], folder), timeout_s=300)
 
 
 def case_id(case) -> str:
@@ -198,6 +204,16 @@ def test_tied_pipeline_checkpoint_resumes_exactly():
         assert result["resumed"] == result["after"]
         torch.testing.assert_close(result["restored"], result["params"], rtol=0, atol=0)
     assert torch.equal(per_rank[0]["params"]["emb.weight"], per_rank[1]["params"]["head.weight"])
+
+
+def test_tied_pipeline_checkpoint_loads_into_one_process():
+    # The pipeline saved emb.weight (rank 0) and head.weight (rank 1); one process's tied model loads both
+    # FQNs into its one parameter and trains on exactly as the pipeline did.
+    after = world_results(2)[0]["checkpoint"]["after"]
+    model = make("tied")
+    parallel = apply_plan(model, make_plan("tied", model, "dp=1,mbs=8"))
+    parallel.load(CHECKPOINT_FOLDER)
+    torch.testing.assert_close([parallel.train_step(batch) for batch in batches()[2:]], after, **FP32_TOL)
 
 
 # ------------------------------------------------------------------------------------------ single process
