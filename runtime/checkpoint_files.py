@@ -387,6 +387,8 @@ def _previous_hint(folder: Path) -> str:
 def _nothing_found(root: Path) -> str:
     if not root.exists():
         return f"checkpoint folder {root} does not exist; pass the folder given to ParallelModel.save"
+    if not root.is_dir():
+        return f"{root} is a file, not a checkpoint folder; pass the folder given to ParallelModel.save"
     partial = sorted(p.name for p in root.iterdir() if p.name.endswith(PARTIAL_SUFFIX))
     found = f" (only {', '.join(partial)}: interrupted while being written)" if partial else ""
     return f"no complete checkpoint in {root}{found}; resume from an older copy or start from scratch"

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from tessera.errors import CheckpointError
 from tessera.planner.plan import Plan
 from tessera.runtime.checkpoint import CheckpointInfo
-from tessera.runtime.checkpoint_files import PLAN_FILE, complete_checkpoints, has_checkpoint
+from tessera.runtime.checkpoint_files import PLAN_FILE, has_checkpoint, select_checkpoint
+from tessera.runtime.checkpoint_reader import load_metadata
 from tessera.runtime.parallel_model import ParallelModel
 from tessera.topology import Cluster, load_cluster
 from tessera.topology.presets import preset_names, preset_size_key
@@ -76,14 +77,13 @@ def _resized_preset_spec(cluster: Cluster, world: int) -> str | None:
 
 
 def saved_plan(checkpoint: str | Path) -> Plan:
-    """The plan stored in ``checkpoint`` (a ``step-*`` folder, or a root: its newest complete checkpoint)."""
-    path = Path(checkpoint)
-    folders = [path] if (path / PLAN_FILE).exists() else complete_checkpoints(path)
-    if not folders:
-        raise CheckpointError(
-            f"no complete checkpoint in {path}; pass the folder given to ParallelModel.save (or a step-* folder in it)"
-        )
-    return Plan.from_json(folders[0] / PLAN_FILE)
+    """The plan stored in ``checkpoint`` (a ``step-*`` folder, or a root: its newest intact checkpoint, by sizes).
+
+    The checkpoint's DCP metadata is read too, through the restricted reader, so a checkpoint that a load would
+    refuse (crafted or unreadable) is refused here, before anyone relaunches a run on it."""
+    folder, _ = select_checkpoint(Path(checkpoint), verify=False, group=None)
+    load_metadata(folder)
+    return Plan.from_json(folder / PLAN_FILE)
 
 
 def resume_if_possible(pm: ParallelModel, root: str | Path, *, verify: bool = True) -> CheckpointInfo | None:

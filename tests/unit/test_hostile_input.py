@@ -83,6 +83,8 @@ def test_a_crafted_metadata_pickle_is_refused_without_running(pm, tmp_path):
         pm.load(folder)
     with pytest.raises(CheckpointError, match=r"builtins\.exec"):
         export_model_state_dict(folder, tmp_path / "model.pt")
+    with pytest.raises(CheckpointError, match=r"builtins\.exec"):  # refused before a relaunch line is printed
+        tessera.resume(folder, CLUSTER)
     assert not proof.exists()
     assert not (tmp_path / "model.pt").exists()
 
@@ -219,6 +221,12 @@ def test_a_corrupt_newest_checkpoint_is_moved_aside_and_its_step_saved_again(pm,
     pm.train_step(batch())
     assert pm.step == 2 and pm.save(root).wait() == newest  # the elastic run does not crash-loop
     assert pm.load(root).step == 2
+
+
+def test_a_file_where_a_checkpoint_folder_is_expected_is_named(tmp_path):
+    (tmp_path / "afile").write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match="is a file, not a checkpoint folder"):
+        export_model_state_dict(tmp_path / "afile", tmp_path / "model.pt")
 
 
 def test_export_neither_replaces_a_file_nor_leaves_half_of_one(pm, tmp_path):
