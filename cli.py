@@ -367,13 +367,14 @@ def _print_reliability(plan, args: argparse.Namespace, console: Console) -> None
 
 def _resume(args: argparse.Namespace, console: Console) -> int:
     """Re-plan the checkpoint's model and training for ``--cluster``; print the plan and the relaunch lines."""
+    from tessera.runtime.elastic import saved_plan
+
+    saved = saved_plan(args.checkpoint)  # before the planner and runtime are imported: a bad folder fails fast
     import tessera
     from tessera.api import checkpoint_model
     from tessera.report import print_plan
-    from tessera.runtime.elastic import saved_plan
     from tessera.runtime.launch import launch_commands
 
-    saved = saved_plan(args.checkpoint)
     model = checkpoint_model(saved, args.checkpoint, model=args.model, trust_model_factory=args.trust_model_factory)
     training = saved.training
     plan = tessera.plan(model, args.cluster, global_batch=training.global_batch, seq_len=training.seq_len,

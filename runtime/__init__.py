@@ -11,41 +11,27 @@ gloo ranks for tests; ``launch_commands`` prints torchrun / SLURM command lines 
 (``runtime.checkpoint``; elastic restarts: ``runtime.elastic``).
 """
 
-from tessera.runtime.apply import apply_plan, default_loss_fn, default_optimizer_factory
-from tessera.runtime.checkpoint import CheckpointInfo, PendingSave, export_model_state_dict
-from tessera.runtime.context_parallel import apply_context_parallel, ring_attention
-from tessera.runtime.data_parallel import apply_data_parallel, apply_ddp, apply_fsdp
-from tessera.runtime.expert_parallel import ExpertParallelMoE, apply_expert_parallel
-from tessera.runtime.launch import WorkerError, WorkerTimeoutError, launch_commands, spawn
-from tessera.runtime.materialize import check_plan_agrees, materialize_shards
-from tessera.runtime.mesh import build_mesh
-from tessera.runtime.parallel_model import ParallelModel
-from tessera.runtime.recompute import apply_recompute
-from tessera.runtime.tensor_parallel import apply_tensor_parallel, find_linear_pairs
+from importlib import import_module
 
-__all__ = [
-    "CheckpointInfo",
-    "ExpertParallelMoE",
-    "PendingSave",
-    "ParallelModel",
-    "WorkerError",
-    "WorkerTimeoutError",
-    "apply_context_parallel",
-    "apply_data_parallel",
-    "apply_ddp",
-    "apply_expert_parallel",
-    "apply_fsdp",
-    "apply_plan",
-    "apply_recompute",
-    "apply_tensor_parallel",
-    "build_mesh",
-    "check_plan_agrees",
-    "default_loss_fn",
-    "default_optimizer_factory",
-    "export_model_state_dict",
-    "find_linear_pairs",
-    "launch_commands",
-    "materialize_shards",
-    "ring_attention",
-    "spawn",
-]
+# Names are imported on first use: the pipelining and compile machinery takes seconds to import, and a command
+# that only reads a checkpoint's files (``tessera resume``, ``tessera launch``) should not wait for it.
+_EXPORTS = {
+    **dict.fromkeys(("apply_plan", "default_loss_fn", "default_optimizer_factory"), "apply"),
+    **dict.fromkeys(("CheckpointInfo", "PendingSave", "export_model_state_dict"), "checkpoint"),
+    **dict.fromkeys(("apply_context_parallel", "ring_attention"), "context_parallel"),
+    **dict.fromkeys(("apply_data_parallel", "apply_ddp", "apply_fsdp"), "data_parallel"),
+    **dict.fromkeys(("ExpertParallelMoE", "apply_expert_parallel"), "expert_parallel"),
+    **dict.fromkeys(("WorkerError", "WorkerTimeoutError", "launch_commands", "spawn"), "launch"),
+    **dict.fromkeys(("check_plan_agrees", "materialize_shards"), "materialize"),
+    "build_mesh": "mesh",
+    "ParallelModel": "parallel_model",
+    "apply_recompute": "recompute",
+    **dict.fromkeys(("apply_tensor_parallel", "find_linear_pairs"), "tensor_parallel"),
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tessera.runtime' has no attribute {name!r}")
+    return getattr(import_module(f"tessera.runtime.{_EXPORTS[name]}"), name)

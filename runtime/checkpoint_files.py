@@ -56,15 +56,13 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, field_validator
-from torch.distributed.checkpoint.api import CheckpointException
 
 from tessera.errors import CheckpointError
-from tessera.runtime.checkpoint_reader import is_inside
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +122,12 @@ class Manifest(BaseModel):
 
 
 # ------------------------------------------------------------------------------------------------ layout
+
+
+def is_inside(name: str) -> bool:
+    """Whether a relative path from a checkpoint's own files stays inside its folder."""
+    path = PurePosixPath(name)
+    return bool(name) and "\\" not in name and not path.is_absolute() and ".." not in path.parts
 
 
 def step_folder(root: Path, step: int) -> Path:
@@ -244,6 +248,8 @@ def _prune(root: Path, keep_last: int) -> None:
 
 def together(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> T:
     """``action()`` on every rank; if it fails on any rank, the same ``CheckpointError`` is raised on all of them."""
+    from torch.distributed.checkpoint.api import CheckpointException  # here: DCP takes seconds to import
+
     value, problem = None, None
     try:
         value = action()
@@ -259,8 +265,9 @@ def together(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: 
 
 def describe_failure(error: BaseException) -> str:
     """One line for an error, looking inside DCP's ``CheckpointException`` for the rank's own exception."""
-    if isinstance(error, CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))[0]
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: each rank's own exception
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))[0]
     if isinstance(error, OSError) and error.strerror:
         return f"{error.strerror}" + (f" ({error.filename})" if error.filename else "")
     return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"

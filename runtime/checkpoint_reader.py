@@ -23,7 +23,7 @@ import io
 import pickle
 import re
 import warnings
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
 
 from tessera.errors import CheckpointError
+from tessera.runtime.checkpoint_files import is_inside
 
 METADATA_FILE = ".metadata"
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -98,12 +99,6 @@ def _check_data_files(folder: Path, metadata: Metadata) -> None:
         if not isinstance(name, str) or not is_inside(name):
             raise CheckpointError(f"checkpoint {folder}: {METADATA_FILE} points to data file {str(name)[:120]!r} "
                                   "outside the checkpoint folder; refusing to read it")
-
-
-def is_inside(name: str) -> bool:
-    """Whether a relative path from a checkpoint's own files stays inside its folder."""
-    path = PurePosixPath(name)
-    return bool(name) and "\\" not in name and not path.is_absolute() and ".." not in path.parts
 
 
 class SafeReader(FileSystemReader):

@@ -26,17 +26,19 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from tessera.errors import CheckpointError
 from tessera.planner.plan import Plan
-from tessera.runtime.checkpoint import CheckpointInfo
 from tessera.runtime.checkpoint_files import PLAN_FILE, has_checkpoint, select_checkpoint
-from tessera.runtime.checkpoint_reader import load_metadata
-from tessera.runtime.parallel_model import ParallelModel
 from tessera.topology import Cluster, load_cluster
 from tessera.topology.presets import preset_names, preset_size_key
+
+if TYPE_CHECKING:  # type names only: importing them pulls in DCP and pipelining, seconds that resume's CLI skips
+    from tessera.runtime.checkpoint import CheckpointInfo
+    from tessera.runtime.parallel_model import ParallelModel
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,8 @@ def saved_plan(checkpoint: str | Path) -> Plan:
 
     The checkpoint's DCP metadata is read too, through the restricted reader, so a checkpoint that a load would
     refuse (crafted or unreadable) is refused here, before anyone relaunches a run on it."""
+    from tessera.runtime.checkpoint_reader import load_metadata  # after the cheap checks: DCP takes seconds to import
+
     folder, _ = select_checkpoint(Path(checkpoint), verify=False, group=None)
     load_metadata(folder)
     return Plan.from_json(folder / PLAN_FILE)
