@@ -14,6 +14,8 @@ rules follow the runtime's own refusals, read off the same module tree the runti
   stages are the runtime's own check, which depends on the strategy, not only on the model.)
 - **ep** (``runtime.expert_parallel``): a model with routed experts needs them in layers of a class the runtime
   splits (``RUNTIME_SPLITS["ep"]``: ``tessera.models.moe.MoELayer``). A dense model has no ep to lose.
+- **BatchNorm** (``runtime.data_parallel.check_batch_norm``): exact under data parallelism only, so a model
+  holding one has no tp, cp or pp. (Its limits on micro-batches and recomputation are the runtime's check.)
 
 Combinations the runtime refuses for every model (ep with sp...) are ``cost_models.types.RUNTIME_EXCLUSIVE``,
 applied by the search. Context parallelism's position rule lives in ``runtime.context_parallel``; the search
@@ -43,7 +45,23 @@ def unavailable_axes(
         "pp": _pipeline_problem(model, front_end=front_end, fallback_reasons=fallback_reasons),
         "ep": _expert_parallel_problem(model, layers, planned),
     }
+    for axis, reason in _batch_norm_problems(model).items():
+        reasons[axis] = reasons.get(axis) or reason
     return {axis: reason for axis, reason in reasons.items() if reason is not None}
+
+
+def _batch_norm_problems(model: nn.Module) -> dict[str, str]:
+    """BatchNorm normalises over the batch: the runtime keeps it exact under data parallelism only
+    (``runtime.data_parallel.check_batch_norm`` refuses tp, cp and pp for such a model)."""
+    name = next((n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)), None)
+    if name is None:
+        return {}
+    layer = f"BatchNorm {name or type(model).__name__}"
+    return {
+        "tp": f"{layer} would normalise over each rank's shard of the channels (not implemented)",
+        "cp": f"{layer} would normalise over each rank's shard of the tokens (not implemented)",
+        "pp": f"{layer} would normalise over each pipeline micro-batch instead of the whole batch",
+    }
 
 
 # ----------------------------------------------------------------------------------------------- tensor parallelism

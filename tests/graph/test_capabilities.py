@@ -150,3 +150,19 @@ def test_what_an_unavailable_axis_would_gain_is_predicted_when_it_would_change_t
     slow = tiny.estimate.model_copy(update={"step_time_s": tiny.estimate.step_time_s * 100})  # a plan tp could beat
     gains = unavailable_gains(graph(GPT2), load_cluster(CLUSTER), TRAINING, pins={"dp": 8}, best=slow)
     assert gains and all(g.verdict.split()[0] in ("tp", "pp") and "would gain" in g.verdict for g in gains)
+
+
+def test_a_model_holding_batch_norm_has_only_data_parallelism():
+    # The runtime keeps BatchNorm exact under data parallelism only (runtime.data_parallel.check_batch_norm).
+    import torch
+    from torch import nn
+
+    from tessera.planner.capabilities import FX_FRONT_END, unavailable_axes
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+    reasons = unavailable_axes(model, {}, [], front_end=FX_FRONT_END)
+    assert set(reasons) >= {"tp", "cp", "pp"}
+    assert "BatchNorm 1" in reasons["pp"] and "BatchNorm 1" in reasons["cp"]
+    plain = unavailable_axes(nn.Sequential(), {}, [], front_end=FX_FRONT_END)
+    assert plain == {}
