@@ -20,7 +20,7 @@ from tessera.planner.model_source import resolve_model, runs_user_code
 from tessera.topology import Cluster, load_cluster
 
 if TYPE_CHECKING:  # the runtime (torch.distributed.pipelining...) costs ~1.5 s to import; planning never needs it
-    from tessera.planner.explain import Comparison
+    from tessera.planner.compare import Comparison
     from tessera.runtime.apply import ParallelModel
 
 # The search (OR-Tools, which imports pandas) and the explanations (matplotlib) take ~1.5 s to import: each entry
@@ -98,7 +98,7 @@ def compare(
     pins = [(b if isinstance(b, str) else b.to_string(), _pins(b)) for b in baselines]  # parse all before searching
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                                          expert_capacity_factor=expert_capacity_factor)
-    from tessera.planner.explain import build_comparison, evaluate_baseline
+    from tessera.planner.compare import build_comparison, evaluate_baseline
     from tessera.planner.search import search
 
     chosen = search(graph, resolved, training, top=top)

@@ -14,9 +14,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from tessera.cost_models import Estimate, Strategy
-from tessera.planner.explain import (
-    BaselineComparison, Comparison, cluster_layout, launch_command, mesh_layout, step_terms, tokens, why_it_lost,
-)
+from tessera.planner.compare import BaselineComparison, Comparison, why_it_lost
+from tessera.planner.plan_facts import cluster_layout, launch_command, mesh_layout, step_terms, tokens
 from tessera.planner.plan import Plan, format_count
 
 GiB = 2**30

@@ -30,7 +30,8 @@ from rich.table import Table
 from tessera.cost_models import Estimate, Strategy, TrainingConfig
 from tessera.planner.capture import capture_preset
 from tessera.planner.experts import expert_summary
-from tessera.planner.explain import exposed_comm_by_kind, why_it_lost
+from tessera.planner.compare import why_it_lost
+from tessera.planner.plan_facts import exposed_comm_by_kind
 from tessera.planner.plan import Plan, format_count
 from tessera.planner.search import best_candidate, rank_candidates, search
 from tessera.topology import load_cluster

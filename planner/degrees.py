@@ -3,7 +3,7 @@
 The runners-up of ``search.runners_up`` are the next-fastest strategies overall; they often share the chosen
 ``ep`` and ``cp`` and so say nothing about those choices. Here, for each axis (``ep`` for a model with routed
 experts, ``cp`` when the search tried context parallelism), the fastest fitting estimate at every other degree
-is kept, with a verdict (``explain.why_it_lost`` adds the step-time term that differs most). The search stops
+is kept, with a verdict (``compare.why_it_lost`` adds the step-time term that differs most). The search stops
 estimating once its step-time lower bound reaches the best plan, so a degree may have been reached only by
 candidates that do not fit, or not at all (``admitted``: every degree the search space holds), and the best
 estimated at a degree is the best there only below the bound the search stopped at (``exact_below_s``). For

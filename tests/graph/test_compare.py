@@ -8,7 +8,8 @@ from rich.console import Console
 import tessera
 from tessera.cli import main
 from tessera.cost_models import Estimate
-from tessera.planner.explain import Comparison, compare_to_baseline, step_terms
+from tessera.planner.compare import Comparison, compare_to_baseline
+from tessera.planner.plan_facts import step_terms
 from tessera.report import print_comparison
 
 GiB = 2**30

@@ -7,9 +7,8 @@ import pytest
 
 import tessera
 from tessera.cli import main
-from tessera.planner.explain import (
-    drawn_micro_batches, gib, launch_command, mesh_layout, plan_html, seconds, step_terms, tokens, write_markdown,
-)
+from tessera.planner.explain import drawn_micro_batches, plan_html, write_markdown
+from tessera.planner.plan_facts import gib, launch_command, mesh_layout, seconds, step_terms, tokens
 from tessera.planner.explain_plots import simulate_schedule
 from tessera.planner.plan import Plan
 

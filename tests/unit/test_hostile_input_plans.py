@@ -19,7 +19,8 @@ from tessera.cost_models import estimate
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.errors import ClusterSpecError, ConfigError
 from tessera.planner.capture import capture_preset
-from tessera.planner.explain import launch_command, plan_html, plan_markdown, write_html, write_markdown
+from tessera.planner.explain import plan_html, plan_markdown, write_html, write_markdown
+from tessera.planner.plan_facts import launch_command
 from tessera.planner.plan import SCHEMA_VERSION, Plan
 from tessera.topology import load_cluster
 from tessera.topology.cluster import Cluster, LinkLevel

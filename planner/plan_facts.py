@@ -1,0 +1,118 @@
+"""Facts about a plan that reports and comparisons state alike: formatted numbers (seconds to 3 decimals, GiB to
+2, tokens/s to units), where each mesh axis lives, the step time split into terms, and the launch line.
+
+Where the step time goes (:func:`step_terms`): compute, recompute, exposed communication per kind,
+bubble and optimizer, which sum to ``Estimate.step_time_s``. The estimate states exposed communication
+as one number; it is split by kind as the cost model accrues it: tensor-, expert-parallel and pipeline
+transfers sit on the critical path in full, the context-parallel K/V ring by the part attention does not hide
+(the slowest stage's ``cp_comm``), and what is left is data-parallel communication, shared among its kinds in
+proportion to their totals.
+
+Mesh axes are laid out innermost first, tp -> cp -> ep -> pp -> dp, the dp axis standing for the ``dp / ep``
+replicas of each expert group when ``ep > 1`` (``Strategy``'s convention), so :func:`mesh_layout` says which
+axes live inside a node and which cross nodes.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from tessera.cost_models.types import Estimate, Strategy
+from tessera.errors import TesseraError
+from tessera.planner.plan import Plan
+from tessera.topology import load_cluster
+
+GiB = 2**30
+MESH_ORDER = ("tp", "cp", "ep", "pp", "dp")
+AXIS_UNITS = {"tp": "tp rank", "cp": "cp rank", "ep": "ep rank", "pp": "stage", "dp": "dp rank", "edp": "ep group"}
+DP_KIND_PREFIXES = ("dp_", "zero_", "fsdp_")
+RENDEZVOUS_PORT = 29500
+
+
+def seconds(value: float) -> str:
+    """``151.337 s``: how every report prints a time."""
+    return f"{value:.3f} s"
+
+
+def gib(value: float) -> str:
+    """``61.90``: bytes as GiB, as every report prints memory."""
+    return f"{value / GiB:.2f}"
+
+
+def tokens(value: float) -> str:
+    """``55,430``: tokens per second as every report prints them."""
+    return f"{value:,.0f}"
+
+
+def mesh_layout(strategy: Strategy, *, devices_per_node: int) -> list[str]:
+    """Where each mesh axis lives, innermost first: ``["tp=8 inside each node", "pp=4 across 4 nodes ..."]``.
+
+    With expert parallelism the data-parallel axis is ``ep`` (inside ``pp``) times ``edp = dp / ep`` outside it
+    (``Strategy``'s layout)."""
+    lines, inner = [], 1
+    for axis in MESH_ORDER:
+        degree = strategy.expert_dp if axis == "dp" else getattr(strategy, axis)
+        name = "edp" if axis == "dp" and strategy.ep > 1 else axis
+        if degree > 1:
+            lines.append(_axis_placement(name, degree, inner=inner, per_node=devices_per_node))
+            inner *= degree
+    return lines or ["one device: nothing is split"]
+
+
+def _axis_placement(axis: str, degree: int, *, inner: int, per_node: int) -> str:
+    span, unit = inner * degree, AXIS_UNITS[axis]
+    if span <= per_node:
+        return f"{axis}={degree} inside each node"
+    nodes = -(-span // per_node)
+    if inner >= per_node:
+        per_unit = inner // per_node
+        return f"{axis}={degree} across {nodes} nodes ({'one node' if per_unit == 1 else f'{per_unit} nodes'} per {unit})"
+    return f"{axis}={degree} across {nodes} nodes ({per_node // inner} {unit}s per node)"
+
+
+def cluster_layout(plan: Plan) -> tuple[int, int]:
+    """(nodes, devices per node) of the plan's cluster; one node of every device when it cannot be loaded."""
+    try:
+        cluster = load_cluster(plan.cluster)
+    except (TesseraError, OSError):
+        return 1, plan.estimate.num_devices
+    return cluster.num_nodes, cluster.devices_per_node
+
+
+def exposed_comm_by_kind(e: Estimate) -> dict[str, float]:
+    """``Estimate.exposed_comm_time_s`` split by communication kind (see the module docstring)."""
+    left, exposed = e.exposed_comm_time_s, {}
+    for kind, total in e.comm_time_by_kind_s.items():
+        if not kind.startswith(DP_KIND_PREFIXES):
+            exposed[kind] = min(_exposed_cp_ring_s(e) if kind == "cp_ring" else total, left)
+            left -= exposed[kind]
+    dp = {kind: total for kind, total in e.comm_time_by_kind_s.items() if kind.startswith(DP_KIND_PREFIXES)}
+    for kind, total in dp.items():
+        exposed[kind] = left * total / sum(dp.values())
+    if not dp and left > 1e-12:
+        exposed["other"] = left
+    return exposed
+
+
+def _exposed_cp_ring_s(e: Estimate) -> float:
+    """The part of the K/V ring attention does not hide, per step: the slowest stage's ``cp_comm`` share."""
+    if not e.stage_time_per_micro_batch_s:
+        return e.comm_time_by_kind_s.get("cp_ring", 0.0)
+    slowest = max(e.stage_time_per_micro_batch_s, key=lambda parts: sum(parts.values()))
+    return e.micro_batches * slowest.get("cp_comm", 0.0)
+
+
+def step_terms(e: Estimate) -> dict[str, float]:
+    """Where the step time goes, in seconds; the terms sum to ``e.step_time_s``."""
+    terms = {"compute": e.compute_time_s, "recompute": e.recompute_time_s}
+    terms |= {f"exposed {kind}": value for kind, value in exposed_comm_by_kind(e).items()}
+    return terms | {"bubble": e.bubble_time_s, "optimizer": e.optimizer_time_s}
+
+
+def launch_command(*, nodes: int, devices_per_node: int, plan_path: str = "plan.json") -> str:
+    """The torchrun line that starts the plan's ranks (run it on every node), every word shell-quoted so a path
+    such as ``rep; touch X #`` stays one argument; ``$HEAD_NODE`` is left for the shell to expand."""
+    head = shlex.join(["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(devices_per_node)])
+    rendezvous = ("--standalone" if nodes == 1
+                  else f'--rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:{RENDEZVOUS_PORT}"')
+    return f"{head} {rendezvous} {shlex.join(['train.py', '--plan', str(plan_path)])}"
