@@ -50,10 +50,8 @@ from tessera.files import write_text_atomically
 from tessera.topology.clusterfile import cluster_from_raw, cluster_to_raw
 from tessera.topology.fitting import CollectiveFit, Measurement, fit_cluster
 from tessera.topology.hardware import LOCAL_CPU, catalog
-from tessera.topology.measure import (
-    MiB, DeviceMeasurement, ProfileError, ProfileSweep, at_measured_floor, faster_half_mean, measure_collectives,
-    measure_device,
-)
+from tessera.topology.measure import MiB, ProfileError, ProfileSweep, faster_half_mean, measure_collectives
+from tessera.topology.measure_device import DeviceMeasurement, at_measured_floor, measure_device
 from tessera.topology.presets import load_cluster
 from tessera.topology.validation import first_problem, load_yaml_text, read_bounded_text, short, significant
 

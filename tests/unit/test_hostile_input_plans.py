@@ -358,7 +358,8 @@ def test_a_strategy_built_in_code_with_a_bad_value_is_a_config_error():
 
 
 def profile_with_overheads(overheads: dict[int, float]):
-    from tessera.topology.measure import DeviceMeasurement, ProfileSweep
+    from tessera.topology.measure import ProfileSweep
+    from tessera.topology.measure_device import DeviceMeasurement
     from tessera.topology.profiler import ProfileResult, _device_spec
 
     measured = DeviceMeasurement(
@@ -391,7 +392,8 @@ def test_a_zero_or_negative_measured_overhead_is_written_at_the_measured_floor_a
 
 
 def test_the_per_linear_overhead_never_goes_below_the_floor():
-    from tessera.topology.measure import MEASURED_FLOOR_S, REFERENCE_LINEARS, per_linear_overhead_s
+    from tessera.topology.measure import MEASURED_FLOOR_S
+    from tessera.topology.measure_device import REFERENCE_LINEARS, per_linear_overhead_s
 
     assert per_linear_overhead_s(1e-3, arithmetic_s=2e-3) == MEASURED_FLOOR_S  # arithmetic over-estimated under load
     assert per_linear_overhead_s(7e-3, arithmetic_s=1e-3) == pytest.approx(6e-3 / REFERENCE_LINEARS)
