@@ -78,6 +78,8 @@ def split_chunks(layers: Sequence[LayerStats], strategy: Strategy) -> list[list[
     """The layers of each of the ``pp * V`` pipeline chunks, in model order."""
     block_ids = [i for i, layer in enumerate(layers) if layer.kind == "block"]
     chunks = strategy.pp * strategy.virtual_stages
+    if not block_ids and chunks == 1:  # no repeated blocks (a small CNN): one stage runs every layer
+        return [list(layers)]
     if len(block_ids) < chunks:
         raise ConfigError(
             f"pp={strategy.pp} x virtual_stages={strategy.virtual_stages} needs at least {chunks} blocks; "
