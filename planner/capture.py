@@ -45,7 +45,7 @@ from tessera.planner.experts import expected_expert_load, measured_capacity_fact
 from tessera.planner.front_ends import LeafModules, trace_model
 from tessera.planner.layer_graph import SCALED_FIELDS, LayerGraph, SeqScaling, fit_polynomial, layer_signature
 from tessera.planner.measure import LOSS, ExampleInputs, Tally, example_inputs_at, measure_at_lengths, measure_layers
-from tessera.planner.model_source import max_positions, resolve_model
+from tessera.planner.model_source import max_positions, resolve_model, resolve_model_and_inputs
 from tessera.planner.replay import CONTAINERS
 
 __all__ = ["LayerFlow", "capture", "capture_preset", "find_layers", "measure_layers", "trace_layers"]
@@ -110,7 +110,7 @@ def capture_preset(
 ) -> LayerGraph:
     """Build the model a spec names on meta (``tessera.planner.model_source``: presets, ``hf:...``,
     ``file.py:factory``) and capture it (``fit_seq_scaling``: see :func:`capture`)."""
-    model, name = resolve_model(spec)
+    model, name, example_inputs = resolve_model_and_inputs(spec)
     positions = max_positions(model)
     if positions is not None and seq_len > positions and _computed_positions(spec, model):
         # A built-in RoPE model's tables are computed for any length (no parameters): extend them, as a
@@ -127,7 +127,7 @@ def capture_preset(
             f"{spec} covers {positions} positions but seq_len={seq_len} was asked for; {hint} for a longer context"
         )
     return capture(model, seq_len=seq_len, dtype=dtype, name=name, expert_capacity_factor=expert_capacity_factor,
-                   fit_seq_scaling=fit_seq_scaling)
+                   fit_seq_scaling=fit_seq_scaling, example_inputs=example_inputs)
 
 
 def _computed_positions(spec: str, model: nn.Module) -> bool:

@@ -11,8 +11,11 @@
   masked-LM class when the type has one (encoders), else the causal-LM class, else the bare model. ``use_cache=False``
   (a cache output does not export) and ``attn_implementation="sdpa"`` (so attention is a recognised core) are
   set. Needs the optional extra: ``pip install 'tessera[hf]'``;
-- ``path/to/file.py:factory`` or ``package.module:factory``: a user function returning an ``nn.Module``. It is
-  called under ``torch.device("meta")``, so the parameters it creates are meta tensors.
+- ``path/to/file.py:factory`` or ``package.module:factory``: a user function returning an ``nn.Module``, or
+  ``(module, example_inputs)`` for a model whose input is not ``(1, seq_len)`` token ids (an image batch, several
+  tensors): ``example_inputs`` is what ``capture`` accepts (a tensor, a tuple of positional inputs, a dict of
+  keyword inputs, or a function of ``seq_len`` returning one). It is called under ``torch.device("meta")``, so
+  the parameters and inputs it creates are meta tensors.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,13 +40,20 @@ HF_INSTALL_HINT = "pip install 'tessera[hf]'"
 
 def resolve_model(spec: str) -> tuple[nn.Module, str]:
     """The module a spec names, built on meta, and the name to record (the spec itself)."""
+    model, name, _ = resolve_model_and_inputs(spec)
+    return model, name
+
+
+def resolve_model_and_inputs(spec: str) -> tuple[nn.Module, str, Any]:
+    """:func:`resolve_model` plus the example inputs a factory returned with its model (else ``None``)."""
     spec = spec.strip()
     if spec.startswith("hf:"):
-        return hf_model(spec), spec
+        return hf_model(spec), spec, None
     match = _FACTORY.match(spec)
     if match and not is_builtin_spec(spec):
-        return factory_model(match["module"], match["factory"]), spec
-    return build_model(spec, device="meta"), spec  # raises ModelSpecError listing the presets when unknown
+        model, inputs = factory_model_and_inputs(match["module"], match["factory"])
+        return model, spec, inputs
+    return build_model(spec, device="meta"), spec, None  # raises ModelSpecError listing the presets when unknown
 
 
 def runs_user_code(spec: str) -> bool:
@@ -66,6 +77,11 @@ def max_positions(model: nn.Module) -> int | None:
 
 def factory_model(module_name: str, factory_name: str) -> nn.Module:
     """Call ``factory_name`` from a Python file or importable module, on meta; ModelSpecError if that fails."""
+    return factory_model_and_inputs(module_name, factory_name)[0]
+
+
+def factory_model_and_inputs(module_name: str, factory_name: str) -> tuple[nn.Module, Any]:
+    """The factory's model and the example inputs it returned with it (``None`` when it returned a module)."""
     module = _load_module(module_name)
     factory = getattr(module, factory_name, None)
     if not callable(factory):
@@ -74,13 +90,23 @@ def factory_model(module_name: str, factory_name: str) -> nn.Module:
                              f"{', '.join(names[:12]) or 'no public functions'}")
     try:
         with torch.device("meta"):
-            model = factory()
+            returned = factory()
     except (Exception, SystemExit) as exc:  # the user's code: its failure is named, not a traceback of ours
         raise ModelSpecError(f"model factory {module_name}:{factory_name}() raised {type(exc).__name__}: "
                              f"{_first_line(exc)}; fix the factory (call it yourself to see the traceback)") from exc
-    if not isinstance(model, nn.Module):
-        raise ModelSpecError(f"{module_name}:{factory_name}() returned {type(model).__name__}, not an nn.Module")
-    return model
+    return _model_and_inputs(returned, f"{module_name}:{factory_name}()")
+
+
+def _model_and_inputs(returned: object, called: str) -> tuple[nn.Module, Any]:
+    if isinstance(returned, nn.Module):
+        return returned, None
+    if isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[0], nn.Module):
+        model, inputs = returned
+        if callable(inputs) or isinstance(inputs, (torch.Tensor, tuple, list, dict)):
+            return model, inputs
+        raise ModelSpecError(f"{called} returned example inputs of type {type(inputs).__name__}; return a tensor, "
+                             "a tuple of positional inputs, a dict of keyword inputs or a function of seq_len")
+    raise ModelSpecError(f"{called} returned {type(returned).__name__}, not an nn.Module or (nn.Module, example_inputs)")
 
 
 def _load_module(name: str) -> object:

@@ -39,6 +39,25 @@ def make_model() -> nn.Module:
 
 def not_a_model() -> int:
     return 3
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.stem(images)).flatten(1))
+
+
+def make_cnn():
+    return SmallCNN(), torch.zeros(4, 3, 16, 16)
+
+
+def make_cnn_bad_inputs():
+    return SmallCNN(), "images"
 '''
 
 
@@ -70,6 +89,14 @@ def test_a_file_factory_is_built_on_meta_and_captured(factory_file: Path) -> Non
         resolve_model(f"{factory_file}:missing")
     with pytest.raises(ModelSpecError, match="does not exist"):
         resolve_model(f"{factory_file.parent / 'nope.py'}:make_model")
+
+
+def test_a_factory_may_return_example_inputs_for_a_model_that_does_not_take_tokens(factory_file: Path) -> None:
+    graph = capture_preset(f"{factory_file}:make_cnn", seq_len=1)
+    assert [layer.fqn for layer in graph.layers][-2:] == ["head", "loss"]
+    assert graph.unavailable_axes.keys() >= {"tp", "pp"}  # BatchNorm: data parallelism only, said by name
+    with pytest.raises(ModelSpecError, match="example inputs of type str"):
+        resolve_model(f"{factory_file}:make_cnn_bad_inputs")
 
 
 def test_a_module_factory_resolves(factory_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
