@@ -22,6 +22,7 @@ from tessera.topology import Cluster, load_cluster
 if TYPE_CHECKING:  # the runtime (torch.distributed.pipelining...) costs ~1.5 s to import; planning never needs it
     from tessera.planner.compare import Comparison
     from tessera.runtime.apply import ParallelModel
+    from tessera.runtime.snapshots import SnapshotConfig
 
 # The search (OR-Tools, which imports pandas) and the explanations (matplotlib) take ~1.5 s to import: each entry
 # point imports them after capture, so a model that cannot be built or traced fails without that wait.
@@ -142,6 +143,7 @@ def auto_parallelize(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     optimizer_factory: Callable[..., torch.optim.Optimizer] | None = None,
     resume_from: str | Path | None = None,
+    snapshots: SnapshotConfig | None = None,
 ) -> ParallelModel:
     """Plan ``model`` for ``cluster`` and apply the plan on this process's rank.
 
@@ -155,10 +157,16 @@ def auto_parallelize(
     the ranks actually running (an elastic restart on fewer or more devices re-plans for them), and the
     newest intact checkpoint there, saved under any plan, is loaded (``pm.step``, ``pm.resumed``); with no
     checkpoint there yet, training starts from scratch. See ``tessera.runtime.elastic``.
+
+    ``snapshots``: in-memory snapshots every ``snapshots.every`` steps on this node and a buddy node
+    (``tessera.runtime.snapshots``; the buddy crosses a switch where the cluster has one). A (re)start then first
+    recovers the newest complete snapshot, resharded to the new plan, and falls back to ``resume_from``'s disk
+    checkpoints (the second line of defence) when a disk checkpoint is newer or no snapshot is complete.
     """
     resolved = load_cluster(cluster)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if resume_from is not None:
+    elastic = resume_from is not None or snapshots is not None
+    if elastic:
         from tessera.runtime.elastic import fit_cluster_to_world
 
         resolved = fit_cluster_to_world(resolved, world)
@@ -173,11 +181,21 @@ def auto_parallelize(
     from tessera.runtime.apply import apply_plan
 
     parallel = apply_plan(module, chosen, loss_fn=loss_fn, optimizer_factory=optimizer_factory)
-    if resume_from is not None:
+    if snapshots is not None:
+        parallel.enable_snapshots(_with_switches(snapshots, resolved))
+    if elastic:
         from tessera.runtime.elastic import resume_if_possible
 
         resume_if_possible(parallel, resume_from)
     return parallel
+
+
+def _with_switches(config: SnapshotConfig, cluster: Cluster) -> SnapshotConfig:
+    """``config`` with the nodes under one switch from ``cluster`` (its level above the node), unless given."""
+    if config.nodes_per_switch is not None or len(cluster.levels) < 3:
+        return config
+    per_switch = cluster.levels[1].group_size // cluster.devices_per_node
+    return config.model_copy(update={"nodes_per_switch": max(1, per_switch)})
 
 
 def resume(

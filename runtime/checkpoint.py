@@ -250,13 +250,19 @@ def _merge_trees(modules: list[nn.Module]) -> nn.Module:
     return merged
 
 
+def training_tensors(state: TrainingState) -> dict[str, Any]:
+    """What a checkpoint (or an in-memory snapshot) saves of ``state``'s model and optimizer, as DCP state dicts."""
+    return _state_dict(state_module(state.modules), state.optimizer)
+
+
 def _state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` keyed by the user's FQNs; tensors are this rank's shards."""
     model_state, optim_state = get_state_dict(module, optimizer, options=STATE_OPTIONS)
     return {"model": model_state, "optim": optim_state}
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """This process's CPU (and initialised CUDA) generator states and Python ``random``'s."""
     state = {"cpu": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -298,7 +304,7 @@ def _prepare_partial(final: Path, partial: Path, group: dist.ProcessGroup | None
 def _write_side_files(state: TrainingState, partial: Path, data_state: Any, group: dist.ProcessGroup | None) -> None:
     """Every rank its RNG states; rank 0 the plan and the data position."""
     this_rank = rank(group)
-    write_durably(partial / RNG_FOLDER / f"rank-{this_rank:05d}.pt", lambda path: torch.save(_rng_state(), path))
+    write_durably(partial / RNG_FOLDER / f"rank-{this_rank:05d}.pt", lambda path: torch.save(rng_state(), path))
     if this_rank == 0:
         write_durably(partial / PLAN_FILE, lambda path: path.write_text(state.plan.to_json()))
         write_durably(partial / DATA_FILE, lambda path: torch.save(data_state, path))

@@ -165,7 +165,7 @@ class RootLock:
         handle, problem = None, None
         if rank(group) == 0:
             try:
-                handle = _lock(root)
+                handle = lock_folder(root)
             except (OSError, CheckpointError) as error:
                 problem = str(error) if isinstance(error, CheckpointError) else f"cannot create {root}: {error}"
         problem = broadcast(problem, group)
@@ -181,7 +181,9 @@ class RootLock:
             os.close(handle)
 
 
-def _lock(root: Path) -> int:
+def lock_folder(root: Path) -> int:
+    """An exclusive, non-blocking ``flock`` on ``root/.tessera-save.lock`` (creating ``root``): its handle, holding
+    this process's id; ``CheckpointError`` naming the holder when another process has it."""
     root.mkdir(parents=True, exist_ok=True)
     handle = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -215,8 +217,8 @@ def commit_checkpoint(
     A failure on any rank raises the same ``CheckpointError`` on every rank (nobody waits for a rank that failed).
     """
     check_keep_last(keep_last)
-    names = broadcast(_list_files(partial) if rank(group) == 0 else None, group)
-    mine = together(lambda: {name: _file_record(partial / name) for name in names[rank(group)::world(group)]},
+    names = broadcast(list_files(partial) if rank(group) == 0 else None, group)
+    mine = together(lambda: {name: file_record(partial / name) for name in names[rank(group)::world(group)]},
                     group, what=f"hashing the files of {partial}")
     files = {name: record for share in all_gather(mine, group) for name, record in share.items()}
     together(lambda: _write_manifest_and_rename(partial, final, files, step=step, strategy=strategy,
@@ -232,7 +234,7 @@ def _write_manifest_and_rename(
                         files=dict(sorted(files.items())))
     text = manifest.model_dump_json(indent=2)
     write_durably(partial / MANIFEST, lambda path: path.write_text(text))
-    write_durably(partial / MARKER, lambda path: path.write_text(_sha256_text(text)))
+    write_durably(partial / MARKER, lambda path: path.write_text(sha256_text(text)))
     os.rename(partial, final)  # never over an existing folder: _prepare_partial refused that step already
     _fsync_folder(final.parent)
     if keep_last is not None:
@@ -242,7 +244,7 @@ def _write_manifest_and_rename(
 def _prune(root: Path, keep_last: int) -> None:
     """Delete Tessera's intact checkpoints older than the newest ``keep_last`` (nothing else under ``root``)."""
     for folder in complete_checkpoints(root)[keep_last:]:
-        if _manifest_problem(folder) is None:
+        if manifest_problem(folder) is None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -334,7 +336,7 @@ def has_checkpoint(root: str | Path) -> bool:
 
 def check_checkpoint(folder: Path, *, verify: bool, group: dist.ProcessGroup | None) -> str | None:
     """Why ``folder`` cannot be loaded (the same answer on every rank), or ``None`` when it is intact."""
-    problem = broadcast(_manifest_problem(folder) if rank(group) == 0 else None, group)
+    problem = broadcast(manifest_problem(folder) if rank(group) == 0 else None, group)
     if problem:
         return problem
     manifest = read_manifest(folder)
@@ -350,7 +352,8 @@ def read_manifest(folder: Path) -> Manifest:
     return Manifest.model_validate_json((folder / MANIFEST).read_text())
 
 
-def _manifest_problem(folder: Path) -> str | None:
+def manifest_problem(folder: Path) -> str | None:
+    """Why ``folder`` is not a committed checkpoint with an intact manifest (this process's view), or ``None``."""
     if not folder.is_dir():
         return f"checkpoint {folder} does not exist"
     if folder.name.endswith(PARTIAL_SUFFIX) or not (folder / MARKER).exists():
@@ -362,7 +365,7 @@ def _manifest_problem(folder: Path) -> str | None:
         marker = (folder / MARKER).read_text().strip()
     except (OSError, ValueError) as error:
         return f"checkpoint {folder} is corrupt: its {MANIFEST} is unreadable ({type(error).__name__})"
-    if marker != _sha256_text(text):
+    if marker != sha256_text(text):
         return f"checkpoint {folder} is corrupt: {MANIFEST} does not match the hash in its {MARKER} marker"
     return None
 
@@ -376,7 +379,7 @@ def _file_problem(folder: Path, name: str, record: FileRecord, *, verify: bool) 
     size = path.stat().st_size
     if size != record.size_bytes:
         return f"file {name} has {size} bytes but {record.size_bytes} were written (truncated or overwritten)"
-    if verify and _file_record(path).sha256 != record.sha256:
+    if verify and file_record(path).sha256 != record.sha256:
         return f"file {name} does not match the SHA-256 recorded when it was written (its bytes changed on disk)"
     return None
 
@@ -416,11 +419,13 @@ def write_durably(path: Path, write: Callable[[Path], Any]) -> None:
         os.fsync(handle.fileno())
 
 
-def _list_files(folder: Path) -> list[str]:
+def list_files(folder: Path) -> list[str]:
+    """Every file under ``folder``, as sorted relative POSIX paths."""
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
 
-def _file_record(path: Path) -> FileRecord:
+def file_record(path: Path) -> FileRecord:
+    """Size and SHA-256 of ``path``."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         while block := handle.read(HASH_BLOCK_BYTES):
@@ -428,7 +433,8 @@ def _file_record(path: Path) -> FileRecord:
     return FileRecord(size_bytes=path.stat().st_size, sha256=digest.hexdigest())
 
 
-def _sha256_text(text: str) -> str:
+def sha256_text(text: str) -> str:
+    """SHA-256 (hex) of ``text`` as UTF-8: what a ``COMPLETE`` marker holds for its manifest."""
     return hashlib.sha256(text.encode()).hexdigest()
 
 

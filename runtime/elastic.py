@@ -90,11 +90,31 @@ def saved_plan(checkpoint: str | Path) -> Plan:
     return Plan.from_json(folder / PLAN_FILE)
 
 
-def resume_if_possible(pm: ParallelModel, root: str | Path, *, verify: bool = True) -> CheckpointInfo | None:
-    """Load the newest intact checkpoint of ``root`` into ``pm``; ``None`` (train from scratch) if it has none.
+def resume_if_possible(pm: ParallelModel, root: str | Path | None, *, verify: bool = True) -> CheckpointInfo | None:
+    """Load the newest state into ``pm``: its newest complete in-memory snapshot when ``pm`` has snapshots
+    (``runtime.snapshot_recovery``) and no disk checkpoint of ``root`` is newer, else the newest intact
+    checkpoint of ``root``; ``None`` (train from scratch) if there is neither.
 
     Every rank takes rank 0's view of whether a checkpoint exists, so they all load or none does.
     """
+    passed_over: list[str] = []
+    if pm.snapshots is not None:
+        from tessera.runtime.snapshot_recovery import recover_from_snapshots  # noqa: PLC0415 (DCP: seconds)
+
+        info, passed_over = recover_from_snapshots(pm, pm.snapshots, disk_root=Path(root) if root else None)
+        if info is not None:
+            log.info("resumed from %s at step %d (saved under %s on %d ranks; now %s on %d)", info.path, info.step,
+                     info.saved_strategy, info.saved_world_size, pm.plan.strategy.to_string(), pm.world_size)
+            return info
+    if root is None:
+        return None
+    info = _resume_from_disk(pm, root, verify=verify)
+    if info is not None and passed_over:
+        pm.resumed = info = info.model_copy(update={"skipped": (*passed_over, *info.skipped)})
+    return info
+
+
+def _resume_from_disk(pm: ParallelModel, root: str | Path, *, verify: bool) -> CheckpointInfo | None:
     exists = [has_checkpoint(root)]
     if dist.is_initialized():
         dist.broadcast_object_list(exists, src=0)

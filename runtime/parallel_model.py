@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from tessera.runtime.checkpoint import Checkpointer, CheckpointInfo, PendingSave
 from tessera.runtime.data_parallel import COMPUTE_DTYPES
 from tessera.runtime.context_parallel import shard_sequence
 from tessera.runtime.mesh import CP, DP, PP, data_mesh
+
+if TYPE_CHECKING:
+    from tessera.runtime.snapshots import SnapshotConfig, Snapshotter
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 """``loss_fn(outputs, targets) -> scalar``: the mean loss of one micro-batch, from the model's output (a logits
@@ -77,6 +80,8 @@ class ParallelModel:
         """Optimizer steps taken (restored by :meth:`load`): the index of the next global batch to train on."""
         self.resumed: CheckpointInfo | None = None
         """What the last :meth:`load` restored (its ``data_state`` is the data position saved), else ``None``."""
+        self.snapshots: Snapshotter | None = None
+        """In-memory snapshots (``runtime.snapshots``), once :meth:`enable_snapshots` is called."""
         self._checkpointer = Checkpointer()
 
     @property
@@ -116,7 +121,10 @@ class ParallelModel:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return self._mean_over_dp(local_loss)
+        loss = self._mean_over_dp(local_loss)
+        if self.snapshots is not None:
+            self.snapshots.after_step(self)  # stages a copy, then writes it in the background
+        return loss
 
     def save(self, root: str | Path, *, data_state: Any = None, async_save: bool = False,
              keep_last: int | None = None) -> PendingSave:
@@ -136,6 +144,27 @@ class ParallelModel:
         """
         self.resumed = self._checkpointer.load(self, path, verify=verify)
         return self.resumed
+
+    def enable_snapshots(self, config: SnapshotConfig | None = None, *,
+                         data_state: Callable[[], Any] | None = None) -> Snapshotter:
+        """Snapshot the training state every ``config.every`` steps into host memory on this node and a buddy
+        node (call on every rank; see ``runtime.snapshots``). ``data_state()`` returns the data position to
+        store with each (default: none; ``step`` is the next batch's index)."""
+        from tessera.runtime.snapshots import SnapshotConfig, Snapshotter  # noqa: PLC0415 (only when used)
+
+        self.snapshots = Snapshotter(config or SnapshotConfig(), data_state=data_state)
+        return self.snapshots
+
+    def wait_for_snapshot(self) -> Path | None:
+        """Block until the snapshot in flight is committed on every node; its folder in this node's store."""
+        return self.snapshots.wait() if self.snapshots is not None else None
+
+    def close(self) -> None:
+        """A clean finish (call on every rank): wait for the checkpoint in flight, remove the snapshots."""
+        self._checkpointer.wait()
+        if self.snapshots is not None:
+            self.snapshots.close()
+            self.snapshots = None
 
     def wait_for_checkpoint(self) -> Path | None:
         """Block until an asynchronous save is committed; its folder (``None`` if none was in flight)."""

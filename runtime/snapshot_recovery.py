@@ -1,0 +1,198 @@
+"""Recovery from in-memory snapshots after an elastic restart (``runtime.snapshots`` writes them).
+
+Every rank calls :func:`recover_from_snapshots` (``runtime.elastic.resume_if_possible`` does, before it looks at
+the disk): each node's leader lists the committed snapshots of its store and the files of each it holds intact
+(size and SHA-256 against the manifest); the ranks share these lists and pick the newest step for which every
+file of the whole snapshot is held by *some* surviving node. If a disk checkpoint is newer, or no step is
+complete (a node and its buddy were lost together, or every store is gone), it says why and returns ``None``:
+the caller loads the newest intact disk checkpoint instead.
+
+To load a step, every node's leader assembles a complete checkpoint folder in its store
+(``store/recovery/step-N``): hard links to the files it holds, and the files it lacks received from a node that
+holds them (a gloo broadcast of the bytes, checked against the manifest's SHA-256). That folder is an ordinary
+committed checkpoint, so the ordinary load does the rest (``runtime.checkpoint``): DCP reshards it to the new
+plan, DCP's metadata and non-tensor values are read by the restricted readers (``runtime.checkpoint_reader``:
+nothing received runs code), RNG states and the data position come back. The folder is removed afterwards, and
+so are snapshots newer than the step loaded (a past the run no longer continues from).
+
+Limit: every surviving node assembles the whole snapshot (every rank's shards), so a node's store must hold one
+full snapshot during recovery; a run whose full state exceeds one node's host memory is refused by the memory
+check (``runtime.snapshots``) and needs per-rank partial reads, which are not built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from tessera.errors import CheckpointError
+from tessera.runtime.checkpoint_files import (
+    MANIFEST, MARKER, Manifest, all_gather, broadcast, complete_checkpoints, file_record, sha256_text,
+    step_folder, step_of, together,
+)
+from tessera.runtime.snapshot_store import RECOVERY_FOLDER, RECOVERY_PREFIX, committed_snapshots, discard_newer, held_files
+
+if TYPE_CHECKING:
+    from tessera.runtime.checkpoint import CheckpointInfo
+    from tessera.runtime.parallel_model import ParallelModel
+    from tessera.runtime.snapshots import Snapshotter
+
+log = logging.getLogger(__name__)
+
+
+class Holdings(dict):
+    """One store's view: ``{step: (manifest JSON text, names held intact)}``."""
+
+
+def recover_from_snapshots(
+    pm: ParallelModel, snapshots: Snapshotter, *, disk_root: Path | None
+) -> tuple[CheckpointInfo | None, list[str]]:
+    """Load the newest complete snapshot into ``pm`` unless a disk checkpoint is newer (call on every rank).
+
+    Returns what was loaded (``None``: use the disk) and why newer snapshots were passed over."""
+    group, rank, layout = snapshots.group, snapshots.rank, snapshots.layout
+    mine = together(lambda: _holdings(snapshots.store) if layout.is_leader(rank) else None, group,
+                    what=f"reading snapshot store {snapshots.store}")
+    stores = {r: held for r, held in enumerate(all_gather(mine, group)) if held is not None}
+    chosen, passed_over = _newest_complete(stores)
+    disk_step = broadcast(_newest_disk_step(disk_root) if rank == 0 else None, group)
+    if chosen is None or (disk_step is not None and disk_step > chosen[0].step):
+        why = "; ".join(passed_over) or f"no snapshot in any surviving store ({len(stores)} node(s) asked)"
+        if chosen is not None:
+            why = f"disk checkpoint step {disk_step} is newer than snapshot step {chosen[0].step}"
+        if rank == 0:
+            log.warning("snapshots: %s; loading the newest intact disk checkpoint of %s instead", why, disk_root)
+        together(lambda: discard_newer(snapshots.store, -1) if layout.is_leader(rank) else None, group,
+                 what="discarding unusable snapshots")
+        return None, passed_over or [why]
+    manifest, text, holders = chosen
+    folder = _assemble(snapshots, manifest, text, holders, stores)
+    from tessera.runtime.elastic import check_same_model  # noqa: PLC0415 (elastic imports this module lazily)
+
+    check_same_model(pm.plan, folder)
+    info = pm.load(folder, verify=False)  # every file was checked against the manifest's SHA-256 on the way
+    together(lambda: _after_load(snapshots.store, manifest.step) if layout.is_leader(rank) else None, group,
+             what="removing the assembled snapshot")
+    info = info.model_copy(update={"path": f"snapshot step-{manifest.step:08d} in {snapshots.store}",
+                                   "skipped": tuple(passed_over)})
+    pm.resumed = info
+    return info, passed_over
+
+
+def _holdings(store: Path) -> Holdings:
+    holdings = Holdings()
+    for folder in committed_snapshots(store):
+        found = held_files(folder)
+        if found is not None:
+            holdings[step_of(folder)] = ((folder / MANIFEST).read_text(), sorted(found[1]))
+    return holdings
+
+
+def _newest_complete(stores: dict[int, Holdings]) -> tuple[tuple | None, list[str]]:
+    """``(manifest, its text, {file: first leader rank holding it})`` of the newest step every file of which some
+    store holds, and a reason for each newer step that is incomplete."""
+    passed_over = []
+    for step in sorted({step for held in stores.values() for step in held}, reverse=True):
+        versions: dict[str, dict[int, list[str]]] = {}
+        for leader, held in sorted(stores.items()):
+            if step in held:
+                text, names = held[step]
+                versions.setdefault(text, {})[leader] = names
+        for text, by_leader in versions.items():
+            manifest = Manifest.model_validate_json(text)
+            holders = {}
+            for leader, names in by_leader.items():
+                for name in names:
+                    holders.setdefault(name, leader)
+            missing = sorted(set(manifest.files) - set(holders))
+            if not missing:
+                return (manifest, text, holders), passed_over
+            passed_over.append(
+                f"snapshot step {step} lacks {len(missing)} of its {len(manifest.files)} files on every surviving "
+                f"node ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): the node that wrote them and "
+                "its buddy are both gone")
+    return None, passed_over
+
+
+def _newest_disk_step(root: Path | None) -> int | None:
+    folders = complete_checkpoints(Path(root)) if root is not None else []
+    return step_of(folders[0]) if folders else None
+
+
+def _assemble(snapshots: Snapshotter, manifest: Manifest, text: str, holders: dict[str, int],
+              stores: dict[int, Holdings]) -> Path:
+    """Every leader's ``store/recovery/step-N``: its own intact files linked, the others received."""
+    group, rank, store, step = snapshots.group, snapshots.rank, snapshots.store, manifest.step
+    leader = rank if snapshots.layout.is_leader(rank) else None
+    partial = store / f"{RECOVERY_PREFIX}{step:08d}.partial"
+    final = step_folder(store / RECOVERY_FOLDER, step)
+    own = set(stores[leader][step][1]) if leader is not None and step in stores[leader] else set()
+    if leader is not None and own and stores[leader][step][0] != text:
+        own = set()  # this store's step-N is another version of the step: use none of its files
+    together(lambda: _link_own(store, partial, step, own) if leader is not None else None, group,
+             what=f"assembling snapshot step {step} in {store}")
+    for name in sorted(manifest.files):
+        lacking = [r for r in stores if name not in (stores[r][step][1] if step in stores[r] and stores[r][step][0]
+                                                     == text else ())]
+        if lacking:
+            _receive(name, manifest, source=holders[name], own=step_folder(store, step),
+                     write_to=partial if leader in lacking else None, rank=rank, group=group)
+
+    def commit() -> None:
+        if leader is None:
+            return
+        (partial / MANIFEST).write_text(text)
+        (partial / MARKER).write_text(sha256_text(text))
+        final.parent.mkdir(exist_ok=True)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(partial, final)
+
+    together(commit, group, what=f"assembling snapshot step {step} in {store}")
+    return final
+
+
+def _link_own(store: Path, partial: Path, step: int, names: set[str]) -> None:
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    source = step_folder(store, step)
+    for name in names:
+        target = partial / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source / name, target)
+        except OSError:
+            shutil.copyfile(source / name, target)
+
+
+def _receive(name: str, manifest: Manifest, *, source: int, own: Path, write_to: Path | None, rank: int,
+             group: dist.ProcessGroup | None) -> None:
+    """Broadcast file ``name`` from the leader ``source`` (read from its ``own`` step folder); a leader lacking it
+    writes it into ``write_to`` and checks it against the manifest."""
+    record = manifest.files[name]
+    buffer = torch.empty(record.size_bytes, dtype=torch.uint8)
+    if rank == source:
+        buffer = torch.frombuffer(bytearray((own / name).read_bytes()), dtype=torch.uint8)
+    if group is not None and record.size_bytes:
+        dist.broadcast(buffer, src=dist.get_global_rank(group, source), group=group)
+
+    def write() -> None:
+        if write_to is None:
+            return
+        path = write_to / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(buffer.numpy().tobytes())
+        if file_record(path) != record:
+            raise CheckpointError(f"snapshot file {name} arrived damaged from rank {source} (SHA-256 differs)")
+
+    together(write, group, what=f"receiving snapshot file {name}")
+
+
+def _after_load(store: Path, step: int) -> None:
+    shutil.rmtree(store / RECOVERY_FOLDER, ignore_errors=True)
+    discard_newer(store, step)

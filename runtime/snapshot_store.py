@@ -1,0 +1,143 @@
+"""One node's snapshot store: the folder in host memory where in-memory snapshots live (``runtime.snapshots``).
+
+**Layout** (the disk checkpoint's commit discipline, ``runtime.checkpoint_files``)::
+
+    store/                        e.g. /dev/shm/tessera-snapshots-<uid>/<run id>, or a folder given for tests
+      .tessera-snapshots          marks the folder as a Tessera snapshot store (written when it is created)
+      .tessera-save.lock          the node leader's flock while the run uses the store
+      step-00000007/              a committed snapshot: the files this node holds (its own ranks' and its
+        manifest.json  COMPLETE   buddy node's), and the manifest of the WHOLE snapshot (every rank's files)
+        .metadata  __2_0.distcp  rng/rank-00002.pt ...
+      .step-00000008.partial/     being written: never read
+      .recovery-step-00000007.partial/, recovery/step-00000007/   a snapshot being assembled for a load
+
+A store folder is *committed* when its ``COMPLETE`` marker is the SHA-256 of its ``manifest.json``. Unlike a
+disk checkpoint, it holds only some of the files its manifest lists: a file counts as held when it is present
+with the recorded size and SHA-256 (:func:`held_files`); a missing or damaged one is simply not held here.
+
+**Only Tessera's own files.** A store is used only if it is new, empty, or carries the marker; inside it, only
+names Tessera writes (``step-N``, ``.step-N.partial``, the recovery folders, the marker and lock) are ever
+pruned or removed. :func:`remove_store` (a clean finish) deletes those and the folder itself if nothing else is
+left in it.
+
+Snapshots live in memory (tmpfs): they survive the training process, not a reboot, so nothing is fsynced.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from tessera.errors import CheckpointError, ConfigError
+from tessera.runtime.checkpoint_files import (
+    LOCK_FILE, MANIFEST, MARKER, PARTIAL_SUFFIX, STEP_PREFIX, Manifest, complete_checkpoints, file_record,
+    lock_folder, manifest_problem, read_manifest, sha256_text, step_folder, step_of,
+)
+
+STORE_MARKER = ".tessera-snapshots"
+RECOVERY_FOLDER = "recovery"
+RECOVERY_PREFIX = f".recovery-{STEP_PREFIX}"
+
+
+def open_store(store: Path) -> int:
+    """Claim ``store`` for this run (the node leader, once): create or check it, lock it, remove what an
+    interrupted snapshot or recovery of this run left. The lock's handle (released when the process ends)."""
+    if store.exists() and not store.is_dir():
+        raise ConfigError(f"snapshot store {store} is a file; pass a folder (snapshot_store=...)")
+    if store.is_dir() and any(store.iterdir()) and not (store / STORE_MARKER).exists():
+        raise ConfigError(f"snapshot store {store} holds files Tessera did not write (no {STORE_MARKER} marker); "
+                          "give every run its own, new store folder")
+    try:
+        handle = lock_folder(store)
+    except CheckpointError as error:
+        raise ConfigError(f"snapshot store {store} is in use: {error}") from None
+    (store / STORE_MARKER).write_text("in-memory snapshots of one Tessera run (tessera.runtime.snapshots)\n")
+    for entry in _own_entries(store):
+        if entry.name.endswith(PARTIAL_SUFFIX) or entry.name == RECOVERY_FOLDER:
+            shutil.rmtree(entry, ignore_errors=True)
+    return handle
+
+
+def partial_snapshot(store: Path, step: int) -> Path:
+    """Where this node writes the snapshot of ``step`` before committing it."""
+    return store / f".{STEP_PREFIX}{step:08d}{PARTIAL_SUFFIX}"
+
+
+def commit_snapshot(partial: Path, manifest: Manifest, *, keep: int) -> Path:
+    """Write the whole snapshot's manifest and marker into ``partial``, rename it, keep the newest ``keep``."""
+    text = manifest.model_dump_json(indent=2)
+    (partial / MANIFEST).write_text(text)
+    (partial / MARKER).write_text(sha256_text(text))
+    final = step_folder(partial.parent, manifest.step)
+    shutil.rmtree(final, ignore_errors=True)  # the same step from a run that went on past a later recovery point
+    os.rename(partial, final)
+    for older in committed_snapshots(partial.parent)[keep:]:
+        shutil.rmtree(older, ignore_errors=True)
+    return final
+
+
+def committed_snapshots(store: Path) -> list[Path]:
+    """Committed snapshot folders of ``store`` (marker present), newest first."""
+    return complete_checkpoints(store) if (store / STORE_MARKER).exists() else []
+
+
+def held_files(folder: Path) -> tuple[Manifest, set[str]] | None:
+    """The whole snapshot's manifest and the files of it this folder holds intact; ``None`` if not committed."""
+    if manifest_problem(folder) is not None:
+        return None
+    manifest = read_manifest(folder)
+    held = set()
+    for name, record in manifest.files.items():
+        path = folder / name
+        if path.is_file() and not path.is_symlink() and path.stat().st_size == record.size_bytes \
+                and file_record(path).sha256 == record.sha256:
+            held.add(name)
+    return manifest, held
+
+
+def discard_newer(store: Path, step: int) -> None:
+    """Remove this store's snapshots after ``step``: the run continues from ``step``, they belong to a past
+    that is no longer its own."""
+    for folder in committed_snapshots(store):
+        if step_of(folder) > step:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def store_bytes(store: Path) -> int:
+    """Bytes of this run's snapshot folders in ``store`` (what pruning them would free)."""
+    return sum(p.stat().st_size for entry in _own_entries(store) if entry.is_dir() for p in entry.rglob("*")
+               if p.is_file())
+
+
+def free_bytes(store: Path) -> int:
+    """Bytes the file system of ``store`` (tmpfs: host memory) still has for unprivileged writers."""
+    stat = os.statvfs(store)
+    return stat.f_bavail * stat.f_frsize
+
+
+def remove_store(store: Path) -> None:
+    """A clean finish: remove every snapshot, the marker and the lock, then ``store`` itself if it is empty."""
+    if not (store / STORE_MARKER).exists():
+        return
+    for entry in _own_entries(store):
+        shutil.rmtree(entry, ignore_errors=True)
+    for name in (LOCK_FILE, STORE_MARKER):
+        (store / name).unlink(missing_ok=True)
+    try:
+        store.rmdir()
+    except OSError:
+        pass  # something else lives there: left alone
+
+
+def _own_entries(store: Path) -> list[Path]:
+    """Entries of ``store`` with names Tessera gives snapshot folders."""
+    if not store.is_dir():
+        return []
+
+    def ours(name: str) -> bool:
+        bare = name.lstrip(".").removesuffix(PARTIAL_SUFFIX)
+        return step_of(Path(bare)) is not None or name.startswith(RECOVERY_PREFIX) and name.endswith(
+            PARTIAL_SUFFIX) or name == RECOVERY_FOLDER
+
+    return [entry for entry in store.iterdir() if ours(entry.name)]

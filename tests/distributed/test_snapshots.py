@@ -1,0 +1,226 @@
+"""In-memory snapshots (``runtime.snapshots``) and recovery from peers (``runtime.snapshot_recovery``).
+
+Four ranks are two simulated nodes (ranks 0-1 and 2-3), each with its own store folder. They train with a
+snapshot every step and a disk checkpoint every ``DISK_EVERY`` steps. After step ``LAST_COMMITTED`` the ranks of
+node 1 start the snapshot of the next step and die while it is being written (their processes are gone and the
+test deletes node 1's store). The restarted run has two ranks (the survivors, node 0) and another plan:
+
+- it resumes from the snapshot of step ``LAST_COMMITTED`` -- not the disk checkpoint of step ``DISK_EVERY``, not
+  the half-written next snapshot -- resharded from tp x dp on 4 ranks to ZeRO-3 on 2, and every later loss equals
+  an uninterrupted single-process run;
+- with node 1's copies in node 0's store also gone (a node and its buddy lost together) it says so and falls
+  back to the disk checkpoint of step ``DISK_EVERY``, and again matches the uninterrupted run.
+
+Batches are drawn with the global RNG from a pool, so resumed losses match only if the snapshot restored the
+RNG. Economy: one spawn of 4 ranks, one spawn of 2 ranks running both recoveries (each from its own copy of the
+stores); the store checks (memory budget, foreign folders, clean finish) run in the test process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tessera.errors import ConfigError
+from tessera.runtime.apply import apply_plan
+from tessera.runtime.elastic import resume_if_possible
+from tessera.runtime.launch import WorkerError, spawn
+from tessera.runtime.snapshots import SnapshotConfig
+
+from .harness import FP32_TOL, GPT, LR, make_batches, make_model, make_plan
+
+pytestmark = pytest.mark.distributed
+
+SEED, DATA_SEED, POOL, STEPS, DISK_EVERY, LAST_COMMITTED = 0, 5, 6, 10, 5, 7
+BEFORE, AFTER = "dp=2,tp=2,mbs=4", "dp=2,zero=3,mbs=2"  # 4 ranks (2 nodes) -> 2 ranks (node 0)
+RANKS_PER_NODE = 2
+
+
+def draw(pool: list) -> tuple[torch.Tensor, torch.Tensor]:
+    return pool[int(torch.randint(len(pool), ()))]
+
+
+def reference_losses() -> list[float]:
+    torch.manual_seed(SEED)
+    model = make_model(GPT, SEED)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    torch.manual_seed(DATA_SEED)
+    pool, losses = make_batches(GPT, POOL), []
+    for _ in range(STEPS):
+        inputs, targets = draw(pool)
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _log(path: Path, **event) -> None:
+    with path.open("a") as handle:
+        handle.write(json.dumps(event) + "\n")
+
+
+def _start(strategy: str, stores: Path, seed: int):
+    """A rank of ``strategy`` with snapshots every step into its node's store ``stores/node<N>``."""
+    rank = dist.get_rank()
+    model = make_model(GPT, seed + rank)  # rank 0's weights win (apply_plan broadcasts them)
+    pm = apply_plan(model, make_plan(GPT, model, strategy))
+    store = stores / f"node{rank // RANKS_PER_NODE}"
+    pm.enable_snapshots(SnapshotConfig(every=1, store=store, ranks_per_node=RANKS_PER_NODE),
+                        data_state=lambda: {"batches_drawn": pm.step})
+    return pm, store
+
+
+def train_then_lose_node_one(stores: Path, disk: Path, log: Path) -> None:
+    """4 ranks; node 1's ranks die while the snapshot after step ``LAST_COMMITTED`` is being written."""
+    pm, store = _start(BEFORE, stores, SEED)
+    torch.manual_seed(DATA_SEED)
+    pool = make_batches(GPT, POOL)
+    while pm.step < STEPS:
+        loss = pm.train_step(draw(pool))  # starts the snapshot of pm.step in the background
+        if dist.get_rank() == 0:
+            _log(log, phase="before", step=pm.step - 1, loss=loss)
+        if pm.step % DISK_EVERY == 0:
+            pm.save(disk)
+        if pm.step == LAST_COMMITTED + 1 and dist.get_rank() >= RANKS_PER_NODE:  # node 1, mid-snapshot:
+            partial = store / f".step-{pm.step:08d}.partial"
+            while not partial.exists():
+                time.sleep(0.001)
+            os._exit(1)
+
+
+def recover_and_finish(stores: Path, disk: Path, log: Path, phase: str) -> dict:
+    """2 ranks (node 0) under another plan: recover, train to the end, finish cleanly."""
+    pm, store = _start(AFTER, stores, 100)  # other weights: the snapshot must replace them
+    torch.manual_seed(999)  # another RNG state: the snapshot's must be restored
+    info = resume_if_possible(pm, disk)
+    pool = make_batches(GPT, POOL)
+    while pm.step < STEPS:
+        loss = pm.train_step(draw(pool))
+        if dist.get_rank() == 0:
+            _log(log, phase=phase, step=pm.step - 1, loss=loss)
+    pm.close()
+    return {"step": info.step, "path": info.path, "skipped": list(info.skipped), "data": info.data_state,
+            "saved_world_size": info.saved_world_size, "store_left": store.exists()}
+
+
+def both_recoveries(runs: list[tuple[Path, str]], disk: Path, log: Path) -> dict:
+    return {phase: recover_and_finish(stores, disk, log, phase) for stores, phase in runs}
+
+
+def lose_the_buddy_copies(stores: Path) -> None:
+    """Node 0 loses what it held for node 1 (ranks 2 and 3): as if node 1's buddy had failed with it."""
+    for folder in (stores / "node0").glob("step-*"):
+        for path in folder.rglob("*"):
+            if path.name.startswith(("__2_", "__3_")) or path.name in ("rank-00002.pt", "rank-00003.pt"):
+                path.unlink()
+
+
+@pytest.fixture(scope="module")
+def fault_run(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("snapshots")
+    stores, disk, log = root / "stores", root / "disk", root / "losses.jsonl"
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as lost:
+        spawn(train_then_lose_node_one, nprocs=4, args=(stores, disk, log), timeout_s=300)
+    committed = {node: sorted(p.name for p in (stores / node).iterdir()) for node in ("node0", "node1")}
+    shutil.rmtree(stores / "node1")  # the node is gone, and its host memory with it
+    buddy_lost = root / "stores-buddy-lost"
+    shutil.copytree(stores, buddy_lost)
+    lose_the_buddy_copies(buddy_lost)
+    results = spawn(both_recoveries, nprocs=2, args=([(stores, "snapshot"), (buddy_lost, "disk")], disk, log),
+                    timeout_s=300)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    return {"error": str(lost.value), "committed": committed, "results": results, "events": events,
+            "stores": [stores, buddy_lost], "seconds": time.monotonic() - started}
+
+
+def test_node_one_died_mid_snapshot_and_left_the_previous_snapshot_committed(fault_run):
+    assert "rank 2" in fault_run["error"] or "rank 3" in fault_run["error"], fault_run["error"]
+    for node, names in fault_run["committed"].items():
+        assert f"step-{LAST_COMMITTED:08d}" in names and f"step-{LAST_COMMITTED + 1:08d}" not in names, (node, names)
+        assert f"step-{LAST_COMMITTED - 1:08d}" in names and len([n for n in names if n.startswith("step-")]) == 2
+
+
+def test_the_survivors_resume_from_the_last_snapshot_under_a_new_plan_and_match_an_uninterrupted_run(fault_run):
+    result = fault_run["results"][0]["snapshot"]
+    assert result["step"] == LAST_COMMITTED, result  # not the disk checkpoint of step 5, nor the half-written 8
+    assert "snapshot" in result["path"] and result["saved_world_size"] == 4, result
+    assert result["data"] == {"batches_drawn": LAST_COMMITTED}
+    _assert_losses_match(fault_run["events"], "snapshot", first=LAST_COMMITTED)
+
+
+def test_a_node_lost_with_its_buddy_falls_back_to_the_disk_checkpoint_and_says_why(fault_run):
+    result = fault_run["results"][0]["disk"]
+    assert result["step"] == DISK_EVERY and "snapshot" not in result["path"], result
+    assert any("its buddy are both gone" in reason for reason in result["skipped"]), result["skipped"]
+    _assert_losses_match(fault_run["events"], "disk", first=DISK_EVERY)
+
+
+def test_a_clean_finish_leaves_no_snapshot_files(fault_run):
+    for rank_result in fault_run["results"]:
+        assert not any(run["store_left"] for run in rank_result.values()), rank_result
+    for stores in fault_run["stores"]:
+        assert not (stores / "node0").exists()
+
+
+def test_the_fault_run_stays_within_its_time_budget(fault_run):
+    assert fault_run["seconds"] < 200, fault_run["seconds"]  # ~60 s on an idle 2-core machine
+
+
+def _assert_losses_match(events: list[dict], phase: str, *, first: int) -> None:
+    expected = reference_losses()
+    before = [e for e in events if e["phase"] == "before"]
+    after = [e for e in events if e["phase"] == phase]
+    assert [e["step"] for e in before][:LAST_COMMITTED + 1] == list(range(LAST_COMMITTED + 1))
+    assert [e["step"] for e in after] == list(range(first, STEPS)), after
+    for event in before + after:
+        torch.testing.assert_close(event["loss"], expected[event["step"]], **FP32_TOL, msg=str(event))
+
+
+# ------------------------------------------------------------------------------------------------ one process
+
+
+def _one_process(store: Path, **config):
+    model = make_model(GPT, SEED)
+    pm = apply_plan(model, make_plan(GPT, model, "dp=1,mbs=8"))
+    pm.enable_snapshots(SnapshotConfig(store=store, **config))
+    return pm
+
+
+def test_a_store_holding_files_tessera_did_not_write_is_refused_and_left_alone(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="holds files Tessera did not write"):
+        _one_process(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_the_host_memory_budget_is_checked_before_the_first_snapshot_is_written(tmp_path):
+    pm = _one_process(tmp_path / "store", host_memory_budget_bytes=1000)
+    with pytest.raises(ConfigError, match=r"snapshots need .* GB of host memory on node 0 .* the budget is"):
+        pm.train_step(make_batches(GPT, 1)[0])
+    assert not any((tmp_path / "store").glob("*step-*"))
+
+
+def test_one_process_snapshots_recover_and_finish_without_files(tmp_path):
+    pm = _one_process(tmp_path / "store", every=2)
+    batches = make_batches(GPT, 3)
+    for batch in batches:
+        pm.train_step(batch)
+    pm.wait_for_snapshot()
+    assert sorted(p.name for p in (tmp_path / "store").glob("step-*")) == ["step-00000002"]
+    os.close(pm.snapshots._lock)  # the first run is gone (its process would have released the lock)
+    again = _one_process(tmp_path / "store")  # a restart in the same store
+    info = resume_if_possible(again, None)
+    assert info.step == 2 and "snapshot" in info.path
+    again.close()
+    assert not (tmp_path / "store").exists()
