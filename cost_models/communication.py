@@ -14,7 +14,8 @@ see ``Strategy``). Collective times come from ``topology.collectives``.
   reduce-scatters gradients after it. Gradient reduction overlaps backward except its last bucket
   (~1/blocks); FSDP gathers are prefetched behind the previous block's compute. Ranks that share CPU cores
   (``DeviceSpec.solo_speedup > 1``) overlap nothing: gloo moves the bytes on the cores the compute is using.
-  ZeRO collectives are scaled by FSDP2's measured slowdown where profiled (``sharded_comm_slowdown``).
+  ZeRO collectives are scaled by FSDP2's measured slowdown where profiled, and ZeRO-3's by the framework's
+  (``sharded_comm_slowdown``, ``cost_models.profiles``: DeepSpeed's 2021 ZeRO-3, not PyTorch FSDP).
 - Tensor parallelism on a device with a measured per-linear overhead at that degree: the collectives' fixed
   costs are in that overhead (``compute.framework_overhead_s``); here only what their bytes add.
 - Pipeline: one activation send forward and one gradient send backward per micro-batch and chunk.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 from tessera.cost_models.memory import FP32, compute_dtype_bytes, local_params
 from tessera.cost_models.partition import StageTotals
+from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.sparse import (
     gradient_families, group_all_gather_s, group_all_reduce_s, group_reduce_scatter_s,
 )
@@ -68,30 +70,46 @@ def pp_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float
     return 2 * strategy.virtual_stages * p2p_time(cluster, nbytes, distance=strategy.tp * strategy.cp * strategy.ep)
 
 
-def sharded_comm_slowdown(device: DeviceSpec, strategy: Strategy, *, zero3_calibrated: float) -> float:
-    """Factor on the ZeRO collectives of ``strategy``: FSDP2's measured one on a profiled device (the runtime runs
-    ZeRO-1 to 3 on FSDP2), else ``zero3_calibrated`` for ZeRO-3 (``compute.Calibration``) and none for 1 and 2."""
+def sharded_comm_slowdown(device: DeviceSpec, strategy: Strategy, *, profile: ImplementationProfile = TESSERA) -> float:
+    """Factor on the ZeRO collectives of ``strategy``: FSDP2's measured one on a profiled device (Tessera's
+    runtime runs ZeRO-1 to 3 on FSDP2), else the framework's for ZeRO-3 (``profiles``) and none for 1 and 2."""
     if strategy.zero == 0:
         return 1.0
-    if device.fsdp_comm_slowdown is not None:
+    if device.fsdp_comm_slowdown is not None and profile is TESSERA:
         return device.fsdp_comm_slowdown
-    return zero3_calibrated if strategy.zero == 3 else 1.0
+    return profile.zero3_comm_slowdown if strategy.zero == 3 else 1.0
+
+
+def gathered_weight_bytes(
+    stage: StageTotals, training: TrainingConfig, strategy: Strategy, params: float,
+    *, profile: ImplementationProfile = TESSERA,
+) -> float:
+    """Bytes an all-gather of ``params`` local parameters of ``stage`` moves: the compute dtype, or 1 byte for
+    the blocks' parameters where the framework all-gathers FP8 weights under ZeRO-3 (the root's stay bf16)."""
+    width = compute_dtype_bytes(training)
+    if not (training.precision == "fp8" and profile.fp8_all_gather and strategy.zero == 3):
+        return params * width
+    local = local_params(stage, strategy)
+    root = stage.root_sharded_params / strategy.tp + stage.root_replicated_params
+    blocks_share = (local - root) / local if local else 0.0
+    return params * (blocks_share * 1 + (1 - blocks_share) * width)
 
 
 def dp_comm_s(
     stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy, *, micro_batches: int,
-    sharded_slowdown: float = 1.0,
+    sharded_slowdown: float = 1.0, profile: ImplementationProfile = TESSERA,
 ) -> dict[str, float]:
     """Data-parallel collective seconds per step by kind, before overlap (ZeRO's scaled by ``sharded_slowdown``,
     see ``sharded_comm_slowdown``)."""
     if strategy.cp > 1 or strategy.ep > 1:
         return _grouped_dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches,
-                                  sharded_slowdown=sharded_slowdown)
+                                  sharded_slowdown=sharded_slowdown, profile=profile)
     if strategy.dp == 1:
         return {}
     params = local_params(stage, strategy)
     group = {"group_size": strategy.dp, "stride": strategy.tp * strategy.cp * strategy.pp}
-    grads, weights = params * FP32, params * compute_dtype_bytes(training)
+    grads = params * FP32
+    weights = gathered_weight_bytes(stage, training, strategy, params, profile=profile)
     s = sharded_slowdown
     if strategy.zero == 0:
         return {"dp_allreduce": all_reduce_time(cluster, grads, **group)}
@@ -120,7 +138,7 @@ def sharded_collective_counts(strategy: Strategy, *, micro_batches: int) -> tupl
 
 def _grouped_dp_comm_s(
     stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy, *, micro_batches: int,
-    sharded_slowdown: float,
+    sharded_slowdown: float, profile: ImplementationProfile,
 ) -> dict[str, float]:
     """``dp_comm_s`` with context or expert parallelism: dense gradients over the dp * cp ranks, expert ones over
     edp * cp, each group reduced hierarchically over its two mesh axes (``cost_models.sparse``)."""
@@ -128,7 +146,8 @@ def _grouped_dp_comm_s(
     for params, axes in gradient_families(stage, strategy):
         if not axes:
             continue
-        grads, weights, s = params * FP32, params * compute_dtype_bytes(training), sharded_slowdown
+        grads, s = params * FP32, sharded_slowdown
+        weights = gathered_weight_bytes(stage, training, strategy, params, profile=profile)
         if strategy.zero == 0:
             kinds = {"dp_allreduce": group_all_reduce_s(cluster, grads, axes)}
         else:
@@ -143,16 +162,26 @@ def _grouped_dp_comm_s(
 
 def exposed_dp_comm_s(
     comm: dict[str, float], strategy: Strategy, *, forward_s: float, backward_s: float, micro_batches: int, blocks: int,
-    overlap: bool = True,
+    overlap: bool = True, recompute_s: float = 0.0,
 ) -> float:
     """Data-parallel communication left on the critical path after overlap with compute (all of it without
-    ``overlap``: ranks that share CPU cores move the bytes with the cores their compute is using)."""
+    ``overlap``: ranks that share CPU cores move the bytes with the cores their compute is using).
+
+    ZeRO-3 (FSDP): each block's all-gather is issued while the block before it computes (prefetch) and each
+    block's reduce-scatter runs while the block after it computes its backward, on their own streams, so the
+    collectives hide behind the micro-batches' compute, recomputation included; what stays exposed is what the
+    compute cannot cover (a bandwidth-bound step) or, at least, each pass's first gather and last
+    reduce-scatter (one block's, ``1 / blocks`` of the traffic: nothing computes before or after them).
+    Tensor-parallel and pipeline communication do not hide it (they are on the critical path themselves).
+    ZeRO-0 to 2: gradient reduction overlaps the backward (the last micro-batch's, or every one's under
+    ZeRO-2) except its last bucket; the parameter all-gather of ZeRO-1/2 overlaps the next step's first forward.
+    """
     if not overlap:
         return sum(comm.values())
     tail = 1 / max(blocks, 1)
     if strategy.zero == 3:
         total = sum(comm.values())
-        return max(total - micro_batches * (forward_s + backward_s), total * tail)
+        return max(total - micro_batches * (forward_s + backward_s + recompute_s), total * tail)
     reduce = comm.get("dp_allreduce", 0.0) + comm.get("zero_reducescatter", 0.0)
     hidden_by = backward_s * (micro_batches if strategy.zero == 2 else 1)
     gather = comm.get("zero_allgather", 0.0)  # overlaps the next step's first forward

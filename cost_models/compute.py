@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.cost_models.fp8 import bf16_flops, cast_traffic_bytes
 from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology.cluster import DeviceSpec
@@ -25,28 +26,36 @@ from tessera.topology.cluster import DeviceSpec
 class Calibration:
     """The fitted constants of the cost model for one kind of device.
 
-    Matmuls of local width ``d`` reach ``peak_fraction * d / (d + half_width)`` of peak FLOP/s; the
-    non-matmul work (norms, activations, softmax, which FlopCounterMode counts as zero FLOPs) costs
-    ``traffic_factor`` passes over the layer's saved activations at memory bandwidth, forward and twice
-    that backward. ZeRO-3 parameter gathers and gradient reduce-scatters take ``zero3_comm_slowdown``
-    times the ideal ring time of ``topology.collectives``.
+    Matmuls of local width ``d`` reach ``peak_fraction * d / (d + half_width)`` of peak FLOP/s (FP8 matmuls
+    ``fp8_peak_fraction * d / (d + fp8_half_width)`` of the FP8 peak); the non-matmul work (norms,
+    activations, softmax, which FlopCounterMode counts as zero FLOPs) costs ``traffic_factor`` passes over the
+    layer's saved activations at memory bandwidth, forward and twice that backward. ``jitter`` is the
+    relative spread of one rank's step time (kernels, clocks, network noise): every step waits for the
+    slowest of the ``n`` ranks, the expected maximum of ``n`` normal draws, ``jitter * sqrt(2 ln n)`` of the
+    step (stragglers grow with the number of ranks). How well ZeRO-3's collectives overlap is the framework's,
+    not the device's: ``cost_models.profiles``.
     """
 
     peak_fraction: float
     half_width: float
     traffic_factor: float = 0.0
-    zero3_comm_slowdown: float = 1.0
+    fp8_peak_fraction: float = 0.0
+    fp8_half_width: float = 0.0
+    jitter: float = 0.0
 
     def at(self, width: float) -> float:
         """Efficiency at local matmul width ``width`` (unknown width: the asymptote)."""
         return self.peak_fraction if width <= 0 else self.peak_fraction * width / (width + self.half_width)
 
+    def fp8_at(self, width: float) -> float:
+        """Efficiency of an FP8 matmul at local width ``width`` against the FP8 peak."""
+        return self.fp8_peak_fraction if width <= 0 else self.fp8_peak_fraction * width / (width + self.fp8_half_width)
 
-# Fitted on the training split of benchmarks/reference/published_runs.yaml (see benchmarks/published.py,
-# which prints the fit and the held-out error). Re-fit there; do not hand-edit. zero3_comm_slowdown is fitted
-# on DeepSpeed ZeRO-3 runs (SC'21 Table 2), the only sharded-data-parallel measurements at scale in the set:
-# until FSDP2 is measured at scale, Tessera assumes it communicates no better than they did.
-GPU_CALIBRATION = Calibration(peak_fraction=0.7, half_width=160.0, traffic_factor=4.0, zero3_comm_slowdown=5.0)
+
+# Fitted on the training split of benchmarks/reference/published_runs.yaml and fsdp_fp8_runs.yaml (see
+# benchmarks/published.py, which prints the fit and the held-out error). Re-fit there; do not hand-edit.
+GPU_CALIBRATION = Calibration(peak_fraction=0.7, half_width=160.0, traffic_factor=4.0, fp8_peak_fraction=0.45,
+                              fp8_half_width=320.0, jitter=0.0)
 # CPU ranks: the profiled matmul rate is already a sustained rate, flat in width (1 thread: 105-115 GF/s per
 # CPU-second from 256^2 to 1024^2). The non-matmul work (norms, GELU, softmax, attention backward, loss) is
 # charged as on GPUs, ``traffic_factor`` passes at the profiled copy bandwidth: one thread runs the small GPT of
@@ -67,26 +76,51 @@ def achievable_flops(
     return device.peak_flops(precision) * device_calibration(device, calibration).at(width)
 
 
+def bf16_or(precision: str) -> str:
+    """The dtype of the matmuls that are not FP8: bf16 under ``fp8``, else ``precision`` itself."""
+    return "bf16" if precision == "fp8" else precision
+
+
 def stage_compute_s(
     stage: StageTotals, device: DeviceSpec, training: TrainingConfig, strategy: Strategy,
     *, calibration: Calibration = GPU_CALIBRATION,
 ) -> tuple[float, float, float]:
     """(forward, backward, recompute) seconds of one micro-batch on one device of ``stage``."""
-    width = stage.hidden_size / strategy.tp
-    rate = achievable_flops(device, training.precision, width=width, calibration=calibration)
     waiting = measured_by_degree(device.tp_compute_slowdown, strategy.tp, default=1.0)
-    scale = waiting * strategy.micro_batch / (strategy.tp * strategy.cp * rate)
+    share = waiting * strategy.micro_batch / (strategy.tp * strategy.cp)
+    forward, backward, recompute = arithmetic_s(stage, device, training, width=stage.hidden_size / strategy.tp,
+                                                calibration=calibration)
     constants = device_calibration(device, calibration)
-    traffic = waiting * constants.traffic_factor * stage.activation_traffic_bytes * strategy.micro_batch / (
-        strategy.tp * strategy.cp * device.memory_bandwidth_bytes_per_s
-    )
+    passes = constants.traffic_factor * stage.activation_traffic_bytes + cast_traffic_bytes(stage, training)
+    traffic = share * passes / device.memory_bandwidth_bytes_per_s
     recompute_share = stage.recompute_flops / stage.forward_flops if stage.forward_flops else 0.0
     forward_overhead, backward_overhead = framework_overhead_s(stage, device, tp=strategy.tp)
     return (
-        stage.forward_flops * scale + traffic + forward_overhead,
-        stage.backward_flops * scale + 2 * traffic + backward_overhead,
-        stage.recompute_flops * scale + (traffic + forward_overhead) * recompute_share,
+        forward * share + traffic + forward_overhead,
+        backward * share + 2 * traffic + backward_overhead,
+        recompute * share + (traffic + forward_overhead) * recompute_share,
     )
+
+
+def arithmetic_s(
+    stage: StageTotals, device: DeviceSpec, training: TrainingConfig, *, width: float, calibration: Calibration,
+) -> tuple[float, float, float]:
+    """(forward, backward, recompute) matmul seconds of ONE sequence of ``stage`` on one device's whole rate.
+
+    Under FP8 the blocks' linears run at the FP8 rate and the attention cores and the head at the bf16 rate
+    (``cost_models.fp8``); a selective recomputation re-runs attention cores only (bf16), a full one the
+    block's forward at its mixed rate.
+    """
+    rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
+    if training.precision != "fp8":
+        return stage.forward_flops / rate, stage.backward_flops / rate, stage.recompute_flops / rate
+    fp8_rate = device.peak_flops("fp8") * device_calibration(device, calibration).fp8_at(width)
+    kept_forward, kept_backward = bf16_flops(stage)
+    forward = (stage.forward_flops - kept_forward) / fp8_rate + kept_forward / rate
+    backward = (stage.backward_flops - kept_backward) / fp8_rate + kept_backward / rate
+    mixed = forward / stage.forward_flops if stage.forward_flops else 0.0
+    recompute = stage.recompute_flops * mixed if stage.full_recompute_blocks else stage.recompute_flops / rate
+    return forward, backward, recompute
 
 
 def framework_overhead_s(stage: StageTotals, device: DeviceSpec, *, tp: int) -> tuple[float, float]:
@@ -125,8 +159,11 @@ def compute_lower_bound_s(
     (per stage it is not additive), so this is a bound, not an estimate.
     """
     forward, backward, _ = stage_compute_s(model, device, training, strategy, calibration=calibration)
-    rate = achievable_flops(device, training.precision, width=model.hidden_size / strategy.tp, calibration=calibration)
-    recompute = model.recompute_flops * strategy.micro_batch / (strategy.tp * strategy.cp * rate)
+    width = model.hidden_size / strategy.tp
+    fastest = max(achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration),
+                  device.peak_flops("fp8") * device_calibration(device, calibration).fp8_at(width)
+                  if training.precision == "fp8" else 0.0)
+    recompute = model.recompute_flops * strategy.micro_batch / (strategy.tp * strategy.cp * fastest)
     return (forward + backward + recompute) / strategy.pp
 
 

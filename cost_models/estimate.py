@@ -9,6 +9,7 @@ optimizer update. Memory is checked on every stage; the worst one is reported.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -16,10 +17,11 @@ from tessera.cost_models.communication import (
     dp_comm_s, exposed_dp_comm_s, pp_comm_s, sharded_comm_slowdown, tp_comm_s,
 )
 from tessera.cost_models.compute import (
-    GPU_CALIBRATION, Calibration, achievable_flops, compute_lower_bound_s, device_calibration, optimizer_step_s, stage_compute_s,
+    GPU_CALIBRATION, Calibration, achievable_flops, bf16_or, compute_lower_bound_s, device_calibration, optimizer_step_s, stage_compute_s,
 )
 from tessera.cost_models.memory import local_params, stage_memory
 from tessera.cost_models.partition import StageTotals, block_policies, cached_stage_totals, split_blocks, stage_totals
+from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.pipeline import pipeline_slots_lower_bound, pipeline_time_s
 from tessera.cost_models.sparse import check_sparse_and_long, cp_comm_s, ep_comm_s, sharded_params
 from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
@@ -56,11 +58,12 @@ class StageTime:
 
 def estimate(
     layers: Sequence[LayerStats], cluster: Cluster, training: TrainingConfig, strategy: Strategy,
-    *, calibration: Calibration = GPU_CALIBRATION,
+    *, calibration: Calibration = GPU_CALIBRATION, profile: ImplementationProfile = TESSERA,
 ) -> Estimate:
     """Predict one optimizer step of ``strategy`` on ``cluster`` for a model described by ``layers``.
 
-    ``calibration`` overrides the fitted compute-efficiency curve (calibration uses it).
+    ``calibration`` overrides the fitted compute-efficiency curve (calibration uses it); ``profile`` is the
+    framework that runs the step (``cost_models.profiles``; Tessera's runtime by default).
     """
     check_supported(layers, cluster, strategy)
     if strategy.ep > 1 or strategy.cp > 1:
@@ -68,7 +71,8 @@ def estimate(
     micro_batches = strategy.gradient_accumulation(training.global_batch)
     policies = block_policies(layers, strategy)
     stages = [cached_stage_totals(s, i, policies) for i, s in enumerate(split_blocks(layers, strategy))]
-    costs = _distinct_stage_costs(stages, cluster, training, strategy, micro_batches=micro_batches, calibration=calibration)
+    costs = _distinct_stage_costs(stages, cluster, training, strategy, micro_batches=micro_batches,
+                                  calibration=calibration, profile=profile)
     times = [costs[stage][0] for stage in stages]
     dp = [costs[stage][1] for stage in stages]
     slowest = max(range(len(stages)), key=lambda i: times[i].total)
@@ -77,9 +81,10 @@ def estimate(
     bubble = pipeline - micro_batches * times[slowest].total  # < 0 where idle ranks' cores speed up the slowest
     exposed_dp = [costs[stage][2] for stage in stages]
     optimizer = max(optimizer_step_s(_optimizer_params(stage, strategy), cluster.device) for stage in costs)
-    step = pipeline + max(exposed_dp) + optimizer
+    straggling = straggler_s(pipeline, cluster, calibration=calibration)
+    step = pipeline + max(exposed_dp) + optimizer + straggling
     memory = [stage_memory(stage, training, strategy, micro_batches=micro_batches,
-                           on_cpu=cluster.device.name == "local-cpu") for stage in stages]
+                           on_cpu=cluster.device.name == "local-cpu", profile=profile) for stage in stages]
     worst = max(range(len(stages)), key=lambda i: sum(memory[i].values()))
     model_flops = sum(layer.forward_flops + layer.backward_flops for layer in layers) * training.global_batch
     hardware_flops = model_flops + sum(stage.recompute_flops for stage in stages) * training.global_batch
@@ -106,7 +111,31 @@ def estimate(
         hardware_flops_per_step=hardware_flops,
         mfu=model_flops / (step * peak_rate),
         hfu=hardware_flops / (step * peak_rate),
+        notes=_notes(training, straggling),
     )
+
+
+def straggler_s(busy_s: float, cluster: Cluster, *, calibration: Calibration) -> float:
+    """Seconds a step waits for its slowest rank: each rank's ``busy_s`` varies by ``jitter`` (relative standard
+    deviation) and every step synchronises all ``n`` ranks, so it lasts the expected maximum of ``n`` draws,
+    about ``busy_s * jitter * sqrt(2 ln n)`` more than one rank's mean (the Gumbel limit of a normal maximum)."""
+    jitter = device_calibration(cluster.device, calibration).jitter
+    if jitter <= 0 or cluster.num_devices < 2:
+        return 0.0
+    return busy_s * jitter * math.sqrt(2 * math.log(cluster.num_devices))
+
+
+def _notes(training: TrainingConfig, straggling: float) -> tuple[str, ...]:
+    notes = []
+    if training.precision == "fp8":
+        notes.append(f"fp8 ({training.fp8_scaling} scaling): the blocks' linears at the FP8 peak on their own efficiency "
+                     "curve; attention cores, norms, embedding and head in bf16")
+        if training.fp8_scaling in ("rowwise", "block", "mx"):
+            notes.append(f"fp8 {training.fp8_scaling} scaling: its matmul efficiency is not calibrated on public runs "
+                         "(the per-tensor curve is used)")
+    if straggling:
+        notes.append(f"stragglers: {straggling:.3g} s per step waiting for the slowest rank")
+    return tuple(notes)
 
 
 def step_time_lower_bound(
@@ -176,20 +205,21 @@ def _tp_comm_lower_bound_s(whole: StageTotals, cluster: Cluster, strategy: Strat
 
 def _distinct_stage_costs(
     stages: Sequence[StageTotals], cluster: Cluster, training: TrainingConfig, strategy: Strategy,
-    *, micro_batches: int, calibration: Calibration,
+    *, micro_batches: int, calibration: Calibration, profile: ImplementationProfile,
 ) -> dict[StageTotals, tuple[StageTime, dict[str, float], float]]:
     """Per distinct stage (equal stages share one entry): its time, its data-parallel traffic, and the part
     of that traffic left exposed after overlap."""
-    calibrated = device_calibration(cluster.device, calibration).zero3_comm_slowdown
-    slowdown = sharded_comm_slowdown(cluster.device, strategy, zero3_calibrated=calibrated)
+    slowdown = sharded_comm_slowdown(cluster.device, strategy, profile=profile)
     overlap = cluster.device.solo_speedup == 1.0  # ranks sharing cores communicate with their compute's cores
     costs = {}
     for stage in stages:
         if stage not in costs:
             t = stage_time(stage, cluster, training, strategy, calibration=calibration)
-            comm = dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches, sharded_slowdown=slowdown)
+            comm = dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches, sharded_slowdown=slowdown,
+                             profile=profile)
             exposed = exposed_dp_comm_s(comm, strategy, forward_s=t.forward, backward_s=t.backward,
-                                        micro_batches=micro_batches, blocks=stage.blocks, overlap=overlap)
+                                        micro_batches=micro_batches, blocks=stage.blocks, overlap=overlap,
+                                        recompute_s=t.recompute)
             costs[stage] = (t, comm, exposed)
     return costs
 
@@ -204,8 +234,8 @@ def stage_time(
                      pp_comm_s(stage, cluster, strategy))
     if strategy.ep == 1 and strategy.cp == 1:
         return time
-    rate = achievable_flops(cluster.device, training.precision, width=stage.hidden_size / strategy.tp,
-                            calibration=calibration)
+    rate = achievable_flops(cluster.device, bf16_or(training.precision), width=stage.hidden_size / strategy.tp,
+                            calibration=calibration)  # attention cores hide the ring: bf16 under FP8 too
     cp_total, cp_exposed = cp_comm_s(stage, cluster, strategy, flops_per_s=rate)
     return replace(time, ep_comm=ep_comm_s(stage, cluster, strategy), cp_comm=cp_exposed, cp_comm_total=cp_total)
 

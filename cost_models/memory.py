@@ -27,7 +27,9 @@ is divided by ``tp``, except the inputs PyTorch's sequence parallelism all-gathe
 
 from __future__ import annotations
 
+from tessera.cost_models.fp8 import saved_input_reduction_bytes
 from tessera.cost_models.partition import StageTotals
+from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.pipeline import in_flight_micro_batches
 from tessera.cost_models.sparse import (
     largest_gathered_params, local_param_split, ring_and_dispatch_buffer_bytes, sharded_params,
@@ -63,7 +65,8 @@ def local_params(stage: StageTotals, strategy: Strategy) -> float:
 
 
 def stage_memory(
-    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, on_cpu: bool
+    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, on_cpu: bool,
+    profile: ImplementationProfile = TESSERA,
 ) -> dict[str, int]:
     """Peak bytes on one device of ``stage`` by category: the higher of the step's two high-water marks.
 
@@ -75,8 +78,32 @@ def stage_memory(
     reserve = CPU_RESERVE_BYTES if on_cpu else GPU_RESERVE_BYTES
     marks = (backward_memory(stage, training, strategy, micro_batches=micro_batches),
              step_end_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu))
+    if training.precision == "fp8":
+        marks = tuple(with_fp8_state(mark, stage, training, strategy, micro_batches=micro_batches, profile=profile,
+                                     in_backward=mark is marks[0]) for mark in marks)
     peak = max(marks, key=lambda mark: sum(mark.values()))
-    return {**{name: int(value) for name, value in peak.items()}, "reserve": reserve}
+    return {**{name: max(0, int(value)) for name, value in peak.items()}, "reserve": reserve}
+
+
+def with_fp8_state(
+    mark: dict, stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int,
+    profile: ImplementationProfile, in_backward: bool,
+) -> dict:
+    """A high-water mark under FP8 as ``profile`` holds it: FP8 weight copies of the blocks' linears kept across
+    micro-batches (Transformer Engine: the weight and its transpose), the linears' inputs saved in FP8 instead
+    of bf16, and ZeRO-3's gathered block parameters in FP8 where the framework all-gathers FP8 weights."""
+    local = local_params(stage, strategy)
+    blocks = local - (stage.root_sharded_params / strategy.tp + stage.root_replicated_params)
+    updated = dict(mark, parameters=mark["parameters"] + profile.weight_fp8_bytes * blocks)
+    if not in_backward:
+        return updated
+    in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
+    saved_less = saved_input_reduction_bytes(stage, training, saves_fp8_inputs=profile.fp8_saves_inputs)
+    updated["activations"] -= saved_less * strategy.micro_batch * in_flight * tp_activation_share(strategy) / strategy.cp
+    if strategy.zero == 3 and profile.fp8_all_gather:  # the gathered blocks: 1 byte per parameter, not 2
+        block = stage.largest_block_params / strategy.tp
+        updated["buffers"] -= FSDP_PREFETCH_BLOCKS * block * (compute_dtype_bytes(training) - 1)
+    return updated
 
 
 def backward_memory(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int) -> dict:

@@ -64,6 +64,8 @@ class StageTotals:
     embedding_params: int = 0  # parameters of embedding layers (vocabulary-parallel under tp)
     sp_gathered_bytes: int = 0  # per sequence, inputs of column-parallel linears that sp all-gathers and saves whole
     linears: int = 0  # linears of the blocks' pairs and heads: each costs framework overhead per micro-batch
+    head_forward_flops: float = 0.0  # the head's forward FLOPs per sequence (FP8 recipes keep it in bf16)
+    head_backward_flops: float = 0.0  # the head's backward FLOPs per sequence
 
 
 def split_blocks(layers: Sequence[LayerStats], strategy: Strategy) -> list[list[LayerStats]]:
@@ -188,6 +190,8 @@ def _root_and_loss_totals(stage: Sequence[LayerStats]) -> dict:
         "logits_bytes": sum(stage[i - 1].output_bytes for i in losses if i > 0),
         "largest_block_params": max((layer.param_count for layer in stage if layer.kind == "block"), default=0),
         "embedding_params": sum(layer.param_count for layer in root if layer.kind == "embedding"),
+        "head_forward_flops": sum(layer.forward_flops for layer in root if layer.kind == "head"),
+        "head_backward_flops": sum(layer.backward_flops for layer in root if layer.kind == "head"),
     }
 
 

@@ -24,7 +24,8 @@ MAX_SEQ_LEN = 2**24
 MAX_BLOCKS = 2**20
 """Most blocks ``block_recompute`` / ``chunk_blocks`` may describe (a bound on what a strategy string expands to)."""
 
-Precision = Literal["bf16", "fp16", "fp32"]
+Precision = Literal["bf16", "fp16", "fp32", "fp8"]
+Fp8Scaling = Literal["delayed", "current", "rowwise", "block", "mx"]
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zero-bubble"]
 LayerKind = Literal["embedding", "block", "norm", "head", "loss", "other"]
@@ -45,13 +46,27 @@ class TrainingConfig(BaseModel):
     seq_len: int = Field(gt=0, le=MAX_SEQ_LEN)
     """Tokens per sequence (at most ``MAX_SEQ_LEN``)."""
     precision: Precision = "bf16"
-    """Compute dtype. ``bf16``/``fp16`` mean mixed precision: fp32 master weights, fp32 Adam state."""
+    """Compute dtype. ``bf16``/``fp16`` mean mixed precision: fp32 master weights, fp32 Adam state. ``fp8``: the
+    blocks' linears run on the FP8 matrix units (Transformer Engine, torchao float8, MXFP8), everything else in bf16
+    (attention cores, norms, the embedding and the head), with bf16 mixed precision's model state."""
+    fp8_scaling: Fp8Scaling = "current"
+    """How FP8 tensors are scaled (``precision="fp8"`` only): ``delayed`` per-tensor scales from an amax history
+    (Transformer Engine's ``DelayedScaling``), ``current`` per-tensor scales from the tensor itself (torchao
+    ``tensorwise``, TE ``Float8CurrentScaling``), ``rowwise`` one scale per row (torchao ``rowwise``), ``block``
+    one scale per 128-element tile (DeepSeek-V3, TE ``Float8BlockScaling``), ``mx`` one power-of-two scale per 32
+    elements (OCP MX, MXFP8 on Blackwell)."""
 
     def __init__(self, /, **data: Any) -> None:
         try:
             super().__init__(**data)
         except ValidationError as exc:
             raise config_error(exc, "training config") from None
+
+    @model_validator(mode="after")
+    def _scaling_needs_fp8(self) -> "TrainingConfig":
+        if self.fp8_scaling != "current" and self.precision != "fp8":
+            raise ConfigError(f"fp8_scaling={self.fp8_scaling} needs precision=fp8 (got {self.precision}); drop it or use fp8")
+        return self
 
     @property
     def tokens_per_step(self) -> int:

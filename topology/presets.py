@@ -1,8 +1,11 @@
 """Cluster presets (``dgx-h100:nodes=8``, ``cpu:ranks=4``) and cluster YAML files.
 
 A preset is a YAML file in ``topology/presets/`` in the format ``tessera.topology.clusterfile`` documents;
-its ``size_key`` (``nodes`` or ``ranks``) is the one argument the spec takes. Every malformed field is
-reported by name. Cluster files are read with ``topology.validation``'s strict YAML loader (no anchors,
+its ``size_key`` (``nodes`` or ``ranks``) is the spec's main argument. Device variants come from the spec too,
+without writing a cluster file: ``gpu=NAME`` puts any catalog device (``topology/catalog.yaml``) on the
+preset's fabric and ``gpus_per_node=N`` changes the node (the NVLink level follows the node), e.g.
+``dgx-a100:nodes=4,gpu=A100-SXM-40GB,gpus_per_node=4``; the preset's link levels are kept as they are. Every
+malformed field is reported by name. Cluster files are read with ``topology.validation``'s strict YAML loader (no anchors,
 aliases or duplicate keys; at most ``MAX_YAML_BYTES``).
 """
 
@@ -39,7 +42,13 @@ def load_cluster(spec: str | Path | Cluster) -> Cluster:
         return _cluster_from_file(Path(text))
     name, _, args = text.partition(":")
     raw = _preset_raw(name)
-    return cluster_from_raw(raw, name=text, size=_parse_size(args, raw["size_key"], name))
+    values = _parse_args(args, raw["size_key"], name)
+    if "gpu" in values:
+        raw = {**raw, "device": values["gpu"]}  # a catalog name (an unknown one is refused with the known ones)
+    if "gpus_per_node" in values:
+        raw = {**raw, "devices_per_node": positive_int(values["gpus_per_node"], f"'gpus_per_node' in cluster preset {name}")}
+    size = positive_int(values[raw["size_key"]], f"'{raw['size_key']}' in cluster preset {name}") if raw["size_key"] in values else 1
+    return cluster_from_raw(raw, name=text, size=size)
 
 
 def _preset_raw(name: str) -> dict:
@@ -75,10 +84,15 @@ def _one_line(exc: yaml.YAMLError) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _parse_size(args: str, size_key: str, name: str) -> int:
-    if not args:
-        return 1
-    key, sep, value = args.partition("=")
-    if not sep or key != size_key:
-        raise ClusterSpecError(f"cluster preset {name!r} takes '{size_key}=N' (e.g. '{name}:{size_key}=2'), got {quoted(args)}")
-    return positive_int(value, f"'{size_key}' in cluster preset {name}")
+def _parse_args(args: str, size_key: str, name: str) -> dict[str, str]:
+    """``"nodes=4,gpu=A100-SXM-40GB"`` -> ``{"nodes": "4", "gpu": "A100-SXM-40GB"}``: each key once, each known."""
+    known = (size_key, "gpu", "gpus_per_node")
+    values: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in args.split(","))):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or key not in known or key in values:
+            problem = f"{key} is given twice" if key in values else f"got {quoted(item)}"
+            raise ClusterSpecError(f"cluster preset {name!r} takes '{size_key}=N' and optionally 'gpu=NAME' (a catalog "
+                                   f"device) and 'gpus_per_node=N' (e.g. '{name}:{size_key}=2,gpu=H100-SXM-80GB'), {problem}")
+        values[key] = value
+    return values

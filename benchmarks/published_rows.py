@@ -1,0 +1,155 @@
+"""The calibration set's rows as Tessera inputs: model spec, cluster, training config, pins, framework profile.
+
+Two files in ``benchmarks/reference/``, every row with its source: ``published_runs.yaml`` (a copy of the
+shared set: Megatron-LM SC'21, Megatron-Core, Korthikanti et al.) and ``fsdp_fp8_runs.yaml`` (PyTorch FSDP
+and FP8 runs: MosaicML llm-foundry, torchtitan, NeMo). A row pins only what its source states; the planner
+fills the rest (``published.plan_run``). Each row is evaluated as the framework that ran it
+(``cost_models.profiles``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from tessera.cost_models import Strategy, TrainingConfig
+from tessera.cost_models.profiles import DEEPSPEED, MEGATRON, PYTORCH_FSDP_TE, TORCHTITAN, ImplementationProfile
+
+HERE = Path(__file__).resolve().parent
+REFERENCE_FILES = ("published_runs.yaml", "fsdp_fp8_runs.yaml")
+PRESETS = {  # catalog device -> (preset whose fabric it sits on, gpu= variant or None)
+    "A100-SXM4-80GB": ("dgx-a100", None), "A100-SXM-80GB": ("dgx-a100", None),
+    "A100-SXM-40GB": ("dgx-a100", "A100-SXM-40GB"), "H100-SXM-80GB": ("dgx-h100", None),
+    "H100-SXM-96GB-500W": ("dgx-h100", "H100-SXM-96GB-500W"),
+}
+
+
+def measured_runs() -> list[dict]:
+    """Runs with a published step time, TFLOP/s or tokens/s per GPU and a stated parallel layout."""
+    runs = [run for name in REFERENCE_FILES for run in yaml.safe_load((HERE / "reference" / name).read_text())["runs"]]
+    reported = ("tflops_per_gpu", "step_time_s", "tokens_per_s_per_gpu")
+    return [r for r in runs if r["parallel"].get("tp") and any(r["reported"].get(key) for key in reported)]
+
+
+def model_spec(run: dict) -> str:
+    m = run["model"]
+    if m.get("family") == "llama":
+        return (f"llama:layers={m['layers']},hidden={m['hidden']},heads={m['heads']},kv_heads={m['kv_heads']},"
+                f"ffn={m['ffn_hidden']},vocab={m['vocab']},seq={m['seq_len']}")
+    spec = f"gpt:layers={m['layers']},hidden={m['hidden']},heads={m['heads']},vocab={m['vocab']},seq={m['seq_len']}"
+    return spec + (f",ffn={m['ffn_hidden']}" if m.get("ffn_hidden") else "")
+
+
+def cluster_spec(run: dict) -> str:
+    gpu = run["hardware"]["gpu"]
+    preset, variant = PRESETS.get(gpu, ("dgx-h100" if gpu.startswith("H100") else "dgx-a100", None))
+    return f"{preset}:nodes={run['hardware']['gpus'] // 8}" + (f",gpu={variant}" if variant else "")
+
+
+def training_config(run: dict) -> TrainingConfig:
+    training = run["training"]
+    precision = training.get("precision") if training.get("precision") in ("bf16", "fp8") else "bf16"
+    extra = {"fp8_scaling": training["fp8_scaling"]} if precision == "fp8" and training.get("fp8_scaling") else {}
+    return TrainingConfig(global_batch=training["global_batch"], seq_len=run["model"]["seq_len"], precision=precision, **extra)
+
+
+def framework_profile(run: dict) -> ImplementationProfile:
+    """The framework that ran the row: DeepSpeed for SC'21's ZeRO-3 rows, else by the row's ``framework``."""
+    if run["id"].startswith("megatron-sc21-t2-zero3"):
+        return DEEPSPEED
+    framework = str(run.get("framework", "Megatron-LM"))
+    if framework.startswith("torchtitan"):
+        return TORCHTITAN
+    if framework.startswith("llm-foundry"):
+        return PYTORCH_FSDP_TE
+    return MEGATRON
+
+
+def regime(run: dict) -> str:
+    """The row's regime for per-regime errors: fp8, cp, deepspeed-zero3, fsdp (PyTorch ZeRO-3) or ptd-p."""
+    par = run["parallel"]
+    if training_config(run).precision == "fp8":
+        return "fp8"
+    if (par.get("cp") or 1) > 1:
+        return "cp"
+    if framework_profile(run) is DEEPSPEED:
+        return "deepspeed-zero3"
+    return "fsdp" if par.get("zero_stage") == 3 else "ptd-p"
+
+
+def published_step_s(run: dict) -> float:
+    """The source's step time: given, its tokens per GPU per second, or its FLOPs per step over its FLOP/s."""
+    reported, m, b = run["reported"], run["model"], run["training"]["global_batch"]
+    if reported.get("step_time_s"):
+        return float(reported["step_time_s"])
+    if reported.get("tokens_per_s_per_gpu"):
+        return b * m["seq_len"] / (reported["tokens_per_s_per_gpu"] * run["hardware"]["gpus"])
+    s, l, h, v = m["seq_len"], m["layers"], m["hidden"], m["vocab"]
+    if run["id"].startswith("megatron-sc21"):  # eq. 3: forward, backward and recomputed forward
+        flops = 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+    else:  # model FLOPs: forward and backward only
+        flops = 72 * b * s * l * h**2 * (1 + s / (6 * h)) + 6 * b * s * h * v
+    return flops / (reported["tflops_per_gpu"] * 1e12 * run["hardware"]["gpus"])
+
+
+def pins(run: dict) -> dict[str, object]:
+    """What the source states about the run's strategy, as Strategy fields."""
+    return _stated_pins(run) if "framework" in run else _megatron_pins(run)
+
+
+def _stated_pins(run: dict) -> dict[str, object]:
+    """A row of ``fsdp_fp8_runs.yaml``: its ``parallel`` fields are written as Strategy fields already."""
+    par, training = run["parallel"], run["training"]
+    fixed: dict[str, object] = {"tp": par["tp"], "pp": par["pp"], "dp": par["dp"], "cp": par.get("cp") or 1}
+    if par.get("zero_stage") is not None:
+        fixed["zero"] = par["zero_stage"]
+    if training.get("micro_batch"):
+        fixed["micro_batch"] = training["micro_batch"]
+    recompute = par.get("recompute")
+    if recompute == "layer":  # every other block fully recomputed (torchtitan's selective layer, frequency 2)
+        fixed["block_recompute"] = tuple("full" if i % 2 == 0 else "none" for i in range(run["model"]["layers"]))
+    elif recompute:
+        fixed["recompute"] = recompute
+    if par.get("tp_overlap"):
+        fixed["tp_overlap"] = True
+    if par.get("schedule"):
+        fixed["schedule"] = par["schedule"]
+    if par.get("virtual_pipeline"):
+        fixed["schedule"], fixed["virtual_stages"] = "interleaved", par["virtual_pipeline"]
+    if framework_profile(run) is MEGATRON:
+        fixed["sp_regather"] = True  # Megatron-Core's sequence parallelism, should the planner turn it on
+    return fixed
+
+
+def _megatron_pins(run: dict) -> dict[str, object]:
+    """A row of ``published_runs.yaml`` (Megatron-LM, its own field names)."""
+    par, training = run["parallel"], run["training"]
+    fixed: dict[str, object] = {"tp": par["tp"], "pp": par["pp"], "dp": par["dp"]}
+    if par.get("zero_stage") is not None or run["id"].startswith("megatron-sc21"):
+        fixed["zero"] = par.get("zero_stage") or 0  # 2021 Megatron-LM had no distributed optimizer
+    if training.get("micro_batch"):
+        fixed["micro_batch"] = training["micro_batch"]
+    if isinstance(par.get("sequence_parallel"), bool):
+        fixed["sp"] = par["sequence_parallel"]
+    # Every run here trained with Megatron-LM, whose sequence parallelism keeps the input shards and
+    # all-gathers them again in the backward: its activation memory, not Tessera's runtime's.
+    fixed["sp_regather"] = True
+    if "--tp-comm-overlap" in str(run.get("notes", "")):  # the source says it overlapped TP communication
+        fixed["tp_overlap"] = True
+    recompute = str(par.get("recompute") or "")
+    if run["id"].startswith("megatron-sc21") or recompute.startswith("full"):
+        fixed["recompute"] = "full"  # SC'21 ran (and counted FLOPs) with full recomputation
+    elif recompute.startswith("selective"):
+        fixed["recompute"] = "selective"
+    virtual = par.get("virtual_pipeline")
+    if par["pp"] > 1:  # Megatron's default schedule is 1F1B unless the paper says interleaved
+        fixed["schedule"] = "interleaved" if virtual else "1f1b"
+        if isinstance(virtual, int):
+            fixed["virtual_stages"] = virtual
+    return fixed
+
+
+def runtime_only(strategy: Strategy) -> Strategy:
+    """``strategy`` with only what Tessera's runtime can also do (no TP overlap, its own sequence parallelism)."""
+    return strategy.model_copy(update={"tp_overlap": False, "sp_regather": False})

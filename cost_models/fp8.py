@@ -1,0 +1,58 @@
+"""FP8 training: which FLOPs run on the FP8 matrix units, what the scaling costs, what it keeps in memory.
+
+Every FP8 recipe in use (Transformer Engine, torchao float8, MXFP8; NVIDIA's FP8 primer, torchtitan's
+``docs/float8.md``) casts the inputs of the blocks' linears to FP8 and runs those matmuls at the FP8 peak; the
+attention cores (softmax(QK^T)V), norms, the embedding and the LM head stay in bf16. So a block's forward splits
+into FP8 matmul FLOPs (its measured FLOPs less its attention core, ``LayerStats.selective_recompute_flops``)
+and bf16 FLOPs (the attention core and the head), backward likewise (the attention core's backward is twice its
+forward, as FlopCounterMode counts it). The FP8 matmuls follow their own efficiency curve
+(``compute.Calibration.fp8_at``): FP8 GEMMs need larger tiles than bf16 ones to reach their peak.
+
+Scaling costs memory traffic: a cast reads the bf16 input and writes FP8 (1.5 bytes per 2-byte element), once
+forward and once backward for the output gradient. ``CAST_PASSES`` counts the passes per recipe: ``delayed``
+scaling knows its scale from the amax history (one pass: the cast, amax fused into it); ``current`` and
+``rowwise`` scaling need the amax of the tensor before the cast (two passes); ``block`` and ``mx`` compute
+each tile's scale inside the cast kernel (one pass). These pass counts are engineering assumptions from how
+the kernels are written, not fitted: no public rows compare the recipes on one model.
+
+The inputs of a block's linears are ``LINEAR_INPUT_SHARE`` of its saved activations: in Korthikanti et al.'s
+per-layer accounting (arXiv 2205.05198 Sec. 4.1, 34 sbh bytes) the QKV input (2 sbh), the projection input
+(2 sbh), the first MLP input (2 sbh) and the second MLP input (8 sbh).
+"""
+
+from __future__ import annotations
+
+from tessera.cost_models.partition import StageTotals
+from tessera.cost_models.types import TrainingConfig
+
+LINEAR_INPUT_SHARE = 14 / 34
+"""Share of a block's saved activations that are its linears' inputs (Korthikanti et al. Sec. 4.1)."""
+CAST_BYTES_PER_ELEMENT_BYTE = 1.5 / 2
+"""Bytes a cast moves per byte of its bf16 input: read 2, write 1, per 2 bytes of input."""
+CAST_PASSES = {"delayed": 1, "current": 2, "rowwise": 2, "block": 1, "mx": 1}
+"""Passes over each linear input per cast, by ``TrainingConfig.fp8_scaling`` (see the module docstring)."""
+
+
+def bf16_flops(stage: StageTotals) -> tuple[float, float]:
+    """(forward, backward) FLOPs per sequence that stay in bf16 under FP8: attention cores and the head."""
+    attention = stage.attention_core_flops
+    forward = min(stage.forward_flops, attention + stage.head_forward_flops)
+    backward = min(stage.backward_flops, 2 * attention + stage.head_backward_flops)
+    return forward, backward
+
+
+def cast_traffic_bytes(stage: StageTotals, training: TrainingConfig) -> float:
+    """Bytes the FP8 casts move per sequence and pass (forward, and again backward); 0 outside FP8."""
+    if training.precision != "fp8":
+        return 0.0
+    inputs = LINEAR_INPUT_SHARE * stage.activation_traffic_bytes
+    return CAST_PASSES[training.fp8_scaling] * CAST_BYTES_PER_ELEMENT_BYTE * inputs
+
+
+def saved_input_reduction_bytes(stage: StageTotals, training: TrainingConfig, *, saves_fp8_inputs: bool) -> float:
+    """Bytes per sequence an FP8 recipe that saves its linears' inputs in FP8 keeps less than bf16 would: half
+    of the inputs of the blocks not fully recomputed (a fully recomputed block saves only its input)."""
+    if training.precision != "fp8" or not saves_fp8_inputs or stage.blocks == 0:
+        return 0.0
+    kept = 1 - stage.full_recompute_blocks / stage.blocks
+    return 0.5 * LINEAR_INPUT_SHARE * stage.activation_traffic_bytes * kept
