@@ -1,0 +1,358 @@
+"""A plan as Megatron-LM command-line arguments, and Megatron-LM arguments read back into a ``Strategy``.
+
+The argument names, types and rules are Megatron-LM ``core_v0.14.0``'s (``megatron/training/arguments.py``:
+``_add_distributed_args``, ``_add_training_args``, ``validate_args``); :func:`megatron_parser` declares only the
+arguments Tessera reads, with those names and types. Megatron-LM derives ``dp = world / (tp * pp * cp)`` and
+carves expert parallelism out of it, as ``Strategy`` does.
+
+What the arguments express, and the nearest setting where they cannot:
+
+- ZeRO: stage 1 is ``--use-distributed-optimizer``; stages 2 and 3 are Megatron-FSDP
+  (``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads|optim_grads_params``).
+- Pipeline chunks: ``--num-virtual-stages-per-pipeline-rank V``; uneven chunks are a
+  ``--pipeline-model-parallel-layout`` (``E`` embedding, ``t`` a block, ``L`` the loss, ``|`` between chunks, chunk
+  ``c`` on pipeline rank ``c % pp``). Megatron-LM has no GPipe nor zero-bubble schedule: nearest is 1F1B.
+- Recomputation is one setting for every block: ``selective``, ``full`` (``uniform`` of 1 layer), or the first
+  ``k`` blocks of every chunk in full (``block`` method). A per-block mix that is none of these is rendered as the
+  ``block`` method with ``k`` = the most full blocks of any chunk (selective blocks then recompute nothing).
+- Sequence parallelism in Megatron-LM keeps each column-parallel input's shard and gathers it again in the
+  backward (``Strategy.sp_regather``): the strategy Megatron-LM runs carries it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import shlex
+
+from tessera.cost_models.types import MAX_BLOCKS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, Strategy
+from tessera.errors import ConfigError, NotModelledError
+from tessera.planner.frameworks.common import (
+    FrameworkExport, ImportedConfig, PlanLike, canonical, chunk_block_counts, chunk_policies, data_parallel,
+    expand_recompute, strategy_with, uniform_policy,
+)
+from tessera.topology.validation import MAX_DEVICES, quoted
+
+MEGATRON_VERSION = "core_v0.14.0"
+"""The Megatron-LM release whose argument names and rules this module follows."""
+SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+"""``--data-parallel-sharding-strategy`` (Megatron-FSDP) -> ZeRO stage."""
+MAX_LAYOUT_CHARS = 1 << 16
+"""Longest ``--pipeline-model-parallel-layout`` read, before and after its repetitions are expanded."""
+
+
+# ----------------------------------------------------------------------------------------- export
+
+
+def to_megatron_args(plan: PlanLike) -> FrameworkExport:
+    """The plan as Megatron-LM arguments (one shell line, each word quoted), a comment for every difference."""
+    s, t = plan.strategy, plan.training
+    chunks = chunk_block_counts(plan)
+    args = ["--tensor-model-parallel-size", s.tp, "--pipeline-model-parallel-size", s.pp]
+    args += ["--context-parallel-size", s.cp] * (s.cp > 1) + ["--expert-model-parallel-size", s.ep] * (s.ep > 1)
+    args += ["--sequence-parallel"] * s.sp + ["--tp-comm-overlap"] * s.tp_overlap
+    args += ["--num-layers", sum(chunks), "--seq-length", t.seq_len]
+    args += ["--micro-batch-size", s.micro_batch, "--global-batch-size", t.global_batch]
+    args += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[t.precision] + _zero_args(s.zero)
+    pipeline, notes, update = _pipeline_args(s, chunks)
+    recompute, recompute_notes, recompute_update = _recompute_args(plan, chunks)
+    runs = strategy_with(s, sp_regather=s.sp, **update, **recompute_update)
+    notes += recompute_notes
+    if s.sp and not s.sp_regather:
+        notes.append("Megatron-LM's sequence parallelism keeps each column-parallel input's shard and gathers it "
+                     "again in the backward (Tessera's runtime keeps the gathered input): the strategy it runs has sp_regather")
+    words = [str(word) for word in args + pipeline + recompute]
+    header = [f"# Megatron-LM ({MEGATRON_VERSION}) arguments for {plan.model_name} on {plan.cluster}: "
+              f"{s.to_string()}", "# (add your model, data and optimizer arguments; dp = world / (tp * pp * cp))"]
+    text = "\n".join(header + [f"# {note}" for note in notes] + [shell_lines(words)])
+    return FrameworkExport(framework="megatron", text=text, strategy=runs, notes=tuple(notes))
+
+
+def shell_lines(words: list[str]) -> str:
+    """The words shell-quoted, one flag and its values per line, lines joined by `` \\`` continuations."""
+    groups: list[list[str]] = []
+    for word in words:
+        if word.startswith("--") or not groups:
+            groups.append([])
+        groups[-1].append(word)
+    return " \\\n  ".join(shlex.join(group) for group in groups)
+
+
+def _zero_args(zero: int) -> list[str]:
+    if zero == 1:
+        return ["--use-distributed-optimizer"]
+    if zero >= 2:  # Megatron-FSDP, as docs/source/api-guide/custom_fsdp.md of the release sets it up
+        sharding = {2: "optim_grads", 3: "optim_grads_params"}[zero]
+        return ["--use-distributed-optimizer", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", sharding,
+                "--no-gradient-accumulation-fusion", "--ckpt-format", "fsdp_dtensor"]
+    return []
+
+
+def _pipeline_args(s: Strategy, chunks: list[int]) -> tuple[list[str], list[str], dict[str, object]]:
+    """(arguments, notes, strategy changes) of the pipeline schedule and chunk sizes."""
+    if s.pp == 1:
+        return [], [], {}
+    notes: list[str] = []
+    update: dict[str, object] = {}
+    if s.schedule in ("gpipe", "zero-bubble"):
+        notes.append(f"schedule {s.schedule}: Megatron-LM has no such schedule; nearest is 1F1B")
+        update["schedule"] = "1f1b"
+    elif s.schedule == "interleaved" and s.virtual_stages == 1:
+        notes.append("schedule interleaved with one chunk per rank: Megatron-LM runs that as 1F1B")
+        update["schedule"] = "1f1b"
+    if len(set(chunks)) > 1:
+        return ["--pipeline-model-parallel-layout", layout_string(chunks)], notes, update
+    return (["--num-virtual-stages-per-pipeline-rank", str(s.virtual_stages)] if s.virtual_stages > 1 else []), notes, update
+
+
+def layout_string(chunks: list[int]) -> str:
+    """``--pipeline-model-parallel-layout`` of chunks holding ``chunks`` blocks: ``Et*3|t*4|t*3L``."""
+    parts = [f"t*{count}" if count > 1 else "t" * count for count in chunks]
+    parts[0], parts[-1] = "E" + parts[0], parts[-1] + "L"
+    return "|".join(parts)
+
+
+def _recompute_args(plan: PlanLike, chunks: list[int]) -> tuple[list[str], list[str], dict[str, object]]:
+    """(arguments, notes, strategy changes) of the per-block recomputation."""
+    by_chunk = chunk_policies(plan)
+    policy = uniform_policy([p for chunk in by_chunk for p in chunk])
+    if policy == "none" or not chunks or not sum(chunks):
+        return [], [], {}
+    if policy == "selective":
+        return ["--recompute-granularity", "selective"], [], {}
+    if policy == "full":
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], [], {}
+    first = max(chunk.count("full") for chunk in by_chunk)
+    runs = expand_recompute(chunks, first)
+    notes = []
+    if tuple(p for chunk in by_chunk for p in chunk) != runs:
+        mix = ", ".join(f"{p} on {sum(c.count(p) for c in by_chunk)}" for p in ("full", "selective", "none")
+                        if any(p in c for c in by_chunk))
+        nearest = f"full on the first {first} blocks of each chunk" if first else "selective on every block"
+        notes.append(f"recompute per block ({mix} blocks): Megatron-LM recomputes the same first blocks of every "
+                     f"chunk, or selectively every block; nearest is {nearest}")
+    if first == 0:  # selective and none only: Megatron-LM cannot mix them; selective everywhere is the leaner
+        return ["--recompute-granularity", "selective"], notes, {"recompute": "selective", "block_recompute": ()}
+    args = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(first)]
+    return args, notes, {"recompute": "none", "block_recompute": runs}
+
+
+# ----------------------------------------------------------------------------------------- import
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one ``ConfigError`` line instead of a usage message and an exit."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        raise ConfigError(f"bad Megatron-LM arguments: {message}; fix that value")
+
+
+def _count(low: int, high: int):
+    def parse(text: str) -> int:
+        value = int(text) if text.strip().lstrip("-").isdigit() and len(text) <= 18 else None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected a whole number from {low:,} to {high:,}, got {quoted(text)}")
+        return value
+    return parse
+
+
+def megatron_parser() -> argparse.ArgumentParser:
+    """The Megatron-LM arguments Tessera reads, named and typed as in ``core_v0.14.0`` (``allow_abbrev=False``, as
+    Megatron-LM's own parser); anything else is left over and listed."""
+    parser = _Parser(prog="megatron", add_help=False, allow_abbrev=False)
+    degree, blocks = _count(1, MAX_DEVICES), _count(1, MAX_BLOCKS)
+    for name in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+                 "--expert-model-parallel-size"):
+        parser.add_argument(name, type=degree, default=1)
+    parser.add_argument("--expert-tensor-parallel-size", type=degree, default=None)
+    for name in ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank", "--num-layers",
+                 "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+        parser.add_argument(name, type=blocks, default=None)
+    parser.add_argument("--recompute-num-layers", type=_count(0, MAX_BLOCKS), default=None)
+    parser.add_argument("--pipeline-model-parallel-layout", type=str, default=None)
+    parser.add_argument("--micro-batch-size", type=_count(1, MAX_GLOBAL_BATCH), default=None)
+    parser.add_argument("--global-batch-size", type=_count(1, MAX_GLOBAL_BATCH), default=None)
+    parser.add_argument("--seq-length", type=_count(1, MAX_SEQ_LEN), default=None)
+    parser.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    parser.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    parser.add_argument("--data-parallel-sharding-strategy", choices=tuple(SHARDING), default="no_shard")
+    parser.add_argument("--ckpt-format", type=str, default="torch_dist")
+    parser.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
+    for flag in ("--sequence-parallel", "--tp-comm-overlap", "--use-distributed-optimizer", "--use-megatron-fsdp",
+                 "--use-custom-fsdp", "--use-torch-fsdp2", "--recompute-activations", "--bf16", "--fp16"):
+        parser.add_argument(flag, action="store_true")
+    return parser
+
+
+def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
+    """Read a Megatron-LM command line (``pretrain_gpt.py --tensor-model-parallel-size 8 ...``; the words after
+    the last ``*.py``, else all of them) for a run on ``world_size`` devices. A bad value raises one
+    ``ConfigError`` naming the flag; what Megatron-LM runs that the cost model has no term for, ``NotModelledError``."""
+    parser = megatron_parser()
+    words = _argument_words(text)
+    args, rest = parser.parse_known_args(words)
+    unread = _unread(rest, parser)
+    tp, pp, cp, ep = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,
+                      args.expert_model_parallel_size)
+    dp = data_parallel(world_size, inner=tp * pp * cp, framework="megatron",
+                       inner_names="--tensor-model-parallel-size x --pipeline-model-parallel-size x --context-parallel-size")
+    _check_experts(args, dp=dp, tp=tp)
+    if args.micro_batch_size is None:
+        raise ConfigError("Megatron-LM arguments: --micro-batch-size is required (Megatron-LM asserts it); add it")
+    chunks, virtual = _chunks(args, pp=pp)
+    recompute, block_recompute, notes = _recompute(args, chunks=chunks, pp=pp, virtual=virtual)
+    strategy = Strategy(
+        dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=_zero(args), micro_batch=args.micro_batch_size, recompute=recompute,
+        block_recompute=block_recompute, sp=args.sequence_parallel and tp > 1, sp_regather=args.sequence_parallel and tp > 1,
+        tp_overlap=args.tp_comm_overlap and tp > 1, schedule="interleaved" if virtual > 1 else "1f1b",
+        virtual_stages=virtual, chunk_blocks=tuple(chunks) if len(set(chunks)) > 1 else (),
+    )
+    return ImportedConfig(
+        framework="megatron", strategy=canonical(strategy), global_batch=args.global_batch_size or args.micro_batch_size * dp,
+        seq_len=args.seq_length, precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        unread=tuple(unread), notes=tuple(notes),
+    )
+
+
+def _argument_words(text: str) -> list[str]:
+    try:
+        words = shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as exc:
+        raise ConfigError(f"bad Megatron-LM arguments: {exc} (check the quotes)") from None
+    scripts = [i for i, word in enumerate(words) if word.endswith(".py")]
+    return words[scripts[-1] + 1:] if scripts else words
+
+
+def _unread(rest: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """The leftover words grouped by flag (``--lr 1e-4``); a flag one typo away from one Tessera reads is refused."""
+    known = [option for action in parser._actions for option in action.option_strings]
+    groups: list[str] = []
+    for word in rest:
+        flag = word.partition("=")[0]
+        if word.startswith("--"):
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.9)
+            if close:
+                raise ConfigError(f"bad Megatron-LM argument {quoted(flag)}: did you mean {close[0]}?")
+            groups.append(word)
+        elif groups:
+            groups[-1] += f" {word}"
+        else:
+            groups.append(word)
+    return groups
+
+
+def _check_experts(args: argparse.Namespace, *, dp: int, tp: int) -> None:
+    ep = args.expert_model_parallel_size
+    if dp % ep:
+        raise NotModelledError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp}: "
+                               "Megatron-LM may span context-parallel ranks with experts, Tessera's cost model carves "
+                               "expert parallelism out of dp only; pick an ep that divides dp")
+    if args.expert_tensor_parallel_size not in (None, tp):
+        raise NotModelledError(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} differs from "
+                               f"--tensor-model-parallel-size {tp}: Tessera's cost model splits experts by tp; drop it")
+
+
+def _zero(args: argparse.Namespace) -> int:
+    if args.use_torch_fsdp2:
+        return 3
+    if args.use_megatron_fsdp or args.use_custom_fsdp:
+        return max(SHARDING[args.data_parallel_sharding_strategy], int(args.use_distributed_optimizer))
+    return int(args.use_distributed_optimizer)
+
+
+def _chunks(args: argparse.Namespace, *, pp: int) -> tuple[list[int], int]:
+    """(blocks per pipeline chunk, chunks per rank); an empty list when the layer count is not given."""
+    chosen = [name for name in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                                "pipeline_model_parallel_layout") if getattr(args, name) is not None]
+    if len(chosen) > 1:
+        raise ConfigError("Megatron-LM arguments: give one of --num-layers-per-virtual-pipeline-stage, "
+                          "--num-virtual-stages-per-pipeline-rank, --pipeline-model-parallel-layout (Megatron-LM asserts it)")
+    layers = args.num_layers
+    if args.pipeline_model_parallel_layout is not None:
+        chunks = parse_layout(args.pipeline_model_parallel_layout, pp=pp)
+        if layers is not None and sum(chunks) != layers:
+            raise ConfigError(f"--pipeline-model-parallel-layout places {sum(chunks)} layers but --num-layers is "
+                              f"{layers}; make them agree")
+        return chunks, len(chunks) // pp
+    virtual = args.num_virtual_stages_per_pipeline_rank or 1
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = _need_layers(layers, "--num-layers-per-virtual-pipeline-stage") / pp
+        virtual = per_stage / args.num_layers_per_virtual_pipeline_stage
+        if not virtual.is_integer():
+            raise ConfigError(f"--num-layers {layers} over --pipeline-model-parallel-size {pp} is not a multiple of "
+                              f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}")
+        virtual = int(virtual)
+    if pp == 1:
+        return ([layers] if layers else []), 1
+    return _even_chunks(args, layers=layers, pp=pp, virtual=virtual), virtual
+
+
+def _even_chunks(args: argparse.Namespace, *, layers: int | None, pp: int, virtual: int) -> list[int]:
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if layers is None:
+        if first is not None or last is not None:
+            _need_layers(None, "--decoder-first/last-pipeline-num-layers")
+        return []
+    if first is None and last is None:
+        if layers % (pp * virtual):
+            raise ConfigError(f"--num-layers {layers} is not divisible by pp x virtual stages = {pp * virtual}; give "
+                              "a --pipeline-model-parallel-layout for an uneven split")
+        return [layers // (pp * virtual)] * (pp * virtual)
+    if virtual > 1:
+        raise NotModelledError("--decoder-first/last-pipeline-num-layers with virtual stages: Tessera reads uneven "
+                               "interleaved stages from --pipeline-model-parallel-layout; write the layout instead")
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle = layers - (first or 0) - (last or 0)
+    if middle < 0 or (middle_stages and middle % middle_stages) or (not middle_stages and middle):
+        raise ConfigError(f"--decoder-first/last-pipeline-num-layers leave {middle} of --num-layers {layers} for "
+                          f"{middle_stages} middle stage(s), not an even split; fix the layer counts")
+    even = middle // middle_stages if middle_stages else 0
+    return [first if first is not None else even] + [even] * (pp - 2) + [last if last is not None else even]
+
+
+def _need_layers(layers: int | None, flag: str) -> int:
+    if layers is None:
+        raise ConfigError(f"{flag} needs --num-layers to place the layers; add --num-layers N")
+    return layers
+
+
+def parse_layout(layout: str, *, pp: int) -> list[int]:
+    """Blocks per chunk of a ``--pipeline-model-parallel-layout`` (Megatron-LM's grammar: ``(...)*n`` and ``x*n``
+    repeat, ``,`` is cosmetic, ``|`` separates chunks; ``E`` must open it and ``L`` close it)."""
+    text = layout.replace(",", "")
+    for pattern in (r"\(([^()]+)\)\*(\d{1,6})", r"(.)\*(\d{1,6})"):
+        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
+        if len(text) > MAX_LAYOUT_CHARS:
+            raise ConfigError(f"--pipeline-model-parallel-layout {quoted(layout)} expands past {MAX_LAYOUT_CHARS:,} "
+                              "characters; check the repetitions")
+    chunks = text.split("|")
+    bad = set(text) - set("EtL|")
+    if bad or not text.startswith("E") or not text.endswith("L") or text.count("E") != 1 or text.count("L") != 1:
+        what = f"has {sorted(bad)} (Tessera reads E, t, L)" if bad else "must start with E and end with L, once each"
+        raise ConfigError(f"--pipeline-model-parallel-layout {quoted(layout)} {what}")
+    if len(chunks) % pp:
+        raise ConfigError(f"--pipeline-model-parallel-layout {quoted(layout)} has {len(chunks)} chunks, not a multiple of "
+                          f"--pipeline-model-parallel-size {pp}")
+    return [chunk.count("t") for chunk in chunks]
+
+
+def _recompute(args: argparse.Namespace, *, chunks: list[int], pp: int, virtual: int
+               ) -> tuple[str, tuple[str, ...], list[str]]:
+    """(recompute, block_recompute, notes) of the recomputation arguments."""
+    granularity = args.recompute_granularity or ("selective" if args.recompute_activations else None)
+    if granularity is None:
+        return "none", (), []
+    if granularity == "selective":
+        return "selective", (), []
+    if args.recompute_method is None or args.recompute_num_layers is None:
+        raise ConfigError("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                          "--recompute-num-layers N (Megatron-LM asserts them)")
+    if args.recompute_method == "uniform":
+        notes = [] if args.recompute_num_layers == 1 else [
+            f"--recompute-method uniform --recompute-num-layers {args.recompute_num_layers}: recomputes every layer "
+            "from checkpoints every few layers; evaluated as full recomputation of every block"]
+        return "full", (), notes
+    if not chunks:
+        _need_layers(None, "--recompute-method block")
+    return "none", expand_recompute(chunks, args.recompute_num_layers), []

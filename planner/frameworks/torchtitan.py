@@ -1,0 +1,281 @@
+"""A plan as torchtitan 0.3 configuration, and a torchtitan configuration read back into a ``Strategy``.
+
+torchtitan 0.3 configures a run in Python (a ``config_registry`` function returning ``Trainer.Config``; its
+command-line surface is frozen), so the export is a function that sets the ``parallelism``, ``training``,
+``activation_checkpoint`` (and for async TP ``compile``) fields Tessera decided on the user's ``Trainer.Config``.
+Field names, defaults and rules are torchtitan 0.3.0's (``torchtitan/config/configs.py``,
+``torchtitan/distributed/parallel_dims.py``, ``torchtitan/distributed/activation_checkpoint.py``).
+
+What the fields express, and the nearest setting where they cannot:
+
+- ZeRO-3 is FSDP (``data_parallel_shard_degree = dp``), ZeRO-0 is DDP (``data_parallel_replicate_degree = dp``).
+  ZeRO-2 is FSDP that keeps parameters gathered after the forward (``fsdp_reshard_after_forward = "never"``:
+  full parameters through the step, sharded gradients and optimizer state); ZeRO-1 has no counterpart (nearest:
+  that ZeRO-2). With context parallelism torchtitan always shards over ``dp_shard * cp`` (ZeRO-3 at least).
+  Expert parallelism borrows FSDP ranks, so ep needs a sharded data-parallel axis (nearest: ZeRO-3).
+- Pipeline chunks are ``module_fqns_per_model_part`` (the planned model's module names, chunk ``c`` on rank
+  ``c % pp``); schedules ``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``InterleavedZeroBubble``. All of a data-parallel
+  rank's micro-batches run in one schedule: ``local_batch_size = global / dp``.
+- Activation checkpointing is one policy for every block: ``FullAC``, ``SelectiveAC`` (per-op: saves
+  compute-intensive ops, recomputes the rest; Tessera models selective as the attention core recomputed) or None.
+  A per-block mix is rendered as full if any block is full, else selective.
+- Precision: ``mixed_precision_param`` is bfloat16 or float32 (fp16 has no setting: nearest bf16).
+"""
+
+from __future__ import annotations
+
+import re
+
+from tessera.cost_models.types import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, Strategy
+from tessera.errors import ConfigError, NotModelledError
+from tessera.planner.frameworks.common import (
+    FrameworkExport, ImportedConfig, PlanLike, block_policies, canonical, strategy_with, uniform_policy, whole,
+)
+from tessera.planner.frameworks.torchtitan_source import read_torchtitan
+from tessera.topology.validation import quoted
+
+TORCHTITAN_VERSION = "0.3.0"
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zero-bubble": "InterleavedZeroBubble"}
+"""Tessera schedule -> torchtitan ``pipeline_parallel_schedule`` (the torch.distributed.pipelining class names)."""
+AC_CONFIG = {"full": "FullAC.Config()", "selective": "SelectiveAC.Config()", "none": "None"}
+PRECISION = {"bf16": "bfloat16", "fp32": "float32"}
+DEFAULTS = {
+    "parallelism": {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1,
+                    "fsdp_reshard_after_forward": "default", "tensor_parallel_degree": 1, "enable_sequence_parallel": True,
+                    "pipeline_parallel_degree": 1, "pipeline_parallel_schedule": "1F1B",
+                    "pipeline_parallel_microbatch_size": 1, "module_fqns_per_model_part": None,
+                    "context_parallel_degree": 1, "expert_parallel_degree": 1},
+    "training": {"local_batch_size": 8, "global_batch_size": -1, "seq_len": 2048, "mixed_precision_param": "bfloat16",
+                 "dtype": "float32", "enable_cpu_offload": False},
+    "compile": {"enable": False, "enable_async_tensor_parallel": False},
+}
+"""torchtitan 0.3.0's defaults of the fields Tessera reads (``ParallelismConfig``, ``TrainingConfig``, ``CompileConfig``)."""
+BLOCK_FQN = re.compile(r".*\.\d+")
+"""A repeated block in ``module_fqns_per_model_part``: a child of a module list (``layers.3``)."""
+
+
+# ----------------------------------------------------------------------------------------- export
+
+
+def to_torchtitan(plan: PlanLike) -> FrameworkExport:
+    """The plan as a torchtitan ``Trainer.Config`` edit (Python), a comment for every difference."""
+    s, t = plan.strategy, plan.training
+    notes: list[str] = []
+    update = _sharding(s, notes)
+    policy = _policy(plan, notes)
+    precision = t.precision
+    if precision == "fp16":
+        notes.append("fp16: torchtitan's mixed precision is bfloat16 or float32; nearest is bfloat16 (Tessera's "
+                     "estimate is the same for both 16-bit types)")
+        precision = "bf16"
+    fields = _parallelism_fields(plan, zero=update["zero"])
+    training = {"local_batch_size": t.global_batch // s.dp if s.pp > 1 else s.micro_batch,
+                "global_batch_size": t.global_batch, "seq_len": t.seq_len, "mixed_precision_param": PRECISION[precision]}
+    lines = [f"    config.parallelism.{k} = {v!r}" for k, v in fields.items() if k != "module_fqns_per_model_part"]
+    if "module_fqns_per_model_part" in fields:
+        parts = "".join(f"        {part!r},\n" for part in fields["module_fqns_per_model_part"])
+        lines.append(f"    config.parallelism.module_fqns_per_model_part = [\n{parts}    ]")
+    lines += [f"    config.training.{k} = {v!r}" for k, v in training.items()]
+    if s.tp_overlap:
+        lines += ["    config.compile.enable = True", "    config.compile.enable_async_tensor_parallel = True"]
+    lines.append(f"    config.activation_checkpoint = {AC_CONFIG[policy]}")
+    ac_import = {"full": "FullAC", "selective": "SelectiveAC"}.get(policy)
+    text = "\n".join([
+        f"# torchtitan {TORCHTITAN_VERSION} configuration for {plan.model_name} on {plan.cluster}: {s.to_string()}",
+        "# Call apply_tessera_plan(config) on the Trainer.Config your config_registry function returns: it sets only",
+        "# the fields Tessera decided. Pipeline chunks name the planned model's modules.",
+        *(f"# {note}" for note in notes),
+        *([f"from torchtitan.distributed.activation_checkpoint import {ac_import}", ""] if ac_import else []),
+        "", "def apply_tessera_plan(config):", *lines, "    return config", "",
+    ])
+    runs = strategy_with(s, **update, **_policy_update(plan, policy))
+    return FrameworkExport(framework="torchtitan", text=text, strategy=runs, notes=tuple(notes))
+
+
+def _sharding(s: Strategy, notes: list[str]) -> dict[str, object]:
+    """The ZeRO stage torchtitan runs for ``s`` (see the module docstring), with a note where it differs."""
+    zero = s.zero
+    if s.dp * s.cp == 1:
+        if zero:
+            notes.append(f"zero={zero} on one data-parallel rank: nothing to shard; torchtitan runs it unsharded")
+        return {"zero": 0}
+    if s.cp > 1 and zero < 3:
+        notes.append(f"zero={zero} with cp={s.cp}: torchtitan shards parameters over dp x cp (FSDP); nearest is ZeRO-3")
+        zero = 3
+    elif s.ep > 1 and zero == 0:
+        notes.append("zero=0 with expert parallelism: torchtitan's experts borrow FSDP ranks; nearest is ZeRO-3")
+        zero = 3
+    elif zero == 1:
+        notes.append("zero=1: torchtitan has no ZeRO-1; nearest is FSDP without resharding after the forward (ZeRO-2)")
+        zero = 2
+    return {"zero": zero}
+
+
+def _parallelism_fields(plan: PlanLike, *, zero: int) -> dict[str, object]:
+    s = plan.strategy
+    fields: dict[str, object] = {
+        "data_parallel_replicate_degree": s.dp if zero == 0 else 1,
+        "data_parallel_shard_degree": s.dp if zero else 1,
+        "fsdp_reshard_after_forward": "never" if zero == 2 else "default",
+        "tensor_parallel_degree": s.tp, "enable_sequence_parallel": s.sp and s.tp > 1,
+        "pipeline_parallel_degree": s.pp, "context_parallel_degree": s.cp, "expert_parallel_degree": s.ep,
+    }
+    if s.pp > 1:
+        fields["pipeline_parallel_schedule"] = SCHEDULES[s.schedule]
+        fields["pipeline_parallel_microbatch_size"] = s.micro_batch
+        chunks = max(layer.chunk for layer in plan.layers) + 1
+        fields["module_fqns_per_model_part"] = [
+            [layer.fqn for layer in plan.layers if layer.chunk == c and layer.kind != "loss"] for c in range(chunks)]
+    return fields
+
+
+def _policy(plan: PlanLike, notes: list[str]) -> str:
+    policies = block_policies(plan)
+    policy = uniform_policy(policies) or plan.strategy.recompute
+    if uniform_policy(policies) is None and policies:
+        policy = "full" if "full" in policies else "selective"
+        counts = ", ".join(f"{p} on {policies.count(p)}" for p in ("full", "selective", "none") if p in policies)
+        notes.append(f"recompute per block ({counts} blocks): torchtitan applies one policy to every block; nearest "
+                     f"is {policy} on every block")
+    if policy == "selective":
+        notes.append("SelectiveAC is torchtitan's per-op policy (saves compute-intensive ops); Tessera estimates "
+                     "selective recomputation as the attention core recomputed")
+    return policy
+
+
+def _policy_update(plan: PlanLike, policy: str) -> dict[str, object]:
+    return {"recompute": policy, "block_recompute": ()} if uniform_policy(block_policies(plan)) != policy else {}
+
+
+# ----------------------------------------------------------------------------------------- import
+
+
+def from_torchtitan(source: str, *, world_size: int) -> ImportedConfig:
+    """Read a torchtitan configuration (``FILE.py[:function]``, ``FILE.json``, ``FILE.toml``; nothing in it runs) for
+    a run on ``world_size`` devices. A bad value raises one ``ConfigError`` naming the field."""
+    sections, unread = read_torchtitan(source)
+    fields = {name: DEFAULTS[name] | dict(sections.get(name) or {}) for name in DEFAULTS}
+    unread += [f"{name}.{key}={value!r}" for name in DEFAULTS for key, value in (sections.get(name) or {}).items()
+               if key not in DEFAULTS[name]]
+    par, train = fields["parallelism"], fields["training"]
+    notes: list[str] = []
+    tp, pp, cp, ep = (_degree(par, key) for key in ("tensor_parallel_degree", "pipeline_parallel_degree",
+                                                    "context_parallel_degree", "expert_parallel_degree"))
+    replicate, shard = _data_parallel(par, world_size=world_size, inner=tp * pp * cp)
+    dp = replicate * shard
+    _refuse_unmodelled(train, par, fields["compile"], dp=dp, ep=ep)
+    local = whole(train["local_batch_size"], name="training.local_batch_size", framework="torchtitan",
+                  at_most=MAX_GLOBAL_BATCH)
+    global_batch = train["global_batch_size"]
+    global_batch = local * dp if global_batch == -1 else whole(global_batch, name="training.global_batch_size",
+                                                               framework="torchtitan", at_most=MAX_GLOBAL_BATCH)
+    schedule, virtual, chunks, micro_batch = _pipeline(par, pp=pp, local=local, notes=notes)
+    if pp > 1 and global_batch // (local * dp) > 1:
+        notes.append(f"gradient accumulation over {global_batch // (local * dp)} pipeline schedules: evaluated as one "
+                     "schedule of all the step's micro-batches (fewer bubbles than torchtitan runs)")
+    if replicate > 1 and shard > 1:
+        notes.append(f"HSDP ({replicate} replicas x {shard} shards): evaluated as ZeRO-3 over all {dp} ranks")
+    policy = _read_policy(sections.get("activation_checkpoint", "selective"))
+    strategy = Strategy(
+        dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=_zero(par, shard=shard, cp=cp), micro_batch=micro_batch or local,
+        recompute=policy, sp=bool(par["enable_sequence_parallel"]) and tp > 1,
+        tp_overlap=bool(fields["compile"]["enable_async_tensor_parallel"]) and tp > 1, schedule=schedule,
+        virtual_stages=virtual, chunk_blocks=chunks,
+    )
+    precision = {"bfloat16": "bf16", "float32": "fp32"}.get(train["mixed_precision_param"])
+    if precision is None:
+        raise ConfigError(f"bad torchtitan setting training.mixed_precision_param {quoted(train['mixed_precision_param'])}"
+                          ": use bfloat16 or float32")
+    seq_len = whole(train["seq_len"], name="training.seq_len", framework="torchtitan", at_most=MAX_SEQ_LEN)
+    return ImportedConfig(framework="torchtitan", strategy=canonical(strategy), global_batch=global_batch,
+                          seq_len=seq_len, precision=precision, unread=tuple(unread), notes=tuple(notes))
+
+
+def _degree(par: dict, key: str) -> int:
+    return whole(par[key], name=f"parallelism.{key}", framework="torchtitan")
+
+
+def _data_parallel(par: dict, *, world_size: int, inner: int) -> tuple[int, int]:
+    """(replicate, shard) degrees; a shard degree of -1 takes the ranks left over, as ``ParallelDims`` does."""
+    replicate = _degree(par, "data_parallel_replicate_degree")
+    shard = par["data_parallel_shard_degree"]
+    if shard == -1:
+        shard = world_size // (replicate * inner) if world_size % (replicate * inner) == 0 else 0
+    shard = whole(shard, name="parallelism.data_parallel_shard_degree (after -1 takes the ranks left)",
+                  framework="torchtitan")
+    if replicate * shard * inner != world_size:
+        raise ConfigError(f"torchtitan: dp_replicate {replicate} x dp_shard {shard} x cp x tp x pp {inner} != the "
+                          f"cluster's {world_size} devices (ParallelDims refuses it); fix the degrees or --cluster")
+    return replicate, shard
+
+
+def _refuse_unmodelled(train: dict, par: dict, compile_: dict, *, dp: int, ep: int) -> None:
+    if train["enable_cpu_offload"]:
+        raise NotModelledError("training.enable_cpu_offload: Tessera's cost model has no CPU offload; set it False "
+                               "to evaluate the GPU-resident run")
+    if train["dtype"] != "float32":
+        raise NotModelledError(f"training.dtype {quoted(train['dtype'])}: Tessera models mixed precision with fp32 "
+                               "master weights; set training.dtype float32")
+    if dp % ep:
+        raise NotModelledError(f"parallelism.expert_parallel_degree {ep} does not divide the data-parallel degree "
+                               f"{dp}: torchtitan may borrow tensor/context-parallel ranks for experts, Tessera "
+                               "carves ep out of dp only")
+    if compile_["enable_async_tensor_parallel"] and not compile_["enable"]:
+        raise ConfigError("torchtitan: compile.enable_async_tensor_parallel needs compile.enable (torchtitan refuses it)")
+
+
+def _pipeline(par: dict, *, pp: int, local: int, notes: list[str]) -> tuple[str, int, tuple[int, ...], int | None]:
+    """(schedule, chunks per rank, blocks per chunk, micro-batch) of the pipeline fields."""
+    if pp == 1:
+        return "1f1b", 1, (), None
+    names = {v: k for k, v in SCHEDULES.items()}
+    name = par["pipeline_parallel_schedule"]
+    if name not in names:
+        raise NotModelledError(f"parallelism.pipeline_parallel_schedule {quoted(name)}: Tessera models "
+                               f"{', '.join(names)}; pick one of them")
+    micro = whole(par["pipeline_parallel_microbatch_size"], name="parallelism.pipeline_parallel_microbatch_size",
+                  framework="torchtitan", at_most=MAX_GLOBAL_BATCH)
+    if local % micro:
+        raise ConfigError(f"torchtitan: training.local_batch_size {local} is not divisible by "
+                          f"parallelism.pipeline_parallel_microbatch_size {micro} (Trainer.Config refuses it)")
+    parts = par["module_fqns_per_model_part"]
+    if parts is None:
+        if names[name] == "interleaved":
+            raise ConfigError("torchtitan: Interleaved1F1B without module_fqns_per_model_part; Tessera reads the chunks "
+                              "from it (the layer count is in the model, not the config)")
+        notes.append("no module_fqns_per_model_part: evaluated with Tessera's even split of the blocks")
+        return names[name], 1, (), micro
+    counts = _part_blocks(parts, pp=pp)
+    virtual = len(counts) // pp
+    if names[name] != "interleaved" and virtual > 1:
+        raise NotModelledError(f"{name} with {virtual} chunks per rank: Tessera models several chunks per rank "
+                               "with Interleaved1F1B only")
+    return names[name], virtual, tuple(counts) if len(set(counts)) > 1 else (), micro
+
+
+def _part_blocks(parts: object, *, pp: int) -> list[int]:
+    if not isinstance(parts, list) or not all(isinstance(p, list) and all(isinstance(f, str) for f in p) for p in parts):
+        raise ConfigError(f"bad torchtitan setting parallelism.module_fqns_per_model_part {quoted(parts)}: expected a "
+                          "list of lists of module names")
+    if not parts or len(parts) % pp:
+        raise ConfigError(f"parallelism.module_fqns_per_model_part has {len(parts)} parts, not a multiple of "
+                          f"pipeline_parallel_degree {pp}; give pp x chunks-per-rank parts")
+    return [sum(bool(BLOCK_FQN.fullmatch(fqn)) for fqn in part) for part in parts]
+
+
+def _zero(par: dict, *, shard: int, cp: int) -> int:
+    reshard = par["fsdp_reshard_after_forward"]
+    if reshard not in ("default", "always", "never"):
+        raise ConfigError(f"bad torchtitan setting parallelism.fsdp_reshard_after_forward {quoted(reshard)}: use "
+                          "default, always or never")
+    if shard * cp == 1:
+        return 0
+    return 2 if reshard == "never" else 3
+
+
+def _read_policy(policy: object) -> str:
+    if policy == "memory-budget":
+        raise NotModelledError("activation_checkpoint MemoryBudgetAC: Tessera models none, selective and full "
+                               "recomputation; use FullAC or SelectiveAC")
+    return str(policy)
+
