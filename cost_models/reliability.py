@@ -175,3 +175,148 @@ def reliability_estimate(
         mtbf_s=mtbf_s, checkpoint=cost, restart_s=restart, interval_s=interval, optimal_interval_s=optimum,
         blocking_s=blocking, checkpoint_fraction=checkpoint_share, failure_fraction=failure_share,
     )
+
+
+# ------------------------------------------------------------------------------------------------ in-memory snapshots
+# ``runtime.snapshots``: every ``k`` steps each device's shard is copied to host memory (blocking: the staging copy)
+# and sent to a buddy node (overlapped with training). A failure of one node then costs the relaunch, fetching
+# its shards back from the buddy, and on average half a snapshot period of rework; only a failure that also takes
+# the buddy (probability ``p``) falls back to the disk checkpoint, so the disk interval is Daly's for an MTBF of
+# ``M / p``. ``k`` minimises the snapshot share plus the failure share, as Young's interval does for disk.
+
+INFINIBAND_NDR_BYTES_PER_S = 400e9 / 8
+"""One InfiniBand NDR port: 400 Gb/s (InfiniBand Trade Association roadmap); a node's snapshot to its buddy
+crosses at least one such link."""
+SNAPSHOT_KEEP = 2
+"""Committed snapshots each store keeps (``runtime.snapshots.SnapshotConfig.keep``)."""
+
+
+class SnapshotCost(BaseModel):
+    """What one in-memory snapshot costs and holds."""
+
+    model_config = FROZEN
+
+    node_bytes: float = Field(ge=0)
+    """One snapshot of one node's shards (its devices' share of parameters and AdamW state)."""
+    host_bytes_per_node: float = Field(ge=0)
+    """Host memory a node needs: ``keep + 1`` copies of its own and its buddy's shards, plus the staging copy."""
+    staging_time_s: float = Field(ge=0)
+    """Copy of a device's shard to host memory: what training waits for."""
+    replicate_time_s: float = Field(ge=0)
+    """Sending the node's shards to its buddy (overlapped with the next steps); 0 without a buddy."""
+    recovery_time_s: float = Field(ge=0)
+    """Fetching a lost node's shards back from its buddy and copying them to the devices."""
+    has_buddy: bool
+    """Whether there is another node to copy to (one node: snapshots survive process failures only)."""
+
+
+def snapshot_cost(
+    param_count: int, *, num_devices: int, devices_per_node: int, staging_bytes_per_s: float = PCIE5_X16_BYTES_PER_S,
+    network_bytes_per_s_per_node: float = INFINIBAND_NDR_BYTES_PER_S, keep: int = SNAPSHOT_KEEP,
+) -> SnapshotCost:
+    """Bytes, memory and times of one snapshot of a ``param_count``-parameter model trained with AdamW."""
+    per_device = param_count * CHECKPOINT_BYTES_PER_PARAM / num_devices
+    node = per_device * min(devices_per_node, num_devices)
+    has_buddy = num_devices > devices_per_node
+    replicate = node / network_bytes_per_s_per_node if has_buddy else 0.0
+    staging = per_device / staging_bytes_per_s
+    return SnapshotCost(
+        node_bytes=node, host_bytes_per_node=(keep + 1) * node * (2 if has_buddy else 1) + node,
+        staging_time_s=staging, replicate_time_s=replicate, recovery_time_s=replicate + staging, has_buddy=has_buddy,
+    )
+
+
+class SnapshotEstimate(BaseModel):
+    """Time lost to failures with in-memory snapshots (every ``every_steps``) and disk as the second line, against
+    disk checkpoints alone."""
+
+    model_config = FROZEN
+
+    every_steps: int = Field(ge=1)
+    """Snapshot interval ``k`` in steps (chosen to minimise the waste unless given)."""
+    step_time_s: float = Field(gt=0)
+    """Training step time."""
+    snapshot: SnapshotCost
+    """Cost of one snapshot."""
+    blocking_s: float = Field(ge=0)
+    """Training time each snapshot blocks: the staging copy, plus any replication the interval cannot hide."""
+    buddy_loss_probability: float = Field(ge=0, le=1)
+    """Chance that a failure also loses the buddy's copy (or there is no buddy): then the disk checkpoint is used."""
+    lost_per_failure_s: float = Field(ge=0)
+    """Expected time one failure costs with snapshots (restart + rework; the disk's share weighted by its chance)."""
+    disk_only: ReliabilityEstimate
+    """Disk checkpoints alone (the interval asked for, or Daly's)."""
+    disk_second_line: ReliabilityEstimate
+    """Disk checkpoints beside snapshots: Daly's interval for the failures snapshots cannot recover."""
+    waste_fraction: float = Field(ge=0, le=1)
+    """Share of wall time that makes no progress with snapshots (snapshots, disk saves, failures)."""
+
+    @property
+    def disk_only_lost_per_failure_s(self) -> float:
+        """Expected time one failure costs with disk checkpoints alone."""
+        return self.disk_only.failure_fraction * self.disk_only.mtbf_s
+
+    def summary(self) -> str:
+        """Plain-text lines for ``tessera plan --mtbf-hours`` (after the disk-only lines)."""
+        s, gb = self.snapshot, 1e9
+        buddy = (f"copied to a buddy node in {s.replicate_time_s:,.2f} s (overlapped)" if s.has_buddy
+                 else "one node: no buddy, survive process failures only")
+        return "\n".join([
+            f"snapshots  every {self.every_steps} step(s) in host memory: {s.node_bytes / gb:,.1f} GB per node, "
+            f"{s.host_bytes_per_node / gb:,.1f} GB of host RAM per node; blocks training {self.blocking_s:,.3f} s "
+            f"each (copy to host), {buddy}",
+            f"disk       second line every {self.disk_second_line.interval_s / 3600:,.1f} h (for failures that also "
+            f"lose the buddy's copy: {self.buddy_loss_probability:.2%} of them)",
+            f"per failure {self.lost_per_failure_s / 60:,.1f} min lost with snapshots vs "
+            f"{self.disk_only_lost_per_failure_s / 60:,.1f} min with disk checkpoints alone",
+            f"lost time  {self.waste_fraction:.1%} of wall time with snapshots vs {self.disk_only.waste_fraction:.1%} "
+            "with disk checkpoints alone",
+        ])
+
+
+def snapshot_estimate(
+    snapshot: SnapshotCost, disk_only: ReliabilityEstimate, *, step_time_s: float, num_nodes: int,
+    relaunch_s: float = 0.0, every_steps: int | None = None, correlated_fraction: float = 0.0,
+) -> SnapshotEstimate:
+    """Snapshots every ``every_steps`` (default: the best ``k``) beside disk checkpoints costing as in ``disk_only``.
+
+    ``relaunch_s``: scheduler relaunch and re-plan time, paid by every failure. ``correlated_fraction``: share of
+    failures that take a node and its buddy at once (a shared switch or power feed, a job-wide kill; default 0:
+    independent node failures, for which the buddy must fail within the window before the restarted run's first
+    snapshot is replicated)."""
+    if not 0 <= correlated_fraction <= 1:
+        raise ValueError(f"correlated_fraction={correlated_fraction} must be between 0 and 1")
+    mtbf = disk_only.mtbf_s
+    candidates = [every_steps] if every_steps is not None else _snapshot_candidates(snapshot, step_time_s, mtbf)
+    options = [_snapshot_option(snapshot, disk_only, k, step_time_s=step_time_s, num_nodes=num_nodes,
+                                relaunch_s=relaunch_s, correlated=correlated_fraction) for k in candidates]
+    return min(options, key=lambda option: option.waste_fraction)
+
+
+def _snapshot_candidates(snapshot: SnapshotCost, step_time_s: float, mtbf_s: float) -> list[int]:
+    """Around Young's ``k`` for the staging cost, and the smallest ``k`` whose interval hides the replication."""
+    young = young_interval_s(max(snapshot.staging_time_s, 1e-12), mtbf_s) / step_time_s
+    hides = math.ceil(snapshot.replicate_time_s / step_time_s)
+    return sorted({1, max(1, math.floor(young)), max(1, math.ceil(young)), max(1, hides)})
+
+
+def _snapshot_option(snapshot: SnapshotCost, disk_only: ReliabilityEstimate, k: int, *, step_time_s: float,
+                     num_nodes: int, relaunch_s: float, correlated: float) -> SnapshotEstimate:
+    mtbf, period = disk_only.mtbf_s, k * step_time_s
+    blocking = snapshot.staging_time_s + max(0.0, snapshot.replicate_time_s - period)
+    rework = (period + blocking) / 2 + snapshot.replicate_time_s  # the snapshot in flight is not yet usable
+    from_snapshot = relaunch_s + snapshot.recovery_time_s + rework
+    if snapshot.has_buddy:  # the buddy (one of num_nodes, each failing at 1 / (M * num_nodes)) within the window
+        independent = 1 - math.exp(-(from_snapshot + period) / (mtbf * num_nodes))
+        p = correlated + (1 - correlated) * independent
+    else:
+        p = 1.0
+    second = reliability_estimate(disk_only.checkpoint, mtbf_s=mtbf / p if p > 0 else mtbf * 1e12,
+                                  restart_s=disk_only.restart_s)
+    from_disk = second.failure_fraction * second.mtbf_s
+    lost = (1 - p) * from_snapshot + p * from_disk
+    waste = blocking / (period + blocking) + second.checkpoint_fraction + lost / mtbf
+    return SnapshotEstimate(
+        every_steps=k, step_time_s=step_time_s, snapshot=snapshot, blocking_s=blocking, buddy_loss_probability=p,
+        lost_per_failure_s=lost, disk_only=disk_only, disk_second_line=second, waste_fraction=min(1.0, waste),
+    )

@@ -127,7 +127,7 @@ def lose_the_buddy_copies(stores: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fault_run(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("snapshots")
+    root = tmp_path_factory.mktemp("fault-run")
     stores, disk, log = root / "stores", root / "disk", root / "losses.jsonl"
     started = time.monotonic()
     with pytest.raises(WorkerError) as lost:
@@ -154,14 +154,14 @@ def test_node_one_died_mid_snapshot_and_left_the_previous_snapshot_committed(fau
 def test_the_survivors_resume_from_the_last_snapshot_under_a_new_plan_and_match_an_uninterrupted_run(fault_run):
     result = fault_run["results"][0]["snapshot"]
     assert result["step"] == LAST_COMMITTED, result  # not the disk checkpoint of step 5, nor the half-written 8
-    assert "snapshot" in result["path"] and result["saved_world_size"] == 4, result
+    assert result["path"].startswith(f"snapshot step-{LAST_COMMITTED:08d}") and result["saved_world_size"] == 4, result
     assert result["data"] == {"batches_drawn": LAST_COMMITTED}
     _assert_losses_match(fault_run["events"], "snapshot", first=LAST_COMMITTED)
 
 
 def test_a_node_lost_with_its_buddy_falls_back_to_the_disk_checkpoint_and_says_why(fault_run):
     result = fault_run["results"][0]["disk"]
-    assert result["step"] == DISK_EVERY and "snapshot" not in result["path"], result
+    assert result["step"] == DISK_EVERY and result["path"].endswith(f"disk/step-{DISK_EVERY:08d}"), result
     assert any("its buddy are both gone" in reason for reason in result["skipped"]), result["skipped"]
     _assert_losses_match(fault_run["events"], "disk", first=DISK_EVERY)
 
@@ -174,7 +174,8 @@ def test_a_clean_finish_leaves_no_snapshot_files(fault_run):
 
 
 def test_the_fault_run_stays_within_its_time_budget(fault_run):
-    assert fault_run["seconds"] < 200, fault_run["seconds"]  # ~60 s on an idle 2-core machine
+    print(f"fault run: {fault_run['seconds']:.0f} s")
+    assert fault_run["seconds"] < 240, fault_run["seconds"]  # ~60 s on an idle 2-core machine
 
 
 def _assert_losses_match(events: list[dict], phase: str, *, first: int) -> None:

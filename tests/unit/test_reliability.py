@@ -6,7 +6,7 @@ import pytest
 
 from tessera.cost_models.reliability import (
     CHECKPOINT_BYTES_PER_PARAM, blocking_time_s, checkpoint_cost, expected_waste_fraction, job_mtbf_s,
-    optimal_interval_s, reliability_estimate, young_interval_s,
+    optimal_interval_s, reliability_estimate, young_interval_s, SNAPSHOT_KEEP, snapshot_cost, snapshot_estimate,
 )
 
 HOUR = 3600.0
@@ -87,3 +87,49 @@ def test_summary_names_the_interval_in_minutes_and_steps():
     text = estimate.summary(step_time_s=2.0)
     assert "every 30.0 min (900 steps)" in text and "Young/Daly optimum" in text and "MTBF 12.0 h" in text
     assert estimate.restart_s == 300 and 0 < estimate.waste_fraction < 1
+
+
+# ------------------------------------------------------------------------------------------------ snapshots
+
+
+def _disk(mtbf_s: float = 3 * HOUR):
+    cost = checkpoint_cost(70_000_000_000, num_devices=1024, write_bytes_per_s_per_device=0.12e9)
+    return reliability_estimate(cost, mtbf_s=mtbf_s, restart_s=cost.write_time_s + 300)
+
+
+def test_snapshot_cost_holds_own_and_buddy_shards_keep_plus_one_times_and_a_staging_copy():
+    cost = snapshot_cost(1_000_000_000, num_devices=16, devices_per_node=8, staging_bytes_per_s=10e9,
+                         network_bytes_per_s_per_node=50e9)
+    node = 12e9 / 16 * 8  # 6 GB of the 12 GB of fp32 parameters and AdamW moments
+    assert cost.node_bytes == pytest.approx(node)
+    assert cost.host_bytes_per_node == pytest.approx((SNAPSHOT_KEEP + 1) * 2 * node + node)
+    assert cost.staging_time_s == pytest.approx(12e9 / 16 / 10e9) and cost.replicate_time_s == pytest.approx(node / 50e9)
+    alone = snapshot_cost(1_000_000_000, num_devices=8, devices_per_node=8)
+    assert not alone.has_buddy and alone.replicate_time_s == 0
+
+
+def test_snapshots_lose_less_per_failure_than_disk_alone_and_k_minimises_the_waste():
+    disk = _disk()
+    snapshot = snapshot_cost(70_000_000_000, num_devices=1024, devices_per_node=8)
+    best = snapshot_estimate(snapshot, disk, step_time_s=5.0, num_nodes=128, relaunch_s=300)
+    assert best.lost_per_failure_s < best.disk_only_lost_per_failure_s
+    assert best.waste_fraction < disk.waste_fraction
+    for k in (1, 2 * best.every_steps + 5, 200):
+        other = snapshot_estimate(snapshot, disk, step_time_s=5.0, num_nodes=128, relaunch_s=300, every_steps=k)
+        assert other.waste_fraction >= best.waste_fraction and other.every_steps == k
+    assert best.disk_second_line.interval_s > disk.interval_s  # disk only for failures that also take the buddy
+    assert 0 < best.buddy_loss_probability < 1e-3
+    text = best.summary()
+    assert f"every {best.every_steps} step(s)" in text and "host RAM per node" in text and "second line" in text
+
+
+def test_correlated_failures_and_a_single_node_send_failures_back_to_disk():
+    disk = _disk()
+    snapshot = snapshot_cost(70_000_000_000, num_devices=1024, devices_per_node=8)
+    correlated = snapshot_estimate(snapshot, disk, step_time_s=5.0, num_nodes=128, correlated_fraction=0.5)
+    assert correlated.buddy_loss_probability == pytest.approx(0.5, abs=1e-3)
+    alone = snapshot_estimate(snapshot_cost(8_000_000_000, num_devices=8, devices_per_node=8), disk,
+                              step_time_s=1.0, num_nodes=1)
+    assert alone.buddy_loss_probability == 1 and "no buddy" in alone.summary()
+    with pytest.raises(ValueError, match="correlated_fraction"):
+        snapshot_estimate(snapshot, disk, step_time_s=5.0, num_nodes=128, correlated_fraction=1.5)
