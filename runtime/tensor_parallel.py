@@ -1,18 +1,21 @@
-"""Tensor (and sequence) parallelism: DTensor ``parallelize_module`` styles derived from the model's structure.
+"""Tensor (and sequence) parallelism: DTensor ``parallelize_module`` styles for each planned layer of any model.
 
 Megatron-LM's split (Shoeybi et al. 2019): in every block, the linears that read the residual stream are
 *column*-parallel (output features sharded over ``tp``) and the linear that writes back to it is
-*row*-parallel (input features sharded; its partial sums are all-reduced). Attention splits by heads, so the
-model must reshape with ``-1`` heads (it then runs on ``heads / tp`` local heads); the MLP splits its hidden
-width. How each planned layer is split, by ``kind``:
+*row*-parallel (input features sharded; its partial sums are all-reduced). Attention splits by heads, so each rank
+runs its ``heads / tp`` local heads; the MLP splits its hidden width. How each planned layer is split, by ``kind``:
 
-- ``embedding``: every ``nn.Embedding`` in it is vocabulary-parallel (``RowwiseParallel``: the table's rows are
-  sharded, each rank looks up the tokens it owns, the partial rows are all-reduced to a replicated output).
-- ``block``: its column/row linear pairs (``LinearPair``) come from the caller (capture's data-flow analysis,
-  ``LayerStats.tp_pairs``) when given, else from the module tree (:func:`find_linear_pairs`). Norms and the
-  router of a mixture-of-experts layer stay replicated (every rank routes the same tokens; each expert is a
-  pair like the dense MLP, as Megatron-Core splits experts). Any other parameter in a block is refused by
-  name: we do not know how to split it.
+- ``embedding``: every ``nn.Embedding`` in it that looks tokens up with ``nn.Embedding.forward`` is
+  vocabulary-parallel (``RowwiseParallel``: rows sharded, each rank looks up the tokens it owns, the partial rows
+  are all-reduced to a replicated output); one with its own forward (OPT's learned positions, called with the
+  attention mask) is kept whole. A plan's ``replicated`` keeps any embedding whole.
+- ``block``: each linear's style comes from ``cost_models.tp_rules.block_splits``: the user's ``tp_plan``, else the
+  plan the model declares (Hugging Face ``base_model_tp_plan``), else the caller's pairs, else the module tree
+  (fused ``q|k|v`` and ``gate|up`` projections packed, Hugging Face ``Conv1D`` included). They become
+  :class:`~tessera.runtime.tp_styles.ColumnSplit` / :class:`~tessera.runtime.tp_styles.RowSplit`. An attention
+  whose heads are split gets its local head counts (``tp_styles.localise_attention``). Norms and the router of a
+  mixture-of-experts layer stay replicated (every rank routes the same tokens; each expert is a pair like the
+  dense MLP, as Megatron-Core splits experts). Any other parameter in a block is refused by name.
 - ``norm``: replicated (sequence-parallel with ``sp``).
 - ``head``: a linear split column-wise over the vocabulary. Its output stays sharded, ``(B, T, V / tp)`` per
   rank, and :class:`VocabParallelLoss` computes the cross-entropy with ``loss_parallel``: no rank ever
@@ -20,12 +23,14 @@ width. How each planned layer is split, by ``kind``:
 - ``other``: must hold no parameters.
 
 Sequence parallelism (Korthikanti et al. 2022): between blocks the residual stream is sharded over the
-sequence, ``(B, T / tp, H)`` per rank; norms run on the local tokens (``SequenceParallel``); before a pair's
-column linears the sequence is all-gathered (one hook on the module that holds the pair, e.g. ``attn``) and the
-row linear reduce-scatters back onto the sequence instead of all-reducing. The embedding's output is
-replicated and the first layer after it keeps its own slice of the sequence; the head all-gathers it again.
+sequence, ``(B, T / tp, H)`` per rank; norms run on the local tokens (``SequenceParallel``, local outputs, so a
+norm's output may be added to the residual stream, as Gemma 2's post-norms are); before a module's column linears
+the sequence is all-gathered (one hook on the module that holds them, e.g. ``attn``) and the row linear
+reduce-scatters back onto the sequence instead of all-reducing. The embedding's output is replicated and the first
+layer after it keeps its own slice of the sequence; the head all-gathers it again.
 
-Tied weights (a head sharing the embedding's matrix) stay tied: both are sharded on the vocabulary (dim 0).
+Tied weights (a head sharing the embedding's matrix: GPT-2, Gemma, OPT) stay tied: both are sharded on the
+vocabulary (dim 0) and the head is given the embedding's parameter object again.
 """
 
 from __future__ import annotations
@@ -45,20 +50,32 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from tessera.cost_models.types import LinearPair, runtime_splits
+from tessera.cost_models.tp_rules import (
+    COLUMN_STYLES,
+    REPLICATED_STYLES,
+    ROW_STYLES,
+    LinearSplit,
+    block_splits,
+    check_plan,
+    declared_tp_plan,
+    derive_pairs,
+    head_dim_of,
+    is_norm,
+    kv_groups,
+    linear_dims,
+    plan_style,
+)
+from tessera.cost_models.types import LinearPair
 from tessera.errors import ConfigError, NotModelledError
 from tessera.models.moe import MoELayer
 from tessera.planner.plan import PlannedLayer
+from tessera.runtime.tp_styles import ColumnSplit, RowSplit, check_local_heads, localise_attention
 
-NORMS = (nn.LayerNorm, nn.RMSNorm)
 SEQUENCE_DIM = 1
 """Sequence dimension of activations ``(B, T, H)``."""
 Styles = dict[str, ParallelStyle]
-
-
-def is_norm(module: nn.Module) -> bool:
-    """A per-token normalisation: ``LayerNorm``/``RMSNorm``, or a class named ``...Norm`` (``LlamaRMSNorm``)."""
-    return isinstance(module, NORMS) or type(module).__name__.lower().endswith("norm")
+TpPlan = Mapping[str, str]
+"""Module glob (``*`` = one FQN component, relative to the root model) -> style name (``cost_models.tp_rules``)."""
 
 
 def apply_tensor_parallel(
@@ -69,23 +86,28 @@ def apply_tensor_parallel(
     sequence_parallel: bool,
     sequence_entry: str | None = None,
     pairs: Mapping[str, tuple[LinearPair, ...]] | None = None,
+    tp_plan: TpPlan | None = None,
 ) -> None:
     """Shard ``layers`` of ``model`` (in place) over the 1-D tensor-parallel ``mesh``.
 
     ``layers`` are this rank's planned layers (``loss`` is skipped); ``sequence_entry`` is the model's first
     layer after the embeddings (:func:`sequence_entry` of the whole plan; with ``sequence_parallel`` the
     sequence is split where it enters that layer, if this rank holds it); ``pairs`` optionally maps a block's
-    FQN to its column/row pairs. Raises ``NotModelledError`` naming the first layer or parameter that cannot
-    be split, before anything is sharded.
+    FQN to its column/row pairs; ``tp_plan`` (module glob -> style, Hugging Face's vocabulary) overrides what the
+    model declares. Raises ``NotModelledError`` naming the first layer or parameter that cannot be split, before
+    anything is sharded.
     """
     tp = mesh.size()
     layers = [layer for layer in layers if layer.kind != "loss"]
+    plan = resolve_tp_plan(model, tp_plan)
     ties = _tied_parameters(model)
-    plans = {layer.fqn: layer_styles(model, layer, tp=tp, sp=sequence_parallel, pairs=(pairs or {}).get(layer.fqn))
-             for layer in layers}
+    plans = {layer.fqn: layer_styles(model, layer, tp=tp, sp=sequence_parallel, pairs=(pairs or {}).get(layer.fqn),
+                                     tp_plan=plan) for layer in layers}
     for fqn, styles in plans.items():
         if styles:
             parallelize_module(model.get_submodule(fqn), mesh, styles)
+    for attention in _head_split_attentions(model, layers, plans):
+        localise_attention(attention, tp)
     if sequence_parallel:
         _add_sequence_hooks(model, layers, mesh, plans, entry=sequence_entry)
     _retie(model, ties)
@@ -93,7 +115,7 @@ def apply_tensor_parallel(
 
 def check_tensor_parallel(
     model: nn.Module, layers: Sequence[PlannedLayer], *, tp: int, sp: bool,
-    pairs: Mapping[str, tuple[LinearPair, ...]] | None = None,
+    pairs: Mapping[str, tuple[LinearPair, ...]] | None = None, tp_plan: TpPlan | None = None,
 ) -> None:
     """Raise ``NotModelledError`` naming the first layer of ``layers`` that ``tp`` cannot split.
 
@@ -107,22 +129,33 @@ def check_tensor_parallel(
                 f"parameter {name} belongs to no planned layer, so tensor parallelism does not know how to split "
                 "it; re-plan this model (its layers must cover every parameter) or plan it with tp=1"
             )
+    plan = resolve_tp_plan(model, tp_plan)
     for layer in layers:
         if layer.kind != "loss":
-            layer_styles(model, layer, tp=tp, sp=sp, pairs=(pairs or {}).get(layer.fqn))
+            layer_styles(model, layer, tp=tp, sp=sp, pairs=(pairs or {}).get(layer.fqn), tp_plan=plan)
+
+
+def resolve_tp_plan(model: nn.Module, tp_plan: TpPlan | None) -> dict[str, str]:
+    """The user's ``tp_plan`` (its styles checked), else the plan the model declares (``{}`` if none)."""
+    if tp_plan is not None:
+        check_plan(tp_plan)
+        return dict(tp_plan)
+    return declared_tp_plan(model)
 
 
 def layer_styles(
-    model: nn.Module, layer: PlannedLayer, *, tp: int, sp: bool, pairs: tuple[LinearPair, ...] | None
+    model: nn.Module, layer: PlannedLayer, *, tp: int, sp: bool, pairs: tuple[LinearPair, ...] | None,
+    tp_plan: TpPlan | None = None,
 ) -> Styles:
     """The ``parallelize_module`` plan (relative FQN -> style) for one planned layer."""
     module = model.get_submodule(layer.fqn)
     if layer.kind == "embedding":
-        return _embedding_styles(layer.fqn, module, tp)
+        return _embedding_styles(layer.fqn, module, tp, tp_plan or {})
     if layer.kind == "block":
-        return _block_styles(layer.fqn, module, tp=tp, sp=sp, pairs=pairs or find_linear_pairs(module))
+        splits = block_splits(module, layer.fqn, plan=tp_plan, pairs=pairs, skip=replicated_modules(module))
+        return _block_styles(layer.fqn, module, splits, tp=tp, sp=sp)
     if layer.kind == "norm" and is_norm(module):
-        return {"": SequenceParallel()} if sp else {}
+        return {"": _sequence_parallel()} if sp else {}
     if layer.kind == "head" and isinstance(module, nn.Linear):
         _check_divisible(f"{layer.fqn} (vocabulary {module.out_features})", module.out_features, tp)
         first = Shard(SEQUENCE_DIM) if sp else Replicate()
@@ -131,55 +164,54 @@ def layer_styles(
     return {}
 
 
-def _embedding_styles(fqn: str, module: nn.Module, tp: int) -> Styles:
+def _sequence_parallel() -> SequenceParallel:
+    """A norm on the local tokens whose output is a plain tensor (it may meet the plain residual stream)."""
+    return SequenceParallel(use_local_output=True)
+
+
+def _embedding_styles(fqn: str, module: nn.Module, tp: int, plan: TpPlan) -> Styles:
     styles: Styles = {}
+    kept: set[str] = set()
     for name, child in module.named_modules():
-        if isinstance(child, nn.Embedding):
-            _check_divisible(f"{_join(fqn, name)} ({child.num_embeddings} rows)", child.num_embeddings, tp)
-            styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    _require_covered(fqn, module, set(styles))
+        if not isinstance(child, nn.Embedding):
+            continue
+        if type(child).forward is not nn.Embedding.forward or plan_style(plan, _join(fqn, name)) in REPLICATED_STYLES:
+            kept.add(name)  # its own forward (positions from a mask): which argument is the index is unknown
+            continue
+        _check_divisible(f"{_join(fqn, name)} ({child.num_embeddings} rows)", child.num_embeddings, tp)
+        styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    _require_covered(fqn, module, set(styles) | kept)
     return styles
 
 
 def find_linear_pairs(block: nn.Module) -> tuple[LinearPair, ...]:
-    """Column/row pairs read off the module tree: in each module holding ``nn.Linear`` children, the last
-    one (in registration order) is the row and the others are its columns; the pair is ``attention`` when
-    that module has an integer ``head_dim`` (GPT, Llama, Hugging Face attention), else ``mlp``.
-
-    Registration order is only a heuristic for execution order; :func:`check_pair` verifies the shapes
-    (columns read the width the row writes; the row reads what the first column writes) so a fused or
-    reordered projection is refused rather than split wrongly.
-    """
-    found = []
-    routers = set(replicated_modules(block))
-    for name, container in block.named_modules():
-        linears = [child_name for child_name, child in container.named_children()
-                   if runtime_splits("tp", type(child)) and _join(name, child_name) not in routers]
-        if linears:
-            role = "attention" if isinstance(getattr(container, "head_dim", None), int) else "mlp"
-            names = [_join(name, child_name) for child_name in linears]
-            found.append(LinearPair(column=tuple(names[:-1]), row=names[-1], role=role))
-    return tuple(found)
+    """Column/row pairs read off the module tree (``cost_models.tp_rules.derive_pairs``), routers left out."""
+    return derive_pairs(block, skip=replicated_modules(block))
 
 
-def _block_styles(fqn: str, block: nn.Module, *, tp: int, sp: bool, pairs: tuple[LinearPair, ...]) -> Styles:
+def _block_styles(fqn: str, block: nn.Module, splits: Sequence[LinearSplit], *, tp: int, sp: bool) -> Styles:
     styles: Styles = {}
     row_output = Shard(SEQUENCE_DIM) if sp else Replicate()
-    width = residual_width(block)
-    for pair in pairs:
-        check_pair(fqn, block, pair, tp, width=width)
-        gathered_by_container = sp and _pair_container(pair) != ""
-        column_input = Shard(SEQUENCE_DIM) if sp and not gathered_by_container else Replicate()
-        styles.update({name: ColwiseParallel(input_layouts=column_input) for name in pair.column})
-        styles[pair.row] = RowwiseParallel(output_layouts=row_output)
+    for split in splits:
+        _check_split(fqn, block, split, tp)
+        if split.style in COLUMN_STYLES:
+            gathered_by_container = sp and _container_of(split.name) != ""
+            column_input = Shard(SEQUENCE_DIM) if sp and not gathered_by_container else Replicate()
+            styles[split.name] = ColumnSplit(parts=split.parts, input_layouts=column_input,
+                                             gather_output=split.style == "colwise_gather_output")
+        elif split.style in ROW_STYLES:
+            split_input = split.style == "rowwise_split_input"
+            styles[split.name] = RowSplit(input_layouts=Replicate() if split_input else None, output_layouts=row_output)
+    kept = {split.name for split in splits if split.style in REPLICATED_STYLES}
     norms = [name for name, child in block.named_modules() if name and is_norm(child)]
     replicated = replicated_modules(block)
     if sp and replicated:
         raise NotModelledError(f"sequence parallelism through the mixture-of-experts layer of {fqn} is not "
                                "implemented (experts see a dispatch buffer, not a sequence); plan with sp=false")
     if sp:
-        styles.update({name: SequenceParallel() for name in norms})
-    _require_covered(fqn, block, set(styles) | set(norms) | set(replicated))
+        styles.update({name: _sequence_parallel() for name in norms})
+    _require_covered(fqn, block, set(styles) | set(norms) | set(replicated) | kept)
+    _check_heads(fqn, block, splits, tp)
     return styles
 
 
@@ -188,65 +220,65 @@ def replicated_modules(block: nn.Module) -> list[str]:
     return [_join(name, "router") for name, child in block.named_modules() if isinstance(child, MoELayer)]
 
 
-def residual_width(block: nn.Module) -> int | None:
-    """Width of the residual stream a block reads and writes: its norms' size (``None`` without norms)."""
-    for module in block.modules():
-        weight = getattr(module, "weight", None)
-        if is_norm(module) and isinstance(weight, torch.Tensor) and weight.dim() == 1:
-            return int(weight.shape[0])
+def _check_split(fqn: str, block: nn.Module, split: LinearSplit, tp: int) -> None:
+    dims = linear_dims(block.get_submodule(split.name))
+    if dims is None:
+        raise NotModelledError(f"{fqn}.{split.name} is a {type(block.get_submodule(split.name)).__name__}, not a "
+                               "linear (nn.Linear or Conv1D); tensor parallelism splits only linears")
+    if split.style not in COLUMN_STYLES | ROW_STYLES | REPLICATED_STYLES:
+        raise NotModelledError(f"{fqn}.{split.name}: style {split.style!r} does not apply to a linear in a block; "
+                               "use colwise, packed_colwise, colwise_gather_output, rowwise, rowwise_split_input "
+                               "or replicated")
+    features = dims[1] // split.parts if split.style in COLUMN_STYLES else dims[0]
+    what = "output features per packed block" if split.parts > 1 else (
+        "output features" if split.style in COLUMN_STYLES else "input features")
+    if split.style not in REPLICATED_STYLES:
+        _check_divisible(f"{fqn}.{split.name} ({features} {what})", features, tp)
+
+
+def _check_heads(fqn: str, block: nn.Module, splits: Sequence[LinearSplit], tp: int) -> None:
+    """Head-split columns of an attention: whole heads per rank, and a forward that finds its local heads."""
+    for container in _head_split_containers(block, splits):
+        attention = block.get_submodule(container)
+        head_dim = head_dim_of(attention)
+        check_local_heads(_join(fqn, container), attention)
+        columns = [s for s in splits if s.style in ("colwise", "packed_colwise") and _attention_of(block, s.name) == container]
+        for index, split in enumerate(columns):
+            out = linear_dims(block.get_submodule(split.name))[1]
+            groups = kv_groups(block.get_submodule(_container_of(split.name)), out)
+            heads = groups or out // split.parts // head_dim
+            if heads % tp:
+                what = "key/value groups" if groups else "query heads" if index == 0 and split.parts == 1 else (
+                    "heads per packed block" if split.parts > 1 else "key/value heads (grouped-query attention)")
+                raise NotModelledError(f"{fqn}.{split.name} has {heads} {what}, not divisible by tp={tp}; plan with "
+                                       f"a tp that divides {heads}")
+
+
+def _head_split_containers(block: nn.Module, splits: Sequence[LinearSplit]) -> list[str]:
+    """Attention modules (an integer ``head_dim``) whose projections are split by heads (not gathered)."""
+    found = [_attention_of(block, s.name) for s in splits if s.style in ("colwise", "packed_colwise")]
+    return list(dict.fromkeys(name for name in found if name is not None))
+
+
+def _attention_of(block: nn.Module, name: str) -> str | None:
+    """The nearest module above linear ``name`` declaring a head size (torchtitan: ``qkv_linear``'s parent)."""
+    while name:
+        name = _container_of(name)
+        if head_dim_of(block.get_submodule(name)) is not None:
+            return name
     return None
 
 
-def check_pair(fqn: str, block: nn.Module, pair: LinearPair, tp: int, *, width: int | None = None) -> None:
-    """Raise ``NotModelledError`` naming the layer if ``pair`` is not a column/row split ``tp`` can divide.
-
-    Columns must read the width the row writes back (``width``, the residual stream, when known) and the
-    row must read what the first column writes.
-    """
-    row = _linear(fqn, block, pair.row)
-    columns = [_linear(fqn, block, name) for name in pair.column]
-    shapes = ", ".join(f"{n} ({m.in_features}->{m.out_features})" for n, m in zip((*pair.column, pair.row), (*columns, row)))
-    reads = {c.in_features for c in columns} | ({width} if width is not None else set())
-    if not columns or reads != {row.out_features} or columns[0].out_features != row.in_features:
-        raise NotModelledError(
-            f"cannot split {fqn} for tensor parallelism: linears {shapes} are not column linears reading the "
-            "width the row linear writes back (a fused or reordered projection?); pass the layer's tp_pairs "
-            "or plan it with tp=1"
-        )
-    if pair.role == "attention":
-        _check_heads(fqn, block, pair, columns, tp)
-    for name, module in zip(pair.column, columns):
-        _check_divisible(f"{fqn}.{name} ({module.out_features} output features)", module.out_features, tp)
-
-
-def _check_heads(fqn: str, block: nn.Module, pair: LinearPair, columns: list[nn.Linear], tp: int) -> None:
-    container = _pair_container(pair)
-    head_dim = getattr(block.get_submodule(container), "head_dim", None)
-    if not isinstance(head_dim, int):
-        raise NotModelledError(
-            f"cannot split attention {_join(fqn, container)} by heads: it has no integer head_dim attribute"
-        )
-    for name, module in zip(pair.column, columns):
-        heads = module.out_features // head_dim
-        if heads % tp:
-            what = "query heads" if module is columns[0] else "key/value heads (grouped-query attention)"
-            raise NotModelledError(
-                f"{fqn}.{name} has {heads} {what}, not divisible by tp={tp}; plan with a tp that divides {heads}"
-            )
-
-
-def _pair_container(pair: LinearPair) -> str:
-    """The module holding all of a pair's linears, relative to the block ('' if the block itself)."""
-    parents = {name.rpartition(".")[0] for name in (*pair.column, pair.row)}
-    return parents.pop() if len(parents) == 1 else ""
-
-
-def _linear(fqn: str, block: nn.Module, name: str) -> nn.Linear:
-    module = block.get_submodule(name)
-    if not runtime_splits("tp", type(module)):  # the rule capture checks too (cost_models.types.RUNTIME_SPLITS)
-        raise NotModelledError(f"{fqn}.{name} is a {type(module).__name__}, not nn.Linear; tensor parallelism "
-                               "splits only nn.Linear pairs")
-    return module
+def _head_split_attentions(model: nn.Module, layers: Sequence[PlannedLayer], plans: dict[str, Styles]) -> list[nn.Module]:
+    found = []
+    for layer in layers:
+        if layer.kind != "block":
+            continue
+        block = model.get_submodule(layer.fqn)
+        splits = [LinearSplit(name, "packed_colwise" if style.parts > 1 else "colwise")
+                  for name, style in plans[layer.fqn].items() if isinstance(style, ColumnSplit) and not style.gather_output]
+        found += [block.get_submodule(name) for name in _head_split_containers(block, splits)]
+    return found
 
 
 def _check_divisible(what: str, size: int, tp: int) -> None:
@@ -261,7 +293,7 @@ def _require_covered(fqn: str, module: nn.Module, styled: set[str]) -> None:
             raise NotModelledError(
                 f"tensor parallelism does not know how to split parameter {_join(fqn, name)} (owned by "
                 f"{type(module.get_submodule(owner)).__name__}); only linear pairs, embeddings, norms and the head "
-                "are split; plan this model with tp=1"
+                "are split; pass tp_plan= for it or plan this model with tp=1"
             )
 
 
@@ -276,6 +308,10 @@ def _require_no_parameters(layer: PlannedLayer, module: nn.Module) -> None:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def _container_of(name: str) -> str:
+    return name.rpartition(".")[0]
 
 
 # ------------------------------------------------------------------------------------------ sequence parallelism
@@ -312,10 +348,6 @@ def _add_sequence_hooks(model: nn.Module, layers: Sequence[PlannedLayer], mesh: 
         for container in {_container_of(name) for name in columns} - {""}:
             block.get_submodule(container).register_forward_pre_hook(
                 _replace_hidden(lambda x: _gather_sequence(x, mesh)), with_kwargs=True)
-
-
-def _container_of(name: str) -> str:
-    return name.rpartition(".")[0]
 
 
 def _replace_hidden(transform: Callable[[torch.Tensor], Any]):

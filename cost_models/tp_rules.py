@@ -1,0 +1,239 @@
+"""How tensor parallelism splits each linear of a model: one structural rule for the planner and the runtime.
+
+The runtime (``runtime.tensor_parallel``) applies what this module decides, and capture
+(``planner.capabilities``) asks it whether tp is available for a model at all, so the two cannot disagree. It reads
+module trees and declared plans only (no graph, no process group, no tp degree: divisibility is the caller's check).
+
+Where a block's split comes from, first found wins:
+
+1. a **plan** mapping module globs to style names (Hugging Face's vocabulary, ``*`` matching one FQN component):
+   the user's ``tp_plan=``, else what the model declares (Hugging Face ``config.base_model_tp_plan``, whose
+   globs are relative to the base model: they are prefixed with ``base_model_prefix``);
+2. column/row pairs the caller passes (capture's data-flow ``LayerStats.tp_pairs``);
+3. the module tree (:func:`derive_splits`): the linears (``nn.Linear`` and Hugging Face's ``Conv1D``, whose weight is
+   stored ``(in, out)``) of each module form one Megatron pair; a module holding only column linears (torchtitan's
+   ``qkv_linear``) joins its parent's. The *row* is the last linear after the first that writes the residual width
+   (the block's norm size; without norms, the last linear); the others are its columns. A column writing exactly
+   ``parts`` times what the row reads is a packed projection: three equal blocks ``q|k|v`` in an attention (GPT-2's
+   ``c_attn``), two ``gate|up`` in an MLP; one in a module declaring ``r_dim`` is laid out per key/value group
+   (torchtitan's fused ``wqkv``: plainly column-parallel); anything else that does not match is refused by name.
+
+Styles used here: ``colwise`` (output features sharded), ``packed_colwise`` (each rank gets the same slice of each
+of ``parts`` packed blocks, so its local q/k/v or gate/up stay matched), ``colwise_gather_output`` (sharded
+weights, output all-gathered: for a forward that slices its output at fixed offsets, as Phi-3's ``qkv_proj``),
+``rowwise`` (input features sharded, partial sums reduced), ``rowwise_split_input`` (the replicated input sliced
+locally first), ``replicated`` (kept whole). Others of Hugging Face's vocabulary (``local_*``, ``moe_tp_experts``,
+``packed_rowwise``, ...) are refused with their name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tessera.cost_models.types import LinearPair
+from tessera.errors import NotModelledError
+
+COLUMN_STYLES = frozenset({"colwise", "packed_colwise", "colwise_gather_output"})
+ROW_STYLES = frozenset({"rowwise", "rowwise_split_input"})
+REPLICATED_STYLES = frozenset({"replicated", "replicated_with_grad_allreduce"})
+EMBEDDING_STYLES = frozenset({"embedding_rowwise"})
+NORM_STYLES = frozenset({"sequence_parallel"})
+STYLES = COLUMN_STYLES | ROW_STYLES | REPLICATED_STYLES | EMBEDDING_STYLES | NORM_STYLES
+"""Style names a plan may use (the others of Hugging Face's vocabulary are refused by name)."""
+
+PACKED_PARTS = {"attention": 3, "mlp": 2}
+"""Equal blocks a packed column holds when its role's modules are fused: q|k|v, gate|up."""
+
+
+@dataclass(frozen=True)
+class LinearSplit:
+    """How one linear of a block is split: ``name`` relative to the block, a style of ``STYLES``, and for
+    ``packed_colwise`` the number of equal blocks packed along its output."""
+
+    name: str
+    style: str
+    parts: int = 1
+    role: str = "mlp"
+    """``attention`` when the linear belongs to a module with an integer ``head_dim``/``head_size`` (heads split)."""
+
+
+def linear_dims(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of a linear: ``nn.Linear``, or Hugging Face's ``Conv1D`` (weight stored (in, out))."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    weight = getattr(module, "weight", None)
+    if is_conv1d(module) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2's linear with a transposed weight), by class name (no import)."""
+    return type(module).__name__ == "Conv1D"
+
+
+def head_dim_of(module: nn.Module) -> int | None:
+    """The per-head width an attention module declares (``head_dim``, or GPT-NeoX's ``head_size``)."""
+    for name in ("head_dim", "head_size"):
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+# --------------------------------------------------------------------------------------------------- plans
+
+
+def declared_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The plan a Hugging Face model declares (``config.base_model_tp_plan``), globs made relative to ``model``."""
+    declared = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if not isinstance(declared, Mapping):
+        return {}
+    prefix = getattr(model, "base_model_prefix", "")
+    if not (isinstance(prefix, str) and prefix and isinstance(getattr(model, prefix, None), nn.Module)):
+        prefix = ""
+    return {f"{prefix}.{glob}" if prefix else glob: str(style) for glob, style in declared.items()}
+
+
+def check_plan(plan: Mapping[str, str]) -> None:
+    """Raise ``NotModelledError`` naming the first style of ``plan`` the runtime does not apply."""
+    for glob, style in plan.items():
+        if style not in STYLES:
+            raise NotModelledError(
+                f"tensor-parallel plan entry {glob!r}: style {style!r} is not implemented (the runtime applies "
+                f"{', '.join(sorted(STYLES))}); pass tp_plan= with those styles or plan with tp=1"
+            )
+
+
+def plan_style(plan: Mapping[str, str], fqn: str) -> str | None:
+    """The style ``plan`` gives module ``fqn`` (the first glob matching it whole), or None."""
+    return next((style for glob, style in plan.items() if _glob(glob).fullmatch(fqn)), None)
+
+
+def _glob(pattern: str) -> re.Pattern:
+    return re.compile(".".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
+
+
+# ------------------------------------------------------------------------------------------- a block's splits
+
+
+def block_splits(
+    block: nn.Module, fqn: str, *, plan: Mapping[str, str] | None = None, pairs: Sequence[LinearPair] | None = None,
+    skip: Iterable[str] = (),
+) -> tuple[LinearSplit, ...]:
+    """How each linear of ``block`` (at ``fqn`` in the model) is split; ``skip``: linears kept whole (routers).
+
+    Raises ``NotModelledError`` naming the linear when no rule fits. See the module docstring for the order.
+    """
+    skip = set(skip)
+    linears = [name for name, module in block.named_modules() if linear_dims(module) is not None and name not in skip]
+    if plan:
+        styled = {name: plan_style(plan, _join(fqn, name)) for name in linears}
+        if any(styled.values()):
+            return tuple(LinearSplit(name, style, role=_role(block, name)) for name, style in styled.items() if style)
+    if pairs:
+        return tuple(split for pair in pairs for split in _pair_splits(block, fqn, pair))
+    return tuple(split for pair in derive_pairs(block, skip=skip) for split in _pair_splits(block, fqn, pair))
+
+
+def derive_pairs(block: nn.Module, *, skip: Iterable[str] = ()) -> tuple[LinearPair, ...]:
+    """Column/row pairs read off the module tree (see the module docstring, point 3)."""
+    skip, width = set(skip), residual_width(block)
+    order = {name: index for index, (name, _) in enumerate(block.named_modules())}
+    groups: dict[str, list[str]] = {}
+    for name, module in block.named_modules():
+        if name and name not in skip and linear_dims(module) is not None:
+            groups.setdefault(name.rpartition(".")[0], []).append(name)
+    for container in sorted(groups, key=lambda c: -c.count(".") - bool(c)):  # deepest first
+        if width is not None and container and container in groups and _row_of(block, groups[container], width) is None:
+            parent = container.rpartition(".")[0]
+            groups[parent] = sorted([*groups.get(parent, []), *groups.pop(container)], key=order.__getitem__)
+    pairs = []
+    for container in sorted(groups, key=order.__getitem__):
+        names = groups[container]
+        row = _row_of(block, names, width) or names[-1]
+        columns = tuple(name for name in names if name != row)
+        pairs.append(LinearPair(column=columns, row=row, role="attention" if _role(block, row) == "attention" else "mlp"))
+    return tuple(pairs)
+
+
+def _row_of(block: nn.Module, names: list[str], width: int | None) -> str | None:
+    """The last linear after the first that writes the residual width (with no known width: None)."""
+    if width is None or len(names) < 2:
+        return None
+    return next((n for n in reversed(names[1:]) if linear_dims(block.get_submodule(n))[1] == width), None)
+
+
+def _pair_splits(block: nn.Module, fqn: str, pair: LinearPair) -> list[LinearSplit]:
+    """A pair's columns and row as splits, packed columns found by their width (see the module docstring)."""
+    row_in, row_out = _dims(block, fqn, pair.row)
+    reads = {_dims(block, fqn, name)[0] for name in pair.column} | {residual_width(block) or row_out}
+    if not pair.column or reads != {row_out}:
+        shapes = ", ".join(f"{n} ({_dims(block, fqn, n)[0]}->{_dims(block, fqn, n)[1]})" for n in (*pair.column, pair.row))
+        raise NotModelledError(
+            f"cannot split {fqn} for tensor parallelism: linears {shapes} are not column linears reading the width "
+            "the row linear writes back (a reordered projection?); pass tp_plan= or plan it with tp=1"
+        )
+    role = pair.role if pair.role in PACKED_PARTS else "mlp"
+    splits = [LinearSplit(pair.row, "rowwise", role=role)]
+    for name in pair.column:
+        out = _dims(block, fqn, name)[1]
+        if out == row_in or (role == "attention" and out < row_in):  # a q/k/v head projection (grouped-query k, v)
+            splits.append(LinearSplit(name, "colwise", role=role))
+        elif kv_groups(block.get_submodule(name.rpartition(".")[0]), out) is not None:
+            splits.append(LinearSplit(name, "colwise", role=role))  # whole key/value groups per rank
+        elif out == PACKED_PARTS[role] * row_in:
+            splits.append(LinearSplit(name, "packed_colwise", parts=PACKED_PARTS[role], role=role))
+        else:
+            raise NotModelledError(
+                f"cannot split {fqn} for tensor parallelism: {name} ({_dims(block, fqn, name)[0]}->{out}) writes {out} features but "
+                f"{_join(fqn, pair.row)} reads {row_in} (a fused projection whose layout the runtime cannot infer); "
+                "pass tp_plan= naming its style (e.g. colwise_gather_output) or plan it with tp=1"
+            )
+    return [*splits[1:], splits[0]]
+
+
+def kv_groups(module: nn.Module, out: int) -> int | None:
+    """Key/value groups of a fused projection laid out group by group, ``(groups, r_dim, head_dim)`` with
+    ``r_dim`` = query heads per group + 2 (torchtitan's ``FusedQKVLinear``, documented as column-parallel as is);
+    None if ``module`` declares no such layout."""
+    r_dim, head_dim = getattr(module, "r_dim", None), head_dim_of(module)
+    if isinstance(r_dim, int) and head_dim and out % (r_dim * head_dim) == 0:
+        return out // (r_dim * head_dim)
+    return None
+
+
+def _dims(block: nn.Module, fqn: str, name: str) -> tuple[int, int]:
+    dims = linear_dims(block.get_submodule(name))
+    if dims is None:
+        raise NotModelledError(f"{_join(fqn, name)} is a {type(block.get_submodule(name)).__name__}, not a linear "
+                               "(nn.Linear or Conv1D); tensor parallelism splits only linears")
+    return dims
+
+
+def _role(block: nn.Module, name: str) -> str:
+    parent = block.get_submodule(name.rpartition(".")[0])
+    return "attention" if head_dim_of(parent) is not None else "mlp"
+
+
+def residual_width(block: nn.Module) -> int | None:
+    """Width of the residual stream a block reads and writes: its first norm's size (``None`` without norms)."""
+    for module in block.modules():
+        weight = getattr(module, "weight", None)
+        if is_norm(module) and isinstance(weight, torch.Tensor) and weight.dim() == 1:
+            return int(weight.shape[0])
+    return None
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A per-token normalisation: ``LayerNorm``/``RMSNorm``, or a class named ``...Norm`` (``LlamaRMSNorm``)."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.lower().endswith("norm")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name

@@ -1,0 +1,118 @@
+"""DTensor styles for the linears torch's own ``ColwiseParallel``/``RowwiseParallel`` do not split, and the local
+view an attention module needs once its heads are split.
+
+- :class:`ColumnSplit`: column-parallel ``nn.Linear`` or Hugging Face ``Conv1D`` (weight stored ``(in, out)``, so
+  its output features are dim 1), optionally *packed*: the output holds ``parts`` equal blocks (GPT-2's
+  ``q|k|v``, a ``gate|up`` projection) and each rank holds the same slice of every block (DTensor's
+  ``_StridedShard``), so a forward that splits or chunks its local output into ``parts`` gets matching q, k and v
+  heads. The parameter keeps its true global layout: ``full_tensor()``, checkpoints and the optimizer see the
+  unsplit matrix. Optionally the output is all-gathered (``colwise_gather_output``).
+- :class:`RowSplit`: row-parallel ``nn.Linear`` or ``Conv1D`` (input features are the weight's dim 0 there).
+- :func:`localise_attention`: attention modules that split heads with an absolute count (OPT's
+  ``view(B, -1, self.num_heads, d)``) or width (GPT-2's ``split(self.split_size)``) get the local count; one that
+  reads head counts from the shared ``config`` in its forward is refused (Phi-3 declares a gathered plan instead).
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import partial
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from tessera.cost_models.tp_rules import is_conv1d
+from tessera.errors import NotModelledError
+
+LOCAL_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_heads", "n_kv_heads",
+                          "split_size")
+"""Integer attributes of an attention module that count its heads (or one packed block's width)."""
+CONFIG_HEAD_READS = ("config.num_attention_heads", "config.num_key_value_heads", "config.hidden_size")
+
+
+def _supported(module: nn.Module, style: str) -> None:
+    if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+        raise NotModelledError(f"{style} splits nn.Linear and Conv1D modules, not {type(module).__name__}")
+
+
+def _distribute(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src_data_rank) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        placement = placements.get(name, Replicate())
+        module.register_parameter(name, nn.Parameter(
+            distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank), requires_grad=param.requires_grad))
+
+
+class ColumnSplit(ColwiseParallel):
+    """Column-parallel linear (``nn.Linear`` or ``Conv1D``), ``parts`` packed blocks, output local or gathered."""
+
+    def __init__(self, *, parts: int = 1, input_layouts: Placement | None = None, gather_output: bool = False) -> None:
+        super().__init__(input_layouts=input_layouts, output_layouts=Replicate() if gather_output else None)
+        self.parts, self.gather_output = parts, gather_output
+
+    def _placement(self, dim: int) -> Placement:
+        return Shard(dim) if self.parts == 1 else _StridedShard(dim, split_factor=self.parts)
+
+    def _partition_linear_fn(self, name, module, device_mesh) -> None:
+        features = 1 if is_conv1d(module) else 0  # dim of the output features in the weight
+        _distribute(module, device_mesh, {"weight": self._placement(features), "bias": self._placement(0)},
+                    self.src_data_rank)
+
+    def _output(self, mod, outputs, device_mesh):
+        if self.gather_output:  # (..., N) on every rank
+            return outputs.redistribute(placements=[Replicate()]).to_local()
+        return outputs.to_local()  # (..., N / tp): this rank's slice of each packed block
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _supported(module, "ColumnSplit")
+        prepare_input = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+        return distribute_module(module, device_mesh, self._partition_linear_fn, prepare_input, self._output)
+
+
+class RowSplit(RowwiseParallel):
+    """Row-parallel linear (``nn.Linear`` or ``Conv1D``): input features sharded, the bias added once."""
+
+    def _partition_linear_fn(self, name, module, device_mesh) -> None:
+        features = 0 if is_conv1d(module) else 1  # dim of the input features in the weight
+        _distribute(module, device_mesh, {"weight": Shard(features), "bias": Replicate()}, self.src_data_rank)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _supported(module, "RowSplit")
+        self.desired_input_layouts = (Shard(-1),)
+        prepare_input = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+        prepare_output = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+        return distribute_module(module, device_mesh, self._partition_linear_fn, prepare_input, prepare_output)
+
+
+# ------------------------------------------------------------------------------------------- local attention
+
+
+def check_local_heads(fqn: str, attention: nn.Module) -> None:
+    """Raise ``NotModelledError`` if ``attention``'s forward reads head counts from the model's shared config."""
+    source = _forward_source(attention)
+    read = next((name for name in CONFIG_HEAD_READS if name in source), None)
+    if read is not None:
+        raise NotModelledError(
+            f"cannot split the heads of {fqn} ({type(attention).__name__}): its forward reads {read}, the whole "
+            "model's count, so it would slice this rank's heads at the wrong offsets; give its fused projection "
+            "style colwise_gather_output and its output projection rowwise_split_input in tp_plan=, or plan with tp=1"
+        )
+
+
+def localise_attention(attention: nn.Module, tp: int) -> None:
+    """Divide the head counts (and packed widths) ``attention``'s forward reads by ``tp``: it now holds its
+    local heads. Attributes its forward does not read are left alone (they describe the whole model)."""
+    source = _forward_source(attention)
+    for name in LOCAL_COUNT_ATTRIBUTES:
+        value = getattr(attention, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and (not source or f"self.{name}" in source):
+            setattr(attention, name, value // tp)
+
+
+def _forward_source(module: nn.Module) -> str:
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):  # no source (compiled, generated): treat every attribute as read
+        return ""

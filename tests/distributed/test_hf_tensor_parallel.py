@@ -1,0 +1,215 @@
+"""Tensor (and sequence) parallelism on models Tessera did not write matches one process: Hugging Face families
+of every projection structure (separate q/k/v: Llama; fused q|k|v and gate|up declared gathered: Phi-3; fused
+q/k/v interleaved per head: GPT-NeoX; ``Conv1D`` with packed q|k|v and tied embeddings: GPT-2), and, under
+``-m slow``, Qwen2, Mistral, Gemma (tied), Gemma 2 (post-norms), OPT (learned positions, tied) and torchtitan's
+Llama 3 (its q/k/v in a ``qkv_linear`` module; fused ``wqkv`` too), and dp2 x tp2 on 4 ranks.
+
+Every case trains tiny random-init models (hidden 32-64, 2 layers, vocabulary 256, fp32) from the same seed with
+AdamW on the same global batches, with Tessera's default loss (no adapter), and is compared with plain
+single-process training on the whole batch (cross-entropy on the logits, written out here): per-step losses,
+identical on every rank, and final parameters gathered from the shards (tolerances and why: ``harness.py``). The
+split comes from what each model declares (``base_model_tp_plan``) or, where it declares nothing, from the module
+tree. All cases of a world size run in one spawn.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.cost_models.types import Strategy, TrainingConfig
+from tessera.planner.plan import Plan, PlannedLayer
+from tessera.runtime.apply import apply_plan
+
+from .harness import FP32_TOL, GLOBAL_BATCH, LR, PARAM_TOL, SEED, SEQ_LEN, dummy_estimate, full_tensors
+
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")]
+
+STEPS, VOCAB = 3, 256
+HAS_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
+
+# ------------------------------------------------------------------------------------------------ the models
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+             max_position_embeddings=SEQ_LEN, use_cache=False)
+"""Shared fields of the Hugging Face configs below."""
+
+
+def _hf(config_name: str, model_name: str, **fields) -> nn.Module:
+    import transformers  # noqa: PLC0415
+
+    torch.manual_seed(SEED)
+    config = getattr(transformers, config_name)(**fields)
+    return getattr(transformers, model_name)(config)
+
+
+FAMILIES = {
+    "llama": lambda: _hf("LlamaConfig", "LlamaForCausalLM", **SMALL, num_key_value_heads=2),
+    "phi3": lambda: _hf("Phi3Config", "Phi3ForCausalLM", **SMALL, num_key_value_heads=2, pad_token_id=0,
+                        original_max_position_embeddings=SEQ_LEN),
+    "gpt_neox": lambda: _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", **SMALL, rotary_pct=0.5),
+    "gpt2": lambda: _hf("GPT2Config", "GPT2LMHeadModel", n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB,
+                        n_positions=SEQ_LEN, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                        bos_token_id=0, eos_token_id=0),
+    "qwen2": lambda: _hf("Qwen2Config", "Qwen2ForCausalLM", **SMALL, num_key_value_heads=2),
+    "mistral": lambda: _hf("MistralConfig", "MistralForCausalLM", **SMALL, num_key_value_heads=2),
+    "gemma": lambda: _hf("GemmaConfig", "GemmaForCausalLM", **SMALL, num_key_value_heads=2, head_dim=8),
+    "gemma2": lambda: _hf("Gemma2Config", "Gemma2ForCausalLM", **SMALL, num_key_value_heads=2, head_dim=8),
+    "opt": lambda: _hf("OPTConfig", "OPTForCausalLM", hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                       num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=SEQ_LEN, dropout=0.0,
+                       attention_dropout=0.0, word_embed_proj_dim=32, use_cache=False, pad_token_id=1),
+}
+
+
+def torchtitan_llama3(fuse_qkv: bool = False) -> nn.Module:
+    """torchtitan's Llama 3 (``Llama3Model``), debug-model structure at hidden 64: 2 layers, 4 heads, 2 key/value
+    heads, vocabulary 256, plain SDPA attention (flex attention has no CPU backward)."""
+    from torchtitan.models import llama3  # noqa: PLC0415
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: PLC0415
+    from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: PLC0415
+
+    dim, heads = 64, 4
+    layers = llama3._build_llama3_layers(
+        fuse_qkv=fuse_qkv, n_layers=2, dim=dim, n_heads=heads, n_kv_heads=2, hidden_dim=128, attn_backend="flex",
+        rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=SEQ_LEN, theta=500000, scaling="none"))
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config = llama3.Llama3Model.Config(
+        dim=dim, vocab_size=VOCAB, layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=llama3._output_linear_init(dim)))
+    torch.manual_seed(SEED)
+    model = config.build()
+    model.init_weights() if hasattr(model, "init_weights") else None
+    return model
+
+
+FAMILIES["torchtitan"] = torchtitan_llama3
+FAMILIES["torchtitan_fused"] = functools.partial(torchtitan_llama3, fuse_qkv=True)
+
+
+def planned(model: nn.Module) -> list[PlannedLayer]:
+    """The layers capture would plan, in execution order: embeddings, the blocks (elements of a ModuleList or
+    ModuleDict), then the other norms and the head (the model's last linear)."""
+    blocks = [f"{name}.{key}" for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))
+              for key in m._modules]
+    inside = tuple(f"{fqn}." for fqn in blocks)
+    leaves = [(name, m) for name, m in model.named_modules() if name and not name.startswith(inside)]
+    embeddings = [name for name, m in leaves if isinstance(m, nn.Embedding)]
+    norms = [name for name, m in leaves if type(m).__name__.lower().endswith("norm") and m.weight is not None]
+    head = [name for name, m in leaves if isinstance(m, nn.Linear)][-1:]
+    kinds = [*((f, "embedding") for f in embeddings), *((f, "block") for f in blocks), *((f, "norm") for f in norms),
+             *((f, "head") for f in head)]
+    return [*(PlannedLayer(fqn=fqn, kind=kind, recompute="none") for fqn, kind in kinds),
+            PlannedLayer(fqn="loss", kind="loss", recompute="none")]
+
+
+def plan_for(name: str, model: nn.Module, strategy: str) -> Plan:
+    training = TrainingConfig(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, precision="fp32")
+    return Plan(model_name=name, param_count=sum(p.numel() for p in model.parameters()), cluster="test",
+                device_name="cpu", training=training, strategy=Strategy.parse(strategy), estimate=dummy_estimate(),
+                layers=tuple(planned(model)))
+
+
+def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tokens = torch.randint(VOCAB, (steps, GLOBAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
+    return [(step[:, :-1], step[:, 1:]) for step in tokens]
+
+
+# ------------------------------------------------------------------------------------------------ the spawns
+
+TP, TP_SP = "dp=1,tp=2,mbs=4", "dp=1,tp=2,sp=true,mbs=4"
+FAST = [(family, strategy) for family in ("llama", "phi3", "gpt_neox", "gpt2") for strategy in (TP, TP_SP)]
+SLOW = {2: [(family, strategy) for family in ("qwen2", "mistral", "gemma", "gemma2", "opt", "torchtitan",
+                                              "torchtitan_fused") for strategy in (TP, TP_SP)],
+        4: [(family, strategy) for family in ("llama", "phi3", "gpt2", "torchtitan")
+            for strategy in ("dp=2,tp=2,zero=0,mbs=4", "dp=2,tp=2,sp=true,zero=3,mbs=2")]}
+
+
+def train_case(family: str, strategy: str) -> dict:
+    model = FAMILIES[family]()
+    parallel = apply_plan(model, plan_for(family, model, strategy))
+    losses = [parallel.train_step(batch) for batch in batches()]
+    return {"losses": losses, "params": full_tensors(parallel.named_parameters())}
+
+
+def run_cases(cases: list[tuple[str, str]]) -> dict:
+    """Runs on every rank: every case (a failure ends the spawn, named), with its wall time."""
+    results, seconds = {}, {}
+    for case in cases:
+        started = time.perf_counter()
+        try:
+            results[case] = train_case(*case)
+        except Exception as error:
+            raise RuntimeError(f"case {case} failed") from error
+        seconds[case] = time.perf_counter() - started
+    return {**results, "seconds": seconds}
+
+
+@functools.cache
+def spawned(world: int, slow: bool) -> list[dict]:
+    from tessera.runtime.launch import spawn  # noqa: PLC0415
+
+    cases = SLOW[world] if slow else FAST
+    if not HAS_TORCHTITAN:
+        cases = [case for case in cases if not case[0].startswith("torchtitan")]
+    return spawn(run_cases, nprocs=world, args=(cases,), timeout_s=900)
+
+
+@functools.cache
+def single_process(family: str) -> dict:
+    """Plain training on the whole global batch: cross-entropy on the logits, AdamW."""
+    model = FAMILIES[family]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for inputs, targets in batches():
+        outputs = model(inputs)
+        logits = outputs if isinstance(outputs, torch.Tensor) else outputs.logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": full_tensors(model.named_parameters())}
+
+
+def check_case(world: int, slow: bool, family: str, strategy: str) -> None:
+    if family.startswith("torchtitan") and not HAS_TORCHTITAN:
+        pytest.skip("torchtitan is not installed")
+    per_rank = [results[(family, strategy)] for results in spawned(world, slow)]
+    assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), "ranks disagree on the loss"
+    expected = single_process(family)
+    torch.testing.assert_close(per_rank[0]["losses"], expected["losses"], **FP32_TOL)
+    assert per_rank[0]["params"].keys() == expected["params"].keys()  # FQNs kept; every shard gathered
+    torch.testing.assert_close(per_rank[0]["params"], expected["params"], **PARAM_TOL)
+
+
+@pytest.mark.parametrize(("family", "strategy"), FAST, ids=[f"{f}-{s}" for f, s in FAST])
+def test_tensor_parallel_hugging_face_models_train_like_one_process(family, strategy):
+    check_case(2, False, family, strategy)
+
+
+def test_the_spawn_stays_fast():
+    seconds = spawned(2, False)[0]["seconds"]
+    print({" ".join(key): round(value, 1) for key, value in seconds.items()})
+    assert sum(seconds.values()) < 90, seconds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "strategy"), SLOW[2], ids=[f"{f}-{s}" for f, s in SLOW[2]])
+def test_more_families_under_tensor_parallelism_train_like_one_process(family, strategy):
+    check_case(2, True, family, strategy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "strategy"), SLOW[4], ids=[f"{f}-{s}" for f, s in SLOW[4]])
+def test_data_and_tensor_parallel_on_four_ranks_train_like_one_process(family, strategy):
+    check_case(4, True, family, strategy)
