@@ -20,6 +20,11 @@ fraction of routed assignments that chose expert ``e`` and ``P_e`` its mean rout
 stores its last value in ``.aux_loss``; ``MoE.aux_loss()`` sums them, so a training step adds
 ``model.aux_loss()`` to the language-model loss. Tracing does not store it (a traced value is not a tensor).
 
+**Stacked experts** (:func:`stacked_experts_problem`) are the other MoE form expert parallelism splits: the experts
+module of Hugging Face transformers 5 (every family in 5.24 that has routed experts: Mixtral, Qwen2-MoE, Qwen3-MoE,
+DeepSeek, ...), which its block calls with the router's choices. The rule is the module's structure and call, not its
+class, and lives here because both capture (``planner.capabilities``) and the runtime (``runtime.hf_experts``) read it.
+
 Module names (Tessera's contract): ``tok_emb``, ``blocks.{i}.attn_norm``, ``blocks.{i}.attn.{q,k,v,o}``,
 ``blocks.{i}.mlp_norm``, ``blocks.{i}.moe.router``, ``blocks.{i}.moe.experts.{e}.{gate,up,down}``,
 ``blocks.{i}.moe.shared.{gate,up,down}``, ``norm``, ``head``.
@@ -30,6 +35,8 @@ initialisation are Llama's own code.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -137,3 +144,40 @@ class MoE(Llama):
         if not losses:
             raise RuntimeError("aux_loss() is available after a forward pass")
         return torch.stack(losses).sum()
+
+
+STACKED_EXPERTS_CALL = "experts(hidden_states, top_k_index, top_k_weights)"
+"""How a block calls stacked experts: tokens ``(N, H)``, each token's experts ``(N, k)`` and routing weights ``(N, k)``;
+it returns ``(N, H)``, each token's weighted sum of its experts' outputs."""
+
+
+def stacked_experts_problem(experts: nn.Module) -> str | None:
+    """Why expert parallelism cannot split ``experts`` as a stack of experts, or None when it can.
+
+    The contract: ``forward`` takes three positional arguments (``STACKED_EXPERTS_CALL``) and computes, per
+    (token, chosen expert) pair, that expert's output on the token times its weight, summed per token (what
+    transformers' experts interface and its eager, batched and grouped implementations compute); ``num_experts``
+    is an int; every parameter of the module itself has ``num_experts`` rows on dim 0 (expert ``e``'s weights
+    are row ``e``), and it holds no buffers and no submodule with parameters (those would be shared by experts).
+    """
+    if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+        return f"they are a {type(experts).__name__} that the block runs itself, expert by expert"
+    count = getattr(experts, "num_experts", None)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        return "it declares no integer num_experts"
+    arguments = list(inspect.signature(type(experts).forward).parameters.values())[1:]
+    positional = [a for a in arguments if a.kind in (a.POSITIONAL_ONLY, a.POSITIONAL_OR_KEYWORD)]
+    required = [a for a in arguments if a.default is a.empty and a.kind not in (a.VAR_POSITIONAL, a.VAR_KEYWORD)]
+    if len(positional) != 3 or len(required) > 3:
+        return f"its forward is not called as {STACKED_EXPERTS_CALL}"
+    own = dict(experts.named_parameters(recurse=False))
+    if not own:
+        return "it holds no parameters of its own"
+    unstacked = [name for name, param in own.items() if param.dim() < 2 or param.shape[0] != count]
+    if unstacked:
+        return f"its parameter {unstacked[0]} is not stacked over its {count} experts on dim 0"
+    shared = [name for name, _ in experts.named_parameters() if name not in own]
+    if shared:
+        return f"its parameter {shared[0]} belongs to a submodule that all experts share"
+    buffer = next((name for name, _ in experts.named_buffers()), None)
+    return None if buffer is None else f"it holds a buffer ({buffer})"

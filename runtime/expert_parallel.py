@@ -2,6 +2,10 @@
 exchanges tokens with its group by all-to-all (GShard, Lepikhin et al. 2020, arXiv:2006.16668; the
 dispatch/combine pattern of DeepSpeed-MoE and Megatron-Core).
 
+Two kinds of MoE layer are split: Tessera's ``MoELayer`` (here) and the stacked experts modules of models Tessera
+did not write, Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE and their kin (``runtime.hf_experts``; only their experts
+module is replaced, their blocks' own routing runs). Both use the exchange of ``runtime.experts_exchange``.
+
 **Where the ep group comes from.** Expert parallelism is carved out of the data-parallel axis
 (``Strategy``'s convention; ``runtime.mesh``): ``dp = edp * ep``, the ``ep`` axis inside the pipeline axis
 (mesh ``("edp", "pp", "ep", "cp", "tp")``), so an ep group is ``ep`` ranks of one pipeline stage, ``tp * cp``
@@ -23,7 +27,8 @@ likewise sizes expert buffers per group of local tokens). Then, instead of runni
    experts (no padding is sent; gloo supports uneven splits, see PLATFORM-NOTES);
 2. each local expert runs once on the rows all peers sent it;
 3. the outputs go back by the inverse all-to-all and land in the slots they came from; the combine is the
-   single-process one. Autograd: the backward of an all-to-all is the all-to-all with the splits swapped.
+   single-process one. Autograd: the backward of an all-to-all is the all-to-all with the splits swapped
+   (``runtime.experts_exchange``).
 
 **Gradients.** A local expert's gradient, after backward, is the sum of the gradients of the ``ep`` ranks'
 local losses (their tokens' backward came back through the all-to-all). Dense gradients are averaged over
@@ -51,6 +56,9 @@ same chunk's MoE layers on the same micro-batch schedule and their all-to-alls p
 inference runs each stage's forward and backward once more, on every ep peer alike). Each chunk module's
 experts are wrapped over ``edp`` like the dense units over ``dp``.
 
+The tensor, context and pipeline compositions above are this layer's; for stacked experts modules they are
+refused (``runtime.hf_experts``).
+
 Not implemented (``NotModelledError`` from ``check_expert_parallel``): sequence parallelism and selective
 recomputation (full recomputation works) with ``ep > 1``.
 A model on the meta device is materialised whole on every rank before its experts are split (``apply_plan``,
@@ -72,6 +80,19 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tessera.cost_models.types import Strategy, runtime_splits
 from tessera.errors import NotModelledError, RuntimeSetupError
 from tessera.models.moe import MoELayer, slot_tokens
+from tessera.runtime.experts_exchange import (
+    all_to_all,
+    exchange_counts,
+    local_expert_of_rows,
+    split_sizes,
+    with_expert_gradient_scale,
+)
+from tessera.runtime.hf_experts import (
+    ExpertParallelExperts,
+    apply_stacked_experts,
+    check_stacked_experts,
+    stacked_experts_candidates,
+)
 from tessera.runtime.mesh import EP, expert_data_mesh
 
 
@@ -102,81 +123,28 @@ class ExpertParallelMoE(MoELayer):
         filled = filler < N  # (E*C,)
         sent = filled.nonzero().squeeze(1)  # (S,) filled slots, expert-major: each expert's are contiguous
         counts = filled.view(self.num_experts, capacity).sum(1)  # (E,) rows this rank sends each expert
-        received = self._exchange_counts(counts)  # (ep, E/ep): rows each peer sends each local expert
-        send_splits = counts.view(self.ep, -1).sum(1).tolist()  # rows to each peer (experts are in rank order)
-        recv_splits = received.sum(1).tolist()  # rows from each peer
+        received = exchange_counts(counts, self.group, self.ep)  # (ep, E/ep): rows each peer sends each local expert
+        send_splits, recv_splits = split_sizes(counts, received, self.ep)  # rows to / from each peer
         rows = all_to_all(tokens[filler[sent]], recv_splits, send_splits, self.group)  # (R, H)
         outputs = self._run_local_experts(rows, received)  # (R, H)
         back = all_to_all(outputs, send_splits, recv_splits, self.group)  # (S, H)
         return tokens.new_zeros(self.num_experts * capacity + 1, H).index_copy(0, sent, back)  # (E*C + 1, H)
-
-    def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """Each peer's row counts for this rank's experts, ``(ep, E/ep)``: one even all-to-all of ``(E,)``."""
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)
-        return received.view(self.ep, -1)
 
     def _run_local_experts(self, rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
         """Run each local expert once on its rows from every peer; outputs in the order ``rows`` arrived.
 
         ``rows`` arrive peer-major (peer, then local expert, then slot); group them expert-major, run, undo.
         """
-        local = received.size(1)
-        experts = torch.arange(local, device=rows.device).repeat(self.ep)  # (ep * E/ep,) peer-major
-        expert_of_row = experts.repeat_interleave(received.flatten())  # (R,)
+        expert_of_row = local_expert_of_rows(received)  # (R,)
         order = torch.argsort(expert_of_row, stable=True)  # (R,)
         grouped = rows[order].split(received.sum(0).tolist())  # E/ep chunks, (R_e, H) each
         outputs = torch.cat([self._run_expert(expert, chunk) for expert, chunk in zip(self.experts.values(), grouped)])
         return outputs[torch.argsort(order)]  # (R, H) back in arrival order
 
     def _run_expert(self, expert: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-        """``expert(rows)`` with its weight gradients divided by ``ep`` and the rows' gradients unchanged.
-
-        The data-parallel wrapping averages expert gradients over ``edp``; with this ``1/ep`` they are averaged
-        over ``dp`` like the dense ones (module docstring). Scaling the output gradient by ``1/ep`` scales every
-        gradient inside the expert; the input's is scaled back by ``ep``.
-        """
-        return scale_gradient(expert(scale_gradient(rows, float(self.ep))), 1.0 / self.ep)  # (R_e, H)
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` over dim 0 with uneven splits; its backward is the inverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        return _AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
-
-
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; multiplies the gradient by ``factor`` in backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, factor: float):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.factor, None
-
-
-def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
-    """``x`` unchanged, its gradient multiplied by ``factor``."""
-    return _ScaleGradient.apply(x, factor)
-
-
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """Differentiable ``all_to_all_single``: send ``in_splits[j]`` rows of ``x`` to peer ``j``, receive
-    ``out_splits[j]`` rows from it."""
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+        """``expert(rows)`` with its weight gradients divided by ``ep`` and the rows' gradients unchanged: the
+        data-parallel wrapping averages them over ``edp``, so they are averaged over ``dp`` like the dense ones."""
+        return with_expert_gradient_scale(expert, rows, self.ep)  # (R_e, H)
 
 
 # --------------------------------------------------------------------------------------------- applying it
@@ -187,7 +155,8 @@ def check_expert_parallel(model: nn.Module, strategy: Strategy, *, selective_rec
 
     Selective recomputation of a block is refused: the experts are FSDP2 units inside the block, and their
     hooks issue a different sequence of ops when the block is recomputed than when it first ran, which
-    selective checkpointing (it replays saved ops by count) rejects. Full recomputation works.
+    selective checkpointing (it replays saved ops by count) rejects. Full recomputation works. Stacked experts
+    modules (``runtime.hf_experts``) have their own limits (``check_stacked_experts``).
     """
     unsupported = {"sp": strategy.sp, "selective recomputation": selective_recompute}
     for name, used in unsupported.items():
@@ -198,9 +167,10 @@ def check_expert_parallel(model: nn.Module, strategy: Strategy, *, selective_rec
             )
     # The layers capture also looks for (cost_models.types.RUNTIME_SPLITS), so a plan only asks ep of a model holding them.
     layers = [module for module in model.modules() if runtime_splits("ep", type(module))]
-    if not layers:
-        raise NotModelledError(f"ep={strategy.ep} but the model has no MoE layer (tessera.models.moe.MoELayer) to "
-                               "split; plan it with ep=1")
+    stacked = check_stacked_experts(model, strategy, stacked_experts_candidates(model))
+    if not layers and not stacked:
+        raise NotModelledError(f"ep={strategy.ep} but the model has no MoE layer (tessera.models.moe.MoELayer) or "
+                               "experts module to split; plan it with ep=1")
     for layer in layers:
         if layer.num_experts % strategy.ep:
             raise NotModelledError(f"{layer.num_experts} experts cannot be split evenly over ep={strategy.ep}; "
@@ -208,8 +178,9 @@ def check_expert_parallel(model: nn.Module, strategy: Strategy, *, selective_rec
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, *, ep: int) -> None:
-    """Replace every ``MoELayer`` of ``model`` (in place) by an :class:`ExpertParallelMoE` over the mesh's ep axis;
-    the experts other ranks hold are dropped (every rank must hold the same weights beforehand)."""
+    """Replace every ``MoELayer`` of ``model`` (in place) by an :class:`ExpertParallelMoE`, and every stacked experts
+    module by an ``ExpertParallelExperts``, over the mesh's ep axis; the experts other ranks hold are dropped
+    (every rank must hold the same weights beforehand)."""
     if mesh[EP].size() != ep:
         raise RuntimeSetupError(f"the mesh's ep axis has {mesh[EP].size()} ranks but the plan says ep={ep}; "
                                 "build the mesh from the plan's strategy (runtime.mesh.build_mesh)")
@@ -218,26 +189,33 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, *, ep: int) -> Non
         if isinstance(layer, MoELayer) and not isinstance(layer, ExpertParallelMoE):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, ExpertParallelMoE(layer, group=group, ep=ep, ep_rank=ep_rank))
+    apply_stacked_experts(model, mesh[EP])
 
 
-def expert_layers(model: nn.Module) -> Iterator[ExpertParallelMoE]:
-    """The expert-parallel layers of ``model``."""
-    return (module for module in model.modules() if isinstance(module, ExpertParallelMoE))
+def expert_units(model: nn.Module) -> Iterator[nn.Module]:
+    """The modules holding this rank's experts, each wrapped on its own over ``edp``: every local expert of an
+    ``ExpertParallelMoE``, every ``ExpertParallelExperts`` (its stacked shards)."""
+    for module in model.modules():
+        if isinstance(module, ExpertParallelMoE):
+            yield from module.experts.values()
+        elif isinstance(module, ExpertParallelExperts):
+            yield module
 
 
 def apply_expert_data_parallel(
     model: nn.Module, mesh: DeviceMesh, *, strategy: Strategy, mp_policy: MixedPrecisionPolicy
 ) -> None:
     """Average each local expert's gradient over the ``edp`` (x ``cp``) ranks holding it; ``1/ep`` is applied in
-    backward (``ExpertParallelMoE._run_expert``), so it ends up divided by ``dp`` (x ``cp``) like the dense ones.
+    backward (``experts_exchange.with_expert_gradient_scale``), so it ends up divided by ``dp`` (x ``cp``) like the
+    dense ones.
 
-    ZeRO-0 replicates each expert (FSDP2 ``replicate``); ZeRO-1/2/3 shard it over those ranks like the dense units.
+    ZeRO-0 replicates each expert unit (FSDP2 ``replicate``); ZeRO-1/2/3 shard it over those ranks like the dense
+    units (a stacked unit's parameters are ep-sharded ``DTensor`` s: FSDP2 shards them over ``edp`` x ``ep``).
     Call before the dense data-parallel wrapping, which then leaves the experts alone.
     """
     edp_mesh = expert_data_mesh(mesh)  # edp (x cp)
-    for layer in expert_layers(model):
-        for expert in layer.experts.values():
-            if strategy.zero == 0:
-                replicate(expert, mesh=edp_mesh, mp_policy=mp_policy)
-            else:
-                fully_shard(expert, mesh=edp_mesh, mp_policy=mp_policy, reshard_after_forward=strategy.zero == 3)
+    for unit in list(expert_units(model)):
+        if strategy.zero == 0:
+            replicate(unit, mesh=edp_mesh, mp_policy=mp_policy)
+        else:
+            fully_shard(unit, mesh=edp_mesh, mp_policy=mp_policy, reshard_after_forward=strategy.zero == 3)

@@ -1,0 +1,150 @@
+"""Expert parallelism for mixture-of-experts blocks Tessera did not write: Hugging Face transformers 5's Mixtral,
+Qwen2-MoE (shared expert and its gate), Qwen3-MoE and every block whose experts module keeps all experts' weights
+stacked on dim 0 and is called as ``experts(hidden_states, top_k_index, top_k_weights)``
+(``models.moe.stacked_experts_problem`` says exactly what qualifies; the blocks' configs declare the same module as
+``ep_dispatch_experts`` in ``base_model_ep_plan``).
+
+**Only the experts module is replaced**, by :class:`ExpertParallelExperts`; the block's own forward still runs:
+its router (top-k, softmax before or after, ``norm_topk_prob`` or not), router jitter, shared expert and
+shared-expert gate are the model's code, called exactly as in one process, on this rank's tokens. The new module
+takes the router's choices, sends each (token, expert) pair's row to the rank holding that expert
+(``runtime.experts_exchange``), runs the local experts there with the original module's own forward (its
+``config._experts_implementation``: eager, batched or grouped matmuls), each row as a top-1 choice of weight 1,
+brings the outputs back and applies the routing weights on the sending rank, summed per token as the original
+does. The dispatch is dropless (no capacity), as the original: training equals one process on the same rows.
+
+**Parameters.** The stacked weights (``gate_up_proj``, ``down_proj``, biases) stay registered under their FQNs on
+the new module, as ``DTensor`` s sharded on dim 0 over the mesh's ep axis (``Shard(0)``: this rank's ``E / ep``
+experts), so ``full_tensor()``, ``state_dict`` and ``torch.distributed.checkpoint`` see the whole stack. The
+original module computes on their local shards, handed to it per call (``torch.func.functional_call``); it is
+kept out of the module tree. Expert data parallelism (FSDP2 over ``edp``, ``runtime.expert_parallel``) wraps the new
+module: FSDP2 composes a data-parallel mesh with an ep-sharded ``DTensor`` (its 2-D "FSDP + EP" layout).
+
+**Load-balancing loss.** ``router_logits`` in the model's output are recorded by the model's own hooks on its
+router, which still runs on this rank's tokens: they are exactly the single-process router's logits for these
+rows. An auxiliary loss computed from them (``output_router_logits=True``) is therefore this rank's batch's
+loss, as under plain data parallelism: the Switch loss multiplies two batch means, so the ``dp`` ranks' average
+of it is not the global batch's value (Megatron-Core and torchtitan likewise balance per micro-batch).
+
+Not implemented (refused by :func:`check_stacked_experts` with the combination's name): tensor, pipeline or context
+parallelism together with expert parallelism on these blocks; experts held in a ``ModuleList`` that their block
+runs itself (transformers 4's layout, or a home-grown block): the block's own forward would have to be rewritten.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from tessera.cost_models.types import Strategy, runtime_splits
+from tessera.errors import NotModelledError
+from tessera.models.moe import STACKED_EXPERTS_CALL, stacked_experts_problem
+from tessera.runtime.experts_exchange import (
+    all_to_all,
+    exchange_counts,
+    local_expert_of_rows,
+    split_sizes,
+    with_expert_gradient_scale,
+)
+
+
+class ExpertParallelExperts(nn.Module):
+    """Stands in for a stacked experts module: holds this rank's ``E / ep`` experts (``DTensor`` shards under the
+    original FQNs) and reaches the others' by all-to-all over the ep ``mesh``.
+
+    ``experts`` must satisfy ``stacked_experts_problem`` and hold the same weights on every rank of ``mesh``; it
+    keeps its class, config and activation, gives its parameters to this module and computes the local experts.
+    """
+
+    def __init__(self, experts: nn.Module, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.num_experts, self.ep, self.group = experts.num_experts, mesh.size(), mesh.get_group()
+        for name, param in list(experts.named_parameters(recurse=False)):
+            shard = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)  # local rows, no copy sent
+            self.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
+            delattr(experts, name)
+        experts.num_experts = self.num_experts // self.ep  # the original forward now sees local expert indices
+        self.__dict__["local_experts"] = experts  # not a submodule: its weights are this module's
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # (N, H)
+        top_k = top_k_index.shape[-1]
+        chosen = top_k_index.reshape(-1)  # (N*k,) every token's choices in turn
+        order = torch.argsort(chosen, stable=True)  # (N*k,) expert-major, so grouped by the rank holding each
+        counts = torch.bincount(chosen, minlength=self.num_experts)  # (E,)
+        received = exchange_counts(counts, self.group, self.ep)  # (ep, E/ep)
+        sent, arrived = split_sizes(counts, received, self.ep)
+        rows = all_to_all(tokens[order // top_k], arrived, sent, self.group)  # (R, H)
+        outputs = with_expert_gradient_scale(lambda x: self._run_local_experts(x, received), rows, self.ep)
+        back = all_to_all(outputs, sent, arrived, self.group)  # (N*k, H) in ``order``
+        weighted = (back * top_k_weights.reshape(-1)[order].unsqueeze(-1)).to(tokens.dtype)  # (N*k, H)
+        combined = torch.zeros_like(tokens).index_add(0, order // top_k, weighted)  # (N, H)
+        return combined if hidden_states.dim() == 2 else combined.view(hidden_states.shape)  # a view only if asked
+
+    def _run_local_experts(self, rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        """Each received row through its local expert, unweighted, ``(R, H)``."""
+        experts = local_expert_of_rows(received).unsqueeze(1)  # (R, 1)
+        if rows.shape[0] == 0:  # one zero row through expert 0, dropped: keeps the weights and exchange in backward,
+            return self._run_rows(rows.sum(0, keepdim=True), experts.new_zeros(1, 1))[:0]  # which the peers wait on
+        return self._run_rows(rows, experts)
+
+    def _run_rows(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The original forward on this rank's shards of the stacked weights, each row a top-1 choice of weight 1."""
+        weights = {name: _local(p) for name, p in self.named_parameters()}
+        ones = rows.new_ones(rows.shape[0], 1)  # (R, 1)
+        return torch.func.functional_call(self.local_experts, weights, (rows, experts, ones))  # (R, H)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``param`` as a plain tensor (autograd reaches ``param``). ``to_local()`` marks its result
+    as a parameter (``_is_param``), which ``functional_call`` would try to register; a view is not marked."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.view_as(local)
+
+
+def stacked_experts_candidates(model: nn.Module) -> dict[str, nn.Module]:
+    """FQN -> every module named ``experts`` in ``model`` outside a layer ``RUNTIME_SPLITS["ep"]`` names (Tessera's
+    ``MoELayer``, split whole by ``runtime.expert_parallel``) and not yet expert-parallel."""
+    modules = dict(model.named_modules())
+    return {name: module for name, module in modules.items()
+            if name.rpartition(".")[2] == "experts" and not isinstance(module, ExpertParallelExperts)
+            and not runtime_splits("ep", type(modules[name.rpartition(".")[0]]))}
+
+
+def check_stacked_experts(model: nn.Module, strategy: Strategy, candidates: dict[str, nn.Module]) -> int:
+    """Raise ``NotModelledError`` naming the first experts module of ``candidates`` that ep cannot split, or a
+    combination not implemented for them; returns how many there are (all of them split)."""
+    for name, experts in candidates.items():
+        problem = stacked_experts_problem(experts)
+        if problem is not None:
+            block = name.rpartition(".")[0]
+            owner = type(model.get_submodule(block)).__name__ if block else type(model).__name__
+            raise NotModelledError(
+                f"ep={strategy.ep}: the experts of {block or 'the model'} ({owner}) cannot be split: {problem}; "
+                f"expert parallelism splits tessera.models.moe.MoELayer and experts modules called as "
+                f"{STACKED_EXPERTS_CALL} with every expert's weights stacked on dim 0 (transformers 5); plan with ep=1"
+            )
+        if experts.num_experts % strategy.ep:
+            raise NotModelledError(f"{experts.num_experts} experts of {name} cannot be split evenly over "
+                                   f"ep={strategy.ep}; plan with an ep that divides {experts.num_experts}")
+    unsupported = {"tensor parallelism": strategy.tp > 1, "pipeline parallelism": strategy.pp > 1,
+                   "context parallelism": strategy.cp > 1}
+    for combination, used in unsupported.items():
+        if used and candidates:
+            raise NotModelledError(
+                f"strategy {strategy.to_string()!r}: expert parallelism of stacked experts modules "
+                f"({next(iter(candidates))}) together with {combination} is not implemented by the runtime; plan "
+                "with ep=1 or without it"
+            )
+    return len(candidates)
+
+
+def apply_stacked_experts(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Replace every stacked experts module of ``model`` (in place) by an :class:`ExpertParallelExperts` over
+    ``mesh`` (the ep axis)."""
+    for name, experts in stacked_experts_candidates(model).items():
+        if stacked_experts_problem(experts) is None:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, ExpertParallelExperts(experts, mesh))

@@ -1,0 +1,223 @@
+"""Expert parallelism on mixture-of-experts blocks Tessera did not write: Hugging Face Mixtral, Qwen2-MoE (shared
+expert and shared-expert gate, top-k weights not renormalised) and Qwen3-MoE (renormalised), experts stacked in 3-D
+tensors, trained with experts split over ``ep`` ranks, match single-process training; the router logits and the
+load-balancing loss a rank sees are the single-process model's on its rows; each rank holds only its experts; what
+the runtime cannot split is refused by name.
+
+Every case trains from the same seed with AdamW on the same global batches with the default loss, against plain
+single-process training on the whole global batch (cross-entropy on ``.logits``; ``test_outside_models``): per-step
+losses and final parameters (tolerances and why: ``harness.py``). The routing is dropless in these models (no
+capacity), so every rank's tokens meet exactly the experts they would meet in one process. The default cases run in
+one spawn of 2 ranks; the 4-rank matrix and Qwen3-MoE are ``slow``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.cost_models.types import Strategy
+from tessera.errors import NotModelledError
+from tessera.runtime.apply import apply_plan
+from tessera.runtime.expert_parallel import check_expert_parallel
+from tessera.runtime.hf_experts import ExpertParallelExperts
+
+from .harness import FP32_TOL, GLOBAL_BATCH, GPT, PARAM_TOL, SEED, SEQ_LEN, make_batches
+from .test_outside_models import hf_loss, listed_plan, single_process, train
+
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")]
+
+STEPS, EXPERTS = 3, 4
+SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+             max_position_embeddings=SEQ_LEN, num_experts_per_tok=2, use_cache=False)
+
+
+def hf_mixtral() -> nn.Module:
+    """transformers' MixtralForCausalLM: 4 experts (SwiGLU 64), top-2, weights renormalised (~60K parameters)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(SEED)
+    return MixtralForCausalLM(MixtralConfig(**SIZES, intermediate_size=64, num_local_experts=EXPERTS))
+
+
+def hf_qwen2_moe() -> nn.Module:
+    """transformers' Qwen2MoeForCausalLM: 4 experts (32) and a gated shared expert (64), top-2 not renormalised."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(SEED)
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**SIZES, intermediate_size=64, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=64, num_experts=EXPERTS,
+                                              norm_topk_prob=False))
+
+
+def hf_qwen3_moe() -> nn.Module:
+    """transformers' Qwen3MoeForCausalLM: 4 experts (32), top-2 renormalised, q/k norms (head_dim 8)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(SEED)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**SIZES, intermediate_size=64, moe_intermediate_size=32, head_dim=8,
+                                              num_experts=EXPERTS, norm_topk_prob=True))
+
+
+MODELS = {"mixtral": hf_mixtral, "qwen2-moe": hf_qwen2_moe, "qwen3-moe": hf_qwen3_moe}
+LAYERS = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+
+# (model, strategy): accumulation = GLOBAL_BATCH / (dp * mbs).
+CASES = {
+    2: [("mixtral", "dp=2,ep=2,zero=0,mbs=4"),  # experts replicated (FSDP2 replicate over edp = 1)
+        ("qwen2-moe", "dp=2,ep=2,zero=3,mbs=2")],  # ZeRO-3, 2 micro-batches per step
+    4: [("mixtral", "dp=4,ep=2,zero=1,mbs=2"),  # each expert on 2 ranks (edp = 2), ZeRO-1 over them
+        ("qwen2-moe", "dp=4,ep=2,zero=0,mbs=1"),  # replicated over edp = 2, accumulation 2
+        ("qwen3-moe", "dp=4,ep=4,zero=3,mbs=2")],  # one expert per rank
+}
+SLOW_WORLD2 = [("qwen3-moe", "dp=2,ep=2,zero=1,mbs=4")]
+
+
+def hf_ep_case(name: str, strategy: str) -> dict:
+    model = MODELS[name]()
+    if dist.get_rank():
+        with torch.no_grad():  # rank 0's weights must win (apply_plan broadcasts them)
+            for param in model.parameters():
+                param.add_(1.0)
+    plan = listed_plan(f"hf-{name}", model, strategy, LAYERS, global_batch=GLOBAL_BATCH)
+    parallel = apply_plan(model, plan)
+    local = {fqn: isinstance(m, ExpertParallelExperts) for fqn, m in model.named_modules() if fqn.endswith("mlp.experts")}
+    held = {fqn: m.local_experts.num_experts for fqn, m in model.named_modules() if hasattr(m, "local_experts")}
+    return {**train(parallel, make_batches(GPT, STEPS)), "experts_modules": local, "held": held}
+
+
+def router_check(name: str = "qwen2-moe", strategy: str = "dp=2,ep=2,zero=0,mbs=4") -> dict:
+    """Runs on every rank: the expert-parallel model's output, router logits and load-balancing loss on this rank's
+    rows, and the single-process model's on the same rows."""
+    inputs = make_batches(GPT, 1)[0][0]
+    rows = inputs.view(dist.get_world_size(), -1, SEQ_LEN)[dist.get_rank()]  # this rank's rows of the batch
+    single = MODELS[name]()(rows, output_router_logits=True)
+    model = MODELS[name]()
+    parallel = apply_plan(model, listed_plan(f"hf-{name}", model, strategy, LAYERS, global_batch=GLOBAL_BATCH))
+    ours = parallel.modules[0](rows, output_router_logits=True)
+    return {field: (getattr(ours, field), getattr(single, field)) for field in ("logits", "router_logits", "aux_loss")}
+
+
+def run_world(world: int, cases: list[tuple[str, str]]) -> dict:
+    """Runs on every rank: every case (a failure ends the spawn, named), then the router check, with wall times."""
+    runs = [((name, strategy), functools.partial(hf_ep_case, name, strategy)) for name, strategy in cases]
+    runs += [(("router",), router_check)] if world == 2 else []
+    results, seconds = {}, {}
+    for key, run in runs:
+        started = time.perf_counter()
+        try:
+            results[key] = run()
+        except Exception as error:
+            raise RuntimeError(f"case {key} failed") from error
+        seconds[key] = time.perf_counter() - started
+    return {**results, "seconds": seconds}
+
+
+@functools.cache
+def world_results(world: int, slow: bool = False) -> list[dict]:
+    from tessera.runtime.launch import spawn  # noqa: PLC0415
+
+    cases = SLOW_WORLD2 if slow else CASES[world]
+    return spawn(run_world, nprocs=world, args=(world, cases), timeout_s=600)
+
+
+@functools.cache
+def reference(name: str) -> dict:
+    return single_process(MODELS[name](), make_batches(GPT, STEPS), hf_loss)
+
+
+def check_case(world: int, name: str, strategy: str, *, slow: bool = False) -> None:
+    per_rank = [results[(name, strategy)] for results in world_results(world, slow)]
+    assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), "ranks disagree on the loss"
+    expected = reference(name)
+    torch.testing.assert_close(per_rank[0]["losses"], expected["losses"], **FP32_TOL)
+    torch.testing.assert_close(per_rank[0]["params"], expected["params"], **PARAM_TOL)  # same FQNs, gathered
+    ep = Strategy.parse(strategy).ep
+    for result in per_rank:
+        assert len(result["experts_modules"]) == 2 and all(result["experts_modules"].values()), result["experts_modules"]
+        assert set(result["held"].values()) == {EXPERTS // ep}  # each rank computes E / ep experts
+
+
+@pytest.mark.parametrize(("name", "strategy"), CASES[2], ids=[f"{n}-{s}" for n, s in CASES[2]])
+def test_hugging_face_moe_under_expert_parallelism_trains_like_one_process(name, strategy):
+    check_case(2, name, strategy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "strategy"), CASES[4], ids=[f"{n}-{s}" for n, s in CASES[4]])
+def test_hugging_face_moe_on_4_ranks_trains_like_one_process(name, strategy):
+    check_case(4, name, strategy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "strategy"), SLOW_WORLD2, ids=[f"{n}-{s}" for n, s in SLOW_WORLD2])
+def test_qwen3_moe_on_2_ranks_trains_like_one_process(name, strategy):
+    check_case(2, name, strategy, slow=True)
+
+
+def test_router_logits_and_the_load_balancing_loss_are_the_rank_rows_single_process_ones():
+    # The block's own router ran on this rank's rows; the model's hooks recorded its logits, as in one process.
+    for results in world_results(2):
+        for field, (ours, single) in results[("router",)].items():
+            torch.testing.assert_close(ours, single, **FP32_TOL, msg=lambda message, field=field: f"{field}: {message}")
+
+
+def test_the_spawn_stays_fast():
+    seconds = world_results(2)[0]["seconds"]
+    print({" ".join(key): round(value, 1) for key, value in seconds.items()})
+    assert sum(seconds.values()) < 60, seconds
+
+
+# ----------------------------------------------------------------------------------- refusals (no processes)
+
+
+class ListedExpertsBlock(nn.Module):
+    """A block that keeps its experts in a ModuleList and runs them itself (transformers 4's layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, EXPERTS, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.gate(x).argmax(-1)
+        return torch.stack([self.experts[int(e)](row) for e, row in zip(choice, x)])
+
+
+class SharedNormExperts(nn.Module):
+    """Stacked experts with a norm that all experts share: its gradient would be averaged over ep, not dp."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = EXPERTS
+        self.weight = nn.Parameter(torch.zeros(EXPERTS, 8, 8))
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return self.norm(hidden_states)
+
+
+def test_what_expert_parallelism_cannot_split_is_refused_by_name():
+    strategy = Strategy.parse("dp=2,ep=2")
+    with pytest.raises(NotModelledError, match=r"experts of the model \(ListedExpertsBlock\) cannot be split: they "
+                                               r"are a ModuleList that the block runs itself"):
+        check_expert_parallel(ListedExpertsBlock(), strategy)
+    holder = nn.Module()
+    holder.experts = SharedNormExperts()
+    with pytest.raises(NotModelledError, match="its parameter norm.weight belongs to a submodule that all experts"):
+        check_expert_parallel(holder, strategy)
+    with pytest.raises(NotModelledError, match="4 experts of model.layers.0.mlp.experts cannot be split evenly over "
+                                               "ep=3"):
+        check_expert_parallel(hf_mixtral(), Strategy.parse("dp=3,ep=3"))
+    for combination, pinned in [("tensor", "dp=2,ep=2,tp=2"), ("pipeline", "dp=2,ep=2,pp=2"),
+                                ("context", "dp=2,ep=2,cp=2")]:
+        with pytest.raises(NotModelledError, match=f"stacked experts modules .* together with {combination} "):
+            check_expert_parallel(hf_mixtral(), Strategy.parse(pinned))
+    check_expert_parallel(hf_qwen2_moe(), strategy)  # accepted
