@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
+from tessera.cli_frameworks import FRAMEWORK_FORMATS, add_from_options, from_sources, import_configs, training_from
 from tessera.cli_args import (
     MAX_CAPACITY_FACTOR, MAX_COUNT, MAX_GLOBAL_BATCH, MAX_LOCAL_RANKS, MAX_NODES, MAX_SEQ_LEN, cluster_file_to_write,
     file_to_write, finite_number, plan_file_to_read, report_folder, whole_number,
@@ -33,6 +34,7 @@ from tessera.cli_args import (
 
 DEFAULT_MODEL = "llama3-8b"
 DEFAULT_CLUSTER = "dgx-h100:nodes=1"
+DEFAULT_SEQ_LEN = 4096
 
 INTERNAL_ERROR_CHARS = 200
 """How much of an unexpected exception's message the one-line internal error shows."""
@@ -79,7 +81,7 @@ def _add_debug(parser: argparse.ArgumentParser) -> None:
 
 def _add_plan(verbs: argparse._SubParsersAction) -> None:
     plan = verbs.add_parser("plan", help="search for the fastest strategy that fits and print it")
-    _add_planning_args(plan, formats=("table", "json", "md", "html"))
+    _add_planning_args(plan, formats=("table", "json", "md", "html", *FRAMEWORK_FORMATS))
     plan.add_argument("--out", metavar="DIR", type=report_folder, help="with --format md|html: folder for the report, "
                       "its charts and plan.json (default tessera-report); other files in it are left alone")
     plan.add_argument("--fix", metavar="STR", help="pin strategy fields and search the rest, e.g. tp=8,pp=4")
@@ -92,15 +94,20 @@ def _add_plan(verbs: argparse._SubParsersAction) -> None:
 def _add_evaluate(verbs: argparse._SubParsersAction) -> None:
     evaluate = verbs.add_parser("evaluate", help="predict one strategy; fields left out are filled by the planner")
     _add_planning_args(evaluate)
-    evaluate.add_argument("--strategy", required=True, help="e.g. tp=8,pp=8,dp=16,mbs=1,schedule=interleaved:2")
+    source = evaluate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--strategy", help="e.g. tp=8,pp=8,dp=16,mbs=1,schedule=interleaved:2")
+    add_from_options(source)
 
 
 def _add_compare(verbs: argparse._SubParsersAction) -> None:
     compare = verbs.add_parser("compare", help="Tessera's plan next to hand-tuned strategies on the same cost model")
     _add_planning_args(compare)
-    compare.add_argument("--baseline", action="append", required=True, metavar="STR",
+    compare.add_argument("--baseline", action="append", default=[], metavar="STR",
                          help="a hand-tuned strategy, e.g. tp=8,pp=8,dp=16,mbs=1 (repeat for more; fields left out "
                          "are filled by the planner)")
+    compare.add_argument("--baseline-from", action="append", nargs=2, default=[], metavar=("FRAMEWORK", "SOURCE"),
+                         help="a baseline read from a framework's configuration: megatron ARGS, torchtitan FILE or "
+                         "deepspeed FILE (as evaluate's --from-*; repeat for more)")
 
 
 def _add_launch(verbs: argparse._SubParsersAction) -> None:
@@ -136,8 +143,8 @@ def _add_planning_args(parser: argparse.ArgumentParser, *, formats: Sequence[str
     parser.add_argument("--cluster", default=DEFAULT_CLUSTER, help=f"cluster preset or YAML file (default {DEFAULT_CLUSTER})")
     parser.add_argument("--global-batch", type=whole_number(unit="sequences", at_most=MAX_GLOBAL_BATCH), default=None,
                         help="sequences per step (default: 8 per device)")
-    parser.add_argument("--seq-len", type=whole_number(unit="tokens", at_most=MAX_SEQ_LEN), default=4096,
-                        help="tokens per sequence (default 4096)")
+    parser.add_argument("--seq-len", type=whole_number(unit="tokens", at_most=MAX_SEQ_LEN), default=None,
+                        help=f"tokens per sequence (default: an imported config's, else {DEFAULT_SEQ_LEN})")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 on GPUs, fp32 on CPU")
     capacity = finite_number(noun="a load factor", above=0, at_most=MAX_CAPACITY_FACTOR)
     parser.add_argument("--expert-capacity", type=capacity, default=None, metavar="F",
@@ -209,8 +216,9 @@ def _say(console: Console, text: str) -> None:
     console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-def _workload(args: argparse.Namespace, *strategies: str | None) -> dict:
-    """The model, cluster and training arguments shared by plan, evaluate and compare.
+def _workload(args: argparse.Namespace, *strategies: str | None, imported: Sequence = ()) -> dict:
+    """The model, cluster and training arguments shared by plan, evaluate and compare; the global batch, sequence
+    length and precision not given as options come from the ``imported`` framework configs (which must agree).
 
     The cluster, a built-in model spec and the ``strategies`` strings are checked here, before ``tessera.api``
     (and torch, seconds to import) is loaded, so a bad one fails at once."""
@@ -222,14 +230,23 @@ def _workload(args: argparse.Namespace, *strategies: str | None) -> dict:
     _check_model_spec(args.model)
     for text in filter(None, strategies):
         Strategy.parse_fields(text)
-    global_batch = 8 * cluster.num_devices if args.global_batch is None else args.global_batch
+    given = training_from(args, imported)
+    global_batch = 8 * cluster.num_devices if given["global_batch"] is None else given["global_batch"]
     if global_batch > MAX_GLOBAL_BATCH:
         raise ConfigError(f"the default global batch (8 per device) on {cluster.num_devices:,} devices is "
                           f"{global_batch:,} sequences, past Tessera's bound of {MAX_GLOBAL_BATCH:,}; pass --global-batch")
     return dict(
-        model=args.model, cluster=cluster, global_batch=global_batch, seq_len=args.seq_len,
-        precision=args.precision, expert_capacity_factor=args.expert_capacity,
+        model=args.model, cluster=cluster, global_batch=global_batch, seq_len=given["seq_len"] or DEFAULT_SEQ_LEN,
+        precision=given["precision"], expert_capacity_factor=args.expert_capacity,
     )
+
+
+
+def _imported(args: argparse.Namespace, sources: Sequence[tuple[str, str]]) -> list:
+    """The framework configs ``sources`` name, read for ``--cluster``'s devices (before any capture)."""
+    from tessera.topology import load_cluster
+
+    return import_configs(sources, world_size=load_cluster(args.cluster).num_devices) if sources else []
 
 
 def _check_model_spec(spec: str) -> None:
@@ -266,13 +283,20 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     from tessera.report import print_plan  # imports the charts: only once there is a plan
     if args.format == "json":
         print(plan.to_json())
+    elif args.format in FRAMEWORK_FORMATS:
+        import tessera
+        from tessera.cli_frameworks import print_export
+
+        print_export(plan, args.format, console=console,
+                     evaluate=lambda strategy: tessera.evaluate(**_workload(args), strategy=strategy))
     else:
         print_plan(plan, console)
         if args.mtbf_hours is not None:
             _print_reliability(plan, args, console)
     if args.json:
         write_text_atomically(args.json, plan.to_json(), what="plan file")
-        _say(console, f"plan written to {args.json}")
+        _say(Console(stderr=True, emoji=False) if args.format in FRAMEWORK_FORMATS else console,
+             f"plan written to {args.json}")
     if args.format in ("md", "html"):
         _write_report(plan, args.format, out=args.out or "tessera-report", console=console)
     return 0
@@ -290,9 +314,9 @@ def _check_plan_options(args: argparse.Namespace) -> None:
     given = [name for name, value in reliability.items() if value is not None]
     if given and args.mtbf_hours is None:
         raise ConfigError(f"{', '.join(given)} only apply to the reliability estimate: add --mtbf-hours H")
-    if args.mtbf_hours is not None and args.format == "json":
-        raise ConfigError("--mtbf-hours prints a reliability table, which --format json leaves out: use --format "
-                          "table, md or html")
+    if args.mtbf_hours is not None and args.format in ("json", *FRAMEWORK_FORMATS):
+        raise ConfigError(f"--mtbf-hours prints a reliability table, which --format {args.format} leaves out: use "
+                          "--format table, md or html")
     if args.format in ("md", "html"):
         folder = Path(args.out or "tessera-report")
         for name in ("plan.json", f"report.{args.format}"):
@@ -322,9 +346,15 @@ def _write_report(plan, kind: str, *, out: str, console: Console) -> None:
 def _compare(args: argparse.Namespace, console: Console) -> int:
     import tessera
 
-    workload = _workload(args, *args.baseline)
-    with console.status(f"capturing {escape(args.model)}, searching and evaluating {len(args.baseline)} baseline(s)..."):
-        comparison = tessera.compare(**workload, baselines=args.baseline)
+    from tessera.errors import ConfigError
+
+    if not args.baseline and not args.baseline_from:
+        raise ConfigError("compare needs a baseline: --baseline STR or --baseline-from FRAMEWORK SOURCE")
+    imported = _imported(args, [tuple(pair) for pair in args.baseline_from])
+    workload = _workload(args, *args.baseline, imported=imported)
+    baselines = [*args.baseline, *(config.strategy.to_string() for config in imported)]
+    with console.status(f"capturing {escape(args.model)}, searching and evaluating {len(baselines)} baseline(s)..."):
+        comparison = tessera.compare(**workload, baselines=baselines)
     from tessera.report import print_comparison  # imports the search and charts: only once there is a result
     if args.format == "json":
         print(comparison.model_dump_json(indent=2))
@@ -338,9 +368,11 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
 
     import tessera
 
-    workload = _workload(args, args.strategy)
+    imported = _imported(args, from_sources(args))
+    workload = _workload(args, args.strategy, imported=imported)
+    requested = args.strategy or imported[0].strategy.to_string()
     with console.status(f"capturing {escape(args.model)} and estimating..."):
-        strategy, estimate = tessera.evaluate(**workload, strategy=args.strategy)
+        strategy, estimate = tessera.evaluate(**workload, strategy=requested)
     from tessera.report import estimate_json, print_estimate  # imports the search and charts: once there is a result
     if args.format == "json":
         print(json.dumps(estimate_json(strategy, estimate), indent=2))

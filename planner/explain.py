@@ -18,7 +18,10 @@ from pathlib import Path
 from tessera.cost_models.types import Estimate, Strategy
 from tessera.files import check_writable_file, write_text_atomically
 from tessera.planner import explain_plots as plots
+from tessera.errors import TesseraError
 from tessera.planner.compare import why_it_lost
+from tessera.planner.frameworks import export_plan
+from tessera.planner.frameworks.common import FRAMEWORK_NAMES, FRAMEWORKS
 from tessera.planner.explain_plots import Block, Bullets, Code, Figure, Section, Table, render_html, render_markdown
 from tessera.planner.plan import Plan, format_count
 from tessera.planner.plan_facts import (
@@ -49,6 +52,7 @@ def report_sections(plan: Plan, *, plan_path: str = "plan.json") -> list[Section
         *_degrees(plan),
         Section("Search", (Table(("statistic", "value"), tuple(solver_statistics(plan))),)),
         _launch(plan, nodes=nodes, per_node=per_node, plan_path=plan_path),
+        *(_framework(plan, name) for name in FRAMEWORKS),
     ]
 
 
@@ -240,6 +244,23 @@ def _launch(plan: Plan, *, nodes: int, per_node: int, plan_path: str) -> Section
     if nodes > 1:
         text += " Set `HEAD_NODE` to the first node's address."
     return Section("Launch", (text, Code(command)))
+
+
+FENCES = {"megatron": "sh", "torchtitan": "python", "deepspeed": "json"}
+
+
+def _framework(plan: Plan, framework: str) -> Section:
+    """The plan as ``framework``'s configuration (``planner.frameworks``), or why that framework cannot run it."""
+    title = f"As {FRAMEWORK_NAMES[framework]} configuration"
+    try:
+        export = export_plan(plan, framework)
+    except TesseraError as exc:
+        return Section(title, (f"Not expressible: {exc}.",))
+    text = (f"`tessera plan ... --format {framework}` prints this and Tessera's estimate of what "
+            f"{FRAMEWORK_NAMES[framework]} runs where that differs from the plan.")
+    differences = (["Differences from the plan:", Bullets(export.notes)] if export.notes else
+                   [f"{FRAMEWORK_NAMES[framework]} runs the plan as planned."])
+    return Section(title, (text, *differences, Code(export.text, language=FENCES[framework])))
 
 
 # ----------------------------------------------------------------------------------------- documents

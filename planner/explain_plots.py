@@ -250,6 +250,8 @@ class Code:
     """A shell command or other literal text."""
 
     text: str
+    language: str = "sh"
+    """The Markdown fence's language (``sh``, ``python``, ``json``)."""
 
 
 @dataclass(frozen=True)
@@ -287,7 +289,7 @@ def _markdown_block(block: Block, figure_dir: Path | None) -> list[str]:
         return [f"- {item}" for item in block.items]
     if isinstance(block, Code):
         fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", block.text)), default=0))
-        return [f"{fence}sh", block.text, fence]  # a fence longer than any backtick run inside (CommonMark)
+        return [f"{fence}{block.language}", block.text, fence]  # a fence longer than any backtick run inside (CommonMark)
     if isinstance(block, Figure):
         if figure_dir is None:
             return [f"*{block.caption} (chart written when the report is saved to a folder)*"]

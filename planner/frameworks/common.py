@@ -21,6 +21,9 @@ FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 FRAMEWORKS = ("megatron", "torchtitan", "deepspeed")
 """The frameworks Tessera exports a plan to and reads a configuration from."""
 FRAMEWORK_NAMES = {"megatron": "Megatron-LM", "torchtitan": "torchtitan", "deepspeed": "DeepSpeed"}
+PROFILE_NAMES = {"megatron": "megatron", "torchtitan": "torchtitan", "deepspeed": "deepspeed"}
+"""Framework -> its implementation profile in ``cost_models.profiles.PROFILES`` (what the framework does
+differently with the same strategy: DeepSpeed ZeRO-3's gathers, Transformer Engine's FP8 memory)."""
 MAX_CONFIG_BYTES = 4 * 2**20
 """Largest configuration file read (4 MiB; a torchtitan config_registry or a DeepSpeed JSON is a few KiB)."""
 
@@ -59,6 +62,11 @@ class FrameworkExport(BaseModel):
     notes: tuple[str, ...] = ()
     """Every difference between the plan and what the framework runs, in words (the comments of ``text``)."""
 
+    @property
+    def profile(self) -> str:
+        """The framework's implementation profile (``cost_models.profiles.PROFILES``) to estimate ``strategy`` with."""
+        return PROFILE_NAMES[self.framework]
+
     def differs_from(self, planned: Strategy) -> bool:
         """Whether the framework runs something other than ``planned`` (then Tessera evaluates ``strategy`` too)."""
         return canonical(self.strategy) != canonical(planned)
@@ -83,6 +91,11 @@ class ImportedConfig(BaseModel):
     """Flags or fields Tessera does not read (listed so nothing is silently ignored)."""
     notes: tuple[str, ...] = ()
     """Where the configuration was evaluated as the nearest thing the cost model has, in words."""
+
+    @property
+    def profile(self) -> str:
+        """The framework's implementation profile (``cost_models.profiles.PROFILES``) to estimate ``strategy`` with."""
+        return PROFILE_NAMES[self.framework]
 
 
 def canonical(strategy: Strategy) -> Strategy:

@@ -88,7 +88,10 @@ def to_torchtitan(plan: PlanLike) -> FrameworkExport:
         *([f"from torchtitan.distributed.activation_checkpoint import {ac_import}", ""] if ac_import else []),
         "", "def apply_tessera_plan(config):", *lines, "    return config", "",
     ])
-    runs = strategy_with(s, **update, **_policy_update(plan, policy))
+    if s.sp and s.sp_regather:
+        notes.append("sp_regather: torchtitan's sequence parallelism (DTensor) keeps the gathered input, as Tessera's "
+                     "runtime does; the strategy it runs has sp_regather off")
+    runs = strategy_with(s, sp_regather=False, **update, **_policy_update(plan, policy))
     return FrameworkExport(framework="torchtitan", text=text, strategy=runs, notes=tuple(notes))
 
 
@@ -200,7 +203,7 @@ def _data_parallel(par: dict, *, world_size: int, inner: int) -> tuple[int, int]
     replicate = _degree(par, "data_parallel_replicate_degree")
     shard = par["data_parallel_shard_degree"]
     if shard == -1:
-        shard = world_size // (replicate * inner) if world_size % (replicate * inner) == 0 else 0
+        shard = world_size // (replicate * inner) if world_size % (replicate * inner) == 0 else world_size
     shard = whole(shard, name="parallelism.data_parallel_shard_degree (after -1 takes the ranks left)",
                   framework="torchtitan")
     if replicate * shard * inner != world_size:

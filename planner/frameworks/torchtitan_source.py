@@ -134,17 +134,22 @@ class _PythonConfig:
     def _statement(self, node: ast.stmt, sections: Sections, *, depth: int) -> None:
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
             return  # a docstring
-        if isinstance(node, ast.Return) and isinstance(node.value, ast.Call):
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Call) and self._builds(node.value):
             return self._call(node.value, sections, depth=depth)
         if isinstance(node, ast.Return) and isinstance(node.value, ast.Name):
             return
         if isinstance(node, ast.Assign) and len(node.targets) == 1:
             target = _attribute_path(node.targets[0])
-            if target is not None and len(target) == 1 and isinstance(node.value, ast.Call):
+            if target is not None and len(target) == 1 and isinstance(node.value, ast.Call) and self._builds(node.value):
                 return self._call(node.value, sections, depth=depth)
             if target is not None and len(target) in (2, 3) and target[1] in SECTIONS:
                 return self._assign(target[1:], node.value, sections, line=node.lineno)
         self.unread.append(f"line {node.lineno}: {short(ast.unparse(node), limit=80)}")
+
+    def _builds(self, call: ast.Call) -> bool:
+        """Whether ``call`` builds a config: a function of this file, or a call with section keywords."""
+        own = isinstance(call.func, ast.Name) and call.func.id in self.functions
+        return own or any(keyword.arg in SECTIONS for keyword in call.keywords)
 
     def _call(self, call: ast.Call, sections: Sections, *, depth: int) -> None:
         """``other()`` of this file, or a ``Trainer.Config(...)``-like call with section keywords."""

@@ -1,0 +1,59 @@
+"""``tessera plan --format megatron|torchtitan|deepspeed``, ``evaluate --from-*`` and ``compare --baseline-from``
+on a tiny model, in-process (``tessera.cli.main``) like the other CLI tests."""
+
+from __future__ import annotations
+
+import json
+
+from tessera.cli import main
+from tessera.planner.frameworks import import_config
+
+BASE = ["--model", "gpt-tiny", "--cluster", "cpu:ranks=4", "--global-batch", "8", "--seq-len", "32"]
+
+
+def test_plan_prints_a_megatron_command_line_tessera_reads_back(capsys):
+    assert main(["plan", *BASE, "--format", "megatron", "--fix", "tp=2,pp=2,mbs=1,zero=0,recompute=full"]) == 0
+    out = capsys.readouterr().out
+    assert "--tensor-model-parallel-size 2" in out and "--pipeline-model-parallel-size 2" in out
+    config = import_config("megatron", out, world_size=4)
+    assert config.strategy.to_string().startswith("dp=1,tp=2,pp=2,zero=0,mbs=1,recompute=full")
+    assert (config.global_batch, config.seq_len, config.unread) == (8, 32, ())
+
+
+def test_plan_as_deepspeed_refuses_tensor_parallelism_in_one_line(capsys):
+    assert main(["plan", *BASE, "--format", "deepspeed", "--fix", "tp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "DeepSpeed config runs data parallelism and ZeRO only" in err and len(err.strip().splitlines()) == 1
+
+
+def test_compare_baseline_from_megatron_equals_the_hand_written_baseline(capsys):
+    flags = ("pretrain_gpt.py --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 2 "
+             "--micro-batch-size 1 --global-batch-size 8 --seq-length 32 --recompute-granularity full "
+             "--recompute-method uniform --recompute-num-layers 1 --lr 1e-4")
+    code = main(["compare", *BASE, "--format", "json", "--baseline", "dp=1,tp=2,pp=2,zero=0,mbs=1,recompute=full,"
+                 "schedule=1f1b", "--baseline-from", "megatron", flags])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    hand, imported = json.loads(captured.out)["baselines"]
+    assert imported["estimate"] == hand["estimate"] and imported["strategy"] == hand["strategy"]
+    assert "not read (no effect on the estimate): --lr 1e-4" in captured.err
+
+
+def test_evaluate_from_deepspeed_fills_the_batch_and_refuses_a_conflict(tmp_path, capsys):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1,
+                                "zero_optimization": {"stage": 3}}))
+    args = ["evaluate", "--model", "gpt-tiny", "--cluster", "cpu:ranks=4", "--seq-len", "32", "--format", "json"]
+    assert main([*args, "--from-deepspeed", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["strategy"].startswith("dp=4,zero=3,mbs=1")
+    assert main([*args, "--from-deepspeed", str(path), "--global-batch", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "the DeepSpeed config says global batch 8, but 16 is asked for" in err
+
+
+def test_evaluate_needs_exactly_one_strategy_source(capsys):
+    assert main(["evaluate", *BASE]) == 2
+    assert "one of the arguments --strategy --from-megatron --from-torchtitan --from-deepspeed is required" in \
+        capsys.readouterr().err
+    assert main(["evaluate", *BASE, "--strategy", "dp=4", "--from-megatron", "--micro-batch-size 1"]) == 2

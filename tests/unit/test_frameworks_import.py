@@ -1,0 +1,202 @@
+"""Reading a framework's configuration into a ``Strategy`` (issue 20): what is read, what is listed as not read,
+and every bad value refused in one line naming the flag or field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tessera.cost_models.types import Strategy
+from tessera.errors import ConfigError, NotModelledError
+from tessera.planner.frameworks import import_config
+from tessera.planner.frameworks.common import canonical
+from tessera.planner.frameworks.megatron import from_megatron, parse_layout
+
+TORCHTITAN_LLAMA3 = Path(__file__).resolve().parents[2] / ".venv/lib/python3.11/site-packages/torchtitan/models/llama3/config_registry.py"
+
+# Korthikanti et al. 2022 (arXiv 2205.05198) Table 3, 175B "full recompute": t=8, p=8, 3 chunks per stage, 64 GPUs,
+# global batch 64, micro-batch 1; written as the Megatron-LM flags that run it.
+KORTHIKANTI_175B = (
+    "python pretrain_gpt.py --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
+    "--max-position-embeddings 2048 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 "
+    "--num-layers-per-virtual-pipeline-stage 4 --micro-batch-size 1 --global-batch-size 64 "
+    "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --fp16 --lr 6.0e-5"
+)
+
+
+def test_a_published_megatron_command_line_reads_as_its_hand_written_strategy():
+    config = from_megatron(KORTHIKANTI_175B, world_size=64)
+    assert config.strategy == canonical(Strategy.parse("dp=1,tp=8,pp=8,zero=0,mbs=1,recompute=full,schedule=interleaved:3"))
+    assert (config.global_batch, config.seq_len, config.precision) == (64, 2048, "fp16")
+    # Model-shape and optimizer flags are listed, not silently dropped.
+    assert config.unread == ("--hidden-size 12288", "--num-attention-heads 96", "--max-position-embeddings 2048",
+                             "--lr 6.0e-5")
+
+
+def test_megatron_features_map_to_strategy_fields():
+    text = ("--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --context-parallel-size 2 "
+            "--expert-model-parallel-size 2 --sequence-parallel --tp-comm-overlap --num-layers 8 --micro-batch-size 2 "
+            "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --use-distributed-optimizer "
+            "--pipeline-model-parallel-layout Et*3|t*5L --recompute-granularity selective --bf16")
+    s = from_megatron(text, world_size=64).strategy
+    assert (s.dp, s.tp, s.pp, s.cp, s.ep, s.zero, s.micro_batch) == (4, 4, 2, 2, 2, 2, 2)
+    assert s.sp and s.sp_regather and s.tp_overlap and s.recompute == "selective" and s.chunk_blocks == (3, 5)
+
+
+def test_megatron_block_recompute_and_uneven_first_last_stages():
+    text = ("--pipeline-model-parallel-size 3 --num-layers 10 --decoder-first-pipeline-num-layers 2 "
+            "--decoder-last-pipeline-num-layers 2 --micro-batch-size 1 --recompute-granularity full "
+            "--recompute-method block --recompute-num-layers 1")
+    s = from_megatron(text, world_size=6).strategy
+    assert s.chunk_blocks == (2, 6, 2)
+    assert s.block_recompute == ("full", "none", "full", *("none",) * 5, "full", "none")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("--tensor-model-parallel-size 0 --micro-batch-size 1", "argument --tensor-model-parallel-size: expected a whole"),
+    ("--tensor-model-parallel-size abc --micro-batch-size 1", "--tensor-model-parallel-size: expected a whole number"),
+    ("--tensor-model-parallel-size 3 --micro-batch-size 1", "does not divide the cluster's 8 devices"),
+    ("--tensor-model-parallel-size 2", "--micro-batch-size is required"),
+    ("--tensor-model-paralel-size 2 --micro-batch-size 1", "did you mean --tensor-model-parallel-size"),
+    ("--micro-batch-size 1 --recompute-granularity everything", "argument --recompute-granularity: invalid choice"),
+    ("--micro-batch-size 1 --recompute-granularity full", "needs --recompute-method"),
+    ("--micro-batch-size 1 --recompute-granularity full --recompute-method block --recompute-num-layers 2",
+     "needs --num-layers"),
+    ("--pipeline-model-parallel-size 2 --num-layers 7 --micro-batch-size 1", "not divisible by pp x virtual"),
+    ("--pipeline-model-parallel-size 2 --num-layers 8 --num-layers-per-virtual-pipeline-stage 3 --micro-batch-size 1",
+     "not a multiple of --num-layers-per-virtual-pipeline-stage 3"),
+    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|tmL --micro-batch-size 1",
+     "has ['m'] (Tessera reads E, t, L)"),
+    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*2|t*2L --num-layers 5 --micro-batch-size 1",
+     "places 4 layers but --num-layers is 5"),
+    ("--micro-batch-size 1 --lr '1e-4", "check the quotes"),
+])
+def test_bad_megatron_values_are_one_line_naming_the_flag(text, message):
+    with pytest.raises(ConfigError) as error:
+        from_megatron(text, world_size=8)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_megatron_what_the_cost_model_has_no_term_for_is_refused():
+    with pytest.raises(NotModelledError, match="does not divide the data-parallel size 2"):
+        from_megatron("--tensor-model-parallel-size 4 --expert-model-parallel-size 4 --micro-batch-size 1", world_size=8)
+    with pytest.raises(NotModelledError, match="--expert-tensor-parallel-size 1 differs"):
+        from_megatron("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --micro-batch-size 1", world_size=8)
+
+
+def test_layout_expansion_is_bounded():
+    assert parse_layout("E(t|)*3,tL", pp=2) == [1, 1, 1, 1]
+    with pytest.raises(ConfigError, match="expands past"):
+        parse_layout("E" + "(t*999999)*999999" + "L", pp=1)
+
+
+# ----------------------------------------------------------------------------------------- torchtitan
+
+
+def test_torchtitans_own_llama3_70b_config_is_read_without_running_it():
+    config = import_config("torchtitan", f"{TORCHTITAN_LLAMA3}:llama3_70b", world_size=64)
+    s = config.strategy
+    assert (s.dp, s.tp, s.zero, s.micro_batch, s.recompute, s.sp) == (8, 8, 3, 8, "full", True)
+    assert (config.global_batch, config.seq_len, config.precision) == (64, 8192, "bf16")
+    assert any("model_spec = model_registry('70B')" in line for line in config.unread)
+    assert "training.steps=1000" in config.unread
+
+
+def test_a_derived_torchtitan_config_follows_its_base_function(tmp_path):
+    path = tmp_path / "my_registry.py"
+    path.write_text(
+        "from torchtitan.config import ParallelismConfig\n"
+        "import os\n"
+        "def base():\n    return Trainer.Config(parallelism=ParallelismConfig(tensor_parallel_degree=2),\n"
+        "                          activation_checkpoint=None)\n"
+        "def mine():\n    config = base()\n    config.parallelism.pipeline_parallel_degree = 2\n"
+        "    config.parallelism.pipeline_parallel_microbatch_size = 2\n"
+        "    config.parallelism.module_fqns_per_model_part = [['tok', 'layers.0', 'layers.1'], ['layers.2', 'norm']]\n"
+        "    config.training.local_batch_size = 8\n    os.system('echo never runs')\n    return config\n")
+    s = import_config("torchtitan", f"{path}:mine", world_size=8).strategy
+    assert (s.dp, s.tp, s.pp, s.micro_batch, s.recompute, s.chunk_blocks) == (2, 2, 2, 2, "none", (2, 1))
+
+
+@pytest.mark.parametrize("body, message", [
+    ("config.parallelism.tensor_parallel_degree = 0", "parallelism.tensor_parallel_degree 0: expected a whole number"),
+    ("config.parallelism.tensor_parallel_degree = 3", "!= the cluster's 8 devices"),
+    ("config.parallelism.tensor_parallel_degree = int('8')", "is not a literal"),
+    ("config.activation_checkpoint = make_ac()", "Tessera reads FullAC.Config(), SelectiveAC.Config() or None"),
+    ("config.parallelism.pipeline_parallel_degree = 2\n    config.parallelism.pipeline_parallel_schedule = 'DualPipeV'",
+     "Tessera models GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble"),
+    ("config.training.enable_cpu_offload = True", "no CPU offload"),
+    ("config.training.mixed_precision_param = 'float16'", "use bfloat16 or float32"),
+])
+def test_bad_torchtitan_values_are_one_line_naming_the_field(body, message, tmp_path):
+    path = tmp_path / "config.py"
+    path.write_text(f"def apply(config):\n    {body}\n    return config\n")
+    with pytest.raises((ConfigError, NotModelledError)) as error:
+        import_config("torchtitan", str(path), world_size=8)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_torchtitan_file_needs_one_named_function(tmp_path):
+    path = tmp_path / "two.py"
+    path.write_text("def a():\n    pass\ndef b():\n    pass\n")
+    with pytest.raises(ConfigError, match="defines 2 functions"):
+        import_config("torchtitan", str(path), world_size=8)
+    with pytest.raises(ConfigError, match="has no function 'c'"):
+        import_config("torchtitan", f"{path}:c", world_size=8)
+
+
+def test_torchtitan_json_dump_and_toml(tmp_path):
+    dump = {"parallelism": {"data_parallel_shard_degree": 4, "tensor_parallel_degree": 2,
+                            "enable_fsdp_symm_mem": False},
+            "training": {"local_batch_size": 2, "seq_len": 4096}, "activation_checkpoint": {"preserve_rng_state": True}}
+    (tmp_path / "job.json").write_text(json.dumps(dump))
+    config = import_config("torchtitan", str(tmp_path / "job.json"), world_size=8)
+    assert config.strategy.to_string() == "dp=4,tp=2,zero=3,mbs=2,recompute=full,sp=true"
+    assert config.unread == ("parallelism.enable_fsdp_symm_mem=False",)
+    (tmp_path / "old.toml").write_text("[parallelism]\ndata_parallel_replicate_degree = 8\ndata_parallel_shard_degree = 1\n"
+                                       "[activation_checkpoint]\nmode = 'selective'\n")
+    assert import_config("torchtitan", str(tmp_path / "old.toml"), world_size=8).strategy.to_string() == \
+        "dp=8,zero=0,mbs=8,recompute=selective"
+
+
+# ----------------------------------------------------------------------------------------- DeepSpeed
+
+
+def test_deepspeed_config_reads_batch_zero_and_precision(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 256, "gradient_accumulation_steps": 4,
+                                "train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2,
+                                "overlap_comm": True}, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW"}}))
+    config = import_config("deepspeed", str(path), world_size=8)
+    assert config.strategy.to_string() == "dp=8,zero=2,mbs=8,recompute=none"
+    assert (config.global_batch, config.precision) == (256, "bf16")
+    assert config.unread == ('optimizer={"type": "AdamW"}', "zero_optimization.overlap_comm")
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 5}}, "zero_optimization.stage 5"),
+    ({"train_batch_size": 100, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
+     "train_batch_size 100 != train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 2 x 8 devices"),
+    ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu 0"),
+    ({"zero_optimization": {"stage": 3}}, "give train_micro_batch_size_per_gpu"),
+    ({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+     "no offloading"),
+    ({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 4}}, "autotp_size 4"),
+    ([1, 2], "holds list"),
+])
+def test_bad_deepspeed_values_are_one_line_naming_the_key(config, message, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises((ConfigError, NotModelledError)) as error:
+        import_config("deepspeed", str(path), world_size=8)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_missing_or_huge_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="is not a file"):
+        import_config("deepspeed", str(tmp_path / "nope.json"), world_size=8)
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (5 * 2**20))
+    with pytest.raises(ConfigError, match="larger than 4 MiB"):
+        import_config("deepspeed", str(big), world_size=8)
