@@ -3,7 +3,8 @@
 Order of application (torchtitan's, for the same reasons):
 
 1. refuse what the runtime cannot run (before any collective: alike on every rank, and without a process
-   group); build the ``("edp", "pp", "ep", "cp", "tp")`` mesh (``"dp"`` is ``edp`` x ``ep`` flattened;
+   group; with ``pp > 1`` this traces the root forward and checks its chunk boundaries); build the
+   ``("edp", "pp", "ep", "cp", "tp")`` mesh (``"dp"`` is ``edp`` x ``ep`` flattened;
    ``runtime.mesh``), check the plan is the same on every rank, broadcast rank 0's weights (so ranks need not
    be seeded identically; skipped for a model on meta); with ``dp > 1``, replace each BatchNorm layer by one
    that normalises over the whole data-parallel batch (``runtime.data_parallel.sync_batch_norms``); with
@@ -15,7 +16,8 @@ Order of application (torchtitan's, for the same reasons):
 4. tensor (+ sequence) parallelism on this rank's layers (``runtime.tensor_parallel``; after recomputation
    so a checkpointed first block re-runs the sequence scatter on recomputation);
 5. ``torch.compile`` per block, when asked;
-6. pipeline: one module per local chunk (``runtime.pipeline``);
+6. pipeline: one module per local chunk (``runtime.pipeline``), cut from the root forward traced in step 1
+   (``torch.fx``, else ``torch.export`` at one micro-batch: any model whose forward exports);
 7. the data-parallel axis on each module: DDP, FSDP2-``replicate``, ZeRO-1/2/3 (``runtime.data_parallel``);
 8. a model on the meta device is materialised now, shard by shard (``runtime.materialize``);
 9. with ``cp > 1``, ring attention and this rank's sequence positions (``runtime.context_parallel``; after
@@ -40,6 +42,7 @@ from tessera.cost_models.types import LinearPair
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.plan import Plan, PlannedLayer
 from tessera.runtime import pipeline as pp_
+from tessera.runtime import pipeline_ties as ties_
 from tessera.runtime.compile import compile_blocks as compile_block_forwards
 from tessera.runtime.data_parallel import (
     apply_data_parallel,
@@ -107,7 +110,8 @@ def _type_name(value: Any) -> str:
 
 
 def build_loss(
-    loss_fn: LossFn | None, plan: Plan, mesh: DeviceMesh | None, *, dict_output: pp_.DictOutput | None = None
+    loss_fn: LossFn | None, plan: Plan, mesh: DeviceMesh | None, *,
+    pipeline_output: pp_.DictOutput | pp_.TreeOutput | None = None,
 ) -> LossFn:
     """The loss ``train_step`` (and the pipeline's last stage) applies to each micro-batch's output.
 
@@ -116,9 +120,10 @@ def build_loss(
     default loss finds them (:func:`logits_of`) before they are sharded, so it accepts every output it accepts
     without tensor parallelism, while a custom ``loss_fn`` receives the output with its logits sharded in
     place, which needs a tensor output or one with a ``.logits`` attribute (``ConfigError`` otherwise); under
-    pipeline parallelism a dict output (a Hugging Face ``ModelOutput`` traces as one) leaves the last stage as
-    a tuple (``dict_output`` says what it held: ``pipeline.return_dict_as_tuple``) and the loss receives it
-    as a plain ``dict`` again.
+    pipeline parallelism a structured output leaves the last stage as a tuple of its tensors
+    (``pipeline_output`` says what it held) and the loss receives it rebuilt: a plain ``dict`` where torch.fx
+    traced a dict (``pipeline.return_dict_as_tuple``), the model's own output type (a Hugging Face
+    ``ModelOutput``...) where the model was split from a ``torch.export`` trace (``pipeline.TreeOutput``).
     """
     if plan.strategy.tp == 1:
         loss = loss_fn or default_loss_fn
@@ -126,7 +131,7 @@ def build_loss(
         loss = LogitsLoss(VocabParallelLoss(default_loss_fn, mesh[TP]))
     else:
         loss = ShardableOutputLoss(VocabParallelLoss(loss_fn, mesh[TP]))
-    return loss if dict_output is None else pp_.DictOutputLoss(loss, dict_output)
+    return loss if pipeline_output is None else pp_.StructuredOutputLoss(loss, pipeline_output)
 
 
 class LogitsLoss:
@@ -202,6 +207,7 @@ def apply_plan(
     _check_experts_and_context(model, plan, compile_blocks=compile_blocks)  # before any process group is made
     on_meta = is_on_meta(model)
     ties = _cross_stage_ties(model, plan, on_meta=on_meta)
+    traced = _trace_pipeline(model, plan)  # before any process group: a model that cannot be split fails alike
     mesh = None if _runs_without_process_group(plan) else build_mesh(plan.strategy)
     device = _target_device(model, on_meta=on_meta)
     if mesh is not None:
@@ -212,14 +218,14 @@ def apply_plan(
     chunks = pp_.local_chunks(plan, mesh.get_local_rank(PP)) if mesh is not None else [0]
     layers = [layer for layer in plan.layers if layer.chunk in chunks and layer.kind != "loss"]
     _shard_layers(model, plan, layers, mesh, chunks=chunks, tp_pairs=tp_pairs, compile_blocks=compile_blocks)
-    modules = _chunk_modules(model, plan, chunks)
-    dict_output = _dict_output_as_tuple(plan, modules, chunks)
+    modules = _chunk_modules(model, plan, chunks, traced)
+    pipeline_output = _pipeline_output(plan, traced, modules, chunks)
     modules = _data_parallel(model, plan, modules, mesh, on_meta=on_meta, device=device)
     if plan.strategy.cp > 1:
         apply_context_parallel(model, mesh, seq_len=plan.training.seq_len)
     optimizer = (optimizer_factory or default_optimizer_factory)(_unique_parameters(modules))
     _sum_tied_gradients(plan, ties, modules, mesh, optimizer)
-    loss = build_loss(loss_fn, plan, mesh, dict_output=dict_output)
+    loss = build_loss(loss_fn, plan, mesh, pipeline_output=pipeline_output)
     schedule = _schedule(plan, modules, chunks, mesh, device=device, loss_fn=loss)
     return ParallelModel(plan, modules, optimizer=optimizer, loss_fn=loss, mesh=mesh, device=device,
                          schedule=schedule, chunks=chunks)
@@ -306,40 +312,63 @@ def _shard_layers(
         compile_block_forwards(model, [layer.fqn for layer in layers if layer.kind == "block"])
 
 
-def _chunk_modules(model: nn.Module, plan: Plan, chunks: list[int]) -> list[nn.Module]:
+def _layer_chunks(plan: Plan) -> dict[str, int]:
+    return {layer.fqn: layer.chunk for layer in plan.layers if layer.kind != "loss"}
+
+
+def _trace_pipeline(model: nn.Module, plan: Plan) -> pp_.TracedForward | None:
+    """The root forward traced for splitting (``pipeline_split.trace_forward``; an export trace at one
+    micro-batch of token ids, ``(micro_batch, seq_len)``), its chunk boundaries checked."""
     if plan.strategy.pp == 1:
+        return None
+    first = next(model.parameters(), None)
+    example = torch.zeros(plan.strategy.micro_batch, plan.training.seq_len, dtype=torch.long,
+                          device=first.device if first is not None else None)
+    traced = pp_.trace_forward(model, list(_layer_chunks(plan)), example=example)
+    pp_.check_split(model, traced, _layer_chunks(plan))
+    return traced
+
+
+def _chunk_modules(model: nn.Module, plan: Plan, chunks: list[int], traced: pp_.TracedForward | None) -> list[nn.Module]:
+    if traced is None:
         return [model]
-    layer_chunks = {layer.fqn: layer.chunk for layer in plan.layers if layer.kind != "loss"}
-    graph = pp_.trace_layers(model, list(layer_chunks))
-    node_chunks = pp_.node_chunks(graph, layer_chunks)
-    return [pp_.build_chunk_module(model, graph, node_chunks, chunk) for chunk in chunks]
+    node_chunks = pp_.node_chunks(traced.graph, _layer_chunks(plan))
+    modules = [pp_.build_chunk_module(model, traced.graph, node_chunks, chunk, attributes=traced.attributes)
+               for chunk in chunks]
+    if traced.exported is not None and 0 in chunks:  # the export holds its input shape as constants
+        pp_.check_input_shapes(modules[0], traced.exported.input_shapes)
+    return modules
 
 
-def _cross_stage_ties(model: nn.Module, plan: Plan, *, on_meta: bool) -> list[pp_.TiedWeight]:
+def _cross_stage_ties(model: nn.Module, plan: Plan, *, on_meta: bool) -> list[ties_.TiedWeight]:
     """Weights tied across pipeline chunks (embedding and head), checked before any collective."""
     if plan.strategy.pp == 1:
         return []
-    ties = pp_.cross_chunk_ties(model, plan)
-    pp_.check_ties(ties, plan.strategy, on_meta=on_meta)
+    ties = ties_.cross_chunk_ties(model, plan)
+    ties_.check_ties(ties, plan.strategy, on_meta=on_meta)
     return ties
 
 
-def _sum_tied_gradients(plan: Plan, ties: list[pp_.TiedWeight], modules: list[nn.Module], mesh: DeviceMesh | None,
-                        optimizer: torch.optim.Optimizer) -> None:
+def _sum_tied_gradients(plan: Plan, ties: list[ties_.TiedWeight], modules: list[nn.Module],
+                        mesh: DeviceMesh | None, optimizer: torch.optim.Optimizer) -> None:
     """Each tied weight's copies (one per stage holding it) get the summed gradient before every optimizer step
-    (``pipeline.TiedGradients``; Megatron-LM's embedding all-reduce), so they stay equal."""
+    (``pipeline_ties.TiedGradients``; Megatron-LM's embedding all-reduce), so they stay equal."""
     if not ties:
         return
-    local = pp_.local_tied_parameters(ties, modules, mesh, pp=plan.strategy.pp, pp_rank=mesh.get_local_rank(PP))
+    local = ties_.local_tied_parameters(ties, modules, mesh, pp=plan.strategy.pp, pp_rank=mesh.get_local_rank(PP))
     if local:
-        optimizer.register_step_pre_hook(pp_.TiedGradients(local))
+        optimizer.register_step_pre_hook(ties_.TiedGradients(local))
 
 
-def _dict_output_as_tuple(plan: Plan, modules: list[nn.Module], chunks: list[int]) -> pp_.DictOutput | None:
-    """Pipelining: the last chunk's dict output (on its rank) becomes a tuple (``pipeline.return_dict_as_tuple``)."""
+def _pipeline_output(plan: Plan, traced: pp_.TracedForward | None, modules: list[nn.Module],
+                     chunks: list[int]) -> pp_.DictOutput | pp_.TreeOutput | None:
+    """On the last chunk's rank, what its output held: the export's output structure, or the dict an fx trace
+    returned, which the chunk now returns as a tuple (``pipeline.return_dict_as_tuple``)."""
     last = len(plan.chunk_fqns()) - 1
-    if plan.strategy.pp == 1 or last not in chunks:
+    if traced is None or last not in chunks:
         return None
+    if traced.exported is not None:
+        return pp_.TreeOutput(traced.exported.output_spec, traced.exported.output_constants)
     return pp_.return_dict_as_tuple(modules[chunks.index(last)])
 
 
