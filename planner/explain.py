@@ -52,7 +52,7 @@ def report_sections(plan: Plan, *, plan_path: str = "plan.json") -> list[Section
         *_degrees(plan),
         Section("Search", (Table(("statistic", "value"), tuple(solver_statistics(plan))),)),
         _launch(plan, nodes=nodes, per_node=per_node, plan_path=plan_path),
-        *(_framework(plan, name) for name in FRAMEWORKS),
+        *framework_sections(plan),
     ]
 
 
@@ -247,6 +247,11 @@ def _launch(plan: Plan, *, nodes: int, per_node: int, plan_path: str) -> Section
 
 
 FENCES = {"megatron": "sh", "torchtitan": "python", "deepspeed": "json"}
+
+
+def framework_sections(plan: Plan) -> list[Section]:
+    """One section per framework: the plan as its configuration, after the launch line."""
+    return [_framework(plan, name) for name in FRAMEWORKS]
 
 
 def _framework(plan: Plan, framework: str) -> Section:

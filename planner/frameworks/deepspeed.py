@@ -45,7 +45,10 @@ def to_deepspeed(plan: PlanLike) -> FrameworkExport:
         "gradient_accumulation_steps": s.gradient_accumulation(t.global_batch), "zero_optimization": {"stage": s.zero},
     }
     if t.precision != "fp32":
-        config[t.precision] = {"enabled": True}
+        config["fp16" if t.precision == "fp16" else "bf16"] = {"enabled": True}
+    if t.precision == "fp8":
+        notes.append("fp8: a DeepSpeed config has no FP8 setting (Transformer Engine linears in the model code do "
+                     "it); the config runs bf16 mixed precision around them")
     update: dict[str, object] = {}
     if policy != "none":
         config["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING)
@@ -70,8 +73,10 @@ def from_deepspeed(path: str, *, world_size: int) -> ImportedConfig:
     strategy = Strategy(dp=world_size, zero=zero if world_size > 1 else 0, micro_batch=micro, recompute=recompute)
     unread = [f"{key}={short(json.dumps(value), limit=60)}" for key, value in config.items() if key not in READ_KEYS]
     unread += [f"zero_optimization.{key}" for key in config.get("zero_optimization", {}) if key != "stage"]
+    notes = ["ZeRO-3 as DeepSpeed runs it gathers parameter by parameter (cost_models.profiles.DEEPSPEED); "
+             "tessera evaluate/compare estimate it with FSDP2's gathers (no profile= yet)"] if strategy.zero == 3 else []
     return ImportedConfig(framework="deepspeed", strategy=strategy, global_batch=global_batch, precision=precision,
-                          unread=tuple(unread))
+                          unread=tuple(unread), notes=tuple(notes))
 
 
 def _load(path: str) -> dict:

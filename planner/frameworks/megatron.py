@@ -54,8 +54,10 @@ def to_megatron_args(plan: PlanLike) -> FrameworkExport:
     args += ["--sequence-parallel"] * s.sp + ["--tp-comm-overlap"] * s.tp_overlap
     args += ["--num-layers", sum(chunks), "--seq-length", t.seq_len]
     args += ["--micro-batch-size", s.micro_batch, "--global-batch-size", t.global_batch]
-    args += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[t.precision] + _zero_args(s.zero)
-    pipeline, notes, update = _pipeline_args(s, chunks)
+    precision, notes = _precision_args(t)
+    args += precision + _zero_args(s.zero)
+    pipeline, pipeline_notes, update = _pipeline_args(s, chunks)
+    notes += pipeline_notes
     recompute, recompute_notes, recompute_update = _recompute_args(plan, chunks)
     runs = strategy_with(s, sp_regather=s.sp, **update, **recompute_update)
     notes += recompute_notes
@@ -77,6 +79,15 @@ def shell_lines(words: list[str]) -> str:
             groups.append([])
         groups[-1].append(word)
     return " \\\n  ".join(shlex.join(group) for group in groups)
+
+
+def _precision_args(t) -> tuple[list[str], list[str]]:
+    """Megatron-LM's precision flags for ``t`` (a ``TrainingConfig``); FP8 is Transformer Engine's recipe."""
+    if t.precision != "fp8":
+        return {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[t.precision], []
+    recipe = {"delayed": "delayed", "current": "tensorwise", "block": "blockwise", "mx": "mxfp8"}.get(t.fp8_scaling)
+    notes = [] if recipe else [f"fp8 scaling {t.fp8_scaling}: Megatron-LM has no such recipe; nearest is tensorwise"]
+    return ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", recipe or "tensorwise"], notes
 
 
 def _zero_args(zero: int) -> list[str]:
@@ -178,6 +189,8 @@ def megatron_parser() -> argparse.ArgumentParser:
     parser.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     parser.add_argument("--data-parallel-sharding-strategy", choices=tuple(SHARDING), default="no_shard")
     parser.add_argument("--ckpt-format", type=str, default="torch_dist")
+    parser.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None)
+    parser.add_argument("--fp8-recipe", choices=("tensorwise", "delayed", "mxfp8", "blockwise"), default="delayed")
     parser.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
     for flag in ("--sequence-parallel", "--tp-comm-overlap", "--use-distributed-optimizer", "--use-megatron-fsdp",
                  "--use-custom-fsdp", "--use-torch-fsdp2", "--recompute-activations", "--bf16", "--fp16"):
@@ -202,6 +215,9 @@ def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
         raise ConfigError("Megatron-LM arguments: --micro-batch-size is required (Megatron-LM asserts it); add it")
     chunks, virtual = _chunks(args, pp=pp)
     recompute, block_recompute, notes = _recompute(args, chunks=chunks, pp=pp, virtual=virtual)
+    if args.fp8_format and args.fp8_recipe != "tensorwise":
+        notes.append(f"--fp8-recipe {args.fp8_recipe}: the command line estimates FP8 with current (tensorwise) "
+                     "scaling; tessera.cost_models takes TrainingConfig(fp8_scaling=...) for the recipe's own")
     strategy = Strategy(
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=_zero(args), micro_batch=args.micro_batch_size, recompute=recompute,
         block_recompute=block_recompute, sp=args.sequence_parallel and tp > 1, sp_regather=args.sequence_parallel and tp > 1,
@@ -210,9 +226,15 @@ def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
     )
     return ImportedConfig(
         framework="megatron", strategy=canonical(strategy), global_batch=args.global_batch_size or args.micro_batch_size * dp,
-        seq_len=args.seq_length, precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        seq_len=args.seq_length, precision=_precision(args),
         unread=tuple(unread), notes=tuple(notes),
     )
+
+
+def _precision(args: argparse.Namespace) -> str:
+    if args.fp8_format:
+        return "fp8"
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
 def _argument_words(text: str) -> list[str]:

@@ -68,6 +68,10 @@ def to_torchtitan(plan: PlanLike) -> FrameworkExport:
         notes.append("fp16: torchtitan's mixed precision is bfloat16 or float32; nearest is bfloat16 (Tessera's "
                      "estimate is the same for both 16-bit types)")
         precision = "bf16"
+    elif precision == "fp8":
+        notes.append("fp8: torchtitan sets FP8 in the model (a Float8LinearConverter / MXFP8LinearConverter in "
+                     "model_spec's converters); add it there, these fields keep bfloat16 mixed precision")
+        precision = "bf16"
     fields = _parallelism_fields(plan, zero=update["zero"])
     training = {"local_batch_size": t.global_batch // s.dp if s.pp > 1 else s.micro_batch,
                 "global_batch_size": t.global_batch, "seq_len": t.seq_len, "mixed_precision_param": PRECISION[precision]}

@@ -57,3 +57,20 @@ def test_evaluate_needs_exactly_one_strategy_source(capsys):
     assert "one of the arguments --strategy --from-megatron --from-torchtitan --from-deepspeed is required" in \
         capsys.readouterr().err
     assert main(["evaluate", *BASE, "--strategy", "dp=4", "--from-megatron", "--micro-batch-size 1"]) == 2
+
+
+def test_the_report_carries_each_frameworks_configuration():
+    from pathlib import Path
+
+    from tessera.planner.explain import framework_sections
+    from tessera.planner.explain_plots import render_html, render_markdown
+    from tessera.planner.plan import Plan
+
+    plan = Plan.from_json(Path(__file__).resolve().parents[2] / "docs" / "report-llama3-70b-pp" / "plan.json")
+    sections = framework_sections(plan)  # report_sections puts these after the launch line
+    markdown = render_markdown("report", sections)
+    for title in ("## As Megatron-LM configuration", "## As torchtitan configuration", "## As DeepSpeed configuration"):
+        assert title in markdown
+    assert "```python\n# torchtitan" in markdown and "--num-virtual-stages-per-pipeline-rank 2" in markdown
+    assert "Not expressible: a DeepSpeed config runs data parallelism and ZeRO only" in markdown
+    assert "<h2>As torchtitan configuration</h2>" in render_html("report", sections)

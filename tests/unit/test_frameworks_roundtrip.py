@@ -172,3 +172,20 @@ def test_published_runs_round_trip_through_the_framework_that_ran_them(tmp_path)
             assert imported.profile == profile
         if profile != "deepspeed":
             round_trip(plan, "torchtitan", tmp_path)
+
+
+def test_the_renderers_never_import_the_plan():
+    # The plan stays data (tests/unit/test_layering.py): it may delegate to planner.frameworks without a cycle.
+    from test_layering import tessera_imports  # pytest puts this folder on sys.path
+
+    for path in (ROOT / "planner" / "frameworks").glob("*.py"):
+        assert "tessera.planner.plan" not in tessera_imports(path), path.name
+
+
+def test_fp8_plans_name_each_frameworks_fp8_setting(tmp_path):
+    plan = plan_like("dp=8,tp=2,zero=1,mbs=1,recompute=full", blocks=8, global_batch=64)
+    plan.training = TrainingConfig(global_batch=64, seq_len=4096, precision="fp8", fp8_scaling="delayed")
+    export, imported = round_trip(plan, "megatron", tmp_path)
+    assert "--fp8-format hybrid" in export.text and "--fp8-recipe delayed" in export.text
+    assert imported.precision == "fp8"
+    assert any("Float8LinearConverter" in note for note in export_plan(plan, "torchtitan").notes)
