@@ -214,7 +214,7 @@ def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
     if args.micro_batch_size is None:
         raise ConfigError("Megatron-LM arguments: --micro-batch-size is required (Megatron-LM asserts it); add it")
     chunks, virtual = _chunks(args, pp=pp)
-    recompute, block_recompute, notes = _recompute(args, chunks=chunks, pp=pp, virtual=virtual)
+    recompute, block_recompute, notes = _recompute(args, chunks=chunks)
     if args.fp8_format and args.fp8_recipe != "tensorwise":
         notes.append(f"--fp8-recipe {args.fp8_recipe}: the command line estimates FP8 with current (tensorwise) "
                      "scaling; tessera.cost_models takes TrainingConfig(fp8_scaling=...) for the recipe's own")
@@ -248,7 +248,7 @@ def _argument_words(text: str) -> list[str]:
 
 def _unread(rest: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """The leftover words grouped by flag (``--lr 1e-4``); a flag one typo away from one Tessera reads is refused."""
-    known = [option for action in parser._actions for option in action.option_strings]
+    known = [option for action in parser._actions for option in action.option_strings]  # argparse keeps no public list
     groups: list[str] = []
     for word in rest:
         flag = word.partition("=")[0]
@@ -359,8 +359,7 @@ def parse_layout(layout: str, *, pp: int) -> list[int]:
     return [chunk.count("t") for chunk in chunks]
 
 
-def _recompute(args: argparse.Namespace, *, chunks: list[int], pp: int, virtual: int
-               ) -> tuple[str, tuple[str, ...], list[str]]:
+def _recompute(args: argparse.Namespace, *, chunks: list[int]) -> tuple[str, tuple[str, ...], list[str]]:
     """(recompute, block_recompute, notes) of the recomputation arguments."""
     granularity = args.recompute_granularity or ("selective" if args.recompute_activations else None)
     if granularity is None:

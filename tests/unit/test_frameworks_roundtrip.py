@@ -189,3 +189,23 @@ def test_fp8_plans_name_each_frameworks_fp8_setting(tmp_path):
     assert "--fp8-format hybrid" in export.text and "--fp8-recipe delayed" in export.text
     assert imported.precision == "fp8"
     assert any("Float8LinearConverter" in note for note in export_plan(plan, "torchtitan").notes)
+
+
+README_STRATEGIES = [  # README.md's examples: (strategy, blocks, global batch)
+    ("dp=16,tp=8,pp=8,zero=1,mbs=1,recompute=full,sp=true,schedule=interleaved:2", 96, 1536),
+    ("dp=32,tp=4,pp=8,zero=1,mbs=1,recompute=none,sp=true,schedule=interleaved:4", 96, 1536),
+    ("dp=128,tp=8,zero=0,mbs=1,recompute=none,sp=true", 96, 1536),
+    ("dp=64,zero=3,mbs=2,recompute=none,block_recompute=79xfull/1xnone", 80, 1024),
+]
+
+
+@pytest.mark.parametrize("framework", ["megatron", "torchtitan", "deepspeed"])
+def test_readme_example_plans_round_trip(framework, tmp_path):
+    from tessera.planner.plan import Plan
+
+    plans = [plan_like(s, blocks=b, global_batch=g) for s, b, g in README_STRATEGIES]
+    plans += [Plan.from_json(ROOT / "docs" / name / "plan.json") for name in ("report-llama3-70b", "report-llama3-70b-pp")]
+    for plan in plans:
+        if framework == "deepspeed" and plan.strategy.world_size != plan.strategy.dp:
+            continue  # refused (tested above)
+        round_trip(plan, framework, tmp_path)
