@@ -40,7 +40,8 @@ def add_from_options(group: argparse._MutuallyExclusiveGroup) -> None:
 
 def from_sources(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The ``(framework, source)`` pairs ``evaluate --from-*`` names."""
-    return [(name, getattr(args, f"from_{name}")) for name in FRAMEWORK_FORMATS if getattr(args, f"from_{name}", None)]
+    return [(name, getattr(args, f"from_{name}")) for name in FRAMEWORK_FORMATS
+            if getattr(args, f"from_{name}", None) is not None]
 
 
 def training_from(args: argparse.Namespace, imported: Sequence) -> dict:

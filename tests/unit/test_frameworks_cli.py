@@ -57,6 +57,9 @@ def test_evaluate_needs_exactly_one_strategy_source(capsys):
     assert "one of the arguments --strategy --from-megatron --from-torchtitan --from-deepspeed is required" in \
         capsys.readouterr().err
     assert main(["evaluate", *BASE, "--strategy", "dp=4", "--from-megatron", "--micro-batch-size 1"]) == 2
+    capsys.readouterr()
+    assert main(["evaluate", *BASE, "--from-megatron", ""]) == 2  # an empty command line is read, not skipped
+    assert "--micro-batch-size is required" in capsys.readouterr().err
 
 
 def test_the_report_carries_each_frameworks_configuration():
