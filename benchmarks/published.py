@@ -67,12 +67,15 @@ TRAIN_IDS = frozenset({
     "torchtitan-h100-llama3-8b-8gpu-s32768-fsdp8-cp1", "torchtitan-h100-llama3-8b-8gpu-s131072-fsdp2-cp4",
     "nemo2407-fp8-gpt3-175b-128gpu", "nemo2407-fp8-llama2-7b-8gpu", "nemo2407-fp8-llama2-70b-64gpu",
 })
-PEAK_FRACTIONS = [round(0.40 + 0.01 * i, 2) for i in range(31)]
-HALF_WIDTHS = [0.0, 80.0, 160.0, 320.0]
-TRAFFIC_FACTORS = [0.0, 1.0, 2.0, 4.0, 8.0]
+COMPUTE_GRID = {
+    "peak_fraction": [round(0.40 + 0.01 * i, 2) for i in range(41)],
+    "half_width": [0.0, 80.0, 160.0, 320.0],
+    "traffic_factor": [0.0, 1.0, 2.0, 4.0, 8.0],
+    "attention_efficiency": [0.0, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.7],
+}
+FP8_GRID = {"fp8_peak_fraction": [round(0.25 + 0.025 * i, 3) for i in range(19)],
+            "fp8_half_width": [0.0, 160.0, 320.0, 640.0, 1280.0]}
 ZERO3_SLOWDOWNS = [1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0]
-FP8_PEAK_FRACTIONS = [round(0.25 + 0.025 * i, 3) for i in range(19)]
-FP8_HALF_WIDTHS = [0.0, 160.0, 320.0, 640.0, 1280.0]
 JITTERS = [0.0, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02]
 COLUMNS = ("run", "split", "regime", "gpus", "strategy (pinned + planner-filled)", "published s", "predicted s", "error",
            "GiB", "fits", "Tessera's own plan", "its step s", "speedup")
@@ -122,19 +125,26 @@ def log_error(run: dict, strategy: Strategy, calibration: Calibration, *, deepsp
 def fit_calibration(runs: list[dict], chosen: dict[str, Strategy]) -> tuple[Calibration, float]:
     """Grid search on the training split, strategies held fixed, one family of constants at a time: the compute
     constants on the bf16 rows (DeepSpeed's ZeRO-3 rows aside), DeepSpeed's ZeRO-3 slowdown on its rows, the FP8
-    curve on the FP8 rows, then the straggler jitter on every training row. Returns the constants and the
-    DeepSpeed slowdown."""
+    curve on the FP8 rows, then the straggler jitter on every training row. Each family is searched one axis at a
+    time over its grid, twice round (coordinate descent). Returns the constants and the DeepSpeed slowdown."""
     train = [r for r in runs if r["id"] in TRAIN_IDS]
     by_regime = {name: [r for r in train if regime(r) == name] for name in ("deepspeed-zero3", "fp8")}
     dense = [r for r in train if regime(r) not in by_regime]
-    grid = [replace(GPU_CALIBRATION, peak_fraction=p, half_width=w, traffic_factor=f, jitter=0.0)
-            for p in PEAK_FRACTIONS for w in HALF_WIDTHS for f in TRAFFIC_FACTORS]
-    compute = min(grid, key=lambda c: _mean_abs_log_error(dense, chosen, c))
+    compute = coordinate_fit(GPU_CALIBRATION, COMPUTE_GRID, dense, chosen)
     deepspeed = min(ZERO3_SLOWDOWNS, key=lambda z: _mean_abs_log_error(by_regime["deepspeed-zero3"], chosen, compute, deepspeed=z))
-    fp8_grid = [replace(compute, fp8_peak_fraction=p, fp8_half_width=w) for p in FP8_PEAK_FRACTIONS for w in FP8_HALF_WIDTHS]
-    fp8 = min(fp8_grid, key=lambda c: _mean_abs_log_error(by_regime["fp8"], chosen, c)) if by_regime["fp8"] else compute
-    jittered = [replace(fp8, jitter=j) for j in JITTERS]
-    return min(jittered, key=lambda c: _mean_abs_log_error(train, chosen, c, deepspeed=deepspeed)), deepspeed
+    fp8 = coordinate_fit(compute, FP8_GRID, by_regime["fp8"], chosen) if by_regime["fp8"] else compute
+    return coordinate_fit(fp8, {"jitter": JITTERS}, train, chosen, rounds=1, deepspeed=deepspeed), deepspeed
+
+
+def coordinate_fit(start: Calibration, grid: dict[str, list[float]], runs: list[dict], chosen: dict[str, Strategy],
+                   *, rounds: int = 2, deepspeed: float | None = None) -> Calibration:
+    """``start`` with each field of ``grid`` set in turn to the value of least mean |log error| on ``runs``."""
+    best = start
+    for _ in range(rounds):
+        for name, values in grid.items():
+            best = min((replace(best, **{name: v}) for v in values),
+                       key=lambda c: _mean_abs_log_error(runs, chosen, c, deepspeed=deepspeed))
+    return best
 
 
 def _mean_abs_log_error(runs: list[dict], chosen: dict[str, Strategy], calibration: Calibration, *, deepspeed=None) -> float:

@@ -32,7 +32,8 @@ class Calibration:
     layer's saved activations at memory bandwidth, forward and twice that backward. ``jitter`` is the
     relative spread of one rank's step time (kernels, clocks, network noise): every step waits for the
     slowest of the ``n`` ranks, the expected maximum of ``n`` normal draws, ``jitter * sqrt(2 ln n)`` of the
-    step (stragglers grow with the number of ranks). How well ZeRO-3's collectives overlap is the framework's,
+    step (stragglers grow with the number of ranks). The attention cores (flash attention's fused kernels, not
+    GEMMs) reach ``attention_efficiency`` of the bf16 peak whatever the width (0: the matmul curve). How well ZeRO-3's collectives overlap is the framework's,
     not the device's: ``cost_models.profiles``.
     """
 
@@ -42,6 +43,7 @@ class Calibration:
     fp8_peak_fraction: float = 0.0
     fp8_half_width: float = 0.0
     jitter: float = 0.0
+    attention_efficiency: float = 0.0
 
     def at(self, width: float) -> float:
         """Efficiency at local matmul width ``width`` (unknown width: the asymptote)."""
@@ -91,14 +93,15 @@ def stage_compute_s(
     forward, backward, recompute = arithmetic_s(stage, device, training, width=stage.hidden_size / strategy.tp,
                                                 calibration=calibration)
     constants = device_calibration(device, calibration)
-    passes = constants.traffic_factor * stage.activation_traffic_bytes + cast_traffic_bytes(stage, training)
-    traffic = share * passes / device.memory_bandwidth_bytes_per_s
+    elementwise = share * constants.traffic_factor * stage.activation_traffic_bytes / device.memory_bandwidth_bytes_per_s
+    casts = share * cast_traffic_bytes(stage, training) / device.memory_bandwidth_bytes_per_s
     recompute_share = stage.recompute_flops / stage.forward_flops if stage.forward_flops else 0.0
+    recast = casts * recompute_share if stage.full_recompute_blocks else 0.0  # selective re-runs no linear
     forward_overhead, backward_overhead = framework_overhead_s(stage, device, tp=strategy.tp)
     return (
-        forward * share + traffic + forward_overhead,
-        backward * share + 2 * traffic + backward_overhead,
-        recompute * share + (traffic + forward_overhead) * recompute_share,
+        forward * share + elementwise + casts + forward_overhead,
+        backward * share + 2 * (elementwise + casts) + backward_overhead,
+        recompute * share + (elementwise + forward_overhead) * recompute_share + recast,
     )
 
 
@@ -107,20 +110,32 @@ def arithmetic_s(
 ) -> tuple[float, float, float]:
     """(forward, backward, recompute) matmul seconds of ONE sequence of ``stage`` on one device's whole rate.
 
-    Under FP8 the blocks' linears run at the FP8 rate and the attention cores and the head at the bf16 rate
-    (``cost_models.fp8``); a selective recomputation re-runs attention cores only (bf16), a full one the
-    block's forward at its mixed rate.
+    The attention cores (their forward FLOPs ``stage.attention_core_flops``, backward twice that) run at the
+    calibration's attention rate; under FP8 the blocks' other linears run at the FP8 rate and the head at the
+    bf16 rate (``cost_models.fp8``). A selective recomputation re-runs attention cores only, a full one the
+    blocks' forward at its mixed rate.
     """
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
-    if training.precision != "fp8":
-        return stage.forward_flops / rate, stage.backward_flops / rate, stage.recompute_flops / rate
-    fp8_rate = device.peak_flops("fp8") * device_calibration(device, calibration).fp8_at(width)
-    kept_forward, kept_backward = bf16_flops(stage)
-    forward = (stage.forward_flops - kept_forward) / fp8_rate + kept_forward / rate
-    backward = (stage.backward_flops - kept_backward) / fp8_rate + kept_backward / rate
+    attention_rate = _attention_rate(device, training, rate, calibration=calibration)
+    core = min(stage.attention_core_flops, stage.forward_flops)
+    linear_rate, head_forward, head_backward = rate, 0.0, 0.0
+    if training.precision == "fp8":
+        linear_rate = device.peak_flops("fp8") * device_calibration(device, calibration).fp8_at(width)
+        kept_forward, kept_backward = bf16_flops(stage)
+        head_forward, head_backward = kept_forward - core, max(0.0, kept_backward - 2 * core)
+    backward_core = min(2 * core, stage.backward_flops)
+    forward = ((stage.forward_flops - core - head_forward) / linear_rate + core / attention_rate + head_forward / rate)
+    backward = ((stage.backward_flops - backward_core - head_backward) / linear_rate + backward_core / attention_rate
+                + head_backward / rate)
     mixed = forward / stage.forward_flops if stage.forward_flops else 0.0
-    recompute = stage.recompute_flops * mixed if stage.full_recompute_blocks else stage.recompute_flops / rate
+    recompute = stage.recompute_flops * mixed if stage.full_recompute_blocks else stage.recompute_flops / attention_rate
     return forward, backward, recompute
+
+
+def _attention_rate(device: DeviceSpec, training: TrainingConfig, rate: float, *, calibration: Calibration) -> float:
+    """FLOP/s of the attention cores: ``attention_efficiency`` of the bf16 peak where calibrated, else ``rate``."""
+    efficiency = device_calibration(device, calibration).attention_efficiency
+    return device.peak_flops(bf16_or(training.precision)) * efficiency if efficiency else rate
 
 
 def framework_overhead_s(stage: StageTotals, device: DeviceSpec, *, tp: int) -> tuple[float, float]:
@@ -160,7 +175,8 @@ def compute_lower_bound_s(
     """
     forward, backward, _ = stage_compute_s(model, device, training, strategy, calibration=calibration)
     width = model.hidden_size / strategy.tp
-    fastest = max(achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration),
+    rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
+    fastest = max(rate, _attention_rate(device, training, rate, calibration=calibration),
                   device.peak_flops("fp8") * device_calibration(device, calibration).fp8_at(width)
                   if training.precision == "fp8" else 0.0)
     recompute = model.recompute_flops * strategy.micro_batch / (strategy.tp * strategy.cp * fastest)

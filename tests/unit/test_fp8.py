@@ -1,0 +1,79 @@
+"""FP8 training in the cost model (``cost_models.fp8``): rates, what stays bf16, scaling traffic, memory per framework."""
+
+import pytest
+
+from tessera.cost_models import Strategy, TrainingConfig, estimate
+from tessera.cost_models.compute import Calibration
+from tessera.cost_models.fp8 import CAST_PASSES, LINEAR_INPUT_SHARE
+from tessera.cost_models.profiles import MEGATRON, TESSERA, ImplementationProfile
+from tessera.cost_models.types import LayerStats
+from tessera.errors import ClusterSpecError, ConfigError
+from tessera.topology import load_cluster
+
+GiB = 2**30
+# bf16 at half of 989, FP8 at half of 1979 TFLOP/s, any width; no elementwise traffic but the casts'
+FLAT = Calibration(peak_fraction=0.5, half_width=0.0, traffic_factor=0.0, fp8_peak_fraction=0.5, fp8_half_width=0.0)
+H100 = load_cluster("dgx-h100:nodes=1")
+CORE = 2e12  # forward FLOPs of each block's attention core
+
+
+def block(i: int) -> LayerStats:
+    return LayerStats(
+        fqn=f"blocks.{i}", kind="block", signature="b", param_count=10**9, forward_flops=1e13, backward_flops=2e13,
+        saved_bytes_no_recompute=2 * GiB, saved_bytes_full_recompute=GiB // 16, output_bytes=GiB // 16, hidden_size=8192,
+        attention_heads=64, kv_heads=8, selective_recompute_flops=CORE, saved_bytes_selective=GiB,
+    )
+
+
+LAYERS = [block(i) for i in range(4)]
+
+
+def run(precision: str = "fp8", *, scaling: str = "current", strategy: str = "dp=8,zero=3,mbs=1", cluster=H100,
+        framework: ImplementationProfile = TESSERA):
+    extra = {"fp8_scaling": scaling} if precision == "fp8" else {}
+    training = TrainingConfig(global_batch=8, seq_len=4096, precision=precision, **extra)
+    return estimate(LAYERS, cluster, training, Strategy.parse(strategy), calibration=FLAT, profile=framework)
+
+
+def test_linears_run_at_the_fp8_rate_and_attention_cores_at_the_bf16_rate():
+    e = run()
+    bf16, fp8 = 989e12 * 0.5, 1979e12 * 0.5
+    arithmetic = 4 * ((1e13 - CORE) / fp8 + CORE / bf16 + (2e13 - 2 * CORE) / fp8 + 2 * CORE / bf16)
+    casts = 4 * 3 * CAST_PASSES["current"] * 0.75 * LINEAR_INPUT_SHARE * 2 * GiB / H100.device.memory_bandwidth_bytes_per_s
+    assert e.compute_time_s == pytest.approx(arithmetic + casts)
+    assert e.compute_time_s < run("bf16").compute_time_s
+    assert any("fp8 (current scaling)" in note for note in e.notes)
+
+
+def test_delayed_scaling_moves_fewer_bytes_than_current_scaling():
+    assert run(scaling="delayed").compute_time_s < run(scaling="current").compute_time_s
+    assert any("not calibrated" in note for note in run(scaling="mx").notes)
+
+
+def test_selective_recompute_reruns_the_attention_core_in_bf16():
+    e = run(strategy="dp=8,zero=3,mbs=1,recompute=selective")
+    assert e.recompute_time_s == pytest.approx(4 * CORE / (989e12 * 0.5))
+
+
+def test_fp8_needs_a_device_with_fp8_units_and_scaling_needs_fp8():
+    with pytest.raises(ClusterSpecError, match="no peak FLOP/s for dtype 'fp8'"):
+        run(cluster=load_cluster("dgx-a100:nodes=1"))
+    with pytest.raises(ConfigError, match="fp8_scaling=delayed needs precision=fp8"):
+        TrainingConfig(global_batch=8, seq_len=4096, fp8_scaling="delayed")
+    assert TrainingConfig(global_batch=8, seq_len=4096, precision="fp8").fp8_scaling == "current"
+
+
+def test_transformer_engine_keeps_fp8_weights_and_saves_fp8_inputs():
+    bf16, tessera, megatron = (run(p, framework=f).memory_by_category_bytes for p, f in
+                               (("bf16", TESSERA), ("fp8", TESSERA), ("fp8", MEGATRON)))
+    assert tessera["activations"] == bf16["activations"] and tessera["parameters"] == bf16["parameters"]
+    saved_less = 4 * 0.5 * LINEAR_INPUT_SHARE * 2 * GiB
+    assert megatron["activations"] == pytest.approx(bf16["activations"] - saved_less, abs=4)
+    assert megatron["parameters"] == bf16["parameters"] + 2 * 4 * 10**9 // 8 * 8  # weight + transpose, 1 B each, whole
+
+
+def test_fp8_all_gather_halves_the_block_gathers():
+    fp8_gather = ImplementationProfile(name="fp8-gather", fp8_all_gather=True)
+    plain, gathered = run(), run(framework=fp8_gather)
+    assert gathered.comm_time_by_kind_s["fsdp_allgather"] < 0.6 * plain.comm_time_by_kind_s["fsdp_allgather"]
+    assert gathered.memory_by_category_bytes["buffers"] == plain.memory_by_category_bytes["buffers"] - 2 * 10**9

@@ -1,0 +1,84 @@
+"""Sharded data parallelism per framework (``cost_models.profiles``) and stragglers, on hand-made LayerStats."""
+
+import math
+
+import pytest
+
+from tessera.cost_models import Strategy, TrainingConfig, estimate
+from tessera.cost_models.communication import exposed_dp_comm_s
+from tessera.cost_models.compute import Calibration
+from tessera.cost_models.profiles import DEEPSPEED, MEGATRON, PROFILES, TESSERA, profile
+from tessera.cost_models.types import LayerStats
+from tessera.errors import ConfigError
+from tessera.topology import load_cluster
+
+GiB = 2**30
+FLAT = Calibration(peak_fraction=0.5, half_width=0.0, traffic_factor=0.0)
+
+
+def block(i: int, *, flops: float = 1e13) -> LayerStats:
+    return LayerStats(
+        fqn=f"blocks.{i}", kind="block", signature="b", param_count=10**9, forward_flops=flops, backward_flops=2 * flops,
+        saved_bytes_no_recompute=2 * GiB, saved_bytes_full_recompute=GiB // 16, output_bytes=GiB // 16, hidden_size=8192,
+        attention_heads=64, kv_heads=8,
+    )
+
+
+def run(strategy: str, *, nodes: int = 2, flops: float = 1e13, calibration=FLAT, framework=TESSERA, batch: int = 32):
+    layers = [block(i, flops=flops) for i in range(4)]
+    training = TrainingConfig(global_batch=batch, seq_len=4096)
+    return estimate(layers, load_cluster(f"dgx-h100:nodes={nodes}"), training, Strategy.parse(strategy),
+                    calibration=calibration, profile=framework)
+
+
+def test_deepspeed_zero3_collectives_take_its_profiles_slowdown():
+    fsdp, deepspeed = run("dp=16,zero=3,mbs=2"), run("dp=16,zero=3,mbs=2", framework=DEEPSPEED)
+    for kind in ("fsdp_allgather", "fsdp_reducescatter"):
+        assert deepspeed.comm_time_by_kind_s[kind] == pytest.approx(DEEPSPEED.zero3_comm_slowdown * fsdp.comm_time_by_kind_s[kind])
+    assert deepspeed.step_time_s > fsdp.step_time_s
+    # ZeRO-1 is no business of the ZeRO-3 profile
+    assert run("dp=16,zero=1,mbs=2", framework=DEEPSPEED).step_time_s == pytest.approx(run("dp=16,zero=1,mbs=2").step_time_s)
+
+
+def test_compute_bound_fsdp_exposes_only_the_first_gather_and_last_reduce_scatter():
+    e = run("dp=16,zero=3,mbs=2")
+    total = e.comm_time_by_kind_s["fsdp_allgather"] + e.comm_time_by_kind_s["fsdp_reducescatter"]
+    assert total < e.compute_time_s  # the bytes fit behind the compute
+    assert e.exposed_comm_time_s == pytest.approx(total / 4)  # 4 blocks: one block's worth per pass stays exposed
+
+
+def test_bandwidth_bound_fsdp_exposes_what_compute_cannot_cover_and_recompute_hides_more():
+    comm = {"fsdp_allgather": 3.0, "fsdp_reducescatter": 3.0}
+    zero3 = Strategy.parse("dp=8,zero=3")
+    plain = exposed_dp_comm_s(comm, zero3, forward_s=1.0, backward_s=2.0, micro_batches=1, blocks=4)
+    recomputed = exposed_dp_comm_s(comm, zero3, forward_s=1.0, backward_s=2.0, micro_batches=1, blocks=4, recompute_s=1.0)
+    assert plain == pytest.approx(6.0 - 3.0) and recomputed == pytest.approx(6.0 - 4.0)
+    assert exposed_dp_comm_s(comm, zero3, forward_s=1.0, backward_s=2.0, micro_batches=1, blocks=4, overlap=False) == 6.0
+
+
+def test_stragglers_grow_with_the_number_of_ranks():
+    jittery = Calibration(peak_fraction=0.5, half_width=0.0, traffic_factor=0.0, jitter=0.01)
+    steps = {}
+    for nodes in (1, 16, 256):
+        calm = run(f"dp={8 * nodes},zero=1,mbs=1", nodes=nodes, batch=8 * nodes)
+        noisy = run(f"dp={8 * nodes},zero=1,mbs=1", nodes=nodes, batch=8 * nodes, calibration=jittery)
+        steps[nodes] = noisy.step_time_s - calm.step_time_s
+        compute = calm.compute_time_s + calm.recompute_time_s
+        assert steps[nodes] == pytest.approx(compute * 0.01 * math.sqrt(2 * math.log(8 * nodes)), rel=1e-6)
+        assert any("stragglers" in note for note in noisy.notes)
+    assert steps[1] < steps[16] < steps[256]
+
+
+def test_single_device_has_no_stragglers():
+    jittery = Calibration(peak_fraction=0.5, half_width=0.0, traffic_factor=0.0, jitter=0.05)
+    layers = [block(i) for i in range(2)]
+    one = load_cluster("dgx-h100:nodes=1,gpus_per_node=1")
+    training = TrainingConfig(global_batch=2, seq_len=4096)
+    assert estimate(layers, one, training, Strategy(), calibration=jittery).step_time_s == pytest.approx(
+        estimate(layers, one, training, Strategy(), calibration=FLAT).step_time_s)
+
+
+def test_profiles_by_name_and_a_clear_error_for_an_unknown_one():
+    assert profile("deepspeed") is DEEPSPEED and profile("megatron") is MEGATRON and set(PROFILES) >= {"tessera", "torchtitan"}
+    with pytest.raises(ConfigError, match="unknown implementation profile 'colossal'; known: tessera"):
+        profile("colossal")
