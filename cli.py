@@ -345,6 +345,7 @@ def _write_report(plan, kind: str, *, out: str, console: Console) -> None:
 
 def _compare(args: argparse.Namespace, console: Console) -> int:
     import tessera
+    from tessera.planner.frameworks.common import pin_string
 
     from tessera.errors import ConfigError
 
@@ -352,7 +353,7 @@ def _compare(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("compare needs a baseline: --baseline STR or --baseline-from FRAMEWORK SOURCE")
     imported = _imported(args, [tuple(pair) for pair in args.baseline_from])
     workload = _workload(args, *args.baseline, imported=imported)
-    baselines = [*args.baseline, *(config.strategy.to_string() for config in imported)]
+    baselines = [*args.baseline, *(pin_string(config.strategy) for config in imported)]  # every field, as stated
     with console.status(f"capturing {escape(args.model)}, searching and evaluating {len(baselines)} baseline(s)..."):
         comparison = tessera.compare(**workload, baselines=baselines)
     from tessera.report import print_comparison  # imports the search and charts: only once there is a result
@@ -367,10 +368,11 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     import json
 
     import tessera
+    from tessera.planner.frameworks.common import pin_string
 
     imported = _imported(args, from_sources(args))
     workload = _workload(args, args.strategy, imported=imported)
-    requested = args.strategy or imported[0].strategy.to_string()
+    requested = args.strategy or pin_string(imported[0].strategy)  # every field pinned, as the config states it
     with console.status(f"capturing {escape(args.model)} and estimating..."):
         strategy, estimate = tessera.evaluate(**workload, strategy=requested)
     from tessera.report import estimate_json, print_estimate  # imports the search and charts: once there is a result

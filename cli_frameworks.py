@@ -88,13 +88,13 @@ def print_export(plan, framework: str, *, evaluate: Callable[[str], tuple], cons
     can express), ``evaluate(strategy)`` estimates that, printed next to the plan's: a comment for Megatron-LM and
     torchtitan, on stderr for DeepSpeed's JSON (which has no comments), as are DeepSpeed's notes."""
     from tessera.planner.frameworks import export_plan
-    from tessera.planner.frameworks.common import FRAMEWORK_NAMES
+    from tessera.planner.frameworks.common import FRAMEWORK_NAMES, pin_string
 
     export = export_plan(plan, framework)
     lines = [f"# {note}" for note in export.notes] if framework == "deepspeed" else []
     if export.differs_from(plan.strategy):
         with console.status(f"estimating what {FRAMEWORK_NAMES[framework]} runs..."):
-            _, runs = evaluate(export.strategy.to_string())
+            _, runs = evaluate(pin_string(export.strategy))  # every field pinned: what the framework runs
         lines.append(nearest_line(FRAMEWORK_NAMES[framework], export.strategy.to_string(), runs, plan.estimate))
     print(export.text.rstrip("\n"))
     if framework == "deepspeed":

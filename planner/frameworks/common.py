@@ -98,6 +98,20 @@ class ImportedConfig(BaseModel):
         return PROFILE_NAMES[self.framework]
 
 
+def pin_string(strategy: Strategy) -> str:
+    """``strategy`` as a strategy string that pins every field (``Strategy.to_string`` leaves degrees of 1 and false
+    flags out, which as pins the planner would fill): what evaluating a framework's configuration must pin."""
+    s = strategy
+    schedule = f"{s.schedule}:{s.virtual_stages}" if s.schedule == "interleaved" else s.schedule
+    explicit = {"dp": s.dp, "tp": s.tp, "pp": s.pp, "cp": s.cp, "ep": s.ep, "sp": s.sp, "tp_overlap": s.tp_overlap,
+                "sp_regather": s.sp_regather, "schedule": schedule}
+    items = dict(item.split("=", 1) for item in s.to_string().split(","))
+    merged = items | {key: str(value).lower() for key, value in explicit.items()}
+    order = ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "recompute", "sp", "tp_overlap", "sp_regather",
+             "block_recompute", "chunk_blocks", "schedule")
+    return ",".join(f"{key}={merged[key]}" for key in order if key in merged)
+
+
 def canonical(strategy: Strategy) -> Strategy:
     """``strategy`` in one form per meaning: a per-block recomputation that is one policy everywhere becomes that
     policy, an even chunk split becomes the default, fields pipelining ignores at ``pp == 1`` take their defaults,

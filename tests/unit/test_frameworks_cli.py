@@ -31,7 +31,7 @@ def test_compare_baseline_from_megatron_equals_the_hand_written_baseline(capsys)
              "--micro-batch-size 1 --global-batch-size 8 --seq-length 32 --recompute-granularity full "
              "--recompute-method uniform --recompute-num-layers 1 --lr 1e-4")
     code = main(["compare", *BASE, "--format", "json", "--baseline", "dp=1,tp=2,pp=2,zero=0,mbs=1,recompute=full,"
-                 "schedule=1f1b", "--baseline-from", "megatron", flags])
+                 "sp=false,schedule=1f1b", "--baseline-from", "megatron", flags])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     hand, imported = json.loads(captured.out)["baselines"]

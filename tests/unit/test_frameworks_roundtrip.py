@@ -209,3 +209,14 @@ def test_readme_example_plans_round_trip(framework, tmp_path):
         if framework == "deepspeed" and plan.strategy.world_size != plan.strategy.dp:
             continue  # refused (tested above)
         round_trip(plan, framework, tmp_path)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pin_string_pins_every_field(name):
+    # Strategy.to_string leaves tp=1 and sp=false out; as pins the planner would fill those. pin_string does not.
+    from tessera.planner.frameworks.common import pin_string
+
+    strategy = Strategy.parse(CASES[name][0])
+    assert Strategy.parse(pin_string(strategy)) == strategy
+    assert set(Strategy.parse_fields(pin_string(strategy))) >= {"dp", "tp", "pp", "cp", "ep", "zero", "micro_batch",
+                                                                "recompute", "sp", "tp_overlap", "sp_regather", "schedule"}
