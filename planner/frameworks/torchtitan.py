@@ -44,7 +44,9 @@ DEFAULTS = {
                     "fsdp_reshard_after_forward": "default", "tensor_parallel_degree": 1, "enable_sequence_parallel": True,
                     "pipeline_parallel_degree": 1, "pipeline_parallel_schedule": "1F1B",
                     "pipeline_parallel_microbatch_size": 1, "module_fqns_per_model_part": None,
-                    "context_parallel_degree": 1, "expert_parallel_degree": 1},
+                    "context_parallel_degree": 1, "expert_parallel_degree": 1,
+                    "pipeline_parallel_layers_per_stage": None, "pipeline_parallel_first_stage_less_layers": 1,
+                    "pipeline_parallel_last_stage_less_layers": 1},
     "training": {"local_batch_size": 8, "global_batch_size": -1, "seq_len": 2048, "mixed_precision_param": "bfloat16",
                  "dtype": "float32", "enable_cpu_offload": False},
     "compile": {"enable": False, "enable_async_tensor_parallel": False},
@@ -250,7 +252,11 @@ def _pipeline(par: dict, *, pp: int, local: int, notes: list[str]) -> tuple[str,
         if names[name] == "interleaved":
             raise ConfigError("torchtitan: Interleaved1F1B without module_fqns_per_model_part; Tessera reads the chunks "
                               "from it (the layer count is in the model, not the config)")
-        notes.append("no module_fqns_per_model_part: evaluated with Tessera's even split of the blocks")
+        split = ("pipeline_parallel_layers_per_stage", "pipeline_parallel_first_stage_less_layers",
+                 "pipeline_parallel_last_stage_less_layers")
+        given = ", ".join(f"{key}={par[key]!r}" for key in split)
+        notes.append(f"no module_fqns_per_model_part: torchtitan splits the model's layers by {given} (the layer "
+                     "count is in the model, not the config); evaluated with Tessera's even split of the blocks")
         return names[name], 1, (), micro
     counts = _part_blocks(parts, pp=pp)
     virtual = len(counts) // pp
