@@ -5,7 +5,7 @@ Megatron-LM's split (Shoeybi et al. 2019): in every block, the linears that read
 *row*-parallel (input features sharded; its partial sums are all-reduced). Attention splits by heads, so each rank
 runs its ``heads / tp`` local heads; the MLP splits its hidden width. How each planned layer is split, by ``kind``:
 
-- ``embedding``: every ``nn.Embedding`` in it that looks tokens up with ``nn.Embedding.forward`` is
+- ``embedding``: every ``nn.Embedding`` in it whose forward takes the indices first is
   vocabulary-parallel (``RowwiseParallel``: rows sharded, each rank looks up the tokens it owns, the partial rows
   are all-reduced to a replicated output); one with its own forward (OPT's learned positions, called with the
   attention mask) is kept whole. A plan's ``replicated`` keeps any embedding whole.
@@ -35,6 +35,7 @@ vocabulary (dim 0) and the head is given the embedding's parameter object again.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -72,7 +73,10 @@ from tessera.planner.plan import PlannedLayer
 from tessera.runtime.tp_styles import ColumnSplit, RowSplit, check_local_heads, localise_attention
 
 SEQUENCE_DIM = 1
-"""Sequence dimension of activations ``(B, T, H)``."""
+"""Sequence dimension of activations ``(B, T, H)``: attention gathers and reduce-scatters the real sequence."""
+TOKEN_DIM = 0
+"""Token-wise layers (norms, MLPs) treat the local tokens as a shard of dim 0: exact for ``(B, T / tp, H)`` and for
+the flattened ``(B * T / tp, H)`` some blocks reshape to (OPT's MLP), as each token is computed on its own."""
 Styles = dict[str, ParallelStyle]
 TpPlan = Mapping[str, str]
 """Module glob (``*`` = one FQN component, relative to the root model) -> style name (``cost_models.tp_rules``)."""
@@ -101,7 +105,8 @@ def apply_tensor_parallel(
     layers = [layer for layer in layers if layer.kind != "loss"]
     plan = resolve_tp_plan(model, tp_plan)
     ties = _tied_parameters(model)
-    plans = {layer.fqn: layer_styles(model, layer, tp=tp, sp=sequence_parallel, pairs=(pairs or {}).get(layer.fqn),
+    sharded = _sequence_sharded(layers, sequence_entry) if sequence_parallel else set()
+    plans = {layer.fqn: layer_styles(model, layer, tp=tp, sp=layer.fqn in sharded, pairs=(pairs or {}).get(layer.fqn),
                                      tp_plan=plan) for layer in layers}
     for fqn, styles in plans.items():
         if styles:
@@ -130,9 +135,12 @@ def check_tensor_parallel(
                 "it; re-plan this model (its layers must cover every parameter) or plan it with tp=1"
             )
     plan = resolve_tp_plan(model, tp_plan)
+    sharded = _sequence_sharded(layers, sequence_entry(layers)) if sp else set()
     for layer in layers:
         if layer.kind != "loss":
-            layer_styles(model, layer, tp=tp, sp=sp, pairs=(pairs or {}).get(layer.fqn), tp_plan=plan)
+            layer_styles(model, layer, tp=tp, sp=layer.fqn in sharded, pairs=(pairs or {}).get(layer.fqn), tp_plan=plan)
+    if sp:
+        _check_head_follows_on_its_stage(layers)
 
 
 def resolve_tp_plan(model: nn.Module, tp_plan: TpPlan | None) -> dict[str, str]:
@@ -147,7 +155,8 @@ def layer_styles(
     model: nn.Module, layer: PlannedLayer, *, tp: int, sp: bool, pairs: tuple[LinearPair, ...] | None,
     tp_plan: TpPlan | None = None,
 ) -> Styles:
-    """The ``parallelize_module`` plan (relative FQN -> style) for one planned layer."""
+    """The ``parallelize_module`` plan (relative FQN -> style) for one planned layer; ``sp``: the layer is in the
+    sequence-sharded region (from the first block to the layer before the head)."""
     module = model.get_submodule(layer.fqn)
     if layer.kind == "embedding":
         return _embedding_styles(layer.fqn, module, tp, tp_plan or {})
@@ -158,15 +167,15 @@ def layer_styles(
         return {"": _sequence_parallel()} if sp else {}
     if layer.kind == "head" and isinstance(module, nn.Linear):
         _check_divisible(f"{layer.fqn} (vocabulary {module.out_features})", module.out_features, tp)
-        first = Shard(SEQUENCE_DIM) if sp else Replicate()
-        return {"": ColwiseParallel(input_layouts=first, output_layouts=Shard(-1), use_local_output=True)}
+        # the sequence is gathered where it leaves the layer before (root code may reshape it: GPT-2's view)
+        return {"": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True)}
     _require_no_parameters(layer, module)
     return {}
 
 
 def _sequence_parallel() -> SequenceParallel:
     """A norm on the local tokens whose output is a plain tensor (it may meet the plain residual stream)."""
-    return SequenceParallel(use_local_output=True)
+    return SequenceParallel(sequence_dim=TOKEN_DIM, use_local_output=True)
 
 
 def _embedding_styles(fqn: str, module: nn.Module, tp: int, plan: TpPlan) -> Styles:
@@ -175,13 +184,28 @@ def _embedding_styles(fqn: str, module: nn.Module, tp: int, plan: TpPlan) -> Sty
     for name, child in module.named_modules():
         if not isinstance(child, nn.Embedding):
             continue
-        if type(child).forward is not nn.Embedding.forward or plan_style(plan, _join(fqn, name)) in REPLICATED_STYLES:
-            kept.add(name)  # its own forward (positions from a mask): which argument is the index is unknown
+        if not _looks_up_first_argument(child) or plan_style(plan, _join(fqn, name)) in REPLICATED_STYLES:
+            kept.add(name)  # OPT's learned positions: called with the attention mask, the index is computed inside
             continue
         _check_divisible(f"{_join(fqn, name)} ({child.num_embeddings} rows)", child.num_embeddings, tp)
         styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     _require_covered(fqn, module, set(styles) | kept)
     return styles
+
+
+INDEX_ARGUMENTS = ("input", "input_ids", "ids", "tokens", "token_ids", "x")
+"""Names of an embedding's first forward argument when it is the index to look up (vocabulary-parallel hooks
+convert that argument)."""
+
+
+def _looks_up_first_argument(embedding: nn.Embedding) -> bool:
+    """Whether ``embedding``'s forward takes the indices first: ``nn.Embedding.forward``, or an override whose first
+    argument is named like indices (Gemma's scaled embedding), not a mask (OPT's learned positions)."""
+    forward = type(embedding).forward
+    if forward is nn.Embedding.forward:
+        return True
+    names = list(inspect.signature(forward).parameters)[1:2]
+    return names in ([name] for name in INDEX_ARGUMENTS)
 
 
 def find_linear_pairs(block: nn.Module) -> tuple[LinearPair, ...]:
@@ -191,12 +215,12 @@ def find_linear_pairs(block: nn.Module) -> tuple[LinearPair, ...]:
 
 def _block_styles(fqn: str, block: nn.Module, splits: Sequence[LinearSplit], *, tp: int, sp: bool) -> Styles:
     styles: Styles = {}
-    row_output = Shard(SEQUENCE_DIM) if sp else Replicate()
     for split in splits:
         _check_split(fqn, block, split, tp)
+        row_output = Shard(_sequence_dim(split.role)) if sp else Replicate()
         if split.style in COLUMN_STYLES:
             gathered_by_container = sp and _container_of(split.name) != ""
-            column_input = Shard(SEQUENCE_DIM) if sp and not gathered_by_container else Replicate()
+            column_input = Shard(_sequence_dim(split.role)) if sp and not gathered_by_container else Replicate()
             styles[split.name] = ColumnSplit(parts=split.parts, input_layouts=column_input,
                                              gather_output=split.style == "colwise_gather_output")
         elif split.style in ROW_STYLES:
@@ -213,6 +237,10 @@ def _block_styles(fqn: str, block: nn.Module, splits: Sequence[LinearSplit], *, 
     _require_covered(fqn, block, set(styles) | set(norms) | set(replicated) | kept)
     _check_heads(fqn, block, splits, tp)
     return styles
+
+
+def _sequence_dim(role: str) -> int:
+    return SEQUENCE_DIM if role == "attention" else TOKEN_DIM
 
 
 def replicated_modules(block: nn.Module) -> list[str]:
@@ -326,12 +354,45 @@ def check_sequence_parallel(seq_len: int, tp: int) -> None:
 def sequence_entry(layers: Sequence[PlannedLayer]) -> str | None:
     """FQN of the first block (else norm or head): where the replicated residual stream is split over the
     sequence. Parameter-free ``other`` layers (a rotary-embedding module) do not carry the stream."""
-    return next((layer.fqn for layer in layers if layer.kind in ("block", "norm", "head")), None)
+    return next((layer.fqn for layer in layers if layer.kind == "block"),
+                next((layer.fqn for layer in layers if layer.kind in ("norm", "head")), None))
+
+
+def _sequence_sharded(layers: Sequence[PlannedLayer], entry: str | None) -> set[str]:
+    """Layers that see the sequence sharded: from ``entry`` to the layer before the head (on a later pipeline
+    rank, all but the head). A norm before the first block (an embedding norm) sees it whole."""
+    fqns = [layer.fqn for layer in layers if layer.kind not in ("loss", "head")]
+    if entry is None:
+        return set()
+    if entry in fqns:
+        return set(fqns[fqns.index(entry):])
+    earlier_stage = all(layer.kind in ("embedding", "other") for layer in layers if layer.kind != "loss")
+    return set() if earlier_stage else set(fqns)
+
+
+def _sequence_exit(layers: Sequence[PlannedLayer]) -> str | None:
+    """The layer right before the head, where the sequence is gathered again (None if the head is elsewhere)."""
+    kinds = [layer for layer in layers if layer.kind != "loss"]
+    for before, layer in zip(kinds, kinds[1:]):
+        if layer.kind == "head":
+            return before.fqn
+    return None
+
+
+def _check_head_follows_on_its_stage(layers: Sequence[PlannedLayer]) -> None:
+    kinds = [layer for layer in layers if layer.kind != "loss"]
+    for before, layer in zip(kinds, kinds[1:]):
+        if layer.kind == "head" and layer.chunk != before.chunk:
+            raise NotModelledError(
+                f"sequence parallelism gathers the sequence where it leaves {before.fqn}, which runs on another "
+                f"pipeline chunk than the head {layer.fqn}; plan the head with the layer before it, or sp=false"
+            )
 
 
 def _add_sequence_hooks(model: nn.Module, layers: Sequence[PlannedLayer], mesh: DeviceMesh, plans: dict[str, Styles],
                         *, entry: str | None) -> None:
-    """Scatter the sequence entering ``entry`` (when this rank holds it); gather it before each pair's columns.
+    """Scatter the sequence entering ``entry`` (when this rank holds it); gather it before each module's column
+    linears (the sequence for attention, the tokens for an MLP) and where it leaves the layer before the head.
 
     The scatter hook must run after an activation-checkpoint pre-hook on ``entry`` (apply recomputation
     first): checkpointing then records the replicated input and its recomputation re-runs the scatter,
@@ -340,14 +401,38 @@ def _add_sequence_hooks(model: nn.Module, layers: Sequence[PlannedLayer], mesh: 
     if entry in plans:
         model.get_submodule(entry).register_forward_pre_hook(
             _replace_hidden(lambda x: _scatter_sequence(x, mesh)), with_kwargs=True)
+    exit_ = _sequence_exit(layers)
+    if exit_ is not None:
+        model.get_submodule(exit_).register_forward_hook(_replace_output(lambda x: _gather_sequence(x, mesh).to_local()))
     for layer in layers:
         if layer.kind != "block":
             continue
         block = model.get_submodule(layer.fqn)
-        columns = [name for name, style in plans[layer.fqn].items() if isinstance(style, ColwiseParallel)]
-        for container in {_container_of(name) for name in columns} - {""}:
+        for container, dim in _gathering_containers(block, plans[layer.fqn]).items():
             block.get_submodule(container).register_forward_pre_hook(
-                _replace_hidden(lambda x: _gather_sequence(x, mesh)), with_kwargs=True)
+                _replace_hidden(lambda x, dim=dim: _gather_sequence(x, mesh, dim=dim)), with_kwargs=True)
+
+
+def _gathering_containers(block: nn.Module, styles: Styles) -> dict[str, int]:
+    """Module holding column linears (not the block itself) -> the dim its input is gathered on."""
+    found: dict[str, int] = {}
+    for name, style in styles.items():
+        container = _container_of(name)
+        if isinstance(style, ColwiseParallel) and container:
+            attention = head_dim_of(block.get_submodule(container)) is not None or _attention_of(block, name) is not None
+            found[container] = SEQUENCE_DIM if attention else TOKEN_DIM
+    return found
+
+
+def _replace_output(transform: Callable[[torch.Tensor], Any]):
+    """A forward hook applying ``transform`` to the output (a tensor, or a tuple's first element)."""
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (transform(output[0]), *output[1:])
+        return transform(output)
+
+    return hook
 
 
 def _replace_hidden(transform: Callable[[torch.Tensor], Any]):
@@ -370,10 +455,11 @@ def _scatter_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return whole.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()  # (B, T/tp, H)
 
 
-def _gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    """Local (B, T / tp, H) -> replicated DTensor (B, T, H); backward reduce-scatters the (partial) gradient."""
+def _gather_sequence(x: torch.Tensor, mesh: DeviceMesh, *, dim: int = SEQUENCE_DIM) -> DTensor:
+    """Local (B, T / tp, H) -> replicated DTensor (B, T, H) (or the tokens of every rank stacked on ``dim`` 0);
+    backward reduce-scatters the (partial) gradient."""
     if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, [Shard(SEQUENCE_DIM)], run_check=False)
+        x = DTensor.from_local(x, mesh, [Shard(dim)], run_check=False)
     return x.redistribute(mesh, [Replicate()])  # (B, T, H), kept a DTensor for the column linears
 
 
@@ -419,7 +505,8 @@ def _retie(model: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
         shared = getattr(model.get_submodule(first_fqn), first_name)
         for fqn, name in others:
             current = getattr(model.get_submodule(fqn), name)
-            if isinstance(current, DTensor) and isinstance(shared, DTensor) and current.placements != shared.placements:
+            split_alike = isinstance(current, DTensor) == isinstance(shared, DTensor)
+            if not split_alike or (isinstance(current, DTensor) and current.placements != shared.placements):
                 raise NotModelledError(f"tied parameters {first_fqn}.{first_name} and {fqn}.{name} are split "
                                        "differently by tensor parallelism; untie them or plan with tp=1")
             setattr(model.get_submodule(fqn), name, shared)
