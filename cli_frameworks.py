@@ -77,7 +77,7 @@ def import_configs(sources: Sequence[tuple[str, str]], *, world_size: int) -> li
                            if getattr(config, k) is not None)
         _say(console, f"from {FRAMEWORK_NAMES[framework]}: {config.strategy.to_string()}" + f" ({stated})" * bool(stated))
         if config.unread:
-            _say(console, "  not read (no effect on the estimate): " + "; ".join(config.unread))
+            _say(console, "  not read by Tessera (listed, not evaluated): " + "; ".join(config.unread))
         for note in config.notes:
             _say(console, f"  note: {note}")
     return configs

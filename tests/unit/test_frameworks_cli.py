@@ -36,7 +36,7 @@ def test_compare_baseline_from_megatron_equals_the_hand_written_baseline(capsys)
     assert code == 0, captured.err
     hand, imported = json.loads(captured.out)["baselines"]
     assert imported["estimate"] == hand["estimate"] and imported["strategy"] == hand["strategy"]
-    assert "not read (no effect on the estimate): --lr 1e-4" in captured.err
+    assert "not read by Tessera (listed, not evaluated): --lr 1e-4" in captured.err
 
 
 def test_evaluate_from_deepspeed_fills_the_batch_and_refuses_a_conflict(tmp_path, capsys):
