@@ -173,6 +173,24 @@ class Plan(BaseModel):
         """FQNs of the repeated blocks: the FSDP wrapping and recomputation units."""
         return tuple(layer.fqn for layer in self.layers if layer.kind == "block")
 
+    def to_megatron_args(self):
+        """The plan as Megatron-LM arguments (``planner.frameworks.megatron``): a ``FrameworkExport``."""
+        from tessera.planner.frameworks.megatron import to_megatron_args
+
+        return to_megatron_args(self)
+
+    def to_torchtitan(self):
+        """The plan as an edit of a torchtitan 0.3 ``Trainer.Config`` (``planner.frameworks.torchtitan``)."""
+        from tessera.planner.frameworks.torchtitan import to_torchtitan
+
+        return to_torchtitan(self)
+
+    def to_deepspeed(self):
+        """The plan as a DeepSpeed JSON config; ``ConfigError`` for plans with tp, pp, cp or ep."""
+        from tessera.planner.frameworks.deepspeed import to_deepspeed
+
+        return to_deepspeed(self)
+
 
 def _plan_text(text_or_path: str | Path) -> tuple[str, str]:
     """The JSON text of a plan given as text or as a path, and how errors name it (``plan file X``)."""
