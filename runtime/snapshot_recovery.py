@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from tessera.errors import CheckpointError
 from tessera.runtime.checkpoint_files import (
-    MANIFEST, MARKER, Manifest, all_gather, broadcast, complete_checkpoints, file_record, sha256_text,
+    MANIFEST, MARKER, Manifest, all_gather, barrier, broadcast, complete_checkpoints, file_record, sha256_text,
     step_folder, step_of, together,
 )
 from tessera.runtime.snapshot_store import RECOVERY_FOLDER, RECOVERY_PREFIX, committed_snapshots, discard_newer, held_files
@@ -77,6 +77,7 @@ def recover_from_snapshots(
 
     check_same_model(pm.plan, folder)
     info = pm.load(folder, verify=False)  # every file was checked against the manifest's SHA-256 on the way
+    barrier(group)  # every rank of the node has read the folder before its leader removes it
     together(lambda: _after_load(snapshots.store, manifest.step) if layout.is_leader(rank) else None, group,
              what="removing the assembled snapshot")
     info = info.model_copy(update={"path": f"snapshot step-{manifest.step:08d} in {snapshots.store}",

@@ -48,13 +48,16 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict, Field
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from tessera.errors import ConfigError
+from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.checkpoint import PendingSave, TrainingState, rng_state, training_tensors
 from tessera.runtime.checkpoint_files import (
-    DATA_FILE, PLAN_FILE, RNG_FOLDER, FileRecord, Manifest, all_gather, file_record, together,
+    DATA_FILE, PLAN_FILE, RNG_FOLDER, FileRecord, Manifest, all_gather, describe_failure, file_record, together,
 )
 from tessera.runtime.snapshot_store import (
     commit_snapshot, free_bytes, open_store, partial_snapshot, remove_store, store_bytes,
@@ -148,6 +151,8 @@ class Snapshotter:
         self._lock = agree(lambda: open_store(self.store) if self.layout.is_leader(self.rank) else None,
                            self.group, what=f"opening snapshot store {self.store}")
         self._staged: dict[str, Any] | None = None
+        self._live: dict[str, Any] | None = None
+        self._live_key: tuple | None = None
         self._pending: PendingSave | None = None
         self._checked_memory = False
         if self.layout.shift == 0 and self.rank == 0:
@@ -161,7 +166,7 @@ class Snapshotter:
     def snapshot(self, state: TrainingState) -> PendingSave:
         """Stage ``state`` and write it in the background (after the previous snapshot is committed)."""
         self.wait()
-        tensors = self._stage(training_tensors(state))
+        tensors = self._stage(self._live_tensors(state))
         if not self._checked_memory:
             self._check_host_memory(tensors)
             self._checked_memory = True
@@ -192,13 +197,30 @@ class Snapshotter:
         try:
             self.wait()
         finally:
-            together(lambda: remove_store(self.store) if self.layout.is_leader(self.rank) else None, self.group,
+            together(lambda: self._remove_store() if self.layout.is_leader(self.rank) else None, self.group,
                      what=f"removing snapshot store {self.store}")
             if self._lock is not None:
                 os.close(self._lock)
                 self._lock = None
 
+    def _remove_store(self) -> None:
+        remove_store(self.store)
+        if self.config.store is None:  # the default store's per-user parent, once no run of this user needs it
+            try:
+                self.store.parent.rmdir()
+            except OSError:
+                pass
+
     # ---------------------------------------------------------------------------------------- training thread
+
+    def _live_tensors(self, state: TrainingState) -> dict[str, Any]:
+        """``training_tensors(state)``, rebuilt only when its layout may have changed: DCP's ``get_state_dict``
+        costs far more than the copy, and between snapshots the same tensors are updated in place. Rebuilt when
+        a parameter, buffer or optimizer-state tensor is another object or a param-group setting (lr...) changed."""
+        key = _layout_key(state)
+        if self._live is None or key != self._live_key:
+            self._live, self._live_key = training_tensors(state), key
+        return self._live
 
     def _stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """A copy of ``tensors`` that training cannot change: the staging buffer, refilled in place."""
@@ -238,9 +260,6 @@ class Snapshotter:
 
     def _write(self, tensors: dict[str, Any], side: dict[str, Any], partial: Path, *, step: int, strategy: str) -> None:
         """Write, hash and replicate this rank's files, then commit the snapshot on every node."""
-        import torch.distributed.checkpoint as dcp  # noqa: PLC0415 (seconds to import; only once snapshots run)
-        from torch.distributed.checkpoint import FileSystemWriter  # noqa: PLC0415
-
         group = self.group
 
         def write_and_hash() -> dict[str, FileRecord]:
@@ -254,13 +273,14 @@ class Snapshotter:
             writer = FileSystemWriter(partial, sync_files=False)  # host memory: nothing to flush
             with warnings.catch_warnings():  # without a process group DCP warns it assumes one process: as asked
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-                dcp.save(tensors, checkpoint_id=partial, storage_writer=writer, process_group=group,
-                         no_dist=group is None)
+                dcp.save(tensors, checkpoint_id=partial, storage_writer=writer, planner=SnapshotSavePlanner(),
+                         process_group=group, no_dist=group is None)
             names += sorted(p.name for p in partial.glob(f"__{self.rank}_*.distcp"))
             return {name: file_record(partial / name) for name in names}
 
-        mine = together(write_and_hash, group, what=f"writing snapshot {partial}")
-        files = {name: record for share in all_gather(mine, group) for name, record in share.items()}
+        shares = gathered(write_and_hash, group, what=f"writing snapshot {partial}")  # one collective: files, errors
+        mine = shares[self.rank]
+        files = {name: record for share in shares for name, record in share.items()}
         if self.layout.shift:
             together(lambda: self._replicate(mine, files, partial), group, what=f"copying snapshot {partial} to buddies")
         manifest = Manifest(step=step, world_size=self.layout.world, strategy=strategy, saved_unix_s=time.time(),
@@ -284,6 +304,17 @@ class Snapshotter:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
+
+def _layout_key(state: TrainingState) -> tuple:
+    """What makes a cached ``training_tensors(state)`` stale: the identity of every parameter, buffer and
+    optimizer-state tensor, and every param-group setting."""
+    optimizer = state.optimizer
+    groups = tuple((tuple(map(id, group["params"])), repr(sorted((k, v) for k, v in group.items() if k != "params")))
+                   for group in optimizer.param_groups)
+    states = tuple(id(value) for entry in optimizer.state.values() for value in entry.values())
+    buffers = tuple(id(buffer) for module in state.modules for buffer in module.buffers())
+    return groups, states, buffers
 
 
 def _clone(tensors: Any) -> Any:
@@ -356,6 +387,32 @@ def _unpack(buffer: torch.Tensor, names: list[str], files: dict[str, FileRecord]
         offset += size
         if file_record(path) != files[name]:
             raise OSError(f"snapshot file {name} arrived from the buddy node damaged (SHA-256 differs)")
+
+
+class SnapshotSavePlanner(DefaultSavePlanner):
+    """DCP's save planner with plan caching: every snapshot of a run has the same layout, so after the first one
+    the ranks skip sending their plans to the coordinator. A class of its own because DCP keys its cache by the
+    planner's class name (disk checkpoints keep theirs)."""
+
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=True)
+
+
+def gathered(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> list[T]:
+    """Every rank's ``action()`` in rank order, in one collective; if it failed anywhere, the same
+    ``CheckpointError`` on every rank."""
+    value, problem = None, None
+    try:
+        value = action()
+    except CheckpointError as error:
+        problem = str(error)
+    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+        problem = f"{what} failed on rank {dist.get_rank(group) if group is not None else 0}: {describe_failure(error)}"
+    shares = all_gather((value, problem), group)
+    problems = [p for _, p in shares if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    return [v for v, _ in shares]
 
 
 def agree(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> T:
