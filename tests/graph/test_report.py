@@ -15,6 +15,7 @@ from tessera.planner.plan import Plan
 SECTIONS = [
     "Model and cluster", "Strategy", "Prediction", "Step time breakdown", "Memory per pipeline stage",
     "Pipeline timeline", "Alternatives", "Search", "Launch",
+    "As Megatron-LM configuration", "As torchtitan configuration", "As DeepSpeed configuration",
 ]
 FIGURES = ["step_time", "memory", "timeline"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -142,7 +142,8 @@ def test_reports_written_into_a_hostile_folder_quote_the_plan_path(small_plan, t
     fence = text.index("```sh\n") + len("```sh\n")
     assert shlex.split(text[fence:text.index("\n", fence)])[-2:] == ["--plan", plan_path]
     page = write_html(small_plan, folder / "report.html", plan_path=plan_path).read_text()
-    code = html.unescape(page[page.rindex("<pre><code>") + len("<pre><code>"):page.rindex("</code></pre>")])
+    launch = page.index("<pre><code>", page.index(">Launch</h2>")) + len("<pre><code>")
+    code = html.unescape(page[launch:page.index("</code></pre>", launch)])
     assert shlex.split(code)[-2:] == ["--plan", plan_path]
     assert sorted(p.name for p in folder.iterdir()) == ["memory.png", "report.html", "report.md", "step_time.png",
                                                           "timeline.png"]  # no temporary file left behind
