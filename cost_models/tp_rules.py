@@ -28,6 +28,7 @@ locally first), ``replicated`` (kept whole). Others of Hugging Face's vocabulary
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,10 @@ from tessera.errors import NotModelledError
 COLUMN_STYLES = frozenset({"colwise", "packed_colwise", "colwise_gather_output"})
 ROW_STYLES = frozenset({"rowwise", "rowwise_split_input"})
 REPLICATED_STYLES = frozenset({"replicated", "replicated_with_grad_allreduce"})
+LINEAR_STYLES = COLUMN_STYLES | ROW_STYLES | REPLICATED_STYLES
+"""Styles a linear inside a block may have."""
+HEAD_SPLIT_STYLES = frozenset({"colwise", "packed_colwise"})
+"""Column styles that leave each rank its own heads (not gathered)."""
 EMBEDDING_STYLES = frozenset({"embedding_rowwise"})
 NORM_STYLES = frozenset({"sequence_parallel"})
 STYLES = COLUMN_STYLES | ROW_STYLES | REPLICATED_STYLES | EMBEDDING_STYLES | NORM_STYLES
@@ -237,3 +242,66 @@ def is_norm(module: nn.Module) -> bool:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+# ---------------------------------------------------------------------- what the runtime refuses (any tp degree)
+
+CONFIG_HEAD_READS = ("config.num_attention_heads", "config.num_key_value_heads", "config.hidden_size")
+"""Reads of the whole model's head counts in an attention forward: it would slice local heads at wrong offsets."""
+
+
+def block_problem(block: nn.Module, fqn: str, *, plan: Mapping[str, str] | None = None,
+                  skip: Iterable[str] = ()) -> str | None:
+    """Why tensor parallelism cannot split ``block`` at any degree (one line), or None."""
+    skip = set(skip)
+    try:
+        splits = block_splits(block, fqn, plan=plan, skip=skip)
+    except NotModelledError as error:
+        return str(error)
+    odd = next((split for split in splits if split.style not in LINEAR_STYLES), None)
+    if odd is not None:
+        return f"{_join(fqn, odd.name)}: style {odd.style!r} does not apply to a linear in a block"
+    norms = {name for name, module in block.named_modules() if name and is_norm(module)}
+    return uncovered_parameter(block, fqn, {split.name for split in splits} | norms | skip) or next(
+        (problem for name in head_split_attentions(block, splits)
+         if (problem := config_head_read(_join(fqn, name), block.get_submodule(name))) is not None), None)
+
+
+def uncovered_parameter(module: nn.Module, fqn: str, styled: set[str]) -> str | None:
+    """The first parameter of ``module`` owned by none of the ``styled`` submodules, as a refusal line, or None."""
+    for name, _ in module.named_parameters():
+        owner = name.rpartition(".")[0]
+        if not any(owner == s or owner.startswith(f"{s}.") or s == "" for s in styled):
+            return (f"tensor parallelism does not know how to split parameter {_join(fqn, name)} (owned by "
+                    f"{type(module.get_submodule(owner)).__name__}); only linear pairs, embeddings, norms and the "
+                    "head are split; pass tp_plan= for it or plan this model with tp=1")
+    return None
+
+
+def head_split_attentions(block: nn.Module, splits: Sequence[LinearSplit]) -> list[str]:
+    """Attention modules (a declared head size) whose projections are split by heads (not gathered)."""
+    found = [attention_of(block, split.name) for split in splits if split.style in HEAD_SPLIT_STYLES]
+    return list(dict.fromkeys(name for name in found if name is not None))
+
+
+def attention_of(block: nn.Module, name: str) -> str | None:
+    """The nearest module above linear ``name`` declaring a head size (torchtitan: ``qkv_linear``'s parent)."""
+    while name:
+        name = name.rpartition(".")[0]
+        if head_dim_of(block.get_submodule(name)) is not None:
+            return name
+    return None
+
+
+def config_head_read(fqn: str, attention: nn.Module) -> str | None:
+    """A refusal line if ``attention``'s forward reads the whole model's head counts from its config."""
+    try:
+        source = inspect.getsource(type(attention).forward)
+    except (OSError, TypeError):
+        return None
+    read = next((name for name in CONFIG_HEAD_READS if name in source), None)
+    if read is None:
+        return None
+    return (f"cannot split the heads of {fqn} ({type(attention).__name__}): its forward reads {read}, the whole "
+            "model's count, so it would slice this rank's heads at the wrong offsets; give its fused projection "
+            "style colwise_gather_output and its output projection rowwise_split_input in tp_plan=, or plan with tp=1")

@@ -4,11 +4,12 @@ Capture calls :func:`unavailable_axes` once; the search then never enumerates an
 (``planner.space``), a pin that uses one is refused, and the plan and its report say why, one line each. The
 rules follow the runtime's own refusals, read off the same module tree the runtime will split:
 
-- **tp** (``runtime.tensor_parallel``): every linear of a block must be a class the runtime splits
-  (``cost_models.types.RUNTIME_SPLITS["tp"]``: ``nn.Linear``; Hugging Face's ``Conv1D`` is not), each captured
-  column/row pair must read back what its first column writes (a fused QKV projection does not), an attention
-  pair's module must declare an integer ``head_dim``, and every parameter must belong to a split linear, a
-  norm, an embedding table or the head; ``other`` layers must hold no parameters.
+- **tp** (``runtime.tensor_parallel``): the rule is the runtime's own, ``cost_models.tp_rules``: every block's linears
+  get a style from the plan the model declares (Hugging Face ``base_model_tp_plan``) or from the module tree
+  (``nn.Linear`` and Hugging Face ``Conv1D``; packed ``q|k|v``/``gate|up`` projections; torchtitan's fused
+  ``wqkv``), every parameter of a block belongs to a split linear, a norm or a router, an attention whose heads are
+  split does not read head counts from the shared config, an embedding layer holds only embedding tables, a head
+  is an ``nn.Linear``; ``other`` layers hold no parameters. (Divisibility by the degree is the search's.)
 - **pp** (``runtime.pipeline``): stages are cut from a ``torch.fx`` trace of the root's forward, so a model
   that capture could only trace with ``torch.export`` or ``make_fx`` cannot be pipelined. (Weights tied across
   stages are the runtime's own check, which depends on the strategy, not only on the model.)
@@ -28,8 +29,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from tessera.cost_models.types import LayerStats, LinearPair, runtime_splits
-from tessera.planner.layer_info import is_norm, linear_dims
+from tessera.cost_models.tp_rules import block_problem, declared_tp_plan, is_norm, uncovered_parameter
+from tessera.cost_models.types import LayerStats, runtime_splits
 
 FX_FRONT_END = "torch.fx.symbolic_trace"
 
@@ -72,68 +73,25 @@ def _tensor_parallel_problem(model: nn.Module, layers: dict[str, nn.Module], pla
     stray = next((name for name, p in model.named_parameters() if id(p) not in covered), None)
     if stray is not None:
         return f"parameter {stray} belongs to no planned layer, so the runtime does not know how to split it"
-    for layer in planned:
-        problem = _layer_problem(layer, layers[layer.fqn])
-        if problem is not None:
-            return problem
-    return None
+    plan = declared_tp_plan(model)
+    return next((problem for layer in planned
+                 if (problem := _layer_problem(layer, layers[layer.fqn], plan)) is not None), None)
 
 
-def _layer_problem(layer: LayerStats, module: nn.Module) -> str | None:
-    """Why the runtime's tensor parallelism would refuse this layer, or None."""
+def _layer_problem(layer: LayerStats, module: nn.Module, plan: dict[str, str]) -> str | None:
+    """Why the runtime's tensor parallelism would refuse this layer at any degree, or None."""
     if layer.kind == "block":
-        return _unsplit_linear(layer.fqn, module) or _pair_problem(layer, module) or _uncovered(layer.fqn, module)
+        routers = [f"{name}.router" if name else "router" for name, m in module.named_modules()
+                   if runtime_splits("ep", type(m))]
+        return block_problem(module, layer.fqn, plan=plan, skip=routers)
     if layer.kind == "embedding":
-        return _uncovered(layer.fqn, module, splits=lambda m: isinstance(m, nn.Embedding))
-    if layer.kind == "head":
-        return _unsplit_linear(layer.fqn, module) or _uncovered(layer.fqn, module)
-    if layer.kind == "other":
-        name = next((n for n, _ in module.named_parameters()), None)
-        if name is not None:
-            return f"layer {layer.fqn} ({type(module).__name__}) holds parameter {name} but has no tensor-parallel split"
+        tables = {name for name, m in module.named_modules() if isinstance(m, nn.Embedding)}
+        return uncovered_parameter(module, layer.fqn, tables)
+    splits = (layer.kind == "head" and isinstance(module, nn.Linear)) or (layer.kind == "norm" and is_norm(module))
+    name = None if splits else next((n for n, _ in module.named_parameters()), None)
+    if name is not None:
+        return f"layer {layer.fqn} ({type(module).__name__}) holds parameter {name} but has no tensor-parallel split"
     return None
-
-
-def _unsplit_linear(fqn: str, module: nn.Module) -> str | None:
-    for name, sub in module.named_modules():
-        if linear_dims(sub) is not None and not runtime_splits("tp", type(sub)):
-            where = _join(fqn, name.rpartition(".")[0])
-            return f"no column/row linear pairs the runtime can split in {where} ({type(sub).__name__})"
-    return None
-
-
-def _pair_problem(layer: LayerStats, block: nn.Module) -> str | None:
-    """A captured pair the runtime's shape and head checks refuse (fused projections, no ``head_dim``)."""
-    for pair in layer.tp_pairs:
-        first, row = linear_dims(block.get_submodule(pair.column[0])), linear_dims(block.get_submodule(pair.row))
-        if first is None or row is None or first[1] != row[0]:
-            return (f"{layer.fqn}.{pair.column[0]} writes {first[1] if first else '?'} features but "
-                    f"{layer.fqn}.{pair.row} reads {row[0] if row else '?'} (a fused projection the runtime cannot split)")
-        container = _pair_container(pair)
-        if pair.role == "attention" and not isinstance(getattr(block.get_submodule(container), "head_dim", None), int):
-            return f"attention {_join(layer.fqn, container)} declares no integer head_dim to split heads by"
-    return None
-
-
-def _uncovered(fqn: str, module: nn.Module, *, splits=None) -> str | None:
-    """The first parameter owned by no module the runtime splits or replicates (a norm), or None."""
-    splits = splits or (lambda m: runtime_splits("tp", type(m)) or is_norm(m))
-    owners = [name for name, sub in module.named_modules() if splits(sub)]
-    for name, _ in module.named_parameters():
-        owner = name.rpartition(".")[0]
-        if not any(o == "" or owner == o or owner.startswith(f"{o}.") for o in owners):
-            kind = type(module.get_submodule(owner)).__name__
-            return f"tensor parallelism has no split for parameter {_join(fqn, name)} ({kind})"
-    return None
-
-
-def _pair_container(pair: LinearPair) -> str:
-    parents = {name.rpartition(".")[0] for name in (*pair.column, pair.row)}
-    return parents.pop() if len(parents) == 1 else ""
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 # ----------------------------------------------------------------------------------------------- pipeline, experts
@@ -156,3 +114,7 @@ def _expert_parallel_problem(model: nn.Module, layers: dict[str, nn.Module], pla
     parent = layers[routed.fqn].get_submodule(holder.rpartition(".")[0]) if holder else layers[routed.fqn]
     return (f"the experts of {_join(routed.fqn, holder.rpartition('.')[0])} ({type(parent).__name__}) are not a "
             "mixture-of-experts layer the runtime's expert parallelism splits (tessera.models.moe.MoELayer)")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name

@@ -7,8 +7,9 @@ runs its ``heads / tp`` local heads; the MLP splits its hidden width. How each p
 
 - ``embedding``: every ``nn.Embedding`` in it whose forward takes the indices first is
   vocabulary-parallel (``RowwiseParallel``: rows sharded, each rank looks up the tokens it owns, the partial rows
-  are all-reduced to a replicated output); one with its own forward (OPT's learned positions, called with the
-  attention mask) is kept whole. A plan's ``replicated`` keeps any embedding whole.
+  are all-reduced to a replicated output); one with its own forward taking something else first (OPT's learned
+  positions, called with the attention mask) or doing its own vocabulary-parallel lookup on a local weight
+  (torchtitan's ``Embedding``, which needs torchtitan's runtime for its partial output) is kept whole. A plan's ``replicated`` keeps any embedding whole.
 - ``block``: each linear's style comes from ``cost_models.tp_rules.block_splits``: the user's ``tp_plan``, else the
   plan the model declares (Hugging Face ``base_model_tp_plan``), else the caller's pairs, else the module tree
   (fused ``q|k|v`` and ``gate|up`` projections packed, Hugging Face ``Conv1D`` included). They become
@@ -65,6 +66,9 @@ from tessera.cost_models.tp_rules import (
     kv_groups,
     linear_dims,
     plan_style,
+    attention_of,
+    head_split_attentions,
+    uncovered_parameter,
 )
 from tessera.cost_models.types import LinearPair
 from tessera.errors import ConfigError, NotModelledError
@@ -185,7 +189,7 @@ def _embedding_styles(fqn: str, module: nn.Module, tp: int, plan: TpPlan) -> Sty
         if not isinstance(child, nn.Embedding):
             continue
         if not _looks_up_first_argument(child) or plan_style(plan, _join(fqn, name)) in REPLICATED_STYLES:
-            kept.add(name)  # OPT's learned positions: called with the attention mask, the index is computed inside
+            kept.add(name)  # OPT's learned positions (called with the mask), torchtitan's Embedding (its own TP)
             continue
         _check_divisible(f"{_join(fqn, name)} ({child.num_embeddings} rows)", child.num_embeddings, tp)
         styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
@@ -204,6 +208,8 @@ def _looks_up_first_argument(embedding: nn.Embedding) -> bool:
     forward = type(embedding).forward
     if forward is nn.Embedding.forward:
         return True
+    if hasattr(embedding, "tp_group"):  # torchtitan's own vocabulary-parallel lookup: it unwraps a sharded weight
+        return False
     names = list(inspect.signature(forward).parameters)[1:2]
     return names in ([name] for name in INDEX_ARGUMENTS)
 
@@ -266,11 +272,11 @@ def _check_split(fqn: str, block: nn.Module, split: LinearSplit, tp: int) -> Non
 
 def _check_heads(fqn: str, block: nn.Module, splits: Sequence[LinearSplit], tp: int) -> None:
     """Head-split columns of an attention: whole heads per rank, and a forward that finds its local heads."""
-    for container in _head_split_containers(block, splits):
+    for container in head_split_attentions(block, splits):
         attention = block.get_submodule(container)
         head_dim = head_dim_of(attention)
         check_local_heads(_join(fqn, container), attention)
-        columns = [s for s in splits if s.style in ("colwise", "packed_colwise") and _attention_of(block, s.name) == container]
+        columns = [s for s in splits if s.style in ("colwise", "packed_colwise") and attention_of(block, s.name) == container]
         for index, split in enumerate(columns):
             out = linear_dims(block.get_submodule(split.name))[1]
             groups = kv_groups(block.get_submodule(_container_of(split.name)), out)
@@ -282,21 +288,6 @@ def _check_heads(fqn: str, block: nn.Module, splits: Sequence[LinearSplit], tp: 
                                        f"a tp that divides {heads}")
 
 
-def _head_split_containers(block: nn.Module, splits: Sequence[LinearSplit]) -> list[str]:
-    """Attention modules (an integer ``head_dim``) whose projections are split by heads (not gathered)."""
-    found = [_attention_of(block, s.name) for s in splits if s.style in ("colwise", "packed_colwise")]
-    return list(dict.fromkeys(name for name in found if name is not None))
-
-
-def _attention_of(block: nn.Module, name: str) -> str | None:
-    """The nearest module above linear ``name`` declaring a head size (torchtitan: ``qkv_linear``'s parent)."""
-    while name:
-        name = _container_of(name)
-        if head_dim_of(block.get_submodule(name)) is not None:
-            return name
-    return None
-
-
 def _head_split_attentions(model: nn.Module, layers: Sequence[PlannedLayer], plans: dict[str, Styles]) -> list[nn.Module]:
     found = []
     for layer in layers:
@@ -305,7 +296,7 @@ def _head_split_attentions(model: nn.Module, layers: Sequence[PlannedLayer], pla
         block = model.get_submodule(layer.fqn)
         splits = [LinearSplit(name, "packed_colwise" if style.parts > 1 else "colwise")
                   for name, style in plans[layer.fqn].items() if isinstance(style, ColumnSplit) and not style.gather_output]
-        found += [block.get_submodule(name) for name in _head_split_containers(block, splits)]
+        found += [block.get_submodule(name) for name in head_split_attentions(block, splits)]
     return found
 
 
@@ -315,14 +306,9 @@ def _check_divisible(what: str, size: int, tp: int) -> None:
 
 
 def _require_covered(fqn: str, module: nn.Module, styled: set[str]) -> None:
-    for name, _ in module.named_parameters():
-        owner = name.rpartition(".")[0]
-        if not any(owner == s or owner.startswith(f"{s}.") or s == "" for s in styled):
-            raise NotModelledError(
-                f"tensor parallelism does not know how to split parameter {_join(fqn, name)} (owned by "
-                f"{type(module.get_submodule(owner)).__name__}); only linear pairs, embeddings, norms and the head "
-                "are split; pass tp_plan= for it or plan this model with tp=1"
-            )
+    problem = uncovered_parameter(module, fqn, styled)
+    if problem is not None:
+        raise NotModelledError(problem)
 
 
 def _require_no_parameters(layer: PlannedLayer, module: nn.Module) -> None:
@@ -419,7 +405,7 @@ def _gathering_containers(block: nn.Module, styles: Styles) -> dict[str, int]:
     for name, style in styles.items():
         container = _container_of(name)
         if isinstance(style, ColwiseParallel) and container:
-            attention = head_dim_of(block.get_submodule(container)) is not None or _attention_of(block, name) is not None
+            attention = head_dim_of(block.get_submodule(container)) is not None or attention_of(block, name) is not None
             found[container] = SEQUENCE_DIM if attention else TOKEN_DIM
     return found
 

@@ -24,13 +24,12 @@ from torch.distributed.tensor import Placement, Replicate, Shard, distribute_mod
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tessera.cost_models.tp_rules import is_conv1d
+from tessera.cost_models.tp_rules import config_head_read, is_conv1d
 from tessera.errors import NotModelledError
 
 LOCAL_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_heads", "n_kv_heads",
                           "split_size")
 """Integer attributes of an attention module that count its heads (or one packed block's width)."""
-CONFIG_HEAD_READS = ("config.num_attention_heads", "config.num_key_value_heads", "config.hidden_size")
 
 
 def _supported(module: nn.Module, style: str) -> None:
@@ -91,14 +90,9 @@ class RowSplit(RowwiseParallel):
 
 def check_local_heads(fqn: str, attention: nn.Module) -> None:
     """Raise ``NotModelledError`` if ``attention``'s forward reads head counts from the model's shared config."""
-    source = _forward_source(attention)
-    read = next((name for name in CONFIG_HEAD_READS if name in source), None)
-    if read is not None:
-        raise NotModelledError(
-            f"cannot split the heads of {fqn} ({type(attention).__name__}): its forward reads {read}, the whole "
-            "model's count, so it would slice this rank's heads at the wrong offsets; give its fused projection "
-            "style colwise_gather_output and its output projection rowwise_split_input in tp_plan=, or plan with tp=1"
-        )
+    problem = config_head_read(fqn, attention)
+    if problem is not None:
+        raise NotModelledError(problem)
 
 
 def localise_attention(attention: nn.Module, tp: int) -> None:

@@ -30,6 +30,11 @@ LLAMA = ("hf:llama:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_
          "intermediate_size=128,vocab_size=256")
 MIXTRAL = ("hf:mixtral:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
            "intermediate_size=128,vocab_size=256,num_local_experts=4,num_experts_per_tok=2")
+PHI3 = ("hf:phi3:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+        "intermediate_size=128,vocab_size=256,pad_token_id=0")
+NEOX = "hf:gpt_neox:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,intermediate_size=128,vocab_size=256"
+OPT = ("hf:opt:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,ffn_dim=128,vocab_size=256,"
+       "word_embed_proj_dim=64")
 CLUSTER = "dgx-h100:nodes=2"
 TRAINING = TrainingConfig(global_batch=64, seq_len=SEQ, precision="bf16")
 
@@ -65,17 +70,24 @@ def with_strategy(spec: str, plan: Plan, strategy) -> Plan:
     return plan.model_copy(update={"strategy": strategy, "layers": planned_layers(graph(spec), strategy)})
 
 
-def test_gpt2_has_tp_unavailable_for_its_conv1d():
-    unavailable = graph(GPT2).unavailable_axes
-    assert unavailable["tp"] == "no column/row linear pairs the runtime can split in transformer.h.0.attn (Conv1D)"
-    assert "torch.fx" in unavailable["pp"] and "ep" not in unavailable  # dense: no ep to lose
+@pytest.mark.parametrize("spec", [GPT2, PHI3, NEOX, OPT, LLAMA])
+def test_fused_projections_conv1d_and_declared_plans_keep_tensor_parallelism(spec):
+    # GPT-2: Conv1D, packed q|k|v; Phi-3: declared gathered fused projections; GPT-NeoX: declared per-head fused
+    # q/k/v; OPT: learned positions kept whole
+    assert "tp" not in graph(spec).unavailable_axes
 
 
-def test_tessera_plan_on_gpt2_never_splits_tensors():
-    plan = tessera.plan(GPT2, CLUSTER, global_batch=64, seq_len=SEQ)
+def test_mixtral_has_tp_unavailable_for_its_router_and_packed_experts():
+    assert graph(MIXTRAL).unavailable_axes["tp"].startswith(
+        "tensor parallelism does not know how to split parameter model.layers.0.mlp.gate.weight (owned by "
+        "MixtralTopKRouter)")
+
+
+def test_tessera_plan_on_mixtral_never_splits_tensors():
+    plan = tessera.plan(MIXTRAL, CLUSTER, global_batch=64, seq_len=SEQ)
     assert plan.strategy.tp == 1 and all(c.strategy.tp == 1 for c in plan.alternatives)
     assert "tp" in plan.unavailable_axes
-    assert "no tp      no column/row linear pairs" in plan.summary()
+    assert "no tp      tensor parallelism does not know" in plan.summary()
 
 
 def test_a_tessera_preset_keeps_every_axis():
@@ -84,8 +96,8 @@ def test_a_tessera_preset_keeps_every_axis():
 
 
 def test_a_pin_on_an_unavailable_axis_is_refused_naming_axis_and_reason():
-    with pytest.raises(ConfigError, match=r"tp=2 is unavailable for this model: .*Conv1D"):
-        search(graph(GPT2), load_cluster(CLUSTER), TRAINING, pins={"tp": 2})
+    with pytest.raises(ConfigError, match=r"tp=2 is unavailable for this model: .*MixtralTopKRouter"):
+        search(graph(MIXTRAL), load_cluster(CLUSTER), TRAINING, pins={"tp": 2})
     with pytest.raises(ConfigError, match=r"ep=2 is unavailable for this model: .*MixtralSparseMoeBlock"):
         search(graph(MIXTRAL), load_cluster(CLUSTER), TRAINING, pins={"ep": 2})
 
@@ -109,7 +121,7 @@ def test_the_plan_json_round_trip_keeps_unavailable_axes_and_old_plans_load():
     assert Plan.model_validate(old).unavailable_axes == {}
 
 
-@pytest.mark.parametrize("spec", [LLAMA, GPT2, MIXTRAL, "llama-tiny", "moe-tiny"])
+@pytest.mark.parametrize("spec", [LLAMA, GPT2, PHI3, NEOX, OPT, MIXTRAL, "llama-tiny", "moe-tiny"])
 def test_every_returned_strategy_passes_the_runtime_prechecks(spec):
     plan = plan_of(spec)
     for candidate in (plan, *plan.alternatives, *plan.degree_alternatives):
@@ -133,12 +145,12 @@ def test_the_report_and_the_terminal_table_say_which_axes_were_unavailable():
     from tessera.planner.explain import plan_markdown
     from tessera.report import print_plan
 
-    plan = plan_of(GPT2)
-    assert "## Unavailable axes" in plan_markdown(plan) and "(Conv1D)" in plan_markdown(plan)
+    plan = plan_of(MIXTRAL)
+    assert "## Unavailable axes" in plan_markdown(plan) and "(owned by MixtralTopKRouter)" in plan_markdown(plan)
     console = Console(record=True, width=200)
     print_plan(plan, console)
     text = console.export_text()
-    assert "no tp" in text and "Conv1D" in text
+    assert "no tp" in text and "MixtralTopKRouter" in text
     assert "Unavailable axes" not in plan_markdown(plan_of("llama-tiny"))
 
 
