@@ -140,10 +140,22 @@ def block_splits(
     if plan:
         styled = {name: plan_style(plan, _join(fqn, name)) for name in linears}
         if any(styled.values()):
-            return tuple(LinearSplit(name, style, role=_role(block, name)) for name, style in styled.items() if style)
+            return tuple(LinearSplit(name, style, parts=_packed_parts(block, name, styled), role=_role(block, name))
+                         for name, style in styled.items() if style)
     if pairs:
         return tuple(split for pair in pairs for split in _pair_splits(block, fqn, pair))
     return tuple(split for pair in derive_pairs(block, skip=skip) for split in _pair_splits(block, fqn, pair))
+
+
+def _packed_parts(block: nn.Module, name: str, styled: Mapping[str, str | None]) -> int:
+    """Blocks a ``packed_colwise`` linear holds: its width over what the row linear beside it reads (2: gate|up)."""
+    if styled[name] != "packed_colwise":
+        return 1
+    parent = name.rpartition(".")[0]
+    rows = [other for other, style in styled.items() if style in ROW_STYLES and other.rpartition(".")[0] == parent]
+    out = linear_dims(block.get_submodule(name))[1]
+    row_in = linear_dims(block.get_submodule(rows[0]))[0] if rows else 0
+    return out // row_in if row_in and out % row_in == 0 and out > row_in else PACKED_PARTS["mlp"]
 
 
 def derive_pairs(block: nn.Module, *, skip: Iterable[str] = ()) -> tuple[LinearPair, ...]:

@@ -130,8 +130,9 @@ TP, TP_SP = "dp=1,tp=2,mbs=4", "dp=1,tp=2,sp=true,mbs=4"
 FAST = [(family, strategy) for family in ("llama", "phi3", "gpt_neox", "gpt2") for strategy in (TP, TP_SP)]
 SLOW = {2: [(family, strategy) for family in ("qwen2", "mistral", "gemma", "gemma2", "opt", "torchtitan",
                                               "torchtitan_fused") for strategy in (TP, TP_SP)],
-        4: [(family, strategy) for family in ("llama", "phi3", "gpt2", "torchtitan")
-            for strategy in ("dp=2,tp=2,zero=0,mbs=4", "dp=2,tp=2,sp=true,zero=3,mbs=2")]}
+        4: [(family, strategy) for family in ("llama", "phi3", "torchtitan", "torchtitan_fused")
+            for strategy in ("dp=2,tp=2,zero=0,mbs=4", "dp=2,tp=2,sp=true,zero=3,mbs=2")]
+        + [("gpt2", "dp=2,tp=2,zero=0,mbs=4"), ("gpt2", "dp=2,tp=2,sp=true,zero=0,mbs=2")]}  # packed: no FSDP
 
 
 def train_case(family: str, strategy: str) -> dict:
@@ -213,3 +214,54 @@ def test_more_families_under_tensor_parallelism_train_like_one_process(family, s
 @pytest.mark.parametrize(("family", "strategy"), SLOW[4], ids=[f"{f}-{s}" for f, s in SLOW[4]])
 def test_data_and_tensor_parallel_on_four_ranks_train_like_one_process(family, strategy):
     check_case(4, True, family, strategy)
+
+
+# ------------------------------------------------------------------------------- plans and refusals (no processes)
+
+
+def test_a_user_tp_plan_overrides_the_declared_one_and_packs_gate_up():
+    from tessera.runtime.tensor_parallel import layer_styles, resolve_tp_plan  # noqa: PLC0415
+    from tessera.runtime.tp_styles import ColumnSplit  # noqa: PLC0415
+
+    model = FAMILIES["phi3"]()
+    user = {"model.layers.*.self_attn.qkv_proj": "colwise_gather_output",
+            "model.layers.*.self_attn.o_proj": "rowwise_split_input",
+            "model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+    block = PlannedLayer(fqn="model.layers.0", kind="block", recompute="none")
+    styles = layer_styles(model, block, tp=2, sp=False, pairs=None, tp_plan=resolve_tp_plan(model, user))
+    gate_up, qkv = styles["mlp.gate_up_proj"], styles["self_attn.qkv_proj"]
+    assert isinstance(gate_up, ColumnSplit) and gate_up.parts == 2 and not gate_up.gather_output
+    assert qkv.gather_output  # Phi-3 slices q, k, v at offsets of the whole model's head counts
+
+
+def test_a_plan_style_the_runtime_does_not_apply_is_refused_in_one_line():
+    from tessera.errors import NotModelledError  # noqa: PLC0415
+    from tessera.runtime.tensor_parallel import check_tensor_parallel  # noqa: PLC0415
+
+    model = FAMILIES["llama"]()
+    with pytest.raises(NotModelledError, match=r"'model.layers.\*.mlp.up_proj': style 'local_colwise' is not "
+                                               r"implemented .* pass tp_plan= with those styles") as raised:
+        check_tensor_parallel(model, planned(model), tp=2, sp=False,
+                              tp_plan={"model.layers.*.mlp.up_proj": "local_colwise"})
+    assert "\n" not in str(raised.value)
+
+
+def test_heads_read_from_the_shared_config_are_refused_when_split():
+    from tessera.errors import NotModelledError  # noqa: PLC0415
+    from tessera.runtime.tensor_parallel import check_tensor_parallel  # noqa: PLC0415
+
+    model = FAMILIES["phi3"]()
+    plain = {"model.layers.*.self_attn.qkv_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+             "model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+    with pytest.raises(NotModelledError, match=r"heads of model.layers.0.self_attn .*reads config.num_attention_heads"):
+        check_tensor_parallel(model, planned(model), tp=2, sp=False, tp_plan=plain)
+
+
+def test_packed_projections_are_refused_under_fsdp_naming_the_linear():
+    from tessera.errors import NotModelledError  # noqa: PLC0415
+    from tessera.runtime.tensor_parallel import check_packed_under_fsdp  # noqa: PLC0415
+
+    model = FAMILIES["gpt2"]()
+    with pytest.raises(NotModelledError, match=r"transformer.h.0.attn.c_attn packs 3 blocks .*zero=0"):
+        check_packed_under_fsdp(model, planned(model))
+    check_packed_under_fsdp(FAMILIES["llama"](), planned(FAMILIES["llama"]()))  # nothing packed
