@@ -254,8 +254,20 @@ def _graph_module(model: nn.Module, graph: fx.Graph, attributes: Mapping[str, An
     for target, persistent in buffers.items():
         owner, _, leaf = target.rpartition(".")
         module.get_submodule(owner).register_buffer(leaf, root[target], persistent=persistent)
+    _order_like(module, model)
     module.training = model.training
     return module
+
+
+def _order_like(module: nn.Module, original: nn.Module | None) -> None:
+    """Children of the chunk's container modules in the model's order (``GraphModule`` adds them by path
+    depth), so a chunk lists its parameters in the order the model does."""
+    if not isinstance(original, nn.Module) or module is original:
+        return
+    order = {name: index for index, name in enumerate(original._modules)}
+    module._modules = dict(sorted(module._modules.items(), key=lambda item: order.get(item[0], len(order))))
+    for name, child in module._modules.items():
+        _order_like(child, original._modules.get(name))
 
 
 def _is_persistent(model: nn.Module, target: str) -> bool:

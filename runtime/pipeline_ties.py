@@ -102,6 +102,9 @@ class TiedGradients:
         for param, group in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+            if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+                # a vocabulary-parallel embedding's gradient comes back replicated: take this rank's rows
+                param.grad = param.grad.redistribute(param.device_mesh, param.placements)
             grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             dist.all_reduce(grad, group=group)
 

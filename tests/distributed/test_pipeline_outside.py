@@ -211,11 +211,23 @@ atexit.register(shutil.rmtree, CHECKPOINT_FOLDER, ignore_errors=True)
 
 @functools.cache
 def world_results(world: int, slow: bool = False) -> list[dict]:
-    from tessera.runtime.launch import spawn  # noqa: PLC0415
+    """Every case of one world size (the default ones, or the slow ones) in one spawn; a failed spawn is
+    cached too, so every test of that world reports it without spawning again."""
+    from tessera.runtime.launch import WorkerError, spawn  # noqa: PLC0415
 
     folder = CHECKPOINT_FOLDER if world == 2 and not slow else None
     cases = SLOW_CASES[world] if slow else CASES[world]
-    return spawn(run_world, nprocs=world, args=(cases, folder), timeout_s=1200 if slow else 400)
+    try:
+        return spawn(run_world, nprocs=world, args=(cases, folder), timeout_s=1200 if slow else 400)
+    except WorkerError as error:
+        return [{"spawn_error": str(error)}] * world
+
+
+def case_results(world: int, slow: bool, key) -> list[dict]:
+    per_rank = world_results(world, slow)
+    if "spawn_error" in per_rank[0]:
+        raise AssertionError(per_rank[0]["spawn_error"])
+    return [result[key] for result in per_rank]
 
 
 def case_id(case) -> str:
@@ -231,7 +243,7 @@ ALL = [(world, False, *case) for world, cases in CASES.items() for case in cases
 def test_pipeline_matches_single_process_training(world, slow, name, strategy):
     if requirement(name) is not None:
         pytest.skip(requirement(name))
-    per_rank = [r[(name, strategy)] for r in world_results(world, slow)]
+    per_rank = case_results(world, slow, (name, strategy))
     if "refused" in per_rank[0]:
         pytest.fail(f"the runtime refused {name} under {strategy}: {per_rank[0]['refused']}")
     ref_losses, ref_params = outside_reference(name, OUTSIDE_STEPS) if is_outside(name) else reference(name)
@@ -253,7 +265,7 @@ def test_pipeline_matches_single_process_training(world, slow, name, strategy):
 
 
 def test_tied_pipeline_checkpoint_resumes_exactly():
-    per_rank = [r["checkpoint"] for r in world_results(2)]
+    per_rank = case_results(2, False, "checkpoint")
     for result in per_rank:
         assert result["resumed"] == result["after"]
         torch.testing.assert_close(result["restored"], result["params"], rtol=0, atol=0)
@@ -263,7 +275,7 @@ def test_tied_pipeline_checkpoint_resumes_exactly():
 def test_tied_pipeline_checkpoint_loads_into_one_process():
     # The pipeline saved emb.weight (rank 0) and head.weight (rank 1); one process's tied model loads both
     # FQNs into its one parameter and trains on exactly as the pipeline did.
-    after = world_results(2)[0]["checkpoint"]["after"]
+    after = case_results(2, False, "checkpoint")[0]["after"]
     model = make("tied")
     parallel = apply_plan(model, make_plan("tied", model, "dp=1,mbs=8"))
     parallel.load(CHECKPOINT_FOLDER)
@@ -337,7 +349,7 @@ def test_export_chunks_call_the_users_layers_recompute_the_glue_and_compose_to_t
     assert traced.front_end == "torch.export"  # torch.fx cannot trace it
     assert chunks[1].get_submodule("model.layers.1") is model.model.layers[1]
     names = [name for chunk in chunks for name, _ in chunk.named_parameters()]
-    assert sorted(names) == sorted(name for name, _ in model.named_parameters())  # each once, the user's FQNs
+    assert names == [name for name, _ in model.named_parameters()]  # each once, in order, the user's FQNs
     # the causal mask, rotary cos/sin and position ids depend on no input: each chunk computes its own, so
     # only the hidden states cross a boundary
     assert all(len(c.graph.find_nodes(op="placeholder")) == 1 for c in chunks)
