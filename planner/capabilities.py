@@ -25,11 +25,11 @@ checks cp combinations only, and the runtime refuses a model whose positions it 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from tessera.cost_models.tp_rules import block_problem, declared_tp_plan, is_norm, uncovered_parameter
+from tessera.cost_models.tp_rules import STYLES, block_problem, declared_tp_plan, is_norm, uncovered_parameter
 from tessera.cost_models.types import LayerStats, runtime_splits
 
 FX_FRONT_END = "torch.fx.symbolic_trace"
@@ -37,12 +37,13 @@ FX_FRONT_END = "torch.fx.symbolic_trace"
 
 def unavailable_axes(
     model: nn.Module, layers: dict[str, nn.Module], stats: Sequence[LayerStats], *,
-    front_end: str, fallback_reasons: Sequence[str] = (),
+    front_end: str, fallback_reasons: Sequence[str] = (), tp_plan: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """Axis name -> one line saying why the runtime cannot apply it to ``model`` (absent: available)."""
+    """Axis name -> one line saying why the runtime cannot apply it to ``model`` (absent: available); ``tp_plan``:
+    the user's tensor-parallel plan, as the runtime will be given it (else the model's declared one)."""
     planned = [layer for layer in stats if layer.fqn in layers]
     reasons = {
-        "tp": _tensor_parallel_problem(model, layers, planned),
+        "tp": _tensor_parallel_problem(model, layers, planned, tp_plan),
         "pp": _pipeline_problem(model, front_end=front_end, fallback_reasons=fallback_reasons),
         "ep": _expert_parallel_problem(model, layers, planned),
     }
@@ -68,12 +69,16 @@ def _batch_norm_problems(model: nn.Module) -> dict[str, str]:
 # ----------------------------------------------------------------------------------------------- tensor parallelism
 
 
-def _tensor_parallel_problem(model: nn.Module, layers: dict[str, nn.Module], planned: list[LayerStats]) -> str | None:
+def _tensor_parallel_problem(model: nn.Module, layers: dict[str, nn.Module], planned: list[LayerStats],
+                             tp_plan: Mapping[str, str] | None) -> str | None:
     covered = {id(p) for layer in planned for p in layers[layer.fqn].parameters()}
     stray = next((name for name, p in model.named_parameters() if id(p) not in covered), None)
     if stray is not None:
         return f"parameter {stray} belongs to no planned layer, so the runtime does not know how to split it"
-    plan = declared_tp_plan(model)
+    odd = next(((glob, style) for glob, style in (tp_plan or {}).items() if style not in STYLES), None)
+    if odd is not None:
+        return f"tp_plan entry {odd[0]!r}: style {odd[1]!r} is not implemented by the runtime"
+    plan = dict(tp_plan) if tp_plan is not None else declared_tp_plan(model)
     return next((problem for layer in planned
                  if (problem := _layer_problem(layer, layers[layer.fqn], plan)) is not None), None)
 
