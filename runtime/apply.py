@@ -207,7 +207,7 @@ def apply_plan(
     _check_experts_and_context(model, plan, compile_blocks=compile_blocks)  # before any process group is made
     on_meta = is_on_meta(model)
     ties = _cross_stage_ties(model, plan, on_meta=on_meta)
-    traced = _trace_pipeline(model, plan)  # before any process group: a model that cannot be split fails alike
+    traced = pp_.trace_plan(model, plan) if plan.strategy.pp > 1 else None  # before any process group
     mesh = None if _runs_without_process_group(plan) else build_mesh(plan.strategy)
     device = _target_device(model, on_meta=on_meta)
     if mesh is not None:
@@ -312,27 +312,10 @@ def _shard_layers(
         compile_block_forwards(model, [layer.fqn for layer in layers if layer.kind == "block"])
 
 
-def _layer_chunks(plan: Plan) -> dict[str, int]:
-    return {layer.fqn: layer.chunk for layer in plan.layers if layer.kind != "loss"}
-
-
-def _trace_pipeline(model: nn.Module, plan: Plan) -> pp_.TracedForward | None:
-    """The root forward traced for splitting (``pipeline_split.trace_forward``; an export trace at one
-    micro-batch of token ids, ``(micro_batch, seq_len)``), its chunk boundaries checked."""
-    if plan.strategy.pp == 1:
-        return None
-    first = next(model.parameters(), None)
-    example = torch.zeros(plan.strategy.micro_batch, plan.training.seq_len, dtype=torch.long,
-                          device=first.device if first is not None else None)
-    traced = pp_.trace_forward(model, list(_layer_chunks(plan)), example=example)
-    pp_.check_split(model, traced, _layer_chunks(plan))
-    return traced
-
-
 def _chunk_modules(model: nn.Module, plan: Plan, chunks: list[int], traced: pp_.TracedForward | None) -> list[nn.Module]:
     if traced is None:
         return [model]
-    node_chunks = pp_.node_chunks(traced.graph, _layer_chunks(plan))
+    node_chunks = pp_.node_chunks(traced.graph, pp_.layer_chunks(plan))
     modules = [pp_.build_chunk_module(model, traced.graph, node_chunks, chunk, attributes=traced.attributes)
                for chunk in chunks]
     if traced.exported is not None and 0 in chunks:  # the export holds its input shape as constants

@@ -84,6 +84,26 @@ def check_chunks(plan: Plan) -> None:
             raise ConfigError(f"pipeline chunk {index} of the plan holds no layer; re-plan with fewer stages")
 
 
+def layer_chunks(plan: Plan) -> dict[str, int]:
+    """Planned layer FQN -> its pipeline chunk."""
+    return {layer.fqn: layer.chunk for layer in plan.layers if layer.kind != "loss"}
+
+
+def trace_plan(model: nn.Module, plan: Plan) -> TracedForward:
+    """The root forward traced for splitting at the plan's layers, its chunk boundaries checked (every
+    boundary, so call it on every rank before anything is sharded: a refusal is raised alike everywhere).
+
+    ``torch.export``, where ``torch.fx`` fails, runs at one micro-batch of token ids ``(micro_batch, seq_len)``:
+    the inputs a step feeds the first chunk (a model taking other inputs cannot be pipelined yet).
+    """
+    first = next(model.parameters(), None)
+    example = torch.zeros(plan.strategy.micro_batch, plan.training.seq_len, dtype=torch.long,
+                          device=first.device if first is not None else None)
+    traced = trace_forward(model, list(layer_chunks(plan)), example=example)
+    check_split(model, traced, layer_chunks(plan))
+    return traced
+
+
 # ------------------------------------------------------------------------------------------------ placement
 
 

@@ -1,12 +1,16 @@
-"""Pipeline parallelism on user-written models (issue 18): optional forward arguments keep their defaults in
-the chunks, and weights tied across stages (embedding and LM head) stay tied, their gradients summed over
-the stages holding them (Megatron-LM's embedding all-reduce).
+"""Pipeline parallelism on models Tessera did not write (issue 18): user models whose forward has optional
+arguments (they keep their defaults in the chunks) or ties the embedding to the head (the copies' gradients
+are summed over the stages holding them, Megatron-LM's embedding all-reduce, also under tensor parallelism);
+Hugging Face Llama, Qwen2, Phi-3, Gemma and GPT-2 and torchtitan's Llama 3, which torch.fx cannot trace (or,
+for torchtitan, traces with optional arguments) and which are split from a torch.export trace, their causal
+masks and rotary tables recomputed by each chunk, trained with the default loss (no adapter).
 
-Both tiny models (< 25K parameters) train under pp=2 (1F1B, interleaved:2) on 2 ranks and dp=2 x pp=2
-(DDP, FSDP) on 4 and must match single-process training (``harness`` tolerances); the two copies of the tied
-weight must be identical. A tied pipeline's checkpoint resumes exactly under the same plan and in one process.
-Every case of one world size runs in one spawn. Single-process checks of the chunk construction and of the
-refusals need no process group.
+Every case must match single-process training (``harness`` tolerances; losses per step and final parameters),
+and the copies of a tied weight must be identical. By default: pp=2 under 1F1B and interleaved (2 chunks per
+rank) on 2 ranks, tied dp=2 x pp=2 (DDP, FSDP) on 4; ``-m slow`` adds every family under both schedules,
+DP x PP and TP x PP on 4 ranks. Every case of one world size runs in one spawn. A tied pipeline's checkpoint
+resumes exactly under the same plan and in one process. Single-process checks of the chunk construction and
+of the refusals need no process group.
 """
 
 from __future__ import annotations
@@ -334,10 +338,8 @@ def test_tied_weights_on_meta_are_refused_naming_the_weights():
 def export_chunks(name: str, strategy: str):
     model = make_outside(name)
     plan = outside_plan(name, model, strategy)
-    layer_chunks = {layer.fqn: layer.chunk for layer in plan.layers if layer.kind != "loss"}
-    example = torch.zeros(plan.strategy.micro_batch, SEQ, dtype=torch.long)
-    traced = pipeline.trace_forward(model, list(layer_chunks), example=example)
-    chunks = pipeline.check_split(model, traced, layer_chunks)
+    traced = pipeline.trace_plan(model, plan)  # what apply_plan does on every rank before anything is sharded
+    chunks = pipeline.node_chunks(traced.graph, pipeline.layer_chunks(plan))
     modules = [pipeline.build_chunk_module(model, traced.graph, chunks, c, attributes=traced.attributes)
                for c in range(len(plan.chunk_fqns()))]
     return model, traced, modules
