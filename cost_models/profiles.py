@@ -38,9 +38,11 @@ class ImplementationProfile:
     """Under FP8, bytes per block-linear parameter of FP8 weight copies kept across micro-batches."""
     fp8_all_gather: bool = False
     """Under FP8 with ZeRO-3, block parameters are all-gathered in FP8 (1 byte each)."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """The ZeRO stages the framework runs (Megatron-Core: DDP or its distributed optimizer, ZeRO-1)."""
 
 
-DEEPSPEED_ZERO3_SLOWDOWN = 5.0
+DEEPSPEED_ZERO3_SLOWDOWN = 6.0
 """Fitted on SC'21 Table 2's DeepSpeed ZeRO-3 rows (``benchmarks/published.py`` prints the fit); re-fit there."""
 
 TESSERA = ImplementationProfile(name="tessera")
@@ -50,7 +52,7 @@ TORCHTITAN = ImplementationProfile(name="torchtitan")
 """torchtitan: FSDP2, torchao float8 (``enable_fsdp_float8_all_gather`` off by default)."""
 PYTORCH_FSDP_TE = ImplementationProfile(name="fsdp-te", fp8_saves_inputs=True, weight_fp8_bytes=2.0)
 """PyTorch FSDP with Transformer Engine linears (MosaicML llm-foundry / Composer ``amp_fp8``)."""
-MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0)
+MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1))
 """Megatron-LM / Megatron-Core / NeMo, Transformer Engine for FP8."""
 DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEED_ZERO3_SLOWDOWN)
 """DeepSpeed ZeRO-3 as SC'21 measured it."""
