@@ -57,7 +57,8 @@ from torch.distributed.tensor import DTensor
 from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.checkpoint import PendingSave, TrainingState, rng_state, training_tensors
 from tessera.runtime.checkpoint_files import (
-    DATA_FILE, PLAN_FILE, RNG_FOLDER, FileRecord, Manifest, all_gather, describe_failure, file_record, together,
+    DATA_FILE, PLAN_FILE, RNG_FOLDER, FileRecord, Manifest, all_gather, describe_failure, file_record, step_folder,
+    together,
 )
 from tessera.runtime.snapshot_store import (
     commit_snapshot, free_bytes, open_store, partial_snapshot, remove_store, store_bytes,
@@ -153,6 +154,7 @@ class Snapshotter:
         self._staged: dict[str, Any] | None = None
         self._live: dict[str, Any] | None = None
         self._live_key: tuple | None = None
+        self._plan: tuple | None = None
         self._pending: PendingSave | None = None
         self._checked_memory = False
         if self.layout.shift == 0 and self.rank == 0:
@@ -171,7 +173,7 @@ class Snapshotter:
             self._check_host_memory(tensors)
             self._checked_memory = True
         side = {"rng": rng_state(), "data": self._data_state() if self._data_state else None,
-                "plan": state.plan.to_json() if self.rank == 0 else None}
+                "plan": self._plan_json(state) if self.rank == 0 else None}
         step, strategy = state.step, state.plan.strategy.to_string()
         partial = partial_snapshot(self.store, step)
         future: Future = Future()
@@ -184,7 +186,7 @@ class Snapshotter:
                 future.set_exception(error)
 
         threading.Thread(target=run, name="tessera-snapshot", daemon=True).start()
-        self._pending = PendingSave(partial.with_name(f"step-{step:08d}"), future)
+        self._pending = PendingSave(step_folder(self.store, step), future)
         return self._pending
 
     def wait(self) -> Path | None:
@@ -212,6 +214,11 @@ class Snapshotter:
                 pass
 
     # ---------------------------------------------------------------------------------------- training thread
+
+    def _plan_json(self, state: TrainingState) -> str:
+        if self._plan is None or self._plan[0] is not state.plan:
+            self._plan = (state.plan, state.plan.to_json())
+        return self._plan[1]
 
     def _live_tensors(self, state: TrainingState) -> dict[str, Any]:
         """``training_tensors(state)``, rebuilt only when its layout may have changed: DCP's ``get_state_dict``
