@@ -75,9 +75,25 @@ CASES = {
         ("qwen2-moe", "dp=2,ep=2,zero=3,mbs=2")],  # ZeRO-3, 2 micro-batches per step
     4: [("mixtral", "dp=4,ep=2,zero=1,mbs=2"),  # each expert on 2 ranks (edp = 2), ZeRO-1 over them
         ("qwen2-moe", "dp=4,ep=2,zero=0,mbs=1"),  # replicated over edp = 2, accumulation 2
-        ("qwen3-moe", "dp=4,ep=4,zero=3,mbs=2")],  # one expert per rank
+        ("qwen3-moe", "dp=4,ep=4,zero=3,mbs=2"),  # one expert per rank
+        # EP with PP: an ep group inside each stage, its all-to-alls on the same micro-batch schedule
+        ("mixtral", "dp=2,ep=2,pp=2,zero=0,mbs=2,schedule=1f1b"),
+        ("qwen2-moe", "dp=2,ep=2,pp=2,zero=1,mbs=1,schedule=1f1b")],  # 4 micro-batches
 }
 SLOW_WORLD2 = [("qwen3-moe", "dp=2,ep=2,zero=1,mbs=4")]
+
+
+def ep_plan(name: str, model: nn.Module, strategy: str):
+    """The hand-built plan over ``LAYERS``; with pipelining, embedding in the first chunk, one block per chunk, the
+    rest in the last."""
+    plan = listed_plan(f"hf-{name}", model, strategy, LAYERS, global_batch=GLOBAL_BATCH)
+    chunks = plan.strategy.pp * plan.strategy.virtual_stages
+    if chunks == 1:
+        return plan
+    blocks = iter(range(chunks))
+    layers = [layer.model_copy(update={"chunk": 0 if layer.kind == "embedding" else next(blocks)
+                                       if layer.kind == "block" else chunks - 1}) for layer in plan.layers]
+    return plan.model_copy(update={"layers": tuple(layers)})
 
 
 def hf_ep_case(name: str, strategy: str) -> dict:
@@ -86,8 +102,7 @@ def hf_ep_case(name: str, strategy: str) -> dict:
         with torch.no_grad():  # rank 0's weights must win (apply_plan broadcasts them)
             for param in model.parameters():
                 param.add_(1.0)
-    plan = listed_plan(f"hf-{name}", model, strategy, LAYERS, global_batch=GLOBAL_BATCH)
-    parallel = apply_plan(model, plan)
+    parallel = apply_plan(model, ep_plan(name, model, strategy))
     local = {fqn: isinstance(m, ExpertParallelExperts) for fqn, m in model.named_modules() if fqn.endswith("mlp.experts")}
     held = {fqn: m.local_experts.num_experts for fqn, m in model.named_modules() if hasattr(m, "local_experts")}
     return {**train(parallel, make_batches(GPT, STEPS)), "experts_modules": local, "held": held}
@@ -100,7 +115,7 @@ def router_check(name: str = "qwen2-moe", strategy: str = "dp=2,ep=2,zero=0,mbs=
     rows = inputs.view(dist.get_world_size(), -1, SEQ_LEN)[dist.get_rank()]  # this rank's rows of the batch
     single = MODELS[name]()(rows, output_router_logits=True)
     model = MODELS[name]()
-    parallel = apply_plan(model, listed_plan(f"hf-{name}", model, strategy, LAYERS, global_batch=GLOBAL_BATCH))
+    parallel = apply_plan(model, ep_plan(name, model, strategy))
     ours = parallel.modules[0](rows, output_router_logits=True)
     return {field: (getattr(ours, field), getattr(single, field)) for field in ("logits", "router_logits", "aux_loss")}
 
@@ -138,11 +153,15 @@ def check_case(world: int, name: str, strategy: str, *, slow: bool = False) -> N
     assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), "ranks disagree on the loss"
     expected = reference(name)
     torch.testing.assert_close(per_rank[0]["losses"], expected["losses"], **FP32_TOL)
-    torch.testing.assert_close(per_rank[0]["params"], expected["params"], **PARAM_TOL)  # same FQNs, gathered
-    ep = Strategy.parse(strategy).ep
+    params = {}
+    for result in per_rank:  # pipeline stages hold different layers
+        params.update(result["params"])
+    torch.testing.assert_close(params, expected["params"], **PARAM_TOL)  # same FQNs, gathered
+    parsed = Strategy.parse(strategy)
     for result in per_rank:
-        assert len(result["experts_modules"]) == 2 and all(result["experts_modules"].values()), result["experts_modules"]
-        assert set(result["held"].values()) == {EXPERTS // ep}  # each rank computes E / ep experts
+        split = result["experts_modules"]
+        assert len(split) == 2 // parsed.pp and all(split.values()), split  # the blocks of this rank's stage
+        assert set(result["held"].values()) == {EXPERTS // parsed.ep}  # each rank computes E / ep experts
 
 
 @pytest.mark.parametrize(("name", "strategy"), CASES[2], ids=[f"{n}-{s}" for n, s in CASES[2]])
@@ -216,8 +235,9 @@ def test_what_expert_parallelism_cannot_split_is_refused_by_name():
     with pytest.raises(NotModelledError, match="4 experts of model.layers.0.mlp.experts cannot be split evenly over "
                                                "ep=3"):
         check_expert_parallel(hf_mixtral(), Strategy.parse("dp=3,ep=3"))
-    for combination, pinned in [("tensor", "dp=2,ep=2,tp=2"), ("pipeline", "dp=2,ep=2,pp=2"),
-                                ("context", "dp=2,ep=2,cp=2")]:
+    for combination, pinned in [("tensor parallelism", "dp=2,ep=2,tp=2"), ("context parallelism", "dp=2,ep=2,cp=2"),
+                                ("schedule=zero-bubble", "dp=2,ep=2,pp=2,zero=3,schedule=zero-bubble")]:
         with pytest.raises(NotModelledError, match=f"stacked experts modules .* together with {combination} "):
             check_expert_parallel(hf_mixtral(), Strategy.parse(pinned))
-    check_expert_parallel(hf_qwen2_moe(), strategy)  # accepted
+    check_expert_parallel(hf_qwen2_moe(), strategy)  # accepted, and with pipelining (trained above, slow)
+    check_expert_parallel(hf_qwen2_moe(), Strategy.parse("dp=2,ep=2,pp=2,zero=0,schedule=zero-bubble"))
