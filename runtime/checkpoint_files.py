@@ -250,19 +250,23 @@ def _prune(root: Path, keep_last: int) -> None:
 
 def together(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> T:
     """``action()`` on every rank; if it fails on any rank, the same ``CheckpointError`` is raised on all of them."""
-    from torch.distributed.checkpoint.api import CheckpointException  # here: DCP takes seconds to import
-
-    value, problem = None, None
-    try:
-        value = action()
-    except CheckpointError as error:
-        problem = str(error)
-    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
-        problem = f"{what} failed on rank {rank(group)}: {describe_failure(error)}"
+    value, problem = attempt(action, group, what=what)
     problems = [p for p in all_gather(problem, group) if p]
     if problems:
         raise CheckpointError(problems[0])
     return value
+
+
+def attempt(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> tuple[T | None, str | None]:
+    """``(action(), None)``, or ``(None, one line saying what failed on this rank)`` if it raised."""
+    from torch.distributed.checkpoint.api import CheckpointException  # here: DCP takes seconds to import
+
+    try:
+        return action(), None
+    except CheckpointError as error:
+        return None, str(error)
+    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+        return None, f"{what} failed on rank {rank(group)}: {describe_failure(error)}"
 
 
 def describe_failure(error: BaseException) -> str:

@@ -51,13 +51,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict, Field
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.checkpoint import PendingSave, TrainingState, rng_state, training_tensors
 from tessera.runtime.checkpoint_files import (
-    DATA_FILE, PLAN_FILE, RNG_FOLDER, FileRecord, Manifest, all_gather, describe_failure, file_record, step_folder,
+    DATA_FILE, PLAN_FILE, RNG_FOLDER, FileRecord, Manifest, all_gather, attempt, file_record, step_folder,
     together,
 )
 from tessera.runtime.snapshot_store import (
@@ -408,18 +407,11 @@ class SnapshotSavePlanner(DefaultSavePlanner):
 def gathered(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> list[T]:
     """Every rank's ``action()`` in rank order, in one collective; if it failed anywhere, the same
     ``CheckpointError`` on every rank."""
-    value, problem = None, None
-    try:
-        value = action()
-    except CheckpointError as error:
-        problem = str(error)
-    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
-        problem = f"{what} failed on rank {dist.get_rank(group) if group is not None else 0}: {describe_failure(error)}"
-    shares = all_gather((value, problem), group)
-    problems = [p for _, p in shares if p]
+    shares = all_gather(attempt(action, group, what=what), group)
+    problems = [problem for _, problem in shares if problem]
     if problems:
         raise CheckpointError(problems[0])
-    return [v for v, _ in shares]
+    return [value for value, _ in shares]
 
 
 def agree(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> T:
