@@ -9,14 +9,18 @@ rules follow the runtime's own refusals, read off the same module tree the runti
   (``nn.Linear`` and Hugging Face ``Conv1D``; packed ``q|k|v``/``gate|up`` projections; torchtitan's fused
   ``wqkv``), every parameter of a block belongs to a split linear, a norm or a router, an attention whose heads are
   split does not read head counts from the shared config, an embedding layer holds only embedding tables, a head
-  is an ``nn.Linear``; ``other`` layers hold no parameters. (Divisibility by the degree is the search's.)
+  is an ``nn.Linear``; ``other`` layers hold no parameters. (Divisibility by the degree is the search's.) A packed
+  projection is a strided shard that FSDP2 cannot shard again: ``tp+zero`` (tp with ZeRO >= 1) is then unavailable.
 - **pp** (``runtime.pipeline``): stages are cut from a ``torch.fx`` trace of the root's forward, so a model
   that capture could only trace with ``torch.export`` or ``make_fx`` cannot be pipelined. (Weights tied across
   stages are the runtime's own check, which depends on the strategy, not only on the model.)
 - **ep** (``runtime.expert_parallel``): a model with routed experts needs them in layers of a class the runtime
   splits (``RUNTIME_SPLITS["ep"]``: ``tessera.models.moe.MoELayer``). A dense model has no ep to lose.
 - **BatchNorm** (``runtime.data_parallel.check_batch_norm``): exact under data parallelism only, so a model
-  holding one has no tp, cp or pp. (Its limits on micro-batches and recomputation are the runtime's check.)
+  holding one has no tp, cp or pp, no ``accumulation`` (one micro-batch per step) and no ``recompute``.
+
+Keys other than an axis are features of a strategy (``planner.space.model_features``); ``a+b`` is refused only
+together.
 
 Combinations the runtime refuses for every model (ep with sp...) are ``cost_models.types.RUNTIME_EXCLUSIVE``,
 applied by the search. Context parallelism's position rule lives in ``runtime.context_parallel``; the search
@@ -29,7 +33,9 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from tessera.cost_models.tp_rules import STYLES, block_problem, declared_tp_plan, is_norm, uncovered_parameter
+from tessera.cost_models.tp_rules import (
+    STYLES, block_problem, block_splits, declared_tp_plan, is_norm, uncovered_parameter,
+)
 from tessera.cost_models.types import LayerStats, runtime_splits
 
 FX_FRONT_END = "torch.fx.symbolic_trace"
@@ -47,14 +53,16 @@ def unavailable_axes(
         "pp": _pipeline_problem(model, front_end=front_end, fallback_reasons=fallback_reasons),
         "ep": _expert_parallel_problem(model, layers, planned),
     }
+    if reasons["tp"] is None:
+        reasons["tp+zero"] = _packed_problem(layers, planned, _tp_plan(model, tp_plan))
     for axis, reason in _batch_norm_problems(model).items():
         reasons[axis] = reasons.get(axis) or reason
     return {axis: reason for axis, reason in reasons.items() if reason is not None}
 
 
 def _batch_norm_problems(model: nn.Module) -> dict[str, str]:
-    """BatchNorm normalises over the batch: the runtime keeps it exact under data parallelism only
-    (``runtime.data_parallel.check_batch_norm`` refuses tp, cp and pp for such a model)."""
+    """BatchNorm normalises over the batch: the runtime keeps it exact under data parallelism only, over one
+    micro-batch per step, without recomputation (``runtime.data_parallel.check_batch_norm`` refuses the rest)."""
     name = next((n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)), None)
     if name is None:
         return {}
@@ -63,6 +71,8 @@ def _batch_norm_problems(model: nn.Module) -> dict[str, str]:
         "tp": f"{layer} would normalise over each rank's shard of the channels (not implemented)",
         "cp": f"{layer} would normalise over each rank's shard of the tokens (not implemented)",
         "pp": f"{layer} would normalise over each pipeline micro-batch instead of the whole batch",
+        "accumulation": f"{layer} would normalise over each accumulated micro-batch instead of the whole batch",
+        "recompute": f"{layer} would update its running statistics a second time when recomputed",
     }
 
 
@@ -78,17 +88,24 @@ def _tensor_parallel_problem(model: nn.Module, layers: dict[str, nn.Module], pla
     odd = next(((glob, style) for glob, style in (tp_plan or {}).items() if style not in STYLES), None)
     if odd is not None:
         return f"tp_plan entry {odd[0]!r}: style {odd[1]!r} is not implemented by the runtime"
-    plan = dict(tp_plan) if tp_plan is not None else declared_tp_plan(model)
+    plan = _tp_plan(model, tp_plan)
     return next((problem for layer in planned
                  if (problem := _layer_problem(layer, layers[layer.fqn], plan)) is not None), None)
+
+
+def _tp_plan(model: nn.Module, tp_plan: Mapping[str, str] | None) -> dict[str, str]:
+    return dict(tp_plan) if tp_plan is not None else declared_tp_plan(model)
+
+
+def _routers(block: nn.Module) -> list[str]:
+    """Linears tensor parallelism keeps whole: the routers of Tessera's expert layers."""
+    return [f"{name}.router" if name else "router" for name, m in block.named_modules() if runtime_splits("ep", type(m))]
 
 
 def _layer_problem(layer: LayerStats, module: nn.Module, plan: dict[str, str]) -> str | None:
     """Why the runtime's tensor parallelism would refuse this layer at any degree, or None."""
     if layer.kind == "block":
-        routers = [f"{name}.router" if name else "router" for name, m in module.named_modules()
-                   if runtime_splits("ep", type(m))]
-        return block_problem(module, layer.fqn, plan=plan, skip=routers)
+        return block_problem(module, layer.fqn, plan=plan, skip=_routers(module))
     if layer.kind == "embedding":
         tables = {name for name, m in module.named_modules() if isinstance(m, nn.Embedding)}
         return uncovered_parameter(module, layer.fqn, tables)
@@ -96,6 +113,19 @@ def _layer_problem(layer: LayerStats, module: nn.Module, plan: dict[str, str]) -
     name = None if splits else next((n for n, _ in module.named_parameters()), None)
     if name is not None:
         return f"layer {layer.fqn} ({type(module).__name__}) holds parameter {name} but has no tensor-parallel split"
+    return None
+
+
+def _packed_problem(layers: dict[str, nn.Module], planned: list[LayerStats], plan: dict[str, str]) -> str | None:
+    """A packed projection (q|k|v, gate|up) is a strided tensor-parallel shard, which FSDP2 cannot shard again
+    (``runtime.tensor_parallel.check_packed_under_fsdp``): such a model runs tp only with zero=0."""
+    for layer in planned:
+        if layer.kind == "block":
+            block = layers[layer.fqn]
+            packed = next((s for s in block_splits(block, layer.fqn, plan=plan, skip=_routers(block)) if s.parts > 1), None)
+            if packed is not None:
+                return (f"{layer.fqn}.{packed.name} packs {packed.parts} blocks that tensor parallelism splits as a "
+                        "strided shard, which FSDP2 (zero>=1) cannot shard again")
     return None
 
 

@@ -20,7 +20,7 @@ from tessera.planner.degrees import degree_alternatives
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Candidate, Plan, PlannedLayer, SolverStats
 from tessera.planner.refine import RefineStats, refine
-from tessera.planner.space import check_layer_pins, check_pins, mesh_shapes, strategies
+from tessera.planner.space import check_layer_pins, check_pins, mesh_shapes, model_features, strategies
 from tessera.topology.cluster import Cluster
 from tessera.topology.validation import quoted
 
@@ -194,7 +194,7 @@ def unavailable_gains(
         except ConfigError:
             continue
         strategy, est = best_candidate(scored)
-        if getattr(strategy, axis) > 1 and est.fits:
+        if set(axis.split("+")) <= model_features(strategy, training) and est.fits:
             gain = 1 - est.step_time_s / best.step_time_s
             verdict = f"{axis} would gain {gain:.1%}" if gain > 0 else f"{axis} would gain nothing"
             found.append(Candidate(strategy=strategy, estimate=est, verdict=verdict))
@@ -215,6 +215,8 @@ def _per_layer_pinned(pins: Mapping[str, object]) -> bool:
 
 
 def _policies(graph: LayerGraph, pins: Mapping[str, object]) -> list[str]:
+    if "recompute" in graph.unavailable_axes:  # the runtime cannot recompute this model's blocks (BatchNorm)
+        return ["none"]
     measured_selective = any(layer.saved_bytes_selective is not None for layer in graph.layers)
     return ["none", "full"] + (["selective"] if measured_selective else [])
 

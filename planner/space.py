@@ -19,6 +19,11 @@ sequences) would forbid them. Per-block pins are applied, never dropped: ``block
 candidate's recomputation (its uniform ``recompute`` then stays ``none`` unless pinned too), and
 ``chunk_blocks`` admits only the pipelines of ``pp * virtual_stages == len(chunk_blocks)`` chunks.
 ``check_layer_pins`` refuses, before any search, per-block pins that do not match the model.
+
+What the runtime refuses for one model (``LayerGraph.unavailable_axes``, ``planner.capabilities``) is keyed by
+feature: an axis (``tp``), ``accumulation`` (more than one micro-batch per step), ``recompute`` (any block
+recomputed), or a combination joined by ``+`` (``tp+zero``: tensor parallelism with ZeRO >= 1 over more than one
+data-parallel rank). No candidate uses every feature of any key (:func:`model_refusal`).
 """
 
 from __future__ import annotations
@@ -71,6 +76,23 @@ def mesh_shapes(
                             yield dp, tp, pp, cp, ep
 
 
+def model_features(strategy: Strategy, training: TrainingConfig) -> set[str]:
+    """``strategy_features`` plus the model-dependent ones ``unavailable_axes`` may name (module docstring)."""
+    used = strategy_features(strategy)
+    if strategy.zero >= 1 and strategy.dp * strategy.cp > 1:
+        used.add("zero")
+    if training.global_batch // (strategy.dp * strategy.micro_batch) > 1:
+        used.add("accumulation")
+    if strategy.recompute != "none" or any(policy != "none" for policy in strategy.block_recompute or ()):
+        used.add("recompute")
+    return used
+
+
+def model_refusal(used: set[str], unavailable: Mapping[str, str]) -> str | None:
+    """The first key of ``unavailable`` all of whose features (``tp+zero``: both) are ``used``, or None."""
+    return next((key for key in unavailable if set(key.split("+")) <= used), None)
+
+
 def runtime_applies(degrees: Mapping[str, int], unavailable: Mapping[str, str]) -> bool:
     """No axis of degree > 1 is unavailable for the model and no two are ones the runtime does not combine."""
     used = {axis for axis, degree in degrees.items() if degree > 1}
@@ -106,12 +128,13 @@ def strategies(
     model's ``unavailable`` axes or for a combination (``cost_models.types.RUNTIME_EXCLUSIVE``)."""
     measured_selective = any(layer.saved_bytes_selective is not None for layer in layers)
     # Cheapest first: the search skips a policy once a cheaper one fits.
-    recomputes = _pinned(pins, "recompute", _recompute_options(measured_selective, pins))
+    recomputes = _pinned(pins, "recompute", ["none"] if "recompute" in unavailable else _recompute_options(measured_selective, pins))
     blocks = sum(layer.kind == "block" for layer in layers)
     per_block = {key: pins[key] for key in ("block_recompute", "chunk_blocks") if key in pins}
     for dp, tp, pp, cp, ep in mesh_shapes(layers, cluster, training, pins, unavailable=unavailable):
         sp = pins.get("sp", tp > 1 and runtime_conflict({"sp"} | {a for a, d in (("ep", ep), ("cp", cp)) if d > 1}) is None)
-        micro_batches = [m for m in range(1, MAX_MICRO_BATCH + 1) if (training.global_batch // dp) % m == 0]
+        micro_batches = ([training.global_batch // dp] if "accumulation" in unavailable else
+                         [m for m in range(1, MAX_MICRO_BATCH + 1) if (training.global_batch // dp) % m == 0])
         for zero in _pinned(pins, "zero", ZERO_STAGES if dp > 1 else (0,)):
             for micro_batch in _pinned(pins, "micro_batch", micro_batches):
                 for recompute in recomputes:
@@ -126,7 +149,8 @@ def strategies(
                             # never chosen: the runtime lacks both
                             tp_overlap=pins.get("tp_overlap", False), sp_regather=pins.get("sp_regather", False),
                         )
-                        if runtime_conflict(strategy_features(strategy)) is None:
+                        if (runtime_conflict(strategy_features(strategy)) is None
+                                and model_refusal(model_features(strategy, training), unavailable) is None):
                             yield strategy
 
 
@@ -202,11 +226,18 @@ def check_pins(pins: Mapping[str, object], cluster: Cluster, *, unavailable: Map
 def check_runtime_pins(pins: Mapping[str, object], unavailable: Mapping[str, str]) -> None:
     """Raise one line naming the axis and the reason when a pin asks for what the runtime cannot apply."""
     for axis, reason in unavailable.items():
-        if int(pins.get(axis, 1)) > 1:
+        if axis in ("tp", "pp", "cp", "ep") and int(pins.get(axis, 1)) > 1:
             raise ConfigError(f"{axis}={pins[axis]} is unavailable for this model: {reason}; leave {axis} out or pin {axis}=1")
     used = {axis for axis in ("tp", "pp", "cp", "ep") if int(pins.get(axis, 1)) > 1}
     used |= {"sp"} if pins.get("sp") else set()
     used |= {"selective"} if pins.get("recompute") == "selective" or "selective" in (pins.get("block_recompute") or ()) else set()
+    pinned = used | ({"zero"} if int(pins.get("zero", 0)) >= 1 and int(pins.get("dp", 1)) > 1 else set())
+    pinned |= {"recompute"} if pins.get("recompute", "none") != "none" or any(
+        p != "none" for p in pins.get("block_recompute") or ()) else set()
+    refused = model_refusal(pinned, {k: v for k, v in unavailable.items() if k not in ("tp", "pp", "cp", "ep")})
+    if refused is not None:
+        raise ConfigError(f"the pins use {refused}, which the runtime cannot run on this model: {unavailable[refused]}; "
+                          "pin one of them off")
     conflict = runtime_conflict(used)
     if conflict is not None:
         a, b = conflict

@@ -9,7 +9,7 @@ from functools import cache
 import pytest
 
 import tessera
-from tessera.cost_models import TrainingConfig
+from tessera.cost_models import Strategy, TrainingConfig
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.capture import capture_preset
 from tessera.planner.model_source import resolve_model
@@ -21,7 +21,7 @@ from tessera.runtime.apply import check_supported, recompute_fqns
 from tessera.runtime.context_parallel import check_context_parallel
 from tessera.runtime.data_parallel import check_batch_norm
 from tessera.runtime.expert_parallel import check_expert_parallel
-from tessera.runtime.tensor_parallel import check_tensor_parallel
+from tessera.runtime.tensor_parallel import check_packed_under_fsdp, check_tensor_parallel
 from tessera.topology import load_cluster
 
 SEQ = 64
@@ -61,6 +61,8 @@ def runtime_accepts(spec: str, plan: Plan) -> None:
         check_expert_parallel(model, strategy, selective_recompute=bool(recompute_fqns(plan, "selective")))
     if strategy.tp > 1:  # pairs from the module tree, as auto_parallelize applies it
         check_tensor_parallel(model, plan.layers, tp=strategy.tp, sp=strategy.sp)
+        if strategy.zero >= 1 and strategy.dp * strategy.cp > 1:
+            check_packed_under_fsdp(model, plan.layers)
     if strategy.pp > 1:
         graph_ = pipeline.trace_layers(model, [layer.fqn for layer in plan.layers if layer.kind != "loss"])
         pipeline.node_chunks(graph_, {layer.fqn: layer.chunk for layer in plan.layers if layer.kind != "loss"})
@@ -133,7 +135,8 @@ def test_every_returned_strategy_passes_the_runtime_prechecks(spec):
 def test_an_unavailable_axis_is_one_the_runtime_refuses(spec):
     plan = plan_of(spec)
     for axis in graph(spec).unavailable_axes:
-        degree = {"tp": dict(tp=2, dp=8, sp=False), "pp": dict(pp=2, dp=8), "ep": dict(ep=2)}[axis]
+        degree = {"tp": dict(tp=2, dp=8, sp=False), "pp": dict(pp=2, dp=8), "ep": dict(ep=2),
+                  "tp+zero": dict(tp=2, dp=8, sp=False, zero=1)}[axis]
         strategy = plan.strategy.model_copy(update=degree)
         with pytest.raises(NotModelledError):
             runtime_accepts(spec, with_strategy(spec, plan, strategy))
@@ -161,7 +164,7 @@ def test_what_an_unavailable_axis_would_gain_is_predicted_when_it_would_change_t
     assert unavailable_gains(graph(GPT2), load_cluster(CLUSTER), TRAINING, pins={}, best=tiny.estimate) == tiny.unavailable_gains
     slow = tiny.estimate.model_copy(update={"step_time_s": tiny.estimate.step_time_s * 100})  # a plan tp could beat
     gains = unavailable_gains(graph(GPT2), load_cluster(CLUSTER), TRAINING, pins={"dp": 8}, best=slow)
-    assert gains and all(g.verdict.split()[0] in ("tp", "pp") and "would gain" in g.verdict for g in gains)
+    assert gains and all(g.verdict.split()[0] in ("tp", "pp", "tp+zero") and "would gain" in g.verdict for g in gains)
 
 
 def test_a_model_holding_batch_norm_has_only_data_parallelism():
@@ -178,3 +181,19 @@ def test_a_model_holding_batch_norm_has_only_data_parallelism():
     assert "BatchNorm 1" in reasons["pp"] and "BatchNorm 1" in reasons["cp"]
     plain = unavailable_axes(nn.Sequential(), {}, [], front_end=FX_FRONT_END)
     assert plain == {}
+
+
+def test_model_dependent_features_shape_the_search():
+    # BatchNorm: one micro-batch per step and no recomputation; packed projections: tp only with zero=0.
+    from tessera.planner.space import model_features, model_refusal
+
+    cluster = load_cluster(CLUSTER)
+    refused = {"accumulation": "BatchNorm", "recompute": "BatchNorm", "tp": "BatchNorm"}
+    found = list(strategies(list(graph("llama-tiny").layers), cluster, TRAINING, {}, unavailable=refused))
+    assert found and all(s.tp == 1 and s.micro_batch * s.dp == TRAINING.global_batch and s.recompute == "none"
+                         for s in found)
+    packed = list(strategies(list(graph(GPT2).layers), cluster, TRAINING, {}, unavailable=graph(GPT2).unavailable_axes))
+    assert any(s.tp > 1 for s in packed) and not any(s.tp > 1 and s.zero >= 1 and s.dp > 1 for s in packed)
+    assert model_refusal(model_features(Strategy.parse("dp=8,tp=2,zero=1"), TRAINING), {"tp+zero": "x"}) == "tp+zero"
+    with pytest.raises(ConfigError, match="tp\\+zero, which the runtime cannot run on this model: .*c_attn"):
+        search(graph(GPT2), cluster, TRAINING, pins={"tp": 2, "dp": 8, "zero": 1})
