@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig
-from tessera.cost_models.types import Precision
+from tessera.cost_models.types import Fp8Scaling, Precision
 from tessera.errors import CheckpointError, RuntimeSetupError
 from tessera.planner.capture import capture, capture_preset
 from tessera.planner.plan import Plan
@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # the runtime (torch.distributed.pipelining...) costs ~1.5 s 
 # The search (OR-Tools, which imports pandas) and the explanations (matplotlib) take ~1.5 s to import: each entry
 # point imports them after capture, so a model that cannot be built or traced fails without that wait.
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "fp8": torch.bfloat16}  # FP8 changes the linears' rate, not the graph: capture in bf16
 
 
 def plan(
@@ -41,6 +42,7 @@ def plan(
     top: int = 5,
     progress: Callable[[int, int], None] | None = None,
     expert_capacity_factor: float | None = None,
+    fp8_scaling: Fp8Scaling | None = None,
 ) -> Plan:
     """Choose how to split training of ``model`` on ``cluster``; never allocates real weights.
 
@@ -48,9 +50,11 @@ def plan(
     ``precision`` defaults to bf16 mixed precision on accelerators and fp32 on CPU ranks. ``strategy``
     pins strategy fields (``"tp=8,pp=4"``) and searches the rest; a complete strategy is just evaluated.
     ``expert_capacity_factor`` sets the load MoE experts are planned for (``tessera.planner.experts``).
+    ``precision="fp8"`` plans the blocks' linears on FP8 matrix units, scaled as ``fp8_scaling`` says
+    (``cost_models.fp8``; default ``current``); the runtime does not run FP8 yet.
     """
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
-                                         expert_capacity_factor=expert_capacity_factor)
+                                         expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling)
     from tessera.planner.search import search
 
     return search(graph, resolved, training, pins=_pins(strategy), top=top, progress=progress)
@@ -65,13 +69,14 @@ def evaluate(
     strategy: Strategy | str,
     precision: Precision | None = None,
     expert_capacity_factor: float | None = None,
+    fp8_scaling: Fp8Scaling | None = None,
 ) -> tuple[Strategy, Estimate]:
     """Predict ``strategy`` (fields left out are filled with the planner's best choice under the given ones).
 
     Unlike :func:`plan`, a strategy that does not fit is still returned; its ``Estimate.fits`` is False.
     """
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
-                                         expert_capacity_factor=expert_capacity_factor)
+                                         expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling)
     from tessera.planner.search import best_candidate, rank_candidates
 
     return best_candidate(rank_candidates(graph, resolved, training, pins=_pins(strategy)))
@@ -87,6 +92,7 @@ def compare(
     precision: Precision | None = None,
     top: int = 5,
     expert_capacity_factor: float | None = None,
+    fp8_scaling: Fp8Scaling | None = None,
 ) -> Comparison:
     """Tessera's plan next to hand-tuned ``baselines``, each evaluated on the same cost model.
 
@@ -98,7 +104,7 @@ def compare(
     """
     pins = [(b if isinstance(b, str) else b.to_string(), _pins(b)) for b in baselines]  # parse all before searching
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
-                                         expert_capacity_factor=expert_capacity_factor)
+                                         expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling)
     from tessera.planner.compare import build_comparison, evaluate_baseline
     from tessera.planner.search import search
 
@@ -111,11 +117,12 @@ def compare(
 
 def _prepare(
     model: nn.Module | str, cluster: Cluster | str, *, global_batch: int, seq_len: int, precision: Precision | None,
-    expert_capacity_factor: float | None = None,
+    expert_capacity_factor: float | None = None, fp8_scaling: Fp8Scaling | None = None,
 ) -> tuple[LayerGraph, Cluster, TrainingConfig]:
     resolved = load_cluster(cluster)
     training = TrainingConfig(
-        global_batch=global_batch, seq_len=seq_len, precision=precision or default_precision(resolved)
+        global_batch=global_batch, seq_len=seq_len, precision=precision or default_precision(resolved),
+        **({"fp8_scaling": fp8_scaling} if fp8_scaling is not None else {}),
     )
     dtype = DTYPES[training.precision]
     graph = (

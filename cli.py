@@ -145,7 +145,10 @@ def _add_planning_args(parser: argparse.ArgumentParser, *, formats: Sequence[str
                         help="sequences per step (default: 8 per device)")
     parser.add_argument("--seq-len", type=whole_number(unit="tokens", at_most=MAX_SEQ_LEN), default=None,
                         help=f"tokens per sequence (default: an imported config's, else {DEFAULT_SEQ_LEN})")
-    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="default bf16 on GPUs, fp32 on CPU")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "fp8"), default=None,
+                        help="default bf16 on GPUs, fp32 on CPU; fp8: the blocks' linears on FP8 units (planned, not run yet)")
+    parser.add_argument("--fp8-scaling", choices=("delayed", "current", "rowwise", "block", "mx"), default=None,
+                        help="how FP8 tensors are scaled (with --precision fp8; default current)")
     capacity = finite_number(noun="a load factor", above=0, at_most=MAX_CAPACITY_FACTOR)
     parser.add_argument("--expert-capacity", type=capacity, default=None, metavar="F",
                         help="MoE load factor: each expert is planned for top_k * tokens / experts * F token slots "
@@ -237,7 +240,7 @@ def _workload(args: argparse.Namespace, *strategies: str | None, imported: Seque
                           f"{global_batch:,} sequences, past Tessera's bound of {MAX_GLOBAL_BATCH:,}; pass --global-batch")
     return dict(
         model=args.model, cluster=cluster, global_batch=global_batch, seq_len=given["seq_len"] or DEFAULT_SEQ_LEN,
-        precision=given["precision"], expert_capacity_factor=args.expert_capacity,
+        precision=given["precision"], expert_capacity_factor=args.expert_capacity, fp8_scaling=args.fp8_scaling,
     )
 
 
@@ -384,19 +387,28 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _print_reliability(plan, args: argparse.Namespace, console: Console) -> None:
-    """Checkpoint cost, the Young/Daly interval and the expected time lost to failures (cost_models.reliability).
+    """Checkpoint cost, the Young/Daly interval and the expected time lost to failures (cost_models.reliability),
+    then the same with in-memory snapshots (runtime.snapshots) and disk as the second line.
 
     The options are validated where they are parsed (positive, finite, bounded)."""
     from tessera.cost_models import reliability as r
+    from tessera.topology import load_cluster
 
     bandwidth = args.checkpoint_gbps * 1e9 if args.checkpoint_gbps is not None else r.LLAMA3_STORAGE_BYTES_PER_S_PER_GPU
     cost = r.checkpoint_cost(plan.param_count, num_devices=plan.strategy.world_size,
                              write_bytes_per_s_per_device=bandwidth, asynchronous=args.async_checkpoint)
     step_s = plan.estimate.step_time_s
     interval = args.checkpoint_every * step_s if args.checkpoint_every else None
+    relaunch_s = (args.restart_minutes or 0.0) * 60
     estimate = r.reliability_estimate(cost, mtbf_s=args.mtbf_hours * 3600, interval_s=interval,
-                                      restart_s=cost.write_time_s + (args.restart_minutes or 0.0) * 60)
+                                      restart_s=cost.write_time_s + relaunch_s)
     console.print(estimate.summary(step_time_s=step_s), highlight=False, soft_wrap=True)
+    cluster = load_cluster(args.cluster)
+    snapshot = r.snapshot_cost(plan.param_count, num_devices=plan.strategy.world_size,
+                               devices_per_node=cluster.devices_per_node)
+    with_snapshots = r.snapshot_estimate(snapshot, estimate, step_time_s=step_s, num_nodes=cluster.num_nodes,
+                                         relaunch_s=relaunch_s)
+    console.print(with_snapshots.summary(), highlight=False, soft_wrap=True)
 
 
 def _resume(args: argparse.Namespace, console: Console) -> int:

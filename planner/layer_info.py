@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from tessera.cost_models.tp_rules import linear_dims
 from tessera.cost_models.types import LayerKind, LinearPair
 from tessera.planner.replay import CONTAINERS
 
@@ -42,16 +43,6 @@ _INDEX_OPS = ("topk", "argmax", "argmin", "argsort", "one_hot", "nonzero")
 _KV_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
 _EXPERT_NAMES = ("num_experts", "num_local_experts")
 _TOP_K_NAMES = ("top_k", "num_experts_per_tok", "moe_top_k")
-
-
-def linear_dims(module: nn.Module) -> tuple[int, int] | None:
-    """(in, out) features of a linear layer: ``nn.Linear``, or Hugging Face's ``Conv1D`` (weight stored (in, out))."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features
-    weight = getattr(module, "weight", None)
-    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2:
-        return int(weight.shape[0]), int(weight.shape[1])
-    return None
 
 
 def is_norm(module: nn.Module) -> bool:
