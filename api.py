@@ -225,7 +225,7 @@ def resume(
     A checkpoint whose plan names a model factory (``file.py:make_model``, ``module:make_model``) would import and
     run that code: it is used only when ``model`` names it again or with ``trust_model_factory=True``.
     """
-    from tessera.runtime.elastic import saved_plan
+    from tessera.runtime.saved_plans import saved_plan
 
     saved = saved_plan(checkpoint)
     training = saved.training

@@ -413,7 +413,7 @@ def _print_reliability(plan, args: argparse.Namespace, console: Console) -> None
 
 def _resume(args: argparse.Namespace, console: Console) -> int:
     """Re-plan the checkpoint's model and training for ``--cluster``; print the plan and the relaunch lines."""
-    from tessera.runtime.elastic import saved_plan
+    from tessera.runtime.saved_plans import saved_plan
 
     saved = saved_plan(args.checkpoint)  # before the planner and runtime are imported: a bad folder fails fast
     import tessera

@@ -462,7 +462,8 @@ RUNTIME_SPLITS: Mapping[str, frozenset[str]] = {
     "ep": frozenset({"tessera.models.moe.MoELayer"}),
 }
 """Axis -> the module classes (import path; a subclass counts) the runtime splits on it: tensor parallelism splits
-column/row pairs of these linears, expert parallelism these mixture-of-experts layers."""
+column/row pairs of these linears, expert parallelism these mixture-of-experts layers, and also, by structure rather
+than class, experts modules stacked over experts (``models.moe.stacked_experts_problem``; ``runtime.hf_experts``)."""
 
 RUNTIME_EXCLUSIVE: tuple[tuple[str, str], ...] = (("ep", "sp"), ("ep", "selective"), ("cp", "sp"), ("cp", "pp"))
 """Strategy features the runtime refuses together (``runtime.expert_parallel.check_expert_parallel``,

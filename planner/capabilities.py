@@ -11,11 +11,18 @@ rules follow the runtime's own refusals, read off the same module tree the runti
   split does not read head counts from the shared config, an embedding layer holds only embedding tables, a head
   is an ``nn.Linear``; ``other`` layers hold no parameters. (Divisibility by the degree is the search's.) A packed
   projection is a strided shard that FSDP2 cannot shard again: ``tp+zero`` (tp with ZeRO >= 1) is then unavailable.
-- **pp** (``runtime.pipeline``): stages are cut from a ``torch.fx`` trace of the root's forward, so a model
-  that capture could only trace with ``torch.export`` or ``make_fx`` cannot be pipelined. (Weights tied across
-  stages are the runtime's own check, which depends on the strategy, not only on the model.)
+- **pp** (``runtime.pipeline``): stages are cut from a ``torch.fx`` trace of the root's forward, or, where fx
+  fails (Hugging Face, torchtitan), from a ``torch.export`` trace with the planned layers kept as calls; a model
+  that capture could only trace with ``make_fx`` cannot be pipelined. (Weights tied across stages are the
+  runtime's own check, which depends on the strategy, not only on the model.)
 - **ep** (``runtime.expert_parallel``): a model with routed experts needs them in layers of a class the runtime
-  splits (``RUNTIME_SPLITS["ep"]``: ``tessera.models.moe.MoELayer``). A dense model has no ep to lose.
+  splits (``RUNTIME_SPLITS["ep"]``: ``tessera.models.moe.MoELayer``) or in experts modules stacked over experts that
+  their block calls with its router's choices (``models.moe.stacked_experts_problem``: Hugging Face Mixtral,
+  Qwen2-MoE, Qwen3-MoE...). A dense model has no ep to lose. Stacked experts (``runtime.hf_experts``) do not run
+  ep with tp, with cp, or under zero-bubble with ZeRO >= 1: those combinations are unavailable.
+- **cp** (``runtime.context_parallel``, rule ``cost_models.cp_rules``): ring attention needs attention modules
+  with an integer ``head_dim`` and positions the runtime knows how to give each rank (Tessera's RoPE tables or
+  learned ``pos_emb``).
 - **BatchNorm** (``runtime.data_parallel.check_batch_norm``): exact under data parallelism only, so a model
   holding one has no tp, cp or pp, no ``accumulation`` (one micro-batch per step) and no ``recompute``.
 
@@ -36,23 +43,31 @@ from torch import nn
 from tessera.cost_models.tp_rules import (
     STYLES, block_problem, block_splits, declared_tp_plan, is_norm, uncovered_parameter,
 )
+from tessera.cost_models.cp_rules import context_parallel_problem
 from tessera.cost_models.types import LayerStats, runtime_splits
+from tessera.models.moe import stacked_experts_problem
 
 FX_FRONT_END = "torch.fx.symbolic_trace"
+EXPORT_FRONT_END = "torch.export"
 
 
 def unavailable_axes(
     model: nn.Module, layers: dict[str, nn.Module], stats: Sequence[LayerStats], *,
     front_end: str, fallback_reasons: Sequence[str] = (), tp_plan: Mapping[str, str] | None = None,
+    token_inputs: bool = True,
 ) -> dict[str, str]:
     """Axis name -> one line saying why the runtime cannot apply it to ``model`` (absent: available); ``tp_plan``:
-    the user's tensor-parallel plan, as the runtime will be given it (else the model's declared one)."""
+    the user's tensor-parallel plan, as the runtime will be given it (else the model's declared one);
+    ``token_inputs``: the model was captured on token ids (not on ``example_inputs``)."""
     planned = [layer for layer in stats if layer.fqn in layers]
     reasons = {
         "tp": _tensor_parallel_problem(model, layers, planned, tp_plan),
-        "pp": _pipeline_problem(model, front_end=front_end, fallback_reasons=fallback_reasons),
+        "pp": _pipeline_problem(model, front_end=front_end, fallback_reasons=fallback_reasons, token_inputs=token_inputs),
         "ep": _expert_parallel_problem(model, layers, planned),
+        "cp": context_parallel_problem(model),
     }
+    if reasons["ep"] is None:
+        reasons.update(_stacked_experts_combinations(layers, planned))
     if reasons["tp"] is None:
         reasons["tp+zero"] = _packed_problem(layers, planned, _tp_plan(model, tp_plan))
     for axis, reason in _batch_norm_problems(model).items():
@@ -132,23 +147,50 @@ def _packed_problem(layers: dict[str, nn.Module], planned: list[LayerStats], pla
 # ----------------------------------------------------------------------------------------------- pipeline, experts
 
 
-def _pipeline_problem(model: nn.Module, *, front_end: str, fallback_reasons: Sequence[str]) -> str | None:
-    if front_end != FX_FRONT_END:
-        why = next((r for r in fallback_reasons if r.startswith(FX_FRONT_END)), "")
-        cause = f" ({why.split('): ', 1)[-1]})" if why else ""
-        return (f"the runtime cuts pipeline stages from a torch.fx trace of the root forward, which fails on "
-                f"{type(model).__name__}{cause}")
-    return None
+def _pipeline_problem(model: nn.Module, *, front_end: str, fallback_reasons: Sequence[str],
+                      token_inputs: bool) -> str | None:
+    """The runtime cuts stages from a ``torch.fx`` trace of the root forward, else from a ``torch.export`` one at a
+    micro-batch of token ids (``runtime.pipeline_split``): a model only ``make_fx`` could trace, or one fx cannot
+    trace that takes other inputs, cannot be pipelined."""
+    if front_end == FX_FRONT_END or (front_end == EXPORT_FRONT_END and token_inputs):
+        return None
+    if front_end == EXPORT_FRONT_END:
+        return (f"torch.fx cannot trace {type(model).__name__} and the runtime exports its forward only at token-id "
+                "inputs, not at the example inputs it was captured with")
+    why = next((r for r in fallback_reasons if r.startswith(EXPORT_FRONT_END)), "")
+    cause = f" ({why.split('): ', 1)[-1]})" if why else ""
+    return (f"the runtime cuts pipeline stages from a torch.fx or torch.export trace of the root forward, and "
+            f"neither traces {type(model).__name__}{cause}")
 
 
 def _expert_parallel_problem(model: nn.Module, layers: dict[str, nn.Module], planned: list[LayerStats]) -> str | None:
-    routed = next((layer for layer in planned if layer.experts), None)
-    if routed is None or any(runtime_splits("ep", type(m)) for m in model.modules()):
+    routed = [layer for layer in planned if layer.experts]
+    if not routed or any(runtime_splits("ep", type(m)) for m in model.modules()):
         return None
-    holder = next((name for name, m in layers[routed.fqn].named_modules() if name.rpartition(".")[2] == "experts"), "")
-    parent = layers[routed.fqn].get_submodule(holder.rpartition(".")[0]) if holder else layers[routed.fqn]
-    return (f"the experts of {_join(routed.fqn, holder.rpartition('.')[0])} ({type(parent).__name__}) are not a "
-            "mixture-of-experts layer the runtime's expert parallelism splits (tessera.models.moe.MoELayer)")
+    for layer in routed:
+        module = layers[layer.fqn]
+        holder = _experts_holder(module)
+        problem = stacked_experts_problem(module.get_submodule(holder)) if holder else "it has no module named experts"
+        if problem is not None:
+            parent = module.get_submodule(holder.rpartition(".")[0]) if holder else module
+            return (f"the experts of {_join(layer.fqn, holder.rpartition('.')[0])} ({type(parent).__name__}) cannot "
+                    f"be split by the runtime's expert parallelism: {problem}")
+    return None
+
+
+def _experts_holder(block: nn.Module) -> str:
+    return next((name for name, _ in block.named_modules() if name.rpartition(".")[2] == "experts"), "")
+
+
+def _stacked_experts_combinations(layers: dict[str, nn.Module], planned: list[LayerStats]) -> dict[str, str]:
+    """What expert parallelism of stacked experts modules does not combine with (``runtime.hf_experts``)."""
+    routed = next((layer for layer in planned if layer.experts and _experts_holder(layers[layer.fqn])), None)
+    if routed is None or any(runtime_splits("ep", type(m)) for m in layers[routed.fqn].modules()):
+        return {}
+    where = f"expert parallelism of the stacked experts of {routed.fqn}"
+    return {"ep+tp": f"{where} together with tensor parallelism is not implemented",
+            "ep+cp": f"{where} together with context parallelism is not implemented",
+            "ep+zero-bubble+zero": f"{where} under zero-bubble with ZeRO >= 1 differs from one process (measured)"}
 
 
 def _join(prefix: str, name: str) -> str:

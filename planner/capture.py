@@ -82,6 +82,7 @@ def capture(
     """
     if seq_len <= 0:
         raise CaptureError(f"seq_len must be positive, got {seq_len}")
+    token_inputs = example_inputs is None
     example_inputs = example_inputs if example_inputs is not None else _default_inputs(model)
     layers = find_layers(model)
     with expected_expert_load(model, expert_capacity_factor):
@@ -90,7 +91,8 @@ def capture(
         lengths = fit_lengths(seq_len) if rescalable else (seq_len,)
         tallies = measure_at_lengths(model, flow.order, dtype=dtype, lengths=lengths, inputs=example_inputs)
     stats, keys = _records(model, layers, flow, pairs, tallies[seq_len], capacity_factor=expert_capacity_factor)
-    unavailable = unavailable_axes(model, layers, stats, front_end=flow.front_end, fallback_reasons=flow.fallback_reasons)
+    unavailable = unavailable_axes(model, layers, stats, front_end=flow.front_end, fallback_reasons=flow.fallback_reasons,
+                                   token_inputs=token_inputs)
     return LayerGraph(
         model_name=name or getattr(model, "name", None) or type(model).__name__,
         seq_len=seq_len,

@@ -22,7 +22,7 @@ candidate's recomputation (its uniform ``recompute`` then stays ``none`` unless 
 
 What the runtime refuses for one model (``LayerGraph.unavailable_axes``, ``planner.capabilities``) is keyed by
 feature: an axis (``tp``), ``accumulation`` (more than one micro-batch per step), ``recompute`` (any block
-recomputed), or a combination joined by ``+`` (``tp+zero``: tensor parallelism with ZeRO >= 1 over more than one
+recomputed), ``zero-bubble`` (that pipeline schedule), or a combination joined by ``+`` (``tp+zero``: tensor parallelism with ZeRO >= 1 over more than one
 data-parallel rank). No candidate uses every feature of any key (:func:`model_refusal`).
 """
 
@@ -85,6 +85,8 @@ def model_features(strategy: Strategy, training: TrainingConfig) -> set[str]:
         used.add("accumulation")
     if strategy.recompute != "none" or any(policy != "none" for policy in strategy.block_recompute or ()):
         used.add("recompute")
+    if strategy.pp > 1 and strategy.schedule == "zero-bubble":
+        used.add("zero-bubble")
     return used
 
 

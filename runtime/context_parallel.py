@@ -54,12 +54,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
+from tessera.cost_models.cp_rules import POSITION_EMBEDDING, ROPE_BUFFERS, attention_modules, context_parallel_problem
 from tessera.cost_models.types import Strategy
 from tessera.errors import ConfigError, NotModelledError
 from tessera.runtime.mesh import CP
 
-ROPE_BUFFERS = ("rope_cos", "rope_sin")
-POSITION_EMBEDDING = "pos_emb"
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
@@ -262,15 +261,9 @@ def check_context_parallel(model: nn.Module, strategy: Strategy, *, seq_len: int
     if seq_len % (2 * strategy.cp):
         raise ConfigError(f"context parallelism cuts each sequence into 2*cp = {2 * strategy.cp} chunks; seq_len "
                           f"{seq_len} does not divide; pick a seq_len that is a multiple of {2 * strategy.cp}")
-    if not _attention_modules(model):
-        raise NotModelledError("context parallelism found no attention module (a module with an integer head_dim) "
-                               "to run as ring attention; plan this model with cp=1")
-    if not _has_known_positions(model):
-        raise NotModelledError(
-            "context parallelism must give each token its global position, and knows Tessera's models only: RoPE "
-            f"tables ({', '.join(ROPE_BUFFERS)} buffers: Llama, MoE) or a learned {POSITION_EMBEDDING} embedding "
-            "(GPT); plan this model with cp=1"
-        )
+    problem = context_parallel_problem(model)
+    if problem is not None:
+        raise NotModelledError(f"{problem}; plan this model with cp=1")
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int) -> None:
@@ -279,19 +272,9 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, *, seq_len: int) 
     Call after materialisation (which recomputes the RoPE tables) and after tensor parallelism.
     """
     ring = _Ring(mesh.get_group(CP), seq_len)
-    for module in _attention_modules(model):
+    for module in attention_modules(model):
         module.forward = _RingAttentionForward(module.forward, ring)
     _localise_positions(model, ring.positions(ring.rank, _device(model)))
-
-
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    return [module for module in model.modules() if isinstance(getattr(module, "head_dim", None), int)]
-
-
-def _has_known_positions(model: nn.Module) -> bool:
-    buffers = dict(model.named_buffers(recurse=False))
-    rope = all(name in buffers for name in ROPE_BUFFERS)
-    return rope or isinstance(getattr(model, POSITION_EMBEDDING, None), nn.Embedding)
 
 
 def _localise_positions(model: nn.Module, positions: torch.Tensor) -> None:

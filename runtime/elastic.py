@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from tessera.errors import CheckpointError
-from tessera.planner.plan import Plan
-from tessera.runtime.checkpoint_files import PLAN_FILE, has_checkpoint, select_checkpoint
+from tessera.runtime.checkpoint_files import has_checkpoint
+from tessera.runtime.saved_plans import check_same_model
 from tessera.topology import Cluster, load_cluster
 from tessera.topology.presets import preset_names, preset_size_key
 
@@ -78,18 +77,6 @@ def _resized_preset_spec(cluster: Cluster, world: int) -> str | None:
     return f"{name}:{key}={world // per_unit}" if world % per_unit == 0 else None
 
 
-def saved_plan(checkpoint: str | Path) -> Plan:
-    """The plan stored in ``checkpoint`` (a ``step-*`` folder, or a root: its newest intact checkpoint, by sizes).
-
-    The checkpoint's DCP metadata is read too, through the restricted reader, so a checkpoint that a load would
-    refuse (crafted or unreadable) is refused here, before anyone relaunches a run on it."""
-    from tessera.runtime.checkpoint_reader import load_metadata  # after the cheap checks: DCP takes seconds to import
-
-    folder, _ = select_checkpoint(Path(checkpoint), verify=False, group=None)
-    load_metadata(folder)
-    return Plan.from_json(folder / PLAN_FILE)
-
-
 def resume_if_possible(pm: ParallelModel, root: str | Path | None, *, verify: bool = True) -> CheckpointInfo | None:
     """Load the newest state into ``pm``: its newest complete in-memory snapshot when ``pm`` has snapshots
     (``runtime.snapshot_recovery``) and no disk checkpoint of ``root`` is newer, else the newest intact
@@ -126,14 +113,3 @@ def _resume_from_disk(pm: ParallelModel, root: str | Path, *, verify: bool) -> C
     log.info("resumed from %s at step %d (saved under %s on %d ranks; now %s on %d)", info.path, info.step,
              info.saved_strategy, info.saved_world_size, pm.plan.strategy.to_string(), pm.world_size)
     return info
-
-
-def check_same_model(plan: Plan, checkpoint: str | Path) -> None:
-    """Raise ``CheckpointError`` if ``checkpoint`` was saved from a model of another size than ``plan``'s."""
-    saved = saved_plan(checkpoint)
-    if saved.param_count != plan.param_count:
-        raise CheckpointError(
-            f"checkpoint {checkpoint} was saved from {saved.model_name} ({saved.param_count:,} parameters) but "
-            f"this model, {plan.model_name}, has {plan.param_count:,}; resume with the model it was saved from"
-        )
-

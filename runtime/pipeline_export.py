@@ -80,6 +80,7 @@ def export_forward(model: nn.Module, layer_fqns: Sequence[str], example: torch.T
     for fqn in layer_fqns:
         _refuse_repeated_calls(fqn, signatures)
         if fqn in signatures:
+            _keep_submodule(module, model, fqn)
             swap_in_layer(module.graph, fqn, signatures[fqn], by_name)
     module.graph.eliminate_dead_code()
     legalize_graph(module)
@@ -88,6 +89,15 @@ def export_forward(model: nn.Module, layer_fqns: Sequence[str], example: torch.T
         graph=module.graph, attributes=_lifted_attributes(model, module), output_spec=signatures[""].out_spec,
         output_constants=output_constants, input_shapes=(tuple(example.shape),),
     )
+
+
+def _keep_submodule(exported: fx.GraphModule, model: nn.Module, fqn: str) -> None:
+    """The exported module drops layers without parameters or buffers (GPT-2's ``transformer.drop``): put the
+    user's module back at ``fqn`` so the layer's call node has a module to name."""
+    try:
+        exported.get_submodule(fqn)
+    except AttributeError:
+        exported.add_submodule(fqn, model.get_submodule(fqn))
 
 
 def _drop_input_guards(graph: fx.Graph, *, keep_inputs: int) -> None:

@@ -36,6 +36,7 @@ from tessera.runtime.checkpoint_files import (
     MANIFEST, MARKER, Manifest, all_gather, barrier, broadcast, complete_checkpoints, file_record, sha256_text,
     step_folder, step_of, together,
 )
+from tessera.runtime.saved_plans import check_same_model
 from tessera.runtime.snapshot_store import RECOVERY_FOLDER, RECOVERY_PREFIX, committed_snapshots, discard_newer, held_files
 
 if TYPE_CHECKING:
@@ -73,7 +74,6 @@ def recover_from_snapshots(
         return None, passed_over or [why]
     manifest, text, holders = chosen
     folder = _assemble(snapshots, manifest, text, holders, stores)
-    from tessera.runtime.elastic import check_same_model  # noqa: PLC0415 (elastic imports this module lazily)
 
     check_same_model(pm.plan, folder)
     info = pm.load(folder, verify=False)  # every file was checked against the manifest's SHA-256 on the way
