@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +43,7 @@ def plan(
     progress: Callable[[int, int], None] | None = None,
     expert_capacity_factor: float | None = None,
     fp8_scaling: Fp8Scaling | None = None,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> Plan:
     """Choose how to split training of ``model`` on ``cluster``; never allocates real weights.
 
@@ -51,10 +52,12 @@ def plan(
     pins strategy fields (``"tp=8,pp=4"``) and searches the rest; a complete strategy is just evaluated.
     ``expert_capacity_factor`` sets the load MoE experts are planned for (``tessera.planner.experts``).
     ``precision="fp8"`` plans the blocks' linears on FP8 matrix units, scaled as ``fp8_scaling`` says
-    (``cost_models.fp8``; default ``current``); the runtime does not run FP8 yet.
+    (``cost_models.fp8``; default ``current``); the runtime does not run FP8 yet. ``tp_plan`` (module glob ->
+    Hugging Face style name) replaces the tensor-parallel plan the model declares, as ``auto_parallelize`` does.
     """
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
-                                         expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling)
+                                         expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling,
+                                         tp_plan=tp_plan)
     from tessera.planner.search import search
 
     return search(graph, resolved, training, pins=_pins(strategy), top=top, progress=progress)
@@ -118,6 +121,7 @@ def compare(
 def _prepare(
     model: nn.Module | str, cluster: Cluster | str, *, global_batch: int, seq_len: int, precision: Precision | None,
     expert_capacity_factor: float | None = None, fp8_scaling: Fp8Scaling | None = None,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> tuple[LayerGraph, Cluster, TrainingConfig]:
     resolved = load_cluster(cluster)
     training = TrainingConfig(
@@ -126,9 +130,9 @@ def _prepare(
     )
     dtype = DTYPES[training.precision]
     graph = (
-        capture_preset(model, seq_len=seq_len, dtype=dtype, expert_capacity_factor=expert_capacity_factor)
+        capture_preset(model, seq_len=seq_len, dtype=dtype, expert_capacity_factor=expert_capacity_factor, tp_plan=tp_plan)
         if isinstance(model, str)
-        else capture(model, seq_len=seq_len, dtype=dtype, expert_capacity_factor=expert_capacity_factor)
+        else capture(model, seq_len=seq_len, dtype=dtype, expert_capacity_factor=expert_capacity_factor, tp_plan=tp_plan)
     )
     return graph, resolved, training
 
@@ -151,6 +155,7 @@ def auto_parallelize(
     optimizer_factory: Callable[..., torch.optim.Optimizer] | None = None,
     resume_from: str | Path | None = None,
     snapshots: SnapshotConfig | None = None,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> ParallelModel:
     """Plan ``model`` for ``cluster`` and apply the plan on this process's rank.
 
@@ -164,6 +169,10 @@ def auto_parallelize(
     the ranks actually running (an elastic restart on fewer or more devices re-plans for them), and the
     newest intact checkpoint there, saved under any plan, is loaded (``pm.step``, ``pm.resumed``); with no
     checkpoint there yet, training starts from scratch. See ``tessera.runtime.elastic``.
+
+    ``tp_plan``: your tensor-parallel plan, module glob -> Hugging Face style name (``colwise``, ``rowwise``,
+    ``packed_colwise``, ``embedding_rowwise``...); it replaces the plan the model declares, for planning (which
+    axes are available) and for the runtime alike.
 
     ``snapshots``: in-memory snapshots every ``snapshots.every`` steps on this node and a buddy node
     (``tessera.runtime.snapshots``; the buddy crosses a switch where the cluster has one). A (re)start then first
@@ -183,11 +192,12 @@ def auto_parallelize(
             f"launch {resolved.num_devices} processes (torchrun --nproc-per-node {resolved.num_devices}) "
             "or plan for the world you have"
         )
-    chosen = plan(model, resolved, global_batch=global_batch, seq_len=seq_len, precision=precision, strategy=strategy)
+    chosen = plan(model, resolved, global_batch=global_batch, seq_len=seq_len, precision=precision, strategy=strategy,
+                  tp_plan=tp_plan)
     module = resolve_model(model)[0] if isinstance(model, str) else model  # on meta: presets, hf:..., factories
     from tessera.runtime.apply import apply_plan
 
-    parallel = apply_plan(module, chosen, loss_fn=loss_fn, optimizer_factory=optimizer_factory)
+    parallel = apply_plan(module, chosen, loss_fn=loss_fn, optimizer_factory=optimizer_factory, tp_plan=tp_plan)
     if snapshots is not None:
         parallel.enable_snapshots(_with_switches(snapshots, resolved))
     if elastic:

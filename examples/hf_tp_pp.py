@@ -25,10 +25,11 @@ def tiny_llama() -> LlamaForCausalLM:
                                         max_position_embeddings=SEQ_LEN, use_cache=False))
 
 
-def train(strategy: str = "tp=2,pp=2") -> list[float]:
-    """Train ``STEPS`` steps on every rank of the running process group; returns the global mean losses."""
+def train(strategy: str = "tp=2,pp=2", tp_plan: dict[str, str] | None = None) -> list[float]:
+    """Train ``STEPS`` steps on every rank of the running process group; returns the global mean losses.
+    ``tp_plan`` (module glob -> Hugging Face style) replaces the tensor-parallel plan the model declares."""
     pm = tessera.auto_parallelize(tiny_llama(), f"cpu:ranks={dist.get_world_size()}", global_batch=GLOBAL_BATCH,
-                                  seq_len=SEQ_LEN, strategy=strategy)
+                                  seq_len=SEQ_LEN, strategy=strategy, tp_plan=tp_plan)
     generator = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(STEPS):

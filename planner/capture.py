@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +65,7 @@ def capture(
     leaf_modules: LeafModules = (),
     expert_capacity_factor: float | None = None,
     fit_seq_scaling: bool = False,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> LayerGraph:
     """Trace and measure ``model`` for one sequence of ``seq_len`` tokens, on meta (or fake meta) tensors.
 
@@ -77,7 +78,8 @@ def capture(
     ``expert_capacity_factor`` sets the expected expert load (``tessera.planner.experts``). ``name`` defaults to
     ``model.name`` or the class name. ``fit_seq_scaling`` also measures at ``seq_len / 2`` and ``/ 4`` and fits
     each statistic's polynomial in the sequence length, so ``LayerGraph.at_seq_len`` can rescale (three
-    measurements instead of one; planning one length does not need it). Raises CaptureError naming the
+    measurements instead of one; planning one length does not need it). ``tp_plan`` is the user's tensor-parallel
+    plan the runtime will be given (``unavailable_axes`` judges tp by it). Raises CaptureError naming the
     module and the op that failed.
     """
     if seq_len <= 0:
@@ -92,7 +94,7 @@ def capture(
         tallies = measure_at_lengths(model, flow.order, dtype=dtype, lengths=lengths, inputs=example_inputs)
     stats, keys = _records(model, layers, flow, pairs, tallies[seq_len], capacity_factor=expert_capacity_factor)
     unavailable = unavailable_axes(model, layers, stats, front_end=flow.front_end, fallback_reasons=flow.fallback_reasons,
-                                   token_inputs=token_inputs)
+                                   token_inputs=token_inputs, tp_plan=tp_plan)
     return LayerGraph(
         model_name=name or getattr(model, "name", None) or type(model).__name__,
         seq_len=seq_len,
@@ -108,7 +110,7 @@ def capture(
 
 def capture_preset(
     spec: str, *, seq_len: int, dtype: torch.dtype = torch.bfloat16, expert_capacity_factor: float | None = None,
-    fit_seq_scaling: bool = False,
+    fit_seq_scaling: bool = False, tp_plan: Mapping[str, str] | None = None,
 ) -> LayerGraph:
     """Build the model a spec names on meta (``tessera.planner.model_source``: presets, ``hf:...``,
     ``file.py:factory``) and capture it (``fit_seq_scaling``: see :func:`capture`)."""
@@ -129,7 +131,7 @@ def capture_preset(
             f"{spec} covers {positions} positions but seq_len={seq_len} was asked for; {hint} for a longer context"
         )
     return capture(model, seq_len=seq_len, dtype=dtype, name=name, expert_capacity_factor=expert_capacity_factor,
-                   fit_seq_scaling=fit_seq_scaling, example_inputs=example_inputs)
+                   fit_seq_scaling=fit_seq_scaling, example_inputs=example_inputs, tp_plan=tp_plan)
 
 
 def _computed_positions(spec: str, model: nn.Module) -> bool:

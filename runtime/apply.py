@@ -60,6 +60,7 @@ from tessera.runtime.recompute import apply_recompute
 from tessera.runtime.tensor_parallel import (
     VocabParallelLoss,
     apply_tensor_parallel,
+    check_packed_under_fsdp,
     check_sequence_parallel,
     check_tensor_parallel,
     sequence_entry,
@@ -173,6 +174,7 @@ def apply_plan(
     loss_fn: LossFn | None = None,
     optimizer_factory: OptimizerFactory | None = None,
     tp_pairs: Mapping[str, tuple[LinearPair, ...]] | None = None,
+    tp_plan: Mapping[str, str] | None = None,
     compile_blocks: bool = False,
 ) -> ParallelModel:
     """Parallelise ``model`` (in place) as ``plan`` says and return the rank's ``ParallelModel``.
@@ -181,7 +183,9 @@ def apply_plan(
     allocated and they are initialised exactly as ``model.reset_parameters()`` would initialise the whole
     model (every rank must be seeded identically; see ``runtime.materialize``). Without an initialised
     process group the plan must have world size 1. ``tp_pairs`` optionally gives each block's column/row
-    linear pairs (``LayerStats.tp_pairs``; found from the module tree otherwise). ``compile_blocks`` compiles
+    linear pairs (``LayerStats.tp_pairs``; found from the module tree otherwise); ``tp_plan`` maps module globs to
+    Hugging Face tensor-parallel style names (``{"model.layers.*.mlp.gate_up_proj": "packed_colwise", ...}``) and
+    replaces the plan the model declares (``config.base_model_tp_plan``). ``compile_blocks`` compiles
     each block with ``torch.compile``.
 
     The loss: ``loss_fn(outputs, targets) -> scalar`` gets the model's output for one micro-batch and the
@@ -217,7 +221,8 @@ def apply_plan(
     on_meta = _split_experts(model, plan, mesh, on_meta=on_meta, device=device)
     chunks = pp_.local_chunks(plan, mesh.get_local_rank(PP)) if mesh is not None else [0]
     layers = [layer for layer in plan.layers if layer.chunk in chunks and layer.kind != "loss"]
-    _shard_layers(model, plan, layers, mesh, chunks=chunks, tp_pairs=tp_pairs, compile_blocks=compile_blocks)
+    _shard_layers(model, plan, layers, mesh, chunks=chunks, tp_pairs=tp_pairs, tp_plan=tp_plan,
+                  compile_blocks=compile_blocks)
     modules = _chunk_modules(model, plan, chunks, traced)
     pipeline_output = _pipeline_output(plan, traced, modules, chunks)
     modules = _data_parallel(model, plan, modules, mesh, on_meta=on_meta, device=device)
@@ -233,6 +238,11 @@ def apply_plan(
 
 def check_supported(plan: Plan) -> None:
     """Raise ``NotModelledError``/``ConfigError`` naming the problem if the runtime cannot run ``plan``."""
+    if plan.training.precision == "fp8":
+        raise NotModelledError(
+            "precision fp8 is planned (the blocks' linears on FP8 matrix units) but the runtime does not run it yet "
+            "(torchao float8 is not wired in; CPU ranks have no FP8 units); train with bf16"
+        )
     if plan.training.precision == "fp16":
         raise NotModelledError(
             "precision fp16 needs dynamic loss scaling (a GradScaler whose overflow check agrees across "
@@ -296,18 +306,20 @@ def recompute_fqns(plan: Plan, policy: str = "full", layers: Iterable[PlannedLay
 
 def _shard_layers(
     model: nn.Module, plan: Plan, layers: list[PlannedLayer], mesh: DeviceMesh | None, *, chunks: list[int],
-    tp_pairs: Mapping[str, tuple[LinearPair, ...]] | None, compile_blocks: bool,
+    tp_pairs: Mapping[str, tuple[LinearPair, ...]] | None, tp_plan: Mapping[str, str] | None, compile_blocks: bool,
 ) -> None:
     """Steps 2-5: free other ranks' layers, recomputation, tensor parallelism, compilation (all in place)."""
     strategy = plan.strategy
     if strategy.tp > 1:  # the whole plan, on every rank: a layer another pipeline rank runs must fail here too
-        check_tensor_parallel(model, plan.layers, tp=strategy.tp, sp=strategy.sp, pairs=tp_pairs)
+        check_tensor_parallel(model, plan.layers, tp=strategy.tp, sp=strategy.sp, pairs=tp_pairs, tp_plan=tp_plan)
+        if strategy.zero >= 1 and strategy.dp * strategy.cp > 1:  # FSDP2 would shard a strided tp shard wrongly
+            check_packed_under_fsdp(model, plan.layers, pairs=tp_pairs, tp_plan=tp_plan)
     if strategy.pp > 1:
         pp_.free_remote_layers(model, plan, chunks)
     apply_recompute(model, recompute_fqns(plan, "full", layers), selective_fqns=recompute_fqns(plan, "selective", layers))
     if strategy.tp > 1:  # after recomputation: see tensor_parallel._add_sequence_hooks
         apply_tensor_parallel(model, layers, mesh[TP], sequence_parallel=strategy.sp,
-                              sequence_entry=sequence_entry(plan.layers), pairs=tp_pairs)
+                              sequence_entry=sequence_entry(plan.layers), pairs=tp_pairs, tp_plan=tp_plan)
     if compile_blocks:
         compile_block_forwards(model, [layer.fqn for layer in layers if layer.kind == "block"])
 

@@ -34,6 +34,17 @@ def run_example() -> list[float]:
     return load_example().train()
 
 
+USER_PLAN = {  # the user's own tensor-parallel plan, in the model's FQNs: q/k/v and gate/up by column, o/down by row
+    **{f"model.layers.*.self_attn.{name}_proj": "colwise" for name in "qkv"}, "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def run_with_user_plan() -> list[float]:
+    return load_example().train("tp=2", tp_plan=USER_PLAN)
+
+
 def single_process_losses(example) -> list[float]:
     model = example.tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -55,3 +66,20 @@ def test_the_readme_hugging_face_example_trains_like_one_process():
     expected = torch.tensor(single_process_losses(load_example()))
     for losses in per_rank:
         torch.testing.assert_close(torch.tensor(losses), expected, **FP32_TOL)
+
+
+def test_a_users_tp_plan_is_what_plans_and_runs():
+    per_rank = spawn(run_with_user_plan, nprocs=2, timeout_s=600)
+    expected = torch.tensor(single_process_losses(load_example()))
+    for losses in per_rank:
+        torch.testing.assert_close(torch.tensor(losses), expected, **FP32_TOL)
+
+
+def test_a_tp_plan_style_the_runtime_lacks_makes_tp_unavailable_by_name():
+    import tessera
+    from tessera.errors import ConfigError
+
+    example = load_example()
+    with pytest.raises(ConfigError, match="tp=2 is unavailable for this model: tp_plan entry .*'bogus'"):
+        tessera.plan(example.tiny_llama(), "cpu:ranks=2", global_batch=8, seq_len=example.SEQ_LEN, strategy="tp=2",
+                     tp_plan={**USER_PLAN, "model.layers.*.mlp.down_proj": "bogus"})
