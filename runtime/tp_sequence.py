@@ -56,8 +56,9 @@ def sequence_sharded(layers: Sequence[PlannedLayer], entry: str | None) -> set[s
 
 
 def _sequence_exit(layers: Sequence[PlannedLayer]) -> str | None:
-    """The layer right before the head, where the sequence is gathered again (None if the head is elsewhere)."""
-    kinds = [layer for layer in layers if layer.kind != "loss"]
+    """The layer right before the head, where the sequence is gathered again (None if the head is elsewhere).
+    Parameter-free ``other`` layers (a rotary-embedding module listed late) do not carry the stream."""
+    kinds = [layer for layer in layers if layer.kind not in ("loss", "other")]
     for before, layer in zip(kinds, kinds[1:]):
         if layer.kind == "head":
             return before.fqn
@@ -65,7 +66,7 @@ def _sequence_exit(layers: Sequence[PlannedLayer]) -> str | None:
 
 
 def check_head_follows_on_its_stage(layers: Sequence[PlannedLayer]) -> None:
-    kinds = [layer for layer in layers if layer.kind != "loss"]
+    kinds = [layer for layer in layers if layer.kind not in ("loss", "other")]
     for before, layer in zip(kinds, kinds[1:]):
         if layer.kind == "head" and layer.chunk != before.chunk:
             raise NotModelledError(
