@@ -4,11 +4,9 @@ import itertools
 
 import pytest
 
-from tessera.cost_models import Strategy, TrainingConfig, estimate
-from tessera.cost_models.types import LayerStats
+from tessera.cost_models import Strategy
 from tessera.planner.ilp import StageCoefficients, optimal_pace_s, solve
 from tessera.planner.refine import materialise
-from tessera.topology import load_cluster
 
 GiB = 2**30
 
