@@ -178,6 +178,22 @@ def train_case(spec: str, strategy: str, precision: str = "fp32", meta: bool = F
             "param_bytes": sum(peak.values())}
 
 
+def run_named(runs) -> tuple[dict, dict]:
+    """Runs on every rank: each ``(key, function)`` of ``runs``; returns the results and wall seconds by key.
+
+    A run that raises ends the whole spawn (re-raised with its key named): a rank that fails while its
+    pipeline peers wait in a send/recv would otherwise leave them blocked until the timeout."""
+    results, seconds = {}, {}
+    for key, run in runs:
+        started = time.perf_counter()
+        try:
+            results[key] = run()
+        except Exception as error:
+            raise RuntimeError(f"case {key} failed") from error
+        seconds[key] = time.perf_counter() - started
+    return results, seconds
+
+
 def run_world(cases: list[tuple], extras: tuple = ()) -> dict:
     """Runs on every rank: every case, then each ``extras`` function (called with no arguments).
 
@@ -185,14 +201,7 @@ def run_world(cases: list[tuple], extras: tuple = ()) -> dict:
     pipeline peers wait in a send/recv would otherwise leave them blocked until the timeout. Extras raise
     only before or after every collective, alike on every rank, so their errors are recorded instead.
     """
-    results, seconds = {}, {}
-    for case in cases:
-        started = time.perf_counter()
-        try:
-            results[case] = train_case(*case)
-        except Exception as error:
-            raise RuntimeError(f"case {case} failed") from error
-        seconds[case] = time.perf_counter() - started
+    results, seconds = run_named((case, functools.partial(train_case, *case)) for case in cases)
     for extra in extras:
         started = time.perf_counter()
         try:

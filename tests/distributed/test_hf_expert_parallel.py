@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import time
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ from tessera.runtime.apply import apply_plan
 from tessera.runtime.expert_parallel import check_expert_parallel
 from tessera.runtime.hf_experts import ExpertParallelExperts
 
-from .harness import FP32_TOL, GLOBAL_BATCH, GPT, PARAM_TOL, SEED, SEQ_LEN, make_batches
+from .harness import FP32_TOL, GLOBAL_BATCH, GPT, PARAM_TOL, SEED, SEQ_LEN, make_batches, run_named
 from .test_outside_models import hf_loss, listed_plan, single_process, train
 
 pytestmark = [pytest.mark.distributed,
@@ -124,14 +123,7 @@ def run_world(world: int, cases: list[tuple[str, str]]) -> dict:
     """Runs on every rank: every case (a failure ends the spawn, named), then the router check, with wall times."""
     runs = [((name, strategy), functools.partial(hf_ep_case, name, strategy)) for name, strategy in cases]
     runs += [(("router",), router_check)] if world == 2 else []
-    results, seconds = {}, {}
-    for key, run in runs:
-        started = time.perf_counter()
-        try:
-            results[key] = run()
-        except Exception as error:
-            raise RuntimeError(f"case {key} failed") from error
-        seconds[key] = time.perf_counter() - started
+    results, seconds = run_named(runs)
     return {**results, "seconds": seconds}
 
 

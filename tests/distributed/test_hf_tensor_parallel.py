@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import time
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.planner.plan import Plan, PlannedLayer
 from tessera.runtime.apply import apply_plan
 
-from .harness import FP32_TOL, GLOBAL_BATCH, LR, PARAM_TOL, SEED, SEQ_LEN, dummy_estimate, full_tensors
+from .harness import FP32_TOL, GLOBAL_BATCH, LR, PARAM_TOL, SEED, SEQ_LEN, dummy_estimate, full_tensors, run_named
 
 pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")]
@@ -144,14 +143,7 @@ def train_case(family: str, strategy: str) -> dict:
 
 def run_cases(cases: list[tuple[str, str]]) -> dict:
     """Runs on every rank: every case (a failure ends the spawn, named), with its wall time."""
-    results, seconds = {}, {}
-    for case in cases:
-        started = time.perf_counter()
-        try:
-            results[case] = train_case(*case)
-        except Exception as error:
-            raise RuntimeError(f"case {case} failed") from error
-        seconds[case] = time.perf_counter() - started
+    results, seconds = run_named((case, functools.partial(train_case, *case)) for case in cases)
     return {**results, "seconds": seconds}
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import time
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from tessera.runtime.data_parallel import CpuSyncBatchNorm
 
 from .harness import (
     FP32_TOL, GLOBAL_BATCH, GPT, LR, PARAM_TOL, SEED, SEQ_LEN, dummy_estimate, full_tensors, make_batches,
-    make_model, make_plan, reference,
+    make_model, make_plan, reference, run_named,
 )
 
 pytestmark = pytest.mark.distributed
@@ -228,14 +227,7 @@ def run_all() -> dict:
              *((("cnn", case), functools.partial(cnn_case, case)) for case in CNN_CASES),
              *((("output", *case), functools.partial(output_case, *case)) for case in OUTPUT_CASES),
              (("unsynced",), unsynced_ddp_step)]
-    results, seconds = {}, {}
-    for key, run in cases:
-        started = time.perf_counter()
-        try:
-            results[key] = run()
-        except Exception as error:
-            raise RuntimeError(f"case {key} failed") from error
-        seconds[key] = time.perf_counter() - started
+    results, seconds = run_named(cases)
     return {**results, "seconds": seconds}
 
 

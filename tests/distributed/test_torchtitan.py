@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 
 from tessera.cost_models.types import Strategy
 
-from .harness import FP32_TOL, LR, PARAM_TOL, SEED, full_tensors
+from .harness import FP32_TOL, LR, PARAM_TOL, SEED, full_tensors, run_named
 
 GLOBAL_BATCH, SEQ_LEN, STEPS, LAYERS, VOCAB = 8, 16, 3, 2, 2048
 DEFAULT_CASES = {2: ["dp=2,zero=0,mbs=2,recompute=none",  # DDP, 2 micro-batches per step
@@ -87,14 +86,7 @@ def train_case(strategy: str) -> dict:
 
 def run_cases(strategies: list[str]) -> dict:
     """Runs on every rank: every case (a failure ends the spawn, named), with its wall time."""
-    results, seconds = {}, {}
-    for strategy in strategies:
-        started = time.perf_counter()
-        try:
-            results[strategy] = train_case(strategy)
-        except Exception as error:
-            raise RuntimeError(f"case {strategy} failed") from error
-        seconds[strategy] = time.perf_counter() - started
+    results, seconds = run_named((strategy, functools.partial(train_case, strategy)) for strategy in strategies)
     return {**results, "seconds": seconds}
 
 
