@@ -26,7 +26,15 @@ MAX_BLOCKS = 2**20
 
 Precision = Literal["bf16", "fp16", "fp32", "fp8"]
 Fp8Scaling = Literal["delayed", "current", "rowwise", "block", "mx"]
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "full", "offload"]
+"""A block's activation policy: ``none`` keeps what autograd saves, ``selective`` recomputes the attention core,
+``full`` recomputes the block from its input, ``offload`` recomputes nothing and copies the saved tensors to host
+memory in the forward and back before the block's backward (overlapped with compute)."""
+BlockKind = Literal["", "attention", "local-attention", "moe", "local-moe", "ssm", "encoder"]
+"""What a block is, for per-layer choices and the report: ``attention`` (global attention + dense MLP),
+``local-attention`` (sliding-window attention + dense MLP), ``moe`` / ``local-moe`` (the same with routed experts),
+``ssm`` (a state-space mixer), ``encoder`` (a block of an encoder in front of the language model); ``""`` when
+not a block or not known."""
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zero-bubble"]
 LayerKind = Literal["embedding", "block", "norm", "head", "loss", "other"]
 
@@ -140,6 +148,9 @@ class LayerStats(BaseModel):
     """Vocabulary dimension of an embedding or LM head (0 otherwise); vocabulary parallelism splits it."""
     tp_pairs: tuple[LinearPair, ...] = ()
     """Column/row-parallel linear pairs: each costs one activation all-reduce forward and one backward."""
+    block_kind: BlockKind = ""
+    """What the block is (``BlockKind``; ``""`` for other layers). Blocks of one kind may still differ in
+    size: ``signature`` says which are alike."""
 
     @property
     def params_per_expert(self) -> float:
@@ -224,7 +235,17 @@ class Strategy(BaseModel):
     chunk_blocks: tuple[Annotated[int, Field(gt=0, le=MAX_BLOCKS)], ...] = Field(default=(), max_length=MAX_BLOCKS)
     """Blocks in each of the ``pp * virtual_stages`` pipeline chunks, in order; empty = as even as possible."""
     block_recompute: tuple[Recompute, ...] = Field(default=(), max_length=MAX_BLOCKS)
-    """Recomputation of each block in model order; empty = ``recompute`` for every block."""
+    """Activation policy of each block in model order (recomputation or offload); empty = ``recompute`` for every block."""
+    block_reshard: tuple[bool, ...] = Field(default=(), max_length=MAX_BLOCKS)
+    """Under ``zero=3``, whether each block frees its gathered weights after its forward (FSDP2
+    ``reshard_after_forward``), in model order; empty = every block does. ``False`` keeps the block's weights
+    gathered until its backward: one all-gather fewer per micro-batch, the unsharded weights held meanwhile
+    (a per-layer ZeRO-2/ZeRO-3 mix)."""
+    etp: int | None = Field(default=None, gt=0, le=MAX_DEVICES)
+    """Tensor-parallel degree of the routed experts (Megatron-Core's ``expert_tensor_parallel_size``); ``None`` =
+    ``tp``. Smaller than ``tp`` folds the rest of the tensor-parallel axis into expert parallelism (Megatron's
+    "MoE parallel folding"): the experts' grid ``etp x ep x edp`` covers the same ``tp * dp`` ranks as the dense
+    layers' ``tp x dp``, so ``ep`` must divide ``dp * tp / etp``."""
 
     def __init__(self, /, **data: Any) -> None:  # pydantic calls it from model_validate too
         try:
@@ -236,7 +257,17 @@ class Strategy(BaseModel):
     def _virtual_stages_need_interleaving(self) -> "Strategy":
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule=interleaved:{self.virtual_stages}")
-        if self.dp % self.ep:
+        if self.block_reshard and self.zero != 3:
+            raise ConfigError(f"block_reshard needs zero=3 (got zero={self.zero}): only FSDP reshards weights; drop it or set zero=3")
+        if self.tp % self.expert_tp:
+            raise ConfigError(f"etp={self.expert_tp} must divide tp={self.tp}: the experts' tensor-parallel group lies inside the dense one")
+        if self.expert_tp != self.tp:
+            if (self.dp * self.tp // self.expert_tp) % self.ep:
+                raise ConfigError(
+                    f"ep={self.ep} must divide dp*tp/etp = {self.dp}*{self.tp}/{self.expert_tp}: with etp < tp the "
+                    "experts' grid etp x ep x edp covers the dense layers' tp x dp ranks"
+                )
+        elif self.dp % self.ep:
             raise ConfigError(
                 f"ep={self.ep} must divide dp={self.dp}: expert parallelism is carved out of the data-parallel "
                 f"axis (dp counts every replica of the dense weights); e.g. dp={self.dp * self.ep},ep={self.ep}"
@@ -244,9 +275,19 @@ class Strategy(BaseModel):
         return self
 
     @property
+    def expert_tp(self) -> int:
+        """The routed experts' tensor-parallel degree: ``etp``, or ``tp`` when not set."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
     def expert_dp(self) -> int:
-        """Replicas of each expert: the data-parallel ranks holding the same experts (``dp / ep``)."""
-        return self.dp // self.ep
+        """Replicas of each expert: the ranks holding the same expert shard (``dp * tp / (etp * ep)``; ``dp / ep``
+        when the experts use the dense tensor-parallel degree)."""
+        return self.dp * self.tp // (self.expert_tp * self.ep)
+
+    def reshards_block(self, index: int) -> bool:
+        """Whether the ``index``-th block frees its gathered weights after its forward (``zero=3`` only)."""
+        return self.block_reshard[index] if self.block_reshard else self.zero == 3
 
     def recompute_of_block(self, index: int) -> Recompute:
         """The recomputation policy of the ``index``-th block."""
@@ -283,8 +324,12 @@ class Strategy(BaseModel):
             parts.append("tp_overlap=true")
         if self.sp_regather:
             parts.append("sp_regather=true")
+        if self.etp is not None:
+            parts.append(f"etp={self.etp}")
         if self.block_recompute:
             parts.append("block_recompute=" + "/".join(_run_lengths(self.block_recompute)))
+        if self.block_reshard:
+            parts.append("block_reshard=" + "/".join(_run_lengths(tuple(map(str, self.block_reshard)))).lower())
         if self.chunk_blocks:
             parts.append("chunk_blocks=" + "/".join(map(str, self.chunk_blocks)))
         if self.pp > 1:
@@ -332,6 +377,8 @@ def _parse_item(item: str, *, known: Mapping[str, object]) -> tuple[str, object]
         )
     if key in ("chunk_blocks", "block_recompute"):
         return key, _parse_sequence(key, value, item=item)
+    if key == "block_reshard":
+        return key, _parse_flags(value, item=item)
     if key in ("sp", "tp_overlap", "sp_regather"):
         if value.lower() not in STRATEGY_FLAGS:
             raise ConfigError(f"bad strategy item {quoted(item)}; write {key}=true or {key}=false")
@@ -362,6 +409,14 @@ def _parse_sequence(key: str, value: str, *, item: str) -> tuple:
     if sum(count for count, _ in runs) > MAX_BLOCKS:
         raise ConfigError(f"bad strategy item {quoted(item)}: more than {MAX_BLOCKS:,} blocks; give one entry per block")
     return tuple(entry for count, entry in runs for _ in range(count))
+
+
+def _parse_flags(value: str, *, item: str) -> tuple[bool, ...]:
+    """Read ``3xtrue/58xfalse`` (block_reshard), at most ``MAX_BLOCKS`` entries."""
+    flags = _parse_sequence("block_reshard", value, item=item)
+    if any(flag.lower() not in STRATEGY_FLAGS for flag in flags):
+        raise ConfigError(f"bad strategy item {quoted(item)}; write e.g. block_reshard=3xtrue/58xfalse")
+    return tuple(STRATEGY_FLAGS[flag.lower()] for flag in flags)
 
 
 def _run(part: str) -> tuple[int, str]:
@@ -468,7 +523,9 @@ than class, experts modules stacked over experts (``models.moe.stacked_experts_p
 RUNTIME_EXCLUSIVE: tuple[tuple[str, str], ...] = (("ep", "sp"), ("ep", "selective"), ("cp", "sp"), ("cp", "pp"))
 """Strategy features the runtime refuses together (``runtime.expert_parallel.check_expert_parallel``,
 ``runtime.context_parallel.check_context_parallel``): a feature is an axis of degree > 1, ``sp`` (sequence
-parallelism) or ``selective`` (selective recomputation of any block)."""
+parallelism), ``selective`` / ``offload`` (that activation policy on any block), ``block-reshard`` (a ZeRO-3 block
+that keeps its weights gathered to its backward) or ``expert-folding`` (experts on a tensor-parallel degree below
+``tp``)."""
 
 
 def runtime_splits(axis: str, cls: type) -> bool:
@@ -480,8 +537,10 @@ def runtime_splits(axis: str, cls: type) -> bool:
 def strategy_features(strategy: Strategy) -> set[str]:
     """The features of ``strategy`` that ``RUNTIME_EXCLUSIVE`` speaks of."""
     used = {axis for axis in ("tp", "pp", "cp", "ep") if getattr(strategy, axis) > 1}
-    selective = strategy.recompute == "selective" or "selective" in (strategy.block_recompute or ())
-    return used | ({"sp"} if strategy.sp else set()) | ({"selective"} if selective else set())
+    policies = {strategy.recompute, *strategy.block_recompute}
+    flags = {"sp": strategy.sp, "selective": "selective" in policies, "offload": "offload" in policies,
+             "block-reshard": False in strategy.block_reshard, "expert-folding": strategy.expert_tp != strategy.tp}
+    return used | {feature for feature, on in flags.items() if on}
 
 
 def runtime_conflict(features: set[str]) -> tuple[str, str] | None:
