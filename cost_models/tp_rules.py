@@ -18,6 +18,13 @@ Where a block's split comes from, first found wins:
    ``c_attn``), two ``gate|up`` in an MLP; one in a module declaring ``r_dim`` is laid out per key/value group
    (torchtitan's fused ``wqkv``: plainly column-parallel); anything else that does not match is refused by name.
 
+Mixture-of-experts blocks whose experts are stacked in 3-D parameters (Hugging Face's sparse MoE blocks,
+``models.moe.stacked_experts_problem``) are split as a unit, not as linear pairs (:func:`moe_containers`): the
+module holding the experts (``mlp``) keeps its router and any other single linear (Qwen2-MoE's
+``shared_expert_gate``) whole, splits a shared expert like a dense MLP, and splits every expert over ``tp``
+(:func:`expert_tp_dims`: gate/up column-wise, down row-wise, Megatron-Core's expert tensor parallelism); the
+experts module's declared ``moe_tp_experts`` style is this split.
+
 Styles used here: ``colwise`` (output features sharded), ``packed_colwise`` (each rank gets the same slice of each
 of ``parts`` packed blocks, so its local q/k/v or gate/up stay matched), ``colwise_gather_output`` (sharded
 weights, output all-gathered: for a forward that slices its output at fixed offsets, as Phi-3's ``qkv_proj``),
@@ -38,6 +45,7 @@ from torch import nn
 
 from tessera.cost_models.types import LinearPair
 from tessera.errors import NotModelledError
+from tessera.models.moe import stacked_experts_problem
 
 COLUMN_STYLES = frozenset({"colwise", "packed_colwise", "colwise_gather_output"})
 ROW_STYLES = frozenset({"rowwise", "rowwise_split_input"})
@@ -135,16 +143,27 @@ def block_splits(
 
     Raises ``NotModelledError`` naming the linear when no rule fits. See the module docstring for the order.
     """
-    skip = set(skip)
-    linears = [name for name, module in block.named_modules() if linear_dims(module) is not None and name not in skip]
+    skip, containers = set(skip), moe_containers(block)
+    linears = [name for name, module in block.named_modules() if linear_dims(module) is not None and name not in skip
+               and not _inside(name, containers)]
     if plan:
         styled = {name: plan_style(plan, _join(fqn, name)) for name in linears}
         if any(styled.values()):
             return tuple(LinearSplit(name, style, parts=_packed_parts(block, name, styled), role=_role(block, name))
                          for name, style in styled.items() if style)
     if pairs:
+        pairs = [pair for pair in pairs if not _inside(pair.row, containers)]
         return tuple(split for pair in pairs for split in _pair_splits(block, fqn, pair))
+    skip |= {name for name in linears_of(block) if _inside(name, containers)}
     return tuple(split for pair in derive_pairs(block, skip=skip) for split in _pair_splits(block, fqn, pair))
+
+
+def linears_of(module: nn.Module) -> list[str]:
+    return [name for name, child in module.named_modules() if linear_dims(child) is not None]
+
+
+def _inside(name: str, containers: Iterable[str]) -> bool:
+    return any(name == c or name.startswith(f"{c}.") or c == "" for c in containers)
 
 
 def _packed_parts(block: nn.Module, name: str, styled: Mapping[str, str | None]) -> int:
@@ -274,7 +293,10 @@ def block_problem(block: nn.Module, fqn: str, *, plan: Mapping[str, str] | None 
     if odd is not None:
         return f"{_join(fqn, odd.name)}: style {odd.style!r} does not apply to a linear in a block"
     norms = {name for name, module in block.named_modules() if name and is_norm(module)}
-    return uncovered_parameter(block, fqn, {split.name for split in splits} | norms | skip) or next(
+    containers = moe_containers(block)
+    moe = next((problem for name in containers if (problem := moe_problem(block.get_submodule(name), _join(fqn, name),
+                                                                              plan=plan)) is not None), None)
+    return moe or uncovered_parameter(block, fqn, {split.name for split in splits} | norms | skip | set(containers)) or next(
         (problem for name in head_split_attentions(block, splits)
          if (problem := config_head_read(_join(fqn, name), block.get_submodule(name))) is not None), None)
 
@@ -317,3 +339,78 @@ def config_head_read(fqn: str, attention: nn.Module) -> str | None:
     return (f"cannot split the heads of {fqn} ({type(attention).__name__}): its forward reads {read}, the whole "
             "model's count, so it would slice this rank's heads at the wrong offsets; give its fused projection "
             "style colwise_gather_output and its output projection rowwise_split_input in tp_plan=, or plan with tp=1")
+
+
+# ------------------------------------------------------------------- mixture-of-experts blocks with stacked experts
+
+MOE_TP_STYLE = "moe_tp_experts"
+"""Hugging Face's style name for an experts module split over tp (each expert's hidden width)."""
+
+
+def moe_containers(block: nn.Module) -> list[str]:
+    """Modules of ``block`` (relative names) holding a stacked experts module named ``experts``: each is split as a
+    unit (see the module docstring), not as the block's linear pairs."""
+    return [name.rpartition(".")[0] for name, module in block.named_modules()
+            if name.rpartition(".")[2] == "experts" and stacked_experts_problem(module) is None]
+
+
+@dataclass(frozen=True)
+class MoEParts:
+    """The children of a MoE container: the experts, modules split like a dense MLP (shared experts: two or more
+    linears), and modules kept whole on every tensor-parallel rank (routers, single-linear gates)."""
+
+    experts: str
+    shared: tuple[str, ...]
+    replicated: tuple[str, ...]
+
+
+def moe_parts(container: nn.Module) -> MoEParts:
+    children = [(name, child) for name, child in container.named_children() if name != "experts"]
+    shared = tuple(name for name, child in children if len(linears_of(child)) >= 2)
+    replicated = tuple(name for name, child in children if name not in shared and any(True for _ in child.parameters()))
+    return MoEParts("experts", shared, replicated)
+
+
+def expert_tp_dims(experts: nn.Module) -> dict[str, tuple[int, int]]:
+    """Stacked parameter -> (the dim tensor parallelism splits, packed blocks along it) for an experts module of
+    transformers' experts interface: ``gate_up_proj`` (or ``up_proj`` without a gate) column-wise on the hidden
+    width, ``down_proj`` row-wise on it; stored ``(E, out, in)``, or ``(E, in, out)`` where it declares
+    ``is_transposed``; gate|up concatenated (two packed blocks) unless it declares ``is_concatenated=False``
+    (interleaved pairs, split plainly). Raises ``NotModelledError`` naming what it cannot split."""
+    where = f"experts module {type(experts).__name__}"
+    layout = {name: getattr(experts, name, None) for name in ("is_transposed", "has_gate")}
+    if not all(isinstance(value, bool) for value in layout.values()):
+        raise NotModelledError(f"{where} declares no is_transposed/has_gate layout (transformers' experts interface), "
+                               "so tensor parallelism cannot tell which dim is each expert's hidden width; plan with tp=1")
+    for flag, why in (("has_bias", "a down-projection bias would be added once per tensor-parallel rank"),
+                      ("has_post_expert_norm", "a norm after each expert would see partial sums")):
+        if getattr(experts, flag, False):
+            raise NotModelledError(f"{where} declares {flag}: {why} (not implemented); plan with tp=1")
+    transposed, up = layout["is_transposed"], "gate_up_proj" if layout["has_gate"] else "up_proj"
+    parts = 2 if layout["has_gate"] and getattr(experts, "is_concatenated", True) else 1
+    dims = {up: (2 if transposed else 1, parts), "down_proj": (1 if transposed else 2, 1)}
+    own = {name for name, _ in experts.named_parameters(recurse=False)}
+    if own != set(dims):
+        odd = sorted(own ^ set(dims))[0]
+        raise NotModelledError(f"{where}: parameter {odd} is not one of {', '.join(sorted(dims))} that expert tensor "
+                               "parallelism splits; plan with tp=1")
+    return dims
+
+
+def expert_hidden_width(experts: nn.Module) -> int:
+    """Each expert's hidden width (the down projection's input features)."""
+    dim, _ = expert_tp_dims(experts)["down_proj"]
+    return int(experts.down_proj.shape[dim])
+
+
+def moe_problem(container: nn.Module, fqn: str, *, plan: Mapping[str, str] | None = None) -> str | None:
+    """Why tensor parallelism cannot split the MoE container at ``fqn`` at any degree (one line), or None."""
+    try:
+        expert_tp_dims(container.get_submodule("experts"))
+    except NotModelledError as error:
+        return f"{_join(fqn, 'experts')}: {error}"
+    for name in moe_parts(container).shared:
+        problem = block_problem(container.get_submodule(name), _join(fqn, name), plan=plan)
+        if problem is not None:
+            return problem
+    return None

@@ -56,8 +56,8 @@ same chunk's MoE layers on the same micro-batch schedule and their all-to-alls p
 inference runs each stage's forward and backward once more, on every ep peer alike). Each chunk module's
 experts are wrapped over ``edp`` like the dense units over ``dp``.
 
-The tensor, context and pipeline compositions above are this layer's; for stacked experts modules they are
-refused (``runtime.hf_experts``).
+The tensor, context and pipeline compositions above are this layer's; stacked experts modules compose with tensor
+and pipeline parallelism in their own way (``runtime.hf_experts``) and refuse context parallelism.
 
 Not implemented (``NotModelledError`` from ``check_expert_parallel``): sequence parallelism and selective
 recomputation (full recomputation works) with ``ep > 1``.
@@ -88,12 +88,12 @@ from tessera.runtime.experts_exchange import (
     with_expert_gradient_scale,
 )
 from tessera.runtime.hf_experts import (
-    ExpertParallelExperts,
+    ShardedExperts,
     apply_stacked_experts,
     check_stacked_experts,
     stacked_experts_candidates,
 )
-from tessera.runtime.mesh import EP, expert_data_mesh
+from tessera.runtime.mesh import EP, TP, expert_data_mesh
 
 
 class ExpertParallelMoE(MoELayer):
@@ -179,8 +179,8 @@ def check_expert_parallel(model: nn.Module, strategy: Strategy, *, selective_rec
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, *, ep: int) -> None:
     """Replace every ``MoELayer`` of ``model`` (in place) by an :class:`ExpertParallelMoE`, and every stacked experts
-    module by an ``ExpertParallelExperts``, over the mesh's ep axis; the experts other ranks hold are dropped
-    (every rank must hold the same weights beforehand)."""
+    module by a ``ShardedExperts``, over the mesh's ep axis (and its tp axis when tp > 1: each expert's hidden
+    width split too); the experts other ranks hold are dropped (every rank must hold the same weights beforehand)."""
     if mesh[EP].size() != ep:
         raise RuntimeSetupError(f"the mesh's ep axis has {mesh[EP].size()} ranks but the plan says ep={ep}; "
                                 "build the mesh from the plan's strategy (runtime.mesh.build_mesh)")
@@ -189,16 +189,16 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, *, ep: int) -> Non
         if isinstance(layer, MoELayer) and not isinstance(layer, ExpertParallelMoE):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, ExpertParallelMoE(layer, group=group, ep=ep, ep_rank=ep_rank))
-    apply_stacked_experts(model, mesh[EP])
+    apply_stacked_experts(model, mesh[EP, TP] if mesh[TP].size() > 1 else mesh[EP])
 
 
 def expert_units(model: nn.Module) -> Iterator[nn.Module]:
     """The modules holding this rank's experts, each wrapped on its own over ``edp``: every local expert of an
-    ``ExpertParallelMoE``, every ``ExpertParallelExperts`` (its stacked shards)."""
+    ``ExpertParallelMoE``, every ``ShardedExperts`` (its stacked shards)."""
     for module in model.modules():
         if isinstance(module, ExpertParallelMoE):
             yield from module.experts.values()
-        elif isinstance(module, ExpertParallelExperts):
+        elif isinstance(module, ShardedExperts):
             yield module
 
 

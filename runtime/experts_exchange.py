@@ -16,6 +16,11 @@ so rows sorted by expert are also sorted by the rank that holds them. A dispatch
 hold the same expert (``runtime.expert_parallel.apply_expert_data_parallel``). :func:`with_expert_gradient_scale`
 divides the expert's weight gradients by ``ep`` in backward, so they end up divided by ``ep * edp = dp``, like the
 dense ones (``PREMUL_SUM``, which FSDP2's own divide factor needs, is absent on gloo).
+
+**Tensor-parallel experts** (each expert's hidden width split over ``tp``, ``runtime.hf_experts``) compute a partial
+sum of their combined output on every tensor-parallel rank; :func:`copy_to_group` and :func:`reduce_over_group` are
+the two ends of that region (Megatron-LM's ``f`` and ``g``, Shoeybi et al. 2019): the inputs enter unchanged and
+their gradients (partial, each rank's share) are summed in backward; the output is summed once in forward.
 """
 
 from __future__ import annotations
@@ -72,6 +77,45 @@ def with_expert_gradient_scale(run: Callable[[torch.Tensor], torch.Tensor], rows
     Scaling the output gradient by ``1/ep`` scales every gradient inside ``run``; the input's is scaled back.
     """
     return scale_gradient(run(scale_gradient(rows, float(ep))), 1.0 / ep)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; the gradient summed over ``group`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        summed = grad.contiguous().clone()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed, None
+
+
+class _ReduceOverGroup(torch.autograd.Function):
+    """``x`` summed over ``group`` in forward; the gradient passes unchanged (every rank's is the whole one)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup):
+        summed = x.contiguous().clone()
+        dist.all_reduce(summed, group=group)
+        return summed
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x`` entering a region that computes partial sums over ``group``: its gradient is summed in backward."""
+    return _CopyToGroup.apply(x, group)
+
+
+def reduce_over_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The partial sums ``x`` of every rank of ``group`` added up (the region's one reduction)."""
+    return _ReduceOverGroup.apply(x, group)
 
 
 def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, ep: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ stacked on dim 0 and is called as ``experts(hidden_states, top_k_index, top_k_we
 (``models.moe.stacked_experts_problem`` says exactly what qualifies; the blocks' configs declare the same module as
 ``ep_dispatch_experts`` in ``base_model_ep_plan``).
 
-**Only the experts module is replaced**, by :class:`ExpertParallelExperts`; the block's own forward still runs:
+**Only the experts module is replaced**, by :class:`ShardedExperts`; the block's own forward still runs:
 its router (top-k, softmax before or after, ``norm_topk_prob`` or not), router jitter, shared expert and
 shared-expert gate are the model's code, called exactly as in one process, on this rank's tokens. The new module
 takes the router's choices, sends each (token, expert) pair's row to the rank holding that expert
@@ -33,8 +33,20 @@ of it is not the global batch's value (Megatron-Core and torchtitan likewise bal
 an ep group is ranks of one stage, running the same chunks on the same micro-batch schedule), with 1F1B, GPipe,
 interleaved schedules and ZeRO 0-3, and zero-bubble with ZeRO-0.
 
-Not implemented (refused by :func:`check_stacked_experts` with the combination's name): tensor or context
-parallelism together with expert parallelism on these blocks; the zero-bubble schedule with ZeRO > 0 (Qwen3-MoE
+**Tensor parallelism** (expert tensor parallelism = tp, Megatron-Core's default): each expert's gate/up projection
+is split column-wise and its down projection row-wise over the tp axis (``cost_models.tp_rules.expert_tp_dims``),
+so every tensor-parallel rank runs all of its tokens' (token, expert) pairs on its slice of the hidden width and
+holds a partial sum of the combined output; one all-reduce over tp completes it (``experts_exchange``'s
+``reduce_over_group``), and the tokens and routing weights enter through ``copy_to_group``, so their gradients
+(partial on each rank) are summed: the router, which stays whole on every rank, gets exactly the single-process
+gradient. With expert parallelism too, the parameters are ``DTensor`` s over the ``(ep, tp)`` mesh and the ep
+exchange runs on every tensor-parallel rank alike (its peers are the ranks of its tp index, which see the same
+tokens); the tp reduction follows the combine. ``runtime.tensor_parallel`` splits the rest of the block (the
+router and gates whole, a shared expert like a dense MLP) and, with sequence parallelism, gathers the tokens where
+they enter the MoE block and keeps this rank's share of its output.
+
+Not implemented (refused by :func:`check_stacked_experts` with the combination's name): context parallelism
+together with expert parallelism on these blocks; experts with biases or a post-expert norm under tp; the zero-bubble schedule with ZeRO > 0 (Qwen3-MoE
 under ``dp=2,ep=2,pp=2,zero=3``: the second step's loss is off by 2.5e-5 relative, cause not found); experts held in a ``ModuleList`` that their block
 runs itself (transformers 4's layout, or a home-grown block): the block's own forward would have to be rewritten.
 """
@@ -44,33 +56,47 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from tessera.cost_models.tp_rules import expert_hidden_width, expert_tp_dims
 from tessera.cost_models.types import Strategy, runtime_splits
 from tessera.errors import NotModelledError
 from tessera.models.moe import STACKED_EXPERTS_CALL, stacked_experts_problem
 from tessera.runtime.experts_exchange import (
     all_to_all,
+    copy_to_group,
     exchange_counts,
     local_expert_of_rows,
+    reduce_over_group,
     split_sizes,
     with_expert_gradient_scale,
 )
+from tessera.runtime.mesh import EP, TP
 
 
-class ExpertParallelExperts(nn.Module):
-    """Stands in for a stacked experts module: holds this rank's ``E / ep`` experts (``DTensor`` shards under the
-    original FQNs) and reaches the others' by all-to-all over the ep ``mesh``.
+class ShardedExperts(nn.Module):
+    """Stands in for a stacked experts module split over ``mesh``: its ``ep`` axis holds ``E / ep`` whole experts per
+    rank and reaches the others by all-to-all; its ``tp`` axis splits each expert's hidden width (gate/up
+    column-wise, down row-wise: ``cost_models.tp_rules.expert_tp_dims``). Parameters are ``DTensor`` s under the
+    original FQNs (``Shard(0)`` over ep, the hidden-width shard over tp).
 
-    ``experts`` must satisfy ``stacked_experts_problem`` and hold the same weights on every rank of ``mesh``; it
-    keeps its class, config and activation, gives its parameters to this module and computes the local experts.
+    ``experts`` must satisfy ``stacked_experts_problem`` and hold the same weights on every rank of ``mesh`` (its
+    dims named ``ep`` and/or ``tp``); it keeps its class, config and activation, gives its parameters to this module
+    and computes the local shards.
     """
 
     def __init__(self, experts: nn.Module, mesh: DeviceMesh) -> None:
         super().__init__()
-        self.num_experts, self.ep, self.group = experts.num_experts, mesh.size(), mesh.get_group()
+        axes = mesh.mesh_dim_names
+        self.num_experts = experts.num_experts
+        self.ep = mesh.size(axes.index(EP)) if EP in axes else 1
+        self.group = mesh.get_group(EP) if EP in axes else None  # the token exchange
+        self.tp_group = mesh.get_group(TP) if TP in axes else None  # the partial sums of split experts
+        tp_dims = expert_tp_dims(experts) if TP in axes else {}
         for name, param in list(experts.named_parameters(recurse=False)):
-            shard = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)  # local rows, no copy sent
+            placements = ([Shard(0)] if EP in axes else []) + ([_tp_placement(*tp_dims[name])] if TP in axes else [])
+            shard = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)  # local part, none sent
             self.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
             delattr(experts, name)
         experts.num_experts = self.num_experts // self.ep  # the original forward now sees local expert indices
@@ -78,6 +104,16 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # (N, H)
+        if self.tp_group is not None:  # each tp rank computes a partial sum: the inputs' gradients are summed
+            tokens, top_k_weights = copy_to_group(tokens, self.tp_group), copy_to_group(top_k_weights, self.tp_group)
+        combined = self._exchange(tokens, top_k_index, top_k_weights) if self.ep > 1 else self._run_rows(
+            tokens, top_k_index, top_k_weights)  # (N, H)
+        if self.tp_group is not None:
+            combined = reduce_over_group(combined, self.tp_group)  # one reduction of the combined output
+        return combined if hidden_states.dim() == 2 else combined.view(hidden_states.shape)  # a view only if asked
+
+    def _exchange(self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Each (token, expert) row to the ep rank holding the expert and back, weighted and summed per token."""
         top_k = top_k_index.shape[-1]
         chosen = top_k_index.reshape(-1)  # (N*k,) every token's choices in turn
         order = torch.argsort(chosen, stable=True)  # (N*k,) expert-major, so grouped by the rank holding each
@@ -88,8 +124,7 @@ class ExpertParallelExperts(nn.Module):
         outputs = with_expert_gradient_scale(lambda x: self._run_local_experts(x, received), rows, self.ep)
         back = all_to_all(outputs, sent, arrived, self.group)  # (N*k, H) in ``order``
         weighted = (back * top_k_weights.reshape(-1)[order].unsqueeze(-1)).to(tokens.dtype)  # (N*k, H)
-        combined = torch.zeros_like(tokens).index_add(0, order // top_k, weighted)  # (N, H)
-        return combined if hidden_states.dim() == 2 else combined.view(hidden_states.shape)  # a view only if asked
+        return torch.zeros_like(tokens).index_add(0, order // top_k, weighted)  # (N, H)
 
     def _run_local_experts(self, rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
         """Each received row through its local expert, unweighted, ``(R, H)``."""
@@ -98,11 +133,17 @@ class ExpertParallelExperts(nn.Module):
             return self._run_rows(rows.sum(0, keepdim=True), experts.new_zeros(1, 1))[:0]  # which the peers wait on
         return self._run_rows(rows, experts)
 
-    def _run_rows(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The original forward on this rank's shards of the stacked weights, each row a top-1 choice of weight 1."""
-        weights = {name: _local(p) for name, p in self.named_parameters()}
-        ones = rows.new_ones(rows.shape[0], 1)  # (R, 1)
-        return torch.func.functional_call(self.local_experts, weights, (rows, experts, ones))  # (R, H)
+    def _run_rows(self, rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The original forward on this rank's shards of the stacked weights (each row a top-1 choice of weight 1
+        unless ``weights`` are given)."""
+        local = {name: _local(p) for name, p in self.named_parameters()}
+        weights = rows.new_ones(rows.shape[0], 1) if weights is None else weights  # (R, k)
+        return torch.func.functional_call(self.local_experts, local, (rows, experts, weights))  # (R, H)
+
+
+def _tp_placement(dim: int, parts: int) -> Placement:
+    """Each rank's slice of the hidden width; of each of ``parts`` packed blocks (gate|up) when packed."""
+    return Shard(dim) if parts == 1 else _StridedShard(dim, split_factor=parts)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -117,7 +158,7 @@ def stacked_experts_candidates(model: nn.Module) -> dict[str, nn.Module]:
     ``MoELayer``, split whole by ``runtime.expert_parallel``) and not yet expert-parallel."""
     modules = dict(model.named_modules())
     return {name: module for name, module in modules.items()
-            if name.rpartition(".")[2] == "experts" and not isinstance(module, ExpertParallelExperts)
+            if name.rpartition(".")[2] == "experts" and not isinstance(module, ShardedExperts)
             and not runtime_splits("ep", type(modules[name.rpartition(".")[0]]))}
 
 
@@ -137,8 +178,10 @@ def check_stacked_experts(model: nn.Module, strategy: Strategy, candidates: dict
         if experts.num_experts % strategy.ep:
             raise NotModelledError(f"{experts.num_experts} experts of {name} cannot be split evenly over "
                                    f"ep={strategy.ep}; plan with an ep that divides {experts.num_experts}")
+    if strategy.tp > 1 and candidates:
+        check_experts_tensor_parallel(candidates, strategy.tp)
     zero_bubble = strategy.pp > 1 and strategy.schedule == "zero-bubble" and strategy.zero > 0
-    unsupported = {"tensor parallelism": strategy.tp > 1, "context parallelism": strategy.cp > 1,
+    unsupported = {"context parallelism": strategy.cp > 1,
                    "schedule=zero-bubble and ZeRO > 0 (measured: losses differ from one process)": zero_bubble}
     for combination, used in unsupported.items():
         if used and candidates:
@@ -150,10 +193,22 @@ def check_stacked_experts(model: nn.Module, strategy: Strategy, candidates: dict
     return len(candidates)
 
 
+def check_experts_tensor_parallel(candidates: dict[str, nn.Module], tp: int) -> None:
+    """Raise ``NotModelledError`` naming the first experts module of ``candidates`` that ``tp`` cannot split."""
+    for name, experts in candidates.items():
+        try:
+            width = expert_hidden_width(experts)
+        except NotModelledError as error:
+            raise NotModelledError(f"tp={tp}: {name}: {error}") from None
+        if width % tp:
+            raise NotModelledError(f"{name}: each expert's hidden width {width} is not divisible by tp={tp}; plan "
+                                   f"with a tp that divides {width}")
+
+
 def apply_stacked_experts(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Replace every stacked experts module of ``model`` (in place) by an :class:`ExpertParallelExperts` over
-    ``mesh`` (the ep axis)."""
+    """Replace every stacked experts module of ``model`` (in place) by a :class:`ShardedExperts` over ``mesh`` (its
+    dims named ``ep`` and/or ``tp``)."""
     for name, experts in stacked_experts_candidates(model).items():
         if stacked_experts_problem(experts) is None:
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, ExpertParallelExperts(experts, mesh))
+            setattr(model.get_submodule(parent) if parent else model, child, ShardedExperts(experts, mesh))

@@ -65,6 +65,8 @@ from tessera.cost_models.tp_rules import (
     is_norm,
     kv_groups,
     linear_dims,
+    moe_containers,
+    moe_parts,
     plan_style,
     attention_of,
     head_split_attentions,
@@ -73,6 +75,7 @@ from tessera.cost_models.tp_rules import (
 from tessera.cost_models.types import LinearPair
 from tessera.errors import NotModelledError
 from tessera.models.moe import MoELayer
+from tessera.runtime.hf_experts import ShardedExperts, check_experts_tensor_parallel
 from tessera.planner.plan import PlannedLayer
 from tessera.runtime.tp_sequence import (
     SEQUENCE_DIM,
@@ -83,6 +86,7 @@ from tessera.runtime.tp_sequence import (
     sequence_entry,
     sequence_sharded,
 )
+from tessera.runtime.tp_experts import split_moe_container
 from tessera.runtime.tp_styles import ColumnSplit, RowSplit, check_local_heads, localise_attention
 
 __all__ = ["apply_tensor_parallel", "check_packed_under_fsdp", "check_sequence_parallel", "check_tensor_parallel",
@@ -122,6 +126,11 @@ def apply_tensor_parallel(
     for fqn, styles in plans.items():
         if styles:
             parallelize_module(model.get_submodule(fqn), mesh, styles)
+    for layer in layers:
+        if layer.kind == "block":
+            block = model.get_submodule(layer.fqn)
+            for name, styles in _moe_styles(layer.fqn, block, tp=tp, tp_plan=plan).items():
+                split_moe_container(block.get_submodule(name), mesh, styles, sp=layer.fqn in sharded)
     for attention in _head_split_attentions(model, layers, plans):
         localise_attention(attention, tp)
     if sequence_parallel:
@@ -150,6 +159,8 @@ def check_tensor_parallel(
     for layer in layers:
         if layer.kind != "loss":
             layer_styles(model, layer, tp=tp, sp=layer.fqn in sharded, pairs=(pairs or {}).get(layer.fqn), tp_plan=plan)
+        if layer.kind == "block":
+            _moe_styles(layer.fqn, model.get_submodule(layer.fqn), tp=tp, tp_plan=plan)
     if sp:
         check_head_follows_on_its_stage(layers)
 
@@ -269,9 +280,27 @@ def _block_styles(fqn: str, block: nn.Module, splits: Sequence[LinearSplit], *, 
                                "implemented (experts see a dispatch buffer, not a sequence); plan with sp=false")
     if sp:
         styles.update({name: _sequence_parallel() for name in norms})
-    _require_covered(fqn, block, set(styles) | set(norms) | set(replicated) | kept)
+    _require_covered(fqn, block, set(styles) | set(norms) | set(replicated) | kept | set(moe_containers(block)))
     _check_heads(fqn, block, splits, tp)
     return styles
+
+
+def _moe_styles(fqn: str, block: nn.Module, *, tp: int, tp_plan: TpPlan | None) -> dict[str, Styles]:
+    """Each MoE container of ``block`` (``tp_rules.moe_containers``, relative name) -> the styles of its shared
+    experts (relative to it: column/row pairs, outputs whole); raises ``NotModelledError`` if tp cannot split its
+    experts. Routers and gates get no style: they stay whole (``runtime.tp_experts``)."""
+    found: dict[str, Styles] = {}
+    for name in moe_containers(block):
+        container, where = block.get_submodule(name), _join(fqn, name)
+        if not isinstance(container.experts, ShardedExperts):  # split over (ep, tp) already: checked before
+            check_experts_tensor_parallel({_join(where, "experts"): container.experts}, tp)
+        styles: Styles = {}
+        for shared in moe_parts(container).shared:
+            child, child_fqn = container.get_submodule(shared), _join(where, shared)
+            splits = block_splits(child, child_fqn, plan=tp_plan)
+            styles.update({_join(shared, k): v for k, v in _block_styles(child_fqn, child, splits, tp=tp, sp=False).items()})
+        found[name] = styles
+    return found
 
 
 def _sequence_dim(role: str) -> int:

@@ -25,7 +25,7 @@ from tessera.cost_models.types import Strategy
 from tessera.errors import NotModelledError
 from tessera.runtime.apply import apply_plan
 from tessera.runtime.expert_parallel import check_expert_parallel
-from tessera.runtime.hf_experts import ExpertParallelExperts
+from tessera.runtime.hf_experts import ShardedExperts
 
 from .harness import FP32_TOL, GLOBAL_BATCH, GPT, PARAM_TOL, SEED, SEQ_LEN, make_batches, run_named
 from .test_outside_models import hf_loss, listed_plan, single_process, train
@@ -102,7 +102,7 @@ def hf_ep_case(name: str, strategy: str) -> dict:
             for param in model.parameters():
                 param.add_(1.0)
     parallel = apply_plan(model, ep_plan(name, model, strategy))
-    local = {fqn: isinstance(m, ExpertParallelExperts) for fqn, m in model.named_modules() if fqn.endswith("mlp.experts")}
+    local = {fqn: isinstance(m, ShardedExperts) for fqn, m in model.named_modules() if fqn.endswith("mlp.experts")}
     held = {fqn: m.local_experts.num_experts for fqn, m in model.named_modules() if hasattr(m, "local_experts")}
     return {**train(parallel, make_batches(GPT, STEPS)), "experts_modules": local, "held": held}
 
