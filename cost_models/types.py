@@ -30,10 +30,10 @@ Recompute = Literal["none", "selective", "full", "offload"]
 """A block's activation policy: ``none`` keeps what autograd saves, ``selective`` recomputes the attention core,
 ``full`` recomputes the block from its input, ``offload`` recomputes nothing and copies the saved tensors to host
 memory in the forward and back before the block's backward (overlapped with compute)."""
-BlockKind = Literal["", "attention", "local-attention", "moe", "local-moe", "ssm", "encoder"]
+BlockKind = Literal["", "attention", "local-attention", "moe", "local-moe", "ssm", "ssm-moe", "encoder"]
 """What a block is, for per-layer choices and the report: ``attention`` (global attention + dense MLP),
 ``local-attention`` (sliding-window attention + dense MLP), ``moe`` / ``local-moe`` (the same with routed experts),
-``ssm`` (a state-space mixer), ``encoder`` (a block of an encoder in front of the language model); ``""`` when
+``ssm`` / ``ssm-moe`` (a state-space mixer, with routed experts), ``encoder`` (a block of an encoder in front of the language model); ``""`` when
 not a block or not known."""
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zero-bubble"]
 LayerKind = Literal["embedding", "block", "norm", "head", "loss", "other"]

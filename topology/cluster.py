@@ -72,6 +72,9 @@ class DeviceSpec(BaseModel):
     scale_up_bandwidth_bytes_per_s: float | None = Field(default=None, gt=0)
     """Per-direction bandwidth of the device's scale-up links (NVLink, Infinity Fabric, ICI, on-chip RoCE)
     in bytes/s, summed over its links; ``None`` where not catalogued."""
+    host_bandwidth_bytes_per_s: float | None = Field(default=None, gt=0)
+    """Per-direction bandwidth between the device and its host's memory (PCIe, NVLink-C2C) in bytes/s: what
+    activation offload copies through; ``None`` where not catalogued."""
     solo_speedup: float = Field(default=1.0, ge=1.0)
     """How many times faster one rank computes alone than when every rank of its host computes at once: ranks
     that share CPU cores (about ranks / cores), measured by ``tessera profile``; 1.0 where each rank has a

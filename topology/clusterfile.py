@@ -29,7 +29,7 @@ takes it from its spec (``dgx-h100:nodes=8``). Every malformed field is reported
     profile: {...}                   # optional: what 'tessera profile' measured (date, hardware, raw data)
 
 An inline device has ``name``, ``peak_tflops`` (dtype -> TFLOP/s), ``memory_gb`` or ``memory_gib``,
-``memory_bandwidth_tb_per_s`` or ``memory_bandwidth_gb_per_s``, optional ``scale_up_gb_per_s``, and
+``memory_bandwidth_tb_per_s`` or ``memory_bandwidth_gb_per_s``, optional ``scale_up_gb_per_s`` and ``host_gb_per_s`` (device-host link, per direction), and
 ``source`` (see ``topology/catalog.yaml``). Devices the profiler measured on ranks that share CPU cores also
 carry ``solo_speedup``, ``linear_overhead_ms`` (tensor-parallel degree -> ms per linear),
 ``fsdp_comm_slowdown`` and ``tp_compute_slowdown`` (degree -> factor) (``topology.cluster.DeviceSpec``).

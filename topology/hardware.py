@@ -28,12 +28,13 @@ LOCAL_CPU = "local-cpu"
 
 DEVICE_FIELDS = (
     "name", "peak_tflops", "memory_gib", "memory_gb", "memory_bandwidth_tb_per_s",
-    "memory_bandwidth_gb_per_s", "scale_up_gb_per_s", "solo_speedup", "linear_overhead_ms", "fsdp_comm_slowdown",
+    "memory_bandwidth_gb_per_s", "scale_up_gb_per_s", "host_gb_per_s", "solo_speedup", "linear_overhead_ms", "fsdp_comm_slowdown",
     "tp_compute_slowdown", "source",
 )
 
 DEVICE_RENAMES = {"peak_flops_by_dtype": "peak_tflops", "memory_bandwidth_bytes_per_s": "memory_bandwidth (bytes/s)",
-                  "scale_up_bandwidth_bytes_per_s": "scale_up_gb_per_s (bytes/s)", "linear_overhead_s": "linear_overhead_ms"}
+                  "scale_up_bandwidth_bytes_per_s": "scale_up_gb_per_s (bytes/s)",
+                  "host_bandwidth_bytes_per_s": "host_gb_per_s (bytes/s)", "linear_overhead_s": "linear_overhead_ms"}
 """``DeviceSpec`` field names -> the file's names, for error messages (a value too large to be finite once
 converted to SI units is reported here)."""
 
@@ -73,10 +74,8 @@ def _device_fields(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
         memory_bandwidth_bytes_per_s=_one_of(
             raw, {"memory_bandwidth_tb_per_s": 1e12, "memory_bandwidth_gb_per_s": 1e9}, where=where
         ),
-        scale_up_bandwidth_bytes_per_s=(
-            None if raw.get("scale_up_gb_per_s") is None
-            else file_number(raw["scale_up_gb_per_s"], f"{where}: field 'scale_up_gb_per_s'", positive=True) * 1e9
-        ),
+        scale_up_bandwidth_bytes_per_s=_optional_gb_per_s(raw, "scale_up_gb_per_s", where=where),
+        host_bandwidth_bytes_per_s=_optional_gb_per_s(raw, "host_gb_per_s", where=where),
         solo_speedup=file_number(raw.get("solo_speedup", 1.0), f"{where}: field 'solo_speedup'", positive=True),
         linear_overhead_s=_overheads_s(raw.get("linear_overhead_ms") or {}, where=f"{where}: field 'linear_overhead_ms'"),
         fsdp_comm_slowdown=(
@@ -88,6 +87,11 @@ def _device_fields(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
         ),
         source=str(raw["source"]),
     )
+
+
+def _optional_gb_per_s(raw: dict[str, Any], field: str, *, where: str) -> float | None:
+    """An optional ``*_gb_per_s`` field in bytes/s (``None`` when absent)."""
+    return None if raw.get(field) is None else file_number(raw[field], f"{where}: field '{field}'", positive=True) * 1e9
 
 
 def _overheads_s(raw: Any, *, where: str) -> dict[int, float]:
@@ -117,6 +121,8 @@ def device_to_raw(spec: DeviceSpec) -> dict[str, Any]:
     }
     if spec.scale_up_bandwidth_bytes_per_s is not None:
         raw["scale_up_gb_per_s"] = file_value(spec.scale_up_bandwidth_bytes_per_s / 1e9, positive=True)
+    if spec.host_bandwidth_bytes_per_s is not None:
+        raw["host_gb_per_s"] = file_value(spec.host_bandwidth_bytes_per_s / 1e9, positive=True)
     if spec.solo_speedup != 1.0:
         raw["solo_speedup"] = file_value(spec.solo_speedup, positive=True)
     if spec.linear_overhead_s:
