@@ -12,13 +12,15 @@ Order of application (torchtitan's, for the same reasons):
    (``runtime.expert_parallel``);
 2. pipeline: free the layers of chunks other ranks run (a weight tied across chunks keeps a copy on each
    stage holding it: its gradients are summed over those stages before each optimizer step, step 10);
-3. recomputation per layer, full or selective (hooks: FQNs unchanged);
+3. activations per layer: recomputation, full or selective, or offload to host memory (hooks: FQNs
+   unchanged; ``runtime.recompute``, ``runtime.offload``);
 4. tensor (+ sequence) parallelism on this rank's layers (``runtime.tensor_parallel``; after recomputation
    so a checkpointed first block re-runs the sequence scatter on recomputation);
 5. ``torch.compile`` per block, when asked;
 6. pipeline: one module per local chunk (``runtime.pipeline``), cut from the root forward traced in step 1
    (``torch.fx``, else ``torch.export`` at one micro-batch: any model whose forward exports);
-7. the data-parallel axis on each module: DDP, FSDP2-``replicate``, ZeRO-1/2/3 (``runtime.data_parallel``);
+7. the data-parallel axis on each module: DDP, FSDP2-``replicate``, ZeRO-1/2/3, under ZeRO-3 each block
+   resharding after its forward or not as ``Strategy.block_reshard`` says (``runtime.data_parallel``);
 8. a model on the meta device is materialised now, shard by shard (``runtime.materialize``);
 9. with ``cp > 1``, ring attention and this rank's sequence positions (``runtime.context_parallel``; after
    materialisation, which recomputes the RoPE tables);
@@ -55,6 +57,7 @@ from tessera.runtime.materialize import check_plan_agrees, is_on_meta, materiali
 from tessera.runtime.context_parallel import apply_context_parallel, check_context_parallel
 from tessera.runtime.expert_parallel import apply_expert_parallel, check_expert_parallel
 from tessera.runtime.mesh import PP, TP, build_mesh, device_type
+from tessera.runtime.offload import OffloadStats, apply_offload
 from tessera.runtime.parallel_model import LossFn, ParallelModel
 from tessera.runtime.recompute import apply_recompute
 from tessera.runtime.tensor_parallel import (
@@ -221,8 +224,8 @@ def apply_plan(
     on_meta = _split_experts(model, plan, mesh, on_meta=on_meta, device=device)
     chunks = pp_.local_chunks(plan, mesh.get_local_rank(PP)) if mesh is not None else [0]
     layers = [layer for layer in plan.layers if layer.chunk in chunks and layer.kind != "loss"]
-    _shard_layers(model, plan, layers, mesh, chunks=chunks, tp_pairs=tp_pairs, tp_plan=tp_plan,
-                  compile_blocks=compile_blocks)
+    offloads = _shard_layers(model, plan, layers, mesh, chunks=chunks, tp_pairs=tp_pairs, tp_plan=tp_plan,
+                             compile_blocks=compile_blocks)
     modules = _chunk_modules(model, plan, chunks, traced)
     pipeline_output = _pipeline_output(plan, traced, modules, chunks)
     modules = _data_parallel(model, plan, modules, mesh, on_meta=on_meta, device=device)
@@ -233,7 +236,7 @@ def apply_plan(
     loss = build_loss(loss_fn, plan, mesh, pipeline_output=pipeline_output)
     schedule = _schedule(plan, modules, chunks, mesh, device=device, loss_fn=loss)
     return ParallelModel(plan, modules, optimizer=optimizer, loss_fn=loss, mesh=mesh, device=device,
-                         schedule=schedule, chunks=chunks)
+                         schedule=schedule, chunks=chunks, offloads=offloads)
 
 
 def check_supported(plan: Plan) -> None:
@@ -249,7 +252,7 @@ def check_supported(plan: Plan) -> None:
             "sharded ranks), which the runtime does not implement yet; plan with bf16 or fp32"
         )
     if plan.strategy.schedule == "zero-bubble" and plan.strategy.pp > 1 and any(
-        layer.recompute != "none" for layer in plan.layers
+        layer.recompute in ("selective", "full") for layer in plan.layers
     ):
         raise NotModelledError(
             "schedule=zero-bubble with activation recomputation: the schedule runs each backward as separate input- "
@@ -257,6 +260,7 @@ def check_supported(plan: Plan) -> None:
             "and fails ('_GeneratorContextManager' object has no attribute 'args'); use schedule=1f1b or "
             "interleaved with recomputation, or zero-bubble without it"
         )
+    check_per_block(plan)
     if plan.strategy.tp_overlap:
         raise NotModelledError(
             "tp_overlap (tensor-parallel collectives overlapped with their matmuls) is a cost-model option for "
@@ -299,6 +303,23 @@ def _split_experts(
     return False
 
 
+def block_reshard(plan: Plan) -> dict[str, bool]:
+    """Under ZeRO-3, whether each block (by FQN) reshards after its forward (``Strategy.reshards_block``)."""
+    if plan.strategy.zero != 3:
+        return {}
+    return {fqn: plan.strategy.reshards_block(index) for index, fqn in enumerate(plan.block_fqns)}
+
+
+def check_per_block(plan: Plan) -> None:
+    """Refuse per-block settings that do not fit the plan's blocks (``ConfigError`` naming the fix)."""
+    blocks = len(plan.block_fqns)
+    for key, example in (("block_reshard", f"{blocks}xtrue"), ("block_recompute", f"{blocks}xnone")):
+        given = len(getattr(plan.strategy, key))
+        if given and given != blocks:
+            raise ConfigError(f"{key} has {given} entries but the plan has {blocks} blocks; give one per block in "
+                              f"model order (e.g. {key}={example}) or drop it")
+
+
 def recompute_fqns(plan: Plan, policy: str = "full", layers: Iterable[PlannedLayer] | None = None) -> tuple[str, ...]:
     """FQNs of the layers the plan recomputes with ``policy`` (the plan's per-layer decisions are authoritative)."""
     return tuple(layer.fqn for layer in (plan.layers if layers is None else layers) if layer.recompute == policy)
@@ -307,8 +328,9 @@ def recompute_fqns(plan: Plan, policy: str = "full", layers: Iterable[PlannedLay
 def _shard_layers(
     model: nn.Module, plan: Plan, layers: list[PlannedLayer], mesh: DeviceMesh | None, *, chunks: list[int],
     tp_pairs: Mapping[str, tuple[LinearPair, ...]] | None, tp_plan: Mapping[str, str] | None, compile_blocks: bool,
-) -> None:
-    """Steps 2-5: free other ranks' layers, recomputation, tensor parallelism, compilation (all in place)."""
+) -> dict[str, OffloadStats]:
+    """Steps 2-5: free other ranks' layers, recomputation or offload, tensor parallelism, compilation (all in
+    place); returns what each offloaded block's hooks move."""
     strategy = plan.strategy
     if strategy.tp > 1:  # the whole plan, on every rank: a layer another pipeline rank runs must fail here too
         check_tensor_parallel(model, plan.layers, tp=strategy.tp, sp=strategy.sp, pairs=tp_pairs, tp_plan=tp_plan)
@@ -317,11 +339,13 @@ def _shard_layers(
     if strategy.pp > 1:
         pp_.free_remote_layers(model, plan, chunks)
     apply_recompute(model, recompute_fqns(plan, "full", layers), selective_fqns=recompute_fqns(plan, "selective", layers))
+    offloads = apply_offload(model, recompute_fqns(plan, "offload", layers))
     if strategy.tp > 1:  # after recomputation: see tensor_parallel._add_sequence_hooks
         apply_tensor_parallel(model, layers, mesh[TP], sequence_parallel=strategy.sp,
                               sequence_entry=sequence_entry(plan.layers), pairs=tp_pairs, tp_plan=tp_plan)
     if compile_blocks:
         compile_block_forwards(model, [layer.fqn for layer in layers if layer.kind == "block"])
+    return {fqn: offload.stats for fqn, offload in offloads.items()}
 
 
 def _chunk_modules(model: nn.Module, plan: Plan, chunks: list[int], traced: pp_.TracedForward | None) -> list[nn.Module]:
@@ -381,7 +405,8 @@ def _data_parallel(
     if wraps:
         modules = [
             apply_data_parallel(module, mesh, strategy=strategy, precision=plan.training.precision,
-                                block_fqns=[fqn for fqn in plan.block_fqns if _holds(module, fqn)])
+                                block_fqns=[fqn for fqn in plan.block_fqns if _holds(module, fqn)],
+                                block_reshard=block_reshard(plan))
             for module in modules
         ]
     if on_meta and wraps and not ddp:

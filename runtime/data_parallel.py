@@ -25,7 +25,10 @@ first so that the dense units leave it alone.
   micro-batch and accumulates only its shard. With one micro-batch per step they are identical. Under
   pipeline parallelism, ``pipelining`` itself defers the reduction to the last micro-batch for every stage.
 - **ZeRO-3**: FSDP2 ``fully_shard`` on every block, then on the root, ``reshard_after_forward=True``:
-  parameters are sharded at rest and gathered one block at a time.
+  parameters are sharded at rest and gathered one block at a time. Per block, ``Strategy.block_reshard``
+  may keep a block's gathered weights from its forward to its backward instead (``reshard_after_forward=False``
+  on that block and on the expert units inside it: one all-gather fewer per micro-batch, a per-layer
+  ZeRO-2/ZeRO-3 mix); the root keeps resharding.
 
 Mixed precision: with bf16/fp16, FSDP2 (and ``replicate``) gather and compute parameters in that dtype and
 reduce gradients in fp32; the sharded master weights stay fp32. DDP uses ``torch.autocast`` instead (in
@@ -46,7 +49,7 @@ exactly one single-process step on the global batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -78,11 +81,13 @@ def uses_ddp(strategy: Strategy) -> bool:
 
 
 def apply_data_parallel(
-    module: nn.Module, mesh: DeviceMesh, *, strategy: Strategy, block_fqns: Sequence[str], precision: Precision
+    module: nn.Module, mesh: DeviceMesh, *, strategy: Strategy, block_fqns: Sequence[str], precision: Precision,
+    block_reshard: Mapping[str, bool] | None = None,
 ) -> nn.Module:
     """Wrap or shard ``module`` over the ``dp`` axis of ``mesh`` as ZeRO stage ``strategy.zero`` says.
 
-    ``block_fqns`` are the blocks inside ``module`` (FSDP sharding units). Returns the module to run: a
+    ``block_fqns`` are the blocks inside ``module`` (FSDP sharding units); ``block_reshard`` optionally says, per
+    block FQN, whether it reshards after forward under ZeRO-3 (``Strategy.reshards_block``). Returns the module to run: a
     ``DistributedDataParallel`` wrapper for plain ZeRO-0 (:func:`uses_ddp`), else ``module`` itself
     (sharded or replicated in place by FSDP2 machinery).
     """
@@ -94,7 +99,7 @@ def apply_data_parallel(
     if zero == 0:
         return replicate(module, mesh=data_mesh(mesh), mp_policy=mixed_precision_policy(precision))
     return apply_fsdp(module, mesh, block_fqns=block_fqns, mixed_precision=precision,
-                      reshard_after_forward=zero == 3)
+                      reshard_after_forward=zero == 3, block_reshard=block_reshard)
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> DistributedDataParallel:
@@ -107,20 +112,23 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> DistributedDataParallel:
 
 def apply_fsdp(
     model: nn.Module, mesh: DeviceMesh, *, block_fqns: Sequence[str], mixed_precision: Precision,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool = True, block_reshard: Mapping[str, bool] | None = None,
 ) -> nn.Module:
     """Shard ``model`` over the ``dp`` axis with FSDP2: each block, then the root.
 
     ``block_fqns`` are the plan's sharding units (``blocks.0``...); the rest of the parameters (embedding,
     final norm, head) form the root's group. ``reshard_after_forward`` True is ZeRO-3, False ZeRO-1/2 (see
-    the module docstring). Every rank of the ``dp`` axis must hold the same weights (``apply_plan``
+    the module docstring); ``block_reshard`` overrides it for the blocks it names, and for the FSDP units
+    already inside them (expert units: ``runtime.expert_parallel.apply_expert_data_parallel``). Every rank of the ``dp`` axis must hold the same weights (``apply_plan``
     broadcasts rank 0's first; :func:`broadcast_module_states`). FQNs are unchanged; parameters become
     ``DTensor`` shards (``p.full_tensor()`` gathers one).
     """
     policy = mixed_precision_policy(mixed_precision)
     dp_mesh = data_mesh(mesh)
     for fqn in block_fqns:
-        fully_shard(model.get_submodule(fqn), mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        reshard = (block_reshard or {}).get(fqn, reshard_after_forward)
+        block = fully_shard(model.get_submodule(fqn), mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        block.set_reshard_after_forward(reshard)  # recursive: the expert units inside the block follow it
     # Passed explicitly, the root reshards after forward too (FSDP2 keeps it gathered only when the argument is
     # left to its default): at ZeRO-3 the backward's start then holds no gathered unit, and the root is
     # re-gathered once the loss's backward has freed its tensors (``cost_models.memory.zero3_gathered_bytes``).
@@ -166,7 +174,8 @@ def check_batch_norm(model: nn.Module, plan: Plan) -> None:
     if problem or "" in fqns:
         raise NotModelledError(f"{_layer_name(model, fqns[0])} {problem or _ROOT_BATCH_NORM}")
     for layer in plan.layers:
-        inside = [fqn for fqn in fqns if layer.recompute != "none" and f"{fqn}.".startswith(f"{layer.fqn}.")]
+        reruns = layer.recompute in ("selective", "full")  # offload runs the forward once
+        inside = [fqn for fqn in fqns if reruns and f"{fqn}.".startswith(f"{layer.fqn}.")]
         if inside:
             raise NotModelledError(
                 f"{_layer_name(model, inside[0])}: recomputing {layer.fqn} ({layer.recompute}) would run BatchNorm's "

@@ -13,7 +13,7 @@ loss exists on the last stage and is broadcast so ``train_step`` returns the sam
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +34,7 @@ from tessera.runtime.checkpoint import Checkpointer, CheckpointInfo, PendingSave
 from tessera.runtime.data_parallel import COMPUTE_DTYPES
 from tessera.runtime.context_parallel import shard_sequence
 from tessera.runtime.mesh import CP, DP, PP, data_mesh
+from tessera.runtime.offload import OffloadStats
 
 if TYPE_CHECKING:
     from tessera.runtime.snapshots import SnapshotConfig, Snapshotter
@@ -49,7 +50,7 @@ class ParallelModel:
     def __init__(
         self, plan: Plan, modules: Sequence[nn.Module], *, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
         mesh: DeviceMesh | None, device: torch.device, schedule: _PipelineSchedule | None = None,
-        chunks: Sequence[int] = (0,),
+        chunks: Sequence[int] = (0,), offloads: Mapping[str, OffloadStats] | None = None,
     ) -> None:
         self.plan = plan
         """The plan this model was built from."""
@@ -71,6 +72,8 @@ class ParallelModel:
         """The pipeline schedule (``None`` without pipeline parallelism)."""
         self.chunks = tuple(chunks)
         """Pipeline chunks this rank runs (``(0,)`` without pipelining)."""
+        self.offloads = dict(offloads or {})
+        """What the activation offload hooks of each of this rank's offloaded blocks moved (``runtime.offload``)."""
         self.rank = dist.get_rank() if mesh is not None else 0
         """This process's global rank."""
         self.world_size = dist.get_world_size() if mesh is not None else 1
