@@ -107,19 +107,24 @@ def pin_string(strategy: Strategy) -> str:
                 "sp_regather": s.sp_regather, "schedule": schedule}
     items = dict(item.split("=", 1) for item in s.to_string().split(","))
     merged = items | {key: str(value).lower() for key, value in explicit.items()}
-    order = ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "recompute", "sp", "tp_overlap", "sp_regather",
-             "block_recompute", "chunk_blocks", "schedule")
+    order = ("dp", "tp", "pp", "cp", "ep", "etp", "zero", "mbs", "recompute", "sp", "tp_overlap", "sp_regather",
+             "block_recompute", "block_reshard", "chunk_blocks", "schedule")
     return ",".join(f"{key}={merged[key]}" for key in order if key in merged)
 
 
 def canonical(strategy: Strategy) -> Strategy:
     """``strategy`` in one form per meaning: a per-block recomputation that is one policy everywhere becomes that
-    policy, an even chunk split becomes the default, fields pipelining ignores at ``pp == 1`` take their defaults,
-    and sequence-parallel settings are dropped without tensor parallelism."""
+    policy, every block resharding is the default, an expert tensor-parallel degree equal to ``tp`` is the default,
+    an even chunk split becomes the default, fields pipelining ignores at ``pp == 1`` take their defaults, and
+    sequence-parallel settings are dropped without tensor parallelism."""
     update: dict[str, object] = {}
     blocks = strategy.block_recompute
     if blocks and len(set(blocks)) == 1:
         update |= {"recompute": blocks[0], "block_recompute": ()}
+    if all(strategy.block_reshard):
+        update["block_reshard"] = ()
+    if strategy.etp == strategy.tp:
+        update["etp"] = None
     if strategy.chunk_blocks and len(set(strategy.chunk_blocks)) == 1:
         update["chunk_blocks"] = ()
     if strategy.pp == 1:
@@ -153,6 +158,17 @@ def chunk_policies(plan: PlanLike) -> list[list[str]]:
         if layer.kind == "block":
             chunks[layer.chunk].append(layer.recompute)
     return chunks
+
+
+def kept_blocks(strategy: Strategy) -> int:
+    """Blocks that keep their gathered weights from the forward to the backward (``block_reshard`` False)."""
+    return sum(not flag for flag in strategy.block_reshard)
+
+
+def offload_as_full(policy: str) -> str:
+    """A framework without activation offload: the nearest policy that also keeps a block's activations off the
+    device is full recomputation."""
+    return "full" if policy == "offload" else policy
 
 
 def uniform_policy(policies: Sequence[str]) -> str | None:

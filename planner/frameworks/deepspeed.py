@@ -6,7 +6,11 @@ A DeepSpeed config holds data parallelism and ZeRO (``zero_optimization.stage``)
 ``PipelineModule``, AutoTP), so a plan using them is refused with the export that can run it. Recomputation, too,
 is switched on in the model code (``model.gradient_checkpointing_enable()``, ``deepspeed.checkpointing.checkpoint``
 per block); the config's ``activation_checkpointing`` section, written for a plan that recomputes, tunes it and
-tells the reader the run recomputes every block. JSON has no comments: the notes are ``FrameworkExport.notes``.
+tells the reader the run recomputes every block. DeepSpeed's ``cpu_checkpointing`` moves the checkpoints of
+recomputed blocks to the host, which is not Tessera's offload (saved tensors on the host, nothing recomputed): an
+offloaded block is rendered as full recomputation. ZeRO-3 keeps parameters gathered by size
+(``stage3_param_persistence_threshold``), not per block: a per-block reshard mix (``block_reshard``) is rendered as
+every block resharding. JSON has no comments: the notes are ``FrameworkExport.notes``.
 Key names are DeepSpeed's (docs: deepspeed.ai/docs/config-json).
 """
 
@@ -17,7 +21,8 @@ import json
 from tessera.cost_models.types import MAX_GLOBAL_BATCH, Strategy
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.frameworks.common import (
-    FrameworkExport, ImportedConfig, PlanLike, block_policies, read_config_file, strategy_with, uniform_policy, whole,
+    FrameworkExport, ImportedConfig, PlanLike, block_policies, kept_blocks, read_config_file, strategy_with,
+    uniform_policy, whole,
 )
 from tessera.topology.validation import quoted, short
 
@@ -50,13 +55,20 @@ def to_deepspeed(plan: PlanLike) -> FrameworkExport:
         notes.append("fp8: a DeepSpeed config has no FP8 setting (Transformer Engine linears in the model code do "
                      "it); the config runs bf16 mixed precision around them")
     update: dict[str, object] = {}
+    if kept_blocks(s):
+        notes.append(f"block_reshard keeps {kept_blocks(s)} blocks gathered to their backward: DeepSpeed ZeRO-3 keeps "
+                     "parameters by size (stage3_param_persistence_threshold), not per block; nearest is every block "
+                     "resharding")
+        update["block_reshard"] = ()
     if policy != "none":
         config["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING)
         notes.append("recompute: enable activation checkpointing of every block in the model code (e.g. "
                      "model.gradient_checkpointing_enable()); the activation_checkpointing section only tunes it")
         if policy != "full":
-            notes.append(f"recompute {policy}: DeepSpeed checkpoints whole blocks; nearest is full on every block")
-            update = {"recompute": "full", "block_recompute": ()}
+            offload = (" and has no offload without recomputation (cpu_checkpointing moves a recomputed block's "
+                       "checkpoint to the host)") if "offload" in (*policies, s.recompute) else ""
+            notes.append(f"recompute {policy}: DeepSpeed checkpoints whole blocks{offload}; nearest is full on every block")
+            update |= {"recompute": "full", "block_recompute": ()}
     return FrameworkExport(framework="deepspeed", text=json.dumps(config, indent=2), strategy=strategy_with(s, **update),
                            notes=tuple(notes))
 
@@ -105,8 +117,9 @@ def _refuse_unmodelled(config: dict) -> None:
                                "DeepSpeed's ZeRO data parallelism only; evaluate with --strategy tp=N instead")
     checkpointing = config.get("activation_checkpointing")
     if isinstance(checkpointing, dict) and checkpointing.get("cpu_checkpointing"):
-        raise NotModelledError("activation_checkpointing.cpu_checkpointing: Tessera's cost model has no offloading; "
-                               "set it false")
+        raise NotModelledError("activation_checkpointing.cpu_checkpointing (recomputed blocks' checkpoints on the "
+                               "host): Tessera models recomputation with device checkpoints, or offload without "
+                               "recomputation; set it false")
 
 
 def _zero_stage(zero: dict) -> int:

@@ -15,6 +15,14 @@ What the arguments express, and the nearest setting where they cannot:
 - Recomputation is one setting for every block: ``selective``, ``full`` (``uniform`` of 1 layer), or the first
   ``k`` blocks of every chunk in full (``block`` method). A per-block mix that is none of these is rendered as the
   ``block`` method with ``k`` = the most full blocks of any chunk (selective blocks then recompute nothing).
+- Activation offload is ``--cpu-offloading --cpu-offloading-num-layers N``: the first ``N`` blocks (``N`` below
+  ``--num-layers``; Transformer Engine's offload context), neither with pipelining nor with recomputation
+  (``TransformerConfig.__post_init__`` refuses both). Offloaded blocks at other positions become the first ones;
+  with pipelining or recomputation the nearest is full recomputation of the offloaded blocks.
+- Megatron-FSDP reshards every block after its forward (``optim_grads_params``): a per-block reshard mix
+  (``block_reshard``) is rendered as every block resharding.
+- Experts on their own tensor-parallel degree (``Strategy.etp``, "MoE parallel folding") are
+  ``--expert-tensor-parallel-size``.
 - Sequence parallelism in Megatron-LM keeps each column-parallel input's shard and gathers it again in the
   backward (``Strategy.sp_regather``): the strategy Megatron-LM runs carries it.
 """
@@ -30,7 +38,7 @@ from tessera.cost_models.types import MAX_BLOCKS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN,
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.frameworks.common import (
     FrameworkExport, ImportedConfig, PlanLike, canonical, chunk_block_counts, chunk_policies, data_parallel,
-    expand_recompute, strategy_with, uniform_policy,
+    expand_recompute, kept_blocks, offload_as_full, strategy_with, uniform_policy,
 )
 from tessera.topology.validation import MAX_DEVICES, quoted
 
@@ -51,6 +59,7 @@ def to_megatron_args(plan: PlanLike) -> FrameworkExport:
     chunks = chunk_block_counts(plan)
     args = ["--tensor-model-parallel-size", s.tp, "--pipeline-model-parallel-size", s.pp]
     args += ["--context-parallel-size", s.cp] * (s.cp > 1) + ["--expert-model-parallel-size", s.ep] * (s.ep > 1)
+    args += ["--expert-tensor-parallel-size", s.etp] * (s.etp is not None)
     args += ["--sequence-parallel"] * s.sp + ["--tp-comm-overlap"] * s.tp_overlap
     args += ["--num-layers", sum(chunks), "--seq-length", t.seq_len]
     args += ["--micro-batch-size", s.micro_batch, "--global-batch-size", t.global_batch]
@@ -59,8 +68,12 @@ def to_megatron_args(plan: PlanLike) -> FrameworkExport:
     pipeline, pipeline_notes, update = _pipeline_args(s, chunks)
     notes += pipeline_notes
     recompute, recompute_notes, recompute_update = _recompute_args(plan, chunks)
-    runs = strategy_with(s, sp_regather=s.sp, **update, **recompute_update)
     notes += recompute_notes
+    if kept_blocks(s):
+        notes.append(f"block_reshard keeps {kept_blocks(s)} blocks gathered to their backward: Megatron-FSDP reshards "
+                     "every block after its forward; nearest is every block resharding")
+        update["block_reshard"] = ()
+    runs = strategy_with(s, sp_regather=s.sp, **update, **recompute_update)
     if s.sp and not s.sp_regather:
         notes.append("Megatron-LM's sequence parallelism keeps each column-parallel input's shard and gathers it "
                      "again in the backward (Tessera's runtime keeps the gathered input): the strategy it runs has sp_regather")
@@ -125,8 +138,34 @@ def layout_string(chunks: list[int]) -> str:
 
 
 def _recompute_args(plan: PlanLike, chunks: list[int]) -> tuple[list[str], list[str], dict[str, object]]:
-    """(arguments, notes, strategy changes) of the per-block recomputation."""
+    """(arguments, notes, strategy changes) of the per-block recomputation and offload."""
     by_chunk = chunk_policies(plan)
+    flat = [p for chunk in by_chunk for p in chunk]
+    if "offload" not in flat:
+        return _block_recompute_args(by_chunk, chunks)
+    if plan.strategy.pp == 1 and set(flat) <= {"offload", "none"}:
+        return _offload_args(flat)
+    args, notes, update = _block_recompute_args([[offload_as_full(p) for p in c] for c in by_chunk], chunks)
+    runs = update.get("block_recompute", tuple(offload_as_full(p) for p in flat))
+    update = update if "recompute" in update else {"recompute": "none", "block_recompute": runs}
+    why = "pipelining" if plan.strategy.pp > 1 else "recomputation"
+    note = (f"offload on {flat.count('offload')} blocks: Megatron-LM does not offload activations together with {why} "
+            "(TransformerConfig refuses it); nearest is full recomputation of those blocks")
+    return args, [note, *notes], update
+
+
+def _offload_args(flat: list[str]) -> tuple[list[str], list[str], dict[str, object]]:
+    """``--cpu-offloading`` of the first N blocks, N below the block count (Megatron-LM's rule)."""
+    count = min(flat.count("offload"), len(flat) - 1)
+    runs = ("offload",) * count + ("none",) * (len(flat) - count)
+    notes = [] if tuple(flat) == runs else [
+        f"offload on {flat.count('offload')} of {len(flat)} blocks: Megatron-LM offloads the first "
+        f"--cpu-offloading-num-layers blocks, fewer than --num-layers; nearest is the first {count}"]
+    return ["--cpu-offloading", "--cpu-offloading-num-layers", str(count)], notes, {"recompute": "none", "block_recompute": runs}
+
+
+def _block_recompute_args(by_chunk: list[list[str]], chunks: list[int]) -> tuple[list[str], list[str], dict[str, object]]:
+    """(arguments, notes, strategy changes) of a per-block recomputation without offload."""
     policy = uniform_policy([p for chunk in by_chunk for p in chunk])
     if policy == "none" or not chunks or not sum(chunks):
         return [], [], {}
@@ -181,6 +220,7 @@ def megatron_parser() -> argparse.ArgumentParser:
                  "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
         parser.add_argument(name, type=blocks, default=None)
     parser.add_argument("--recompute-num-layers", type=_count(0, MAX_BLOCKS), default=None)
+    parser.add_argument("--cpu-offloading-num-layers", type=_count(0, MAX_BLOCKS), default=0)
     parser.add_argument("--pipeline-model-parallel-layout", type=str, default=None)
     parser.add_argument("--micro-batch-size", type=_count(1, MAX_GLOBAL_BATCH), default=None)
     parser.add_argument("--global-batch-size", type=_count(1, MAX_GLOBAL_BATCH), default=None)
@@ -193,7 +233,8 @@ def megatron_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp8-recipe", choices=("tensorwise", "delayed", "mxfp8", "blockwise"), default="delayed")
     parser.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
     for flag in ("--sequence-parallel", "--tp-comm-overlap", "--use-distributed-optimizer", "--use-megatron-fsdp",
-                 "--use-custom-fsdp", "--use-torch-fsdp2", "--recompute-activations", "--bf16", "--fp16"):
+                 "--use-custom-fsdp", "--use-torch-fsdp2", "--recompute-activations", "--cpu-offloading", "--bf16",
+                 "--fp16"):
         parser.add_argument(flag, action="store_true")
     return parser
 
@@ -215,6 +256,7 @@ def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
         raise ConfigError("Megatron-LM arguments: --micro-batch-size is required (Megatron-LM asserts it); add it")
     chunks, virtual = _chunks(args, pp=pp)
     recompute, block_recompute, notes = _recompute(args, chunks=chunks)
+    block_recompute = _offloaded(args, block_recompute, chunks=chunks, pp=pp) if args.cpu_offloading else block_recompute
     if args.fp8_format and args.fp8_recipe != "tensorwise":
         notes.append(f"--fp8-recipe {args.fp8_recipe}: the command line estimates FP8 with current (tensorwise) "
                      "scaling; tessera.cost_models takes TrainingConfig(fp8_scaling=...) for the recipe's own")
@@ -223,6 +265,7 @@ def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
         block_recompute=block_recompute, sp=args.sequence_parallel and tp > 1, sp_regather=args.sequence_parallel and tp > 1,
         tp_overlap=args.tp_comm_overlap and tp > 1, schedule="interleaved" if virtual > 1 else "1f1b",
         virtual_stages=virtual, chunk_blocks=tuple(chunks) if len(set(chunks)) > 1 else (),
+        etp=args.expert_tensor_parallel_size,
     )
     return ImportedConfig(
         framework="megatron", strategy=canonical(strategy), global_batch=args.global_batch_size or args.micro_batch_size * dp,
@@ -265,14 +308,17 @@ def _unread(rest: list[str], parser: argparse.ArgumentParser) -> list[str]:
 
 
 def _check_experts(args: argparse.Namespace, *, dp: int, tp: int) -> None:
-    ep = args.expert_model_parallel_size
-    if dp % ep:
-        raise NotModelledError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp}: "
-                               "Megatron-LM may span context-parallel ranks with experts, Tessera's cost model carves "
-                               "expert parallelism out of dp only; pick an ep that divides dp")
-    if args.expert_tensor_parallel_size not in (None, tp):
-        raise NotModelledError(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} differs from "
-                               f"--tensor-model-parallel-size {tp}: Tessera's cost model splits experts by tp; drop it")
+    """Expert parallelism inside dp (and, with a smaller expert tensor-parallel degree, the folded tp ranks)."""
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
+    if tp % etp:
+        raise NotModelledError(f"--expert-tensor-parallel-size {etp} does not divide --tensor-model-parallel-size "
+                               f"{tp}: Tessera folds the experts' tensor-parallel group inside the dense one; pick a "
+                               "divisor of tp")
+    ranks = f"the data-parallel size {dp}" if etp == tp else f"dp x tp / expert tp = {dp}x{tp}/{etp}"
+    if (dp * tp // etp) % ep:
+        raise NotModelledError(f"--expert-model-parallel-size {ep} does not divide {ranks}: Megatron-LM may span "
+                               "context-parallel ranks with experts, Tessera's cost model carves expert parallelism "
+                               "out of those only; pick an ep that divides them")
 
 
 def _zero(args: argparse.Namespace) -> int:
@@ -357,6 +403,19 @@ def parse_layout(layout: str, *, pp: int) -> list[int]:
         raise ConfigError(f"--pipeline-model-parallel-layout {quoted(layout)} has {len(chunks)} chunks, not a multiple of "
                           f"--pipeline-model-parallel-size {pp}")
     return [chunk.count("t") for chunk in chunks]
+
+
+def _offloaded(args: argparse.Namespace, block_recompute: tuple[str, ...], *, chunks: list[int],
+               pp: int) -> tuple[str, ...]:
+    """``--cpu-offloading``: the first ``--cpu-offloading-num-layers`` blocks offload (checked as Megatron-LM does)."""
+    count, layers = args.cpu_offloading_num_layers, _need_layers(args.num_layers, "--cpu-offloading")
+    if count >= layers:
+        raise ConfigError(f"--cpu-offloading-num-layers {count} must be below --num-layers {layers} (Megatron-LM "
+                          "refuses it); offload fewer layers")
+    if pp > 1 or args.recompute_granularity or args.recompute_activations or block_recompute:
+        raise ConfigError("--cpu-offloading together with pipelining or recomputation: Megatron-LM refuses both "
+                          "(TransformerConfig); drop one")
+    return ("offload",) * count + ("none",) * (sum(chunks) - count)
 
 
 def _recompute(args: argparse.Namespace, *, chunks: list[int]) -> tuple[str, tuple[str, ...], list[str]]:

@@ -12,13 +12,20 @@ What the fields express, and the nearest setting where they cannot:
   ZeRO-2 is FSDP that keeps parameters gathered after the forward (``fsdp_reshard_after_forward = "never"``:
   full parameters through the step, sharded gradients and optimizer state); ZeRO-1 has no counterpart (nearest:
   that ZeRO-2). With context parallelism torchtitan always shards over ``dp_shard * cp`` (ZeRO-3 at least).
-  Expert parallelism borrows FSDP ranks, so ep needs a sharded data-parallel axis (nearest: ZeRO-3).
+  Expert parallelism borrows FSDP ranks, so ep needs a sharded data-parallel axis (nearest: ZeRO-3). With
+  ``ep > 1`` the routed experts are sharded over ``efsdp x ep`` only, which also takes the tensor-parallel ranks
+  (``ParallelDims``: ``efsdp = dp_shard * cp * tp / ep``): the experts' tensor-parallel degree is 1 (``etp=1``,
+  Megatron's "MoE parallel folding"); without expert parallelism they are split by ``tp`` like the MLP.
 - Pipeline chunks are ``module_fqns_per_model_part`` (the planned model's module names, chunk ``c`` on rank
   ``c % pp``); schedules ``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``InterleavedZeroBubble``. All of a data-parallel
   rank's micro-batches run in one schedule: ``local_batch_size = global / dp``.
 - Activation checkpointing is one policy for every block: ``FullAC``, ``SelectiveAC`` (per-op: saves
   compute-intensive ops, recomputes the rest; Tessera models selective as the attention core recomputed) or None.
-  A per-block mix is rendered as full if any block is full, else selective.
+  A per-block mix is rendered as full if any block is full, else selective. torchtitan 0.3.0 has no activation
+  offload (``training.enable_cpu_offload`` offloads FSDP's parameters, gradients and optimizer state): an
+  offloaded block counts as full recomputation (the nearest that keeps its activations off the device).
+- ``fsdp_reshard_after_forward`` is one setting for every FSDP unit: a per-block reshard mix (``block_reshard``)
+  is rendered as ``"default"`` (every block reshards), every block kept as ``"never"`` (ZeRO-2).
 - Precision: ``mixed_precision_param`` is bfloat16 or float32 (fp16 has no setting: nearest bf16).
 """
 
@@ -29,7 +36,8 @@ import re
 from tessera.cost_models.types import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, Strategy
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.frameworks.common import (
-    FrameworkExport, ImportedConfig, PlanLike, block_policies, canonical, strategy_with, uniform_policy, whole,
+    FrameworkExport, ImportedConfig, PlanLike, block_policies, canonical, kept_blocks, offload_as_full, strategy_with,
+    uniform_policy, whole,
 )
 from tessera.planner.frameworks.torchtitan_source import read_torchtitan
 from tessera.topology.validation import quoted
@@ -97,17 +105,18 @@ def to_torchtitan(plan: PlanLike) -> FrameworkExport:
     if s.sp and s.sp_regather:
         notes.append("sp_regather: torchtitan's sequence parallelism (DTensor) keeps the gathered input, as Tessera's "
                      "runtime does; the strategy it runs has sp_regather off")
-    runs = strategy_with(s, sp_regather=False, **update, **_policy_update(plan, policy))
+    runs = strategy_with(s, sp_regather=False, **update, **_policy_update(plan, policy), **_experts(s, notes))
     return FrameworkExport(framework="torchtitan", text=text, strategy=runs, notes=tuple(notes))
 
 
 def _sharding(s: Strategy, notes: list[str]) -> dict[str, object]:
-    """The ZeRO stage torchtitan runs for ``s`` (see the module docstring), with a note where it differs."""
-    zero = s.zero
+    """The ZeRO stage torchtitan runs for ``s`` (see the module docstring), with a note where it differs; every
+    block reshards alike."""
+    zero = _reshard_mix(s, notes)
     if s.dp * s.cp == 1:
         if zero:
             notes.append(f"zero={zero} on one data-parallel rank: nothing to shard; torchtitan runs it unsharded")
-        return {"zero": 0}
+        return {"zero": 0, "block_reshard": ()}
     if s.cp > 1 and zero < 3:
         notes.append(f"zero={zero} with cp={s.cp}: torchtitan shards parameters over dp x cp (FSDP); nearest is ZeRO-3")
         zero = 3
@@ -117,7 +126,28 @@ def _sharding(s: Strategy, notes: list[str]) -> dict[str, object]:
     elif zero == 1:
         notes.append("zero=1: torchtitan has no ZeRO-1; nearest is FSDP without resharding after the forward (ZeRO-2)")
         zero = 2
-    return {"zero": zero}
+    return {"zero": zero, "block_reshard": ()}
+
+
+def _reshard_mix(s: Strategy, notes: list[str]) -> int:
+    """The ZeRO stage of ``s`` without its per-block resharding: ZeRO-2 where every block keeps its weights."""
+    kept, blocks = kept_blocks(s), len(s.block_reshard)
+    if not kept:
+        return s.zero
+    nearest = "every block kept (ZeRO-2)" if kept == blocks else "every block resharding"
+    notes.append(f"block_reshard keeps {kept} of {blocks} blocks gathered to their backward: torchtitan's "
+                 f"fsdp_reshard_after_forward is one setting for every block; nearest is {nearest}")
+    return 2 if kept == blocks else s.zero
+
+
+def _experts(s: Strategy, notes: list[str]) -> dict[str, object]:
+    """The experts' tensor-parallel degree torchtitan runs: 1 with expert parallelism (see the module docstring)."""
+    if s.ep == 1 or s.tp == 1:
+        return {}
+    if s.expert_tp != 1:
+        notes.append(f"etp={s.expert_tp}: torchtitan shards routed experts over efsdp x ep, taking the tensor-parallel "
+                     "ranks too; the experts run with etp=1")
+    return {"etp": 1}
 
 
 def _parallelism_fields(plan: PlanLike, *, zero: int) -> dict[str, object]:
@@ -139,8 +169,11 @@ def _parallelism_fields(plan: PlanLike, *, zero: int) -> dict[str, object]:
 
 
 def _policy(plan: PlanLike, notes: list[str]) -> str:
-    policies = block_policies(plan)
-    policy = uniform_policy(policies) or plan.strategy.recompute
+    policies = [offload_as_full(p) for p in block_policies(plan)]
+    policy = uniform_policy(policies) or offload_as_full(plan.strategy.recompute)
+    if "offload" in block_policies(plan) or plan.strategy.recompute == "offload":
+        notes.append(f"offload on {block_policies(plan).count('offload') or 'every'} blocks: torchtitan has no activation "
+                     "offload; nearest is full recomputation of those blocks")
     if uniform_policy(policies) is None and policies:
         policy = "full" if "full" in policies else "selective"
         counts = ", ".join(f"{p} on {policies.count(p)}" for p in ("full", "selective", "none") if p in policies)
@@ -172,7 +205,7 @@ def from_torchtitan(source: str, *, world_size: int) -> ImportedConfig:
                                                     "context_parallel_degree", "expert_parallel_degree"))
     replicate, shard = _data_parallel(par, world_size=world_size, inner=tp * pp * cp)
     dp = replicate * shard
-    _refuse_unmodelled(train, par, fields["compile"], dp=dp, ep=ep)
+    _refuse_unmodelled(train, par, fields["compile"], dp=dp, tp=tp, ep=ep)
     local = whole(train["local_batch_size"], name="training.local_batch_size", framework="torchtitan",
                   at_most=MAX_GLOBAL_BATCH)
     global_batch = train["global_batch_size"]
@@ -189,7 +222,7 @@ def from_torchtitan(source: str, *, world_size: int) -> ImportedConfig:
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=_zero(par, shard=shard, cp=cp), micro_batch=micro_batch or local,
         recompute=policy, sp=bool(par["enable_sequence_parallel"]) and tp > 1,
         tp_overlap=bool(fields["compile"]["enable_async_tensor_parallel"]) and tp > 1, schedule=schedule,
-        virtual_stages=virtual, chunk_blocks=chunks,
+        virtual_stages=virtual, chunk_blocks=chunks, etp=1 if ep > 1 and tp > 1 else None,
     )
     precision = {"bfloat16": "bf16", "float32": "fp32"}.get(train["mixed_precision_param"])
     if precision is None:
@@ -218,17 +251,17 @@ def _data_parallel(par: dict, *, world_size: int, inner: int) -> tuple[int, int]
     return replicate, shard
 
 
-def _refuse_unmodelled(train: dict, par: dict, compile_: dict, *, dp: int, ep: int) -> None:
+def _refuse_unmodelled(train: dict, par: dict, compile_: dict, *, dp: int, tp: int, ep: int) -> None:
     if train["enable_cpu_offload"]:
         raise NotModelledError("training.enable_cpu_offload: Tessera's cost model has no CPU offload; set it False "
                                "to evaluate the GPU-resident run")
     if train["dtype"] != "float32":
         raise NotModelledError(f"training.dtype {quoted(train['dtype'])}: Tessera models mixed precision with fp32 "
                                "master weights; set training.dtype float32")
-    if dp % ep:
-        raise NotModelledError(f"parallelism.expert_parallel_degree {ep} does not divide the data-parallel degree "
-                               f"{dp}: torchtitan may borrow tensor/context-parallel ranks for experts, Tessera "
-                               "carves ep out of dp only")
+    if (dp * tp) % ep:
+        raise NotModelledError(f"parallelism.expert_parallel_degree {ep} does not divide data-parallel x tensor-parallel "
+                               f"degrees {dp} x {tp}: torchtitan may borrow context-parallel ranks for experts, Tessera "
+                               "folds ep into dp x tp only")
     if compile_["enable_async_tensor_parallel"] and not compile_["enable"]:
         raise ConfigError("torchtitan: compile.enable_async_tensor_parallel needs compile.enable (torchtitan refuses it)")
 

@@ -85,8 +85,33 @@ def test_bad_megatron_values_are_one_line_naming_the_flag(text, message):
 def test_megatron_what_the_cost_model_has_no_term_for_is_refused():
     with pytest.raises(NotModelledError, match="does not divide the data-parallel size 2"):
         from_megatron("--tensor-model-parallel-size 4 --expert-model-parallel-size 4 --micro-batch-size 1", world_size=8)
-    with pytest.raises(NotModelledError, match="--expert-tensor-parallel-size 1 differs"):
-        from_megatron("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --micro-batch-size 1", world_size=8)
+    with pytest.raises(NotModelledError, match="--expert-tensor-parallel-size 3 does not divide"):
+        from_megatron("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 3 --micro-batch-size 1", world_size=8)
+    with pytest.raises(NotModelledError, match="does not divide dp x tp / expert tp = 2x4/2"):
+        from_megatron("--tensor-model-parallel-size 4 --expert-tensor-parallel-size 2 --expert-model-parallel-size 8 "
+                      "--micro-batch-size 1", world_size=8)
+
+
+def test_megatron_expert_tensor_parallel_size_is_read_as_etp():
+    # Megatron's "MoE parallel folding": experts on etp=1 over ep=8, which takes the tp=2 ranks of dp=4 too.
+    folded = from_megatron("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --expert-model-parallel-size 8 "
+                           "--micro-batch-size 1", world_size=8)
+    assert (folded.strategy.etp, folded.strategy.ep, folded.strategy.expert_dp) == (1, 8, 1)
+    same = from_megatron("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 2 --micro-batch-size 1", world_size=8)
+    assert same.strategy.etp is None  # the default (etp = tp), one form per meaning
+
+
+def test_megatron_cpu_offloading_is_read_as_offload_of_the_first_blocks():
+    config = from_megatron("--num-layers 8 --cpu-offloading --cpu-offloading-num-layers 3 --micro-batch-size 1",
+                           world_size=8)
+    assert config.strategy.block_recompute == ("offload",) * 3 + ("none",) * 5
+    assert config.unread == ()
+    for words, message in [("--num-layers 8 --cpu-offloading-num-layers 8", "must be below --num-layers 8"),
+                           ("--num-layers 8 --cpu-offloading-num-layers 2 --recompute-granularity selective",
+                            "together with pipelining or recomputation"),
+                           ("--cpu-offloading-num-layers 2", "--cpu-offloading needs --num-layers")]:
+        with pytest.raises(ConfigError, match=message):
+            from_megatron(f"--cpu-offloading {words} --micro-batch-size 1", world_size=8)
 
 
 def test_layout_expansion_is_bounded():

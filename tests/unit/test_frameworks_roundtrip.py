@@ -77,8 +77,9 @@ CASES = {
     "first-blocks-of-each-chunk": (
         "dp=4,pp=2,zero=3,mbs=1,recompute=none,block_recompute=2xfull/2xnone/2xfull/2xnone/2xfull/2xnone/2xfull/2xnone,"
         "schedule=interleaved:2", 16, 64, {"megatron": "same", "torchtitan": None, "deepspeed": "refused"}),
-    "experts": ("dp=8,tp=2,ep=4,zero=1,mbs=1,recompute=full", 8, 64,
-                {"megatron": "same", "torchtitan": "dp=8,tp=2,ep=4,zero=2,mbs=1,recompute=full", "deepspeed": "refused"}),
+    "experts": ("dp=8,tp=2,ep=4,zero=1,mbs=1,recompute=full", 8, 64,  # torchtitan: experts over efsdp x ep, no tp
+                {"megatron": "same", "torchtitan": "dp=8,tp=2,ep=4,etp=1,zero=2,mbs=1,recompute=full",
+                 "deepspeed": "refused"}),
     "experts-ddp": ("dp=8,ep=8,zero=0,mbs=1,recompute=none", 8, 64,
                     {"megatron": "same", "torchtitan": "dp=8,ep=8,zero=3,mbs=1,recompute=none", "deepspeed": "refused"}),
     "context": ("dp=2,tp=2,cp=4,zero=3,mbs=1,recompute=full", 8, 16,
@@ -88,6 +89,33 @@ CASES = {
     "zero-bubble": ("dp=2,pp=4,zero=1,mbs=1,recompute=none,schedule=zero-bubble", 8, 16,
                     {"megatron": "dp=2,pp=4,zero=1,mbs=1,recompute=none,schedule=1f1b", "torchtitan": None,
                      "deepspeed": "refused"}),
+    "offload-first-blocks": ("dp=8,zero=1,mbs=1,recompute=none,block_recompute=2xoffload/6xnone", 8, 64,
+                             {"megatron": "same", "torchtitan": "dp=8,zero=2,mbs=1,recompute=full",
+                              "deepspeed": "dp=8,zero=1,mbs=1,recompute=full"}),
+    "offload-scattered": ("dp=8,zero=0,mbs=1,recompute=none,block_recompute=offload/none/offload/5xnone", 8, 64,
+                          {"megatron": "dp=8,zero=0,mbs=1,recompute=none,block_recompute=2xoffload/6xnone",
+                           "torchtitan": "dp=8,zero=0,mbs=1,recompute=full", "deepspeed": None}),
+    "offload-every-block": ("dp=8,zero=0,mbs=1,recompute=offload", 8, 64,
+                            {"megatron": "dp=8,zero=0,mbs=1,recompute=none,block_recompute=7xoffload/none",
+                             "torchtitan": "dp=8,zero=0,mbs=1,recompute=full",
+                             "deepspeed": "dp=8,zero=0,mbs=1,recompute=full"}),
+    "offload-with-pp": ("dp=2,pp=2,zero=1,mbs=1,recompute=none,block_recompute=offload/3xnone/offload/3xnone,"
+                        "schedule=1f1b", 8, 16,
+                        {"megatron": "dp=2,pp=2,zero=1,mbs=1,recompute=none,block_recompute=full/3xnone/full/3xnone,"
+                                     "schedule=1f1b",
+                         "torchtitan": "dp=2,pp=2,zero=2,mbs=1,recompute=full,schedule=1f1b", "deepspeed": "refused"}),
+    "offload-with-recompute": ("dp=8,zero=0,mbs=1,recompute=none,block_recompute=offload/full/6xnone", 8, 64,
+                               {"megatron": "dp=8,zero=0,mbs=1,recompute=none,block_recompute=2xfull/6xnone",
+                                "torchtitan": None, "deepspeed": None}),
+    "reshard-mix": ("dp=8,zero=3,mbs=1,recompute=none,block_reshard=2xfalse/6xtrue", 8, 64,
+                    {"megatron": "dp=8,zero=3,mbs=1,recompute=none", "torchtitan": "dp=8,zero=3,mbs=1,recompute=none",
+                     "deepspeed": "dp=8,zero=3,mbs=1,recompute=none"}),
+    "reshard-none": ("dp=8,zero=3,mbs=1,recompute=none,block_reshard=8xfalse", 8, 64,
+                     {"megatron": "dp=8,zero=3,mbs=1,recompute=none", "torchtitan": "dp=8,zero=2,mbs=1,recompute=none",
+                      "deepspeed": "dp=8,zero=3,mbs=1,recompute=none"}),
+    "expert-folding": ("dp=4,tp=2,ep=8,etp=1,zero=1,mbs=1,recompute=full", 8, 64,
+                       {"megatron": "same", "torchtitan": "dp=4,tp=2,ep=8,etp=1,zero=2,mbs=1,recompute=full",
+                        "deepspeed": "refused"}),
     "gpipe": ("dp=2,pp=2,zero=0,mbs=2,recompute=full,schedule=gpipe", 8, 16,
               {"megatron": "dp=2,pp=2,zero=0,mbs=2,recompute=full,schedule=1f1b", "torchtitan": "same",
                "deepspeed": "refused"}),
@@ -221,3 +249,13 @@ def test_pin_string_pins_every_field(name):
     assert Strategy.parse(pin_string(strategy)) == strategy
     assert set(Strategy.parse_fields(pin_string(strategy))) >= {"dp", "tp", "pp", "cp", "ep", "zero", "micro_batch",
                                                                 "recompute", "sp", "tp_overlap", "sp_regather", "schedule"}
+
+
+def test_megatron_offload_and_expert_tensor_parallel_flags_are_written():
+    offload = export_plan(plan_like(CASES["offload-first-blocks"][0], blocks=8, global_batch=64), "megatron")
+    assert "--cpu-offloading \\\n  --cpu-offloading-num-layers 2" in offload.text and not offload.notes
+    folding = export_plan(plan_like(CASES["expert-folding"][0], blocks=8, global_batch=64), "megatron")
+    assert "--expert-tensor-parallel-size 1" in folding.text
+    mix = export_plan(plan_like(CASES["reshard-mix"][0], blocks=8, global_batch=64), "torchtitan")
+    assert "fsdp_reshard_after_forward = 'default'" in mix.text
+    assert any("block_reshard keeps 2 of 8 blocks" in note for note in mix.notes)
