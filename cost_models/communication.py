@@ -26,7 +26,7 @@ see ``Strategy``). Collective times come from ``topology.collectives``.
 
 from __future__ import annotations
 
-from tessera.cost_models.memory import FP32, compute_dtype_bytes, local_params
+from tessera.cost_models.memory import FP32, compute_dtype_bytes, kept_local_params, local_params
 from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.sparse import (
@@ -114,6 +114,7 @@ def dp_comm_s(
     if strategy.zero == 0:
         return {"dp_allreduce": all_reduce_time(cluster, grads, **group)}
     gathers, scatters = sharded_collective_counts(strategy, micro_batches=micro_batches)
+    gathers = effective_gathers(stage, strategy, gathers=gathers, micro_batches=micro_batches)
     kinds = ("zero_allgather", "zero_reducescatter") if strategy.zero < 3 else ("fsdp_allgather", "fsdp_reducescatter")
     return {kinds[1]: s * scatters * reduce_scatter_time(cluster, grads, **group),
             kinds[0]: s * gathers * all_gather_time(cluster, weights, **group)}
@@ -136,6 +137,19 @@ def sharded_collective_counts(strategy: Strategy, *, micro_batches: int) -> tupl
     return 1, (micro_batches if strategy.zero == 2 else 1)
 
 
+def effective_gathers(stage: StageTotals, strategy: Strategy, *, gathers: int, micro_batches: int) -> float:
+    """ZeRO-3 all-gathers per step of the stage's weights, where some blocks keep their gathered weights from
+    forward to backward (``Strategy.block_reshard``): those skip the backward's re-gather, so their share of
+    the weights is gathered once per micro-batch (without pipelining) or once per step (``PipelineStage``
+    already keeps them gathered between a backward and the next forward)."""
+    kept = kept_local_params(stage, strategy) if strategy.zero == 3 else 0.0
+    if not kept:
+        return gathers
+    share = min(1.0, kept / local_params(stage, strategy))
+    kept_gathers = 1 if strategy.pp > 1 else micro_batches
+    return gathers - (gathers - kept_gathers) * share
+
+
 def _grouped_dp_comm_s(
     stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy, *, micro_batches: int,
     sharded_slowdown: float, profile: ImplementationProfile,
@@ -152,6 +166,7 @@ def _grouped_dp_comm_s(
             kinds = {"dp_allreduce": group_all_reduce_s(cluster, grads, axes)}
         else:
             gathers, scatters = sharded_collective_counts(strategy, micro_batches=micro_batches)
+            gathers = effective_gathers(stage, strategy, gathers=gathers, micro_batches=micro_batches)
             prefix = "zero" if strategy.zero < 3 else "fsdp"
             kinds = {f"{prefix}_reducescatter": s * scatters * group_reduce_scatter_s(cluster, grads, axes),
                      f"{prefix}_allgather": s * gathers * group_all_gather_s(cluster, weights, axes)}

@@ -20,7 +20,10 @@ from tessera.cost_models.compute import (
     GPU_CALIBRATION, Calibration, achievable_flops, bf16_or, compute_lower_bound_s, device_calibration, optimizer_step_s, stage_compute_s,
 )
 from tessera.cost_models.memory import local_params, stage_memory
-from tessera.cost_models.partition import StageTotals, block_policies, cached_stage_totals, split_blocks, stage_totals
+from tessera.cost_models.offload import exposed_offload_s
+from tessera.cost_models.partition import (
+    StageTotals, block_policies, cached_stage_totals, kept_blocks, split_blocks, stage_totals,
+)
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.pipeline import pipeline_slots_lower_bound, pipeline_time_s
 from tessera.cost_models.sparse import check_sparse_and_long, cp_comm_s, ep_comm_s, sharded_params
@@ -42,10 +45,12 @@ class StageTime:
     ep_comm: float = 0.0  # expert dispatch/combine all-to-alls (on the critical path)
     cp_comm: float = 0.0  # the part of the K/V ring the attention cores do not hide
     cp_comm_total: float = 0.0  # the whole K/V ring, hidden or not (for the per-kind totals)
+    offload: float = 0.0  # activation offload copies the compute does not hide (``cost_models.offload``)
 
     @property
     def total(self) -> float:
-        return self.forward + self.backward + self.recompute + self.tp_comm + self.pp_comm + self.ep_comm + self.cp_comm
+        return (self.forward + self.backward + self.recompute + self.tp_comm + self.pp_comm + self.ep_comm
+                + self.cp_comm + self.offload)
 
     def parts(self) -> dict[str, float]:
         """The parts by name (what a pipeline timeline draws)."""
@@ -53,6 +58,8 @@ class StageTime:
                  "tp_comm": self.tp_comm, "pp_comm": self.pp_comm}
         if self.ep_comm or self.cp_comm:
             parts.update(ep_comm=self.ep_comm, cp_comm=self.cp_comm)
+        if self.offload:
+            parts["offload"] = self.offload
         return parts
 
 
@@ -69,8 +76,8 @@ def estimate(
     if strategy.ep > 1 or strategy.cp > 1:
         check_sparse_and_long(layers, training, strategy)
     micro_batches = strategy.gradient_accumulation(training.global_batch)
-    policies = block_policies(layers, strategy)
-    stages = [cached_stage_totals(s, i, policies) for i, s in enumerate(split_blocks(layers, strategy))]
+    policies, kept = block_policies(layers, strategy), kept_blocks(layers, strategy)
+    stages = [cached_stage_totals(s, i, policies, kept=kept) for i, s in enumerate(split_blocks(layers, strategy))]
     costs = _distinct_stage_costs(stages, cluster, training, strategy, micro_batches=micro_batches,
                                   calibration=calibration, profile=profile)
     times = [costs[stage][0] for stage in stages]
@@ -230,8 +237,9 @@ def stage_time(
 ) -> StageTime:
     """Seconds one micro-batch spends on ``stage``."""
     forward, backward, recompute = stage_compute_s(stage, cluster.device, training, strategy, calibration=calibration)
+    offload = exposed_offload_s(stage, cluster.device, strategy, forward_s=forward, backward_s=backward)
     time = StageTime(forward, backward, recompute, tp_comm_s(stage, cluster, training, strategy),
-                     pp_comm_s(stage, cluster, strategy))
+                     pp_comm_s(stage, cluster, strategy), offload=offload)
     if strategy.ep == 1 and strategy.cp == 1:
         return time
     rate = achievable_flops(cluster.device, bf16_or(training.precision), width=stage.hidden_size / strategy.tp,

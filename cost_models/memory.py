@@ -145,12 +145,22 @@ def parameter_bytes(stage: StageTotals, training: TrainingConfig, strategy: Stra
     separate storage in the compute dtype, ``FSDPParam.alloc_all_gather_outputs``) stay alive from each unit's
     forward until its backward has run (``reshard_after_forward=False``), so at the backward's start all of
     them are. FSDP2's ``replicate`` (ZeRO-0 with tp/pp/cp/ep) is the same machinery over a shard group of one
-    rank: masters whole, and the same unsharded copy. ZeRO-3's gathered blocks are transient (``_buffer_bytes``).
+    rank: masters whole, and the same unsharded copy. ZeRO-3's gathered blocks are transient (``_buffer_bytes``);
+    a ZeRO-3 block that keeps its gathered weights (``Strategy.block_reshard`` False) holds that copy likewise.
     """
     masters = sharded_params(stage, strategy, from_zero=1 if strategy.zero in (1, 2) else 3) * FP32
     if in_backward and (strategy.zero in (1, 2) or uses_fsdp2_replicate(strategy)):
         return masters + local_params(stage, strategy) * compute_dtype_bytes(training)
+    if in_backward and strategy.zero == 3:
+        return masters + kept_local_params(stage, strategy) * compute_dtype_bytes(training)
     return masters
+
+
+def kept_local_params(stage: StageTotals, strategy: Strategy) -> float:
+    """Gathered parameters on one device of the ZeRO-3 blocks that keep them from forward to backward: tp
+    divides the dense part, tp * ep the routed experts (as ``local_params``)."""
+    dense = stage.kept_params - stage.kept_expert_params
+    return dense / strategy.tp + stage.kept_expert_params / (strategy.tp * strategy.ep)
 
 
 def uses_ddp(strategy: Strategy) -> bool:
@@ -258,10 +268,12 @@ def optimizer_temporary_bytes(stage: StageTotals, strategy: Strategy, *, on_cpu:
 
 
 def activation_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
-    """Activations a stage holds at its peak: in-flight micro-batches plus one block being recomputed."""
+    """Activations a stage holds at its peak: in-flight micro-batches, one block being recomputed, and the
+    device copies of offloaded blocks in transit (``StageTotals.offload_buffer_bytes``)."""
     per_micro_batch = stage.saved_bytes * strategy.micro_batch
     in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
-    held = per_micro_batch * in_flight + stage.recompute_buffer_bytes * strategy.micro_batch
+    buffers = stage.recompute_buffer_bytes + stage.offload_buffer_bytes
+    held = per_micro_batch * in_flight + buffers * strategy.micro_batch
     return (held * tp_activation_share(strategy) + sp_gathered_input_bytes(stage, strategy) * in_flight) / strategy.cp
 
 

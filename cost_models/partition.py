@@ -4,6 +4,9 @@ Blocks are divided as evenly as possible into ``pp * V`` chunks (``V`` virtual s
 interleaved schedule); chunk ``c`` runs on stage ``c % pp``. Layers before the first block (embeddings)
 join stage 0 and layers after the last block (final norm, head, loss) join stage ``pp - 1``, as
 Megatron-LM and torchtitan place them.
+
+Each block has its own activation policy (``Strategy.block_recompute``: recomputation or offload) and, under
+ZeRO-3, its own resharding (``Strategy.block_reshard``): a stage's totals sum its blocks under theirs.
 """
 
 from __future__ import annotations
@@ -66,6 +69,11 @@ class StageTotals:
     linears: int = 0  # linears of the blocks' pairs and heads: each costs framework overhead per micro-batch
     head_forward_flops: float = 0.0  # the head's forward FLOPs per sequence (FP8 recipes keep it in bf16)
     head_backward_flops: float = 0.0  # the head's backward FLOPs per sequence
+    # Per-block activation offload and ZeRO-3 resharding (``cost_models.offload``, ``memory``, ``communication``).
+    offloaded_bytes: int = 0  # per sequence, what offloaded blocks save: copied to host in forward, back for backward
+    offload_buffer_bytes: int = 0  # per sequence, device copies an offloading stage holds at once (two blocks' worth)
+    kept_params: int = 0  # parameters of blocks that keep their gathered weights to their backward (ZeRO-3)
+    kept_expert_params: int = 0  # the routed-expert part of kept_params
 
 
 def split_blocks(layers: Sequence[LayerStats], strategy: Strategy) -> list[list[LayerStats]]:
@@ -114,32 +122,51 @@ def block_policies(layers: Sequence[LayerStats], strategy: Strategy) -> dict[str
     return {fqn: strategy.recompute_of_block(i) for i, fqn in enumerate(blocks)}
 
 
+def kept_blocks(layers: Sequence[LayerStats], strategy: Strategy) -> frozenset[str]:
+    """FQNs of the blocks that keep their gathered weights from forward to backward (ZeRO-3,
+    ``Strategy.block_reshard`` False); empty unless some block does."""
+    if strategy.zero != 3 or not strategy.block_reshard:
+        return frozenset()
+    blocks = [layer.fqn for layer in layers if layer.kind == "block"]
+    if len(strategy.block_reshard) != len(blocks):
+        raise ConfigError(
+            f"block_reshard lists {len(strategy.block_reshard)} flags but the model has {len(blocks)} blocks"
+        )
+    return frozenset(fqn for i, fqn in enumerate(blocks) if not strategy.reshards_block(i))
+
+
 _TOTALS_CACHE: dict[tuple, tuple[LayerStats, LayerStats, StageTotals]] = {}
 _TOTALS_CACHE_LIMIT = 65536
 
 
-def cached_stage_totals(stage: Sequence[LayerStats], index: int, policies: Mapping[str, Recompute]) -> StageTotals:
+def cached_stage_totals(
+    stage: Sequence[LayerStats], index: int, policies: Mapping[str, Recompute], *, kept: frozenset[str] = frozenset()
+) -> StageTotals:
     """``stage_totals`` memoised: the search estimates thousands of strategies over the same stages.
 
     Keyed by the identity of the stage's first and last layer objects (a stage is a contiguous slice of one
-    layer list), its length, index and block policies; a hit is trusted only if those objects are the same.
+    layer list), its length, index, block policies and kept blocks; a hit is trusted only if those objects are
+    the same.
     """
     if not stage:
-        return stage_totals(stage, index, policies)
+        return stage_totals(stage, index, policies, kept=kept)
     key = (id(stage[0]), id(stage[-1]), len(stage), index,
-           tuple(policies.get(layer.fqn, "none") for layer in stage if layer.kind == "block"))
+           tuple((policies.get(layer.fqn, "none"), layer.fqn in kept) for layer in stage if layer.kind == "block"))
     hit = _TOTALS_CACHE.get(key)
     if hit is not None and hit[0] is stage[0] and hit[1] is stage[-1]:
         return hit[2]
     if len(_TOTALS_CACHE) >= _TOTALS_CACHE_LIMIT:
         _TOTALS_CACHE.clear()
-    totals = stage_totals(stage, index, policies)
+    totals = stage_totals(stage, index, policies, kept=kept)
     _TOTALS_CACHE[key] = (stage[0], stage[-1], totals)
     return totals
 
 
-def stage_totals(stage: Sequence[LayerStats], index: int, policies: Mapping[str, Recompute]) -> StageTotals:
-    """Sum a stage's layers, each block under its recomputation policy (``policies`` by FQN)."""
+def stage_totals(
+    stage: Sequence[LayerStats], index: int, policies: Mapping[str, Recompute], *, kept: frozenset[str] = frozenset()
+) -> StageTotals:
+    """Sum a stage's layers, each block under its activation policy (``policies`` by FQN); ``kept``: the blocks
+    that keep their gathered weights to their backward (ZeRO-3)."""
     blocks = [layer for layer in stage if layer.kind == "block"]
     policy = {layer.fqn: policies.get(layer.fqn, "none") for layer in stage}
     full = [b for b in blocks if policy[b.fqn] == "full"]
@@ -165,7 +192,21 @@ def stage_totals(stage: Sequence[LayerStats], index: int, policies: Mapping[str,
         **_root_and_loss_totals(stage),
         sp_gathered_bytes=sum(_sp_gathered_bytes(layer, policy[layer.fqn]) for layer in stage),
         linears=sum(_linears(layer) for layer in stage),
+        **_offload_and_kept_totals(blocks, policy, kept),
     )
+
+
+def _offload_and_kept_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompute], kept: frozenset[str]) -> dict:
+    """The StageTotals fields of offloaded blocks and of blocks that keep their gathered weights."""
+    offloaded = [b.saved_bytes_no_recompute for b in blocks if policy[b.fqn] == "offload"]
+    held = [b for b in blocks if b.fqn in kept]
+    return {
+        "offloaded_bytes": sum(offloaded),
+        # The block whose backward runs and the next one prefetched back from host (copy-in ahead of use).
+        "offload_buffer_bytes": 2 * max(offloaded, default=0),
+        "kept_params": sum(b.param_count for b in held),
+        "kept_expert_params": sum(b.expert_param_count for b in held),
+    }
 
 
 def _sp_gathered_bytes(layer: LayerStats, recompute: Recompute) -> float:
@@ -216,7 +257,7 @@ def _sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Re
         "recompute_dispatch_bytes": sum(b for fqn, b in dispatch.items() if policy.get(fqn) == "full"),
         "attention_layers": len(attention),
         "kv_bytes": sum(kv.values()),
-        "recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn, "none") != "none"),
+        "recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn, "none") in ("selective", "full")),
         "attention_core_flops": sum(layer.selective_recompute_flops for layer in attention),
         "kv_heads": min(layer.kv_heads or layer.attention_heads for layer in attention),
     }
@@ -228,12 +269,16 @@ def block_width(layer: LayerStats) -> int:
 
 
 def _recomputed_flops(layer: LayerStats, recompute: Recompute) -> float:
-    return {"none": 0.0, "selective": layer.selective_recompute_flops, "full": layer.forward_flops}[recompute]
+    return {"none": 0.0, "offload": 0.0, "selective": layer.selective_recompute_flops, "full": layer.forward_flops}[recompute]
 
 
 def _saved_bytes(layer: LayerStats, recompute: Recompute) -> int:
+    """What a layer keeps on the device for its backward (an offloaded block: nothing; its copy-in buffer is
+    ``offload_buffer_bytes``)."""
     if layer.kind != "block" or recompute == "none":
         return layer.saved_bytes_no_recompute
+    if recompute == "offload":
+        return 0
     if recompute == "selective":
         return layer.saved_bytes_no_recompute if layer.saved_bytes_selective is None else layer.saved_bytes_selective
     return layer.saved_bytes_full_recompute
@@ -251,8 +296,7 @@ def _block_tp_reductions(layer: LayerStats) -> int:
     Megatron-Core's MoE layer does."""
     if not layer.tp_pairs:
         return DEFAULT_TP_PAIRS_PER_BLOCK
-    dense = sum(pair.role != "expert" for pair in layer.tp_pairs)
-    return dense + any(pair.role == "expert" for pair in layer.tp_pairs)
+    return _pair_counts(layer.tp_pairs)[0]
 
 
 def _linears(layer: LayerStats) -> int:
@@ -264,9 +308,25 @@ def _linears(layer: LayerStats) -> int:
         return 0
     if not layer.tp_pairs:
         return DEFAULT_LINEARS_PER_BLOCK
-    dense = [pair for pair in layer.tp_pairs if pair.role != "expert"]
-    experts = [pair for pair in layer.tp_pairs if pair.role == "expert"][:1]
-    return sum(len(pair.column) + 1 for pair in dense + experts)
+    return _pair_counts(layer.tp_pairs)[1]
+
+
+_PAIR_COUNTS: dict[int, tuple[tuple, tuple[int, int]]] = {}
+
+
+def _pair_counts(pairs: tuple) -> tuple[int, int]:
+    """(reductions, linears) of a block's pairs, memoised by the tuple's identity (an MoE block lists one pair
+    per expert, and copies of a block share the tuple): the search sums them for thousands of stages."""
+    hit = _PAIR_COUNTS.get(id(pairs))
+    if hit is not None and hit[0] is pairs:
+        return hit[1]
+    dense = [pair for pair in pairs if pair.role != "expert"]
+    experts = [pair for pair in pairs if pair.role == "expert"][:1]
+    counts = (len(dense) + len(experts), sum(len(pair.column) + 1 for pair in dense + experts))
+    if len(_PAIR_COUNTS) >= _TOTALS_CACHE_LIMIT:
+        _PAIR_COUNTS.clear()
+    _PAIR_COUNTS[id(pairs)] = (pairs, counts)
+    return counts
 
 
 def _tp_allreduce_bytes(layer: LayerStats) -> float:

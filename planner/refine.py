@@ -1,9 +1,15 @@
-"""Refine the best outer candidates with the integer program (``planner.ilp``).
+"""Refine the best outer candidates with the integer programs (``planner.ilp``, ``planner.ilp_mixed``).
 
 The enumeration gives every outer candidate (mesh shape, ZeRO stage, micro-batch, schedule) a uniform
 recomputation policy and evenly split stages. For the most promising outer candidates the integer
-program then picks per-block recomputation and stage sizes; a lower bound on the pace prunes candidates
+program then picks per-block choices and stage sizes; a lower bound on the pace prunes candidates
 that cannot beat the incumbent before any solve. Every solution is re-checked with ``estimate``.
+
+Two programs: the tabulated one of ``planner.ilp`` (identical blocks, recomputation only; for a model whose
+blocks differ it plans with the heaviest) always runs, so a plan is never worse than it; where the blocks
+are of several kinds, or per-block options beyond recomputation are on (``BlockOptions``: activation offload,
+ZeRO-3 blocks that keep their gathered weights), ``planner.ilp_mixed`` also runs and the faster fitting
+solution wins.
 """
 
 from __future__ import annotations
@@ -12,13 +18,35 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
+from tessera.cost_models.estimate import step_time_lower_bound
 from tessera.cost_models.pipeline import bubble_micro_batches
 from tessera.cost_models.types import LayerStats, Recompute, runtime_conflict, strategy_features
 from tessera.planner.ilp import StageCoefficients, coefficients, optimal_pace_s, solve, stage_tables
+from tessera.planner.ilp_mixed import (
+    StageMeasure, block_kinds, kind_coefficients, option_name, pace_lower_bound_s, solve_mixed, split_option,
+)
 from tessera.topology.cluster import Cluster
 
 MAX_SOLVES = 16
 BUDGET_RETRIES = 2
+
+
+@dataclass(frozen=True)
+class BlockOptions:
+    """Per-block choices the search may propose beside recomputation (each needs its runtime part)."""
+
+    offload: bool = False
+    """Activation offload to host memory (``Recompute`` ``"offload"``)."""
+    keep_gathered: bool = False
+    """Under ZeRO-3, blocks that keep their gathered weights from forward to backward (``Strategy.block_reshard``)."""
+
+
+RUNTIME_BLOCK_OPTIONS = BlockOptions()
+"""The per-block options the planner proposes by default: those Tessera's runtime runs (a fact about the
+runtime, not a setting: turn an option on here when ``runtime`` applies it, per-module FSDP2 resharding and
+offload hooks)."""
+ALL_BLOCK_OPTIONS = BlockOptions(offload=True, keep_gathered=True)
+"""Every per-block option the cost model knows (studies, benchmarks)."""
 
 
 @dataclass
@@ -35,14 +63,17 @@ class RefineStats:
 
 def outer_key(strategy: Strategy) -> Strategy:
     """The strategy with its per-layer choices reset: what identifies an outer candidate."""
-    return strategy.model_copy(update={"recompute": "none", "block_recompute": (), "chunk_blocks": ()})
+    return strategy.model_copy(update={"recompute": "none", "block_recompute": (), "chunk_blocks": (),
+                                       "block_reshard": ()})
 
 
 def refine(
     layers: Sequence[LayerStats], cluster: Cluster, training: TrainingConfig,
     scored: list[tuple[Strategy, Estimate]], *, policies: Sequence[Recompute], stats: RefineStats,
+    block_options: BlockOptions = RUNTIME_BLOCK_OPTIONS,
 ) -> list[tuple[Strategy, Estimate]]:
     """Integer-program refinements of the most promising outer candidates (those that beat nothing are dropped)."""
+    several_kinds = len(block_kinds(layers)[1]) > 1
     incumbent = next((e.step_time_s for _, e in scored if e.fits), float("inf"))
     seen, refined = set(), []
     for strategy, _ in scored:
@@ -56,11 +87,97 @@ def refine(
         allowed = ["none"] if key.schedule == "zero-bubble" else [
             p for p in policies if p != "selective" or runtime_conflict(strategy_features(key) | {"selective"}) is None]
         found = _refine_one(layers, cluster, training, key, policies=allowed, incumbent=incumbent, stats=stats)
-        if found and found[1].fits and found[1].step_time_s < incumbent:
-            incumbent = found[1].step_time_s
-            refined.append(found)
-            stats.improved.append(found[0].to_string())
+        incumbent = _keep_if_better(found, incumbent, refined, stats)
+        options = block_option_names(key, cluster, allowed, block_options)
+        if several_kinds or len(options) > len(allowed):
+            found = _refine_mixed(layers, cluster, training, key, options=options, incumbent=incumbent, stats=stats)
+            incumbent = _keep_if_better(found, incumbent, refined, stats)
     return refined
+
+
+def _keep_if_better(found, incumbent: float, refined: list, stats: RefineStats) -> float:
+    """Record ``found`` when it fits and beats ``incumbent``; the new incumbent."""
+    if found and found[1].fits and found[1].step_time_s < incumbent:
+        refined.append(found)
+        stats.improved.append(found[0].to_string())
+        return found[1].step_time_s
+    return incumbent
+
+
+def block_option_names(
+    key: Strategy, cluster: Cluster, policies: Sequence[Recompute], block_options: BlockOptions
+) -> list[str]:
+    """The per-block options of the mixed program for ``key``: the recomputation policies, offload, and their
+    ``+keep`` variants under ZeRO-3, each only where switched on and the runtime composes it with ``key``.
+    Offload is not offered where the device's memory is the host's (a CPU rank) or under zero-bubble."""
+    features = strategy_features(key)
+    activation = list(policies)
+    if (block_options.offload and key.schedule != "zero-bubble" and cluster.device.name != "local-cpu"
+            and runtime_conflict(features | {"offload"}) is None):
+        activation.append("offload")
+    names = [option_name(p, reshard=True) for p in activation]
+    if block_options.keep_gathered and key.zero == 3 and runtime_conflict(features | {"block-reshard"}) is None:
+        names += [option_name(p, reshard=False) for p in activation]
+    return names
+
+
+def _refine_mixed(layers, cluster, training, key: Strategy, *, options, incumbent: float, stats: RefineStats):
+    """The mixed program (``planner.ilp_mixed``) for one outer candidate, re-checked by ``estimate``."""
+    if step_time_lower_bound(layers, cluster, training, key) >= incumbent:  # before measuring any coefficient
+        stats.pruned += 1
+        return None
+    kinds, _ = block_kinds(layers)
+    measure = StageMeasure(cluster, training, key)
+    slots = _slots(key, training, cluster)
+    if slots * pace_lower_bound_s(layers, key, options=options, measure=measure) >= incumbent:
+        stats.pruned += 1
+        return None
+    coeffs = kind_coefficients(layers, cluster, training, key, options=options, measure=measure)
+    fixed = _chunk_stages(len(kinds), key) if key.virtual_stages > 1 else None
+    budget = float(cluster.device.memory_bytes)
+    micro_batches = key.gradient_accumulation(training.global_batch)
+    for _ in range(BUDGET_RETRIES + 1):
+        result = solve_mixed(coeffs, kinds=kinds, budget_bytes=budget, slots=slots, micro_batches=micro_batches,
+                             fixed_block_stages=fixed, zero3=key.zero == 3,
+                             step_limit_s=incumbent if incumbent < float("inf") else None)
+        if result is None:
+            stats.infeasible += 1
+            return None
+        stats.solved += 1
+        stats.solver_time_s += result.wall_time_s
+        stats.worst_gap = max(stats.worst_gap, result.gap)
+        strategy = materialise_options(key, result.options, stage_blocks=result.stage_blocks)
+        est = estimate(layers, cluster, training, strategy)
+        if est.fits:
+            return strategy, est
+        budget -= est.peak_memory_bytes - est.memory_budget_bytes  # the linear model was optimistic: tighten
+    return None
+
+
+def _chunk_stages(blocks: int, strategy: Strategy) -> list[int]:
+    """The stage of every block under even interleaved chunks (chunk ``c`` on stage ``c % pp``)."""
+    chunks = strategy.pp * strategy.virtual_stages
+    sizes = [blocks // chunks + (c < blocks % chunks) for c in range(chunks)]
+    return [c % strategy.pp for c, size in enumerate(sizes) for _ in range(size)]
+
+
+def materialise_options(key: Strategy, options: Sequence[str], *, stage_blocks: Sequence[int]) -> Strategy:
+    """Turn each block's option (model order) into a Strategy: per-block policies and resharding, stage sizes
+    (uniform fields where a choice is the same for every block)."""
+    policies = tuple(split_option(o)[0] for o in options)
+    reshard = tuple(split_option(o)[1] for o in options)
+    update: dict[str, object] = {}
+    if len(set(policies)) == 1:
+        update["recompute"] = policies[0]
+    else:
+        update["block_recompute"] = policies
+    if key.zero == 3 and not all(reshard):
+        update["block_reshard"] = reshard
+    blocks = len(options)
+    even = tuple(blocks // key.pp + (s < blocks % key.pp) for s in range(key.pp))
+    if key.virtual_stages == 1 and tuple(stage_blocks) != even:
+        update["chunk_blocks"] = tuple(stage_blocks)
+    return key.model_copy(update=update)
 
 
 def _refine_one(layers, cluster, training, key: Strategy, *, policies, incumbent: float, stats: RefineStats):

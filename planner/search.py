@@ -19,7 +19,7 @@ from tessera.errors import ConfigError, InfeasiblePlanError
 from tessera.planner.degrees import degree_alternatives
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Candidate, Plan, PlannedLayer, SolverStats
-from tessera.planner.refine import RefineStats, refine
+from tessera.planner.refine import RUNTIME_BLOCK_OPTIONS, BlockOptions, RefineStats, refine
 from tessera.planner.space import check_layer_pins, check_pins, mesh_shapes, model_features, strategies
 from tessera.topology.cluster import Cluster
 from tessera.topology.validation import quoted
@@ -137,18 +137,21 @@ def best_candidate(scored: list[tuple[Strategy, Estimate]]) -> tuple[Strategy, E
 
 def search(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object] | None = None,
-    top: int = RUNNERS_UP, progress: Progress | None = None,
+    top: int = RUNNERS_UP, progress: Progress | None = None, block_options: BlockOptions = RUNTIME_BLOCK_OPTIONS,
 ) -> Plan:
     """Return the fastest strategy that fits; ``pins`` fixes any strategy fields (``{"tp": 8}``).
 
     ``progress(done, total)`` is called as candidates are estimated (the CLI draws a bar with it).
+    ``block_options``: the per-block choices beyond recomputation the integer program may make (offload, ZeRO-3
+    blocks keeping their gathered weights); by default those the runtime runs (``refine.RUNTIME_BLOCK_OPTIONS``).
     """
     start = time.perf_counter()
     reached = {"bound": float("inf")}
     scored = rank_candidates(graph, cluster, training, pins=pins, progress=progress, reached=reached)
     stats = RefineStats()
     if not _per_layer_pinned(pins or {}):
-        refined = refine(list(graph.layers), cluster, training, scored, policies=_policies(graph, pins or {}), stats=stats)
+        refined = refine(list(graph.layers), cluster, training, scored, policies=_policies(graph, pins or {}), stats=stats,
+                         block_options=block_options)
         scored = sorted(refined + scored, key=lambda pair: (pair[1].step_time_s, pair[1].peak_memory_bytes, pair[0].to_string()))
     fitting = [pair for pair in scored if pair[1].fits]
     if not fitting:
@@ -211,7 +214,7 @@ def _admitted_degrees(
 
 def _per_layer_pinned(pins: Mapping[str, object]) -> bool:
     """The user fixed recomputation or stage sizes themselves: keep them, no integer program."""
-    return any(key in pins for key in ("recompute", "block_recompute", "chunk_blocks"))
+    return any(key in pins for key in ("recompute", "block_recompute", "chunk_blocks", "block_reshard"))
 
 
 def _policies(graph: LayerGraph, pins: Mapping[str, object]) -> list[str]:

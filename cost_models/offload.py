@@ -1,0 +1,43 @@
+"""Activation offload: an offloaded block's saved tensors go to host memory in the forward and come back
+before its backward, on a copy stream beside the compute (``Recompute`` ``"offload"``).
+
+The copies run on the device's host link (PCIe, NVLink-C2C) in both directions and overlap the stage's
+compute: the copy-out with its forward, the copy-in with its backward (each block's tensors are prefetched
+while the block after it runs its backward, as ``torch.autograd.graph.saved_tensors_hooks`` based offloaders
+do). What a pass cannot hide is on the critical path. The device keeps two blocks' worth in transit
+(``StageTotals.offload_buffer_bytes``); everything else lives on the host.
+"""
+
+from __future__ import annotations
+
+from tessera.cost_models.memory import tp_activation_share
+from tessera.cost_models.partition import StageTotals
+from tessera.cost_models.types import Strategy
+from tessera.topology.cluster import DeviceSpec
+
+DEFAULT_HOST_BANDWIDTH_BYTES_PER_S = 64e9
+"""Per-direction device-to-host bandwidth where the catalog gives none: PCIe 5.0 x16 (32 GT/s x 16 lanes,
+128b/130b: 63 GB/s; NVIDIA's H100 datasheet gives "PCIe Gen5: 128 GB/s" for both directions). A stated
+assumption until ``DeviceSpec`` carries the host link (``host_bandwidth_bytes_per_s``)."""
+
+
+def host_bandwidth_bytes_per_s(device: DeviceSpec) -> float:
+    """The device's host link per direction: catalogued, or ``DEFAULT_HOST_BANDWIDTH_BYTES_PER_S``."""
+    return getattr(device, "host_bandwidth_bytes_per_s", None) or DEFAULT_HOST_BANDWIDTH_BYTES_PER_S
+
+
+def offload_copy_s(stage: StageTotals, device: DeviceSpec, strategy: Strategy) -> float:
+    """Seconds one direction of one micro-batch's offload copies takes on one device of ``stage``."""
+    if not stage.offloaded_bytes:
+        return 0.0
+    nbytes = stage.offloaded_bytes * strategy.micro_batch * tp_activation_share(strategy) / strategy.cp
+    return nbytes / host_bandwidth_bytes_per_s(device)
+
+
+def exposed_offload_s(
+    stage: StageTotals, device: DeviceSpec, strategy: Strategy, *, forward_s: float, backward_s: float
+) -> float:
+    """Offload seconds of one micro-batch the compute does not hide: the copy-out beyond the forward and the
+    copy-in beyond the backward."""
+    copy = offload_copy_s(stage, device, strategy)
+    return max(0.0, copy - forward_s) + max(0.0, copy - backward_s)
