@@ -134,23 +134,35 @@ def _refine_mixed(layers, cluster, training, key: Strategy, *, options, incumben
         return None
     coeffs = kind_coefficients(layers, cluster, training, key, options=options, measure=measure)
     fixed = _chunk_stages(len(kinds), key) if key.virtual_stages > 1 else None
-    budget = float(cluster.device.memory_bytes)
     micro_batches = key.gradient_accumulation(training.global_batch)
-    for _ in range(BUDGET_RETRIES + 1):
+
+    def solve_at(budget: float, _first: bool):
         result = solve_mixed(coeffs, kinds=kinds, budget_bytes=budget, slots=slots, micro_batches=micro_batches,
                              fixed_block_stages=fixed, zero3=key.zero == 3,
                              step_limit_s=incumbent if incumbent < float("inf") else None)
-        if result is None:
+        return result and (result, materialise_options(key, result.options, stage_blocks=result.stage_blocks))
+
+    return _solve_and_check(layers, cluster, training, solve_at, stats=stats)
+
+
+def _solve_and_check(layers, cluster, training, solve_at, *, stats: RefineStats):
+    """Solve at the device budget, re-check with ``estimate``, and where the linear model was optimistic
+    tighten the budget by the overshoot and solve again (``BUDGET_RETRIES`` times). ``solve_at(budget, first)``
+    returns (the solver's result, its strategy) or None when infeasible."""
+    budget = float(cluster.device.memory_bytes)
+    for attempt in range(BUDGET_RETRIES + 1):
+        solved = solve_at(budget, attempt == 0)
+        if not solved:
             stats.infeasible += 1
             return None
+        result, strategy = solved
         stats.solved += 1
         stats.solver_time_s += result.wall_time_s
         stats.worst_gap = max(stats.worst_gap, result.gap)
-        strategy = materialise_options(key, result.options, stage_blocks=result.stage_blocks)
         est = estimate(layers, cluster, training, strategy)
         if est.fits:
             return strategy, est
-        budget -= est.peak_memory_bytes - est.memory_budget_bytes  # the linear model was optimistic: tighten
+        budget -= est.peak_memory_bytes - est.memory_budget_bytes
     return None
 
 
@@ -193,21 +205,12 @@ def _refine_one(layers, cluster, training, key: Strategy, *, policies, incumbent
     if pace is not None and _slots(key, training, cluster) * pace >= incumbent:  # even the optimum cannot win: skip the solve
         stats.pruned += 1
         return None
-    for _ in range(BUDGET_RETRIES + 1):
-        result = solve(coeffs, blocks=blocks, budget_bytes=budget, fixed_blocks=fixed, tables=tables)
-        tables = None  # a retry tightens the budget: its tables differ
-        if result is None:
-            stats.infeasible += 1
-            return None
-        stats.solved += 1
-        stats.solver_time_s += result.wall_time_s
-        stats.worst_gap = max(stats.worst_gap, result.gap)
-        strategy = materialise(key, result.blocks, blocks=blocks)
-        est = estimate(layers, cluster, training, strategy)
-        if est.fits:
-            return strategy, est
-        budget -= est.peak_memory_bytes - est.memory_budget_bytes  # the linear model was optimistic: tighten
-    return None
+
+    def solve_at(at: float, first: bool):  # a retry tightens the budget: its tables differ
+        result = solve(coeffs, blocks=blocks, budget_bytes=at, fixed_blocks=fixed, tables=tables if first else None)
+        return result and (result, materialise(key, result.blocks, blocks=blocks))
+
+    return _solve_and_check(layers, cluster, training, solve_at, stats=stats)
 
 
 def _lower_bound_step(coeffs: Sequence[StageCoefficients], key: Strategy, training: TrainingConfig, cluster: Cluster, *,

@@ -1,0 +1,142 @@
+"""Per-layer planning (issue 21): the mixed integer program against brute force, its materialisation, and the
+cost model of the per-block options it chooses (activation offload, ZeRO-3 blocks keeping gathered weights)."""
+
+import itertools
+
+import pytest
+
+from tessera.cost_models import Strategy, TrainingConfig, estimate
+from tessera.cost_models.types import LayerStats
+from tessera.planner.ilp_mixed import KindCoefficients, block_kinds, solve_mixed
+from tessera.planner.refine import materialise_options
+from tessera.topology.presets import load_cluster
+
+GiB = 2**30
+OPTIONS = ("none", "full", "offload")
+
+
+def kind_stage(base_time, base_memory, *, kinds, comm=0.0):
+    """A stage's coefficients: kind ``g`` costs ``(g + 1)`` times kind 0 (seconds, GiB)."""
+    per = {"none": (1.0, 10.0), "full": (1.35, 2.0), "offload": (1.1, 4.0)}
+    return KindCoefficients(
+        base_time_s=base_time, base_memory_bytes=base_memory * GiB, base_comm_s=0.0, base_compute_s=0.0,
+        time_s=tuple({o: (g + 1) * t for o, (t, _) in per.items()} for g in range(kinds)),
+        memory_bytes=tuple({o: (g + 1) * m * GiB for o, (_, m) in per.items()} for g in range(kinds)),
+        comm_s=tuple({o: comm for o in per} for _ in range(kinds)),
+        compute_s=tuple({o: 0.0 for o in per} for _ in range(kinds)),
+    )
+
+
+def brute_force(stages, kinds, *, budget, slots):
+    """The smallest ``slots * pace`` over every contiguous split and every option of every block."""
+    best = None
+    blocks = len(kinds)
+    for cuts in itertools.combinations(range(1, blocks), len(stages) - 1):
+        bounds = (0, *cuts, blocks)
+        for choice in itertools.product(OPTIONS, repeat=blocks):
+            paces = []
+            for s, st in enumerate(stages):
+                span = range(bounds[s], bounds[s + 1])
+                memory = st.base_memory_bytes + sum(st.memory_bytes[kinds[i]][choice[i]] for i in span)
+                if memory > budget:
+                    break
+                paces.append(st.base_time_s + sum(st.time_s[kinds[i]][choice[i]] for i in span))
+            else:
+                step = slots * max(paces)
+                best = step if best is None else min(best, step)
+    return best
+
+
+@pytest.mark.parametrize(
+    ("kinds", "bases", "budget"),
+    [
+        ((0, 0, 1, 1, 0), [(0.5, 5), (0.0, 8)], 30),
+        ((1, 0, 0, 0, 1, 0), [(0.2, 3), (0.1, 2), (0.9, 12)], 28),
+        ((0, 1, 0, 1, 0, 1), [(0.0, 0), (0.0, 0)], 40),
+    ],
+)
+def test_mixed_program_matches_brute_force(kinds, bases, budget):
+    stages = [kind_stage(t, m, kinds=2) for t, m in bases]
+    expected = brute_force(stages, kinds, budget=budget * GiB, slots=3.0)
+    result = solve_mixed(stages, kinds=kinds, budget_bytes=budget * GiB, slots=3.0, micro_batches=4)
+    assert expected is not None and result is not None
+    assert result.step_s == pytest.approx(expected, abs=1e-4)  # integer microseconds, slots in thousandths
+    assert result.status == "OPTIMAL" and sum(result.stage_blocks) == len(kinds) and min(result.stage_blocks) >= 1
+    # The options it lists reproduce its pace: block i on the stage its cut says, under its option.
+    stage_of = [s for s, n in enumerate(result.stage_blocks) for _ in range(n)]
+    paces = [st.base_time_s + sum(st.time_s[kinds[i]][result.options[i]] for i in range(len(kinds)) if stage_of[i] == s)
+             for s, st in enumerate(stages)]
+    assert max(paces) == pytest.approx(result.pace_s, abs=1e-4)
+
+
+def test_mixed_program_is_infeasible_when_nothing_fits_and_honours_the_incumbent():
+    stages = [kind_stage(0.0, 0, kinds=1)] * 2
+    assert solve_mixed(stages, kinds=(0, 0, 0, 0), budget_bytes=3 * GiB, slots=1.0, micro_batches=1) is None
+    fits = solve_mixed(stages, kinds=(0, 0, 0, 0), budget_bytes=100 * GiB, slots=1.0, micro_batches=1)
+    assert fits is not None and fits.pace_s == pytest.approx(2.0)
+    assert solve_mixed(stages, kinds=(0, 0, 0, 0), budget_bytes=100 * GiB, slots=1.0, micro_batches=1,
+                       step_limit_s=1.9) is None
+
+
+def test_mixed_program_keeps_the_default_where_memory_allows():
+    """At the optimal pace the second solve moves no block off ``none`` that need not move."""
+    stages = [kind_stage(0.0, 0, kinds=2)] * 2
+    result = solve_mixed(stages, kinds=(0, 1, 1, 0), budget_bytes=100 * GiB, slots=1.0, micro_batches=1)
+    assert result is not None and set(result.options) == {"none"}
+
+
+def test_materialise_options_writes_per_block_policies_resharding_and_stage_sizes():
+    key = Strategy.parse("dp=2,pp=2,zero=3,mbs=1,recompute=none")
+    strategy = materialise_options(key, ["none+keep", "full", "offload", "none"], stage_blocks=(1, 3))
+    assert strategy.block_recompute == ("none", "full", "offload", "none")
+    assert strategy.block_reshard == (False, True, True, True) and strategy.chunk_blocks == (1, 3)
+    uniform = materialise_options(key, ["full"] * 4, stage_blocks=(2, 2))
+    assert uniform.recompute == "full" and not uniform.block_recompute and not uniform.block_reshard
+    assert not uniform.chunk_blocks
+
+
+def block(fqn, *, signature="b", params=50_000_000, saved=400 * 2**20, flops=2e12):
+    return LayerStats(fqn=fqn, kind="block", signature=signature, param_count=params, forward_flops=flops,
+                      backward_flops=2 * flops, saved_bytes_no_recompute=saved, saved_bytes_full_recompute=saved // 20,
+                      output_bytes=saved // 20, hidden_size=4096)
+
+
+def model(*blocks):
+    embedding = LayerStats(fqn="emb", kind="embedding", signature="e", param_count=10_000_000, forward_flops=0,
+                           backward_flops=0, saved_bytes_no_recompute=0, saved_bytes_full_recompute=0, output_bytes=2**20)
+    loss = LayerStats(fqn="loss", kind="loss", signature="l", param_count=0, forward_flops=0, backward_flops=0,
+                      saved_bytes_no_recompute=0, saved_bytes_full_recompute=0, output_bytes=4)
+    return [embedding, *blocks, loss]
+
+
+def test_block_kinds_group_by_signature_in_model_order():
+    kinds, representatives = block_kinds(model(block("a", signature="x"), block("b", signature="y"), block("c", signature="x")))
+    assert kinds == [0, 1, 0] and [b.fqn for b in representatives] == ["a", "b"]
+
+
+def test_offload_trades_device_memory_for_host_link_time():
+    layers = model(*(block(f"b{i}") for i in range(4)))
+    cluster, training = load_cluster("dgx-h100:nodes=1"), TrainingConfig(global_batch=8, seq_len=4096)
+    plain = estimate(layers, cluster, training, Strategy.parse("dp=8,zero=1,mbs=1,recompute=none"))
+    offload = estimate(layers, cluster, training, Strategy.parse("dp=8,zero=1,mbs=1,recompute=offload"))
+    saved = 4 * 400 * 2**20
+    # The saved activations leave the device; two blocks' worth stays in transit.
+    assert plain.memory_by_category_bytes["activations"] - offload.memory_by_category_bytes["activations"] == \
+        pytest.approx(saved - 2 * 400 * 2**20, rel=1e-6)
+    # 400 MiB per block over a 64 GB/s link is ~6.5 ms, more than a 2-TFLOP forward at H100 rates: exposed.
+    assert offload.step_time_s > plain.step_time_s
+    assert offload.recompute_time_s == 0
+
+
+def test_a_block_keeping_its_gathered_weights_saves_gathers_and_holds_its_weights():
+    layers = model(*(block(f"b{i}") for i in range(4)))
+    cluster, training = load_cluster("dgx-h100:nodes=1"), TrainingConfig(global_batch=32, seq_len=4096)
+    resharding = estimate(layers, cluster, training, Strategy.parse("dp=8,zero=3,mbs=1"))
+    keeping = estimate(layers, cluster, training, Strategy.parse("dp=8,zero=3,mbs=1,block_reshard=2xfalse/2xtrue"))
+    gathers = [e.comm_time_by_kind_s["fsdp_allgather"] for e in (resharding, keeping)]
+    # 4 micro-batches: 8 gathers of every block, 4 of the two that keep theirs (100M of the 210M parameters).
+    share = 100_000_000 / 210_000_000
+    assert gathers[1] / gathers[0] == pytest.approx((8 - 4 * share) / 8, rel=1e-9)
+    held = 2 * 50_000_000 * 2  # two blocks' bf16 weights, whole (no tp)
+    assert keeping.memory_by_category_bytes["parameters"] - resharding.memory_by_category_bytes["parameters"] == \
+        pytest.approx(held, rel=1e-6)
