@@ -26,6 +26,17 @@ exposed all-to-all time for DualPipe-style runs). Expert compute per device does
 each rank's ``E/ep`` experts receive ``k f b s / ep`` slots from each of ``ep`` peers, i.e. the same
 ``k f b s`` slots the rank would process without expert parallelism (at the balanced load the capture measured).
 
+**Expert tensor parallelism and folding** (``Strategy.etp``; Megatron-Core's ``expert_tensor_parallel_size`` and
+"MoE parallel folding", Liu et al. 2025, arXiv:2504.14960). Each expert is split over ``etp`` ranks (``tp`` by
+default), so a device holds ``E / ep`` experts at ``1 / etp`` of their width: expert weights and their state
+divide by ``etp * ep``, the ``edp = dp * tp / (etp * ep)`` ranks holding the same expert shard reduce its
+gradients. With ``etp < tp`` the rest of the tensor-parallel axis joins expert parallelism: the folded ep group is
+``ep`` ranks ``etp`` apart (inside the tensor-parallel group first, so an ep group of ``tp / etp`` stays on
+NVLink), each device still dispatches its ``1/tp`` share of the tokens, and expert compute per device is unchanged
+(``N k / tp`` rows at full width over ``etp = 1`` instead of ``N k`` rows at ``1/tp`` of it). The runtime runs
+``etp = tp`` only (``runtime.expert_parallel.check_expert_folding``); ``etp < tp`` is priced for evaluating
+published configurations.
+
 **Context parallelism** (ring attention, Liu et al. 2023, arXiv:2310.01889; Megatron-LM / Transformer Engine's
 ``cp`` with zig-zag chunks; Llama 3, arXiv:2407.21783 Sec. 3.3.2). A rank holds ``s / cp`` tokens (chunks ``i``
 and ``2cp-1-i`` of ``2cp``, which balances causal attention: every rank computes the same number of unmasked
@@ -75,7 +86,12 @@ DISPATCH_BUFFERS = 2  # an all-to-all's send and receive buffers, one layer at a
 def local_param_split(stage: StageTotals, strategy: Strategy) -> tuple[float, float]:
     """``(dense, expert)`` parameters of ``stage`` on one device: tp divides the sharded ones, ep the experts."""
     dense = (stage.sharded_params - stage.expert_params) / strategy.tp + stage.replicated_params
-    return dense, stage.expert_params / (strategy.tp * strategy.ep)
+    return dense, stage.expert_params / expert_shards(strategy)
+
+
+def expert_shards(strategy: Strategy) -> int:
+    """Devices one layer's routed experts are split over: ``ep`` whole-expert groups, each expert over ``etp``."""
+    return strategy.expert_tp * strategy.ep
 
 
 def dense_group(strategy: Strategy) -> Axes:
@@ -86,8 +102,10 @@ def dense_group(strategy: Strategy) -> Axes:
 
 
 def expert_group(strategy: Strategy) -> Axes:
-    """Ranks holding the same experts: the cp ring (stride tp) and the edp axis (stride tp*cp*ep*pp)."""
-    return _axes((strategy.cp, strategy.tp), (strategy.expert_dp, strategy.tp * strategy.cp * strategy.ep * strategy.pp))
+    """Ranks holding the same expert shard: the cp ring (stride tp) and the edp axis (stride etp*cp*ep*pp: with
+    folding, ``tp / etp`` of the ep ranks lie inside the tensor-parallel group)."""
+    stride = strategy.expert_tp * strategy.cp * strategy.ep * strategy.pp
+    return _axes((strategy.cp, strategy.tp), (strategy.expert_dp, stride))
 
 
 def gradient_families(stage: StageTotals, strategy: Strategy) -> list[tuple[float, Axes]]:
@@ -118,7 +136,7 @@ def sharded_params(stage: StageTotals, strategy: Strategy, *, from_zero: int) ->
 def largest_gathered_params(stage: StageTotals, strategy: Strategy) -> float:
     """Parameters of the stage's largest layer as FSDP gathers them on one device (experts stay ep-sharded)."""
     dense = stage.largest_layer_params - stage.largest_layer_expert_params
-    return dense / strategy.tp + stage.largest_layer_expert_params / (strategy.tp * strategy.ep)
+    return dense / strategy.tp + stage.largest_layer_expert_params / expert_shards(strategy)
 
 
 def ring_and_dispatch_buffer_bytes(stage: StageTotals, strategy: Strategy) -> float:
@@ -139,9 +157,14 @@ def ep_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float
     if strategy.ep == 1 or not stage.moe_layers:
         return 0.0
     one = all_to_all_time(cluster, _dispatch_bytes_per_layer(stage, strategy), group_size=strategy.ep,
-                          stride=strategy.tp * strategy.cp)
+                          stride=ep_stride(strategy))
     recomputed = stage.recompute_dispatch_bytes / stage.dispatch_bytes if stage.dispatch_bytes else 0.0
     return stage.moe_layers * one * (4 + 2 * recomputed)  # fwd dispatch+combine, bwd both, recomputed fwd again
+
+
+def ep_stride(strategy: Strategy) -> int:
+    """Rank distance between expert-parallel peers: ``tp * cp``, or ``etp`` when folded into the tp axis."""
+    return strategy.tp * strategy.cp if strategy.expert_tp == strategy.tp else strategy.expert_tp
 
 
 def _dispatch_bytes_per_layer(stage: StageTotals, strategy: Strategy) -> float:

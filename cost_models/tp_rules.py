@@ -29,8 +29,8 @@ Styles used here: ``colwise`` (output features sharded), ``packed_colwise`` (eac
 of ``parts`` packed blocks, so its local q/k/v or gate/up stay matched), ``colwise_gather_output`` (sharded
 weights, output all-gathered: for a forward that slices its output at fixed offsets, as Phi-3's ``qkv_proj``),
 ``rowwise`` (input features sharded, partial sums reduced), ``rowwise_split_input`` (the replicated input sliced
-locally first), ``replicated`` (kept whole). Others of Hugging Face's vocabulary (``local_*``, ``moe_tp_experts``,
-``packed_rowwise``, ...) are refused with their name.
+locally first), ``replicated`` (kept whole). Others of Hugging Face's vocabulary (``local_*``,
+``packed_rowwise``, ...) are refused with their name; ``moe_tp_experts`` names the experts split.
 """
 
 from __future__ import annotations
@@ -56,7 +56,10 @@ HEAD_SPLIT_STYLES = frozenset({"colwise", "packed_colwise"})
 """Column styles that leave each rank its own heads (not gathered)."""
 EMBEDDING_STYLES = frozenset({"embedding_rowwise"})
 NORM_STYLES = frozenset({"sequence_parallel"})
-STYLES = COLUMN_STYLES | ROW_STYLES | REPLICATED_STYLES | EMBEDDING_STYLES | NORM_STYLES
+MOE_TP_STYLE = "moe_tp_experts"
+"""Hugging Face's style name for a stacked experts module split over tp (:func:`expert_tp_dims`; the only split the
+runtime applies to one, so a plan naming it changes nothing)."""
+STYLES = COLUMN_STYLES | ROW_STYLES | REPLICATED_STYLES | EMBEDDING_STYLES | NORM_STYLES | {MOE_TP_STYLE}
 """Style names a plan may use (the others of Hugging Face's vocabulary are refused by name)."""
 
 PACKED_PARTS = {"attention": 3, "mlp": 2}
@@ -342,10 +345,6 @@ def config_head_read(fqn: str, attention: nn.Module) -> str | None:
 
 
 # ------------------------------------------------------------------- mixture-of-experts blocks with stacked experts
-
-MOE_TP_STYLE = "moe_tp_experts"
-"""Hugging Face's style name for an experts module split over tp (each expert's hidden width)."""
-
 
 def moe_containers(block: nn.Module) -> list[str]:
     """Modules of ``block`` (relative names) holding a stacked experts module named ``experts``: each is split as a

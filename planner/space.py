@@ -20,6 +20,10 @@ candidate's recomputation (its uniform ``recompute`` then stays ``none`` unless 
 ``chunk_blocks`` admits only the pipelines of ``pp * virtual_stages == len(chunk_blocks)`` chunks.
 ``check_layer_pins`` refuses, before any search, per-block pins that do not match the model.
 
+The experts' own tensor-parallel degree (``Strategy.etp``, MoE parallel folding) is never enumerated: the runtime
+splits every expert over the whole tp axis (``runtime.expert_parallel.check_expert_folding``); a pinned ``etp``
+other than ``tp`` is refused. ``cost_models.sparse`` prices it for ``tessera evaluate``.
+
 What the runtime refuses for one model (``LayerGraph.unavailable_axes``, ``planner.capabilities``) is keyed by
 feature: an axis (``tp``), ``accumulation`` (more than one micro-batch per step), ``recompute`` (any block
 recomputed), ``zero-bubble`` (that pipeline schedule), or a combination joined by ``+`` (``tp+zero``: tensor parallelism with ZeRO >= 1 over more than one
@@ -236,6 +240,10 @@ def check_runtime_pins(pins: Mapping[str, object], unavailable: Mapping[str, str
     pinned = used | ({"zero"} if int(pins.get("zero", 0)) >= 1 and int(pins.get("dp", 1)) > 1 else set())
     pinned |= {"recompute"} if pins.get("recompute", "none") != "none" or any(
         p != "none" for p in pins.get("block_recompute") or ()) else set()
+    if pins.get("etp") is not None and int(pins["etp"]) != int(pins.get("tp", 0)):
+        raise ConfigError(f"etp={pins['etp']} (the experts' own tensor-parallel degree) is priced but the runtime runs "
+                          "only etp = tp, so the search plans the experts on tp; leave etp out (tessera evaluate prices "
+                          "a folded strategy)")
     refused = model_refusal(pinned, {k: v for k, v in unavailable.items() if k not in ("tp", "pp", "cp", "ep")})
     if refused is not None:
         raise ConfigError(f"the pins use {refused}, which the runtime cannot run on this model: {unavailable[refused]}; "

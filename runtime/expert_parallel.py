@@ -60,7 +60,8 @@ The tensor, context and pipeline compositions above are this layer's; stacked ex
 and pipeline parallelism in their own way (``runtime.hf_experts``) and refuse context parallelism.
 
 Not implemented (``NotModelledError`` from ``check_expert_parallel``): sequence parallelism and selective
-recomputation (full recomputation works) with ``ep > 1``.
+recomputation (full recomputation works) with ``ep > 1``; experts on their own tensor-parallel degree below ``tp``
+(``Strategy.etp``, Megatron's "MoE parallel folding": ``check_expert_folding``).
 A model on the meta device is materialised whole on every rank before its experts are split (``apply_plan``,
 as for DDP): correct, but each rank briefly holds every expert; initialising only the local experts would
 need ``runtime.materialize`` to draw and drop the remote ones.
@@ -68,7 +69,7 @@ need ``runtime.materialize`` to draw and drop the remote ones.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -158,6 +159,7 @@ def check_expert_parallel(model: nn.Module, strategy: Strategy, *, selective_rec
     selective checkpointing (it replays saved ops by count) rejects. Full recomputation works. Stacked experts
     modules (``runtime.hf_experts``) have their own limits (``check_stacked_experts``).
     """
+    check_expert_folding(strategy)
     unsupported = {"sp": strategy.sp, "selective recomputation": selective_recompute}
     for name, used in unsupported.items():
         if used:
@@ -177,6 +179,16 @@ def check_expert_parallel(model: nn.Module, strategy: Strategy, *, selective_rec
                                    f"plan with an ep that divides {layer.num_experts}")
 
 
+def check_expert_folding(strategy: Strategy) -> None:
+    """Raise ``NotModelledError`` for ``etp < tp`` (experts on a tensor-parallel degree below the dense layers'):
+    the runtime splits every expert over the whole tp axis; the folded grid is priced (``cost_models.sparse``),
+    not run (it needs its own expert mesh, ``etp x ep x edp`` over the ``tp x dp`` ranks)."""
+    if strategy.expert_tp != strategy.tp:
+        raise NotModelledError(f"strategy {strategy.to_string()!r}: etp={strategy.expert_tp} below tp={strategy.tp} "
+                               "(experts folded into the tensor-parallel axis) is not implemented by the runtime; "
+                               "drop etp (the experts then use tp)")
+
+
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, *, ep: int) -> None:
     """Replace every ``MoELayer`` of ``model`` (in place) by an :class:`ExpertParallelMoE`, and every stacked experts
     module by a ``ShardedExperts``, over the mesh's ep axis (and its tp axis when tp > 1: each expert's hidden
@@ -192,18 +204,19 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, *, ep: int) -> Non
     apply_stacked_experts(model, mesh[EP, TP] if mesh[TP].size() > 1 else mesh[EP])
 
 
-def expert_units(model: nn.Module) -> Iterator[nn.Module]:
-    """The modules holding this rank's experts, each wrapped on its own over ``edp``: every local expert of an
-    ``ExpertParallelMoE``, every ``ShardedExperts`` (its stacked shards)."""
-    for module in model.modules():
+def expert_units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(FQN, module) of the modules holding this rank's experts, each wrapped on its own over ``edp``: every local
+    expert of an ``ExpertParallelMoE``, every ``ShardedExperts`` (its stacked shards)."""
+    for name, module in model.named_modules():
         if isinstance(module, ExpertParallelMoE):
-            yield from module.experts.values()
+            yield from ((f"{name}.experts.{key}", expert) for key, expert in module.experts.items())
         elif isinstance(module, ShardedExperts):
-            yield module
+            yield name, module
 
 
 def apply_expert_data_parallel(
-    model: nn.Module, mesh: DeviceMesh, *, strategy: Strategy, mp_policy: MixedPrecisionPolicy
+    model: nn.Module, mesh: DeviceMesh, *, strategy: Strategy, mp_policy: MixedPrecisionPolicy,
+    block_reshard: Mapping[str, bool] | None = None,
 ) -> None:
     """Average each local expert's gradient over the ``edp`` (x ``cp``) ranks holding it; ``1/ep`` is applied in
     backward (``experts_exchange.with_expert_gradient_scale``), so it ends up divided by ``dp`` (x ``cp``) like the
@@ -211,11 +224,19 @@ def apply_expert_data_parallel(
 
     ZeRO-0 replicates each expert unit (FSDP2 ``replicate``); ZeRO-1/2/3 shard it over those ranks like the dense
     units (a stacked unit's parameters are ep-sharded ``DTensor`` s: FSDP2 shards them over ``edp`` x ``ep``).
-    Call before the dense data-parallel wrapping, which then leaves the experts alone.
+    Under ZeRO-3 a unit reshards after forward as the block holding it does (``block_reshard``: block FQN ->
+    ``Strategy.reshards_block``; a block not named reshards). Call before the dense data-parallel wrapping, which
+    then leaves the experts alone.
     """
     edp_mesh = expert_data_mesh(mesh)  # edp (x cp)
-    for unit in list(expert_units(model)):
+    for name, unit in list(expert_units(model)):
         if strategy.zero == 0:
             replicate(unit, mesh=edp_mesh, mp_policy=mp_policy)
         else:
-            fully_shard(unit, mesh=edp_mesh, mp_policy=mp_policy, reshard_after_forward=strategy.zero == 3)
+            reshard = strategy.zero == 3 and _block_reshards(name, block_reshard or {})
+            fully_shard(unit, mesh=edp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+
+
+def _block_reshards(unit: str, block_reshard: Mapping[str, bool]) -> bool:
+    """Whether the block holding ``unit`` reshards after forward (True when no entry names it)."""
+    return next((keep for block, keep in block_reshard.items() if unit.startswith(f"{block}.")), True)

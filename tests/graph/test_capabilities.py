@@ -35,21 +35,29 @@ PHI3 = ("hf:phi3:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_ke
 NEOX = "hf:gpt_neox:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,intermediate_size=128,vocab_size=256"
 OPT = ("hf:opt:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,ffn_dim=128,vocab_size=256,"
        "word_embed_proj_dim=64")
+QWEN2_MOE = ("hf:qwen2_moe:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+             "intermediate_size=128,moe_intermediate_size=64,shared_expert_intermediate_size=128,vocab_size=256,"
+             "num_experts=4,num_experts_per_tok=2")
+QWEN3_MOE = ("hf:qwen3_moe:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,head_dim=16,"
+             "intermediate_size=128,moe_intermediate_size=64,vocab_size=256,num_experts=4,num_experts_per_tok=2")
+MOE_FAMILIES = [MIXTRAL, QWEN2_MOE, QWEN3_MOE]
+LOCAL = (("model.layers.*.self_attn.q_proj", "local_colwise"),)
+"""A user's tp_plan naming a style of Hugging Face's vocabulary the runtime does not apply: tp unavailable."""
 CLUSTER = "dgx-h100:nodes=2"
 TRAINING = TrainingConfig(global_batch=64, seq_len=SEQ, precision="bf16")
 
 
 @cache
-def graph(spec: str):
-    return capture_preset(spec, seq_len=SEQ)
+def graph(spec: str, tp_plan: tuple = ()):
+    return capture_preset(spec, seq_len=SEQ, tp_plan=dict(tp_plan) or None)
 
 
 @cache
-def plan_of(spec: str) -> Plan:
-    return search(graph(spec), load_cluster(CLUSTER), TRAINING)
+def plan_of(spec: str, tp_plan: tuple = ()) -> Plan:
+    return search(graph(spec, tp_plan), load_cluster(CLUSTER), TRAINING)
 
 
-def runtime_accepts(spec: str, plan: Plan) -> None:
+def runtime_accepts(spec: str, plan: Plan, tp_plan: tuple = ()) -> None:
     """The runtime's pre-checks of ``apply_plan`` for ``plan`` on the model ``spec`` builds (raise if refused)."""
     model, _ = resolve_model(spec)
     strategy = plan.strategy
@@ -60,15 +68,15 @@ def runtime_accepts(spec: str, plan: Plan) -> None:
     if strategy.ep > 1:
         check_expert_parallel(model, strategy, selective_recompute=bool(recompute_fqns(plan, "selective")))
     if strategy.tp > 1:  # pairs from the module tree, as auto_parallelize applies it
-        check_tensor_parallel(model, plan.layers, tp=strategy.tp, sp=strategy.sp)
+        check_tensor_parallel(model, plan.layers, tp=strategy.tp, sp=strategy.sp, tp_plan=dict(tp_plan) or None)
         if strategy.zero >= 1 and strategy.dp * strategy.cp > 1:
-            check_packed_under_fsdp(model, plan.layers)
+            check_packed_under_fsdp(model, plan.layers, tp_plan=dict(tp_plan) or None)
     if strategy.pp > 1:
         pipeline.trace_plan(model, plan)
 
 
-def with_strategy(spec: str, plan: Plan, strategy) -> Plan:
-    return plan.model_copy(update={"strategy": strategy, "layers": planned_layers(graph(spec), strategy)})
+def with_strategy(spec: str, plan: Plan, strategy, tp_plan: tuple = ()) -> Plan:
+    return plan.model_copy(update={"strategy": strategy, "layers": planned_layers(graph(spec, tp_plan), strategy)})
 
 
 @pytest.mark.parametrize("spec", [GPT2, PHI3, NEOX, OPT, LLAMA])
@@ -78,17 +86,17 @@ def test_fused_projections_conv1d_and_declared_plans_keep_tensor_parallelism(spe
     assert "tp" not in graph(spec).unavailable_axes
 
 
-def test_mixtral_has_tp_unavailable_for_its_router_and_packed_experts():
-    assert graph(MIXTRAL).unavailable_axes["tp"].startswith(
-        "tensor parallelism does not know how to split parameter model.layers.0.mlp.gate.weight (owned by "
-        "MixtralTopKRouter)")
+@pytest.mark.parametrize("spec", MOE_FAMILIES)
+def test_moe_families_keep_tensor_parallelism_with_their_stacked_experts(spec):
+    # router whole, experts split over tp (runtime.tp_experts), Qwen2-MoE's shared expert like a dense MLP
+    assert not {"tp", "tp+zero"} & set(graph(spec).unavailable_axes)
 
 
-def test_tessera_plan_on_mixtral_never_splits_tensors():
-    plan = tessera.plan(MIXTRAL, CLUSTER, global_batch=64, seq_len=SEQ)
+def test_tessera_plan_never_splits_tensors_where_a_user_plan_has_a_style_the_runtime_lacks():
+    plan = tessera.plan(MIXTRAL, CLUSTER, global_batch=64, seq_len=SEQ, tp_plan=dict(LOCAL))
     assert plan.strategy.tp == 1 and all(c.strategy.tp == 1 for c in plan.alternatives)
     assert "tp" in plan.unavailable_axes
-    assert "no tp      tensor parallelism does not know" in plan.summary()
+    assert "no tp      tp_plan entry 'model.layers.*.self_attn.q_proj': style 'local_colwise'" in plan.summary()
 
 
 def test_a_tessera_preset_keeps_every_axis():
@@ -97,10 +105,10 @@ def test_a_tessera_preset_keeps_every_axis():
 
 
 def test_a_pin_on_an_unavailable_axis_is_refused_naming_axis_and_reason():
-    with pytest.raises(ConfigError, match=r"tp=2 is unavailable for this model: .*MixtralTopKRouter"):
-        search(graph(MIXTRAL), load_cluster(CLUSTER), TRAINING, pins={"tp": 2})
+    with pytest.raises(ConfigError, match=r"tp=2 is unavailable for this model: .*'local_colwise'"):
+        search(graph(MIXTRAL, LOCAL), load_cluster(CLUSTER), TRAINING, pins={"tp": 2})
     assert "ep" not in graph(MIXTRAL).unavailable_axes  # stacked experts split (runtime.hf_experts)
-    assert {"ep+tp", "ep+cp", "ep+zero-bubble+zero"} <= set(graph(MIXTRAL).unavailable_axes)
+    assert {"ep+cp", "ep+zero-bubble+zero"} <= set(graph(MIXTRAL).unavailable_axes)
 
 
 def test_moe_strategies_never_pair_ep_with_sp_or_selective_recomputation():
@@ -122,7 +130,7 @@ def test_the_plan_json_round_trip_keeps_unavailable_axes_and_old_plans_load():
     assert Plan.model_validate(old).unavailable_axes == {}
 
 
-@pytest.mark.parametrize("spec", [LLAMA, GPT2, PHI3, NEOX, OPT, MIXTRAL, "llama-tiny", "moe-tiny"])
+@pytest.mark.parametrize("spec", [LLAMA, GPT2, PHI3, NEOX, OPT, *MOE_FAMILIES, "llama-tiny", "moe-tiny"])
 def test_every_returned_strategy_passes_the_runtime_prechecks(spec):
     plan = plan_of(spec)
     for candidate in (plan, *plan.alternatives, *plan.degree_alternatives):
@@ -130,17 +138,29 @@ def test_every_returned_strategy_passes_the_runtime_prechecks(spec):
         runtime_accepts(spec, with_strategy(spec, plan, strategy) if candidate is not plan else plan)
 
 
-@pytest.mark.parametrize("spec", [GPT2, MIXTRAL, LLAMA])
-def test_an_unavailable_axis_is_one_the_runtime_refuses(spec):
-    plan = plan_of(spec)
-    for axis in graph(spec).unavailable_axes:
+@pytest.mark.parametrize("nodes", [2, 4, 8, 16])
+@pytest.mark.parametrize("spec", MOE_FAMILIES)
+def test_moe_plans_at_scale_only_return_what_the_runtime_runs(spec, nodes):
+    # tessera.plan on 2-16 H100 nodes: the plan, its runners-up and its per-degree alternatives (tp, ep x tp, pp...)
+    # all pass apply_plan's own pre-checks on the model
+    training = TrainingConfig(global_batch=32 * nodes, seq_len=SEQ, precision="bf16")
+    plan = search(graph(spec), load_cluster(f"dgx-h100:nodes={nodes}"), training)
+    assert any(c.strategy.tp > 1 for c in (plan, *plan.alternatives, *plan.degree_alternatives))
+    for candidate in (plan, *plan.alternatives, *plan.degree_alternatives):
+        runtime_accepts(spec, with_strategy(spec, plan, candidate.strategy))
+
+
+@pytest.mark.parametrize(("spec", "tp_plan"), [(GPT2, ()), (MIXTRAL, ()), (MIXTRAL, LOCAL), (LLAMA, ())])
+def test_an_unavailable_axis_is_one_the_runtime_refuses(spec, tp_plan):
+    plan = plan_of(spec, tp_plan)
+    for axis in graph(spec, tp_plan).unavailable_axes:
         degree = {"tp": dict(tp=2, dp=8, sp=False), "pp": dict(pp=2, dp=8), "ep": dict(ep=2),
                   "cp": dict(cp=2, dp=8, sp=False), "tp+zero": dict(tp=2, dp=8, sp=False, zero=1),
-                  "ep+tp": dict(ep=2, tp=2, dp=8, sp=False), "ep+cp": dict(ep=2, cp=2, dp=8, sp=False),
+                  "ep+cp": dict(ep=2, cp=2, dp=8, sp=False),
                   "ep+zero-bubble+zero": dict(ep=2, pp=2, dp=8, zero=1, schedule="zero-bubble")}[axis]
         strategy = plan.strategy.model_copy(update=degree)
         with pytest.raises(NotModelledError):
-            runtime_accepts(spec, with_strategy(spec, plan, strategy))
+            runtime_accepts(spec, with_strategy(spec, plan, strategy, tp_plan), tp_plan)
 
 
 def test_the_report_and_the_terminal_table_say_which_axes_were_unavailable():
@@ -149,23 +169,23 @@ def test_the_report_and_the_terminal_table_say_which_axes_were_unavailable():
     from tessera.planner.explain import plan_markdown
     from tessera.report import print_plan
 
-    plan = plan_of(MIXTRAL)
-    assert "## Unavailable axes" in plan_markdown(plan) and "(owned by MixtralTopKRouter)" in plan_markdown(plan)
+    plan = plan_of(MIXTRAL, LOCAL)
+    assert "## Unavailable axes" in plan_markdown(plan) and "style 'local_colwise'" in plan_markdown(plan)
     console = Console(record=True, width=200)
     print_plan(plan, console)
     text = console.export_text()
-    assert "no tp" in text and "MixtralTopKRouter" in text
+    assert "no tp" in text and "local_colwise" in text
     assert "Unavailable axes" not in plan_markdown(plan_of("llama-tiny"))
 
 
 def test_what_an_unavailable_axis_would_gain_is_predicted_when_it_would_change_the_plan():
     from tessera.planner.search import unavailable_gains
 
-    tiny = plan_of(MIXTRAL)
-    assert unavailable_gains(graph(MIXTRAL), load_cluster(CLUSTER), TRAINING, pins={}, best=tiny.estimate) == tiny.unavailable_gains
+    tiny = plan_of(MIXTRAL, LOCAL)
+    assert unavailable_gains(graph(MIXTRAL, LOCAL), load_cluster(CLUSTER), TRAINING, pins={}, best=tiny.estimate) == tiny.unavailable_gains
     slow = tiny.estimate.model_copy(update={"step_time_s": tiny.estimate.step_time_s * 100})  # a plan tp could beat
-    gains = unavailable_gains(graph(MIXTRAL), load_cluster(CLUSTER), TRAINING, pins={"dp": 8, "pp": 1}, best=slow)
-    assert gains and all(g.verdict.split()[0] in graph(MIXTRAL).unavailable_axes and "would gain" in g.verdict
+    gains = unavailable_gains(graph(MIXTRAL, LOCAL), load_cluster(CLUSTER), TRAINING, pins={"dp": 8, "pp": 1}, best=slow)
+    assert gains and all(g.verdict.split()[0] in graph(MIXTRAL, LOCAL).unavailable_axes and "would gain" in g.verdict
                          for g in gains)
 
 
