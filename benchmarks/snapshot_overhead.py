@@ -6,13 +6,14 @@ round, one trial each, no results file unless ``--out`` names one).
 
 **Overhead.** Four ranks are two simulated nodes (ranks 0-1 and 2-3), each with its own store under
 ``/dev/shm`` (``runtime.snapshots``: own node plus buddy node). For each small model and plan the ranks train
-in alternating blocks of ``BLOCK`` steps without snapshots, with one after every step (``k = 1``) and with one
-every 4 steps; a block with snapshots ends by waiting for the last one, so every snapshot's cost is inside its
-block. Alternating blocks cancel the drift of a shared machine's load. The figure is the mean step time over
-all blocks of each kind (rank 0's clock: every step ends in an all-reduce, so all ranks finish it together;
-the mean, since waiting for a snapshot lands on the one step that starts the next), and the overhead is the
-ratio to the blocks without snapshots, minus one. Also shown: the time a snapshot takes from staging to commit
-on every node (in the background).
+in rounds; each round runs a block of ``BLOCK`` steps without snapshots, one with a snapshot after every step
+(``k = 1``) and one with a snapshot every 4 steps, in turn; a block with snapshots ends by waiting for the last
+one, so every snapshot's cost is inside its block. A round's overhead is its block's mean step time over the
+same round's block without snapshots, minus one (rank 0's clock: every step ends in an all-reduce, so all
+ranks finish it together); reported: the median over rounds and the lowest and highest, since the rounds
+measure the drift of a shared machine's load as much as anything. Also shown: the bytes each rank writes per
+snapshot, the staging copy (the part on the training thread, median) and the time a snapshot takes from
+staging to commit on every node (in the background).
 
 **Lost work.** A fault run: 4 ranks train ``gpt-tiny`` (TP 2 x DP 2) with a disk checkpoint every
 ``DISK_EVERY`` steps and, in the snapshot mode, a snapshot every step. Node 1's two ranks die at a random moment
@@ -62,7 +63,7 @@ SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdi
 
 
 def measure_overhead(cases: list[tuple[str, str]], rounds: int, stores: str) -> dict:
-    """Rank body: per case, step times without and with a snapshot after every step."""
+    """Rank body: per case, each round's block mean step time per mode, staging and commit times."""
     rank, results = dist.get_rank(), {}
     for spec, strategy in cases:
         model = make_model(spec, 0)
@@ -72,30 +73,39 @@ def measure_overhead(cases: list[tuple[str, str]], rounds: int, stores: str) -> 
         batches = make_batches(spec, BLOCK)
         for batch in batches[:WARMUP]:
             pm.train_step(batch)
-        times: dict[str, list[float]] = {mode: [] for mode in MODES}
-        commit_s = []
+        blocks: dict[str, list[float]] = {mode: [] for mode in MODES}
         for _ in range(rounds):
             for mode, every in MODES.items():
                 pm.snapshots = snapshots if every else None
                 snapshots.config = snapshots.config.model_copy(update={"every": every or 1})
+                started = time.perf_counter()
                 for batch in batches:
-                    started = time.perf_counter()
                     pm.train_step(batch)
-                    times[mode].append(time.perf_counter() - started)
                 if every:
-                    started = time.perf_counter()
                     snapshots.wait()  # the last snapshot's remaining background time counts in its block
-                    times[mode][-1] += time.perf_counter() - started
-        for _ in range(3):  # a snapshot's whole latency, staging to commit on every node
+                blocks[mode].append((time.perf_counter() - started) / len(batches))
+        staging_s, commit_s = [], []
+        for _ in range(5):  # the training thread's share, then a snapshot's whole latency to commit on every node
             started = time.perf_counter()
             snapshots.snapshot(pm)
+            staged = time.perf_counter()
             snapshots.wait()
+            staging_s.append(staged - started)
             commit_s.append(time.perf_counter() - started)
+        written = snapshots._staged.nbytes
         pm.snapshots = snapshots
         pm.close()
-        results[(spec, strategy)] = {"times": times, "commit_s": commit_s,
+        results[(spec, strategy)] = {"blocks": blocks, "staging_s": staging_s, "commit_s": commit_s,
+                                     "written_bytes": dist_max(written),
                                      "params": sum(p.numel() for p in model.parameters())}
     return results if rank == 0 else {}
+
+
+def dist_max(value: int) -> int:
+    """The largest ``value`` over the ranks."""
+    box = torch.tensor(value)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return int(box)
 
 
 # ------------------------------------------------------------------------------------------------ lost work
@@ -162,6 +172,10 @@ def lost_work(mode: str, trials: int, seed: int) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ report
 
 
+def rounds(overhead: dict) -> int:
+    return len(next(iter(overhead.values()))["blocks"]["off"])
+
+
 def report(overhead: dict, lost: dict, *, command: str, load_before: str, load_after: str) -> str:
     lines = [
         "# In-memory snapshots: per-step overhead at k = 1 and work lost per failure", "",
@@ -170,18 +184,23 @@ def report(overhead: dict, lost: dict, *, command: str, load_before: str, load_a
         f"them), gloo ranks with one torch thread each; torch {torch.__version__}. Stores under {SHM} (tmpfs). "
         f"`uptime` before: {load_before}; after: {load_after}.", "",
         "## Overhead of a snapshot after every step (4 ranks as 2 nodes, own + buddy store)", "",
-        f"Mean step time over alternating blocks of {BLOCK} steps without snapshots, with one after every step "
-        "and with one every 4 steps; a block with snapshots includes waiting for its last one. Commit: one snapshot from staging to committed on every "
-        "node (runs in the background, overlapped with the next step).", "",
-        "| model | params | plan | step, no snapshots (ms) | k = 1: step (ms), overhead | k = 4: step (ms), overhead "
-        "| snapshot commit (ms) |",
-        "|---|---|---|---|---|---|---|",
+        f"{rounds(overhead)} rounds of alternating blocks of {BLOCK} steps: without snapshots, with one after every "
+        "step (k = 1), with one every 4 steps (k = 4); a block with snapshots includes waiting for its last one. "
+        "Overhead: per round, the block's mean step time over the same round's block without snapshots, minus "
+        "one; median over rounds [lowest, highest]. Written: the most bytes one rank writes per snapshot "
+        "(replicated chunks once). Staging: the copy on the training thread (median). Commit: one snapshot from "
+        "staging to committed on every node (background, overlapped with the next step; median).", "",
+        "| model | params | plan | step, no snapshots (ms) | k = 1 overhead | k = 4 overhead | written per rank "
+        "| staging (ms) | commit (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (spec, strategy), result in overhead.items():
-        mean = {mode: statistics.mean(times) for mode, times in result["times"].items()}
-        off = mean["off"]
-        cells = " | ".join(f"{mean[mode] * 1e3:,.1f}, {mean[mode] / off - 1:+.1%}" for mode in MODES if mode != "off")
-        lines.append(f"| `{spec}` | {result['params'] / 1e3:,.0f}K | `{strategy}` | {off * 1e3:,.1f} | {cells} "
+        blocks = result["blocks"]
+        ratios = {mode: [b / off - 1 for b, off in zip(blocks[mode], blocks["off"])] for mode in MODES if mode != "off"}
+        cells = " | ".join(f"{statistics.median(r):+.1%} [{min(r):+.1%}, {max(r):+.1%}]" for r in ratios.values())
+        lines.append(f"| `{spec}` | {result['params'] / 1e3:,.0f}K | `{strategy}` | "
+                     f"{statistics.median(blocks['off']) * 1e3:,.1f} | {cells} | "
+                     f"{result['written_bytes'] / 1e6:,.2f} MB | {statistics.median(result['staging_s']) * 1e3:,.2f} "
                      f"| {statistics.median(result['commit_s']) * 1e3:,.0f} |")
     lines += ["", f"## Work lost per failure (steps): `{FAULT_MODEL}`, `{FAULT_BEFORE}` on 4 ranks -> "
               f"`{FAULT_AFTER}` on 2", "",
@@ -198,6 +217,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--no-lost-work", action="store_true", help="measure the overhead only")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     load_before = os.popen("uptime").read().strip()
@@ -210,7 +230,7 @@ def main() -> None:
         overhead = spawn(measure_overhead, nprocs=4, args=(cases, rounds, stores), timeout_s=1800)[0]
     finally:
         shutil.rmtree(stores, ignore_errors=True)
-    lost = {mode: lost_work(mode, trials, seed=1) for mode in ("snapshots", "disk only")}
+    lost = {} if args.no_lost_work else {mode: lost_work(mode, trials, seed=1) for mode in ("snapshots", "disk only")}
     command = " ".join([".venv/bin/python", "benchmarks/snapshot_overhead.py", *sys.argv[1:]])
     text = report(overhead, lost, command=command, load_before=load_before, load_after=os.popen("uptime").read().strip())
     print(text)

@@ -22,9 +22,10 @@ def saved_plan(checkpoint: str | Path) -> Plan:
     return Plan.from_json(folder / PLAN_FILE)
 
 
-def check_same_model(plan: Plan, checkpoint: str | Path) -> None:
-    """Raise ``CheckpointError`` if ``checkpoint`` was saved from a model of another size than ``plan``'s."""
-    saved = saved_plan(checkpoint)
+def check_same_model(plan: Plan, checkpoint: str | Path, *, saved: Plan | None = None) -> None:
+    """Raise ``CheckpointError`` if ``checkpoint`` was saved from a model of another size than ``plan``'s
+    (``saved``: its plan, already read; an in-memory snapshot's, which has no DCP metadata)."""
+    saved = saved if saved is not None else saved_plan(checkpoint)
     if saved.param_count != plan.param_count:
         raise CheckpointError(
             f"checkpoint {checkpoint} was saved from {saved.model_name} ({saved.param_count:,} parameters) but "

@@ -7,13 +7,15 @@ file of the whole snapshot is held by *some* surviving node. If a disk checkpoin
 complete (a node and its buddy were lost together, or every store is gone), it says why and returns ``None``:
 the caller loads the newest intact disk checkpoint instead.
 
-To load a step, every node's leader assembles a complete checkpoint folder in its store
-(``store/recovery/step-N``): hard links to the files it holds, and the files it lacks received from a node that
-holds them (a gloo broadcast of the bytes, checked against the manifest's SHA-256). That folder is an ordinary
-committed checkpoint, so the ordinary load does the rest (``runtime.checkpoint``): DCP reshards it to the new
-plan, DCP's metadata and non-tensor values are read by the restricted readers (``runtime.checkpoint_reader``:
-nothing received runs code), RNG states and the data position come back. The folder is removed afterwards, and
-so are snapshots newer than the step loaded (a past the run no longer continues from).
+To load a step, every node's leader assembles the whole snapshot in its store (``store/recovery/step-N``): hard
+links to the files it holds, and the files it lacks received from a node that holds them (a gloo broadcast of
+the bytes, checked against the manifest's SHA-256). Every rank then reads every rank's file of it
+(``runtime.snapshot_format``: JSON headers and raw bytes, nothing that runs code) and copies into its state
+under the new plan the parts of the saved chunks its own shards cover (resharding), then the optimizer state is
+set as a disk checkpoint's is (``set_state_dict``), and the RNG states (the rank's own under the same world
+size, else rank 0's, as ``runtime.checkpoint`` does), the step and the data position (``torch.load`` with
+``weights_only=True``) come back. The folder is removed afterwards, and so are snapshots newer than the step
+loaded (a past the run no longer continues from).
 
 Limit: every surviving node assembles the whole snapshot (every rank's shards), so a node's store must hold one
 full snapshot during recovery; a run whose full state exceeds one node's host memory is refused by the memory
@@ -24,23 +26,27 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from tessera.errors import CheckpointError
+from tessera.planner.plan import Plan
+from tessera.runtime.checkpoint import STATE_OPTIONS, CheckpointInfo, state_module, training_tensors
 from tessera.runtime.checkpoint_files import (
-    MANIFEST, MARKER, Manifest, all_gather, barrier, broadcast, complete_checkpoints, file_record, sha256_text,
-    step_folder, step_of, together,
+    DATA_FILE, MANIFEST, MARKER, PLAN_FILE, Manifest, all_gather, barrier, broadcast, complete_checkpoints,
+    file_record, sha256_text, step_folder, step_of, together,
 )
 from tessera.runtime.saved_plans import check_same_model
+from tessera.runtime.snapshot_format import Shard, load_shards, shard_file
 from tessera.runtime.snapshot_store import RECOVERY_FOLDER, RECOVERY_PREFIX, committed_snapshots, discard_newer, held_files
 
 if TYPE_CHECKING:
-    from tessera.runtime.checkpoint import CheckpointInfo
     from tessera.runtime.parallel_model import ParallelModel
     from tessera.runtime.snapshots import Snapshotter
 
@@ -75,8 +81,7 @@ def recover_from_snapshots(
     manifest, text, holders = chosen
     folder = _assemble(snapshots, manifest, text, holders, stores)
 
-    check_same_model(pm.plan, folder)
-    info = pm.load(folder, verify=False)  # every file was checked against the manifest's SHA-256 on the way
+    info = together(lambda: _load(pm, folder, manifest, group), group, what=f"loading snapshot {folder}")
     barrier(group)  # every rank of the node has read the folder before its leader removes it
     together(lambda: _after_load(snapshots.store, manifest.step) if layout.is_leader(rank) else None, group,
              what="removing the assembled snapshot")
@@ -84,6 +89,34 @@ def recover_from_snapshots(
                                    "skipped": tuple(passed_over)})
     pm.resumed = info
     return info, passed_over
+
+
+def _load(pm: ParallelModel, folder: Path, manifest: Manifest, group: dist.ProcessGroup | None) -> CheckpointInfo:
+    """Restore ``pm`` from the assembled snapshot ``folder`` (every file already checked against the manifest)."""
+    check_same_model(pm.plan, folder, saved=Plan.from_json(folder / PLAN_FILE))
+    shards = [Shard(folder / shard_file(rank)) for rank in range(manifest.world_size)]
+    tensors = training_tensors(pm)  # initialises the optimizer's state, which is then overwritten
+    load_shards(tensors, shards)
+    set_state_dict(state_module(pm.modules), pm.optimizer, model_state_dict=tensors["model"],
+                   optim_state_dict=tensors["optim"], options=STATE_OPTIONS)
+    same_world = manifest.world_size == (dist.get_world_size(group) if group is not None else 1)
+    _restore_rng(shards[dist.get_rank(group) if same_world and group is not None else 0])
+    pm.step = manifest.step
+    return CheckpointInfo(path=str(folder), step=manifest.step, saved_world_size=manifest.world_size,
+                          saved_strategy=manifest.strategy,
+                          data_state=torch.load(folder / DATA_FILE, weights_only=True))
+
+
+def _restore_rng(shard: Shard) -> None:
+    tensors, python = shard.rng()
+    try:
+        torch.set_rng_state(tensors["rng.cpu"].clone())
+        random.setstate(python)
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise CheckpointError(f"snapshot file {shard.path} holds no usable RNG state ({error})") from None
+    cuda = sorted((k for k in tensors if k.startswith("rng.cuda.")), key=lambda k: int(k.rsplit(".", 1)[1]))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[k].clone() for k in cuda])
 
 
 def _holdings(store: Path) -> Holdings:

@@ -1,11 +1,13 @@
 """In-memory snapshots: every ``k`` steps each rank's training state goes to host memory on its own node and on a
 buddy node, so a failure costs the steps since the last snapshot, not a disk checkpoint interval.
 
-**What a snapshot is.** Exactly what a disk checkpoint holds (``runtime.checkpoint``: model and optimizer shards
-in DCP's format, every rank's RNG, the step, the data position, the plan), written with DCP into a node-local
-store in host memory (``runtime.snapshot_store``; ``/dev/shm`` by default) instead of a shared file system. Each
-rank writes its own DCP files into its node's store; rank 0's ``.metadata`` lists every rank's chunks. Because
-the format is DCP's, a snapshot reshards on load exactly as a disk checkpoint does (``runtime.snapshot_recovery``).
+**What a snapshot is.** What a disk checkpoint holds (``runtime.checkpoint``: this rank's shards of the model
+and optimizer state, its RNG states, the step, the data position, the plan), as one file per rank in a
+node-local store in host memory (``runtime.snapshot_store``; ``/dev/shm`` by default) instead of a shared file
+system. The file (``runtime.snapshot_format``) is one flat buffer of the rank's chunks behind a JSON header
+naming each chunk's tensor, global shape and offsets, so a snapshot reshards on load like a disk checkpoint
+(``runtime.snapshot_recovery``); a chunk several ranks hold (replicas) is written by one of them. Rank 0 also
+writes the plan and the data position.
 
 **Redundancy.** Each rank sends its files to the rank with the same local index on its *buddy node*: node ``n``'s
 buddy is ``(n + s) % nodes``, where ``s`` is the number of nodes under one switch when the cluster has a level
@@ -15,10 +17,11 @@ still exists on a survivor. A node and its buddy lost together: the snapshot is 
 back to the newest disk checkpoint, saying why. One node only: no buddy, snapshots survive process failures.
 
 **Off the critical path.** At a snapshot step the training thread only copies the state into a staging buffer
-(allocated once, reused: ``copy_`` of every tensor) and records RNG and data position; a background thread
-then writes the DCP files, hashes them, exchanges them with the buddy (gloo send/recv) and commits, on a
-process group of its own, so its collectives never interleave with training's. At most one snapshot is in
-flight: if the previous one is still being written at the next snapshot step, training waits for it.
+(one buffer per rank, allocated once, pinned where there is a GPU, refilled by one ``_foreach_copy_``) and
+records RNG and data position; a background thread then writes the file, hashes it from memory, sends it to the
+buddy (gloo send/recv of the same buffer) and commits, on a process group of its own, so its collectives never
+interleave with training's. At most one snapshot is in flight: if the previous one is still being written at
+the next snapshot step, training waits for it (the staging buffer is free again only then).
 
 **Commit.** A snapshot exists only once every rank has written and replicated its files: the ranks then agree
 (one all-gather) and each node's leader writes the whole snapshot's manifest (every file's size and SHA-256,
@@ -40,7 +43,6 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -48,17 +50,14 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict, Field
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-from torch.distributed.tensor import DTensor
 
 from tessera.errors import CheckpointError, ConfigError
-from tessera.runtime.checkpoint import PendingSave, TrainingState, rng_state, training_tensors
+from tessera.runtime.checkpoint import PendingSave, TrainingState, training_tensors
 from tessera.runtime.checkpoint_files import (
-    DATA_FILE, PLAN_FILE, RNG_FOLDER, FileRecord, Manifest, all_gather, attempt, file_record, step_folder,
-    together,
+    DATA_FILE, PLAN_FILE, FileRecord, Manifest, all_gather, attempt, file_record, step_folder, together,
 )
+from tessera.runtime.snapshot_format import StagedShards, shard_file, write_shard
 from tessera.runtime.snapshot_store import (
     commit_snapshot, free_bytes, open_store, partial_snapshot, remove_store, store_bytes,
 )
@@ -150,9 +149,10 @@ class Snapshotter:
         self.layout = node_layout(config, dist.get_world_size(self.group) if self.group is not None else 1)
         self._lock = agree(lambda: open_store(self.store) if self.layout.is_leader(self.rank) else None,
                            self.group, what=f"opening snapshot store {self.store}")
-        self._staged: dict[str, Any] | None = None
-        self._live: dict[str, Any] | None = None
-        self._live_key: tuple | None = None
+        self._staged: StagedShards | None = None
+        self._staged_key: tuple | None = None
+        self._writers: dict = {}
+        """Which rank writes each chunk, per chunk list (``snapshot_format.StagedShards``)."""
         self._plan: tuple | None = None
         self._pending: PendingSave | None = None
         self._checked_memory = False
@@ -167,19 +167,20 @@ class Snapshotter:
     def snapshot(self, state: TrainingState) -> PendingSave:
         """Stage ``state`` and write it in the background (after the previous snapshot is committed)."""
         self.wait()
-        tensors = self._stage(self._live_tensors(state))
+        staged = self._staged_for(state)
+        staged.refill()
         if not self._checked_memory:
-            self._check_host_memory(tensors)
+            self._check_host_memory(staged.nbytes)
             self._checked_memory = True
-        side = {"rng": rng_state(), "data": self._data_state() if self._data_state else None,
+        side = {"data": self._data_state() if self._data_state else None,
                 "plan": self._plan_json(state) if self.rank == 0 else None}
-        step, strategy = state.step, state.plan.strategy.to_string()
+        step, strategy, prefix = state.step, state.plan.strategy.to_string(), staged.prefix()
         partial = partial_snapshot(self.store, step)
         future: Future = Future()
 
         def run() -> None:
             try:
-                self._write(tensors, side, partial, step=step, strategy=strategy)
+                self._write(staged.buffer, prefix, side, partial, step=step, strategy=strategy)
                 future.set_result(None)
             except BaseException as error:  # surfaced by wait()
                 future.set_exception(error)
@@ -219,28 +220,21 @@ class Snapshotter:
             self._plan = (state.plan, state.plan.to_json())
         return self._plan[1]
 
-    def _live_tensors(self, state: TrainingState) -> dict[str, Any]:
-        """``training_tensors(state)``, rebuilt only when its layout may have changed: DCP's ``get_state_dict``
-        costs far more than the copy, and between snapshots the same tensors are updated in place. Rebuilt when
-        a parameter, buffer or optimizer-state tensor is another object or a param-group setting (lr...) changed."""
+    def _staged_for(self, state: TrainingState) -> StagedShards:
+        """The staging buffer of ``state``, rebuilt only when its layout may have changed: DCP's
+        ``get_state_dict`` costs far more than the copy, and between snapshots the same tensors are updated in
+        place. Rebuilt when a parameter, buffer or optimizer-state tensor is another object or a param-group
+        setting (lr...) changed."""
         key = _layout_key(state)
-        if self._live is None or key != self._live_key:
-            self._live, self._live_key = training_tensors(state), key
-        return self._live
+        if self._staged is None or key != self._staged_key:
+            self._staged = StagedShards(training_tensors(state), self.group, assignments=self._writers)
+            self._staged_key = key
+        return self._staged
 
-    def _stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """A copy of ``tensors`` that training cannot change: the staging buffer, refilled in place."""
-        staged = self._staged
-        if staged is None or not _same_layout(staged, tensors):
-            staged = self._staged = _clone(tensors)
-            return staged
-        _copy_into(staged, tensors)
-        return staged
-
-    def _check_host_memory(self, tensors: dict[str, Any]) -> None:
+    def _check_host_memory(self, nbytes: int) -> None:
         """``ConfigError`` on every rank if a node's store cannot hold ``keep + 1`` copies of its own and its
         buddy's shards (a ``together`` of each leader's verdict)."""
-        layout, per_rank = self.layout, all_gather(_tensor_bytes(tensors), self.group)
+        layout, per_rank = self.layout, all_gather(nbytes, self.group)
         node = layout.node(self.rank)
         own = sum(b for r, b in enumerate(per_rank) if layout.node(r) == node)
         sender = (node - layout.shift) % layout.nodes
@@ -264,49 +258,58 @@ class Snapshotter:
 
     # ---------------------------------------------------------------------------------------- background thread
 
-    def _write(self, tensors: dict[str, Any], side: dict[str, Any], partial: Path, *, step: int, strategy: str) -> None:
-        """Write, hash and replicate this rank's files, then commit the snapshot on every node."""
+    def _write(self, data: torch.Tensor, prefix: bytes, side: dict[str, Any], partial: Path, *, step: int,
+               strategy: str) -> None:
+        """Write and hash this rank's file (and rank 0's plan and data position), copy it to the buddy node,
+        then commit the snapshot on every node."""
         group = self.group
 
-        def write_and_hash() -> dict[str, FileRecord]:
-            (partial / RNG_FOLDER).mkdir(parents=True, exist_ok=True)
-            names = [f"{RNG_FOLDER}/rank-{self.rank:05d}.pt"]
-            torch.save(side["rng"], partial / names[0])
+        def write_own() -> tuple[dict[str, FileRecord], int]:
+            partial.mkdir(parents=True, exist_ok=True)
+            name = shard_file(self.rank)
+            records = {name: write_shard(partial / name, prefix, data)}
             if self.rank == 0:
                 (partial / PLAN_FILE).write_text(side["plan"])
                 torch.save(side["data"], partial / DATA_FILE)
-                names += [PLAN_FILE, DATA_FILE, ".metadata"]
-            writer = FileSystemWriter(partial, sync_files=False)  # host memory: nothing to flush
-            with warnings.catch_warnings():  # without a process group DCP warns it assumes one process: as asked
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-                dcp.save(tensors, checkpoint_id=partial, storage_writer=writer, planner=SnapshotSavePlanner(),
-                         process_group=group, no_dist=group is None)
-            names += sorted(p.name for p in partial.glob(f"__{self.rank}_*.distcp"))
-            return {name: file_record(partial / name) for name in names}
+                records |= {name: file_record(partial / name) for name in (PLAN_FILE, DATA_FILE)}
+            return records, len(prefix)
 
-        shares = gathered(write_and_hash, group, what=f"writing snapshot {partial}")  # one collective: files, errors
-        mine = shares[self.rank]
-        files = {name: record for share in shares for name, record in share.items()}
+        shares = gathered(write_own, group, what=f"writing snapshot {partial}")  # one collective: files, errors
+        files = {name: record for records, _ in shares for name, record in records.items()}
         if self.layout.shift:
-            together(lambda: self._replicate(mine, files, partial), group, what=f"copying snapshot {partial} to buddies")
+            together(lambda: self._replicate(prefix, data, shares, partial), group,
+                     what=f"copying snapshot {partial} to buddies")
         manifest = Manifest(step=step, world_size=self.layout.world, strategy=strategy, saved_unix_s=time.time(),
                             files=dict(sorted(files.items())))
         together(lambda: commit_snapshot(partial, manifest, keep=self.config.keep)
                  if self.layout.is_leader(self.rank) else None, group, what=f"committing snapshot {partial}")
 
-    def _replicate(self, mine: dict[str, FileRecord], files: dict[str, FileRecord], partial: Path) -> None:
-        """Send this rank's files to its partner on the buddy node; receive and check the files of the rank whose
-        buddy this node is."""
+    def _replicate(self, prefix: bytes, data: torch.Tensor, shares: list, partial: Path) -> None:
+        """Send this rank's files to its partner on the buddy node (the staged buffer itself, no re-read);
+        receive the files of the rank whose buddy this node is. Not hashed on arrival: recovery checks every
+        file against the manifest's SHA-256 before using it (``snapshot_store.held_files``)."""
         layout = self.layout
         source = layout.partner(self.rank, offset=-layout.shift)
-        theirs = _files_of(source, files)
-        outgoing = _pack(partial, sorted(mine))
-        incoming = torch.empty(sum(files[name].size_bytes for name in theirs), dtype=torch.uint8)
-        ops = [dist.P2POp(dist.isend, outgoing, layout.partner(self.rank, offset=layout.shift), group=self.group),
-               dist.P2POp(dist.irecv, incoming, source, group=self.group)]
+        mine = [torch.frombuffer(bytearray(prefix), dtype=torch.uint8), data] + [
+            torch.frombuffer(bytearray((partial / name).read_bytes()), dtype=torch.uint8)
+            for name in _side_files(shares[self.rank][0])]
+        records, prefix_bytes = shares[source]
+        names = [shard_file(source), *_side_files(records)]
+        sizes = [prefix_bytes, records[names[0]].size_bytes - prefix_bytes] + [records[n].size_bytes for n in names[1:]]
+        incoming = torch.empty(sum(sizes), dtype=torch.uint8)
+        parts = incoming.split(sizes)
+        target = layout.partner(self.rank, offset=layout.shift)
+        ops = [dist.P2POp(dist.isend, piece, target, group=self.group) for piece in mine if piece.numel()]
+        ops += [dist.P2POp(dist.irecv, piece, source, group=self.group) for piece in parts if piece.numel()]
         for request in dist.batch_isend_irecv(ops):
             request.wait()
-        _unpack(incoming, theirs, files, partial)
+        whole = incoming.numpy()
+        offset = 0
+        for name in names:
+            size = records[name].size_bytes
+            with (partial / name).open("wb") as handle:
+                handle.write(memoryview(whole[offset:offset + size]))
+            offset += size
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -323,85 +326,9 @@ def _layout_key(state: TrainingState) -> tuple:
     return groups, states, buffers
 
 
-def _clone(tensors: Any) -> Any:
-    if isinstance(tensors, dict):
-        return {key: _clone(value) for key, value in tensors.items()}
-    if isinstance(tensors, torch.Tensor):
-        return tensors.detach().clone()
-    return tensors
-
-
-def _copy_into(staged: dict[str, Any], tensors: dict[str, Any]) -> None:
-    with torch.no_grad():
-        for key, value in tensors.items():
-            if isinstance(value, dict):
-                _copy_into(staged[key], value)
-            elif isinstance(value, torch.Tensor):
-                _local(staged[key]).copy_(_local(value))
-            else:
-                staged[key] = value  # a float or int of the optimizer's param groups (lr, betas...)
-
-
-def _same_layout(staged: dict[str, Any], tensors: dict[str, Any]) -> bool:
-    if staged.keys() != tensors.keys():
-        return False
-    for key, value in tensors.items():
-        old = staged[key]
-        if isinstance(value, dict):
-            if not isinstance(old, dict) or not _same_layout(old, value):
-                return False
-        elif isinstance(value, torch.Tensor):
-            if not isinstance(old, torch.Tensor) or type(old) is not type(value) or \
-                    _local(old).shape != _local(value).shape or old.dtype != value.dtype:
-                return False
-    return True
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _tensor_bytes(tensors: Any) -> int:
-    if isinstance(tensors, dict):
-        return sum(_tensor_bytes(value) for value in tensors.values())
-    if isinstance(tensors, torch.Tensor):
-        local = _local(tensors)
-        return local.numel() * local.element_size()
-    return 0
-
-
-def _files_of(rank: int, files: dict[str, FileRecord]) -> list[str]:
-    """The snapshot files ``rank`` writes: its DCP data files and RNG; rank 0 also metadata, plan, data."""
-    shared = (".metadata", PLAN_FILE, DATA_FILE)
-    return sorted(name for name in files if name.startswith(f"__{rank}_") or name == f"{RNG_FOLDER}/rank-{rank:05d}.pt"
-                  or (rank == 0 and name in shared))
-
-
-def _pack(folder: Path, names: list[str]) -> torch.Tensor:
-    data = b"".join((folder / name).read_bytes() for name in names)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-
-def _unpack(buffer: torch.Tensor, names: list[str], files: dict[str, FileRecord], folder: Path) -> None:
-    """Write the received ``names`` into ``folder``; raise if one does not hash as its writer recorded."""
-    data, offset = buffer.numpy().tobytes(), 0
-    for name in names:
-        size = files[name].size_bytes
-        path = folder / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data[offset:offset + size])
-        offset += size
-        if file_record(path) != files[name]:
-            raise OSError(f"snapshot file {name} arrived from the buddy node damaged (SHA-256 differs)")
-
-
-class SnapshotSavePlanner(DefaultSavePlanner):
-    """DCP's save planner with plan caching: every snapshot of a run has the same layout, so after the first one
-    the ranks skip sending their plans to the coordinator. A class of its own because DCP keys its cache by the
-    planner's class name (disk checkpoints keep theirs)."""
-
-    def __init__(self) -> None:
-        super().__init__(enable_plan_caching=True)
+def _side_files(records: dict[str, FileRecord]) -> list[str]:
+    """The files of one rank's share besides its snapshot file (rank 0's plan and data position)."""
+    return sorted(name for name in records if not name.endswith(".snap"))
 
 
 def gathered(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> list[T]:
