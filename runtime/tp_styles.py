@@ -6,7 +6,10 @@ view an attention module needs once its heads are split.
   ``q|k|v``, a ``gate|up`` projection) and each rank holds the same slice of every block (DTensor's
   ``_StridedShard``), so a forward that splits or chunks its local output into ``parts`` gets matching q, k and v
   heads. The parameter keeps its true global layout: ``full_tensor()``, checkpoints and the optimizer see the
-  unsplit matrix. Optionally the output is all-gathered (``colwise_gather_output``).
+  unsplit matrix. A packed bias is kept whole on every rank (``Replicate``): DTensor's ``addmm`` slices the
+  rank's part of it in the forward and gathers its gradient, and FSDP2 can then shard it on ``dp`` (a strided shard
+  of a 1-D tensor it could not: :func:`fsdp_shard_placement`). Optionally the output is all-gathered
+  (``colwise_gather_output``).
 - :class:`RowSplit`: row-parallel ``nn.Linear`` or ``Conv1D`` (input features are the weight's dim 0 there).
 - :func:`localise_attention`: attention modules that split heads with an absolute count (OPT's
   ``view(B, -1, self.num_heads, d)``) or width (GPT-2's ``split(self.split_size)``) get the local count; one that
@@ -20,7 +23,7 @@ from functools import partial
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -56,8 +59,8 @@ class ColumnSplit(ColwiseParallel):
 
     def _partition_linear_fn(self, name, module, device_mesh) -> None:
         features = 1 if is_conv1d(module) else 0  # dim of the output features in the weight
-        _distribute(module, device_mesh, {"weight": self._placement(features), "bias": self._placement(0)},
-                    self.src_data_rank)
+        bias = Replicate() if self.parts > 1 else Shard(0)  # see the module docstring: sliced per rank in forward
+        _distribute(module, device_mesh, {"weight": self._placement(features), "bias": bias}, self.src_data_rank)
 
     def _output(self, mod, outputs, device_mesh):
         if self.gather_output:  # (..., N) on every rank
@@ -68,6 +71,21 @@ class ColumnSplit(ColwiseParallel):
         _supported(module, "ColumnSplit")
         prepare_input = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
         return distribute_module(module, device_mesh, self._partition_linear_fn, prepare_input, self._output)
+
+
+def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
+    """Where FSDP2 shards ``param`` on the data-parallel axis (its ``shard_placement_fn``): a weight tensor
+    parallelism splits as a strided shard on dim 0 (an ``nn.Linear`` packing ``q|k|v`` or ``gate|up``) on dim 1, its
+    input features; any other parameter where FSDP2 puts it (None: dim 0).
+
+    FSDP2 cuts the tensor-parallel shard in contiguous pieces along its dim: on the strided dim those are not
+    pieces of the true matrix, so ``full_tensor()`` and a checkpoint would read them in the wrong order."""
+    if not (isinstance(param, DTensor) and any(isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements)):
+        return None
+    if param.dim() < 2:
+        raise NotModelledError(f"a 1-D parameter of shape {tuple(param.shape)} is a strided tensor-parallel shard, "
+                               "which FSDP2 cannot shard again; keep it replicated on tp or plan with zero=0")
+    return Shard(1)
 
 
 class RowSplit(RowwiseParallel):

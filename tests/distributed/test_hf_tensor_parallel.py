@@ -1,15 +1,10 @@
 """Tensor (and sequence) parallelism on models Tessera did not write matches one process: Hugging Face families
 of every projection structure (separate q/k/v: Llama; fused q|k|v and gate|up declared gathered: Phi-3; fused
-q/k/v interleaved per head: GPT-NeoX; ``Conv1D`` with packed q|k|v and tied embeddings: GPT-2), and, under
-``-m slow``, Qwen2, Mistral, Gemma (tied), Gemma 2 (post-norms), OPT (learned positions, tied) and torchtitan's
-Llama 3 (its q/k/v in a ``qkv_linear`` module; fused ``wqkv`` too), and dp2 x tp2 on 4 ranks.
-
-Every case trains tiny random-init models (hidden 32-64, 2 layers, vocabulary 256, fp32) from the same seed with
-AdamW on the same global batches, with Tessera's default loss (no adapter), and is compared with plain
-single-process training on the whole batch (cross-entropy on the logits, written out here): per-step losses,
-identical on every rank, and final parameters gathered from the shards (tolerances and why: ``harness.py``). The
-split comes from what each model declares (``base_model_tp_plan``) or, where it declares nothing, from the module
-tree. All cases of a world size run in one spawn.
+q/k/v interleaved per head: GPT-NeoX; ``Conv1D`` with packed q|k|v and tied embeddings: GPT-2), FSDP2 (ZeRO-3) on
+the fused ones, and on 4 ranks GPT-2's packed q|k|v split by tp and sharded again by FSDP2 on dp. Under ``-m slow``:
+Qwen2, Mistral, Gemma (tied), Gemma 2 (post-norms), OPT (learned positions, tied), torchtitan's Llama 3 (its q/k/v
+in a ``qkv_linear`` module; fused ``wqkv`` too) and Phi-3 with a user plan packing gate|up, DDP and ZeRO-3 on more
+families, and dp2 x tp2 (ZeRO 0, 1 and 3, with and without sp) on 4 ranks. docs/parity-matrix.md lists every cell.
 """
 
 from __future__ import annotations
@@ -93,6 +88,11 @@ def torchtitan_llama3(fuse_qkv: bool = False) -> nn.Module:
 
 FAMILIES["torchtitan"] = torchtitan_llama3
 FAMILIES["torchtitan_fused"] = functools.partial(torchtitan_llama3, fuse_qkv=True)
+FAMILIES["phi3_packed"] = FAMILIES["phi3"]  # Phi-3 under a user tp_plan that packs gate|up (TP_PLANS)
+TP_PLANS = {"phi3_packed": {"model.layers.*.self_attn.qkv_proj": "colwise_gather_output",
+                            "model.layers.*.self_attn.o_proj": "rowwise_split_input",
+                            "model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise"}}
+"""User tensor-parallel plans by family (the others use what the model declares or the module tree)."""
 
 
 def planned(model: nn.Module) -> list[PlannedLayer]:
@@ -126,17 +126,25 @@ def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
 # ------------------------------------------------------------------------------------------------ the spawns
 
 TP, TP_SP = "dp=1,tp=2,mbs=4", "dp=1,tp=2,sp=true,mbs=4"
-FAST = [(family, strategy) for family in ("llama", "phi3", "gpt_neox", "gpt2") for strategy in (TP, TP_SP)]
+DP, ZERO3 = "dp=2,zero=0,mbs=4", "dp=2,zero=3,mbs=4"
+DP_TP, DP_TP_ZERO1, DP_TP_ZERO3 = "dp=2,tp=2,zero=0,mbs=4", "dp=2,tp=2,zero=1,mbs=4", "dp=2,tp=2,zero=3,mbs=4"
+DP_TP_SP_ZERO3 = "dp=2,tp=2,sp=true,zero=3,mbs=2"
+DEFAULT = {2: [(family, strategy) for family in ("llama", "phi3", "gpt_neox", "gpt2") for strategy in (TP, TP_SP)]
+           + [("phi3", ZERO3), ("gpt_neox", ZERO3)],  # FSDP2 on fused projections (GPT-2: test_outside_models)
+           4: [("gpt2", DP_TP_ZERO3)]}  # packed q|k|v (Conv1D) split by tp, then sharded again by FSDP2 on dp
 SLOW = {2: [(family, strategy) for family in ("qwen2", "mistral", "gemma", "gemma2", "opt", "torchtitan",
-                                              "torchtitan_fused") for strategy in (TP, TP_SP)],
+                                              "torchtitan_fused", "phi3_packed") for strategy in (TP, TP_SP)]
+        + [(family, DP) for family in ("phi3", "gpt_neox", "gpt2", "gemma")]
+        + [(family, ZERO3) for family in ("llama", "gemma", "opt")],
         4: [(family, strategy) for family in ("llama", "phi3", "torchtitan", "torchtitan_fused")
-            for strategy in ("dp=2,tp=2,zero=0,mbs=4", "dp=2,tp=2,sp=true,zero=3,mbs=2")]
-        + [("gpt2", "dp=2,tp=2,zero=0,mbs=4"), ("gpt2", "dp=2,tp=2,sp=true,zero=0,mbs=2")]}  # packed: no FSDP
+            for strategy in (DP_TP, DP_TP_SP_ZERO3)]
+        + [("gpt2", DP_TP), ("gpt2", DP_TP_ZERO1), ("gpt2", DP_TP_SP_ZERO3), ("phi3_packed", DP_TP_ZERO3),
+           ("phi3_packed", DP_TP_ZERO1), ("gpt_neox", DP_TP_ZERO3), ("gemma", DP_TP_ZERO3)]}
 
 
 def train_case(family: str, strategy: str) -> dict:
     model = FAMILIES[family]()
-    parallel = apply_plan(model, plan_for(family, model, strategy))
+    parallel = apply_plan(model, plan_for(family, model, strategy), tp_plan=TP_PLANS.get(family))
     losses = [parallel.train_step(batch) for batch in batches()]
     return {"losses": losses, "params": full_tensors(parallel.named_parameters())}
 
@@ -151,7 +159,7 @@ def run_cases(cases: list[tuple[str, str]]) -> dict:
 def spawned(world: int, slow: bool) -> list[dict]:
     from tessera.runtime.launch import spawn  # noqa: PLC0415
 
-    cases = SLOW[world] if slow else FAST
+    cases = SLOW[world] if slow else DEFAULT[world]
     if not HAS_TORCHTITAN:
         cases = [case for case in cases if not case[0].startswith("torchtitan")]
     return spawn(run_cases, nprocs=world, args=(cases,), timeout_s=900)
@@ -179,15 +187,20 @@ def check_case(world: int, slow: bool, family: str, strategy: str) -> None:
         pytest.skip("torchtitan is not installed")
     per_rank = [results[(family, strategy)] for results in spawned(world, slow)]
     assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), "ranks disagree on the loss"
-    expected = single_process(family)
+    expected = single_process("phi3" if family == "phi3_packed" else family)
     torch.testing.assert_close(per_rank[0]["losses"], expected["losses"], **FP32_TOL)
     assert per_rank[0]["params"].keys() == expected["params"].keys()  # FQNs kept; every shard gathered
     torch.testing.assert_close(per_rank[0]["params"], expected["params"], **PARAM_TOL)
 
 
-@pytest.mark.parametrize(("family", "strategy"), FAST, ids=[f"{f}-{s}" for f, s in FAST])
+@pytest.mark.parametrize(("family", "strategy"), DEFAULT[2], ids=[f"{f}-{s}" for f, s in DEFAULT[2]])
 def test_tensor_parallel_hugging_face_models_train_like_one_process(family, strategy):
     check_case(2, False, family, strategy)
+
+
+@pytest.mark.parametrize(("family", "strategy"), DEFAULT[4], ids=[f"{f}-{s}" for f, s in DEFAULT[4]])
+def test_packed_projections_train_under_fsdp_and_tensor_parallelism_like_one_process(family, strategy):
+    check_case(4, False, family, strategy)
 
 
 def test_the_spawn_stays_fast():
@@ -216,9 +229,7 @@ def test_a_user_tp_plan_overrides_the_declared_one_and_packs_gate_up():
     from tessera.runtime.tp_styles import ColumnSplit  # noqa: PLC0415
 
     model = FAMILIES["phi3"]()
-    user = {"model.layers.*.self_attn.qkv_proj": "colwise_gather_output",
-            "model.layers.*.self_attn.o_proj": "rowwise_split_input",
-            "model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+    user = TP_PLANS["phi3_packed"]
     block = PlannedLayer(fqn="model.layers.0", kind="block", recompute="none")
     styles = layer_styles(model, block, tp=2, sp=False, pairs=None, tp_plan=resolve_tp_plan(model, user))
     gate_up, qkv = styles["mlp.gate_up_proj"], styles["self_attn.qkv_proj"]
@@ -247,13 +258,3 @@ def test_heads_read_from_the_shared_config_are_refused_when_split():
              "model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise"}
     with pytest.raises(NotModelledError, match=r"heads of model.layers.0.self_attn .*reads config.num_attention_heads"):
         check_tensor_parallel(model, planned(model), tp=2, sp=False, tp_plan=plain)
-
-
-def test_packed_projections_are_refused_under_fsdp_naming_the_linear():
-    from tessera.errors import NotModelledError  # noqa: PLC0415
-    from tessera.runtime.tensor_parallel import check_packed_under_fsdp  # noqa: PLC0415
-
-    model = FAMILIES["gpt2"]()
-    with pytest.raises(NotModelledError, match=r"transformer.h.0.attn.c_attn packs 3 blocks .*zero=0"):
-        check_packed_under_fsdp(model, planned(model))
-    check_packed_under_fsdp(FAMILIES["llama"](), planned(FAMILIES["llama"]()))  # nothing packed

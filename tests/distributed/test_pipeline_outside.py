@@ -146,11 +146,15 @@ SLOW_CASES = {  # the rest of the matrix: every family under both schedules, DP 
         ("tt-llama3", "dp=1,pp=2,mbs=1,schedule=interleaved:2,recompute=selective")],
     4: [("hf-llama", "dp=2,pp=2,zero=0,mbs=2,schedule=1f1b"),
         ("hf-gpt2", "dp=2,pp=2,zero=3,mbs=1,schedule=interleaved:2"),
+        ("hf-phi3", "dp=2,pp=2,zero=3,mbs=2,schedule=1f1b"),  # fused qkv_proj/gate_up_proj: FSDP2 per stage
+        ("hf-gemma", "dp=2,pp=2,zero=0,mbs=1,schedule=interleaved:2"),
         ("tt-llama3", "dp=2,pp=2,zero=1,mbs=2,schedule=1f1b"),
         ("tied", "dp=1,tp=2,pp=2,mbs=2,schedule=1f1b"),  # tied copies vocabulary-sharded alike, summed per shard
         ("hf-llama", "dp=1,tp=2,pp=2,mbs=2,schedule=1f1b"),
         ("hf-gemma", "dp=1,tp=2,pp=2,mbs=1,schedule=interleaved:2"),  # tied + tp
         ("hf-gpt2", "dp=1,tp=2,pp=2,mbs=2,schedule=1f1b"),  # tied + tp on Conv1D
+        ("hf-gpt2", "dp=1,tp=2,pp=2,mbs=1,schedule=interleaved:2"),  # ... tied across ranks, packed q|k|v
+        ("hf-phi3", "dp=1,tp=2,pp=2,mbs=1,schedule=interleaved:2"),  # fused projections, gathered
         ("tt-llama3", "dp=1,tp=2,pp=2,mbs=2,schedule=1f1b")],
 }
 CHECKPOINT_CASE = ("tied", "dp=1,pp=2,mbs=2,schedule=1f1b")
