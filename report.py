@@ -15,7 +15,9 @@ from rich.table import Table
 
 from tessera.cost_models import Estimate, Strategy
 from tessera.planner.compare import BaselineComparison, Comparison, why_it_lost
-from tessera.planner.plan_facts import cluster_layout, launch_command, mesh_layout, step_terms, tokens
+from tessera.planner.plan_facts import (
+    PER_LAYER_HEADER, cluster_layout, launch_command, mesh_layout, per_layer_rows, step_terms, tokens, uniform_comparison,
+)
 from tessera.planner.plan import Plan, format_count
 
 GiB = 2**30
@@ -33,6 +35,8 @@ def _console(console: Console | None) -> Console:
 def plan_renderable(plan: Plan) -> Group:
     """The plan as rich tables: headline, memory by category, communication, alternatives."""
     parts = [_headline(plan), _memory(plan), _communication(plan), _alternatives(plan)]
+    if any(layer.time_s for layer in plan.layers):
+        parts.insert(1, _per_layer(plan))
     if plan.degree_alternatives:
         parts.append(_degree_alternatives(plan))
     return Group(*parts)
@@ -79,6 +83,18 @@ def _search_line(plan: Plan) -> str:
         line += (f"; {solver.ilp_solved} integer programs in {solver.ilp_time_s:.2f} s (worst gap {solver.worst_gap:.1%}), "
                  f"{solver.ilp_improvements} beat the best uniform strategy")
     return line
+
+
+def _per_layer(plan: Plan) -> Table:
+    """Each layer's sharding, activation policy, memory and time (alike neighbours on one row), captioned with
+    what the best uniform plan would cost."""
+    table = Table(title="Per-layer plan", title_justify="left", caption=literal(uniform_comparison(plan)),
+                  caption_justify="left")
+    for column in PER_LAYER_HEADER:
+        table.add_column(column, overflow="fold", justify="right" if column.startswith(("memory", "ms")) else "left")
+    for row in per_layer_rows(plan):
+        table.add_row(*map(literal, row))
+    return table
 
 
 def _step_breakdown(e: Estimate) -> str:

@@ -25,7 +25,8 @@ from tessera.planner.frameworks.common import FRAMEWORK_NAMES, FRAMEWORKS
 from tessera.planner.explain_plots import Block, Bullets, Code, Figure, Section, Table, render_html, render_markdown
 from tessera.planner.plan import Plan, format_count
 from tessera.planner.plan_facts import (
-    GiB, cluster_layout, exposed_comm_by_kind, gib, launch_command, mesh_layout, seconds, step_terms, tokens,
+    PER_LAYER_HEADER, GiB, cluster_layout, exposed_comm_by_kind, gib, launch_command, mesh_layout, per_layer_rows,
+    seconds, step_terms, tokens, uniform_comparison,
 )
 
 
@@ -44,6 +45,7 @@ def report_sections(plan: Plan, *, plan_path: str = "plan.json") -> list[Section
         _overview(plan, nodes=nodes, per_node=per_node),
         *_unavailable(plan),
         _strategy(plan, per_node=per_node),
+        *_per_layer(plan),
         _prediction(plan),
         _breakdown(plan.estimate),
         _memory(plan.estimate),
@@ -80,14 +82,18 @@ def _overview(plan: Plan, *, nodes: int, per_node: int) -> Section:
 
 
 def recompute_summary(plan: Plan) -> str:
-    """Recomputation of the plan's blocks: ``full on every block`` or ``full on 69 blocks, none on 11``."""
+    """Activation policy of the plan's blocks: ``full on every block`` or ``full on 69 blocks, none on 11``, and
+    the ZeRO-3 blocks that keep their gathered weights."""
     counts: dict[str, int] = {}
     for layer in plan.layers:
         if layer.kind == "block":
             counts[layer.recompute] = counts.get(layer.recompute, 0) + 1
     if len(counts) <= 1:
-        return f"{next(iter(counts), plan.strategy.recompute)} on every block"
-    return ", ".join(f"{policy} on {count} blocks" for policy, count in counts.items())
+        text = f"{next(iter(counts), plan.strategy.recompute)} on every block"
+    else:
+        text = ", ".join(f"{policy} on {count} blocks" for policy, count in counts.items())
+    keeping = sum(layer.kind == "block" and not layer.reshard for layer in plan.layers)
+    return text + (f"; {keeping} blocks keep their gathered weights to their backward" if keeping else "")
 
 
 def chunk_block_counts(plan: Plan) -> list[int]:
@@ -108,6 +114,17 @@ def _strategy(plan: Plan, *, per_node: int) -> Section:
         sizes = "/".join(map(str, chunk_block_counts(plan)))
         facts.append(f"pipeline schedule {s.schedule}{chunks}; blocks per chunk {sizes}")
     return Section("Strategy", (f"{s.name}: `{s.to_string()}`", Bullets(tuple(facts))))
+
+
+def _per_layer(plan: Plan) -> list[Section]:
+    """Each layer's sharding, activation policy, memory and time, and what the best uniform plan would cost
+    (no section for a plan written before per-layer costs)."""
+    if not any(layer.time_s for layer in plan.layers):
+        return []
+    text = ("Each layer as the plan runs it: memory is its model state and saved activations on one device at its "
+            "peak, time its forward, backward, recomputation and communication per micro-batch on one device "
+            "(consecutive layers alike share a row).")
+    return [Section("Per-layer plan", (uniform_comparison(plan), text, Table(PER_LAYER_HEADER, tuple(per_layer_rows(plan)))))]
 
 
 def _prediction(plan: Plan) -> Section:

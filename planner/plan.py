@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from tessera.cost_models.types import Estimate, LayerKind, Recompute, Strategy, TrainingConfig
+from tessera.cost_models.types import BlockKind, Estimate, LayerKind, Recompute, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 from tessera.files import write_text_atomically
 from tessera.topology.validation import first_problem, quoted, short
@@ -41,10 +41,21 @@ class PlannedLayer(BaseModel):
     kind: LayerKind
     """Role of the layer; repeated ``block`` layers are the sharding and recomputation units."""
     recompute: Recompute
-    """Recomputation applied to this layer."""
+    """Activation policy of this layer (recomputation, or offload to host memory)."""
     chunk: int = 0
     """Pipeline chunk the layer belongs to (0 without pipelining). With ``pp`` stages and ``V`` chunks per
     rank (interleaved schedule) chunk ``c`` runs on pipeline rank ``c % pp``; otherwise chunk = stage."""
+    block_kind: BlockKind = ""
+    """What the block is (``attention``, ``local-attention``, ``moe``...; ``""`` for other layers or unknown)."""
+    reshard: bool = True
+    """Under ZeRO-3, whether the block frees its gathered weights after its forward (False: kept to its backward,
+    ``Strategy.block_reshard``); True for every other layer and stage."""
+    memory_bytes: int = 0
+    """Predicted bytes the layer holds on one device at its peak: its model state and saved activations
+    (``cost_models.layer_costs``; 0 in plans written before per-layer costs)."""
+    time_s: float = 0.0
+    """Predicted seconds the layer takes per micro-batch on one device (forward, backward, recomputation, its
+    communication; ``cost_models.layer_costs``; 0 in plans written before per-layer costs)."""
 
 
 class Candidate(BaseModel):
@@ -113,6 +124,9 @@ class Plan(BaseModel):
     """Wall time the search took (capture excluded)."""
     solver: SolverStats = SolverStats()
     """Integer-program statistics."""
+    uniform: Candidate | None = None
+    """The best uniform plan (one activation policy for every block, even stages, every ZeRO-3 block resharding)
+    when the chosen plan is not uniform, its verdict saying what the per-layer choices gain over it."""
     unavailable_axes: dict[str, str] = {}
     """Parallel axes the runtime cannot apply to this model -> why (``LayerGraph.unavailable_axes``): the search
     planned without them. Empty in plans written before capture recorded it."""

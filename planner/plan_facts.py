@@ -116,3 +116,52 @@ def launch_command(*, nodes: int, devices_per_node: int, plan_path: str = "plan.
     rendezvous = ("--standalone" if nodes == 1
                   else f'--rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:{RENDEZVOUS_PORT}"')
     return f"{head} {rendezvous} {shlex.join(['train.py', '--plan', str(plan_path)])}"
+
+
+PER_LAYER_HEADER = ("layers", "kind", "stage", "sharding", "activation policy", "memory GiB/device", "ms per micro-batch")
+"""Columns of :func:`per_layer_rows`."""
+
+
+def layer_sharding(strategy: Strategy, layer) -> str:
+    """How one planned layer is split: tensor (vocabulary) and expert parallelism, the ZeRO stage, resharding."""
+    if layer.kind == "loss":
+        return "-"
+    parts = []
+    if strategy.tp > 1 and layer.kind in ("block", "embedding", "head"):
+        parts.append(f"tp={strategy.tp}" + (" vocab-parallel" if layer.kind != "block" else "") + (" +sp" * strategy.sp))
+    if strategy.ep > 1 and layer.block_kind in ("moe", "local-moe"):
+        parts.append(f"experts ep={strategy.ep}" + (f" etp={strategy.expert_tp}" if strategy.etp is not None else ""))
+    if strategy.zero == 3:
+        keeps = layer.kind == "block" and not layer.reshard
+        parts.append("ZeRO-3, keeps gathered weights" if keeps else "ZeRO-3, reshards")
+    elif strategy.zero:
+        parts.append(f"ZeRO-{strategy.zero}")
+    return ", ".join(parts) or "replicated"
+
+
+def per_layer_rows(plan: Plan) -> list[tuple[str, ...]]:
+    """The per-layer table (``PER_LAYER_HEADER``): consecutive layers with the same choices and costs share a row
+    (``blocks.3 .. blocks.60 (58)``), so a deep model stays readable."""
+    rows: list[list] = []
+    for layer in plan.layers:
+        cells = (layer.block_kind or layer.kind, str(layer.chunk % plan.strategy.pp), layer_sharding(plan.strategy, layer),
+                 layer.recompute if layer.kind == "block" else "-", gib(layer.memory_bytes), f"{layer.time_s * 1e3:.2f}")
+        if rows and rows[-1][1] == cells:
+            rows[-1][0].append(layer.fqn)
+        else:
+            rows.append([[layer.fqn], cells])
+    return [(_fqn_run(fqns), *cells) for fqns, cells in rows]
+
+
+def _fqn_run(fqns: list[str]) -> str:
+    return fqns[0] if len(fqns) == 1 else f"{fqns[0]} .. {fqns[-1]} ({len(fqns)})"
+
+
+def uniform_comparison(plan: Plan) -> str:
+    """One sentence: what the best uniform plan would have cost against the chosen per-layer plan."""
+    if plan.uniform is None:
+        return "The plan is uniform: one activation policy for every block and even stages were the best the search found."
+    u = plan.uniform
+    return (f"The best uniform plan (one activation policy for every block, even stages, every block resharding), "
+            f"`{u.strategy.to_string()}`, takes {seconds(u.estimate.step_time_s)} per step against the plan's "
+            f"{seconds(plan.estimate.step_time_s)}: {u.verdict} ({u.estimate.step_time_s / plan.estimate.step_time_s:.2f}x).")

@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
 from tessera.cost_models.estimate import step_time_lower_bound
-from tessera.cost_models.partition import block_policies, split_chunks, stage_totals
+from tessera.cost_models.layer_costs import layer_costs
+from tessera.cost_models.partition import block_policies, kept_blocks, split_chunks, stage_totals
 from tessera.cost_models.types import LayerStats
 from tessera.errors import ConfigError, InfeasiblePlanError
 from tessera.planner.degrees import degree_alternatives
@@ -149,6 +150,7 @@ def search(
     reached = {"bound": float("inf")}
     scored = rank_candidates(graph, cluster, training, pins=pins, progress=progress, reached=reached)
     stats = RefineStats()
+    uniform = best_candidate(scored)
     if not _per_layer_pinned(pins or {}):
         refined = refine(list(graph.layers), cluster, training, scored, policies=_policies(graph, pins or {}), stats=stats,
                          block_options=block_options)
@@ -165,7 +167,7 @@ def search(
         training=training,
         strategy=best,
         estimate=best_estimate,
-        layers=planned_layers(graph, best),
+        layers=planned_layers(graph, best, cluster=cluster, training=training),
         alternatives=runners_up(scored, best_estimate, top=top),
         degree_alternatives=degree_alternatives(
             scored, best, best_estimate,
@@ -180,7 +182,18 @@ def search(
             ilp_solved=stats.solved, ilp_pruned=stats.pruned, ilp_infeasible=stats.infeasible,
             ilp_time_s=stats.solver_time_s, worst_gap=stats.worst_gap, ilp_improvements=len(stats.improved),
         ),
+        uniform=uniform_candidate(uniform, best_estimate),
     )
+
+
+def uniform_candidate(uniform: tuple[Strategy, Estimate], best: Estimate) -> Candidate | None:
+    """The best uniform strategy, with what the per-layer plan gains over it; None when the plan is uniform
+    or no uniform strategy fits."""
+    strategy, est = uniform
+    if est is best or not est.fits:
+        return None
+    gain = est.step_time_s / best.step_time_s - 1
+    return Candidate(strategy=strategy, estimate=est, verdict=f"the per-layer plan is {gain:.1%} faster")
 
 
 def unavailable_gains(
@@ -224,11 +237,18 @@ def _policies(graph: LayerGraph, pins: Mapping[str, object]) -> list[str]:
     return ["none", "full"] + (["selective"] if measured_selective else [])
 
 
-def planned_layers(graph: LayerGraph, strategy: Strategy) -> tuple[PlannedLayer, ...]:
-    """Per-layer decisions: recomputation of blocks and the pipeline chunk of every layer."""
+def planned_layers(
+    graph: LayerGraph, strategy: Strategy, *, cluster: Cluster | None = None, training: TrainingConfig | None = None,
+) -> tuple[PlannedLayer, ...]:
+    """Per-layer decisions: each block's activation policy and resharding, every layer's pipeline chunk, and,
+    given the cluster and training, what each layer costs (``cost_models.layer_costs``)."""
     policies = block_policies(graph.layers, strategy)
+    kept = kept_blocks(graph.layers, strategy)
+    costs = layer_costs(graph.layers, cluster, training, strategy) if cluster and training else {}
     return tuple(
-        PlannedLayer(fqn=layer.fqn, kind=layer.kind, chunk=chunk, recompute=policies.get(layer.fqn, "none"))
+        PlannedLayer(fqn=layer.fqn, kind=layer.kind, chunk=chunk, recompute=policies.get(layer.fqn, "none"),
+                     block_kind=layer.block_kind, reshard=layer.fqn not in kept,
+                     memory_bytes=costs.get(layer.fqn, (0, 0.0))[0], time_s=costs.get(layer.fqn, (0, 0.0))[1])
         for chunk, layers in enumerate(split_chunks(graph.layers, strategy))
         for layer in layers
     )

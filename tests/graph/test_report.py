@@ -13,7 +13,7 @@ from tessera.planner.explain_plots import simulate_schedule
 from tessera.planner.plan import Plan
 
 SECTIONS = [
-    "Model and cluster", "Strategy", "Prediction", "Step time breakdown", "Memory per pipeline stage",
+    "Model and cluster", "Strategy", "Per-layer plan", "Prediction", "Step time breakdown", "Memory per pipeline stage",
     "Pipeline timeline", "Alternatives", "Search", "Launch",
     "As Megatron-LM configuration", "As torchtitan configuration", "As DeepSpeed configuration",
 ]
@@ -85,6 +85,16 @@ def test_html_has_every_section_and_chart_and_no_external_resource(report):
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1])[:8] == PNG_MAGIC
     assert report.external == [], "the report must open offline"
+
+
+def test_per_layer_table_covers_every_layer_with_its_costs(plan, report):
+    rows = report.tables["Per-layer plan"][1:]  # the header row first
+    counted = sum(int(row[0].rpartition("(")[2].rstrip(")")) if " .. " in row[0] else 1 for row in rows)
+    assert counted == len(plan.layers)
+    blocks = [layer for layer in plan.layers if layer.kind == "block"]
+    assert all(layer.memory_bytes > 0 and layer.time_s > 0 for layer in blocks)
+    tp = f"tp=4{' +sp' if plan.strategy.sp else ''}"
+    assert {row[3] for row in rows if row[1] in ("block", "attention")} == {tp}
 
 
 def test_html_numbers_equal_the_plans(plan, report):
