@@ -11,8 +11,8 @@ still real (autograd holds the copies, not the tensors the forward made), only i
 
 What is copied and what is not:
 
-- parameters (``nn.Parameter``, including FSDP2's unsharded ones and tensor-parallel ``DTensor`` ones) stay
-  where they are: they are resident anyway (or FSDP2 gathers them again for the backward), and a copy would
+- parameters and views of them (``nn.Parameter``, including FSDP2's unsharded ones and tensor-parallel
+  ``DTensor`` ones; a linear saves ``weight.t()``) stay where they are: they are resident anyway (or FSDP2 gathers them again for the backward), and a copy would
   only move weights over the host link;
 - a ``DTensor`` activation (tensor and sequence parallelism) is offloaded as its local shard and rebuilt with
   the same mesh, placements, shape and stride (``save_on_cpu`` would allocate its global shape);
@@ -67,7 +67,7 @@ class BlockOffload:
 
     @torch.no_grad()
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | _Packed:
-        if isinstance(tensor, nn.Parameter):
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):  # a weight, or its view (w.t())
             return tensor
         local, spec = tensor, None
         if isinstance(tensor, DTensor):

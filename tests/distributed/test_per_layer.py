@@ -6,8 +6,8 @@ Each case trains from seed 0 with AdamW for 3 steps on the same global batches a
 single-process training on the whole global batch: per-step losses (identical on every rank) and final
 parameters (tolerances and why: ``harness.py``). Each case also checks that its choice really ran: every
 offloaded block's saved tensors went through the offload hooks (``ParallelModel.offloads``), and a block that
-keeps its weights gathered holds its unsharded parameters after its forward while a resharding block of the
-same size holds only its shard. All cases of one world size run in one spawn.
+keeps its weights gathered holds more than its shard after its forward, while a resharding block holds only its
+shard. All cases of one world size run in one spawn.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from tessera.cost_models.types import Strategy
 from tessera.errors import ConfigError
 from tessera.planner.plan import Plan
 from tessera.runtime.apply import apply_plan
+from tessera.runtime.offload import apply_offload
 
 from .harness import (
     FP32_TOL, GPT, LLAMA, MOE, PARAM_TOL, SEED, full_tensors, make_batches, make_model, make_plan, parameter_bytes,
@@ -52,9 +53,11 @@ CASES = {
 SLOW_CASES = {
     2: [(LLAMA, "dp=1,pp=2,mbs=2,schedule=zero-bubble,block_recompute=offload/offload/none/none"),  # split backward
         ("hf-llama", "dp=1,tp=2,mbs=4,block_recompute=offload/none"),  # Hugging Face's tp plan, DTensor activations
-        ("hf-llama", "dp=1,pp=2,mbs=2,schedule=1f1b,block_recompute=none/offload")],  # torch.export pipeline split
+        ("hf-llama", "dp=1,pp=2,mbs=2,schedule=1f1b,block_recompute=none/offload"),  # torch.export pipeline split
+        (LLAMA, "dp=1,cp=2,mbs=4,block_recompute=offload/none/offload/none")],  # ring attention's saved tensors
     4: [(MOE, "dp=4,ep=2,zero=3,mbs=1,block_recompute=none/offload,block_reshard=true/false"),  # experts over edp=2
-        (LLAMA, f"dp=2,tp=2,sp=true,zero=3,mbs=2,{OFF2},{KEEP2}")],
+        (LLAMA, f"dp=2,tp=2,sp=true,zero=3,mbs=2,{OFF2},{KEEP2}"),
+        (GPT, "dp=1,tp=2,pp=2,mbs=2,schedule=interleaved:2,block_recompute=offload/none/none/offload")],
 }
 
 
@@ -113,13 +116,16 @@ def expected(name: str) -> dict:
 # ------------------------------------------------------------------------------------------------ one case
 
 
-def track_block_bytes(parallel, fqns) -> dict[str, int]:
-    """Bytes of the parameters each local block holds right after its forward (after FSDP2's own hook)."""
+def local_blocks(parallel, fqns) -> dict:
+    """This rank's blocks among ``fqns`` (in the modules it runs: pipeline chunks hold the model's own blocks)."""
+    return {fqn: block for module in parallel.modules for fqn, block in module.named_modules() if fqn in fqns}
+
+
+def track_block_bytes(blocks: dict) -> dict[str, int]:
+    """Bytes of the parameters each block holds right after its forward (after FSDP2's own hook)."""
     held: dict[str, int] = {}
-    for module in parallel.modules:
-        for fqn, block in module.named_modules():
-            if fqn in fqns:
-                block.register_forward_hook(lambda m, a, o, fqn=fqn: held.__setitem__(fqn, parameter_bytes(m.parameters())))
+    for fqn, block in blocks.items():
+        block.register_forward_hook(lambda m, a, o, fqn=fqn: held.__setitem__(fqn, parameter_bytes(m.parameters())))
     return held
 
 
@@ -128,9 +134,11 @@ def train_case(name: str, strategy: str) -> dict:
     plan = per_layer_plan(name, model, strategy)
     torch.manual_seed(SEED)
     parallel = apply_plan(model, plan)
-    held = track_block_bytes(parallel, set(plan.block_fqns))
+    blocks = local_blocks(parallel, set(plan.block_fqns))
+    held = track_block_bytes(blocks)
     losses = [parallel.train_step(batch) for batch in batches(name)]
-    return {"losses": losses, "params": full_tensors(parallel.named_parameters()), "held": held,
+    at_rest = {fqn: parameter_bytes(block.parameters()) for fqn, block in blocks.items()}  # resharded after the step
+    return {"losses": losses, "params": full_tensors(parallel.named_parameters()), "held": held, "at_rest": at_rest,
             "offloads": {fqn: vars(stats) for fqn, stats in parallel.offloads.items()}}
 
 
@@ -180,12 +188,12 @@ def check_offloads(per_rank: list[dict], strategy: Strategy) -> None:
 
 
 def check_reshards(per_rank: list[dict], strategy: Strategy) -> None:
-    """After its forward a block that keeps its weights holds more than a resharding block of the same size."""
+    """After its forward a block that keeps its weights holds more than its shard at rest; one that reshards, its
+    shard (its experts too: FSDP2 units inside the block follow it)."""
     for result in per_rank:
-        kept = [b for fqn, b in result["held"].items() if not strategy.reshards_block(_block_index(fqn))]
-        resharded = [b for fqn, b in result["held"].items() if strategy.reshards_block(_block_index(fqn))]
-        if kept and resharded:
-            assert min(kept) > 1.5 * max(resharded), result["held"]  # dp=2 or more: a shard is half or less
+        for fqn, held in result["held"].items():
+            rest = result["at_rest"][fqn]
+            assert (held > rest) == (not strategy.reshards_block(_block_index(fqn))), (fqn, held, rest)
 
 
 def _block_index(fqn: str) -> int:
@@ -230,3 +238,20 @@ def test_offload_trains_like_one_process_without_a_process_group():
     torch.testing.assert_close(full_tensors(parallel.named_parameters()), reference(LLAMA, STEPS)[2], **PARAM_TOL)
     assert sorted(parallel.offloads) == ["blocks.0", "blocks.2"]
     assert all(stats.packed and stats.unpacked == stats.packed for stats in parallel.offloads.values())
+
+
+def test_offloaded_blocks_save_copies_and_others_the_tensors_themselves():
+    # Autograd of an offloaded block holds a copy made by the hooks (on CPU a same-device copy), so what its backward
+    # reads is not the forward's tensor; a block without offload saves the tensor itself. Parameters are not copied.
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 32), nn.ReLU()))
+    offloads = apply_offload(model, ["2"])
+    outputs = {}
+    for fqn in ("1", "2.1"):
+        model.get_submodule(fqn).register_forward_hook(lambda m, a, out, fqn=fqn: outputs.__setitem__(fqn, out))
+    model(torch.randn(4, 8)).sum().backward(retain_graph=True)
+    kept, copied = outputs["1"], outputs["2.1"]
+    assert kept.grad_fn._saved_result.data_ptr() == kept.data_ptr()  # not offloaded: the tensor itself
+    assert copied.grad_fn._saved_result.data_ptr() != copied.data_ptr()  # offloaded: a copy
+    torch.testing.assert_close(copied.grad_fn._saved_result, copied)
+    stats = offloads["2"].stats
+    assert stats.packed == 2 and stats.packed_bytes == 2 * 4 * 32 * 4  # the linear's input, the ReLU's output
