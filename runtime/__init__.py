@@ -2,9 +2,10 @@
 
 ``apply_plan(model, plan) -> ParallelModel`` builds the ``("edp", "pp", "ep", "cp", "tp")`` mesh (``runtime.mesh``) and applies, in order:
 expert parallelism (MoE experts split over ``ep`` ranks carved out of ``dp``, tokens exchanged by
-all-to-all), tensor (+ sequence) parallelism from the model's structure, per-layer recomputation (full or selective),
-optional ``torch.compile`` per block, the pipeline split and schedule, and the data-parallel axis (DDP,
-ZeRO-1/2/3 with FSDP2); a model on the meta device is materialised shard by shard; context parallelism (ring
+all-to-all), tensor (+ sequence) parallelism from the model's structure, per-layer recomputation (full or selective)
+or activation offload to host memory (``runtime.offload``), optional ``torch.compile`` per block, the pipeline split
+and schedule, and the data-parallel axis (DDP, ZeRO-1/2/3 with FSDP2; under ZeRO-3 ``reshard_after_forward`` per
+block); a model on the meta device is materialised shard by shard; context parallelism (ring
 attention over ``cp`` ranks, zig-zag sequence shards) comes last. ``spawn`` starts local
 gloo ranks for tests; ``launch_commands`` prints torchrun / SLURM command lines for a plan.
 ``ParallelModel.save``/``load`` write and read sharded checkpoints that load under any plan
@@ -24,6 +25,7 @@ _EXPORTS = {
     **dict.fromkeys(("WorkerError", "WorkerTimeoutError", "launch_commands", "spawn"), "launch"),
     **dict.fromkeys(("check_plan_agrees", "materialize_shards"), "materialize"),
     "build_mesh": "mesh",
+    "apply_offload": "offload",
     "ParallelModel": "parallel_model",
     "apply_recompute": "recompute",
     **dict.fromkeys(("apply_tensor_parallel", "find_linear_pairs"), "tensor_parallel"),
