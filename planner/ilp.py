@@ -5,7 +5,9 @@ runs and which of them are recomputed (none / selective / full) so that the slow
 possible while every stage fits in device memory.
 
 Sets: stages ``s = 0..P-1``; recomputation policies ``r in R``; ``L`` blocks (identical; a model whose
-blocks differ is planned with its heaviest block, which over-approximates time and memory).
+blocks differ is planned here with its heaviest block, which over-approximates time and memory, and also by
+``planner.ilp_mixed``, whose program gives every kind of block its own coefficients, chooses contiguous stage
+cuts in model order and adds per-block offload and ZeRO-3 resharding; ``planner.refine`` keeps the faster).
 
 The per-stage cost is linear: a block costs ``t[s, r]`` seconds per micro-batch and ``m[s, r]`` bytes on
 stage ``s`` under ``r``, and ``T0[s]``, ``M0[s]`` are what the stage costs besides its blocks (embedding,

@@ -140,3 +140,44 @@ def test_a_block_keeping_its_gathered_weights_saves_gathers_and_holds_its_weight
     held = 2 * 50_000_000 * 2  # two blocks' bf16 weights, whole (no tp)
     assert keeping.memory_by_category_bytes["parameters"] - resharding.memory_by_category_bytes["parameters"] == \
         pytest.approx(held, rel=1e-6)
+
+
+def graph_of(layers):
+    from tessera.planner.layer_graph import LayerGraph
+
+    return LayerGraph(model_name="synthetic", seq_len=4096, dtype="bf16", front_end="synthetic", layers=tuple(layers),
+                      edges=tuple((a.fqn, b.fqn) for a, b in zip(layers, layers[1:])))
+
+
+def test_stage_cuts_balance_blocks_that_are_not_alike():
+    """Four heavy blocks (three times the FLOPs) then twelve light ones on two pipeline stages: even stages put
+    the heavy ones and four light ones together; the per-kind program's cut is as good as the best of all 15."""
+    from tessera.planner.search import search
+
+    heavy = [block(f"h{i}", signature="heavy", flops=6e12) for i in range(4)]
+    light = [block(f"l{i}", signature="light", flops=2e12) for i in range(12)]
+    layers = model(*heavy, *light)
+    cluster, training = load_cluster("dgx-h100:nodes=1"), TrainingConfig(global_batch=64, seq_len=4096)
+    pins = {"pp": 2, "tp": 1, "zero": 1, "schedule": "1f1b", "micro_batch": 1}
+    plan = search(graph_of(layers), cluster, training, pins=pins)
+    key = Strategy.parse("dp=4,pp=2,zero=1,mbs=1,schedule=1f1b")
+    cuts = {cut: estimate(layers, cluster, training, key.model_copy(update={"chunk_blocks": (cut, 16 - cut)}))
+            for cut in range(1, 16)}
+    best = min(e.step_time_s for e in cuts.values() if e.fits)
+    assert plan.estimate.step_time_s <= best * (1 + 1e-9)
+    assert plan.estimate == estimate(layers, cluster, training, plan.strategy)  # the plan is what estimate says
+    assert plan.uniform is not None and plan.uniform.estimate.step_time_s / plan.estimate.step_time_s > 1.1
+    assert plan.strategy.chunk_blocks[0] < 8  # the heavy blocks' stage holds fewer
+
+
+@pytest.mark.parametrize("cluster_spec", ["dgx-h100:nodes=1", "dgx-a100:nodes=2"])
+def test_on_a_uniform_stack_every_option_switched_on_is_never_slower(cluster_spec):
+    from tessera.planner.refine import ALL_BLOCK_OPTIONS
+    from tessera.planner.search import search
+
+    layers = model(*(block(f"b{i}", saved=1200 * 2**20, params=400_000_000) for i in range(16)))
+    cluster, training = load_cluster(cluster_spec), TrainingConfig(global_batch=64, seq_len=4096)
+    today = search(graph_of(layers), cluster, training)
+    every = search(graph_of(layers), cluster, training, block_options=ALL_BLOCK_OPTIONS)
+    assert every.estimate.step_time_s <= today.estimate.step_time_s
+    assert every.estimate.fits and today.estimate.fits
