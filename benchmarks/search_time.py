@@ -2,11 +2,13 @@
 
 Run: ``.venv/bin/python benchmarks/search_time.py`` (several minutes; each point runs in a fresh process so
 its peak RSS is its own). Prints a table and writes ``benchmarks/results/search-time-<hardware>-<date>.md``
-and a plot beside it. The first three rows are the planner issue's targets.
+and a plot beside it. The first three rows are the planner issue's targets, the fourth issue 21's (``--only N``
+runs the first N rows).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import platform
@@ -25,6 +27,8 @@ POINTS = [
     ("gpt3-175b", 2048, "dgx-a100:nodes=128", 1536, 5.0),
     (ONE_T, 2048, "dgx-a100:nodes=384", 3072, 15.0),
     ("llama3-405b", 8192, "dgx-h100:nodes=2048", 2048, 15.0),
+    # DeepSeek-V3 on 2048 H100s at its published batch (15360 x 4K tokens, arXiv:2412.19437 Sec. 4.2), issue 21's goal.
+    ("deepseek-v3", 4096, "dgx-h100:nodes=256", 15360, 10.0),
     *[(model, seq, f"dgx-h100:nodes={nodes}", max(256, 8 * nodes // 4), None)
       for model, seq in (("gpt:layers=24,hidden=2048,heads=16,vocab=51200,seq=2048", 2048), ("llama3-8b", 8192),
                          ("llama3-70b", 8192), (ONE_T, 2048))
@@ -57,8 +61,10 @@ def measure(model: str, seq_len: int, cluster: str, global_batch: int) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", type=int, default=len(POINTS), help="run only the first N points")
     rows = []
-    for model, seq, cluster, batch, target in POINTS:
+    for model, seq, cluster, batch, target in POINTS[: parser.parse_args().only]:
         result = measure(model, seq, cluster, batch)
         rows.append((model, seq, cluster, batch, target, result))
         print(model, cluster, result, flush=True)

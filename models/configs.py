@@ -8,6 +8,7 @@ and finiteness: ``tessera.models.limits``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -104,6 +105,10 @@ class MoEConfig(LlamaConfig):
     capacity_factor: float = 1.0
     aux_loss_coef: float = 0.01
     rope_theta: float = 1000000.0  # Mixtral's (Llama 3's is 500000)
+    dense_layers: int = 0
+    """The first ``dense_layers`` blocks are dense Llama blocks (DeepSeek-V3's ``first_k_dense_replace``)."""
+    dense_ffn: int = 0
+    """MLP width of the dense blocks (needed when ``dense_layers`` > 0)."""
 
     family: ClassVar[str] = "MoE"
     positive_fields: ClassVar[tuple[str, ...]] = LlamaConfig.positive_fields + ("experts", "top_k")
@@ -116,8 +121,18 @@ class MoEConfig(LlamaConfig):
             raise ModelSpecError(f"MoE layers x experts = {self.layers * self.experts:,} is past Tessera's bound of "
                                  f"{MAX_EXPERT_MODULES:,} expert modules (tessera.models.limits); fewer layers or experts")
         check_dimension("shared_ffn", self.shared_ffn, family="MoE", minimum=0)
+        check_dimension("dense_layers", self.dense_layers, family="MoE", minimum=0)
+        check_dimension("dense_ffn", self.dense_ffn, family="MoE", minimum=0)
+        if self.dense_layers >= self.layers or (self.dense_layers and not self.dense_ffn):
+            raise ModelSpecError(f"MoE dense_layers={self.dense_layers} must be below layers={self.layers} and needs "
+                                 f"dense_ffn (got {self.dense_ffn}); give both, or dense_layers=0")
         check_finite("capacity_factor", self.capacity_factor, family="MoE")
         check_finite("aux_loss_coef", self.aux_loss_coef, family="MoE")
         if not 0.01 <= self.capacity_factor <= MAX_CAPACITY_FACTOR or self.aux_loss_coef < 0:
             raise ModelSpecError(f"MoE capacity_factor must be >= 0.01 and <= {MAX_CAPACITY_FACTOR:g} (got "
                                  f"{self.capacity_factor}); aux_loss_coef non-negative (got {self.aux_loss_coef})")
+
+    def dense_block_config(self) -> LlamaConfig:
+        """The shape of a dense block: this attention, with a SwiGLU MLP of ``dense_ffn``."""
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(LlamaConfig)}
+        return LlamaConfig(**{**fields, "ffn_hidden": self.dense_ffn})

@@ -41,6 +41,8 @@ MAX_DIMS: dict[str, int] = {
     "experts": 1024,
     "top_k": 1024,
     "shared_ffn": 2**20,
+    "dense_layers": 1024,
+    "dense_ffn": 2**20,
 }
 """Largest value each shape field may take (see the module docstring for the published sizes behind them)."""
 MAX_EXPERT_MODULES = 2**16

@@ -122,7 +122,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab, config.hidden)
-        self.blocks = nn.ModuleList(self.block_class(config) for _ in range(config.layers))
+        self.blocks = nn.ModuleList(self.build_block(config, index) for index in range(config.layers))
         self.norm = nn.RMSNorm(config.hidden, eps=NORM_EPS)
         self.head = nn.Linear(config.hidden, config.vocab, bias=False)
         self.tie_weights()
@@ -131,6 +131,13 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", torch.empty(config.seq_len, config.head_dim), persistent=False)
         if not self.tok_emb.weight.is_meta:  # on meta there is nothing to initialise (and normal_ is slow there)
             self.reset_parameters()
+
+    def build_block(self, config: LlamaConfig, index: int) -> LlamaBlock:
+        """Block ``index``: a ``block_class``, except the first ``dense_layers`` a config may declare (DeepSeek-V3's
+        dense first layers in front of its MoE layers), which are plain Llama blocks of the config's dense shape."""
+        if index < getattr(config, "dense_layers", 0):
+            return LlamaBlock(config.dense_block_config())
+        return self.block_class(config)
 
     def tie_weights(self) -> None:
         """Share ``tok_emb.weight`` with ``head`` when configured; ``to_empty`` from meta unties them."""

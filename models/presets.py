@@ -68,20 +68,31 @@ PRESETS: dict[str, ModelConfig] = {
         layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=32000, seq_len=32768, experts=8, top_k=2
     ),
     # DeepSeek-V3-shaped: DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (arXiv:2412.19437), Sec. 4.2
-    # "Hyper-Parameters": 61 layers, hidden 7168, 128 attention heads, every MoE layer 1 shared + 256 routed
-    # experts of intermediate size 2048, 8 routed experts per token; vocabulary 129280 from the released
-    # config.json (``vocab_size``); 4K pre-training context (Sec. 4.2), RoPE theta 10000 (config.json).
+    # "Hyper-Parameters": 61 layers, hidden 7168, 128 attention heads, the first 3 layers dense (released config.json:
+    # ``first_k_dense_replace`` 3, ``intermediate_size`` 18432), every other layer 1 shared + 256 routed experts of
+    # intermediate size 2048 (``moe_intermediate_size``), 8 routed experts per token; vocabulary 129280 from the
+    # released config.json (``vocab_size``); 4K pre-training context (Sec. 4.2), RoPE theta 10000 (config.json).
     # Approximations, stated: (1) attention is Tessera's GQA, not Multi-head Latent Attention. kv_heads=128
     # (plain multi-head) because it matches MLA's parameter count best: q/o 2 x 7168^2 + k/v 2 x 7168 x 128 x 56
     # = 205M per layer against MLA's ~187M (q down/up 11M + 38M, kv down/up 4M + 17M, o 117M); our head_dim is
     # hidden / heads = 56 where MLA's is 128 (+64 RoPE), so attention-core FLOPs are ~3x lower than MLA's (a
     # few percent of the step at 4K). Fewer kv heads would undercount parameters; MLA's latent KV compression
-    # saves inference memory, not training work. (2) All 61 layers are MoE; DeepSeek-V3's first 3 are dense
-    # (FFN 18432). (3) Multi-token prediction and the router's node-limited, bias-based balancing are not
-    # modelled (top-8 softmax router, aux loss). Result: 705B parameters (paper: 671B), 38.6B active (37B).
+    # saves inference memory, not training work. (2) Multi-token prediction and the router's node-limited,
+    # bias-based balancing are not modelled (top-8 softmax router, aux loss). Result: 672B parameters (paper:
+    # 671B), 38.7B active (37B).
     "deepseek-v3": MoEConfig(
         layers=61, hidden=7168, heads=128, kv_heads=128, ffn_hidden=2048, vocab=129280, seq_len=4096,
-        experts=256, top_k=8, shared_ffn=2048, rope_theta=10000.0,
+        experts=256, top_k=8, shared_ffn=2048, rope_theta=10000.0, dense_layers=3, dense_ffn=18432,
+    ),
+    # Gemma 3 27B's shape on Tessera's Llama (Gemma Team 2025, "Gemma 3 Technical Report", arXiv:2503.19786,
+    # Table 1 and the released config.json: 62 layers, hidden 5376, 32 heads, 16 KV heads, intermediate 21504,
+    # vocabulary 262144 = 256K, 128K context; ``rope_theta`` 1e6 of its global layers). Approximations, stated:
+    # Gemma's head_dim is 128 (here hidden / heads = 168), its MLP is GeGLU (here SwiGLU: same shapes), and its
+    # 5 local sliding-window (1024) layers per global one are global here (Tessera's attention has no window;
+    # captured Hugging Face Gemma 3 reports them as ``local-attention``). The 256K-vocabulary model of the set.
+    "gemma3-27b": LlamaConfig(
+        layers=62, hidden=5376, heads=32, kv_heads=16, ffn_hidden=21504, vocab=262144, seq_len=131072,
+        rope_theta=1000000.0,
     ),
     # Test presets: well under 1M parameters, so real CPU runs take milliseconds.
     "gpt-tiny": GPTConfig(layers=2, hidden=64, heads=4, vocab=256, seq_len=64),

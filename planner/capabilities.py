@@ -36,7 +36,7 @@ checks cp combinations only, and the runtime refuses a model whose positions it 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from torch import nn
 
@@ -104,8 +104,7 @@ def _tensor_parallel_problem(model: nn.Module, layers: dict[str, nn.Module], pla
     if odd is not None:
         return f"tp_plan entry {odd[0]!r}: style {odd[1]!r} is not implemented by the runtime"
     plan = _tp_plan(model, tp_plan)
-    return next((problem for layer in planned
-                 if (problem := _layer_problem(layer, layers[layer.fqn], plan)) is not None), None)
+    return _first_problem(planned, layers, plan, lambda layer: _layer_problem(layer, layers[layer.fqn], plan))
 
 
 def _tp_plan(model: nn.Module, tp_plan: Mapping[str, str] | None) -> dict[str, str]:
@@ -134,14 +133,41 @@ def _layer_problem(layer: LayerStats, module: nn.Module, plan: dict[str, str]) -
 def _packed_problem(layers: dict[str, nn.Module], planned: list[LayerStats], plan: dict[str, str]) -> str | None:
     """A packed projection (q|k|v, gate|up) is a strided tensor-parallel shard, which FSDP2 cannot shard again
     (``runtime.tensor_parallel.check_packed_under_fsdp``): such a model runs tp only with zero=0."""
+    def packed_problem(layer: LayerStats) -> str | None:
+        block = layers[layer.fqn]
+        packed = next((s for s in block_splits(block, layer.fqn, plan=plan, skip=_routers(block)) if s.parts > 1), None)
+        if packed is None:
+            return None
+        return (f"{layer.fqn}.{packed.name} packs {packed.parts} blocks that tensor parallelism splits as a "
+                "strided shard, which FSDP2 (zero>=1) cannot shard again")
+
+    return _first_problem([layer for layer in planned if layer.kind == "block"], layers, plan, packed_problem)
+
+
+def _first_problem(planned: list[LayerStats], layers: dict[str, nn.Module], plan: Mapping[str, str],
+                   problem: Callable[[LayerStats], str | None]) -> str | None:
+    """The first layer's ``problem``, in order. A layer alike to one already found fine is fine too and not checked
+    again (a 61-block MoE model of 256 experts each checks 2 blocks, not 61): alike means the same signature (class,
+    parameter shapes, every measured number), the same classes of submodules, and the same user or declared plan
+    entries that can match under it."""
+    fine: set[tuple] = set()
     for layer in planned:
-        if layer.kind == "block":
-            block = layers[layer.fqn]
-            packed = next((s for s in block_splits(block, layer.fqn, plan=plan, skip=_routers(block)) if s.parts > 1), None)
-            if packed is not None:
-                return (f"{layer.fqn}.{packed.name} packs {packed.parts} blocks that tensor parallelism splits as a "
-                        "strided shard, which FSDP2 (zero>=1) cannot shard again")
+        module = layers[layer.fqn]
+        key = (layer.signature, tuple(type(m).__qualname__ for m in module.modules()), _entries_under(plan, layer.fqn))
+        if key in fine:
+            continue
+        if (found := problem(layer)) is not None:
+            return found
+        fine.add(key)
     return None
+
+
+def _entries_under(plan: Mapping[str, str], fqn: str) -> tuple[tuple[str, str], ...]:
+    """The plan entries (glob, style) whose leading parts match ``fqn`` (``*`` matches one part): the only ones that
+    can style a module inside it, each read relative to it."""
+    parts = fqn.split(".")
+    return tuple((glob, style) for glob, style in plan.items()
+                 if len(pattern := glob.split(".")) >= len(parts) and all(p in ("*", q) for p, q in zip(pattern, parts)))
 
 
 # ----------------------------------------------------------------------------------------------- pipeline, experts

@@ -15,8 +15,9 @@ Steps (one function each):
 3. ``measure_layers`` (``tessera.planner.measure``): FLOPs, saved bytes under each recompute policy, input and
    output bytes of every layer and the loss, from one fake forward + loss + backward -- at three sequence lengths,
    so ``LayerGraph.at_seq_len`` can rescale without re-tracing (see ``tessera.planner.layer_graph``).
-4. ``LayerStats`` per layer: the measurements, the parameters it owns, the facts of ``layer_info``, and a
-   signature shared by identical blocks.
+4. ``LayerStats`` per layer: the measurements, the parameters it owns, the facts of ``layer_info``, the block's
+   kind (``tessera.planner.block_kinds``: attention, local attention, MoE, SSM, encoder), and a signature shared by
+   identical blocks (blocks that differ in kind, shapes or any measured number never share one).
 5. ``unavailable_axes`` (``tessera.planner.capabilities``): the parallel axes the runtime cannot apply to this
    model, and why, one line each.
 
@@ -38,12 +39,15 @@ from torch import nn
 
 from tessera.cost_models.types import LayerStats
 from tessera.errors import CaptureError, ModelSpecError
-from tessera.models import is_builtin_spec, with_override
+from tessera.models import is_builtin_spec, model_config, with_override
 from tessera.planner import layer_info
+from tessera.planner.block_kinds import block_kinds
 from tessera.planner.capabilities import unavailable_axes
 from tessera.planner.experts import expected_expert_load, measured_capacity_factor
 from tessera.planner.front_ends import LeafModules, trace_model
-from tessera.planner.layer_graph import SCALED_FIELDS, LayerGraph, SeqScaling, fit_polynomial, layer_signature
+from tessera.planner.layer_graph import (
+    SCALED_FIELDS, LayerGraph, SeqScaling, fit_polynomial, layer_signature, repeat_last_block,
+)
 from tessera.planner.measure import LOSS, ExampleInputs, Tally, example_inputs_at, measure_at_lengths, measure_layers
 from tessera.planner.model_source import max_positions, resolve_model, resolve_model_and_inputs
 from tessera.planner.replay import CONTAINERS
@@ -92,7 +96,8 @@ def capture(
         rescalable = fit_seq_scaling and (example_inputs is None or callable(example_inputs))
         lengths = fit_lengths(seq_len) if rescalable else (seq_len,)
         tallies = measure_at_lengths(model, flow.order, dtype=dtype, lengths=lengths, inputs=example_inputs)
-    stats, keys = _records(model, layers, flow, pairs, tallies[seq_len], capacity_factor=expert_capacity_factor)
+    stats, keys = _records(model, layers, flow, pairs, tallies[seq_len], capacity_factor=expert_capacity_factor,
+                           seq_len=seq_len)
     unavailable = unavailable_axes(model, layers, stats, front_end=flow.front_end, fallback_reasons=flow.fallback_reasons,
                                    token_inputs=token_inputs, tp_plan=tp_plan)
     return LayerGraph(
@@ -113,8 +118,41 @@ def capture_preset(
     fit_seq_scaling: bool = False, tp_plan: Mapping[str, str] | None = None,
 ) -> LayerGraph:
     """Build the model a spec names on meta (``tessera.planner.model_source``: presets, ``hf:...``,
-    ``file.py:factory``) and capture it (``fit_seq_scaling``: see :func:`capture`)."""
-    model, name, example_inputs = resolve_model_and_inputs(spec)
+    ``file.py:factory``) and capture it (``fit_seq_scaling``: see :func:`capture`).
+
+    A built-in model deeper than its distinct blocks need is captured with ``REPEATED_BLOCKS`` copies of its
+    repeated block and the last one repeated to full depth (``layer_graph.repeat_last_block``): Tessera's models
+    build every block after the ``dense_layers`` alike from the config, and measurement replays a block after two
+    identical ones anyway (``tessera.planner.replay``), so the graph is the one a capture of the whole model gives
+    (a test compares them), at the cost of a few blocks (DeepSeek-V3: 6 blocks and ~4,600 modules, not 63,000)."""
+    options = {"seq_len": seq_len, "dtype": dtype, "expert_capacity_factor": expert_capacity_factor,
+               "fit_seq_scaling": fit_seq_scaling, "tp_plan": tp_plan}
+    shortened = _shorter_builtin(spec)
+    if shortened is not None:
+        graph = repeat_last_block(_capture_spec(shortened[0], name=spec, **options), shortened[1])
+        if graph is not None:
+            return graph
+    return _capture_spec(spec, name=spec, **options)
+
+
+REPEATED_BLOCKS = 3
+"""Copies of a built-in model's repeated block that capture measures before repeating the last."""
+
+
+def _shorter_builtin(spec: str) -> tuple[str, int] | None:
+    """(the spec with fewer blocks, the blocks it has) for a built-in model deeper than it needs, else None."""
+    if not is_builtin_spec(spec):
+        return None
+    config = model_config(spec)
+    keep = getattr(config, "dense_layers", 0) + REPEATED_BLOCKS
+    return (with_override(spec, "layers", keep), config.layers) if config.layers > keep else None
+
+
+def _capture_spec(
+    spec: str, *, name: str, seq_len: int, dtype: torch.dtype, expert_capacity_factor: float | None,
+    fit_seq_scaling: bool, tp_plan: Mapping[str, str] | None,
+) -> LayerGraph:
+    model, _, example_inputs = resolve_model_and_inputs(spec)
     positions = max_positions(model)
     if positions is not None and seq_len > positions and _computed_positions(spec, model):
         # A built-in RoPE model's tables are computed for any length (no parameters): extend them, as a
@@ -128,7 +166,7 @@ def capture_preset(
             else f"use '{spec.partition(':')[0]}:seq={seq_len}' (with the preset's other overrides)"
         )
         raise ModelSpecError(
-            f"{spec} covers {positions} positions but seq_len={seq_len} was asked for; {hint} for a longer context"
+            f"{name} covers {positions} positions but seq_len={seq_len} was asked for; {hint} for a longer context"
         )
     return capture(model, seq_len=seq_len, dtype=dtype, name=name, expert_capacity_factor=expert_capacity_factor,
                    fit_seq_scaling=fit_seq_scaling, example_inputs=example_inputs, tp_plan=tp_plan)
@@ -270,21 +308,27 @@ def _layer_flow(
 
 def _records(
     model: nn.Module, layers: dict[str, nn.Module], flow: LayerFlow, pairs: dict[str, tuple], tallies: dict[str, Tally],
-    *, capacity_factor: float | None = None,
+    *, capacity_factor: float | None = None, seq_len: int,
 ) -> tuple[list[LayerStats], list[str]]:
     """LayerStats of every layer and the loss, with their signature keys."""
     owned = _owned_params(model, flow.order, layers)
     elements = layer_info.container_elements(model, layers)
     vocab = tallies[flow.head].output_width if flow.head else 0
+    kinds = {fqn: layer_info.layer_kind(layers[fqn], is_head=fqn == flow.head, in_container=fqn in elements)
+             for fqn in flow.order}
+    facts = {fqn: _facts(model, layers[fqn], kinds[fqn], tallies[fqn], vocab=vocab, pairs=pairs.get(fqn, ()))
+             for fqn in flow.order}
+    blocks = {fqn: layers[fqn] for fqn in flow.order if kinds[fqn] == "block"}
+    block_kind = block_kinds(blocks, order=flow.order, experts={fqn: facts[fqn]["experts"] for fqn in blocks},
+                             config=getattr(model, "config", None), seq_len=seq_len)
     stats, keys = [], []
     for fqn in flow.order:
-        module = layers[fqn]
-        kind = layer_info.layer_kind(module, is_head=fqn == flow.head, in_container=fqn in elements)
-        facts = _facts(model, module, kind, tallies[fqn], vocab=vocab, pairs=pairs.get(fqn, ()))
-        if facts["experts"]:
-            facts.update(_expert_facts(model, module, capacity_factor))
+        module, kind = layers[fqn], kinds[fqn]
+        if facts[fqn]["experts"]:
+            facts[fqn].update(_expert_facts(model, module, capacity_factor))
+        facts[fqn]["block_kind"] = block_kind.get(fqn, "")
         keys.append(_signature_key(module, kind, owned[fqn]))
-        stats.append(_layer_stats(fqn, kind, tallies[fqn], owned[fqn], facts, keys[-1]))
+        stats.append(_layer_stats(fqn, kind, tallies[fqn], owned[fqn], facts[fqn], keys[-1]))
     keys.append(_signature_key(None, "loss", 0))
     stats.append(_layer_stats(LOSS, "loss", tallies[LOSS], 0, {}, keys[-1]))
     return stats, keys

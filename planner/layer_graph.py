@@ -183,3 +183,42 @@ def _rescaled(layer: LayerStats, scaling: SeqScaling, seq_len: int) -> LayerStat
     values = {name: evaluate(c, seq_len) for name, c in scaling.coefficients.items()}
     stats = LayerStats.model_validate({**layer.model_dump(), **values})
     return stats.model_copy(update={"signature": layer_signature(scaling.signature_key, stats)})
+
+
+# ----------------------------------------------------------------------------------------------- repetition
+
+
+def repeat_last_block(graph: LayerGraph, blocks: int) -> LayerGraph | None:
+    """``graph`` with its last block repeated until its container holds ``blocks`` blocks, named on in order
+    (``blocks.5`` -> ``blocks.6``, ...): what capturing the deeper model gives when its extra blocks are copies of
+    the last one. Each copy takes the inputs the last block takes from outside the stack, the stack's chain runs on
+    through the copies, and what the last block fed after the stack is fed by the last copy.
+
+    None when the data flow does not show that pattern -- the last block must read the stack only from the block
+    before it, which must take the same inputs from outside the stack and feed nothing outside it: then the deeper
+    model must be captured whole."""
+    fqns = [layer.fqn for layer in graph.layers]
+    last = graph.blocks[-1].fqn if graph.blocks else ""
+    container, _, index = last.rpartition(".")
+    before = f"{container}.{int(index) - 1}" if index.isdigit() else ""
+    if not before or before not in fqns or blocks <= int(index) + 1:
+        return None
+    stack = {fqn for fqn in fqns if fqn.rpartition(".")[0] == container}
+    outside_inputs = {fqn: sorted(a for a, b in graph.edges if b == fqn and a not in stack) for fqn in (before, last)}
+    chained = {a for a, b in graph.edges if b == last and a in stack} == {before}
+    if not chained or outside_inputs[before] != outside_inputs[last] or any(a == before and b not in stack for a, b in graph.edges):
+        return None
+    copies = [f"{container}.{i}" for i in range(int(index) + 1, blocks)]
+    at = fqns.index(last) + 1
+    layers = [*graph.layers[:at], *(graph.layers[at - 1].model_copy(update={"fqn": c}) for c in copies), *graph.layers[at:]]
+    scaling = list(graph.seq_scaling)
+    if scaling:
+        scaling[at:at] = [scaling[at - 1].model_copy(update={"fqn": c}) for c in copies]
+    incoming: dict[str, list[tuple[str, str]]] = {}  # consumer -> its edges, as capture lists them: consumers in order
+    for a, b in graph.edges:
+        incoming.setdefault(b, []).append((copies[-1] if a == last and b not in stack else a, b))
+    for previous, copy in zip([last, *copies], copies):
+        incoming[copy] = [(previous if a == before else a, copy) for a, _ in incoming[last]]
+    edges = [edge for layer in layers for edge in incoming.get(layer.fqn, ())]
+    fields = {name: getattr(graph, name) for name in type(graph).model_fields}
+    return type(graph)(**{**fields, "layers": tuple(layers), "edges": tuple(edges), "seq_scaling": tuple(scaling)})

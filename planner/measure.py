@@ -181,7 +181,8 @@ def _measure_once(
     ledger = _Ledger(tallies, scope, resident)
     root = type(model).__name__  # FlopCounterMode's module tracker names modules "<RootClass>.<fqn>"
     meta_inputs = tree_map(lambda x: _stand_in(x, mode, dtype), inputs)
-    with mode or nullcontext(), FlopCounterMode(display=False) as counter:
+    with (mode or nullcontext(), FlopCounterMode(display=False) as counter,
+          _leave_in_backward(model, order, state, counter, root=root)):
         replay = BlockReplay(model, order if reuse_repeated else (), counter, root=root)
         elements = ElementReplay(model, order if reuse_repeated else (), counter, ledger, root=root)
         with ExitStack() as stack:
@@ -318,6 +319,35 @@ def _io_hooks(
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def _leave_in_backward(
+    model: nn.Module, order: tuple[str, ...], state: dict[str, torch.Tensor], counter: FlopCounterMode, *, root: str
+) -> Iterator[None]:
+    """End a layer's backward in FlopCounterMode's module tracker once its parameters' gradients are in, for a layer
+    whose inputs need no gradient (a token embedding). The tracker leaves a module when its inputs' gradients are
+    computed, so such a layer is never left: every backward op after it -- a vision tower whose output was merged
+    with the token embeddings -- would be counted to it as well."""
+    handles = []
+
+    def leave(name: str) -> Callable[[torch.Tensor], None]:
+        return lambda _grad: counter.mod_tracker.parents.discard(name)
+
+    def pre(module_fqn: str, _m: nn.Module, args: tuple, kwargs: dict) -> None:
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
+            return
+        prefix = f"{module_fqn}."
+        params = [t for name, t in state.items() if name.startswith(prefix) and t.requires_grad]
+        handles.extend(p.register_post_accumulate_grad_hook(leave(f"{root}.{module_fqn}")) for p in params)
+
+    handles.extend(model.get_submodule(fqn).register_forward_pre_hook(
+        lambda m, a, k, fqn=fqn: pre(fqn, m, a, k), with_kwargs=True) for fqn in order)
     try:
         yield
     finally:

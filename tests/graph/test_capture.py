@@ -344,3 +344,22 @@ def test_untraceable_model_raises_capture_error_naming_the_module() -> None:
 def test_capture_preset_rejects_unknown_model() -> None:
     with pytest.raises(ModelSpecError, match="llama3-70b"):
         capture_preset("llama3-70x", seq_len=128)
+
+
+@pytest.mark.parametrize("spec", ["gpt-tiny:layers=5,tie=true", "moe-tiny:layers=7,dense_layers=2,dense_ffn=96"])
+def test_a_deep_builtin_model_captures_as_its_whole_self(spec: str) -> None:
+    # capture_preset measures dense_layers + 3 blocks and repeats the last; the graph equals a capture of every block.
+    short = capture_preset(spec, seq_len=32, fit_seq_scaling=True)
+    whole = capture(build_model(spec, device="meta"), seq_len=32, name=spec, fit_seq_scaling=True)
+    assert short == whole and len(short.blocks) == int(spec.split("layers=")[1].split(",")[0])
+
+
+def test_deepseek_v3_captures_in_seconds_with_dense_and_moe_groups() -> None:
+    start = time.perf_counter()
+    graph = capture_preset("deepseek-v3", seq_len=4096)
+    seconds = time.perf_counter() - start
+    kinds = [block.block_kind for block in graph.blocks]
+    assert kinds == ["attention"] * 3 + ["moe"] * 58
+    assert len({block.signature for block in graph.blocks[4:]}) == 1 and graph.blocks[0].signature != graph.blocks[4].signature
+    assert graph.param_count == pytest.approx(672.1e9, rel=0.001)
+    assert seconds < 60, f"{seconds:.1f} s"  # ~4 s on an idle core (a whole capture of 63,000 modules took ~40 s)

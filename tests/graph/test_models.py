@@ -236,16 +236,25 @@ def test_moe_traces_with_fx_and_runs_on_meta() -> None:
 
 
 def test_deepseek_v3_shaped_preset() -> None:
-    """DeepSeek-V3 (arXiv:2412.19437 Sec. 4.2): 61 layers, hidden 7168, 128 heads, 1 shared + 256 routed experts of
-    2048, top-8, vocabulary 129280. GQA stands in for MLA and every layer is MoE (see the preset's comment): about
-    705B parameters against the paper's 671B, 38.6B active against 37B."""
+    """DeepSeek-V3 (arXiv:2412.19437 Sec. 4.2): 61 layers, hidden 7168, 128 heads, the first 3 dense (FFN 18432), the
+    rest 1 shared + 256 routed experts of 2048, top-8, vocabulary 129280. GQA stands in for MLA (see the preset's
+    comment): about 672B parameters against the paper's 671B, 38.7B active against 37B."""
     config = model_config("deepseek-v3")
     assert (config.layers, config.hidden, config.heads, config.kv_heads) == (61, 7168, 128, 128)
     assert (config.experts, config.top_k, config.ffn_hidden, config.shared_ffn, config.vocab) == (256, 8, 2048, 2048, 129280)
-    one = build_model("deepseek-v3:layers=1", device="meta")  # 61 layers take ~15 s to build even on meta
-    block = _param_count(one.blocks[0])
-    total = _param_count(one) + 60 * block
-    assert total == pytest.approx(705e9, rel=0.005) and total == pytest.approx(671e9, rel=0.06)
+    assert (config.dense_layers, config.dense_ffn) == (3, 18432)
+    short = build_model("deepseek-v3:layers=4", device="meta")  # 61 layers take ~15 s to build even on meta
+    assert [type(block).__name__ for block in short.blocks] == ["LlamaBlock"] * 3 + ["MoEBlock"]
+    moe_block = _param_count(short.blocks[3])
+    total = _param_count(short) + 57 * moe_block
+    assert total == pytest.approx(672.1e9, rel=0.001) and total == pytest.approx(671e9, rel=0.01)
     expert = 3 * 7168 * 2048
-    active = total - 61 * (256 - 8) * expert
-    assert active == pytest.approx(38.6e9, rel=0.01) and active == pytest.approx(37e9, rel=0.05)
+    active = total - 58 * (256 - 8) * expert
+    assert active == pytest.approx(38.7e9, rel=0.01) and active == pytest.approx(37e9, rel=0.05)
+
+
+def test_dense_first_layers_need_their_width() -> None:
+    with pytest.raises(ModelSpecError, match="dense_layers=3 must be below layers=2 and needs dense_ffn"):
+        model_config("moe-tiny:dense_layers=3")
+    with pytest.raises(ModelSpecError, match="needs dense_ffn"):
+        model_config("moe-tiny:layers=3,dense_layers=1")
