@@ -27,6 +27,8 @@ is divided by ``tp``, except the inputs PyTorch's sequence parallelism all-gathe
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tessera.cost_models.fp8 import saved_input_reduction_bytes
 from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
@@ -76,6 +78,8 @@ def stage_memory(
     optimizer stepping). Large activations put the peak at the first, large model state at the second.
     """
     reserve = CPU_RESERVE_BYTES if on_cpu else GPU_RESERVE_BYTES
+    if on_cpu and stage.offloaded_bytes:  # a CPU rank's device memory is the host's: offloading frees nothing
+        stage = replace(stage, saved_bytes=stage.saved_bytes + stage.offloaded_bytes, offload_buffer_bytes=0)
     marks = (backward_memory(stage, training, strategy, micro_batches=micro_batches),
              step_end_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu))
     if training.precision == "fp8":

@@ -22,7 +22,11 @@ assumption until ``DeviceSpec`` carries the host link (``host_bandwidth_bytes_pe
 
 
 def host_bandwidth_bytes_per_s(device: DeviceSpec) -> float:
-    """The device's host link per direction: catalogued, or ``DEFAULT_HOST_BANDWIDTH_BYTES_PER_S``."""
+    """The device's host link per direction: catalogued, or ``DEFAULT_HOST_BANDWIDTH_BYTES_PER_S``; on a CPU
+    rank (``local-cpu``) a copy within its own memory, at the memory bandwidth (and ``cost_models.memory`` keeps
+    the offloaded tensors in its memory: there is no other)."""
+    if device.name == "local-cpu":
+        return device.memory_bandwidth_bytes_per_s
     return getattr(device, "host_bandwidth_bytes_per_s", None) or DEFAULT_HOST_BANDWIDTH_BYTES_PER_S
 
 

@@ -181,3 +181,12 @@ def test_on_a_uniform_stack_every_option_switched_on_is_never_slower(cluster_spe
     every = search(graph_of(layers), cluster, training, block_options=ALL_BLOCK_OPTIONS)
     assert every.estimate.step_time_s <= today.estimate.step_time_s
     assert every.estimate.fits and today.estimate.fits
+
+
+def test_offload_frees_nothing_on_a_cpu_rank_whose_memory_is_the_hosts():
+    cluster = load_cluster("cpu:ranks=2")
+    layers = model(*(block(f"b{i}") for i in range(2)))
+    training = TrainingConfig(global_batch=2, seq_len=4096, precision="fp32")
+    plain, offload = (estimate(layers, cluster, training, Strategy.parse(f"dp=2,mbs=1,recompute={p}"))
+                      for p in ("none", "offload"))
+    assert offload.memory_by_category_bytes["activations"] == plain.memory_by_category_bytes["activations"]
