@@ -48,14 +48,14 @@ CASES = {
         ("hf-llama", "dp=2,zero=3,mbs=2,block_recompute=offload/none,block_reshard=false/true")],
     4: [(LLAMA, f"dp=2,tp=2,zero=3,mbs=4,{OFF2},{KEEP2}"),  # both with TP (2-D FSDP x TP)
         (GPT, f"dp=2,pp=2,zero=3,mbs=2,schedule=1f1b,{OFF2},{KEEP2}"),  # both with PP (FSDP inside stages)
-        ("hf-mixtral", "dp=4,ep=2,zero=3,mbs=2,block_recompute=offload/none,block_reshard=false/true")],
+        (MOE, "dp=4,ep=2,zero=3,mbs=1,block_recompute=none/offload,block_reshard=true/false")],  # experts over edp=2
 }
 SLOW_CASES = {
     2: [(LLAMA, "dp=1,pp=2,mbs=2,schedule=zero-bubble,block_recompute=offload/offload/none/none"),  # split backward
         ("hf-llama", "dp=1,tp=2,mbs=4,block_recompute=offload/none"),  # Hugging Face's tp plan, DTensor activations
         ("hf-llama", "dp=1,pp=2,mbs=2,schedule=1f1b,block_recompute=none/offload"),  # torch.export pipeline split
         (LLAMA, "dp=1,cp=2,mbs=4,block_recompute=offload/none/offload/none")],  # ring attention's saved tensors
-    4: [(MOE, "dp=4,ep=2,zero=3,mbs=1,block_recompute=none/offload,block_reshard=true/false"),  # experts over edp=2
+    4: [("hf-mixtral", "dp=4,ep=2,zero=3,mbs=2,block_recompute=offload/none,block_reshard=false/true"),
         (LLAMA, f"dp=2,tp=2,sp=true,zero=3,mbs=2,{OFF2},{KEEP2}"),
         (GPT, "dp=1,tp=2,pp=2,mbs=2,schedule=interleaved:2,block_recompute=offload/none/none/offload")],
 }
