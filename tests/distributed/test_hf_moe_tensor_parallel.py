@@ -45,7 +45,7 @@ SLOW = {
         ("qwen3-moe", "dp=2,ep=2,tp=2,sp=false,zero=3,mbs=4"),
         ("mixtral", "dp=2,ep=2,tp=2,sp=false,zero=1,mbs=2"),
         ("qwen2-moe", "tp=2,pp=2,sp=true,mbs=2,schedule=1f1b"),
-        ("qwen3-moe", "tp=4,sp=true,mbs=8")],
+        ("qwen3-moe", "tp=2,pp=2,sp=false,mbs=1,schedule=gpipe")],  # 8 micro-batches
 }
 
 
