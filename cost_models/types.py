@@ -151,6 +151,11 @@ class LayerStats(BaseModel):
     block_kind: BlockKind = ""
     """What the block is (``BlockKind``; ``""`` for other layers). Blocks of one kind may still differ in
     size: ``signature`` says which are alike."""
+    attention_window: int = Field(default=0, ge=0)
+    """Tokens each query of a ``local-attention`` / ``local-moe`` block attends to (its sliding window or chunk,
+    as the model declares it; ``tessera.planner.block_kinds``); 0 for global attention and other layers. The
+    measured FLOPs count the attention core whole (FlopCounterMode prices the SDPA call, not the mask): a cost
+    model that prices local attention scales the core by the window."""
 
     @property
     def params_per_expert(self) -> float:
