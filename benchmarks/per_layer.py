@@ -11,19 +11,18 @@ Each model is planned three ways on GPU presets, every plan at its own optimum w
   today (recomputation per block, uneven stage sizes; ``refine.RUNTIME_BLOCK_OPTIONS``);
 - **per-layer (all)**: also activation offload and per-block ZeRO-3 resharding (``refine.ALL_BLOCK_OPTIONS``).
 
-The models are built at the ``LayerStats`` level from captured blocks (capture of one block of each kind, then
-repeated: identical blocks share their statistics anyway), so the benchmark states exactly which shape it plans:
+The models (capture of the presets, with one ``LayerStats``-level change stated below):
 
-- ``deepseek-v3-dense3``: DeepSeek-V3's 61 layers with its first 3 dense (FFN 18432) as the technical report
-  has them (arXiv:2412.19437 Sec. 4.2), the other 58 the ``deepseek-v3`` preset's MoE block;
-- ``gemma3-27b-shaped``: Gemma 3 27B's shape (Gemma Team 2025, "Gemma 3 Technical Report", arXiv:2503.19786:
-  62 layers, 5 local sliding-window layers of window 1024 per global one, vocabulary 262,144; width 5376,
-  32 heads, 16 KV heads, FFN 21504 from the released config) on Tessera's Llama block: a local block is the
-  global block with its attention core cut to the window (causal: ``s w - w^2 / 2`` of ``s^2 / 2`` query-key
-  pairs), at 32K tokens;
+- ``deepseek-v3``: the preset (arXiv:2412.19437 Sec. 4.2), its first 3 layers dense (FFN 18432), the other 58
+  MoE (two block signatures);
+- ``gemma3-27b`` with local attention: the preset's shape (Gemma 3 27B, arXiv:2503.19786: 62 layers, vocabulary
+  262,144) at 32K tokens, its Gemma pattern applied here: 5 local sliding-window layers (window 1024) per global
+  one. Tessera's attention has no window, so a local block is the captured block with its attention core cut to
+  the window (causal: ``s w - w^2 / 2`` of ``s^2 / 2`` query-key pairs, forward and backward);
 - ``llama-256k-vocab``: Llama 3 8B's blocks with a 256K vocabulary (Gemma's 256,000) at 8K tokens: uniform
   blocks, a heavy embedding and head;
-- uniform controls (``llama3-8b``, ``llama3-70b``): the per-layer plan must never be slower than the uniform one.
+- uniform controls (``llama3-8b``, ``llama3-70b``, and ``gpt3-13b`` at 1K tokens on 512 A100s, where ZeRO-3's
+  all-gathers outlast the compute): the per-layer plan must never be slower than the uniform one.
 """
 
 from __future__ import annotations
@@ -47,10 +46,8 @@ from tessera.planner.refine import ALL_BLOCK_OPTIONS, RUNTIME_BLOCK_OPTIONS  # n
 from tessera.planner.search import best_candidate, rank_candidates, search  # noqa: E402
 from tessera.topology.presets import load_cluster  # noqa: E402
 
-DEEPSEEK_DENSE = "llama:layers=1,hidden=7168,heads=128,kv_heads=128,ffn=18432,vocab=129280,seq=4096,theta=10000"
-GEMMA3 = "llama:layers=1,hidden=5376,heads=32,kv_heads=16,ffn=21504,vocab=262144,seq=32768"
 LLAMA_256K = "llama:layers=1,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=256000,seq=8192"
-GEMMA3_WINDOW, GEMMA3_LOCAL_PER_GLOBAL, GEMMA3_LAYERS = 1024, 5, 62
+GEMMA3_WINDOW, GEMMA3_LOCAL_PER_GLOBAL, GEMMA3_SEQ = 1024, 5, 32768
 
 
 def stack(one_block: LayerGraph, blocks: list[LayerStats], name: str) -> LayerGraph:
@@ -61,16 +58,6 @@ def stack(one_block: LayerGraph, blocks: list[LayerStats], name: str) -> LayerGr
     ordered = [*layers[:first], *renamed, *layers[first + 1:]]
     edges = tuple((a.fqn, b.fqn) for a, b in zip(ordered, ordered[1:]))
     return one_block.model_copy(update={"model_name": name, "layers": tuple(ordered), "edges": edges, "seq_scaling": ()})
-
-
-def block_of(graph: LayerGraph) -> LayerStats:
-    return next(layer for layer in graph.layers if layer.kind == "block")
-
-
-def deepseek_v3_dense3() -> tuple[LayerGraph, int]:
-    moe = capture_preset("deepseek-v3:layers=1", seq_len=4096)
-    dense = block_of(capture_preset(DEEPSEEK_DENSE, seq_len=4096)).model_copy(update={"block_kind": "attention"})
-    return stack(moe, [dense] * 3 + [block_of(moe)] * 58, "deepseek-v3-dense3"), 4096
 
 
 def local_attention(block: LayerStats, *, seq_len: int, window: int) -> LayerStats:
@@ -85,18 +72,20 @@ def local_attention(block: LayerStats, *, seq_len: int, window: int) -> LayerSta
     })
 
 
-def gemma3_shaped() -> tuple[LayerGraph, int]:
-    seq = 32768
-    graph = capture_preset(GEMMA3, seq_len=seq)
-    global_block = block_of(graph).model_copy(update={"block_kind": "attention"})
-    local = local_attention(global_block, seq_len=seq, window=GEMMA3_WINDOW)
-    pattern = [global_block if (i + 1) % (GEMMA3_LOCAL_PER_GLOBAL + 1) == 0 else local for i in range(GEMMA3_LAYERS)]
-    return stack(graph, pattern, "gemma3-27b-shaped"), seq
+def gemma3_local_global() -> tuple[LayerGraph, int]:
+    graph = capture_preset("gemma3-27b", seq_len=GEMMA3_SEQ)
+    period = GEMMA3_LOCAL_PER_GLOBAL + 1
+    layers = tuple(local_attention(layer, seq_len=GEMMA3_SEQ, window=GEMMA3_WINDOW)
+                   if layer.kind == "block" and (int(layer.fqn.rpartition(".")[2]) + 1) % period else layer
+                   for layer in graph.layers)
+    return graph.model_copy(update={"model_name": "gemma3-27b (5 local : 1 global)", "layers": layers,
+                                    "seq_scaling": ()}), GEMMA3_SEQ
 
 
 def llama_256k_vocab() -> tuple[LayerGraph, int]:
     graph = capture_preset(LLAMA_256K, seq_len=8192)
-    return stack(graph, [block_of(graph)] * 32, "llama-256k-vocab"), 8192
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    return stack(graph, [block] * 32, "llama-256k-vocab"), 8192
 
 
 def preset(name: str, seq: int):
@@ -105,11 +94,12 @@ def preset(name: str, seq: int):
 
 # (builder, [(cluster, global batch)], uniform control?)
 MODELS = [
-    (deepseek_v3_dense3, [("dgx-h100:nodes=32", 1024), ("dgx-h100:nodes=128", 4096)], False),
-    (gemma3_shaped, [("dgx-h100:nodes=4", 64), ("dgx-h100:nodes=16", 256)], False),
+    (preset("deepseek-v3", 4096), [("dgx-h100:nodes=32", 1024), ("dgx-h100:nodes=128", 4096)], False),
+    (gemma3_local_global, [("dgx-h100:nodes=4", 64), ("dgx-h100:nodes=16", 256)], False),
     (llama_256k_vocab, [("dgx-h100:nodes=1", 64), ("dgx-a100:nodes=4", 256)], False),
     (preset("llama3-8b", 8192), [("dgx-h100:nodes=1", 64)], True),
     (preset("llama3-70b", 8192), [("dgx-h100:nodes=8", 512)], True),
+    (preset("gpt3-13b", 1024), [("dgx-a100:nodes=64", 512)], True),  # short sequences, ZeRO-3 traffic exposed
 ]
 
 

@@ -16,9 +16,9 @@ from tessera.cost_models.types import Strategy
 from tessera.topology.cluster import DeviceSpec
 
 DEFAULT_HOST_BANDWIDTH_BYTES_PER_S = 64e9
-"""Per-direction device-to-host bandwidth where the catalog gives none: PCIe 5.0 x16 (32 GT/s x 16 lanes,
-128b/130b: 63 GB/s; NVIDIA's H100 datasheet gives "PCIe Gen5: 128 GB/s" for both directions). A stated
-assumption until ``DeviceSpec`` carries the host link (``host_bandwidth_bytes_per_s``)."""
+"""Per-direction device-to-host bandwidth for a device whose catalog entry gives none
+(``DeviceSpec.host_bandwidth_bytes_per_s`` is None): PCIe 5.0 x16 (32 GT/s x 16 lanes, 128b/130b: 63 GB/s;
+NVIDIA's H100 datasheet gives "PCIe Gen5: 128 GB/s" for both directions). A stated assumption."""
 
 
 def host_bandwidth_bytes_per_s(device: DeviceSpec) -> float:
@@ -27,7 +27,7 @@ def host_bandwidth_bytes_per_s(device: DeviceSpec) -> float:
     the offloaded tensors in its memory: there is no other)."""
     if device.name == "local-cpu":
         return device.memory_bandwidth_bytes_per_s
-    return getattr(device, "host_bandwidth_bytes_per_s", None) or DEFAULT_HOST_BANDWIDTH_BYTES_PER_S
+    return device.host_bandwidth_bytes_per_s or DEFAULT_HOST_BANDWIDTH_BYTES_PER_S
 
 
 def offload_copy_s(stage: StageTotals, device: DeviceSpec, strategy: Strategy) -> float:
