@@ -119,27 +119,30 @@ class StagedShards:
         self.buffer = torch.empty(start, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         """Every chunk's bytes, at its ``start``."""
         self._views = [_view(self.buffer, chunk) for chunk in chunks]
-        self._fixed = {"format": FORMAT, "rank": rank, "chunks": [c.model_dump() for c in chunks],
-                       "values": {key: _encode(value, key) for key, value in _flat(tensors)
-                                  if not isinstance(value, torch.Tensor)}}
-        self.header = b""
-        """The header of the state last staged (its RNG states differ from snapshot to snapshot)."""
+        fixed = {"format": FORMAT, "rank": rank, "chunks": [c.model_dump() for c in chunks],
+                 "values": {key: _encode(value, key) for key, value in _flat(tensors)
+                            if not isinstance(value, torch.Tensor)}}
+        self._fixed_json = json.dumps(fixed)[:-1]
+        """The header without its last field (Python's RNG state): the same for every snapshot of this layout."""
 
-    def refill(self) -> None:
-        """Copy the current state and RNG into the buffer (device to host where the state is on a device)."""
+    def refill(self) -> Any:
+        """Copy the current state and RNG into the buffer (device to host where the state is on a device);
+        Python's RNG state, for :meth:`prefix`."""
         rng = [state for _, state in _rng_tensors()]
         with torch.no_grad():
             torch._foreach_copy_(self._views, self._sources + rng)
-        self.header = json.dumps({**self._fixed, "rng_python": _encode(random.getstate(), "rng_python")}).encode()
+        return random.getstate()
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
 
-    def prefix(self) -> bytes:
-        """What precedes the data in the file: the header's length, the header and its padding."""
-        head = _LENGTH.size + len(self.header)
-        return _LENGTH.pack(len(self.header)) + self.header + bytes(_aligned(head) - head)
+    def prefix(self, rng_python: Any) -> bytes:
+        """What precedes the data in the file: the header's length, the header and its padding (built on the
+        background thread: JSON of a thousand entries is not free)."""
+        header = f'{self._fixed_json}, "rng_python": {json.dumps(_encode(rng_python, "rng_python"))}}}'.encode()
+        head = _LENGTH.size + len(header)
+        return _LENGTH.pack(len(header)) + header + bytes(_aligned(head) - head)
 
 
 def write_shard(path: Path, prefix: bytes, data: torch.Tensor) -> FileRecord:

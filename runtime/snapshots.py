@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -155,6 +156,9 @@ class Snapshotter:
         """Which rank writes each chunk, per chunk list (``snapshot_format.StagedShards``)."""
         self._plan: tuple | None = None
         self._pending: PendingSave | None = None
+        self._worker: queue.SimpleQueue = _start_worker()
+        """The background thread's inbox (one thread for the run: starting one per snapshot costs the training
+        thread a handshake)."""
         self._checked_memory = False
         if self.layout.shift == 0 and self.rank == 0:
             log.warning("snapshots: one node, no buddy to copy to; they survive a process failure, not the node's")
@@ -168,24 +172,24 @@ class Snapshotter:
         """Stage ``state`` and write it in the background (after the previous snapshot is committed)."""
         self.wait()
         staged = self._staged_for(state)
-        staged.refill()
+        rng_python = staged.refill()
         if not self._checked_memory:
             self._check_host_memory(staged.nbytes)
             self._checked_memory = True
         side = {"data": self._data_state() if self._data_state else None,
                 "plan": self._plan_json(state) if self.rank == 0 else None}
-        step, strategy, prefix = state.step, state.plan.strategy.to_string(), staged.prefix()
+        step, strategy = state.step, state.plan.strategy.to_string()
         partial = partial_snapshot(self.store, step)
         future: Future = Future()
 
         def run() -> None:
             try:
-                self._write(staged.buffer, prefix, side, partial, step=step, strategy=strategy)
+                self._write(staged.buffer, staged.prefix(rng_python), side, partial, step=step, strategy=strategy)
                 future.set_result(None)
             except BaseException as error:  # surfaced by wait()
                 future.set_exception(error)
 
-        threading.Thread(target=run, name="tessera-snapshot", daemon=True).start()
+        self._worker.put(run)
         self._pending = PendingSave(step_folder(self.store, step), future)
         return self._pending
 
@@ -260,56 +264,65 @@ class Snapshotter:
 
     def _write(self, data: torch.Tensor, prefix: bytes, side: dict[str, Any], partial: Path, *, step: int,
                strategy: str) -> None:
-        """Write and hash this rank's file (and rank 0's plan and data position), copy it to the buddy node,
-        then commit the snapshot on every node."""
+        """Write and hash this rank's files (rank 0: also the plan and data position), exchange them with the
+        buddy node, then agree and commit: two collectives per snapshot (every rank's file records with any
+        failure, then the commit's outcome), as few as the commit discipline allows."""
         group = self.group
-
-        def write_own() -> tuple[dict[str, FileRecord], int]:
-            partial.mkdir(parents=True, exist_ok=True)
-            name = shard_file(self.rank)
-            records = {name: write_shard(partial / name, prefix, data)}
-            if self.rank == 0:
-                (partial / PLAN_FILE).write_text(side["plan"])
-                torch.save(side["data"], partial / DATA_FILE)
-                records |= {name: file_record(partial / name) for name in (PLAN_FILE, DATA_FILE)}
-            return records, len(prefix)
-
-        shares = gathered(write_own, group, what=f"writing snapshot {partial}")  # one collective: files, errors
-        files = {name: record for records, _ in shares for name, record in records.items()}
+        records, problem = attempt(lambda: self._write_own(data, prefix, side, partial), group,
+                                   what=f"writing snapshot {partial}")
         if self.layout.shift:
-            together(lambda: self._replicate(prefix, data, shares, partial), group,
-                     what=f"copying snapshot {partial} to buddies")
+            pieces = [] if problem else [torch.frombuffer(bytearray(prefix), dtype=torch.uint8), data] + [
+                torch.frombuffer(bytearray((partial / name).read_bytes()), dtype=torch.uint8) for name in _side(self.rank)]
+            _, copy_problem = attempt(lambda: self._exchange(pieces, partial), group,
+                                      what=f"copying snapshot {partial} to the buddy node")
+            problem = problem or copy_problem
+        shares = all_gather((records, problem), group)
+        problems = [problem for _, problem in shares if problem]
+        if problems:
+            raise CheckpointError(problems[0])
+        files = {name: record for records, _ in shares for name, record in records.items()}
         manifest = Manifest(step=step, world_size=self.layout.world, strategy=strategy, saved_unix_s=time.time(),
                             files=dict(sorted(files.items())))
         together(lambda: commit_snapshot(partial, manifest, keep=self.config.keep)
                  if self.layout.is_leader(self.rank) else None, group, what=f"committing snapshot {partial}")
 
-    def _replicate(self, prefix: bytes, data: torch.Tensor, shares: list, partial: Path) -> None:
-        """Send this rank's files to its partner on the buddy node (the staged buffer itself, no re-read);
-        receive the files of the rank whose buddy this node is. Not hashed on arrival: recovery checks every
-        file against the manifest's SHA-256 before using it (``snapshot_store.held_files``)."""
+    def _write_own(self, data: torch.Tensor, prefix: bytes, side: dict[str, Any], partial: Path) -> dict[str, FileRecord]:
+        partial.mkdir(parents=True, exist_ok=True)
+        records = {shard_file(self.rank): write_shard(partial / shard_file(self.rank), prefix, data)}
+        if self.rank == 0:
+            (partial / PLAN_FILE).write_text(side["plan"])
+            torch.save(side["data"], partial / DATA_FILE)
+            records |= {name: file_record(partial / name) for name in _side(0)}
+        return records
+
+    def _exchange(self, pieces: list[torch.Tensor], partial: Path) -> None:
+        """Send ``pieces`` (this rank's file as header and staged buffer, then its side files; none if writing
+        them failed) to the partner on the buddy node, and write what the rank whose buddy this node is sends:
+        the pieces' sizes first, then the pieces. Not hashed on arrival: recovery checks every file against the
+        manifest's SHA-256 before using it (``snapshot_store.held_files``)."""
         layout = self.layout
-        source = layout.partner(self.rank, offset=-layout.shift)
-        mine = [torch.frombuffer(bytearray(prefix), dtype=torch.uint8), data] + [
-            torch.frombuffer(bytearray((partial / name).read_bytes()), dtype=torch.uint8)
-            for name in _side_files(shares[self.rank][0])]
-        records, prefix_bytes = shares[source]
-        names = [shard_file(source), *_side_files(records)]
-        sizes = [prefix_bytes, records[names[0]].size_bytes - prefix_bytes] + [records[n].size_bytes for n in names[1:]]
-        incoming = torch.empty(sum(sizes), dtype=torch.uint8)
-        parts = incoming.split(sizes)
-        target = layout.partner(self.rank, offset=layout.shift)
-        ops = [dist.P2POp(dist.isend, piece, target, group=self.group) for piece in mine if piece.numel()]
-        ops += [dist.P2POp(dist.irecv, piece, source, group=self.group) for piece in parts if piece.numel()]
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-        whole = incoming.numpy()
-        offset = 0
-        for name in names:
-            size = records[name].size_bytes
+        target, source = layout.partner(self.rank, offset=layout.shift), layout.partner(self.rank, offset=-layout.shift)
+        sizes = torch.zeros(_MAX_PIECES + 1, dtype=torch.int64)
+        sizes[0] = len(pieces)
+        sizes[1:1 + len(pieces)] = torch.tensor([piece.numel() for piece in pieces], dtype=torch.int64)
+        theirs = torch.empty_like(sizes)
+        self._swap([sizes], [theirs], target, source)
+        counts = theirs[1:1 + int(theirs[0])].tolist()
+        incoming = torch.empty(sum(counts), dtype=torch.uint8)
+        self._swap([p for p in pieces if p.numel()], [p for p in incoming.split(counts) if p.numel()], target, source)
+        if not counts:
+            return  # the source failed to write its files: it says so in the agreement that follows
+        whole, offset = incoming.numpy(), 0
+        for name, size in zip([shard_file(source), *_side(source)], [counts[0] + counts[1], *counts[2:]]):
             with (partial / name).open("wb") as handle:
                 handle.write(memoryview(whole[offset:offset + size]))
             offset += size
+
+    def _swap(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor], target: int, source: int) -> None:
+        ops = [dist.P2POp(dist.isend, piece, target, group=self.group) for piece in outgoing]
+        ops += [dist.P2POp(dist.irecv, piece, source, group=self.group) for piece in incoming]
+        for request in dist.batch_isend_irecv(ops) if ops else ():
+            request.wait()
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -326,19 +339,26 @@ def _layout_key(state: TrainingState) -> tuple:
     return groups, states, buffers
 
 
-def _side_files(records: dict[str, FileRecord]) -> list[str]:
-    """The files of one rank's share besides its snapshot file (rank 0's plan and data position)."""
-    return sorted(name for name in records if not name.endswith(".snap"))
+def _start_worker() -> queue.SimpleQueue:
+    """A daemon thread running the callables put into the returned queue, one at a time (daemon: a snapshot
+    stuck on a dead peer must not keep the process from exiting)."""
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def serve() -> None:
+        while True:
+            inbox.get()()
+
+    threading.Thread(target=serve, name="tessera-snapshot", daemon=True).start()
+    return inbox
 
 
-def gathered(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> list[T]:
-    """Every rank's ``action()`` in rank order, in one collective; if it failed anywhere, the same
-    ``CheckpointError`` on every rank."""
-    shares = all_gather(attempt(action, group, what=what), group)
-    problems = [problem for _, problem in shares if problem]
-    if problems:
-        raise CheckpointError(problems[0])
-    return [value for value, _ in shares]
+_MAX_PIECES = 4
+"""A rank's file is sent as its header and its data; rank 0 also sends the plan and the data position."""
+
+
+def _side(rank: int) -> tuple[str, ...]:
+    """The files of ``rank``'s share besides its snapshot file (rank 0's plan and data position)."""
+    return (PLAN_FILE, DATA_FILE) if rank == 0 else ()
 
 
 def agree(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> T:

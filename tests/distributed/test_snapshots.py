@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -92,7 +93,7 @@ def train_then_lose_rank_three_mid_snapshot(stores: Path, disk: Path, log: Path)
     while pm.step < STEPS:
         if pm.step == LAST_COMMITTED and dist.get_rank() == 3:  # its own file written, nothing copied or committed
             pm.wait_for_snapshot()  # not the snapshot of LAST_COMMITTED, still being copied in the background
-            pm.snapshots._replicate = lambda *args: os._exit(1)
+            pm.snapshots._exchange = lambda *args: os._exit(1)
         loss = pm.train_step(draw(pool))  # starts the snapshot of pm.step in the background
         if dist.get_rank() == 0:
             _log(log, phase="before", step=pm.step - 1, loss=loss)
@@ -133,7 +134,7 @@ def _listing(store: Path) -> dict[str, list[str]]:
 def fault_run(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("fault-run")
     stores, disk, log = root / "stores", root / "disk", root / "losses.jsonl"
-    started = time.monotonic()
+    started, cpu = time.monotonic(), _ranks_cpu_s()
     with pytest.raises(WorkerError) as lost:
         spawn(train_then_lose_rank_three_mid_snapshot, nprocs=4, args=(stores, disk, log), timeout_s=300)
     left = {node: _listing(stores / node) for node in ("node0", "node1")}
@@ -148,7 +149,14 @@ def fault_run(tmp_path_factory) -> dict:
                     timeout_s=300)
     events = [json.loads(line) for line in log.read_text().splitlines()]
     return {"error": str(lost.value), "left": left, "same world": same[0], "results": results, "events": events,
-            "stores": [stores, buddy_lost, same_world], "seconds": time.monotonic() - started}
+            "stores": [stores, buddy_lost, same_world], "seconds": time.monotonic() - started,
+            "cpu_s": _ranks_cpu_s() - cpu}
+
+
+def _ranks_cpu_s() -> float:
+    """CPU seconds of the finished rank processes so far (a cost the machine's other load does not inflate)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def test_rank_three_died_mid_snapshot_and_left_the_previous_snapshot_committed(fault_run):
@@ -192,8 +200,9 @@ def test_a_clean_finish_leaves_no_snapshot_files(fault_run):
 
 
 def test_the_fault_run_stays_within_its_time_budget(fault_run):
-    print(f"fault run: {fault_run['seconds']:.0f} s")
-    assert fault_run["seconds"] < 300, fault_run["seconds"]  # ~80 s on an idle 2-core machine
+    print(f"fault run: {fault_run['seconds']:.0f} s, {fault_run['cpu_s']:.0f} CPU-s in its ranks")
+    # CPU, not wall time: a shared machine's load stretches the wall clock (435 s at load 35, CPU ~140 s)
+    assert fault_run["cpu_s"] < 240, fault_run["cpu_s"]  # ~75 s of wall time on an idle 2-core machine
 
 
 def _assert_losses_match(events: list[dict], phase: str, *, first: int) -> None:

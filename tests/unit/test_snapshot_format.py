@@ -1,0 +1,86 @@
+"""The snapshot file format (runtime/snapshot_format.py): one rank's chunks behind a JSON header, read back without
+running code, resharded by overlap; one process, no process group (the 4-rank round trip is
+tests/distributed/test_snapshots.py)."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from tessera.errors import CheckpointError
+from tessera.runtime.snapshot_format import ALIGN, Chunk, Shard, StagedShards, load_shards, write_shard
+
+
+def _state() -> dict:
+    return {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.tensor([1, 2], dtype=torch.int64)},
+            "optim": {"state.w.step": torch.tensor(3.0), "param_groups.w.betas": (0.9, 0.999),
+                      "param_groups.w.lr": 1e-3, "param_groups.w.foreach": None}}
+
+
+def _write(path, state) -> None:
+    staged = StagedShards(state, None, assignments={})
+    rng = staged.refill()
+    write_shard(path, staged.prefix(rng), staged.buffer)
+
+
+def _target() -> dict:
+    return {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(2, dtype=torch.int64)},
+            "optim": {"state.w.step": torch.tensor(0.0), "param_groups.w.betas": None, "param_groups.w.lr": None,
+                      "param_groups.w.foreach": 0}}
+
+
+def test_a_state_round_trips_with_its_values_and_rng(tmp_path):
+    state = _state()
+    _write(tmp_path / "rank-00000.snap", state)
+    target = _target()
+    shard = Shard(tmp_path / "rank-00000.snap")
+    load_shards(target, [shard])
+    assert torch.equal(target["model"]["w"], state["model"]["w"]) and torch.equal(target["model"]["b"], state["model"]["b"])
+    assert target["optim"]["state.w.step"] == 3.0
+    assert target["optim"]["param_groups.w.betas"] == (0.9, 0.999)  # a tuple again, not a list
+    assert target["optim"]["param_groups.w.lr"] == 1e-3 and target["optim"]["param_groups.w.foreach"] is None
+    tensors, python = shard.rng()
+    assert torch.equal(tensors["rng.cpu"], torch.get_rng_state()) and python == random.getstate()
+    assert all(chunk.start % ALIGN == 0 for chunk in shard.header.chunks)
+
+
+def _handmade(path, chunks: list[tuple[Chunk, torch.Tensor]]) -> None:
+    """A file whose chunks the test chooses (as other ranks' shards would be)."""
+    header = json.dumps({"format": "tessera-snapshot-1", "rank": 0, "chunks": [c.model_dump() for c, _ in chunks],
+                         "values": {}, "rng_python": None}).encode()
+    size = max(c.start + c.nbytes for c, _ in chunks)
+    data = torch.zeros(-(-size // ALIGN) * ALIGN, dtype=torch.uint8)
+    for chunk, tensor in chunks:
+        data[chunk.start:chunk.start + chunk.nbytes] = tensor.contiguous().view(torch.uint8).flatten()
+    head = 8 + len(header)
+    write_shard(path, len(header).to_bytes(8, "little") + header + bytes(-(-head // ALIGN) * ALIGN - head), data)
+
+
+def test_chunks_from_several_files_are_resharded_into_the_target_by_overlap(tmp_path):
+    full = torch.arange(24.0).reshape(4, 6)
+    # saved as row halves by two "ranks"; the second file also holds column halves of the bottom rows
+    top = Chunk(key="model.w", dtype="float32", global_shape=(4, 6), offsets=(0, 0), shape=(2, 6), start=0)
+    left = Chunk(key="model.w", dtype="float32", global_shape=(4, 6), offsets=(2, 0), shape=(2, 3), start=0)
+    right = Chunk(key="model.w", dtype="float32", global_shape=(4, 6), offsets=(2, 3), shape=(2, 3), start=64)
+    _handmade(tmp_path / "a.snap", [(top, full[:2])])
+    _handmade(tmp_path / "b.snap", [(left, full[2:, :3]), (right, full[2:, 3:])])
+    target = {"model": {"w": torch.zeros(4, 6)}}
+    load_shards(target, [Shard(tmp_path / "a.snap"), Shard(tmp_path / "b.snap")])
+    assert torch.equal(target["model"]["w"], full)
+    with pytest.raises(CheckpointError, match="holds 12 of the 24 elements of model.w"):
+        load_shards({"model": {"w": torch.zeros(4, 6)}}, [Shard(tmp_path / "b.snap")])
+    with pytest.raises(CheckpointError, match=r"model.w has shape \[4, 6\], this model's \[4, 7\]"):
+        load_shards({"model": {"w": torch.zeros(4, 7)}}, [Shard(tmp_path / "a.snap")])
+
+
+def test_a_header_pointing_outside_its_data_or_naming_no_dtype_is_refused(tmp_path):
+    chunk = Chunk(key="model.w", dtype="float32", global_shape=(4,), offsets=(0,), shape=(4,), start=0)
+    _handmade(tmp_path / "ok.snap", [(chunk, torch.ones(4))])
+    raw = (tmp_path / "ok.snap").read_bytes()
+    for name, old, new, why in (("far.snap", b'"start": 0', b'"start":64', "lies outside the file's data"),
+                                ("dtype.snap", b'"float32"', b'"Tensor1"', "'Tensor1' is not a torch dtype")):
+        assert len(old) == len(new) and old in raw
+        (tmp_path / name).write_bytes(raw.replace(old, new))
+        with pytest.raises(CheckpointError, match=f"snapshot file .*{name} is unreadable .*{why}"):
+            Shard(tmp_path / name)
