@@ -6,10 +6,10 @@ config fields, never from a model's name.
   container holding the last block the forward runs; blocks of another container that all run before its first
   block are the encoder's. (A model that splits one language-model stack over two containers would have its first
   container's blocks reported as an encoder.)
-- ``ssm``: the block holds a state-space mixer, recognised by a parameter named ``A_log`` (the log of the state
+- ``ssm`` / ``ssm-moe``: the block holds a state-space mixer, recognised by a parameter named ``A_log`` (the log of the state
   matrix, the name every Mamba / Mamba-2 implementation uses: transformers' Mamba, Mamba2, Jamba, Zamba, Bamba,
   Falcon-H1, GraniteMoeHybrid; the reference ``mamba_ssm``). A hybrid block holding both (Falcon-H1's parallel
-  attention + Mamba) is ``ssm``; one with routed experts too (Jamba) is ``ssm`` with ``experts`` set.
+  attention + Mamba) is ``ssm``; one with routed experts too (Jamba's) is ``ssm-moe``.
 - ``moe`` / ``local-moe``: routed experts (``layer_info.expert_count``) beside global / sliding-window attention.
 - ``local-attention``: attention over a sliding window shorter than the sequence. The window is what the model's
   config declares per layer (``layer_types[i]`` is ``"sliding_attention"``, of ``sliding_window`` tokens, or
@@ -48,7 +48,7 @@ def block_kinds(
         if fqn in encoders:
             kinds[fqn] = "encoder"
         elif has_ssm_mixer(module):
-            kinds[fqn] = "ssm"
+            kinds[fqn] = "ssm-moe" if experts.get(fqn) else "ssm"
         else:
             local = (window := attention_window(module, text_config, _index(fqn))) is not None and window < seq_len
             kinds[fqn] = ("local-" if local else "") + ("moe" if experts.get(fqn) else "attention")  # type: ignore[assignment]

@@ -19,7 +19,8 @@ rules follow the runtime's own refusals, read off the same module tree the runti
   splits (``RUNTIME_SPLITS["ep"]``: ``tessera.models.moe.MoELayer``) or in experts modules stacked over experts that
   their block calls with its router's choices (``models.moe.stacked_experts_problem``: Hugging Face Mixtral,
   Qwen2-MoE, Qwen3-MoE...). A dense model has no ep to lose. Stacked experts (``runtime.hf_experts``) do not run
-  ep with tp, with cp, or under zero-bubble with ZeRO >= 1: those combinations are unavailable.
+  ep with cp, or under zero-bubble with ZeRO >= 1: those combinations are unavailable (ep x tp runs: each expert
+  is split over tp as well, ``runtime.tp_experts``).
 - **cp** (``runtime.context_parallel``, rule ``cost_models.cp_rules``): ring attention needs attention modules
   with an integer ``head_dim`` and positions the runtime knows how to give each rank (Tessera's RoPE tables or
   learned ``pos_emb``).
@@ -214,8 +215,7 @@ def _stacked_experts_combinations(layers: dict[str, nn.Module], planned: list[La
     if routed is None or any(runtime_splits("ep", type(m)) for m in layers[routed.fqn].modules()):
         return {}
     where = f"expert parallelism of the stacked experts of {routed.fqn}"
-    return {"ep+tp": f"{where} together with tensor parallelism is not implemented",
-            "ep+cp": f"{where} together with context parallelism is not implemented",
+    return {"ep+cp": f"{where} together with context parallelism is not implemented",
             "ep+zero-bubble+zero": f"{where} under zero-bubble with ZeRO >= 1 differs from one process (measured)"}
 
 

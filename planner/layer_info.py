@@ -9,7 +9,8 @@
   stream is read) and no routing index (``topk``, ``argmax``...) -- and it maps back to the width they read
   (``row.out_features == column.in_features``). Those linears are its *columns*. The role is ``expert`` for a row
   under an ``experts`` module, ``attention`` when the path crosses an attention op (SDPA, softmax), else ``mlp``.
-  Hugging Face's packed experts (3-D parameters) are not linears, so their layers report only attention pairs.
+  Hugging Face's packed experts (3-D parameters) are not linears: each stacked experts module adds one ``expert``
+  pair, its first and last 3-D weights (``stacked_expert_pairs``), as tensor parallelism splits it.
   A user leaf module is one graph node, so pairs inside it are not seen. A repeated container element that the
   tracer recorded as one node (``tessera.planner.front_ends``) gets its representative's pairs, renamed; when that
   would not be exact (a linear inside the representative fed from outside it) ``NotReplicable`` is raised and
@@ -32,7 +33,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from tessera.cost_models.tp_rules import linear_dims
+from tessera.cost_models.tp_rules import linear_dims, moe_containers
 from tessera.cost_models.types import LayerKind, LinearPair
 from tessera.planner.replay import CONTAINERS
 
@@ -126,7 +127,22 @@ def tp_pairs(
         role = "expert" if "experts" in row.split(".") else "attention" if crossed_attention else "mlp"
         relative = [name.removeprefix(layer + ".") for name in (*columns, row)]
         pairs.setdefault(layer, []).append(LinearPair(column=tuple(relative[:-1]), row=relative[-1], role=role))
-    return {layer: tuple(found) for layer, found in pairs.items()}
+    for fqn, module in layers.items():
+        pairs.setdefault(fqn, []).extend(stacked_expert_pairs(module))
+    return {layer: tuple(found) for layer, found in pairs.items() if found}
+
+
+def stacked_expert_pairs(layer: nn.Module) -> list[LinearPair]:
+    """One ``expert`` pair per stacked experts module (Hugging Face's packed experts, ``tp_rules.moe_containers``):
+    the first and the last of its 3-D weights (``gate_up_proj``, ``down_proj``). They are not linears, so the data
+    flow shows no pair, but tensor parallelism splits them as one -- one reduction of the combined output."""
+    found = []
+    for container in moe_containers(layer):
+        experts = f"{container}.experts" if container else "experts"
+        stacked = [name for name, p in layer.get_submodule(experts).named_parameters(recurse=False) if p.dim() == 3]
+        if len(stacked) >= 2:
+            found.append(LinearPair(column=(f"{experts}.{stacked[0]}",), row=f"{experts}.{stacked[-1]}", role="expert"))
+    return found
 
 
 def _linear_feeds(

@@ -52,7 +52,9 @@ def test_hf_block_facts(captured) -> None:  # noqa: ANN001
     assert (block.hidden_size, block.attention_heads, block.kv_heads) == (H, HEADS, kv)
     assert block.experts == (4 if name == "mixtral" else 0)
     roles = [p.role for p in block.tp_pairs]
-    assert roles == (["attention"] if name == "mixtral" else ["attention", "mlp"])  # packed experts: no linears
+    assert roles == (["attention", "expert"] if name == "mixtral" else ["attention", "mlp"])  # stacked experts: one pair
+    if name == "mixtral":
+        assert (block.tp_pairs[1].column, block.tp_pairs[1].row) == (("mlp.experts.gate_up_proj",), "mlp.experts.down_proj")
     assert block.saved_bytes_full_recompute <= block.saved_bytes_selective <= block.saved_bytes_no_recompute
 
 

@@ -65,7 +65,7 @@ def test_jamba_hybrid_of_state_space_and_attention_blocks() -> None:
     graph = hf_capture(transformers.JambaConfig, num_hidden_layers=4, num_key_value_heads=2, attn_layer_period=2,
                        attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0, num_experts=4,
                        num_experts_per_tok=2, mamba_d_state=4, mamba_dt_rank=8)
-    assert kinds(graph) == ["ssm", "attention", "ssm", "attention"]
+    assert kinds(graph) == ["ssm-moe", "attention", "ssm-moe", "attention"]
     mamba_moe, attention = graph.blocks[0], graph.blocks[1]
     assert mamba_moe.experts == 4 and mamba_moe.attention_heads == 0 and attention.attention_heads == 4
     assert mamba_moe.signature == graph.blocks[2].signature != attention.signature
