@@ -11,6 +11,8 @@ view an attention module needs once its heads are split.
   of a 1-D tensor it could not: :func:`fsdp_shard_placement`). Optionally the output is all-gathered
   (``colwise_gather_output``).
 - :class:`RowSplit`: row-parallel ``nn.Linear`` or ``Conv1D`` (input features are the weight's dim 0 there).
+- :func:`fsdp_shard_placement` (FSDP2's ``shard_placement_fn``) and :func:`unstrided` (a checkpoint's view): a
+  packed split composes with FSDP2 on ``dp`` and with DCP.
 - :func:`localise_attention`: attention modules that split heads with an absolute count (OPT's
   ``view(B, -1, self.num_heads, d)``) or width (GPT-2's ``split(self.split_size)``) get the local count; one that
   reads head counts from the shared ``config`` in its forward is refused (Phi-3 declares a gathered plan instead).
@@ -86,6 +88,25 @@ def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
         raise NotModelledError(f"a 1-D parameter of shape {tuple(param.shape)} is a strided tensor-parallel shard, "
                                "which FSDP2 cannot shard again; keep it replicated on tp or plan with zero=0")
     return Shard(1)
+
+
+def unstrided(tensor):
+    """``tensor`` with each strided tensor-parallel split (a packed ``q|k|v``) gathered (``Replicate``), else itself.
+
+    DCP writes one chunk per rank per tensor, and a rank's slice of every packed block is ``parts`` chunks, so a
+    checkpoint writes and reads the gathered form. FSDP2's own ``_StridedShard`` (dp, ahead of a tp ``Shard`` of the
+    same dim: shard order, one chunk) is kept."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    placements = list(tensor.placements)
+    gathered = [Replicate() if _is_strided_split(placements, axis) else p for axis, p in enumerate(placements)]
+    return tensor if gathered == placements else tensor.redistribute(placements=gathered)
+
+
+def _is_strided_split(placements: list[Placement], axis: int) -> bool:
+    placement = placements[axis]
+    return isinstance(placement, _StridedShard) and not any(
+        isinstance(later, (Shard, _StridedShard)) and later.dim == placement.dim for later in placements[axis + 1:])
 
 
 class RowSplit(RowwiseParallel):
