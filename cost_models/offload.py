@@ -1,10 +1,12 @@
 """Activation offload: an offloaded block's saved tensors go to host memory in the forward and come back
-before its backward, on a copy stream beside the compute (``Recompute`` ``"offload"``).
+for its backward (``Recompute`` ``"offload"``).
 
-The copies run on the device's host link (PCIe, NVLink-C2C) in both directions and overlap the stage's
-compute: the copy-out with its forward, the copy-in with its backward (each block's tensors are prefetched
-while the block after it runs its backward, as ``torch.autograd.graph.saved_tensors_hooks`` based offloaders
-do). What a pass cannot hide is on the critical path. The device keeps two blocks' worth in transit
+The copies run on the device's host link (PCIe, NVLink-C2C; ``DeviceSpec.host_bandwidth_bytes_per_s``) in both
+directions. Where a runtime issues them on a copy stream of their own, each overlaps the compute: the copy-out
+with the forward, the copy-in (prefetched a block ahead) with the backward, and only what a pass cannot hide is
+on the critical path. Tessera's runtime (``runtime.offload``) issues them on the compute stream (non-blocking
+for the host, in order with the kernels) and copies each tensor back when the backward reaches it, so they add
+to the step in full: ``OFFLOAD_COPIES_OVERLAP`` says which. The device keeps two blocks' worth in transit
 (``StageTotals.offload_buffer_bytes``); everything else lives on the host.
 """
 
@@ -15,6 +17,9 @@ from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.types import Strategy
 from tessera.topology.cluster import DeviceSpec
 
+OFFLOAD_COPIES_OVERLAP = False
+"""A fact about the runtime, not a setting: ``runtime.offload`` copies on the compute stream (no side stream, no
+prefetch), so no copy hides behind compute. True describes a runtime with a copy stream and prefetching."""
 DEFAULT_HOST_BANDWIDTH_BYTES_PER_S = 64e9
 """Per-direction device-to-host bandwidth for a device whose catalog entry gives none
 (``DeviceSpec.host_bandwidth_bytes_per_s`` is None): PCIe 5.0 x16 (32 GT/s x 16 lanes, 128b/130b: 63 GB/s;
@@ -41,7 +46,9 @@ def offload_copy_s(stage: StageTotals, device: DeviceSpec, strategy: Strategy) -
 def exposed_offload_s(
     stage: StageTotals, device: DeviceSpec, strategy: Strategy, *, forward_s: float, backward_s: float
 ) -> float:
-    """Offload seconds of one micro-batch the compute does not hide: the copy-out beyond the forward and the
-    copy-in beyond the backward."""
+    """Offload seconds of one micro-batch on the critical path: both copies where they do not overlap
+    (``OFFLOAD_COPIES_OVERLAP``), else the copy-out beyond the forward and the copy-in beyond the backward."""
     copy = offload_copy_s(stage, device, strategy)
+    if not OFFLOAD_COPIES_OVERLAP:
+        return 2 * copy
     return max(0.0, copy - forward_s) + max(0.0, copy - backward_s)
