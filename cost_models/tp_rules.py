@@ -301,7 +301,28 @@ def block_problem(block: nn.Module, fqn: str, *, plan: Mapping[str, str] | None 
                                                                               plan=plan)) is not None), None)
     return moe or uncovered_parameter(block, fqn, {split.name for split in splits} | norms | skip | set(containers)) or next(
         (problem for name in head_split_attentions(block, splits)
-         if (problem := config_head_read(_join(fqn, name), block.get_submodule(name))) is not None), None)
+         if (problem := config_head_read(_join(fqn, name), block.get_submodule(name))) is not None), None) or (
+        head_norm_problem(block, fqn, splits))
+
+
+def head_norms(block: nn.Module, splits: Sequence[LinearSplit]) -> list[str]:
+    """Norms inside an attention whose heads are split (Qwen3's per-head ``q_norm``/``k_norm``): each rank normalises
+    its local heads, so a norm's weight gradient is a partial sum over the tensor-parallel ranks."""
+    attentions = head_split_attentions(block, splits)
+    return [name for name, module in block.named_modules()
+            if is_norm(module) and any(name.startswith(f"{attention}.") for attention in attentions)]
+
+
+def head_norm_problem(block: nn.Module, fqn: str, splits: Sequence[LinearSplit]) -> str | None:
+    """A refusal line for a norm inside a head-split attention that normalises across heads (its width is not one
+    head's: OLMo 2's ``q_norm`` over all heads), or None."""
+    for name in head_norms(block, splits):
+        norm, head_dim = block.get_submodule(name), head_dim_of(block.get_submodule(attention_of(block, name)))
+        weight = getattr(norm, "weight", None)
+        if isinstance(weight, torch.Tensor) and head_dim and weight.numel() != head_dim:
+            return (f"{_join(fqn, name)} normalises {weight.numel()} features across the heads tensor parallelism "
+                    f"splits (one head has {head_dim}); plan with tp=1")
+    return None
 
 
 def uncovered_parameter(module: nn.Module, fqn: str, styled: set[str]) -> str | None:

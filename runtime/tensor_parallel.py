@@ -17,7 +17,10 @@ runs its ``heads / tp`` local heads; the MLP splits its hidden width. How each p
   whose heads are split gets its local head counts (``tp_styles.localise_attention``). Norms and the router of a
   mixture-of-experts layer stay replicated (every rank routes the same tokens; each expert is a pair like the
   dense MLP, as Megatron-Core splits experts). Any other parameter in a block is refused by name.
-- ``norm``: replicated (sequence-parallel with ``sp``).
+- ``norm``: replicated (sequence-parallel with ``sp``). A norm inside an attention whose heads are split (Qwen3's
+  per-head ``q_norm``/``k_norm``, Hugging Face's ``replicated_with_grad_allreduce``) runs on the local heads and its
+  weight gradient is summed over tp (the sequence-parallel style's ``Partial`` gradient); one normalising across
+  heads (OLMo 2's ``q_norm``) is refused.
 - ``head``: a linear split column-wise over the vocabulary. Its output stays sharded, ``(B, T, V / tp)`` per
   rank, and :class:`VocabParallelLoss` computes the cross-entropy with ``loss_parallel``: no rank ever
   materialises the full logits.
@@ -69,6 +72,8 @@ from tessera.cost_models.tp_rules import (
     moe_parts,
     plan_style,
     attention_of,
+    head_norm_problem,
+    head_norms,
     head_split_attentions,
     uncovered_parameter,
 )
@@ -278,8 +283,8 @@ def _block_styles(fqn: str, block: nn.Module, splits: Sequence[LinearSplit], *, 
     if sp and replicated:
         raise NotModelledError(f"sequence parallelism through the mixture-of-experts layer of {fqn} is not "
                                "implemented (experts see a dispatch buffer, not a sequence); plan with sp=false")
-    if sp:
-        styles.update({name: _sequence_parallel() for name in norms})
+    # a norm of the local heads (Qwen3's q_norm) sums its weight gradient over tp, as a sequence-parallel one does
+    styles.update({name: _sequence_parallel() for name in (norms if sp else head_norms(block, splits))})
     _require_covered(fqn, block, set(styles) | set(norms) | set(replicated) | kept | set(moe_containers(block)))
     _check_heads(fqn, block, splits, tp)
     return styles
@@ -330,6 +335,9 @@ def _check_split(fqn: str, block: nn.Module, split: LinearSplit, tp: int) -> Non
 
 def _check_heads(fqn: str, block: nn.Module, splits: Sequence[LinearSplit], tp: int) -> None:
     """Head-split columns of an attention: whole heads per rank, and a forward that finds its local heads."""
+    problem = head_norm_problem(block, fqn, splits)
+    if problem is not None:
+        raise NotModelledError(problem)
     for container in head_split_attentions(block, splits):
         attention = block.get_submodule(container)
         head_dim = head_dim_of(attention)

@@ -1,5 +1,5 @@
 """Tensor parallelism on mixture-of-experts models Tessera did not write: Hugging Face Mixtral, Qwen2-MoE (a gated
-shared expert) and Qwen3-MoE (q/k norms), experts stacked in 3-D tensors, trained with the attention split by heads
+shared expert) and Qwen3-MoE (per-head q/k norms, whose weight gradients are summed over tp), experts stacked in 3-D tensors, trained with the attention split by heads
 and every expert split over tp (gate/up column-wise, down row-wise, expert tensor parallelism = tp), the router
 whole, with and without sequence parallelism, alone, with data parallelism (ZeRO 0 and 3), with expert parallelism
 (ep x tp) and with pipeline parallelism (tp x pp), match single-process training.
@@ -33,14 +33,14 @@ pytestmark = [pytest.mark.distributed,
 
 # (model, strategy): accumulation = GLOBAL_BATCH / (dp * mbs).
 CASES = {
-    2: [("mixtral", "tp=2,sp=false,mbs=4"),  # 2 micro-batches
+    2: [("qwen3-moe", "tp=2,sp=false,mbs=4"),  # per-head q/k norms: weight gradients summed over tp
         ("qwen2-moe", "tp=2,sp=true,mbs=8")],  # the shared expert split like a dense MLP, tokens gathered at mlp
     4: [("mixtral", "dp=2,tp=2,sp=true,zero=3,mbs=4"),  # FSDP2 x TP: experts sharded on dim 0, split on the width
         ("qwen2-moe", "dp=2,ep=2,tp=2,sp=false,zero=0,mbs=2"),  # ep x tp: DTensors over the (ep, tp) mesh
         ("mixtral", "tp=2,pp=2,sp=false,mbs=2,schedule=1f1b")],  # tp x pp: 4 micro-batches
 }
 SLOW = {
-    2: [("qwen3-moe", "tp=2,sp=true,mbs=4")],
+    2: [("mixtral", "tp=2,sp=false,mbs=4"), ("qwen3-moe", "tp=2,sp=true,mbs=4")],
     4: [("qwen2-moe", "dp=2,tp=2,sp=false,zero=0,mbs=2"),
         ("qwen3-moe", "dp=2,ep=2,tp=2,sp=false,zero=3,mbs=4"),
         ("mixtral", "dp=2,ep=2,tp=2,sp=false,zero=1,mbs=2"),
@@ -125,3 +125,9 @@ def test_what_expert_tensor_parallelism_cannot_split_is_refused_by_name():
     with pytest.raises(NotModelledError, match="layers.0.mlp.experts: each expert's hidden width 33 is not divisible "
                                                "by tp=2; plan with a tp that divides 33"):
         check_tensor_parallel(odd, layers, tp=2, sp=False)
+    across = MODELS["qwen3-moe"]()
+    attention = across.model.layers[0].self_attn
+    attention.q_norm = type(attention.q_norm)(4 * attention.head_dim)  # OLMo 2's kind: one norm over all heads
+    with pytest.raises(NotModelledError, match="layers.0.self_attn.q_norm normalises 32 features across the heads "
+                                               "tensor parallelism splits \\(one head has 8\\)"):
+        check_tensor_parallel(across, layers, tp=2, sp=False)
