@@ -39,19 +39,22 @@ SSM_PARAMETER = "A_log"
 
 def block_kinds(
     blocks: Mapping[str, nn.Module], *, order: tuple[str, ...], experts: Mapping[str, int], config: object, seq_len: int,
-) -> dict[str, BlockKind]:
-    """The kind of each block (FQN -> module, in ``order`` of execution); ``experts``: routed experts per block."""
+) -> dict[str, tuple[BlockKind, int]]:
+    """The kind of each block (FQN -> module, in ``order`` of execution) and its attention window (tokens; 0 when
+    global); ``experts``: routed experts per block."""
     encoders = encoder_blocks([fqn for fqn in order if fqn in blocks])
     text_config = _text_config(config)
-    kinds: dict[str, BlockKind] = {}
+    kinds: dict[str, tuple[BlockKind, int]] = {}
     for fqn, module in blocks.items():
         if fqn in encoders:
-            kinds[fqn] = "encoder"
+            kinds[fqn] = ("encoder", 0)
         elif has_ssm_mixer(module):
-            kinds[fqn] = "ssm-moe" if experts.get(fqn) else "ssm"
+            kinds[fqn] = ("ssm-moe" if experts.get(fqn) else "ssm", 0)
         else:
-            local = (window := attention_window(module, text_config, _index(fqn))) is not None and window < seq_len
-            kinds[fqn] = ("local-" if local else "") + ("moe" if experts.get(fqn) else "attention")  # type: ignore[assignment]
+            window = attention_window(module, text_config, _index(fqn))
+            local = window is not None and window < seq_len
+            kind = ("local-" if local else "") + ("moe" if experts.get(fqn) else "attention")
+            kinds[fqn] = (kind, window if local else 0)  # type: ignore[assignment]
     return kinds
 
 

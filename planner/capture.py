@@ -326,7 +326,7 @@ def _records(
         module, kind = layers[fqn], kinds[fqn]
         if facts[fqn]["experts"]:
             facts[fqn].update(_expert_facts(model, module, capacity_factor))
-        facts[fqn]["block_kind"] = block_kind.get(fqn, "")
+        facts[fqn]["block_kind"], facts[fqn]["attention_window"] = block_kind.get(fqn, ("", 0))
         keys.append(_signature_key(module, kind, owned[fqn]))
         stats.append(_layer_stats(fqn, kind, tallies[fqn], owned[fqn], facts[fqn], keys[-1]))
     keys.append(_signature_key(None, "loss", 0))

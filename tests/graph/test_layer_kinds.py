@@ -49,6 +49,7 @@ def test_gemma3_alternating_local_and_global_attention() -> None:
     graph = hf_capture(transformers.Gemma3TextConfig, num_hidden_layers=6, num_key_value_heads=2, head_dim=16,
                        sliding_window=T // 2, layer_types=layer_types)
     assert kinds(graph) == ["local-attention"] * 2 + ["attention"] + ["local-attention"] * 2 + ["attention"]
+    assert [block.attention_window for block in graph.blocks] == [T // 2] * 2 + [0] + [T // 2] * 2 + [0]
     blocks = graph.blocks
     assert blocks[1].signature == blocks[3].signature == blocks[4].signature  # alike local blocks: one record
     assert blocks[1].signature != blocks[2].signature  # same shapes and numbers, other kind: never merged
