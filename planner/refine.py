@@ -9,7 +9,9 @@ Two programs: the tabulated one of ``planner.ilp`` (identical blocks, recomputat
 blocks differ it plans with the heaviest) always runs, so a plan is never worse than it; where the blocks
 are of several kinds, or per-block options beyond recomputation are on (``BlockOptions``: activation offload,
 ZeRO-3 blocks that keep their gathered weights), ``planner.ilp_mixed`` also runs and the faster fitting
-solution wins.
+solution wins. The mixed program is skipped for an outer candidate that nothing fits (no uniform policy, no
+table solution): measuring its coefficients is the refinement's largest cost, and a deep MoE model's most
+promising candidates are often such (DeepSeek-V3 on 2048 GPUs).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def refine(
     several_kinds = len(block_kinds(layers)[1]) > 1
     incumbent = next((e.step_time_s for _, e in scored if e.fits), float("inf"))
     seen, refined = set(), []
+    fitting = {outer_key(s) for s, e in scored if e.fits}  # outer candidates some uniform policy fits
     for strategy, _ in scored:
         key = outer_key(strategy)
         if key in seen or key.pp * key.virtual_stages > sum(l.kind == "block" for l in layers):
@@ -89,7 +92,10 @@ def refine(
         found = _refine_one(layers, cluster, training, key, policies=allowed, incumbent=incumbent, stats=stats)
         incumbent = _keep_if_better(found, incumbent, refined, stats)
         options = block_option_names(key, cluster, allowed, block_options)
-        if several_kinds or len(options) > len(allowed):
+        # The mixed program where it can add something: blocks of several kinds or more options than the table's,
+        # on an outer candidate that fits at all (with a uniform policy, or as the table program found).
+        fits = key in fitting or found is not None
+        if fits and (several_kinds or len(options) > len(allowed)):
             found = _refine_mixed(layers, cluster, training, key, options=options, incumbent=incumbent, stats=stats)
             incumbent = _keep_if_better(found, incumbent, refined, stats)
     return refined
