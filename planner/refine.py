@@ -94,11 +94,20 @@ def refine(
         options = block_option_names(key, cluster, allowed, block_options)
         # The mixed program where it can add something: blocks of several kinds or more options than the table's,
         # on an outer candidate that fits at all (with a uniform policy, or as the table program found).
-        fits = key in fitting or found is not None
-        if fits and (several_kinds or len(options) > len(allowed)):
-            found = _refine_mixed(layers, cluster, training, key, options=options, incumbent=incumbent, stats=stats)
+        # Blocks of several kinds are first planned on the table's options alone, so that switching more options on
+        # never gives a slower plan through the linear model's approximations.
+        for names in _mixed_option_sets(allowed, options, several_kinds=several_kinds) if key in fitting or found else ():
+            found = _refine_mixed(layers, cluster, training, key, options=names, incumbent=incumbent, stats=stats)
             incumbent = _keep_if_better(found, incumbent, refined, stats)
     return refined
+
+
+def _mixed_option_sets(allowed: list[str], options: list[str], *, several_kinds: bool) -> list[list[str]]:
+    """The option sets the mixed program runs with: the table's and then all of them for blocks of several kinds,
+    all of them for alike blocks when there are more than the table's (none otherwise)."""
+    if several_kinds:
+        return [allowed] + ([options] if len(options) > len(allowed) else [])
+    return [options] if len(options) > len(allowed) else []
 
 
 def _keep_if_better(found, incumbent: float, refined: list, stats: RefineStats) -> float:
