@@ -149,6 +149,8 @@ SLOW_CASES = {  # the rest of the matrix: every family under both schedules, DP 
         ("hf-phi3", "dp=2,pp=2,zero=3,mbs=2,schedule=1f1b"),  # fused qkv_proj/gate_up_proj: FSDP2 per stage
         ("hf-gemma", "dp=2,pp=2,zero=0,mbs=1,schedule=interleaved:2"),
         ("tt-llama3", "dp=2,pp=2,zero=1,mbs=2,schedule=1f1b"),
+        ("hf-llama", "dp=1,pp=4,mbs=2,schedule=1f1b"),  # one block per stage
+        ("hf-gpt2", "dp=1,pp=4,mbs=2,schedule=1f1b"),  # wte on rank 0 tied to lm_head on rank 3
         ("tied", "dp=1,tp=2,pp=2,mbs=2,schedule=1f1b"),  # tied copies vocabulary-sharded alike, summed per shard
         ("hf-llama", "dp=1,tp=2,pp=2,mbs=2,schedule=1f1b"),
         ("hf-gemma", "dp=1,tp=2,pp=2,mbs=1,schedule=interleaved:2"),  # tied + tp
