@@ -94,7 +94,7 @@ from tessera.runtime.tp_sequence import (
 from tessera.runtime.tp_experts import split_moe_container
 from tessera.runtime.tp_styles import ColumnSplit, RowSplit, check_local_heads, localise_attention
 
-__all__ = ["apply_tensor_parallel", "check_packed_under_fsdp", "check_sequence_parallel", "check_tensor_parallel",
+__all__ = ["apply_tensor_parallel", "check_sequence_parallel", "check_tensor_parallel",
            "find_linear_pairs", "layer_styles", "resolve_tp_plan", "sequence_entry", "VocabParallelLoss"]
 
 Styles = dict[str, ParallelStyle]
@@ -168,28 +168,6 @@ def check_tensor_parallel(
             _moe_styles(layer.fqn, model.get_submodule(layer.fqn), tp=tp, tp_plan=plan)
     if sp:
         check_head_follows_on_its_stage(layers)
-
-
-def check_packed_under_fsdp(
-    model: nn.Module, layers: Sequence[PlannedLayer], *, pairs: Mapping[str, tuple[LinearPair, ...]] | None = None,
-    tp_plan: TpPlan | None = None,
-) -> None:
-    """Raise ``NotModelledError`` naming the first packed projection (q|k|v or gate|up held as a strided shard):
-    FSDP2 (ZeRO >= 1) shards a tensor-parallel parameter again on dim 0 as if its tp shard were contiguous, so the
-    gathered weight (and a checkpoint) would be in the wrong order. Call it for ``tp > 1`` with ZeRO >= 1."""
-    plan = resolve_tp_plan(model, tp_plan)
-    for layer in layers:
-        if layer.kind != "block":
-            continue
-        block = model.get_submodule(layer.fqn)
-        splits = block_splits(block, layer.fqn, plan=plan, pairs=(pairs or {}).get(layer.fqn),
-                              skip=replicated_modules(block))
-        packed = next((split for split in splits if split.parts > 1), None)
-        if packed is not None:
-            raise NotModelledError(
-                f"{layer.fqn}.{packed.name} packs {packed.parts} blocks that tensor parallelism splits as a strided "
-                "shard, which FSDP2 (zero>=1) cannot shard again; plan this model with zero=0 (DDP) under tp, or tp=1"
-            )
 
 
 def resolve_tp_plan(model: nn.Module, tp_plan: TpPlan | None) -> dict[str, str]:

@@ -21,7 +21,7 @@ from tessera.runtime.apply import check_supported, recompute_fqns
 from tessera.runtime.context_parallel import check_context_parallel
 from tessera.runtime.data_parallel import check_batch_norm
 from tessera.runtime.expert_parallel import check_expert_parallel
-from tessera.runtime.tensor_parallel import check_packed_under_fsdp, check_tensor_parallel
+from tessera.runtime.tensor_parallel import check_tensor_parallel
 from tessera.topology import load_cluster
 
 SEQ = 64
@@ -69,8 +69,6 @@ def runtime_accepts(spec: str, plan: Plan, tp_plan: tuple = ()) -> None:
         check_expert_parallel(model, strategy, selective_recompute=bool(recompute_fqns(plan, "selective")))
     if strategy.tp > 1:  # pairs from the module tree, as auto_parallelize applies it
         check_tensor_parallel(model, plan.layers, tp=strategy.tp, sp=strategy.sp, tp_plan=dict(tp_plan) or None)
-        if strategy.zero >= 1 and strategy.dp * strategy.cp > 1:
-            check_packed_under_fsdp(model, plan.layers, tp_plan=dict(tp_plan) or None)
     if strategy.pp > 1:
         pipeline.trace_plan(model, plan)
 
@@ -160,7 +158,7 @@ def test_an_unavailable_axis_is_one_the_runtime_refuses(spec, tp_plan):
     plan = plan_of(spec, tp_plan)
     for axis in graph(spec, tp_plan).unavailable_axes:
         degree = {"tp": dict(tp=2, dp=8, sp=False), "pp": dict(pp=2, dp=8), "ep": dict(ep=2),
-                  "cp": dict(cp=2, dp=8, sp=False), "tp+zero": dict(tp=2, dp=8, sp=False, zero=1),
+                  "cp": dict(cp=2, dp=8, sp=False),
                   "ep+cp": dict(ep=2, cp=2, dp=8, sp=False),
                   "ep+zero-bubble+zero": dict(ep=2, pp=2, dp=8, zero=1, schedule="zero-bubble")}[axis]
         strategy = plan.strategy.model_copy(update=degree)
@@ -211,7 +209,7 @@ def test_a_model_holding_batch_norm_has_only_data_parallelism():
 
 
 def test_model_dependent_features_shape_the_search():
-    # BatchNorm: one micro-batch per step and no recomputation; packed projections: tp only with zero=0.
+    # BatchNorm: one micro-batch per step and no recomputation; packed projections (GPT-2) run tp with FSDP2 too.
     from tessera.planner.space import model_features, model_refusal
 
     cluster = load_cluster(CLUSTER)
@@ -220,7 +218,5 @@ def test_model_dependent_features_shape_the_search():
     assert found and all(s.tp == 1 and s.micro_batch * s.dp == TRAINING.global_batch and s.recompute == "none"
                          for s in found)
     packed = list(strategies(list(graph(GPT2).layers), cluster, TRAINING, {}, unavailable=graph(GPT2).unavailable_axes))
-    assert any(s.tp > 1 for s in packed) and not any(s.tp > 1 and s.zero >= 1 and s.dp > 1 for s in packed)
+    assert any(s.tp > 1 and s.zero >= 1 and s.dp > 1 for s in packed)
     assert model_refusal(model_features(Strategy.parse("dp=8,tp=2,zero=1"), TRAINING), {"tp+zero": "x"}) == "tp+zero"
-    with pytest.raises(ConfigError, match="tp\\+zero, which the runtime cannot run on this model: .*c_attn"):
-        search(graph(GPT2), cluster, TRAINING, pins={"tp": 2, "dp": 8, "zero": 1})
