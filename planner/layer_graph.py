@@ -194,14 +194,14 @@ def repeat_last_block(graph: LayerGraph, blocks: int) -> LayerGraph | None:
     the last one. Each copy takes the inputs the last block takes from outside the stack, the stack's chain runs on
     through the copies, and what the last block fed after the stack is fed by the last copy.
 
-    None when the data flow does not show that pattern -- the last block must read the stack only from the block
-    before it, which must take the same inputs from outside the stack and feed nothing outside it: then the deeper
-    model must be captured whole."""
+    None when the graph does not show that pattern -- the last block must measure like the block before it (one
+    signature), read the stack only from it, and that block must take the same inputs from outside the stack and
+    feed nothing outside it: then the deeper model must be captured whole."""
     fqns = [layer.fqn for layer in graph.layers]
     last = graph.blocks[-1].fqn if graph.blocks else ""
     container, _, index = last.rpartition(".")
     before = f"{container}.{int(index) - 1}" if index.isdigit() else ""
-    if not before or before not in fqns or blocks <= int(index) + 1:
+    if not before or before not in fqns or blocks <= int(index) + 1 or graph.layer(before).signature != graph.layer(last).signature:
         return None
     stack = {fqn for fqn in fqns if fqn.rpartition(".")[0] == container}
     outside_inputs = {fqn: sorted(a for a, b in graph.edges if b == fqn and a not in stack) for fqn in (before, last)}
