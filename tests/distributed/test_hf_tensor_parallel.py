@@ -9,8 +9,11 @@ families, and dp2 x tp2 (ZeRO 0, 1 and 3, with and without sp) on 4 ranks. docs/
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -139,19 +142,46 @@ SLOW = {2: [(family, strategy) for family in ("qwen2", "mistral", "gemma", "gemm
         4: [(family, strategy) for family in ("llama", "phi3", "torchtitan", "torchtitan_fused")
             for strategy in (DP_TP, DP_TP_SP_ZERO3)]
         + [("gpt2", DP_TP), ("gpt2", DP_TP_ZERO1), ("gpt2", DP_TP_SP_ZERO3), ("phi3_packed", DP_TP_ZERO3),
-           ("phi3_packed", DP_TP_ZERO1), ("gpt_neox", DP_TP_ZERO3), ("gemma", DP_TP_ZERO3)]}
+           ("phi3_packed", DP_TP_ZERO1), ("gpt_neox", DP_TP_ZERO3), ("gemma", DP_TP_ZERO3),
+           ("gpt2", "dp=1,tp=4,mbs=4"), ("gpt_neox", "dp=1,tp=4,sp=true,mbs=4")]}  # 4 heads: one per rank
+
+
+def build(family: str, strategy: str):
+    model = FAMILIES[family]()
+    return apply_plan(model, plan_for(family, model, strategy), tp_plan=TP_PLANS.get(family))
 
 
 def train_case(family: str, strategy: str) -> dict:
-    model = FAMILIES[family]()
-    parallel = apply_plan(model, plan_for(family, model, strategy), tp_plan=TP_PLANS.get(family))
+    parallel = build(family, strategy)
     losses = [parallel.train_step(batch) for batch in batches()]
     return {"losses": losses, "params": full_tensors(parallel.named_parameters())}
 
 
-def run_cases(cases: list[tuple[str, str]]) -> dict:
-    """Runs on every rank: every case (a failure ends the spawn, named), with its wall time."""
-    results, seconds = run_named((case, functools.partial(train_case, *case)) for case in cases)
+CHECKPOINT = ("gpt2", DP_TP_ZERO3)
+"""Packed q|k|v under FSDP2 x TP: written gathered on tp (DCP takes one chunk per rank), resumed, read in one process."""
+CHECKPOINT_FOLDER = tempfile.mkdtemp(prefix="tessera-packed-")  # the 4-rank spawn saves here; read in-process too
+atexit.register(shutil.rmtree, CHECKPOINT_FOLDER, ignore_errors=True)
+
+
+def checkpoint_case(folder: str) -> dict:
+    """Train a step, save, train 2 more; a fresh model loading the save trains the same 2 more steps."""
+    data = batches()
+    parallel = build(*CHECKPOINT)
+    parallel.train_step(data[0])
+    parallel.save(folder).wait()
+    saved = full_tensors(parallel.named_parameters())
+    after = [parallel.train_step(batch) for batch in data[1:]]
+    restored = build(*CHECKPOINT)
+    restored.load(folder)
+    return {"saved": saved, "after": after, "resumed": [restored.train_step(batch) for batch in data[1:]]}
+
+
+def run_cases(cases: list[tuple[str, str]], folder: str | None = None) -> dict:
+    """Runs on every rank: every case (a failure ends the spawn, named), with its wall time; with ``folder``, the
+    checkpoint case too."""
+    runs = [(case, functools.partial(train_case, *case)) for case in cases]
+    runs += [("checkpoint", functools.partial(checkpoint_case, folder))] if folder else []
+    results, seconds = run_named(runs)
     return {**results, "seconds": seconds}
 
 
@@ -162,7 +192,8 @@ def spawned(world: int, slow: bool) -> list[dict]:
     cases = SLOW[world] if slow else DEFAULT[world]
     if not HAS_TORCHTITAN:
         cases = [case for case in cases if not case[0].startswith("torchtitan")]
-    return spawn(run_cases, nprocs=world, args=(cases,), timeout_s=900)
+    folder = CHECKPOINT_FOLDER if world == 4 and not slow else None
+    return spawn(run_cases, nprocs=world, args=(cases, folder), timeout_s=900)
 
 
 @functools.cache
@@ -201,6 +232,15 @@ def test_tensor_parallel_hugging_face_models_train_like_one_process(family, stra
 @pytest.mark.parametrize(("family", "strategy"), DEFAULT[4], ids=[f"{f}-{s}" for f, s in DEFAULT[4]])
 def test_packed_projections_train_under_fsdp_and_tensor_parallelism_like_one_process(family, strategy):
     check_case(4, False, family, strategy)
+
+
+def test_a_packed_checkpoint_under_fsdp_and_tensor_parallelism_resumes_and_loads_into_one_process():
+    result = spawned(4, False)[0]["checkpoint"]
+    assert result["resumed"] == result["after"]
+    model = FAMILIES[CHECKPOINT[0]]()
+    one = apply_plan(model, plan_for(CHECKPOINT[0], model, "dp=1,mbs=4"))
+    one.load(CHECKPOINT_FOLDER)  # the true q|k|v matrices, not a rank's interleaved slices
+    torch.testing.assert_close(full_tensors(one.named_parameters()), result["saved"], rtol=0, atol=0)
 
 
 def test_the_spawn_stays_fast():
