@@ -9,8 +9,7 @@ rules follow the runtime's own refusals, read off the same module tree the runti
   (``nn.Linear`` and Hugging Face ``Conv1D``; packed ``q|k|v``/``gate|up`` projections; torchtitan's fused
   ``wqkv``), every parameter of a block belongs to a split linear, a norm or a router, an attention whose heads are
   split does not read head counts from the shared config, an embedding layer holds only embedding tables, a head
-  is an ``nn.Linear``; ``other`` layers hold no parameters. (Divisibility by the degree is the search's.) A packed
-  projection is a strided shard that FSDP2 cannot shard again: ``tp+zero`` (tp with ZeRO >= 1) is then unavailable.
+  is an ``nn.Linear``; ``other`` layers hold no parameters. (Divisibility by the degree is the search's.)
 - **pp** (``runtime.pipeline``): stages are cut from a ``torch.fx`` trace of the root's forward, or, where fx
   fails (Hugging Face, torchtitan), from a ``torch.export`` trace with the planned layers kept as calls; a model
   that capture could only trace with ``make_fx`` cannot be pipelined. (Weights tied across stages are the
@@ -42,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from torch import nn
 
 from tessera.cost_models.tp_rules import (
-    STYLES, block_problem, block_splits, declared_tp_plan, is_norm, uncovered_parameter,
+    STYLES, block_problem, declared_tp_plan, is_norm, uncovered_parameter,
 )
 from tessera.cost_models.cp_rules import context_parallel_problem
 from tessera.cost_models.types import LayerStats, runtime_splits
@@ -69,8 +68,6 @@ def unavailable_axes(
     }
     if reasons["ep"] is None:
         reasons.update(_stacked_experts_combinations(layers, planned))
-    if reasons["tp"] is None:
-        reasons["tp+zero"] = _packed_problem(layers, planned, _tp_plan(model, tp_plan))
     for axis, reason in _batch_norm_problems(model).items():
         reasons[axis] = reasons.get(axis) or reason
     return {axis: reason for axis, reason in reasons.items() if reason is not None}
@@ -129,20 +126,6 @@ def _layer_problem(layer: LayerStats, module: nn.Module, plan: dict[str, str]) -
     if name is not None:
         return f"layer {layer.fqn} ({type(module).__name__}) holds parameter {name} but has no tensor-parallel split"
     return None
-
-
-def _packed_problem(layers: dict[str, nn.Module], planned: list[LayerStats], plan: dict[str, str]) -> str | None:
-    """A packed projection (q|k|v, gate|up) is a strided tensor-parallel shard, which FSDP2 cannot shard again
-    (``runtime.tensor_parallel.check_packed_under_fsdp``): such a model runs tp only with zero=0."""
-    def packed_problem(layer: LayerStats) -> str | None:
-        block = layers[layer.fqn]
-        packed = next((s for s in block_splits(block, layer.fqn, plan=plan, skip=_routers(block)) if s.parts > 1), None)
-        if packed is None:
-            return None
-        return (f"{layer.fqn}.{packed.name} packs {packed.parts} blocks that tensor parallelism splits as a "
-                "strided shard, which FSDP2 (zero>=1) cannot shard again")
-
-    return _first_problem([layer for layer in planned if layer.kind == "block"], layers, plan, packed_problem)
 
 
 def _first_problem(planned: list[LayerStats], layers: dict[str, nn.Module], plan: Mapping[str, str],
