@@ -64,9 +64,18 @@ def trace_forward(model: nn.Module, layer_fqns: Sequence[str], *, example: torch
         except NotModelledError as export_error:
             raise NotModelledError(
                 f"pipeline parallelism cuts stages from a trace of the root forward: torch.fx cannot trace "
-                f"{type(model).__name__} ({fx_error.__cause__}) and {export_error}; plan it with pp=1"
+                f"{type(model).__name__} ({fx_error.__cause__}) and {export_error}{_example_note(example)}; plan it "
+                "with pp=1"
             ) from export_error
     return TracedForward(exported.graph, EXPORT, exported, exported.attributes)
+
+
+def _example_note(example: torch.Tensor) -> str:
+    """Why the example may be the cause: a plan carries no input spec, so the export runs at token ids."""
+    if example.dtype != torch.long:
+        return ""
+    return (" (the export runs at a micro-batch of token ids: a model whose input is not token ids, e.g. one driven "
+            "with inputs_embeds or pixel values, cannot be pipelined yet)")
 
 
 class _LayerTracer(fx.Tracer):

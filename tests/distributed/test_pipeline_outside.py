@@ -389,3 +389,23 @@ def test_export_refuses_a_layer_called_twice_by_name():
 
     with pytest.raises(NotModelledError, match="calls block more than once"):
         export_forward(CalledTwice(), ["emb", "block"], torch.zeros(2, SEQ, dtype=torch.long))
+
+
+class EmbeddingsInput(nn.Module):
+    """A Hugging Face decoder driven with ``inputs_embeds`` (a vision or speech front end would feed it)."""
+
+    def __init__(self, decoder: nn.Module) -> None:
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, embeds: torch.Tensor):
+        return self.decoder(inputs_embeds=embeds)
+
+
+@pytest.mark.skipif(requirement("hf-llama") is not None, reason="transformers is not installed")
+def test_a_model_whose_input_is_not_token_ids_is_refused_for_pipelining_saying_why():
+    model = EmbeddingsInput(make_outside("hf-llama"))
+    layers = [f"decoder.{fqn}" for fqn in LAYERS["hf-llama"][1:]]  # the embedding table is not called
+    with pytest.raises(NotModelledError, match=r"runs at a micro-batch of token ids: a model whose input is not "
+                                               r"token ids, e.g. one driven with inputs_embeds .*plan it with pp=1"):
+        pipeline.trace_forward(model, layers, example=torch.zeros(2, SEQ, dtype=torch.long))
