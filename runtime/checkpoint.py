@@ -63,6 +63,8 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from tessera.errors import CheckpointError
 from tessera.files import check_writable_file, write_atomically
@@ -74,6 +76,7 @@ from tessera.runtime.checkpoint_files import (
     select_checkpoint, step_folder, together, world, write_durably,
 )
 from tessera.runtime.checkpoint_reader import load_metadata, read_state
+from tessera.runtime.tp_styles import unstrided
 
 __all__ = [  # the save/load flow, and the on-disk names of ``checkpoint_files`` so one import serves callers
     "DATA_FILE", "FORMAT_VERSION", "HASH_BLOCK_BYTES", "MANIFEST", "MARKER", "PARTIAL_SUFFIX", "PLAN_FILE",
@@ -161,7 +164,7 @@ class Checkpointer:
             _prepare_partial(final, partial, group)
             together(lambda: _write_side_files(state, partial, data_state, group), group,
                      what=f"writing the plan, RNG and data files of {partial}")
-            tensors = _state_dict(state_module(state.modules), state.optimizer)
+            tensors = _writable(_state_dict(state_module(state.modules), state.optimizer))
             step, strategy = state.step, state.plan.strategy.to_string()  # training moves on during an async save
 
             def commit() -> None:
@@ -193,7 +196,9 @@ class Checkpointer:
         manifest = read_manifest(folder)
         module = state_module(state.modules)
         tensors = _state_dict(module, state.optimizer)  # initialises the optimizer's state: DCP loads into it
-        read_state(tensors, folder, group)
+        writable = _writable(tensors)
+        read_state(writable, folder, group)
+        _copy_back(writable, tensors)
         set_state_dict(module, state.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"],
                        options=STATE_OPTIONS)
         _restore_rng(folder, saved_world=manifest.world_size, group=group)
@@ -259,6 +264,19 @@ def _state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     """``{"model": ..., "optim": ...}`` keyed by the user's FQNs; tensors are this rank's shards."""
     model_state, optim_state = get_state_dict(module, optimizer, options=STATE_OPTIONS)
     return {"model": model_state, "optim": optim_state}
+
+
+def _writable(tensors: dict[str, Any]) -> dict[str, Any]:
+    """``tensors`` as DCP can write them: strided tensor-parallel splits gathered (``tp_styles.unstrided``)."""
+    return tree_map_only(DTensor, unstrided, tensors)
+
+
+@torch.no_grad()
+def _copy_back(loaded: dict[str, Any], tensors: dict[str, Any]) -> None:
+    """Copy what DCP read into gathered copies (:func:`_writable`) back into the shards they were made from."""
+    for source, target in zip(tree_leaves(loaded), tree_leaves(tensors), strict=True):
+        if isinstance(target, DTensor) and source is not target:
+            target.copy_(source.redistribute(placements=target.placements))
 
 
 def rng_state() -> dict[str, Any]:
