@@ -63,8 +63,12 @@ def run_world(cases: list[tuple[str, str]]) -> dict:
     return {**results, "seconds": seconds}
 
 
-@functools.cache
 def world_results(world: int, slow: bool = False) -> list[dict]:
+    return _spawned(world, slow)  # one cache key per spawn, however it is called
+
+
+@functools.cache
+def _spawned(world: int, slow: bool) -> list[dict]:
     from tessera.runtime.launch import spawn  # noqa: PLC0415
 
     return spawn(run_world, nprocs=world, args=((SLOW if slow else CASES)[world],), timeout_s=900)
