@@ -15,6 +15,7 @@ from tessera.cost_models.types import Fp8Scaling, Precision
 from tessera.errors import CheckpointError, RuntimeSetupError
 from tessera.planner.capture import capture, capture_preset
 from tessera.planner.plan import Plan
+from tessera.planner.refine import RUNTIME_BLOCK_OPTIONS, BlockOptions
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.model_source import resolve_model, runs_user_code
 from tessera.topology import Cluster, load_cluster
@@ -44,6 +45,7 @@ def plan(
     expert_capacity_factor: float | None = None,
     fp8_scaling: Fp8Scaling | None = None,
     tp_plan: Mapping[str, str] | None = None,
+    block_options: BlockOptions = RUNTIME_BLOCK_OPTIONS,
 ) -> Plan:
     """Choose how to split training of ``model`` on ``cluster``; never allocates real weights.
 
@@ -54,13 +56,15 @@ def plan(
     ``precision="fp8"`` plans the blocks' linears on FP8 matrix units, scaled as ``fp8_scaling`` says
     (``cost_models.fp8``; default ``current``); the runtime does not run FP8 yet. ``tp_plan`` (module glob ->
     Hugging Face style name) replaces the tensor-parallel plan the model declares, as ``auto_parallelize`` does.
+    ``block_options`` are the per-block choices beside recomputation the integer program may make (activation
+    offload, ZeRO-3 blocks keeping their gathered weights); ``planner.refine.NO_BLOCK_OPTIONS`` turns them off.
     """
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                                          expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling,
                                          tp_plan=tp_plan)
     from tessera.planner.search import search
 
-    return search(graph, resolved, training, pins=_pins(strategy), top=top, progress=progress)
+    return search(graph, resolved, training, pins=_pins(strategy), top=top, progress=progress, block_options=block_options)
 
 
 def evaluate(

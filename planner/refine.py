@@ -43,10 +43,12 @@ class BlockOptions:
     """Under ZeRO-3, blocks that keep their gathered weights from forward to backward (``Strategy.block_reshard``)."""
 
 
-RUNTIME_BLOCK_OPTIONS = BlockOptions()
+RUNTIME_BLOCK_OPTIONS = BlockOptions(offload=True, keep_gathered=True)
 """The per-block options the planner proposes by default: those Tessera's runtime runs (a fact about the
-runtime, not a setting: turn an option on here when ``runtime`` applies it, per-module FSDP2 resharding and
-offload hooks)."""
+runtime, not a setting): both, since ``runtime.offload`` and per-module FSDP2 resharding
+(``runtime.data_parallel``) apply them."""
+NO_BLOCK_OPTIONS = BlockOptions()
+"""Recomputation per block only (the planner before per-block offload and resharding)."""
 ALL_BLOCK_OPTIONS = BlockOptions(offload=True, keep_gathered=True)
 """Every per-block option the cost model knows (studies, benchmarks)."""
 
