@@ -55,7 +55,7 @@ from tessera.runtime.data_parallel import (
 )
 from tessera.runtime.materialize import check_plan_agrees, is_on_meta, materialize_shards
 from tessera.runtime.context_parallel import apply_context_parallel, check_context_parallel
-from tessera.runtime.expert_parallel import apply_expert_parallel, check_expert_parallel
+from tessera.runtime.expert_parallel import apply_expert_parallel, check_expert_folding, check_expert_parallel
 from tessera.runtime.mesh import PP, TP, build_mesh, device_type
 from tessera.runtime.offload import OffloadStats, apply_offload
 from tessera.runtime.parallel_model import LossFn, ParallelModel
@@ -63,7 +63,6 @@ from tessera.runtime.recompute import apply_recompute
 from tessera.runtime.tensor_parallel import (
     VocabParallelLoss,
     apply_tensor_parallel,
-    check_packed_under_fsdp,
     check_sequence_parallel,
     check_tensor_parallel,
     sequence_entry,
@@ -241,6 +240,7 @@ def apply_plan(
 
 def check_supported(plan: Plan) -> None:
     """Raise ``NotModelledError``/``ConfigError`` naming the problem if the runtime cannot run ``plan``."""
+    check_expert_folding(plan.strategy)
     if plan.training.precision == "fp8":
         raise NotModelledError(
             "precision fp8 is planned (the blocks' linears on FP8 matrix units) but the runtime does not run it yet "
@@ -334,8 +334,6 @@ def _shard_layers(
     strategy = plan.strategy
     if strategy.tp > 1:  # the whole plan, on every rank: a layer another pipeline rank runs must fail here too
         check_tensor_parallel(model, plan.layers, tp=strategy.tp, sp=strategy.sp, pairs=tp_pairs, tp_plan=tp_plan)
-        if strategy.zero >= 1 and strategy.dp * strategy.cp > 1:  # FSDP2 would shard a strided tp shard wrongly
-            check_packed_under_fsdp(model, plan.layers, pairs=tp_pairs, tp_plan=tp_plan)
     if strategy.pp > 1:
         pp_.free_remote_layers(model, plan, chunks)
     apply_recompute(model, recompute_fqns(plan, "full", layers), selective_fqns=recompute_fqns(plan, "selective", layers))

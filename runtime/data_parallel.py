@@ -65,6 +65,7 @@ from tessera.errors import NotModelledError
 from tessera.planner.plan import Plan
 from tessera.runtime.expert_parallel import apply_expert_data_parallel
 from tessera.runtime.mesh import data_mesh
+from tessera.runtime.tp_styles import fsdp_shard_placement
 
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -93,7 +94,8 @@ def apply_data_parallel(
     """
     zero = strategy.zero
     if strategy.ep > 1:
-        apply_expert_data_parallel(module, mesh, strategy=strategy, mp_policy=mixed_precision_policy(precision))
+        apply_expert_data_parallel(module, mesh, strategy=strategy, mp_policy=mixed_precision_policy(precision),
+                                   block_reshard=block_reshard)
     if uses_ddp(strategy):
         return apply_ddp(module, mesh)
     if zero == 0:
@@ -118,8 +120,10 @@ def apply_fsdp(
 
     ``block_fqns`` are the plan's sharding units (``blocks.0``...); the rest of the parameters (embedding,
     final norm, head) form the root's group. ``reshard_after_forward`` True is ZeRO-3, False ZeRO-1/2 (see
-    the module docstring); ``block_reshard`` overrides it for the blocks it names, and for the FSDP units
-    already inside them (expert units: ``runtime.expert_parallel.apply_expert_data_parallel``). Every rank of the ``dp`` axis must hold the same weights (``apply_plan``
+    the module docstring); ``block_reshard`` overrides it for the blocks it names (the expert units inside them
+    follow it: ``runtime.expert_parallel.apply_expert_data_parallel``). A weight tensor parallelism splits as a
+    strided shard on dim 0 (a packed ``nn.Linear`` q|k|v or gate|up) is sharded on dim 1
+    (``tp_styles.fsdp_shard_placement``). Every rank of the ``dp`` axis must hold the same weights (``apply_plan``
     broadcasts rank 0's first; :func:`broadcast_module_states`). FQNs are unchanged; parameters become
     ``DTensor`` shards (``p.full_tensor()`` gathers one).
     """
@@ -127,12 +131,13 @@ def apply_fsdp(
     dp_mesh = data_mesh(mesh)
     for fqn in block_fqns:
         reshard = (block_reshard or {}).get(fqn, reshard_after_forward)
-        block = fully_shard(model.get_submodule(fqn), mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-        block.set_reshard_after_forward(reshard)  # recursive: the expert units inside the block follow it
+        fully_shard(model.get_submodule(fqn), mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard,
+                    shard_placement_fn=fsdp_shard_placement)
     # Passed explicitly, the root reshards after forward too (FSDP2 keeps it gathered only when the argument is
     # left to its default): at ZeRO-3 the backward's start then holds no gathered unit, and the root is
     # re-gathered once the loss's backward has freed its tensors (``cost_models.memory.zero3_gathered_bytes``).
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=fsdp_shard_placement)
     return model
 
 
