@@ -202,6 +202,8 @@ def report(overhead: dict, lost: dict, *, command: str, load_before: str, load_a
                      f"{statistics.median(blocks['off']) * 1e3:,.1f} | {cells} | "
                      f"{result['written_bytes'] / 1e6:,.2f} MB | {statistics.median(result['staging_s']) * 1e3:,.2f} "
                      f"| {statistics.median(result['commit_s']) * 1e3:,.0f} |")
+    if not lost:
+        return "\n".join(lines) + "\n"
     lines += ["", f"## Work lost per failure (steps): `{FAULT_MODEL}`, `{FAULT_BEFORE}` on 4 ranks -> "
               f"`{FAULT_AFTER}` on 2", "",
               f"Disk checkpoint every {DISK_EVERY} steps in both modes; node 1 killed at a random moment.", "",
