@@ -42,8 +42,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # what DCP describes shards by
 
-from tessera.errors import CheckpointError
+from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.checkpoint_files import FileRecord, all_gather
+from tessera.runtime.tp_styles import unstrided
 
 FORMAT = "tessera-snapshot-1"
 ALIGN = 64
@@ -100,6 +101,7 @@ class StagedShards:
         """``assignments`` caches the de-duplication per chunk list (shared by every staging of a run)."""
         rank = dist.get_rank(group) if group is not None else 0
         held = [(key, value, _geometry(value)) for key, value in _flat(tensors) if isinstance(value, torch.Tensor)]
+        _refuse_strided_splits(held)
         signature = tuple((key, geometry, value.dtype.itemsize) for key, value, geometry in held)
         if signature not in assignments:
             assignments[signature] = _writers(signature, group)
@@ -143,6 +145,17 @@ class StagedShards:
         header = f'{self._fixed_json}, "rng_python": {json.dumps(_encode(rng_python, "rng_python"))}}}'.encode()
         head = _LENGTH.size + len(header)
         return _LENGTH.pack(len(header)) + header + bytes(_aligned(head) - head)
+
+
+def _refuse_strided_splits(held: list) -> None:
+    """A packed tensor-parallel split (``q|k|v`` under tp: a strided shard) is several chunks per rank, which this
+    format's one box per tensor cannot describe; disk checkpoints write it gathered (``tp_styles.unstrided``, a
+    collective per save). Refused here, on every rank alike (the placements are the plan's), not written wrong."""
+    packed = [key for key, value, _ in held if isinstance(value, DTensor) and unstrided(value) is not value]
+    if packed:
+        raise ConfigError(f"in-memory snapshots cannot hold packed tensor-parallel splits yet ({packed[0]} and "
+                          f"{len(packed) - 1} more are strided shards); train without snapshots=, or with tp=1, and "
+                          "rely on disk checkpoints (pm.save), which hold them")
 
 
 def write_shard(path: Path, prefix: bytes, data: torch.Tensor) -> FileRecord:
