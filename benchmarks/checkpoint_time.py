@@ -104,7 +104,7 @@ def load_under_other_plans(spec: str, plans: dict[str, str], root: str, repeats:
     for name, plan_json in plans.items():
         pm = build(spec, plan_json)
         checkpoint = Path(root) / name / "sync-0"
-        results[name] = [slowest(lambda: pm.load(checkpoint)) for _ in range(repeats)]
+        results[name] = [slowest(lambda pm=pm: pm.load(checkpoint)) for _ in range(repeats)]
         del pm
         gc.collect()
     return results
