@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tessera.cost_models.strategy_text import MAX_BLOCKS, coerce_number, parse_item, run_lengths
 from tessera.errors import ConfigError
 from tessera.topology.validation import MAX_DEVICES, first_problem, quoted
 
@@ -21,8 +22,6 @@ MAX_GLOBAL_BATCH = 2**30
 """Most sequences per step ``TrainingConfig`` takes (~10^9; published runs use up to ~10^4)."""
 MAX_SEQ_LEN = 2**24
 """Longest sequence ``TrainingConfig`` takes (16M tokens; the longest published contexts are ~10M)."""
-MAX_BLOCKS = 2**20
-"""Most blocks ``block_recompute`` / ``chunk_blocks`` may describe (a bound on what a strategy string expands to)."""
 
 Precision = Literal["bf16", "fp16", "fp32", "fp8"]
 Fp8Scaling = Literal["delayed", "current", "rowwise", "block", "mx"]
@@ -332,9 +331,9 @@ class Strategy(BaseModel):
         if self.etp is not None:
             parts.append(f"etp={self.etp}")
         if self.block_recompute:
-            parts.append("block_recompute=" + "/".join(_run_lengths(self.block_recompute)))
+            parts.append("block_recompute=" + "/".join(run_lengths(self.block_recompute)))
         if self.block_reshard:
-            parts.append("block_reshard=" + "/".join(_run_lengths(tuple(map(str, self.block_reshard)))).lower())
+            parts.append("block_reshard=" + "/".join(run_lengths(tuple(map(str, self.block_reshard)))).lower())
         if self.chunk_blocks:
             parts.append("chunk_blocks=" + "/".join(map(str, self.chunk_blocks)))
         if self.pp > 1:
@@ -353,91 +352,17 @@ class Strategy(BaseModel):
         An unknown key, a key given twice, a malformed value or one out of range raises ``ConfigError``."""
         values: dict[str, object] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
-            key, value = _parse_item(item, known=cls.model_fields)
+            key, value = parse_item(item, known=cls.model_fields)
             if key in values:
                 raise ConfigError(f"bad strategy {quoted(text)}: {key} is given twice; keep one")
             values[key] = value
         if isinstance(values.get("schedule"), str) and ":" in values["schedule"]:
             schedule, chunks = values["schedule"].split(":", 1)
-            values["schedule"], values["virtual_stages"] = schedule, _coerce(chunks)
+            values["schedule"], values["virtual_stages"] = schedule, coerce_number(chunks)
         # A partial pin leaves dp to the search: check ep against a dp it divides (ep is carved out of dp).
         ep = values.get("ep", 1)
         cls.model_validate({"dp": ep if isinstance(ep, int) and 0 < ep <= MAX_DEVICES else 1, **values})
         return values
-
-
-STRATEGY_ALIASES = {"mbs": "micro_batch", "zero_stage": "zero"}
-"""Short names a strategy string may use for ``Strategy`` fields."""
-STRATEGY_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-"""How a strategy string writes the boolean fields (``sp=true``)."""
-
-
-def _parse_item(item: str, *, known: Mapping[str, object]) -> tuple[str, object]:
-    """``"mbs=2"`` -> ``("micro_batch", 2)``: one ``key=value`` item of a strategy string, its value read."""
-    key, sep, value = (part.strip() for part in item.partition("="))
-    key = STRATEGY_ALIASES.get(key, key)
-    if not sep or key not in known:
-        raise ConfigError(
-            f"bad strategy item {quoted(item)}; expected key=value with key in {sorted(set(known) | set(STRATEGY_ALIASES))}"
-        )
-    if key in ("chunk_blocks", "block_recompute"):
-        return key, _parse_sequence(key, value, item=item)
-    if key == "block_reshard":
-        return key, _parse_flags(value, item=item)
-    if key in ("sp", "tp_overlap", "sp_regather"):
-        if value.lower() not in STRATEGY_FLAGS:
-            raise ConfigError(f"bad strategy item {quoted(item)}; write {key}=true or {key}=false")
-        return key, STRATEGY_FLAGS[value.lower()]
-    return key, _coerce(value)
-
-
-def _run_lengths(items: tuple[str, ...]) -> list[str]:
-    """``("full", "full", "none")`` -> ``["2xfull", "1xnone"]``: compact and readable."""
-    runs: list[list] = []
-    for item in items:
-        if runs and runs[-1][1] == item:
-            runs[-1][0] += 1
-        else:
-            runs.append([1, item])
-    return [f"{count}x{item}" for count, item in runs]
-
-
-def _parse_sequence(key: str, value: str, *, item: str) -> tuple:
-    """Read ``4/4/3`` (chunk_blocks) or ``2xfull/1xnone`` (block_recompute), at most ``MAX_BLOCKS`` entries
-    (counted before anything is expanded)."""
-    try:
-        runs = [(1, int(part)) if key == "chunk_blocks" else _run(part) for part in value.split("/")]
-    except ValueError:
-        raise ConfigError(
-            f"bad strategy item {quoted(item)}; write e.g. chunk_blocks=4/4/3 or block_recompute=2xfull/1xnone"
-        ) from None
-    if sum(count for count, _ in runs) > MAX_BLOCKS:
-        raise ConfigError(f"bad strategy item {quoted(item)}: more than {MAX_BLOCKS:,} blocks; give one entry per block")
-    return tuple(entry for count, entry in runs for _ in range(count))
-
-
-def _parse_flags(value: str, *, item: str) -> tuple[bool, ...]:
-    """Read ``3xtrue/58xfalse`` (block_reshard), at most ``MAX_BLOCKS`` entries."""
-    flags = _parse_sequence("block_reshard", value, item=item)
-    if any(flag.lower() not in STRATEGY_FLAGS for flag in flags):
-        raise ConfigError(f"bad strategy item {quoted(item)}; write e.g. block_reshard=3xtrue/58xfalse")
-    return tuple(STRATEGY_FLAGS[flag.lower()] for flag in flags)
-
-
-def _run(part: str) -> tuple[int, str]:
-    """``"79xfull"`` -> ``(79, "full")``, ``"full"`` -> ``(1, "full")``; ``ValueError`` unless the count is >= 1."""
-    count, _, policy = part.rpartition("x")
-    number = int(count) if count else 1
-    if number < 1:
-        raise ValueError(f"count {number} is not positive")
-    return number, policy
-
-
-def _coerce(value: object) -> object:
-    """A strategy string's number as an int (pydantic reports anything else); very long digit strings stay text."""
-    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 18:
-        return int(value)
-    return value
 
 
 class Estimate(BaseModel):

@@ -228,6 +228,17 @@ def merged(per_rank: list[dict], key) -> dict:
             "param_bytes": [r[key]["param_bytes"] for r in per_rank]}
 
 
+def assert_ranks_match(per_rank: list[dict], expected: dict) -> None:
+    """Every rank returned the same losses, equal to ``expected``'s, and the ranks' gathered parameters (pipeline
+    stages hold different layers) equal ``expected``'s final parameters (fp32)."""
+    assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), "ranks disagree on the loss"
+    torch.testing.assert_close(per_rank[0]["losses"], expected["losses"], **FP32_TOL)
+    params = {}
+    for result in per_rank:
+        params.update(result["params"])
+    torch.testing.assert_close(params, expected["params"], **PARAM_TOL)
+
+
 def assert_matches_reference(result: dict, spec: str, precision: str = "fp32", steps: int = STEPS) -> None:
     """Every rank returned the same losses; they, the first gradients and final parameters match one process."""
     ref_losses, ref_grads, ref_params = reference(spec, steps)

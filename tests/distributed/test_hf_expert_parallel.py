@@ -27,7 +27,7 @@ from tessera.runtime.apply import apply_plan
 from tessera.runtime.expert_parallel import check_expert_parallel
 from tessera.runtime.hf_experts import ShardedExperts
 
-from .harness import FP32_TOL, GLOBAL_BATCH, GPT, PARAM_TOL, SEED, SEQ_LEN, make_batches, run_named
+from .harness import FP32_TOL, GLOBAL_BATCH, GPT, SEED, SEQ_LEN, assert_ranks_match, make_batches, run_named
 from .test_outside_models import hf_loss, listed_plan, single_process, train
 
 pytestmark = [pytest.mark.distributed,
@@ -152,13 +152,7 @@ def reference(name: str) -> dict:
 
 def check_case(world: int, name: str, strategy: str, *, slow: bool = False) -> None:
     per_rank = [results[(name, strategy)] for results in world_results(world, slow)]
-    assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), "ranks disagree on the loss"
-    expected = reference(name)
-    torch.testing.assert_close(per_rank[0]["losses"], expected["losses"], **FP32_TOL)
-    params = {}
-    for result in per_rank:  # pipeline stages hold different layers
-        params.update(result["params"])
-    torch.testing.assert_close(params, expected["params"], **PARAM_TOL)  # same FQNs, gathered
+    assert_ranks_match(per_rank, reference(name))  # same FQNs, gathered
     parsed = Strategy.parse(strategy)
     for result in per_rank:
         split = result["experts_modules"]

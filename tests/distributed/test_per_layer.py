@@ -27,8 +27,8 @@ from tessera.runtime.apply import apply_plan
 from tessera.runtime.offload import apply_offload
 
 from .harness import (
-    FP32_TOL, GPT, LLAMA, MOE, PARAM_TOL, SEED, full_tensors, make_batches, make_model, make_plan, parameter_bytes,
-    reference, run_named,
+    FP32_TOL, GPT, LLAMA, MOE, PARAM_TOL, SEED, assert_ranks_match, full_tensors, make_batches, make_model, make_plan,
+    parameter_bytes, reference, run_named,
 )
 
 pytestmark = pytest.mark.distributed
@@ -161,13 +161,7 @@ def check_case(world: int, name: str, strategy: str, *, slow: bool = False) -> N
     if name.startswith("hf-") and not HAS_TRANSFORMERS:
         pytest.skip("transformers is not installed")
     per_rank = [results[(name, strategy)] for results in world_results(world, slow)]
-    assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), "ranks disagree on the loss"
-    reference_run = expected(name)
-    torch.testing.assert_close(per_rank[0]["losses"], reference_run["losses"], **FP32_TOL)
-    params = {}
-    for result in per_rank:  # pipeline stages hold different layers
-        params.update(result["params"])
-    torch.testing.assert_close(params, reference_run["params"], **PARAM_TOL)
+    assert_ranks_match(per_rank, expected(name))
     parsed = Strategy.parse(strategy)
     check_offloads(per_rank, parsed)
     if parsed.block_reshard:
