@@ -17,8 +17,10 @@ the held-out rows, per regime (``published_rows.regime``). Writes ``benchmarks/r
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import math
+import re
 import platform
 import statistics
 from dataclasses import replace
@@ -157,30 +159,39 @@ def _mean_abs_log_error(runs: list[dict], chosen: dict[str, Strategy], calibrati
     return statistics.fmean(abs(log_error(r, chosen[r["id"]], calibration, deepspeed=deepspeed)) for r in runs)
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", metavar="REGEX", help="only the runs whose id matches (no fit, no file written)")
+    parser.add_argument("--no-fit", action="store_true", help="skip the calibration grid fit")
+    parser.add_argument("--no-own-plan", action="store_true", help="skip Tessera's own unpinned plans")
+    return parser.parse_args()
+
+
 def main() -> None:
+    args = parse_args()
     runs, console = measured_runs(), Console(width=180)
-    chosen = {run["id"]: plan_run(run, GPU_CALIBRATION)[0] for run in runs}
-    fitted, deepspeed = fit_calibration(runs, chosen)
+    subset = args.rows is not None
+    if subset:
+        runs = [run for run in runs if re.search(args.rows, run["id"])]
+    chosen = {run["id"]: plan_run(run, GPU_CALIBRATION) for run in runs}
+    fitted, deepspeed = (GPU_CALIBRATION, DEEPSPEED.zero3_comm_slowdown) if subset or args.no_fit else fit_calibration(
+        runs, {key: pair[0] for key, pair in chosen.items()})
     console.print(f"grid fit on the train split: {fitted}, DeepSpeed ZeRO-3 slowdown {deepspeed}")
     rows, errors, speedups = [], [], []
     for run in runs:
-        strategy, est = plan_run(run, GPU_CALIBRATION)
+        strategy, est = chosen[run["id"]]
         published = published_step_s(run)
         error = est.step_time_s / published - 1
         split = "train" if run["id"] in TRAIN_IDS else "test"
         errors.append((split, regime(run), abs(error)))
         training = training_config(run)
-        try:
-            own = own_plan(model_spec(run), cluster_spec(run), training)
-        except InfeasiblePlanError:  # the published run fits only by what Tessera's runtime does not do
-            own_cells = ("none fits on Tessera's runtime", "—", "—")
-        else:
-            speedups.append(runtime_comparable_s(run, strategy, est) / own.estimate.step_time_s)
-            own_cells = (own.strategy.to_string(), f"{own.estimate.step_time_s:.2f}", f"{speedups[-1]:.2f}x")
+        own_cells = ("not planned (--no-own-plan)", "—", "—")
+        if not (subset or args.no_own_plan):
+            own_cells = own_plan_cells(run, strategy, est, training, speedups)
         rows.append((run["id"], split, regime(run), str(run["hardware"]["gpus"]), strategy.to_string(), f"{published:.2f}",
                      f"{est.step_time_s:.2f}", f"{error:+.1%}", f"{est.peak_memory_bytes / 2**30:.1f}",
                      "yes" if est.fits else "NO", *own_cells))
-    summary = summarize(errors, fitted, deepspeed) + (
+    summary = summarize(errors, fitted, deepspeed) + ("" if not speedups else
         f"\n- plan quality: Tessera's own plan is predicted at least as fast as the published configuration in "
         f"{sum(x >= 0.999 for x in speedups)} of {len(speedups)} runs it plans (median speedup {statistics.median(speedups):.2f}x, "
         f"worst {min(speedups):.2f}x; same cost model, own plan always fits; a published configuration is compared "
@@ -191,9 +202,24 @@ def main() -> None:
         table.add_column(column, no_wrap=column != "strategy (pinned + planner-filled)")
     for row in rows:
         table.add_row(*row)
-    console.print(table)
+    if subset:  # the strategy in full, one run a line
+        for row in rows:
+            console.print(" | ".join(row[:10]), soft_wrap=True)
+    else:
+        console.print(table)
     console.print(summary)
-    write_markdown(rows, summary)
+    if not subset:
+        write_markdown(rows, summary)
+
+
+def own_plan_cells(run: dict, strategy: Strategy, est, training: TrainingConfig, speedups: list[float]) -> tuple[str, ...]:
+    """The table's cells for Tessera's own plan of ``run``'s case (its speedup appended to ``speedups``)."""
+    try:
+        own = own_plan(model_spec(run), cluster_spec(run), training)
+    except InfeasiblePlanError:  # the published run fits only by what Tessera's runtime does not do
+        return ("none fits on Tessera's runtime", "—", "—")
+    speedups.append(runtime_comparable_s(run, strategy, est) / own.estimate.step_time_s)
+    return (own.strategy.to_string(), f"{own.estimate.step_time_s:.2f}", f"{speedups[-1]:.2f}x")
 
 
 def summarize(errors: list[tuple[str, str, float]], fitted: Calibration, deepspeed: float) -> str:

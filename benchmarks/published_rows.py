@@ -113,6 +113,8 @@ def _stated_pins(run: dict) -> dict[str, object]:
         fixed["recompute"] = recompute
     if par.get("tp_overlap"):
         fixed["tp_overlap"] = True
+    if isinstance(par.get("sequence_parallel"), bool):
+        fixed["sp"] = par["sequence_parallel"]
     if par.get("schedule"):
         fixed["schedule"] = par["schedule"]
     if par.get("virtual_pipeline"):

@@ -116,8 +116,27 @@ def dp_comm_s(
     gathers, scatters = sharded_collective_counts(strategy, micro_batches=micro_batches)
     gathers = effective_gathers(stage, strategy, gathers=gathers, micro_batches=micro_batches)
     kinds = ("zero_allgather", "zero_reducescatter") if strategy.zero < 3 else ("fsdp_allgather", "fsdp_reducescatter")
-    return {kinds[1]: s * scatters * reduce_scatter_time(cluster, grads, **group),
+    comm = {kinds[1]: s * scatters * reduce_scatter_time(cluster, grads, **group),
             kinds[0]: s * gathers * all_gather_time(cluster, weights, **group)}
+    return split_unprefetched_gathers(comm, strategy, profile=profile, micro_batches=micro_batches)
+
+
+UNPREFETCHED = "fsdp_allgather_backward"
+"""The kind of ZeRO-3's backward all-gathers a ``backward_prefetch="post"`` framework leaves exposed."""
+
+
+def split_unprefetched_gathers(
+    comm: dict[str, float], strategy: Strategy, *, profile: ImplementationProfile, micro_batches: int,
+) -> dict[str, float]:
+    """``comm`` with the backward's share of ZeRO-3's all-gathers as its own kind ``UNPREFETCHED`` where the
+    framework issues them only after the later block's gradients (``profiles``: ``BACKWARD_POST``): of the
+    ``2 * micro_batches`` gathers per step without pipelining, one per micro-batch is a backward's."""
+    gather = comm.get("fsdp_allgather", 0.0)
+    if profile.backward_prefetch != "post" or strategy.zero != 3 or strategy.pp > 1 or not gather:
+        return comm
+    gathers, _ = sharded_collective_counts(strategy, micro_batches=micro_batches)
+    backward = gather * min(micro_batches / gathers, 1.0)
+    return {**comm, "fsdp_allgather": gather - backward, UNPREFETCHED: backward}
 
 
 def sharded_collective_counts(strategy: Strategy, *, micro_batches: int) -> tuple[int, int]:
@@ -172,7 +191,7 @@ def _grouped_dp_comm_s(
                      f"{prefix}_allgather": s * gathers * group_all_gather_s(cluster, weights, axes)}
         for kind, seconds in kinds.items():
             totals[kind] = totals.get(kind, 0.0) + seconds
-    return totals
+    return split_unprefetched_gathers(totals, strategy, profile=profile, micro_batches=micro_batches)
 
 
 def exposed_dp_comm_s(
@@ -188,6 +207,7 @@ def exposed_dp_comm_s(
     compute cannot cover (a bandwidth-bound step) or, at least, each pass's first gather and last
     reduce-scatter (one block's, ``1 / blocks`` of the traffic: nothing computes before or after them).
     Tensor-parallel and pipeline communication do not hide it (they are on the critical path themselves).
+    A framework that issues the backward's gathers late (``UNPREFETCHED``) leaves them all exposed.
     ZeRO-0 to 2: gradient reduction overlaps the backward (the last micro-batch's, or every one's under
     ZeRO-2) except its last bucket; the parameter all-gather of ZeRO-1/2 overlaps the next step's first forward.
     """
@@ -195,8 +215,9 @@ def exposed_dp_comm_s(
         return sum(comm.values())
     tail = 1 / max(blocks, 1)
     if strategy.zero == 3:
-        total = sum(comm.values())
-        return max(total - micro_batches * (forward_s + backward_s + recompute_s), total * tail)
+        unprefetched = comm.get(UNPREFETCHED, 0.0)  # each block's backward waits for its own gather
+        total = sum(comm.values()) - unprefetched
+        return unprefetched + max(total - micro_batches * (forward_s + backward_s + recompute_s), total * tail)
     reduce = comm.get("dp_allreduce", 0.0) + comm.get("zero_reducescatter", 0.0)
     hidden_by = backward_s * (micro_batches if strategy.zero == 2 else 1)
     gather = comm.get("zero_allgather", 0.0)  # overlaps the next step's first forward

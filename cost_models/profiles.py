@@ -12,6 +12,13 @@ there.
   hide behind compute (``communication.exposed_fsdp_comm_s``). DeepSpeed ZeRO-3 as measured in 2021 (Narayanan
   et al. SC'21 Table 2: 174.6B and 529.6B on 384-2240 A100s) gathered parameter by parameter, its collectives
   ``zero3_comm_slowdown`` times slower than the ideal ring: fitted on those rows (``benchmarks/published.py``).
+  How far ahead the backward gathers are issued is the framework's (``backward_prefetch``). FSDP1's
+  ``BackwardPrefetch.BACKWARD_PRE`` (and FSDP2, always) issues the next block's all-gather before the current
+  block's gradient computation, so it hides behind it; ``BACKWARD_POST`` issues it only after that computation
+  (torch ``BackwardPrefetch`` docstring: it overlaps the current reduce-scatter with the next gradient
+  computation, not the next all-gather), so every block's backward waits for its own gather. MosaicML Composer
+  defaults to ``BACKWARD_POST`` (``composer.utils.parallelism.FSDPConfig.backward_prefetch``) and llm-foundry's
+  benchmark sweep (``scripts/train/benchmarking/submit_benchmarks.py`` at 061f2c7ce64e) does not override it.
 - **FP8 memory**. Transformer Engine keeps an FP8 copy of each linear's weight and of its transpose across
   micro-batches (``weight_fp8_bytes`` = 2) and saves FP8 inputs for the backward (``fp8_saves_inputs``); torchao
   float8 casts on the fly from the bf16 weight and saves what autograd saves (bf16). FSDP2 with torchao may
@@ -40,6 +47,9 @@ class ImplementationProfile:
     """Under FP8 with ZeRO-3, block parameters are all-gathered in FP8 (1 byte each)."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     """The ZeRO stages the framework runs (Megatron-Core: DDP or its distributed optimizer, ZeRO-1)."""
+    backward_prefetch: str = "pre"
+    """When ZeRO-3 issues a block's backward all-gather: ``pre`` (before the later block's gradient computation,
+    hidden behind it) or ``post`` (after it: exposed), as FSDP1's ``BackwardPrefetch``."""
 
 
 DEEPSPEED_ZERO3_SLOWDOWN = 6.0
@@ -50,8 +60,10 @@ TESSERA = ImplementationProfile(name="tessera")
 as torchao float8 on FSDP2 would run it)."""
 TORCHTITAN = ImplementationProfile(name="torchtitan")
 """torchtitan: FSDP2, torchao float8 (``enable_fsdp_float8_all_gather`` off by default)."""
-PYTORCH_FSDP_TE = ImplementationProfile(name="fsdp-te", fp8_saves_inputs=True, weight_fp8_bytes=2.0)
-"""PyTorch FSDP with Transformer Engine linears (MosaicML llm-foundry / Composer ``amp_fp8``)."""
+PYTORCH_FSDP_TE = ImplementationProfile(name="fsdp-te", fp8_saves_inputs=True, weight_fp8_bytes=2.0,
+                                        backward_prefetch="post")
+"""PyTorch FSDP1 under MosaicML Composer (llm-foundry): ``BACKWARD_POST`` prefetch, Transformer Engine linears
+under ``amp_fp8``."""
 MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1))
 """Megatron-LM / Megatron-Core / NeMo, Transformer Engine for FP8."""
 DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEED_ZERO3_SLOWDOWN)

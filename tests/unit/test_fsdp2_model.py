@@ -7,7 +7,7 @@ import pytest
 from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.communication import exposed_dp_comm_s
 from tessera.cost_models.compute import Calibration
-from tessera.cost_models.profiles import DEEPSPEED, MEGATRON, PROFILES, TESSERA, profile
+from tessera.cost_models.profiles import DEEPSPEED, MEGATRON, PROFILES, PYTORCH_FSDP_TE, TESSERA, profile
 from tessera.cost_models.types import LayerStats
 from tessera.errors import ConfigError
 from tessera.topology import load_cluster
@@ -54,6 +54,18 @@ def test_bandwidth_bound_fsdp_exposes_what_compute_cannot_cover_and_recompute_hi
     recomputed = exposed_dp_comm_s(comm, zero3, forward_s=1.0, backward_s=2.0, micro_batches=1, blocks=4, recompute_s=1.0)
     assert plain == pytest.approx(6.0 - 3.0) and recomputed == pytest.approx(6.0 - 4.0)
     assert exposed_dp_comm_s(comm, zero3, forward_s=1.0, backward_s=2.0, micro_batches=1, blocks=4, overlap=False) == 6.0
+
+
+def test_backward_post_prefetch_exposes_every_backward_gather():
+    pre, post = run("dp=16,zero=3,mbs=2"), run("dp=16,zero=3,mbs=2", framework=PYTORCH_FSDP_TE)
+    gathers = pre.comm_time_by_kind_s["fsdp_allgather"]
+    backward = post.comm_time_by_kind_s["fsdp_allgather_backward"]  # one of each micro-batch's two gathers
+    assert backward == pytest.approx(gathers / 2)
+    assert post.comm_time_by_kind_s["fsdp_allgather"] == pytest.approx(gathers / 2)
+    hidden = pre.exposed_comm_time_s  # compute-bound: one block's worth of the rest stays exposed
+    rest = gathers / 2 + pre.comm_time_by_kind_s["fsdp_reducescatter"]
+    assert post.exposed_comm_time_s == pytest.approx(backward + rest / 4)
+    assert hidden < post.exposed_comm_time_s
 
 
 def test_stragglers_grow_with_the_number_of_ranks():
