@@ -1,14 +1,16 @@
-"""Expert parallelism on mixture-of-experts blocks Tessera did not write: Hugging Face Mixtral, Qwen2-MoE (shared
-expert and shared-expert gate, top-k weights not renormalised) and Qwen3-MoE (renormalised), experts stacked in 3-D
-tensors, trained with experts split over ``ep`` ranks, match single-process training; the router logits and the
-load-balancing loss a rank sees are the single-process model's on its rows; each rank holds only its experts; what
-the runtime cannot split is refused by name.
+"""Expert and pipeline parallelism on mixture-of-experts blocks Tessera did not write: Hugging Face Mixtral,
+Qwen2-MoE (shared expert and shared-expert gate, top-k weights not renormalised) and Qwen3-MoE (renormalised),
+experts stacked in 3-D tensors, trained with experts split over ``ep`` ranks, with pipeline stages cut from a
+torch.export trace (1F1B, and interleaved with 2 chunks per rank on a 4-block model: one block per chunk), or both,
+match single-process training; the router logits and the load-balancing loss a rank sees are the single-process
+model's on its rows; each rank holds only its experts; what the runtime cannot split is refused by name.
 
 Every case trains from the same seed with AdamW on the same global batches with the default loss, against plain
 single-process training on the whole global batch (cross-entropy on ``.logits``; ``test_outside_models``): per-step
 losses and final parameters (tolerances and why: ``harness.py``). The routing is dropless in these models (no
 capacity), so every rank's tokens meet exactly the experts they would meet in one process. The default cases run in
-one spawn of 2 ranks; the 4-rank matrix and Qwen3-MoE are ``slow``.
+one spawn of 2 ranks (EP with DP, PP alone under both schedules); the 4-rank matrix (dp x ep, ep x pp, dp x pp) and
+the rest of the 2-rank one are ``slow``.
 """
 
 from __future__ import annotations
@@ -34,39 +36,47 @@ pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")]
 
 STEPS, EXPERTS = 3, 4
-SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+SIZES = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
              max_position_embeddings=SEQ_LEN, num_experts_per_tok=2, use_cache=False)
 
 
-def hf_mixtral() -> nn.Module:
+def hf_mixtral(layers: int = 2) -> nn.Module:
     """transformers' MixtralForCausalLM: 4 experts (SwiGLU 64), top-2, weights renormalised (~60K parameters)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(SEED)
-    return MixtralForCausalLM(MixtralConfig(**SIZES, intermediate_size=64, num_local_experts=EXPERTS))
+    return MixtralForCausalLM(MixtralConfig(**SIZES, num_hidden_layers=layers, intermediate_size=64,
+                                            num_local_experts=EXPERTS))
 
 
-def hf_qwen2_moe() -> nn.Module:
+def hf_qwen2_moe(layers: int = 2) -> nn.Module:
     """transformers' Qwen2MoeForCausalLM: 4 experts (32) and a gated shared expert (64), top-2 not renormalised."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(SEED)
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**SIZES, intermediate_size=64, moe_intermediate_size=32,
-                                              shared_expert_intermediate_size=64, num_experts=EXPERTS,
-                                              norm_topk_prob=False))
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**SIZES, num_hidden_layers=layers, intermediate_size=64,
+                                              moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                              num_experts=EXPERTS, norm_topk_prob=False))
 
 
-def hf_qwen3_moe() -> nn.Module:
+def hf_qwen3_moe(layers: int = 2) -> nn.Module:
     """transformers' Qwen3MoeForCausalLM: 4 experts (32), top-2 renormalised, q/k norms (head_dim 8)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(SEED)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**SIZES, intermediate_size=64, moe_intermediate_size=32, head_dim=8,
-                                              num_experts=EXPERTS, norm_topk_prob=True))
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**SIZES, num_hidden_layers=layers, intermediate_size=64,
+                                              moe_intermediate_size=32, head_dim=8, num_experts=EXPERTS,
+                                              norm_topk_prob=True))
 
 
 MODELS = {"mixtral": hf_mixtral, "qwen2-moe": hf_qwen2_moe, "qwen3-moe": hf_qwen3_moe}
-LAYERS = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+
+
+def planned_layers(model: nn.Module) -> list[str]:
+    """The embedding, every block, the final norm and the head, by FQN."""
+    return ["model.embed_tokens", *(f"model.layers.{i}" for i in range(model.config.num_hidden_layers)),
+            "model.norm", "lm_head"]
+
 
 # (model, strategy): accumulation = GLOBAL_BATCH / (dp * mbs).
 CASES = {
@@ -77,27 +87,46 @@ CASES = {
         ("qwen3-moe", "dp=4,ep=4,zero=3,mbs=2"),  # one expert per rank
         # EP with PP: an ep group inside each stage, its all-to-alls on the same micro-batch schedule
         ("mixtral", "dp=2,ep=2,pp=2,zero=0,mbs=2,schedule=1f1b"),
-        ("qwen2-moe", "dp=2,ep=2,pp=2,zero=1,mbs=1,schedule=1f1b")],  # 4 micro-batches
+        ("qwen2-moe", "dp=2,ep=2,pp=2,zero=1,mbs=1,schedule=1f1b"),  # 4 micro-batches
+        ("qwen2-moe", "dp=2,ep=2,pp=2,zero=1,mbs=1,schedule=interleaved:2"),  # all-to-alls in all 4 chunks
+        ("mixtral", "dp=2,ep=2,pp=2,zero=3,mbs=2,schedule=interleaved:2"),
+        # DP x PP, the experts whole: DDP / FSDP2 inside each stage
+        ("mixtral", "dp=2,pp=2,zero=0,mbs=2,schedule=interleaved:2"),
+        ("qwen3-moe", "dp=2,pp=2,zero=3,mbs=1,schedule=interleaved:2")],
 }
-SLOW_WORLD2 = [("qwen3-moe", "dp=2,ep=2,zero=1,mbs=4")]
+# PP alone (experts whole in their stage), split from a torch.export trace
+PIPELINED = [("mixtral", "pp=2,mbs=2,schedule=interleaved:2"),  # 4 chunks over 2 ranks, 4 micro-batches
+             ("qwen2-moe", "pp=2,mbs=2,schedule=1f1b")]  # the shared expert and its gate in each stage
+CASES[2] += PIPELINED
+SLOW_WORLD2 = [("qwen3-moe", "dp=2,ep=2,zero=1,mbs=4"),
+               ("qwen3-moe", "pp=2,mbs=1,schedule=interleaved:2"),  # 8 micro-batches
+               ("mixtral", "pp=2,mbs=4,schedule=1f1b"),
+               ("qwen2-moe", "pp=2,mbs=2,schedule=interleaved:2")]
+
+
+def blocks_for(strategy: str) -> int:
+    """Blocks of a case's model: one per pipeline chunk (4 under interleaved pp=2), 2 at least."""
+    parsed = Strategy.parse(strategy)
+    return max(2, parsed.pp * parsed.virtual_stages)
 
 
 def ep_plan(name: str, model: nn.Module, strategy: str):
-    """The hand-built plan over ``LAYERS``; with pipelining, embedding in the first chunk, one block per chunk, the
-    rest in the last."""
-    plan = listed_plan(f"hf-{name}", model, strategy, LAYERS, global_batch=GLOBAL_BATCH)
+    """The hand-built plan over the model's layers; with pipelining, embedding in the first chunk, the blocks evenly
+    over the chunks, the rest in the last."""
+    plan = listed_plan(f"hf-{name}", model, strategy, planned_layers(model), global_batch=GLOBAL_BATCH)
     chunks = plan.strategy.pp * plan.strategy.virtual_stages
     if chunks == 1:
         return plan
-    blocks = iter(range(chunks))
-    layers = [layer.model_copy(update={"chunk": 0 if layer.kind == "embedding" else next(blocks)
+    blocks = model.config.num_hidden_layers
+    block_chunks = iter(block * chunks // blocks for block in range(blocks))
+    layers = [layer.model_copy(update={"chunk": 0 if layer.kind == "embedding" else next(block_chunks)
                                        if layer.kind == "block" else chunks - 1}) for layer in plan.layers]
     return plan.model_copy(update={"layers": tuple(layers)})
 
 
-def rank_model(name: str) -> nn.Module:
+def rank_model(name: str, layers: int = 2) -> nn.Module:
     """Runs on every rank: the model, its weights moved off rank 0 (rank 0's must win: apply_plan broadcasts them)."""
-    model = MODELS[name]()
+    model = MODELS[name](layers)
     if dist.get_rank():
         with torch.no_grad():
             for param in model.parameters():
@@ -106,7 +135,7 @@ def rank_model(name: str) -> nn.Module:
 
 
 def hf_ep_case(name: str, strategy: str) -> dict:
-    model = rank_model(name)
+    model = rank_model(name, blocks_for(strategy))
     parallel = apply_plan(model, ep_plan(name, model, strategy))
     local = {fqn: isinstance(m, ShardedExperts) for fqn, m in model.named_modules() if fqn.endswith("mlp.experts")}
     held = {fqn: m.local_experts.num_experts for fqn, m in model.named_modules() if hasattr(m, "local_experts")}
@@ -146,22 +175,22 @@ def _spawned(world: int, slow: bool) -> list[dict]:
 
 
 @functools.cache
-def reference(name: str) -> dict:
-    return single_process(MODELS[name](), make_batches(GPT, STEPS), hf_loss)
+def reference(name: str, layers: int = 2) -> dict:
+    return single_process(MODELS[name](layers), make_batches(GPT, STEPS), hf_loss)
 
 
 def check_case(world: int, name: str, strategy: str, *, slow: bool = False) -> None:
     per_rank = [results[(name, strategy)] for results in world_results(world, slow)]
-    assert_ranks_match(per_rank, reference(name))  # same FQNs, gathered
-    parsed = Strategy.parse(strategy)
+    assert_ranks_match(per_rank, reference(name, blocks_for(strategy)))  # same FQNs, every stage's, gathered
+    ep = Strategy.parse(strategy).ep
     for result in per_rank:
-        split = result["experts_modules"]
-        assert len(split) == 2 and all(split.values()), split  # split on the whole model, before any pipeline cut
-        assert set(result["held"].values()) == {EXPERTS // parsed.ep}  # each rank computes E / ep experts
+        split = result["experts_modules"]  # split on the whole model, before any pipeline cut; whole without ep
+        assert len(split) == blocks_for(strategy) and set(split.values()) == {ep > 1}, split
+        assert set(result["held"].values()) == ({EXPERTS // ep} if ep > 1 else set())  # E / ep experts per rank
 
 
 @pytest.mark.parametrize(("name", "strategy"), CASES[2], ids=[f"{n}-{s}" for n, s in CASES[2]])
-def test_hugging_face_moe_under_expert_parallelism_trains_like_one_process(name, strategy):
+def test_hugging_face_moe_under_expert_or_pipeline_parallelism_trains_like_one_process(name, strategy):
     check_case(2, name, strategy)
 
 
@@ -173,7 +202,7 @@ def test_hugging_face_moe_on_4_ranks_trains_like_one_process(name, strategy):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "strategy"), SLOW_WORLD2, ids=[f"{n}-{s}" for n, s in SLOW_WORLD2])
-def test_qwen3_moe_on_2_ranks_trains_like_one_process(name, strategy):
+def test_the_rest_of_the_2_rank_matrix_trains_like_one_process(name, strategy):
     check_case(2, name, strategy, slow=True)
 
 
