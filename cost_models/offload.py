@@ -4,9 +4,10 @@ for its backward (``Recompute`` ``"offload"``).
 The copies run on the device's host link (PCIe, NVLink-C2C; ``DeviceSpec.host_bandwidth_bytes_per_s``) in both
 directions. Where a runtime issues them on a copy stream of their own, each overlaps the compute: the copy-out
 with the forward, the copy-in (prefetched a block ahead) with the backward, and only what a pass cannot hide is
-on the critical path. Tessera's runtime (``runtime.offload``) issues them on the compute stream (non-blocking
-for the host, in order with the kernels) and copies each tensor back when the backward reaches it, so they add
-to the step in full: ``OFFLOAD_COPIES_OVERLAP`` says which. The device keeps two blocks' worth in transit
+on the critical path. Tessera's runtime (``runtime.offload``) does this on CUDA: both directions on a side stream,
+the copies back of a block and of the one before it issued when the block's backward starts. That path has not
+yet run on a GPU in this project (``tests/gpu/test_offload_cuda.py`` is its check), so the copies are still
+priced in full: ``OFFLOAD_COPIES_OVERLAP`` says which. The device keeps two blocks' worth in transit
 (``StageTotals.offload_buffer_bytes``); everything else lives on the host.
 """
 
@@ -18,8 +19,10 @@ from tessera.cost_models.types import Strategy
 from tessera.topology.cluster import DeviceSpec
 
 OFFLOAD_COPIES_OVERLAP = False
-"""A fact about the runtime, not a setting: ``runtime.offload`` copies on the compute stream (no side stream, no
-prefetch), so no copy hides behind compute. True describes a runtime with a copy stream and prefetching."""
+"""A fact about the runtime, not a setting: whether ``runtime.offload``'s copies hide behind compute. Its CUDA
+path copies on a side stream and prefetches a block ahead, which is what True prices; it stays False until that
+path has been checked on a GPU (``tests/gpu/test_offload_cuda.py``, and a step measured with and without
+offload), so a plan never counts on an overlap nobody has seen."""
 DEFAULT_HOST_BANDWIDTH_BYTES_PER_S = 64e9
 """Per-direction device-to-host bandwidth for a device whose catalog entry gives none
 (``DeviceSpec.host_bandwidth_bytes_per_s`` is None): PCIe 5.0 x16 (32 GT/s x 16 lanes, 128b/130b: 63 GB/s;

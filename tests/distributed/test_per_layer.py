@@ -179,6 +179,12 @@ def check_offloads(per_rank: list[dict], strategy: Strategy) -> None:
             # and came back for the backward (not each one: a pipeline stage's shape-inference forward has no
             # backward, and autograd saves some tensors for branches no gradient flows through)
             assert stats["unpacked"] > 0, (fqn, stats)
+        # Copies back are prefetched a block ahead: an offloaded block with another after it on this rank (in the
+        # same forward: interleaved chunks are left out) has its tensors copied back when that one's backward starts.
+        last = max(map(_block_index, result["offloads"]), default=0)
+        for fqn, stats in result["offloads"].items():
+            if strategy.virtual_stages == 1 and _block_index(fqn) < last:
+                assert stats["prefetched"] > 0, (fqn, stats)
 
 
 def check_reshards(per_rank: list[dict], strategy: Strategy) -> None:
