@@ -17,8 +17,10 @@ The models (capture of the presets, with one ``LayerStats``-level change stated 
   MoE (two block signatures);
 - ``gemma3-27b`` with local attention: the preset's shape (Gemma 3 27B, arXiv:2503.19786: 62 layers, vocabulary
   262,144) at 32K tokens, its Gemma pattern applied here: 5 local sliding-window layers (window 1024) per global
-  one. Tessera's attention has no window, so a local block is the captured block with its attention core cut to
-  the window (causal: ``s w - w^2 / 2`` of ``s^2 / 2`` query-key pairs, forward and backward);
+  one. Tessera's attention has no window, so a local block is the captured block priced as a windowed kernel
+  (FlashAttention's ``window_size``, flex attention) runs it: its attention core cut to the window
+  (``planner.layer_info.with_windowed_attention``: ``s w - w^2 / 2`` of ``s^2 / 2`` query-key pairs, forward and
+  backward);
 - ``llama-256k-vocab``: Llama 3 8B's blocks with a 256K vocabulary (Gemma's 256,000) at 8K tokens: uniform
   blocks, a heavy embedding and head;
 - uniform controls (``llama3-8b``, ``llama3-70b``, and ``gpt3-13b`` at 1K tokens on 512 A100s, where ZeRO-3's
@@ -42,6 +44,7 @@ from tessera.cost_models import TrainingConfig  # noqa: E402
 from tessera.cost_models.types import LayerStats  # noqa: E402
 from tessera.planner.capture import capture_preset  # noqa: E402
 from tessera.planner.layer_graph import LayerGraph  # noqa: E402
+from tessera.planner.layer_info import with_windowed_attention  # noqa: E402
 from tessera.planner.refine import ALL_BLOCK_OPTIONS, RUNTIME_BLOCK_OPTIONS  # noqa: E402
 from tessera.planner.search import best_candidate, rank_candidates, search  # noqa: E402
 from tessera.topology.presets import load_cluster  # noqa: E402
@@ -61,15 +64,12 @@ def stack(one_block: LayerGraph, blocks: list[LayerStats], name: str) -> LayerGr
 
 
 def local_attention(block: LayerStats, *, seq_len: int, window: int) -> LayerStats:
-    """``block`` with its attention core cut to a causal sliding window (FLOPs of the core, forward and
-    backward; its saved bytes are flash attention's, which do not grow with the pairs)."""
-    pairs = seq_len * window - window**2 / 2 if window < seq_len else seq_len**2 / 2
-    cut = block.selective_recompute_flops * (1 - pairs / (seq_len**2 / 2))
-    return block.model_copy(update={
-        "forward_flops": block.forward_flops - cut, "backward_flops": block.backward_flops - 2 * cut,
-        "selective_recompute_flops": block.selective_recompute_flops - cut, "block_kind": "local-attention",
-        "signature": block.signature + f"-local{window}",
-    })
+    """``block`` as a causal sliding-window block run by a windowed kernel (``layer_info.with_windowed_attention``:
+    its attention core cut to the window's pairs, forward and backward; its saved bytes are flash attention's,
+    which do not grow with the pairs)."""
+    local = block.model_copy(update={"block_kind": "local-attention", "attention_window": window,
+                                     "signature": block.signature + f"-local{window}"})
+    return with_windowed_attention(local, seq_len=seq_len)
 
 
 def gemma3_local_global() -> tuple[LayerGraph, int]:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from tessera.cost_models.tp_rules import linear_dims, moe_containers
-from tessera.cost_models.types import LayerKind, LinearPair
+from tessera.cost_models.types import LayerKind, LayerStats, LinearPair
 from tessera.planner.replay import CONTAINERS
 
 NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
@@ -281,3 +281,47 @@ def embedding_vocab(module: nn.Module, vocab: int) -> int:
 def container_elements(root: nn.Module, layers: dict[str, nn.Module]) -> set[str]:
     """Layers that are elements of a ModuleList / ModuleDict / Sequential."""
     return {fqn for fqn in layers if "." in fqn and isinstance(root.get_submodule(fqn.rpartition(".")[0]), CONTAINERS)}
+
+
+# ----------------------------------------------------------------------------------------------- windowed attention
+
+WINDOWED_KERNELS = frozenset({"flash_attention_2", "flash_attention_3", "flex_attention"})
+"""Hugging Face ``config._attn_implementation`` values whose kernels skip the pairs outside a sliding window:
+FlashAttention's ``window_size=(w - 1, 0)`` (flash-attn >= 2.3, "sliding window local attention") computes each
+query's last ``w`` keys only, and ``torch.nn.attention.flex_attention`` skips the blocks its ``BlockMask`` masks out
+(Hugging Face passes the window to both). ``"sdpa"`` and ``"eager"`` apply the window as a dense ``s x s`` mask:
+every pair is computed and then masked, so a windowed layer costs what a global one does (or more)."""
+FLASH_BACKWARD_PER_FORWARD = 2.5
+"""Attention-core backward FLOPs per forward FLOP as FlopCounterMode counts them (``torch.utils.flop_counter``:
+``sdpa_backward_flop_count`` is five matmuls of the forward's two shapes: the recomputed scores, dV, dP, dQ, dK)."""
+
+
+def windowed_kernel(config: object) -> bool:
+    """Whether the model's declared attention implementation computes only the pairs inside a sliding window."""
+    return getattr(config, "_attn_implementation", None) in WINDOWED_KERNELS
+
+
+def window_pair_share(seq_len: int, window: int) -> float:
+    """Query-key pairs a causal sliding window of ``window`` tokens computes, as a share of causal attention's:
+    ``(s w - w^2 / 2) / (s^2 / 2)`` (query ``i`` sees keys ``i - w + 1 .. i``); 1 when the window covers the
+    sequence. Measured core FLOPs count the full ``s x s`` product (FlopCounterMode ignores causality) and the
+    calibrated attention rate prices them as causal kernels run them, so this share scales them."""
+    if not window or window >= seq_len:
+        return 1.0
+    return (seq_len * window - window**2 / 2) / (seq_len**2 / 2)
+
+
+def with_windowed_attention(stats: LayerStats, *, seq_len: int) -> LayerStats:
+    """``stats`` of a block whose kernel skips the pairs outside its ``attention_window``: its attention-core FLOPs
+    (``selective_recompute_flops``, forward) cut to the window's share, its forward and backward FLOPs by what
+    that removes (backward ``FLASH_BACKWARD_PER_FORWARD`` times the forward's cut). Saved bytes are unchanged
+    (flash kernels save O(s) per head either way). Other layers are returned as they are."""
+    share = window_pair_share(seq_len, stats.attention_window)
+    if share == 1.0 or not stats.selective_recompute_flops:
+        return stats
+    cut = stats.selective_recompute_flops * (1 - share)
+    return stats.model_copy(update={
+        "forward_flops": stats.forward_flops - cut,
+        "backward_flops": max(0, stats.backward_flops - FLASH_BACKWARD_PER_FORWARD * cut),
+        "selective_recompute_flops": stats.selective_recompute_flops - cut,
+    })
