@@ -109,8 +109,10 @@ def plan_run(run: dict, calibration: Calibration):
     ZeRO stages its framework runs."""
     graph, cluster = graph_for(model_spec(run), run["model"]["seq_len"]), load_cluster(cluster_spec(run))
     fixed, stages = pins(run), framework_profile(run).zero_stages
+    # planner.space applies block_recompute and chunk_blocks pins, not block_reshard: set it on every candidate
+    kept = {key: fixed.pop(key) for key in ("block_reshard",) if key in fixed}
     pinned = [fixed] if "zero" in fixed else [{**fixed, "zero": zero} for zero in stages]  # what the framework runs
-    candidates = [s for p in pinned for s in strategies(list(graph.layers), cluster, training_config(run), p)]
+    candidates = [s.model_copy(update=kept) for p in pinned for s in strategies(list(graph.layers), cluster, training_config(run), p)]
     scored = [(s, evaluate_as_run(run, s, calibration)) for s in candidates]
     fitting = [pair for pair in scored if pair[1].fits] or scored
     return min(fitting, key=lambda pair: pair[1].step_time_s)

@@ -9,6 +9,7 @@ fills the rest (``published.plan_run``). Each row is evaluated as the framework 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -59,8 +60,8 @@ def framework_profile(run: dict) -> ImplementationProfile:
     if run["id"].startswith("megatron-sc21-t2-zero3"):
         return DEEPSPEED
     framework = str(run.get("framework", "Megatron-LM"))
-    if framework.startswith("torchtitan"):
-        return TORCHTITAN
+    if framework.startswith("torchtitan"):  # the row's config may turn on FP8 all-gathers (off by default)
+        return replace(TORCHTITAN, fp8_all_gather=bool(run["training"].get("fsdp_float8_all_gather")))
     if framework.startswith("llm-foundry"):
         return PYTORCH_FSDP_TE
     return MEGATRON
@@ -121,6 +122,10 @@ def _stated_pins(run: dict) -> dict[str, object]:
         fixed["schedule"], fixed["virtual_stages"] = "interleaved", par["virtual_pipeline"]
     if framework_profile(run) is MEGATRON:
         fixed["sp_regather"] = True  # Megatron-Core's sequence parallelism, should the planner turn it on
+    if framework_profile(run).name == TORCHTITAN.name and par["pp"] > 1 and fixed.get("zero") == 3:
+        # torchtitan 9dec370 (parallelisms/parallelize_llama.py, apply_fsdp): "For PP, do not reshard after
+        # forward to avoid per-microbatch all-gathers": every block keeps its gathered weights
+        fixed["block_reshard"] = (False,) * run["model"]["layers"]
     return fixed
 
 

@@ -37,21 +37,29 @@ from tessera.topology.cluster import Cluster, DeviceSpec
 from tessera.topology.collectives import all_gather_time, all_reduce_time, p2p_time, reduce_scatter_time
 
 
-def tp_comm_s(stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy) -> float:
-    """Tensor-parallel all-reduce seconds of one micro-batch on ``stage`` (forward, backward, recompute)."""
+def tp_comm_s(
+    stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy,
+    *, profile: ImplementationProfile = TESSERA,
+) -> float:
+    """Tensor-parallel all-reduce seconds of one micro-batch on ``stage`` (forward, backward, recompute); under
+    ``tp_overlap``, the backward's are hidden too only where the framework overlaps them
+    (``ImplementationProfile.tp_overlap_backward``)."""
     if strategy.tp == 1:
         return 0.0
-    passes = 2 + stage.full_recompute_blocks / max(stage.blocks, 1)
+    forward_passes = 1 + stage.full_recompute_blocks / max(stage.blocks, 1)  # the forward and its recomputation
     count = max(stage.tp_allreduce_count, 1)
     nbytes = stage.tp_allreduce_bytes * strategy.micro_batch / strategy.cp / count
     # A profiled per-linear overhead at this degree already holds the collectives' fixed costs (measured on a
     # block too small to move bytes, ``compute.framework_overhead_s``): only what the bytes add is left here.
     measured = strategy.tp in cluster.device.linear_overhead_s
     fixed = _latency_s(cluster, group_size=strategy.tp) if measured else 0.0
-    seconds = passes * count * (all_reduce_time(cluster, nbytes, group_size=strategy.tp) - fixed)
+    per_pass = count * (all_reduce_time(cluster, nbytes, group_size=strategy.tp) - fixed)
+    if not strategy.tp_overlap:
+        return (forward_passes + 1) * per_pass
     # Overlapped: each collective is split into tp ring steps, each hidden behind the partial matmul of
     # the previous one; only one step in tp stays on the critical path (Wang et al., ASPLOS'23).
-    return seconds / strategy.tp if strategy.tp_overlap else seconds
+    backward = per_pass / strategy.tp if profile.tp_overlap_backward else per_pass
+    return forward_passes * per_pass / strategy.tp + backward
 
 
 def _latency_s(cluster: Cluster, *, group_size: int) -> float:

@@ -5,9 +5,10 @@ import math
 import pytest
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
-from tessera.cost_models.communication import exposed_dp_comm_s
+from tessera.cost_models.communication import exposed_dp_comm_s, tp_comm_s
+from tessera.cost_models.partition import stage_totals
 from tessera.cost_models.compute import Calibration
-from tessera.cost_models.profiles import DEEPSPEED, MEGATRON, PROFILES, PYTORCH_FSDP_TE, TESSERA, profile
+from tessera.cost_models.profiles import DEEPSPEED, MEGATRON, PROFILES, PYTORCH_FSDP_TE, TESSERA, TORCHTITAN, profile
 from tessera.cost_models.types import LayerStats
 from tessera.errors import ConfigError
 from tessera.topology import load_cluster
@@ -66,6 +67,16 @@ def test_backward_post_prefetch_exposes_every_backward_gather():
     rest = gathers / 2 + pre.comm_time_by_kind_s["fsdp_reducescatter"]
     assert post.exposed_comm_time_s == pytest.approx(backward + rest / 4)
     assert hidden < post.exposed_comm_time_s
+
+
+def test_torchtitan_async_tp_hides_the_forward_collectives_only():
+    stage = stage_totals([block(i) for i in range(4)], 0, {})
+    cluster, training = load_cluster("dgx-h100:nodes=1"), TrainingConfig(global_batch=8, seq_len=4096)
+    plain = tp_comm_s(stage, cluster, training, Strategy.parse("tp=8,mbs=1"))
+    overlapped = Strategy.parse("tp=8,mbs=1,tp_overlap=true")
+    assert tp_comm_s(stage, cluster, training, overlapped, profile=MEGATRON) == pytest.approx(plain / 8)
+    # forward overlapped (1/8 left), backward not: half the passes at full cost
+    assert tp_comm_s(stage, cluster, training, overlapped, profile=TORCHTITAN) == pytest.approx(plain / 2 / 8 + plain / 2)
 
 
 def test_stragglers_grow_with_the_number_of_ranks():
