@@ -221,7 +221,7 @@ def _distinct_stage_costs(
     costs = {}
     for stage in stages:
         if stage not in costs:
-            t = stage_time(stage, cluster, training, strategy, calibration=calibration)
+            t = stage_time(stage, cluster, training, strategy, calibration=calibration, profile=profile)
             comm = dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches, sharded_slowdown=slowdown,
                              profile=profile)
             exposed = exposed_dp_comm_s(comm, strategy, forward_s=t.forward, backward_s=t.backward,
@@ -233,12 +233,12 @@ def _distinct_stage_costs(
 
 def stage_time(
     stage: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy,
-    *, calibration: Calibration = GPU_CALIBRATION,
+    *, calibration: Calibration = GPU_CALIBRATION, profile: ImplementationProfile = TESSERA,
 ) -> StageTime:
-    """Seconds one micro-batch spends on ``stage``."""
+    """Seconds one micro-batch spends on ``stage`` (``profile``: whose implementation overlaps its TP traffic)."""
     forward, backward, recompute = stage_compute_s(stage, cluster.device, training, strategy, calibration=calibration)
     offload = exposed_offload_s(stage, cluster.device, strategy, forward_s=forward, backward_s=backward)
-    time = StageTime(forward, backward, recompute, tp_comm_s(stage, cluster, training, strategy),
+    time = StageTime(forward, backward, recompute, tp_comm_s(stage, cluster, training, strategy, profile=profile),
                      pp_comm_s(stage, cluster, strategy), offload=offload)
     if strategy.ep == 1 and strategy.cp == 1:
         return time
