@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import random
@@ -51,39 +52,45 @@ from tessera.tests.distributed.harness import make_batches, make_model, make_pla
 
 MODELS = {"gpt-tiny": "gpt-tiny:layers=4", "llama-tiny": "llama-tiny:layers=4"}
 PLANS = {"DDP": "dp=4,zero=0,mbs=2", "TP2xDP2": "dp=2,tp=2,mbs=4"}
-MODES = {"off": 0, "k=1": 1, "k=4": 4}
-"""Blocks without snapshots, with one after every step, and with one every 4 steps (a ``k`` whose interval
-hides a snapshot's background write on this machine)."""
+MODES = {"off": 0, "k=1": 1, "k=2": 2, "k=4": 4, "k=8": 8}
+"""Blocks without snapshots and with one every ``k`` steps."""
 BLOCK, WARMUP, RANKS_PER_NODE, DISK_EVERY, FAULT_STEPS = 8, 3, 2, 5, 40
 FAULT_MODEL, FAULT_BEFORE, FAULT_AFTER = "gpt-tiny:layers=4", "dp=2,tp=2,mbs=4", "dp=2,zero=3,mbs=2"
 SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+GOAL = 0.05
 
 
 # ------------------------------------------------------------------------------------------------ overhead (4 ranks)
 
 
 def measure_overhead(cases: list[tuple[str, str]], rounds: int, stores: str) -> dict:
-    """Rank body: per case, each round's block mean step time per mode, staging and commit times."""
+    """Rank body: per case, each round's block mean step time (wall and this process's CPU) per mode, the
+    background thread's CPU per snapshot, staging and commit times, the load average per round."""
     rank, results = dist.get_rank(), {}
     for spec, strategy in cases:
         model = make_model(spec, 0)
         pm = apply_plan(model, make_plan(spec, model, strategy))
         store = Path(stores) / f"{spec}-{strategy}" / f"node{rank // RANKS_PER_NODE}"
         snapshots = pm.enable_snapshots(SnapshotConfig(every=1, store=store, ranks_per_node=RANKS_PER_NODE))
+        pm.snapshots = None  # the blocks below take their snapshots themselves
         batches = make_batches(spec, BLOCK)
         for batch in batches[:WARMUP]:
             pm.train_step(batch)
-        blocks: dict[str, list[float]] = {mode: [] for mode in MODES}
-        for _ in range(rounds):
-            for mode, every in MODES.items():
-                pm.snapshots = snapshots if every else None
-                snapshots.config = snapshots.config.model_copy(update={"every": every or 1})
-                started = time.perf_counter()
-                for batch in batches:
-                    pm.train_step(batch)
+        wall: dict[str, list[float]] = {mode: [] for mode in MODES}
+        cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
+        background_cpu_s, snapshots_taken, load = 0.0, 0, []
+        for round_ in range(rounds):
+            load.append(os.getloadavg()[0])
+            order = list(MODES)[round_ % len(MODES):] + list(MODES)[:round_ % len(MODES)]  # no mode always first
+            for mode in order:
+                every = MODES[mode]
+                before = snapshots.background_cpu_s
+                block_wall, block_cpu = run_block(pm, snapshots, batches, every)
+                wall[mode].append(block_wall)
+                cpu[mode].append(block_cpu)
                 if every:
-                    snapshots.wait()  # the last snapshot's remaining background time counts in its block
-                blocks[mode].append((time.perf_counter() - started) / len(batches))
+                    background_cpu_s += snapshots.background_cpu_s - before
+                    snapshots_taken += 1 + len(batches) // every
         staging_s, commit_s = [], []
         for _ in range(5):  # the training thread's share, then a snapshot's whole latency to commit on every node
             started = time.perf_counter()
@@ -95,10 +102,30 @@ def measure_overhead(cases: list[tuple[str, str]], rounds: int, stores: str) -> 
         written = snapshots._staged.nbytes
         pm.snapshots = snapshots
         pm.close()
-        results[(spec, strategy)] = {"blocks": blocks, "staging_s": staging_s, "commit_s": commit_s,
+        results[(spec, strategy)] = {"wall": wall, "cpu": cpu, "staging_s": staging_s, "commit_s": commit_s,
+                                     "background_cpu_s": background_cpu_s / snapshots_taken, "load": load,
                                      "written_bytes": dist_max(written),
                                      "params": sum(p.numel() for p in model.parameters())}
-    return results if rank == 0 else {}
+    return results
+
+
+def run_block(pm, snapshots, batches: list, every: int) -> tuple[float, float]:
+    """Mean wall and process-CPU seconds per step over ``batches``, with a snapshot after every ``every``-th
+    step (0: none). Steady state: an untimed step and snapshot first, so the timed steps overlap the one before
+    them as they do in a run, and the timer stops without waiting for the last one (its tail belongs to the
+    steps after it); the waits between blocks are untimed."""
+    snapshots.wait()
+    pm.train_step(batches[0])
+    if every:
+        snapshots.snapshot(pm)
+    wall, cpu = time.perf_counter(), time.process_time()
+    for index, batch in enumerate(batches, start=1):
+        pm.train_step(batch)
+        if every and index % every == 0:
+            snapshots.snapshot(pm)  # waits for the previous one first, as train_step's does
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    snapshots.wait()
+    return wall / len(batches), cpu / len(batches)
 
 
 def dist_max(value: int) -> int:
@@ -172,36 +199,85 @@ def lost_work(mode: str, trials: int, seed: int) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ report
 
 
-def rounds(overhead: dict) -> int:
-    return len(next(iter(overhead.values()))["blocks"]["off"])
+def merge_ranks(per_rank: list[dict]) -> dict:
+    """Rank 0's results, with the CPU figures averaged over the ranks (each rank measures its own process)."""
+    merged = per_rank[0]
+    for case, result in merged.items():
+        cases = [results[case] for results in per_rank]
+        result["cpu"] = {mode: [statistics.mean(values) for values in zip(*(c["cpu"][mode] for c in cases))]
+                         for mode in MODES}
+        result["background_cpu_s"] = statistics.mean(c["background_cpu_s"] for c in cases)
+    return merged
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):+.1%} [{min(values):+.1%}, {max(values):+.1%}]"
+
+
+def cpu_figures(result: dict) -> dict:
+    """Per rank: training's CPU per step without snapshots, the CPU one snapshot adds (the k = 1 blocks' CPU per
+    step over the same round's block without, all threads: staging, the background thread, gloo's), and the
+    ``k`` at which that added CPU is ``GOAL`` of a step's (what a machine whose cores training saturates pays)."""
+    cpu = result["cpu"]
+    step = statistics.median(cpu["off"])
+    added = statistics.median([k1 - off for k1, off in zip(cpu["k=1"], cpu["off"])])
+    return {"step": step, "added": added, "k": max(1, math.ceil(added / (GOAL * step)))}
+
+
+def smallest_k(result: dict) -> str:
+    """The smallest measured ``k`` whose median wall-clock overhead is within ``GOAL``."""
+    wall = result["wall"]
+    for mode, every in MODES.items():
+        if every and statistics.median([b / off - 1 for b, off in zip(wall[mode], wall["off"])]) <= GOAL:
+            return str(every)
+    return f"> {max(MODES.values())}"
 
 
 def report(overhead: dict, lost: dict, *, command: str, load_before: str, load_after: str) -> str:
+    any_case = next(iter(overhead.values()))
+    loads = [value for result in overhead.values() for value in result["load"]]
+    modes = [mode for mode, every in MODES.items() if every]
     lines = [
         "# In-memory snapshots: per-step overhead at k = 1 and work lost per failure", "",
         f"Command: `{command}`", "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other jobs (the load average counts "
         f"them), gloo ranks with one torch thread each; torch {torch.__version__}. Stores under {SHM} (tmpfs). "
-        f"`uptime` before: {load_before}; after: {load_after}.", "",
-        "## Overhead of a snapshot after every step (4 ranks as 2 nodes, own + buddy store)", "",
-        f"{rounds(overhead)} rounds of alternating blocks of {BLOCK} steps: without snapshots, with one after every "
-        "step (k = 1), with one every 4 steps (k = 4); a block with snapshots includes waiting for its last one. "
+        f"`uptime` before: {load_before}; after: {load_after}. 1-minute load at the start of each round: "
+        f"{min(loads):.1f}-{max(loads):.1f}.", "",
+        "## Overhead of a snapshot every k steps (4 ranks as 2 nodes, own + buddy store)", "",
+        f"{len(any_case['wall']['off'])} rounds; each runs a block of {BLOCK} steps per mode, the modes in turn "
+        "(each round starting at the next one). A block is timed in steady state: after an untimed step (and "
+        "snapshot), so its first steps overlap the snapshot before them, and without waiting for its last one. "
         "Overhead: per round, the block's mean step time over the same round's block without snapshots, minus "
         "one; median over rounds [lowest, highest]. Written: the most bytes one rank writes per snapshot "
         "(replicated chunks once). Staging: the copy on the training thread (median). Commit: one snapshot from "
-        "staging to committed on every node (background, overlapped with the next step; median).", "",
-        "| model | params | plan | step, no snapshots (ms) | k = 1 overhead | k = 4 overhead | written per rank "
-        "| staging (ms) | commit (ms) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "staging to committed on every node (background, overlapped with the next steps; median).", "",
+        "| model | params | plan | step, no snapshots (ms) | " + " | ".join(f"{m} overhead" for m in modes)
+        + " | written per rank | staging (ms) | commit (ms) |",
+        "|---|---|---|---|" + "---|" * len(modes) + "---|---|---|",
     ]
     for (spec, strategy), result in overhead.items():
-        blocks = result["blocks"]
-        ratios = {mode: [b / off - 1 for b, off in zip(blocks[mode], blocks["off"])] for mode in MODES if mode != "off"}
-        cells = " | ".join(f"{statistics.median(r):+.1%} [{min(r):+.1%}, {max(r):+.1%}]" for r in ratios.values())
+        wall = result["wall"]
+        cells = " | ".join(spread([b / off - 1 for b, off in zip(wall[m], wall["off"])]) for m in modes)
         lines.append(f"| `{spec}` | {result['params'] / 1e3:,.0f}K | `{strategy}` | "
-                     f"{statistics.median(blocks['off']) * 1e3:,.1f} | {cells} | "
+                     f"{statistics.median(wall['off']) * 1e3:,.1f} | {cells} | "
                      f"{result['written_bytes'] / 1e6:,.2f} MB | {statistics.median(result['staging_s']) * 1e3:,.2f} "
                      f"| {statistics.median(result['commit_s']) * 1e3:,.0f} |")
+    lines += ["", "## CPU time: what a snapshot costs whatever the load", "",
+              "Per rank (mean over the 4), median over rounds, `time.process_time` (every thread of the rank's "
+              "process). Added per snapshot: the k = 1 block's CPU per step minus the same round's block without "
+              "snapshots (staging, the background thread, gloo's threads for the copy and the agreement). "
+              "Background thread: its own `time.thread_time` per snapshot (write, hash, collectives, commit). "
+              f"CPU-bound k: the k at which the added CPU is {GOAL:.0%} of a step's (where training saturates "
+              f"every core, as 4 ranks on {os.cpu_count()} cores do, that is what the wall clock pays). Measured: "
+              f"the smallest k above whose median overhead is within {GOAL:.0%}.", "",
+              "| model | plan | training CPU per step (ms) | added CPU per snapshot (ms) | of it, background thread "
+              "(ms) | added / step | CPU-bound k | measured k |", "|---|---|---|---|---|---|---|---|"]
+    for (spec, strategy), result in overhead.items():
+        figures = cpu_figures(result)
+        lines.append(f"| `{spec}` | `{strategy}` | {figures['step'] * 1e3:,.1f} | {figures['added'] * 1e3:,.1f} | "
+                     f"{result['background_cpu_s'] * 1e3:,.1f} | {figures['added'] / figures['step']:.0%} | "
+                     f"{figures['k']} | {smallest_k(result)} |")
     if not lost:
         return "\n".join(lines) + "\n"
     lines += ["", f"## Work lost per failure (steps): `{FAULT_MODEL}`, `{FAULT_BEFORE}` on 4 ranks -> "
@@ -220,16 +296,18 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--no-lost-work", action="store_true", help="measure the overhead only")
+    parser.add_argument("--plans", nargs="+", choices=list(PLANS), default=list(PLANS),
+                        help="measure these plans only")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     load_before = os.popen("uptime").read().strip()
-    cases = [(spec, plan) for spec in MODELS.values() for plan in PLANS.values()]
+    cases = [(spec, PLANS[plan]) for spec in MODELS.values() for plan in args.plans]
     rounds, trials = (1, 1) if args.smoke else (args.rounds, args.trials)
     if args.smoke:
         cases = cases[:1]
     stores = tempfile.mkdtemp(prefix="tessera-snapshot-bench-", dir=SHM)
     try:
-        overhead = spawn(measure_overhead, nprocs=4, args=(cases, rounds, stores), timeout_s=1800)[0]
+        overhead = merge_ranks(spawn(measure_overhead, nprocs=4, args=(cases, rounds, stores), timeout_s=3600))
     finally:
         shutil.rmtree(stores, ignore_errors=True)
     lost = {} if args.no_lost_work else {mode: lost_work(mode, trials, seed=1) for mode in ("snapshots", "disk only")}

@@ -20,12 +20,16 @@ back to the newest disk checkpoint, saying why. One node only: no buddy, snapsho
 (one buffer per rank, allocated once, pinned where there is a GPU, refilled by one ``_foreach_copy_``) and
 records RNG and data position; a background thread then writes the file, hashes it from memory, sends it to the
 buddy (gloo send/recv of the same buffer) and commits, on a process group of its own, so its collectives never
-interleave with training's. At most one snapshot is in flight: if the previous one is still being written at
-the next snapshot step, training waits for it (the staging buffer is free again only then).
+interleave with training's. That thread runs at the lowest CPU priority (nice 19), and so do gloo's threads for
+its group (created from it): where training keeps every core busy, it yields to training. At most one snapshot
+is in flight: if the previous one is still being written at the next snapshot step, training waits for it (the
+staging buffer is free again only then; skipping that step instead would need every rank to decide alike, which
+costs a collective on the training thread).
 
-**Commit.** A snapshot exists only once every rank has written and replicated its files: the ranks then agree
-(one all-gather) and each node's leader writes the whole snapshot's manifest (every file's size and SHA-256,
-over all ranks) and the ``COMPLETE`` marker, and renames its folder. Each store keeps the newest ``keep`` (2)
+**Commit.** A snapshot exists only once every rank has written and replicated its files: the ranks agree on
+that (one all-gather of every rank's file records, one flag all-reduce after the copy) and each node's leader
+writes the whole snapshot's manifest (every file's size and SHA-256, over all ranks) and the ``COMPLETE``
+marker, and renames its folder (one more flag all-reduce says it did). Each store keeps the newest ``keep`` (2)
 committed snapshots, so the previous one stays intact while the next is written (double buffering): a rank
 killed mid-snapshot leaves an ignored partial folder and the previous snapshot is used.
 
@@ -39,6 +43,8 @@ it). A run that dies keeps its store: that is what its restart recovers from.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 import os
 import queue
@@ -56,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.checkpoint import PendingSave, TrainingState, training_tensors
 from tessera.runtime.checkpoint_files import (
-    DATA_FILE, PLAN_FILE, FileRecord, Manifest, all_gather, attempt, file_record, step_folder, together,
+    DATA_FILE, PLAN_FILE, FileRecord, Manifest, all_gather, attempt, step_folder, together,
 )
 from tessera.runtime.snapshot_format import StagedShards, shard_file, write_shard
 from tessera.runtime.snapshot_store import (
@@ -144,8 +150,12 @@ class Snapshotter:
         self.store = Path(config.store) if config.store is not None else default_store()
         """This node's store folder."""
         self._data_state = data_state
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        """The process group snapshots (and their recovery) use, apart from training's."""
+        self._worker: queue.SimpleQueue = _start_worker()
+        """The background thread's inbox (one thread for the run: starting one per snapshot costs the training
+        thread a handshake)."""
+        self.group = _in_worker(self._worker, _new_group)
+        """The process group snapshots (and their recovery) use, apart from training's; created on the background
+        thread, so that gloo's threads for it inherit its lowest CPU priority."""
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.layout = node_layout(config, dist.get_world_size(self.group) if self.group is not None else 1)
         self._lock = agree(lambda: open_store(self.store) if self.layout.is_leader(self.rank) else None,
@@ -156,10 +166,10 @@ class Snapshotter:
         """Which rank writes each chunk, per chunk list (``snapshot_format.StagedShards``)."""
         self._plan: tuple | None = None
         self._pending: PendingSave | None = None
-        self._worker: queue.SimpleQueue = _start_worker()
-        """The background thread's inbox (one thread for the run: starting one per snapshot costs the training
-        thread a handshake)."""
         self._checked_memory = False
+        self.background_cpu_s = 0.0
+        """CPU seconds the background thread has spent writing, copying and committing snapshots (its own time,
+        ``time.thread_time``; gloo's threads and the training thread's staging are not in it)."""
         if self.layout.shift == 0 and self.rank == 0:
             log.warning("snapshots: one node, no buddy to copy to; they survive a process failure, not the node's")
 
@@ -183,11 +193,14 @@ class Snapshotter:
         future: Future = Future()
 
         def run() -> None:
+            started = time.thread_time()
             try:
                 self._write(staged.buffer, staged.prefix(rng_python), side, partial, step=step, strategy=strategy)
                 future.set_result(None)
             except BaseException as error:  # surfaced by wait()
                 future.set_exception(error)
+            finally:
+                self.background_cpu_s += time.thread_time() - started
 
         self._worker.put(run)
         self._pending = PendingSave(step_folder(self.store, step), future)
@@ -264,56 +277,55 @@ class Snapshotter:
 
     def _write(self, data: torch.Tensor, prefix: bytes, side: dict[str, Any], partial: Path, *, step: int,
                strategy: str) -> None:
-        """Write and hash this rank's files (rank 0: also the plan and data position), exchange them with the
-        buddy node, then agree and commit: two collectives per snapshot (every rank's file records with any
-        failure, then the commit's outcome), as few as the commit discipline allows."""
-        group = self.group
-        records, problem = attempt(lambda: self._write_own(data, prefix, side, partial), group,
+        """Write and hash this rank's files (rank 0: also the plan and data position), tell every rank their
+        records and sizes (one object all-gather), exchange the files with the buddy node, then commit. Each
+        outcome is agreed by one flag all-reduce (a second gather only carries the messages of a failure): the
+        fewest collectives, and the least Python, the commit discipline allows."""
+        group, layout = self.group, self.layout
+        written, problem = attempt(lambda: self._write_own(data, prefix, side, partial), group,
                                    what=f"writing snapshot {partial}")
-        if self.layout.shift:
-            pieces = [] if problem else [torch.frombuffer(bytearray(prefix), dtype=torch.uint8), data] + [
-                torch.frombuffer(bytearray((partial / name).read_bytes()), dtype=torch.uint8) for name in _side(self.rank)]
-            _, copy_problem = attempt(lambda: self._exchange(pieces, partial), group,
-                                      what=f"copying snapshot {partial} to the buddy node")
-            problem = problem or copy_problem
-        shares = all_gather((records, problem), group)
-        problems = [problem for _, problem in shares if problem]
+        records, pieces = written if written is not None else ({}, [])
+        shares = all_gather((records, [piece.numel() for piece in pieces], problem), group)
+        problems = [problem for _, _, problem in shares if problem]
         if problems:
             raise CheckpointError(problems[0])
-        files = {name: record for records, _ in shares for name, record in records.items()}
-        manifest = Manifest(step=step, world_size=self.layout.world, strategy=strategy, saved_unix_s=time.time(),
+        if layout.shift:
+            sizes = shares[layout.partner(self.rank, offset=-layout.shift)][1]
+            _all_succeed(lambda: self._exchange(pieces, sizes, partial), group,
+                         what=f"copying snapshot {partial} to the buddy node")
+        files = {name: record for records, _, _ in shares for name, record in records.items()}
+        manifest = Manifest(step=step, world_size=layout.world, strategy=strategy, saved_unix_s=time.time(),
                             files=dict(sorted(files.items())))
-        together(lambda: commit_snapshot(partial, manifest, keep=self.config.keep)
-                 if self.layout.is_leader(self.rank) else None, group, what=f"committing snapshot {partial}")
+        _all_succeed(lambda: commit_snapshot(partial, manifest, keep=self.config.keep)
+                     if layout.is_leader(self.rank) else None, group, what=f"committing snapshot {partial}")
 
-    def _write_own(self, data: torch.Tensor, prefix: bytes, side: dict[str, Any], partial: Path) -> dict[str, FileRecord]:
+    def _write_own(self, data: torch.Tensor, prefix: bytes, side: dict[str, Any],
+                   partial: Path) -> tuple[dict[str, FileRecord], list[torch.Tensor]]:
+        """This rank's files, written; their records, and their contents as the pieces sent to the buddy
+        (header, staged buffer, then rank 0's plan and data position)."""
         partial.mkdir(parents=True, exist_ok=True)
         records = {shard_file(self.rank): write_shard(partial / shard_file(self.rank), prefix, data)}
+        pieces = [torch.frombuffer(bytearray(prefix), dtype=torch.uint8), data]
         if self.rank == 0:
-            (partial / PLAN_FILE).write_text(side["plan"])
-            torch.save(side["data"], partial / DATA_FILE)
-            records |= {name: file_record(partial / name) for name in _side(0)}
-        return records
+            data_bytes = io.BytesIO()
+            torch.save(side["data"], data_bytes)
+            for name, content in zip(_side(0), (side["plan"].encode(), data_bytes.getvalue())):
+                (partial / name).write_bytes(content)
+                records[name] = FileRecord(size_bytes=len(content), sha256=hashlib.sha256(content).hexdigest())
+                pieces.append(torch.frombuffer(bytearray(content), dtype=torch.uint8))
+        return records, pieces
 
-    def _exchange(self, pieces: list[torch.Tensor], partial: Path) -> None:
-        """Send ``pieces`` (this rank's file as header and staged buffer, then its side files; none if writing
-        them failed) to the partner on the buddy node, and write what the rank whose buddy this node is sends:
-        the pieces' sizes first, then the pieces. Not hashed on arrival: recovery checks every file against the
-        manifest's SHA-256 before using it (``snapshot_store.held_files``)."""
+    def _exchange(self, pieces: list[torch.Tensor], sizes: list[int], partial: Path) -> None:
+        """Send ``pieces`` (this rank's files) to the partner on the buddy node, and write the files of the
+        rank whose buddy this node is (``sizes``: its pieces' sizes, from the all-gather before). Not hashed
+        on arrival: recovery checks every file against the manifest's SHA-256 before using it
+        (``snapshot_store.held_files``)."""
         layout = self.layout
         target, source = layout.partner(self.rank, offset=layout.shift), layout.partner(self.rank, offset=-layout.shift)
-        sizes = torch.zeros(_MAX_PIECES + 1, dtype=torch.int64)
-        sizes[0] = len(pieces)
-        sizes[1:1 + len(pieces)] = torch.tensor([piece.numel() for piece in pieces], dtype=torch.int64)
-        theirs = torch.empty_like(sizes)
-        self._swap([sizes], [theirs], target, source)
-        counts = theirs[1:1 + int(theirs[0])].tolist()
-        incoming = torch.empty(sum(counts), dtype=torch.uint8)
-        self._swap([p for p in pieces if p.numel()], [p for p in incoming.split(counts) if p.numel()], target, source)
-        if not counts:
-            return  # the source failed to write its files: it says so in the agreement that follows
+        incoming = torch.empty(sum(sizes), dtype=torch.uint8)
+        self._swap([p for p in pieces if p.numel()], [p for p in incoming.split(sizes) if p.numel()], target, source)
         whole, offset = incoming.numpy(), 0
-        for name, size in zip([shard_file(source), *_side(source)], [counts[0] + counts[1], *counts[2:]]):
+        for name, size in zip([shard_file(source), *_side(source)], [sizes[0] + sizes[1], *sizes[2:]]):
             with (partial / name).open("wb") as handle:
                 handle.write(memoryview(whole[offset:offset + size]))
             offset += size
@@ -341,10 +353,16 @@ def _layout_key(state: TrainingState) -> tuple:
 
 def _start_worker() -> queue.SimpleQueue:
     """A daemon thread running the callables put into the returned queue, one at a time (daemon: a snapshot
-    stuck on a dead peer must not keep the process from exiting)."""
+    stuck on a dead peer must not keep the process from exiting), at the lowest CPU priority (Linux: a thread's
+    own nice value, 19; inherited by the threads it starts): where training keeps every core busy, training
+    preempts it instead of sharing the cores with it."""
     inbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def serve() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+        except (AttributeError, OSError):  # not Linux: the thread runs at training's priority
+            pass
         while True:
             inbox.get()()
 
@@ -352,13 +370,44 @@ def _start_worker() -> queue.SimpleQueue:
     return inbox
 
 
-_MAX_PIECES = 4
-"""A rank's file is sent as its header and its data; rank 0 also sends the plan and the data position."""
+def _in_worker(inbox: queue.SimpleQueue, action: Callable[[], T]) -> T:
+    """``action()`` run on the background thread; its value (or exception) here."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(action())
+        except BaseException as error:
+            future.set_exception(error)
+
+    inbox.put(run)
+    return future.result()
 
 
+def _new_group() -> dist.ProcessGroup | None:
+    return dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+
+BACKGROUND_NICE = 19
+"""The background thread's nice value (19: the lowest priority)."""
 def _side(rank: int) -> tuple[str, ...]:
     """The files of ``rank``'s share besides its snapshot file (rank 0's plan and data position)."""
     return (PLAN_FILE, DATA_FILE) if rank == 0 else ()
+
+
+def _all_succeed(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> T | None:
+    """``together(action)`` for the background thread's hot path: success is agreed by one flag all-reduce;
+    only a failure gathers the messages (every rank then raises the first as a ``CheckpointError``)."""
+    value, problem = attempt(action, group, what=what)
+    if group is None:
+        failed = problem is not None
+    else:
+        flag = torch.tensor([problem is not None], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        failed = bool(flag)
+    if failed:
+        raise CheckpointError(next(p for p in all_gather(problem, group) if p))
+    return value
 
 
 def agree(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> T:
