@@ -24,8 +24,11 @@ Also:
 - The model's output structure (a ``CausalLMOutputWithPast``...) is kept as the export's output spec: the
   last chunk returns the output's tensors as a tuple and the loss receives the rebuilt structure
   (``pipeline.TreeOutput``).
+- A value computed inside a layer and read outside it (Hugging Face's router logits, recorded by hooks with
+  ``output_router_logits=True``) is returned by the layer's call after its output when it is a submodule's output
+  (``runtime.pipeline_records``); the export then runs a second time, with those submodules' signatures kept.
 - A layer called more than once, or whose arguments are not tuples, lists, dicts and constants, or whose
-  inner values are read outside it, is refused by name (``NotModelledError``).
+  inner values other than submodule outputs are read outside it, is refused by name (``NotModelledError``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,14 @@ from torch.fx.passes.tools_common import legalize_graph
 from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, TreeSpec, tree_flatten_with_path, tree_unflatten
 
 from tessera.errors import ConfigError, NotModelledError
+from tessera.runtime.pipeline_records import (
+    clear_inner_outputs,
+    escaping_nodes,
+    inner_outputs,
+    recorded_submodules,
+    return_inner_outputs,
+    runs_in,
+)
 
 EXPORT = "torch.export"
 
@@ -64,15 +75,13 @@ class ExportedForward:
 
 
 def export_forward(model: nn.Module, layer_fqns: Sequence[str], example: torch.Tensor) -> ExportedForward:
-    """Export ``model(example)`` with each of ``layer_fqns`` one ``call_module`` node (module docstring)."""
-    kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-    try:
-        program = torch.export.export(model, (example,), kwargs, strict=False,
-                                      preserve_module_call_signature=tuple(layer_fqns))
-    except Exception as error:  # export raises many types (UserError, TypeError, data-dependent guards...)
-        first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
-        raise NotModelledError(f"torch.export cannot trace {type(model).__name__} at input shape "
-                               f"{tuple(example.shape)}: {first[:300]}") from error
+    """Export ``model(example)`` with each of ``layer_fqns`` one ``call_module`` node (module docstring); where a
+    submodule's output escapes its layer, again with that submodule's signature kept (``runtime.pipeline_records``)."""
+    clear_inner_outputs(model)  # a layer traced before returns its inner outputs too: trace the user's forward
+    program = _export(model, layer_fqns, example)
+    recorded = recorded_submodules(program.graph_module.graph, layer_fqns)
+    if recorded:
+        program = _export(model, [*layer_fqns, *recorded], example)
     module = program.module()
     _drop_input_guards(module.graph, keep_inputs=1)
     signatures = {entry.fqn: entry.signature for entry in program.module_call_graph}
@@ -81,7 +90,9 @@ def export_forward(model: nn.Module, layer_fqns: Sequence[str], example: torch.T
         _refuse_repeated_calls(fqn, signatures)
         if fqn in signatures:
             _keep_submodule(module, model, fqn)
-            swap_in_layer(module.graph, fqn, signatures[fqn], by_name)
+            extras = swap_in_layer(module.graph, fqn, signatures, by_name)
+            if extras:
+                return_inner_outputs(model, fqn, extras)
     module.graph.eliminate_dead_code()
     legalize_graph(module)
     output_constants = _return_graph_values_only(module.graph)
@@ -89,6 +100,16 @@ def export_forward(model: nn.Module, layer_fqns: Sequence[str], example: torch.T
         graph=module.graph, attributes=_lifted_attributes(model, module), output_spec=signatures[""].out_spec,
         output_constants=output_constants, input_shapes=(tuple(example.shape),),
     )
+
+
+def _export(model: nn.Module, fqns: Sequence[str], example: torch.Tensor) -> torch.export.ExportedProgram:
+    kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    try:
+        return torch.export.export(model, (example,), kwargs, strict=False, preserve_module_call_signature=tuple(fqns))
+    except Exception as error:  # export raises many types (UserError, TypeError, data-dependent guards...)
+        first = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise NotModelledError(f"torch.export cannot trace {type(model).__name__} at input shape "
+                               f"{tuple(example.shape)}: {first[:300]}") from error
 
 
 def _keep_submodule(exported: fx.GraphModule, model: nn.Module, fqn: str) -> None:
@@ -120,15 +141,18 @@ def _refuse_repeated_calls(fqn: str, signatures: dict) -> None:
 # ------------------------------------------------------------------------------------------------ one layer
 
 
-def swap_in_layer(graph: fx.Graph, fqn: str, signature, by_name: dict[str, fx.Node]) -> None:
-    """Replace the ops ``fqn`` ran by one call of the module ``fqn`` with the arguments export recorded.
+def swap_in_layer(graph: fx.Graph, fqn: str, signatures: dict, by_name: dict[str, fx.Node]) -> list:
+    """Replace the ops ``fqn`` ran by one call of the module ``fqn`` with the arguments export recorded; returns the
+    submodule outputs read outside the layer, which the call then returns after the layer's own output
+    (``pipeline_records.InnerOutput``; the caller makes the layer return them).
 
-    ``by_name`` maps the names in export's signatures to nodes; the names of this layer's outputs are
-    pointed at the nodes that now read them off the call.
+    ``signatures`` are export's module call signatures by FQN; ``by_name`` maps the names in them to nodes; the
+    names of this layer's outputs are pointed at the nodes that now read them off the call.
     """
-    nodes = [node for node in graph.nodes if _runs_in(node, fqn)]
+    signature = signatures[fqn]
+    nodes = [node for node in graph.nodes if runs_in(node, fqn)]
     if not nodes:
-        return
+        return []
     flat = [_argument(arg, by_name, fqn) for arg in signature.inputs]
     args, kwargs = tree_unflatten(flat, signature.in_spec)
     anchor = max((*nodes, *(value for value in flat if isinstance(value, fx.Node))), key=_position(graph))
@@ -139,18 +163,20 @@ def swap_in_layer(graph: fx.Graph, fqn: str, signature, by_name: dict[str, fx.No
         raise NotModelledError(f"{fqn} takes its arguments in a structure a pipeline chunk cannot rebuild "
                                f"({signature.in_spec.type.__name__}); pipeline it as part of a larger layer")
     outputs = {index: by_name[arg.name] for index, arg in enumerate(signature.outputs) if not hasattr(arg, "value")}
-    _check_only_outputs_escape(fqn, nodes, list(outputs.values()))
-    values = _output_values(graph, call, signature.out_spec, len(signature.outputs))
+    extras = inner_outputs(fqn, escaping_nodes(nodes, list(outputs.values())), signatures)
+    returned = call
+    if extras:  # the call returns (the layer's output, *extras)
+        with graph.inserting_after(call):
+            returned = graph.call_function(operator.getitem, (call, 0))
+            for index, extra in enumerate(extras, start=1):
+                extra.node.replace_all_uses_with(graph.call_function(operator.getitem, (call, index)))
+    values = _output_values(graph, returned, signature.out_spec, len(signature.outputs))
     for index, node in outputs.items():
         node.replace_all_uses_with(values[index])
         by_name[signature.outputs[index].name] = values[index]
     for node in reversed(nodes):
         graph.erase_node(node)
-
-
-def _runs_in(node: fx.Node, fqn: str) -> bool:
-    stack = node.meta.get("nn_module_stack") or {}
-    return any(path == fqn for path, _ in stack.values())
+    return extras
 
 
 def _position(graph: fx.Graph):
@@ -165,14 +191,6 @@ def _argument(arg, by_name: dict[str, fx.Node], fqn: str) -> Any:
         raise NotModelledError(f"torch.export dropped the value {arg.name} that {fqn} is called with; pipeline this "
                                "model with pp=1")
     return by_name[arg.name]
-
-
-def _check_only_outputs_escape(fqn: str, nodes: list[fx.Node], outputs: list[fx.Node]) -> None:
-    inside = set(nodes)
-    for node in nodes:
-        if node not in outputs and any(user not in inside for user in node.users):
-            raise NotModelledError(f"a value computed inside {fqn} ({node.name}) is read outside it, not as one of "
-                                   "its outputs; the layer cannot be one pipeline call (plan a larger layer, or pp=1)")
 
 
 def _output_values(graph: fx.Graph, call: fx.Node, spec: TreeSpec, count: int) -> dict[int, fx.Node]:

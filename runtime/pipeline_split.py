@@ -37,6 +37,7 @@ from torch import nn
 
 from tessera.errors import ConfigError, NotModelledError
 from tessera.runtime.pipeline_export import EXPORT, ExportedForward, export_forward, resolve
+from tessera.runtime.pipeline_records import chunk_calls_return_inner_outputs
 
 FX = "torch.fx"
 
@@ -226,7 +227,9 @@ def build_chunk_module(
         new.output(fx.map_arg(final.args[0], env.__getitem__))
     else:
         new.output(tuple(env[node] for node in _handover(graph, chunks, chunk, free)))
-    return _graph_module(model, new, attributes, name=f"PipelineChunk{chunk}")
+    module = _graph_module(model, new, attributes, name=f"PipelineChunk{chunk}")
+    chunk_calls_return_inner_outputs(module)  # its layers hand on what the root reads from inside them
+    return module
 
 
 def _handover(graph: fx.Graph, chunks: dict[fx.Node, int], chunk: int, free: set[fx.Node]) -> list[fx.Node]:

@@ -29,7 +29,7 @@ from tessera.runtime.apply import apply_plan
 from tessera.runtime.expert_parallel import check_expert_parallel
 from tessera.runtime.hf_experts import ShardedExperts
 
-from .harness import FP32_TOL, GLOBAL_BATCH, GPT, SEED, SEQ_LEN, assert_ranks_match, make_batches, run_named
+from .harness import FP32_TOL, GLOBAL_BATCH, GPT, LR, PARAM_TOL, SEED, SEQ_LEN, assert_ranks_match, full_tensors, make_batches, run_named
 from .test_outside_models import hf_loss, listed_plan, single_process, train
 
 pytestmark = [pytest.mark.distributed,
@@ -69,7 +69,21 @@ def hf_qwen3_moe(layers: int = 2) -> nn.Module:
                                               norm_topk_prob=True))
 
 
-MODELS = {"mixtral": hf_mixtral, "qwen2-moe": hf_qwen2_moe, "qwen3-moe": hf_qwen3_moe}
+def hf_mixtral_aux(layers: int = 2) -> nn.Module:
+    """Mixtral returning its routers' logits and their load-balancing ``aux_loss`` (``output_router_logits``): the
+    routers' outputs, recorded by transformers' hooks inside each block, reach the root (and the last stage)."""
+    model = hf_mixtral(layers)
+    model.config.output_router_logits = True
+    return model
+
+
+MODELS = {"mixtral": hf_mixtral, "qwen2-moe": hf_qwen2_moe, "qwen3-moe": hf_qwen3_moe, "mixtral-aux": hf_mixtral_aux}
+AUX_COEF = 0.1  # large enough that a lost aux-loss gradient moves the routers by more than the tolerance
+
+
+def aux_loss(outputs, targets: torch.Tensor) -> torch.Tensor:
+    """A user's loss: cross-entropy plus the model's load-balancing loss (of this micro-batch's tokens)."""
+    return hf_loss(outputs, targets) + AUX_COEF * outputs.aux_loss
 
 
 def planned_layers(model: nn.Module) -> list[str]:
@@ -95,10 +109,12 @@ CASES = {
         ("qwen3-moe", "dp=2,pp=2,zero=3,mbs=1,schedule=interleaved:2")],
 }
 # PP alone (experts whole in their stage), split from a torch.export trace
-PIPELINED = [("mixtral", "pp=2,mbs=2,schedule=interleaved:2"),  # 4 chunks over 2 ranks, 4 micro-batches
-             ("qwen2-moe", "pp=2,mbs=2,schedule=1f1b")]  # the shared expert and its gate in each stage
+PIPELINED = [("qwen2-moe", "pp=2,mbs=2,schedule=1f1b"),  # the shared expert and its gate in each stage
+             # 4 chunks over 2 ranks, 4 micro-batches; every router's logits carried to the last stage's aux loss
+             ("mixtral-aux", "pp=2,mbs=2,schedule=interleaved:2")]
 CASES[2] += PIPELINED
 SLOW_WORLD2 = [("qwen3-moe", "dp=2,ep=2,zero=1,mbs=4"),
+               ("mixtral", "pp=2,mbs=2,schedule=interleaved:2"),  # the default loss
                ("qwen3-moe", "pp=2,mbs=1,schedule=interleaved:2"),  # 8 micro-batches
                ("mixtral", "pp=2,mbs=4,schedule=1f1b"),
                ("qwen2-moe", "pp=2,mbs=2,schedule=interleaved:2")]
@@ -136,7 +152,7 @@ def rank_model(name: str, layers: int = 2) -> nn.Module:
 
 def hf_ep_case(name: str, strategy: str) -> dict:
     model = rank_model(name, blocks_for(strategy))
-    parallel = apply_plan(model, ep_plan(name, model, strategy))
+    parallel = apply_plan(model, ep_plan(name, model, strategy), loss_fn=aux_loss if name.endswith("-aux") else None)
     local = {fqn: isinstance(m, ShardedExperts) for fqn, m in model.named_modules() if fqn.endswith("mlp.experts")}
     held = {fqn: m.local_experts.num_experts for fqn, m in model.named_modules() if hasattr(m, "local_experts")}
     return {**train(parallel, make_batches(GPT, STEPS)), "experts_modules": local, "held": held}
@@ -179,10 +195,30 @@ def reference(name: str, layers: int = 2) -> dict:
     return single_process(MODELS[name](layers), make_batches(GPT, STEPS), hf_loss)
 
 
+@functools.cache
+def aux_reference(name: str, layers: int, micro_batch: int) -> dict:
+    """One process, ``aux_loss`` per micro-batch of ``micro_batch`` rows, gradients averaged over them: the Switch
+    loss is a product of two batch means, so it is a micro-batch's, not the global batch's."""
+    model = MODELS[name](layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for inputs, targets in make_batches(GPT, STEPS):
+        parts = list(zip(inputs.split(micro_batch), targets.split(micro_batch)))
+        micro = [aux_loss(model(rows), rows_targets) for rows, rows_targets in parts]
+        (sum(micro) / len(parts)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(torch.stack(micro).mean().item())
+    return {"losses": losses, "params": full_tensors(model.named_parameters())}
+
+
 def check_case(world: int, name: str, strategy: str, *, slow: bool = False) -> None:
     per_rank = [results[(name, strategy)] for results in world_results(world, slow)]
-    assert_ranks_match(per_rank, reference(name, blocks_for(strategy)))  # same FQNs, every stage's, gathered
-    ep = Strategy.parse(strategy).ep
+    parsed = Strategy.parse(strategy)
+    expected = (aux_reference(name, blocks_for(strategy), parsed.micro_batch) if name.endswith("-aux")
+                else reference(name, blocks_for(strategy)))
+    assert_ranks_match(per_rank, expected)  # same FQNs, every stage's, gathered
+    ep = parsed.ep
     for result in per_rank:
         split = result["experts_modules"]  # split on the whole model, before any pipeline cut; whole without ep
         assert len(split) == blocks_for(strategy) and set(split.values()) == {ep > 1}, split
@@ -211,6 +247,13 @@ def test_router_logits_and_the_load_balancing_loss_are_the_rank_rows_single_proc
     for results in world_results(2):
         for field, (ours, single) in results[("router",)].items():
             torch.testing.assert_close(ours, single, **FP32_TOL, msg=lambda message, field=field: f"{field}: {message}")
+
+
+def test_the_load_balancing_term_changes_what_is_trained():
+    # else the aux-loss cell could not fail on a lost aux-loss gradient: the routers move by 10x the tolerance
+    with_aux, without = aux_reference("mixtral-aux", 4, 2), reference("mixtral", 4)
+    router = "model.layers.0.mlp.gate.weight"
+    assert (with_aux["params"][router] - without["params"][router]).abs().max() > 10 * PARAM_TOL["atol"]
 
 
 def test_the_spawn_stays_fast():

@@ -409,3 +409,77 @@ def test_a_model_whose_input_is_not_token_ids_is_refused_for_pipelining_saying_w
     with pytest.raises(NotModelledError, match=r"runs at a micro-batch of token ids: a model whose input is not "
                                                r"token ids, e.g. one driven with inputs_embeds .*plan it with pp=1"):
         pipeline.trace_forward(model, layers, example=torch.zeros(2, SEQ, dtype=torch.long))
+
+
+class Gated(nn.Module):
+    """A block with a gate whose output the layer drops (transformers' hooks record such outputs for the root)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.block = nn.Linear(HIDDEN, 1), Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.gate(x)
+        return self.block(x)
+
+
+class Stashing(Gated):
+    """A layer keeping an inner value on itself (``self.kept``), which the root then reads."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.kept = x.mean() * 2  # computed by the layer's own forward
+        return super().forward(x)
+
+
+class ReadsInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.layer = nn.Embedding(VOCAB, HIDDEN), Stashing()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.layer(self.emb(ids))
+        return x + self.layer.kept
+
+
+def test_a_value_the_layer_itself_computes_and_the_root_reads_is_refused_by_name():
+    # a submodule's output read outside its layer is returned by the call (the HF MoE aux-loss cell,
+    # test_hf_expert_parallel); a value of the layer's own forward cannot be, and the error says which
+    from tessera.runtime.pipeline_export import export_forward  # noqa: PLC0415
+
+    with pytest.raises(NotModelledError, match=r"a value computed inside layer \(\w+\) is read outside it, not as one "
+                                               r"of its outputs or a submodule's"):
+        export_forward(ReadsInside(), ["emb", "layer"], torch.zeros(2, SEQ, dtype=torch.long))
+
+
+class RecordsGate(nn.Module):
+    """transformers' way of returning router logits: a hook records an inner submodule's output for the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.layers = nn.Embedding(VOCAB, HIDDEN), nn.ModuleList(Gated() for _ in range(2))
+        self.recorded: list[torch.Tensor] = []
+        for layer in self.layers:
+            layer.gate.register_forward_hook(lambda _module, _args, output: self.recorded.append(output))
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.recorded.clear()
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x, torch.cat(self.recorded, -1).square().mean()  # (B, T, C), an aux loss from both layers' gates
+
+
+def test_a_submodule_output_read_outside_its_layer_is_handed_on_by_the_pipeline_chunks():
+    from tessera.runtime.pipeline_export import export_forward  # noqa: PLC0415
+
+    model = RecordsGate()
+    ids = batches(1)[0][0][:2]
+    expected = model(ids)
+    traced = export_forward(model, ["emb", "layers.0", "layers.1"], ids)
+    chunk_of = {"emb": 0, "layers.0": 0, "layers.1": 1}
+    nodes = pipeline.node_chunks(traced.graph, chunk_of)
+    chunks = [pipeline.build_chunk_module(model, traced.graph, nodes, c, attributes=traced.attributes) for c in (0, 1)]
+    handed = chunks[0](ids)
+    assert len(handed) == 2  # the hidden states and layer 0's gate output (the rest is computed in chunk 1)
+    torch.testing.assert_close(chunks[1](*handed), expected, rtol=0, atol=0)
+    torch.testing.assert_close(model(ids), expected, rtol=0, atol=0)  # called directly, the layers are unchanged
