@@ -81,11 +81,20 @@ class MoELayer(nn.Module):
             tokens.size(0), experts=self.num_experts, top_k=self.top_k, capacity_factor=self.capacity_factor
         )
         slot = _slots(choice, onehot, capacity)  # (k*N,) in [0, E*C]; E*C means dropped
-        outputs = self._run_experts(tokens, slot, capacity)  # (E*C + 1, H); last row zeros
-        y = (outputs[slot].view(self.top_k, -1, H) * weights.t().unsqueeze(-1)).sum(0)  # (N, H)
+        y = self._routed_output(tokens, slot, capacity, weights)  # (N, H)
         if self.shared is not None:
             y = y + self.shared(tokens)  # (N, H)
         return y.view(B, T, H)
+
+    def tp_whole_linears(self) -> tuple[str, ...]:
+        """Linears (relative names) tensor parallelism keeps whole on every rank: the router (every rank routes the
+        same tokens); the experts are split like the dense MLP unless a subclass places them itself."""
+        return ("router",)
+
+    def _routed_output(self, tokens: torch.Tensor, slot: torch.Tensor, capacity: int, weights: torch.Tensor) -> torch.Tensor:
+        """Each token's routing-weighted sum of its experts' outputs, ``(N, H)``; ``weights`` is ``(N, k)``."""
+        outputs = self._run_experts(tokens, slot, capacity)  # (E*C + 1, H); last row zeros
+        return (outputs[slot].view(self.top_k, -1, tokens.shape[1]) * weights.t().unsqueeze(-1)).sum(0)  # (N, H)
 
     def _run_experts(self, tokens: torch.Tensor, slot: torch.Tensor, capacity: int) -> torch.Tensor:
         """Gather each expert's ``capacity`` tokens, run the experts, return their outputs plus a zero row."""

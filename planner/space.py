@@ -20,23 +20,29 @@ candidate's recomputation (its uniform ``recompute`` then stays ``none`` unless 
 ``chunk_blocks`` admits only the pipelines of ``pp * virtual_stages == len(chunk_blocks)`` chunks.
 ``check_layer_pins`` refuses, before any search, per-block pins that do not match the model.
 
-The experts' own tensor-parallel degree (``Strategy.etp``, MoE parallel folding) is never enumerated: the runtime
-splits every expert over the whole tp axis (``runtime.expert_parallel.check_expert_folding``); a pinned ``etp``
-other than ``tp`` is refused. ``cost_models.sparse`` prices it for ``tessera evaluate``.
+The experts' own tensor-parallel degree (``Strategy.etp``, MoE parallel folding, Liu et al. 2025,
+arXiv:2504.14960): Megatron-Core lays the experts' ``etp x ep x edp`` grid over each stage's ``tp x dp`` ranks
+(``etp`` divides ``tp``; ``ep`` divides ``dp * tp / etp``). The runtime folds to ``etp = 1`` (``runtime.mesh.
+expert_grid``; ``cost_models.folding.folding_refusal`` says what else it needs), so for a model with routed experts and tp > 1 the
+space adds, beside ``etp = tp``, the folded ``etp = 1`` candidates, whose ``ep`` divides ``dp * tp`` (not only
+``dp``); ``cost_models.sparse`` prices both and the search keeps the faster. Dense models get none (no extra
+candidates), and a pinned ``etp`` is taken as given, refused in one line when the runtime cannot fold to it.
 
 What the runtime refuses for one model (``LayerGraph.unavailable_axes``, ``planner.capabilities``) is keyed by
-feature: an axis (``tp``), ``accumulation`` (more than one micro-batch per step), ``recompute`` (any block
+feature: an axis (``tp``), ``etp`` (folded experts), ``accumulation`` (more than one micro-batch per step), ``recompute`` (any block
 recomputed), ``zero-bubble`` (that pipeline schedule), or a combination joined by ``+`` (``tp+zero``: tensor parallelism with ZeRO >= 1 over more than one
 data-parallel rank). No candidate uses every feature of any key (:func:`model_refusal`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
 from tessera.cost_models import Strategy, TrainingConfig
+from tessera.cost_models.folding import folding_refusal
 from tessera.cost_models.types import LayerStats, runtime_conflict, strategy_features
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster
@@ -75,7 +81,8 @@ def mesh_shapes(
                 if pp > max(blocks, 1) or training.global_batch % dp:
                     continue
                 if pins.get("pp", pp) == pp and pins.get("dp", dp) == dp:
-                    for ep in expert_degrees(dp, experts, pins):
+                    for ep in expert_degrees(dp * tp if may_fold(tp, cp, experts, pins, unavailable) else dp,
+                                             experts, pins):
                         if runtime_applies(dict(tp=tp, pp=pp, cp=cp, ep=ep), unavailable):
                             yield dp, tp, pp, cp, ep
 
@@ -91,6 +98,8 @@ def model_features(strategy: Strategy, training: TrainingConfig) -> set[str]:
         used.add("recompute")
     if strategy.pp > 1 and strategy.schedule == "zero-bubble":
         used.add("zero-bubble")
+    if strategy.expert_tp != strategy.tp:
+        used.add("etp")
     return used
 
 
@@ -116,14 +125,37 @@ def context_degrees(ranks: int, training: TrainingConfig, pins: Mapping[str, obj
             if training.seq_len % (2 * cp) == 0 and training.seq_len // cp >= MIN_TOKENS_PER_CP_RANK]
 
 
-def expert_degrees(dp: int, experts: set[int], pins: Mapping[str, object]) -> list[int]:
-    """Expert-parallel degrees to try on ``dp`` data-parallel ranks: divisors of dp and of every layer's experts."""
+def expert_degrees(ranks: int, experts: set[int], pins: Mapping[str, object]) -> list[int]:
+    """Expert-parallel degrees to try on ``ranks`` (``dp``, or ``dp * tp`` where experts may fold): divisors of it
+    and of every layer's experts."""
     if "ep" in pins:
         ep = int(pins["ep"])
-        return [ep] if dp % ep == 0 and (ep == 1 or experts and all(e % ep == 0 for e in experts)) else []
+        return [ep] if ranks % ep == 0 and (ep == 1 or experts and all(e % ep == 0 for e in experts)) else []
     if not experts:
         return [1]
-    return [ep for ep in divisors(dp) if all(e % ep == 0 for e in experts)]
+    return [ep for ep in divisors(ranks) if all(e % ep == 0 for e in experts)]
+
+
+FOLDING_SEARCHED = False
+"""Whether the search tries ``etp = 1`` by itself (else only when pinned): off until the cost model prices every
+folded layout (pipeline distance, dense group, ep bound: helper E's request 4 to the lead)."""
+
+
+def may_fold(tp: int, cp: int, experts: set[int], pins: Mapping[str, object], unavailable: Mapping[str, str]) -> bool:
+    """Whether the space holds folded experts (``etp = 1 < tp``) for this tp and cp: routed experts, expert
+    parallelism available, no context parallelism, and ``etp`` not pinned to ``tp``."""
+    pinned = pins.get("etp")
+    wanted = pinned is not None and int(pinned) == 1 if not FOLDING_SEARCHED else pinned is None or int(pinned) != tp
+    return bool(experts) and tp > 1 and cp == 1 and "ep" not in unavailable and "etp" not in unavailable and wanted
+
+
+def expert_tp_degrees(dp: int, tp: int, ep: int, folds: bool, pins: Mapping[str, object]) -> list[int | None]:
+    """The experts' tensor-parallel degrees for one mesh shape: ``None`` (= tp) when ``ep`` divides ``dp``, and the
+    folded ``1`` when the space folds (:func:`may_fold`) and ``ep > 1`` divides ``dp * tp``."""
+    if "etp" in pins and pins["etp"] is not None:
+        return [None if int(pins["etp"]) == tp else int(pins["etp"])]
+    unfolded = [None] if dp % ep == 0 else []
+    return unfolded + ([1] if folds and ep > 1 and (dp * tp) % ep == 0 else [])
 
 
 def strategies(
@@ -136,26 +168,28 @@ def strategies(
     # Cheapest first: the search skips a policy once a cheaper one fits.
     recomputes = _pinned(pins, "recompute", ["none"] if "recompute" in unavailable else _recompute_options(measured_selective, pins))
     blocks = sum(layer.kind == "block" for layer in layers)
+    experts = {layer.experts for layer in layers if layer.experts}
     per_block = {key: pins[key] for key in ("block_recompute", "chunk_blocks") if key in pins}
     for dp, tp, pp, cp, ep in mesh_shapes(layers, cluster, training, pins, unavailable=unavailable):
         sp = pins.get("sp", tp > 1 and runtime_conflict({"sp"} | {a for a, d in (("ep", ep), ("cp", cp)) if d > 1}) is None)
         micro_batches = ([training.global_batch // dp] if "accumulation" in unavailable else
                          [m for m in range(1, MAX_MICRO_BATCH + 1) if (training.global_batch // dp) % m == 0])
+        etps = expert_tp_degrees(dp, tp, ep, may_fold(tp, cp, experts, pins, unavailable), pins)
         for zero in _pinned(pins, "zero", ZERO_STAGES if dp > 1 else (0,)):
             for micro_batch in _pinned(pins, "micro_batch", micro_batches):
-                for recompute in recomputes:
+                for recompute, etp in itertools.product(recomputes, etps):
                     for schedule, chunks in _schedules(pp, blocks, pins):
                         if schedule == "zero-bubble" and recompute != "none" and "recompute" not in pins:
                             continue  # the runtime cannot recompute under a split backward (runtime.apply)
                         if "chunk_blocks" in pins and len(pins["chunk_blocks"]) != pp * chunks:
                             continue
                         strategy = Strategy(**per_block,
-                            dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batch=micro_batch, recompute=recompute,
+                            dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, zero=zero, micro_batch=micro_batch, recompute=recompute,
                             sp=sp, schedule=schedule, virtual_stages=chunks,
                             # never chosen: the runtime lacks both
                             tp_overlap=pins.get("tp_overlap", False), sp_regather=pins.get("sp_regather", False),
                         )
-                        if (runtime_conflict(strategy_features(strategy)) is None
+                        if (runtime_conflict(strategy_features(strategy)) is None and folding_refusal(strategy) is None
                                 and model_refusal(model_features(strategy, training), unavailable) is None):
                             yield strategy
 
@@ -225,8 +259,11 @@ def check_pins(pins: Mapping[str, object], cluster: Cluster, *, unavailable: Map
             f"the pinned axes need {product} ranks, which does not fit the {cluster.num_devices} devices of "
             f"cluster {cluster.name}; make dp*tp*pp*cp divide {cluster.num_devices}"
         )
-    if "dp" in pins and int(pins["dp"]) % int(pins.get("ep", 1)):
-        raise ConfigError(f"ep={pins['ep']} must divide dp={pins['dp']}: expert parallelism is carved out of dp")
+    folded = pins.get("etp") is not None and int(pins["etp"]) != int(pins.get("tp", 1))
+    carved = int(pins.get("dp", 1)) * (int(pins.get("tp", 1)) if folded else 1)
+    if "dp" in pins and carved % int(pins.get("ep", 1)):
+        what = "dp*tp (folded experts, etp=1)" if folded else "dp (or pin etp=1 to fold experts into tp too)"
+        raise ConfigError(f"ep={pins['ep']} must divide {what} = {carved}: expert parallelism is carved out of it")
 
 
 def check_runtime_pins(pins: Mapping[str, object], unavailable: Mapping[str, str]) -> None:
@@ -240,10 +277,9 @@ def check_runtime_pins(pins: Mapping[str, object], unavailable: Mapping[str, str
     pinned = used | ({"zero"} if int(pins.get("zero", 0)) >= 1 and int(pins.get("dp", 1)) > 1 else set())
     pinned |= {"recompute"} if pins.get("recompute", "none") != "none" or any(
         p != "none" for p in pins.get("block_recompute") or ()) else set()
-    if pins.get("etp") is not None and int(pins["etp"]) != int(pins.get("tp", 0)):
-        raise ConfigError(f"etp={pins['etp']} (the experts' own tensor-parallel degree) is priced but the runtime runs "
-                          "only etp = tp, so the search plans the experts on tp; leave etp out (tessera evaluate prices "
-                          "a folded strategy)")
+    if pins.get("etp") is not None and int(pins["etp"]) not in (1, int(pins.get("tp", 0))):
+        raise ConfigError(f"etp={pins['etp']} (the experts' own tensor-parallel degree): the runtime folds experts only "
+                          "to etp=1 or keeps them on tp; pin etp=1 or leave it out (tessera evaluate prices any etp)")
     refused = model_refusal(pinned, {k: v for k, v in unavailable.items() if k not in ("tp", "pp", "cp", "ep")})
     if refused is not None:
         raise ConfigError(f"the pins use {refused}, which the runtime cannot run on this model: {unavailable[refused]}; "

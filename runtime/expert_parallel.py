@@ -56,12 +56,26 @@ same chunk's MoE layers on the same micro-batch schedule and their all-to-alls p
 inference runs each stage's forward and backward once more, on every ep peer alike). Each chunk module's
 experts are wrapped over ``edp`` like the dense units over ``dp``.
 
+**Folded experts** (``Strategy.etp = 1 < tp``, Megatron's "MoE parallel folding", Liu et al. 2025,
+arXiv:2504.14960): the experts leave the tensor-parallel axis and get a grid of their own over the same ranks
+(``runtime.mesh.expert_grid``: ``(expert_dp, expert_ep)`` over each stage's ``dp x tp`` ranks; the dense mesh keeps
+the plain layout), so an ep group may span tensor-parallel ranks and data-parallel ranks, e.g. on 4 ranks tp=2,dp=2
+for attention and ep=4 for the experts. The tokens change layout inside the MoE layer, after routing: a
+tensor-parallel group holds the same tokens (its attention output was all-reduced) and routes all of them, exactly
+as unfolded (same capacity, same drops); each of its ranks then dispatches only its contiguous ``1/tp`` share of them
+(``experts_exchange.TokenShard``) to whole experts, and the combined outputs, zero for the other shares, are summed
+over the tensor-parallel group (gradients of the tokens and routing weights summed there too). Expert gradients are
+scaled by ``tp / ep`` in backward and averaged over ``expert_dp = dp * tp / ep`` replicas (FSDP2 or ``replicate``
+over the grid's ``expert_dp`` axis): ``1 / dp`` again. ``tensor_parallel`` keeps the folded experts whole
+(``tp_whole_linears``). Stacked experts modules fold alike (``runtime.hf_experts``).
+
 The tensor, context and pipeline compositions above are this layer's; stacked experts modules compose with tensor
 and pipeline parallelism in their own way (``runtime.hf_experts``) and refuse context parallelism.
 
 Not implemented (``NotModelledError`` from ``check_expert_parallel``): sequence parallelism and selective
-recomputation (full recomputation works) with ``ep > 1``; experts on their own tensor-parallel degree below ``tp``
-(``Strategy.etp``, Megatron's "MoE parallel folding": ``check_expert_folding``).
+recomputation (full recomputation works) with ``ep > 1``; folding to ``1 < etp < tp``, folding with context
+parallelism, and folded experts whose replicas no data-parallel wrapping would average (``dp = 1``, ZeRO-0,
+``ep < tp``): ``check_expert_folding``.
 A model on the meta device is materialised whole on every rank before its experts are split (``apply_plan``,
 as for DDP): correct, but each rank briefly holds every expert; initialising only the local experts would
 need ``runtime.materialize`` to draw and drop the remote ones.
@@ -78,13 +92,18 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from tessera.cost_models.folding import folding_refusal
 from tessera.cost_models.types import Strategy, runtime_splits
 from tessera.errors import NotModelledError, RuntimeSetupError
 from tessera.models.moe import MoELayer, slot_tokens
 from tessera.runtime.experts_exchange import (
+    TokenShard,
     all_to_all,
+    copy_to_group,
     exchange_counts,
+    expert_gradient_scale,
     local_expert_of_rows,
+    reduce_over_group,
     split_sizes,
     with_expert_gradient_scale,
 )
@@ -94,7 +113,7 @@ from tessera.runtime.hf_experts import (
     check_stacked_experts,
     stacked_experts_candidates,
 )
-from tessera.runtime.mesh import EP, TP, expert_data_mesh
+from tessera.runtime.mesh import EP, FOLDED_EDP, FOLDED_EP, TP, expert_data_mesh, expert_grid, folds_experts, is_folded
 
 
 class ExpertParallelMoE(MoELayer):
@@ -104,7 +123,8 @@ class ExpertParallelMoE(MoELayer):
     keyed by the global expert index, so ``experts.5.up.weight`` keeps its name on the rank that holds it.
     """
 
-    def __init__(self, layer: MoELayer, *, group: dist.ProcessGroup, ep: int, ep_rank: int) -> None:
+    def __init__(self, layer: MoELayer, *, group: dist.ProcessGroup, ep: int, ep_rank: int,
+                 shard: TokenShard | None = None) -> None:
         nn.Module.__init__(self)  # MoELayer.__init__ would build fresh experts from a config
         per_rank = layer.num_experts // ep
         self.router = layer.router
@@ -115,13 +135,30 @@ class ExpertParallelMoE(MoELayer):
         self.capacity_factor, self.aux_loss_coef = layer.capacity_factor, layer.aux_loss_coef
         self.aux_loss: torch.Tensor | None = None
         self.group, self.ep = group, ep
+        self.shard = shard  # folded: this rank dispatches only its share of the tokens (experts_exchange)
+
+    def tp_whole_linears(self) -> tuple[str, ...]:
+        """Folded, the local experts stay whole too: the ranks of a tensor-parallel group hold different experts."""
+        if self.shard is None:
+            return super().tp_whole_linears()
+        linears = [name for name, module in self.experts.named_modules() if isinstance(module, nn.Linear)]
+        return ("router", *(f"experts.{name}" for name in linears))
+
+    def _routed_output(self, tokens: torch.Tensor, slot: torch.Tensor, capacity: int, weights: torch.Tensor) -> torch.Tensor:
+        """Folded: this rank's share of the combine (zero for the other ranks' tokens), summed over the
+        tensor-parallel group; the inputs' gradients (each rank's share) summed there too."""
+        if self.shard is None:
+            return super()._routed_output(tokens, slot, capacity, weights)
+        group = self.shard.group
+        tokens, weights = copy_to_group(tokens, group), copy_to_group(weights, group)
+        return reduce_over_group(super()._routed_output(tokens, slot, capacity, weights), group)  # (N, H)
 
     def _run_experts(self, tokens: torch.Tensor, slot: torch.Tensor, capacity: int) -> torch.Tensor:
         """Outputs for every slot of this rank's dispatch buffer, ``(E*C + 1, H)``, the last row zeros (as in
         ``MoELayer``): filled slots go to the experts' ranks and come back; empty slots stay zero."""
         N, H = tokens.shape
         filler = slot_tokens(slot, tokens=N, slots=self.num_experts * capacity, top_k=self.top_k)  # (E*C,)
-        filled = filler < N  # (E*C,)
+        filled = filler < N if self.shard is None else self.shard.holds(filler, N)  # (E*C,)
         sent = filled.nonzero().squeeze(1)  # (S,) filled slots, expert-major: each expert's are contiguous
         counts = filled.view(self.num_experts, capacity).sum(1)  # (E,) rows this rank sends each expert
         received = exchange_counts(counts, self.group, self.ep)  # (ep, E/ep): rows each peer sends each local expert
@@ -145,7 +182,7 @@ class ExpertParallelMoE(MoELayer):
     def _run_expert(self, expert: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         """``expert(rows)`` with its weight gradients divided by ``ep`` and the rows' gradients unchanged: the
         data-parallel wrapping averages them over ``edp``, so they are averaged over ``dp`` like the dense ones."""
-        return with_expert_gradient_scale(expert, rows, self.ep)  # (R_e, H)
+        return with_expert_gradient_scale(expert, rows, expert_gradient_scale(self.ep, self.shard))  # (R_e, H)
 
 
 # --------------------------------------------------------------------------------------------- applying it
@@ -180,28 +217,35 @@ def check_expert_parallel(model: nn.Module, strategy: Strategy, *, selective_rec
 
 
 def check_expert_folding(strategy: Strategy) -> None:
-    """Raise ``NotModelledError`` for ``etp < tp`` (experts on a tensor-parallel degree below the dense layers'):
-    the runtime splits every expert over the whole tp axis; the folded grid is priced (``cost_models.sparse``),
-    not run (it needs its own expert mesh, ``etp x ep x edp`` over the ``tp x dp`` ranks)."""
-    if strategy.expert_tp != strategy.tp:
-        raise NotModelledError(f"strategy {strategy.to_string()!r}: etp={strategy.expert_tp} below tp={strategy.tp} "
-                               "(experts folded into the tensor-parallel axis) is not implemented by the runtime; "
-                               "drop etp (the experts then use tp)")
+    """Raise ``NotModelledError`` for the experts' own tensor-parallel degrees the runtime does not run: it folds
+    to ``etp = 1`` (``runtime.mesh.expert_grid``) with ``ep > 1``, without context parallelism, and where the
+    experts' replicas are averaged (some data-parallel wrapping: ``dp > 1`` or ZeRO >= 1)
+    (``cost_models.folding.folding_refusal`` says which, in one line)."""
+    problem = folding_refusal(strategy)
+    if problem is not None:
+        raise NotModelledError(f"strategy {strategy.to_string()!r}: {problem}")
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, *, ep: int) -> None:
     """Replace every ``MoELayer`` of ``model`` (in place) by an :class:`ExpertParallelMoE`, and every stacked experts
     module by a ``ShardedExperts``, over the mesh's ep axis (and its tp axis when tp > 1: each expert's hidden
-    width split too); the experts other ranks hold are dropped (every rank must hold the same weights beforehand)."""
-    if mesh[EP].size() != ep:
+    width split too), or, folded (``runtime.mesh.is_folded``), over the experts' own grid with whole experts, each
+    rank dispatching its share of its tensor-parallel group's tokens; the experts other ranks hold are dropped
+    (every rank must hold the same weights beforehand)."""
+    folded = is_folded(mesh, ep)
+    if mesh[EP].size() != ep and not folded:
         raise RuntimeSetupError(f"the mesh's ep axis has {mesh[EP].size()} ranks but the plan says ep={ep}; "
                                 "build the mesh from the plan's strategy (runtime.mesh.build_mesh)")
-    group, ep_rank = mesh.get_group(EP), mesh.get_local_rank(EP)
+    experts_mesh = expert_grid(mesh, ep)[FOLDED_EP] if folded else mesh[EP]
+    shard = TokenShard(mesh.get_local_rank(TP), mesh[TP].size(), mesh.get_group(TP)) if folded else None
+    group, ep_rank = experts_mesh.get_group(), experts_mesh.get_local_rank()
     for name, layer in list(model.named_modules()):
         if isinstance(layer, MoELayer) and not isinstance(layer, ExpertParallelMoE):
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, ExpertParallelMoE(layer, group=group, ep=ep, ep_rank=ep_rank))
-    apply_stacked_experts(model, mesh[EP, TP] if mesh[TP].size() > 1 else mesh[EP])
+            setattr(model.get_submodule(parent), child,
+                    ExpertParallelMoE(layer, group=group, ep=ep, ep_rank=ep_rank, shard=shard))
+    split_over_tp = mesh[TP].size() > 1 and not folded
+    apply_stacked_experts(model, mesh[EP, TP] if split_over_tp else experts_mesh, shard=shard)
 
 
 def expert_units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -228,7 +272,7 @@ def apply_expert_data_parallel(
     ``Strategy.reshards_block``; a block not named reshards). Call before the dense data-parallel wrapping, which
     then leaves the experts alone.
     """
-    edp_mesh = expert_data_mesh(mesh)  # edp (x cp)
+    edp_mesh = expert_grid(mesh, strategy.ep)[FOLDED_EDP] if folds_experts(strategy) else expert_data_mesh(mesh)
     for name, unit in list(expert_units(model)):
         if strategy.zero == 0:
             replicate(unit, mesh=edp_mesh, mp_policy=mp_policy)

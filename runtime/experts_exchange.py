@@ -21,11 +21,23 @@ dense ones (``PREMUL_SUM``, which FSDP2's own divide factor needs, is absent on 
 sum of their combined output on every tensor-parallel rank; :func:`copy_to_group` and :func:`reduce_over_group` are
 the two ends of that region (Megatron-LM's ``f`` and ``g``, Shoeybi et al. 2019): the inputs enter unchanged and
 their gradients (partial, each rank's share) are summed in backward; the output is summed once in forward.
+
+**Folded experts** (``etp = 1 < tp``, ``runtime.mesh.expert_grid``): the ranks of a tensor-parallel group hold the
+same tokens (the block's input is whole there: the row-parallel attention output was all-reduced) but sit in
+different expert-parallel groups. Each routes all its tokens exactly as the unfolded layer does (the same
+capacity and drops), then dispatches only its :class:`TokenShard`, a contiguous ``1/tp`` of them; its combined
+output is zero for the other tokens, so :func:`reduce_over_group` over the tensor-parallel group completes it
+(the same ``copy_to_group`` / ``reduce_over_group`` pair as tensor-parallel experts: the tokens' and routing
+weights' gradients, each rank's share, are summed). That boundary is where the tokens change layout: inside the
+MoE layer, after routing, before the dispatch, with no extra all-to-all and no sequence parallelism needed. An
+all-reduce of the combined ``(N, H)`` output per layer is what it costs beyond the unfolded dispatch (Megatron-Core
+under sequence parallelism instead holds ``1/tp`` of the tokens per rank already).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -77,6 +89,13 @@ def with_expert_gradient_scale(run: Callable[[torch.Tensor], torch.Tensor], rows
     Scaling the output gradient by ``1/ep`` scales every gradient inside ``run``; the input's is scaled back.
     """
     return scale_gradient(run(scale_gradient(rows, float(ep))), 1.0 / ep)
+
+
+def expert_gradient_scale(ep: int, shard: "TokenShard | None") -> float:
+    """What a local expert's weight gradients are divided by in backward so that averaging them over the ranks
+    holding the expert divides them by ``dp``: ``dp / expert_dp``, i.e. ``ep``, or ``ep / tp`` when folded
+    (``expert_dp = dp * tp / ep``)."""
+    return ep if shard is None else ep / shard.count
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -135,3 +154,23 @@ def local_expert_of_rows(received: torch.Tensor) -> torch.Tensor:
     ep, local = received.shape
     experts = torch.arange(local, device=received.device).repeat(ep)  # (ep * E/ep,)
     return experts.repeat_interleave(received.flatten())  # (R,)
+
+
+@dataclass(frozen=True)
+class TokenShard:
+    """The share of a tensor-parallel group's (whole, identical) tokens this rank dispatches to folded experts:
+    contiguous block ``index`` of ``count``; ``group`` (the tensor-parallel group) sums the ranks' partial outputs."""
+
+    index: int
+    count: int
+    group: dist.ProcessGroup
+
+    def bounds(self, tokens: int) -> tuple[int, int]:
+        """``[start, stop)`` of this rank's tokens among ``tokens``."""
+        size = -(-tokens // self.count)
+        return min(self.index * size, tokens), min((self.index + 1) * size, tokens)
+
+    def holds(self, token: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Which entries of ``token`` (token indices; ``tokens`` marks none) are this rank's to dispatch."""
+        start, stop = self.bounds(tokens)
+        return (token >= start) & (token < stop)

@@ -45,6 +45,10 @@ tokens); the tp reduction follows the combine. ``runtime.tensor_parallel`` split
 router and gates whole, a shared expert like a dense MLP) and, with sequence parallelism, gathers the tokens where
 they enter the MoE block and keeps this rank's share of its output.
 
+**Folded experts** (``etp = 1 < tp``, ``runtime.expert_parallel``): the parameters are ``DTensor`` s sharded on dim 0
+over the folded grid's ``expert_ep`` axis, whole in width; each tensor-parallel rank exchanges its share of the
+tokens (``experts_exchange.TokenShard``) and the one reduction over tp adds the shares' combined outputs.
+
 Not implemented (refused by :func:`check_stacked_experts` with the combination's name): context parallelism
 together with expert parallelism on these blocks; experts with biases or a post-expert norm under tp; the zero-bubble schedule with ZeRO > 0 (Qwen3-MoE
 under ``dp=2,ep=2,pp=2,zero=3``: the second step's loss is off by 2.5e-5 relative, cause not found); experts held in a ``ModuleList`` that their block
@@ -54,6 +58,7 @@ runs itself (transformers 4's layout, or a home-grown block): the block's own fo
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
@@ -64,15 +69,17 @@ from tessera.cost_models.types import Strategy, runtime_splits
 from tessera.errors import NotModelledError
 from tessera.models.moe import STACKED_EXPERTS_CALL, stacked_experts_problem
 from tessera.runtime.experts_exchange import (
+    TokenShard,
     all_to_all,
     copy_to_group,
     exchange_counts,
+    expert_gradient_scale,
     local_expert_of_rows,
     reduce_over_group,
     split_sizes,
     with_expert_gradient_scale,
 )
-from tessera.runtime.mesh import EP, TP
+from tessera.runtime.mesh import EP, FOLDED_EP, TP
 
 
 class ShardedExperts(nn.Module):
@@ -86,16 +93,19 @@ class ShardedExperts(nn.Module):
     and computes the local shards.
     """
 
-    def __init__(self, experts: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, experts: nn.Module, mesh: DeviceMesh, *, shard: TokenShard | None = None) -> None:
         super().__init__()
         axes = mesh.mesh_dim_names
+        ep_axis = next((axis for axis in (EP, FOLDED_EP) if axis in axes), None)
         self.num_experts = experts.num_experts
-        self.ep = mesh.size(axes.index(EP)) if EP in axes else 1
-        self.group = mesh.get_group(EP) if EP in axes else None  # the token exchange
-        self.tp_group = mesh.get_group(TP) if TP in axes else None  # the partial sums of split experts
+        self.ep = mesh.size(axes.index(ep_axis)) if ep_axis else 1
+        self.group = mesh.get_group(ep_axis) if ep_axis else None  # the token exchange
+        self.shard = shard  # folded: this rank dispatches its share of the tokens, whole experts
+        # the partial sums: of experts split over tp, or of the token shares of folded ones
+        self.tp_group = shard.group if shard is not None else mesh.get_group(TP) if TP in axes else None
         tp_dims = expert_tp_dims(experts) if TP in axes else {}
         for name, param in list(experts.named_parameters(recurse=False)):
-            placements = ([Shard(0)] if EP in axes else []) + ([_tp_placement(*tp_dims[name])] if TP in axes else [])
+            placements = ([Shard(0)] if ep_axis else []) + ([_tp_placement(*tp_dims[name])] if TP in axes else [])
             shard = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)  # local part, none sent
             self.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
             delattr(experts, name)
@@ -106,11 +116,21 @@ class ShardedExperts(nn.Module):
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # (N, H)
         if self.tp_group is not None:  # each tp rank computes a partial sum: the inputs' gradients are summed
             tokens, top_k_weights = copy_to_group(tokens, self.tp_group), copy_to_group(top_k_weights, self.tp_group)
-        combined = self._exchange(tokens, top_k_index, top_k_weights) if self.ep > 1 else self._run_rows(
-            tokens, top_k_index, top_k_weights)  # (N, H)
+        if self.shard is not None:
+            combined = self._exchange_share(tokens, top_k_index, top_k_weights)
+        elif self.ep > 1:
+            combined = self._exchange(tokens, top_k_index, top_k_weights)  # (N, H)
+        else:
+            combined = self._run_rows(tokens, top_k_index, top_k_weights)  # (N, H)
         if self.tp_group is not None:
             combined = reduce_over_group(combined, self.tp_group)  # one reduction of the combined output
         return combined if hidden_states.dim() == 2 else combined.view(hidden_states.shape)  # a view only if asked
+
+    def _exchange_share(self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Folded: the exchange of this rank's share of the tokens; zero rows for the rest (summed over tp after)."""
+        start, stop = self.shard.bounds(tokens.shape[0])
+        share = self._exchange(tokens[start:stop], top_k_index[start:stop], top_k_weights[start:stop])
+        return F.pad(share, (0, 0, start, tokens.shape[0] - stop))  # (N, H)
 
     def _exchange(self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) row to the ep rank holding the expert and back, weighted and summed per token."""
@@ -121,7 +141,8 @@ class ShardedExperts(nn.Module):
         received = exchange_counts(counts, self.group, self.ep)  # (ep, E/ep)
         sent, arrived = split_sizes(counts, received, self.ep)
         rows = all_to_all(tokens[order // top_k], arrived, sent, self.group)  # (R, H)
-        outputs = with_expert_gradient_scale(lambda x: self._run_local_experts(x, received), rows, self.ep)
+        scale = expert_gradient_scale(self.ep, self.shard)
+        outputs = with_expert_gradient_scale(lambda x: self._run_local_experts(x, received), rows, scale)
         back = all_to_all(outputs, sent, arrived, self.group)  # (N*k, H) in ``order``
         weighted = (back * top_k_weights.reshape(-1)[order].unsqueeze(-1)).to(tokens.dtype)  # (N*k, H)
         return torch.zeros_like(tokens).index_add(0, order // top_k, weighted)  # (N, H)
@@ -178,8 +199,8 @@ def check_stacked_experts(model: nn.Module, strategy: Strategy, candidates: dict
         if experts.num_experts % strategy.ep:
             raise NotModelledError(f"{experts.num_experts} experts of {name} cannot be split evenly over "
                                    f"ep={strategy.ep}; plan with an ep that divides {experts.num_experts}")
-    if strategy.tp > 1 and candidates:
-        check_experts_tensor_parallel(candidates, strategy.tp)
+    if strategy.expert_tp > 1 and candidates:
+        check_experts_tensor_parallel(candidates, strategy.expert_tp)
     zero_bubble = strategy.pp > 1 and strategy.schedule == "zero-bubble" and strategy.zero > 0
     unsupported = {"context parallelism": strategy.cp > 1,
                    "schedule=zero-bubble and ZeRO > 0 (measured: losses differ from one process)": zero_bubble}
@@ -205,10 +226,10 @@ def check_experts_tensor_parallel(candidates: dict[str, nn.Module], tp: int) -> 
                                    f"with a tp that divides {width}")
 
 
-def apply_stacked_experts(model: nn.Module, mesh: DeviceMesh) -> None:
+def apply_stacked_experts(model: nn.Module, mesh: DeviceMesh, *, shard: TokenShard | None = None) -> None:
     """Replace every stacked experts module of ``model`` (in place) by a :class:`ShardedExperts` over ``mesh`` (its
-    dims named ``ep`` and/or ``tp``)."""
+    dims named ``ep`` and/or ``tp``, or the folded grid's ``expert_ep`` with this rank's token ``shard``)."""
     for name, experts in stacked_experts_candidates(model).items():
         if stacked_experts_problem(experts) is None:
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, ShardedExperts(experts, mesh))
+            setattr(model.get_submodule(parent) if parent else model, child, ShardedExperts(experts, mesh, shard=shard))

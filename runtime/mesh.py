@@ -29,6 +29,16 @@ Derived meshes, all sharing the root mesh's ranks and layout:
 - the ``ep`` axis (``mesh["ep"]``): ranks holding different experts, exchanging tokens by all-to-all;
 - :func:`expert_data_mesh`: the ``edp * cp`` ranks (``edp`` and ``cp`` flattened) that hold the same experts
   and see different tokens, over which expert gradients are averaged.
+
+**Folded experts** (``Strategy.etp = 1 < tp``, Megatron's "MoE parallel folding"): the dense layers keep the plain
+``(dp, pp, cp, tp)`` layout (the root mesh's ``edp`` axis is then all ``dp`` ranks and its ``ep`` axis has size 1),
+and the experts get a grid of their own over the same ranks (:func:`expert_grid`): each pipeline stage's
+``dp x tp`` ranks, in ``q = dp_i * tp + tp_i`` order, unflattened (DeviceMesh ``_unflatten``) into
+``("expert_dp", "expert_ep")`` with ``q = expert_dp_i * ep + expert_ep_i``. An expert-parallel group is therefore
+``ep`` ranks of consecutive ``q``: inside one tensor-parallel group first (what ``cost_models.sparse`` prices:
+ep peers ``etp = 1`` apart), then across data-parallel ranks; its members see different tokens (their
+``(dp_i, tp_i)`` differ, and tensor-parallel ranks each dispatch their own share: ``experts_exchange.TokenShard``).
+``expert_dp = dp * tp / ep`` ranks hold the same experts.
 """
 
 from __future__ import annotations
@@ -46,6 +56,8 @@ DP = "dp"
 """The data-parallel axis: ``("edp", "ep")`` flattened (:func:`dp_mesh`)."""
 DATA, EXPERT_DATA = "dp_cp", "edp_cp"
 """Names of the flattened axes of :func:`data_mesh` and :func:`expert_data_mesh` when ``cp > 1``."""
+STAGE, FOLDED_EDP, FOLDED_EP = "dp_tp", "expert_dp", "expert_ep"
+"""The flattened ``dp x tp`` ranks of a stage and the two axes of the folded experts' grid (:func:`expert_grid`)."""
 
 
 def device_type() -> str:
@@ -54,8 +66,35 @@ def device_type() -> str:
 
 
 def mesh_shape(strategy: Strategy) -> tuple[int, int, int, int, int]:
-    """Sizes of the ``("edp", "pp", "ep", "cp", "tp")`` axes."""
+    """Sizes of the ``("edp", "pp", "ep", "cp", "tp")`` axes; with folded experts the plain dense layout (``ep``
+    axis 1: the experts' own grid is :func:`expert_grid`)."""
+    if folds_experts(strategy):
+        return strategy.dp, strategy.pp, 1, strategy.cp, strategy.tp
     return strategy.expert_dp, strategy.pp, strategy.ep, strategy.cp, strategy.tp
+
+
+def folds_experts(strategy: Strategy) -> bool:
+    """Whether the experts run on a grid of their own (``etp < tp``: MoE parallel folding)."""
+    return strategy.ep > 1 and strategy.expert_tp != strategy.tp
+
+
+def is_folded(mesh: DeviceMesh, ep: int) -> bool:
+    """Whether ``mesh`` (built by :func:`build_mesh`) carries folded experts: ``ep > 1`` but its ep axis is 1."""
+    return ep > 1 and mesh[EP].size() == 1
+
+
+def expert_grid(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The folded experts' 2-D mesh ``("expert_dp", "expert_ep")`` over this stage's ``dp x tp`` ranks (module
+    docstring); created once per root mesh (every rank calls it alike: it makes process groups)."""
+    key = (id(mesh), ep)
+    if key not in _GRIDS:
+        stage = mesh[EDP, TP]._flatten(STAGE)
+        size = stage.size()
+        if size % ep:
+            raise RuntimeSetupError(f"ep={ep} does not divide the {size} dp x tp ranks of a stage; plan an ep that "
+                                    f"divides dp*tp = {size}")
+        _GRIDS[key] = (mesh, stage._unflatten(0, (size // ep, ep), (FOLDED_EDP, FOLDED_EP)))
+    return _GRIDS[key][1]
 
 
 def build_mesh(strategy: Strategy) -> DeviceMesh:
@@ -78,6 +117,7 @@ def build_mesh(strategy: Strategy) -> DeviceMesh:
     if cached is None or cached[0] is not world:  # each axis costs process groups (a rendezvous each): once per world
         if any(kept is not world for kept, _ in _MESHES.values()):
             _MESHES.clear()  # a new world: the old one's meshes are dead
+            _GRIDS.clear()
         mesh = init_device_mesh(key[0], key[1], mesh_dim_names=AXES)
         mesh[EDP, EP]._flatten(DP)  # registered on the root mesh: mesh.get_group("dp") / get_local_rank("dp")
         _MESHES[key] = (world, mesh)  # the world group is kept alive so that its id is not reused
@@ -104,3 +144,4 @@ def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 _MESHES: dict[tuple, tuple[dist.ProcessGroup, DeviceMesh]] = {}
+_GRIDS: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh]] = {}  # the root mesh kept alive: its id stays unique

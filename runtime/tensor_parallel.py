@@ -16,7 +16,8 @@ runs its ``heads / tp`` local heads; the MLP splits its hidden width. How each p
   :class:`~tessera.runtime.tp_styles.ColumnSplit` / :class:`~tessera.runtime.tp_styles.RowSplit`. An attention
   whose heads are split gets its local head counts (``tp_styles.localise_attention``). Norms and the router of a
   mixture-of-experts layer stay replicated (every rank routes the same tokens; each expert is a pair like the
-  dense MLP, as Megatron-Core splits experts). Any other parameter in a block is refused by name.
+  dense MLP, as Megatron-Core splits experts, unless the experts are folded onto their own grid and stay whole:
+  ``MoELayer.tp_whole_linears``, ``runtime.expert_parallel``). Any other parameter in a block is refused by name.
 - ``norm``: replicated (sequence-parallel with ``sp``). A norm inside an attention whose heads are split (Qwen3's
   per-head ``q_norm``/``k_norm``, Hugging Face's ``replicated_with_grad_allreduce``) runs on the local heads and its
   weight gradient is summed over tp (the sequence-parallel style's ``Partial`` gradient); one normalising across
@@ -291,8 +292,10 @@ def _sequence_dim(role: str) -> int:
 
 
 def replicated_modules(block: nn.Module) -> list[str]:
-    """Linears a block keeps whole on every tensor-parallel rank: the routers of its mixture-of-experts layers."""
-    return [_join(name, "router") for name, child in block.named_modules() if isinstance(child, MoELayer)]
+    """Linears a block keeps whole on every tensor-parallel rank: the routers of its mixture-of-experts layers, and
+    the experts of a layer that places them on its own expert mesh (``MoELayer.tp_whole_linears``)."""
+    return [_join(name, linear) for name, child in block.named_modules() if isinstance(child, MoELayer)
+            for linear in child.tp_whole_linears()]
 
 
 def _check_split(fqn: str, block: nn.Module, split: LinearSplit, tp: int) -> None:
