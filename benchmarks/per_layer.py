@@ -23,6 +23,10 @@ The models (capture of the presets, with one ``LayerStats``-level change stated 
   backward);
 - ``llama-256k-vocab``: Llama 3 8B's blocks with a 256K vocabulary (Gemma's 256,000) at 8K tokens: uniform
   blocks, a heavy embedding and head;
+- ``gemma3-27b``: the preset itself (every layer global, vocabulary 262,144) at 8K tokens, free and with the
+  pipeline pinned to interleaved chunks (``pp=4,schedule=interleaved:2``, as large runs use): there the integer
+  program sizes the chunks, so the embedding's and the head's chunks hold fewer blocks (the uniform plan's chunks
+  are even); the 256K Llama likewise, pinned;
 - uniform controls (``llama3-8b``, ``llama3-70b``, and ``gpt3-13b`` at 1K tokens on 512 A100s, where ZeRO-3's
   all-gathers outlast the compute): the per-layer plan must never be slower than the uniform one.
 """
@@ -92,28 +96,33 @@ def preset(name: str, seq: int):
     return lambda: (capture_preset(name, seq_len=seq), seq)
 
 
-# (builder, [(cluster, global batch)], uniform control?)
+INTERLEAVED = {"pp": 4, "schedule": "interleaved", "virtual_stages": 2}
+"""Pins of the interleaved rows (the uniform and the per-layer plans under the same pins)."""
+
+# (name, builder, [(cluster, global batch[, pins])], uniform control?)
 MODELS = [
-    (preset("deepseek-v3", 4096), [("dgx-h100:nodes=32", 1024), ("dgx-h100:nodes=128", 4096)], False),
-    (gemma3_local_global, [("dgx-h100:nodes=4", 64), ("dgx-h100:nodes=16", 256)], False),
-    (llama_256k_vocab, [("dgx-h100:nodes=1", 64), ("dgx-a100:nodes=4", 256)], False),
-    (preset("llama3-8b", 8192), [("dgx-h100:nodes=1", 64)], True),
-    (preset("llama3-70b", 8192), [("dgx-h100:nodes=8", 512)], True),
-    (preset("gpt3-13b", 1024), [("dgx-a100:nodes=64", 512)], True),  # short sequences, ZeRO-3 traffic exposed
+    ("deepseek-v3", preset("deepseek-v3", 4096), [("dgx-h100:nodes=32", 1024), ("dgx-h100:nodes=128", 4096)], False),
+    ("gemma3-27b (5 local : 1 global)", gemma3_local_global, [("dgx-h100:nodes=4", 64), ("dgx-h100:nodes=16", 256)], False),
+    ("llama-256k-vocab", llama_256k_vocab, [("dgx-h100:nodes=1", 64), ("dgx-a100:nodes=4", 256), ("dgx-a100:nodes=4", 256, INTERLEAVED)],
+     False),
+    ("gemma3-27b", preset("gemma3-27b", 8192), [("dgx-h100:nodes=4", 128), ("dgx-h100:nodes=4", 128, INTERLEAVED)], False),
+    ("llama3-8b", preset("llama3-8b", 8192), [("dgx-h100:nodes=1", 64)], True),
+    ("llama3-70b", preset("llama3-70b", 8192), [("dgx-h100:nodes=8", 512)], True),
+    ("gpt3-13b", preset("gpt3-13b", 1024), [("dgx-a100:nodes=64", 512)], True),  # short sequences, ZeRO-3 traffic exposed
 ]
 
 
-def compare(graph: LayerGraph, cluster_spec: str, batch: int, seq: int) -> dict:
-    """The uniform optimum and the two per-layer optima, with their search times."""
+def compare(graph: LayerGraph, cluster_spec: str, batch: int, seq: int, pins: dict | None = None) -> dict:
+    """The uniform optimum and the two per-layer optima (each under ``pins``), with their search times."""
     cluster = load_cluster(cluster_spec)
     training = TrainingConfig(global_batch=batch, seq_len=seq)
     t = time.perf_counter()
-    uniform = best_candidate(rank_candidates(graph, cluster, training))
+    uniform = best_candidate(rank_candidates(graph, cluster, training, pins=pins))
     uniform_s = time.perf_counter() - t
     row = {"uniform": uniform, "uniform_s": uniform_s}
     for label, options in (("recompute", RUNTIME_BLOCK_OPTIONS), ("all", ALL_BLOCK_OPTIONS)):
         t = time.perf_counter()
-        plan = search(graph, cluster, training, block_options=options)
+        plan = search(graph, cluster, training, pins=pins, block_options=options)
         row[label] = (plan.strategy, plan.estimate)
         row[f"{label}_s"] = time.perf_counter() - t
     return row
@@ -122,14 +131,19 @@ def compare(graph: LayerGraph, cluster_spec: str, batch: int, seq: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the first cluster of each model")
+    parser.add_argument("--only", default="", help="only the models whose name contains this (e.g. 256k); prints, writes no results file")
     args = parser.parse_args()
     lines, failures = [], []
-    for build, points, control in MODELS:
+    for name, build, points, control in MODELS:
+        if args.only and args.only not in name:
+            continue
         graph, seq = build()
-        for cluster_spec, batch in points[:1] if args.quick else points:
-            row = compare(graph, cluster_spec, batch, seq)
+        for cluster_spec, batch, *pinned in points[:1] if args.quick else points:
+            pins = pinned[0] if pinned else None
+            row = compare(graph, cluster_spec, batch, seq, pins)
             u = row["uniform"][1].step_time_s
-            cells = [graph.model_name, cluster_spec, str(batch), f"{u:.3f}"]
+            where = cluster_spec + (" (" + ",".join(f"{k}={v}" for k, v in pins.items()) + ")" if pins else "")
+            cells = [graph.model_name, where, str(batch), f"{u:.3f}"]
             for label in ("recompute", "all"):
                 strategy, est = row[label]
                 cells += [f"{est.step_time_s:.3f}", f"{u / est.step_time_s:.3f}x", f"{row[label + '_s']:.1f}"]
@@ -139,7 +153,8 @@ def main() -> None:
             line = "| " + " | ".join(cells) + " |"
             print(line, flush=True)
             lines.append(line)
-    write_results(lines)
+    if not args.only:  # a subset would overwrite the full table
+        write_results(lines)
     if failures:
         raise SystemExit("per-layer plan slower than the uniform one on a uniform stack:\n" + "\n".join(failures))
 

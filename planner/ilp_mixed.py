@@ -27,8 +27,13 @@ Variables: cuts ``0 = b[0] < b[1] < ... < b[P] = L`` (stage ``s`` runs blocks ``
                 m (D0[s] + sum d x - C0[s] - sum c x) <= E           for all s     (exposed_s; ZeRO-3 only)
                 objective <= the incumbent's step                                  (incumbent; when given)
 
-With interleaving (``V > 1``) chunk sizes stay even: the cuts are fixed and so is each stage's count of every
-kind. Which blocks of a kind inside a stage take which option does not change any cost (they are alike), so
+With interleaving (``V > 1``) the cuts are those of the ``P V`` chunks (chunk ``c`` on stage ``c mod P``), each
+nonempty, and a stage's count of kind ``g`` sums its chunks' ``K[g](b[c+1]) - K[g](b[c])``. The chunks holding
+the embedding (the first) and the head and loss (the last) may hold fewer blocks than the others, as without
+interleaving the first and last stages may, so a heavy vocabulary gets its own stage weight. As the schedule's
+bubble is priced for chunks of even time, chunk sizes ``n[c] = b[c+1] - b[c]`` stay near even: ``n[c] <=
+ceil(L / (P V)) + 1`` (``chunk_c``), a stage's other chunks within one block of each other (``even_c_d``), and the
+first and last chunk no larger than their stage's others (``edge_c_d``). Which blocks of a kind inside a stage take which option does not change any cost (they are alike), so
 the solution lists them in a fixed order. Time is in integer microseconds, memory in MiB rounded against the
 plan (coefficients up, the budget down). Solved with CP-SAT; the search re-checks every solution with
 ``estimate``, which also charges what the linear model leaves out (one block's recomputation buffer, overlap
@@ -77,6 +82,7 @@ class MixedResult:
 
     options: tuple[str, ...]  # per block, model order
     stage_blocks: tuple[int, ...]
+    chunk_blocks: tuple[int, ...]  # per pipeline chunk in model order (the stages' when one chunk each)
     step_s: float
     pace_s: float
     status: str
@@ -193,17 +199,19 @@ class StageMeasure:
 
 def solve_mixed(
     stages: Sequence[KindCoefficients], *, kinds: Sequence[int], budget_bytes: float, slots: float,
-    micro_batches: int, fixed_block_stages: Sequence[int] | None = None, step_limit_s: float | None = None,
+    micro_batches: int, chunk_stages: Sequence[int] | None = None, step_limit_s: float | None = None,
     zero3: bool = False,
 ) -> MixedResult | None:
-    """Solve the program for blocks of kinds ``kinds`` (model order); ``fixed_block_stages[i]`` pins block ``i``
-    to a stage (interleaving). None when infeasible or when nothing beats ``step_limit_s``."""
+    """Solve the program for blocks of kinds ``kinds`` (model order); ``chunk_stages[c]``: the stage of pipeline
+    chunk ``c`` in model order (interleaving: ``c % pp``), each chunk's cuts chosen (default: one chunk per stage).
+    None when infeasible or when nothing beats ``step_limit_s``."""
     model = cp_model.CpModel()
-    if fixed_block_stages is None:
-        counts = add_stage_kind_constraints(model, kinds, stages=len(stages))
-    else:
-        counts = [[sum(1 for k, st in zip(kinds, fixed_block_stages) if k == g and st == s)
-                   for g in range(max(kinds) + 1)] for s in range(len(stages))]
+    chunk_stages = list(range(len(stages))) if chunk_stages is None else list(chunk_stages)
+    chunk_counts, cuts = add_stage_kind_constraints(model, kinds, stages=len(chunk_stages))
+    if len(chunk_stages) > len(stages):
+        add_chunk_balance_constraints(model, cuts, chunk_stages=chunk_stages, blocks=len(kinds))
+    counts = [[sum(row[g] for row, st in zip(chunk_counts, chunk_stages) if st == s) for g in range(max(kinds) + 1)]
+              for s in range(len(stages))]
     options = [[_undominated(st, g) for g in range(len(st.time_s))] for st in stages]
     x = add_option_counts(model, counts, options, blocks=len(kinds))
     if not add_memory_constraints(model, stages, x, budget_bytes=budget_bytes):
@@ -226,11 +234,12 @@ def solve_mixed(
                 model.add_hint(v, first.value(v))
     second, final = _run(model)
     solver = second if final in (cp_model.OPTIMAL, cp_model.FEASIBLE) else first
-    stage_blocks = tuple(sum(solver.value(v) for per_kind in row for v in per_kind.values()) for row in x)
-    block_stages = fixed_block_stages or [s for s, n in enumerate(stage_blocks) for _ in range(n)]
+    chunk_blocks = tuple(solver.value(cuts[c + 1]) - solver.value(cuts[c]) for c in range(len(chunk_stages)))
+    block_stages = [chunk_stages[c] for c, n in enumerate(chunk_blocks) for _ in range(n)]
     return MixedResult(
         options=_block_options(kinds, block_stages, x, solver),
-        stage_blocks=stage_blocks,
+        stage_blocks=tuple(sum(solver.value(v) for per_kind in row for v in per_kind.values()) for row in x),
+        chunk_blocks=chunk_blocks,
         step_s=solver.value(objective) / 1000 * TIME_UNIT_S,
         pace_s=solver.value(pace) * TIME_UNIT_S,
         status=first.status_name(status),
@@ -239,9 +248,9 @@ def solve_mixed(
     )
 
 
-def add_stage_kind_constraints(model, kinds: Sequence[int], *, stages: int) -> list[list]:
-    """Cuts ``b[s]`` (nonempty stages in model order) and each stage's count of every kind through the prefix
-    tables ``K[g]`` (element constraints)."""
+def add_stage_kind_constraints(model, kinds: Sequence[int], *, stages: int) -> tuple[list[list], list]:
+    """Cuts ``b[s]`` (nonempty stages, or chunks, in model order) and each one's count of every kind through the
+    prefix tables ``K[g]`` (element constraints); returns the counts and the cuts."""
     blocks, groups = len(kinds), max(kinds) + 1
     cuts = [model.new_constant(0)]
     for s in range(1, stages):
@@ -254,7 +263,31 @@ def add_stage_kind_constraints(model, kinds: Sequence[int], *, stages: int) -> l
         for g in range(groups):
             prefix[g][j + 1] = prefix[g][j] + (kind == g)
     at = [[_element(model, cut, prefix[g], f"K[{g}](b[{s}])") for g in range(groups)] for s, cut in enumerate(cuts)]
-    return [[at[s + 1][g] - at[s][g] for g in range(groups)] for s in range(stages)]
+    return [[at[s + 1][g] - at[s][g] for g in range(groups)] for s in range(stages)], cuts
+
+
+def add_chunk_balance_constraints(model, cuts: Sequence, *, chunk_stages: Sequence[int], blocks: int) -> None:
+    """Interleaved chunks of even time, as the schedule's bubble is priced (a stage's time over ``V``:
+    ``cost_models.pipeline``): no chunk holds more than one block above the even split's largest (``chunk_c``); a
+    stage's chunks other than the first and the last of the model differ by at most one block (``even_c_d``); the
+    first (embedding) and the last (head, loss) hold at most as many as their stage's others (``edge_c_d``)."""
+    sizes = [cuts[c + 1] - cuts[c] for c in range(len(chunk_stages))]
+    most = -(-blocks // len(sizes)) + 1
+    edges = {0, len(sizes) - 1}
+    for c, size in enumerate(sizes):
+        model.add(size <= most).with_name(f"chunk_{c}")
+        for d in range(c + 1, len(sizes)):
+            if chunk_stages[d] != chunk_stages[c] or d in edges:
+                continue
+            if c in edges:
+                model.add(size <= sizes[d]).with_name(f"edge_{c}_{d}")
+            else:
+                model.add(size - sizes[d] <= 1).with_name(f"even_{c}_{d}")
+                model.add(sizes[d] - size <= 1).with_name(f"even_{d}_{c}")
+    for c in edges:  # the last chunk's stage-mates come before it
+        for d in range(c):
+            if chunk_stages[d] == chunk_stages[c] and d not in edges:
+                model.add(sizes[c] <= sizes[d]).with_name(f"edge_{c}_{d}")
 
 
 def add_option_counts(model, counts, options, *, blocks: int) -> list[list[dict]]:

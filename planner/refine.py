@@ -6,10 +6,11 @@ program then picks per-block choices and stage sizes; a lower bound on the pace 
 that cannot beat the incumbent before any solve. Every solution is re-checked with ``estimate``.
 
 Two programs: the tabulated one of ``planner.ilp`` (identical blocks, recomputation only; for a model whose
-blocks differ it plans with the heaviest) always runs, so a plan is never worse than it; where the blocks
-are of several kinds, or per-block options beyond recomputation are on (``BlockOptions``: activation offload,
-ZeRO-3 blocks that keep their gathered weights), ``planner.ilp_mixed`` also runs and the faster fitting
-solution wins. The mixed program is skipped for an outer candidate that nothing fits (no uniform policy, no
+blocks differ it plans with the heaviest; interleaved chunks even) always runs, so a plan is never worse than
+it; where the blocks are of several kinds, the schedule interleaves chunks (the mixed program sizes them: the
+embedding's and the head's chunks lighter), or per-block options beyond recomputation are on (``BlockOptions``:
+activation offload, ZeRO-3 blocks that keep their gathered weights), ``planner.ilp_mixed`` also runs and the
+faster fitting solution wins. The mixed program is skipped for an outer candidate that nothing fits (no uniform policy, no
 table solution): measuring its coefficients is the refinement's largest cost, and a deep MoE model's most
 promising candidates are often such (DeepSeek-V3 on 2048 GPUs).
 """
@@ -98,7 +99,9 @@ def refine(
         # on an outer candidate that fits at all (with a uniform policy, or as the table program found).
         # Blocks of several kinds are first planned on the table's options alone, so that switching more options on
         # never gives a slower plan through the linear model's approximations.
-        for names in _mixed_option_sets(allowed, options, several_kinds=several_kinds) if key in fitting or found else ():
+        # Interleaved chunks are even in the table program: the mixed one chooses their sizes, for alike blocks too.
+        uneven = several_kinds or key.virtual_stages > 1
+        for names in _mixed_option_sets(allowed, options, several_kinds=uneven) if key in fitting or found else ():
             found = _refine_mixed(layers, cluster, training, key, options=names, incumbent=incumbent, stats=stats)
             incumbent = _keep_if_better(found, incumbent, refined, stats)
     return refined
@@ -150,14 +153,14 @@ def _refine_mixed(layers, cluster, training, key: Strategy, *, options, incumben
         stats.pruned += 1
         return None
     coeffs = kind_coefficients(layers, cluster, training, key, options=options, measure=measure)
-    fixed = _chunk_stages(len(kinds), key) if key.virtual_stages > 1 else None
+    chunk_stages = [c % key.pp for c in range(key.pp * key.virtual_stages)]
     micro_batches = key.gradient_accumulation(training.global_batch)
 
     def solve_at(budget: float, _first: bool):
         result = solve_mixed(coeffs, kinds=kinds, budget_bytes=budget, slots=slots, micro_batches=micro_batches,
-                             fixed_block_stages=fixed, zero3=key.zero == 3,
+                             chunk_stages=chunk_stages, zero3=key.zero == 3,
                              step_limit_s=incumbent if incumbent < float("inf") else None)
-        return result and (result, materialise_options(key, result.options, stage_blocks=result.stage_blocks))
+        return result and (result, materialise_options(key, result.options, chunk_blocks=result.chunk_blocks))
 
     return _solve_and_check(layers, cluster, training, solve_at, stats=stats)
 
@@ -183,16 +186,9 @@ def _solve_and_check(layers, cluster, training, solve_at, *, stats: RefineStats)
     return None
 
 
-def _chunk_stages(blocks: int, strategy: Strategy) -> list[int]:
-    """The stage of every block under even interleaved chunks (chunk ``c`` on stage ``c % pp``)."""
-    chunks = strategy.pp * strategy.virtual_stages
-    sizes = [blocks // chunks + (c < blocks % chunks) for c in range(chunks)]
-    return [c % strategy.pp for c, size in enumerate(sizes) for _ in range(size)]
-
-
-def materialise_options(key: Strategy, options: Sequence[str], *, stage_blocks: Sequence[int]) -> Strategy:
-    """Turn each block's option (model order) into a Strategy: per-block policies and resharding, stage sizes
-    (uniform fields where a choice is the same for every block)."""
+def materialise_options(key: Strategy, options: Sequence[str], *, chunk_blocks: Sequence[int]) -> Strategy:
+    """Turn each block's option (model order) into a Strategy: per-block policies and resharding, the blocks of
+    each pipeline chunk (uniform fields where a choice is the same for every block, chunks as even as possible)."""
     policies = tuple(split_option(o)[0] for o in options)
     reshard = tuple(split_option(o)[1] for o in options)
     update: dict[str, object] = {}
@@ -202,10 +198,9 @@ def materialise_options(key: Strategy, options: Sequence[str], *, stage_blocks: 
         update["block_recompute"] = policies
     if key.zero == 3 and not all(reshard):
         update["block_reshard"] = reshard
-    blocks = len(options)
-    even = tuple(blocks // key.pp + (s < blocks % key.pp) for s in range(key.pp))
-    if key.virtual_stages == 1 and tuple(stage_blocks) != even:
-        update["chunk_blocks"] = tuple(stage_blocks)
+    blocks, chunks = len(options), key.pp * key.virtual_stages
+    if tuple(chunk_blocks) != tuple(blocks // chunks + (c < blocks % chunks) for c in range(chunks)):
+        update["chunk_blocks"] = tuple(chunk_blocks)
     return key.model_copy(update=update)
 
 

@@ -87,10 +87,10 @@ def test_mixed_program_keeps_the_default_where_memory_allows():
 
 def test_materialise_options_writes_per_block_policies_resharding_and_stage_sizes():
     key = Strategy.parse("dp=2,pp=2,zero=3,mbs=1,recompute=none")
-    strategy = materialise_options(key, ["none+keep", "full", "offload", "none"], stage_blocks=(1, 3))
+    strategy = materialise_options(key, ["none+keep", "full", "offload", "none"], chunk_blocks=(1, 3))
     assert strategy.block_recompute == ("none", "full", "offload", "none")
     assert strategy.block_reshard == (False, True, True, True) and strategy.chunk_blocks == (1, 3)
-    uniform = materialise_options(key, ["full"] * 4, stage_blocks=(2, 2))
+    uniform = materialise_options(key, ["full"] * 4, chunk_blocks=(2, 2))
     assert uniform.recompute == "full" and not uniform.block_recompute and not uniform.block_reshard
     assert not uniform.chunk_blocks
 
@@ -193,3 +193,48 @@ def test_offload_frees_nothing_on_a_cpu_rank_whose_memory_is_the_hosts():
     plain, offload = (estimate(layers, cluster, training, Strategy.parse(f"dp=2,mbs=1,recompute={p}"))
                       for p in ("none", "offload"))
     assert offload.memory_by_category_bytes["activations"] == plain.memory_by_category_bytes["activations"]
+
+
+def chunk_layouts(blocks: int, chunk_stages: list[int]):
+    """Every chunk layout ``solve_mixed``'s balance constraints allow (its docstring), by enumeration."""
+    chunks, edges = len(chunk_stages), {0, len(chunk_stages) - 1}
+    most = -(-blocks // chunks) + 1
+    for sizes in itertools.product(range(1, most + 1), repeat=chunks):
+        if sum(sizes) != blocks:
+            continue
+        mates = [[sizes[d] for d in range(chunks) if chunk_stages[d] == chunk_stages[c] and d not in edges and d != c]
+                 for c in range(chunks)]
+        if all(sizes[c] <= min(m, default=sizes[c]) if c in edges else all(abs(sizes[c] - n) <= 1 for n in m)
+               for c, m in enumerate(mates)):
+            yield sizes
+
+
+def test_interleaved_chunks_lighten_the_head_chunk_as_brute_force_says():
+    # Two stages, two chunks each (chunk c on stage c % 2); stage 1 holds a heavy head (3 blocks' time).
+    stages, chunk_stages, kinds = [kind_stage(0.0, 0, kinds=1), kind_stage(3.0, 0, kinds=1)], [0, 1, 0, 1], (0,) * 12
+    result = solve_mixed(stages, kinds=kinds, budget_bytes=1000 * GiB, slots=2.0, micro_batches=4,
+                         chunk_stages=chunk_stages)
+    best = min(max(sum(n for n, st in zip(sizes, chunk_stages) if st == s) + stages[s].base_time_s for s in (0, 1))
+               for sizes in chunk_layouts(len(kinds), chunk_stages))
+    assert result is not None and result.pace_s == pytest.approx(best, abs=1e-4)
+    assert result.chunk_blocks in set(chunk_layouts(len(kinds), chunk_stages))
+    assert result.chunk_blocks[-1] < 3  # the head's chunk holds fewer than the even 3
+    assert result.stage_blocks == (sum(result.chunk_blocks[0::2]), sum(result.chunk_blocks[1::2]))
+
+
+def test_interleaved_plans_give_a_heavy_head_its_own_chunk_weight():
+    """A vocabulary-sized head (six blocks' FLOPs) on the last chunk of an interleaved pipeline: the search makes
+    that chunk lighter, and the plan beats the even chunks of the same outer candidate."""
+    from tessera.planner.search import search
+
+    head = LayerStats(fqn="head", kind="head", signature="h", param_count=500_000_000, forward_flops=12e12,
+                      backward_flops=24e12, saved_bytes_no_recompute=2**30, saved_bytes_full_recompute=2**30,
+                      output_bytes=2**30, hidden_size=4096, vocab_size=128000)
+    layers = model(*(block(f"b{i}") for i in range(16)))
+    layers.insert(-1, head)
+    cluster, training = load_cluster("dgx-h100:nodes=1"), TrainingConfig(global_batch=64, seq_len=4096)
+    pins = {"pp": 2, "tp": 1, "zero": 1, "schedule": "interleaved", "virtual_stages": 2, "micro_batch": 1}
+    plan = search(graph_of(layers), cluster, training, pins=pins)
+    even = estimate(layers, cluster, training, plan.strategy.model_copy(update={"chunk_blocks": ()}))
+    assert plan.strategy.chunk_blocks and plan.strategy.chunk_blocks[-1] < 4
+    assert plan.estimate.step_time_s < even.step_time_s
