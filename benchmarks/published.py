@@ -1,6 +1,8 @@
 """Tessera's prediction for every published run with a measured throughput, and the calibration fit.
 
-Run: ``.venv/bin/python benchmarks/published.py`` (several minutes). For each run in ``benchmarks/reference/``
+Run: ``.venv/bin/python benchmarks/published.py`` (about 11 minutes on an idle 2-core machine); ``--rows REGEX``
+evaluates only the matching runs with the calibration in use (no fit, no file written: seconds per row),
+``--no-fit`` and ``--no-own-plan`` skip the grid fit and Tessera's own plans. For each run in ``benchmarks/reference/``
 (``published_runs.yaml``, a copy of the shared calibration set, and ``fsdp_fp8_runs.yaml``, PyTorch FSDP and
 FP8 runs; every row with its source; ``published_rows``) it pins what the source states (tp, pp, dp, cp, ZeRO,
 micro-batch, sequence parallelism, recompute, schedule, precision), lets the planner fill what it leaves out,
@@ -225,11 +227,13 @@ def own_plan_cells(run: dict, strategy: Strategy, est, training: TrainingConfig,
 
 
 def summarize(errors: list[tuple[str, str, float]], fitted: Calibration, deepspeed: float) -> str:
-    """Median and worst |error| per split, and on the held-out rows per regime."""
+    """Median and worst |error| per split, and per regime on the held-out and on the training rows."""
     groups = {"train": [e for s, _, e in errors if s == "train"], "test (held out)": [e for s, _, e in errors if s == "test"],
               "all": [e for _, _, e in errors]}
     for name in sorted({r for _, r, _ in errors}):
         groups[f"held out, {name}"] = [e for s, r, e in errors if s == "test" and r == name]
+    for name in sorted({r for _, r, _ in errors}):
+        groups[f"train, {name}"] = [e for s, r, e in errors if s == "train" and r == name]
     lines = [f"- {name}: median |error| {statistics.median(v):.1%}, worst {max(v):.1%} over {len(v)} runs"
              for name, v in groups.items() if v]
     lines.append(f"- calibration in use: {GPU_CALIBRATION}, DeepSpeed ZeRO-3 slowdown {DEEPSPEED.zero3_comm_slowdown}; "

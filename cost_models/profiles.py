@@ -6,10 +6,10 @@ plan as Tessera's runtime (``TESSERA``, the default of ``cost_models.estimate``)
 knobs today because a framework chooses them per run (``Strategy.tp_overlap``, ``Strategy.sp_regather``) stay
 there.
 
-- **Sharded data parallelism** (ZeRO-3 / FSDP). PyTorch FSDP (FSDP1 with backward prefetch, FSDP2 always)
+- **Sharded data parallelism** (ZeRO-3 / FSDP). PyTorch FSDP (FSDP1 with ``BACKWARD_PRE`` prefetch, FSDP2 always)
   gathers each block's parameters in one flat all-gather issued a block ahead and reduce-scatters each block's
   gradients as soon as its backward ends, on their own streams: the collectives move at the fabric's rate and
-  hide behind compute (``communication.exposed_fsdp_comm_s``). DeepSpeed ZeRO-3 as measured in 2021 (Narayanan
+  hide behind compute (``communication.exposed_dp_comm_s``). DeepSpeed ZeRO-3 as measured in 2021 (Narayanan
   et al. SC'21 Table 2: 174.6B and 529.6B on 384-2240 A100s) gathered parameter by parameter, its collectives
   ``zero3_comm_slowdown`` times slower than the ideal ring: fitted on those rows (``benchmarks/published.py``).
   How far ahead the backward gathers are issued is the framework's (``backward_prefetch``). FSDP1's
