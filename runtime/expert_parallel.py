@@ -72,8 +72,9 @@ over the grid's ``expert_dp`` axis): ``1 / dp`` again. ``tensor_parallel`` keeps
 The tensor, context and pipeline compositions above are this layer's; stacked experts modules compose with tensor
 and pipeline parallelism in their own way (``runtime.hf_experts``) and refuse context parallelism.
 
-Not implemented (``NotModelledError`` from ``check_expert_parallel``): sequence parallelism and selective
-recomputation (full recomputation works) with ``ep > 1``; folding to ``1 < etp < tp``, folding with context
+Not implemented (``NotModelledError`` from ``check_expert_parallel``): sequence parallelism with ``ep > 1`` on
+``MoELayer`` or folded experts (unfolded stacked experts modules run it) and selective recomputation (full
+recomputation works) with ``ep > 1``; folding to ``1 < etp < tp``, folding with context
 parallelism, and folded experts whose replicas no data-parallel wrapping would average (``dp = 1``, ZeRO-0,
 ``ep < tp``): ``check_expert_folding``.
 A model on the meta device is materialised whole on every rank before its experts are split (``apply_plan``,
@@ -197,15 +198,19 @@ def check_expert_parallel(model: nn.Module, strategy: Strategy, *, selective_rec
     modules (``runtime.hf_experts``) have their own limits (``check_stacked_experts``).
     """
     check_expert_folding(strategy)
-    unsupported = {"sp": strategy.sp, "selective recomputation": selective_recompute}
+    # The layers capture also looks for (cost_models.types.RUNTIME_SPLITS), so a plan only asks ep of a model holding them.
+    layers = [module for module in model.modules() if runtime_splits("ep", type(module))]
+    # sp: a MoELayer dispatches a flat buffer of its tokens, not a sequence; stacked experts modules get the whole
+    # sequence gathered where their block's MLP begins (runtime.tp_experts), so ep x tp x sp runs for them (unfolded;
+    # folded + sp is not measured)
+    sp_refused = strategy.sp and (bool(layers) or strategy.expert_tp != strategy.tp)
+    unsupported = {"sp": sp_refused, "selective recomputation": selective_recompute}
     for name, used in unsupported.items():
         if used:
             raise NotModelledError(
                 f"strategy {strategy.to_string()!r}: expert parallelism together with {name} is not implemented by "
                 f"the runtime; plan with ep=1 or without {name}"
             )
-    # The layers capture also looks for (cost_models.types.RUNTIME_SPLITS), so a plan only asks ep of a model holding them.
-    layers = [module for module in model.modules() if runtime_splits("ep", type(module))]
     stacked = check_stacked_experts(model, strategy, stacked_experts_candidates(model))
     if not layers and not stacked:
         raise NotModelledError(f"ep={strategy.ep} but the model has no MoE layer (tessera.models.moe.MoELayer) or "

@@ -241,7 +241,8 @@ def test_space_tries_ep_only_for_moe_models_and_cp_only_for_long_sequences():
     c = cluster(2)
     shapes = set(mesh_shapes(MOE, c, TRAINING, {}))
     assert {ep for *_, ep in shapes} == {1, 2, 4, 8} and {cp for _, _, _, cp, _ in shapes} == {1}
-    assert all(dp % ep == 0 for dp, _, _, _, ep in shapes)
+    # ep is carved out of dp, or, folded (etp=1 < tp, planner.space), out of the dp x tp ranks
+    assert all(dp % ep == 0 or tp > 1 and (dp * tp) % ep == 0 for dp, tp, _, _, ep in shapes)
     dense = [dense_block(i) for i in range(4)]
     assert {ep for *_, ep in mesh_shapes(dense, c, TRAINING, {})} == {1}
     long = TrainingConfig(global_batch=16, seq_len=LONG_CONTEXT_TOKENS)
