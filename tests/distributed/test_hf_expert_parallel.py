@@ -104,6 +104,7 @@ CASES = {
         ("qwen2-moe", "dp=2,ep=2,pp=2,zero=1,mbs=1,schedule=1f1b"),  # 4 micro-batches
         ("qwen2-moe", "dp=2,ep=2,pp=2,zero=1,mbs=1,schedule=interleaved:2"),  # all-to-alls in all 4 chunks
         ("mixtral", "dp=2,ep=2,pp=2,zero=3,mbs=2,schedule=interleaved:2"),
+        ("mixtral-aux", "dp=2,ep=2,pp=2,zero=1,mbs=2,schedule=interleaved:2"),  # each rank's micro-batches' aux loss
         # DP x PP, the experts whole: DDP / FSDP2 inside each stage
         ("mixtral", "dp=2,pp=2,zero=0,mbs=2,schedule=interleaved:2"),
         ("qwen3-moe", "dp=2,pp=2,zero=3,mbs=1,schedule=interleaved:2")],
