@@ -23,6 +23,8 @@ rules follow the runtime's own refusals, read off the same module tree the runti
 - **cp** (``runtime.context_parallel``, rule ``cost_models.cp_rules``): ring attention needs attention modules
   with an integer ``head_dim`` and positions the runtime knows how to give each rank (Tessera's RoPE tables or
   learned ``pos_emb``).
+- **sp** (``runtime.tensor_parallel``): a model with a ``MoELayer`` has no sequence parallelism (its experts route a
+  flat dispatch buffer, not a sequence).
 - **BatchNorm** (``runtime.data_parallel.check_batch_norm``): exact under data parallelism only, so a model
   holding one has no tp, cp or pp, no ``accumulation`` (one micro-batch per step) and no ``recompute``.
 
@@ -68,6 +70,7 @@ def unavailable_axes(
     }
     if reasons["ep"] is None:
         reasons.update(_stacked_experts_combinations(layers, planned))
+    reasons["sp"] = _dispatch_buffer_problem(model)
     for axis, reason in _batch_norm_problems(model).items():
         reasons[axis] = reasons.get(axis) or reason
     return {axis: reason for axis, reason in reasons.items() if reason is not None}
@@ -186,6 +189,16 @@ def _expert_parallel_problem(model: nn.Module, layers: dict[str, nn.Module], pla
             return (f"the experts of {_join(layer.fqn, holder.rpartition('.')[0])} ({type(parent).__name__}) cannot "
                     f"be split by the runtime's expert parallelism: {problem}")
     return None
+
+
+def _dispatch_buffer_problem(model: nn.Module) -> str | None:
+    """Sequence parallelism needs the tokens in sequence order; a ``MoELayer`` routes a flat dispatch buffer, so
+    ``runtime.tensor_parallel`` refuses sp through it (stacked experts get the whole sequence gathered first)."""
+    name = next((n for n, m in model.named_modules() if runtime_splits("ep", type(m))), None)
+    if name is None:
+        return None
+    return (f"sequence parallelism through the mixture-of-experts layer {name} is not implemented (its experts see "
+            "a dispatch buffer, not a sequence)")
 
 
 def _experts_holder(block: nn.Module) -> str:

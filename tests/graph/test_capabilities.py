@@ -99,7 +99,18 @@ def test_tessera_plan_never_splits_tensors_where_a_user_plan_has_a_style_the_run
 
 def test_a_tessera_preset_keeps_every_axis():
     assert graph("llama-tiny").unavailable_axes == {}
-    assert graph("moe-tiny").unavailable_axes == {}
+    # every axis, but not sequence parallelism through its MoELayer (runtime.tensor_parallel refuses it)
+    assert set(graph("moe-tiny").unavailable_axes) == {"sp"}
+    assert "dispatch buffer" in graph("moe-tiny").unavailable_axes["sp"]
+
+
+def test_sequence_parallelism_is_never_planned_through_a_moe_layer():
+    from tessera.models import build_model  # noqa: PLC0415
+
+    plan = tessera.plan("moe-tiny", "dgx-h100:nodes=2", global_batch=64, seq_len=512, strategy="tp=2")
+    assert plan.strategy.tp == 2 and not plan.strategy.sp
+    with pytest.raises(NotModelledError, match="sequence parallelism through the mixture-of-experts layer"):
+        check_tensor_parallel(build_model("moe-tiny"), plan.layers, tp=2, sp=True)  # what planning sp would meet
 
 
 def test_a_pin_on_an_unavailable_axis_is_refused_naming_axis_and_reason():
@@ -115,8 +126,8 @@ def test_moe_strategies_never_pair_ep_with_sp_or_selective_recomputation():
     experts = [s for s in found if s.ep > 1]
     assert experts and any(s.tp > 1 for s in experts)
     assert not any(s.sp or s.recompute == "selective" for s in experts)
-    assert any(s.sp for s in found if s.tp > 1 and s.ep == 1)  # sequence parallelism stays where it runs
-    with pytest.raises(ConfigError, match="ep together with sp"):
+    assert any(s.sp for s in found if s.tp > 1 and s.ep == 1)  # the pair rule alone keeps sp without ep
+    with pytest.raises(ConfigError, match="the runtime cannot run on this model: sequence parallelism"):
         search(graph("moe-tiny"), load_cluster(CLUSTER), TRAINING, pins={"ep": 2, "tp": 2, "sp": True})
 
 
