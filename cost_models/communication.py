@@ -74,8 +74,8 @@ def pp_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float
     if strategy.pp == 1:
         return 0.0
     nbytes = stage.boundary_bytes * strategy.micro_batch / strategy.cp / (strategy.tp if strategy.sp else 1)
-    # Pipeline neighbours are tp*cp*ep ranks apart (Strategy's layout: ep sits inside pp).
-    return 2 * strategy.virtual_stages * p2p_time(cluster, nbytes, distance=strategy.tp * strategy.cp * strategy.ep)
+    # Pipeline neighbours are tp*cp*ep ranks apart (Strategy's layout: ep sits inside pp; folded experts: no ep axis).
+    return 2 * strategy.virtual_stages * p2p_time(cluster, nbytes, distance=strategy.tp * strategy.cp * strategy.layout_ep)
 
 
 def sharded_comm_slowdown(device: DeviceSpec, strategy: Strategy, *, profile: ImplementationProfile = TESSERA) -> float:

@@ -26,7 +26,7 @@ from tessera.cost_models.partition import (
 )
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.pipeline import pipeline_slots_lower_bound, pipeline_time_s
-from tessera.cost_models.sparse import check_sparse_and_long, cp_comm_s, ep_comm_s, sharded_params
+from tessera.cost_models.sparse import check_sparse_and_long, cp_comm_s, ep_comm_s, ep_stride, sharded_params
 from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster
@@ -186,7 +186,7 @@ def _ep_comm_lower_bound_s(
         return 0.0
     d_min = min(layer.top_k * layer.expert_capacity_factor * layer.output_bytes for layer in layers if layer.experts)
     one = all_to_all_time(cluster, d_min * strategy.micro_batch / (strategy.cp * strategy.tp),
-                          group_size=strategy.ep, stride=strategy.tp * strategy.cp)
+                          group_size=strategy.ep, stride=ep_stride(strategy))
     passes = 6 if whole.dispatch_bytes and whole.recompute_dispatch_bytes >= whole.dispatch_bytes else 4
     return (1 - 1e-9) * passes * whole.moe_layers * one
 

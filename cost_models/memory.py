@@ -162,9 +162,9 @@ def parameter_bytes(stage: StageTotals, training: TrainingConfig, strategy: Stra
 
 def kept_local_params(stage: StageTotals, strategy: Strategy) -> float:
     """Gathered parameters on one device of the ZeRO-3 blocks that keep them from forward to backward: tp
-    divides the dense part, tp * ep the routed experts (as ``local_params``)."""
+    divides the dense part, etp * ep the routed experts (as ``local_params``)."""
     dense = stage.kept_params - stage.kept_expert_params
-    return dense / strategy.tp + stage.kept_expert_params / (strategy.tp * strategy.ep)
+    return dense / strategy.tp + stage.kept_expert_params / (strategy.expert_tp * strategy.ep)
 
 
 def uses_ddp(strategy: Strategy) -> bool:

@@ -96,9 +96,11 @@ def expert_shards(strategy: Strategy) -> int:
 
 def dense_group(strategy: Strategy) -> Axes:
     """Ranks holding the same dense weights: cp and ep, contiguous (cp * ep ranks tp apart), then edp
-    (stride tp*cp*ep*pp). Without ep: the cp ring and the dp axis (stride tp*cp*pp)."""
-    outer_stride = strategy.tp * strategy.cp * strategy.ep * strategy.pp
-    return _axes((strategy.cp * strategy.ep, strategy.tp), (strategy.expert_dp, outer_stride))
+    (stride tp*cp*ep*pp). Without ep, or with folded experts (``Strategy.layout_ep`` 1): the cp ring and the dp
+    axis (stride tp*cp*pp)."""
+    ep = strategy.layout_ep
+    outer_stride = strategy.tp * strategy.cp * ep * strategy.pp
+    return _axes((strategy.cp * ep, strategy.tp), (strategy.dp // ep, outer_stride))
 
 
 def expert_group(strategy: Strategy) -> Axes:

@@ -289,6 +289,12 @@ class Strategy(BaseModel):
         when the experts use the dense tensor-parallel degree)."""
         return self.dp * self.tp // (self.expert_tp * self.ep)
 
+    @property
+    def layout_ep(self) -> int:
+        """The ep axis of the dense layers' mesh: ``ep`` carved out of dp, or 1 when the experts are folded
+        (``etp < tp``: they get a grid of their own over the plain ``(dp, pp, cp, tp)`` layout, ``runtime.mesh``)."""
+        return self.ep if self.expert_tp == self.tp else 1
+
     def reshards_block(self, index: int) -> bool:
         """Whether the ``index``-th block frees its gathered weights after its forward (``zero=3`` only)."""
         return self.block_reshard[index] if self.block_reshard else self.zero == 3
