@@ -310,4 +310,5 @@ def test_what_expert_parallelism_cannot_split_is_refused_by_name():
             check_expert_parallel(hf_mixtral(), Strategy.parse(pinned))
     check_expert_parallel(hf_qwen2_moe(), strategy)  # accepted, and with pipelining (trained above, slow)
     check_expert_parallel(hf_mixtral(), Strategy.parse("dp=2,ep=2,tp=2"))  # ep x tp: test_hf_moe_tensor_parallel
+    check_expert_parallel(hf_mixtral(), Strategy.parse("dp=2,ep=2,tp=2,sp=true"))  # ... and with sp (tokens gathered)
     check_expert_parallel(hf_qwen2_moe(), Strategy.parse("dp=2,ep=2,pp=2,zero=0,schedule=zero-bubble"))
