@@ -37,6 +37,7 @@ STEPS = 3
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 OFF2 = "block_recompute=offload/none/full/offload"  # 4 blocks: offload beside recomputation and none
 KEEP2 = "block_reshard=false/true/false/true"  # 4 blocks: a ZeRO-2/ZeRO-3 mix
+GPT6 = "gpt-tiny:layers=6"  # 6 blocks: interleaved chunks of 1/2/2/1 (the embedding's and head's chunks lighter)
 
 # (model, strategy); accumulation = GLOBAL_BATCH / (dp * mbs). Models: Tessera's by spec, Hugging Face's by "hf-".
 CASES = {
@@ -45,7 +46,9 @@ CASES = {
         (LLAMA, f"dp=1,tp=2,sp=true,mbs=4,{OFF2}"),  # offload of sequence-parallel DTensor activations
         (GPT, f"dp=1,pp=2,mbs=2,schedule=1f1b,{OFF2}"),  # offload inside pipeline stages
         (MOE, "dp=2,ep=2,zero=3,mbs=2,block_recompute=offload/none,block_reshard=false/true"),  # with EP
-        ("hf-llama", "dp=2,zero=3,mbs=2,block_recompute=offload/none,block_reshard=false/true")],
+        ("hf-llama", "dp=2,zero=3,mbs=2,block_recompute=offload/none,block_reshard=false/true"),
+        (GPT6, "dp=1,pp=2,mbs=1,schedule=interleaved:2,chunk_blocks=1/2/2/1,"  # uneven interleaved chunks
+               "block_recompute=none/offload/offload/none/none/none")],
     4: [(LLAMA, f"dp=2,tp=2,zero=3,mbs=4,{OFF2},{KEEP2}"),  # both with TP (2-D FSDP x TP)
         (GPT, f"dp=2,pp=2,zero=3,mbs=2,schedule=1f1b,{OFF2},{KEEP2}"),  # both with PP (FSDP inside stages)
         (MOE, "dp=4,ep=2,zero=3,mbs=1,block_recompute=none/offload,block_reshard=true/false")],  # experts over edp=2
@@ -91,11 +94,18 @@ def base_plan(name: str, model: nn.Module, strategy: str) -> Plan:
 
 
 def per_layer_plan(name: str, model: nn.Module, strategy: str) -> Plan:
-    """The hand-built plan with each block's activation policy from ``block_recompute`` (the planner's job)."""
+    """The hand-built plan with each block's activation policy from ``block_recompute`` and its pipeline chunk from
+    ``chunk_blocks`` (the planner's job)."""
     plan = base_plan(name, model, strategy)
+    sizes = plan.strategy.chunk_blocks
+    chunk_of = [c for c, n in enumerate(sizes) for _ in range(n)]
     index = {fqn: i for i, fqn in enumerate(plan.block_fqns)}
-    layers = tuple(layer.model_copy(update={"recompute": plan.strategy.recompute_of_block(index[layer.fqn])})
-                   if layer.fqn in index else layer for layer in plan.layers)
+
+    def planned(i: int) -> dict:
+        return {"recompute": plan.strategy.recompute_of_block(i), **({"chunk": chunk_of[i]} if sizes else {})}
+
+    layers = tuple(layer.model_copy(update=planned(index[layer.fqn])) if layer.fqn in index else layer
+                   for layer in plan.layers)
     return plan.model_copy(update={"layers": layers})
 
 
@@ -166,6 +176,17 @@ def check_case(world: int, name: str, strategy: str, *, slow: bool = False) -> N
     check_offloads(per_rank, parsed)
     if parsed.block_reshard:
         check_reshards(per_rank, parsed)
+    if parsed.chunk_blocks:
+        check_chunk_blocks(per_rank, parsed)
+
+
+def check_chunk_blocks(per_rank: list[dict], strategy: Strategy) -> None:
+    """Each pipeline rank ran the blocks of its chunks as ``chunk_blocks`` sizes them (chunk ``c`` on rank ``c % pp``;
+    with pp ranks only: ``dp == 1``)."""
+    chunk_of = [c for c, n in enumerate(strategy.chunk_blocks) for _ in range(n)]
+    for rank, result in enumerate(per_rank):
+        ran = sorted(map(_block_index, result["held"]))
+        assert ran == [i for i, c in enumerate(chunk_of) if c % strategy.pp == rank], (rank, ran)
 
 
 def check_offloads(per_rank: list[dict], strategy: Strategy) -> None:
