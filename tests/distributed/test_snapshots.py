@@ -26,6 +26,7 @@ import json
 import os
 import resource
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -252,3 +253,15 @@ def test_one_process_snapshots_recover_and_finish_without_files(tmp_path):
     assert info.step == 2 and "snapshot" in info.path
     again.close()
     assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread nice values are read from Linux's /proc")
+def test_the_snapshot_thread_yields_to_training_and_counts_its_cpu_time(tmp_path):
+    pm = _one_process(tmp_path / "store")
+    pm.train_step(make_batches(GPT, 1)[0])
+    pm.wait_for_snapshot()
+    worker = next(t for t in threading.enumerate() if t.name == "tessera-snapshot" and t.is_alive())
+    stat = Path(f"/proc/self/task/{worker.native_id}/stat").read_text()
+    assert int(stat.rsplit(")", 1)[1].split()[16]) == 19  # field 19 of stat: the thread's nice value
+    assert pm.snapshots.background_cpu_s > 0
+    pm.close()
