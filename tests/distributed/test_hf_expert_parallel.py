@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")]
 
 STEPS, EXPERTS = 3, 4
-SIZES = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
              max_position_embeddings=SEQ_LEN, num_experts_per_tok=2, use_cache=False)
 
 
@@ -45,7 +45,7 @@ def hf_mixtral(layers: int = 2) -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(SEED)
-    return MixtralForCausalLM(MixtralConfig(**SIZES, num_hidden_layers=layers, intermediate_size=64,
+    return MixtralForCausalLM(MixtralConfig(**{**SIZES, "num_hidden_layers": layers}, intermediate_size=64,
                                             num_local_experts=EXPERTS))
 
 
@@ -54,7 +54,7 @@ def hf_qwen2_moe(layers: int = 2) -> nn.Module:
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(SEED)
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**SIZES, num_hidden_layers=layers, intermediate_size=64,
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**SIZES, "num_hidden_layers": layers}, intermediate_size=64,
                                               moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                               num_experts=EXPERTS, norm_topk_prob=False))
 
@@ -64,7 +64,7 @@ def hf_qwen3_moe(layers: int = 2) -> nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(SEED)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**SIZES, num_hidden_layers=layers, intermediate_size=64,
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**SIZES, "num_hidden_layers": layers}, intermediate_size=64,
                                               moe_intermediate_size=32, head_dim=8, num_experts=EXPERTS,
                                               norm_topk_prob=True))
 

@@ -2,7 +2,8 @@
 shared expert) and Qwen3-MoE (per-head q/k norms, whose weight gradients are summed over tp), experts stacked in 3-D tensors, trained with the attention split by heads
 and every expert split over tp (gate/up column-wise, down row-wise, expert tensor parallelism = tp), the router
 whole, with and without sequence parallelism, alone, with data parallelism (ZeRO 0 and 3), with expert parallelism
-(ep x tp) and with pipeline parallelism (tp x pp), match single-process training.
+(ep x tp, with and without sp) and with pipeline parallelism (tp x pp: 1F1B, GPipe, interleaved on 4 blocks), match
+single-process training.
 
 Every case trains from the same seed with AdamW on the same global batches with the default loss, against plain
 single-process training on the whole global batch (``test_hf_expert_parallel``'s models and references): per-step
@@ -25,7 +26,7 @@ from tessera.runtime.hf_experts import ShardedExperts
 from tessera.runtime.tensor_parallel import check_tensor_parallel
 
 from .harness import FP32_TOL, GPT, PARAM_TOL, make_batches, run_named
-from .test_hf_expert_parallel import EXPERTS, MODELS, SIZES, STEPS, ep_plan, rank_model, reference
+from .test_hf_expert_parallel import EXPERTS, MODELS, SIZES, STEPS, blocks_for, ep_plan, rank_model, reference
 from .test_outside_models import train
 
 pytestmark = [pytest.mark.distributed,
@@ -37,20 +38,25 @@ CASES = {
         ("qwen2-moe", "tp=2,sp=true,mbs=8")],  # the shared expert split like a dense MLP, tokens gathered at mlp
     4: [("mixtral", "dp=2,tp=2,sp=true,zero=3,mbs=4"),  # FSDP2 x TP: experts sharded on dim 0, split on the width
         ("qwen2-moe", "dp=2,ep=2,tp=2,sp=false,zero=0,mbs=2"),  # ep x tp: DTensors over the (ep, tp) mesh
-        ("mixtral", "tp=2,pp=2,sp=false,mbs=2,schedule=1f1b")],  # tp x pp: 4 micro-batches
+        ("mixtral", "tp=2,pp=2,sp=false,mbs=2,schedule=1f1b"),  # tp x pp: 4 micro-batches
+        # ep x tp x sp: tokens gathered over tp where the MoE block begins, then exchanged over ep
+        ("qwen3-moe", "dp=2,ep=2,tp=2,sp=true,zero=1,mbs=4")],
 }
 SLOW = {
     2: [("mixtral", "tp=2,sp=false,mbs=4"), ("qwen3-moe", "tp=2,sp=true,mbs=4")],
     4: [("qwen2-moe", "dp=2,tp=2,sp=false,zero=0,mbs=2"),
         ("qwen3-moe", "dp=2,ep=2,tp=2,sp=false,zero=3,mbs=4"),
         ("mixtral", "dp=2,ep=2,tp=2,sp=false,zero=1,mbs=2"),
+        ("qwen2-moe", "dp=2,ep=2,tp=2,sp=true,zero=0,mbs=2"),  # + the shared expert split over tp
+        ("mixtral", "dp=2,ep=2,tp=2,sp=true,zero=3,mbs=2"),  # FSDP2 over edp x (ep, tp) DTensors
         ("qwen2-moe", "tp=2,pp=2,sp=true,mbs=2,schedule=1f1b"),
-        ("qwen3-moe", "tp=2,pp=2,sp=false,mbs=1,schedule=gpipe")],  # 8 micro-batches
+        ("qwen3-moe", "tp=2,pp=2,sp=false,mbs=1,schedule=gpipe"),  # 8 micro-batches
+        ("mixtral", "tp=2,pp=2,sp=true,mbs=2,schedule=interleaved:2")],  # 4 blocks, one per chunk
 }
 
 
 def tp_case(name: str, strategy: str) -> dict:
-    model = rank_model(name)
+    model = rank_model(name, blocks_for(strategy))
     parallel = apply_plan(model, ep_plan(name, model, strategy))
     split = {fqn: (m.local_experts.num_experts, m.down_proj.to_local().shape[-1])
              for fqn, m in model.named_modules() if isinstance(m, ShardedExperts)}
@@ -78,7 +84,7 @@ def check_case(world: int, name: str, strategy: str, *, slow: bool = False) -> N
     per_rank = [results[(name, strategy)] for results in world_results(world, slow)]
     parsed = Strategy.parse(strategy)
     assert all(r["losses"] == per_rank[-1]["losses"] for r in per_rank[parsed.tp * parsed.dp:]), "last stage disagrees"
-    expected = reference(name)
+    expected = reference(name, blocks_for(strategy))
     torch.testing.assert_close(per_rank[-1]["losses"], expected["losses"], **FP32_TOL)  # the last stage's loss
     params = {}
     for result in per_rank:  # pipeline stages hold different layers
