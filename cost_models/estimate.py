@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from tessera.cost_models.communication import (
     dp_comm_s, exposed_dp_comm_s, pp_comm_s, sharded_comm_slowdown, tp_comm_s,
@@ -25,7 +26,7 @@ from tessera.cost_models.partition import (
     StageTotals, block_policies, cached_stage_totals, kept_blocks, split_blocks, stage_totals,
 )
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
-from tessera.cost_models.pipeline import pipeline_slots_lower_bound, pipeline_time_s
+from tessera.cost_models.pipeline import in_flight_micro_batches, pipeline_slots_lower_bound, pipeline_time_s
 from tessera.cost_models.sparse import check_sparse_and_long, cp_comm_s, ep_comm_s, ep_stride, sharded_params
 from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
 from tessera.errors import ConfigError
@@ -72,28 +73,23 @@ def estimate(
     ``calibration`` overrides the fitted compute-efficiency curve (calibration uses it); ``profile`` is the
     framework that runs the step (``cost_models.profiles``; Tessera's runtime by default).
     """
-    check_supported(layers, cluster, strategy)
-    if strategy.ep > 1 or strategy.cp > 1:
-        check_sparse_and_long(layers, training, strategy)
-    micro_batches = strategy.gradient_accumulation(training.global_batch)
-    policies, kept = block_policies(layers, strategy), kept_blocks(layers, strategy)
-    stages = [cached_stage_totals(s, i, policies, kept=kept) for i, s in enumerate(split_blocks(layers, strategy))]
-    costs = _distinct_stage_costs(stages, cluster, training, strategy, micro_batches=micro_batches,
+    facts, micro_batches, (stages, distinct, kinds), memory = _checked_stages_and_memory(
+        layers, cluster, training, strategy, profile=profile)
+    costs = _distinct_stage_costs(distinct, cluster, training, strategy, micro_batches=micro_batches,
                                   calibration=calibration, profile=profile)
-    times = [costs[stage][0] for stage in stages]
-    dp = [costs[stage][1] for stage in stages]
+    per_stage = [costs[kind] for kind in kinds]
+    times = [cost[0] for cost in per_stage]
+    dp = [cost[1] for cost in per_stage]
     slowest = max(range(len(stages)), key=lambda i: times[i].total)
     pipeline = pipeline_time_s(strategy, micro_batches=micro_batches, stage_times_s=[t.total for t in times],
                                solo_speedup=cluster.device.solo_speedup)
     bubble = pipeline - micro_batches * times[slowest].total  # < 0 where idle ranks' cores speed up the slowest
-    exposed_dp = [costs[stage][2] for stage in stages]
-    optimizer = max(optimizer_step_s(_optimizer_params(stage, strategy), cluster.device) for stage in costs)
+    exposed_dp = [cost[2] for cost in per_stage]
+    optimizer = max(optimizer_step_s(_optimizer_params(stage, strategy), cluster.device) for stage in distinct)
     straggling = straggler_s(pipeline, cluster, calibration=calibration)
     step = pipeline + max(exposed_dp) + optimizer + straggling
-    memory = [stage_memory(stage, training, strategy, micro_batches=micro_batches,
-                           on_cpu=cluster.device.name == "local-cpu", profile=profile) for stage in stages]
     worst = max(range(len(stages)), key=lambda i: sum(memory[i].values()))
-    model_flops = sum(layer.forward_flops + layer.backward_flops for layer in layers) * training.global_batch
+    model_flops = facts.flops_per_sequence * training.global_batch
     hardware_flops = model_flops + sum(stage.recompute_flops for stage in stages) * training.global_batch
     peak_rate = cluster.num_devices * cluster.device.peak_flops(training.precision)
     t = times[slowest]
@@ -120,6 +116,32 @@ def estimate(
         hfu=hardware_flops / (step * peak_rate),
         notes=_notes(training, straggling),
     )
+
+
+def peak_memory_bytes(
+    layers: Sequence[LayerStats], cluster: Cluster, training: TrainingConfig, strategy: Strategy,
+    *, profile: ImplementationProfile = TESSERA,
+) -> int:
+    """``estimate(...).peak_memory_bytes``, the same number, without the step time (a third of the work)."""
+    memory = _checked_stages_and_memory(layers, cluster, training, strategy, profile=profile)[3]
+    return max(sum(m.values()) for m in memory)
+
+
+def _checked_stages_and_memory(
+    layers: Sequence[LayerStats], cluster: Cluster, training: TrainingConfig, strategy: Strategy,
+    *, profile: ImplementationProfile,
+) -> tuple[ModelFacts, int, StageSplit, list[dict[str, int]]]:
+    """What ``estimate`` starts from: the checks, then the model's facts, the micro-batches per step, the stages
+    and each stage's memory."""
+    facts = model_facts(layers)
+    check_supported(layers, cluster, strategy, heads=facts.heads)
+    if strategy.ep > 1 or strategy.cp > 1:
+        check_sparse_and_long(layers, training, strategy)
+    micro_batches = strategy.gradient_accumulation(training.global_batch)
+    split = stage_split(layers, strategy, facts=facts)
+    memory = _stage_memories(split.stages, split.kinds, training, strategy, micro_batches=micro_batches,
+                             on_cpu=cluster.device.name == "local-cpu", profile=profile)
+    return facts, micro_batches, split, memory
 
 
 def straggler_s(busy_s: float, cluster: Cluster, *, calibration: Calibration) -> float:
@@ -184,7 +206,7 @@ def _ep_comm_lower_bound_s(
     """
     if strategy.ep == 1 or not whole.moe_layers:
         return 0.0
-    d_min = min(layer.top_k * layer.expert_capacity_factor * layer.output_bytes for layer in layers if layer.experts)
+    d_min = model_facts(layers).smallest_dispatch_bytes
     one = all_to_all_time(cluster, d_min * strategy.micro_batch / (strategy.cp * strategy.tp),
                           group_size=strategy.ep, stride=ep_stride(strategy))
     passes = 6 if whole.dispatch_bytes and whole.recompute_dispatch_bytes >= whole.dispatch_bytes else 4
@@ -213,22 +235,38 @@ def _tp_comm_lower_bound_s(whole: StageTotals, cluster: Cluster, strategy: Strat
 def _distinct_stage_costs(
     stages: Sequence[StageTotals], cluster: Cluster, training: TrainingConfig, strategy: Strategy,
     *, micro_batches: int, calibration: Calibration, profile: ImplementationProfile,
-) -> dict[StageTotals, tuple[StageTime, dict[str, float], float]]:
-    """Per distinct stage (equal stages share one entry): its time, its data-parallel traffic, and the part
-    of that traffic left exposed after overlap."""
+) -> list[tuple[StageTime, dict[str, float], float]]:
+    """Per distinct stage: its time, its data-parallel traffic, and the part of that traffic left exposed after
+    overlap."""
     slowdown = sharded_comm_slowdown(cluster.device, strategy, profile=profile)
     overlap = cluster.device.solo_speedup == 1.0  # ranks sharing cores communicate with their compute's cores
-    costs = {}
+    costs = []
     for stage in stages:
-        if stage not in costs:
-            t = stage_time(stage, cluster, training, strategy, calibration=calibration, profile=profile)
-            comm = dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches, sharded_slowdown=slowdown,
-                             profile=profile)
-            exposed = exposed_dp_comm_s(comm, strategy, forward_s=t.forward, backward_s=t.backward,
-                                        micro_batches=micro_batches, blocks=stage.blocks, overlap=overlap,
-                                        recompute_s=t.recompute)
-            costs[stage] = (t, comm, exposed)
+        t = stage_time(stage, cluster, training, strategy, calibration=calibration, profile=profile)
+        comm = dp_comm_s(stage, cluster, training, strategy, micro_batches=micro_batches, sharded_slowdown=slowdown,
+                         profile=profile)
+        exposed = exposed_dp_comm_s(comm, strategy, forward_s=t.forward, backward_s=t.backward,
+                                    micro_batches=micro_batches, blocks=stage.blocks, overlap=overlap,
+                                    recompute_s=t.recompute)
+        costs.append((t, comm, exposed))
     return costs
+
+
+def _stage_memories(
+    stages: Sequence[StageTotals], kinds: Sequence[int], training: TrainingConfig, strategy: Strategy, *,
+    micro_batches: int, on_cpu: bool, profile: ImplementationProfile,
+) -> list[dict[str, int]]:
+    """``stage_memory`` of every stage; ``kinds[i]`` numbers the distinct stages. A stage's memory depends on its
+    index only through the micro-batches it holds in flight, so equal stages holding as many share one."""
+    computed: dict[tuple[int, float], dict[str, int]] = {}
+    memory = []
+    for stage, kind in zip(stages, kinds):
+        key = (kind, in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches))
+        if key not in computed:
+            computed[key] = stage_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu,
+                                         profile=profile)
+        memory.append(dict(computed[key]))
+    return memory
 
 
 def stage_time(
@@ -248,16 +286,87 @@ def stage_time(
     return replace(time, ep_comm=ep_comm_s(stage, cluster, strategy), cp_comm=cp_exposed, cp_comm_total=cp_total)
 
 
-def check_supported(layers: Sequence[LayerStats], cluster: Cluster, strategy: Strategy) -> None:
-    """Raise unless the strategy uses only what this cost model implements and fits the cluster and model."""
+def check_supported(
+    layers: Sequence[LayerStats], cluster: Cluster, strategy: Strategy, *, heads: frozenset[int] | None = None,
+) -> None:
+    """Raise unless the strategy uses only what this cost model implements and fits the cluster and model
+    (``heads``: the layers' attention head counts, when the caller has them)."""
     if strategy.world_size != cluster.num_devices:
         raise ConfigError(
             f"strategy {strategy.to_string()} uses {strategy.world_size} ranks but cluster {cluster.name} has "
             f"{cluster.num_devices} devices; make dp*tp*pp*cp = {cluster.num_devices} (ep is part of dp)"
         )
-    heads = {layer.attention_heads for layer in layers if layer.attention_heads}
+    heads = model_facts(layers).heads if heads is None else heads
     if any(h % strategy.tp for h in heads):
         raise ConfigError(f"tp={strategy.tp} does not divide the attention heads {sorted(heads)}; pick a divisor")
+
+
+class ModelFacts(NamedTuple):
+    """What ``estimate`` needs of the whole model that no strategy changes."""
+
+    heads: frozenset[int]
+    """Attention head counts of the layers that have attention."""
+    flops_per_sequence: float
+    """Forward + backward FLOPs of one sequence (no recomputation)."""
+    smallest_dispatch_bytes: float | None
+    """The smallest MoE layer's dispatch payload per sequence (``top_k * capacity * output``); None without experts."""
+    splits: dict[tuple, StageSplit]
+    """The model's stage splits met so far, by what they depend on (``stage_split``)."""
+
+
+class StageSplit(NamedTuple):
+    """A strategy's pipeline stages: their totals, the distinct ones (equal stages are priced once), and for each
+    stage the position of its equal in ``distinct``."""
+
+    stages: tuple[StageTotals, ...]
+    distinct: tuple[StageTotals, ...]
+    kinds: tuple[int, ...]
+
+
+SPLITS_LIMIT = 4096
+
+
+def stage_split(layers: Sequence[LayerStats], strategy: Strategy, *, facts: ModelFacts | None = None) -> StageSplit:
+    """The stages ``strategy`` splits the model into, each summed under its blocks' policies: memoised per model
+    by the fields they depend on (pipeline shape, recomputation, ZeRO-3 resharding), which thousands of the
+    search's candidates share."""
+    facts = model_facts(layers) if facts is None else facts
+    key = (strategy.pp, strategy.virtual_stages, strategy.chunk_blocks, strategy.recompute, strategy.block_recompute,
+           strategy.zero == 3, strategy.block_reshard)
+    split = facts.splits.get(key)
+    if split is None:
+        policies, kept = block_policies(layers, strategy), kept_blocks(layers, strategy)
+        stages = [cached_stage_totals(s, i, policies, kept=kept) for i, s in enumerate(split_blocks(layers, strategy))]
+        distinct: dict[StageTotals, int] = {}  # a StageTotals hashes its ~45 fields: done once per split
+        kinds = tuple(distinct.setdefault(stage, len(distinct)) for stage in stages)
+        if len(facts.splits) >= SPLITS_LIMIT:
+            facts.splits.clear()
+        split = facts.splits[key] = StageSplit(tuple(stages), tuple(distinct), kinds)
+    return split
+
+
+_FACTS: dict[tuple[int, ...], tuple[tuple[LayerStats, ...], ModelFacts]] = {}
+_FACTS_LIMIT = 64
+
+
+def model_facts(layers: Sequence[LayerStats]) -> ModelFacts:
+    """The model's :class:`ModelFacts`, memoised by the identity of its layer objects: a search estimates
+    thousands of strategies of one model, and summing its (possibly hundreds of) layers each time showed."""
+    key = tuple(map(id, layers))
+    hit = _FACTS.get(key)
+    if hit is not None:  # the entry holds the layers, so their ids cannot have been reused
+        return hit[1]
+    dispatch = [layer.top_k * layer.expert_capacity_factor * layer.output_bytes for layer in layers if layer.experts]
+    facts = ModelFacts(
+        heads=frozenset(layer.attention_heads for layer in layers if layer.attention_heads),
+        flops_per_sequence=sum(layer.forward_flops + layer.backward_flops for layer in layers),
+        smallest_dispatch_bytes=min(dispatch) if dispatch else None,
+        splits={},
+    )
+    if len(_FACTS) >= _FACTS_LIMIT:
+        _FACTS.clear()
+    _FACTS[key] = (tuple(layers), facts)
+    return facts
 
 
 def _optimizer_params(stage: StageTotals, strategy: Strategy) -> float:

@@ -76,6 +76,7 @@ def stage_memory(
     every saved activation alive, the loss gradient just materialised) or after the backward
     (:func:`step_end_memory`: activations freed, gradients complete, the pipeline's outputs merged, the
     optimizer stepping). Large activations put the peak at the first, large model state at the second.
+    The stage's ``index`` matters only through ``in_flight_micro_batches`` (``estimate`` relies on it).
     """
     reserve = CPU_RESERVE_BYTES if on_cpu else GPU_RESERVE_BYTES
     if on_cpu and stage.offloaded_bytes:  # a CPU rank's device memory is the host's: offloading frees nothing

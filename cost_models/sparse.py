@@ -63,6 +63,7 @@ over the outer; all-reduce = inner reduce-scatter + outer all-reduce of the shar
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.types import LayerStats, Strategy, TrainingConfig
@@ -85,8 +86,7 @@ DISPATCH_BUFFERS = 2  # an all-to-all's send and receive buffers, one layer at a
 
 def local_param_split(stage: StageTotals, strategy: Strategy) -> tuple[float, float]:
     """``(dense, expert)`` parameters of ``stage`` on one device: tp divides the sharded ones, ep the experts."""
-    dense = (stage.sharded_params - stage.expert_params) / strategy.tp + stage.replicated_params
-    return dense, stage.expert_params / expert_shards(strategy)
+    return _families(stage, strategy).split
 
 
 def expert_shards(strategy: Strategy) -> int:
@@ -110,14 +110,10 @@ def expert_group(strategy: Strategy) -> Axes:
     return _axes((strategy.cp, strategy.tp), (strategy.expert_dp, stride))
 
 
-def gradient_families(stage: StageTotals, strategy: Strategy) -> list[tuple[float, Axes]]:
+def gradient_families(stage: StageTotals, strategy: Strategy) -> tuple[tuple[float, Axes], ...]:
     """``(local parameters, group)`` per kind of weight whose gradients are reduced together (and whose ZeRO
     state is sharded together): dense, then routed experts. Families with no parameters are left out."""
-    dense, expert = local_param_split(stage, strategy)
-    families = [(dense, dense_group(strategy))]
-    if expert:
-        families.append((expert, expert_group(strategy)))
-    return families
+    return _families(stage, strategy).families
 
 
 def group_size(axes: Axes) -> int:
@@ -131,8 +127,50 @@ def group_size(axes: Axes) -> int:
 def sharded_params(stage: StageTotals, strategy: Strategy, *, from_zero: int) -> float:
     """Local parameters' worth of one kind of state per device: divided by each family's group when the
     ZeRO stage is at least ``from_zero`` (1: optimizer moments, 2: gradients, 3: parameters)."""
-    return sum(params / (group_size(axes) if strategy.zero >= from_zero else 1)
-               for params, axes in gradient_families(stage, strategy))
+    return _families(stage, strategy).sharded[from_zero]
+
+
+class _Families(NamedTuple):
+    families: tuple[tuple[float, Axes], ...]
+    split: tuple[float, float]  # local_param_split
+    sharded: tuple[float, float, float, float]  # sharded_params by from_zero (0 to 3)
+
+
+_FAMILIES: dict[tuple, _Families] = {}
+_FAMILIES_LIMIT = 65536
+_LAST_FAMILIES: tuple = (None, None, None)
+
+
+def _families(stage: StageTotals, strategy: Strategy) -> _Families:
+    """The gradient families of ``stage`` under ``strategy`` and what follows from them, memoised by the numbers they
+    depend on (a search prices the same stages under thousands of strategies that share their degrees), and the
+    last answer by identity (a memory estimate asks about ten times in a row)."""
+    global _LAST_FAMILIES
+    last = _LAST_FAMILIES
+    if last[0] is stage and last[1] is strategy:
+        return last[2]
+    key = (stage.sharded_params, stage.expert_params, stage.replicated_params,
+           strategy.tp, strategy.etp, strategy.cp, strategy.ep, strategy.pp, strategy.dp, strategy.zero)
+    hit = _FAMILIES.get(key)
+    if hit is None:
+        dense = (stage.sharded_params - stage.expert_params) / strategy.tp + stage.replicated_params
+        expert = stage.expert_params / expert_shards(strategy)
+        families = ((dense, dense_group(strategy)),) + (((expert, expert_group(strategy)),) if expert else ())
+        sizes = [group_size(axes) for _, axes in families]
+        sharded = tuple(_sharded(families, sizes, divided=strategy.zero >= from_zero) for from_zero in range(4))
+        hit = _Families(families, (dense, expert), sharded)
+        if len(_FAMILIES) >= _FAMILIES_LIMIT:
+            _FAMILIES.clear()
+        _FAMILIES[key] = hit
+    _LAST_FAMILIES = (stage, strategy, hit)
+    return hit
+
+
+def _sharded(families: tuple[tuple[float, Axes], ...], sizes: list[int], *, divided: bool) -> float:
+    total = 0
+    for (params, _), size in zip(families, sizes):
+        total += params / (size if divided else 1)
+    return total
 
 
 def largest_gathered_params(stage: StageTotals, strategy: Strategy) -> float:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
-from tessera.cost_models.estimate import step_time_lower_bound
+from tessera.cost_models.estimate import peak_memory_bytes, step_time_lower_bound
 from tessera.cost_models.layer_costs import layer_costs
 from tessera.cost_models.partition import block_policies, kept_blocks, split_chunks, stage_totals
 from tessera.cost_models.types import LayerStats
@@ -31,9 +32,20 @@ RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}  # time order: recomputi
 Progress = Callable[[int, int], None]
 
 
+@dataclass
+class Priced:
+    """Step-time lower bounds and estimates already computed for one model, cluster and training setup: the
+    searches one ``search`` runs (pinned to each other expert-parallel degree, each unavailable axis) meet
+    many of the same strategies."""
+
+    bounds: dict[Strategy, float] = field(default_factory=dict)
+    estimates: dict[Strategy, Estimate] = field(default_factory=dict)
+
+
 def rank_candidates(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object] | None = None,
     progress: Progress | None = None, prune: bool = True, reached: dict[str, float] | None = None,
+    priced: Priced | None = None, only_best: bool = False,
 ) -> list[tuple[Strategy, Estimate]]:
     """Every strategy under ``pins`` with its estimate, fastest first (ties: leaner, then by name).
 
@@ -45,6 +57,10 @@ def rank_candidates(
     more only adds time). ``prune=False`` estimates every candidate that may fit (a study of the whole
     space, such as the local-truth benchmark). ``reached["bound"]`` is set to the lower bound the enumeration
     stopped at: every candidate of the space whose estimate is below it was estimated (``inf``: all were).
+    ``priced`` holds bounds and estimates of earlier calls on the same graph, cluster and training, reused here.
+    ``only_best``: only the fastest fitting candidate is wanted, or the leanest when none fits (a search pinned to
+    one degree); candidates whose peak memory (``peak_memory_bytes``, without the step time) is over the device and
+    above the leanest estimated so far can be neither, and are left out of the result.
     """
     pins = dict(pins or {})
     check_pins(pins, cluster, unavailable=graph.unavailable_axes)
@@ -55,8 +71,11 @@ def rank_candidates(
     fits_at: set[tuple] = set()
     cheapest_fit: dict[tuple, int] = {}  # outer choices -> cost rank of the cheapest recomputation that fits
     scored, overflowing = [], []
-    candidates = _by_lower_bound(layers, cluster, training, list(strategies(layers, cluster, training, pins, unavailable=graph.unavailable_axes)))
+    priced = Priced() if priced is None else priced
+    candidates = _by_lower_bound(layers, cluster, training, list(strategies(layers, cluster, training, pins, unavailable=graph.unavailable_axes)),
+                                 known=priced.bounds)
     incumbent = float("inf")  # fastest fitting step so far
+    leanest = float("inf")  # lowest peak memory estimated so far (``only_best``)
     for done, (bound, strategy) in enumerate(candidates, 1):
         if progress is not None and (done % 256 == 0 or done == len(candidates)):
             progress(done, len(candidates))
@@ -73,21 +92,25 @@ def rank_candidates(
             continue
         if prune and cheapest_fit.get((*key, strategy.micro_batch), len(RECOMPUTE_COST)) < RECOMPUTE_COST[strategy.recompute]:
             continue
-        est = estimate(layers, cluster, training, strategy)
-        scored.append((strategy, est))
-        if est.fits:
+        est = priced.estimates.get(strategy)
+        if est is None and not (only_best and _neither_fits_nor_leanest(layers, cluster, training, strategy, leanest)):
+            est = priced.estimates[strategy] = estimate(layers, cluster, training, strategy)
+        if est is not None:
+            scored.append((strategy, est))
+            leanest = min(leanest, est.peak_memory_bytes)
+        if est is not None and est.fits:
             incumbent = min(incumbent, est.step_time_s)
             fits_at.add((*key, strategy.micro_batch))
             cheapest_fit.setdefault((*key, strategy.micro_batch), RECOMPUTE_COST[strategy.recompute])
             no_fit_at.pop(key, None)
         elif (*key, strategy.micro_batch) not in fits_at and strategy.recompute == "full":
-            no_fit_at.setdefault(key, strategy.micro_batch)
+            no_fit_at.setdefault(key, strategy.micro_batch)  # (a candidate left out under only_best does not fit)
     if progress is not None:
         progress(len(candidates), len(candidates))
     if overflowing and not fits_at:  # nothing fits: estimate the leanest pruned ones so the diagnosis is exact
-        leanest = min((_state_bytes_lower_bound(params, s), s.micro_batch) for s in overflowing)
+        least = min((_state_bytes_lower_bound(params, s), s.micro_batch) for s in overflowing)
         scored += [(s, estimate(layers, cluster, training, s)) for s in overflowing
-                   if (_state_bytes_lower_bound(params, s), s.micro_batch) == leanest][:64]
+                   if (_state_bytes_lower_bound(params, s), s.micro_batch) == least][:64]
     scored.sort(key=lambda pair: (pair[1].step_time_s, pair[1].peak_memory_bytes, pair[0].to_string()))
     if not scored:
         raise ConfigError(
@@ -97,17 +120,31 @@ def rank_candidates(
     return scored
 
 
+def _neither_fits_nor_leanest(
+    layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, strategy: Strategy, leanest: float
+) -> bool:
+    """Whether ``strategy``'s peak memory is over the device and above ``leanest``: it cannot be a search's fastest
+    fitting candidate, nor its leanest."""
+    peak = peak_memory_bytes(layers, cluster, training, strategy)
+    return peak > cluster.device.memory_bytes and peak > leanest
+
+
 def _by_lower_bound(
-    layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, candidates: list[Strategy]
+    layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, candidates: list[Strategy],
+    *, known: dict[Strategy, float],
 ) -> list[tuple[float, Strategy]]:
-    """Candidates with their step-time lower bound, lowest first (stable: the space's order breaks ties)."""
+    """Candidates with their step-time lower bound, lowest first (stable: the space's order breaks ties);
+    ``known`` bounds are reused and new ones added to it."""
     wholes: dict[object, object] = {}  # the whole model's totals under each block recomputation
     bounded = []
     for s in candidates:
-        key = s.block_recompute or s.recompute
-        if key not in wholes:
-            wholes[key] = stage_totals(layers, 0, block_policies(layers, s))
-        bounded.append((step_time_lower_bound(layers, cluster, training, s, whole=wholes[key]), s))
+        bound = known.get(s)
+        if bound is None:
+            key = s.block_recompute or s.recompute
+            if key not in wholes:
+                wholes[key] = stage_totals(layers, 0, block_policies(layers, s))
+            bound = known[s] = step_time_lower_bound(layers, cluster, training, s, whole=wholes[key])
+        bounded.append((bound, s))
     return sorted(bounded, key=lambda pair: pair[0])
 
 
@@ -148,7 +185,8 @@ def search(
     """
     start = time.perf_counter()
     reached = {"bound": float("inf")}
-    scored = rank_candidates(graph, cluster, training, pins=pins, progress=progress, reached=reached)
+    priced = Priced()
+    scored = rank_candidates(graph, cluster, training, pins=pins, progress=progress, reached=reached, priced=priced)
     stats = RefineStats()
     uniform = best_candidate(scored)
     if not _per_layer_pinned(pins or {}):
@@ -171,11 +209,12 @@ def search(
         alternatives=runners_up(scored, best_estimate, top=top),
         degree_alternatives=degree_alternatives(
             scored, best, best_estimate,
-            rerank=lambda extra: rank_candidates(graph, cluster, training, pins={**(pins or {}), **extra}),
+            rerank=lambda extra: rank_candidates(graph, cluster, training, pins={**(pins or {}), **extra}, priced=priced,
+                                                 only_best=True),
             admitted=_admitted_degrees(graph, cluster, training, pins or {}), exact_below_s=reached["bound"],
         ),
         unavailable_axes=graph.unavailable_axes,
-        unavailable_gains=unavailable_gains(graph, cluster, training, pins=pins or {}, best=best_estimate),
+        unavailable_gains=unavailable_gains(graph, cluster, training, pins=pins or {}, best=best_estimate, priced=priced),
         candidates_evaluated=len(scored),
         search_time_s=time.perf_counter() - start,
         solver=SolverStats(
@@ -198,6 +237,7 @@ def uniform_candidate(uniform: tuple[Strategy, Estimate], best: Estimate) -> Can
 
 def unavailable_gains(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object], best: Estimate,
+    priced: Priced | None = None,
 ) -> tuple[Candidate, ...]:
     """For each unavailable axis, the fastest uniform strategy (no integer program) using it, were the runtime to
     apply it to the model: what that axis would gain over the plan. Axes whose best strategy does not use them
@@ -206,7 +246,8 @@ def unavailable_gains(
     for axis in graph.unavailable_axes:
         rest = {other: why for other, why in graph.unavailable_axes.items() if other != axis}
         try:
-            scored = rank_candidates(graph.model_copy(update={"unavailable_axes": rest}), cluster, training, pins=pins)
+            scored = rank_candidates(graph.model_copy(update={"unavailable_axes": rest}), cluster, training, pins=pins,
+                                     priced=priced, only_best=True)
         except ConfigError:
             continue
         strategy, est = best_candidate(scored)

@@ -82,25 +82,27 @@ def coefficients(collective: str, algorithm: str, p: int) -> tuple[float, float]
     """``(steps, volume)`` such that one level's time is ``steps * alpha + volume * D / B`` (table above)."""
     if p <= 1:
         return 0.0, 0.0
-    log = math.ceil(math.log2(p))
-    table = {
-        ("reduce_scatter", "ring"): (p - 1, (p - 1) / p),
-        ("all_gather", "ring"): (p - 1, (p - 1) / p),
-        ("all_reduce", "ring"): (2 * (p - 1), 2 * (p - 1) / p),
-        ("all_reduce", "tree"): (2 * log, 2.0),
-        ("broadcast", "ring"): (p - 1, 1.0),
-        ("broadcast", "tree"): (log, float(log)),
-        ("broadcast", "flat"): (p - 1, float(p - 1)),
-        ("all_to_all", "direct"): (p - 1, (p - 1) / p),
-        ("p2p", "direct"): (1, 1.0),
-    }
-    try:
-        steps, volume = table[(collective, algorithm)]
-    except KeyError:
+    row = _COEFFICIENTS.get((collective, algorithm))
+    if row is None:
         raise ClusterSpecError(
             f"no algorithm {algorithm!r} for {collective}; choose one of {', '.join(ALGORITHMS.get(collective, ()))}"
-        ) from None
+        )
+    steps, volume = row(p, math.ceil(math.log2(p)))
     return float(steps), float(volume)
+
+
+_COEFFICIENTS = {
+    ("reduce_scatter", "ring"): lambda p, log: (p - 1, (p - 1) / p),
+    ("all_gather", "ring"): lambda p, log: (p - 1, (p - 1) / p),
+    ("all_reduce", "ring"): lambda p, log: (2 * (p - 1), 2 * (p - 1) / p),
+    ("all_reduce", "tree"): lambda p, log: (2 * log, 2.0),
+    ("broadcast", "ring"): lambda p, log: (p - 1, 1.0),
+    ("broadcast", "tree"): lambda p, log: (log, float(log)),
+    ("broadcast", "flat"): lambda p, log: (p - 1, float(p - 1)),
+    ("all_to_all", "direct"): lambda p, log: (p - 1, (p - 1) / p),
+    ("p2p", "direct"): lambda p, log: (1, 1.0),
+}
+"""The table above, ``(collective, algorithm) -> (p, ceil(log2 p)) -> (steps, volume)``."""
 
 
 def level_time(
@@ -117,22 +119,51 @@ def level_time(
     """
     if p <= 1 or nbytes <= 0:
         return 0.0
+    pieces, gamma = _level_pieces(level, collective, p, algorithm, stride)
+    return min(fixed + volume * nbytes / bandwidth for fixed, volume, bandwidth in pieces) + gamma * nbytes
+
+
+def _level_pieces(
+    level: LinkLevel, collective: Collective, p: int, algorithm: str, stride: int | None,
+) -> tuple[tuple[tuple[float, float, float], ...], float]:
+    """``level_time``'s affine pieces: ``((steps * alpha, volume, B), ...)`` per candidate algorithm and the
+    per-byte ``gamma``, so that the time is ``min(steps * alpha + volume * D / B) + gamma * D``. Memoised: the
+    search prices the same few groups of a cluster hundreds of thousands of times, and a level never changes."""
+    key = (id(level), collective, p, algorithm, stride)
+    hit = _PIECES.get(key)
+    if hit is not None and hit[0] is level:
+        return hit[1]
     alpha, bandwidth = level.link(collective)
     gamma = level.collective_local_s_per_byte.get(collective, 0.0)
     pinned = level.collective_algorithm.get(collective)
     measured = level.measured_link(collective, p, stride=stride)
     if measured is not None and algorithm in ("auto", pinned or ALGORITHMS[collective][0]):
         steps, volume = coefficients(collective, pinned or ALGORITHMS[collective][0], p)
-        return steps * measured[0] + volume * nbytes / measured[1]
-    if algorithm == "auto":
-        candidates = (pinned,) if pinned else ALGORITHMS[collective]
+        pieces = (((steps * measured[0], volume, measured[1]),), 0.0)
     else:
-        candidates = (algorithm,)
-    times = []
-    for name in candidates:
-        steps, volume = coefficients(collective, name, p)
-        times.append(steps * alpha + volume * nbytes / bandwidth)
-    return min(times) + gamma * nbytes
+        if algorithm == "auto":
+            candidates = (pinned,) if pinned else ALGORITHMS[collective]
+        else:
+            candidates = (algorithm,)
+        lines = []
+        for name in candidates:
+            steps, volume = coefficients(collective, name, p)
+            lines.append((steps * alpha, volume, bandwidth))
+        pieces = (tuple(lines), gamma)
+    _remember(_PIECES, key, (level, pieces))
+    return pieces
+
+
+_PIECES: dict[tuple, tuple] = {}
+_PHASES: dict[tuple, tuple] = {}
+CACHE_LIMIT = 65536
+"""Entries a memo holds before it starts afresh (each is a few small tuples)."""
+
+
+def _remember(cache: dict, key: tuple, value: tuple) -> None:
+    if len(cache) >= CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
 
 
 def participants_per_level(cluster: Cluster, *, group_size: int, stride: int = 1) -> list[tuple[LinkLevel, int]]:
@@ -141,6 +172,15 @@ def participants_per_level(cluster: Cluster, *, group_size: int, stride: int = 1
     A level whose groups hold a number of members that the level below does not divide (a 20-node
     InfiniBand unit under a 128-node group) joins ``ceil`` of the ratio: the last sub-group is partial.
     """
+    return list(_levels_crossed(cluster, group_size, stride))
+
+
+def _levels_crossed(cluster: Cluster, group_size: int, stride: int) -> tuple[tuple[LinkLevel, int], ...]:
+    """``participants_per_level`` as a tuple, memoised per cluster object (clusters are immutable)."""
+    key = (id(cluster), group_size, stride)
+    hit = _PHASES.get(key)
+    if hit is not None and hit[0] is cluster:
+        return hit[1]
     phases: list[tuple[LinkLevel, int]] = []
     below = 1
     for level in cluster.levels:
@@ -148,7 +188,8 @@ def participants_per_level(cluster: Cluster, *, group_size: int, stride: int = 1
         if within > below:
             phases.append((level, math.ceil(within / below)))
             below = within
-    return phases
+    _remember(_PHASES, key, (cluster, tuple(phases)))
+    return tuple(phases)
 
 
 def _one_level_stride(phases: list, stride: int) -> int | None:
@@ -159,7 +200,7 @@ def _one_level_stride(phases: list, stride: int) -> int | None:
 def _sharded_phases(cluster: Cluster, nbytes: float, *, group_size: int, stride: int) -> list[tuple[LinkLevel, int, float]]:
     """``(level, p, D)``: each phase with the data left after the levels below have split it."""
     phases, data = [], float(nbytes)
-    for level, p in participants_per_level(cluster, group_size=group_size, stride=stride):
+    for level, p in _levels_crossed(cluster, group_size, stride):
         phases.append((level, p, data))
         data /= p
     return phases
@@ -205,7 +246,7 @@ def broadcast_time(
     """Seconds to broadcast ``nbytes`` from one member to the group: outer level first, then within."""
     if group_size <= 1:
         return 0.0
-    phases = participants_per_level(cluster, group_size=group_size, stride=stride)
+    phases = _levels_crossed(cluster, group_size, stride)
     layout = _one_level_stride(phases, stride)
     return sum(level_time(level, "broadcast", nbytes, p, algorithm=algorithm, stride=layout) for level, p in phases)
 
@@ -214,7 +255,7 @@ def all_to_all_time(cluster: Cluster, nbytes: float, *, group_size: int, stride:
     """Seconds for an all-to-all where each rank holds ``nbytes``, ``nbytes/n`` for each member."""
     if group_size <= 1 or nbytes <= 0:
         return 0.0
-    phases = participants_per_level(cluster, group_size=group_size, stride=stride)
+    phases = _levels_crossed(cluster, group_size, stride)
     if len(phases) == 1:  # one level: the table's formula, with what was measured for the layout or p
         (level, p), = phases
         return level_time(level, "all_to_all", nbytes, p, stride=stride)
