@@ -456,9 +456,11 @@ RUNTIME_SPLITS: Mapping[str, frozenset[str]] = {
 column/row pairs of these linears, expert parallelism these mixture-of-experts layers, and also, by structure rather
 than class, experts modules stacked over experts (``models.moe.stacked_experts_problem``; ``runtime.hf_experts``)."""
 
-RUNTIME_EXCLUSIVE: tuple[tuple[str, str], ...] = (("ep", "sp"), ("ep", "selective"), ("cp", "sp"), ("cp", "pp"))
+RUNTIME_EXCLUSIVE: tuple[tuple[str, str], ...] = (
+    ("expert-folding", "sp"), ("ep", "selective"), ("cp", "sp"), ("cp", "pp"))
 """Strategy features the runtime refuses together (``runtime.expert_parallel.check_expert_parallel``,
-``runtime.context_parallel.check_context_parallel``): a feature is an axis of degree > 1, ``sp`` (sequence
+``runtime.context_parallel.check_context_parallel``; ep with sp runs for stacked experts, and a ``MoELayer`` model
+has no sp at all, ``planner.capabilities``): a feature is an axis of degree > 1, ``sp`` (sequence
 parallelism), ``selective`` / ``offload`` (that activation policy on any block), ``block-reshard`` (a ZeRO-3 block
 that keeps its weights gathered to its backward) or ``expert-folding`` (experts on a tensor-parallel degree below
 ``tp``)."""

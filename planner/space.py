@@ -170,15 +170,15 @@ def strategies(
     recomputes = _pinned(pins, "recompute", ["none"] if "recompute" in unavailable else _recompute_options(measured_selective, pins))
     blocks = sum(layer.kind == "block" for layer in layers)
     experts = {layer.experts for layer in layers if layer.experts}
-    per_block = {key: pins[key] for key in ("block_recompute", "chunk_blocks") if key in pins}
+    per_block = {key: pins[key] for key in ("block_recompute", "block_reshard", "chunk_blocks") if key in pins}
     for dp, tp, pp, cp, ep in mesh_shapes(layers, cluster, training, pins, unavailable=unavailable):
-        sp = pins.get("sp", tp > 1 and runtime_conflict({"sp"} | {a for a, d in (("ep", ep), ("cp", cp)) if d > 1}) is None)
         micro_batches = ([training.global_batch // dp] if "accumulation" in unavailable else
                          [m for m in range(1, MAX_MICRO_BATCH + 1) if (training.global_batch // dp) % m == 0])
         etps = expert_tp_degrees(dp, tp, ep, may_fold(tp, cp, experts, pins, unavailable), pins)
         for zero in _pinned(pins, "zero", ZERO_STAGES if dp > 1 else (0,)):
             for micro_batch in _pinned(pins, "micro_batch", micro_batches):
                 for recompute, etp in itertools.product(recomputes, etps):
+                    sp = pins.get("sp", _sequence_parallel_runs(tp, cp, ep, etp, unavailable))
                     for schedule, chunks in _schedules(pp, blocks, pins):
                         if schedule == "zero-bubble" and recompute != "none" and "recompute" not in pins:
                             continue  # the runtime cannot recompute under a split backward (runtime.apply)
@@ -193,6 +193,12 @@ def strategies(
                         if (runtime_conflict(strategy_features(strategy)) is None and folding_refusal(strategy) is None
                                 and model_refusal(model_features(strategy, training), unavailable) is None):
                             yield strategy
+
+
+def _sequence_parallel_runs(tp: int, cp: int, ep: int, etp: int | None, unavailable: Mapping[str, str]) -> bool:
+    """sp by default wherever tp > 1, unless the model or a combination rules it out (then sp=false, not no plan)."""
+    features = {"sp"} | {a for a, d in (("ep", ep), ("cp", cp)) if d > 1} | ({"expert-folding"} if etp not in (None, tp) else set())
+    return tp > 1 and "sp" not in unavailable and runtime_conflict(features) is None
 
 
 def _pinned(pins: Mapping[str, object], key: str, options):

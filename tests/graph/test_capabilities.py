@@ -120,13 +120,16 @@ def test_a_pin_on_an_unavailable_axis_is_refused_naming_axis_and_reason():
     assert {"ep+cp", "ep+zero-bubble+zero"} <= set(graph(MIXTRAL).unavailable_axes)
 
 
-def test_moe_strategies_never_pair_ep_with_sp_or_selective_recomputation():
+def test_moe_strategies_never_pair_ep_with_selective_recomputation_nor_sp_through_a_moe_layer():
     layers = list(graph("moe-tiny").layers)
-    found = list(strategies(layers, load_cluster(CLUSTER), TRAINING, {}))
+    found = list(strategies(layers, load_cluster(CLUSTER), TRAINING, {}, unavailable=graph("moe-tiny").unavailable_axes))
     experts = [s for s in found if s.ep > 1]
     assert experts and any(s.tp > 1 for s in experts)
     assert not any(s.sp or s.recompute == "selective" for s in experts)
-    assert any(s.sp for s in found if s.tp > 1 and s.ep == 1)  # the pair rule alone keeps sp without ep
+    assert not any(s.sp for s in found)  # a MoELayer routes a dispatch buffer: no sp anywhere
+    hf = graph(MIXTRAL)  # stacked experts get their sequence gathered: ep x tp x sp runs (runtime.tp_experts)
+    assert any(s.sp and s.ep > 1 for s in strategies(list(hf.layers), load_cluster(CLUSTER), TRAINING, {},
+                                                     unavailable=hf.unavailable_axes))
     with pytest.raises(ConfigError, match="the runtime cannot run on this model: sequence parallelism"):
         search(graph("moe-tiny"), load_cluster(CLUSTER), TRAINING, pins={"ep": 2, "tp": 2, "sp": True})
 
