@@ -66,8 +66,10 @@ def build_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
     """
     import torch
 
+    from tessera.models.meta_init import skipping_init_on_meta
+
     config = parse_spec(spec)
-    with torch.device("meta"):
+    with torch.device("meta"), skipping_init_on_meta():  # torch's own layers initialise themselves: nothing on meta
         model = __getattr__(_CLASS_OF_CONFIG[type(config)])(config)
     if torch.device(device).type != "meta":
         # Materialise, then initialise once: the RNG is consumed only by reset_parameters, so

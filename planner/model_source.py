@@ -15,7 +15,7 @@
   ``(module, example_inputs)`` for a model whose input is not ``(1, seq_len)`` token ids (an image batch, several
   tensors): ``example_inputs`` is what ``capture`` accepts (a tensor, a tuple of positional inputs, a dict of
   keyword inputs, or a function of ``seq_len`` returning one). It is called under ``torch.device("meta")``, so
-  the parameters and inputs it creates are meta tensors.
+  the parameters and inputs it creates are meta tensors (their initialisers are skipped: ``models.meta_init``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torch import nn
 from tessera.errors import ModelSpecError
 from tessera.models import build_model, is_builtin_spec
 from tessera.models.limits import check_dimension
+from tessera.models.meta_init import skipping_init_on_meta
 
 _FACTORY = re.compile(r"^(?P<module>[\w./\\-]+?(\.py)?):(?P<factory>[A-Za-z_]\w*)$")
 HF_INSTALL_HINT = "pip install 'tessera[hf]'"
@@ -89,7 +90,7 @@ def factory_model_and_inputs(module_name: str, factory_name: str) -> tuple[nn.Mo
         raise ModelSpecError(f"{module_name} has no function {factory_name!r}; it defines "
                              f"{', '.join(names[:12]) or 'no public functions'}")
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), skipping_init_on_meta():
             returned = factory()
     except (Exception, SystemExit) as exc:  # the user's code: its failure is named, not a traceback of ours
         raise ModelSpecError(f"model factory {module_name}:{factory_name}() raised {type(exc).__name__}: "
@@ -159,7 +160,7 @@ def hf_model(spec: str) -> nn.Module:
         config = transformers.AutoConfig.for_model(model_type.strip(), **values)
         config.use_cache = False
         config._attn_implementation = "sdpa"
-        with torch.device("meta"):
+        with torch.device("meta"), skipping_init_on_meta():
             model = _hf_class(transformers, config).from_config(config, attn_implementation="sdpa")
     except Exception as exc:  # transformers' own checks of the user's values: named, not a traceback of ours
         raise ModelSpecError(f"{spec!r}: transformers cannot build this config: {type(exc).__name__}: "
