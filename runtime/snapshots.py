@@ -20,11 +20,11 @@ back to the newest disk checkpoint, saying why. One node only: no buddy, snapsho
 (one buffer per rank, allocated once, pinned where there is a GPU, refilled by one ``_foreach_copy_``) and
 records RNG and data position; a background thread then writes the file, hashes it from memory, sends it to the
 buddy (gloo send/recv of the same buffer) and commits, on a process group of its own, so its collectives never
-interleave with training's. That thread runs at the lowest CPU priority (nice 19), and so do gloo's threads for
-its group (created from it): where training keeps every core busy, it yields to training. At most one snapshot
-is in flight: if the previous one is still being written at the next snapshot step, training waits for it (the
-staging buffer is free again only then; skipping that step instead would need every rank to decide alike, which
-costs a collective on the training thread).
+interleave with training's. That thread runs at the lowest CPU priority (nice 19, ``background_nice``), and so
+do gloo's threads for its group (created from it): where training keeps every core busy, it yields to training.
+At most one snapshot is in flight: if the previous one is still being written at the next snapshot step,
+training waits for it (the staging buffer is free again only then; skipping that step instead would need every
+rank to decide alike, which costs a collective on the training thread).
 
 **Commit.** A snapshot exists only once every rank has written and replicated its files: the ranks agree on
 that (one all-gather of every rank's file records, one flag all-reduce after the copy) and each node's leader
@@ -89,6 +89,9 @@ class SnapshotConfig(BaseModel):
     """Nodes under one switch: the buddy is that many nodes away (default 1: the next node)."""
     keep: int = Field(default=2, ge=1)
     """Committed snapshots each store keeps (2: the previous one stays while the next is written)."""
+    background_nice: int = Field(default=19, ge=0, le=19)
+    """The snapshot thread's nice value (Linux; 19: the lowest priority, it yields to training; 0: training's
+    own, where other jobs on the host would otherwise starve it and training waits for it at the next snapshot)."""
     host_memory_budget_bytes: int | None = Field(default=None, gt=0)
     """Host memory the store may use per node; default the free space of its file system (tmpfs: RAM)."""
 
@@ -150,7 +153,7 @@ class Snapshotter:
         self.store = Path(config.store) if config.store is not None else default_store()
         """This node's store folder."""
         self._data_state = data_state
-        self._worker: queue.SimpleQueue = _start_worker()
+        self._worker: queue.SimpleQueue = _start_worker(config.background_nice)
         """The background thread's inbox (one thread for the run: starting one per snapshot costs the training
         thread a handshake)."""
         self.group = _in_worker(self._worker, _new_group)
@@ -351,16 +354,16 @@ def _layout_key(state: TrainingState) -> tuple:
     return groups, states, buffers
 
 
-def _start_worker() -> queue.SimpleQueue:
+def _start_worker(nice: int) -> queue.SimpleQueue:
     """A daemon thread running the callables put into the returned queue, one at a time (daemon: a snapshot
-    stuck on a dead peer must not keep the process from exiting), at the lowest CPU priority (Linux: a thread's
-    own nice value, 19; inherited by the threads it starts): where training keeps every core busy, training
-    preempts it instead of sharing the cores with it."""
+    stuck on a dead peer must not keep the process from exiting), at nice value ``nice`` (Linux: a thread's own,
+    inherited by the threads it starts; 19, the lowest priority: where training keeps every core busy, training
+    preempts it instead of sharing the cores with it)."""
     inbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def serve() -> None:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         except (AttributeError, OSError):  # not Linux: the thread runs at training's priority
             pass
         while True:
@@ -388,8 +391,6 @@ def _new_group() -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo") if dist.is_initialized() else None
 
 
-BACKGROUND_NICE = 19
-"""The background thread's nice value (19: the lowest priority)."""
 def _side(rank: int) -> tuple[str, ...]:
     """The files of ``rank``'s share besides its snapshot file (rank 0's plan and data position)."""
     return (PLAN_FILE, DATA_FILE) if rank == 0 else ()
