@@ -34,8 +34,9 @@ gradients. With ``etp < tp`` the rest of the tensor-parallel axis joins expert p
 ``ep`` ranks ``etp`` apart (inside the tensor-parallel group first, so an ep group of ``tp / etp`` stays on
 NVLink), each device still dispatches its ``1/tp`` share of the tokens, and expert compute per device is unchanged
 (``N k / tp`` rows at full width over ``etp = 1`` instead of ``N k`` rows at ``1/tp`` of it). The runtime runs
-``etp = tp`` only (``runtime.expert_parallel.check_expert_folding``); ``etp < tp`` is priced for evaluating
-published configurations.
+``etp = tp`` and the folded ``etp = 1`` (``runtime.mesh.expert_grid``; what it refuses: ``cost_models.folding``);
+``1 < etp < tp`` is priced for evaluating published configurations. Folded without sp, each MoE layer also
+all-reduces its combined output over tp (forward) and its input gradient (backward): ``_folded_combine_s``.
 
 **Context parallelism** (ring attention, Liu et al. 2023, arXiv:2310.01889; Megatron-LM / Transformer Engine's
 ``cp`` with zig-zag chunks; Llama 3, arXiv:2407.21783 Sec. 3.3.2). A rank holds ``s / cp`` tokens (chunks ``i``
@@ -199,7 +200,18 @@ def ep_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float
     one = all_to_all_time(cluster, _dispatch_bytes_per_layer(stage, strategy), group_size=strategy.ep,
                           stride=ep_stride(strategy))
     recomputed = stage.recompute_dispatch_bytes / stage.dispatch_bytes if stage.dispatch_bytes else 0.0
-    return stage.moe_layers * one * (4 + 2 * recomputed)  # fwd dispatch+combine, bwd both, recomputed fwd again
+    exchange = stage.moe_layers * one * (4 + 2 * recomputed)  # fwd dispatch+combine, bwd both, recomputed fwd again
+    return exchange + _folded_combine_s(stage, cluster, strategy) * (2 + recomputed)
+
+
+def _folded_combine_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float:
+    """Folded experts without sp: every tp rank holds all tokens and dispatches its ``1/tp`` share, so each MoE
+    layer's combined ``(N, H)`` output is all-reduced over tp in the forward, and its input gradient in the
+    backward (``runtime.experts_exchange.TokenShard``). With sp the tokens are already split over tp."""
+    if strategy.expert_tp == strategy.tp or strategy.sp:
+        return 0.0
+    nbytes = stage.boundary_bytes * strategy.micro_batch / strategy.cp  # one layer's output, as a stage's boundary
+    return stage.moe_layers * all_reduce_time(cluster, nbytes, group_size=strategy.tp)
 
 
 def ep_stride(strategy: Strategy) -> int:

@@ -124,10 +124,15 @@ def test_all_to_all_across_nodes_is_bound_by_the_network():
 def test_folding_experts_into_the_tp_axis_keeps_the_all_to_all_on_nvlink():
     # etp=1 < tp=2 (Megatron's "MoE parallel folding"): the 8 ep ranks are contiguous (1 apart), one node of the
     # 2, where unfolded (etp = tp) they are 2 apart over both nodes. Each device still sends its 1/tp of the tokens.
-    folded, unfolded = Strategy(dp=8, tp=2, ep=8, etp=1), Strategy(dp=8, tp=2, ep=8)
+    folded, unfolded = Strategy(dp=8, tp=2, ep=8, etp=1, sp=True), Strategy(dp=8, tp=2, ep=8)
     n = 1 * 2 * 1.0 * OUT / 2
     totals = stage_totals(MOE, 0, {})
     assert ep_comm_s(totals, cluster(2), folded) == pytest.approx(4 * 4 * 7 / 8 * n / NODE_BW)
+    # without sp every tp rank holds all tokens: each layer all-reduces its output (forward) and input gradient
+    replicated = folded.model_copy(update={"sp": False})
+    combine = all_reduce_time(cluster(2), totals.boundary_bytes, group_size=2)
+    assert combine > 0 and ep_comm_s(totals, cluster(2), replicated) == pytest.approx(
+        ep_comm_s(totals, cluster(2), folded) + 2 * 4 * combine)
     assert ep_comm_s(totals, cluster(2), unfolded) == pytest.approx(4 * 4 * max(3 / 8 * n / NODE_BW, 4 / 8 * n / NET_BW))
     # whole experts (etp=1): each device holds E/ep of them at full width, each shard on dp*tp/(etp*ep) = 2 ranks
     assert local_param_split(totals, folded)[1] == pytest.approx(4 * EXPERT_PARAMS / 8)
