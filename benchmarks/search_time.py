@@ -122,6 +122,9 @@ def _plot(rows: list, path: Path) -> str:
     for model, _, _, _, target, r in rows:
         if "error" not in r and target is None:
             series.setdefault(f"{model.split(':')[0]} ({r['params'] / 1e9:.0f}B)", []).append((r["devices"], r["seconds"]))
+    if not series:
+        plt.close(fig)
+        return "(no plot: only the target points ran)"
     for label, points in series.items():
         xs, ys = zip(*sorted(points))
         ax.plot(xs, ys, marker="o", label=label)
