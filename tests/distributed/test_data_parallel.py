@@ -76,7 +76,6 @@ def test_single_process_meta_model_is_initialised_like_the_unsharded_one():
 @pytest.mark.parametrize(
     ("strategy", "precision", "missing"),
     [("dp=1,cp=2,pp=2", "fp32", "context parallelism together with pp"),
-     ("dp=2,ep=2,tp=2,sp=true", "fp32", "expert parallelism together with sp"),
      ("dp=2,ep=2", "fp32", "no MoE layer"),  # GPT has no experts to split
      ("dp=1", "fp16", "loss scaling")],
 )
