@@ -175,10 +175,10 @@ def strategies(
         micro_batches = ([training.global_batch // dp] if "accumulation" in unavailable else
                          [m for m in range(1, MAX_MICRO_BATCH + 1) if (training.global_batch // dp) % m == 0])
         etps = expert_tp_degrees(dp, tp, ep, may_fold(tp, cp, experts, pins, unavailable), pins)
+        sps = {etp: pins.get("sp", _sequence_parallel_runs(tp, cp, ep, etp, unavailable)) for etp in etps}
         for zero in _pinned(pins, "zero", ZERO_STAGES if dp > 1 else (0,)):
             for micro_batch in _pinned(pins, "micro_batch", micro_batches):
                 for recompute, etp in itertools.product(recomputes, etps):
-                    sp = pins.get("sp", _sequence_parallel_runs(tp, cp, ep, etp, unavailable))
                     for schedule, chunks in _schedules(pp, blocks, pins):
                         if schedule == "zero-bubble" and recompute != "none" and "recompute" not in pins:
                             continue  # the runtime cannot recompute under a split backward (runtime.apply)
@@ -186,7 +186,7 @@ def strategies(
                             continue
                         strategy = Strategy(**per_block,
                             dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, zero=zero, micro_batch=micro_batch, recompute=recompute,
-                            sp=sp, schedule=schedule, virtual_stages=chunks,
+                            sp=sps[etp], schedule=schedule, virtual_stages=chunks,
                             # never chosen: the runtime lacks both
                             tp_overlap=pins.get("tp_overlap", False), sp_regather=pins.get("sp_regather", False),
                         )
