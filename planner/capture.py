@@ -46,7 +46,7 @@ from tessera.planner.capabilities import unavailable_axes
 from tessera.planner.experts import expected_expert_load, measured_capacity_factor
 from tessera.planner.front_ends import LeafModules, trace_model
 from tessera.planner.layer_graph import (
-    SCALED_FIELDS, LayerGraph, SeqScaling, fit_polynomial, layer_signature, repeat_last_block,
+    SCALED_FIELDS, LayerGraph, SeqScaling, fit_polynomial, repeat_last_block, signed,
 )
 from tessera.planner.measure import LOSS, ExampleInputs, Tally, example_inputs_at, measure_at_lengths, measure_layers
 from tessera.planner.model_source import max_positions, resolve_model, resolve_model_and_inputs
@@ -91,13 +91,15 @@ def capture(
     token_inputs = example_inputs is None
     example_inputs = example_inputs if example_inputs is not None else _default_inputs(model)
     layers = find_layers(model)
-    with expected_expert_load(model, expert_capacity_factor):
+    config = getattr(model, "config", None)
+    windowed = layer_info.windowed_kernel(config) or layer_info.windowed_kernel(getattr(config, "text_config", None))
+    with expected_expert_load(model, expert_capacity_factor), layer_info.measured_with_sdpa(config):
         flow, pairs = _trace(model, layers, example_inputs, seq_len, front_ends, leaf_modules)
         rescalable = fit_seq_scaling and (example_inputs is None or callable(example_inputs))
         lengths = fit_lengths(seq_len) if rescalable else (seq_len,)
         tallies = measure_at_lengths(model, flow.order, dtype=dtype, lengths=lengths, inputs=example_inputs)
     stats, keys = _records(model, layers, flow, pairs, tallies[seq_len], capacity_factor=expert_capacity_factor,
-                           seq_len=seq_len)
+                           seq_len=seq_len, windowed=windowed)
     unavailable = unavailable_axes(model, layers, stats, front_end=flow.front_end, fallback_reasons=flow.fallback_reasons,
                                    token_inputs=token_inputs, tp_plan=tp_plan)
     return LayerGraph(
@@ -109,6 +111,7 @@ def capture(
         edges=flow.edges,
         fallback_reasons=flow.fallback_reasons,
         seq_scaling=_scaling(stats, keys, tallies) if len(lengths) == 3 else (),
+        windowed_attention=windowed,
         unavailable_axes=unavailable,
     )
 
@@ -308,9 +311,10 @@ def _layer_flow(
 
 def _records(
     model: nn.Module, layers: dict[str, nn.Module], flow: LayerFlow, pairs: dict[str, tuple], tallies: dict[str, Tally],
-    *, capacity_factor: float | None = None, seq_len: int,
+    *, capacity_factor: float | None = None, seq_len: int, windowed: bool = False,
 ) -> tuple[list[LayerStats], list[str]]:
-    """LayerStats of every layer and the loss, with their signature keys."""
+    """LayerStats of every layer and the loss, with their signature keys (``windowed``: the model's attention
+    kernel skips the pairs outside sliding windows, so local blocks are priced at their window's share)."""
     owned = _owned_params(model, flow.order, layers)
     elements = layer_info.container_elements(model, layers)
     vocab = tallies[flow.head].output_width if flow.head else 0
@@ -328,7 +332,8 @@ def _records(
             facts[fqn].update(_expert_facts(model, module, capacity_factor))
         facts[fqn]["block_kind"], facts[fqn]["attention_window"] = block_kind.get(fqn, ("", 0))
         keys.append(_signature_key(module, kind, owned[fqn]))
-        stats.append(_layer_stats(fqn, kind, tallies[fqn], owned[fqn], facts[fqn], keys[-1]))
+        stats.append(_layer_stats(fqn, kind, tallies[fqn], owned[fqn], facts[fqn], keys[-1],
+                                  window_seq_len=seq_len if windowed else 0))
     keys.append(_signature_key(None, "loss", 0))
     stats.append(_layer_stats(LOSS, "loss", tallies[LOSS], 0, {}, keys[-1]))
     return stats, keys
@@ -384,9 +389,12 @@ def _numbers(tally: Tally) -> dict[str, int | None]:
     }
 
 
-def _layer_stats(fqn: str, kind: str, tally: Tally, params: int, facts: dict, key: str) -> LayerStats:
+def _layer_stats(
+    fqn: str, kind: str, tally: Tally, params: int, facts: dict, key: str, *, window_seq_len: int = 0,
+) -> LayerStats:
+    """The layer's record; with ``window_seq_len``, its attention core priced as a windowed kernel runs it."""
     stats = LayerStats(fqn=fqn, kind=kind, signature="", param_count=params, **_numbers(tally), **facts)
-    return stats.model_copy(update={"signature": layer_signature(key, stats)})
+    return signed(layer_info.with_windowed_attention(stats, seq_len=window_seq_len) if window_seq_len else stats, key)
 
 
 def _signature_key(module: nn.Module | None, kind: str, params: int) -> str:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from tessera.cost_models.types import LayerStats
 from tessera.errors import CaptureError
+from tessera.planner.layer_info import with_windowed_attention
 
 SCALED_FIELDS = (
     "forward_flops",
@@ -76,6 +77,10 @@ class LayerGraph(BaseModel):
     """Why each front end tried before ``front_end`` could not trace the model, one line each."""
     seq_scaling: tuple[SeqScaling, ...] = ()
     """Per-layer polynomials in the sequence length (empty when captured with fixed example inputs)."""
+    windowed_attention: bool = False
+    """The model's declared attention kernel computes only the pairs inside sliding windows (FlashAttention,
+    flex attention: ``layer_info.windowed_kernel``), so each local block's attention core is priced at its
+    window's share (``layer_info.with_windowed_attention``); measured as SDPA, and rescaled before the cut."""
     unavailable_axes: dict[str, str] = {}
     """Parallel axes (``tp``, ``pp``, ``ep``) the runtime cannot apply to this model -> why, one line each
     (``tessera.planner.capabilities``); the search plans only within the others."""
@@ -139,7 +144,9 @@ class LayerGraph(BaseModel):
             )
         if seq_len <= 0:
             raise CaptureError(f"seq_len must be positive, got {seq_len}")
-        layers = tuple(_rescaled(layer, scaling, seq_len) for layer, scaling in zip(self.layers, self.seq_scaling))
+        window_seq_len = seq_len if self.windowed_attention else 0
+        layers = tuple(_rescaled(layer, scaling, seq_len, window_seq_len=window_seq_len)
+                       for layer, scaling in zip(self.layers, self.seq_scaling))
         fields = {name: getattr(self, name) for name in type(self).model_fields}
         return type(self)(**{**fields, "seq_len": seq_len, "layers": layers})
 
@@ -179,10 +186,18 @@ def layer_signature(signature_key: str, stats: LayerStats) -> str:
     return hashlib.sha1(json.dumps([signature_key, numbers], sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _rescaled(layer: LayerStats, scaling: SeqScaling, seq_len: int) -> LayerStats:
+def signed(stats: LayerStats, signature_key: str) -> LayerStats:
+    """``stats`` with its signature (``layer_signature``) filled in."""
+    return stats.model_copy(update={"signature": layer_signature(signature_key, stats)})
+
+
+def _rescaled(layer: LayerStats, scaling: SeqScaling, seq_len: int, *, window_seq_len: int = 0) -> LayerStats:
+    """``layer`` at ``seq_len`` from its polynomials (fitted on dense measurements), then its window cut."""
     values = {name: evaluate(c, seq_len) for name, c in scaling.coefficients.items()}
     stats = LayerStats.model_validate({**layer.model_dump(), **values})
-    return stats.model_copy(update={"signature": layer_signature(scaling.signature_key, stats)})
+    if window_seq_len:
+        stats = with_windowed_attention(stats, seq_len=window_seq_len)
+    return signed(stats, scaling.signature_key)
 
 
 # ----------------------------------------------------------------------------------------------- repetition

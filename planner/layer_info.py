@@ -28,7 +28,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -301,6 +302,25 @@ def windowed_kernel(config: object) -> bool:
     return getattr(config, "_attn_implementation", None) in WINDOWED_KERNELS
 
 
+@contextlib.contextmanager
+def measured_with_sdpa(config: object) -> Iterator[None]:
+    """Run the model's attention through SDPA while capture measures it, then restore the declared kernel.
+
+    Hugging Face attention modules look ``config._attn_implementation`` up on every call, so a model built for
+    FlashAttention or flex attention (which may not run on meta or without its package) is measured as the
+    fused SDPA core ``kernels.FusedKernels`` recognises; its windows are then priced by the declared kernel
+    (``with_windowed_attention``)."""
+    configs = [c for c in (config, getattr(config, "text_config", None)) if windowed_kernel(c)]
+    declared = [c._attn_implementation for c in configs]
+    for c in configs:
+        c._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        for c, implementation in zip(configs, declared):
+            c._attn_implementation = implementation
+
+
 def window_pair_share(seq_len: int, window: int) -> float:
     """Query-key pairs a causal sliding window of ``window`` tokens computes, as a share of causal attention's:
     ``(s w - w^2 / 2) / (s^2 / 2)`` (query ``i`` sees keys ``i - w + 1 .. i``); 1 when the window covers the
@@ -319,7 +339,7 @@ def with_windowed_attention(stats: LayerStats, *, seq_len: int) -> LayerStats:
     share = window_pair_share(seq_len, stats.attention_window)
     if share == 1.0 or not stats.selective_recompute_flops:
         return stats
-    cut = stats.selective_recompute_flops * (1 - share)
+    cut = round(stats.selective_recompute_flops * (1 - share))  # statistics are whole FLOPs
     return stats.model_copy(update={
         "forward_flops": stats.forward_flops - cut,
         "backward_flops": max(0, stats.backward_flops - FLASH_BACKWARD_PER_FORWARD * cut),

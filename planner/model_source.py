@@ -10,7 +10,8 @@
   ``hf:llama:num_hidden_layers=2,hidden_size=64``, ``hf:gpt2``, ``hf:mixtral``, ``hf:bert``. The model is the
   masked-LM class when the type has one (encoders), else the causal-LM class, else the bare model. ``use_cache=False``
   (a cache output does not export) and ``attn_implementation="sdpa"`` (so attention is a recognised core) are
-  set. Needs the optional extra: ``pip install 'tessera[hf]'``;
+  set; an ``attn_implementation=flash_attention_2`` (or ``flex_attention``, ...) override names the kernel training
+  will run, which prices sliding windows (``layer_info.windowed_kernel``) while capture still measures SDPA. Needs the optional extra: ``pip install 'tessera[hf]'``;
 - ``path/to/file.py:factory`` or ``package.module:factory``: a user function returning an ``nn.Module``, or
   ``(module, example_inputs)`` for a model whose input is not ``(1, seq_len)`` token ids (an image batch, several
   tensors): ``example_inputs`` is what ``capture`` accepts (a tensor, a tuple of positional inputs, a dict of
@@ -142,6 +143,7 @@ def hf_model(spec: str) -> nn.Module:
     _, _, rest = spec.partition(":")
     model_type, _, overrides = rest.partition(":")
     values = _parse_overrides(overrides)
+    kernel = _training_attention(spec, values.pop("attn_implementation", "sdpa"))
     if not model_type.strip():
         raise ModelSpecError(f"{spec!r} names no model_type; write hf:<model_type>[:key=value,...], e.g. hf:llama")
     _check_hf_sizes(spec, values)  # before importing transformers, which takes seconds
@@ -166,7 +168,19 @@ def hf_model(spec: str) -> nn.Module:
         raise ModelSpecError(f"{spec!r}: transformers cannot build this config: {type(exc).__name__}: "
                              f"{_first_line(exc)}; fix the overrides") from exc
     model.config.use_cache = False
+    model.config._attn_implementation = kernel  # measured as SDPA all the same (layer_info.measured_with_sdpa)
     return model
+
+
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+"""``attn_implementation`` values an ``hf:`` spec accepts: the attention kernel training will run."""
+
+
+def _training_attention(spec: str, value: object) -> str:
+    """The attention kernel an ``hf:`` spec declares for training (capture measures SDPA either way)."""
+    if value not in ATTENTION_IMPLEMENTATIONS:
+        raise ModelSpecError(f"{spec!r}: attn_implementation={value!r} is not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+    return value  # type: ignore[return-value]
 
 
 HF_SIZES = {

@@ -137,3 +137,45 @@ def test_rules_read_structure_and_declarations() -> None:
     assert attention_window(attention, type("C", (), {"sliding_window": 64})(), 0) is None
     declared = type("C", (), {"layer_types": ["chunked_attention", "full_attention"], "attention_chunk_size": 256})()
     assert [attention_window(nn.Linear(4, 4), declared, i) for i in (0, 1)] == [256, None]
+
+
+def gemma3(implementation: str, *, seq_len: int = T, fit_seq_scaling: bool = False):  # noqa: ANN201
+    """A 4-block Gemma 3 (local, global, local, global; window T / 4) built for ``implementation``, captured."""
+    config = transformers.Gemma3TextConfig(**SMALL, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                           sliding_window=T // 4, layer_types=["sliding_attention", "full_attention"] * 2)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.config._attn_implementation = implementation  # the kernel training will run (may not exist on meta)
+    return model, capture(model, seq_len=seq_len, fit_seq_scaling=fit_seq_scaling)
+
+
+def test_a_windowed_kernel_prices_local_blocks_at_their_windows_share_and_global_ones_as_measured() -> None:
+    _, dense = gemma3("sdpa")  # SDPA applies the window as a dense mask: every pair is computed
+    model, windowed = gemma3("flex_attention")
+    assert (dense.windowed_attention, windowed.windowed_attention) == (False, True)
+    assert model.config._attn_implementation == "flex_attention"  # measured as SDPA, then restored
+    share = (T * (T // 4) - (T // 4) ** 2 / 2) / (T**2 / 2)
+    for measured, priced in zip(dense.blocks, windowed.blocks):
+        if priced.block_kind == "local-attention":
+            assert priced.selective_recompute_flops == pytest.approx(measured.selective_recompute_flops * share)
+            assert priced.forward_flops < measured.forward_flops and priced.signature != measured.signature
+        else:
+            assert priced == measured
+    assert windowed.blocks[0].saved_bytes_no_recompute == dense.blocks[0].saved_bytes_no_recompute
+
+
+def test_windowed_blocks_rescale_from_dense_polynomials_to_what_a_capture_at_that_length_gives() -> None:
+    _, fitted = gemma3("flash_attention_2", fit_seq_scaling=True)
+    _, direct = gemma3("flash_attention_2", seq_len=2 * T)
+    assert fitted.at_seq_len(2 * T).layers == direct.layers  # window share 0.23 at 2T, 0.44 at T: not a polynomial
+
+
+def test_an_hf_spec_declares_the_training_kernel_and_a_bad_one_is_refused() -> None:
+    from tessera.errors import ModelSpecError  # noqa: PLC0415
+
+    spec = ("hf:gemma3_text:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
+            "num_key_value_heads=2,head_dim=16,vocab_size=256,sliding_window=4")
+    assert not capture_preset(spec, seq_len=T).windowed_attention  # sdpa unless declared
+    assert capture_preset(f"{spec},attn_implementation=flex_attention", seq_len=T).windowed_attention
+    with pytest.raises(ModelSpecError, match="attn_implementation='flash' is not one of sdpa"):
+        capture_preset(f"{spec},attn_implementation=flash", seq_len=T)
