@@ -65,8 +65,9 @@ def main() -> None:
     parser.add_argument("--step-mib", type=int, default=2, help="how far each try lowers the memory budget")
     parser.add_argument("--tries", type=int, default=20, help="budgets tried before giving up")
     parser.add_argument("--resume", type=Path, metavar="JOURNAL", help="continue a stopped run's journal")
-    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--out", type=Path, default=HERE / "results", help="folder for the results (made if absent)")
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     cluster = args.cluster or f"cpu:ranks={args.ranks}"
     stem = args.out / f"per-layer-truth-{platform.machine()}-cpu-{datetime.date.today().isoformat()}"
     journal = args.resume or stem.with_suffix(".jsonl")
