@@ -15,7 +15,9 @@ from pathlib import Path
 import yaml
 
 from tessera.cost_models import Strategy, TrainingConfig
-from tessera.cost_models.profiles import DEEPSPEED, MEGATRON, PYTORCH_FSDP_TE, TORCHTITAN, ImplementationProfile
+from tessera.cost_models.profiles import (
+    DEEPSPEED, MEGATRON, MEGATRON_2021, PYTORCH_FSDP_TE, TORCHTITAN, ImplementationProfile,
+)
 
 HERE = Path(__file__).resolve().parent
 REFERENCE_FILES = ("published_runs.yaml", "fsdp_fp8_runs.yaml")
@@ -56,9 +58,12 @@ def training_config(run: dict) -> TrainingConfig:
 
 
 def framework_profile(run: dict) -> ImplementationProfile:
-    """The framework that ran the row: DeepSpeed for SC'21's ZeRO-3 rows, else by the row's ``framework``."""
+    """The framework that ran the row: DeepSpeed for SC'21's ZeRO-3 rows, Megatron-LM of 2021-2022 for SC'21's other
+    rows and Korthikanti et al.'s (unfused attention), else by the row's ``framework`` (Megatron-Core/NeMo by default)."""
     if run["id"].startswith("megatron-sc21-t2-zero3"):
         return DEEPSPEED
+    if run["id"].startswith(("megatron-sc21", "korthikanti")):
+        return MEGATRON_2021
     framework = str(run.get("framework", "Megatron-LM"))
     if framework.startswith("torchtitan"):  # the row's config may turn on FP8 all-gathers (off by default)
         return replace(TORCHTITAN, fp8_all_gather=bool(run["training"].get("fsdp_float8_all_gather")))

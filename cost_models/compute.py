@@ -10,16 +10,25 @@ linear (``DeviceSpec.linear_overhead_s``: Python, dispatch, autograd, DTensor un
 a CPU the host and the arithmetic share the same cores, so it adds to the compute time. Tensor-parallel
 arithmetic there is also slowed by ``DeviceSpec.tp_compute_slowdown``: ranks sharing cores wait for their
 partners at every collective of a layer.
+
+The attention cores (the SDPA calls, ``StageTotals.attention_core_flops``) run fused kernels, not GEMMs: their rate is
+the published forward + backward rate of the kernel the framework runs (``ImplementationProfile.attention_kernels``)
+on the device (``topology/catalog.yaml`` ``attention_tflops``, from the FlashAttention-2 and -3 papers), at the run's
+sequence length (``attention_efficiency``). A device or kernel with no published figure falls back to the calibrated
+``Calibration.attention_efficiency`` (the behaviour before per-device figures), 0 there meaning the matmul curve.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from tessera.cost_models.fp8 import bf16_flops, cast_traffic_bytes
 from tessera.cost_models.partition import StageTotals
+from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology.cluster import DeviceSpec
+from tessera.topology.hardware import ATTENTION_KERNELS, AttentionCurve, attention_curve
 
 
 @dataclass(frozen=True)
@@ -32,9 +41,10 @@ class Calibration:
     layer's saved activations at memory bandwidth, forward and twice that backward. ``jitter`` is the
     relative spread of one rank's step time (kernels, clocks, network noise): every step waits for the
     slowest of the ``n`` ranks, the expected maximum of ``n`` normal draws, ``jitter * sqrt(2 ln n)`` of the
-    step (stragglers grow with the number of ranks). The attention cores (flash attention's fused kernels, not
-    GEMMs) reach ``attention_efficiency`` of the bf16 peak whatever the width (0: the matmul curve). How well ZeRO-3's collectives overlap is the framework's,
-    not the device's: ``cost_models.profiles``.
+    step (stragglers grow with the number of ranks). The attention cores run at their kernel's published rate
+    (module docstring); where the device has no figure for the framework's kernel (or the framework runs attention
+    unfused), at ``attention_efficiency`` of the bf16 peak whatever the width (0: the matmul curve): the fitted
+    fallback. How well ZeRO-3's collectives overlap is the framework's, not the device's: ``cost_models.profiles``.
     """
 
     peak_fraction: float
@@ -66,6 +76,17 @@ GPU_CALIBRATION = Calibration(peak_fraction=0.72, half_width=160.0, traffic_fact
 CPU_CALIBRATION = Calibration(peak_fraction=1.0, half_width=0.0, traffic_factor=GPU_CALIBRATION.traffic_factor)
 
 
+CAUSAL_WORK = 0.5
+"""Share of the measured attention-core FLOPs a causal kernel performs: FlopCounterMode counts the whole ``s x s``
+product of every SDPA call, the fused kernels skip the masked half, and their benchmarks count only the half they
+do (FlashAttention-2 paper Sec. 4.1). Tessera's models and the published runs are causal decoders; an encoder's
+unmasked attention would be priced twice too fast (capture records no mask kind yet)."""
+BACKWARD_CORE_FLOPS = 2.5
+"""An attention core's backward FLOPs over its forward's, as FlopCounterMode counts SDPA
+(``torch.utils.flop_counter.sdpa_backward_flop_count``: the scores recomputed, then four gradient matmuls, against
+the forward's two) and as the kernel benchmarks count them: all of it runs inside the fused backward kernel."""
+
+
 def device_calibration(device: DeviceSpec, calibration: Calibration = GPU_CALIBRATION) -> Calibration:
     """The constants for a device kind (``calibration`` for accelerators)."""
     return CPU_CALIBRATION if device.name == "local-cpu" else calibration
@@ -83,15 +104,58 @@ def bf16_or(precision: str) -> str:
     return "bf16" if precision == "fp8" else precision
 
 
+def attention_efficiency(
+    device: DeviceSpec, precision: str, *, kernels: tuple[str, ...], seq_len: float,
+    calibration: Calibration = GPU_CALIBRATION,
+) -> float:
+    """Fraction of the ``precision`` peak at which the attention cores' measured FLOPs run on ``device``.
+
+    The first of ``kernels`` (the framework's, in its order of preference) that the device's catalog entry has a
+    published rate for: that rate at query length ``seq_len`` over ``CAUSAL_WORK`` (the kernel does half the
+    measured FLOPs) and the peak; so an A100 running FlashAttention-2 at 2K tokens (155 TFLOP/s counted causal)
+    prices the measured FLOPs at 0.99 of its 312 TFLOP/s. The published rates are for bf16/fp16; other precisions
+    (fp32: no flash kernel) and devices or kernels without a figure take ``calibration``'s fitted
+    ``attention_efficiency`` (0: the caller's matmul rate).
+    """
+    curve = _kernel_curve(device, precision, kernels)
+    if curve is None:
+        return device_calibration(device, calibration).attention_efficiency
+    return curve_at(curve, seq_len) / (CAUSAL_WORK * device.peak_flops(precision))
+
+
+def _kernel_curve(device: DeviceSpec, precision: str, kernels: tuple[str, ...]) -> AttentionCurve | None:
+    """The published curve of the first of ``kernels`` measured on ``device`` in ``precision`` (bf16/fp16 only)."""
+    if precision not in ("bf16", "fp16"):
+        return None
+    return next((curve for kernel in kernels if (curve := attention_curve(device.name, kernel))), None)
+
+
+def curve_at(curve: AttentionCurve, seq_len: float) -> float:
+    """The curve's FLOP/s at ``seq_len``: linear in log2 of the length between the published lengths, flat beyond
+    them (the kernels' rate saturates: FA2 on A100 moves 0-4% from 8K to 16K tokens; below 512 tokens, where it
+    still rises, attention is a small share of a step)."""
+    lengths = [point[0] for point in curve]
+    if seq_len <= lengths[0]:
+        return curve[0][1]
+    if seq_len >= lengths[-1]:
+        return curve[-1][1]
+    upper = next(i for i, length in enumerate(lengths) if length >= seq_len)
+    (s0, r0), (s1, r1) = curve[upper - 1], curve[upper]
+    t = (math.log2(seq_len) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+    return r0 + t * (r1 - r0)
+
+
 def stage_compute_s(
     stage: StageTotals, device: DeviceSpec, training: TrainingConfig, strategy: Strategy,
-    *, calibration: Calibration = GPU_CALIBRATION,
+    *, calibration: Calibration = GPU_CALIBRATION, profile: ImplementationProfile = TESSERA,
 ) -> tuple[float, float, float]:
-    """(forward, backward, recompute) seconds of one micro-batch on one device of ``stage``."""
+    """(forward, backward, recompute) seconds of one micro-batch on one device of ``stage``, its attention cores
+    on the kernels of ``profile`` (the framework that runs it)."""
     waiting = measured_by_degree(device.tp_compute_slowdown, strategy.tp, default=1.0)
     share = waiting * strategy.micro_batch / (strategy.tp * strategy.cp)
     forward, backward, recompute = arithmetic_s(stage, device, training, width=stage.hidden_size / strategy.tp,
-                                                calibration=calibration)
+                                                calibration=calibration, kernels=profile.attention_kernels,
+                                                seq_len=training.seq_len / strategy.cp)
     constants = device_calibration(device, calibration)
     elementwise = share * constants.traffic_factor * stage.activation_traffic_bytes / device.memory_bandwidth_bytes_per_s
     casts = share * cast_traffic_bytes(stage, training) / device.memory_bandwidth_bytes_per_s
@@ -107,23 +171,27 @@ def stage_compute_s(
 
 def arithmetic_s(
     stage: StageTotals, device: DeviceSpec, training: TrainingConfig, *, width: float, calibration: Calibration,
+    kernels: tuple[str, ...] = TESSERA.attention_kernels, seq_len: float = 0.0,
 ) -> tuple[float, float, float]:
     """(forward, backward, recompute) matmul seconds of ONE sequence of ``stage`` on one device's whole rate.
 
-    The attention cores (their forward FLOPs ``stage.attention_core_flops``, backward twice that) run at the
-    calibration's attention rate; under FP8 the blocks' other linears run at the FP8 rate and the head at the
-    bf16 rate (``cost_models.fp8``). A selective recomputation re-runs attention cores only, a full one the
-    blocks' forward at its mixed rate.
+    The attention cores (their forward FLOPs ``stage.attention_core_flops``, backward ``BACKWARD_CORE_FLOPS``
+    times that) run at the rate of the first of ``kernels`` the device has a figure for at query length
+    ``seq_len`` (``attention_efficiency``; one forward + backward rate for both passes, as the benchmarks give
+    it); under FP8 the blocks' other linears run at the FP8 rate and the head at the bf16 rate
+    (``cost_models.fp8``). A selective recomputation re-runs attention cores only, a full one the blocks'
+    forward at its mixed rate.
     """
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
-    attention_rate = _attention_rate(device, training, rate, calibration=calibration)
+    attention_rate = _attention_rate(device, training, rate, calibration=calibration, kernels=kernels,
+                                     seq_len=seq_len or training.seq_len)
     core = min(stage.attention_core_flops, stage.forward_flops)
     linear_rate, head_forward, head_backward = rate, 0.0, 0.0
     if training.precision == "fp8":
         linear_rate = device.peak_flops("fp8") * device_calibration(device, calibration).fp8_at(width)
         kept_forward, kept_backward = bf16_flops(stage)
-        head_forward, head_backward = kept_forward - core, max(0.0, kept_backward - 2 * core)
-    backward_core = min(2 * core, stage.backward_flops)
+        head_forward, head_backward = kept_forward - core, max(0.0, kept_backward - 2 * core)  # fp8.bf16_flops' head
+    backward_core = min(BACKWARD_CORE_FLOPS * core, stage.backward_flops - head_backward)
     forward = ((stage.forward_flops - core - head_forward) / linear_rate + core / attention_rate + head_forward / rate)
     backward = ((stage.backward_flops - backward_core - head_backward) / linear_rate + backward_core / attention_rate
                 + head_backward / rate)
@@ -132,10 +200,15 @@ def arithmetic_s(
     return forward, backward, recompute
 
 
-def _attention_rate(device: DeviceSpec, training: TrainingConfig, rate: float, *, calibration: Calibration) -> float:
-    """FLOP/s of the attention cores: ``attention_efficiency`` of the bf16 peak where calibrated, else ``rate``."""
-    efficiency = device_calibration(device, calibration).attention_efficiency
-    return device.peak_flops(bf16_or(training.precision)) * efficiency if efficiency else rate
+def _attention_rate(
+    device: DeviceSpec, training: TrainingConfig, rate: float,
+    *, calibration: Calibration, kernels: tuple[str, ...], seq_len: float,
+) -> float:
+    """FLOP/s of the attention cores: ``attention_efficiency`` of the peak of their dtype (bf16 under FP8), else
+    the matmul ``rate`` (no kernel figure and no calibrated fallback)."""
+    precision = bf16_or(training.precision)
+    efficiency = attention_efficiency(device, precision, kernels=kernels, seq_len=seq_len, calibration=calibration)
+    return device.peak_flops(precision) * efficiency if efficiency else rate
 
 
 def framework_overhead_s(stage: StageTotals, device: DeviceSpec, *, tp: int) -> tuple[float, float]:
@@ -171,16 +244,32 @@ def compute_lower_bound_s(
 
     ``model`` is the whole model summed as one stage: its compute spread perfectly over the ``pp`` stages,
     at the rate of its widest block (a stage is never faster). Recomputation's memory traffic is left out
-    (per stage it is not additive), so this is a bound, not an estimate.
+    (per stage it is not additive), so this is a bound, not an estimate. The attention cores are taken at the
+    fastest kernel the device has a figure for, so the bound holds whichever framework's profile the estimate
+    uses.
     """
-    forward, backward, _ = stage_compute_s(model, device, training, strategy, calibration=calibration)
+    seq_len = training.seq_len / strategy.cp
     width = model.hidden_size / strategy.tp
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
-    fastest = max(rate, _attention_rate(device, training, rate, calibration=calibration),
+    kernels = _fastest_attention(device, training, rate, seq_len=seq_len, calibration=calibration)
+    forward, backward, _ = stage_compute_s(model, device, training, strategy, calibration=calibration,
+                                           profile=replace(TESSERA, attention_kernels=kernels))
+    attention = _attention_rate(device, training, rate, calibration=calibration, kernels=kernels, seq_len=seq_len)
+    fastest = max(rate, attention,
                   device.peak_flops("fp8") * device_calibration(device, calibration).fp8_at(width)
                   if training.precision == "fp8" else 0.0)
     recompute = model.recompute_flops * strategy.micro_batch / (strategy.tp * strategy.cp * fastest)
     return (forward + backward + recompute) / strategy.pp
+
+
+def _fastest_attention(
+    device: DeviceSpec, training: TrainingConfig, rate: float, *, seq_len: float, calibration: Calibration,
+) -> tuple[str, ...]:
+    """The ``kernels`` argument that gives the fastest attention any profile can get on ``device``: the catalogued
+    kernel of the highest rate, or none (the fallback) where the fallback is faster."""
+    choices = [(kernel,) for kernel in ATTENTION_KERNELS] + [()]
+    return max(choices, key=lambda kernels: _attention_rate(device, training, rate, calibration=calibration,
+                                                            kernels=kernels, seq_len=seq_len))
 
 
 def optimizer_step_s(local_params: float, device: DeviceSpec) -> float:

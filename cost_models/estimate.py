@@ -274,7 +274,8 @@ def stage_time(
     *, calibration: Calibration = GPU_CALIBRATION, profile: ImplementationProfile = TESSERA,
 ) -> StageTime:
     """Seconds one micro-batch spends on ``stage`` (``profile``: whose implementation overlaps its TP traffic)."""
-    forward, backward, recompute = stage_compute_s(stage, cluster.device, training, strategy, calibration=calibration)
+    forward, backward, recompute = stage_compute_s(stage, cluster.device, training, strategy, calibration=calibration,
+                                                   profile=profile)
     offload = exposed_offload_s(stage, cluster.device, strategy, forward_s=forward, backward_s=backward)
     time = StageTime(forward, backward, recompute, tp_comm_s(stage, cluster, training, strategy, profile=profile),
                      pp_comm_s(stage, cluster, strategy), offload=offload)

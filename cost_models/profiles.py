@@ -29,11 +29,23 @@ there.
   micro-batches (``weight_fp8_bytes`` = 2) and saves FP8 inputs for the backward (``fp8_saves_inputs``); torchao
   float8 casts on the fly from the bf16 weight and saves what autograd saves (bf16). FSDP2 with torchao may
   all-gather FP8 weights (``fp8_all_gather``: 1 byte per parameter on the wire and in the gathered buffer).
+- **Attention kernel** (``attention_kernels``): which fused attention kernel runs the attention cores; its rate on
+  the device is a published kernel benchmark (``topology/catalog.yaml`` ``attention_tflops``), priced by
+  ``cost_models.compute.attention_efficiency``. Tessera's runtime and torchtitan call
+  ``F.scaled_dot_product_attention``, whose flash backend is FlashAttention-2 from PyTorch 2.2 (its release blog,
+  2024-01: SDPA "now supports FlashAttention-2, yielding around 2x speedups"). Megatron-Core and NeMo run
+  Transformer Engine's ``DotProductAttention``, which "prefers cuDNN flash attention on Hopper+ architectures, and
+  Tri Dao flash attention on pre-Hopper" (NeMo docs, memory_optimizations.rst, NVIDIA/NeMo PR 9188): the catalog
+  gives cuDNN figures for Hopper parts only, so an A100 resolves to FA2. llm-foundry's 2023 benchmark sweep ran
+  ``attn_impl: triton`` (``scripts/train/benchmarking/submit_benchmarks.py`` default and the ``mpt-*.yaml``
+  configs at 061f2c7ce64e), the Triton FlashAttention. Megatron-LM of 2021-2022 (SC'21, Korthikanti et al.)
+  and DeepSpeed's SC'21 runs of its model ran attention unfused (cuBLAS batched GEMMs over the whole ``s x s``
+  around a fused softmax): no kernel figure, the calibrated fallback.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tessera.errors import ConfigError
 
@@ -59,6 +71,9 @@ class ImplementationProfile:
     backward_prefetch: str = "pre"
     """When ZeRO-3 issues a block's backward all-gather: ``pre`` (before the later block's gradient computation,
     hidden behind it) or ``post`` (after it: exposed), as FSDP1's ``BackwardPrefetch``."""
+    attention_kernels: tuple[str, ...] = ("fa2",)
+    """The fused attention kernels the framework runs, in the order it prefers them: the first one the device's
+    catalog entry has a figure for prices the attention cores; none of them (or empty): the calibrated fallback."""
 
 
 DEEPSPEED_ZERO3_SLOWDOWN = 6.0
@@ -71,15 +86,18 @@ TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False)
 """torchtitan: FSDP2, torchao float8 (``enable_fsdp_float8_all_gather`` off by default), async TP on the
 forward only."""
 PYTORCH_FSDP_TE = ImplementationProfile(name="fsdp-te", fp8_saves_inputs=True, weight_fp8_bytes=2.0,
-                                        backward_prefetch="post")
+                                        backward_prefetch="post", attention_kernels=("fa-triton",))
 """PyTorch FSDP1 under MosaicML Composer (llm-foundry): ``BACKWARD_POST`` prefetch, Transformer Engine linears
-under ``amp_fp8``."""
-MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1))
-"""Megatron-LM / Megatron-Core / NeMo, Transformer Engine for FP8."""
-DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEED_ZERO3_SLOWDOWN)
-"""DeepSpeed ZeRO-3 as SC'21 measured it."""
+under ``amp_fp8``, the Triton FlashAttention (``attn_impl: triton``)."""
+MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1),
+                                 attention_kernels=("cudnn", "fa2"))
+"""Megatron-Core / NeMo: Transformer Engine for FP8 and attention (cuDNN on Hopper, FA2 before)."""
+MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=())
+"""Megatron-LM as SC'21 and Korthikanti et al. (2022) ran it: unfused attention."""
+DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEED_ZERO3_SLOWDOWN, attention_kernels=())
+"""DeepSpeed ZeRO-3 as SC'21 measured it (Megatron-LM's model code: unfused attention)."""
 
-PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, PYTORCH_FSDP_TE, MEGATRON, DEEPSPEED)}
+PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, PYTORCH_FSDP_TE, MEGATRON, MEGATRON_2021, DEEPSPEED)}
 """Every profile by name."""
 
 

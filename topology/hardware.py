@@ -4,6 +4,10 @@ The data lives in ``topology/catalog.yaml`` (units and sources are described at 
 parses it into ``DeviceSpec`` objects. The same parser reads a device written inline in a cluster file
 (``device: {name: ..., peak_tflops: {...}, ...}``), which is how ``tessera profile`` records the CPU it
 measured. ``local_cpu_device`` gives this machine's CPU with nominal figures until it is profiled.
+
+Catalog entries may also carry the published forward + backward rate of fused attention kernels on that device
+(``attention_tflops``, see the file's header); ``attention_curve`` returns it. It is a fact about a catalogued
+part, so it is read from the catalog only, not from a device written inline in a cluster file.
 """
 
 from __future__ import annotations
@@ -37,6 +41,14 @@ DEVICE_RENAMES = {"peak_flops_by_dtype": "peak_tflops", "memory_bandwidth_bytes_
                   "host_bandwidth_bytes_per_s": "host_gb_per_s (bytes/s)", "linear_overhead_s": "linear_overhead_ms"}
 """``DeviceSpec`` field names -> the file's names, for error messages (a value too large to be finite once
 converted to SI units is reported here)."""
+
+ATTENTION_KERNELS = ("fa2", "fa-triton", "cudnn", "fa3")
+"""Fused attention kernels a catalog entry may give figures for (``catalog.yaml`` header)."""
+CATALOG_ONLY_FIELDS = ("attention_tflops", "attention_source")
+"""Catalog entry fields that are not ``DeviceSpec`` fields: the attention kernels' published rates."""
+
+AttentionCurve = tuple[tuple[int, float], ...]
+"""``((sequence length, forward + backward FLOP/s), ...)`` in increasing sequence length."""
 
 
 def device_from_raw(raw: Any, *, where: str) -> DeviceSpec:
@@ -144,10 +156,53 @@ def _one_of(raw: dict[str, Any], units: dict[str, float], *, where: str) -> floa
 
 
 @functools.cache
+def _entries() -> tuple[dict[str, Any], ...]:
+    return tuple(yaml.safe_load((resources.files("tessera.topology") / "catalog.yaml").read_text()))
+
+
+@functools.cache
 def _catalog() -> dict[str, DeviceSpec]:
-    entries = yaml.safe_load((resources.files("tessera.topology") / "catalog.yaml").read_text())
-    specs = [device_from_raw(entry, where=f"catalog.yaml entry {i}") for i, entry in enumerate(entries)]
+    specs = [
+        device_from_raw({k: v for k, v in entry.items() if k not in CATALOG_ONLY_FIELDS}, where=f"catalog.yaml entry {i}")
+        for i, entry in enumerate(_entries())
+    ]
     return {spec.name: spec for spec in specs}
+
+
+@functools.cache
+def _attention_catalog() -> dict[str, dict[str, AttentionCurve]]:
+    """``{device name: {kernel: curve}}`` for the catalog entries that give attention figures."""
+    return {
+        str(entry["name"]): attention_curves_from_raw(entry["attention_tflops"], where=f"catalog.yaml entry {i}")
+        for i, entry in enumerate(_entries()) if entry.get("attention_tflops")
+    }
+
+
+def attention_curves_from_raw(raw: Any, *, where: str) -> dict[str, AttentionCurve]:
+    """``{kernel: {sequence length: TFLOP/s}}`` -> ``{kernel: curve in FLOP/s}``; errors name the field."""
+    field = f"{where}: field 'attention_tflops'"
+    if not isinstance(raw, dict):
+        raise ClusterSpecError(f"{field} must map kernels to {{sequence length: TFLOP/s}}, e.g. {{fa2: {{2048: 155}}}}")
+    curves = {}
+    for kernel, points in raw.items():
+        if kernel not in ATTENTION_KERNELS:
+            raise ClusterSpecError(f"{field}: unknown kernel {quoted(kernel)}; known: {', '.join(ATTENTION_KERNELS)}")
+        if not isinstance(points, dict) or not points:
+            raise ClusterSpecError(f"{field}.{kernel} must map sequence lengths to TFLOP/s, e.g. {{2048: 155}}")
+        for seq in points:
+            if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+                raise ClusterSpecError(f"{field}.{kernel}: sequence length {quoted(seq)} must be a positive integer")
+        curves[kernel] = tuple(
+            (seq, file_number(points[seq], f"{field}.{kernel}.{seq}", positive=True) * TFLOPS) for seq in sorted(points)
+        )
+    return curves
+
+
+def attention_curve(device_name: str, kernel: str) -> AttentionCurve | None:
+    """The published forward + backward rate of ``kernel`` on the catalogued device ``device_name`` by sequence
+    length (causal, head dim 128, counted as the kernel benchmarks count it), or ``None`` where the catalog has
+    none (an uncatalogued device, or a kernel not measured on it)."""
+    return _attention_catalog().get(device_name, {}).get(kernel)
 
 
 def local_cpu_device(ranks: int) -> DeviceSpec:

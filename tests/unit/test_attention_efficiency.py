@@ -1,0 +1,128 @@
+"""Attention cores priced at their kernel's published rate per device (``cost_models.compute.attention_efficiency``)."""
+
+import pytest
+
+from tessera.cost_models import Strategy, TrainingConfig, estimate
+from tessera.cost_models.compute import (
+    BACKWARD_CORE_FLOPS, CAUSAL_WORK, Calibration, attention_efficiency, compute_lower_bound_s, curve_at, stage_compute_s,
+)
+from tessera.cost_models.partition import block_policies, stage_totals
+from tessera.cost_models.profiles import MEGATRON, MEGATRON_2021, PYTORCH_FSDP_TE, TESSERA, TORCHTITAN
+from tessera.cost_models.types import LayerStats
+from tessera.errors import ClusterSpecError
+from tessera.topology import load_cluster
+from tessera.topology.hardware import attention_curve, attention_curves_from_raw, device
+
+GiB = 2**30
+FALLBACK = 0.4
+FLAT = Calibration(peak_fraction=0.5, half_width=0.0, traffic_factor=0.0, attention_efficiency=FALLBACK)
+CORE = 2e12  # forward FLOPs of each block's attention core (full s x s count, as FlopCounterMode measures it)
+A100, H100 = load_cluster("dgx-a100:nodes=1"), load_cluster("dgx-h100:nodes=1")
+
+
+def block(i: int) -> LayerStats:
+    return LayerStats(
+        fqn=f"blocks.{i}", kind="block", signature="b", param_count=10**9, forward_flops=1e13,
+        backward_flops=2e13 + 0.5 * CORE, saved_bytes_no_recompute=2 * GiB, saved_bytes_full_recompute=GiB // 16,
+        output_bytes=GiB // 16, hidden_size=8192, attention_heads=64, kv_heads=8, selective_recompute_flops=CORE,
+        saved_bytes_selective=GiB,
+    )
+
+
+LAYERS = [block(i) for i in range(4)]
+
+
+def training(seq_len: int = 2048, precision: str = "bf16") -> TrainingConfig:
+    return TrainingConfig(global_batch=8, seq_len=seq_len, precision=precision)
+
+
+def compute_s(cluster, profile, *, seq_len: int = 2048, strategy: str = "dp=8,zero=3,mbs=1", precision: str = "bf16"):
+    """(forward, backward, recompute) seconds of one micro-batch of the four blocks."""
+    s = Strategy.parse(strategy)
+    stage = stage_totals(LAYERS, 0, block_policies(LAYERS, s))
+    return stage_compute_s(stage, cluster.device, training(seq_len, precision), s, calibration=FLAT, profile=profile)
+
+
+def hand_s(peak: float, attention_flops_per_s: float) -> tuple[float, float]:
+    """(forward, backward) by hand: linears at half of ``peak``, the cores at ``attention_flops_per_s``."""
+    linear = 0.5 * peak
+    forward = 4 * ((1e13 - CORE) / linear + CORE / attention_flops_per_s)
+    backward = 4 * ((2e13 + 0.5 * CORE - BACKWARD_CORE_FLOPS * CORE) / linear + BACKWARD_CORE_FLOPS * CORE / attention_flops_per_s)
+    return forward, backward
+
+
+def test_a100_and_h100_attention_cores_run_at_their_own_published_kernel_rate():
+    # FlashAttention-2, causal, head dim 128, 2K tokens: 155 TFLOP/s on A100 (Dao 2023 Fig. 4d), 265 on H100 (Fig. 7),
+    # counted on half the s x s product: the measured (full) FLOPs run at twice that.
+    for cluster, peak, published in ((A100, 312e12, 155e12), (H100, 989e12, 265e12)):
+        assert attention_curve(cluster.device.name, "fa2")[2] == (2048, published)
+        forward, backward, _ = compute_s(cluster, TESSERA)
+        assert (forward, backward) == pytest.approx(hand_s(peak, published / CAUSAL_WORK))
+    a100 = attention_efficiency(A100.device, "bf16", kernels=("fa2",), seq_len=2048)
+    h100 = attention_efficiency(H100.device, "bf16", kernels=("fa2",), seq_len=2048)
+    assert a100 == pytest.approx(155 / (0.5 * 312)) and h100 == pytest.approx(265 / (0.5 * 989))
+    assert a100 > 0.9 > 0.6 > h100  # one constant cannot serve both generations
+
+
+def test_the_framework_decides_the_kernel():
+    te_h100 = attention_efficiency(H100.device, "bf16", kernels=MEGATRON.attention_kernels, seq_len=2048)
+    assert te_h100 == pytest.approx(425 / (0.5 * 989))  # cuDNN on Hopper (derived from Shah et al. 2024)
+    te_a100 = attention_efficiency(A100.device, "bf16", kernels=MEGATRON.attention_kernels, seq_len=2048)
+    assert te_a100 == attention_efficiency(A100.device, "bf16", kernels=TORCHTITAN.attention_kernels, seq_len=2048)
+    triton = attention_efficiency(A100.device, "bf16", kernels=PYTORCH_FSDP_TE.attention_kernels, seq_len=2048)
+    assert triton == pytest.approx(74 / (0.5 * 312))
+    assert compute_s(H100, MEGATRON)[1] < compute_s(H100, TORCHTITAN)[1]
+
+
+def test_unknown_device_unfused_kernels_and_fp32_fall_back_to_the_calibrated_efficiency():
+    nvl = load_cluster("dgx-h100:nodes=1,gpu=H100-NVL-94GB")  # in the catalog, no attention figures
+    assert attention_curve("H100-NVL-94GB", "fa2") is None and attention_curve("no-such-gpu", "fa2") is None
+    for dev, kernels, precision in ((nvl.device, ("fa2",), "bf16"), (H100.device, (), "bf16"),
+                                    (H100.device, ("fa2",), "fp32")):
+        assert attention_efficiency(dev, precision, kernels=kernels, seq_len=2048, calibration=FLAT) == FALLBACK
+    forward, backward, _ = compute_s(nvl, TESSERA)
+    assert (forward, backward) == pytest.approx(hand_s(835.5e12, FALLBACK * 835.5e12))
+    forward, backward, _ = compute_s(H100, MEGATRON_2021)
+    assert (forward, backward) == pytest.approx(hand_s(989e12, FALLBACK * 989e12))
+
+
+def test_rate_follows_the_sequence_length_and_is_flat_beyond_the_published_points():
+    curve = attention_curve("A100-SXM-80GB", "fa2")
+    assert curve_at(curve, 2048) == 155e12 and curve_at(curve, 256) == 99e12 and curve_at(curve, 131072) == 189e12
+    assert curve_at(curve, 2896) == pytest.approx((155e12 + 182e12) / 2, rel=1e-3)  # half-way in log2(seq)
+    short, long = compute_s(A100, TESSERA, seq_len=512), compute_s(A100, TESSERA, seq_len=8192)
+    assert short[0] > long[0]
+    # under context parallelism each rank's kernel runs its share of the sequence
+    cp = compute_s(A100, TESSERA, seq_len=8192, strategy="dp=4,cp=2,zero=3,mbs=1")
+    assert cp[0] == pytest.approx(compute_s(A100, TESSERA, seq_len=4096)[0] / 2)
+
+
+def test_selective_recompute_reruns_the_cores_at_the_kernel_rate():
+    _, _, recompute = compute_s(A100, TESSERA, strategy="dp=8,zero=3,mbs=1,recompute=selective")
+    assert recompute == pytest.approx(4 * CORE / (155e12 / CAUSAL_WORK))
+
+
+def test_lower_bound_holds_for_every_framework():
+    s = Strategy.parse("dp=8,zero=3,mbs=1")
+    whole = stage_totals(LAYERS, 0, block_policies(LAYERS, s))
+    for cluster in (A100, H100):
+        bound = compute_lower_bound_s(whole, cluster.device, training(), s, calibration=FLAT)
+        for profile in (TESSERA, MEGATRON, MEGATRON_2021, PYTORCH_FSDP_TE):
+            forward, backward, recompute = compute_s(cluster, profile)
+            assert bound <= forward + backward + recompute
+
+
+def test_estimate_prices_a_published_run_as_its_framework():
+    t, s = training(), Strategy.parse("dp=8,zero=3,mbs=1")
+    te, sdpa = (estimate(LAYERS, H100, t, s, calibration=FLAT, profile=p).compute_time_s for p in (MEGATRON, TESSERA))
+    assert te < sdpa
+
+
+def test_catalog_attention_figures_are_checked():
+    with pytest.raises(ClusterSpecError, match="unknown kernel 'fa9'; known: fa2"):
+        attention_curves_from_raw({"fa9": {2048: 100}}, where="x")
+    with pytest.raises(ClusterSpecError, match="sequence length '2k' must be a positive integer"):
+        attention_curves_from_raw({"fa2": {"2k": 100}}, where="x")
+    with pytest.raises(ClusterSpecError, match="fa2.2048"):
+        attention_curves_from_raw({"fa2": {2048: -1}}, where="x")
+    assert device("A100-SXM-80GB").name == "A100-SXM-80GB"  # the catalog-only fields do not reach DeviceSpec
