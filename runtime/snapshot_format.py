@@ -12,9 +12,16 @@ Disk checkpoints stay on DCP (``runtime.checkpoint``).
 to a multiple of :data:`ALIGN`, then the data. The header lists every chunk -- its state key
 (``model.<fqn>``, ``optim.state.<fqn>.exp_avg``), dtype, the tensor's global shape, the chunk's offsets and
 shape within it (DCP's description of a shard, ``compute_local_shape_and_global_offset``) and where its bytes
-start -- every non-tensor value (``optim.param_groups.<fqn>.lr``...; tuples tagged so that they come back as
-tuples), and the rank's RNG states (CPU and CUDA generator states as chunks ``rng.*``, Python's in the header).
-Reading one parses JSON and views bytes: nothing in it can run code.
+start -- and every non-tensor value (``optim.param_groups.<fqn>.lr``...; tuples tagged so that they come back as
+tuples). The rank's RNG states are chunks too: ``rng.cpu`` and ``rng.cuda.<i>`` (the generators' byte states)
+and ``rng.python`` (``random.getstate()`` packed as :data:`PYTHON_RNG`). Reading one parses JSON and views bytes:
+nothing in it can run code.
+
+**Staged as the file itself.** The header depends only on the state's layout (which chunks, which values), so
+:class:`StagedShards` builds it once and keeps the whole file in one buffer: header in front, chunks behind. A
+snapshot refills the chunks (one ``_foreach_copy_`` and one ``struct.pack_into`` on the training thread) and
+then writes, hashes and sends that one buffer as it is: no per-snapshot header, no per-tensor Python, one
+``write``, one hash (the header's share of it computed once), one message to the buddy.
 
 **Each chunk is written once.** A chunk held by several ranks (DDP's replicas, a tensor-parallel shard's dp
 replicas) is written by one of them, chosen to balance the bytes each rank writes: the de-duplication DCP does
@@ -46,10 +53,14 @@ from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.checkpoint_files import FileRecord, all_gather
 from tessera.runtime.tp_styles import unstrided
 
-FORMAT = "tessera-snapshot-1"
+FORMAT = "tessera-snapshot-2"
 ALIGN = 64
 """Every chunk starts at a multiple of this many bytes, so a byte view of it can be viewed as any dtype."""
 _LENGTH = struct.Struct("<Q")
+PYTHON_RNG = struct.Struct("<627qd")
+"""``random.getstate()`` as bytes: its version, the 624 Mersenne Twister words and the position, whether a
+Gaussian is cached (0/1), then that Gaussian (0.0 when none)."""
+_RNG_PYTHON = "rng.python"
 
 
 def shard_file(rank: int) -> str:
@@ -80,21 +91,19 @@ class Header(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    format: Literal["tessera-snapshot-1"]
+    format: Literal["tessera-snapshot-2"]
     rank: int
     chunks: tuple[Chunk, ...]
     values: dict[str, Any]
     """Non-tensor state values, JSON with tuples as ``{"tuple": [...]}``."""
-    rng_python: Any
-    """Python ``random.getstate()``, encoded as ``values``."""
 
 
 # ------------------------------------------------------------------------------------------------ writing
 
 
 class StagedShards:
-    """This rank's chunks of a training state, and its RNG states, copied into one buffer that is reused by
-    every snapshot of the same state layout (:meth:`refill`: the only part on the training thread)."""
+    """This rank's file of a snapshot, kept in one buffer reused by every snapshot of the same state layout: the
+    header (built once), then its chunks and RNG states (:meth:`refill`: the only part on the training thread)."""
 
     def __init__(self, tensors: dict[str, dict[str, Any]], group: dist.ProcessGroup | None, *,
                  assignments: dict) -> None:
@@ -105,7 +114,29 @@ class StagedShards:
         signature = tuple((key, geometry, value.dtype.itemsize) for key, value, geometry in held)
         if signature not in assignments:
             assignments[signature] = _writers(signature, group)
-        writers = assignments[signature]
+        chunks, self._sources = self._own_chunks(held, assignments[signature], rank)
+        start = _aligned(chunks[-1].start + chunks[-1].nbytes) if chunks else 0
+        for name, state in [*_rng_tensors(), (_RNG_PYTHON, torch.empty(PYTHON_RNG.size, dtype=torch.uint8))]:
+            chunks.append(Chunk(key=name, dtype=_dtype_name(state.dtype), global_shape=tuple(state.shape),
+                                offsets=(0,) * state.dim(), shape=tuple(state.shape), start=start))
+            start = _aligned(start + chunks[-1].nbytes)
+        header = json.dumps({"format": FORMAT, "rank": rank, "chunks": [c.model_dump() for c in chunks],
+                             "values": {key: _encode(value, key) for key, value in _flat(tensors)
+                                        if not isinstance(value, torch.Tensor)}}).encode()
+        prefix = _LENGTH.pack(len(header)) + header
+        prefix += bytes(_aligned(len(prefix)) - len(prefix))
+        self.file = torch.empty(len(prefix) + start, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        """The whole file: header, padding, then every chunk's bytes at its ``start`` (refilled in place)."""
+        self.file[:len(prefix)] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
+        self._data = self.file[len(prefix):]
+        self._views = [_view(self._data, chunk) for chunk in chunks[:-1]]
+        self._python = _view(self._data, chunks[-1]).numpy()
+        self._prefix_digest = hashlib.sha256(prefix)
+        """The header's share of the file's SHA-256 (it never changes: hashed once)."""
+
+    @staticmethod
+    def _own_chunks(held: list, writers: list[int], rank: int) -> tuple[list[Chunk], list[torch.Tensor]]:
+        """The chunks this rank writes (packed, aligned) and the tensors they are copied from."""
         chunks, sources, start = [], [], 0
         for (key, value, (global_shape, offsets, shape)), writer in zip(held, writers):
             if writer == rank:
@@ -113,38 +144,26 @@ class StagedShards:
                                     offsets=offsets, shape=shape, start=start))
                 sources.append(_local(value))
                 start = _aligned(start + chunks[-1].nbytes)
-        for name, state in _rng_tensors():
-            chunks.append(Chunk(key=name, dtype=_dtype_name(state.dtype), global_shape=tuple(state.shape),
-                                offsets=(0,) * state.dim(), shape=tuple(state.shape), start=start))
-            start = _aligned(start + chunks[-1].nbytes)
-        self._sources = sources
-        self.buffer = torch.empty(start, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        """Every chunk's bytes, at its ``start``."""
-        self._views = [_view(self.buffer, chunk) for chunk in chunks]
-        fixed = {"format": FORMAT, "rank": rank, "chunks": [c.model_dump() for c in chunks],
-                 "values": {key: _encode(value, key) for key, value in _flat(tensors)
-                            if not isinstance(value, torch.Tensor)}}
-        self._fixed_json = json.dumps(fixed)[:-1]
-        """The header without its last field (Python's RNG state): the same for every snapshot of this layout."""
+        return chunks, sources
 
-    def refill(self) -> Any:
-        """Copy the current state and RNG into the buffer (device to host where the state is on a device);
-        Python's RNG state, for :meth:`prefix`."""
+    def refill(self) -> None:
+        """Copy the current state and RNG states into the file (device to host where the state is on a device)."""
         rng = [state for _, state in _rng_tensors()]
         with torch.no_grad():
             torch._foreach_copy_(self._views, self._sources + rng)
-        return random.getstate()
+        version, internal, gauss = random.getstate()
+        PYTHON_RNG.pack_into(self._python, 0, version, *internal, gauss is not None, gauss or 0.0)
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel()
+        return self.file.numel()
 
-    def prefix(self, rng_python: Any) -> bytes:
-        """What precedes the data in the file: the header's length, the header and its padding (built on the
-        background thread: JSON of a thousand entries is not free)."""
-        header = f'{self._fixed_json}, "rng_python": {json.dumps(_encode(rng_python, "rng_python"))}}}'.encode()
-        head = _LENGTH.size + len(header)
-        return _LENGTH.pack(len(header)) + header + bytes(_aligned(head) - head)
+    def record(self) -> FileRecord:
+        """The file's size and SHA-256, hashed from memory (only the chunks: the header's share is cached;
+        hashlib releases the GIL on large buffers, so training runs on meanwhile)."""
+        digest = self._prefix_digest.copy()
+        digest.update(memoryview(self._data.numpy()))
+        return FileRecord(size_bytes=self.nbytes, sha256=digest.hexdigest())
 
 
 def _refuse_strided_splits(held: list) -> None:
@@ -158,15 +177,12 @@ def _refuse_strided_splits(held: list) -> None:
                           "rely on disk checkpoints (pm.save), which hold them")
 
 
-def write_shard(path: Path, prefix: bytes, data: torch.Tensor) -> FileRecord:
-    """Write ``prefix`` and ``data`` (bytes) to ``path``; its size and SHA-256, hashed from memory."""
-    view = memoryview(data.numpy()) if data.numel() else b""
-    digest = hashlib.sha256(prefix)
-    digest.update(view)  # hashlib releases the GIL on large buffers: training runs on meanwhile
+def write_shard(path: Path, file: torch.Tensor) -> FileRecord:
+    """Write ``file`` (bytes) to ``path``; its size and SHA-256, hashed from memory."""
+    view = memoryview(file.numpy()) if file.numel() else b""
     with path.open("wb") as handle:
-        handle.write(prefix)
         handle.write(view)
-    return FileRecord(size_bytes=len(prefix) + data.numel(), sha256=digest.hexdigest())
+    return FileRecord(size_bytes=file.numel(), sha256=hashlib.sha256(view).hexdigest())
 
 
 def _writers(signature: tuple, group: dist.ProcessGroup | None) -> list[int]:
@@ -216,9 +232,14 @@ class Shard:
         return _view(self.data, chunk)
 
     def rng(self) -> tuple[dict[str, torch.Tensor], Any]:
-        """This file's RNG chunks by name, and Python's state."""
+        """This file's generator states by name (``rng.cpu``, ``rng.cuda.<i>``), and Python's state (``None``
+        when the file has none of the right size)."""
         found = {c.key: self.tensor(c) for c in self.header.chunks if c.key.startswith("rng.")}
-        return found, _decode(self.header.rng_python)
+        packed = found.pop(_RNG_PYTHON, None)
+        if packed is None or packed.numel() != PYTHON_RNG.size:
+            return found, None
+        version, *internal, cached, gauss = PYTHON_RNG.unpack(packed.numpy().tobytes())
+        return found, (version, tuple(internal), gauss if cached else None)
 
 
 def load_shards(tensors: dict[str, dict[str, Any]], shards: list[Shard]) -> None:

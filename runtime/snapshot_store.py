@@ -7,18 +7,28 @@
       .tessera-save.lock          the node leader's flock while the run uses the store
       step-00000007/              a committed snapshot: the files this node holds (its own ranks' and its
         manifest.json  COMPLETE   buddy node's), and the manifest of the WHOLE snapshot (every rank's files)
-        .metadata  __2_0.distcp  rng/rank-00002.pt ...
+        rank-00002.snap  rank-00003.snap  rank-00000.snap  rank-00001.snap  plan.json  data.pt
       .step-00000008.partial/     being written: never read
       .recovery-step-00000007.partial/, recovery/step-00000007/   a snapshot being assembled for a load
+      .spare/                     the snapshot last pruned: its files are overwritten by the next snapshot
 
 A store folder is *committed* when its ``COMPLETE`` marker is the SHA-256 of its ``manifest.json``. Unlike a
 disk checkpoint, it holds only some of the files its manifest lists: a file counts as held when it is present
-with the recorded size and SHA-256 (:func:`held_files`); a missing or damaged one is simply not held here.
+with the recorded size and SHA-256 (:func:`held_files`); a missing or damaged one (its copy still arriving, or
+torn when its writer was killed) is simply not held here.
 
 **Only Tessera's own files.** A store is used only if it is new, empty, or carries the marker; inside it, only
 names Tessera writes (``step-N``, ``.step-N.partial``, the recovery folders, the marker and lock) are ever
 pruned or removed. :func:`remove_store` (a clean finish) deletes those and the folder itself if nothing else is
 left in it.
+
+**Files are recycled, not recreated.** On tmpfs a new file's pages are allocated and zeroed as it is written and
+freed when it is deleted: for a 0.72 MB file, writing a new one and deleting an old one costs 0.42 ms of CPU,
+overwriting an existing one 0.06 ms (measured on this project's 2-core machine). So the snapshot a commit prunes
+is renamed ``.spare`` instead of deleted, and the next snapshot's writers move their files out of it
+(:func:`reuse_spare`, an atomic rename) and overwrite them in place. The host memory is the same as deleting it
+and writing anew (the spare is the in-flight snapshot's memory); a file moved into a snapshot folder holds either
+the old bytes -- which its SHA-256 no longer matches -- or the new ones.
 
 Snapshots live in memory (tmpfs): they survive the training process, not a reboot, so nothing is fsynced.
 """
@@ -38,6 +48,7 @@ from tessera.runtime.checkpoint_files import (
 STORE_MARKER = ".tessera-snapshots"
 RECOVERY_FOLDER = "recovery"
 RECOVERY_PREFIX = f".recovery-{STEP_PREFIX}"
+SPARE_FOLDER = ".spare"
 
 
 def open_store(store: Path) -> int:
@@ -54,7 +65,7 @@ def open_store(store: Path) -> int:
         raise ConfigError(f"snapshot store {store} is in use: {error}") from None
     (store / STORE_MARKER).write_text("in-memory snapshots of one Tessera run (tessera.runtime.snapshots)\n")
     for entry in _own_entries(store):
-        if entry.name.endswith(PARTIAL_SUFFIX) or entry.name == RECOVERY_FOLDER:
+        if entry.name.endswith(PARTIAL_SUFFIX) or entry.name in (RECOVERY_FOLDER, SPARE_FOLDER):
             shutil.rmtree(entry, ignore_errors=True)
     return handle
 
@@ -72,9 +83,33 @@ def commit_snapshot(partial: Path, manifest: Manifest, *, keep: int) -> Path:
     final = step_folder(partial.parent, manifest.step)
     shutil.rmtree(final, ignore_errors=True)  # the same step from a run that went on past a later recovery point
     os.rename(partial, final)
-    for older in committed_snapshots(partial.parent)[keep:]:
-        shutil.rmtree(older, ignore_errors=True)
+    for index, older in enumerate(committed_snapshots(partial.parent)[keep:]):
+        if index or not _make_spare(older):
+            shutil.rmtree(older, ignore_errors=True)
     return final
+
+
+def _make_spare(folder: Path) -> bool:
+    """Rename a pruned snapshot ``folder`` to the store's spare (replacing the previous spare, whose files the
+    snapshots since have taken or left); whether it worked. The rename takes it out of the committed names at
+    once: it is never read again, only its files' pages reused."""
+    spare = folder.parent / SPARE_FOLDER
+    shutil.rmtree(spare, ignore_errors=True)
+    try:
+        os.rename(folder, spare)
+    except OSError:  # a writer's race left something there: prune it the ordinary way
+        return False
+    return True
+
+
+def reuse_spare(store: Path, name: str, folder: int, target: str) -> None:
+    """Move the spare's file ``name`` (if it has one) to ``target`` in the open folder ``folder``, where it is
+    overwritten in place (the caller opens it without truncating). Atomic: each spare file is
+    taken by one writer or pruned, never both; a missing one just means a new file."""
+    try:
+        os.rename(store / SPARE_FOLDER / name, target, dst_dir_fd=folder)
+    except OSError:
+        pass
 
 
 def committed_snapshots(store: Path) -> list[Path]:
@@ -138,6 +173,6 @@ def _own_entries(store: Path) -> list[Path]:
     def ours(name: str) -> bool:
         bare = name.lstrip(".").removesuffix(PARTIAL_SUFFIX)
         return step_of(Path(bare)) is not None or name.startswith(RECOVERY_PREFIX) and name.endswith(
-            PARTIAL_SUFFIX) or name == RECOVERY_FOLDER
+            PARTIAL_SUFFIX) or name in (RECOVERY_FOLDER, SPARE_FOLDER)
 
     return [entry for entry in store.iterdir() if ours(entry.name)]

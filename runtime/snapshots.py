@@ -17,21 +17,39 @@ still exists on a survivor. A node and its buddy lost together: the snapshot is 
 back to the newest disk checkpoint, saying why. One node only: no buddy, snapshots survive process failures.
 
 **Off the critical path.** At a snapshot step the training thread only copies the state into a staging buffer
-(one buffer per rank, allocated once, pinned where there is a GPU, refilled by one ``_foreach_copy_``) and
-records RNG and data position; a background thread then writes the file, hashes it from memory, sends it to the
-buddy (gloo send/recv of the same buffer) and commits, on a process group of its own, so its collectives never
-interleave with training's. That thread runs at the lowest CPU priority (nice 19, ``background_nice``), and so
-do gloo's threads for its group (created from it): where training keeps every core busy, it yields to training.
-At most one snapshot is in flight: if the previous one is still being written at the next snapshot step,
-training waits for it (the staging buffer is free again only then; skipping that step instead would need every
-rank to decide alike, which costs a collective on the training thread).
+(``snapshot_format.StagedShards``: the rank's whole file -- header built once, chunks behind it -- allocated once,
+pinned where there is a GPU, refilled by one ``_foreach_copy_``) and records the data position; a background
+thread then writes that buffer as the rank's file, hashes it from memory, agrees with the other ranks, sends it
+to the buddy and commits, on a process group of its own, so its collectives never interleave with training's.
+That thread runs at the lowest CPU priority (nice 19, ``background_nice``), and so do gloo's threads for its
+group (created from it): where training keeps every core busy, it yields to training. At most one snapshot is in
+flight: if the previous one is still being written at the next snapshot step, training waits for it (the
+staging buffer is free again only then; skipping that step instead would need every rank to decide alike, which
+costs a collective on the training thread).
 
-**Commit.** A snapshot exists only once every rank has written and replicated its files: the ranks agree on
-that (one all-gather of every rank's file records, one flag all-reduce after the copy) and each node's leader
-writes the whole snapshot's manifest (every file's size and SHA-256, over all ranks) and the ``COMPLETE``
-marker, and renames its folder (one more flag all-reduce says it did). Each store keeps the newest ``keep`` (2)
-committed snapshots, so the previous one stays intact while the next is written (double buffering): a rank
-killed mid-snapshot leaves an ignored partial folder and the previous snapshot is used.
+**One collective per snapshot.** Where training saturates the host's cores (CPU training), each collective of
+the snapshot thread is CPU taken from training (measured on 4 gloo ranks: ~0.4 ms of CPU per rank for a flag
+all-reduce, ~3 ms for an object all-gather; ``benchmarks/snapshot_overhead.py``). So a snapshot runs exactly one
+collective, besides the copy to the buddy: an all-reduce of a small integer table in which each rank fills its
+own row -- whether it failed (writing this snapshot, or copying or committing the previous one), and its files'
+sizes and SHA-256 (rank 0 also its clock, the manifest's time). The sum is every row on every rank: every
+leader writes the same manifest, each rank knows what its buddy partner will send, and a failure anywhere raises
+the same ``CheckpointError`` on every rank. Then each rank swaps files with its buddy partners (one gloo
+send/recv pair) and each node's leader commits; a failure of that copy or commit is reported by the next
+snapshot's all-reduce (or by ``close``), one snapshot later than it happened.
+
+**Commit.** A node's leader commits a snapshot once every rank has written its own file (the all-reduce says so)
+and it has copied its own share: it writes the whole snapshot's manifest (every rank's files: size and SHA-256)
+and the ``COMPLETE`` marker, and renames the folder. The other ranks of the node write the files they receive
+through a handle on the folder opened before that rename, so they land in the committed folder whenever they
+arrive. A committed folder's manifest is final but its files are each checked at recovery (size and SHA-256,
+``snapshot_store.held_files``): a file still missing or torn -- its writer killed in the copy -- is simply not
+held there, and recovery takes the newest step every file of which some store holds intact. Snapshot ``N``'s
+all-reduce also proves that every rank finished snapshot ``N - 1`` -- its own file and its copy -- without error,
+so once ``N`` is committed ``N - 1`` is complete on every node; each store keeps the newest ``keep`` (at least 2)
+committed snapshots, so a complete one always remains while the next is written (double buffering): a rank
+killed mid-snapshot leaves an ignored partial folder (or an incomplete newest step) and the previous snapshot is
+used.
 
 **Host memory.** Per node: ``keep + 1`` copies (kept, plus the one in flight) of its own and its buddy's shards,
 and each rank's staging buffer. Before the first snapshot is written the store's free space (tmpfs: host RAM) or
@@ -48,6 +66,7 @@ import io
 import logging
 import os
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -64,14 +83,20 @@ from tessera.runtime.checkpoint import PendingSave, TrainingState, training_tens
 from tessera.runtime.checkpoint_files import (
     DATA_FILE, PLAN_FILE, FileRecord, Manifest, all_gather, attempt, step_folder, together,
 )
-from tessera.runtime.snapshot_format import StagedShards, shard_file, write_shard
+from tessera.runtime.snapshot_format import StagedShards, shard_file
 from tessera.runtime.snapshot_store import (
-    commit_snapshot, free_bytes, open_store, partial_snapshot, remove_store, store_bytes,
+    commit_snapshot, free_bytes, open_store, partial_snapshot, remove_store, reuse_spare, store_bytes,
 )
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SNAPSHOT_ROOT = Path("/dev/shm")
+_DIGEST = struct.Struct("<4q")
+"""A SHA-256 as four int64 words: how digests travel in the agreement's integer table."""
+_ROW = 1 + 1 + 4
+"""A rank's row of the table: failed (0/1), its file's size, its SHA-256."""
+_TAIL = 2 * (1 + 4) + 1
+"""Rank 0's extra entries: the plan's and the data position's size and SHA-256, then its clock (ns)."""
 
 
 class SnapshotConfig(BaseModel):
@@ -87,8 +112,9 @@ class SnapshotConfig(BaseModel):
     """Ranks on each node; default torchrun's ``LOCAL_WORLD_SIZE`` (every rank on one node without it)."""
     nodes_per_switch: int | None = Field(default=None, ge=1)
     """Nodes under one switch: the buddy is that many nodes away (default 1: the next node)."""
-    keep: int = Field(default=2, ge=1)
-    """Committed snapshots each store keeps (2: the previous one stays while the next is written)."""
+    keep: int = Field(default=2, ge=2)
+    """Committed snapshots each store keeps (at least 2: the newest is known complete on every node only once the
+    next snapshot's agreement says so, so the one before it must stay)."""
     background_nice: int = Field(default=19, ge=0, le=19)
     """The snapshot thread's nice value (Linux; 19: the lowest priority, it yields to training; 0: training's
     own, where other jobs on the host would otherwise starve it and training waits for it at the next snapshot)."""
@@ -170,6 +196,11 @@ class Snapshotter:
         self._plan: tuple | None = None
         self._pending: PendingSave | None = None
         self._checked_memory = False
+        self._carried: str | None = None
+        """This rank's failure copying or committing the last snapshot: reported by the next agreement (the
+        background thread's; read elsewhere only while no snapshot is in flight)."""
+        self._incoming: torch.Tensor | None = None
+        """The buffer the buddy partner's files arrive in (reused while their size stays the same)."""
         self.background_cpu_s = 0.0
         """CPU seconds the background thread has spent writing, copying and committing snapshots (its own time,
         ``time.thread_time``; gloo's threads and the training thread's staging are not in it)."""
@@ -182,15 +213,15 @@ class Snapshotter:
             self.snapshot(state)
 
     def snapshot(self, state: TrainingState) -> PendingSave:
-        """Stage ``state`` and write it in the background (after the previous snapshot is committed)."""
+        """Stage ``state`` and write it in the background (after the previous snapshot is done)."""
         self.wait()
         staged = self._staged_for(state)
-        rng_python = staged.refill()
+        staged.refill()
         if not self._checked_memory:
             self._check_host_memory(staged.nbytes)
             self._checked_memory = True
         side = {"data": self._data_state() if self._data_state else None,
-                "plan": self._plan_json(state) if self.rank == 0 else None}
+                "plan": self._plan_bytes(state) if self.rank == 0 else None}
         step, strategy = state.step, state.plan.strategy.to_string()
         partial = partial_snapshot(self.store, step)
         future: Future = Future()
@@ -198,7 +229,7 @@ class Snapshotter:
         def run() -> None:
             started = time.thread_time()
             try:
-                self._write(staged.buffer, staged.prefix(rng_python), side, partial, step=step, strategy=strategy)
+                self._write(staged, side, partial, step=step, strategy=strategy)
                 future.set_result(None)
             except BaseException as error:  # surfaced by wait()
                 future.set_exception(error)
@@ -210,20 +241,29 @@ class Snapshotter:
         return self._pending
 
     def wait(self) -> Path | None:
-        """Block until the snapshot in flight (if any) is committed on every node; its folder here."""
+        """Block until this rank's part of the snapshot in flight (if any) is done: its file written and copied
+        to the buddy node, and on a node's leader the node's commit; the folder it has (or will have) here. A
+        failure of another rank's copy or commit is raised on every rank by the next snapshot or by ``close``."""
         pending, self._pending = self._pending, None
         return pending.wait() if pending is not None else None
 
     def close(self) -> None:
-        """A clean finish: wait for the snapshot in flight, then every node's leader removes its store."""
+        """A clean finish: wait for the snapshot in flight, agree that every rank is done with it (raising on
+        every rank its copy or commit failure, if any rank had one), then every node's leader removes its store."""
         try:
             self.wait()
         finally:
-            together(lambda: self._remove_store() if self.layout.is_leader(self.rank) else None, self.group,
-                     what=f"removing snapshot store {self.store}")
-            if self._lock is not None:
-                os.close(self._lock)
-                self._lock = None
+            carried, self._carried = self._carried, None
+            try:
+                problems = [p for p in all_gather(carried, self.group) if p]  # also: no rank still writes
+                if problems:
+                    raise CheckpointError(problems[0])
+            finally:
+                together(lambda: self._remove_store() if self.layout.is_leader(self.rank) else None, self.group,
+                         what=f"removing snapshot store {self.store}")
+                if self._lock is not None:
+                    os.close(self._lock)
+                    self._lock = None
 
     def _remove_store(self) -> None:
         remove_store(self.store)
@@ -235,9 +275,11 @@ class Snapshotter:
 
     # ---------------------------------------------------------------------------------------- training thread
 
-    def _plan_json(self, state: TrainingState) -> str:
+    def _plan_bytes(self, state: TrainingState) -> tuple[bytes, FileRecord]:
+        """The plan's JSON and its record, made once per plan."""
         if self._plan is None or self._plan[0] is not state.plan:
-            self._plan = (state.plan, state.plan.to_json())
+            content = state.plan.to_json().encode()
+            self._plan = (state.plan, (content, _record(content)))
         return self._plan[1]
 
     def _staged_for(self, state: TrainingState) -> StagedShards:
@@ -278,60 +320,90 @@ class Snapshotter:
 
     # ---------------------------------------------------------------------------------------- background thread
 
-    def _write(self, data: torch.Tensor, prefix: bytes, side: dict[str, Any], partial: Path, *, step: int,
-               strategy: str) -> None:
-        """Write and hash this rank's files (rank 0: also the plan and data position), tell every rank their
-        records and sizes (one object all-gather), exchange the files with the buddy node, then commit. Each
-        outcome is agreed by one flag all-reduce (a second gather only carries the messages of a failure): the
-        fewest collectives, and the least Python, the commit discipline allows."""
-        group, layout = self.group, self.layout
-        written, problem = attempt(lambda: self._write_own(data, prefix, side, partial), group,
-                                   what=f"writing snapshot {partial}")
-        records, pieces = written if written is not None else ({}, [])
-        shares = all_gather((records, [piece.numel() for piece in pieces], problem), group)
-        problems = [problem for _, _, problem in shares if problem]
-        if problems:
-            raise CheckpointError(problems[0])
-        if layout.shift:
-            sizes = shares[layout.partner(self.rank, offset=-layout.shift)][1]
-            _all_succeed(lambda: self._exchange(pieces, sizes, partial), group,
-                         what=f"copying snapshot {partial} to the buddy node")
-        files = {name: record for records, _, _ in shares for name, record in records.items()}
-        manifest = Manifest(step=step, world_size=layout.world, strategy=strategy, saved_unix_s=time.time(),
-                            files=dict(sorted(files.items())))
-        _all_succeed(lambda: commit_snapshot(partial, manifest, keep=self.config.keep)
-                     if layout.is_leader(self.rank) else None, group, what=f"committing snapshot {partial}")
+    def _write(self, staged: StagedShards, side: dict[str, Any], partial: Path, *, step: int, strategy: str) -> None:
+        """Write this rank's files (rank 0: also the plan and data position), agree (the one all-reduce), copy
+        them to the buddy partner and take the partner's, commit on a node's leader. The folder is held open
+        from before the agreement, so that files arriving after the leader's rename still land in it."""
+        files, problem = attempt(lambda: self._write_own(staged, side, partial), self.group,
+                                 what=f"writing snapshot {partial}")
+        folder, pieces, records = files if files is not None else (None, [], {})
+        try:
+            carried, self._carried = self._carried, None
+            table = self._agree_on_table(records, problem or carried)
+            _, self._carried = attempt(lambda: self._exchange(pieces, table, folder), self.group,
+                                       what=f"copying snapshot {partial} to the buddy node")
+            if self.layout.is_leader(self.rank):
+                manifest = _manifest(table, step=step, world=self.layout.world, strategy=strategy)
+                _, problem = attempt(lambda: commit_snapshot(partial, manifest, keep=self.config.keep), self.group,
+                                     what=f"committing snapshot {partial}")
+                self._carried = self._carried or problem
+        finally:
+            if folder is not None:
+                os.close(folder)
 
-    def _write_own(self, data: torch.Tensor, prefix: bytes, side: dict[str, Any],
-                   partial: Path) -> tuple[dict[str, FileRecord], list[torch.Tensor]]:
-        """This rank's files, written; their records, and their contents as the pieces sent to the buddy
-        (header, staged buffer, then rank 0's plan and data position)."""
+    def _write_own(self, staged: StagedShards, side: dict[str, Any],
+                   partial: Path) -> tuple[int, list[torch.Tensor], dict[str, FileRecord]]:
+        """This rank's files, written into ``partial``: a handle on the folder, the files' contents (the pieces
+        sent to the buddy: the staged file, then rank 0's plan and data position) and their records."""
         partial.mkdir(parents=True, exist_ok=True)
-        records = {shard_file(self.rank): write_shard(partial / shard_file(self.rank), prefix, data)}
-        pieces = [torch.frombuffer(bytearray(prefix), dtype=torch.uint8), data]
-        if self.rank == 0:
-            data_bytes = io.BytesIO()
-            torch.save(side["data"], data_bytes)
-            for name, content in zip(_side(0), (side["plan"].encode(), data_bytes.getvalue())):
-                (partial / name).write_bytes(content)
-                records[name] = FileRecord(size_bytes=len(content), sha256=hashlib.sha256(content).hexdigest())
-                pieces.append(torch.frombuffer(bytearray(content), dtype=torch.uint8))
-        return records, pieces
+        folder = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            reuse_spare(self.store, shard_file(self.rank), folder, shard_file(self.rank))
+            if self.layout.shift:  # the file the buddy partner will send, overwritten once it has arrived
+                source = self.layout.partner(self.rank, offset=-self.layout.shift)
+                reuse_spare(self.store, shard_file(source), folder, _arriving(shard_file(source)))
+            _write_file(folder, shard_file(self.rank), staged.file)
+            pieces, records = [staged.file], {shard_file(self.rank): staged.record()}
+            if self.rank == 0:
+                data = io.BytesIO()
+                torch.save(side["data"], data)
+                for name, (content, record) in zip(_side(0), (side["plan"], (data.getvalue(), None))):
+                    _write_file(folder, name, content)
+                    records[name] = record or _record(content)
+                    pieces.append(torch.frombuffer(bytearray(content), dtype=torch.uint8))
+        except BaseException:
+            os.close(folder)
+            raise
+        return folder, pieces, records
 
-    def _exchange(self, pieces: list[torch.Tensor], sizes: list[int], partial: Path) -> None:
+    def _agree_on_table(self, records: dict[str, FileRecord], problem: str | None) -> torch.Tensor:
+        """The one all-reduce: every rank's row (failed, its file's size and hash; rank 0's plan, data position
+        and clock in the tail), summed, so every rank has every row. ``CheckpointError`` on every rank if any
+        failed (a second, rare gather carries the messages)."""
+        world = self.layout.world
+        table = torch.zeros(world * _ROW + _TAIL, dtype=torch.int64)
+        row = table[self.rank * _ROW:(self.rank + 1) * _ROW]
+        row[0] = problem is not None
+        if problem is None:
+            _put(row[1:], records[shard_file(self.rank)])
+            if self.rank == 0:
+                tail = table[world * _ROW:]
+                for index, name in enumerate(_side(0)):
+                    _put(tail[index * 5:(index + 1) * 5], records[name])
+                tail[-1] = time.time_ns()
+        if self.group is not None:
+            dist.all_reduce(table, group=self.group)
+        if int(table[:world * _ROW:_ROW].sum()):
+            raise CheckpointError(next(p for p in all_gather(problem, self.group) if p))
+        return table
+
+    def _exchange(self, pieces: list[torch.Tensor], table: torch.Tensor, folder: int) -> None:
         """Send ``pieces`` (this rank's files) to the partner on the buddy node, and write the files of the
-        rank whose buddy this node is (``sizes``: its pieces' sizes, from the all-gather before). Not hashed
-        on arrival: recovery checks every file against the manifest's SHA-256 before using it
-        (``snapshot_store.held_files``)."""
+        rank whose buddy this node is (their sizes: the table's). Not hashed on arrival: recovery checks every
+        file against the manifest's SHA-256 before using it (``snapshot_store.held_files``)."""
         layout = self.layout
+        if not layout.shift:
+            return
         target, source = layout.partner(self.rank, offset=layout.shift), layout.partner(self.rank, offset=-layout.shift)
-        incoming = torch.empty(sum(sizes), dtype=torch.uint8)
-        self._swap([p for p in pieces if p.numel()], [p for p in incoming.split(sizes) if p.numel()], target, source)
-        whole, offset = incoming.numpy(), 0
-        for name, size in zip([shard_file(source), *_side(source)], [sizes[0] + sizes[1], *sizes[2:]]):
-            with (partial / name).open("wb") as handle:
-                handle.write(memoryview(whole[offset:offset + size]))
-            offset += size
+        names = [shard_file(source), *_side(source)]
+        sizes = [int(table[source * _ROW + 1])] + [int(table[layout.world * _ROW + i * 5]) for i in range(len(names) - 1)]
+        if self._incoming is None or self._incoming.numel() != sum(sizes):
+            self._incoming = torch.empty(sum(sizes), dtype=torch.uint8)
+        incoming = list(self._incoming.split(sizes))
+        self._swap([p for p in pieces if p.numel()], [p for p in incoming if p.numel()], target, source)
+        for name, content in zip(names, incoming):  # under a temporary name until whole: never a torn final name
+            _write_file(folder, _arriving(name), content)
+            os.rename(_arriving(name), name, src_dir_fd=folder, dst_dir_fd=folder)
 
     def _swap(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor], target: int, source: int) -> None:
         ops = [dist.P2POp(dist.isend, piece, target, group=self.group) for piece in outgoing]
@@ -396,19 +468,49 @@ def _side(rank: int) -> tuple[str, ...]:
     return (PLAN_FILE, DATA_FILE) if rank == 0 else ()
 
 
-def _all_succeed(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> T | None:
-    """``together(action)`` for the background thread's hot path: success is agreed by one flag all-reduce;
-    only a failure gathers the messages (every rank then raises the first as a ``CheckpointError``)."""
-    value, problem = attempt(action, group, what=what)
-    if group is None:
-        failed = problem is not None
-    else:
-        flag = torch.tensor([problem is not None], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        failed = bool(flag)
-    if failed:
-        raise CheckpointError(next(p for p in all_gather(problem, group) if p))
-    return value
+def _record(content: bytes) -> FileRecord:
+    return FileRecord(size_bytes=len(content), sha256=hashlib.sha256(content).hexdigest())
+
+
+def _put(entries: torch.Tensor, record: FileRecord) -> None:
+    """``record`` into five table entries: size, then the SHA-256 as four words."""
+    entries[0] = record.size_bytes
+    entries[1:5] = torch.tensor(_DIGEST.unpack(bytes.fromhex(record.sha256)))
+
+
+def _get(entries: torch.Tensor) -> FileRecord:
+    size, *words = entries.tolist()
+    return FileRecord(size_bytes=size, sha256=_DIGEST.pack(*words).hex())
+
+
+def _manifest(table: torch.Tensor, *, step: int, world: int, strategy: str) -> Manifest:
+    """The whole snapshot's manifest from the agreed table: the same on every leader (rank 0's clock)."""
+    files = {shard_file(rank): _get(table[rank * _ROW + 1:(rank + 1) * _ROW]) for rank in range(world)}
+    tail = table[world * _ROW:]
+    files.update({name: _get(tail[index * 5:(index + 1) * 5]) for index, name in enumerate(_side(0))})
+    return Manifest(step=step, world_size=world, strategy=strategy, saved_unix_s=int(tail[-1]) / 1e9,
+                    files=dict(sorted(files.items())))
+
+
+def _write_file(folder: int, name: str, content: torch.Tensor | bytes) -> None:
+    """Write ``content`` as file ``name`` of the open folder ``folder`` (``os.write`` of one view: no copy), over
+    the bytes of a recycled file where there is one (``snapshot_store.reuse_spare``: not truncated first, so its
+    pages are reused; cut to size after)."""
+    view = memoryview(content.numpy() if isinstance(content, torch.Tensor) else content).cast("B")
+    size = len(view)
+    handle = os.open(name, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=folder)
+    try:
+        while view:
+            view = view[os.write(handle, view):]
+        if os.fstat(handle).st_size > size:
+            os.ftruncate(handle, size)
+    finally:
+        os.close(handle)
+
+
+def _arriving(name: str) -> str:
+    """The temporary name of file ``name`` while it arrives from the buddy partner."""
+    return f".{name}.arriving"
 
 
 def agree(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> T:

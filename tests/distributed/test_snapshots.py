@@ -1,18 +1,18 @@
 """In-memory snapshots (``runtime.snapshots``) and recovery from peers (``runtime.snapshot_recovery``).
 
 Four ranks are two simulated nodes (ranks 0-1 and 2-3), each with its own store folder. They train with a
-snapshot every step and a disk checkpoint every ``DISK_EVERY`` steps. Rank 3 (node 1) dies in the middle of the
-snapshot after step ``LAST_COMMITTED``: every rank has written its own file of it, none has been copied to the
-buddy node or committed (the other ranks are then killed, as torchrun's restart does). From the stores this
-leaves, three restarts, each on its own copy:
+snapshot every step and a disk checkpoint every ``DISK_EVERY`` steps. Rank 3 (node 1) dies in the middle of
+writing its own file of the snapshot after step ``LAST_COMMITTED + 1``: its file is torn, the ranks never agree on
+that snapshot, nothing of it is copied to the buddy node or committed (the other ranks are then killed, as
+torchrun's restart does). From the stores this leaves, three restarts, each on its own copy:
 
 - **a rank killed mid-snapshot** (same world: 4 ranks, both stores intact, same plan): the half-written snapshot
   is ignored and the previous one (step ``LAST_COMMITTED``) is loaded, every rank getting its own RNG back;
 - **a node killed after step** ``LAST_COMMITTED`` (node 1's store deleted; the two survivors, another plan): it
   resumes from the snapshot of step ``LAST_COMMITTED`` -- not the disk checkpoint of step ``DISK_EVERY`` --
   resharded from tp x dp on 4 ranks to ZeRO-3 on 2;
-- **the buddy lost too** (node 1's copies in node 0's store also gone): it says so and falls back to the disk
-  checkpoint of step ``DISK_EVERY``.
+- **the buddy lost too** (node 1's copies in node 0's store torn: one truncated, one with a byte changed): it
+  says so and falls back to the disk checkpoint of step ``DISK_EVERY``.
 
 Every loss before and after each restart equals an uninterrupted single-process run. Batches are drawn with the
 global RNG from a pool, so resumed losses match only if the snapshot restored the RNG. Economy: one spawn of 4
@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessera.errors import ConfigError
+from tessera.runtime import snapshots
 from tessera.runtime.apply import apply_plan
 from tessera.runtime.elastic import resume_if_possible
 from tessera.runtime.launch import WorkerError, spawn
@@ -86,15 +87,31 @@ def _start(strategy: str, stores: Path, seed: int):
     return pm, store
 
 
+def _torn_own_file(write):
+    """Rank 3's ``snapshots._write_file`` (``write``: the real one): its own file of the next snapshot is written
+    halfway, then the process dies."""
+
+    def torn(folder: int, name: str, content) -> None:
+        if name != "rank-00003.snap":
+            return write(folder, name, content)
+        handle = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=folder)
+        os.write(handle, memoryview(content.numpy())[:content.numel() // 2])
+        os._exit(1)
+
+    return torn
+
+
 def train_then_lose_rank_three_mid_snapshot(stores: Path, disk: Path, log: Path) -> None:
-    """4 ranks; rank 3 dies while the snapshot after step ``LAST_COMMITTED + 1`` is copied to its buddy."""
+    """4 ranks; rank 3 dies halfway through writing its file of the snapshot after step ``LAST_COMMITTED + 1``."""
     pm, store = _start(BEFORE, stores, SEED)
     torch.manual_seed(DATA_SEED)
     pool = make_batches(GPT, POOL)
     while pm.step < STEPS:
-        if pm.step == LAST_COMMITTED and dist.get_rank() == 3:  # its own file written, nothing copied or committed
-            pm.wait_for_snapshot()  # not the snapshot of LAST_COMMITTED, still being copied in the background
-            pm.snapshots._exchange = lambda *args: os._exit(1)
+        if pm.step == LAST_COMMITTED:
+            pm.wait_for_snapshot()  # each rank's part of the snapshot of LAST_COMMITTED (a leader's: its commit)
+            dist.barrier()  # ... on every rank: that snapshot is committed on both nodes
+            if dist.get_rank() == 3:
+                snapshots._write_file = _torn_own_file(snapshots._write_file)
         loss = pm.train_step(draw(pool))  # starts the snapshot of pm.step in the background
         if dist.get_rank() == 0:
             _log(log, phase="before", step=pm.step - 1, loss=loss)
@@ -122,9 +139,14 @@ def both_recoveries(runs: list[tuple[Path, str]], disk: Path, log: Path) -> dict
 
 
 def lose_the_buddy_copies(stores: Path) -> None:
-    """Node 0 loses what it held for node 1 (ranks 2 and 3): as if node 1's buddy had failed with it."""
-    for path in (stores / "node0").glob("step-*/rank-0000[23].snap"):
-        path.unlink()
+    """Node 0's copies of node 1's files (ranks 2 and 3) are torn -- one truncated, one with a byte changed --
+    in every committed snapshot: as if node 1's buddy had failed with it; recovery must see both as not held."""
+    for path in (stores / "node0").glob("step-*/rank-00002.snap"):
+        path.write_bytes(path.read_bytes()[:-1])
+    for path in (stores / "node0").glob("step-*/rank-00003.snap"):
+        content = bytearray(path.read_bytes())
+        content[-1] ^= 0xFF
+        path.write_bytes(bytes(content))
 
 
 def _listing(store: Path) -> dict[str, list[str]]:
@@ -139,6 +161,10 @@ def fault_run(tmp_path_factory) -> dict:
     with pytest.raises(WorkerError) as lost:
         spawn(train_then_lose_rank_three_mid_snapshot, nprocs=4, args=(stores, disk, log), timeout_s=300)
     left = {node: _listing(stores / node) for node in ("node0", "node1")}
+    committed, half = f"step-{LAST_COMMITTED:08d}", f".step-{LAST_COMMITTED + 1:08d}.partial"
+    torn = {"torn": (stores / "node1" / half / "rank-00003.snap").stat().st_size,
+            "whole": (stores / "node1" / committed / "rank-00003.snap").stat().st_size,
+            "manifests": [(stores / node / committed / "manifest.json").read_text() for node in ("node0", "node1")]}
     same_world = root / "stores-same-world"
     shutil.copytree(stores, same_world)
     same = spawn(recover_and_finish, nprocs=4, args=(same_world, disk, log, "same world", BEFORE), timeout_s=300)
@@ -149,7 +175,7 @@ def fault_run(tmp_path_factory) -> dict:
     results = spawn(both_recoveries, nprocs=2, args=([(stores, "snapshot"), (buddy_lost, "disk")], disk, log),
                     timeout_s=300)
     events = [json.loads(line) for line in log.read_text().splitlines()]
-    return {"error": str(lost.value), "left": left, "same world": same[0], "results": results, "events": events,
+    return {"error": str(lost.value), "left": left, "torn": torn, "same world": same[0], "results": results, "events": events,
             "stores": [stores, buddy_lost, same_world], "seconds": time.monotonic() - started,
             "cpu_s": _ranks_cpu_s() - cpu}
 
@@ -167,7 +193,14 @@ def test_rank_three_died_mid_snapshot_and_left_the_previous_snapshot_committed(f
         steps = [name for name in folders if name.startswith("step-")]
         assert steps == [f"step-{LAST_COMMITTED - 1:08d}", f"step-{LAST_COMMITTED:08d}"], (node, folders)
         assert "COMPLETE" not in folders[half], (node, folders)  # written, never committed
-    assert "rank-00003.snap" in fault_run["left"]["node1"][half]  # rank 3 had written its own file
+    assert "rank-00003.snap" in fault_run["left"]["node1"][half]  # rank 3 had begun its own file...
+    assert 0 < fault_run["torn"]["torn"] < fault_run["torn"]["whole"]  # ... and died halfway through it
+
+
+def test_every_node_commits_the_same_manifest(fault_run):
+    # recovery combines the files of several stores only under one manifest text
+    node0, node1 = fault_run["torn"]["manifests"]
+    assert node0 == node1 and len(json.loads(node0)["files"]) == 4 + 2  # every rank's file, rank 0's plan and data
 
 
 def test_a_rank_killed_mid_snapshot_resumes_from_the_previous_snapshot_in_the_same_world(fault_run):

@@ -18,10 +18,12 @@ def _state() -> dict:
                       "param_groups.w.lr": 1e-3, "param_groups.w.foreach": None}}
 
 
-def _write(path, state) -> None:
+def _write(path, state) -> StagedShards:
     staged = StagedShards(state, None, assignments={})
-    rng = staged.refill()
-    write_shard(path, staged.prefix(rng), staged.buffer)
+    staged.refill()
+    record = write_shard(path, staged.file)
+    assert staged.record() == record  # the cached header hash plus the chunks' is the file's SHA-256
+    return staged
 
 
 def _target() -> dict:
@@ -32,6 +34,7 @@ def _target() -> dict:
 
 def test_a_state_round_trips_with_its_values_and_rng(tmp_path):
     state = _state()
+    random.gauss(0.0, 1.0)  # Python's generator now caches a Gaussian: the packed state must keep it
     _write(tmp_path / "rank-00000.snap", state)
     target = _target()
     shard = Shard(tmp_path / "rank-00000.snap")
@@ -42,19 +45,37 @@ def test_a_state_round_trips_with_its_values_and_rng(tmp_path):
     assert target["optim"]["param_groups.w.lr"] == 1e-3 and target["optim"]["param_groups.w.foreach"] is None
     tensors, python = shard.rng()
     assert torch.equal(tensors["rng.cpu"], torch.get_rng_state()) and python == random.getstate()
+    assert python[2] is not None
     assert all(chunk.start % ALIGN == 0 for chunk in shard.header.chunks)
+
+
+def test_a_refill_rewrites_the_same_buffer_with_the_new_state_and_rng(tmp_path):
+    state = _state()
+    staged = _write(tmp_path / "a.snap", state)
+    buffer, before = staged.file.data_ptr(), staged.record()
+    state["model"]["w"].add_(1.0)
+    random.random()
+    staged.refill()
+    assert staged.file.data_ptr() == buffer and staged.record() != before
+    write_shard(tmp_path / "b.snap", staged.file)
+    target = _target()
+    shard = Shard(tmp_path / "b.snap")
+    load_shards(target, [shard])
+    assert torch.equal(target["model"]["w"], state["model"]["w"])
+    assert shard.rng()[1] == random.getstate()
 
 
 def _handmade(path, chunks: list[tuple[Chunk, torch.Tensor]]) -> None:
     """A file whose chunks the test chooses (as other ranks' shards would be)."""
-    header = json.dumps({"format": "tessera-snapshot-1", "rank": 0, "chunks": [c.model_dump() for c, _ in chunks],
-                         "values": {}, "rng_python": None}).encode()
+    header = json.dumps({"format": "tessera-snapshot-2", "rank": 0, "chunks": [c.model_dump() for c, _ in chunks],
+                         "values": {}}).encode()
     size = max(c.start + c.nbytes for c, _ in chunks)
     data = torch.zeros(-(-size // ALIGN) * ALIGN, dtype=torch.uint8)
     for chunk, tensor in chunks:
         data[chunk.start:chunk.start + chunk.nbytes] = tensor.contiguous().view(torch.uint8).flatten()
     head = 8 + len(header)
-    write_shard(path, len(header).to_bytes(8, "little") + header + bytes(-(-head // ALIGN) * ALIGN - head), data)
+    prefix = len(header).to_bytes(8, "little") + header + bytes(-(-head // ALIGN) * ALIGN - head)
+    write_shard(path, torch.cat([torch.frombuffer(bytearray(prefix), dtype=torch.uint8), data]))
 
 
 def test_chunks_from_several_files_are_resharded_into_the_target_by_overlap(tmp_path):
