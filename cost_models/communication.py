@@ -16,6 +16,11 @@ see ``Strategy``). Collective times come from ``topology.collectives``.
   (``DeviceSpec.solo_speedup > 1``) overlap nothing: gloo moves the bytes on the cores the compute is using.
   ZeRO collectives are scaled by FSDP2's measured slowdown where profiled, and ZeRO-3's by the framework's
   (``sharded_comm_slowdown``, ``cost_models.profiles``: DeepSpeed's 2021 ZeRO-3, not PyTorch FSDP).
+  Each gather and each reduce-scatter is one collective per FSDP unit, not one of the stage's whole parameters:
+  FSDP2 all-gathers and reduce-scatters every ``fully_shard`` group on its own (``sharded_units``), so a stage of
+  ``b`` blocks pays the collectives' latency ``b + 1`` times per pass (measured on 4 gloo ranks: ZeRO-3's
+  per-micro-batch gathers of 5 units cost ~0.3 s a step more than ZeRO-2's one gather, where one collective of the
+  stage's bytes priced 0.09 s; benchmarks/results/per-layer-truth-*).
 - Tensor parallelism on a device with a measured per-linear overhead at that degree: the collectives' fixed
   costs are in that overhead (``compute.framework_overhead_s``); here only what their bytes add.
 - Pipeline: one activation send forward and one gradient send backward per micro-batch and chunk.
@@ -124,9 +129,25 @@ def dp_comm_s(
     gathers, scatters = sharded_collective_counts(strategy, micro_batches=micro_batches)
     gathers = effective_gathers(stage, strategy, gathers=gathers, micro_batches=micro_batches)
     kinds = ("zero_allgather", "zero_reducescatter") if strategy.zero < 3 else ("fsdp_allgather", "fsdp_reducescatter")
-    comm = {kinds[1]: s * scatters * reduce_scatter_time(cluster, grads, **group),
-            kinds[0]: s * gathers * all_gather_time(cluster, weights, **group)}
+    units = sharded_units(stage)
+    comm = {kinds[1]: s * scatters * units * reduce_scatter_time(cluster, grads / units, **group),
+            kinds[0]: s * gathers * units * all_gather_time(cluster, weights / units, **group)}
     return split_unprefetched_gathers(comm, strategy, profile=profile, micro_batches=micro_batches)
+
+
+def sharded_units(stage: StageTotals, *, experts: bool = False) -> int:
+    """FSDP units of ``stage`` that each all-gather and reduce-scatter in collectives of their own: every block and
+    the root (embeddings, final norm, head) where the stage holds any of it (``runtime.data_parallel.apply_fsdp``:
+    ``fully_shard`` per block, then on the root); with ``experts``, the routed experts' units, one per MoE layer
+    (``runtime.expert_parallel.expert_units``; a layer's local experts wrapped one by one are more, not counted).
+
+    The stage's parameters are priced as this many equal collectives: with a collective's time affine in its bytes
+    (latency plus bytes over bandwidth), ``units * t(bytes / units)`` is the sum of the units' own times.
+    """
+    if experts:
+        return max(stage.moe_layers, 1)
+    root = 1 if stage.root_sharded_params or stage.root_replicated_params else 0
+    return max(stage.blocks + root, 1)
 
 
 UNPREFETCHED = "fsdp_allgather_backward"
@@ -184,10 +205,11 @@ def _grouped_dp_comm_s(
     """``dp_comm_s`` with context or expert parallelism: dense gradients over the dp * cp ranks, expert ones over
     edp * cp, each group reduced hierarchically over its two mesh axes (``cost_models.sparse``)."""
     totals: dict[str, float] = {}
-    for params, axes in gradient_families(stage, strategy):
+    for index, (params, axes) in enumerate(gradient_families(stage, strategy)):
         if not axes:
             continue
         grads, s = params * FP32, sharded_slowdown
+        units = sharded_units(stage, experts=index == 1)  # gradient_families: dense first, then routed experts
         weights = gathered_weight_bytes(stage, training, strategy, params, profile=profile)
         if strategy.zero == 0:
             kinds = {"dp_allreduce": group_all_reduce_s(cluster, grads, axes)}
@@ -195,8 +217,8 @@ def _grouped_dp_comm_s(
             gathers, scatters = sharded_collective_counts(strategy, micro_batches=micro_batches)
             gathers = effective_gathers(stage, strategy, gathers=gathers, micro_batches=micro_batches)
             prefix = "zero" if strategy.zero < 3 else "fsdp"
-            kinds = {f"{prefix}_reducescatter": s * scatters * group_reduce_scatter_s(cluster, grads, axes),
-                     f"{prefix}_allgather": s * gathers * group_all_gather_s(cluster, weights, axes)}
+            kinds = {f"{prefix}_reducescatter": s * scatters * units * group_reduce_scatter_s(cluster, grads / units, axes),
+                     f"{prefix}_allgather": s * gathers * units * group_all_gather_s(cluster, weights / units, axes)}
         for kind, seconds in kinds.items():
             totals[kind] = totals.get(kind, 0.0) + seconds
     return split_unprefetched_gathers(totals, strategy, profile=profile, micro_batches=micro_batches)
