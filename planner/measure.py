@@ -14,7 +14,8 @@ mask code does, and calls ``.item()`` otherwise -- take their tracing path. Per 
   is first saved (views and repeats count once); parameter and buffer storages are never counted.
 - selective-recompute bytes: what stays saved when each attention core (SDPA call) is recomputed -- see
   ``tessera.planner.kernels``; ``None`` for a layer without one. ``core_flops``: the cores' forward FLOPs.
-- full-recompute bytes = bytes of the layer's tensor inputs; output bytes = bytes of its tensor outputs.
+- full-recompute bytes = bytes of the layer's tensor inputs (each storage charged to the first layer it enters);
+  output bytes = bytes of its tensor outputs.
 
 Repeated blocks of a container are replayed after two identical ones (``tessera.planner.replay``), so a deep model
 costs what a shallow one does. Attention is measured as the fused flash kernel (``tessera.planner.kernels``);
@@ -300,8 +301,12 @@ def _tensor_bytes(value: object, resident: dict[int, object]) -> int:
 def _io_hooks(
     model: nn.Module, tallies: dict[str, Tally], scope: _Scope, resident: dict[int, object]
 ) -> Iterator[None]:
-    """Track the running layer and record each layer's input and output bytes and output width."""
+    """Track the running layer and record each layer's input and output bytes and output width.
+
+    An input storage is charged to the first layer it enters: tensors every block receives (Hugging Face's mask
+    and rotary ``position_embeddings``) are held once, however many checkpointed blocks keep them."""
     handles = []
+    inputs_seen: dict[int, object] = {}  # storage id -> storage (the reference keeps ids unique)
     for fqn in tallies:
         if fqn == LOSS:
             continue
@@ -309,7 +314,9 @@ def _io_hooks(
 
         def pre(_m: nn.Module, args: tuple, kwargs: dict, fqn: str = fqn) -> None:
             scope.stack.append(fqn)
-            tallies[fqn].input_bytes += _tensor_bytes((args, kwargs), resident)
+            tallies[fqn].input_bytes += _tensor_bytes((args, kwargs), {**resident, **inputs_seen})
+            inputs_seen.update((id(t.untyped_storage()), t.untyped_storage())
+                               for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
         def post(_m: nn.Module, _args: tuple, output: object, fqn: str = fqn) -> None:
             scope.stack.pop()

@@ -63,13 +63,16 @@ def test_qwen2_window_covering_the_sequence_is_global() -> None:
 
 
 def test_jamba_hybrid_of_state_space_and_attention_blocks() -> None:
-    graph = hf_capture(transformers.JambaConfig, num_hidden_layers=4, num_key_value_heads=2, attn_layer_period=2,
+    graph = hf_capture(transformers.JambaConfig, num_hidden_layers=6, num_key_value_heads=2, attn_layer_period=2,
                        attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0, num_experts=4,
                        num_experts_per_tok=2, mamba_d_state=4, mamba_dt_rank=8)
-    assert kinds(graph) == ["ssm-moe", "attention", "ssm-moe", "attention"]
+    assert kinds(graph) == ["ssm-moe", "attention"] * 3
     mamba_moe, attention = graph.blocks[0], graph.blocks[1]
     assert mamba_moe.experts == 4 and mamba_moe.attention_heads == 0 and attention.attention_heads == 4
-    assert mamba_moe.signature == graph.blocks[2].signature != attention.signature
+    assert graph.blocks[2].signature == graph.blocks[4].signature != graph.blocks[3].signature
+    # the first block holds the inputs every block receives (mask, positions): a checkpoint keeps them once
+    assert mamba_moe.saved_bytes_full_recompute > graph.blocks[2].saved_bytes_full_recompute
+    assert mamba_moe.forward_flops == graph.blocks[2].forward_flops
 
 
 def test_tessera_models_are_global_attention_and_moe() -> None:

@@ -105,3 +105,27 @@ def test_profiles_by_name_and_a_clear_error_for_an_unknown_one():
     assert profile("deepspeed") is DEEPSPEED and profile("megatron") is MEGATRON and set(PROFILES) >= {"tessera", "torchtitan"}
     with pytest.raises(ConfigError, match="unknown implementation profile 'colossal'; known: tessera"):
         profile("colossal")
+
+
+def test_zero_collectives_are_priced_per_fully_shard_unit():
+    """Each block and the root gather and scatter on their own (``apply_fsdp``): the stage's bytes cost
+    ``units`` collectives of ``bytes / units`` each, so their latency counts once per unit."""
+    from tessera.cost_models.communication import dp_comm_s, sharded_units
+    from tessera.topology.collectives import all_gather_time, reduce_scatter_time
+
+    embedding = LayerStats(fqn="embed", kind="embedding", signature="e", param_count=10**8, forward_flops=0.0,
+                           backward_flops=0.0, saved_bytes_no_recompute=0, saved_bytes_full_recompute=0,
+                           output_bytes=GiB // 16, hidden_size=8192)
+    blocks_only = stage_totals([block(i) for i in range(4)], 0, {})
+    with_root = stage_totals([embedding, *(block(i) for i in range(4))], 0, {})
+    assert sharded_units(blocks_only) == 4 and sharded_units(with_root) == 5
+
+    cluster, training = load_cluster("dgx-h100:nodes=2"), TrainingConfig(global_batch=32, seq_len=4096)
+    strategy = Strategy.parse("dp=16,zero=3,mbs=2")
+    comm = dp_comm_s(with_root, cluster, training, strategy, micro_batches=1)
+    params, group = with_root.sharded_params + with_root.replicated_params, {"group_size": 16}
+    gather = 5 * all_gather_time(cluster, params * 2 / 5, **group)  # bf16 weights, one gather per unit
+    scatter = 5 * reduce_scatter_time(cluster, params * 4 / 5, **group)  # fp32 gradients
+    assert comm["fsdp_allgather"] == pytest.approx(2 * gather)  # forward and backward gathers of 1 micro-batch
+    assert comm["fsdp_reducescatter"] == pytest.approx(scatter)
+    assert gather > all_gather_time(cluster, params * 2, **group)  # five latencies, not one
