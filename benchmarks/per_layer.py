@@ -11,16 +11,15 @@ Each model is planned three ways on GPU presets, every plan at its own optimum w
   today (recomputation per block, uneven stage sizes; ``refine.RUNTIME_BLOCK_OPTIONS``);
 - **per-layer (all)**: also activation offload and per-block ZeRO-3 resharding (``refine.ALL_BLOCK_OPTIONS``).
 
-The models (capture of the presets, with one ``LayerStats``-level change stated below):
+The models (captures of presets and of one Hugging Face config):
 
 - ``deepseek-v3``: the preset (arXiv:2412.19437 Sec. 4.2), its first 3 layers dense (FFN 18432), the other 58
   MoE (two block signatures);
-- ``gemma3-27b`` with local attention: the preset's shape (Gemma 3 27B, arXiv:2503.19786: 62 layers, vocabulary
-  262,144) at 32K tokens, its Gemma pattern applied here: 5 local sliding-window layers (window 1024) per global
-  one. Tessera's attention has no window, so a local block is the captured block priced as a windowed kernel
-  (FlashAttention's ``window_size``, flex attention) runs it: its attention core cut to the window
-  (``planner.layer_info.with_windowed_attention``: ``s w - w^2 / 2`` of ``s^2 / 2`` query-key pairs, forward and
-  backward);
+- ``gemma3-27b (hf, 5 local : 1 global)``: Hugging Face's Gemma 3 27B (``gemma3_text``, its published config:
+  62 layers, 5 sliding-window layers of 1024 tokens per global one, vocabulary 262,208) at 32K tokens, captured as
+  built for FlashAttention 2: capture measures SDPA and prices each local block's attention core at the window's
+  share of the pairs (``LayerGraph.windowed_attention``, ``planner.layer_info.with_windowed_attention``:
+  ``s w - w^2 / 2`` of ``s^2 / 2`` query-key pairs, forward and backward);
 - ``llama-256k-vocab``: Llama 3 8B's blocks with a 256K vocabulary (Gemma's 256,000) at 8K tokens: uniform
   blocks, a heavy embedding and head;
 - ``gemma3-27b``: the preset itself (every layer global, vocabulary 262,144) at 8K tokens, free and with the
@@ -48,13 +47,12 @@ from tessera.cost_models import TrainingConfig  # noqa: E402
 from tessera.cost_models.types import LayerStats  # noqa: E402
 from tessera.planner.capture import capture_preset  # noqa: E402
 from tessera.planner.layer_graph import LayerGraph  # noqa: E402
-from tessera.planner.layer_info import with_windowed_attention  # noqa: E402
 from tessera.planner.refine import ALL_BLOCK_OPTIONS, RUNTIME_BLOCK_OPTIONS  # noqa: E402
 from tessera.planner.search import best_candidate, rank_candidates, search  # noqa: E402
 from tessera.topology.presets import load_cluster  # noqa: E402
 
 LLAMA_256K = "llama:layers=1,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=256000,seq=8192"
-GEMMA3_WINDOW, GEMMA3_LOCAL_PER_GLOBAL, GEMMA3_SEQ = 1024, 5, 32768
+GEMMA3_SEQ = 32768
 
 
 def stack(one_block: LayerGraph, blocks: list[LayerStats], name: str) -> LayerGraph:
@@ -67,23 +65,16 @@ def stack(one_block: LayerGraph, blocks: list[LayerStats], name: str) -> LayerGr
     return one_block.model_copy(update={"model_name": name, "layers": tuple(ordered), "edges": edges, "seq_scaling": ()})
 
 
-def local_attention(block: LayerStats, *, seq_len: int, window: int) -> LayerStats:
-    """``block`` as a causal sliding-window block run by a windowed kernel (``layer_info.with_windowed_attention``:
-    its attention core cut to the window's pairs, forward and backward; its saved bytes are flash attention's,
-    which do not grow with the pairs)."""
-    local = block.model_copy(update={"block_kind": "local-attention", "attention_window": window,
-                                     "signature": block.signature + f"-local{window}"})
-    return with_windowed_attention(local, seq_len=seq_len)
+GEMMA3_27B_HF = ("hf:gemma3_text:num_hidden_layers=62,hidden_size=5376,intermediate_size=21504,num_attention_heads=32,"
+                 "num_key_value_heads=16,head_dim=128,vocab_size=262208,sliding_window=1024,"
+                 "max_position_embeddings=131072,attn_implementation=flash_attention_2")
+"""Gemma 3 27B as Hugging Face declares it (its ``config.json``: 62 layers, ``layer_types`` 5 sliding : 1 full by
+default, window 1024), built to train with FlashAttention 2, which computes only the pairs inside each window."""
 
 
 def gemma3_local_global() -> tuple[LayerGraph, int]:
-    graph = capture_preset("gemma3-27b", seq_len=GEMMA3_SEQ)
-    period = GEMMA3_LOCAL_PER_GLOBAL + 1
-    layers = tuple(local_attention(layer, seq_len=GEMMA3_SEQ, window=GEMMA3_WINDOW)
-                   if layer.kind == "block" and (int(layer.fqn.rpartition(".")[2]) + 1) % period else layer
-                   for layer in graph.layers)
-    return graph.model_copy(update={"model_name": "gemma3-27b (5 local : 1 global)", "layers": layers,
-                                    "seq_scaling": ()}), GEMMA3_SEQ
+    graph = capture_preset(GEMMA3_27B_HF, seq_len=GEMMA3_SEQ)
+    return graph.model_copy(update={"model_name": "gemma3-27b (hf, 5 local : 1 global)"}), GEMMA3_SEQ
 
 
 def llama_256k_vocab() -> tuple[LayerGraph, int]:
@@ -102,7 +93,7 @@ INTERLEAVED = {"pp": 4, "schedule": "interleaved", "virtual_stages": 2}
 # (name, builder, [(cluster, global batch[, pins])], uniform control?)
 MODELS = [
     ("deepseek-v3", preset("deepseek-v3", 4096), [("dgx-h100:nodes=32", 1024), ("dgx-h100:nodes=128", 4096)], False),
-    ("gemma3-27b (5 local : 1 global)", gemma3_local_global, [("dgx-h100:nodes=4", 64), ("dgx-h100:nodes=16", 256)], False),
+    ("gemma3-27b (hf, 5 local : 1 global)", gemma3_local_global, [("dgx-h100:nodes=4", 64), ("dgx-h100:nodes=16", 256)], False),
     ("llama-256k-vocab", llama_256k_vocab, [("dgx-h100:nodes=1", 64), ("dgx-a100:nodes=4", 256), ("dgx-a100:nodes=4", 256, INTERLEAVED)],
      False),
     ("gemma3-27b", preset("gemma3-27b", 8192), [("dgx-h100:nodes=4", 128), ("dgx-h100:nodes=4", 128, INTERLEAVED)], False),
