@@ -20,6 +20,7 @@ sequence length (``attention_efficiency``). A device or kernel with no published
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -117,17 +118,22 @@ def attention_efficiency(
     (fp32: no flash kernel) and devices or kernels without a figure take ``calibration``'s fitted
     ``attention_efficiency`` (0: the caller's matmul rate).
     """
-    curve = _kernel_curve(device, precision, kernels)
-    if curve is None:
+    published = published_attention_flops(device.name, precision, kernels, seq_len)
+    if published is None:
         return device_calibration(device, calibration).attention_efficiency
-    return curve_at(curve, seq_len) / (CAUSAL_WORK * device.peak_flops(precision))
+    return published / (CAUSAL_WORK * device.peak_flops(precision))
 
 
-def _kernel_curve(device: DeviceSpec, precision: str, kernels: tuple[str, ...]) -> AttentionCurve | None:
-    """The published curve of the first of ``kernels`` measured on ``device`` in ``precision`` (bf16/fp16 only)."""
+@functools.lru_cache(maxsize=4096)  # the catalog is read once; a search asks the same few lengths ~10^5 times
+def published_attention_flops(
+    device_name: str, precision: str, kernels: tuple[str, ...], seq_len: float
+) -> float | None:
+    """FLOP/s of the first of ``kernels`` with a published curve on the catalogued ``device_name`` in
+    ``precision`` (bf16/fp16 only) at ``seq_len`` (``curve_at``), or ``None``."""
     if precision not in ("bf16", "fp16"):
         return None
-    return next((curve for kernel in kernels if (curve := attention_curve(device.name, kernel))), None)
+    curve = next((curve for kernel in kernels if (curve := attention_curve(device_name, kernel))), None)
+    return None if curve is None else curve_at(curve, seq_len)
 
 
 def curve_at(curve: AttentionCurve, seq_len: float) -> float:
@@ -253,7 +259,7 @@ def compute_lower_bound_s(
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
     kernels = _fastest_attention(device, training, rate, seq_len=seq_len, calibration=calibration)
     forward, backward, _ = stage_compute_s(model, device, training, strategy, calibration=calibration,
-                                           profile=replace(TESSERA, attention_kernels=kernels))
+                                           profile=_tessera_with(kernels))
     attention = _attention_rate(device, training, rate, calibration=calibration, kernels=kernels, seq_len=seq_len)
     fastest = max(rate, attention,
                   device.peak_flops("fp8") * device_calibration(device, calibration).fp8_at(width)
@@ -262,14 +268,23 @@ def compute_lower_bound_s(
     return (forward + backward + recompute) / strategy.pp
 
 
+@functools.lru_cache(maxsize=16)
+def _tessera_with(kernels: tuple[str, ...]) -> ImplementationProfile:
+    """Tessera's profile on ``kernels`` (built once per kernel choice: the bound is taken ~10^5 times a search)."""
+    return replace(TESSERA, attention_kernels=kernels)
+
+
 def _fastest_attention(
     device: DeviceSpec, training: TrainingConfig, rate: float, *, seq_len: float, calibration: Calibration,
 ) -> tuple[str, ...]:
     """The ``kernels`` argument that gives the fastest attention any profile can get on ``device``: the catalogued
     kernel of the highest rate, or none (the fallback) where the fallback is faster."""
-    choices = [(kernel,) for kernel in ATTENTION_KERNELS] + [()]
-    return max(choices, key=lambda kernels: _attention_rate(device, training, rate, calibration=calibration,
-                                                            kernels=kernels, seq_len=seq_len))
+    precision = bf16_or(training.precision)
+    published = [(flops, (kernel,)) for kernel in ATTENTION_KERNELS
+                 if (flops := published_attention_flops(device.name, precision, (kernel,), seq_len))]
+    fastest, kernels = max(published, default=(0.0, ()))
+    fallback = _attention_rate(device, training, rate, calibration=calibration, kernels=(), seq_len=seq_len)
+    return kernels if fastest > fallback else ()
 
 
 def optimizer_step_s(local_params: float, device: DeviceSpec) -> float:

@@ -30,7 +30,8 @@ the logits without their last dim (the token ids), else zeros.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections import ChainMap
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
@@ -285,7 +286,7 @@ def _stand_in(value: object, mode: FakeTensorMode | None, dtype: torch.dtype) ->
     return stand_in.requires_grad_(value.requires_grad)
 
 
-def _tensor_bytes(value: object, resident: dict[int, object]) -> int:
+def _tensor_bytes(value: object, resident: Mapping[int, object]) -> int:
     """Bytes of the tensors in a (nested) value, skipping parameters and buffers."""
     return sum(
         t.numel() * t.element_size()
@@ -314,7 +315,7 @@ def _io_hooks(
 
         def pre(_m: nn.Module, args: tuple, kwargs: dict, fqn: str = fqn) -> None:
             scope.stack.append(fqn)
-            tallies[fqn].input_bytes += _tensor_bytes((args, kwargs), {**resident, **inputs_seen})
+            tallies[fqn].input_bytes += _tensor_bytes((args, kwargs), ChainMap(inputs_seen, resident))
             inputs_seen.update((id(t.untyped_storage()), t.untyped_storage())
                                for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
