@@ -31,6 +31,12 @@ from tessera.planner.ilp_mixed import (
 from tessera.topology.cluster import Cluster
 
 MAX_SOLVES = 16
+MAX_INFEASIBLE = 32
+"""Outer candidates refined at most: ``MAX_SOLVES`` whose integer program ran (or was pruned by its bound), and
+beside them up to ``MAX_INFEASIBLE`` that nothing fits, uniform or mixed (cheap: the program proves it at once).
+Counted apart because at tight budgets the fastest candidates are often ones nothing fits, which would otherwise
+use up the solves before a candidate that can fit is reached; the keys refined are a superset of those the first
+``MAX_SOLVES`` alone would reach, in the same order, so the plan is never slower for it."""
 BUDGET_RETRIES = 2
 
 
@@ -80,20 +86,25 @@ def refine(
     """Integer-program refinements of the most promising outer candidates (those that beat nothing are dropped)."""
     several_kinds = len(block_kinds(layers)[1]) > 1
     incumbent = next((e.step_time_s for _, e in scored if e.fits), float("inf"))
-    seen, refined = set(), []
+    seen, refined, spent, hopeless = set(), [], 0, 0
     fitting = {outer_key(s) for s, e in scored if e.fits}  # outer candidates some uniform policy fits
     for strategy, _ in scored:
         key = outer_key(strategy)
         if key in seen or key.pp * key.virtual_stages > sum(l.kind == "block" for l in layers):
             continue
         seen.add(key)
-        if len(seen) > MAX_SOLVES:
+        if spent >= MAX_SOLVES or hopeless >= MAX_INFEASIBLE:
             break
+        infeasible_before = stats.infeasible
         # Zero-bubble splits the backward; the runtime cannot recompute under it, so only stage sizes are chosen.
         allowed = ["none"] if key.schedule == "zero-bubble" else [
             p for p in policies if p != "selective" or runtime_conflict(strategy_features(key) | {"selective"}) is None]
         found = _refine_one(layers, cluster, training, key, policies=allowed, incumbent=incumbent, stats=stats)
         incumbent = _keep_if_better(found, incumbent, refined, stats)
+        if not found and key not in fitting and stats.infeasible > infeasible_before:
+            hopeless += 1  # nothing fits it: the mixed program below does not run either
+            continue
+        spent += 1
         options = block_option_names(key, cluster, allowed, block_options)
         # The mixed program where it can add something: blocks of several kinds or more options than the table's,
         # on an outer candidate that fits at all (with a uniform policy, or as the table program found).
