@@ -8,7 +8,7 @@
       step-00000007/              a committed snapshot: the files this node holds (its own ranks' and its
         manifest.json  COMPLETE   buddy node's), and the manifest of the WHOLE snapshot (every rank's files)
         rank-00002.snap  rank-00003.snap  rank-00000.snap  rank-00001.snap  plan.json  data.pt
-      .step-00000008.partial/     being written: never read
+      .step-00000008.partial/     being written: never read (.step-00000008.take-1.partial: the same step again)
       .recovery-step-00000007.partial/, recovery/step-00000007/   a snapshot being assembled for a load
       .spare/                     the snapshot last pruned: its files are overwritten by the next snapshot
 
@@ -70,9 +70,15 @@ def open_store(store: Path) -> int:
     return handle
 
 
-def partial_snapshot(store: Path, step: int) -> Path:
-    """Where this node writes the snapshot of ``step`` before committing it."""
-    return store / f".{STEP_PREFIX}{step:08d}{PARTIAL_SUFFIX}"
+TAKE_MARK = ".take-"
+"""Between a step and ``PARTIAL_SUFFIX`` in the partial folder of a step snapshotted again (``.step-N.take-2.partial``)."""
+
+
+def partial_snapshot(store: Path, step: int, *, take: int = 0) -> Path:
+    """Where this node writes the snapshot of ``step`` before committing it (``take``: how many times this step
+    was snapshotted before: each take has its own partial folder)."""
+    again = f"{TAKE_MARK}{take}" if take else ""
+    return store / f".{STEP_PREFIX}{step:08d}{again}{PARTIAL_SUFFIX}"
 
 
 def commit_snapshot(partial: Path, manifest: Manifest, *, keep: int) -> Path:
@@ -171,7 +177,7 @@ def _own_entries(store: Path) -> list[Path]:
         return []
 
     def ours(name: str) -> bool:
-        bare = name.lstrip(".").removesuffix(PARTIAL_SUFFIX)
+        bare = name.lstrip(".").removesuffix(PARTIAL_SUFFIX).partition(TAKE_MARK)[0]
         return step_of(Path(bare)) is not None or name.startswith(RECOVERY_PREFIX) and name.endswith(
             PARTIAL_SUFFIX) or name in (RECOVERY_FOLDER, SPARE_FOLDER)
 

@@ -196,6 +196,8 @@ class Snapshotter:
         self._plan: tuple | None = None
         self._pending: PendingSave | None = None
         self._checked_memory = False
+        self._last_take: tuple[int, int] = (-1, 0)
+        """(step, take) of the last snapshot: a step snapshotted again gets a partial folder of its own."""
         self._carried: str | None = None
         """This rank's failure copying or committing the last snapshot: reported by the next agreement (the
         background thread's; read elsewhere only while no snapshot is in flight)."""
@@ -223,7 +225,12 @@ class Snapshotter:
         side = {"data": self._data_state() if self._data_state else None,
                 "plan": self._plan_bytes(state) if self.rank == 0 else None}
         step, strategy = state.step, state.plan.strategy.to_string()
-        partial = partial_snapshot(self.store, step)
+        # A step taken again (no training step between) is written to a partial folder of its own: a rank ahead
+        # of its leader would otherwise join the previous take's partial, which the leader is about to commit as
+        # this step's folder and then replace with this take's.
+        take = self._last_take[1] + 1 if self._last_take[0] == step else 0
+        self._last_take = (step, take)
+        partial = partial_snapshot(self.store, step, take=take)
         future: Future = Future()
 
         def run() -> None:

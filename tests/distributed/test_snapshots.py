@@ -298,3 +298,45 @@ def test_the_snapshot_thread_yields_to_training_and_counts_its_cpu_time(tmp_path
     assert int(stat.rsplit(")", 1)[1].split()[16]) == 19  # field 19 of stat: the thread's nice value
     assert pm.snapshots.background_cpu_s > 0
     pm.close()
+
+
+# ---------------------------------------------------------------------------------- the same step again
+
+
+def snapshot_one_step_repeatedly(stores: Path, takes: int) -> dict:
+    """4 ranks as 2 nodes, DDP: one step, then ``takes`` snapshots of that same step back to back, each leader
+    slow to commit (the other rank of its node runs ahead into the next take). What each node's store holds."""
+    from tessera.runtime import snapshot_store
+
+    pm, store = _start("dp=4,mbs=2", stores, SEED)
+    pm.snapshots, manager = None, pm.snapshots  # snapshots taken by hand below
+    pm.train_step(make_batches(GPT, 1)[0])
+    if manager.layout.is_leader(manager.rank):
+        commit = snapshots.commit_snapshot
+
+        def slow_commit(*args, **kwargs):
+            time.sleep(0.2)
+            return commit(*args, **kwargs)
+
+        snapshots.commit_snapshot = slow_commit
+    for _ in range(takes):
+        manager.snapshot(pm)
+        manager.wait()
+    dist.barrier()
+    manager.wait()
+    committed = snapshot_store.committed_snapshots(store)
+    manifest, held = snapshot_store.held_files(committed[0])
+    listing = sorted(p.name for p in store.iterdir() if p.name.startswith("."))
+    return {"committed": [p.name for p in committed], "held": sorted(held), "listed": sorted(manifest.files),
+            "hidden": listing}
+
+
+def test_a_step_snapshotted_again_commits_every_file_on_every_node(tmp_path):
+    """A take of the same step gets its own partial folder: a rank ahead of its leader does not write into the
+    previous take's folder, which the leader commits and then replaces (its files were lost, or its copy from the
+    buddy failed with 'No such file or directory')."""
+    results = spawn(snapshot_one_step_repeatedly, nprocs=4, args=(tmp_path, 4), timeout_s=300)
+    for node in (results[0], results[2]):
+        assert node["committed"] == ["step-00000001"]
+        assert node["held"] == node["listed"]  # the whole snapshot: every rank's file, the plan, the data position
+        assert not [name for name in node["hidden"] if name.endswith(".partial")]
