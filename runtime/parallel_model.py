@@ -161,7 +161,9 @@ class ParallelModel:
         return self.snapshots
 
     def wait_for_snapshot(self) -> Path | None:
-        """Block until the snapshot in flight is committed on every node; its folder in this node's store."""
+        """Block until this rank's part of the snapshot in flight is done (its file written and copied to the buddy
+        node; on a node's leader, also the node's commit); its folder in this node's store. Other ranks may still be
+        at work: after it returns on every rank (e.g. then ``dist.barrier()``), the snapshot is committed everywhere."""
         return self.snapshots.wait() if self.snapshots is not None else None
 
     def close(self) -> None:
