@@ -315,9 +315,9 @@ def _io_hooks(
 
         def pre(_m: nn.Module, args: tuple, kwargs: dict, fqn: str = fqn) -> None:
             scope.stack.append(fqn)
-            tallies[fqn].input_bytes += _tensor_bytes((args, kwargs), ChainMap(inputs_seen, resident))
-            inputs_seen.update((id(t.untyped_storage()), t.untyped_storage())
-                               for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            tallies[fqn].input_bytes += _tensor_bytes(tensors, ChainMap(inputs_seen, resident))
+            inputs_seen.update((id(t.untyped_storage()), t.untyped_storage()) for t in tensors)
 
         def post(_m: nn.Module, _args: tuple, output: object, fqn: str = fqn) -> None:
             scope.stack.pop()

@@ -27,8 +27,8 @@ flight: if the previous one is still being written at the next snapshot step, tr
 staging buffer is free again only then; skipping that step instead would need every rank to decide alike, which
 costs a collective on the training thread).
 
-**One collective per snapshot.** Where training saturates the host's cores (CPU training), each collective of
-the snapshot thread is CPU taken from training (measured on 4 gloo ranks: ~0.4 ms of CPU per rank for a flag
+**One collective per snapshot** (``runtime.snapshot_table``). Where training saturates the host's cores (CPU
+training), each collective of the snapshot thread is CPU taken from training (measured on 4 gloo ranks: ~0.4 ms of CPU per rank for a flag
 all-reduce, ~3 ms for an object all-gather; ``benchmarks/snapshot_overhead.py``). So a snapshot runs exactly one
 collective, besides the copy to the buddy: an all-reduce of a small integer table in which each rank fills its
 own row -- whether it failed (writing this snapshot, or copying or committing the previous one), and its files'
@@ -61,13 +61,9 @@ it). A run that dies keeps its store: that is what its restart recovers from.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import logging
 import os
-import queue
-import struct
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -80,23 +76,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.checkpoint import PendingSave, TrainingState, training_tensors
-from tessera.runtime.checkpoint_files import (
-    DATA_FILE, PLAN_FILE, FileRecord, Manifest, all_gather, attempt, step_folder, together,
-)
+from tessera.runtime.background import in_worker, start_worker
+from tessera.runtime.checkpoint_files import FileRecord, all_gather, attempt, step_folder, together
 from tessera.runtime.snapshot_format import StagedShards, shard_file
 from tessera.runtime.snapshot_store import (
     commit_snapshot, free_bytes, open_store, partial_snapshot, remove_store, reuse_spare, store_bytes,
 )
+from tessera.runtime.snapshot_table import agree_on_table, content_record, share_sizes, side_files, table_manifest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SNAPSHOT_ROOT = Path("/dev/shm")
-_DIGEST = struct.Struct("<4q")
-"""A SHA-256 as four int64 words: how digests travel in the agreement's integer table."""
-_ROW = 1 + 1 + 4
-"""A rank's row of the table: failed (0/1), its file's size, its SHA-256."""
-_TAIL = 2 * (1 + 4) + 1
-"""Rank 0's extra entries: the plan's and the data position's size and SHA-256, then its clock (ns)."""
 
 
 class SnapshotConfig(BaseModel):
@@ -179,10 +169,10 @@ class Snapshotter:
         self.store = Path(config.store) if config.store is not None else default_store()
         """This node's store folder."""
         self._data_state = data_state
-        self._worker: queue.SimpleQueue = _start_worker(config.background_nice)
+        self._worker = start_worker(config.background_nice, name="tessera-snapshot")
         """The background thread's inbox (one thread for the run: starting one per snapshot costs the training
         thread a handshake)."""
-        self.group = _in_worker(self._worker, _new_group)
+        self.group = in_worker(self._worker, _new_group)
         """The process group snapshots (and their recovery) use, apart from training's; created on the background
         thread, so that gloo's threads for it inherit its lowest CPU priority."""
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
@@ -286,7 +276,7 @@ class Snapshotter:
         """The plan's JSON and its record, made once per plan."""
         if self._plan is None or self._plan[0] is not state.plan:
             content = state.plan.to_json().encode()
-            self._plan = (state.plan, (content, _record(content)))
+            self._plan = (state.plan, (content, content_record(content)))
         return self._plan[1]
 
     def _staged_for(self, state: TrainingState) -> StagedShards:
@@ -336,11 +326,12 @@ class Snapshotter:
         folder, pieces, records = files if files is not None else (None, [], {})
         try:
             carried, self._carried = self._carried, None
-            table = self._agree_on_table(records, problem or carried)
+            table = agree_on_table(records, problem or carried, rank=self.rank, world=self.layout.world,
+                                   group=self.group)
             _, self._carried = attempt(lambda: self._exchange(pieces, table, folder), self.group,
                                        what=f"copying snapshot {partial} to the buddy node")
             if self.layout.is_leader(self.rank):
-                manifest = _manifest(table, step=step, world=self.layout.world, strategy=strategy)
+                manifest = table_manifest(table, step=step, world=self.layout.world, strategy=strategy)
                 _, problem = attempt(lambda: commit_snapshot(partial, manifest, keep=self.config.keep), self.group,
                                      what=f"committing snapshot {partial}")
                 self._carried = self._carried or problem
@@ -364,35 +355,14 @@ class Snapshotter:
             if self.rank == 0:
                 data = io.BytesIO()
                 torch.save(side["data"], data)
-                for name, (content, record) in zip(_side(0), (side["plan"], (data.getvalue(), None))):
+                for name, (content, record) in zip(side_files(0), (side["plan"], (data.getvalue(), None))):
                     _write_file(folder, name, content)
-                    records[name] = record or _record(content)
+                    records[name] = record or content_record(content)
                     pieces.append(torch.frombuffer(bytearray(content), dtype=torch.uint8))
         except BaseException:
             os.close(folder)
             raise
         return folder, pieces, records
-
-    def _agree_on_table(self, records: dict[str, FileRecord], problem: str | None) -> torch.Tensor:
-        """The one all-reduce: every rank's row (failed, its file's size and hash; rank 0's plan, data position
-        and clock in the tail), summed, so every rank has every row. ``CheckpointError`` on every rank if any
-        failed (a second, rare gather carries the messages)."""
-        world = self.layout.world
-        table = torch.zeros(world * _ROW + _TAIL, dtype=torch.int64)
-        row = table[self.rank * _ROW:(self.rank + 1) * _ROW]
-        row[0] = problem is not None
-        if problem is None:
-            _put(row[1:], records[shard_file(self.rank)])
-            if self.rank == 0:
-                tail = table[world * _ROW:]
-                for index, name in enumerate(_side(0)):
-                    _put(tail[index * 5:(index + 1) * 5], records[name])
-                tail[-1] = time.time_ns()
-        if self.group is not None:
-            dist.all_reduce(table, group=self.group)
-        if int(table[:world * _ROW:_ROW].sum()):
-            raise CheckpointError(next(p for p in all_gather(problem, self.group) if p))
-        return table
 
     def _exchange(self, pieces: list[torch.Tensor], table: torch.Tensor, folder: int) -> None:
         """Send ``pieces`` (this rank's files) to the partner on the buddy node, and write the files of the
@@ -402,8 +372,8 @@ class Snapshotter:
         if not layout.shift:
             return
         target, source = layout.partner(self.rank, offset=layout.shift), layout.partner(self.rank, offset=-layout.shift)
-        names = [shard_file(source), *_side(source)]
-        sizes = [int(table[source * _ROW + 1])] + [int(table[layout.world * _ROW + i * 5]) for i in range(len(names) - 1)]
+        names = [shard_file(source), *side_files(source)]
+        sizes = share_sizes(table, source, world=layout.world)
         if self._incoming is None or self._incoming.numel() != sum(sizes):
             self._incoming = torch.empty(sum(sizes), dtype=torch.uint8)
         incoming = list(self._incoming.split(sizes))
@@ -433,70 +403,8 @@ def _layout_key(state: TrainingState) -> tuple:
     return groups, states, buffers
 
 
-def _start_worker(nice: int) -> queue.SimpleQueue:
-    """A daemon thread running the callables put into the returned queue, one at a time (daemon: a snapshot
-    stuck on a dead peer must not keep the process from exiting), at nice value ``nice`` (Linux: a thread's own,
-    inherited by the threads it starts; 19, the lowest priority: where training keeps every core busy, training
-    preempts it instead of sharing the cores with it)."""
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
-
-    def serve() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        except (AttributeError, OSError):  # not Linux: the thread runs at training's priority
-            pass
-        while True:
-            inbox.get()()
-
-    threading.Thread(target=serve, name="tessera-snapshot", daemon=True).start()
-    return inbox
-
-
-def _in_worker(inbox: queue.SimpleQueue, action: Callable[[], T]) -> T:
-    """``action()`` run on the background thread; its value (or exception) here."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(action())
-        except BaseException as error:
-            future.set_exception(error)
-
-    inbox.put(run)
-    return future.result()
-
-
 def _new_group() -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo") if dist.is_initialized() else None
-
-
-def _side(rank: int) -> tuple[str, ...]:
-    """The files of ``rank``'s share besides its snapshot file (rank 0's plan and data position)."""
-    return (PLAN_FILE, DATA_FILE) if rank == 0 else ()
-
-
-def _record(content: bytes) -> FileRecord:
-    return FileRecord(size_bytes=len(content), sha256=hashlib.sha256(content).hexdigest())
-
-
-def _put(entries: torch.Tensor, record: FileRecord) -> None:
-    """``record`` into five table entries: size, then the SHA-256 as four words."""
-    entries[0] = record.size_bytes
-    entries[1:5] = torch.tensor(_DIGEST.unpack(bytes.fromhex(record.sha256)))
-
-
-def _get(entries: torch.Tensor) -> FileRecord:
-    size, *words = entries.tolist()
-    return FileRecord(size_bytes=size, sha256=_DIGEST.pack(*words).hex())
-
-
-def _manifest(table: torch.Tensor, *, step: int, world: int, strategy: str) -> Manifest:
-    """The whole snapshot's manifest from the agreed table: the same on every leader (rank 0's clock)."""
-    files = {shard_file(rank): _get(table[rank * _ROW + 1:(rank + 1) * _ROW]) for rank in range(world)}
-    tail = table[world * _ROW:]
-    files.update({name: _get(tail[index * 5:(index + 1) * 5]) for index, name in enumerate(_side(0))})
-    return Manifest(step=step, world_size=world, strategy=strategy, saved_unix_s=int(tail[-1]) / 1e9,
-                    files=dict(sorted(files.items())))
 
 
 def _write_file(folder: int, name: str, content: torch.Tensor | bytes) -> None:
