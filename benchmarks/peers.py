@@ -1,16 +1,25 @@
 """Tessera beside other step-time predictors on the same published rows (``benchmarks/reference/``).
 
-Run: ``.venv/bin/python benchmarks/peers.py --llm-analysis DIR`` (as long as ``published.py``). The peer is run
-from a temporary location, never vendored: ``DIR`` holds the unpacked wheel of ``llm-analysis`` 0.2.2 from the
-package index (``pip download llm-analysis==0.2.2 --no-deps -d DIR && cd DIR && unzip *.whl``). Its ``fire``
-dependency serves only its command line; where it is not installed an empty module stands in for it.
+Run: ``.venv/bin/python benchmarks/peers.py --llm-analysis DIR --calculon DIR`` (about 10 s; either peer
+alone works too). The peers are run from temporary locations, never vendored:
+
+- ``--llm-analysis``: the unpacked wheel of ``llm-analysis`` 0.2.2 from the package index (``pip download
+  llm-analysis==0.2.2 --no-deps -d DIR && cd DIR && unzip *.whl``). Its ``fire`` dependency serves only its
+  command line; where it is not installed an empty module stands in for it.
+- ``--calculon``: a checkout of Calculon (github.com/calculon-ai/calculon, commit caa4b11 of 2024-02-22; Isaev et
+  al., SC'23), e.g. ``git clone https://github.com/calculon-ai/calculon DIR``. Pure Python, no dependencies.
 
 Every row is first planned as ``published.py`` plans it (the source's pins, the planner filling the rest); each
 peer then predicts the same strategy: the same tp, pp, dp, micro-batch, ZeRO stage and recomputation. A peer
 skips a row it cannot express (context parallelism, per-block recomputation, an interleaved or zero-bubble
 schedule it has no term for is still run as plain 1F1B and said so). ``llm-analysis`` is run as the issue that
 asked for this comparison describes it: 50% of peak FLOP/s (``flops_efficiency=0.5``, its docs' Megatron-LM
-figure), FP8 rows as its 8-bit weights and activations (``w8a8e16``, at its ``peak_i8_TFLOPS``).
+figure), FP8 rows as its 8-bit weights and activations (``w8a8e16``, at its ``peak_i8_TFLOPS``). Calculon is run
+with its own system files (``systems/a100_80g.json``, which its step-time validation against Korthikanti et al.
+uses, and ``systems/h100_80g_nvl8.json``) with the memory capacity lifted, as its own validation file
+``a100_80e.json`` does: the published run did fit, and only its time is compared. Its block is GPT's (multi-head
+or multi-query attention, a two-matrix MLP) without ZeRO-2/3 or context parallelism: it skips gated-MLP, grouped-
+query, FSDP and zero-bubble rows.
 
 Writes ``benchmarks/results/peers-<hardware>-<date>.md``: per predictor and split (train / held out), the
 median and worst |error| on the rows that predictor can express, and Tessera's on the same rows.
@@ -20,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import logging
 import platform
 import statistics
 import sys
@@ -27,17 +38,30 @@ import types
 from pathlib import Path
 
 from published import HERE, TRAIN_IDS, plan_run
-from published_rows import measured_runs, published_step_s, regime
+from published_rows import framework_profile, measured_runs, published_step_s, regime
 from tessera.cost_models import Strategy
 from tessera.cost_models.compute import GPU_CALIBRATION
+from tessera.cost_models.profiles import MEGATRON_2021
 
-LLM_ANALYSIS_GPUS = {"A100-SXM4-80GB": "a100-sxm-80gb", "A100-SXM-80GB": "a100-sxm-80gb", "A100-SXM-40GB": "a100-sxm-40gb",
-                     "H100-SXM-80GB": "h100-sxm-80gb", "H100-SXM-96GB-500W": "h100-sxm-80gb"}
+LLM_ANALYSIS_GPUS = {"A100-40GB": "a100-sxm-40gb", "A100-80GB": "a100-sxm-80gb", "H100": "h100-sxm-80gb"}
+CALCULON_SYSTEMS = {"A100-40GB": "a100_80g.json", "A100-80GB": "a100_80g.json", "H100": "h100_80g_nvl8.json"}
+GPUS_PER_NODE = 8  # Calculon's first network tier (NVLink) in both system files
+
+
+def peer_gpu(run: dict) -> str | None:
+    """The row's GPU as the peers know it: every H100 row (the 96 GB 500 W part and those whose variant is not
+    stated, as ``published_rows.cluster_spec`` places them) is their H100 SXM."""
+    gpu = run["hardware"]["gpu"]
+    if gpu.startswith("H100"):
+        return "H100"
+    if gpu.startswith("A100"):
+        return "A100-40GB" if "40GB" in gpu else "A100-80GB"
+    return None
 
 
 def llm_analysis_step_s(la, run: dict, strategy: Strategy) -> float | None:
     """llm-analysis's step time for ``strategy`` on ``run``, or None where it cannot express the row."""
-    if strategy.cp > 1 or strategy.block_recompute or run["hardware"]["gpu"] not in LLM_ANALYSIS_GPUS:
+    if strategy.cp > 1 or strategy.block_recompute or peer_gpu(run) is None:
         return None
     m = run["model"]
     ffn = m.get("ffn_hidden") or 4 * m["hidden"]
@@ -48,7 +72,7 @@ def llm_analysis_step_s(la, run: dict, strategy: Strategy) -> float | None:
     )
     fp8 = run["training"].get("precision") == "fp8"
     analysis = la.analysis.LLMAnalysis(
-        model, la.config.get_gpu_config_by_name(LLM_ANALYSIS_GPUS[run["hardware"]["gpu"]]),
+        model, la.config.get_gpu_config_by_name(LLM_ANALYSIS_GPUS[peer_gpu(run)]),
         dtype_config=la.config.get_dtype_config_by_name("w8a8e16" if fp8 else "w16a16e16"),
         parallelism_config=la.config.ParallelismConfig(tp_size=strategy.tp, pp_size=strategy.pp, dp_size=strategy.dp,
                                                        sp_size=strategy.tp if strategy.sp else 1),
@@ -63,13 +87,72 @@ def llm_analysis_step_s(la, run: dict, strategy: Strategy) -> float | None:
     return float(summary["latency_per_iter"])
 
 
+def calculon_step_s(calculon, run: dict, strategy: Strategy) -> float | None:
+    """Calculon's step time for ``strategy`` on ``run``, or None where it cannot express the row."""
+    m = run["model"]
+    kv_heads = m.get("kv_heads") or m["heads"]
+    expressible = (strategy.cp == 1 and not strategy.block_recompute and strategy.zero <= 1 and strategy.ep == 1
+                   and strategy.schedule != "zero-bubble" and m.get("family") != "llama" and kv_heads in (1, m["heads"])
+                   and peer_gpu(run) is not None)
+    if not expressible:
+        return None
+    llm, system = calculon.llm.Llm, json.loads((calculon.folder / "systems" / CALCULON_SYSTEMS[peer_gpu(run)]).read_text())
+    system["mem1"]["GiB"] = system["mem2"]["GiB"] = 1e12  # only the time is compared: the published run fitted
+    app = llm.Application({"hidden": m["hidden"], "feedforward": m.get("ffn_hidden") or 4 * m["hidden"],
+                           "seq_size": m["seq_len"], "attn_heads": m["heads"], "attn_size": m["hidden"] // m["heads"],
+                           "num_blocks": m["layers"]})
+    tp, pp, dp = strategy.tp, strategy.pp, strategy.dp
+    recompute = {"none": "none", "selective": "attn_only", "full": "full"}[strategy.recompute]
+    execution = llm.Execution.from_json({
+        "num_procs": tp * pp * dp, "tensor_par": tp, "pipeline_par": pp, "data_par": dp,
+        # Megatron's rank order puts tp innermost, then dp, then pp: each on NVLink while it fits in a node
+        "tensor_par_net": 0, "data_par_net": 0 if tp * dp <= GPUS_PER_NODE else 1,
+        "pipeline_par_net": 0 if tp * dp * pp <= GPUS_PER_NODE else 1,
+        "batch_size": run["training"]["global_batch"], "microbatch_size": strategy.micro_batch,
+        "datatype": "float8" if run["training"].get("precision") == "fp8" else "float16",
+        "fused_activation": framework_profile(run) is not MEGATRON_2021,
+        "attention_type": "multiquery" if kv_heads == 1 < m["heads"] else "multihead",
+        "activation_recompute": recompute,
+        "pipeline_interleaving": strategy.virtual_stages if pp > 1 and strategy.schedule == "interleaved" else 1,
+        "optimizer_sharding": strategy.zero == 1 and dp > 1,
+        "tensor_par_comm_type": "rs_ag" if strategy.sp else "ar",
+        "tensor_par_overlap": "ring" if strategy.tp_overlap and tp > 1 else "none",
+        "seq_par_ag_redo": strategy.sp and recompute != "full",  # Megatron gathers the input again in the backward
+        "data_par_overlap": dp > 1 and framework_profile(run) is not MEGATRON_2021,
+        "weight_offload": False, "activations_offload": False, "optimizer_offload": False, "training": True,
+    })
+    model = llm(app, logging.getLogger("calculon"))
+    try:
+        model.compile(calculon.System(system), execution)
+        model.run(calculon.System(system))
+    except llm.Error as error:  # e.g. a layout its network tiers cannot hold
+        print(f"calculon cannot run {run['id']}: {error}")
+        return None
+    return float(model.get_total_time())
+
+
+def _stub_if_absent(name: str) -> None:
+    """An empty module for ``name`` where it is not installed: a peer imports it for a command line not run here."""
+    try:
+        __import__(name)
+    except ImportError:
+        sys.modules[name] = types.ModuleType(name)
+
+
+def load_calculon(folder: Path):
+    """Calculon's package from ``folder`` (a checkout of its repository)."""
+    sys.path.insert(0, str(folder))
+    _stub_if_absent("psutil")  # only its execution searches use it
+    import calculon
+
+    calculon.folder = folder
+    return calculon
+
+
 def load_llm_analysis(folder: Path):
     """The peer's modules from ``folder`` (an unpacked wheel), ``fire`` stubbed where absent (CLI only)."""
     sys.path.insert(0, str(folder))
-    try:
-        import fire  # noqa: F401
-    except ImportError:
-        sys.modules["fire"] = types.ModuleType("fire")
+    _stub_if_absent("fire")
     import llm_analysis.analysis
     import llm_analysis.config
 
@@ -78,17 +161,26 @@ def load_llm_analysis(folder: Path):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--llm-analysis", type=Path, required=True, help="folder holding the unpacked llm-analysis wheel")
+    parser.add_argument("--llm-analysis", type=Path, help="folder holding the unpacked llm-analysis wheel")
+    parser.add_argument("--calculon", type=Path, help="folder holding a checkout of Calculon")
     args = parser.parse_args()
-    la = load_llm_analysis(args.llm_analysis)
+    peers = {}
+    if args.llm_analysis:
+        la = load_llm_analysis(args.llm_analysis)
+        peers["llm-analysis"] = lambda run, strategy: llm_analysis_step_s(la, run, strategy)
+    if args.calculon:
+        calculon = load_calculon(args.calculon)
+        peers["Calculon"] = lambda run, strategy: calculon_step_s(calculon, run, strategy)
+    if not peers:
+        parser.error("name at least one peer: --llm-analysis DIR and/or --calculon DIR (see the docstring)")
     results = []  # (id, split, regime, tessera error, {peer: error or None})
     for run in measured_runs():
         strategy, est = plan_run(run, GPU_CALIBRATION)
         published = published_step_s(run)
-        peer = llm_analysis_step_s(la, run, strategy)
+        theirs = {name: predict(run, strategy) for name, predict in peers.items()}
         results.append((run["id"], "train" if run["id"] in TRAIN_IDS else "test", regime(run), est.step_time_s / published - 1,
-                        {"llm-analysis": None if peer is None else peer / published - 1}))
-        print(run["id"], f"tessera {results[-1][3]:+.1%}", f"llm-analysis {results[-1][4]['llm-analysis']}", flush=True)
+                        {name: None if t is None else t / published - 1 for name, t in theirs.items()}))
+        print(run["id"], f"tessera {results[-1][3]:+.1%}", *(f"{k} {v}" for k, v in results[-1][4].items()), flush=True)
     write_markdown(results)
 
 
@@ -113,7 +205,7 @@ def write_markdown(results: list) -> None:
     peers = sorted({name for *_, p in results for name in p})
     header = ["run", "split", "regime", "Tessera", *peers]
     lines = [f"# Tessera and other predictors on the published rows ({date})", "",
-             "Command: `.venv/bin/python benchmarks/peers.py --llm-analysis DIR` (see the script's docstring for DIR).", "",
+             "Command: `.venv/bin/python benchmarks/peers.py --llm-analysis DIR --calculon DIR` (see the script's docstring for DIR).", "",
              *summary_lines(results), "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for rid, split, reg, ours, theirs in results:
         cells = ["—" if theirs[p] is None else f"{theirs[p]:+.1%}" for p in peers]
