@@ -76,7 +76,7 @@ class ImplementationProfile:
     catalog entry has a figure for prices the attention cores; none of them (or empty): the calibrated fallback."""
 
 
-DEEPSPEED_ZERO3_SLOWDOWN = 6.0
+DEEPSPEED_ZERO3_SLOWDOWN = 5.0
 """Fitted on SC'21 Table 2's DeepSpeed ZeRO-3 rows (``benchmarks/published.py`` prints the fit); re-fit there."""
 
 TESSERA = ImplementationProfile(name="tessera")

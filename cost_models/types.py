@@ -409,6 +409,8 @@ class Estimate(BaseModel):
     bubble_time_s: float = 0.0
     """Pipeline idle time per step on the slowest stage. Negative where ranks share CPU cores and the idle ranks'
     share lets the slowest stage run faster than its all-ranks-busy time (``cost_models.pipeline``)."""
+    straggler_time_s: float = 0.0
+    """Seconds a step waits for its slowest rank beyond one rank's mean (``Calibration.jitter``)."""
     stage_peak_memory_bytes: tuple[int, ...] = ()
     """Predicted peak memory of each pipeline stage (``memory_by_category_bytes`` is the worst one)."""
     stage_memory_by_category_bytes: tuple[dict[str, int], ...] = ()

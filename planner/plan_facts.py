@@ -106,7 +106,7 @@ def step_terms(e: Estimate) -> dict[str, float]:
     """Where the step time goes, in seconds; the terms sum to ``e.step_time_s``."""
     terms = {"compute": e.compute_time_s, "recompute": e.recompute_time_s}
     terms |= {f"exposed {kind}": value for kind, value in exposed_comm_by_kind(e).items()}
-    return terms | {"bubble": e.bubble_time_s, "optimizer": e.optimizer_time_s}
+    return terms | {"bubble": e.bubble_time_s, "optimizer": e.optimizer_time_s, "stragglers": e.straggler_time_s}
 
 
 def launch_command(*, nodes: int, devices_per_node: int, plan_path: str = "plan.json") -> str:

@@ -65,18 +65,27 @@ def test_communication_bounds_are_below_what_estimate_charges():
 
 
 def test_candidates_nothing_fits_do_not_use_up_the_refinement(monkeypatch):
-    """GPT-3 175B on 1024 A100s: the fastest outer candidates are ones no recomputation mix fits (the integer
-    program proves each infeasible at once). Counted against ``MAX_SOLVES`` they starved the refinement before it
-    reached the ZeRO-3 candidate whose per-block recomputation and resharding win; counted apart, it gets there,
+    """GPT-3 175B on 1024 A100s, outer candidates that nothing fits (ZeRO-0 replicas: the integer program proves each
+    infeasible at once) ranked ahead of a ZeRO-3 one whose per-block recomputation wins. Counted against
+    ``MAX_SOLVES`` they would starve the refinement before it reaches that candidate; counted apart, it gets there,
     and the plan can only be faster (the keys refined are a superset, in the same order)."""
-    import tessera
+    from tessera.cost_models import Strategy
     from tessera.planner import refine
 
-    def plan():
-        return tessera.plan("gpt3-175b", "dgx-a100:nodes=128", global_batch=1536, seq_len=2048)
+    graph, cluster, training = _prepare("gpt3-175b", "dgx-a100:nodes=128", global_batch=1536, seq_len=2048, precision=None)
+    layers = list(graph.layers)
+    hopeless = ["dp=512,tp=2,zero=0,mbs=1,sp=true", "dp=256,tp=4,zero=0,mbs=1,sp=true", "dp=128,tp=8,zero=0,mbs=1,sp=true"]
+    candidates = [Strategy.parse(text) for text in [*hopeless, "dp=256,tp=4,zero=3,mbs=3,sp=true,recompute=full"]]
+    scored = [(s, estimate(layers, cluster, training, s)) for s in candidates]
+    assert [e.fits for _, e in scored] == [False, False, False, True]
 
-    default = plan()
-    monkeypatch.setattr(refine, "MAX_INFEASIBLE", 1)
-    starved = plan()
-    assert default.estimate.fits and default.solver.ilp_infeasible > 1 and default.solver.ilp_improvements
-    assert default.estimate.step_time_s < starved.estimate.step_time_s
+    def refined(max_infeasible: int):
+        monkeypatch.setattr(refine, "MAX_SOLVES", 1)
+        monkeypatch.setattr(refine, "MAX_INFEASIBLE", max_infeasible)
+        stats = refine.RefineStats()
+        return refine.refine(layers, cluster, training, scored, policies=("none", "full"), stats=stats), stats
+
+    found, stats = refined(refine.MAX_INFEASIBLE)
+    starved, _ = refined(1)
+    assert stats.infeasible >= len(hopeless) and found and not starved
+    assert min(e.step_time_s for _, e in found) < scored[-1][1].step_time_s

@@ -74,6 +74,8 @@ def test_the_report_carries_each_frameworks_configuration():
     markdown = render_markdown("report", sections)
     for title in ("## As Megatron-LM configuration", "## As torchtitan configuration", "## As DeepSpeed configuration"):
         assert title in markdown
-    assert "```python\n# torchtitan" in markdown and "--num-virtual-stages-per-pipeline-rank 2" in markdown
+    # two chunks per rank: as a count when they are even, as Megatron's layout string when the plan sized them
+    interleaving = "--pipeline-model-parallel-layout" if plan.strategy.chunk_blocks else "--num-virtual-stages-per-pipeline-rank 2"
+    assert "```python\n# torchtitan" in markdown and interleaving in markdown
     assert "Not expressible: a DeepSpeed config runs data parallelism and ZeRO only" in markdown
     assert "<h2>As torchtitan configuration</h2>" in render_html("report", sections)
