@@ -14,7 +14,8 @@ eq. 3 counts the recomputed forward; Megatron-Core's table counts model FLOPs on
 It then fits the calibration constants on the TRAIN_IDS split (grid search, least mean |log error|,
 strategies held fixed), in turn: the compute constants on the bf16 rows, DeepSpeed's ZeRO-3 slowdown on its
 rows, the FP8 efficiency curve on the FP8 rows, the straggler jitter on all of them; and reports the error on
-the held-out rows, per regime (``published_rows.regime``). Writes ``benchmarks/results/published-<hardware>-<date>.md``.
+the held-out rows, per regime (``published_rows.regime``). Writes ``benchmarks/results/published-<hardware>-<date>.md``
+and the held-out rows' error band per regime, ``cost_models/error_bands.json``, which every plan's report quotes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from published_rows import (
 )
 from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.compute import GPU_CALIBRATION, Calibration
+from tessera.cost_models.error_bands import write_bands
 from tessera.cost_models.profiles import DEEPSPEED
 from tessera.errors import InfeasiblePlanError
 from tessera.planner.capture import capture_preset
@@ -181,13 +183,15 @@ def main() -> None:
     fitted, deepspeed = (GPU_CALIBRATION, DEEPSPEED.zero3_comm_slowdown) if subset or args.no_fit else fit_calibration(
         runs, {key: pair[0] for key, pair in chosen.items()})
     console.print(f"grid fit on the train split: {fitted}, DeepSpeed ZeRO-3 slowdown {deepspeed}")
-    rows, errors, speedups = [], [], []
+    rows, errors, speedups, held_out = [], [], [], {}
     for run in runs:
         strategy, est = chosen[run["id"]]
         published = published_step_s(run)
         error = est.step_time_s / published - 1
         split = "train" if run["id"] in TRAIN_IDS else "test"
         errors.append((split, regime(run), abs(error)))
+        if split == "test":
+            held_out.setdefault(regime(run), []).append(published / est.step_time_s)
         training = training_config(run)
         own_cells = ("not planned (--no-own-plan)", "—", "—")
         if not (subset or args.no_own_plan):
@@ -214,6 +218,8 @@ def main() -> None:
     console.print(summary)
     if not subset:
         write_markdown(rows, summary)
+        band_file = write_bands(held_out, source=f"benchmarks/published.py, held-out rows, {datetime.date.today().isoformat()}")
+        print(f"written {band_file.relative_to(HERE.parent)} (the error band of each regime)")
 
 
 def own_plan_cells(run: dict, strategy: Strategy, est, training: TrainingConfig, speedups: list[float]) -> tuple[str, ...]:

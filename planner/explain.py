@@ -25,8 +25,8 @@ from tessera.planner.frameworks.common import FRAMEWORK_NAMES, FRAMEWORKS
 from tessera.planner.explain_plots import Block, Bullets, Code, Figure, Section, Table, render_html, render_markdown
 from tessera.planner.plan import Plan, format_count
 from tessera.planner.plan_facts import (
-    PER_LAYER_HEADER, GiB, cluster_layout, exposed_comm_by_kind, gib, launch_command, mesh_layout, per_layer_rows,
-    seconds, step_terms, tokens, uniform_comparison,
+    PER_LAYER_HEADER, GiB, band_sentence, cluster_layout, exposed_comm_by_kind, gib, launch_command, mesh_layout,
+    per_layer_rows, seconds, step_band, step_terms, tokens, uniform_comparison,
 )
 
 
@@ -131,6 +131,7 @@ def _prediction(plan: Plan) -> Section:
     e = plan.estimate
     rows = (
         ("step time", seconds(e.step_time_s)),
+        *((("likely step time", band.describe(e.step_time_s)),) if (band := step_band(plan)) else ()),
         ("tokens/s", tokens(e.tokens_per_s)),
         ("MFU", f"{e.mfu:.1%}"),
         ("HFU", f"{e.hfu:.1%}"),
@@ -219,7 +220,8 @@ def _alternatives(plan: Plan) -> Section:
     )
     header = ("rank", "strategy", "step time", "tokens/s", "GiB/device", "why it lost")
     text = f"The next {len(rows)} strategies the search ranked (the plan is rank 1)."
-    return Section("Alternatives", (text, Table(header, rows)))
+    band = band_sentence(plan)
+    return Section("Alternatives", (text, Table(header, rows), *((band,) if band else ())))
 
 
 def _degrees(plan: Plan) -> list[Section]:

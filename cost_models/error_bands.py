@@ -1,0 +1,101 @@
+"""How far to trust a predicted step time: the spread of the cost model's error on published runs of the same regime.
+
+``benchmarks/published.py`` evaluates every published run (``benchmarks/reference/``) and writes
+``error_bands.json`` beside this module from its held-out rows (the ones no constant was fitted on): per regime,
+how many runs and the 10th and 90th percentile of published / predicted step time. A prediction of regime ``R``
+then carries the band ``[predicted * low, predicted * high]``: where 80% of the held-out published runs of ``R``
+landed against their prediction. A regime without held-out runs (mixture of experts today) takes the band of all
+of them, and says so. The published runs are GPU runs; a plan for this machine's CPU gets no band (its own check is
+``benchmarks/local_truth.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessera.cost_models.types import Strategy
+
+BAND_FILE = Path(__file__).with_name("error_bands.json")
+QUANTILES = (0.1, 0.9)
+"""The band's edges: the 10th and 90th percentile of published / predicted on the held-out runs."""
+ALL_RUNS = "all"
+REGIME_NAMES = {"fp8": "FP8", "cp": "context-parallel", "fsdp": "FSDP (ZeRO-3)", "ptd-p": "tensor/pipeline/data-parallel",
+                "deepspeed-zero3": "DeepSpeed ZeRO-3", "moe": "mixture-of-experts", ALL_RUNS: "published"}
+
+
+@dataclass(frozen=True)
+class ErrorBand:
+    """Where published step times fell against the prediction: ``low`` and ``high`` times the predicted step
+    (``QUANTILES``) over ``runs`` held-out runs of ``regime`` (``fallback``: the regime had none, all runs used)."""
+
+    regime: str
+    runs: int
+    low: float
+    high: float
+    fallback: bool = False
+
+    def range_s(self, predicted_s: float) -> tuple[float, float]:
+        """The likely step time, in seconds, of a prediction of ``predicted_s``."""
+        return predicted_s * self.low, predicted_s * self.high
+
+    def describe(self, predicted_s: float) -> str:
+        """``12.3 to 14.0 s (80% of 18 held-out FSDP (ZeRO-3) published runs)``."""
+        low, high = self.range_s(predicted_s)
+        share = round(100 * (QUANTILES[1] - QUANTILES[0]))
+        runs = f"{share}% of {self.runs} held-out {REGIME_NAMES.get(self.regime, self.regime)} published runs"
+        if self.fallback:
+            runs += "; none of its regime was published, so all regimes"
+        return f"{low:.3f} to {high:.3f} s ({runs})"
+
+
+def plan_regime(strategy: Strategy, precision: str, *, moe: bool) -> str:
+    """The regime a strategy's prediction is judged in, with the same precedence as the published rows' own
+    (``benchmarks/published_rows.regime``): FP8 first, then context parallelism, mixture of experts, ZeRO-3."""
+    if precision == "fp8":
+        return "fp8"
+    if strategy.cp > 1:
+        return "cp"
+    if moe:
+        return "moe"
+    return "fsdp" if strategy.zero == 3 else "ptd-p"
+
+
+def error_band(regime: str) -> ErrorBand | None:
+    """The band of ``regime`` from ``error_bands.json`` (all runs' where it has none); None without the file."""
+    bands = _bands()
+    if regime in bands:
+        return bands[regime]
+    everything = bands.get(ALL_RUNS)
+    return None if everything is None else ErrorBand(regime, everything.runs, everything.low, everything.high, fallback=True)
+
+
+@functools.cache
+def _bands() -> dict[str, ErrorBand]:
+    if not BAND_FILE.is_file():
+        return {}
+    raw = json.loads(BAND_FILE.read_text())
+    return {name: ErrorBand(name, int(b["runs"]), float(b["low"]), float(b["high"])) for name, b in raw["regimes"].items()}
+
+
+def band_from_ratios(regime: str, ratios: list[float]) -> ErrorBand:
+    """The band of published / predicted ``ratios`` (two or more runs)."""
+    deciles = statistics.quantiles(ratios, n=10, method="inclusive")
+    return ErrorBand(regime, len(ratios), deciles[round(10 * QUANTILES[0]) - 1], deciles[round(10 * QUANTILES[1]) - 1])
+
+
+def write_bands(ratios_by_regime: dict[str, list[float]], *, source: str, path: Path = BAND_FILE) -> Path:
+    """Write the bands of every regime with two or more runs, and of all runs together, to ``path``."""
+    everything = [r for ratios in ratios_by_regime.values() for r in ratios]
+    groups = {**{name: r for name, r in ratios_by_regime.items() if len(r) >= 2}, ALL_RUNS: everything}
+    regimes = {name: _band_fields(band_from_ratios(name, ratios)) for name, ratios in sorted(groups.items())}
+    path.write_text(json.dumps({"source": source, "quantiles": list(QUANTILES), "regimes": regimes}, indent=2) + "\n")
+    _bands.cache_clear()
+    return path
+
+
+def _band_fields(band: ErrorBand) -> dict[str, float]:
+    return {"runs": band.runs, "low": round(band.low, 4), "high": round(band.high, 4)}

@@ -1,0 +1,62 @@
+"""Error bands: the spread of published / predicted step time on held-out published runs, per regime."""
+
+import json
+
+import pytest
+
+import tessera
+from tessera.cost_models import Strategy
+from tessera.cost_models import error_bands as eb
+from tessera.planner.plan_facts import band_sentence, runners_up_inside_band, step_band
+
+
+def test_the_band_is_the_tenth_and_ninetieth_percentile_of_the_ratios():
+    band = eb.band_from_ratios("fsdp", [0.8 + 0.04 * i for i in range(11)])  # 0.80, 0.84, ..., 1.20
+    assert (band.runs, band.low, band.high) == (11, pytest.approx(0.84), pytest.approx(1.16))
+    assert band.range_s(10.0) == (pytest.approx(8.4), pytest.approx(11.6))
+    assert band.describe(10.0) == "8.400 to 11.600 s (80% of 11 held-out FSDP (ZeRO-3) published runs)"
+
+
+def test_written_bands_read_back_and_a_regime_without_runs_takes_all_of_them(tmp_path, monkeypatch):
+    path = eb.write_bands({"fsdp": [0.9, 1.0, 1.1], "fp8": [1.2], "ptd-p": [0.95, 1.05]}, source="test", path=tmp_path / "b.json")
+    raw = json.loads(path.read_text())
+    assert set(raw["regimes"]) == {"fsdp", "ptd-p", "all"} and raw["regimes"]["all"]["runs"] == 6  # fp8: one run, no band
+    monkeypatch.setattr(eb, "BAND_FILE", path)
+    eb._bands.cache_clear()
+    try:
+        assert eb.error_band("fsdp").runs == 3 and not eb.error_band("fsdp").fallback
+        moe = eb.error_band("moe")
+        assert moe.fallback and moe.runs == 6 and "none of its regime was published" in moe.describe(1.0)
+    finally:
+        eb._bands.cache_clear()
+
+
+def test_a_plan_is_judged_in_its_regime():
+    s = Strategy.parse
+    assert eb.plan_regime(s("dp=8,zero=3"), "fp8", moe=True) == "fp8"
+    assert eb.plan_regime(s("dp=4,cp=2,zero=3"), "bf16", moe=False) == "cp"
+    assert eb.plan_regime(s("dp=8,ep=8,zero=3"), "bf16", moe=True) == "moe"
+    assert eb.plan_regime(s("dp=8,zero=3"), "bf16", moe=False) == "fsdp"
+    assert eb.plan_regime(s("dp=2,tp=4,zero=1"), "bf16", moe=False) == "ptd-p"
+
+
+def test_the_committed_bands_cover_the_regimes_plans_fall_in():
+    for regime in ("fsdp", "ptd-p", "fp8", "all"):
+        band = eb.error_band(regime)
+        assert band is not None and not band.fallback and band.runs >= 5 and band.low < 1 < band.high
+
+
+def test_a_gpu_plan_carries_its_band_and_names_the_runners_up_inside_it():
+    plan = tessera.plan("gpt3-2.7b", "dgx-a100:nodes=1", global_batch=64, seq_len=2048)
+    band = step_band(plan)
+    low, high = band.range_s(plan.estimate.step_time_s)
+    assert low < plan.estimate.step_time_s < high
+    inside = runners_up_inside_band(plan, band)
+    assert inside == [rank for rank, c in enumerate(plan.alternatives, start=2) if c.estimate.step_time_s <= high]
+    sentence = band_sentence(plan)
+    assert sentence.startswith("Likely step time: ") and (not inside or "inside it" in sentence)
+
+
+def test_a_cpu_plan_has_no_band_the_published_runs_are_gpu_runs():
+    plan = tessera.plan("gpt-tiny", "cpu:ranks=2", global_batch=8, seq_len=64)
+    assert step_band(plan) is None and band_sentence(plan) is None
