@@ -1,0 +1,53 @@
+"""``benchmarks/gpu_check.py``, the script a session with a lent GPU runs: its CPU dry run, its GPU mapping, its plans."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from tessera.topology import load_cluster
+
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    """``benchmarks/`` is scripts, not a package: load the script from its file (its own imports find memory_meter)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", BENCHMARKS / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_dry_run_measures_and_writes_its_table(gpu_check, tmp_path):
+    written = gpu_check.main(["--device", "cpu", "--only", "mbs1-none", "--steps", "1", "--out", str(tmp_path)])
+    text = written.read_text()
+    assert "| tiny-fp32-mbs1-none | dp=1,zero=0,mbs=1,recompute=none |" in text and "FAILED" not in text
+    row = next(line for line in text.splitlines() if line.startswith("| tiny-fp32-mbs1-none"))
+    memory_error = float(row.rstrip(" |").rsplit("|", 1)[1].strip().rstrip("%"))
+    assert abs(memory_error) < 15  # the memory model on CPU ranks is checked within 10% by memory_truth.py
+    assert written.with_suffix(".json").is_file()
+
+
+@pytest.mark.parametrize("torch_name,catalog_name", [
+    ("NVIDIA H200", "H200-SXM-141GB"), ("NVIDIA H100 80GB HBM3", "H100-SXM-80GB"), ("NVIDIA H100 NVL", "H100-NVL-94GB"),
+    ("NVIDIA A100-SXM4-40GB", "A100-SXM-40GB"), ("NVIDIA A100-SXM4-80GB", "A100-SXM-80GB"),
+])
+def test_a_gpu_maps_to_a_one_device_cluster_of_its_catalog_part(gpu_check, torch_name, catalog_name):
+    cluster = load_cluster(gpu_check.catalog_cluster(torch_name))
+    assert cluster.num_devices == 1 and cluster.device.name == catalog_name
+
+
+def test_an_unknown_gpu_says_which_names_it_knows(gpu_check):
+    with pytest.raises(SystemExit, match="no catalog part for GPU 'Tesla T4' .*H200"):
+        gpu_check.catalog_cluster("Tesla T4")
+
+
+def test_every_gpu_configuration_plans_and_fits_an_h200(gpu_check):
+    assert len(gpu_check.CONFIGS) == 20 and len({c[0] for c in gpu_check.CONFIGS}) == 20
+    cluster = gpu_check.catalog_cluster("NVIDIA H200")
+    for _, spec, seq_len, micro_batch, recompute, precision in gpu_check.CONFIGS:
+        plan = gpu_check.planned(spec, cluster, seq_len, micro_batch, recompute, precision)
+        assert plan.estimate.fits and plan.strategy.micro_batch == micro_batch and plan.estimate.micro_batches == 2
