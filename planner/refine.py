@@ -28,6 +28,7 @@ from tessera.planner.ilp import StageCoefficients, coefficients, optimal_pace_s,
 from tessera.planner.ilp_mixed import (
     StageMeasure, block_kinds, kind_coefficients, option_name, pace_lower_bound_s, solve_mixed, split_option,
 )
+from tessera.planner.lighten import lighten
 from tessera.topology.cluster import Cluster
 
 MAX_SOLVES = 16
@@ -173,13 +174,15 @@ def _refine_mixed(layers, cluster, training, key: Strategy, *, options, incumben
                              step_limit_s=incumbent if incumbent < float("inf") else None)
         return result and (result, materialise_options(key, result.options, chunk_blocks=result.chunk_blocks))
 
-    return _solve_and_check(layers, cluster, training, solve_at, stats=stats)
+    return _solve_and_check(layers, cluster, training, solve_at, stats=stats,
+                            policies=sorted({split_option(o)[0] for o in options}))
 
 
-def _solve_and_check(layers, cluster, training, solve_at, *, stats: RefineStats):
+def _solve_and_check(layers, cluster, training, solve_at, *, stats: RefineStats, policies: Sequence[str]):
     """Solve at the device budget, re-check with ``estimate``, and where the linear model was optimistic
-    tighten the budget by the overshoot and solve again (``BUDGET_RETRIES`` times). ``solve_at(budget, first)``
-    returns (the solver's result, its strategy) or None when infeasible."""
+    tighten the budget by the overshoot and solve again (``BUDGET_RETRIES`` times); a solution that fits is then
+    lightened where the linear model was pessimistic (``planner.lighten``, within ``policies``).
+    ``solve_at(budget, first)`` returns (the solver's result, its strategy) or None when infeasible."""
     budget = float(cluster.device.memory_bytes)
     for attempt in range(BUDGET_RETRIES + 1):
         solved = solve_at(budget, attempt == 0)
@@ -192,7 +195,7 @@ def _solve_and_check(layers, cluster, training, solve_at, *, stats: RefineStats)
         stats.worst_gap = max(stats.worst_gap, result.gap)
         est = estimate(layers, cluster, training, strategy)
         if est.fits:
-            return strategy, est
+            return lighten(layers, cluster, training, (strategy, est), policies=policies)
         budget -= est.peak_memory_bytes - est.memory_budget_bytes
     return None
 
@@ -233,7 +236,7 @@ def _refine_one(layers, cluster, training, key: Strategy, *, policies, incumbent
         result = solve(coeffs, blocks=blocks, budget_bytes=at, fixed_blocks=fixed, tables=tables if first else None)
         return result and (result, materialise(key, result.blocks, blocks=blocks))
 
-    return _solve_and_check(layers, cluster, training, solve_at, stats=stats)
+    return _solve_and_check(layers, cluster, training, solve_at, stats=stats, policies=policies)
 
 
 def _lower_bound_step(coeffs: Sequence[StageCoefficients], key: Strategy, training: TrainingConfig, cluster: Cluster, *,
