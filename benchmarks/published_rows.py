@@ -16,7 +16,7 @@ import yaml
 
 from tessera.cost_models import Strategy, TrainingConfig
 from tessera.cost_models.profiles import (
-    DEEPSPEED, MEGATRON, MEGATRON_2021, PYTORCH_FSDP_TE, TORCHTITAN, ImplementationProfile,
+    DEEPSPEED, MEGATRON, MEGATRON_2021, NEMO_2407, PYTORCH_FSDP_TE, TORCHTITAN, ImplementationProfile,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -69,6 +69,8 @@ def framework_profile(run: dict) -> ImplementationProfile:
         return replace(TORCHTITAN, fp8_all_gather=bool(run["training"].get("fsdp_float8_all_gather")))
     if framework.startswith("llm-foundry"):
         return PYTORCH_FSDP_TE
+    if framework.startswith("NeMo") and "24.07" in str(run.get("source", "")):
+        return NEMO_2407
     return MEGATRON
 
 
@@ -125,7 +127,7 @@ def _stated_pins(run: dict) -> dict[str, object]:
         fixed["schedule"] = par["schedule"]
     if par.get("virtual_pipeline"):
         fixed["schedule"], fixed["virtual_stages"] = "interleaved", par["virtual_pipeline"]
-    if framework_profile(run) is MEGATRON:
+    if framework_profile(run) in (MEGATRON, NEMO_2407):
         fixed["sp_regather"] = True  # Megatron-Core's sequence parallelism, should the planner turn it on
     if framework_profile(run).name == TORCHTITAN.name and par["pp"] > 1 and fixed.get("zero") == 3:
         # torchtitan 9dec370 (parallelisms/parallelize_llama.py, apply_fsdp): "For PP, do not reshard after

@@ -8,7 +8,8 @@ see ``Strategy``). Collective times come from ``topology.collectives``.
 - Tensor parallelism: one activation all-reduce per column/row pair forward and one backward (Megatron-LM;
   sequence parallelism turns each into an all-gather plus a reduce-scatter of the same total), one more
   forward under full recomputation; on the critical path.
-- Data parallelism per ZeRO stage, over the stage's local parameters: 0 all-reduces fp32 gradients once
+- Data parallelism per ZeRO stage, over the stage's local parameters: 0 all-reduces fp32 gradients (the profile's
+  ``gradient_bytes``) once
   per step; 1 reduce-scatters them and all-gathers updated parameters; 2 reduce-scatters after every
   micro-batch; 3 (FSDP) gathers parameters before forward and backward of every micro-batch and
   reduce-scatters gradients after it. Gradient reduction overlaps backward except its last bucket
@@ -31,7 +32,7 @@ see ``Strategy``). Collective times come from ``topology.collectives``.
 
 from __future__ import annotations
 
-from tessera.cost_models.memory import FP32, compute_dtype_bytes, kept_local_params, local_params
+from tessera.cost_models.memory import compute_dtype_bytes, kept_local_params, local_params
 from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.sparse import (
@@ -121,7 +122,7 @@ def dp_comm_s(
         return {}
     params = local_params(stage, strategy)
     group = {"group_size": strategy.dp, "stride": strategy.tp * strategy.cp * strategy.pp}
-    grads = params * FP32
+    grads = params * profile.gradient_bytes
     weights = gathered_weight_bytes(stage, training, strategy, params, profile=profile)
     s = sharded_slowdown
     if strategy.zero == 0:
@@ -208,7 +209,7 @@ def _grouped_dp_comm_s(
     for index, (params, axes) in enumerate(gradient_families(stage, strategy)):
         if not axes:
             continue
-        grads, s = params * FP32, sharded_slowdown
+        grads, s = params * profile.gradient_bytes, sharded_slowdown
         units = sharded_units(stage, experts=index == 1)  # gradient_families: dense first, then routed experts
         weights = gathered_weight_bytes(stage, training, strategy, params, profile=profile)
         if strategy.zero == 0:

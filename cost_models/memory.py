@@ -86,6 +86,8 @@ def stage_memory(
     if training.precision == "fp8":
         marks = tuple(with_fp8_state(mark, stage, training, strategy, micro_batches=micro_batches, profile=profile,
                                      in_backward=mark is marks[0]) for mark in marks)
+    if profile.gradient_bytes != FP32:  # gradients held in the framework's reduction dtype
+        marks = tuple(dict(mark, gradients=mark["gradients"] * profile.gradient_bytes / FP32) for mark in marks)
     peak = max(marks, key=lambda mark: sum(mark.values()))
     return {**{name: max(0, int(value)) for name, value in peak.items()}, "reserve": reserve}
 

@@ -71,6 +71,9 @@ class ImplementationProfile:
     backward_prefetch: str = "pre"
     """When ZeRO-3 issues a block's backward all-gather: ``pre`` (before the later block's gradient computation,
     hidden behind it) or ``post`` (after it: exposed), as FSDP1's ``BackwardPrefetch``."""
+    gradient_bytes: int = 4
+    """Bytes per element of the gradients the framework accumulates and reduces over data parallelism: 4 (fp32 main
+    gradients) or 2 (reduced in bf16, as NeMo's ``grad_sync_dtype: bf16`` does)."""
     attention_kernels: tuple[str, ...] = ("fa2",)
     """The fused attention kernels the framework runs, in the order it prefers them: the first one the device's
     catalog entry has a figure for prices the attention cores; none of them (or empty): the calibrated fallback."""
@@ -92,12 +95,17 @@ under ``amp_fp8``, the Triton FlashAttention (``attn_impl: triton``)."""
 MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1),
                                  attention_kernels=("cudnn", "fa2"))
 """Megatron-Core / NeMo: Transformer Engine for FP8 and attention (cuDNN on Hopper, FA2 before)."""
+NEMO_2407 = replace(MEGATRON, name="nemo-24.07", gradient_bytes=2)
+"""NeMo 24.07 (Megatron-Core under NeMo's launcher): its performance recipes reduce gradients in bf16. Every GPT and
+Llama H100 example script of NVIDIA/NeMo-Framework-Launcher at tag 24.07 (examples/training/{gpt,llama}/h100/*.sh, bf16
+and fp8) passes ``+training.model.optim.grad_sync_dtype=bf16``, and so does its GPT-3 175B FP8 config
+(launcher_scripts/conf/training/gpt3/175b_fp8.yaml)."""
 MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=())
 """Megatron-LM as SC'21 and Korthikanti et al. (2022) ran it: unfused attention."""
 DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEED_ZERO3_SLOWDOWN, attention_kernels=())
 """DeepSpeed ZeRO-3 as SC'21 measured it (Megatron-LM's model code: unfused attention)."""
 
-PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, PYTORCH_FSDP_TE, MEGATRON, MEGATRON_2021, DEEPSPEED)}
+PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, PYTORCH_FSDP_TE, MEGATRON, NEMO_2407, MEGATRON_2021, DEEPSPEED)}
 """Every profile by name."""
 
 

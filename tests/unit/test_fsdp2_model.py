@@ -129,3 +129,17 @@ def test_zero_collectives_are_priced_per_fully_shard_unit():
     assert comm["fsdp_allgather"] == pytest.approx(2 * gather)  # forward and backward gathers of 1 micro-batch
     assert comm["fsdp_reducescatter"] == pytest.approx(scatter)
     assert gather > all_gather_time(cluster, params * 2, **group)  # five latencies, not one
+
+
+def test_gradients_reduced_in_bf16_hold_and_move_half_the_bytes():
+    # NeMo 24.07's recipes reduce gradients in bf16 (profiles.NEMO_2407): the held gradients and the data-parallel
+    # gradient collectives are half of fp32's; the parameter all-gathers and everything else are unchanged.
+    from dataclasses import replace
+
+    half = replace(MEGATRON, gradient_bytes=2)
+    for strategy, collective in (("dp=16,zero=1,mbs=2", "zero_reducescatter"), ("dp=16,zero=0,mbs=2", "dp_allreduce")):
+        fp32, bf16 = run(strategy, framework=MEGATRON), run(strategy, framework=half)
+        assert bf16.memory_by_category_bytes["gradients"] == pytest.approx(fp32.memory_by_category_bytes["gradients"] / 2, rel=1e-6)
+        assert bf16.memory_by_category_bytes["optimizer"] == fp32.memory_by_category_bytes["optimizer"]
+        assert bf16.comm_time_by_kind_s[collective] < fp32.comm_time_by_kind_s[collective]
+    assert profile("nemo-24.07").gradient_bytes == 2 and TESSERA.gradient_bytes == 4
