@@ -16,7 +16,7 @@ from rich.table import Table
 from tessera.cost_models import Estimate, Strategy
 from tessera.planner.compare import BaselineComparison, Comparison, why_it_lost
 from tessera.planner.plan_facts import (
-    PER_LAYER_HEADER, band_sentence, cluster_layout, launch_command, mesh_layout, per_layer_rows, step_band, step_terms,
+    PER_LAYER_HEADER, band_sentence, cluster_layout, launch_command, mesh_layout, per_layer_rows, step_terms,
     tokens, uniform_comparison,
 )
 from tessera.planner.plan import Plan, format_count
@@ -65,7 +65,7 @@ def _headline(plan: Plan) -> Table:
         ("mesh", "; ".join(mesh_layout(plan.strategy, devices_per_node=per_node))
                  + f"; {e.micro_batches} micro-batches per step"),
         ("step time", _step_breakdown(e)),
-        *((("likely", literal(band.describe(e.step_time_s))),) if (band := step_band(plan)) else ()),
+        *((("likely", literal(band.describe(e.step_time_s))),) if (band := plan.error_band()) else ()),
         ("throughput", f"{e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}, HFU {e.hfu:.1%} "
                        f"({e.model_tflops_per_device:.0f} model TFLOP/s per device)"),
         ("memory", f"{e.peak_memory_bytes / GiB:.1f} / {e.memory_budget_bytes / GiB:.1f} GiB per device"),

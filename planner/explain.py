@@ -26,7 +26,7 @@ from tessera.planner.explain_plots import Block, Bullets, Code, Figure, Section,
 from tessera.planner.plan import Plan, format_count
 from tessera.planner.plan_facts import (
     PER_LAYER_HEADER, GiB, band_sentence, cluster_layout, exposed_comm_by_kind, gib, launch_command, mesh_layout,
-    per_layer_rows, seconds, step_band, step_terms, tokens, uniform_comparison,
+    per_layer_rows, seconds, step_terms, tokens, uniform_comparison,
 )
 
 
@@ -131,7 +131,7 @@ def _prediction(plan: Plan) -> Section:
     e = plan.estimate
     rows = (
         ("step time", seconds(e.step_time_s)),
-        *((("likely step time", band.describe(e.step_time_s)),) if (band := step_band(plan)) else ()),
+        *((("likely step time", band.describe(e.step_time_s)),) if (band := plan.error_band()) else ()),
         ("tokens/s", tokens(e.tokens_per_s)),
         ("MFU", f"{e.mfu:.1%}"),
         ("HFU", f"{e.hfu:.1%}"),

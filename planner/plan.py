@@ -11,9 +11,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from tessera.cost_models.error_bands import ErrorBand, error_band, plan_regime
 from tessera.cost_models.types import BlockKind, Estimate, LayerKind, Recompute, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 from tessera.files import write_text_atomically
+from tessera.topology.hardware import LOCAL_CPU
 from tessera.topology.validation import first_problem, quoted, short
 
 FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
@@ -169,6 +171,7 @@ class Plan(BaseModel):
                 f"{self.model_name} ({format_count(self.param_count)} params) on {self.cluster} ({self.device_name})",
                 f"strategy   {self.strategy.name}: {self.strategy.to_string()}",
                 f"step time  {e.step_time_s:.3f} s   {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu:.1%}",
+                *((f"likely     {band.describe(e.step_time_s)}",) if (band := self.error_band()) else ()),
                 f"memory     {e.peak_memory_bytes / GiB:.1f} of {e.memory_budget_bytes / GiB:.1f} GiB per device "
                 f"({memory} GiB)",
                 *(f"no {axis:<7} {reason}" for axis, reason in self.unavailable_axes.items()),
@@ -176,6 +179,14 @@ class Plan(BaseModel):
                   for c in self.unavailable_gains),
             ]
         )
+
+    def error_band(self) -> ErrorBand | None:
+        """The error band of the plan's regime (FP8, context parallelism, mixture of experts, ZeRO-3 or not) on the
+        held-out published runs (``cost_models.error_bands``); None on this machine's CPU (those are GPU runs)."""
+        if self.device_name == LOCAL_CPU:
+            return None
+        moe = self.strategy.ep > 1 or any(layer.block_kind == "moe" for layer in self.layers)
+        return error_band(plan_regime(self.strategy, self.training.precision, moe=moe))
 
     def chunk_fqns(self) -> list[tuple[str, ...]]:
         """FQNs of each pipeline chunk's layers, in chunk order (the runtime's stage split)."""

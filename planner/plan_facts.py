@@ -8,7 +8,7 @@ transfers sit on the critical path in full, the context-parallel K/V ring by the
 (the slowest stage's ``cp_comm``), and what is left is data-parallel communication, shared among its kinds in
 proportion to their totals.
 
-How far to trust the step time (:func:`step_band`): the error band of the plan's regime on held-out published
+How far to trust the step time (``Plan.error_band``, :func:`band_sentence`): the error band of the plan's regime on held-out published
 runs (``cost_models.error_bands``), and which runners-up fall inside it.
 
 Mesh axes are laid out innermost first, tp -> cp -> ep -> pp -> dp, the dp axis standing for the ``dp / ep``
@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import shlex
 
-from tessera.cost_models.error_bands import ErrorBand, error_band, plan_regime
+from tessera.cost_models.error_bands import ErrorBand
 from tessera.cost_models.types import Estimate, Strategy
 from tessera.errors import TesseraError
 from tessera.planner.plan import Plan
 from tessera.topology import load_cluster
-from tessera.topology.hardware import LOCAL_CPU
 
 GiB = 2**30
 MESH_ORDER = ("tp", "cp", "ep", "pp", "dp")
@@ -114,15 +113,6 @@ def step_terms(e: Estimate) -> dict[str, float]:
     return terms | {"bubble": e.bubble_time_s, "optimizer": e.optimizer_time_s, "stragglers": e.straggler_time_s}
 
 
-def step_band(plan: Plan) -> ErrorBand | None:
-    """The error band of the plan's regime (FP8, context parallelism, mixture of experts, ZeRO-3 or not) on the
-    held-out published runs; None for a plan on this machine's CPU (the published runs are GPU runs)."""
-    if plan.device_name == LOCAL_CPU:
-        return None
-    moe = plan.strategy.ep > 1 or any(layer.block_kind == "moe" for layer in plan.layers)
-    return error_band(plan_regime(plan.strategy, plan.training.precision, moe=moe))
-
-
 def runners_up_inside_band(plan: Plan, band: ErrorBand) -> list[int]:
     """Ranks (the plan is 1) of the alternatives whose predicted step time falls inside the plan's band: the cost
     model's error on runs like this one is as large as what separates them from the plan."""
@@ -132,7 +122,7 @@ def runners_up_inside_band(plan: Plan, band: ErrorBand) -> list[int]:
 
 def band_sentence(plan: Plan) -> str | None:
     """``Likely step time: 12.3 to 14.0 s (...); runners-up 2 and 3 fall inside it.``, or None without a band."""
-    band = step_band(plan)
+    band = plan.error_band()
     if band is None:
         return None
     inside = runners_up_inside_band(plan, band)

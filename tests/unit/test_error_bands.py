@@ -7,7 +7,7 @@ import pytest
 import tessera
 from tessera.cost_models import Strategy
 from tessera.cost_models import error_bands as eb
-from tessera.planner.plan_facts import band_sentence, runners_up_inside_band, step_band
+from tessera.planner.plan_facts import band_sentence, runners_up_inside_band
 
 
 def test_the_band_is_the_tenth_and_ninetieth_percentile_of_the_ratios():
@@ -48,15 +48,16 @@ def test_the_committed_bands_cover_the_regimes_plans_fall_in():
 
 def test_a_gpu_plan_carries_its_band_and_names_the_runners_up_inside_it():
     plan = tessera.plan("gpt3-2.7b", "dgx-a100:nodes=1", global_batch=64, seq_len=2048)
-    band = step_band(plan)
+    band = plan.error_band()
     low, high = band.range_s(plan.estimate.step_time_s)
     assert low < plan.estimate.step_time_s < high
     inside = runners_up_inside_band(plan, band)
     assert inside == [rank for rank, c in enumerate(plan.alternatives, start=2) if c.estimate.step_time_s <= high]
     sentence = band_sentence(plan)
     assert sentence.startswith("Likely step time: ") and (not inside or "inside it" in sentence)
+    assert f"likely     {band.describe(plan.estimate.step_time_s)}" in plan.summary()
 
 
 def test_a_cpu_plan_has_no_band_the_published_runs_are_gpu_runs():
     plan = tessera.plan("gpt-tiny", "cpu:ranks=2", global_batch=8, seq_len=64)
-    assert step_band(plan) is None and band_sentence(plan) is None
+    assert plan.error_band() is None and band_sentence(plan) is None and "likely" not in plan.summary()
