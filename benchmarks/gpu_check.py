@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import re
 import statistics
@@ -44,19 +45,23 @@ CONFIGS = [
     *((f"llama3-8b-2blocks-bf16-mbs{m}-none", LLAMA_8B_2, 4096, m, "none", "bf16") for m in (1, 2)),
 ]
 CPU_CONFIGS = [(f"tiny-fp32-mbs{m}-{r}", "gpt-tiny:layers=2", 64, m, r, "fp32") for m in (1, 2) for r in ("none", "full")]
-CATALOG_PARTS = (  # (substrings of torch's device name, preset, gpu= variant or None), first match wins
+CATALOG_PARTS = (  # (words of torch's device name, preset, gpu= variant or None), first match wins
     (("H200",), "dgx-h200", None), (("H100", "NVL"), "dgx-h100", "H100-NVL-94GB"), (("H100",), "dgx-h100", None),
-    (("A100", "40GB"), "dgx-a100", "A100-SXM-40GB"), (("A100",), "dgx-a100", None), (("B200",), "dgx-b200", None),
+    (("A100-SXM4-40GB",), "dgx-a100", "A100-SXM-40GB"), (("A100-SXM4-80GB",), "dgx-a100", None), (("B200",), "dgx-b200", None),
 )
+UNCATALOGUED = ("PCIe", "GH200", "H200 NVL")
+"""Parts whose names contain a catalogued one's but whose figures differ (PCIe clocks and power, Grace Hopper)."""
 
 
 def catalog_cluster(device_name: str) -> str:
     """A one-device cluster of the catalog part named like ``device_name`` (``NVIDIA H200`` -> ``dgx-h200``)."""
+    words = set(device_name.split())
     for needles, preset, variant in CATALOG_PARTS:
-        if all(n in device_name for n in needles):
+        if words.issuperset(needles) and not any(u in device_name for u in UNCATALOGUED):
             return f"{preset}:nodes=1,gpus_per_node=1" + (f",gpu={variant}" if variant else "")
     known = ", ".join("+".join(needles) for needles, *_ in CATALOG_PARTS)
-    raise SystemExit(f"no catalog part for GPU {device_name!r} (known: {known}); add it to CATALOG_PARTS")
+    raise SystemExit(f"no catalog part for GPU {device_name!r} (known: {known}); add its figures to topology/catalog.yaml "
+                     "and a line to CATALOG_PARTS")
 
 
 def planned(spec: str, cluster: str, seq_len: int, micro_batch: int, recompute: str, precision: str):
@@ -74,10 +79,12 @@ def planned(spec: str, cluster: str, seq_len: int, micro_batch: int, recompute: 
 
 
 def measure(plan, spec: str, device: str, steps: int) -> dict:
-    """Apply ``plan`` on one ``device``, warm up, time ``steps`` steps, then the peak bytes of one more step."""
+    """Apply ``plan`` on one ``device``, warm up, time ``steps`` steps, then the peak bytes of one more step (what
+    the device held before the model, a previous configuration's leftovers, subtracted)."""
     from tessera.models import build_model, model_config
     from tessera.runtime.apply import apply_plan
 
+    before = torch.cuda.memory_allocated() if device == "cuda" else 0
     torch.manual_seed(0)
     parallel = apply_plan(build_model(spec, device=device), plan)
     batch_shape = (plan.training.global_batch, plan.training.seq_len + 1)
@@ -91,7 +98,7 @@ def measure(plan, spec: str, device: str, steps: int) -> dict:
         parallel.train_step(batch)
         synchronize(device)
         seconds.append(time.perf_counter() - start)
-    return {"step_s": statistics.median(seconds), "peak_bytes": peak_bytes(parallel, batch, device)}
+    return {"step_s": statistics.median(seconds), "peak_bytes": peak_bytes(parallel, batch, device) - before}
 
 
 def synchronize(device: str) -> None:
@@ -131,6 +138,7 @@ def check(configs: list[tuple], device: str, steps: int) -> list[dict]:
             row |= measure(plan, spec, device, steps)
         except Exception as error:  # a failed configuration is a finding, not the end of the run
             row["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        gc.collect()  # the configuration's modules and hooks, before the next one is measured
         if device == "cuda":
             torch.cuda.empty_cache()
         rows.append(row)
@@ -172,7 +180,8 @@ def markdown(rows: list[dict], *, device: str, device_name: str, command: str) -
 
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a dry run of the harness on small configurations (write it elsewhere with --out)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (the median is kept)")
     parser.add_argument("--only", metavar="REGEX", help="only the configurations whose name matches")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="folder for the .md and .json results")

@@ -19,7 +19,8 @@ with its own system files (``systems/a100_80g.json``, which its step-time valida
 uses, and ``systems/h100_80g_nvl8.json``) with the memory capacity lifted, as its own validation file
 ``a100_80e.json`` does: the published run did fit, and only its time is compared. Its block is GPT's (multi-head
 or multi-query attention, a two-matrix MLP) without ZeRO-2/3 or context parallelism: it skips gated-MLP, grouped-
-query, FSDP and zero-bubble rows.
+query, FSDP and zero-bubble rows. It models the transformer blocks only (no embedding or LM head), and has no
+40 GB A100 file (such a row would use the 80 GB one's 2.0 TB/s; none is expressible today).
 
 Writes ``benchmarks/results/peers-<hardware>-<date>.md``: per predictor and split (train / held out), the
 median and worst |error| on the rows that predictor can express, and Tessera's on the same rows.
@@ -87,48 +88,62 @@ def llm_analysis_step_s(la, run: dict, strategy: Strategy) -> float | None:
     return float(summary["latency_per_iter"])
 
 
-def calculon_step_s(calculon, run: dict, strategy: Strategy) -> float | None:
-    """Calculon's step time for ``strategy`` on ``run``, or None where it cannot express the row."""
-    m = run["model"]
-    kv_heads = m.get("kv_heads") or m["heads"]
-    expressible = (strategy.cp == 1 and not strategy.block_recompute and strategy.zero <= 1 and strategy.ep == 1
-                   and strategy.schedule != "zero-bubble" and m.get("family") != "llama" and kv_heads in (1, m["heads"])
-                   and peer_gpu(run) is not None)
-    if not expressible:
+def calculon_step_s(calculon, folder: Path, run: dict, strategy: Strategy) -> float | None:
+    """Calculon's step time for ``strategy`` on ``run`` (``folder``: its checkout, for the system files), or None
+    where it cannot express the row."""
+    if not calculon_expresses(run, strategy):
         return None
-    llm, system = calculon.llm.Llm, json.loads((calculon.folder / "systems" / CALCULON_SYSTEMS[peer_gpu(run)]).read_text())
+    llm, m = calculon.llm.Llm, run["model"]
+    system = json.loads((folder / "systems" / CALCULON_SYSTEMS[peer_gpu(run)]).read_text())
     system["mem1"]["GiB"] = system["mem2"]["GiB"] = 1e12  # only the time is compared: the published run fitted
     app = llm.Application({"hidden": m["hidden"], "feedforward": m.get("ffn_hidden") or 4 * m["hidden"],
                            "seq_size": m["seq_len"], "attn_heads": m["heads"], "attn_size": m["hidden"] // m["heads"],
                            "num_blocks": m["layers"]})
+    model = llm(app, logging.getLogger("calculon"))
+    try:  # Calculon refuses what it cannot model with its Error or an assert (e.g. a layout its network tiers lack)
+        model.compile(calculon.System(system), llm.Execution.from_json(calculon_execution(run, strategy)))
+        model.run(calculon.System(system))
+    except (llm.Error, AssertionError) as error:
+        print(f"calculon cannot run {run['id']}: {error!r}")
+        return None
+    return float(model.get_total_time())
+
+
+def calculon_expresses(run: dict, strategy: Strategy) -> bool:
+    """Calculon's block is GPT's (multi-head or multi-query attention, a two-matrix MLP), its data parallelism
+    DDP or ZeRO-1, its schedules 1F1B and interleaved; no context or expert parallelism, no per-block policies."""
+    m = run["model"]
+    kv_heads = m.get("kv_heads") or m["heads"]
+    return (strategy.cp == 1 and not strategy.block_recompute and strategy.zero <= 1 and strategy.ep == 1
+            and strategy.schedule != "zero-bubble" and m.get("family") != "llama" and kv_heads in (1, m["heads"])
+            and peer_gpu(run) is not None)
+
+
+def calculon_execution(run: dict, strategy: Strategy) -> dict:
+    """Calculon's execution configuration (``Llm.Execution.fields()``) for ``strategy`` on ``run``."""
+    m = run["model"]
     tp, pp, dp = strategy.tp, strategy.pp, strategy.dp
     recompute = {"none": "none", "selective": "attn_only", "full": "full"}[strategy.recompute]
-    execution = llm.Execution.from_json({
+    modern = framework_profile(run) is not MEGATRON_2021  # Megatron-LM since 2022: fused bias-GeLU, DP overlap
+    return {
         "num_procs": tp * pp * dp, "tensor_par": tp, "pipeline_par": pp, "data_par": dp,
         # Megatron's rank order puts tp innermost, then dp, then pp: each on NVLink while it fits in a node
         "tensor_par_net": 0, "data_par_net": 0 if tp * dp <= GPUS_PER_NODE else 1,
         "pipeline_par_net": 0 if tp * dp * pp <= GPUS_PER_NODE else 1,
         "batch_size": run["training"]["global_batch"], "microbatch_size": strategy.micro_batch,
         "datatype": "float8" if run["training"].get("precision") == "fp8" else "float16",
-        "fused_activation": framework_profile(run) is not MEGATRON_2021,
-        "attention_type": "multiquery" if kv_heads == 1 < m["heads"] else "multihead",
+        "fused_activation": modern,
+        "attention_type": "multiquery" if (m.get("kv_heads") or m["heads"]) == 1 < m["heads"] else "multihead",
         "activation_recompute": recompute,
         "pipeline_interleaving": strategy.virtual_stages if pp > 1 and strategy.schedule == "interleaved" else 1,
         "optimizer_sharding": strategy.zero == 1 and dp > 1,
         "tensor_par_comm_type": "rs_ag" if strategy.sp else "ar",
         "tensor_par_overlap": "ring" if strategy.tp_overlap and tp > 1 else "none",
-        "seq_par_ag_redo": strategy.sp and recompute != "full",  # Megatron gathers the input again in the backward
-        "data_par_overlap": dp > 1 and framework_profile(run) is not MEGATRON_2021,
+        # Megatron's sequence parallelism gathers the input again in the backward (Calculon forbids it under full)
+        "seq_par_ag_redo": strategy.sp and strategy.sp_regather and recompute != "full",
+        "data_par_overlap": dp > 1 and modern,
         "weight_offload": False, "activations_offload": False, "optimizer_offload": False, "training": True,
-    })
-    model = llm(app, logging.getLogger("calculon"))
-    try:
-        model.compile(calculon.System(system), execution)
-        model.run(calculon.System(system))
-    except llm.Error as error:  # e.g. a layout its network tiers cannot hold
-        print(f"calculon cannot run {run['id']}: {error}")
-        return None
-    return float(model.get_total_time())
+    }
 
 
 def _stub_if_absent(name: str) -> None:
@@ -145,7 +160,6 @@ def load_calculon(folder: Path):
     _stub_if_absent("psutil")  # only its execution searches use it
     import calculon
 
-    calculon.folder = folder
     return calculon
 
 
@@ -170,7 +184,7 @@ def main() -> None:
         peers["llm-analysis"] = lambda run, strategy: llm_analysis_step_s(la, run, strategy)
     if args.calculon:
         calculon = load_calculon(args.calculon)
-        peers["Calculon"] = lambda run, strategy: calculon_step_s(calculon, run, strategy)
+        peers["Calculon"] = lambda run, strategy: calculon_step_s(calculon, args.calculon, run, strategy)
     if not peers:
         parser.error("name at least one peer: --llm-analysis DIR and/or --calculon DIR (see the docstring)")
     results = []  # (id, split, regime, tessera error, {peer: error or None})

@@ -75,12 +75,13 @@ def framework_profile(run: dict) -> ImplementationProfile:
 
 
 def regime(run: dict) -> str:
-    """The row's regime for per-regime errors: fp8, cp, deepspeed-zero3, fsdp (PyTorch ZeRO-3) or ptd-p."""
+    """The row's regime for per-regime errors: cp (context parallelism, whatever the precision), fp8,
+    deepspeed-zero3, fsdp (PyTorch ZeRO-3) or ptd-p."""
     par = run["parallel"]
-    if training_config(run).precision == "fp8":
-        return "fp8"
     if (par.get("cp") or 1) > 1:
         return "cp"
+    if training_config(run).precision == "fp8":
+        return "fp8"
     if framework_profile(run) is DEEPSPEED:
         return "deepspeed-zero3"
     return "fsdp" if par.get("zero_stage") == 3 else "ptd-p"

@@ -4,8 +4,9 @@
 ``error_bands.json`` beside this module from its held-out rows (the ones no constant was fitted on): per regime,
 how many runs and the 10th and 90th percentile of published / predicted step time. A prediction of regime ``R``
 then carries the band ``[predicted * low, predicted * high]``: where 80% of the held-out published runs of ``R``
-landed against their prediction. A regime without held-out runs (mixture of experts today) takes the band of all
-of them, and says so. The published runs are GPU runs; a plan for this machine's CPU gets no band (its own check is
+landed against their prediction. Context parallelism is its own regime whatever the precision (its long-sequence
+rows are the worst predicted). A regime without held-out runs (mixture of experts today) takes the band of all of
+them, and says so. The published runs are GPU runs; a plan for this machine's CPU gets no band (its own check is
 ``benchmarks/local_truth.py``).
 """
 
@@ -46,19 +47,20 @@ class ErrorBand:
         """``12.3 to 14.0 s (80% of 18 held-out FSDP (ZeRO-3) published runs)``."""
         low, high = self.range_s(predicted_s)
         share = round(100 * (QUANTILES[1] - QUANTILES[0]))
-        runs = f"{share}% of {self.runs} held-out {REGIME_NAMES.get(self.regime, self.regime)} published runs"
+        name = REGIME_NAMES.get(self.regime, self.regime)
         if self.fallback:
-            runs += "; none of its regime was published, so all regimes"
-        return f"{low:.3f} to {high:.3f} s ({runs})"
+            return (f"{low:.3f} to {high:.3f} s ({share}% of all {self.runs} held-out published runs: "
+                    f"no held-out {name} run was published)")
+        return f"{low:.3f} to {high:.3f} s ({share}% of {self.runs} held-out {name} published runs)"
 
 
 def plan_regime(strategy: Strategy, precision: str, *, moe: bool) -> str:
     """The regime a strategy's prediction is judged in, with the same precedence as the published rows' own
-    (``benchmarks/published_rows.regime``): FP8 first, then context parallelism, mixture of experts, ZeRO-3."""
-    if precision == "fp8":
-        return "fp8"
+    (``benchmarks/published_rows.regime``): context parallelism first, then FP8, mixture of experts, ZeRO-3."""
     if strategy.cp > 1:
         return "cp"
+    if precision == "fp8":
+        return "fp8"
     if moe:
         return "moe"
     return "fsdp" if strategy.zero == 3 else "ptd-p"

@@ -101,6 +101,7 @@ def estimate(
         exposed_comm_time_s=micro_batches * (t.tp_comm + t.pp_comm + t.ep_comm + t.cp_comm) + max(exposed_dp),
         bubble_time_s=bubble,
         straggler_time_s=straggling,
+        offload_time_s=micro_batches * t.offload,
         comm_time_by_kind_s=_comm_by_kind(t, dp[slowest], micro_batches),
         memory_by_category_bytes=memory[worst],
         peak_memory_bytes=sum(memory[worst].values()),

@@ -411,6 +411,8 @@ class Estimate(BaseModel):
     share lets the slowest stage run faster than its all-ranks-busy time (``cost_models.pipeline``)."""
     straggler_time_s: float = 0.0
     """Seconds a step waits for its slowest rank beyond one rank's mean (``Calibration.jitter``)."""
+    offload_time_s: float = 0.0
+    """Seconds of activation-offload copies per step that the compute does not hide (``cost_models.offload``)."""
     stage_peak_memory_bytes: tuple[int, ...] = ()
     """Predicted peak memory of each pipeline stage (``memory_by_category_bytes`` is the worst one)."""
     stage_memory_by_category_bytes: tuple[dict[str, int], ...] = ()

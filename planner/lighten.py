@@ -38,13 +38,17 @@ def lighten(
     return found
 
 
-def _best_move(layers, cluster, training, found, *, kinds: list[int], policies: Sequence[str]):
+def _best_move(
+    layers: Sequence[LayerStats], cluster: Cluster, training: TrainingConfig, found: tuple[Strategy, Estimate], *,
+    kinds: list[int], policies: Sequence[str],
+) -> tuple[Strategy, Estimate] | None:
+    """The fastest fitting solution one run's lightening gives, or None where none beats ``found``."""
     strategy, best = found
     chosen = None
     current = [strategy.recompute_of_block(i) for i in range(len(kinds))]
-    for start, end in _alike_runs(current, kinds):
-        for lighter in (p for p in LIGHTER.get(current[start], ()) if p in policies):
-            moved = _lightest_fitting(layers, cluster, training, strategy, current, start, end, lighter)
+    for run in _alike_runs(current, kinds):
+        for lighter in (p for p in LIGHTER.get(current[run[0]], ()) if p in policies):
+            moved = _lightest_fitting(layers, cluster, training, strategy, current=current, run=run, lighter=lighter)
             if moved and moved[1].step_time_s < best.step_time_s:
                 chosen, best = moved, moved[1]
     return chosen
@@ -60,9 +64,13 @@ def _alike_runs(policies: list[str], kinds: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _lightest_fitting(layers, cluster, training, strategy: Strategy, current: list[str], start: int, end: int,
-                      lighter: Recompute) -> tuple[Strategy, Estimate] | None:
-    """The run's last ``k`` blocks on ``lighter`` for the largest ``k`` that fits (bisection), or None."""
+def _lightest_fitting(
+    layers: Sequence[LayerStats], cluster: Cluster, training: TrainingConfig, strategy: Strategy, *,
+    current: list[str], run: tuple[int, int], lighter: Recompute,
+) -> tuple[Strategy, Estimate] | None:
+    """The ``run``'s (``[start, end)`` of ``current``) last ``k`` blocks on ``lighter`` for the largest ``k`` that
+    fits (bisection), or None."""
+    start, end = run
     low, high, fitting = 1, end - start, None
     while low <= high:
         k = (low + high) // 2

@@ -2,7 +2,7 @@
 2, tokens/s to units), where each mesh axis lives, the step time split into terms, and the launch line.
 
 Where the step time goes (:func:`step_terms`): compute, recompute, exposed communication per kind,
-bubble and optimizer, which sum to ``Estimate.step_time_s``. The estimate states exposed communication
+bubble, optimizer, stragglers and exposed activation offload, which sum to ``Estimate.step_time_s``. The estimate states exposed communication
 as one number; it is split by kind as the cost model accrues it: tensor-, expert-parallel and pipeline
 transfers sit on the critical path in full, the context-parallel K/V ring by the part attention does not hide
 (the slowest stage's ``cp_comm``), and what is left is data-parallel communication, shared among its kinds in
@@ -110,7 +110,8 @@ def step_terms(e: Estimate) -> dict[str, float]:
     """Where the step time goes, in seconds; the terms sum to ``e.step_time_s``."""
     terms = {"compute": e.compute_time_s, "recompute": e.recompute_time_s}
     terms |= {f"exposed {kind}": value for kind, value in exposed_comm_by_kind(e).items()}
-    return terms | {"bubble": e.bubble_time_s, "optimizer": e.optimizer_time_s, "stragglers": e.straggler_time_s}
+    terms |= {"bubble": e.bubble_time_s, "optimizer": e.optimizer_time_s, "stragglers": e.straggler_time_s}
+    return terms | ({"exposed offload": e.offload_time_s} if e.offload_time_s else {})
 
 
 def runners_up_inside_band(plan: Plan, band: ErrorBand) -> list[int]:

@@ -124,6 +124,17 @@ def test_step_time_breakdown_sums_to_the_step_time(plan, report):
     assert table["step time"][0] == seconds(plan.estimate.step_time_s)
 
 
+def test_the_breakdown_sums_to_the_step_with_stragglers_and_activation_offload():
+    from tessera.api import _prepare
+    from tessera.cost_models import Strategy, estimate
+
+    graph, cluster, training = _prepare("llama3-8b:layers=8", "dgx-h100:nodes=1", global_batch=8, seq_len=8192, precision=None)
+    e = estimate(list(graph.layers), cluster, training, Strategy.parse("dp=8,zero=3,mbs=1,recompute=offload"))
+    terms = step_terms(e)
+    assert terms["exposed offload"] > 0 and terms["stragglers"] > 0
+    assert sum(terms.values()) == pytest.approx(e.step_time_s, rel=1e-9)
+
+
 def test_alternatives_table_says_why_each_lost(plan, report):
     rows = report.tables["Alternatives"][1:]
     assert len(rows) == len(plan.alternatives) > 0

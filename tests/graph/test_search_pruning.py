@@ -90,6 +90,7 @@ def test_candidates_nothing_fits_do_not_use_up_the_refinement(monkeypatch):
     assert stats.infeasible >= len(hopeless) and found and not starved
     assert min(e.step_time_s for _, e in found) < scored[-1][1].step_time_s
 
+
 def test_an_integer_programs_answer_is_lightened_where_its_linear_memory_model_overstates_the_mix():
     """A dense block and three MoE blocks on 4 CPU ranks at 279 MiB per rank: the mixed program's linear memory
     model (per-kind slopes) overstates what two unrecomputed blocks hold, so it answered one block without

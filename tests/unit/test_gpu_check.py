@@ -40,9 +40,12 @@ def test_a_gpu_maps_to_a_one_device_cluster_of_its_catalog_part(gpu_check, torch
     assert cluster.num_devices == 1 and cluster.device.name == catalog_name
 
 
-def test_an_unknown_gpu_says_which_names_it_knows(gpu_check):
-    with pytest.raises(SystemExit, match="no catalog part for GPU 'Tesla T4' .*H200"):
-        gpu_check.catalog_cluster("Tesla T4")
+@pytest.mark.parametrize("torch_name", ["Tesla T4", "NVIDIA H100 PCIe", "NVIDIA GH200 480GB", "NVIDIA H200 NVL",
+                                        "NVIDIA A100 80GB PCIe"])
+def test_a_gpu_the_catalog_lacks_is_refused_naming_the_ones_it_knows(gpu_check, torch_name):
+    # a PCIe or Grace Hopper part carries a catalogued part's name but not its clocks, power or memory
+    with pytest.raises(SystemExit, match=f"no catalog part for GPU '{torch_name}' .*H200"):
+        gpu_check.catalog_cluster(torch_name)
 
 
 def test_every_gpu_configuration_plans_and_fits_an_h200(gpu_check):
