@@ -44,7 +44,11 @@ CONFIGS = [
     *((f"llama-fp32-mbs{m}-none", SMALL_LLAMA, 2048, m, "none", "fp32") for m in (1, 2)),
     *((f"llama3-8b-2blocks-bf16-mbs{m}-none", LLAMA_8B_2, 4096, m, "none", "bf16") for m in (1, 2)),
 ]
-CPU_CONFIGS = [(f"tiny-fp32-mbs{m}-{r}", "gpt-tiny:layers=2", 64, m, r, "fp32") for m in (1, 2) for r in ("none", "full")]
+CPU_WEIGHTY = "gpt:layers=4,hidden=768,heads=12,vocab=4096,seq=64"  # 34M parameters: weight copies are visible
+CPU_CONFIGS = [
+    *((f"tiny-fp32-mbs{m}-{r}", "gpt-tiny:layers=2", 64, m, r, "fp32") for m in (1, 2) for r in ("none", "full")),
+    *((f"weighty-{p}-mbs1-none", CPU_WEIGHTY, 64, 1, "none", p) for p in ("fp32", "bf16")),
+]
 CATALOG_PARTS = (  # (words of torch's device name, preset, gpu= variant or None), first match wins
     (("H200",), "dgx-h200", None), (("H100", "NVL"), "dgx-h100", "H100-NVL-94GB"), (("H100",), "dgx-h100", None),
     (("A100-SXM4-40GB",), "dgx-a100", "A100-SXM-40GB"), (("A100-SXM4-80GB",), "dgx-a100", None), (("B200",), "dgx-b200", None),

@@ -7,6 +7,8 @@ ZeRO-0 is DDP (plus a bucket copy of the gradients) or FSDP2 ``replicate``; ZeRO
 forward to backward; ZeRO-1 accumulates the unsharded gradient over micro-batches, ZeRO-2 its shard);
 ZeRO-3 gathers one block at a time (plus one prefetched), and the root layers for the forward and again for
 the backward.
+Mixed precision on a model no FSDP unit wraps runs by ``torch.autocast`` (:func:`autocasts`): every micro-batch
+then holds a compute-dtype copy of each local weight from its forward until its backward is done.
 Tensor parallelism divides blocks and vocabulary matrices.
 Expert parallelism divides routed experts by ``ep``; the "data-parallel axis" of a kind of state is the ranks
 holding the same weights: ``dp * cp`` for dense, ``(dp / ep) * cp`` for expert state (``cost_models.sparse``).
@@ -88,6 +90,9 @@ def stage_memory(
                                      in_backward=mark is marks[0]) for mark in marks)
     if profile.gradient_bytes != FP32:  # gradients held in the framework's reduction dtype
         marks = tuple(dict(mark, gradients=mark["gradients"] * profile.gradient_bytes / FP32) for mark in marks)
+    if autocasts(training, strategy, profile):  # the compute-dtype weight copies live until the backward is done
+        marks = (dict(marks[0], parameters=marks[0]["parameters"] + local_params(stage, strategy) * compute_dtype_bytes(training)),
+                 marks[1])
     peak = max(marks, key=lambda mark: sum(mark.values()))
     return {**{name: max(0, int(value)) for name, value in peak.items()}, "reserve": reserve}
 
@@ -168,6 +173,13 @@ def kept_local_params(stage: StageTotals, strategy: Strategy) -> float:
     divides the dense part, etp * ep the routed experts (as ``local_params``)."""
     dense = stage.kept_params - stage.kept_expert_params
     return dense / strategy.tp + stage.kept_expert_params / (strategy.expert_tp * strategy.ep)
+
+
+def autocasts(training: TrainingConfig, strategy: Strategy, profile: ImplementationProfile) -> bool:
+    """Whether mixed precision runs by ``torch.autocast`` (``ImplementationProfile.autocast_copies``): bf16/fp16 on a
+    model no FSDP unit wraps, ZeRO-0 without FSDP2's ``replicate`` (``runtime.parallel_model._autocast``)."""
+    return (profile.autocast_copies and training.precision in ("bf16", "fp16") and strategy.zero == 0
+            and not uses_fsdp2_replicate(strategy))
 
 
 def uses_ddp(strategy: Strategy) -> bool:

@@ -71,6 +71,11 @@ class ImplementationProfile:
     backward_prefetch: str = "pre"
     """When ZeRO-3 issues a block's backward all-gather: ``pre`` (before the later block's gradient computation,
     hidden behind it) or ``post`` (after it: exposed), as FSDP1's ``BackwardPrefetch``."""
+    autocast_copies: bool = False
+    """Mixed precision by ``torch.autocast`` where the model is not FSDP-wrapped (plain modules, DDP): a micro-batch
+    holds a compute-dtype copy of every local weight from its forward to its backward (autocast's cast cache, and
+    the copies autograd saves). FSDP casts once per gathered unit instead; Megatron-style frameworks keep bf16
+    weights themselves."""
     gradient_bytes: int = 4
     """Bytes per element of the gradients the framework accumulates and reduces over data parallelism: 4 (fp32 main
     gradients) or 2 (reduced in bf16, as NeMo's ``grad_sync_dtype: bf16`` does)."""
@@ -82,10 +87,10 @@ class ImplementationProfile:
 DEEPSPEED_ZERO3_SLOWDOWN = 5.0
 """Fitted on SC'21 Table 2's DeepSpeed ZeRO-3 rows (``benchmarks/published.py`` prints the fit); re-fit there."""
 
-TESSERA = ImplementationProfile(name="tessera")
+TESSERA = ImplementationProfile(name="tessera", autocast_copies=True)
 """Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); it runs no FP8 (the planner plans it
 as torchao float8 on FSDP2 would run it)."""
-TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False)
+TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False, autocast_copies=True)
 """torchtitan: FSDP2, torchao float8 (``enable_fsdp_float8_all_gather`` off by default), async TP on the
 forward only."""
 PYTORCH_FSDP_TE = ImplementationProfile(name="fsdp-te", fp8_saves_inputs=True, weight_fp8_bytes=2.0,
