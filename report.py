@@ -233,7 +233,17 @@ def comparison_renderable(comparison: Comparison) -> Group:
         evaluated = f" -> [cyan]{literal(baseline.strategy.to_string())}[/]" if baseline.strategy else ""
         details.add_row(f"baseline {index}",
                         f"{literal(baseline.requested)}{evaluated}\n{literal(baseline.reason)}")
-    return Group(table, details)
+    return Group(table, details, *((literal(_band_line(comparison)),) if comparison.likely else ()))
+
+
+def _band_line(comparison: Comparison) -> str:
+    """The plan's likely step time, and the baselines whose prediction falls inside it."""
+    inside = comparison.baselines_inside_band()
+    line = f"Tessera's likely step time: {comparison.likely}."
+    if inside:
+        names = ", ".join(f"baseline {i}" for i in inside)
+        line += f" Inside it: {names} (the difference is within the cost model's error on runs like these)."
+    return line
 
 
 def _baseline_cells(index: int, baseline: BaselineComparison) -> tuple[str, ...]:

@@ -86,6 +86,19 @@ class Comparison(BaseModel):
     """Wall time the search took."""
     baselines: tuple[BaselineComparison, ...]
     """Each baseline, in the order given."""
+    likely: str | None = None
+    """The plan's likely step time from the held-out published runs of its regime (``Plan.error_band``); None on
+    this machine's CPU."""
+    likely_high_s: float | None = None
+    """The upper end of that range, in seconds."""
+
+    def baselines_inside_band(self) -> list[int]:
+        """Baselines (numbered from 1) that fit and whose predicted step time lies inside the plan's likely range:
+        the cost model's error on runs like these is as large as what separates them from the plan."""
+        if self.likely_high_s is None:
+            return []
+        return [i for i, b in enumerate(self.baselines, start=1) if b.estimate is not None and b.estimate.fits
+                and b.estimate.step_time_s <= self.likely_high_s]
 
 
 def compare_to_baseline(plan: Estimate, *, requested: str, strategy: Strategy, estimate: Estimate) -> BaselineComparison:
@@ -180,10 +193,13 @@ def _baseline_reason(b: BaselineComparison, plan: Estimate) -> str:
 
 def build_comparison(plan: Plan, baselines: Sequence[BaselineComparison]) -> Comparison:
     """The comparison record of ``plan`` against already evaluated ``baselines``."""
+    band = plan.error_band()
     return Comparison(
         model_name=plan.model_name, cluster=plan.cluster, training=plan.training, plan_strategy=plan.strategy,
         plan_estimate=plan.estimate, candidates_evaluated=plan.candidates_evaluated,
         search_time_s=plan.search_time_s, baselines=tuple(baselines),
+        likely=band and band.describe(plan.estimate.step_time_s),
+        likely_high_s=band and band.range_s(plan.estimate.step_time_s)[1],
     )
 
 

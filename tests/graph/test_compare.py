@@ -88,3 +88,21 @@ def test_compare_cli_json_round_trips_and_table_renders(capsys):
     out = console.export_text()
     assert "plan speed-up" in out and "cannot run" in out and f"{result.baselines[0].throughput_ratio:.2f}x" in out
     assert main([*args[:-2], "--baseline", "tp=eight"]) == 2, "a malformed baseline is a one-line error"
+
+
+def test_a_gpu_comparison_carries_the_plans_likely_range_and_names_the_baselines_inside_it():
+    from tessera import compare
+
+    result = compare("gpt3-2.7b", "dgx-a100:nodes=1", global_batch=64, seq_len=2048,
+                     baselines=["dp=8,zero=1,mbs=1,recompute=full", "dp=8,zero=0,mbs=2", "tp=8,mbs=1"])
+    assert result.likely.endswith("held-out tensor/pipeline/data-parallel published runs)")
+    inside = result.baselines_inside_band()
+    fitting = [i for i, b in enumerate(result.baselines, start=1) if b.estimate is not None and b.estimate.fits]
+    assert inside == [i for i in fitting if result.baselines[i - 1].estimate.step_time_s <= result.likely_high_s]
+    assert result.likely_high_s > result.plan_estimate.step_time_s
+    assert inside and len(inside) < len(fitting)  # one close baseline inside, the distant ones out
+    console = Console(record=True, width=120)
+    print_comparison(result, console)
+    assert "Tessera's likely step time: " in console.export_text()
+    cpu = compare("gpt-tiny", "cpu:ranks=2", global_batch=8, seq_len=32, baselines=["dp=2"])
+    assert cpu.likely is None and cpu.baselines_inside_band() == []
