@@ -70,16 +70,13 @@ def catalog_cluster(device_name: str) -> str:
 
 def planned(spec: str, cluster: str, seq_len: int, micro_batch: int, recompute: str, precision: str):
     """The pinned single-device plan of a configuration (two micro-batches per step)."""
-    from tessera.api import _prepare
-    from tessera.cost_models import Strategy, estimate
-    from tessera.planner.plan import Plan
-    from tessera.planner.search import planned_layers
+    from local_truth import as_plan
 
-    graph, resolved, training = _prepare(spec, cluster, global_batch=2 * micro_batch, seq_len=seq_len, precision=precision)
-    strategy = Strategy.parse(f"dp=1,zero=0,mbs={micro_batch},recompute={recompute}")
-    return Plan(model_name=spec, param_count=graph.param_count, cluster=resolved.name, device_name=resolved.device.name,
-                training=training, strategy=strategy, estimate=estimate(list(graph.layers), resolved, training, strategy),
-                layers=planned_layers(graph, strategy))
+    from tessera.api import _prepare
+    from tessera.cost_models import Strategy
+
+    prepared = _prepare(spec, cluster, global_batch=2 * micro_batch, seq_len=seq_len, precision=precision)
+    return as_plan(spec, prepared, Strategy.parse(f"dp=1,zero=0,mbs={micro_batch},recompute={recompute}"))
 
 
 def measure(plan, spec: str, device: str, steps: int) -> dict:
@@ -150,18 +147,24 @@ def check(configs: list[tuple], device: str, steps: int) -> list[dict]:
     return rows
 
 
+def errors(row: dict) -> tuple[float, float]:
+    """(step time, peak memory) errors of a measured row: predicted over measured, less one."""
+    return row["predicted_step_s"] / row["step_s"] - 1, row["predicted_peak_bytes"] / row["peak_bytes"] - 1
+
+
 def summary_line(row: dict) -> str:
     if "error" in row:
         return f"{row['config']}: FAILED {row['error']}"
+    time_error, memory_error = errors(row)
     return (f"{row['config']}: step predicted {row['predicted_step_s']:.4f} s measured {row['step_s']:.4f} s "
-            f"({row['predicted_step_s'] / row['step_s'] - 1:+.1%}); peak predicted {row['predicted_peak_bytes'] / 2**20:.0f} MiB "
-            f"measured {row['peak_bytes'] / 2**20:.0f} MiB ({row['predicted_peak_bytes'] / row['peak_bytes'] - 1:+.1%})")
+            f"({time_error:+.1%}); peak predicted {row['predicted_peak_bytes'] / 2**20:.0f} MiB "
+            f"measured {row['peak_bytes'] / 2**20:.0f} MiB ({memory_error:+.1%})")
 
 
 def markdown(rows: list[dict], *, device: str, device_name: str, command: str) -> str:
     measured = [r for r in rows if "error" not in r]
-    time_errors = [abs(r["predicted_step_s"] / r["step_s"] - 1) for r in measured]
-    memory_errors = [abs(r["predicted_peak_bytes"] / r["peak_bytes"] - 1) for r in measured]
+    time_errors = [abs(errors(r)[0]) for r in measured]
+    memory_errors = [abs(errors(r)[1]) for r in measured]
     lines = [f"# Single-device configurations: predicted vs measured ({datetime.date.today().isoformat()})", "",
              f"Device: {device_name} ({device}). Command: `{command}`.", ""]
     if measured:
@@ -176,9 +179,10 @@ def markdown(rows: list[dict], *, device: str, device_name: str, command: str) -
         if "error" in r:
             lines.append(f"| {r['config']} | {r.get('strategy', '-')} | - | - | - | - | - | {r['error']} |")
             continue
+        time_error, memory_error = errors(r)
         lines.append(f"| {r['config']} | {r['strategy']} | {r['predicted_step_s']:.4f} | {r['step_s']:.4f} | "
-                     f"{r['predicted_step_s'] / r['step_s'] - 1:+.1%} | {r['predicted_peak_bytes'] / 2**20:.0f} | "
-                     f"{r['peak_bytes'] / 2**20:.0f} | {r['predicted_peak_bytes'] / r['peak_bytes'] - 1:+.1%} |")
+                     f"{time_error:+.1%} | {r['predicted_peak_bytes'] / 2**20:.0f} | "
+                     f"{r['peak_bytes'] / 2**20:.0f} | {memory_error:+.1%} |")
     return "\n".join(lines) + "\n"
 
 
