@@ -157,6 +157,7 @@ def auto_parallelize(
     strategy: Strategy | str | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     optimizer_factory: Callable[..., torch.optim.Optimizer] | None = None,
+    lr_scheduler_factory: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None,
     resume_from: str | Path | None = None,
     snapshots: SnapshotConfig | None = None,
     tp_plan: Mapping[str, str] | None = None,
@@ -173,6 +174,10 @@ def auto_parallelize(
     the ranks actually running (an elastic restart on fewer or more devices re-plans for them), and the
     newest intact checkpoint there, saved under any plan, is loaded (``pm.step``, ``pm.resumed``); with no
     checkpoint there yet, training starts from scratch. See ``tessera.runtime.elastic``.
+
+    ``lr_scheduler_factory``: ``factory(optimizer) -> LRScheduler`` (e.g. ``lambda opt: LambdaLR(opt, warmup)``);
+    ``train_step`` steps it after every optimizer step, and checkpoints and snapshots save and restore it, so a
+    resumed run continues the schedule (step it no more yourself).
 
     ``tp_plan``: your tensor-parallel plan, module glob -> Hugging Face style name (``colwise``, ``rowwise``,
     ``packed_colwise``, ``embedding_rowwise``...); it replaces the plan the model declares, for planning (which
@@ -201,7 +206,8 @@ def auto_parallelize(
     module = resolve_model(model)[0] if isinstance(model, str) else model  # on meta: presets, hf:..., factories
     from tessera.runtime.apply import apply_plan
 
-    parallel = apply_plan(module, chosen, loss_fn=loss_fn, optimizer_factory=optimizer_factory, tp_plan=tp_plan)
+    parallel = apply_plan(module, chosen, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
+                          lr_scheduler_factory=lr_scheduler_factory, tp_plan=tp_plan)
     if snapshots is not None:
         parallel.enable_snapshots(_with_switches(snapshots, resolved))
     if elastic:

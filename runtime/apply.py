@@ -53,6 +53,7 @@ from tessera.runtime.data_parallel import (
     sync_batch_norms,
     uses_ddp,
 )
+from tessera.runtime.lr_schedule import LRSchedulerFactory, build_scheduler
 from tessera.runtime.materialize import check_plan_agrees, is_on_meta, materialize_shards
 from tessera.runtime.context_parallel import apply_context_parallel, check_context_parallel
 from tessera.runtime.expert_parallel import apply_expert_parallel, check_expert_folding, check_expert_parallel
@@ -175,6 +176,7 @@ def apply_plan(
     *,
     loss_fn: LossFn | None = None,
     optimizer_factory: OptimizerFactory | None = None,
+    lr_scheduler_factory: LRSchedulerFactory | None = None,
     tp_pairs: Mapping[str, tuple[LinearPair, ...]] | None = None,
     tp_plan: Mapping[str, str] | None = None,
     compile_blocks: bool = False,
@@ -188,7 +190,9 @@ def apply_plan(
     linear pairs (``LayerStats.tp_pairs``; found from the module tree otherwise); ``tp_plan`` maps module globs to
     Hugging Face tensor-parallel style names (``{"model.layers.*.mlp.gate_up_proj": "packed_colwise", ...}``) and
     replaces the plan the model declares (``config.base_model_tp_plan``). ``compile_blocks`` compiles
-    each block with ``torch.compile``.
+    each block with ``torch.compile``. ``lr_scheduler_factory(optimizer)`` builds a learning-rate scheduler on the
+    rank's optimizer: ``train_step`` steps it after every optimizer step, checkpoints and snapshots keep its state
+    (``runtime.lr_schedule``).
 
     The loss: ``loss_fn(outputs, targets) -> scalar`` gets the model's output for one micro-batch and the
     matching rows of the targets. Without ``loss_fn``, :func:`default_loss_fn` (cross-entropy) reads the logits
@@ -235,7 +239,8 @@ def apply_plan(
     loss = build_loss(loss_fn, plan, mesh, pipeline_output=pipeline_output)
     schedule = _schedule(plan, modules, chunks, mesh, device=device, loss_fn=loss)
     return ParallelModel(plan, modules, optimizer=optimizer, loss_fn=loss, mesh=mesh, device=device,
-                         schedule=schedule, chunks=chunks, offloads=offloads)
+                         schedule=schedule, chunks=chunks, offloads=offloads,
+                         lr_scheduler=build_scheduler(lr_scheduler_factory, optimizer))
 
 
 def check_supported(plan: Plan) -> None:

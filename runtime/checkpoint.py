@@ -6,7 +6,8 @@ by the user's FQNs (``blocks.3.attn.q.weight``): ``torch.distributed.checkpoint.
 DDP's ``module.`` prefix and flattens the optimizer state to ``state.<fqn>.exp_avg``. Every rank writes in
 parallel and only its own shards: a ``DTensor``'s local shard under FSDP2 or tensor parallelism, its stages'
 layers under pipelining; a replicated tensor (DDP) is written once (DCP de-duplicates it). Beside them: the
-step, the plan (``plan.json``), every rank's RNG states (``rng/rank-00003.pt``) and the caller's data position
+step, the plan (``plan.json``), every rank's RNG states and learning-rate scheduler state (``rng/rank-00003.pt``;
+``runtime.lr_schedule``) and the caller's data position
 (``data.pt``: whatever ``data_state`` it passes, e.g. a sampler's ``state_dict()``; read back with
 ``torch.load(weights_only=True)``, so plain containers of numbers, strings and tensors).
 
@@ -24,9 +25,10 @@ checkpoint is used and the skipped ones are named (``CheckpointInfo.skipped``, a
 must be on a file system every rank sees (DCP's ``FileSystemWriter`` assumes it: rank 0 writes the metadata of
 all).
 
-**RNG.** Each rank's CPU (and, when initialised, CUDA) generator and Python ``random`` state. Under the same
-world size rank ``r`` gets rank ``r``'s states back; under another world size every rank gets rank 0's (the
-runtime already requires every rank to be seeded identically: ``runtime.materialize.check_same_seed``).
+**RNG and scheduler.** Each rank's CPU (and, when initialised, CUDA) generator and Python ``random`` state, and
+its learning-rate scheduler's ``state_dict()``. Under the same world size rank ``r`` gets rank ``r``'s states back;
+under another world size every rank gets rank 0's (the runtime already requires every rank to be seeded
+identically: ``runtime.materialize.check_same_seed``; every rank's scheduler follows the same schedule).
 
 **Received checkpoints run no code** (``runtime.checkpoint_reader``): DCP's pickled ``.metadata`` and non-tensor
 values are read by restricted loaders; a file naming anything else is refused with a ``CheckpointError``.
@@ -40,7 +42,7 @@ training loop waits for), then written and committed by a background thread on a
 so its collectives never interleave with training's. At most one save is in flight: the next save, a load, or
 ``ParallelModel.wait_for_checkpoint()`` waits for it.
 
-**Not saved:** the loss function, learning-rate schedulers (save them in ``data_state``), NumPy's RNG, and
+**Not saved:** the loss function, a scheduler ``train_step`` does not step (save it in ``data_state``), NumPy's RNG, and
 DTensor's CUDA RNG tracker (dropout under tensor parallelism on GPUs).
 """
 
@@ -50,7 +52,7 @@ import random
 import shutil
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,10 +63,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from tessera.errors import CheckpointError
 from tessera.files import check_writable_file, write_atomically
@@ -76,6 +79,7 @@ from tessera.runtime.checkpoint_files import (
     select_checkpoint, step_folder, together, world, write_durably,
 )
 from tessera.runtime.checkpoint_reader import load_metadata, read_state
+from tessera.runtime.lr_schedule import restore_scheduler, scheduler_state
 from tessera.runtime.tp_styles import unstrided
 
 __all__ = [  # the save/load flow, and the on-disk names of ``checkpoint_files`` so one import serves callers
@@ -116,6 +120,7 @@ class TrainingState(Protocol):
 
     modules: Sequence[nn.Module]
     optimizer: torch.optim.Optimizer
+    lr_scheduler: LRScheduler | None
     plan: Plan
     step: int
 
@@ -196,12 +201,12 @@ class Checkpointer:
         manifest = read_manifest(folder)
         module = state_module(state.modules)
         tensors = _state_dict(module, state.optimizer)  # initialises the optimizer's state: DCP loads into it
-        writable = _writable(tensors)
+        writable = _saved_settings_only(_writable(tensors), load_metadata(folder).state_dict_metadata)
         read_state(writable, folder, group)
         _copy_back(writable, tensors)
         set_state_dict(module, state.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"],
                        options=STATE_OPTIONS)
-        _restore_rng(folder, saved_world=manifest.world_size, group=group)
+        _restore_rank_state(state, folder, saved_world=manifest.world_size, group=group)
         state.step = manifest.step
         return CheckpointInfo(
             path=str(folder), step=manifest.step, saved_world_size=manifest.world_size,
@@ -271,12 +276,26 @@ def _writable(tensors: dict[str, Any]) -> dict[str, Any]:
     return tree_map_only(DTensor, unstrided, tensors)
 
 
+def _saved_settings_only(writable: dict[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:
+    """``writable`` less the param-group settings the checkpoint does not hold (``initial_lr``, which a scheduler
+    passed since it was saved adds): they keep this run's values instead of failing the load."""
+    optim = {key: value for key, value in writable["optim"].items()
+             if not key.startswith("param_groups.") or f"optim.{key}" in saved}
+    return {**writable, "optim": optim}
+
+
 @torch.no_grad()
 def _copy_back(loaded: dict[str, Any], tensors: dict[str, Any]) -> None:
-    """Copy what DCP read into gathered copies (:func:`_writable`) back into the shards they were made from."""
-    for source, target in zip(tree_leaves(loaded), tree_leaves(tensors), strict=True):
-        if isinstance(target, DTensor) and source is not target:
-            target.copy_(source.redistribute(placements=target.placements))
+    """Copy what DCP read into gathered copies (:func:`_writable`) back into the shards they were made from, and
+    the non-tensor values it read (the param groups' ``lr``, ``betas``...: DCP replaces them in ``loaded``'s dicts,
+    which are not ``tensors``') into ``tensors``."""
+    for part, state in tensors.items():
+        for key, target in state.items():
+            source = loaded[part].get(key, target)
+            if isinstance(target, DTensor) and source is not target:
+                target.copy_(source.redistribute(placements=target.placements))
+            elif not isinstance(target, torch.Tensor):
+                state[key] = source
 
 
 def rng_state() -> dict[str, Any]:
@@ -287,14 +306,19 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def _restore_rng(folder: Path, *, saved_world: int, group: dist.ProcessGroup | None) -> None:
-    """This rank's saved RNG states under the same world size; rank 0's under another (see module docstring)."""
+def _restore_rank_state(state: TrainingState, folder: Path, *, saved_world: int,
+                        group: dist.ProcessGroup | None) -> None:
+    """This rank's saved RNG and scheduler states under the same world size; rank 0's under another (see module
+    docstring)."""
     source = rank(group) if saved_world == world(group) else 0
-    state = torch.load(folder / RNG_FOLDER / f"rank-{source:05d}.pt", weights_only=True)
-    torch.set_rng_state(state["cpu"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    path = folder / RNG_FOLDER / f"rank-{source:05d}.pt"
+    saved = torch.load(path, weights_only=True)
+    torch.set_rng_state(saved["cpu"])
+    random.setstate(saved["python"])
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda"])
+    restore_scheduler(state.lr_scheduler, saved.get("lr_scheduler"), source=str(folder),
+                      groups=len(state.optimizer.param_groups))
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -320,9 +344,10 @@ def _prepare_partial(final: Path, partial: Path, group: dist.ProcessGroup | None
 
 
 def _write_side_files(state: TrainingState, partial: Path, data_state: Any, group: dist.ProcessGroup | None) -> None:
-    """Every rank its RNG states; rank 0 the plan and the data position."""
+    """Every rank its RNG and scheduler states; rank 0 the plan and the data position."""
     this_rank = rank(group)
-    write_durably(partial / RNG_FOLDER / f"rank-{this_rank:05d}.pt", lambda path: torch.save(rng_state(), path))
+    own = {**rng_state(), "lr_scheduler": scheduler_state(state.lr_scheduler)}
+    write_durably(partial / RNG_FOLDER / f"rank-{this_rank:05d}.pt", lambda path: torch.save(own, path))
     if this_rank == 0:
         write_durably(partial / PLAN_FILE, lambda path: path.write_text(state.plan.to_json()))
         write_durably(partial / DATA_FILE, lambda path: torch.save(data_state, path))

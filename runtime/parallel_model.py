@@ -27,6 +27,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LRScheduler
 
 from tessera.errors import ConfigError
 from tessera.planner.plan import Plan
@@ -51,6 +52,7 @@ class ParallelModel:
         self, plan: Plan, modules: Sequence[nn.Module], *, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
         mesh: DeviceMesh | None, device: torch.device, schedule: _PipelineSchedule | None = None,
         chunks: Sequence[int] = (0,), offloads: Mapping[str, OffloadStats] | None = None,
+        lr_scheduler: LRScheduler | None = None,
     ) -> None:
         self.plan = plan
         """The plan this model was built from."""
@@ -59,6 +61,10 @@ class ParallelModel:
         pipelining, else one module per local pipeline chunk (see ``runtime.pipeline``)."""
         self.optimizer = optimizer
         """Optimizer over this rank's (possibly sharded) parameters."""
+        self.lr_scheduler = lr_scheduler
+        """The learning-rate scheduler on ``optimizer`` (``apply_plan(lr_scheduler_factory=...)``), or ``None``:
+        ``train_step`` steps it after every optimizer step, and checkpoints and snapshots save its state
+        (``runtime.lr_schedule``)."""
         self.loss_fn = loss_fn
         """``loss_fn(outputs, targets)``: mean loss of one micro-batch (vocabulary-parallel under tp). The default
         (``runtime.apply.default_loss_fn``) is cross-entropy on the output's logits: a logits tensor, a
@@ -125,6 +131,8 @@ class ParallelModel:
         reduce_partial_gradients(self.optimizer)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         self.step += 1
         loss = self._mean_over_dp(local_loss)
         if self.snapshots is not None:
@@ -134,8 +142,8 @@ class ParallelModel:
     def save(self, root: str | Path, *, data_state: Any = None, async_save: bool = False,
              keep_last: int | None = None) -> PendingSave:
         """Save a sharded checkpoint of this step to ``root/step-<step>`` (call on every rank; see
-        ``runtime.checkpoint``): model, optimizer, step, RNG states, ``data_state`` (the data position) and the
-        plan. ``async_save`` returns once the state is copied to host memory and writes in the background;
+        ``runtime.checkpoint``): model, optimizer, learning-rate scheduler, step, RNG states, ``data_state`` (the
+        data position) and the plan. ``async_save`` returns once the state is copied to host memory and writes in the background;
         ``keep_last`` (at least 1) deletes Tessera's older checkpoints beyond that many (never other folders).
         One save writes into a root at a time; any failure raises ``CheckpointError`` and leaves no partial
         folder. ``.wait()`` on the result returns the committed folder.

@@ -12,8 +12,8 @@ links to the files it holds, and the files it lacks received from a node that ho
 the bytes, checked against the manifest's SHA-256). Every rank then reads every rank's file of it
 (``runtime.snapshot_format``: JSON headers and raw bytes, nothing that runs code) and copies into its state
 under the new plan the parts of the saved chunks its own shards cover (resharding), then the optimizer state is
-set as a disk checkpoint's is (``set_state_dict``), and the RNG states (the rank's own under the same world
-size, else rank 0's, as ``runtime.checkpoint`` does), the step and the data position (``torch.load`` with
+set as a disk checkpoint's is (``set_state_dict``), and the RNG and learning-rate scheduler states (the rank's own
+under the same world size, else rank 0's, as ``runtime.checkpoint`` does), the step and the data position (``torch.load`` with
 ``weights_only=True``) come back. The folder is removed afterwards, and so are snapshots newer than the step
 loaded (a past the run no longer continues from).
 
@@ -42,6 +42,7 @@ from tessera.runtime.checkpoint_files import (
     DATA_FILE, MANIFEST, MARKER, PLAN_FILE, Manifest, all_gather, barrier, broadcast, complete_checkpoints,
     file_record, sha256_text, step_folder, step_of, together,
 )
+from tessera.runtime.lr_schedule import restore_scheduler
 from tessera.runtime.saved_plans import check_same_model
 from tessera.runtime.snapshot_format import Shard, load_shards, shard_file
 from tessera.runtime.snapshot_store import RECOVERY_FOLDER, RECOVERY_PREFIX, committed_snapshots, discard_newer, held_files
@@ -100,7 +101,10 @@ def _load(pm: ParallelModel, folder: Path, manifest: Manifest, group: dist.Proce
     set_state_dict(state_module(pm.modules), pm.optimizer, model_state_dict=tensors["model"],
                    optim_state_dict=tensors["optim"], options=STATE_OPTIONS)
     same_world = manifest.world_size == (dist.get_world_size(group) if group is not None else 1)
-    _restore_rng(shards[dist.get_rank(group) if same_world and group is not None else 0])
+    own = shards[dist.get_rank(group) if same_world and group is not None else 0]
+    _restore_rng(own)
+    restore_scheduler(pm.lr_scheduler, own.lr_scheduler(), source=f"snapshot file {own.path}",
+                      groups=len(pm.optimizer.param_groups))
     pm.step = manifest.step
     return CheckpointInfo(path=str(folder), step=manifest.step, saved_world_size=manifest.world_size,
                           saved_strategy=manifest.strategy,

@@ -2,7 +2,7 @@
 buddy node, so a failure costs the steps since the last snapshot, not a disk checkpoint interval.
 
 **What a snapshot is.** What a disk checkpoint holds (``runtime.checkpoint``: this rank's shards of the model
-and optimizer state, its RNG states, the step, the data position, the plan), as one file per rank in a
+and optimizer state, its RNG and learning-rate scheduler states, the step, the data position, the plan), as one file per rank in a
 node-local store in host memory (``runtime.snapshot_store``; ``/dev/shm`` by default) instead of a shared file
 system. The file (``runtime.snapshot_format``) is one flat buffer of the rank's chunks behind a JSON header
 naming each chunk's tensor, global shape and offsets, so a snapshot reshards on load like a disk checkpoint
@@ -18,7 +18,8 @@ back to the newest disk checkpoint, saying why. One node only: no buddy, snapsho
 
 **Off the critical path.** At a snapshot step the training thread only copies the state into a staging buffer
 (``snapshot_format.StagedShards``: the rank's whole file -- header built once, chunks behind it -- allocated once,
-pinned where there is a GPU, refilled by one ``_foreach_copy_``) and records the data position; a background
+pinned where there is a GPU, refilled by one ``_foreach_copy_``; the learning rate and the scheduler's state,
+which change every step, rewrite only the header's tail) and records the data position; a background
 thread then writes that buffer as the rank's file, hashes it from memory, agrees with the other ranks, sends it
 to the buddy and commits, on a process group of its own, so its collectives never interleave with training's.
 That thread runs at the lowest CPU priority (nice 19, ``background_nice``), and so do gloo's threads for its
@@ -77,6 +78,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.checkpoint import PendingSave, TrainingState, training_tensors
 from tessera.runtime.background import in_worker, start_worker
+from tessera.runtime.lr_schedule import scheduler_state
 from tessera.runtime.checkpoint_files import FileRecord, all_gather, attempt, step_folder, together
 from tessera.runtime.snapshot_format import StagedShards, shard_file
 from tessera.runtime.snapshot_store import (
@@ -208,7 +210,6 @@ class Snapshotter:
         """Stage ``state`` and write it in the background (after the previous snapshot is done)."""
         self.wait()
         staged = self._staged_for(state)
-        staged.refill()
         if not self._checked_memory:
             self._check_host_memory(staged.nbytes)
             self._checked_memory = True
@@ -280,14 +281,20 @@ class Snapshotter:
         return self._plan[1]
 
     def _staged_for(self, state: TrainingState) -> StagedShards:
-        """The staging buffer of ``state``, rebuilt only when its layout may have changed: DCP's
+        """The staging buffer of ``state``, refilled: rebuilt only when its layout may have changed (DCP's
         ``get_state_dict`` costs far more than the copy, and between snapshots the same tensors are updated in
-        place. Rebuilt when a parameter, buffer or optimizer-state tensor is another object or a param-group
-        setting (lr...) changed."""
+        place), i.e. when a parameter, buffer or optimizer-state tensor is another object or a param group
+        another set of parameters or settings, or when the new settings or scheduler state do not fit its header
+        (``StagedShards.refill``)."""
         key = _layout_key(state)
-        if self._staged is None or key != self._staged_key:
-            self._staged = StagedShards(training_tensors(state), self.group, assignments=self._writers)
-            self._staged_key = key
+        groups, scheduler = state.optimizer.param_groups, scheduler_state(state.lr_scheduler)
+        if self._staged is not None and key == self._staged_key and self._staged.refill(groups, scheduler):
+            return self._staged
+        self._staged = StagedShards(training_tensors(state), self.group, assignments=self._writers,
+                                    param_groups=groups, lr_scheduler=scheduler)
+        self._staged_key = key
+        if not self._staged.refill(groups, scheduler):  # cannot happen: the new header was made for these
+            raise CheckpointError("a new snapshot staging buffer refused its own settings; report this as a bug")
         return self._staged
 
     def _check_host_memory(self, nbytes: int) -> None:
@@ -394,9 +401,9 @@ class Snapshotter:
 
 def _layout_key(state: TrainingState) -> tuple:
     """What makes a cached ``training_tensors(state)`` stale: the identity of every parameter, buffer and
-    optimizer-state tensor, and every param-group setting."""
+    optimizer-state value, and the names of every param group's settings (their values are the header's tail)."""
     optimizer = state.optimizer
-    groups = tuple((tuple(map(id, group["params"])), repr(sorted((k, v) for k, v in group.items() if k != "params")))
+    groups = tuple((tuple(map(id, group["params"])), tuple(k for k in group if k != "params"))
                    for group in optimizer.param_groups)
     states = tuple(id(value) for entry in optimizer.state.values() for value in entry.values())
     buffers = tuple(id(buffer) for module in state.modules for buffer in module.buffers())

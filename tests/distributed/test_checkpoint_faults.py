@@ -21,7 +21,7 @@ JOBS, STEPS = 2, 6
 
 
 class State:
-    """The smallest ``TrainingState``: one linear layer, AdamW, a plan and a step."""
+    """The smallest ``TrainingState``: one linear layer, AdamW (no scheduler), a plan and a step."""
 
     def __init__(self, plan_json: str, job: int) -> None:
         from tessera.planner.plan import Plan
@@ -31,6 +31,7 @@ class State:
         self.optimizer = torch.optim.AdamW(self.modules[0].parameters())
         self.modules[0](torch.randn(2, 256)).sum().backward()
         self.optimizer.step()
+        self.lr_scheduler = None
         self.plan = Plan.from_json(plan_json)
         self.step = 0
 

@@ -15,7 +15,8 @@ torchrun's restart does). From the stores this leaves, three restarts, each on i
   says so and falls back to the disk checkpoint of step ``DISK_EVERY``.
 
 Every loss before and after each restart equals an uninterrupted single-process run. Batches are drawn with the
-global RNG from a pool, so resumed losses match only if the snapshot restored the RNG. Economy: one spawn of 4
+global RNG from a pool, so resumed losses match only if the snapshot restored the RNG; the learning rate decays
+every step (``SCHEDULE``), so they match only if it restored the scheduler too. Economy: one spawn of 4
 ranks to train, one of 4 ranks for the same-world restart, one of 2 ranks running both survivor restarts; the
 store checks (memory budget, foreign folders, clean finish) run in the test process.
 """
@@ -51,6 +52,11 @@ BEFORE, AFTER = "dp=2,tp=2,mbs=4", "dp=2,zero=3,mbs=2"  # 4 ranks (2 nodes) -> 2
 RANKS_PER_NODE = 2
 
 
+def SCHEDULE(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning rate decays every step: a scheduler restarted from its first step would train another run."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + step))
+
+
 def draw(pool: list) -> tuple[torch.Tensor, torch.Tensor]:
     return pool[int(torch.randint(len(pool), ()))]
 
@@ -59,6 +65,7 @@ def reference_losses() -> list[float]:
     torch.manual_seed(SEED)
     model = make_model(GPT, SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    scheduler = SCHEDULE(optimizer)
     torch.manual_seed(DATA_SEED)
     pool, losses = make_batches(GPT, POOL), []
     for _ in range(STEPS):
@@ -67,6 +74,7 @@ def reference_losses() -> list[float]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        scheduler.step()
         losses.append(loss.item())
     return losses
 
@@ -80,7 +88,7 @@ def _start(strategy: str, stores: Path, seed: int):
     """A rank of ``strategy`` with snapshots every step into its node's store ``stores/node<N>``."""
     rank = dist.get_rank()
     model = make_model(GPT, seed + rank)  # rank 0's weights win (apply_plan broadcasts them)
-    pm = apply_plan(model, make_plan(GPT, model, strategy))
+    pm = apply_plan(model, make_plan(GPT, model, strategy), lr_scheduler_factory=SCHEDULE)
     store = stores / f"node{rank // RANKS_PER_NODE}"
     pm.enable_snapshots(SnapshotConfig(every=1, store=store, ranks_per_node=RANKS_PER_NODE),
                         data_state=lambda: {"batches_drawn": pm.step})

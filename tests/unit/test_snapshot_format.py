@@ -105,3 +105,42 @@ def test_a_header_pointing_outside_its_data_or_naming_no_dtype_is_refused(tmp_pa
         (tmp_path / name).write_bytes(raw.replace(old, new))
         with pytest.raises(CheckpointError, match=f"snapshot file .*{name} is unreadable .*{why}"):
             Shard(tmp_path / name)
+
+
+def _groups(lr: float) -> list[dict]:
+    """The optimizer's param groups behind ``_state()``'s settings: one group, parameter ``w``."""
+    return [{"params": [object()], "betas": (0.9, 0.999), "lr": lr, "foreach": None}]
+
+
+def test_a_new_learning_rate_and_scheduler_state_rewrite_only_the_header_in_place(tmp_path):
+    scheduler = {"last_epoch": 3, "_last_lr": [5e-4], "best": float("inf"), "phases": ({"end_step": 2.0},)}
+    staged = StagedShards(_state(), None, assignments={}, param_groups=_groups(1e-3), lr_scheduler=None)
+    buffer = staged.file.data_ptr()
+    assert staged.refill(_groups(1e-3), None)
+    first = staged.record()
+    assert staged.refill(_groups(5e-4), scheduler)
+    assert staged.file.data_ptr() == buffer and staged.record() != first
+    assert write_shard(tmp_path / "a.snap", staged.file) == staged.record()  # the header's new hash is the file's
+    shard = Shard(tmp_path / "a.snap")
+    assert shard.header.group_params == (("w",),) and not any(k.startswith("param_groups") for k in shard.header.values)
+    target = _target()
+    load_shards(target, [shard])
+    assert target["optim"]["param_groups.w.lr"] == 5e-4 and target["optim"]["param_groups.w.betas"] == (0.9, 0.999)
+    assert shard.lr_scheduler() == scheduler  # a tuple, a dict and an infinity come back as they were
+
+
+def test_settings_that_do_not_match_the_groups_stay_fixed_and_a_change_asks_for_a_new_staging():
+    groups = _groups(1e-3)
+    groups[0]["eps"] = 1e-8  # a setting DCP's values do not have: these values are not these groups'
+    staged = StagedShards(_state(), None, assignments={}, param_groups=groups)
+    assert staged.refill(groups, None)
+    groups[0]["lr"] = 5e-4
+    assert not staged.refill(groups, None)
+
+
+def test_a_scheduler_state_outgrowing_the_header_asks_for_a_new_staging():
+    staged = StagedShards(_state(), None, assignments={}, param_groups=_groups(1e-3))
+    assert not staged.refill(_groups(1e-3), {"history": list(range(1000))})
+    again = StagedShards(_state(), None, assignments={}, param_groups=_groups(1e-3),
+                         lr_scheduler={"history": list(range(1000))})
+    assert again.refill(_groups(1e-3), {"history": list(range(1000))})

@@ -1,0 +1,90 @@
+"""A ``ParallelModel``'s learning-rate scheduler: stepped by ``train_step`` after every optimizer step, saved with
+its state in disk checkpoints (``runtime.checkpoint``) and in-memory snapshots (``runtime.snapshots``), restored
+by both.
+
+Why the runtime steps it: a snapshot is taken inside ``train_step``, after the optimizer step. A scheduler the
+caller stepped after ``train_step`` returned would be saved one step behind, and a run resumed from it would train
+its next step at the previous step's learning rate.
+
+Its state is ``state_dict()``, plain numbers, strings, lists and dicts for PyTorch's schedulers (``LambdaLR``
+saves no function, only the ``__dict__`` of callable objects): it is checked here so that a state a received
+checkpoint cannot hold without running code (``torch.load(weights_only=True)``) is refused at save time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from tessera.errors import CheckpointError, ConfigError
+
+log = logging.getLogger(__name__)
+
+LRSchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
+"""``factory(optimizer) -> scheduler``: builds the scheduler on the rank's optimizer (``apply_plan`` calls it)."""
+
+
+def build_scheduler(factory: LRSchedulerFactory | None, optimizer: torch.optim.Optimizer) -> LRScheduler | None:
+    """``factory(optimizer)``, checked: an ``LRScheduler`` on this optimizer that steps without a metric."""
+    if factory is None:
+        return None
+    scheduler = factory(optimizer)
+    if isinstance(scheduler, ReduceLROnPlateau):
+        raise ConfigError("lr_scheduler_factory returned a ReduceLROnPlateau, which steps on a metric train_step "
+                          "does not have; step it yourself on your validation metric and save its state_dict() in "
+                          "data_state, or use a scheduler that steps by optimizer step (LambdaLR, CosineAnnealingLR...)")
+    if not isinstance(scheduler, LRScheduler) or scheduler.optimizer is not optimizer:
+        raise ConfigError(f"lr_scheduler_factory must return a torch.optim.lr_scheduler.LRScheduler built on the "
+                          f"optimizer it is given; it returned {type(scheduler).__name__}"
+                          f"{' on another optimizer' if isinstance(scheduler, LRScheduler) else ''}")
+    return scheduler
+
+
+def scheduler_state(scheduler: LRScheduler | None) -> dict[str, Any] | None:
+    """``scheduler.state_dict()`` (``None`` without one); ``CheckpointError`` naming the first value that is not a
+    number, string, ``None``, list, tuple or string-keyed dict."""
+    if scheduler is None:
+        return None
+    state = scheduler.state_dict()
+    _check_plain(state, "lr_scheduler")
+    return state
+
+
+def restore_scheduler(scheduler: LRScheduler | None, state: dict[str, Any] | None, *, source: str,
+                      groups: int) -> None:
+    """Load ``state`` (saved in ``source``) into ``scheduler``; a logged warning when only one of them exists,
+    ``CheckpointError`` when the state is for another number of param groups (``groups``)."""
+    if state is None:
+        if scheduler is not None:
+            log.warning("%s holds no learning-rate scheduler state: this run's scheduler starts from its first "
+                        "step (saved before the scheduler was passed, or by a run without one)", source)
+        return
+    if scheduler is None:
+        log.warning("%s holds a learning-rate scheduler's state but this run has none (lr_scheduler_factory=): the "
+                    "learning rate stays the saved optimizer's from now on", source)
+        return
+    saved = state.get("base_lrs", state.get("_last_lr"))
+    if isinstance(saved, (list, tuple)) and len(saved) != groups:
+        raise CheckpointError(f"{source} holds a learning-rate scheduler for {len(saved)} param group(s), this rank's "
+                              f"optimizer has {groups}; resume with the optimizer's param groups it was saved with")
+    scheduler.load_state_dict(state)
+
+
+def _check_plain(value: Any, key: str) -> None:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_plain(item, f"{key}[{index}]")
+        return
+    if isinstance(value, dict) and all(isinstance(name, str) for name in value):
+        for name, item in value.items():
+            _check_plain(item, f"{key}.{name}")
+        return
+    raise CheckpointError(f"the learning-rate scheduler's state holds {key}, a {type(value).__name__}: checkpoints "
+                          "and snapshots keep numbers, strings, lists and dicts (a checkpoint received from someone "
+                          "else must load without running code); give the scheduler plain attributes")

@@ -1,0 +1,109 @@
+"""Learning-rate schedulers (``runtime.lr_schedule``): ``train_step`` steps them, disk checkpoints and in-memory
+snapshots save and restore them, so a resumed run trains on the uninterrupted run's learning rates; one process
+(the 4-rank fault run with a scheduler is ``tests/distributed/test_snapshots.py``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tessera.errors import CheckpointError, ConfigError
+from tessera.runtime.apply import apply_plan
+from tessera.runtime.elastic import resume_if_possible
+from tessera.runtime.snapshots import SnapshotConfig
+from tests.distributed.harness import FP32_TOL, GPT, make_batches, make_model, make_plan
+
+SAVE_AT, STEPS = 3, 6
+
+
+def decay(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + step))
+
+
+def _pm(factory=decay, seed: int = 0):
+    model = make_model(GPT, seed)
+    return apply_plan(model, make_plan(GPT, model, "dp=1,mbs=8"), lr_scheduler_factory=factory)
+
+
+def _train(pm, batches, steps) -> list[tuple[float, float]]:
+    """(loss, learning rate it trained with) per step."""
+    out = []
+    for _ in range(steps):
+        lr = pm.optimizer.param_groups[0]["lr"]
+        out.append((pm.train_step(batches[pm.step]), lr))
+    return out
+
+
+def test_train_step_steps_the_scheduler_and_a_checkpoint_resumes_its_schedule(tmp_path):
+    batches = make_batches(GPT, STEPS)
+    pm = _pm()
+    before = _train(pm, batches, SAVE_AT)
+    assert [lr for _, lr in before] == pytest.approx([1e-3, 1e-3 / 2, 1e-3 / 3])
+    pm.save(tmp_path)
+    uninterrupted = _train(pm, batches, STEPS - SAVE_AT)
+    again = _pm(seed=1)
+    assert again.load(tmp_path).step == SAVE_AT
+    assert again.lr_scheduler.last_epoch == SAVE_AT
+    resumed = _train(again, batches, STEPS - SAVE_AT)
+    torch.testing.assert_close(resumed, uninterrupted, **FP32_TOL)
+
+
+def test_a_snapshot_resumes_the_schedule(tmp_path):
+    batches = make_batches(GPT, STEPS)
+    pm = _pm()
+    pm.enable_snapshots(SnapshotConfig(store=tmp_path / "store"))
+    _train(pm, batches, SAVE_AT)
+    pm.wait_for_snapshot()
+    staged = pm.snapshots._staged
+    uninterrupted = _train(pm, batches, STEPS - SAVE_AT)
+    assert pm.snapshots._staged is staged  # the learning rate moved every step; the staging stayed
+    pm.wait_for_snapshot()
+    import os
+
+    os.close(pm.snapshots._lock)  # the first run is gone (its process would have released the lock)
+    again = _pm(seed=1)
+    again.enable_snapshots(SnapshotConfig(store=tmp_path / "store"))
+    info = resume_if_possible(again, None)
+    assert info.step == STEPS and again.lr_scheduler.last_epoch == STEPS
+    assert again.optimizer.param_groups[0]["lr"] == pytest.approx(pm.optimizer.param_groups[0]["lr"])
+    again.close()
+    assert uninterrupted
+
+
+def test_a_checkpoint_without_scheduler_state_is_loaded_with_a_warning(tmp_path, caplog):
+    pm = _pm(factory=None)
+    _train(pm, make_batches(GPT, 1), 1)
+    pm.save(tmp_path)
+    again = _pm()
+    with caplog.at_level(logging.WARNING, logger="tessera.runtime.lr_schedule"):
+        again.load(tmp_path)
+    assert "holds no learning-rate scheduler state" in caplog.text
+    assert again.lr_scheduler.last_epoch == 0
+
+
+def test_schedulers_the_runtime_cannot_step_or_save_are_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="ReduceLROnPlateau, which steps on a metric"):
+        _pm(factory=lambda optimizer: torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer))
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ConfigError, match="built on the optimizer it is given"):
+        _pm(factory=lambda optimizer: torch.optim.lr_scheduler.StepLR(other, 1))
+
+
+class _Warmup:
+    """A callable object: ``LambdaLR`` saves its ``__dict__``, here holding a value no checkpoint may hold."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+
+    def __call__(self, step: int) -> float:
+        return 1.0
+
+
+def test_a_scheduler_state_that_would_need_code_to_load_is_refused_at_save(tmp_path):
+    pm = _pm(factory=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, _Warmup()))
+    _train(pm, make_batches(GPT, 1), 1)
+    with pytest.raises(CheckpointError, match=r"lr_scheduler\.lr_lambdas\[0\]\.device, a device"):
+        pm.save(tmp_path)
+    assert not any(tmp_path.glob("step-*"))
