@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig
+from tessera.cost_models.error_bands import ErrorBand, prediction_band
 from tessera.cost_models.types import Fp8Scaling, Precision
 from tessera.errors import CheckpointError, RuntimeSetupError
 from tessera.planner.capture import capture, capture_preset
@@ -77,16 +78,39 @@ def evaluate(
     precision: Precision | None = None,
     expert_capacity_factor: float | None = None,
     fp8_scaling: Fp8Scaling | None = None,
-) -> tuple[Strategy, Estimate]:
+) -> Evaluation:
     """Predict ``strategy`` (fields left out are filled with the planner's best choice under the given ones).
 
     Unlike :func:`plan`, a strategy that does not fit is still returned; its ``Estimate.fits`` is False.
+    The result unpacks as ``strategy, estimate``; its ``band`` is the prediction's error band.
     """
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                                          expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling)
     from tessera.planner.search import best_candidate, rank_candidates
 
-    return best_candidate(rank_candidates(graph, resolved, training, pins=_pins(strategy)))
+    chosen, estimate = best_candidate(rank_candidates(graph, resolved, training, pins=_pins(strategy)))
+    band = prediction_band(chosen, training.precision, device_name=resolved.device.name,
+                           block_kinds=(layer.block_kind for layer in graph.layers))
+    return Evaluation(chosen, estimate, band)
+
+
+class Evaluation(tuple):
+    """What :func:`evaluate` returns: ``(strategy, estimate)``, and ``band``, the error band of the prediction's
+    regime on the held-out published runs (``band.range_s(estimate.step_time_s)``: where the step time likely
+    falls; ``None`` on this machine's CPU, which no published run used)."""
+
+    def __new__(cls, strategy: Strategy, estimate: Estimate, band: ErrorBand | None) -> Evaluation:
+        evaluation = super().__new__(cls, (strategy, estimate))
+        evaluation.band = band
+        return evaluation
+
+    @property
+    def strategy(self) -> Strategy:
+        return self[0]
+
+    @property
+    def estimate(self) -> Estimate:
+        return self[1]
 
 
 def compare(
@@ -233,6 +257,7 @@ def resume(
     strategy: Strategy | str | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     optimizer_factory: Callable[..., torch.optim.Optimizer] | None = None,
+    lr_scheduler_factory: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None,
     trust_model_factory: bool = False,
 ) -> ParallelModel:
     """Continue the run saved in ``checkpoint`` on ``cluster`` (re-planned for it): run on every rank.
@@ -241,6 +266,7 @@ def resume(
     length and precision come from the checkpoint's plan; the strategy is planned afresh for the devices now
     available (``cluster`` is fitted to the live world size) and the newest intact checkpoint is loaded under
     it. Continue with ``for step in range(pm.step, total)``; ``pm.resumed.data_state`` is the saved data position.
+    Pass the run's ``lr_scheduler_factory`` again: the scheduler's saved state is loaded into the one it builds.
 
     A checkpoint whose plan names a model factory (``file.py:make_model``, ``module:make_model``) would import and
     run that code: it is used only when ``model`` names it again or with ``trust_model_factory=True``.
@@ -252,7 +278,8 @@ def resume(
     return auto_parallelize(
         checkpoint_model(saved, checkpoint, model=model, trust_model_factory=trust_model_factory), cluster,
         global_batch=training.global_batch, seq_len=training.seq_len, precision=training.precision,
-        strategy=strategy, loss_fn=loss_fn, optimizer_factory=optimizer_factory, resume_from=checkpoint,
+        strategy=strategy, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
+        lr_scheduler_factory=lr_scheduler_factory, resume_from=checkpoint,
     )
 
 

@@ -377,12 +377,13 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     workload = _workload(args, args.strategy, imported=imported)
     requested = args.strategy or pin_string(imported[0].strategy)  # every field pinned, as the config states it
     with console.status(f"capturing {escape(args.model)} and estimating..."):
-        strategy, estimate = tessera.evaluate(**workload, strategy=requested)
+        evaluation = tessera.evaluate(**workload, strategy=requested)
+    (strategy, estimate), band = evaluation, evaluation.band
     from tessera.report import estimate_json, print_estimate  # imports the search and charts: once there is a result
     if args.format == "json":
-        print(json.dumps(estimate_json(strategy, estimate), indent=2))
+        print(json.dumps(estimate_json(strategy, estimate, band=band), indent=2))
     else:
-        print_estimate(strategy, estimate, console)
+        print_estimate(strategy, estimate, console, band=band)
     return 0
 
 

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from tessera.cost_models import Estimate, Strategy
+from tessera.cost_models.error_bands import ErrorBand
 from tessera.planner.compare import BaselineComparison, Comparison, why_it_lost
 from tessera.planner.plan_facts import (
     PER_LAYER_HEADER, band_sentence, cluster_layout, launch_command, mesh_layout, per_layer_rows, step_terms,
@@ -167,12 +168,16 @@ def _degree_alternatives(plan: Plan) -> Table:
     return table
 
 
-def estimate_json(strategy: Strategy, estimate: Estimate) -> dict:
-    """The estimate as a flat JSON object (``tessera evaluate --format json``)."""
+def estimate_json(strategy: Strategy, estimate: Estimate, *, band: ErrorBand | None = None) -> dict:
+    """The estimate as a flat JSON object (``tessera evaluate --format json``); with ``band``, where the step time
+    likely falls (``likely_step_time_s``: low and high, and the held-out runs of its regime)."""
     e = estimate
+    likely = {} if band is None else {"likely_step_time_s": list(band.range_s(e.step_time_s)), "likely_regime": band.regime,
+                                      "likely_runs": band.runs}
     return {
         "strategy": strategy.to_string(),
         "step_time_s": e.step_time_s,
+        **likely,
         "tokens_per_s": e.tokens_per_s,
         "model_tflops_per_device": e.model_tflops_per_device,
         "hardware_tflops_per_device": e.hardware_tflops_per_device,
@@ -194,8 +199,10 @@ def estimate_json(strategy: Strategy, estimate: Estimate) -> dict:
     }
 
 
-def print_estimate(strategy: Strategy, estimate: Estimate, console: Console | None = None) -> None:
-    """Print one strategy's estimate: headline, memory and communication tables."""
+def print_estimate(strategy: Strategy, estimate: Estimate, console: Console | None = None, *,
+                   band: ErrorBand | None = None) -> None:
+    """Print one strategy's estimate: headline (with ``band``, where the step time likely falls), memory and
+    communication tables."""
     e = estimate
     table = Table(title=f"Estimate: {literal(strategy.to_string())}", show_header=False, title_justify="left")
     table.add_column(style="bold")
@@ -203,6 +210,7 @@ def print_estimate(strategy: Strategy, estimate: Estimate, console: Console | No
     fits = "[green]fits[/]" if e.fits else f"[red]does not fit: {(e.peak_memory_bytes - e.memory_budget_bytes) / GiB:.1f} GiB over[/]"
     for key, value in (
         ("step time", _step_breakdown(e)),
+        *((("likely", literal(band.describe(e.step_time_s))),) if band else ()),
         ("throughput", f"{e.tokens_per_s:,.0f} tokens/s; {e.model_tflops_per_device:.0f} model TFLOP/s per device "
                        f"(MFU {e.mfu:.1%}); {e.hardware_tflops_per_device:.0f} hardware TFLOP/s (HFU {e.hfu:.1%})"),
         ("memory", f"{e.peak_memory_bytes / GiB:.1f} / {e.memory_budget_bytes / GiB:.1f} GiB per device, {fits}"),

@@ -5,8 +5,9 @@ Run: ``.venv/bin/python benchmarks/snapshot_overhead.py [--rounds 6] [--trials 4
 round, one trial each, no results file unless ``--out`` names one).
 
 **Overhead.** Four ranks are two simulated nodes (ranks 0-1 and 2-3), each with its own store under
-``/dev/shm`` (``runtime.snapshots``: own node plus buddy node). For each small model and plan the ranks train
-in rounds; each round runs a block of ``BLOCK`` steps per mode (no snapshots, one every ``k`` = 1, 2, 4, 8
+``/dev/shm`` (``runtime.snapshots``: own node plus buddy node). For each small model and plan the ranks train,
+with the learning rate on a cosine schedule as training's is (it changes every step, and so does each
+snapshot's header), in rounds; each round runs a block of ``BLOCK`` steps per mode (no snapshots, one every ``k`` = 1, 2, 4, 8
 steps), the modes in turn, each round starting at the next mode. A block is timed in steady state: after an
 untimed step and snapshot, so its first steps overlap the snapshot before them as in a run, and the timer stops
 without waiting for the block's last snapshot. A round's overhead is its block's mean step time over the same
@@ -65,6 +66,11 @@ SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdi
 GOAL = 0.05
 
 
+def cosine(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning rate's schedule: cosine over 10,000 steps (every step moves it)."""
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10_000)
+
+
 # ------------------------------------------------------------------------------------------------ overhead (4 ranks)
 
 
@@ -74,7 +80,7 @@ def measure_overhead(cases: list[tuple[str, str, int]], stores: str) -> dict:
     rank, results = dist.get_rank(), {}
     for spec, strategy, rounds in cases:
         model = make_model(spec, 0)
-        pm = apply_plan(model, make_plan(spec, model, strategy))
+        pm = apply_plan(model, make_plan(spec, model, strategy), lr_scheduler_factory=cosine)
         store = Path(stores) / f"{spec}-{strategy}" / f"node{rank // RANKS_PER_NODE}"
         snapshots = pm.enable_snapshots(SnapshotConfig(every=1, store=store, ranks_per_node=RANKS_PER_NODE))
         pm.snapshots = None  # the blocks below take their snapshots themselves

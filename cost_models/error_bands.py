@@ -15,10 +15,12 @@ from __future__ import annotations
 import functools
 import json
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tessera.cost_models.types import Strategy
+from tessera.topology.hardware import LOCAL_CPU
 
 BAND_FILE = Path(__file__).with_name("error_bands.json")
 QUANTILES = (0.1, 0.9)
@@ -64,6 +66,16 @@ def plan_regime(strategy: Strategy, precision: str, *, moe: bool) -> str:
     if moe:
         return "moe"
     return "fsdp" if strategy.zero == 3 else "ptd-p"
+
+
+def prediction_band(strategy: Strategy, precision: str, *, device_name: str,
+                    block_kinds: Iterable[str]) -> ErrorBand | None:
+    """The band of a prediction for ``strategy`` on ``device_name`` of a model with these blocks (a routed-expert
+    kind makes it mixture of experts); None on this machine's CPU, which no published run used."""
+    if device_name == LOCAL_CPU:
+        return None
+    moe = strategy.ep > 1 or any(kind.endswith("moe") for kind in block_kinds)
+    return error_band(plan_regime(strategy, precision, moe=moe))
 
 
 def error_band(regime: str) -> ErrorBand | None:

@@ -11,11 +11,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from tessera.cost_models.error_bands import ErrorBand, error_band, plan_regime
+from tessera.cost_models.error_bands import ErrorBand, prediction_band
 from tessera.cost_models.types import BlockKind, Estimate, LayerKind, Recompute, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 from tessera.files import write_text_atomically
-from tessera.topology.hardware import LOCAL_CPU
 from tessera.topology.validation import first_problem, quoted, short
 
 FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
@@ -183,10 +182,8 @@ class Plan(BaseModel):
     def error_band(self) -> ErrorBand | None:
         """The error band of the plan's regime (FP8, context parallelism, mixture of experts, ZeRO-3 or not) on the
         held-out published runs (``cost_models.error_bands``); None on this machine's CPU (those are GPU runs)."""
-        if self.device_name == LOCAL_CPU:
-            return None
-        moe = self.strategy.ep > 1 or any(layer.block_kind == "moe" for layer in self.layers)
-        return error_band(plan_regime(self.strategy, self.training.precision, moe=moe))
+        return prediction_band(self.strategy, self.training.precision, device_name=self.device_name,
+                               block_kinds=(layer.block_kind for layer in self.layers))
 
     def chunk_fqns(self) -> list[tuple[str, ...]]:
         """FQNs of each pipeline chunk's layers, in chunk order (the runtime's stage split)."""

@@ -65,3 +65,26 @@ def test_a_gpu_plan_carries_its_band_and_names_the_runners_up_inside_it():
 def test_a_cpu_plan_has_no_band_the_published_runs_are_gpu_runs():
     plan = tessera.plan("gpt-tiny", "cpu:ranks=2", global_batch=8, seq_len=64)
     assert plan.error_band() is None and band_sentence(plan) is None and "likely" not in plan.summary()
+
+
+def test_evaluate_carries_the_band_of_the_strategy_it_filled_in(capsys):
+    from tessera.cli import main
+
+    workload = dict(global_batch=64, seq_len=2048)
+    evaluation = tessera.evaluate("gpt3-2.7b", "dgx-a100:nodes=1", strategy="dp=8,zero=3", **workload)
+    strategy, estimate = evaluation  # what evaluate always returned
+    assert (evaluation.strategy, evaluation.estimate) == (strategy, estimate) and strategy.zero == 3
+    band = evaluation.band
+    assert band == eb.error_band("fsdp")
+    assert main(["evaluate", "--model", "gpt3-2.7b", "--cluster", "dgx-a100:nodes=1", "--strategy", "dp=8,zero=3",
+                 "--global-batch", "64", "--seq-len", "2048", "--format", "json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["likely_step_time_s"] == pytest.approx(list(band.range_s(estimate.step_time_s)))
+    assert printed["likely_regime"] == "fsdp"
+    assert tessera.evaluate("gpt-tiny", "cpu:ranks=2", strategy="dp=2", global_batch=8, seq_len=64).band is None
+
+
+def test_a_routed_expert_block_of_any_kind_makes_a_prediction_mixture_of_experts():
+    s = Strategy.parse("dp=8,zero=1")
+    assert eb.prediction_band(s, "bf16", device_name="H100-SXM-80GB", block_kinds=["local-moe"]) == eb.error_band("moe")
+    assert eb.prediction_band(s, "bf16", device_name="H100-SXM-80GB", block_kinds=["attention"]) == eb.error_band("ptd-p")
