@@ -396,19 +396,13 @@ def _print_reliability(plan, args: argparse.Namespace, console: Console) -> None
     from tessera.topology import load_cluster
 
     bandwidth = args.checkpoint_gbps * 1e9 if args.checkpoint_gbps is not None else r.LLAMA3_STORAGE_BYTES_PER_S_PER_GPU
-    cost = r.checkpoint_cost(plan.param_count, num_devices=plan.strategy.world_size,
-                             write_bytes_per_s_per_device=bandwidth, asynchronous=args.async_checkpoint)
     step_s = plan.estimate.step_time_s
-    interval = args.checkpoint_every * step_s if args.checkpoint_every else None
-    relaunch_s = (args.restart_minutes or 0.0) * 60
-    estimate = r.reliability_estimate(cost, mtbf_s=args.mtbf_hours * 3600, interval_s=interval,
-                                      restart_s=cost.write_time_s + relaunch_s)
-    console.print(estimate.summary(step_time_s=step_s), highlight=False, soft_wrap=True)
-    cluster = load_cluster(args.cluster)
-    snapshot = r.snapshot_cost(plan.param_count, num_devices=plan.strategy.world_size,
-                               devices_per_node=cluster.devices_per_node)
-    with_snapshots = r.snapshot_estimate(snapshot, estimate, step_time_s=step_s, num_nodes=cluster.num_nodes,
-                                         relaunch_s=relaunch_s)
+    disk_only, with_snapshots = r.snapshot_plan(
+        plan.param_count, num_devices=plan.strategy.world_size, devices_per_node=load_cluster(args.cluster).devices_per_node,
+        step_time_s=step_s, mtbf_s=args.mtbf_hours * 3600, write_bytes_per_s_per_device=bandwidth,
+        asynchronous=args.async_checkpoint, disk_interval_s=args.checkpoint_every * step_s if args.checkpoint_every else None,
+        relaunch_s=(args.restart_minutes or 0.0) * 60)
+    console.print(disk_only.summary(step_time_s=step_s), highlight=False, soft_wrap=True)
     console.print(with_snapshots.summary(), highlight=False, soft_wrap=True)
 
 

@@ -41,6 +41,11 @@ LLAMA3_STORAGE_BYTES_PER_S_PER_GPU = 2e12 / 16384
 """Sustained checkpoint write bandwidth per GPU in Meta's Llama 3 training: the Tectonic file system's
 2 TB/s sustained throughput shared by 16K H100 GPUs (Llama Team, "The Llama 3 Herd of Models",
 arXiv 2407.21783, Sec. 3.3.1). A conservative default when the storage is unknown."""
+LLAMA3_GPU_MTBF_S = 54 * 24 * 3600 * 16384 / 419
+"""Mean time between unexpected job interruptions per GPU in Llama 3 405B pre-training: 419 in a 54-day period on
+16,384 H100 GPUs (Llama Team, "The Llama 3 Herd of Models", arXiv 2407.21783, Sec. 3.3.4), about 50,700
+GPU-hours; a job on ``n`` GPUs fails ``n`` times as often (:func:`job_mtbf_s`). The default where the MTBF is
+unknown."""
 PCIE5_X16_BYTES_PER_S = 63e9
 """Device-to-host copy bandwidth for the staging of an asynchronous save: PCIe 5.0 x16, 32 GT/s x 16 lanes with
 128b/130b encoding, about 63 GB/s per direction (PCI-SIG, PCI Express Base Specification 5.0)."""
@@ -322,3 +327,21 @@ def _snapshot_option(snapshot: SnapshotCost, disk_only: ReliabilityEstimate, k: 
         every_steps=k, step_time_s=step_time_s, snapshot=snapshot, blocking_s=blocking, buddy_loss_probability=p,
         lost_per_failure_s=lost, disk_only=disk_only, disk_second_line=second, waste_fraction=min(1.0, waste),
     )
+
+
+def snapshot_plan(
+    param_count: int, *, num_devices: int, devices_per_node: int, step_time_s: float, mtbf_s: float,
+    write_bytes_per_s_per_device: float = LLAMA3_STORAGE_BYTES_PER_S_PER_GPU, asynchronous: bool = False,
+    disk_interval_s: float | None = None, relaunch_s: float = 0.0, every_steps: int | None = None,
+) -> tuple[ReliabilityEstimate, SnapshotEstimate]:
+    """Disk checkpoints alone (every ``disk_interval_s``, default Daly's) and in-memory snapshots every
+    ``every_steps`` (default: the best ``k``) beside them, for a job of ``num_devices`` with this step time and
+    MTBF: what ``tessera plan --mtbf-hours`` prints, and ``SnapshotConfig``'s default ``every``."""
+    cost = checkpoint_cost(param_count, num_devices=num_devices, write_bytes_per_s_per_device=write_bytes_per_s_per_device,
+                           asynchronous=asynchronous)
+    disk_only = reliability_estimate(cost, mtbf_s=mtbf_s, interval_s=disk_interval_s,
+                                     restart_s=cost.write_time_s + relaunch_s)
+    snapshot = snapshot_cost(param_count, num_devices=num_devices, devices_per_node=devices_per_node)
+    nodes = max(1, num_devices // devices_per_node)
+    return disk_only, snapshot_estimate(snapshot, disk_only, step_time_s=step_time_s, num_nodes=nodes,
+                                        relaunch_s=relaunch_s, every_steps=every_steps)

@@ -161,11 +161,12 @@ class ParallelModel:
     def enable_snapshots(self, config: SnapshotConfig | None = None, *,
                          data_state: Callable[[], Any] | None = None) -> Snapshotter:
         """Snapshot the training state every ``config.every`` steps into host memory on this node and a buddy
-        node (call on every rank; see ``runtime.snapshots``). ``data_state()`` returns the data position to
-        store with each (default: none; ``step`` is the next batch's index)."""
+        node (call on every rank; see ``runtime.snapshots``; without ``config.every``, the reliability model picks it
+        for this plan). ``data_state()`` returns the data position to store with each (default: none; ``step`` is
+        the next batch's index)."""
         from tessera.runtime.snapshots import SnapshotConfig, Snapshotter  # noqa: PLC0415 (only when used)
 
-        self.snapshots = Snapshotter(config or SnapshotConfig(), data_state=data_state)
+        self.snapshots = Snapshotter(config or SnapshotConfig(), data_state=data_state, plan=self.plan)
         return self.snapshots
 
     def wait_for_snapshot(self) -> Path | None:

@@ -263,8 +263,23 @@ def _assert_losses_match(events: list[dict], phase: str, *, first: int) -> None:
 def _one_process(store: Path, **config):
     model = make_model(GPT, SEED)
     pm = apply_plan(model, make_plan(GPT, model, "dp=1,mbs=8"))
-    pm.enable_snapshots(SnapshotConfig(store=store, **config))
+    pm.enable_snapshots(SnapshotConfig(store=store, **{"every": 1, **config}))
     return pm
+
+
+def test_without_an_interval_the_reliability_model_chooses_it_for_the_plan(tmp_path):
+    from tessera.cost_models.reliability import LLAMA3_GPU_MTBF_S, snapshot_plan
+
+    pm = _one_process(tmp_path / "store", every=None)
+    expected = snapshot_plan(pm.plan.param_count, num_devices=1, devices_per_node=1, mtbf_s=LLAMA3_GPU_MTBF_S,
+                             step_time_s=pm.plan.estimate.step_time_s)[1].every_steps
+    assert pm.snapshots.config.every == expected > 1  # one reliable CPU rank: snapshots now and then
+    pm.close()
+    often = _one_process(tmp_path / "store", every=None, mtbf_hours=0.01)  # a job failing every 36 s
+    assert often.snapshots.config.every < expected
+    often.close()
+    with pytest.raises(ConfigError, match=r"pass SnapshotConfig\(every=k\)"):
+        snapshots.Snapshotter(SnapshotConfig(store=tmp_path / "store"))
 
 
 def test_a_store_holding_files_tessera_did_not_write_is_refused_and_left_alone(tmp_path):

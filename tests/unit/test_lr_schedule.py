@@ -53,7 +53,7 @@ def test_train_step_steps_the_scheduler_and_a_checkpoint_resumes_its_schedule(tm
 def test_a_snapshot_resumes_the_schedule(tmp_path):
     batches = make_batches(GPT, STEPS)
     pm = _pm()
-    pm.enable_snapshots(SnapshotConfig(store=tmp_path / "store"))
+    pm.enable_snapshots(SnapshotConfig(every=1, store=tmp_path / "store"))
     _train(pm, batches, SAVE_AT)
     pm.wait_for_snapshot()
     staged = pm.snapshots._staged
@@ -64,7 +64,7 @@ def test_a_snapshot_resumes_the_schedule(tmp_path):
 
     os.close(pm.snapshots._lock)  # the first run is gone (its process would have released the lock)
     again = _pm(seed=1)
-    again.enable_snapshots(SnapshotConfig(store=tmp_path / "store"))
+    again.enable_snapshots(SnapshotConfig(every=1, store=tmp_path / "store"))
     info = resume_if_possible(again, None)
     assert info.step == STEPS and again.lr_scheduler.last_epoch == STEPS
     assert again.optimizer.param_groups[0]["lr"] == pytest.approx(pm.optimizer.param_groups[0]["lr"])
