@@ -245,12 +245,14 @@ def comparison_renderable(comparison: Comparison) -> Group:
 
 
 def _band_line(comparison: Comparison) -> str:
-    """The plan's likely step time, and the baselines whose prediction falls inside it."""
+    """The plan's likely step time, and the baselines that may really be as fast as the plan."""
     inside = comparison.baselines_inside_band()
     line = f"Tessera's likely step time: {comparison.likely}."
     if inside:
         names = ", ".join(f"baseline {i}" for i in inside)
-        line += f" Inside it: {names} (the difference is within the cost model's error on runs like these)."
+        line += (f" Within the cost model's error of the plan: {names} (predicted at most "
+                 f"{comparison.inside_high_s:.3f} s; the error of a predicted gap between two configurations of one "
+                 "workload, from published pairs).")
     return line
 
 

@@ -16,12 +16,17 @@ strategies held fixed), in turn: the compute constants on the bf16 rows, DeepSpe
 rows, the FP8 efficiency curve on the FP8 rows, the straggler jitter on all of them; and reports the error on
 the held-out rows, per regime (``published_rows.regime``). Writes ``benchmarks/results/published-<hardware>-<date>.md``
 and the held-out rows' error band per regime, ``cost_models/error_bands.json``, which every plan's report quotes.
+Pairs of runs of one workload (model, cluster, batch) in two configurations are judged too: the error of the
+predicted ratio of their step times and whether the faster is named right (``workload_pairs``): how a planner's
+choice is judged; the held-out pairs' band (``error_bands.gap_band``) decides which runners-up and baselines are
+within the cost model's error of the plan.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import math
 import re
 import platform
@@ -29,6 +34,7 @@ import statistics
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from rich.console import Console
@@ -199,7 +205,8 @@ def main() -> None:
         rows.append((run["id"], split, regime(run), str(run["hardware"]["gpus"]), strategy.to_string(), f"{published:.2f}",
                      f"{est.step_time_s:.2f}", f"{error:+.1%}", f"{est.peak_memory_bytes / 2**30:.1f}",
                      "yes" if est.fits else "NO", *own_cells))
-    summary = summarize(errors, fitted, deepspeed) + ("" if not speedups else
+    pairs = workload_pairs(runs, {key: pair[1].step_time_s for key, pair in chosen.items()})
+    summary = summarize(errors, fitted, deepspeed) + pair_summary(pairs) + ("" if not speedups else
         f"\n- plan quality: Tessera's own plan is predicted at least as fast as the published configuration in "
         f"{sum(x >= 0.999 for x in speedups)} of {len(speedups)} runs it plans (median speedup {statistics.median(speedups):.2f}x, "
         f"worst {min(speedups):.2f}x; same cost model, own plan always fits; a published configuration is compared "
@@ -218,8 +225,9 @@ def main() -> None:
     console.print(summary)
     if not subset:
         write_markdown(rows, summary)
-        band_file = write_bands(held_out, source=f"benchmarks/published.py, held-out rows, {datetime.date.today().isoformat()}")
-        print(f"written {band_file.relative_to(HERE.parent)} (the error band of each regime)")
+        band_file = write_bands(held_out, source=f"benchmarks/published.py, held-out rows, {datetime.date.today().isoformat()}",
+                                pair_ratios=[p.ratio for p in pairs if p.held_out])
+        print(f"written {band_file.relative_to(HERE.parent)} (the error band of each regime, and of a gap)")
 
 
 def own_plan_cells(run: dict, strategy: Strategy, est, training: TrainingConfig, speedups: list[float]) -> tuple[str, ...]:
@@ -230,6 +238,64 @@ def own_plan_cells(run: dict, strategy: Strategy, est, training: TrainingConfig,
         return ("none fits on Tessera's runtime", "—", "—")
     speedups.append(runtime_comparable_s(run, strategy, est) / own.estimate.step_time_s)
     return (own.strategy.to_string(), f"{own.estimate.step_time_s:.2f}", f"{speedups[-1]:.2f}x")
+
+
+class Pair(NamedTuple):
+    """Two published runs of one workload (model, cluster, global batch and length) in two configurations."""
+
+    first: str
+    second: str
+    published: float
+    """The first's published step time over the second's."""
+    predicted: float
+    """The same ratio, predicted."""
+
+    @property
+    def held_out(self) -> bool:
+        return not {self.first, self.second} <= TRAIN_IDS
+
+    @property
+    def ratio(self) -> float:
+        """Published ratio over predicted ratio: 1 when the prediction has the gap between them right."""
+        return self.published / self.predicted
+
+    @property
+    def ordered_right(self) -> bool:
+        """Whether the prediction names the faster of the two (a published gap under ``TIE``: either answer)."""
+        return abs(math.log(self.published)) < math.log1p(TIE) or (self.published > 1) == (self.predicted > 1)
+
+
+TIE = 0.02
+"""Published step times within 2% of each other: the sources' run-to-run noise, no faster one to name."""
+
+
+def workload_pairs(runs: list[dict], predicted_s: dict[str, float]) -> list[Pair]:
+    """Every pair of runs of the same workload in another configuration (strategy, recompute, precision, framework):
+    how a planner's choice between two configurations is judged, which the error of each alone does not show (two
+    predictions of one workload share their biases)."""
+    by_workload: dict[tuple, list[dict]] = {}
+    for run in runs:
+        key = (model_spec(run), cluster_spec(run), run["training"]["global_batch"], run["model"]["seq_len"])
+        by_workload.setdefault(key, []).append(run)
+    return [Pair(a["id"], b["id"], published_step_s(a) / published_step_s(b), predicted_s[a["id"]] / predicted_s[b["id"]])
+            for group in by_workload.values() for a, b in itertools.combinations(group, 2)]
+
+
+def pair_summary(pairs: list[Pair]) -> str:
+    """The pairs' relative error and how often the faster configuration is named right, all and held out."""
+    lines = []
+    for name, chosen in (("all", pairs), ("with a held-out run", [p for p in pairs if p.held_out])):
+        if chosen:
+            errors = [abs(p.ratio - 1) for p in chosen]
+            lines.append(f"- pairs of one workload in two configurations, {name}: {len(chosen)}; the gap between them "
+                         f"predicted within median {statistics.median(errors):.1%}, worst {max(errors):.1%}; the faster "
+                         f"named right in {sum(p.ordered_right for p in chosen)} of {len(chosen)} (a gap under "
+                         f"{TIE:.0%}: either)")
+    wrong = [p for p in pairs if not p.ordered_right]
+    if wrong:
+        lines.append("- named wrong: " + "; ".join(f"{p.first} / {p.second}: published {p.published:.2f}, predicted "
+                                                   f"{p.predicted:.2f}" for p in wrong))
+    return "".join("\n" + line for line in lines)
 
 
 def summarize(errors: list[tuple[str, str, float]], fitted: Calibration, deepspeed: float) -> str:

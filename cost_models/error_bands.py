@@ -26,6 +26,8 @@ BAND_FILE = Path(__file__).with_name("error_bands.json")
 QUANTILES = (0.1, 0.9)
 """The band's edges: the 10th and 90th percentile of published / predicted on the held-out runs."""
 ALL_RUNS = "all"
+GAPS = "gaps"
+"""The band of the published over the predicted ratio of two configurations' step times (:func:`gap_band`)."""
 REGIME_NAMES = {"fp8": "FP8", "cp": "context-parallel", "fsdp": "FSDP (ZeRO-3)", "ptd-p": "tensor/pipeline/data-parallel",
                 "deepspeed-zero3": "DeepSpeed ZeRO-3", "moe": "mixture-of-experts", ALL_RUNS: "published"}
 
@@ -101,14 +103,33 @@ def band_from_ratios(regime: str, ratios: list[float]) -> ErrorBand:
     return ErrorBand(regime, len(ratios), deciles[round(10 * QUANTILES[0]) - 1], deciles[round(10 * QUANTILES[1]) - 1])
 
 
-def write_bands(ratios_by_regime: dict[str, list[float]], *, source: str, path: Path = BAND_FILE) -> Path:
-    """Write the bands of every regime with two or more runs, and of all runs together, to ``path``."""
+def write_bands(ratios_by_regime: dict[str, list[float]], *, source: str, pair_ratios: list[float] = (),
+                path: Path = BAND_FILE) -> Path:
+    """Write the bands of every regime with two or more runs, and of all runs together, to ``path``; with two or
+    more ``pair_ratios``, the gap band too (:func:`gap_band`)."""
     everything = [r for ratios in ratios_by_regime.values() for r in ratios]
     groups = {**{name: r for name, r in ratios_by_regime.items() if len(r) >= 2}, ALL_RUNS: everything}
     regimes = {name: _band_fields(band_from_ratios(name, ratios)) for name, ratios in sorted(groups.items())}
+    if len(pair_ratios) >= 2:  # both orders of each pair: the band of a gap is that of its inverse, inverted
+        regimes[GAPS] = {**_band_fields(band_from_ratios(GAPS, [q for r in pair_ratios for q in (r, 1 / r)])),
+                         "runs": len(pair_ratios)}
     path.write_text(json.dumps({"source": source, "quantiles": list(QUANTILES), "regimes": regimes}, indent=2) + "\n")
     _bands.cache_clear()
     return path
+
+
+def gap_band() -> ErrorBand | None:
+    """Where the published ratio of two configurations' step times fell against the predicted ratio, for pairs of
+    held-out published runs of one workload (model, cluster, batch) in two configurations; ``runs`` counts the
+    pairs. What separates two candidates is judged by it: their predictions share the workload's biases, so the
+    error of their gap is smaller than either's own. None without the file or the pairs."""
+    return _bands().get(GAPS)
+
+
+def within_gap_error(plan_s: float, other_s: float, band: ErrorBand) -> bool:
+    """Whether a configuration predicted at ``other_s`` may really be as fast as the plan predicted at ``plan_s``:
+    the predicted gap is inside ``band`` (a gap band, or else the plan's own band)."""
+    return other_s <= plan_s * band.high
 
 
 def _band_fields(band: ErrorBand) -> dict[str, float]:

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tessera.cost_models import estimate as estimate_strategy
 from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
+from tessera.cost_models.error_bands import gap_band
 from tessera.errors import ConfigError, TesseraError
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Plan
@@ -91,14 +92,18 @@ class Comparison(BaseModel):
     this machine's CPU."""
     likely_high_s: float | None = None
     """The upper end of that range, in seconds."""
+    inside_high_s: float | None = None
+    """The slowest predicted step time a configuration may have and still really be as fast as the plan: the plan's
+    predicted step times the gap band's upper end (``error_bands.gap_band``; the plan's own band without one)."""
 
     def baselines_inside_band(self) -> list[int]:
-        """Baselines (numbered from 1) that fit and whose predicted step time lies inside the plan's likely range:
-        the cost model's error on runs like these is as large as what separates them from the plan."""
-        if self.likely_high_s is None:
+        """Baselines (numbered from 1) that fit and may really be as fast as the plan (predicted at most
+        ``inside_high_s``): the cost model's error on the gap between two configurations of one workload is as large
+        as what separates them from the plan."""
+        if self.inside_high_s is None:
             return []
         return [i for i, b in enumerate(self.baselines, start=1) if b.estimate is not None and b.estimate.fits
-                and b.estimate.step_time_s <= self.likely_high_s]
+                and b.estimate.step_time_s <= self.inside_high_s]
 
 
 def compare_to_baseline(plan: Estimate, *, requested: str, strategy: Strategy, estimate: Estimate) -> BaselineComparison:
@@ -194,12 +199,14 @@ def _baseline_reason(b: BaselineComparison, plan: Estimate) -> str:
 def build_comparison(plan: Plan, baselines: Sequence[BaselineComparison]) -> Comparison:
     """The comparison record of ``plan`` against already evaluated ``baselines``."""
     band = plan.error_band()
+    gaps = band and (gap_band() or band)
     return Comparison(
         model_name=plan.model_name, cluster=plan.cluster, training=plan.training, plan_strategy=plan.strategy,
         plan_estimate=plan.estimate, candidates_evaluated=plan.candidates_evaluated,
         search_time_s=plan.search_time_s, baselines=tuple(baselines),
         likely=band and band.describe(plan.estimate.step_time_s),
         likely_high_s=band and band.range_s(plan.estimate.step_time_s)[1],
+        inside_high_s=gaps and plan.estimate.step_time_s * gaps.high,
     )
 
 

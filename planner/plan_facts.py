@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import shlex
 
-from tessera.cost_models.error_bands import ErrorBand
+from tessera.cost_models.error_bands import ErrorBand, gap_band, within_gap_error
 from tessera.cost_models.types import Estimate, Strategy
 from tessera.errors import TesseraError
 from tessera.planner.plan import Plan
@@ -115,14 +115,17 @@ def step_terms(e: Estimate) -> dict[str, float]:
 
 
 def runners_up_inside_band(plan: Plan, band: ErrorBand) -> list[int]:
-    """Ranks (the plan is 1) of the alternatives whose predicted step time falls inside the plan's band: the cost
-    model's error on runs like this one is as large as what separates them from the plan."""
-    high = band.range_s(plan.estimate.step_time_s)[1]
-    return [rank for rank, c in enumerate(plan.alternatives, start=2) if c.estimate.step_time_s <= high]
+    """Ranks (the plan is 1) of the alternatives that may really be as fast as the plan: their predicted gap to it
+    is inside the gap band (``error_bands.gap_band``: published pairs of one workload in two configurations), or,
+    without one, inside the plan's own ``band``."""
+    gaps = gap_band() or band
+    return [rank for rank, c in enumerate(plan.alternatives, start=2)
+            if within_gap_error(plan.estimate.step_time_s, c.estimate.step_time_s, gaps)]
 
 
 def band_sentence(plan: Plan) -> str | None:
-    """``Likely step time: 12.3 to 14.0 s (...); runners-up 2 and 3 fall inside it.``, or None without a band."""
+    """``Likely step time: 12.3 to 14.0 s (...); runners-up 2 and 3 are inside the error of a predicted gap.``,
+    or None without a band."""
     band = plan.error_band()
     if band is None:
         return None
@@ -130,8 +133,12 @@ def band_sentence(plan: Plan) -> str | None:
     text = f"Likely step time: {band.describe(plan.estimate.step_time_s)}."
     if inside:
         ranks = ", ".join(map(str, inside))
-        text += (f" Runner{'s' if len(inside) > 1 else ''}-up {ranks} fall{'' if len(inside) > 1 else 's'} inside it: "
-                 "the ranking between them and the plan is within the cost model's error.")
+        gaps = gap_band()
+        basis = (f"the published gap between two configurations of one workload came within {gaps.high - 1:.0%} of "
+                 f"the predicted one in 80% of {gaps.runs} held-out pairs" if gaps else "inside the plan's band")
+        text += (f" Runner{'s' if len(inside) > 1 else ''}-up {ranks} {'are' if len(inside) > 1 else 'is'} predicted "
+                 f"that close to the plan ({basis}): the ranking between them and the plan is within the cost "
+                 "model's error.")
     return text
 
 

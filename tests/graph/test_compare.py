@@ -6,6 +6,7 @@ import pytest
 from rich.console import Console
 
 import tessera
+from tessera.cost_models import error_bands as eb
 from tessera.cli import main
 from tessera.cost_models import Estimate
 from tessera.planner.compare import Comparison, compare_to_baseline
@@ -98,11 +99,14 @@ def test_a_gpu_comparison_carries_the_plans_likely_range_and_names_the_baselines
     assert result.likely.endswith("held-out tensor/pipeline/data-parallel published runs)")
     inside = result.baselines_inside_band()
     fitting = [i for i, b in enumerate(result.baselines, start=1) if b.estimate is not None and b.estimate.fits]
-    assert inside == [i for i in fitting if result.baselines[i - 1].estimate.step_time_s <= result.likely_high_s]
+    gaps = eb.gap_band()  # the error of a predicted gap between two configurations, from published pairs
+    assert result.inside_high_s == pytest.approx(result.plan_estimate.step_time_s * gaps.high)
+    assert inside == [i for i in fitting if result.baselines[i - 1].estimate.step_time_s <= result.inside_high_s]
     assert result.likely_high_s > result.plan_estimate.step_time_s
     assert inside and len(inside) < len(fitting)  # one close baseline inside, the distant ones out
     console = Console(record=True, width=120)
     print_comparison(result, console)
-    assert "Tessera's likely step time: " in console.export_text()
+    printed = " ".join(console.export_text().split())  # the line as one, unwrapped
+    assert "Tessera's likely step time: " in printed and "Within the cost model's error of the plan: baseline" in printed
     cpu = compare("gpt-tiny", "cpu:ranks=2", global_batch=8, seq_len=32, baselines=["dp=2"])
     assert cpu.likely is None and cpu.baselines_inside_band() == []

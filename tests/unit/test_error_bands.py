@@ -33,6 +33,19 @@ def test_written_bands_read_back_and_a_regime_without_runs_takes_all_of_them(tmp
         eb._bands.cache_clear()
 
 
+def test_the_gap_band_holds_both_orders_of_each_pair(tmp_path, monkeypatch):
+    path = eb.write_bands({"fsdp": [0.9, 1.1]}, source="test", pair_ratios=[1.05, 0.98, 1.2], path=tmp_path / "b.json")
+    monkeypatch.setattr(eb, "BAND_FILE", path)
+    eb._bands.cache_clear()
+    try:
+        gaps = eb.gap_band()
+        assert gaps.runs == 3 and gaps.low == pytest.approx(1 / gaps.high, rel=1e-2)  # near symmetric: a gap and its inverse
+        assert eb.error_band("all").runs == 2  # the pairs are not runs
+        assert eb.within_gap_error(10.0, 10.0 * gaps.high, gaps) and not eb.within_gap_error(10.0, 10.1 * gaps.high, gaps)
+    finally:
+        eb._bands.cache_clear()
+
+
 def test_a_plan_is_judged_in_its_regime():
     s = Strategy.parse
     assert eb.plan_regime(s("dp=8,zero=3"), "fp8", moe=True) == "fp8"
@@ -56,9 +69,12 @@ def test_a_gpu_plan_carries_its_band_and_names_the_runners_up_inside_it():
     low, high = band.range_s(plan.estimate.step_time_s)
     assert low < plan.estimate.step_time_s < high
     inside = runners_up_inside_band(plan, band)
-    assert inside == [rank for rank, c in enumerate(plan.alternatives, start=2) if c.estimate.step_time_s <= high]
+    gaps = eb.gap_band()
+    assert gaps.runs >= 10 and gaps.low < 1 < gaps.high
+    assert inside == [rank for rank, c in enumerate(plan.alternatives, start=2)
+                      if c.estimate.step_time_s <= plan.estimate.step_time_s * gaps.high]
     sentence = band_sentence(plan)
-    assert sentence.startswith("Likely step time: ") and (not inside or "inside it" in sentence)
+    assert sentence.startswith("Likely step time: ") and (not inside or f"{gaps.runs} held-out pairs" in sentence)
     assert f"likely     {band.describe(plan.estimate.step_time_s)}" in plan.summary()
 
 
