@@ -18,8 +18,10 @@ under the same world size, else rank 0's, as ``runtime.checkpoint`` does), the s
 loaded (a past the run no longer continues from).
 
 Limit: every surviving node assembles the whole snapshot (every rank's shards), so a node's store must hold one
-full snapshot during recovery; a run whose full state exceeds one node's host memory is refused by the memory
-check (``runtime.snapshots``) and needs per-rank partial reads, which are not built.
+full snapshot during recovery. Before anything is written each node's leader checks that its store has room for
+the files it lacks; if any has not, it says so and the newest intact disk checkpoint is loaded instead (a run
+whose full state exceeds one node's free host memory recovers from disk). Per-rank partial reads, which would
+lift the limit, are not built.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ from tessera.runtime.checkpoint_files import (
 from tessera.runtime.lr_schedule import restore_scheduler
 from tessera.runtime.saved_plans import check_same_model
 from tessera.runtime.snapshot_format import Shard, load_shards, shard_file
-from tessera.runtime.snapshot_store import RECOVERY_FOLDER, RECOVERY_PREFIX, committed_snapshots, discard_newer, held_files
+from tessera.runtime.snapshot_store import (
+    RECOVERY_FOLDER, RECOVERY_PREFIX, committed_snapshots, discard_newer, free_bytes, held_files,
+)
 
 if TYPE_CHECKING:
     from tessera.runtime.parallel_model import ParallelModel
@@ -80,6 +84,13 @@ def recover_from_snapshots(
                  what="discarding unusable snapshots")
         return None, passed_over or [why]
     manifest, text, holders = chosen
+    short = _room_problems(snapshots, manifest, text, stores)
+    if short:
+        if rank == 0:
+            log.warning("snapshots: %s; loading the newest intact disk checkpoint of %s instead", short[0], disk_root)
+        together(lambda: discard_newer(snapshots.store, -1) if layout.is_leader(rank) else None, group,
+                 what="discarding unusable snapshots")
+        return None, [*passed_over, short[0]]
     folder = _assemble(snapshots, manifest, text, holders, stores)
 
     info = together(lambda: _load(pm, folder, manifest, group), group, what=f"loading snapshot {folder}")
@@ -156,6 +167,25 @@ def _newest_complete(stores: dict[int, Holdings]) -> tuple[tuple | None, list[st
                 f"node ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): the node that wrote them and "
                 "its buddy are both gone")
     return None, passed_over
+
+
+def _room_problems(snapshots: Snapshotter, manifest: Manifest, text: str, stores: dict[int, Holdings]) -> list[str]:
+    """Every node's lack of room to assemble the snapshot (the files its store lacks, received from other nodes),
+    agreed on every rank: checked before anything is written, so that a full store means the disk checkpoint, not a
+    restart that fails again at every try."""
+    group, rank, layout, store = snapshots.group, snapshots.rank, snapshots.layout, snapshots.store
+    problem = None
+    if layout.is_leader(rank):
+        held = stores.get(rank, Holdings()).get(manifest.step)
+        own = set(held[1]) if held is not None and held[0] == text else set()
+        lacking = sum(record.size_bytes for name, record in manifest.files.items() if name not in own)
+        free = free_bytes(store)
+        if lacking > free:
+            problem = (f"assembling snapshot step {manifest.step} needs {lacking / 1e9:,.2f} GB more in node "
+                       f"{layout.node(rank)}'s store {store} (every node assembles the whole snapshot), which has "
+                       f"{free / 1e9:,.2f} GB free; give /dev/shm more room (mount -o remount,size=...) or train "
+                       "with fewer ranks per node's share of the state")
+    return [p for p in all_gather(problem, group) if p]
 
 
 def _newest_disk_step(root: Path | None) -> int | None:

@@ -363,3 +363,39 @@ def test_a_step_snapshotted_again_commits_every_file_on_every_node(tmp_path):
         assert node["committed"] == ["step-00000001"]
         assert node["held"] == node["listed"]  # the whole snapshot: every rank's file, the plan, the data position
         assert not [name for name in node["hidden"] if name.endswith(".partial")]
+
+
+# ---------------------------------------------------------------------------------- no room to assemble
+
+
+def recover_without_room(stores: Path, disk: Path) -> dict:
+    """4 ranks as 4 nodes (each store holds its own file and the previous node's): a disk checkpoint after step 1,
+    a snapshot after step 2, then a restart whose stores have no room to assemble the snapshot."""
+    from tessera.runtime import snapshot_recovery
+
+    config = SnapshotConfig(every=1, store=stores / f"node{dist.get_rank()}", ranks_per_node=1)
+    model = make_model(GPT, SEED)
+    pm = apply_plan(model, make_plan(GPT, model, "dp=4,mbs=2"))
+    pm.enable_snapshots(config)
+    batches = make_batches(GPT, 2)
+    pm.train_step(batches[0])
+    pm.save(disk)
+    pm.train_step(batches[1])
+    pm.wait_for_snapshot()
+    dist.barrier()
+    os.close(pm.snapshots._lock)  # the run dies here (its process would have released the lock)
+    again = apply_plan(make_model(GPT, 100), make_plan(GPT, model, "dp=4,mbs=2"))
+    again.enable_snapshots(config)
+    snapshot_recovery.free_bytes = lambda store: 1000  # a full /dev/shm: 1 kB left
+    info = resume_if_possible(again, disk)
+    left = sorted(p.name for p in config.store.iterdir() if p.name.startswith("step-"))
+    again.close()
+    return {"step": info.step, "path": info.path, "skipped": list(info.skipped), "left": left}
+
+
+def test_a_store_without_room_to_assemble_the_snapshot_falls_back_to_disk_and_says_why(tmp_path):
+    results = spawn(recover_without_room, nprocs=4, args=(tmp_path / "stores", tmp_path / "disk"), timeout_s=300)
+    for result in results:
+        assert result["step"] == 1 and result["path"].endswith("disk/step-00000001"), result
+        assert any("needs" in reason and "GB free" in reason for reason in result["skipped"]), result["skipped"]
+        assert result["left"] == [], result  # the unusable snapshots are gone: none can shadow the run's new ones
