@@ -183,8 +183,8 @@ def _room_problems(snapshots: Snapshotter, manifest: Manifest, text: str, stores
         if lacking > free:
             problem = (f"assembling snapshot step {manifest.step} needs {lacking / 1e9:,.2f} GB more in node "
                        f"{layout.node(rank)}'s store {store} (every node assembles the whole snapshot), which has "
-                       f"{free / 1e9:,.2f} GB free; give /dev/shm more room (mount -o remount,size=...) or train "
-                       "with fewer ranks per node's share of the state")
+                       f"{free / 1e9:,.2f} GB free; give the store more room (/dev/shm: mount -o remount,size=...): "
+                       "until then the disk checkpoints are the line of defence")
     return [p for p in all_gather(problem, group) if p]
 
 
