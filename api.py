@@ -104,6 +104,9 @@ class Evaluation(tuple):
         evaluation.band = band
         return evaluation
 
+    def __getnewargs__(self) -> tuple:  # pickle and copy rebuild it from these
+        return (*self, self.band)
+
     @property
     def strategy(self) -> Strategy:
         return self[0]
@@ -207,8 +210,9 @@ def auto_parallelize(
     ``packed_colwise``, ``embedding_rowwise``...); it replaces the plan the model declares, for planning (which
     axes are available) and for the runtime alike.
 
-    ``snapshots``: in-memory snapshots every ``snapshots.every`` steps on this node and a buddy node
-    (``tessera.runtime.snapshots``; the buddy crosses a switch where the cluster has one). A (re)start then first
+    ``snapshots``: in-memory snapshots every ``snapshots.every`` steps (default: the reliability model's best
+    interval for the plan) on this node and a buddy node (``tessera.runtime.snapshots``; the buddy crosses a
+    switch where the cluster has one). A (re)start then first
     recovers the newest complete snapshot, resharded to the new plan, and falls back to ``resume_from``'s disk
     checkpoints (the second line of defence) when a disk checkpoint is newer or no snapshot is complete.
     """

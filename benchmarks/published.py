@@ -18,7 +18,7 @@ the held-out rows, per regime (``published_rows.regime``). Writes ``benchmarks/r
 and the held-out rows' error band per regime, ``cost_models/error_bands.json``, which every plan's report quotes.
 Pairs of runs of one workload (model, cluster, batch) in two configurations are judged too: the error of the
 predicted ratio of their step times and whether the faster is named right (``workload_pairs``): how a planner's
-choice is judged; the held-out pairs' band (``error_bands.gap_band``) decides which runners-up and baselines are
+choice is judged; the band of the pairs with a held-out run (``error_bands.gap_band``) decides which runners-up and baselines are
 within the cost model's error of the plan.
 """
 

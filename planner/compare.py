@@ -100,10 +100,11 @@ class Comparison(BaseModel):
         """Baselines (numbered from 1) that fit and may really be as fast as the plan (predicted at most
         ``inside_high_s``): the cost model's error on the gap between two configurations of one workload is as large
         as what separates them from the plan."""
-        if self.inside_high_s is None:
+        high = self.inside_high_s if self.inside_high_s is not None else self.likely_high_s  # a record made before
+        if high is None:
             return []
         return [i for i, b in enumerate(self.baselines, start=1) if b.estimate is not None and b.estimate.fits
-                and b.estimate.step_time_s <= self.inside_high_s]
+                and b.estimate.step_time_s <= high]
 
 
 def compare_to_baseline(plan: Estimate, *, requested: str, strategy: Strategy, estimate: Estimate) -> BaselineComparison:

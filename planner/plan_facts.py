@@ -9,7 +9,8 @@ transfers sit on the critical path in full, the context-parallel K/V ring by the
 proportion to their totals.
 
 How far to trust the step time (``Plan.error_band``, :func:`band_sentence`): the error band of the plan's regime on held-out published
-runs (``cost_models.error_bands``), and which runners-up fall inside it.
+runs (``cost_models.error_bands``), and which runners-up are within the cost model's error of the plan (the gap band:
+published pairs of one workload in two configurations).
 
 Mesh axes are laid out innermost first, tp -> cp -> ep -> pp -> dp, the dp axis standing for the ``dp / ep``
 replicas of each expert group when ``ep > 1`` (``Strategy``'s convention), so :func:`mesh_layout` says which
@@ -135,7 +136,7 @@ def band_sentence(plan: Plan) -> str | None:
         ranks = ", ".join(map(str, inside))
         gaps = gap_band()
         basis = (f"the published gap between two configurations of one workload came within {gaps.high - 1:.0%} of "
-                 f"the predicted one in 80% of {gaps.runs} held-out pairs" if gaps else "inside the plan's band")
+                 f"the predicted one in 80% of {gaps.runs} pairs with a held-out run" if gaps else "inside the plan's band")
         text += (f" Runner{'s' if len(inside) > 1 else ''}-up {ranks} {'are' if len(inside) > 1 else 'is'} predicted "
                  f"that close to the plan ({basis}): the ranking between them and the plan is within the cost "
                  "model's error.")

@@ -206,7 +206,8 @@ class Checkpointer:
         _copy_back(writable, tensors)
         set_state_dict(module, state.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"],
                        options=STATE_OPTIONS)
-        _restore_rank_state(state, folder, saved_world=manifest.world_size, group=group)
+        together(lambda: _restore_rank_state(state, folder, saved_world=manifest.world_size, group=group), group,
+                 what=f"restoring the RNG and scheduler states of {folder}")  # a refusal on one rank: on all
         state.step = manifest.step
         return CheckpointInfo(
             path=str(folder), step=manifest.step, saved_world_size=manifest.world_size,

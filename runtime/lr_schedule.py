@@ -7,13 +7,19 @@ caller stepped after ``train_step`` returned would be saved one step behind, and
 its next step at the previous step's learning rate.
 
 Its state is ``state_dict()``, plain numbers, strings, lists and dicts for PyTorch's schedulers (``LambdaLR``
-saves no function, only the ``__dict__`` of callable objects): it is checked here so that a state a received
-checkpoint cannot hold without running code (``torch.load(weights_only=True)``) is refused at save time.
+saves no function, only the ``__dict__`` of callable objects; ``MultiStepLR``'s milestones are a ``Counter``):
+it is checked when the scheduler is built, so that a state a received checkpoint cannot hold without running
+code (``torch.load(weights_only=True)``) is refused before training, not at the first save. A received state is
+checked against the run's own scheduler before it is loaded (``load_state_dict`` overwrites the scheduler's
+attributes with whatever it is given): another scheduler's state is refused by name. Under another world size
+every rank gets rank 0's state; each group's base learning rate is then its own ``initial_lr`` again (restored
+per parameter with the optimizer), so ranks whose groups differ (a per-stage optimizer) keep their own.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +47,10 @@ def build_scheduler(factory: LRSchedulerFactory | None, optimizer: torch.optim.O
         raise ConfigError(f"lr_scheduler_factory must return a torch.optim.lr_scheduler.LRScheduler built on the "
                           f"optimizer it is given; it returned {type(scheduler).__name__}"
                           f"{' on another optimizer' if isinstance(scheduler, LRScheduler) else ''}")
+    try:
+        scheduler_state(scheduler)
+    except CheckpointError as error:
+        raise ConfigError(str(error)) from None
     return scheduler
 
 
@@ -67,11 +77,38 @@ def restore_scheduler(scheduler: LRScheduler | None, state: dict[str, Any] | Non
         log.warning("%s holds a learning-rate scheduler's state but this run has none (lr_scheduler_factory=): the "
                     "learning rate stays the saved optimizer's from now on", source)
         return
+    _check_same_kind(scheduler, state, source)
     saved = state.get("base_lrs", state.get("_last_lr"))
     if isinstance(saved, (list, tuple)) and len(saved) != groups:
         raise CheckpointError(f"{source} holds a learning-rate scheduler for {len(saved)} param group(s), this rank's "
                               f"optimizer has {groups}; resume with the optimizer's param groups it was saved with")
     scheduler.load_state_dict(state)
+    initial = [group.get("initial_lr") for group in scheduler.optimizer.param_groups]
+    if "base_lrs" in state and None not in initial:
+        scheduler.base_lrs = initial  # this rank's own (rank 0's state may be another stage's)
+
+
+def _check_same_kind(scheduler: LRScheduler, state: dict[str, Any], source: str) -> None:
+    """``CheckpointError`` unless ``state`` has only keys this scheduler's own state has, each of the same kind."""
+    own = scheduler.state_dict()
+    foreign = sorted(set(state) - set(own))
+    mismatched = sorted(key for key in set(state) & set(own) if _kind(state[key]) != _kind(own[key])
+                        and None not in (state[key], own[key]))
+    if foreign or mismatched:
+        what = f"keys {', '.join(foreign[:3])}" if foreign else f"{', '.join(mismatched[:3])} of another type"
+        raise CheckpointError(f"{source} holds the state of another learning-rate scheduler than this run's "
+                              f"{type(scheduler).__name__} ({what}); resume with the lr_scheduler_factory it was "
+                              "saved with")
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, (list, tuple)):
+        return "sequence"
+    return type(value).__name__
 
 
 def _check_plain(value: Any, key: str) -> None:
@@ -80,6 +117,8 @@ def _check_plain(value: Any, key: str) -> None:
     if isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
             _check_plain(item, f"{key}[{index}]")
+        return
+    if isinstance(value, Counter) and all(isinstance(name, int) for name in value):  # MultiStepLR's milestones
         return
     if isinstance(value, dict) and all(isinstance(name, str) for name in value):
         for name, item in value.items():

@@ -74,7 +74,7 @@ def test_a_gpu_plan_carries_its_band_and_names_the_runners_up_inside_it():
     assert inside == [rank for rank, c in enumerate(plan.alternatives, start=2)
                       if c.estimate.step_time_s <= plan.estimate.step_time_s * gaps.high]
     sentence = band_sentence(plan)
-    assert sentence.startswith("Likely step time: ") and (not inside or f"{gaps.runs} held-out pairs" in sentence)
+    assert sentence.startswith("Likely step time: ") and (not inside or f"{gaps.runs} pairs with a held-out run" in sentence)
     assert f"likely     {band.describe(plan.estimate.step_time_s)}" in plan.summary()
 
 
@@ -104,3 +104,12 @@ def test_a_routed_expert_block_of_any_kind_makes_a_prediction_mixture_of_experts
     s = Strategy.parse("dp=8,zero=1")
     assert eb.prediction_band(s, "bf16", device_name="H100-SXM-80GB", block_kinds=["local-moe"]) == eb.error_band("moe")
     assert eb.prediction_band(s, "bf16", device_name="H100-SXM-80GB", block_kinds=["attention"]) == eb.error_band("ptd-p")
+
+
+def test_an_evaluation_pickles_and_copies_with_its_band():
+    import copy
+    import pickle
+
+    evaluation = tessera.evaluate("gpt3-2.7b", "dgx-a100:nodes=1", strategy="dp=8,zero=3", global_batch=64, seq_len=2048)
+    for again in (pickle.loads(pickle.dumps(evaluation)), copy.deepcopy(evaluation)):
+        assert again == evaluation and again.band == evaluation.band and again.strategy == evaluation.strategy

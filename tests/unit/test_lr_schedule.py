@@ -101,9 +101,39 @@ class _Warmup:
         return 1.0
 
 
-def test_a_scheduler_state_that_would_need_code_to_load_is_refused_at_save(tmp_path):
-    pm = _pm(factory=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, _Warmup()))
+def test_a_scheduler_state_that_would_need_code_to_load_is_refused_before_training():
+    with pytest.raises(ConfigError, match=r"lr_scheduler\.lr_lambdas\[0\]\.device, a device"):
+        _pm(factory=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, _Warmup()))
+
+
+def milestones(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[2, 4], gamma=0.5)  # its state holds a Counter
+
+
+def test_a_milestone_schedule_resumes_from_a_checkpoint_and_a_snapshot(tmp_path):
+    batches = make_batches(GPT, STEPS)
+    pm = _pm(factory=milestones)
+    snapshotter = pm.enable_snapshots(SnapshotConfig(every=1, store=tmp_path / "store"))
+    _train(pm, batches, SAVE_AT)
+    pm.save(tmp_path / "disk")
+    pm.wait_for_snapshot()
+    pm.snapshots = None
+    os.close(snapshotter._lock)
+    uninterrupted = _train(pm, batches, STEPS - SAVE_AT)
+    for resume in ("disk", "snapshot"):
+        again = _pm(factory=milestones, seed=1)
+        if resume == "snapshot":
+            again.enable_snapshots(SnapshotConfig(every=1, store=tmp_path / "store"))
+        info = resume_if_possible(again, tmp_path / "disk" if resume == "disk" else None)
+        assert info.step == SAVE_AT and again.lr_scheduler.milestones == pm.lr_scheduler.milestones, resume
+        torch.testing.assert_close(_train(again, batches, STEPS - SAVE_AT), uninterrupted, **FP32_TOL, msg=resume)
+        if resume == "snapshot":
+            again.snapshots = None  # leave the store to the test's tmp_path
+
+
+def test_another_schedulers_state_is_refused_by_name(tmp_path):
+    pm = _pm(factory=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=2))
     _train(pm, make_batches(GPT, 1), 1)
-    with pytest.raises(CheckpointError, match=r"lr_scheduler\.lr_lambdas\[0\]\.device, a device"):
-        pm.save(tmp_path)
-    assert not any(tmp_path.glob("step-*"))
+    pm.save(tmp_path)
+    with pytest.raises(CheckpointError, match="another learning-rate scheduler than this run's LambdaLR .*step_size"):
+        _pm().load(tmp_path)

@@ -144,3 +144,14 @@ def test_a_scheduler_state_outgrowing_the_header_asks_for_a_new_staging():
     again = StagedShards(_state(), None, assignments={}, param_groups=_groups(1e-3),
                          lr_scheduler={"history": list(range(1000))})
     assert again.refill(_groups(1e-3), {"history": list(range(1000))})
+
+
+def test_a_setting_the_snapshot_lacks_keeps_the_runs_value_and_the_groups_must_be_given(tmp_path):
+    staged = StagedShards(_state(), None, assignments={}, param_groups=_groups(1e-3))
+    assert not staged.refill()  # the header keeps the groups' settings: a refill without them would drop them
+    assert staged.refill(_groups(1e-3), None)
+    write_shard(tmp_path / "a.snap", staged.file)
+    target = _target()
+    target["optim"]["param_groups.w.initial_lr"] = 5e-4  # added since (a scheduler passed on the restart)
+    load_shards(target, [Shard(tmp_path / "a.snap")])
+    assert target["optim"]["param_groups.w.initial_lr"] == 5e-4 and target["optim"]["param_groups.w.lr"] == 1e-3
