@@ -35,9 +35,13 @@ staging (DCP's ``get_state_dict``: 16 ms against 0.8 ms for the refill, one proc
 replicas) is written by one of them, chosen to balance the bytes each rank writes: the de-duplication DCP does
 for disk checkpoints, by the same key (state key and offsets: ranks holding the same chunk hold the same
 values). The choice is one all-gather of every rank's chunk list, made again only when that list changes.
+Small replicated chunks (at most :data:`SMALL_REPLICA` bytes: optimizer steps, the biases and norms of tiny
+models) are the exception: every holder writes them, so that a rank's own file has all the small state it shares
+and a restart under the same plan reads that file alone (:func:`files_to_read`).
 
 **Resharding.** A load computes, for each tensor of the new plan's state, the chunk this rank holds, copies in
-every saved chunk's overlap with it, and checks that the overlaps cover it exactly.
+every saved chunk's overlap with it (one copy of a chunk several files hold), and checks that the overlaps cover
+it exactly; it reads only the files that hold such chunks (:func:`files_to_read`).
 """
 
 from __future__ import annotations
@@ -73,14 +77,19 @@ Gaussian is cached (0/1), then that Gaussian (0.0 when none)."""
 _RNG_PYTHON = "rng.python"
 _GROUPS = "optim.param_groups."
 """DCP's prefix of the flattened optimizer's per-parameter group settings (``optim.param_groups.<fqn>.lr``)."""
+SMALL_REPLICA = 1024
+"""Replicated chunks of at most this many bytes are written by every rank holding them (:func:`_writers`)."""
 _SLACK = 512
 """Bytes of spaces the header keeps at least for its tail to grow into (a longer learning rate, a scheduler's
 counters); as many as the tail has, if more."""
 
 
+SHARD_SUFFIX = ".snap"
+
+
 def shard_file(rank: int) -> str:
     """The name of ``rank``'s file in a snapshot folder."""
-    return f"rank-{rank:05d}.snap"
+    return f"rank-{rank:05d}{SHARD_SUFFIX}"
 
 
 class Chunk(BaseModel):
@@ -181,7 +190,7 @@ class StagedShards:
         """The chunks this rank writes (packed, aligned) and the tensors they are copied from."""
         chunks, sources, start = [], [], 0
         for (key, value, (global_shape, offsets, shape)), writer in zip(held, writers):
-            if writer == rank:
+            if writer in (rank, None):
                 chunks.append(Chunk(key=key, dtype=_dtype_name(value.dtype), global_shape=global_shape,
                                     offsets=offsets, shape=shape, start=start))
                 sources.append(_local(value))
@@ -286,10 +295,12 @@ def write_shard(path: Path, file: torch.Tensor) -> FileRecord:
     return FileRecord(size_bytes=file.numel(), sha256=hashlib.sha256(view).hexdigest())
 
 
-def _writers(signature: tuple, group: dist.ProcessGroup | None) -> list[int]:
+def _writers(signature: tuple, group: dist.ProcessGroup | None) -> list[int | None]:
     """For each of this rank's chunks, the rank that writes it: among the ranks holding the same chunk (same
     key, offsets and shape), the one with the fewest bytes so far, largest chunks first (every rank computes
-    the same answer from the same gathered lists)."""
+    the same answer from the same gathered lists); ``None`` for a chunk of at most :data:`SMALL_REPLICA` bytes,
+    which every holder writes, so that a rank's own file has the small state it shares (optimizer steps, norms)
+    and a restart under the same plan reads that file alone."""
     everyone = all_gather(signature, group)
     holders: dict[tuple, list[int]] = {}
     sizes: dict[tuple, int] = {}
@@ -302,7 +313,8 @@ def _writers(signature: tuple, group: dist.ProcessGroup | None) -> list[int]:
     for chunk in sorted(holders, key=lambda c: (-sizes[c], c)):
         writer[chunk] = min(holders[chunk], key=lambda r: (written[r], r))
         written[writer[chunk]] += sizes[chunk]
-    return [writer[(key, offsets, shape)] for key, (_, offsets, shape), _ in signature]
+    return [None if sizes[(key, offsets, shape)] <= SMALL_REPLICA else writer[(key, offsets, shape)]
+            for key, (_, offsets, shape), _ in signature]
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -376,10 +388,47 @@ def load_shards(tensors: dict[str, dict[str, Any]], shards: list[Shard]) -> None
                                       "optimizer: resume with the ones it was taken from")
 
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""A chunk's ``(offsets, shape)`` within its tensor."""
+
+
+def held_boxes(tensors: dict[str, dict[str, Any]]) -> dict[str, Box]:
+    """Per state key, the box of the chunk this rank holds of each tensor in ``tensors``: what a load fills."""
+    return {key: _geometry(value)[1:] for key, value in _flat(tensors) if isinstance(value, torch.Tensor)}
+
+
+def state_boxes(shard: Shard) -> list[tuple[str, Box]]:
+    """The state chunks of ``shard`` (its RNG states aside), by key and box."""
+    return [(c.key, (c.offsets, c.shape)) for c in shard.header.chunks if not c.key.startswith("rng.")]
+
+
+def files_to_read(wanted: dict[str, Box], chunks: dict[str, list[tuple[str, Box]]], *, first: str) -> set[str]:
+    """The files a rank reads: for every saved chunk (``chunks``: per file, its chunks) that overlaps a box the
+    rank ``wanted``, one file holding it, ``first`` and the files already chosen preferred (a small replicated
+    chunk is in every holder's file: one of them is enough)."""
+    holding: dict[str, dict[Box, list[str]]] = {}
+    for name, boxes in sorted(chunks.items()):
+        for key, box in boxes:
+            holding.setdefault(key, {}).setdefault(box, []).append(name)
+    chosen = {first}
+    for key, want in wanted.items():
+        for box, names in holding.get(key, {}).items():
+            if _overlap(want, box) and chosen.isdisjoint(names):
+                chosen.add(names[0])
+    return chosen
+
+
+def _overlap(a: Box, b: Box) -> bool:
+    return all(max(x, y) < min(x + n, y + m) for x, n, y, m in zip(a[0], a[1], b[0], b[1]))
+
+
 def _fill(target: torch.Tensor, key: str, saved: list[tuple[Chunk, Shard]]) -> None:
     global_shape, offsets, shape = _geometry(target)
-    local, covered = _local(target), 0
+    local, covered, copied = _local(target), 0, set()
     for chunk, shard in saved:
+        if (chunk.offsets, chunk.shape) in copied:
+            continue  # a small replicated chunk: every holder wrote it, one copy is enough
+        copied.add((chunk.offsets, chunk.shape))
         if chunk.global_shape != global_shape:
             raise CheckpointError(f"the snapshot's {key} has shape {list(chunk.global_shape)}, this model's "
                                   f"{list(global_shape)}; resume with the model it was taken from")

@@ -46,7 +46,9 @@ from tessera.runtime.checkpoint_files import (
 )
 from tessera.runtime.lr_schedule import restore_scheduler
 from tessera.runtime.saved_plans import check_same_model
-from tessera.runtime.snapshot_format import Shard, load_shards, shard_file
+from tessera.runtime.snapshot_format import (
+    SHARD_SUFFIX, Shard, files_to_read, held_boxes, load_shards, shard_file, state_boxes,
+)
 from tessera.runtime.snapshot_store import (
     RECOVERY_FOLDER, RECOVERY_PREFIX, committed_snapshots, discard_newer, free_bytes, held_files,
 )
@@ -84,16 +86,17 @@ def recover_from_snapshots(
                  what="discarding unusable snapshots")
         return None, passed_over or [why]
     manifest, text, holders = chosen
-    short = _room_problems(snapshots, manifest, text, stores)
+    needed = _needed_files(pm, snapshots, manifest, holders)
+    short = _room_problems(snapshots, manifest, text, stores, needed)
     if short:
         if rank == 0:
             log.warning("snapshots: %s; loading the newest intact disk checkpoint of %s instead", short[0], disk_root)
         together(lambda: discard_newer(snapshots.store, -1) if layout.is_leader(rank) else None, group,
                  what="discarding unusable snapshots")
         return None, [*passed_over, short[0]]
-    folder = _assemble(snapshots, manifest, text, holders, stores)
+    folder = _assemble(snapshots, manifest, text, holders, stores, needed)
 
-    info = together(lambda: _load(pm, folder, manifest, group), group, what=f"loading snapshot {folder}")
+    info = together(lambda: _load(pm, folder, manifest, group, needed[rank]), group, what=f"loading snapshot {folder}")
     barrier(group)  # every rank of the node has read the folder before its leader removes it
     together(lambda: _after_load(snapshots.store, manifest.step) if layout.is_leader(rank) else None, group,
              what="removing the assembled snapshot")
@@ -103,16 +106,17 @@ def recover_from_snapshots(
     return info, passed_over
 
 
-def _load(pm: ParallelModel, folder: Path, manifest: Manifest, group: dist.ProcessGroup | None) -> CheckpointInfo:
-    """Restore ``pm`` from the assembled snapshot ``folder`` (every file already checked against the manifest)."""
+def _load(pm: ParallelModel, folder: Path, manifest: Manifest, group: dist.ProcessGroup | None,
+          needed: set[str]) -> CheckpointInfo:
+    """Restore ``pm`` from the files it ``needed`` of the assembled snapshot ``folder`` (each already checked against
+    the manifest; ``load_shards`` checks that they cover every tensor)."""
     check_same_model(pm.plan, folder, saved=Plan.from_json(folder / PLAN_FILE))
-    shards = [Shard(folder / shard_file(rank)) for rank in range(manifest.world_size)]
+    shards = {name: Shard(folder / name) for name in sorted(needed) if name.endswith(SHARD_SUFFIX)}
     tensors = training_tensors(pm)  # initialises the optimizer's state, which is then overwritten
-    load_shards(tensors, shards)
+    load_shards(tensors, list(shards.values()))
     set_state_dict(state_module(pm.modules), pm.optimizer, model_state_dict=tensors["model"],
                    optim_state_dict=tensors["optim"], options=STATE_OPTIONS)
-    same_world = manifest.world_size == (dist.get_world_size(group) if group is not None else 1)
-    own = shards[dist.get_rank(group) if same_world and group is not None else 0]
+    own = shards[_state_source(manifest, group)]
     _restore_rng(own)
     restore_scheduler(pm.lr_scheduler, own.lr_scheduler(), source=f"snapshot file {own.path}",
                       groups=len(pm.optimizer.param_groups))
@@ -120,6 +124,31 @@ def _load(pm: ParallelModel, folder: Path, manifest: Manifest, group: dist.Proce
     return CheckpointInfo(path=str(folder), step=manifest.step, saved_world_size=manifest.world_size,
                           saved_strategy=manifest.strategy,
                           data_state=torch.load(folder / DATA_FILE, weights_only=True))
+
+
+def _state_source(manifest: Manifest, group: dist.ProcessGroup | None) -> str:
+    """The file whose RNG and scheduler states this rank takes: its own under the same world size, else rank 0's."""
+    same_world = manifest.world_size == (dist.get_world_size(group) if group is not None else 1)
+    return shard_file(dist.get_rank(group) if same_world and group is not None else 0)
+
+
+def _needed_files(pm: ParallelModel, snapshots: Snapshotter, manifest: Manifest,
+                  holders: dict[str, int]) -> dict[int, set[str]]:
+    """Per rank, the files of the snapshot it reads: the file of its RNG and scheduler states, then for every saved
+    chunk that overlaps one of its shards under the new plan one file holding it (from every file's header, read by
+    the first leader holding it and shared), and rank 0's plan and data position."""
+    group, rank = snapshots.group, snapshots.rank
+    folder = step_folder(snapshots.store, manifest.step)
+
+    def read_headers() -> dict[str, list]:
+        return {name: state_boxes(Shard(folder / name)) for name, holder in sorted(holders.items())
+                if holder == rank and name.endswith(SHARD_SUFFIX)}
+
+    chunks = {name: boxes for part in all_gather(together(read_headers, group, what=f"reading snapshot {folder}"), group)
+              for name, boxes in part.items()}
+    mine = files_to_read(held_boxes(training_tensors(pm)), chunks, first=_state_source(manifest, group))
+    mine |= {name for name in manifest.files if not name.endswith(SHARD_SUFFIX)}
+    return dict(enumerate(all_gather(sorted(mine), group)))
 
 
 def _restore_rng(shard: Shard) -> None:
@@ -169,20 +198,20 @@ def _newest_complete(stores: dict[int, Holdings]) -> tuple[tuple | None, list[st
     return None, passed_over
 
 
-def _room_problems(snapshots: Snapshotter, manifest: Manifest, text: str, stores: dict[int, Holdings]) -> list[str]:
-    """Every node's lack of room to assemble the snapshot (the files its store lacks, received from other nodes),
+def _room_problems(snapshots: Snapshotter, manifest: Manifest, text: str, stores: dict[int, Holdings],
+                   needed: dict[int, set[str]]) -> list[str]:
+    """Every node's lack of room for the files its ranks need and its store lacks (received from other nodes),
     agreed on every rank: checked before anything is written, so that a full store means the disk checkpoint, not a
     restart that fails again at every try."""
     group, rank, layout, store = snapshots.group, snapshots.rank, snapshots.layout, snapshots.store
     problem = None
     if layout.is_leader(rank):
-        held = stores.get(rank, Holdings()).get(manifest.step)
-        own = set(held[1]) if held is not None and held[0] == text else set()
-        lacking = sum(record.size_bytes for name, record in manifest.files.items() if name not in own)
+        lacking = sum(manifest.files[name].size_bytes for name in _node_needs(layout, rank, needed)
+                      - _own_files(stores, rank, manifest.step, text))
         free = free_bytes(store)
         if lacking > free:
             problem = (f"assembling snapshot step {manifest.step} needs {lacking / 1e9:,.2f} GB more in node "
-                       f"{layout.node(rank)}'s store {store} (every node assembles the whole snapshot), which has "
+                       f"{layout.node(rank)}'s store {store} (the files its ranks read that it lacks), which has "
                        f"{free / 1e9:,.2f} GB free; give the store more room (/dev/shm: mount -o remount,size=...): "
                        "until then the disk checkpoints are the line of defence")
     return [p for p in all_gather(problem, group) if p]
@@ -194,20 +223,19 @@ def _newest_disk_step(root: Path | None) -> int | None:
 
 
 def _assemble(snapshots: Snapshotter, manifest: Manifest, text: str, holders: dict[str, int],
-              stores: dict[int, Holdings]) -> Path:
-    """Every leader's ``store/recovery/step-N``: its own intact files linked, the others received."""
-    group, rank, store, step = snapshots.group, snapshots.rank, snapshots.store, manifest.step
-    leader = rank if snapshots.layout.is_leader(rank) else None
+              stores: dict[int, Holdings], needed: dict[int, set[str]]) -> Path:
+    """Every leader's ``store/recovery/step-N``: the files its node's ranks need, linked where it holds them intact,
+    received from a node that does otherwise."""
+    group, rank, store, step, layout = snapshots.group, snapshots.rank, snapshots.store, manifest.step, snapshots.layout
+    leader = rank if layout.is_leader(rank) else None
     partial = store / f"{RECOVERY_PREFIX}{step:08d}.partial"
     final = step_folder(store / RECOVERY_FOLDER, step)
-    own = set(stores[leader][step][1]) if leader is not None and step in stores[leader] else set()
-    if leader is not None and own and stores[leader][step][0] != text:
-        own = set()  # this store's step-N is another version of the step: use none of its files
+    wants = {r: _node_needs(layout, r, needed) for r in stores}
+    own = _own_files(stores, leader, step, text) & wants[leader] if leader is not None else set()
     together(lambda: _link_own(store, partial, step, own) if leader is not None else None, group,
              what=f"assembling snapshot step {step} in {store}")
     for name in sorted(manifest.files):
-        lacking = [r for r in stores if name not in (stores[r][step][1] if step in stores[r] and stores[r][step][0]
-                                                     == text else ())]
+        lacking = [r for r in stores if name in wants[r] and name not in _own_files(stores, r, step, text)]
         if lacking:
             _receive(name, manifest, source=holders[name], own=step_folder(store, step),
                      write_to=partial if leader in lacking else None, rank=rank, group=group)
@@ -223,6 +251,18 @@ def _assemble(snapshots: Snapshotter, manifest: Manifest, text: str, holders: di
 
     together(commit, group, what=f"assembling snapshot step {step} in {store}")
     return final
+
+
+def _own_files(stores: dict[int, Holdings], leader: int, step: int, text: str) -> set[str]:
+    """The files of snapshot ``step`` (manifest ``text``) that ``leader``'s store holds intact; none where its
+    step-N is another version of the step."""
+    held = stores.get(leader, Holdings()).get(step)
+    return set(held[1]) if held is not None and held[0] == text else set()
+
+
+def _node_needs(layout, leader: int, needed: dict[int, set[str]]) -> set[str]:
+    """What the ranks of ``leader``'s node read."""
+    return set().union(*(names for r, names in needed.items() if layout.node(r) == layout.node(leader)))
 
 
 def _link_own(store: Path, partial: Path, step: int, names: set[str]) -> None:

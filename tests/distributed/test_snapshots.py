@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from tessera.errors import ConfigError
 from tessera.runtime import snapshots
@@ -368,14 +369,15 @@ def test_a_step_snapshotted_again_commits_every_file_on_every_node(tmp_path):
 # ---------------------------------------------------------------------------------- no room to assemble
 
 
-def recover_without_room(stores: Path, disk: Path) -> dict:
-    """4 ranks as 4 nodes (each store holds its own file and the previous node's): a disk checkpoint after step 1,
-    a snapshot after step 2, then a restart whose stores have no room to assemble the snapshot."""
+def restart_with_little_room(stores: Path, disk: Path, strategy: str, free: int | None) -> dict:
+    """4 ranks as 4 nodes (each store holds its own file and the previous node's) under ``strategy``: a disk
+    checkpoint after step 1, a snapshot after step 2, then a restart under the same plan whose stores have
+    ``free`` bytes (``None``: a third of this rank's own snapshot file) to assemble the files its ranks read."""
     from tessera.runtime import snapshot_recovery
 
     config = SnapshotConfig(every=1, store=stores / f"node{dist.get_rank()}", ranks_per_node=1)
     model = make_model(GPT, SEED)
-    pm = apply_plan(model, make_plan(GPT, model, "dp=4,mbs=2"))
+    pm = apply_plan(model, make_plan(GPT, model, strategy))
     pm.enable_snapshots(config)
     batches = make_batches(GPT, 2)
     pm.train_step(batches[0])
@@ -384,18 +386,39 @@ def recover_without_room(stores: Path, disk: Path) -> dict:
     pm.wait_for_snapshot()
     dist.barrier()
     os.close(pm.snapshots._lock)  # the run dies here (its process would have released the lock)
-    again = apply_plan(make_model(GPT, 100), make_plan(GPT, model, "dp=4,mbs=2"))
+    own_file = next(config.store.glob(f"step-*2/rank-{dist.get_rank():05d}.snap")).stat().st_size
+    again = apply_plan(make_model(GPT, 100), make_plan(GPT, model, strategy))
     again.enable_snapshots(config)
-    snapshot_recovery.free_bytes = lambda store: 1000  # a full /dev/shm: 1 kB left
+    snapshot_recovery.free_bytes = lambda store: own_file // 3 if free is None else free
     info = resume_if_possible(again, disk)
     left = sorted(p.name for p in config.store.iterdir() if p.name.startswith("step-"))
+    same = all(torch.equal(a.to_local() if isinstance(a, DTensor) else a, b.to_local() if isinstance(b, DTensor) else b)
+               for a, b in zip(again.module.parameters(), pm.module.parameters()))
     again.close()
-    return {"step": info.step, "path": info.path, "skipped": list(info.skipped), "left": left}
+    return {"step": info.step, "path": info.path, "skipped": list(info.skipped), "left": left, "same": same}
 
 
-def test_a_store_without_room_to_assemble_the_snapshot_falls_back_to_disk_and_says_why(tmp_path):
-    results = spawn(recover_without_room, nprocs=4, args=(tmp_path / "stores", tmp_path / "disk"), timeout_s=300)
-    for result in results:
-        assert result["step"] == 1 and result["path"].endswith("disk/step-00000001"), result
+def both_restarts_with_little_room(root: Path) -> dict:
+    return {"ddp": restart_with_little_room(root / "ddp", root / "ddp-disk", "dp=4,mbs=2", 1000),
+            "zero3": restart_with_little_room(root / "zero3", root / "zero3-disk", "dp=4,zero=3,mbs=2", None)}
+
+
+@pytest.fixture(scope="module")
+def little_room(tmp_path_factory) -> list[dict]:
+    return spawn(both_restarts_with_little_room, nprocs=4, args=(tmp_path_factory.mktemp("little-room"),),
+                 timeout_s=300)
+
+
+def test_a_store_without_room_for_the_files_its_ranks_read_falls_back_to_disk_and_says_why(little_room):
+    for result in (rank["ddp"] for rank in little_room):  # DDP: every rank reads every rank's chunks
+        assert result["step"] == 1 and result["path"].endswith("ddp-disk/step-00000001"), result
         assert any("needs" in reason and "GB free" in reason for reason in result["skipped"]), result["skipped"]
         assert result["left"] == [], result  # the unusable snapshots are gone: none can shadow the run's new ones
+
+
+def test_each_node_assembles_only_the_files_its_ranks_read(little_room):
+    # ZeRO-3 under the same plan: each rank reads its own file only, which its node holds; room for a third of one
+    # file is enough (the whole snapshot, or even the previous node's file, would not fit)
+    for result in (rank["zero3"] for rank in little_room):
+        assert result["step"] == 2 and result["path"].startswith("snapshot step-00000002"), result
+        assert result["same"], "the restored shards are the saved ones"
