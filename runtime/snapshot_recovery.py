@@ -7,21 +7,26 @@ file of the whole snapshot is held by *some* surviving node. If a disk checkpoin
 complete (a node and its buddy were lost together, or every store is gone), it says why and returns ``None``:
 the caller loads the newest intact disk checkpoint instead.
 
-To load a step, every node's leader assembles the whole snapshot in its store (``store/recovery/step-N``): hard
-links to the files it holds, and the files it lacks received from a node that holds them (a gloo broadcast of
-the bytes, checked against the manifest's SHA-256). Every rank then reads every rank's file of it
-(``runtime.snapshot_format``: JSON headers and raw bytes, nothing that runs code) and copies into its state
-under the new plan the parts of the saved chunks its own shards cover (resharding), then the optimizer state is
-set as a disk checkpoint's is (``set_state_dict``), and the RNG and learning-rate scheduler states (the rank's own
-under the same world size, else rank 0's, as ``runtime.checkpoint`` does), the step and the data position (``torch.load`` with
-``weights_only=True``) come back. The folder is removed afterwards, and so are snapshots newer than the step
-loaded (a past the run no longer continues from).
+To load a step, each rank first works out which files it reads: every file's chunk list (its JSON header, read
+by the first leader holding the file) is shared, and each rank takes the file of its RNG and scheduler states
+(its own under the same world size, else rank 0's, as ``runtime.checkpoint`` does), then, for every saved chunk
+that overlaps one of its shards under the new plan, one file holding it (``snapshot_format.files_to_read``), and
+rank 0's plan and data position. Each node's leader assembles the files its node's ranks read in its store
+(``store/recovery/step-N``): hard links to those it holds, and those it lacks received from a node that holds
+them (a gloo broadcast of the bytes, checked against the manifest's SHA-256). Before anything is written it checks
+that its store has room for what it lacks; if a node has not, recovery says so and the newest intact disk
+checkpoint is loaded instead. Every rank then reads its files (``runtime.snapshot_format``: JSON headers and raw
+bytes, nothing that runs code), copies into its state the parts of the saved chunks its own shards cover
+(resharding; ``load_shards`` checks that they cover every tensor), sets the optimizer state as a disk checkpoint
+does (``set_state_dict``), and restores the RNG and learning-rate scheduler states, the step and the data position
+(``torch.load`` with ``weights_only=True``). The folder is removed afterwards, and so are snapshots newer than the
+step loaded (a past the run no longer continues from).
 
-Limit: every surviving node assembles the whole snapshot (every rank's shards), so a node's store must hold one
-full snapshot during recovery. Before anything is written each node's leader checks that its store has room for
-the files it lacks; if any has not, it says so and the newest intact disk checkpoint is loaded instead (a run
-whose full state exceeds one node's free host memory recovers from disk). Per-rank partial reads, which would
-lift the limit, are not built.
+Cost: a node holds what its ranks read. Under the same plan that is each rank's own file (a node and its buddy
+hold them: nothing crosses the network but what the lost node held); under a new plan, the old files its new
+shards overlap. Every rank receives every file's chunk list, which grows with ranks times tensors (as DCP's
+metadata does), and a file some node lacks is broadcast to every rank of the group, not only to the nodes that
+need it.
 """
 
 from __future__ import annotations
