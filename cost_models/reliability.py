@@ -189,7 +189,8 @@ def reliability_estimate(
 # the buddy (probability ``p``) falls back to the disk checkpoint, so the disk interval is Daly's for an MTBF of
 # ``M / p``. ``k`` minimises the snapshot share plus the failure share, as Young's interval does for disk.
 # Bytes: every chunk of the state is written once, by one of the ranks holding it (``runtime.snapshot_format``
-# de-duplicates replicas), so each device stages and sends ``12 * params / devices`` bytes whatever the plan.
+# de-duplicates replicas; replicas of at most 1 KiB, optimizer steps and the like, by every holder: negligible),
+# so each device stages and sends ``12 * params / devices`` bytes whatever the plan.
 
 INFINIBAND_NDR_BYTES_PER_S = 400e9 / 8
 """One InfiniBand NDR port: 400 Gb/s (InfiniBand Trade Association roadmap); a node's snapshot to its buddy

@@ -52,7 +52,7 @@ import math
 import random
 import struct
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,7 +67,7 @@ from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.checkpoint_files import FileRecord, all_gather
 from tessera.runtime.tp_styles import unstrided
 
-FORMAT = "tessera-snapshot-3"
+FORMAT = "tessera-snapshot-4"
 ALIGN = 64
 """Every chunk starts at a multiple of this many bytes, so a byte view of it can be viewed as any dtype."""
 _LENGTH = struct.Struct("<Q")
@@ -115,7 +115,8 @@ class Header(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    format: Literal["tessera-snapshot-2", "tessera-snapshot-3"]
+    format: Literal["tessera-snapshot-2", "tessera-snapshot-3", "tessera-snapshot-4"]
+    """4: small replicated chunks in every holder's file; 3: param-group settings per group; 2: the first."""
     rank: int
     chunks: tuple[Chunk, ...]
     values: dict[str, Any]
@@ -392,14 +393,28 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 """A chunk's ``(offsets, shape)`` within its tensor."""
 
 
+_SETTINGS = "settings."
+"""Key prefix of a parameter's param-group settings in the boxes below (a zero-dimensional box: all or nothing)."""
+
+
 def held_boxes(tensors: dict[str, dict[str, Any]]) -> dict[str, Box]:
-    """Per state key, the box of the chunk this rank holds of each tensor in ``tensors``: what a load fills."""
-    return {key: _geometry(value)[1:] for key, value in _flat(tensors) if isinstance(value, torch.Tensor)}
+    """Per state key, the box of the chunk this rank holds of each tensor in ``tensors``: what a load fills; and
+    ``settings.<fqn>`` for each parameter whose param-group settings it takes."""
+    boxes = {key: _geometry(value)[1:] for key, value in _flat(tensors) if isinstance(value, torch.Tensor)}
+    return boxes | {f"{_SETTINGS}{fqn}": ((), ()) for fqn in _setting_fqns(key for key, _ in _flat(tensors))}
 
 
 def state_boxes(shard: Shard) -> list[tuple[str, Box]]:
-    """The state chunks of ``shard`` (its RNG states aside), by key and box."""
-    return [(c.key, (c.offsets, c.shape)) for c in shard.header.chunks if not c.key.startswith("rng.")]
+    """The state chunks of ``shard`` (its RNG states aside), by key and box, and ``settings.<fqn>`` for each
+    parameter whose param-group settings it holds."""
+    fqns = {fqn for group in shard.header.group_params for fqn in group} | _setting_fqns(shard.header.values)
+    return ([(c.key, (c.offsets, c.shape)) for c in shard.header.chunks if not c.key.startswith("rng.")]
+            + [(f"{_SETTINGS}{fqn}", ((), ())) for fqn in sorted(fqns)])
+
+
+def _setting_fqns(keys: Iterable[str]) -> set[str]:
+    """The parameters named by DCP's flattened settings keys (``optim.param_groups.<fqn>.<setting>``)."""
+    return {key[len(_GROUPS):].rsplit(".", 1)[0] for key in keys if key.startswith(_GROUPS)}
 
 
 def files_to_read(wanted: dict[str, Box], chunks: dict[str, list[tuple[str, Box]]], *, first: str) -> set[str]:
@@ -410,11 +425,11 @@ def files_to_read(wanted: dict[str, Box], chunks: dict[str, list[tuple[str, Box]
     for name, boxes in sorted(chunks.items()):
         for key, box in boxes:
             holding.setdefault(key, {}).setdefault(box, []).append(name)
-    chosen = {first}
-    for key, want in wanted.items():
-        for box, names in holding.get(key, {}).items():
-            if _overlap(want, box) and chosen.isdisjoint(names):
-                chosen.add(names[0])
+    needs = [names for key, want in wanted.items() for box, names in holding.get(key, {}).items() if _overlap(want, box)]
+    chosen = {first} | {names[0] for names in needs if len(names) == 1}  # the files nothing else can replace first
+    for names in sorted(needs, key=len):
+        if chosen.isdisjoint(names):
+            chosen.add(names[0])
     return chosen
 
 

@@ -151,8 +151,12 @@ def _needed_files(pm: ParallelModel, snapshots: Snapshotter, manifest: Manifest,
 
     chunks = {name: boxes for part in all_gather(together(read_headers, group, what=f"reading snapshot {folder}"), group)
               for name, boxes in part.items()}
-    mine = files_to_read(held_boxes(training_tensors(pm)), chunks, first=_state_source(manifest, group))
-    mine |= {name for name in manifest.files if not name.endswith(SHARD_SUFFIX)}
+
+    def choose() -> set[str]:
+        mine = files_to_read(held_boxes(training_tensors(pm)), chunks, first=_state_source(manifest, group))
+        return mine | {name for name in manifest.files if not name.endswith(SHARD_SUFFIX)}
+
+    mine = together(choose, group, what=f"choosing the files of snapshot {folder} to read")  # a failure: on all
     return dict(enumerate(all_gather(sorted(mine), group)))
 
 

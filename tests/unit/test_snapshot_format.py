@@ -155,3 +155,16 @@ def test_a_setting_the_snapshot_lacks_keeps_the_runs_value_and_the_groups_must_b
     target["optim"]["param_groups.w.initial_lr"] = 5e-4  # added since (a scheduler passed on the restart)
     load_shards(target, [Shard(tmp_path / "a.snap")])
     assert target["optim"]["param_groups.w.initial_lr"] == 5e-4 and target["optim"]["param_groups.w.lr"] == 1e-3
+
+
+def test_a_rank_reads_the_fewest_files_that_hold_its_chunks_and_settings():
+    from tessera.runtime.snapshot_format import files_to_read
+
+    scalar, settings = ((), ()), ("settings.w", ((), ()))
+    chunks = {"a": [("step", scalar)], "b": [("step", scalar), ("w", ((4,), (4,)))], "own": [("w", ((0,), (4,)))],
+              "c": [settings]}
+    # step is in a and b, w[4:8] only in b: b alone covers both (a is not read), and own comes first
+    assert files_to_read({"step": scalar, "w": ((4,), (4,))}, chunks, first="own") == {"own", "b"}
+    # a parameter whose shard here is empty still needs its param-group settings from a file that has them
+    assert files_to_read({"w": ((0,), (0,)), "settings.w": scalar}, chunks, first="own") == {"own", "c"}
+    assert files_to_read({"w": ((0,), (2,))}, chunks, first="b") == {"b", "own"}
