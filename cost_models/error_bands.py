@@ -121,8 +121,9 @@ def write_bands(ratios_by_regime: dict[str, list[float]], *, source: str, pair_r
 def gap_band() -> ErrorBand | None:
     """Where the published ratio of two configurations' step times fell against the predicted ratio, for pairs of
     published runs of one workload (model, cluster, batch) in two configurations, at least one of each pair held
-    out of the calibration; ``runs`` counts the pairs. What separates two candidates is judged by it: their predictions share the workload's biases, so the
-    error of their gap is smaller than either's own. None without the file or the pairs."""
+    out of the calibration; ``runs`` counts the pairs. What separates two candidates is judged by it: their
+    predictions share the workload's biases, so the error of their gap is smaller than either's own. None without
+    the file or the pairs."""
     return _bands().get(GAPS)
 
 

@@ -425,7 +425,8 @@ def files_to_read(wanted: dict[str, Box], chunks: dict[str, list[tuple[str, Box]
     for name, boxes in sorted(chunks.items()):
         for key, box in boxes:
             holding.setdefault(key, {}).setdefault(box, []).append(name)
-    needs = [names for key, want in wanted.items() for box, names in holding.get(key, {}).items() if _overlap(want, box)]
+    needs = [names for key, want in wanted.items() for box, names in holding.get(key, {}).items()
+             if _overlap(want, box)]
     chosen = {first} | {names[0] for names in needs if len(names) == 1}  # the files nothing else can replace first
     for names in sorted(needs, key=len):
         if chosen.isdisjoint(names):

@@ -149,8 +149,8 @@ def _needed_files(pm: ParallelModel, snapshots: Snapshotter, manifest: Manifest,
         return {name: state_boxes(Shard(folder / name)) for name, holder in sorted(holders.items())
                 if holder == rank and name.endswith(SHARD_SUFFIX)}
 
-    chunks = {name: boxes for part in all_gather(together(read_headers, group, what=f"reading snapshot {folder}"), group)
-              for name, boxes in part.items()}
+    headers = together(read_headers, group, what=f"reading snapshot {folder}")
+    chunks = {name: boxes for part in all_gather(headers, group) for name, boxes in part.items()}
 
     def choose() -> set[str]:
         mine = files_to_read(held_boxes(training_tensors(pm)), chunks, first=_state_source(manifest, group))
