@@ -12,9 +12,9 @@ by the first leader holding the file) is shared, and each rank takes the file of
 (its own under the same world size, else rank 0's, as ``runtime.checkpoint`` does), then, for every saved chunk
 that overlaps one of its shards under the new plan, one file holding it (``snapshot_format.files_to_read``), and
 rank 0's plan and data position. Each node's leader assembles the files its node's ranks read in its store
-(``store/recovery/step-N``): hard links to those it holds, and those it lacks received from a node that holds
-them (a gloo broadcast of the bytes, checked against the manifest's SHA-256). Before anything is written it checks
-that its store has room for what it lacks; if a node has not, recovery says so and the newest intact disk
+(``store/recovery/step-N``): hard links to those it holds, and those it lacks sent point to point by a leader
+holding them, checked against the manifest's SHA-256. Before anything is written it checks that its store has
+room for what it lacks; if a node has not, recovery says so and the newest intact disk
 checkpoint is loaded instead. Every rank then reads its files (``runtime.snapshot_format``: JSON headers and raw
 bytes, nothing that runs code), copies into its state the parts of the saved chunks its own shards cover
 (resharding; ``load_shards`` checks that they cover every tensor), sets the optimizer state as a disk checkpoint
@@ -25,8 +25,7 @@ step loaded (a past the run no longer continues from).
 Cost: a node holds what its ranks read. Under the same plan that is each rank's own file (a node and its buddy
 hold them: nothing crosses the network but what the lost node held); under a new plan, the old files its new
 shards overlap. Every rank receives every file's chunk list, which grows with ranks times tensors (as DCP's
-metadata does), and a file some node lacks is broadcast to every rank of the group, not only to the nodes that
-need it.
+metadata does); a file travels only to the nodes that read it and lack it.
 """
 
 from __future__ import annotations
@@ -243,11 +242,10 @@ def _assemble(snapshots: Snapshotter, manifest: Manifest, text: str, holders: di
     own = _own_files(stores, leader, step, text) & wants[leader] if leader is not None else set()
     together(lambda: _link_own(store, partial, step, own) if leader is not None else None, group,
              what=f"assembling snapshot step {step} in {store}")
-    for name in sorted(manifest.files):
-        lacking = [r for r in stores if name in wants[r] and name not in _own_files(stores, r, step, text)]
-        if lacking:
-            _receive(name, manifest, source=holders[name], own=step_folder(store, step),
-                     write_to=partial if leader in lacking else None, rank=rank, group=group)
+    transfers = [(name, holders[name], r) for name in sorted(manifest.files) for r in sorted(stores)
+                 if name in wants[r] and name not in _own_files(stores, r, step, text)]
+    together(lambda: _transfer(transfers, manifest, own=step_folder(store, step), write_to=partial, rank=rank,
+                               group=group), group, what=f"receiving the files of snapshot step {step} nodes lack")
 
     def commit() -> None:
         if leader is None:
@@ -287,27 +285,32 @@ def _link_own(store: Path, partial: Path, step: int, names: set[str]) -> None:
             shutil.copyfile(source / name, target)
 
 
-def _receive(name: str, manifest: Manifest, *, source: int, own: Path, write_to: Path | None, rank: int,
-             group: dist.ProcessGroup | None) -> None:
-    """Broadcast file ``name`` from the leader ``source`` (read from its ``own`` step folder); a leader lacking it
-    writes it into ``write_to`` and checks it against the manifest."""
-    record = manifest.files[name]
-    buffer = torch.empty(record.size_bytes, dtype=torch.uint8)
-    if rank == source:
-        buffer = torch.frombuffer(bytearray((own / name).read_bytes()), dtype=torch.uint8)
-    if group is not None and record.size_bytes:
-        dist.broadcast(buffer, src=dist.get_global_rank(group, source), group=group)
-
-    def write() -> None:
-        if write_to is None:
-            return
+def _transfer(transfers: list[tuple[str, int, int]], manifest: Manifest, *, own: Path, write_to: Path, rank: int,
+              group: dist.ProcessGroup | None) -> None:
+    """Each ``(file, from leader, to leader)`` of ``transfers``, read from the sender's ``own`` step folder and
+    written by the receiver into ``write_to``, checked against the manifest. Every rank takes them in the same order
+    and each waits only for its two ranks, so the earliest unfinished one always has both ready: no deadlock. A
+    damaged arrival is raised after the last transfer, so that no rank leaves its peers waiting."""
+    problem = None
+    for name, source, target in transfers:
+        if rank not in (source, target):
+            continue
+        record = manifest.files[name]
+        if rank == source:
+            if record.size_bytes and group is not None:
+                data = torch.frombuffer(bytearray((own / name).read_bytes()), dtype=torch.uint8)
+                dist.send(data, dst=dist.get_global_rank(group, target), group=group)
+            continue
+        buffer = torch.empty(record.size_bytes, dtype=torch.uint8)
+        if record.size_bytes and group is not None:
+            dist.recv(buffer, src=dist.get_global_rank(group, source), group=group)
         path = write_to / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(buffer.numpy().tobytes())
         if file_record(path) != record:
-            raise CheckpointError(f"snapshot file {name} arrived damaged from rank {source} (SHA-256 differs)")
-
-    together(write, group, what=f"receiving snapshot file {name}")
+            problem = problem or f"snapshot file {name} arrived damaged from rank {source} (SHA-256 differs)"
+    if problem:
+        raise CheckpointError(problem)
 
 
 def _after_load(store: Path, step: int) -> None:
