@@ -90,7 +90,10 @@ def recover_from_snapshots(
                  what="discarding unusable snapshots")
         return None, passed_over or [why]
     manifest, text, holders = chosen
-    needed = _needed_files(pm, snapshots, manifest, holders)
+    # this rank's state under the new plan, once: what it needs and what the load fills (the optimizer's state is
+    # initialised by it, then overwritten)
+    tensors = together(lambda: training_tensors(pm), group, what="listing this rank's shards")
+    needed = _needed_files(tensors, snapshots, manifest, holders)
     short = _room_problems(snapshots, manifest, text, stores, needed)
     if short:
         if rank == 0:
@@ -100,7 +103,8 @@ def recover_from_snapshots(
         return None, [*passed_over, short[0]]
     folder = _assemble(snapshots, manifest, text, holders, stores, needed)
 
-    info = together(lambda: _load(pm, folder, manifest, group, needed[rank]), group, what=f"loading snapshot {folder}")
+    info = together(lambda: _load(pm, folder, manifest, group, needed[rank], tensors), group,
+                    what=f"loading snapshot {folder}")
     barrier(group)  # every rank of the node has read the folder before its leader removes it
     together(lambda: _after_load(snapshots.store, manifest.step) if layout.is_leader(rank) else None, group,
              what="removing the assembled snapshot")
@@ -111,12 +115,11 @@ def recover_from_snapshots(
 
 
 def _load(pm: ParallelModel, folder: Path, manifest: Manifest, group: dist.ProcessGroup | None,
-          needed: set[str]) -> CheckpointInfo:
+          needed: set[str], tensors: dict) -> CheckpointInfo:
     """Restore ``pm`` from the files it ``needed`` of the assembled snapshot ``folder`` (each already checked against
     the manifest; ``load_shards`` checks that they cover every tensor)."""
     check_same_model(pm.plan, folder, saved=Plan.from_json(folder / PLAN_FILE))
     shards = {name: Shard(folder / name) for name in sorted(needed) if name.endswith(SHARD_SUFFIX)}
-    tensors = training_tensors(pm)  # initialises the optimizer's state, which is then overwritten
     load_shards(tensors, list(shards.values()))
     set_state_dict(state_module(pm.modules), pm.optimizer, model_state_dict=tensors["model"],
                    optim_state_dict=tensors["optim"], options=STATE_OPTIONS)
@@ -136,7 +139,7 @@ def _state_source(manifest: Manifest, group: dist.ProcessGroup | None) -> str:
     return shard_file(dist.get_rank(group) if same_world and group is not None else 0)
 
 
-def _needed_files(pm: ParallelModel, snapshots: Snapshotter, manifest: Manifest,
+def _needed_files(tensors: dict, snapshots: Snapshotter, manifest: Manifest,
                   holders: dict[str, int]) -> dict[int, set[str]]:
     """Per rank, the files of the snapshot it reads: the file of its RNG and scheduler states, then for every saved
     chunk that overlaps one of its shards under the new plan one file holding it (from every file's header, read by
@@ -152,7 +155,7 @@ def _needed_files(pm: ParallelModel, snapshots: Snapshotter, manifest: Manifest,
     chunks = {name: boxes for part in all_gather(headers, group) for name, boxes in part.items()}
 
     def choose() -> set[str]:
-        mine = files_to_read(held_boxes(training_tensors(pm)), chunks, first=_state_source(manifest, group))
+        mine = files_to_read(held_boxes(tensors), chunks, first=_state_source(manifest, group))
         return mine | {name for name in manifest.files if not name.endswith(SHARD_SUFFIX)}
 
     mine = together(choose, group, what=f"choosing the files of snapshot {folder} to read")  # a failure: on all

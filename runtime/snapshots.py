@@ -17,7 +17,7 @@ still exists on a survivor. A node and its buddy lost together: the snapshot is 
 back to the newest disk checkpoint, saying why. One node only: no buddy, snapshots survive process failures.
 
 **Off the critical path.** At a snapshot step the training thread only copies the state into a staging buffer
-(``snapshot_format.StagedShards``: the rank's whole file -- header built once, chunks behind it -- allocated once,
+(``snapshot_staging.StagedShards``: the rank's whole file -- header built once, chunks behind it -- allocated once,
 pinned where there is a GPU, refilled by one ``_foreach_copy_``; the learning rate and the scheduler's state,
 which change every step, rewrite only the header's tail) and records the data position; a background
 thread then writes that buffer as the rank's file, hashes it from memory, agrees with the other ranks, sends it
@@ -80,9 +80,9 @@ from tessera.errors import CheckpointError, ConfigError
 from tessera.planner.plan import Plan
 from tessera.runtime.checkpoint import PendingSave, TrainingState, training_tensors
 from tessera.runtime.background import in_worker, start_worker
-from tessera.runtime.lr_schedule import scheduler_state
 from tessera.runtime.checkpoint_files import FileRecord, all_gather, attempt, step_folder, together
-from tessera.runtime.snapshot_format import StagedShards, shard_file
+from tessera.runtime.snapshot_format import shard_file
+from tessera.runtime.snapshot_staging import StagedShards
 from tessera.runtime.snapshot_store import (
     commit_snapshot, free_bytes, open_store, partial_snapshot, remove_store, reuse_spare, store_bytes,
 )
@@ -210,7 +210,7 @@ class Snapshotter:
         self._staged: StagedShards | None = None
         self._staged_key: tuple | None = None
         self._writers: dict = {}
-        """Which rank writes each chunk, per chunk list (``snapshot_format.StagedShards``)."""
+        """Which rank writes each chunk, per chunk list (``snapshot_staging.StagedShards``)."""
         self._plan: tuple | None = None
         self._pending: PendingSave | None = None
         self._checked_memory = False
@@ -313,7 +313,8 @@ class Snapshotter:
         another set of parameters or settings, or when the new settings or scheduler state do not fit its header
         (``StagedShards.refill``)."""
         key = _layout_key(state)
-        groups, scheduler = state.optimizer.param_groups, scheduler_state(state.lr_scheduler)
+        groups = state.optimizer.param_groups
+        scheduler = state.lr_scheduler.state_dict() if state.lr_scheduler is not None else None  # checked when built
         if self._staged is not None and key == self._staged_key and self._staged.refill(groups, scheduler):
             return self._staged
         self._staged = StagedShards(training_tensors(state), self.group, assignments=self._writers,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tessera.errors import CheckpointError
-from tessera.runtime.snapshot_format import ALIGN, Chunk, Shard, StagedShards, load_shards, write_shard
+from tessera.runtime.snapshot_format import ALIGN, Chunk, Shard, load_shards
+from tessera.runtime.snapshot_staging import StagedShards, write_shard
 
 
 def _state() -> dict:
