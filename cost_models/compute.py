@@ -159,15 +159,23 @@ def stage_compute_s(
     on the kernels of ``profile`` (the framework that runs it)."""
     waiting = measured_by_degree(device.tp_compute_slowdown, strategy.tp, default=1.0)
     share = waiting * strategy.micro_batch / (strategy.tp * strategy.cp)
+    op_level = op_level_selective(stage, profile)
     forward, backward, recompute = arithmetic_s(stage, device, training, width=stage.hidden_size / strategy.tp,
                                                 calibration=calibration, kernels=profile.attention_kernels,
-                                                seq_len=training.seq_len / strategy.cp)
+                                                seq_len=training.seq_len / strategy.cp, op_level_selective=op_level)
     constants = device_calibration(device, calibration)
     elementwise = share * constants.traffic_factor * stage.activation_traffic_bytes / device.memory_bandwidth_bytes_per_s
     casts = share * cast_traffic_bytes(stage, training) / device.memory_bandwidth_bytes_per_s
+    forward_overhead, backward_overhead = framework_overhead_s(stage, device, tp=strategy.tp)
+    if op_level:  # the selective blocks' elementwise work re-runs whole, their casts with their matmuls
+        full_share = (stage.recompute_flops - stage.selective_core_flops) / stage.forward_flops
+        traffic_share = stage.selective_traffic_bytes / stage.activation_traffic_bytes if stage.activation_traffic_bytes else 0.0
+        linear_share = full_share + stage.op_selective_recompute_flops / stage.forward_flops
+        rerun = elementwise * (full_share + traffic_share) + (forward_overhead + casts) * linear_share
+        return (forward * share + elementwise + casts + forward_overhead,
+                backward * share + 2 * (elementwise + casts) + backward_overhead, recompute * share + rerun)
     recompute_share = stage.recompute_flops / stage.forward_flops if stage.forward_flops else 0.0
     recast = casts * recompute_share if stage.full_recompute_blocks else 0.0  # selective re-runs no linear
-    forward_overhead, backward_overhead = framework_overhead_s(stage, device, tp=strategy.tp)
     return (
         forward * share + elementwise + casts + forward_overhead,
         backward * share + 2 * (elementwise + casts) + backward_overhead,
@@ -175,9 +183,22 @@ def stage_compute_s(
     )
 
 
+def op_level_selective(stage: StageTotals, profile: ImplementationProfile) -> bool:
+    """Whether ``stage``'s selective blocks re-run as an op-level policy does (``profile.selective_policy``; a
+    graph captured before that was measured keeps the attention-core policy)."""
+    return profile.selective_policy == "op" and stage.op_selective_recompute_flops > 0
+
+
+def recomputed_flops(stage: StageTotals, profile: ImplementationProfile) -> float:
+    """Forward FLOPs ``stage`` re-runs per sequence under its activation policies, as ``profile`` runs them."""
+    if op_level_selective(stage, profile):
+        return stage.recompute_flops - stage.selective_core_flops + stage.op_selective_recompute_flops
+    return stage.recompute_flops
+
+
 def arithmetic_s(
     stage: StageTotals, device: DeviceSpec, training: TrainingConfig, *, width: float, calibration: Calibration,
-    kernels: tuple[str, ...] = TESSERA.attention_kernels, seq_len: float = 0.0,
+    kernels: tuple[str, ...] = TESSERA.attention_kernels, seq_len: float = 0.0, op_level_selective: bool = False,
 ) -> tuple[float, float, float]:
     """(forward, backward, recompute) matmul seconds of ONE sequence of ``stage`` on one device's whole rate.
 
@@ -186,7 +207,8 @@ def arithmetic_s(
     ``seq_len`` (``attention_efficiency``; one forward + backward rate for both passes, as the benchmarks give
     it); under FP8 the blocks' other linears run at the FP8 rate and the head at the bf16 rate
     (``cost_models.fp8``). A selective recomputation re-runs attention cores only, a full one the blocks'
-    forward at its mixed rate.
+    forward at its mixed rate; with ``op_level_selective``, a selective block re-runs its
+    ``op_selective_recompute_flops`` at the linears' rate instead (``profiles.selective_policy``).
     """
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
     attention_rate = _attention_rate(device, training, rate, calibration=calibration, kernels=kernels,
@@ -202,6 +224,9 @@ def arithmetic_s(
     backward = ((stage.backward_flops - backward_core - head_backward) / linear_rate + backward_core / attention_rate
                 + head_backward / rate)
     mixed = forward / stage.forward_flops if stage.forward_flops else 0.0
+    if op_level_selective:
+        full = stage.recompute_flops - stage.selective_core_flops
+        return forward, backward, full * mixed + stage.op_selective_recompute_flops / linear_rate
     recompute = stage.recompute_flops * mixed if stage.full_recompute_blocks else stage.recompute_flops / attention_rate
     return forward, backward, recompute
 
@@ -264,7 +289,9 @@ def compute_lower_bound_s(
     fastest = max(rate, attention,
                   device.peak_flops("fp8") * device_calibration(device, calibration).fp8_at(width)
                   if training.precision == "fp8" else 0.0)
-    recompute = model.recompute_flops * strategy.micro_batch / (strategy.tp * strategy.cp * fastest)
+    selective = min(model.selective_core_flops, model.op_selective_recompute_flops or model.selective_core_flops)
+    recomputed = model.recompute_flops - model.selective_core_flops + selective  # the lesser of either policy
+    recompute = recomputed * strategy.micro_batch / (strategy.tp * strategy.cp * fastest)
     return (forward + backward + recompute) / strategy.pp
 
 

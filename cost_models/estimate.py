@@ -18,7 +18,8 @@ from tessera.cost_models.communication import (
     dp_comm_s, exposed_dp_comm_s, pp_comm_s, sharded_comm_slowdown, tp_comm_s,
 )
 from tessera.cost_models.compute import (
-    GPU_CALIBRATION, Calibration, achievable_flops, bf16_or, compute_lower_bound_s, device_calibration, optimizer_step_s, stage_compute_s,
+    GPU_CALIBRATION, Calibration, achievable_flops, bf16_or, compute_lower_bound_s, device_calibration, optimizer_step_s, recomputed_flops,
+    stage_compute_s,
 )
 from tessera.cost_models.memory import local_params, stage_memory
 from tessera.cost_models.offload import exposed_offload_s
@@ -90,7 +91,7 @@ def estimate(
     step = pipeline + max(exposed_dp) + optimizer + straggling
     worst = max(range(len(stages)), key=lambda i: sum(memory[i].values()))
     model_flops = facts.flops_per_sequence * training.global_batch
-    hardware_flops = model_flops + sum(stage.recompute_flops for stage in stages) * training.global_batch
+    hardware_flops = model_flops + sum(recomputed_flops(stage, profile) for stage in stages) * training.global_batch
     peak_rate = cluster.num_devices * cluster.device.peak_flops(training.precision)
     t = times[slowest]
     return Estimate(

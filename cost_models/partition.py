@@ -74,6 +74,10 @@ class StageTotals:
     offload_buffer_bytes: int = 0  # per sequence, device copies an offloading stage holds at once (two blocks' worth)
     kept_params: int = 0  # parameters of blocks that keep their gathered weights to their backward (ZeRO-3)
     kept_expert_params: int = 0  # the routed-expert part of kept_params
+    # Selective blocks as a framework with an op-level policy re-runs them (``profiles.selective_policy``).
+    selective_core_flops: float = 0.0  # the part of recompute_flops that is selective blocks' attention cores
+    op_selective_recompute_flops: float = 0.0  # what op-level selective recomputation re-runs of those blocks
+    selective_traffic_bytes: int = 0  # those blocks' activation traffic (their elementwise work re-runs whole)
 
 
 def split_blocks(layers: Sequence[LayerStats], strategy: Strategy) -> list[list[LayerStats]]:
@@ -193,7 +197,18 @@ def stage_totals(
         sp_gathered_bytes=sum(_sp_gathered_bytes(layer, policy[layer.fqn]) for layer in stage),
         linears=sum(_linears(layer) for layer in stage),
         **_offload_and_kept_totals(blocks, policy, kept),
+        **_selective_totals(blocks, policy),
     )
+
+
+def _selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:
+    """The StageTotals fields of the selectively recomputed blocks."""
+    selective = [b for b in blocks if policy[b.fqn] == "selective"]
+    return {
+        "selective_core_flops": sum(b.selective_recompute_flops for b in selective),
+        "op_selective_recompute_flops": sum(b.op_selective_recompute_flops for b in selective),
+        "selective_traffic_bytes": sum(b.saved_bytes_no_recompute for b in selective),
+    }
 
 
 def _offload_and_kept_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompute], kept: frozenset[str]) -> dict:

@@ -41,6 +41,16 @@ there.
   configs at 061f2c7ce64e), the Triton FlashAttention. Megatron-LM of 2021-2022 (SC'21, Korthikanti et al.)
   and DeepSpeed's SC'21 runs of its model ran attention unfused (cuBLAS batched GEMMs over the whole ``s x s``
   around a fused softmax): no kernel figure, the calibrated fallback.
+- **What selective recomputation re-runs** (``selective_policy``). Tessera's runtime and Megatron recompute the
+  attention core (Korthikanti et al. 2022's selective recomputation; under a flash kernel, its forward).
+  torchtitan's ``selective_ac_option = "op"`` (the default of its Llama training configs) is an op-level policy
+  instead: its checkpoint wrapper saves the outputs of ``aten.mm``, the SDPA kernels and the reduce-scatters,
+  "except every second mm" (``parallelisms/parallelize_llama.py`` at 1ea476e9f, April 2024, and at
+  eaea6f6a2fa9, January 2025, the commits of its A100 and H100 tables; ``distributed/activation_checkpoint.py``
+  in 0.3.0), and recomputes everything else: the attention core is kept, and every second matmul of a block
+  (``LayerStats.op_selective_recompute_flops``; in a Llama block wk, wo and w3: 36.5% of Llama 3 8B's linear
+  FLOPs) and all of its elementwise work run again. What the policy saves is not measured: its memory is
+  priced as the attention-core policy's, and under context parallelism its blocks re-run the K/V ring.
 """
 
 from __future__ import annotations
@@ -82,6 +92,17 @@ class ImplementationProfile:
     attention_kernels: tuple[str, ...] = ("fa2",)
     """The fused attention kernels the framework runs, in the order it prefers them: the first one the device's
     catalog entry has a figure for prices the attention cores; none of them (or empty): the calibrated fallback."""
+    selective_policy: str = "attention"
+    """What ``recompute=selective`` re-runs: ``attention`` (the attention core) or ``op`` (torchtitan's op-level
+    policy: every second matmul of the block and its elementwise work; the attention core is kept)."""
+
+    def __post_init__(self) -> None:
+        if self.selective_policy not in SELECTIVE_POLICIES:
+            raise ConfigError(f"selective_policy={self.selective_policy!r} is not one of {', '.join(SELECTIVE_POLICIES)}")
+
+
+SELECTIVE_POLICIES = ("attention", "op")
+"""What ``recompute=selective`` can mean (``ImplementationProfile.selective_policy``)."""
 
 
 DEEPSPEED_ZERO3_SLOWDOWN = 5.0
@@ -90,9 +111,10 @@ DEEPSPEED_ZERO3_SLOWDOWN = 5.0
 TESSERA = ImplementationProfile(name="tessera", autocast_copies=True)
 """Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); it runs no FP8 (the planner plans it
 as torchao float8 on FSDP2 would run it)."""
-TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False, autocast_copies=True)
+TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False, autocast_copies=True,
+                                   selective_policy="op")
 """torchtitan: FSDP2, torchao float8 (``enable_fsdp_float8_all_gather`` off by default), async TP on the
-forward only."""
+forward only, op-level selective recomputation."""
 PYTORCH_FSDP_TE = ImplementationProfile(name="fsdp-te", fp8_saves_inputs=True, weight_fp8_bytes=2.0,
                                         backward_prefetch="post", attention_kernels=("fa-triton",))
 """PyTorch FSDP1 under MosaicML Composer (llm-foundry): ``BACKWARD_POST`` prefetch, Transformer Engine linears

@@ -122,6 +122,10 @@ class LayerStats(BaseModel):
     ``None`` when not measured (treated as no saving)."""
     selective_recompute_flops: float = Field(default=0.0, ge=0)
     """Forward FLOPs re-run for one sequence under selective recomputation (the attention core)."""
+    op_selective_recompute_flops: float = Field(default=0.0, ge=0)
+    """Forward FLOPs re-run for one sequence under op-level selective recomputation as torchtitan runs it: every
+    second matrix multiplication (``aten.mm``) of the layer in the order they run (``cost_models.profiles``); 0
+    when not measured."""
     hidden_size: int = Field(default=0, ge=0)
     """Width of the layer's output activations (0 when not a transformer layer)."""
     attention_heads: int = Field(default=0, ge=0)

@@ -36,6 +36,7 @@ SCALED_FIELDS = (
     "saved_bytes_full_recompute",
     "output_bytes",
     "selective_recompute_flops",
+    "op_selective_recompute_flops",
     "expert_forward_flops",
     "expert_backward_flops",
 )

@@ -14,6 +14,9 @@ mask code does, and calls ``.item()`` otherwise -- take their tracing path. Per 
   is first saved (views and repeats count once); parameter and buffer storages are never counted.
 - selective-recompute bytes: what stays saved when each attention core (SDPA call) is recomputed -- see
   ``tessera.planner.kernels``; ``None`` for a layer without one. ``core_flops``: the cores' forward FLOPs.
+- op-level selective recompute FLOPs: the forward FLOPs of every second matrix multiplication (``aten.mm``) of
+  the layer, in the order the modules running them first ran (``FlopCounterMode``'s per-module counts keep that
+  order): what torchtitan's op-level selective activation checkpointing re-runs (``cost_models.profiles``).
 - full-recompute bytes = bytes of the layer's tensor inputs (each storage charged to the first layer it enters);
   output bytes = bytes of its tensor outputs.
 
@@ -64,6 +67,7 @@ class Tally:
     saved_bytes: int = 0
     saved_bytes_selective: int | None = None
     core_flops: int = 0
+    alternate_mm_flops: int = 0
     input_bytes: int = 0
     output_bytes: int = 0
     output_width: int = 0
@@ -457,6 +461,7 @@ def _finalize(
         tally.forward_flops = flops(forward, f"{root}.{fqn}")
         tally.backward_flops = flops(total, f"{root}.{fqn}") - tally.forward_flops
         tally.core_flops = sum(forward.get(f"{root}.{fqn}", {}).get(op, 0) for op in CORE_OPS)
+        tally.alternate_mm_flops = sum(_mm_flops_in_order(forward, f"{root}.{fqn}")[1::2])
         experts = _expert_keys(total, f"{root}.{fqn}")
         tally.expert_forward_flops = sum(flops(forward, key) for key in experts)
         tally.expert_backward_flops = sum(flops(total, key) for key in experts) - tally.expert_forward_flops
@@ -471,6 +476,19 @@ def _finalize(
     tallies[layers[0]].backward_flops += glue_bwd
     tallies[LOSS].forward_flops = flops(forward, "Global") - flops(forward, root)
     tallies[LOSS].backward_flops = flops(total, "Global") - flops(total, root) - tallies[LOSS].forward_flops
+
+
+def _mm_flops_in_order(counts: dict, prefix: str) -> list[int]:
+    """Forward ``aten.mm`` FLOPs of each module at or under ``prefix`` that runs one itself (its count less its
+    nearest counted descendants'), in the order the modules first counted a FLOP (the counts' insertion order)."""
+    mm = {key: ops[torch.ops.aten.mm] for key, ops in counts.items()
+          if (key == prefix or key.startswith(prefix + ".")) and ops.get(torch.ops.aten.mm)}
+    own = []
+    for key, flops in mm.items():
+        below = [k for k in mm if k.startswith(key + ".")]
+        nearest = [k for k in below if not any(k.startswith(other + ".") for other in below)]
+        own.append(flops - sum(mm[k] for k in nearest))
+    return [flops for flops in own if flops > 0]
 
 
 def _expert_keys(counts: dict, prefix: str) -> set[str]:

@@ -20,7 +20,8 @@ What the fields express, and the nearest setting where they cannot:
   ``c % pp``); schedules ``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``InterleavedZeroBubble``. All of a data-parallel
   rank's micro-batches run in one schedule: ``local_batch_size = global / dp``.
 - Activation checkpointing is one policy for every block: ``FullAC``, ``SelectiveAC`` (per-op: saves
-  compute-intensive ops, recomputes the rest; Tessera models selective as the attention core recomputed) or None.
+  compute-intensive ops except every second matmul, recomputes the rest; ``cost_models.profiles.TORCHTITAN``
+  prices that, where Tessera's runtime recomputes the attention core) or None.
   A per-block mix is rendered as full if any block is full, else selective. torchtitan 0.3.0 has no activation
   offload (``training.enable_cpu_offload`` offloads FSDP's parameters, gradients and optimizer state): an
   offloaded block counts as full recomputation (the nearest that keeps its activations off the device).
@@ -180,8 +181,10 @@ def _policy(plan: PlanLike, notes: list[str]) -> str:
         notes.append(f"recompute per block ({counts} blocks): torchtitan applies one policy to every block; nearest "
                      f"is {policy} on every block")
     if policy == "selective":
-        notes.append("SelectiveAC is torchtitan's per-op policy (saves compute-intensive ops); Tessera estimates "
-                     "selective recomputation as the attention core recomputed")
+        notes.append("SelectiveAC is torchtitan's per-op policy (saves compute-intensive ops except every second "
+                     "matmul, which it re-runs with the elementwise work); the plan priced selective as Tessera's "
+                     "runtime runs it (the attention core recomputed); tessera evaluate on this config prices "
+                     "torchtitan's")
     return policy
 
 

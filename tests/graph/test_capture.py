@@ -262,6 +262,17 @@ def test_selective_recompute_drops_what_only_attention_saves(gpt_graph: LayerGra
     assert gpt_graph.layer("head").saved_bytes_selective is None  # no attention core: not measured
 
 
+def test_op_level_selective_recompute_counts_every_second_matmul(llama_graph: LayerGraph) -> None:
+    """torchtitan's op-level policy re-runs every second ``aten.mm`` of a block in the order they run: in a Llama
+    block q, k, v, o, gate, up, down, so k, o and up (``cost_models.profiles``); at every captured length."""
+    hidden, kv, ffn = 64, 32, 192  # llama-tiny: 4 heads of 16, 2 key/value heads
+    for graph in (llama_graph, capture_preset("llama-tiny:layers=4", seq_len=128, fit_seq_scaling=True)):
+        expected = 2 * graph.seq_len * (hidden * kv + hidden * hidden + hidden * ffn)
+        assert {block.op_selective_recompute_flops for block in graph.blocks} == {expected}
+    assert graph.at_seq_len(64).blocks[3].op_selective_recompute_flops == 2 * 64 * (hidden * kv + hidden * hidden + hidden * ffn)
+    assert llama_graph.layer("head").op_selective_recompute_flops == 0  # one matmul: the first is kept
+
+
 def test_moe_experts_are_measured_at_their_expected_load() -> None:
     """Each expert runs ceil(top_k * tokens / experts * factor) tokens; the factor is settable at capture."""
     hidden, ffn, experts, top_k, seq = 64, 128, 4, 2, 32

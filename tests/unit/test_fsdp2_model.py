@@ -8,7 +8,9 @@ from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.communication import exposed_dp_comm_s, tp_comm_s
 from tessera.cost_models.partition import stage_totals
 from tessera.cost_models.compute import Calibration
-from tessera.cost_models.profiles import DEEPSPEED, MEGATRON, PROFILES, PYTORCH_FSDP_TE, TESSERA, TORCHTITAN, profile
+from tessera.cost_models.profiles import (
+    DEEPSPEED, MEGATRON, PROFILES, PYTORCH_FSDP_TE, TESSERA, TORCHTITAN, ImplementationProfile, profile,
+)
 from tessera.cost_models.types import LayerStats
 from tessera.errors import ConfigError
 from tessera.topology import load_cluster
@@ -143,3 +145,28 @@ def test_gradients_reduced_in_bf16_hold_and_move_half_the_bytes():
         assert bf16.memory_by_category_bytes["optimizer"] == fp32.memory_by_category_bytes["optimizer"]
         assert bf16.comm_time_by_kind_s[collective] < fp32.comm_time_by_kind_s[collective]
     assert profile("nemo-24.07").gradient_bytes == 2 and TESSERA.gradient_bytes == 4
+
+
+def test_torchtitan_selective_reruns_every_second_matmul_not_the_attention_core():
+    """``recompute=selective`` as torchtitan's op-level policy runs it: the block's every-second-matmul FLOPs at the
+    linears' rate (attention kept); Tessera's runtime re-runs the attention core; an old graph without the figure
+    keeps the attention-core policy."""
+    core, op = 1e12, 3e12
+
+    def selective(framework, measured=True):
+        layers = [block(i).model_copy(update={"selective_recompute_flops": core, "saved_bytes_selective": GiB,
+                                              "op_selective_recompute_flops": op if measured else 0.0})
+                  for i in range(4)]
+        training = TrainingConfig(global_batch=16, seq_len=4096)
+        return estimate(layers, load_cluster("dgx-h100:nodes=2"), training, Strategy.parse("dp=16,zero=3,mbs=1,recompute=selective"),
+                        calibration=FLAT, profile=framework)
+
+    titan, tessera, old = selective(TORCHTITAN), selective(TESSERA), selective(TORCHTITAN, measured=False)
+    linear_rate = 0.5 * load_cluster("dgx-h100:nodes=1").device.peak_flops("bf16")
+    assert titan.recompute_time_s == pytest.approx(4 * op / linear_rate)
+    assert old.recompute_time_s == pytest.approx(tessera.recompute_time_s)
+    assert tessera.recompute_time_s < titan.recompute_time_s
+    assert titan.hardware_flops_per_step - titan.model_flops_per_step == pytest.approx(16 * 4 * op)
+    assert tessera.hardware_flops_per_step - tessera.model_flops_per_step == pytest.approx(16 * 4 * core)
+    with pytest.raises(ConfigError, match="selective_policy='layer' is not one of attention, op"):
+        ImplementationProfile(name="x", selective_policy="layer")
