@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, replace
 
 from tessera.cost_models.fp8 import bf16_flops, cast_traffic_bytes
-from tessera.cost_models.partition import StageTotals
+from tessera.cost_models.partition import StageTotals, op_level_selective
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology.cluster import DeviceSpec
@@ -159,10 +159,10 @@ def stage_compute_s(
     on the kernels of ``profile`` (the framework that runs it)."""
     waiting = measured_by_degree(device.tp_compute_slowdown, strategy.tp, default=1.0)
     share = waiting * strategy.micro_batch / (strategy.tp * strategy.cp)
-    op_level = op_level_selective(stage, profile)
+    op_level = op_level_selective(stage, profile.selective_policy)
     forward, backward, recompute = arithmetic_s(stage, device, training, width=stage.hidden_size / strategy.tp,
                                                 calibration=calibration, kernels=profile.attention_kernels,
-                                                seq_len=training.seq_len / strategy.cp, op_level_selective=op_level)
+                                                seq_len=training.seq_len / strategy.cp, op_level=op_level)
     constants = device_calibration(device, calibration)
     elementwise = share * constants.traffic_factor * stage.activation_traffic_bytes / device.memory_bandwidth_bytes_per_s
     casts = share * cast_traffic_bytes(stage, training) / device.memory_bandwidth_bytes_per_s
@@ -183,22 +183,16 @@ def stage_compute_s(
     )
 
 
-def op_level_selective(stage: StageTotals, profile: ImplementationProfile) -> bool:
-    """Whether ``stage``'s selective blocks re-run as an op-level policy does (``profile.selective_policy``; a
-    graph captured before that was measured keeps the attention-core policy)."""
-    return profile.selective_policy == "op" and stage.op_selective_recompute_flops > 0
-
-
 def recomputed_flops(stage: StageTotals, profile: ImplementationProfile) -> float:
     """Forward FLOPs ``stage`` re-runs per sequence under its activation policies, as ``profile`` runs them."""
-    if op_level_selective(stage, profile):
+    if op_level_selective(stage, profile.selective_policy):
         return stage.recompute_flops - stage.selective_core_flops + stage.op_selective_recompute_flops
     return stage.recompute_flops
 
 
 def arithmetic_s(
     stage: StageTotals, device: DeviceSpec, training: TrainingConfig, *, width: float, calibration: Calibration,
-    kernels: tuple[str, ...] = TESSERA.attention_kernels, seq_len: float = 0.0, op_level_selective: bool = False,
+    kernels: tuple[str, ...] = TESSERA.attention_kernels, seq_len: float = 0.0, op_level: bool = False,
 ) -> tuple[float, float, float]:
     """(forward, backward, recompute) matmul seconds of ONE sequence of ``stage`` on one device's whole rate.
 
@@ -207,7 +201,7 @@ def arithmetic_s(
     ``seq_len`` (``attention_efficiency``; one forward + backward rate for both passes, as the benchmarks give
     it); under FP8 the blocks' other linears run at the FP8 rate and the head at the bf16 rate
     (``cost_models.fp8``). A selective recomputation re-runs attention cores only, a full one the blocks'
-    forward at its mixed rate; with ``op_level_selective``, a selective block re-runs its
+    forward at its mixed rate; with ``op_level`` (``partition.op_level_selective``), a selective block re-runs its
     ``op_selective_recompute_flops`` at the linears' rate instead (``profiles.selective_policy``).
     """
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
@@ -224,7 +218,7 @@ def arithmetic_s(
     backward = ((stage.backward_flops - backward_core - head_backward) / linear_rate + backward_core / attention_rate
                 + head_backward / rate)
     mixed = forward / stage.forward_flops if stage.forward_flops else 0.0
-    if op_level_selective:
+    if op_level:
         full = stage.recompute_flops - stage.selective_core_flops
         return forward, backward, full * mixed + stage.op_selective_recompute_flops / linear_rate
     recompute = stage.recompute_flops * mixed if stage.full_recompute_blocks else stage.recompute_flops / attention_rate

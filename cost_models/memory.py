@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tessera.cost_models.fp8 import saved_input_reduction_bytes
-from tessera.cost_models.partition import StageTotals
+from tessera.cost_models.partition import StageTotals, as_op_level_memory, op_level_selective
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.pipeline import in_flight_micro_batches
 from tessera.cost_models.sparse import (
@@ -81,6 +81,8 @@ def stage_memory(
     The stage's ``index`` matters only through ``in_flight_micro_batches`` (``estimate`` relies on it).
     """
     reserve = CPU_RESERVE_BYTES if on_cpu else GPU_RESERVE_BYTES
+    if op_level_selective(stage, profile.selective_policy):
+        stage = as_op_level_memory(stage)
     if on_cpu and stage.offloaded_bytes:  # a CPU rank's device memory is the host's: offloading frees nothing
         stage = replace(stage, saved_bytes=stage.saved_bytes + stage.offloaded_bytes, offload_buffer_bytes=0)
     marks = (backward_memory(stage, training, strategy, micro_batches=micro_batches),

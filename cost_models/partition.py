@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tessera.cost_models.types import LayerStats, Recompute, Strategy
 from tessera.errors import ConfigError
@@ -74,10 +74,13 @@ class StageTotals:
     offload_buffer_bytes: int = 0  # per sequence, device copies an offloading stage holds at once (two blocks' worth)
     kept_params: int = 0  # parameters of blocks that keep their gathered weights to their backward (ZeRO-3)
     kept_expert_params: int = 0  # the routed-expert part of kept_params
-    # Selective blocks as a framework with an op-level policy re-runs them (``profiles.selective_policy``).
-    selective_core_flops: float = 0.0  # the part of recompute_flops that is selective blocks' attention cores
+    # Selective blocks measured for an op-level policy, as a framework with one runs them (``profiles.selective_policy``).
+    selective_core_flops: float = 0.0  # the part of recompute_flops that is those blocks' attention cores
     op_selective_recompute_flops: float = 0.0  # what op-level selective recomputation re-runs of those blocks
     selective_traffic_bytes: int = 0  # those blocks' activation traffic (their elementwise work re-runs whole)
+    selective_saved_bytes: int = 0  # the part of saved_bytes that is those blocks' (attention-core policy)
+    op_selective_saved_bytes: int = 0  # what they keep under the op-level policy instead
+    op_selective_buffer_bytes: int = 0  # one of them recomputed: what its backward materialises again at once
 
 
 def split_blocks(layers: Sequence[LayerStats], strategy: Strategy) -> list[list[LayerStats]]:
@@ -203,12 +206,32 @@ def stage_totals(
 
 def _selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:
     """The StageTotals fields of the selectively recomputed blocks."""
-    selective = [b for b in blocks if policy[b.fqn] == "selective"]
+    # Blocks measured for the op-level policy only (a block without the figures keeps the attention-core policy).
+    selective = [b for b in blocks if policy[b.fqn] == "selective" and b.op_selective_recompute_flops > 0]
+    op_kept = {b.fqn: b.saved_bytes_op_selective if b.saved_bytes_op_selective is not None
+               else _saved_bytes(b, "selective") for b in selective}
     return {
         "selective_core_flops": sum(b.selective_recompute_flops for b in selective),
         "op_selective_recompute_flops": sum(b.op_selective_recompute_flops for b in selective),
         "selective_traffic_bytes": sum(b.saved_bytes_no_recompute for b in selective),
+        "selective_saved_bytes": sum(_saved_bytes(b, "selective") for b in selective),
+        "op_selective_saved_bytes": sum(op_kept.values()),
+        "op_selective_buffer_bytes": max((b.saved_bytes_no_recompute - op_kept[b.fqn] for b in selective), default=0),
     }
+
+
+def op_level_selective(stage: StageTotals, selective_policy: str) -> bool:
+    """Whether ``stage``'s selective blocks run as an op-level policy does (``selective_policy`` ``op``,
+    ``profiles.ImplementationProfile``); blocks not measured for it (a graph captured before it was, a block whose
+    experts were replayed) keep the attention-core policy."""
+    return selective_policy == "op" and stage.op_selective_recompute_flops > 0
+
+
+def as_op_level_memory(stage: StageTotals) -> StageTotals:
+    """``stage`` with its selective blocks keeping what the op-level policy keeps, and one of them recomputed at a
+    time on top of it."""
+    return replace(stage, saved_bytes=stage.saved_bytes - stage.selective_saved_bytes + stage.op_selective_saved_bytes,
+                   recompute_buffer_bytes=max(stage.recompute_buffer_bytes, stage.op_selective_buffer_bytes))
 
 
 def _offload_and_kept_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompute], kept: frozenset[str]) -> dict:

@@ -45,12 +45,14 @@ there.
   attention core (Korthikanti et al. 2022's selective recomputation; under a flash kernel, its forward).
   torchtitan's ``selective_ac_option = "op"`` (the default of its Llama training configs) is an op-level policy
   instead: its checkpoint wrapper saves the outputs of ``aten.mm``, the SDPA kernels and the reduce-scatters,
-  "except every second mm" (``parallelisms/parallelize_llama.py`` at 1ea476e9f, April 2024, and at
-  eaea6f6a2fa9, January 2025, the commits of its A100 and H100 tables; ``distributed/activation_checkpoint.py``
+  "except every second mm" (``parallelisms/parallelize_llama.py`` at 1ea476e9f, April 2024, the commit of its
+  A100 tables, and at 9dec370, December 2024, the version its H100 tables name; ``distributed/activation_checkpoint.py``
   in 0.3.0), and recomputes everything else: the attention core is kept, and every second matmul of a block
   (``LayerStats.op_selective_recompute_flops``; in a Llama block wk, wo and w3: 36.5% of Llama 3 8B's linear
-  FLOPs) and all of its elementwise work run again. What the policy saves is not measured: its memory is
-  priced as the attention-core policy's, and under context parallelism its blocks re-run the K/V ring.
+  FLOPs) and all of its elementwise work run again. Its blocks keep their inputs and the outputs of the other
+  matmuls and of the attention cores (``LayerStats.saved_bytes_op_selective``: 29% of what Llama 3 8B's block
+  saves unrecomputed), and one block's recomputed activations are live during its backward. Under context
+  parallelism its blocks are still priced as re-running the K/V ring.
 """
 
 from __future__ import annotations

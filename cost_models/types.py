@@ -126,6 +126,9 @@ class LayerStats(BaseModel):
     """Forward FLOPs re-run for one sequence under op-level selective recomputation as torchtitan runs it: every
     second matrix multiplication (``aten.mm``) of the layer in the order they run (``cost_models.profiles``); 0
     when not measured."""
+    saved_bytes_op_selective: int | None = Field(default=None, ge=0)
+    """Bytes kept for one sequence under that op-level policy: the layer's inputs and the outputs of its other
+    matmuls and of its attention cores; ``None`` when not measured (priced as ``saved_bytes_selective``)."""
     hidden_size: int = Field(default=0, ge=0)
     """Width of the layer's output activations (0 when not a transformer layer)."""
     attention_heads: int = Field(default=0, ge=0)
@@ -489,6 +492,8 @@ def strategy_features(strategy: Strategy) -> set[str]:
     return used | {feature for feature, on in flags.items() if on}
 
 
-def runtime_conflict(features: set[str]) -> tuple[str, str] | None:
-    """The first pair of ``features`` the runtime refuses together, or None."""
-    return next((pair for pair in RUNTIME_EXCLUSIVE if set(pair) <= features), None)
+def runtime_conflict(
+    features: set[str], exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE
+) -> tuple[str, str] | None:
+    """The first pair of ``features`` the runtime refuses together (``exclusive``: Tessera's by default), or None."""
+    return next((pair for pair in exclusive if set(pair) <= features), None)

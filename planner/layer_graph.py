@@ -37,6 +37,7 @@ SCALED_FIELDS = (
     "output_bytes",
     "selective_recompute_flops",
     "op_selective_recompute_flops",
+    "saved_bytes_op_selective",
     "expert_forward_flops",
     "expert_backward_flops",
 )

@@ -16,7 +16,10 @@ mask code does, and calls ``.item()`` otherwise -- take their tracing path. Per 
   ``tessera.planner.kernels``; ``None`` for a layer without one. ``core_flops``: the cores' forward FLOPs.
 - op-level selective recompute FLOPs: the forward FLOPs of every second matrix multiplication (``aten.mm``) of
   the layer, in the order the modules running them first ran (``FlopCounterMode``'s per-module counts keep that
-  order): what torchtitan's op-level selective activation checkpointing re-runs (``cost_models.profiles``).
+  order): what torchtitan's op-level selective activation checkpointing re-runs (``cost_models.profiles``); the
+  bytes that policy keeps: the layer's inputs, the outputs of the other matmuls (the first, third, ...) and of
+  its attention cores (``_SavedOps``, in call order). Neither is measured (0, ``None``) for a layer without
+  ``aten.mm`` calls or one whose repeated elements were replayed (their matmuls are not seen one by one).
 - full-recompute bytes = bytes of the layer's tensor inputs (each storage charged to the first layer it enters);
   output bytes = bytes of its tensor outputs.
 
@@ -44,6 +47,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from tessera.errors import CaptureError
@@ -68,6 +72,9 @@ class Tally:
     saved_bytes_selective: int | None = None
     core_flops: int = 0
     alternate_mm_flops: int = 0
+    mm_output_bytes: list[int] = field(default_factory=list)
+    core_output_bytes: int = 0
+    saved_bytes_op_selective: int | None = None
     input_bytes: int = 0
     output_bytes: int = 0
     output_width: int = 0
@@ -197,13 +204,39 @@ def _measure_once(
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda t: t))
             stack.enter_context(replay.installed(lambda fqn: tallies[fqn].saved_bytes))
             stack.enter_context(elements.installed())
+            stack.enter_context(_SavedOps(scope, tallies))
             loss = _forward_and_loss(model, state, meta_inputs, scope, tallies)
         forward_counts = counter.get_flop_counts()
         _backward(loss)
     total_counts = counter.get_flop_counts()
     elements.add_backward(forward_counts, total_counts)
-    _finalize(tallies, ledger, forward_counts, total_counts, root=root, replayed=replay.replayed)
+    replayed_in = {fqn for fqn in order for element, _, _ in elements.replayed if element.startswith(fqn + ".")}
+    _finalize(tallies, ledger, forward_counts, total_counts, root=root, replayed=replay.replayed,
+              partly_replayed=replayed_in)
     return tallies
+
+
+class _SavedOps(TorchDispatchMode):
+    """In the forward, the output bytes of each ``aten.mm`` call (in call order) and of each attention core, charged
+    to the layer running (what an op-level selective policy chooses to keep from)."""
+
+    def __init__(self, scope: _Scope, tallies: dict[str, Tally]) -> None:
+        super().__init__()
+        self.scope, self.tallies = scope, tallies
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch protocol
+        out = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if packet is torch.ops.aten.mm:
+            self.tallies[self.scope.current()].mm_output_bytes.append(_nbytes(out))
+        elif packet in CORE_OPS:
+            self.tallies[self.scope.current()].core_output_bytes += sum(
+                _nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 # ----------------------------------------------------------------------------------------------- forward / loss
@@ -445,7 +478,8 @@ class _Ledger:
 
 
 def _finalize(
-    tallies: dict[str, Tally], ledger: _Ledger, forward: dict, total: dict, *, root: str, replayed: dict[str, str]
+    tallies: dict[str, Tally], ledger: _Ledger, forward: dict, total: dict, *, root: str, replayed: dict[str, str],
+    partly_replayed: set[str],
 ) -> None:
     """Per-layer FLOPs from FlopCounterMode's per-module counts (backward = total - forward snapshot), selective
     bytes from the ledger; replayed blocks copy their representative; glue goes to the first layer; the loss is
@@ -461,7 +495,10 @@ def _finalize(
         tally.forward_flops = flops(forward, f"{root}.{fqn}")
         tally.backward_flops = flops(total, f"{root}.{fqn}") - tally.forward_flops
         tally.core_flops = sum(forward.get(f"{root}.{fqn}", {}).get(op, 0) for op in CORE_OPS)
-        tally.alternate_mm_flops = sum(_mm_flops_in_order(forward, f"{root}.{fqn}")[1::2])
+        if tally.mm_output_bytes and fqn not in partly_replayed:  # a replayed element's matmuls are not seen
+            tally.alternate_mm_flops = sum(_mm_flops_in_order(forward, f"{root}.{fqn}")[1::2])
+            tally.saved_bytes_op_selective = (tally.input_bytes + sum(tally.mm_output_bytes[0::2])
+                                              + tally.core_output_bytes)
         experts = _expert_keys(total, f"{root}.{fqn}")
         tally.expert_forward_flops = sum(flops(forward, key) for key in experts)
         tally.expert_backward_flops = sum(flops(total, key) for key in experts) - tally.expert_forward_flops

@@ -44,7 +44,7 @@ from types import MappingProxyType
 
 from tessera.cost_models import Strategy, TrainingConfig
 from tessera.cost_models.folding import folding_refusal
-from tessera.cost_models.types import LayerStats, runtime_conflict, strategy_features
+from tessera.cost_models.types import RUNTIME_EXCLUSIVE, LayerStats, runtime_conflict, strategy_features
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster
 
@@ -63,10 +63,10 @@ def divisors(n: int) -> list[int]:
 
 def mesh_shapes(
     layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object], *,
-    unavailable: Mapping[str, str] = MappingProxyType({}),
+    unavailable: Mapping[str, str] = MappingProxyType({}), exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE,
 ) -> Iterator[tuple[int, int, int, int, int]]:
     """(dp, tp, pp, cp, ep) shapes of the world the model and topology admit (``dp * tp * pp * cp = world``),
-    none using an ``unavailable`` axis or a pair of axes the runtime does not combine."""
+    none using an ``unavailable`` axis or a pair of axes the runtime does not combine (``exclusive``)."""
     world, blocks = cluster.num_devices, sum(layer.kind == "block" for layer in layers)
     heads = {h for layer in layers for h in (layer.attention_heads, layer.kv_heads) if h}
     experts = {layer.experts for layer in layers if layer.experts}
@@ -84,7 +84,7 @@ def mesh_shapes(
                 if pins.get("pp", pp) == pp and pins.get("dp", dp) == dp:
                     for ep in expert_degrees(dp * tp if may_fold(tp, cp, experts, pins, unavailable) else dp,
                                              experts, pins):
-                        if runtime_applies(dict(tp=tp, pp=pp, cp=cp, ep=ep), unavailable):
+                        if runtime_applies(dict(tp=tp, pp=pp, cp=cp, ep=ep), unavailable, exclusive):
                             yield dp, tp, pp, cp, ep
 
 
@@ -109,10 +109,12 @@ def model_refusal(used: set[str], unavailable: Mapping[str, str]) -> str | None:
     return next((key for key in unavailable if set(key.split("+")) <= used), None)
 
 
-def runtime_applies(degrees: Mapping[str, int], unavailable: Mapping[str, str]) -> bool:
+def runtime_applies(
+    degrees: Mapping[str, int], unavailable: Mapping[str, str], exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE
+) -> bool:
     """No axis of degree > 1 is unavailable for the model and no two are ones the runtime does not combine."""
     used = {axis for axis, degree in degrees.items() if degree > 1}
-    return not used & set(unavailable) and runtime_conflict(used) is None
+    return not used & set(unavailable) and runtime_conflict(used, exclusive) is None
 
 
 def context_degrees(ranks: int, training: TrainingConfig, pins: Mapping[str, object]) -> list[int]:
@@ -161,21 +163,22 @@ def expert_tp_degrees(dp: int, tp: int, ep: int, folds: bool, pins: Mapping[str,
 
 def strategies(
     layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object], *,
-    unavailable: Mapping[str, str] = MappingProxyType({}),
+    unavailable: Mapping[str, str] = MappingProxyType({}), exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE,
 ) -> Iterator[Strategy]:
     """Every candidate strategy, in a fixed order, honouring ``pins``; none the runtime would refuse for the
-    model's ``unavailable`` axes or for a combination (``cost_models.types.RUNTIME_EXCLUSIVE``)."""
+    model's ``unavailable`` axes or for a combination (``exclusive``: Tessera's runtime's,
+    ``cost_models.types.RUNTIME_EXCLUSIVE``, by default; another framework's for a run it made)."""
     measured_selective = any(layer.saved_bytes_selective is not None for layer in layers)
     # Cheapest first: the search skips a policy once a cheaper one fits.
     recomputes = _pinned(pins, "recompute", ["none"] if "recompute" in unavailable else _recompute_options(measured_selective, pins))
     blocks = sum(layer.kind == "block" for layer in layers)
     experts = {layer.experts for layer in layers if layer.experts}
     per_block = {key: pins[key] for key in ("block_recompute", "block_reshard", "chunk_blocks") if key in pins}
-    for dp, tp, pp, cp, ep in mesh_shapes(layers, cluster, training, pins, unavailable=unavailable):
+    for dp, tp, pp, cp, ep in mesh_shapes(layers, cluster, training, pins, unavailable=unavailable, exclusive=exclusive):
         micro_batches = ([training.global_batch // dp] if "accumulation" in unavailable else
                          [m for m in range(1, MAX_MICRO_BATCH + 1) if (training.global_batch // dp) % m == 0])
         etps = expert_tp_degrees(dp, tp, ep, may_fold(tp, cp, experts, pins, unavailable), pins)
-        sps = {etp: pins.get("sp", _sequence_parallel_runs(tp, cp, ep, etp, unavailable)) for etp in etps}
+        sps = {etp: pins.get("sp", _sequence_parallel_runs(tp, cp, ep, etp, unavailable, exclusive)) for etp in etps}
         for zero in _pinned(pins, "zero", ZERO_STAGES if dp > 1 else (0,)):
             for micro_batch in _pinned(pins, "micro_batch", micro_batches):
                 for recompute, etp in itertools.product(recomputes, etps):
@@ -190,15 +193,17 @@ def strategies(
                             # never chosen: the runtime lacks both
                             tp_overlap=pins.get("tp_overlap", False), sp_regather=pins.get("sp_regather", False),
                         )
-                        if (runtime_conflict(strategy_features(strategy)) is None and folding_refusal(strategy) is None
+                        if (runtime_conflict(strategy_features(strategy), exclusive) is None and folding_refusal(strategy) is None
                                 and model_refusal(model_features(strategy, training), unavailable) is None):
                             yield strategy
 
 
-def _sequence_parallel_runs(tp: int, cp: int, ep: int, etp: int | None, unavailable: Mapping[str, str]) -> bool:
+def _sequence_parallel_runs(
+    tp: int, cp: int, ep: int, etp: int | None, unavailable: Mapping[str, str], exclusive: tuple[tuple[str, str], ...],
+) -> bool:
     """sp by default wherever tp > 1, unless the model or a combination rules it out (then sp=false, not no plan)."""
     features = {"sp"} | {a for a, d in (("ep", ep), ("cp", cp)) if d > 1} | ({"expert-folding"} if etp not in (None, tp) else set())
-    return tp > 1 and "sp" not in unavailable and runtime_conflict(features) is None
+    return tp > 1 and "sp" not in unavailable and runtime_conflict(features, exclusive) is None
 
 
 def _pinned(pins: Mapping[str, object], key: str, options):

@@ -271,6 +271,13 @@ def test_op_level_selective_recompute_counts_every_second_matmul(llama_graph: La
         assert {block.op_selective_recompute_flops for block in graph.blocks} == {expected}
     assert graph.at_seq_len(64).blocks[3].op_selective_recompute_flops == 2 * 64 * (hidden * kv + hidden * hidden + hidden * ffn)
     assert llama_graph.layer("head").op_selective_recompute_flops == 0  # one matmul: the first is kept
+    # What the policy keeps (bf16): the block input, the outputs of q, v, gate and down, and the attention core's
+    # output, fp32 logsumexp per head and RNG seed/offset (24 bytes).
+    t, heads = llama_graph.seq_len, 4
+    kept = t * 2 * (hidden + (hidden + kv + ffn + hidden) + hidden) + t * heads * 4 + 24
+    assert llama_graph.blocks[0].saved_bytes_op_selective == kept < llama_graph.blocks[0].saved_bytes_selective
+    moe = capture_preset("moe-tiny", seq_len=32).blocks[0]  # replayed experts: their matmuls are not seen one by one
+    assert (moe.op_selective_recompute_flops, moe.saved_bytes_op_selective) == (0, None)
 
 
 def test_moe_experts_are_measured_at_their_expected_load() -> None:

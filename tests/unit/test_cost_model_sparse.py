@@ -256,6 +256,19 @@ def test_space_tries_ep_only_for_moe_models_and_cp_only_for_long_sequences():
     assert {(cp, ep) for _, _, _, cp, ep in mesh_shapes(MOE, c, TRAINING, {"ep": 4, "cp": 2})} == {(2, 4)}
 
 
+def test_another_frameworks_run_may_combine_what_tesseras_runtime_does_not():
+    """cp with pp and sp (torchtitan's 4D runs): out of Tessera's own space, in the space of a run another framework
+    made (``exclusive=()``, how benchmarks/published.py evaluates published runs)."""
+    from tessera.planner.space import strategies
+
+    dense = [dense_block(i) for i in range(4)]
+    long = TrainingConfig(global_batch=4, seq_len=LONG_CONTEXT_TOKENS)
+    pins = {"tp": 2, "pp": 2, "cp": 2, "zero": 3, "micro_batch": 1, "recompute": "full", "schedule": "1f1b"}
+    assert list(strategies(dense, cluster(1), long, pins)) == []
+    (run,) = strategies(dense, cluster(1), long, pins, exclusive=())
+    assert (run.cp, run.pp, run.sp) == (2, 2, True)
+
+
 def test_plan_explains_its_expert_degree_with_the_best_plan_at_every_other():
     from tessera.planner.layer_graph import LayerGraph
     from tessera.planner.search import search

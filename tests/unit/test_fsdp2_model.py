@@ -154,8 +154,9 @@ def test_torchtitan_selective_reruns_every_second_matmul_not_the_attention_core(
     core, op = 1e12, 3e12
 
     def selective(framework, measured=True):
-        layers = [block(i).model_copy(update={"selective_recompute_flops": core, "saved_bytes_selective": GiB,
-                                              "op_selective_recompute_flops": op if measured else 0.0})
+        layers = [block(i).model_copy(update={"selective_recompute_flops": core, "saved_bytes_selective": 2 * GiB,
+                                              "op_selective_recompute_flops": op if measured else 0.0,
+                                              "saved_bytes_op_selective": GiB // 2 if measured else None})
                   for i in range(4)]
         training = TrainingConfig(global_batch=16, seq_len=4096)
         return estimate(layers, load_cluster("dgx-h100:nodes=2"), training, Strategy.parse("dp=16,zero=3,mbs=1,recompute=selective"),
@@ -168,5 +169,7 @@ def test_torchtitan_selective_reruns_every_second_matmul_not_the_attention_core(
     assert tessera.recompute_time_s < titan.recompute_time_s
     assert titan.hardware_flops_per_step - titan.model_flops_per_step == pytest.approx(16 * 4 * op)
     assert tessera.hardware_flops_per_step - tessera.model_flops_per_step == pytest.approx(16 * 4 * core)
+    # each block keeps 0.5 of its 2 GiB; the one recomputed at a time holds its 1.5 GiB again
+    assert tessera.peak_memory_bytes - titan.peak_memory_bytes == 4 * (2 * GiB - GiB // 2) - (2 * GiB - GiB // 2)
     with pytest.raises(ConfigError, match="selective_policy='layer' is not one of attention, op"):
         ImplementationProfile(name="x", selective_policy="layer")
