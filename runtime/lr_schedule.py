@@ -13,7 +13,8 @@ code (``torch.load(weights_only=True)``) is refused before training, not at the 
 checked against the run's own scheduler before it is loaded (``load_state_dict`` overwrites the scheduler's
 attributes with whatever it is given): another scheduler's state is refused by name. Under another world size
 every rank gets rank 0's state; each group's base learning rate is then its own ``initial_lr`` again (restored
-per parameter with the optimizer), so ranks whose groups differ (a per-stage optimizer) keep their own.
+per parameter with the optimizer), in the scheduler and in those it is made of (``SequentialLR``,
+``ChainedScheduler``), so ranks whose groups differ (a per-stage optimizer) keep their own.
 """
 
 from __future__ import annotations
@@ -84,13 +85,21 @@ def restore_scheduler(scheduler: LRScheduler | None, state: dict[str, Any] | Non
                               f"optimizer has {groups}; resume with the optimizer's param groups it was saved with")
     scheduler.load_state_dict(state)
     initial = [group.get("initial_lr") for group in scheduler.optimizer.param_groups]
-    if "base_lrs" in state and None not in initial:
-        scheduler.base_lrs = initial  # this rank's own (rank 0's state may be another stage's)
+    if None not in initial:  # this rank's own (rank 0's state may be another stage's)
+        for each in _with_parts(scheduler):
+            if hasattr(each, "base_lrs"):
+                each.base_lrs = list(initial)
 
 
-def _check_same_kind(scheduler: LRScheduler, state: dict[str, Any], source: str) -> None:
-    """``CheckpointError`` unless ``state`` has only keys this scheduler's own state has, each of the same kind."""
-    own = scheduler.state_dict()
+def _with_parts(scheduler: LRScheduler) -> list[LRScheduler]:
+    """``scheduler`` and the schedulers it is made of (``SequentialLR``, ``ChainedScheduler``), depth first."""
+    return [scheduler, *(part for sub in getattr(scheduler, "_schedulers", ()) for part in _with_parts(sub))]
+
+
+def _check_same_kind(scheduler: LRScheduler, state: dict[str, Any], source: str, own: dict | None = None) -> None:
+    """``CheckpointError`` unless ``state`` has only keys this scheduler's own state has, each of the same kind, and
+    the same for the schedulers it is made of (``_schedulers``: one state each)."""
+    own = scheduler.state_dict() if own is None else own
     foreign = sorted(set(state) - set(own))
     mismatched = sorted(key for key in set(state) & set(own) if _kind(state[key]) != _kind(own[key])
                         and None not in (state[key], own[key]))
@@ -99,6 +108,13 @@ def _check_same_kind(scheduler: LRScheduler, state: dict[str, Any], source: str)
         raise CheckpointError(f"{source} holds the state of another learning-rate scheduler than this run's "
                               f"{type(scheduler).__name__} ({what}); resume with the lr_scheduler_factory it was "
                               "saved with")
+    parts, own_parts = state.get("_schedulers"), own.get("_schedulers")
+    if isinstance(parts, list) and isinstance(own_parts, list):
+        if len(parts) != len(own_parts) or not all(isinstance(part, dict) for part in parts):
+            raise CheckpointError(f"{source} holds a {type(scheduler).__name__} of {len(parts)} schedulers, this run's "
+                                  f"has {len(own_parts)}; resume with the lr_scheduler_factory it was saved with")
+        for part, own_part in zip(parts, own_parts):
+            _check_same_kind(scheduler, part, source, own_part)
 
 
 def _kind(value: Any) -> str:

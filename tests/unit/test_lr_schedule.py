@@ -137,3 +137,29 @@ def test_another_schedulers_state_is_refused_by_name(tmp_path):
     pm.save(tmp_path)
     with pytest.raises(CheckpointError, match="another learning-rate scheduler than this run's LambdaLR .*step_size"):
         _pm().load(tmp_path)
+
+
+def _warm_then_step(optimizer, second=torch.optim.lr_scheduler.StepLR):
+    warm = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=2)
+    rest = second(optimizer, step_size=2) if second is torch.optim.lr_scheduler.StepLR else second(optimizer, T_max=4)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [warm, rest], milestones=[2])
+
+
+def test_a_sequential_schedule_takes_this_ranks_base_rates_and_refuses_other_parts():
+    """Under another world size every rank loads rank 0's state: a ``SequentialLR``'s parts keep this rank's own
+    base learning rates (its groups' ``initial_lr``), and a state whose parts are other schedulers is refused."""
+    from tessera.runtime.lr_schedule import restore_scheduler, scheduler_state
+
+    def optimizer(lr):
+        return torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=lr)
+
+    saved = _warm_then_step(optimizer(1.0))
+    for _ in range(3):
+        saved.optimizer.step()
+        saved.step()
+    mine = _warm_then_step(optimizer(0.5))
+    restore_scheduler(mine, scheduler_state(saved), source="rank 0's file", groups=1)
+    assert mine.last_epoch == 3 and [part.base_lrs for part in mine._schedulers] == [[0.5], [0.5]]
+    other = _warm_then_step(optimizer(0.5), second=torch.optim.lr_scheduler.CosineAnnealingLR)
+    with pytest.raises(CheckpointError, match="another learning-rate scheduler than this run's SequentialLR .*step_size"):
+        restore_scheduler(other, scheduler_state(saved), source="rank 0's file", groups=1)
