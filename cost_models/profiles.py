@@ -51,8 +51,12 @@ there.
   (``LayerStats.op_selective_recompute_flops``; in a Llama block wk, wo and w3: 36.5% of Llama 3 8B's linear
   FLOPs) and all of its elementwise work run again. Its blocks keep their inputs and the outputs of the other
   matmuls and of the attention cores (``LayerStats.saved_bytes_op_selective``: 29% of what Llama 3 8B's block
-  saves unrecomputed), and one block's recomputed activations are live during its backward. Under context
-  parallelism its blocks are still priced as re-running the K/V ring.
+  saves unrecomputed), and one block's recomputed activations are live during its backward. Measured at tp = 1:
+  under tensor parallelism the sequence-parallel gathers it recomputes are still charged as saved, and the
+  reduce-scatter outputs it keeps are not; under context parallelism its blocks are still priced as re-running the
+  K/V ring. A selective block not measured for it (replayed experts) in a stage with measured ones has its
+  attention core re-run at the blocks' mixed rate. ``tessera evaluate`` prices as Tessera's runtime; published
+  torchtitan runs are evaluated with this profile (``benchmarks/published.py``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ MAX_SEQ_LEN = 2**24
 Precision = Literal["bf16", "fp16", "fp32", "fp8"]
 Fp8Scaling = Literal["delayed", "current", "rowwise", "block", "mx"]
 Recompute = Literal["none", "selective", "full", "offload"]
-"""A block's activation policy: ``none`` keeps what autograd saves, ``selective`` recomputes the attention core,
+"""A block's activation policy: ``none`` keeps what autograd saves, ``selective`` recomputes the attention core (as
+Tessera's runtime and Megatron run it; torchtitan's op-level policy differs: ``profiles.selective_policy``),
 ``full`` recomputes the block from its input, ``offload`` recomputes nothing and copies the saved tensors to host
 memory in the forward and back before the block's backward (overlapped with compute)."""
 BlockKind = Literal["", "attention", "local-attention", "moe", "local-moe", "ssm", "ssm-moe", "encoder"]

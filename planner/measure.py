@@ -19,7 +19,10 @@ mask code does, and calls ``.item()`` otherwise -- take their tracing path. Per 
   order): what torchtitan's op-level selective activation checkpointing re-runs (``cost_models.profiles``); the
   bytes that policy keeps: the layer's inputs, the outputs of the other matmuls (the first, third, ...) and of
   its attention cores (``_SavedOps``, in call order). Neither is measured (0, ``None``) for a layer without
-  ``aten.mm`` calls or one whose repeated elements were replayed (their matmuls are not seen one by one).
+  ``aten.mm`` calls or one whose repeated elements were replayed (their matmuls are not seen one by one): such a
+  layer keeps the attention-core policy, though torchtitan's would recompute (for instance) every ``aten.addmm``
+  of a biased linear. The FLOPs alternate by module and the bytes by call: they pair up where each module runs
+  one matmul once (a Llama block's linears).
 - full-recompute bytes = bytes of the layer's tensor inputs (each storage charged to the first layer it enters);
   output bytes = bytes of its tensor outputs.
 
@@ -508,7 +511,11 @@ def _finalize(
     glue_bwd = flops(total, root) - flops(forward, root) - sum(tallies[fqn].backward_flops for fqn in layers)
     for fqn, rep in replayed.items():
         measured = tallies[rep]
-        tallies[fqn] = replace(measured, input_bytes=tallies[fqn].input_bytes, output_bytes=tallies[fqn].output_bytes)
+        own_input = tallies[fqn].input_bytes
+        op_kept = None if measured.saved_bytes_op_selective is None else (
+            measured.saved_bytes_op_selective - measured.input_bytes + own_input)  # this block's own input
+        tallies[fqn] = replace(measured, input_bytes=own_input, output_bytes=tallies[fqn].output_bytes,
+                               saved_bytes_op_selective=op_kept)
     tallies[layers[0]].forward_flops += glue_fwd
     tallies[layers[0]].backward_flops += glue_bwd
     tallies[LOSS].forward_flops = flops(forward, "Global") - flops(forward, root)

@@ -111,8 +111,9 @@ def _check_same_kind(scheduler: LRScheduler, state: dict[str, Any], source: str,
     parts, own_parts = state.get("_schedulers"), own.get("_schedulers")
     if isinstance(parts, list) and isinstance(own_parts, list):
         if len(parts) != len(own_parts) or not all(isinstance(part, dict) for part in parts):
-            raise CheckpointError(f"{source} holds a {type(scheduler).__name__} of {len(parts)} schedulers, this run's "
-                                  f"has {len(own_parts)}; resume with the lr_scheduler_factory it was saved with")
+            shape = f"of {len(parts)} schedulers" if len(parts) != len(own_parts) else "whose schedulers' states are not dicts"
+            raise CheckpointError(f"{source} holds a {type(scheduler).__name__} {shape}, this run's has "
+                                  f"{len(own_parts)}; resume with the lr_scheduler_factory it was saved with")
         for part, own_part in zip(parts, own_parts):
             _check_same_kind(scheduler, part, source, own_part)
 

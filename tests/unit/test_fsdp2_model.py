@@ -7,7 +7,7 @@ import pytest
 from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.communication import exposed_dp_comm_s, tp_comm_s
 from tessera.cost_models.partition import stage_totals
-from tessera.cost_models.compute import Calibration
+from tessera.cost_models.compute import Calibration, compute_lower_bound_s
 from tessera.cost_models.profiles import (
     DEEPSPEED, MEGATRON, PROFILES, PYTORCH_FSDP_TE, TESSERA, TORCHTITAN, ImplementationProfile, profile,
 )
@@ -153,14 +153,17 @@ def test_torchtitan_selective_reruns_every_second_matmul_not_the_attention_core(
     keeps the attention-core policy."""
     core, op = 1e12, 3e12
 
-    def selective(framework, measured=True):
-        layers = [block(i).model_copy(update={"selective_recompute_flops": core, "saved_bytes_selective": 2 * GiB,
-                                              "op_selective_recompute_flops": op if measured else 0.0,
-                                              "saved_bytes_op_selective": GiB // 2 if measured else None})
-                  for i in range(4)]
-        training = TrainingConfig(global_batch=16, seq_len=4096)
-        return estimate(layers, load_cluster("dgx-h100:nodes=2"), training, Strategy.parse("dp=16,zero=3,mbs=1,recompute=selective"),
-                        calibration=FLAT, profile=framework)
+    def layers(measured=True):
+        return [block(i).model_copy(update={"selective_recompute_flops": core, "saved_bytes_selective": 2 * GiB,
+                                            "op_selective_recompute_flops": op if measured else 0.0,
+                                            "saved_bytes_op_selective": GiB // 2 if measured else None})
+                for i in range(4)]
+
+    training, strategy = TrainingConfig(global_batch=16, seq_len=4096), Strategy.parse("dp=16,zero=3,mbs=1,recompute=selective")
+
+    def selective(framework, measured=True, calibration=FLAT):
+        return estimate(layers(measured), load_cluster("dgx-h100:nodes=2"), training, strategy,
+                        calibration=calibration, profile=framework)
 
     titan, tessera, old = selective(TORCHTITAN), selective(TESSERA), selective(TORCHTITAN, measured=False)
     linear_rate = 0.5 * load_cluster("dgx-h100:nodes=1").device.peak_flops("bf16")
@@ -169,6 +172,13 @@ def test_torchtitan_selective_reruns_every_second_matmul_not_the_attention_core(
     assert tessera.recompute_time_s < titan.recompute_time_s
     assert titan.hardware_flops_per_step - titan.model_flops_per_step == pytest.approx(16 * 4 * op)
     assert tessera.hardware_flops_per_step - tessera.model_flops_per_step == pytest.approx(16 * 4 * core)
+    # every block's elementwise work re-runs whole: traffic_factor passes over what it saves unrecomputed
+    device = load_cluster("dgx-h100:nodes=1").device
+    passes = Calibration(peak_fraction=0.5, half_width=0.0, traffic_factor=4.0)
+    elementwise = 4 * 4.0 * 2 * GiB / device.memory_bandwidth_bytes_per_s
+    assert selective(TORCHTITAN, calibration=passes).recompute_time_s == pytest.approx(titan.recompute_time_s + elementwise)
+    whole = stage_totals(layers(), 0, {f"blocks.{i}": "selective" for i in range(4)})
+    assert compute_lower_bound_s(whole, device, training, strategy, calibration=FLAT) <= titan.compute_time_s + titan.recompute_time_s
     # each block keeps 0.5 of its 2 GiB; the one recomputed at a time holds its 1.5 GiB again
     assert tessera.peak_memory_bytes - titan.peak_memory_bytes == 4 * (2 * GiB - GiB // 2) - (2 * GiB - GiB // 2)
     with pytest.raises(ConfigError, match="selective_policy='layer' is not one of attention, op"):
