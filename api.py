@@ -13,7 +13,7 @@ from torch import nn
 from tessera.cost_models import Estimate, Strategy, TrainingConfig
 from tessera.cost_models.error_bands import ErrorBand, prediction_band
 from tessera.cost_models.types import Fp8Scaling, Precision
-from tessera.errors import CheckpointError, RuntimeSetupError
+from tessera.errors import CheckpointError, ConfigError, RuntimeSetupError
 from tessera.planner.capture import capture, capture_preset
 from tessera.planner.plan import Plan
 from tessera.planner.refine import RUNTIME_BLOCK_OPTIONS, BlockOptions
@@ -78,17 +78,24 @@ def evaluate(
     precision: Precision | None = None,
     expert_capacity_factor: float | None = None,
     fp8_scaling: Fp8Scaling | None = None,
+    runs_on: str = "tessera",
 ) -> Evaluation:
     """Predict ``strategy`` (fields left out are filled with the planner's best choice under the given ones).
 
     Unlike :func:`plan`, a strategy that does not fit is still returned; its ``Estimate.fits`` is False.
-    The result unpacks as ``strategy, estimate``; its ``band`` is the prediction's error band.
+    The result unpacks as ``strategy, estimate``; its ``band`` is the prediction's error band. ``runs_on``: the
+    framework that runs it, priced as it runs it (``cost_models.profiles``: ``torchtitan``'s op-level selective
+    recomputation and forward-only async TP, ``deepspeed``'s ZeRO-3 gathers, ``megatron``'s attention kernels...);
+    Tessera's runtime by default.
     """
+    from tessera.cost_models.profiles import profile
+
+    framework = profile(runs_on)  # an unknown name fails before the capture
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                                          expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling)
     from tessera.planner.search import best_candidate, rank_candidates
 
-    chosen, estimate = best_candidate(rank_candidates(graph, resolved, training, pins=_pins(strategy)))
+    chosen, estimate = best_candidate(rank_candidates(graph, resolved, training, pins=_pins(strategy), profile=framework))
     band = prediction_band(chosen, training.precision, device_name=resolved.device.name,
                            block_kinds=(layer.block_kind for layer in graph.layers))
     return Evaluation(chosen, estimate, band)
@@ -127,6 +134,7 @@ def compare(
     top: int = 5,
     expert_capacity_factor: float | None = None,
     fp8_scaling: Fp8Scaling | None = None,
+    baselines_run_on: Sequence[str] | None = None,
 ) -> Comparison:
     """Tessera's plan next to hand-tuned ``baselines``, each evaluated on the same cost model.
 
@@ -134,9 +142,17 @@ def compare(
     same captured model, so the throughput ratio and the per-term differences compare like with like. A
     baseline whose every completion overflows memory is estimated at its leanest and reported with how
     far over it is; one that cannot run at all (dp does not divide the batch...) is reported with the
-    reason. A malformed baseline string raises ``ConfigError`` before anything is searched.
+    reason. A malformed baseline string raises ``ConfigError`` before anything is searched. ``baselines_run_on``:
+    the framework each baseline runs on, priced as it runs it (as :func:`evaluate`'s ``runs_on``; default: each
+    on Tessera's runtime).
     """
+    from tessera.cost_models.profiles import profile
+
     pins = [(b if isinstance(b, str) else b.to_string(), _pins(b)) for b in baselines]  # parse all before searching
+    names = list(baselines_run_on) if baselines_run_on is not None else ["tessera"] * len(pins)
+    if len(names) != len(pins):
+        raise ConfigError(f"baselines_run_on names {len(names)} framework(s) for {len(pins)} baseline(s); give one each")
+    frameworks = [profile(name) for name in names]
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                                          expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling)
     from tessera.planner.compare import build_comparison, evaluate_baseline
@@ -144,8 +160,8 @@ def compare(
 
     chosen = search(graph, resolved, training, top=top)
     return build_comparison(chosen, [
-        evaluate_baseline(graph, resolved, training, requested=requested, pins=pinned, plan=chosen.estimate)
-        for requested, pinned in pins
+        evaluate_baseline(graph, resolved, training, requested=requested, pins=pinned, plan=chosen.estimate, runs_on=runs_on)
+        for (requested, pinned), runs_on in zip(pins, frameworks)
     ])
 
 

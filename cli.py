@@ -97,6 +97,9 @@ def _add_evaluate(verbs: argparse._SubParsersAction) -> None:
     source = evaluate.add_mutually_exclusive_group(required=True)
     source.add_argument("--strategy", help="e.g. tp=8,pp=8,dp=16,mbs=1,schedule=interleaved:2")
     add_from_options(source)
+    evaluate.add_argument("--runs-on", metavar="FRAMEWORK", default=None,
+                          help="price it as this framework runs it (torchtitan, megatron, deepspeed, ...: "
+                          "cost_models/profiles.py); default: the --from-* config's framework, else Tessera's runtime")
 
 
 def _add_compare(verbs: argparse._SubParsersAction) -> None:
@@ -291,7 +294,8 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
         from tessera.cli_frameworks import print_export
 
         print_export(plan, args.format, console=console,
-                     evaluate=lambda strategy: tessera.evaluate(**_workload(args), strategy=strategy))
+                     evaluate=lambda strategy, runs_on: tessera.evaluate(**_workload(args), strategy=strategy,
+                                                                         runs_on=runs_on))
     else:
         print_plan(plan, console)
         if args.mtbf_hours is not None:
@@ -358,7 +362,8 @@ def _compare(args: argparse.Namespace, console: Console) -> int:
     workload = _workload(args, *args.baseline, imported=imported)
     baselines = [*args.baseline, *(pin_string(config.strategy) for config in imported)]  # every field, as stated
     with console.status(f"capturing {escape(args.model)}, searching and evaluating {len(baselines)} baseline(s)..."):
-        comparison = tessera.compare(**workload, baselines=baselines)
+        comparison = tessera.compare(**workload, baselines=baselines, baselines_run_on=[
+            *(["tessera"] * len(args.baseline)), *(config.profile for config in imported)])
     from tessera.report import print_comparison  # imports the search and charts: only once there is a result
     if args.format == "json":
         print(comparison.model_dump_json(indent=2))
@@ -376,14 +381,18 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     imported = _imported(args, from_sources(args))
     workload = _workload(args, args.strategy, imported=imported)
     requested = args.strategy or pin_string(imported[0].strategy)  # every field pinned, as the config states it
+    runs_on = args.runs_on or (imported[0].profile if imported else "tessera")
     with console.status(f"capturing {escape(args.model)} and estimating..."):
-        evaluation = tessera.evaluate(**workload, strategy=requested)
+        evaluation = tessera.evaluate(**workload, strategy=requested, runs_on=runs_on)
     (strategy, estimate), band = evaluation, evaluation.band
     from tessera.report import estimate_json, print_estimate  # imports the search and charts: once there is a result
     if args.format == "json":
-        print(json.dumps(estimate_json(strategy, estimate, band=band), indent=2))
+        print(json.dumps({**estimate_json(strategy, estimate, band=band), "runs_on": runs_on}, indent=2))
     else:
         print_estimate(strategy, estimate, console, band=band)
+        if runs_on != "tessera":
+            console.print(f"priced as {runs_on} runs it (cost_models/profiles.py), not as Tessera's runtime would",
+                          highlight=False)
     return 0
 
 

@@ -83,10 +83,11 @@ def import_configs(sources: Sequence[tuple[str, str]], *, world_size: int) -> li
     return configs
 
 
-def print_export(plan, framework: str, *, evaluate: Callable[[str], tuple], console: Console) -> None:
+def print_export(plan, framework: str, *, evaluate: Callable[[str, str], tuple], console: Console) -> None:
     """The plan as ``framework``'s configuration on stdout. Where the framework runs something else (the nearest it
-    can express), ``evaluate(strategy)`` estimates that, printed next to the plan's: a comment for Megatron-LM and
-    torchtitan, on stderr for DeepSpeed's JSON (which has no comments), as are DeepSpeed's notes."""
+    can express), ``evaluate(strategy, runs_on)`` estimates that as the framework runs it, printed next to the
+    plan's: a comment for Megatron-LM and torchtitan, on stderr for DeepSpeed's JSON (which has no comments), as
+    are DeepSpeed's notes."""
     from tessera.planner.frameworks import export_plan
     from tessera.planner.frameworks.common import FRAMEWORK_NAMES, pin_string
 
@@ -94,7 +95,7 @@ def print_export(plan, framework: str, *, evaluate: Callable[[str], tuple], cons
     lines = [f"# {note}" for note in export.notes] if framework == "deepspeed" else []
     if export.differs_from(plan.strategy):
         with console.status(f"estimating what {FRAMEWORK_NAMES[framework]} runs..."):
-            _, runs = evaluate(pin_string(export.strategy))  # every field pinned: what the framework runs
+            _, runs = evaluate(pin_string(export.strategy), export.profile)  # every field pinned: what the framework runs
         lines.append(nearest_line(FRAMEWORK_NAMES[framework], export.strategy.to_string(), runs, plan.estimate))
     print(export.text.rstrip("\n"))
     if framework == "deepspeed":

@@ -239,8 +239,9 @@ def comparison_renderable(comparison: Comparison) -> Group:
                                f"({comparison.candidates_evaluated} strategies searched in {comparison.search_time_s:.2f} s)")
     for index, baseline in enumerate(comparison.baselines, start=1):
         evaluated = f" -> [cyan]{literal(baseline.strategy.to_string())}[/]" if baseline.strategy else ""
+        runs_on = "" if baseline.runs_on == "tessera" else f" (priced as {baseline.runs_on} runs it)"
         details.add_row(f"baseline {index}",
-                        f"{literal(baseline.requested)}{evaluated}\n{literal(baseline.reason)}")
+                        f"{literal(baseline.requested)}{evaluated}{runs_on}\n{literal(baseline.reason)}")
     return Group(table, details, *((literal(_band_line(comparison)),) if comparison.likely else ()))
 
 

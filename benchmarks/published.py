@@ -123,9 +123,9 @@ def plan_run(run: dict, calibration: Calibration):
     # planner.space applies block_recompute and chunk_blocks pins, not block_reshard: set it on every candidate
     kept = {key: fixed.pop(key) for key in ("block_reshard",) if key in fixed}
     pinned = [fixed] if "zero" in fixed else [{**fixed, "zero": zero} for zero in stages]  # what the framework runs
-    # the run ran: whatever its framework combines (torchtitan: cp with pp and sp), not only what Tessera's runtime does
-    candidates = [s.model_copy(update=kept) for p in pinned
-                  for s in strategies(list(graph.layers), cluster, training_config(run), p, exclusive=())]
+    # what its framework combines (torchtitan: cp with pp and sp), not only what Tessera's runtime does
+    candidates = [s.model_copy(update=kept) for p in pinned for s in strategies(
+        list(graph.layers), cluster, training_config(run), p, exclusive=framework_profile(run).refused_together)]
     scored = [(s, evaluate_as_run(run, s, calibration)) for s in candidates]
     fitting = [pair for pair in scored if pair[1].fits] or scored
     return min(fitting, key=lambda pair: pair[1].step_time_s)

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tessera.cost_models.types import RUNTIME_EXCLUSIVE
 from tessera.errors import ConfigError
 
 
@@ -98,6 +99,11 @@ class ImplementationProfile:
     attention_kernels: tuple[str, ...] = ("fa2",)
     """The fused attention kernels the framework runs, in the order it prefers them: the first one the device's
     catalog entry has a figure for prices the attention cores; none of them (or empty): the calibrated fallback."""
+    refused_together: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE
+    """Strategy features the framework does not combine (``cost_models.types.RUNTIME_EXCLUSIVE``'s vocabulary): the
+    planner's space for a run of it leaves those out. Tessera's runtime's by default; none for the other
+    frameworks, whose runs Tessera evaluates as given (torchtitan's 4D runs combine context parallelism with
+    pipelining and sequence parallelism, which Tessera's runtime does not)."""
     selective_policy: str = "attention"
     """What ``recompute=selective`` re-runs: ``attention`` (the attention core) or ``op`` (torchtitan's op-level
     policy: every second matmul of the block and its elementwise work; the attention core is kept)."""
@@ -118,15 +124,15 @@ TESSERA = ImplementationProfile(name="tessera", autocast_copies=True)
 """Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); it runs no FP8 (the planner plans it
 as torchao float8 on FSDP2 would run it)."""
 TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False, autocast_copies=True,
-                                   selective_policy="op")
+                                   selective_policy="op", refused_together=())
 """torchtitan: FSDP2, torchao float8 (``enable_fsdp_float8_all_gather`` off by default), async TP on the
 forward only, op-level selective recomputation."""
 PYTORCH_FSDP_TE = ImplementationProfile(name="fsdp-te", fp8_saves_inputs=True, weight_fp8_bytes=2.0,
-                                        backward_prefetch="post", attention_kernels=("fa-triton",))
+                                        backward_prefetch="post", attention_kernels=("fa-triton",), refused_together=())
 """PyTorch FSDP1 under MosaicML Composer (llm-foundry): ``BACKWARD_POST`` prefetch, Transformer Engine linears
 under ``amp_fp8``, the Triton FlashAttention (``attn_impl: triton``)."""
 MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1),
-                                 attention_kernels=("cudnn", "fa2"))
+                                 attention_kernels=("cudnn", "fa2"), refused_together=())
 """Megatron-Core / NeMo: Transformer Engine for FP8 and attention (cuDNN on Hopper, FA2 before)."""
 NEMO_2407 = replace(MEGATRON, name="nemo-24.07", gradient_bytes=2)
 """NeMo 24.07 (Megatron-Core under NeMo's launcher): its performance recipes reduce gradients in bf16. Every GPT and
@@ -135,7 +141,8 @@ and fp8) passes ``+training.model.optim.grad_sync_dtype=bf16``, and so does its 
 (launcher_scripts/conf/training/gpt3/175b_fp8.yaml)."""
 MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=())
 """Megatron-LM as SC'21 and Korthikanti et al. (2022) ran it: unfused attention."""
-DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEED_ZERO3_SLOWDOWN, attention_kernels=())
+DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEED_ZERO3_SLOWDOWN, attention_kernels=(),
+                                  refused_together=())
 """DeepSpeed ZeRO-3 as SC'21 measured it (Megatron-LM's model code: unfused attention)."""
 
 PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, PYTORCH_FSDP_TE, MEGATRON, NEMO_2407, MEGATRON_2021, DEEPSPEED)}

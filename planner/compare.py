@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict
 from tessera.cost_models import estimate as estimate_strategy
 from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
 from tessera.cost_models.error_bands import gap_band
+from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.errors import ConfigError, TesseraError
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Plan
@@ -43,6 +44,9 @@ class BaselineComparison(BaseModel):
 
     requested: str
     """The baseline as the user wrote it (fields left out were filled by the planner)."""
+    runs_on: str = "tessera"
+    """The framework it was priced as running on (``cost_models.profiles``; a baseline read from a framework's
+    configuration: that framework)."""
     strategy: Strategy | None = None
     """The complete strategy evaluated; None when the baseline cannot run at all."""
     estimate: Estimate | None = None
@@ -126,9 +130,10 @@ def compare_to_baseline(plan: Estimate, *, requested: str, strategy: Strategy, e
 
 def evaluate_baseline(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, requested: str, pins: Mapping[str, object],
-    plan: Estimate,
+    plan: Estimate, runs_on: ImplementationProfile = TESSERA,
 ) -> BaselineComparison:
-    """Evaluate one baseline as ``tessera.evaluate`` does (fields left out are the planner's best) and compare it.
+    """Evaluate one baseline as ``tessera.evaluate`` does (fields left out are the planner's best), as the framework
+    ``runs_on`` runs it, and compare it.
 
     When no completion of the baseline fits, its leanest completion is the one compared, so the comparison
     says by how much it misses at best; when the search prunes every completion (model state alone
@@ -140,23 +145,25 @@ def evaluate_baseline(
     except ConfigError as exc:
         return baseline_error(requested, str(exc))
     try:
-        scored = rank_candidates(graph, cluster, training, pins=pins)
+        scored = rank_candidates(graph, cluster, training, pins=pins, profile=runs_on)
         strategy, estimate = best_candidate(scored)
         if not estimate.fits:
             strategy, estimate = min(scored, key=lambda pair: pair[1].peak_memory_bytes)
     except ConfigError:
         try:
-            strategy, estimate = leanest_completion(graph.layers, cluster, training, pins)
+            strategy, estimate = leanest_completion(graph.layers, cluster, training, pins, profile=runs_on)
         except TesseraError as exc:
             return baseline_error(requested, str(exc))
     except TesseraError as exc:
         return baseline_error(requested, str(exc))
-    result = compare_to_baseline(plan, requested=requested, strategy=strategy, estimate=estimate)
+    result = compare_to_baseline(plan, requested=requested, strategy=strategy, estimate=estimate).model_copy(
+        update={"runs_on": runs_on.name})
     return result if estimate.fits else result.model_copy(update={"reason": result.reason + note})
 
 
 def leanest_completion(
-    layers: Sequence[LayerStats], cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object]
+    layers: Sequence[LayerStats], cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object],
+    *, profile: ImplementationProfile = TESSERA,
 ) -> tuple[Strategy, Estimate]:
     """The pinned fields with the leanest choice for every other one (micro-batch 1, full recomputation,
     ZeRO-3, sequence parallelism; dp takes the devices left), estimated."""
@@ -168,7 +175,7 @@ def leanest_completion(
     fields.setdefault("zero", 3 if int(fields["dp"]) > 1 else 0)
     fields.setdefault("sp", int(fields.get("tp", 1)) > 1)
     strategy = Strategy.model_validate(fields)
-    return strategy, estimate_strategy(list(layers), cluster, training, strategy)
+    return strategy, estimate_strategy(list(layers), cluster, training, strategy, profile=profile)
 
 
 def baseline_error(requested: str, message: str) -> BaselineComparison:

@@ -16,6 +16,7 @@ from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
 from tessera.cost_models.estimate import peak_memory_bytes, step_time_lower_bound
 from tessera.cost_models.layer_costs import layer_costs
 from tessera.cost_models.partition import block_policies, kept_blocks, split_chunks, stage_totals
+from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.types import LayerStats
 from tessera.errors import ConfigError, InfeasiblePlanError
 from tessera.planner.degrees import degree_alternatives
@@ -45,9 +46,10 @@ class Priced:
 def rank_candidates(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object] | None = None,
     progress: Progress | None = None, prune: bool = True, reached: dict[str, float] | None = None,
-    priced: Priced | None = None, only_best: bool = False,
+    priced: Priced | None = None, only_best: bool = False, profile: ImplementationProfile = TESSERA,
 ) -> list[tuple[Strategy, Estimate]]:
-    """Every strategy under ``pins`` with its estimate, fastest first (ties: leaner, then by name).
+    """Every strategy under ``pins`` with its estimate, fastest first (ties: leaner, then by name), as the framework
+    ``profile`` runs it (``cost_models.profiles``; Tessera's runtime by default; ``priced`` must be for it too).
 
     Never estimated, because they cannot fit: a mesh shape and ZeRO stage whose model state alone overflows
     the device, and micro-batches larger than one at which no recomputation policy fit (activations only
@@ -72,8 +74,8 @@ def rank_candidates(
     cheapest_fit: dict[tuple, int] = {}  # outer choices -> cost rank of the cheapest recomputation that fits
     scored, overflowing = [], []
     priced = Priced() if priced is None else priced
-    candidates = _by_lower_bound(layers, cluster, training, list(strategies(layers, cluster, training, pins, unavailable=graph.unavailable_axes)),
-                                 known=priced.bounds)
+    space = strategies(layers, cluster, training, pins, unavailable=graph.unavailable_axes, exclusive=profile.refused_together)
+    candidates = _by_lower_bound(layers, cluster, training, list(space), known=priced.bounds)
     incumbent = float("inf")  # fastest fitting step so far
     leanest = float("inf")  # lowest peak memory estimated so far (``only_best``)
     for done, (bound, strategy) in enumerate(candidates, 1):
@@ -93,8 +95,9 @@ def rank_candidates(
         if prune and cheapest_fit.get((*key, strategy.micro_batch), len(RECOMPUTE_COST)) < RECOMPUTE_COST[strategy.recompute]:
             continue
         est = priced.estimates.get(strategy)
-        if est is None and not (only_best and _neither_fits_nor_leanest(layers, cluster, training, strategy, leanest)):
-            est = priced.estimates[strategy] = estimate(layers, cluster, training, strategy)
+        if est is None and not (only_best and _neither_fits_nor_leanest(layers, cluster, training, strategy, leanest,
+                                                                         profile=profile)):
+            est = priced.estimates[strategy] = estimate(layers, cluster, training, strategy, profile=profile)
         if est is not None:
             scored.append((strategy, est))
             leanest = min(leanest, est.peak_memory_bytes)
@@ -109,7 +112,7 @@ def rank_candidates(
         progress(len(candidates), len(candidates))
     if overflowing and not fits_at:  # nothing fits: estimate the leanest pruned ones so the diagnosis is exact
         least = min((_state_bytes_lower_bound(params, s), s.micro_batch) for s in overflowing)
-        scored += [(s, estimate(layers, cluster, training, s)) for s in overflowing
+        scored += [(s, estimate(layers, cluster, training, s, profile=profile)) for s in overflowing
                    if (_state_bytes_lower_bound(params, s), s.micro_batch) == least][:64]
     scored.sort(key=lambda pair: (pair[1].step_time_s, pair[1].peak_memory_bytes, pair[0].to_string()))
     if not scored:
@@ -121,11 +124,12 @@ def rank_candidates(
 
 
 def _neither_fits_nor_leanest(
-    layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, strategy: Strategy, leanest: float
+    layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, strategy: Strategy, leanest: float,
+    *, profile: ImplementationProfile,
 ) -> bool:
     """Whether ``strategy``'s peak memory is over the device and above ``leanest``: it cannot be a search's fastest
     fitting candidate, nor its leanest."""
-    peak = peak_memory_bytes(layers, cluster, training, strategy)
+    peak = peak_memory_bytes(layers, cluster, training, strategy, profile=profile)
     return peak > cluster.device.memory_bytes and peak > leanest
 
 

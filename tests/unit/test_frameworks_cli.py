@@ -35,7 +35,8 @@ def test_compare_baseline_from_megatron_equals_the_hand_written_baseline(capsys)
     captured = capsys.readouterr()
     assert code == 0, captured.err
     hand, imported = json.loads(captured.out)["baselines"]
-    assert imported["estimate"] == hand["estimate"] and imported["strategy"] == hand["strategy"]
+    assert imported["strategy"] == hand["strategy"]  # what Megatron-LM runs, priced as it runs it
+    assert (hand["runs_on"], imported["runs_on"]) == ("tessera", "megatron")
     assert "not read by Tessera (listed, not evaluated): --lr 1e-4" in captured.err
 
 
@@ -79,3 +80,25 @@ def test_the_report_carries_each_frameworks_configuration():
     assert "```python\n# torchtitan" in markdown and interleaving in markdown
     assert "Not expressible: a DeepSpeed config runs data parallelism and ZeRO only" in markdown
     assert "<h2>As torchtitan configuration</h2>" in render_html("report", sections)
+
+
+def test_evaluate_prices_a_framework_config_as_that_framework_runs_it(tmp_path, capsys):
+    """``--from-deepspeed`` prices as DeepSpeed runs it (its ZeRO-3 gathers); ``--runs-on`` names any framework (an
+    unknown one gets the known names); torchtitan's selective recomputation re-runs every second matmul."""
+    import tessera
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1,
+                                "zero_optimization": {"stage": 3}}))
+    args = ["evaluate", "--model", "gpt-tiny", "--cluster", "cpu:ranks=4", "--seq-len", "32"]
+    assert main([*args, "--from-deepspeed", str(path), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs_on"] == "deepspeed"
+    assert main([*args, "--from-deepspeed", str(path)]) == 0
+    assert "priced as deepspeed runs it" in capsys.readouterr().out
+    assert main([*args, "--strategy", "dp=4", "--runs-on", "colossal"]) == 2
+    assert "unknown implementation profile 'colossal'; known: tessera, torchtitan" in capsys.readouterr().err
+    workload = dict(global_batch=8, seq_len=64, strategy="dp=8,zero=3,mbs=1,recompute=selective")
+    _, tessera_runtime = tessera.evaluate("llama-tiny", "dgx-h100:nodes=1", **workload)
+    _, torchtitan = tessera.evaluate("llama-tiny", "dgx-h100:nodes=1", **workload, runs_on="torchtitan")
+    assert torchtitan.recompute_time_s > tessera_runtime.recompute_time_s
+    assert torchtitan.memory_by_category_bytes["activations"] < tessera_runtime.memory_by_category_bytes["activations"]
