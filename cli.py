@@ -381,7 +381,10 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     imported = _imported(args, from_sources(args))
     workload = _workload(args, args.strategy, imported=imported)
     requested = args.strategy or pin_string(imported[0].strategy)  # every field pinned, as the config states it
-    runs_on = args.runs_on or (imported[0].profile if imported else "tessera")
+    runs_on = args.runs_on if args.runs_on is not None else (imported[0].profile if imported else "tessera")
+    from tessera.cost_models.profiles import profile
+
+    profile(runs_on)  # an unknown framework fails here, before torch is imported
     with console.status(f"capturing {escape(args.model)} and estimating..."):
         evaluation = tessera.evaluate(**workload, strategy=requested, runs_on=runs_on)
     (strategy, estimate), band = evaluation, evaluation.band

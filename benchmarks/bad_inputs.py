@@ -338,6 +338,8 @@ STRATEGIES = [
 def _strategy_cases() -> list[Case]:
     cases = [planning("evaluate", "--strategy", s, name=f"evaluate/strategy {s[:30]}") for s in STRATEGIES]
     cases.append(planning("evaluate", "--strategy", "[red]tp=2", name="evaluate/strategy markup", shows="[red]tp=2"))
+    cases += [planning("evaluate", "--strategy", "dp=2", "--runs-on", name, name=f"evaluate/runs-on {name}", shows=name)
+              for name in ("colossal", "[red]torchtitan", "")]
     cases += [planning("plan", "--fix", s, name=f"plan/fix {s}") for s in ("tp=0", "tp=3", "foo=1", "tp=2,tp=1", "tp=nan")]
     cases += [planning("compare", "--baseline", s, name=f"compare/baseline {s}")
               for s in ("tp=0", "foo=1", "tp=2,tp=1", "tp=eight", "tp=nan")]
