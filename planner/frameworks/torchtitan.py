@@ -182,9 +182,9 @@ def _policy(plan: PlanLike, notes: list[str]) -> str:
                      f"is {policy} on every block")
     if policy == "selective":
         notes.append("SelectiveAC is torchtitan's per-op policy (saves compute-intensive ops except every second "
-                     "matmul, which it re-runs with the elementwise work); this plan, like tessera evaluate, prices "
-                     "selective as Tessera's runtime runs it (the attention core recomputed): expect more recompute "
-                     "time and fewer saved activations (cost_models.profiles.TORCHTITAN prices torchtitan's)")
+                     "matmul, which it re-runs with the elementwise work); the plan priced selective as Tessera's "
+                     "runtime runs it (the attention core recomputed): expect more recompute time and fewer saved "
+                     "activations (tessera evaluate --from-torchtitan prices this config as torchtitan runs it)")
     return policy
 
 
