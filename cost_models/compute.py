@@ -169,7 +169,8 @@ def stage_compute_s(
     forward_overhead, backward_overhead = framework_overhead_s(stage, device, tp=strategy.tp)
     if op_level:  # the selective blocks' elementwise work re-runs whole, their casts with their matmuls
         full_share = (stage.recompute_flops - stage.selective_core_flops) / stage.forward_flops
-        traffic_share = stage.selective_traffic_bytes / stage.activation_traffic_bytes if stage.activation_traffic_bytes else 0.0
+        traffic = stage.activation_traffic_bytes
+        traffic_share = stage.selective_traffic_bytes / traffic if traffic else 0.0
         linear_share = full_share + stage.op_selective_recompute_flops / stage.forward_flops
         rerun = elementwise * (full_share + traffic_share) + (forward_overhead + casts) * linear_share
         return (forward * share + elementwise + casts + forward_overhead,

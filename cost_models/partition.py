@@ -208,15 +208,16 @@ def _selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompu
     """The StageTotals fields of the selectively recomputed blocks."""
     # Blocks measured for the op-level policy only (a block without the figures keeps the attention-core policy).
     selective = [b for b in blocks if policy[b.fqn] == "selective" and b.op_selective_recompute_flops > 0]
-    op_kept = {b.fqn: b.saved_bytes_op_selective if b.saved_bytes_op_selective is not None
-               else _saved_bytes(b, "selective") for b in selective}
+    kept = [_saved_bytes(b, "selective") for b in selective]
+    op_kept = [k if b.saved_bytes_op_selective is None else b.saved_bytes_op_selective for b, k in zip(selective, kept)]
     return {
         "selective_core_flops": sum(b.selective_recompute_flops for b in selective),
         "op_selective_recompute_flops": sum(b.op_selective_recompute_flops for b in selective),
         "selective_traffic_bytes": sum(b.saved_bytes_no_recompute for b in selective),
-        "selective_saved_bytes": sum(_saved_bytes(b, "selective") for b in selective),
-        "op_selective_saved_bytes": sum(op_kept.values()),
-        "op_selective_buffer_bytes": max((b.saved_bytes_no_recompute - op_kept[b.fqn] for b in selective), default=0),
+        "selective_saved_bytes": sum(kept),
+        "op_selective_saved_bytes": sum(op_kept),
+        "op_selective_buffer_bytes": max((b.saved_bytes_no_recompute - k for b, k in zip(selective, op_kept)),
+                                         default=0),
     }
 
 

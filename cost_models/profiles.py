@@ -50,13 +50,14 @@ there.
   in 0.3.0), and recomputes everything else: the attention core is kept, and every second matmul of a block
   (``LayerStats.op_selective_recompute_flops``; in a Llama block wk, wo and w3: 36.5% of Llama 3 8B's linear
   FLOPs) and all of its elementwise work run again. Its blocks keep their inputs and the outputs of the other
-  matmuls and of the attention cores (``LayerStats.saved_bytes_op_selective``: 29% of what Llama 3 8B's block
-  saves unrecomputed), and one block's recomputed activations are live during its backward. Measured at tp = 1:
-  under tensor parallelism the sequence-parallel gathers it recomputes are still charged as saved, and the
-  reduce-scatter outputs it keeps are not; under context parallelism its blocks are still priced as re-running the
-  K/V ring. A selective block not measured for it (replayed experts) in a stage with measured ones has its
-  attention core re-run at the blocks' mixed rate. ``tessera evaluate`` prices as Tessera's runtime; published
-  torchtitan runs are evaluated with this profile (``benchmarks/published.py``).
+  matmuls and of the attention cores (``LayerStats.saved_bytes_op_selective``; in a Llama block, per token, the
+  input, the q, v, gate and down outputs, and the attention output and logsumexp: ``tests/graph/test_capture.py``),
+  and one block's recomputed activations are live during its backward. Measured at tp = 1: under tensor
+  parallelism the sequence-parallel gathers it recomputes are still charged as saved, and the reduce-scatter
+  outputs it keeps are not; under context parallelism its blocks are still priced as re-running the K/V ring. A
+  selective block not measured for it (replayed experts) in a stage with measured ones has its attention core
+  re-run at the blocks' mixed rate. Published torchtitan runs (``benchmarks/published.py``) and torchtitan
+  configurations (``tessera evaluate --from-torchtitan``, ``--runs-on torchtitan``) are priced with this profile.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class ImplementationProfile:
 
     def __post_init__(self) -> None:
         if self.selective_policy not in SELECTIVE_POLICIES:
-            raise ConfigError(f"selective_policy={self.selective_policy!r} is not one of {', '.join(SELECTIVE_POLICIES)}")
+            raise ConfigError(f"selective_policy={self.selective_policy!r} is not one of "
+                              f"{', '.join(SELECTIVE_POLICIES)}")
 
 
 SELECTIVE_POLICIES = ("attention", "op")

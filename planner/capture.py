@@ -384,7 +384,7 @@ def _numbers(tally: Tally) -> dict[str, int | None]:
         "saved_bytes_full_recompute": tally.input_bytes,
         "output_bytes": tally.output_bytes,
         "selective_recompute_flops": tally.core_flops,
-        "op_selective_recompute_flops": tally.alternate_mm_flops,
+        "op_selective_recompute_flops": tally.op_selective_recompute_flops,
         "saved_bytes_op_selective": tally.saved_bytes_op_selective,
         "expert_forward_flops": tally.expert_forward_flops,
         "expert_backward_flops": tally.expert_backward_flops,

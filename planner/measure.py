@@ -10,19 +10,18 @@ mask code does, and calls ``.item()`` otherwise -- take their tracing path. Per 
   spans both passes, and the backward share is the total minus a snapshot taken after the forward. The routed
   experts' share (``expert_*_flops``) is what the tracker attributes to the layer's modules named ``experts``
   (``...experts`` for packed experts, ``...experts.<i>`` for a ModuleList of them), each counted once.
-- saved bytes: a ``saved_tensors_hooks`` ledger charges each storage autograd saves to the layer running when it
-  is first saved (views and repeats count once); parameter and buffer storages are never counted.
+- saved bytes: a ``saved_tensors_hooks`` ledger (``saved_bytes.Ledger``) charges each storage autograd saves to
+  the layer running when it is first saved (views and repeats count once); parameter and buffer storages are
+  never counted.
 - selective-recompute bytes: what stays saved when each attention core (SDPA call) is recomputed -- see
   ``tessera.planner.kernels``; ``None`` for a layer without one. ``core_flops``: the cores' forward FLOPs.
 - op-level selective recompute FLOPs: the forward FLOPs of every second matrix multiplication (``aten.mm``) of
-  the layer, in the order the modules running them first ran (``FlopCounterMode``'s per-module counts keep that
-  order): what torchtitan's op-level selective activation checkpointing re-runs (``cost_models.profiles``); the
-  bytes that policy keeps: the layer's inputs, the outputs of the other matmuls (the first, third, ...) and of
-  its attention cores (``_SavedOps``, in call order). Neither is measured (0, ``None``) for a layer without
-  ``aten.mm`` calls or one whose repeated elements were replayed (their matmuls are not seen one by one): such a
-  layer keeps the attention-core policy, though torchtitan's would recompute (for instance) every ``aten.addmm``
-  of a biased linear. The FLOPs alternate by module and the bytes by call: they pair up where each module runs
-  one matmul once (a Llama block's linears).
+  the layer, in call order: what torchtitan's op-level selective activation checkpointing re-runs
+  (``cost_models.profiles``); the bytes that policy keeps: the layer's inputs, the outputs of the other matmuls
+  (the first, third, ...) and of its attention cores (``saved_bytes.SavedOps``; ``Tally`` derives both). Neither
+  is measured (0, ``None``) for a layer without ``aten.mm`` calls or one whose repeated elements were replayed
+  (their matmuls are not seen one by one): such a layer keeps the attention-core policy, though torchtitan's
+  would recompute (for instance) every ``aten.addmm`` of a biased linear.
 - full-recompute bytes = bytes of the layer's tensor inputs (each storage charged to the first layer it enters);
   output bytes = bytes of its tensor outputs.
 
@@ -42,7 +41,7 @@ from __future__ import annotations
 from collections import ChainMap
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -50,55 +49,17 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from tessera.errors import CaptureError
 from tessera.planner.front_ends import first_line, user_frame
 from tessera.planner.kernels import CORE_OPS, FusedKernels
 from tessera.planner.replay import BlockReplay, ElementReplay
-
-LOSS = "loss"
-"""FQN of the loss layer (computed outside the model)."""
+from tessera.planner.saved_bytes import Ledger, SavedOps
+from tessera.planner.tally import LOSS, Scope, Tally
 
 ExampleInputs = tuple | dict | torch.Tensor | Callable[[int], "tuple | dict | torch.Tensor"]
 """Model inputs: positional args (tuple or one tensor), keyword args (dict), or a function of seq_len giving them."""
-
-
-@dataclass
-class Tally:
-    """Raw measurements of one layer for the measured inputs."""
-
-    forward_flops: int = 0
-    backward_flops: int = 0
-    saved_bytes: int = 0
-    saved_bytes_selective: int | None = None
-    core_flops: int = 0
-    alternate_mm_flops: int = 0
-    mm_output_bytes: list[int] = field(default_factory=list)
-    core_output_bytes: int = 0
-    saved_bytes_op_selective: int | None = None
-    input_bytes: int = 0
-    output_bytes: int = 0
-    output_width: int = 0
-    heads: int = 0
-    kv_heads: int = 0
-    expert_forward_flops: int = 0
-    expert_backward_flops: int = 0
-
-
-@dataclass
-class _Scope:
-    """Which layer is running in the forward; glue goes to the first layer, after the model to the loss."""
-
-    first: str
-    stack: list[str] = field(default_factory=list)
-    model_done: bool = False
-
-    def current(self) -> str:
-        if self.stack:
-            return self.stack[-1]
-        return LOSS if self.model_done else self.first
 
 
 def example_inputs_at(example: ExampleInputs | None, seq_len: int | None) -> tuple[tuple, dict]:
@@ -193,8 +154,8 @@ def _measure_once(
 ) -> dict[str, Tally]:
     """One forward + loss + backward with every meter installed."""
     tallies = {fqn: Tally() for fqn in (*order, LOSS)}
-    scope = _Scope(first=order[0])
-    ledger = _Ledger(tallies, scope, resident)
+    scope = Scope(first=order[0])
+    ledger = Ledger(tallies, scope, resident)
     root = type(model).__name__  # FlopCounterMode's module tracker names modules "<RootClass>.<fqn>"
     meta_inputs = tree_map(lambda x: _stand_in(x, mode, dtype), inputs)
     with (mode or nullcontext(), FlopCounterMode(display=False) as counter,
@@ -207,7 +168,7 @@ def _measure_once(
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda t: t))
             stack.enter_context(replay.installed(lambda fqn: tallies[fqn].saved_bytes))
             stack.enter_context(elements.installed())
-            stack.enter_context(_SavedOps(scope, tallies))
+            stack.enter_context(SavedOps(scope, tallies))
             loss = _forward_and_loss(model, state, meta_inputs, scope, tallies)
         forward_counts = counter.get_flop_counts()
         _backward(loss)
@@ -219,34 +180,11 @@ def _measure_once(
     return tallies
 
 
-class _SavedOps(TorchDispatchMode):
-    """In the forward, the output bytes of each ``aten.mm`` call (in call order) and of each attention core, charged
-    to the layer running (what an op-level selective policy chooses to keep from)."""
-
-    def __init__(self, scope: _Scope, tallies: dict[str, Tally]) -> None:
-        super().__init__()
-        self.scope, self.tallies = scope, tallies
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch protocol
-        out = func(*args, **(kwargs or {}))
-        packet = func.overloadpacket
-        if packet is torch.ops.aten.mm:
-            self.tallies[self.scope.current()].mm_output_bytes.append(_nbytes(out))
-        elif packet in CORE_OPS:
-            self.tallies[self.scope.current()].core_output_bytes += sum(
-                _nbytes(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-        return out
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 # ----------------------------------------------------------------------------------------------- forward / loss
 
 
 def _forward_and_loss(
-    model: nn.Module, state: dict[str, torch.Tensor], inputs: tuple[tuple, dict], scope: _Scope, tallies: dict
+    model: nn.Module, state: dict[str, torch.Tensor], inputs: tuple[tuple, dict], scope: Scope, tallies: dict
 ) -> torch.Tensor:
     args, kwargs = inputs
     try:
@@ -340,7 +278,7 @@ def _tensor_bytes(value: object, resident: Mapping[int, object]) -> int:
 
 @contextmanager
 def _io_hooks(
-    model: nn.Module, tallies: dict[str, Tally], scope: _Scope, resident: dict[int, object]
+    model: nn.Module, tallies: dict[str, Tally], scope: Scope, resident: dict[int, object]
 ) -> Iterator[None]:
     """Track the running layer and record each layer's input and output bytes and output width.
 
@@ -403,85 +341,8 @@ def _leave_in_backward(
             handle.remove()
 
 
-class _Ledger:
-    """Storages saved for backward, each charged once to its first saver, and which of them selective recompute
-    keeps (saved outside an attention core, or an input a checkpoint of the core holds)."""
-
-    def __init__(self, tallies: dict[str, Tally], scope: _Scope, resident: dict[int, object]) -> None:
-        self.tallies, self.scope, self.resident = tallies, scope, resident
-        self.owner: dict[int, str] = {}
-        self.nbytes: dict[int, int] = {}
-        self.kept: set[int] = set()
-        self.refs: dict[int, object] = {}  # holding the storages keeps their ids unique
-        self.charged: list[int] = []  # storages in the order they were first charged
-        self.in_core = False
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``saved_tensors_hooks`` pack hook."""
-        self._charge(tensor, kept=not self.in_core)
-        return tensor
-
-    def _charge(self, tensor: torch.Tensor, *, kept: bool) -> None:
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        if key in self.resident:
-            return
-        if key not in self.owner:
-            self._own(key, storage, storage.nbytes())
-        if kept:
-            self.kept.add(key)
-
-    def _own(self, key: int, ref: object, nbytes: int) -> None:
-        self.owner[key], self.nbytes[key], self.refs[key] = self.scope.current(), nbytes, ref
-        self.tallies[self.owner[key]].saved_bytes += nbytes
-        self.charged.append(key)
-
-    def mark(self) -> int:
-        """A point to measure what is charged from (``since``)."""
-        return len(self.charged)
-
-    def since(self, mark: int) -> tuple[int, int]:
-        """(kept, other) bytes first charged after ``mark``: what selective recomputation keeps, and the rest."""
-        keys = self.charged[mark:]
-        kept = sum(self.nbytes[k] for k in keys if k in self.kept)
-        return kept, sum(self.nbytes[k] for k in keys) - kept
-
-    def charge_replayed(self, kept: int, other: int) -> None:
-        """Charge what a replayed element would have saved (``replay.ElementReplay``) to the running layer."""
-        for nbytes, is_kept in ((kept, True), (other, False)):
-            if nbytes:
-                token = object()  # stands for the storages it would have saved
-                self._own(id(token), token, nbytes)
-                if is_kept:
-                    self.kept.add(id(token))
-
-    def attention_started(self, query: torch.Tensor, key: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
-        tally = self.tallies[self.scope.current()]
-        tally.heads, tally.kv_heads = query.shape[1], key.shape[1]
-        tally.saved_bytes_selective = 0  # measured: filled in by selective_bytes
-        for tensor in inputs:
-            storage = tensor.untyped_storage()
-            self.kept.add(id(storage))
-            self.refs.setdefault(id(storage), storage)
-        self.in_core = True
-
-    def keep_for_backward(self, tensor: torch.Tensor) -> None:
-        self._charge(tensor, kept=True)
-
-    def attention_finished(self) -> None:
-        self.in_core = False
-
-    def selective_bytes(self) -> dict[str, int]:
-        """Per layer: bytes of its storages that stay saved when the attention cores are recomputed."""
-        kept: dict[str, int] = {}
-        for key, layer in self.owner.items():
-            if key in self.kept:
-                kept[layer] = kept.get(layer, 0) + self.nbytes[key]
-        return kept
-
-
 def _finalize(
-    tallies: dict[str, Tally], ledger: _Ledger, forward: dict, total: dict, *, root: str, replayed: dict[str, str],
+    tallies: dict[str, Tally], ledger: Ledger, forward: dict, total: dict, *, root: str, replayed: dict[str, str],
     partly_replayed: set[str],
 ) -> None:
     """Per-layer FLOPs from FlopCounterMode's per-module counts (backward = total - forward snapshot), selective
@@ -498,10 +359,8 @@ def _finalize(
         tally.forward_flops = flops(forward, f"{root}.{fqn}")
         tally.backward_flops = flops(total, f"{root}.{fqn}") - tally.forward_flops
         tally.core_flops = sum(forward.get(f"{root}.{fqn}", {}).get(op, 0) for op in CORE_OPS)
-        if tally.mm_output_bytes and fqn not in partly_replayed:  # a replayed element's matmuls are not seen
-            tally.alternate_mm_flops = sum(_mm_flops_in_order(forward, f"{root}.{fqn}")[1::2])
-            tally.saved_bytes_op_selective = (tally.input_bytes + sum(tally.mm_output_bytes[0::2])
-                                              + tally.core_output_bytes)
+        if fqn in partly_replayed:  # a replayed element's matmuls are not seen one by one: not measured
+            tally.mm_calls = []
         experts = _expert_keys(total, f"{root}.{fqn}")
         tally.expert_forward_flops = sum(flops(forward, key) for key in experts)
         tally.expert_backward_flops = sum(flops(total, key) for key in experts) - tally.expert_forward_flops
@@ -511,28 +370,11 @@ def _finalize(
     glue_bwd = flops(total, root) - flops(forward, root) - sum(tallies[fqn].backward_flops for fqn in layers)
     for fqn, rep in replayed.items():
         measured = tallies[rep]
-        own_input = tallies[fqn].input_bytes
-        op_kept = None if measured.saved_bytes_op_selective is None else (
-            measured.saved_bytes_op_selective - measured.input_bytes + own_input)  # this block's own input
-        tallies[fqn] = replace(measured, input_bytes=own_input, output_bytes=tallies[fqn].output_bytes,
-                               saved_bytes_op_selective=op_kept)
+        tallies[fqn] = replace(measured, input_bytes=tallies[fqn].input_bytes, output_bytes=tallies[fqn].output_bytes)
     tallies[layers[0]].forward_flops += glue_fwd
     tallies[layers[0]].backward_flops += glue_bwd
     tallies[LOSS].forward_flops = flops(forward, "Global") - flops(forward, root)
     tallies[LOSS].backward_flops = flops(total, "Global") - flops(total, root) - tallies[LOSS].forward_flops
-
-
-def _mm_flops_in_order(counts: dict, prefix: str) -> list[int]:
-    """Forward ``aten.mm`` FLOPs of each module at or under ``prefix`` that runs one itself (its count less its
-    nearest counted descendants'), in the order the modules first counted a FLOP (the counts' insertion order)."""
-    mm = {key: ops[torch.ops.aten.mm] for key, ops in counts.items()
-          if (key == prefix or key.startswith(prefix + ".")) and ops.get(torch.ops.aten.mm)}
-    own = []
-    for key, flops in mm.items():
-        below = [k for k in mm if k.startswith(key + ".")]
-        nearest = [k for k in below if not any(k.startswith(other + ".") for other in below)]
-        own.append(flops - sum(mm[k] for k in nearest))
-    return [flops for flops in own if flops > 0]
 
 
 def _expert_keys(counts: dict, prefix: str) -> set[str]:

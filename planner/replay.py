@@ -74,7 +74,7 @@ class ElementReplay:
 
     A replayed element runs nothing, so what it would have added is injected: its representative's forward
     FLOPs (per op) into the counter under the modules active now (the element and its callers, as
-    FlopCounterMode would have attributed them), its saved bytes into the ledger (``measure._Ledger``), and,
+    FlopCounterMode would have attributed them), its saved bytes into the ledger (``saved_bytes.Ledger``), and,
     once the backward has run, the representative's backward FLOPs under the same modules (``add_backward``).
     """
 

@@ -1,0 +1,113 @@
+"""What the forward saves for the backward, per layer (``planner.measure`` installs both meters).
+
+``Ledger``: the storages autograd saves (``saved_tensors_hooks``), each charged once to the layer that first saves it,
+and which of them selective recomputation keeps (saved outside an attention core, or an input a checkpoint of the
+core holds). ``SavedOps``: the outputs an op-level selective policy chooses from (each ``aten.mm`` call, the
+attention cores).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tessera.planner.kernels import CORE_OPS
+from tessera.planner.tally import Scope, Tally
+
+
+class Ledger:
+    """Storages saved for backward, each charged once to its first saver, and which of them selective recompute
+    keeps (saved outside an attention core, or an input a checkpoint of the core holds)."""
+
+    def __init__(self, tallies: dict[str, Tally], scope: Scope, resident: dict[int, object]) -> None:
+        self.tallies, self.scope, self.resident = tallies, scope, resident
+        self.owner: dict[int, str] = {}
+        self.nbytes: dict[int, int] = {}
+        self.kept: set[int] = set()
+        self.refs: dict[int, object] = {}  # holding the storages keeps their ids unique
+        self.charged: list[int] = []  # storages in the order they were first charged
+        self.in_core = False
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``saved_tensors_hooks`` pack hook."""
+        self._charge(tensor, kept=not self.in_core)
+        return tensor
+
+    def _charge(self, tensor: torch.Tensor, *, kept: bool) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self.resident:
+            return
+        if key not in self.owner:
+            self._own(key, storage, storage.nbytes())
+        if kept:
+            self.kept.add(key)
+
+    def _own(self, key: int, ref: object, nbytes: int) -> None:
+        self.owner[key], self.nbytes[key], self.refs[key] = self.scope.current(), nbytes, ref
+        self.tallies[self.owner[key]].saved_bytes += nbytes
+        self.charged.append(key)
+
+    def mark(self) -> int:
+        """A point to measure what is charged from (``since``)."""
+        return len(self.charged)
+
+    def since(self, mark: int) -> tuple[int, int]:
+        """(kept, other) bytes first charged after ``mark``: what selective recomputation keeps, and the rest."""
+        keys = self.charged[mark:]
+        kept = sum(self.nbytes[k] for k in keys if k in self.kept)
+        return kept, sum(self.nbytes[k] for k in keys) - kept
+
+    def charge_replayed(self, kept: int, other: int) -> None:
+        """Charge what a replayed element would have saved (``replay.ElementReplay``) to the running layer."""
+        for nbytes, is_kept in ((kept, True), (other, False)):
+            if nbytes:
+                token = object()  # stands for the storages it would have saved
+                self._own(id(token), token, nbytes)
+                if is_kept:
+                    self.kept.add(id(token))
+
+    def attention_started(self, query: torch.Tensor, key: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
+        tally = self.tallies[self.scope.current()]
+        tally.heads, tally.kv_heads = query.shape[1], key.shape[1]
+        tally.saved_bytes_selective = 0  # measured: filled in by selective_bytes
+        for tensor in inputs:
+            storage = tensor.untyped_storage()
+            self.kept.add(id(storage))
+            self.refs.setdefault(id(storage), storage)
+        self.in_core = True
+
+    def keep_for_backward(self, tensor: torch.Tensor) -> None:
+        self._charge(tensor, kept=True)
+
+    def attention_finished(self) -> None:
+        self.in_core = False
+
+    def selective_bytes(self) -> dict[str, int]:
+        """Per layer: bytes of its storages that stay saved when the attention cores are recomputed."""
+        kept: dict[str, int] = {}
+        for key, layer in self.owner.items():
+            if key in self.kept:
+                kept[layer] = kept.get(layer, 0) + self.nbytes[key]
+        return kept
+
+
+class SavedOps(TorchDispatchMode):
+    """In the forward, the FLOPs and output bytes of each ``aten.mm`` call (in call order) and the output bytes of each
+    attention core, charged to the layer running (what an op-level selective policy chooses from)."""
+
+    def __init__(self, scope: Scope, tallies: dict[str, Tally]) -> None:
+        super().__init__()
+        self.scope, self.tallies = scope, tallies
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch protocol
+        out = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if packet is torch.ops.aten.mm:
+            (m, k), n = args[0].shape, args[1].shape[1]
+            self.tallies[self.scope.current()].mm_calls.append((2 * m * k * n, out.nbytes))
+        elif packet in CORE_OPS:
+            self.tallies[self.scope.current()].core_output_bytes += sum(
+                t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out

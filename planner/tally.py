@@ -1,0 +1,56 @@
+"""What measuring one layer records (``planner.measure``), and which layer is running in the forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LOSS = "loss"
+"""FQN of the loss layer (computed outside the model)."""
+
+
+@dataclass
+class Tally:
+    """Raw measurements of one layer for the measured inputs."""
+
+    forward_flops: int = 0
+    backward_flops: int = 0
+    saved_bytes: int = 0
+    saved_bytes_selective: int | None = None
+    core_flops: int = 0
+    mm_calls: list[tuple[int, int]] = field(default_factory=list)
+    """(FLOPs, output bytes) of each ``aten.mm`` the layer's forward ran, in call order (empty: not measured)."""
+    core_output_bytes: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
+    output_width: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    expert_forward_flops: int = 0
+    expert_backward_flops: int = 0
+
+    @property
+    def op_selective_recompute_flops(self) -> int:
+        """What an op-level policy saving every other matmul re-runs: the second, fourth, ... matmuls."""
+        return sum(flops for flops, _ in self.mm_calls[1::2])
+
+    @property
+    def saved_bytes_op_selective(self) -> int | None:
+        """What it keeps: the layer's inputs, the first, third, ... matmuls' outputs and the attention cores'
+        (``None`` without matmuls measured)."""
+        if not self.mm_calls:
+            return None
+        return self.input_bytes + sum(nbytes for _, nbytes in self.mm_calls[0::2]) + self.core_output_bytes
+
+
+@dataclass
+class Scope:
+    """Which layer is running in the forward; glue goes to the first layer, after the model to the loss."""
+
+    first: str
+    stack: list[str] = field(default_factory=list)
+    model_done: bool = False
+
+    def current(self) -> str:
+        if self.stack:
+            return self.stack[-1]
+        return LOSS if self.model_done else self.first
