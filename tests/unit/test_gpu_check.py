@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tessera.topology import load_cluster
 
@@ -62,3 +63,27 @@ def test_every_gpu_configuration_plans_and_fits_an_h200(gpu_check):
     for _, spec, seq_len, micro_batch, recompute, precision in gpu_check.CONFIGS:
         plan = gpu_check.planned(spec, cluster, seq_len, micro_batch, recompute, precision)
         assert plan.estimate.fits and plan.strategy.micro_batch == micro_batch and plan.estimate.micro_batches == 2
+
+
+@pytest.fixture(scope="module")
+def gpu_matmul(gpu_check):
+    """Loaded after ``gpu_check``, which its ``main`` imports by name."""
+    spec = importlib.util.spec_from_file_location("gpu_matmul", BENCHMARKS / "gpu_matmul.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_kernel_table_prices_each_kernel_as_the_cost_model_does(gpu_check, gpu_matmul):
+    device = load_cluster(gpu_check.catalog_cluster("NVIDIA H200")).device
+    bf16, fp8 = gpu_matmul.model_matmul_flops(device, 8192)
+    assert 0.5 * 989e12 < bf16 < 989e12 and 0.5 * 1979e12 < fp8 < 1979e12
+    assert gpu_matmul.model_matmul_flops(device, 512)[0] < bf16  # narrow matmuls run further from peak
+    # H200 takes the H100's FlashAttention-2 curve: 328 TFLOP/s at 16K, counted on the causal half
+    assert gpu_matmul.model_attention_flops(device, 16384) == pytest.approx(328e12)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is")
+def test_the_kernel_table_refuses_without_a_gpu_in_one_line(gpu_matmul):
+    with pytest.raises(SystemExit, match="no CUDA device here"):
+        gpu_matmul.main([])
