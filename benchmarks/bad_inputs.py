@@ -220,7 +220,7 @@ def _number_cases() -> list[Case]:
     cases += [
         planning("plan", "--checkpoint-every", "10", name="plan/checkpoint-every without --mtbf-hours"),
         planning("plan", "--mtbf-hours", "1000", "--format", "json", name="plan/mtbf-hours with --format json"),
-        planning("plan", "--precision", "fp8"),
+        planning("plan", "--cluster", "dgx-a100:nodes=1", "--precision", "fp8", name="plan/fp8 on a part without FP8"),
         planning("plan", "--format", "pdf"),
         planning("plan", "--out", "{tmp}/rep", name="plan/--out without md or html"),
     ]

@@ -2,7 +2,7 @@
 
 Run where a GPU is lent: ``.venv/bin/python benchmarks/gpu_check.py && .venv/bin/python -m pytest tests/gpu`` (a few
 minutes on one H100/H200; ``--only REGEX`` picks configurations, ``--steps N`` timed steps each). Every configuration of ``CONFIGS`` (a model, micro-batch,
-recomputation and precision; 20 of them) is planned with everything pinned on a one-device cluster of the GPU's
+recomputation and precision; 22 of them) is planned with everything pinned on a one-device cluster of the GPU's
 catalog part (``catalog_cluster``: the name torch reports -> the catalog entry), applied by Tessera's runtime on that
 one device (``tessera.runtime.apply.apply_plan``, no process group), warmed up, timed over ``--steps`` steps
 (``torch.cuda.synchronize`` around each) and measured: ``torch.cuda.max_memory_allocated`` over one more step,
@@ -43,11 +43,15 @@ CONFIGS = [
     ("llama-bf16-mbs4-selective", SMALL_LLAMA, 2048, 4, "selective", "bf16"),
     *((f"llama-fp32-mbs{m}-none", SMALL_LLAMA, 2048, m, "none", "fp32") for m in (1, 2)),
     *((f"llama3-8b-2blocks-bf16-mbs{m}-none", LLAMA_8B_2, 4096, m, "none", "bf16") for m in (1, 2)),
+    ("gpt-fp8-mbs4-none", SMALL_GPT, 1024, 4, "none", "fp8"),  # torchao float8 (runtime.float8)
+    ("llama-fp8-mbs4-none", SMALL_LLAMA, 2048, 4, "none", "fp8"),
 ]
 CPU_WEIGHTY = "gpt:layers=4,hidden=768,heads=12,vocab=4096,seq=64"  # 34M parameters: weight copies are visible
+CPU_FP8 = "gpt:layers=2,hidden=128,heads=4,vocab=4096,seq=64"  # small: torch's CPU FP8 matmul is a reference loop
 CPU_CONFIGS = [
     *((f"tiny-fp32-mbs{m}-{r}", "gpt-tiny:layers=2", 64, m, r, "fp32") for m in (1, 2) for r in ("none", "full")),
     *((f"weighty-{p}-mbs1-none", CPU_WEIGHTY, 64, 1, "none", p) for p in ("fp32", "bf16")),
+    *((f"small-{p}-mbs2-{r}", CPU_FP8, 64, 2, r, p) for p in ("bf16", "fp8") for r in ("none", "full")),
 ]
 CATALOG_PARTS = (  # (words of torch's device name, preset, gpu= variant or None), first match wins
     (("H200",), "dgx-h200", None), (("H100", "NVL"), "dgx-h100", "H100-NVL-94GB"), (("H100",), "dgx-h100", None),

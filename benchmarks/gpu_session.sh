@@ -11,9 +11,10 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     ortools==9.15.6755 immutabledict==4.3.1 protobuf==6.33.6 pydantic==2.14.4 pydantic-core==2.50.5 \
-#     annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0
+#     annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 torchao==0.18.0
 #
-# (32 MB; ortools pins protobuf, pydantic a newer typing_extensions than the image may hold). Then, as one call:
+# (35 MB; ortools pins protobuf, pydantic a newer typing_extensions than the image may hold, torchao runs the fp8
+# rows). Then, as one call:
 #   run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=580)
 # and commit what comes back (gpu-check-cuda-<date>.md/.json, gpu-matmul-<date>.md) to benchmarks/results/.
 set -uo pipefail

@@ -74,7 +74,9 @@ GPU_CALIBRATION = Calibration(peak_fraction=0.74, half_width=160.0, traffic_fact
 # charged as on GPUs, ``traffic_factor`` passes at the profiled copy bandwidth: one thread runs the small GPT of
 # benchmarks/local_truth.py at ~0.095 CPU-s per sequence forward + backward, ~0.055 s of it matmul FLOPs at the
 # matmul rate, the other ~0.04 s about 4-5.5 passes over its 21 MiB of saved activations (2026-11-30).
-CPU_CALIBRATION = Calibration(peak_fraction=1.0, half_width=0.0, traffic_factor=GPU_CALIBRATION.traffic_factor)
+# FP8 likewise: the profiled rate is torch's CPU ``_scaled_mm`` itself (``topology.measure_device.fp8_matmul_flops``).
+CPU_CALIBRATION = Calibration(peak_fraction=1.0, half_width=0.0, traffic_factor=GPU_CALIBRATION.traffic_factor,
+                              fp8_peak_fraction=1.0)
 
 
 CAUSAL_WORK = 0.5

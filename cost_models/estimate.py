@@ -31,7 +31,7 @@ from tessera.cost_models.pipeline import in_flight_micro_batches, pipeline_slots
 from tessera.cost_models.sparse import check_sparse_and_long, cp_comm_s, ep_comm_s, ep_stride, sharded_params
 from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
 from tessera.errors import ConfigError
-from tessera.topology.cluster import Cluster
+from tessera.topology.cluster import Cluster, DeviceSpec
 from tessera.topology.collectives import all_reduce_time, all_to_all_time
 
 
@@ -92,7 +92,7 @@ def estimate(
     worst = max(range(len(stages)), key=lambda i: sum(memory[i].values()))
     model_flops = facts.flops_per_sequence * training.global_batch
     hardware_flops = model_flops + sum(recomputed_flops(stage, profile) for stage in stages) * training.global_batch
-    peak_rate = cluster.num_devices * cluster.device.peak_flops(training.precision)
+    peak_rate = cluster.num_devices * mfu_peak_flops(cluster.device, training.precision)
     t = times[slowest]
     return Estimate(
         step_time_s=step,
@@ -119,6 +119,15 @@ def estimate(
         hfu=hardware_flops / (step * peak_rate),
         notes=_notes(training, straggling),
     )
+
+
+def mfu_peak_flops(device: DeviceSpec, precision: str) -> float:
+    """The peak FLOP/s MFU divides by: ``precision``'s, and under fp8 the larger of the FP8 and bf16 peaks (an FP8
+    run also runs bf16 matmuls, so MFU is not well defined -- torchtitan's performance page declines to report it;
+    the larger peak keeps it at most 100%: the FP8 peak on GPUs, the bf16 one on CPU ranks, whose FP8 is slower)."""
+    if precision == "fp8":
+        return max(device.peak_flops("fp8"), device.peak_flops("bf16"))
+    return device.peak_flops(precision)
 
 
 def peak_memory_bytes(

@@ -123,8 +123,8 @@ DEEPSPEED_ZERO3_SLOWDOWN = 5.0
 """Fitted on SC'21 Table 2's DeepSpeed ZeRO-3 rows (``benchmarks/published.py`` prints the fit); re-fit there."""
 
 TESSERA = ImplementationProfile(name="tessera", autocast_copies=True)
-"""Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); it runs no FP8 (the planner plans it
-as torchao float8 on FSDP2 would run it)."""
+"""Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); FP8 through torchao's float8 linears
+(``runtime.float8``): cast on the fly from the bf16/fp32 weight, bf16 inputs saved, bf16 all-gathers."""
 TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False, autocast_copies=True,
                                    selective_policy="op", refused_together=())
 """torchtitan: FSDP2, torchao float8 (``enable_fsdp_float8_all_gather`` off by default), async TP on the

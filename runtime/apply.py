@@ -31,6 +31,7 @@ The runtime reads only the ``Plan`` data model (never the planner or the cost mo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -56,6 +57,7 @@ from tessera.runtime.data_parallel import (
 from tessera.runtime.lr_schedule import LRSchedulerFactory, build_scheduler
 from tessera.runtime.materialize import check_plan_agrees, is_on_meta, materialize_shards
 from tessera.runtime.context_parallel import apply_context_parallel, check_context_parallel
+from tessera.runtime.float8 import GEMM_MULTIPLE, check_float8, convert_blocks
 from tessera.runtime.expert_parallel import apply_expert_parallel, check_expert_folding, check_expert_parallel
 from tessera.runtime.mesh import PP, TP, build_mesh, device_type
 from tessera.runtime.offload import OffloadStats, apply_offload
@@ -69,6 +71,7 @@ from tessera.runtime.tensor_parallel import (
     sequence_entry,
 )
 
+log = logging.getLogger(__name__)
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 DEFAULT_LR = 1e-3
 
@@ -224,6 +227,8 @@ def apply_plan(
         check_plan_agrees(plan)
         broadcast_module_states(model)
         sync_batch_norms(model, mesh)
+    if plan.training.precision == "fp8":
+        _convert_to_float8(model, plan)
     on_meta = _split_experts(model, plan, mesh, on_meta=on_meta, device=device)
     chunks = pp_.local_chunks(plan, mesh.get_local_rank(PP)) if mesh is not None else [0]
     layers = [layer for layer in plan.layers if layer.chunk in chunks and layer.kind != "loss"]
@@ -243,14 +248,19 @@ def apply_plan(
                          lr_scheduler=build_scheduler(lr_scheduler_factory, optimizer))
 
 
+def _convert_to_float8(model: nn.Module, plan: Plan) -> None:
+    """The blocks' linears on FP8 matmuls (``runtime.float8``); says once which of them stay bf16."""
+    kept = convert_blocks(model, plan.block_fqns, plan.training.fp8_scaling)
+    if kept and (not dist.is_initialized() or dist.get_rank() == 0):
+        log.warning("fp8: %d linear(s) inside the blocks stay bf16 (a dimension not a multiple of %d): %s",
+                    len(kept), GEMM_MULTIPLE, ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else ""))
+
+
 def check_supported(plan: Plan) -> None:
     """Raise ``NotModelledError``/``ConfigError`` naming the problem if the runtime cannot run ``plan``."""
     check_expert_folding(plan.strategy)
     if plan.training.precision == "fp8":
-        raise NotModelledError(
-            "precision fp8 is planned (the blocks' linears on FP8 matrix units) but the runtime does not run it yet "
-            "(torchao float8 is not wired in; CPU ranks have no FP8 units); train with bf16"
-        )
+        check_float8(plan.training.fp8_scaling)
     if plan.training.precision == "fp16":
         raise NotModelledError(
             "precision fp16 needs dynamic loss scaling (a GradScaler whose overflow check agrees across "

@@ -67,7 +67,10 @@ from tessera.runtime.expert_parallel import apply_expert_data_parallel
 from tessera.runtime.mesh import data_mesh
 from tessera.runtime.tp_styles import fsdp_shard_placement
 
-COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                                          "fp8": torch.bfloat16}
+"""The dtype each precision computes in; under fp8 everything but the FP8 linears' matmuls is bf16
+(``runtime.float8``)."""
 
 
 def uses_ddp(strategy: Strategy) -> bool:

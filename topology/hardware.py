@@ -215,9 +215,11 @@ def local_cpu_device(ranks: int) -> DeviceSpec:
     cores = os.cpu_count() or 1
     # ~25 GFLOP/s fp32 per core: order of magnitude of an AVX2 core's sustained sgemm, not measured here.
     per_rank_flops = 25e9 * max(1, cores // ranks)
+    # FP8: torch's CPU _scaled_mm is a reference loop, ~0.06 GFLOP/s on one core here (2026-12-04, 512^3).
+    per_rank_fp8_flops = 0.06e9 * max(1, cores // ranks)
     return DeviceSpec(
         name=LOCAL_CPU,
-        peak_flops_by_dtype={"fp32": per_rank_flops, "bf16": per_rank_flops},
+        peak_flops_by_dtype={"fp32": per_rank_flops, "bf16": per_rank_flops, "fp8": per_rank_fp8_flops},
         memory_bytes=total_memory // ranks,
         memory_bandwidth_bytes_per_s=10e9,
         source=f"nominal: {cores} cores, {total_memory / GiB:.1f} GiB shared by {ranks} ranks (not profiled)",

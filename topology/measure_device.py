@@ -95,6 +95,29 @@ def _shared_rate(fn: Callable[[], None], *, device: torch.device, min_time_s: fl
     return calls / slowest
 
 
+FP8_CPU_DIM = 128
+"""Square size of the FP8 product timed on CPU ranks: torch 2.13's CPU ``_scaled_mm`` is a reference loop
+(~0.06 GFLOP/s on one core of this project's CPU machine, 2026-12-04), so a larger one takes seconds."""
+
+
+def fp8_matmul_flops(device: torch.device, *, dim: int, sweep: ProfileSweep) -> float:
+    """FLOP/s of ``torch._scaled_mm`` on e4m3 operands with every rank running (what FP8 training's linears
+    run), or 0 where this device or torch has no FP8 matmul (then the profile records no fp8 rate)."""
+    a = torch.randn(dim, dim, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(dim, dim, device=device).to(torch.float8_e4m3fn).t()  # column-major, as the kernels want
+    one = torch.ones((), device=device)
+
+    def product() -> None:
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    try:
+        product()
+    except (RuntimeError, NotImplementedError):
+        return 0.0
+    dist.barrier()
+    return 2 * dim**3 * _shared_rate(product, device=device, min_time_s=sweep.compute_time_s)
+
+
 def measure_device(
     device: torch.device, *, sweep: ProfileSweep, bar: Any, tp_degrees: Sequence[int] = ()
 ) -> DeviceMeasurement:
@@ -111,6 +134,7 @@ def measure_device(
         flops[name] = 2 * n**3 * _shared_rate(lambda: torch.mm(a, b), device=device, min_time_s=sweep.compute_time_s)
         if bar:
             bar.advance(task)
+    fp8 = fp8_matmul_flops(device, dim=dim if device.type == "cuda" else FP8_CPU_DIM, sweep=sweep)
     solo, overheads, fsdp, tp_slowdown = 1.0, {}, None, {}
     if device.type == "cpu":  # accelerators: a device per rank, and the host's overhead hides behind it
         solo = solo_speedup(flops["fp32"], dim=dim, device=device, sweep=sweep)
@@ -126,9 +150,10 @@ def measure_device(
     bandwidth = 2 * copy_bytes * _shared_rate(lambda: dst.copy_(src), device=device, min_time_s=sweep.compute_time_s)
     if bar:
         bar.advance(task)
-    values = reduce_values([flops["fp32"], flops["bf16"], bandwidth], op=dist.ReduceOp.MIN, device=device)
+    values = reduce_values([flops["fp32"], flops["bf16"], bandwidth, fp8], op=dist.ReduceOp.MIN, device=device)
+    by_dtype = {"fp32": values[0], "bf16": values[1]} | ({"fp8": values[3]} if values[3] > 0 else {})
     return DeviceMeasurement(
-        matmul_flops_by_dtype={"fp32": values[0], "bf16": values[1]}, matmul_dim=dim,
+        matmul_flops_by_dtype=by_dtype, matmul_dim=dim,
         memory_bandwidth_bytes_per_s=values[2], copy_bytes=copy_bytes, threads_per_rank=torch.get_num_threads(),
         solo_speedup=solo, linear_overhead_s=overheads, fsdp_comm_slowdown=fsdp, tp_compute_slowdown=tp_slowdown,
     )

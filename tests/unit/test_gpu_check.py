@@ -58,7 +58,7 @@ def test_a_gpu_the_catalog_lacks_is_refused_naming_the_ones_it_knows(gpu_check, 
 
 
 def test_every_gpu_configuration_plans_and_fits_an_h200(gpu_check):
-    assert len(gpu_check.CONFIGS) == 20 and len({c[0] for c in gpu_check.CONFIGS}) == 20
+    assert len(gpu_check.CONFIGS) == 22 and len({c[0] for c in gpu_check.CONFIGS}) == 22
     cluster = gpu_check.catalog_cluster("NVIDIA H200")
     for _, spec, seq_len, micro_batch, recompute, precision in gpu_check.CONFIGS:
         plan = gpu_check.planned(spec, cluster, seq_len, micro_batch, recompute, precision)

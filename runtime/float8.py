@@ -1,0 +1,98 @@
+"""FP8 training (``precision="fp8"``): the blocks' linears run their matmuls in FP8 through torchao's float8
+training (``torchao.float8.convert_to_float8_training``), as torchtitan does; everything else stays in bf16 mixed
+precision (attention cores, norms, the embedding and the head), which is what ``cost_models.fp8`` prices.
+
+Each converted ``nn.Linear`` becomes a ``Float8Linear``: in every forward and backward it casts its input, its
+weight and its output gradient to FP8 with a scale from the tensor's own absolute maximum (``current`` scaling:
+torchao's ``tensorwise`` recipe; ``rowwise``: one scale per row) and multiplies them with ``torch._scaled_mm``.
+Its weights stay bf16/fp32 as the mixed-precision policy holds them, and autograd saves the bf16 input, as the
+``TESSERA`` implementation profile's FP8 memory assumes (no FP8 weight copies, no FP8 saved inputs, no FP8
+all-gather). ``torch._scaled_mm`` runs on CPU too (torch 2.13: FP8 storage and rounding, products in higher
+precision), so FP8 plans run on the gloo ranks here with FP8's numerics, at CPU speed.
+
+Converted: the ``nn.Linear`` modules inside the plan's blocks whose two dimensions are multiples of 16 (FP8
+GEMM kernels tile by 16; torchao's own rule). The others stay bf16 and are listed by :func:`convert_blocks` (a MoE
+router's few outputs, say). Not converted, and priced as FP8 all the same (left open): routed experts held as
+stacked weights (Tessera's ``MoELayer``, Hugging Face's Mixtral/Qwen MoE blocks), which would need torchao's
+grouped FP8 GEMMs, and GPT-2's ``Conv1D``.
+
+Under the splits: data parallelism and pipelining cast exactly the tensors one process would; FSDP2 gathers
+bf16 weights, so a weight's scale comes from its bf16 copy; tensor parallelism's row-parallel linears receive
+their input as each rank's local shard, which is cast with its own scale (torchao's ``Float8RowwiseParallel``
+would cast before the split; Tessera's tensor parallelism keeps its own styles). Both are valid FP8 training
+with other roundings (``tests/distributed/test_float8.py`` measures the spread).
+Refused in one line: ``delayed`` scaling (torchao dropped it; use ``current``), ``block`` and ``mx`` scaling
+(MX formats need Blackwell's kernels; torchao's MX training is not wired in), and a missing torchao.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from torch import nn
+
+from tessera.cost_models.types import Fp8Scaling
+from tessera.errors import ConfigError, NotModelledError
+
+TORCHAO_RECIPES: dict[str, str] = {"current": "tensorwise", "rowwise": "rowwise"}
+"""Tessera's ``fp8_scaling`` -> torchao's ``Float8LinearRecipeName``."""
+GEMM_MULTIPLE = 16
+"""Both dimensions of a converted linear's weight must be multiples of this (FP8 GEMM tiles)."""
+TORCHAO_INSTALL = "pip install torchao==0.18.0"
+
+
+def check_float8(scaling: Fp8Scaling) -> None:
+    """Raise unless the runtime can train with FP8 ``scaling`` here (before any process group is made)."""
+    if scaling not in TORCHAO_RECIPES:
+        why = ("torchao removed delayed scaling; current scaling (a scale from each tensor's own maximum) replaces it"
+               if scaling == "delayed" else
+               f"{scaling} scaling needs MX/blockwise FP8 kernels (Blackwell) that the runtime does not wire in")
+        raise NotModelledError(f"fp8_scaling={scaling}: {why}; run fp8_scaling=current or rowwise")
+    torchao_float8()
+
+
+QUIET_ON_IMPORT = ("torchao", "torch.utils._pytree")
+"""Loggers muted while torchao imports: it warns about each CUDA kernel library a CPU host cannot load, and
+torch about how torchao registers an enum with pytree; neither concerns the user."""
+
+
+def torchao_float8():
+    """``torchao.float8``, imported quietly (``QUIET_ON_IMPORT``)."""
+    loggers = [logging.getLogger(name) for name in QUIET_ON_IMPORT]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as float8
+    except ImportError as error:
+        raise ConfigError(f"precision fp8 trains through torchao's float8 linears and torchao is not installed "
+                          f"({error}); {TORCHAO_INSTALL}, or train with precision bf16") from None
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+    return float8
+
+
+def convertible(module: nn.Module) -> bool:
+    """Whether ``module`` is a linear whose matmuls the FP8 kernels can run."""
+    return (type(module) is nn.Linear and module.in_features % GEMM_MULTIPLE == 0
+            and module.out_features % GEMM_MULTIPLE == 0)
+
+
+def convert_blocks(model: nn.Module, block_fqns: Iterable[str], scaling: Fp8Scaling) -> list[str]:
+    """Swap the FP8-capable linears inside the blocks ``block_fqns`` of ``model`` for torchao ``Float8Linear``s
+    (in place, before any sharding); returns the FQNs of the blocks' linears left in bf16 (dimensions not
+    multiples of ``GEMM_MULTIPLE``)."""
+    float8 = torchao_float8()
+    config = float8.Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[scaling])
+    blocks = tuple(block_fqns)
+    kept = [fqn for fqn, module in model.named_modules()
+            if _inside(fqn, blocks) and type(module) is nn.Linear and not convertible(module)]
+    float8.convert_to_float8_training(model, config=config,
+                                      module_filter_fn=lambda module, fqn: _inside(fqn, blocks) and convertible(module))
+    return kept
+
+
+def _inside(fqn: str, blocks: tuple[str, ...]) -> bool:
+    return any(fqn.startswith(block + ".") for block in blocks)
