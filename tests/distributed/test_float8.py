@@ -25,7 +25,8 @@ from tessera.errors import ConfigError, NotModelledError
 from tessera.runtime.apply import apply_plan
 
 from .harness import (
-    BF16_LOSS_TOL, FP32_TOL, GPT, GRAD_TOL, PARAM_TOL, make_model, make_plan, merged, reference, train_case,
+    BF16_LOSS_TOL, FP32_TOL, GPT, GRAD_TOL, LLAMA, MOE, PARAM_TOL, make_batches, make_model, make_plan, merged,
+    reference, train_case,
 )
 
 pytest.importorskip("torchao.float8", reason="fp8 trains through torchao (the test extras install it)")
@@ -36,20 +37,24 @@ RESCALED = ["dp=2,zero=3,mbs=1", "dp=1,tp=2,mbs=1"]
 FP8_LOSS_RTOL, FP8_GRAD_NORM, FP8_PARAM_NORM = 2e-3, 0.15, 0.03
 
 
-@functools.cache
-def single_fp8() -> dict:
-    return train_case(GPT, "dp=1,mbs=1", "fp8")
-
-
-def run_fp8_cases(strategies: list[str]) -> dict:
-    return {(GPT, strategy): train_case(GPT, strategy, "fp8") for strategy in strategies}
+FOUR_RANKS = [(LLAMA, "dp=2,tp=2,sp=true,zero=3,mbs=1"), (LLAMA, "dp=2,cp=2,mbs=1"), (MOE, "dp=4,ep=2,mbs=1")]
 
 
 @functools.cache
-def two_ranks() -> list[dict]:
+def single_fp8(spec: str = GPT) -> dict:
+    return train_case(spec, "dp=1,mbs=1", "fp8")
+
+
+def run_fp8_cases(cases: list[tuple[str, str]]) -> dict:
+    return {(spec, strategy): train_case(spec, strategy, "fp8") for spec, strategy in cases}
+
+
+@functools.cache
+def ranks(world: int) -> list[dict]:
     from tessera.runtime.launch import spawn
 
-    return spawn(run_fp8_cases, nprocs=2, args=(EXACT + RESCALED,), timeout_s=600)
+    cases = [(GPT, strategy) for strategy in EXACT + RESCALED] if world == 2 else FOUR_RANKS
+    return spawn(run_fp8_cases, nprocs=world, args=(cases,), timeout_s=600)
 
 
 def relative_norm(result: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
@@ -76,7 +81,7 @@ def test_one_process_runs_the_blocks_linears_in_fp8_and_the_rest_in_bf16():
 
 @pytest.mark.parametrize("strategy", EXACT)
 def test_splits_whose_casts_see_the_same_tensors_train_exactly_like_one_fp8_process(strategy):
-    result, expected = merged(two_ranks(), (GPT, strategy)), single_fp8()
+    result, expected = merged(ranks(2), (GPT, strategy)), single_fp8()
     torch.testing.assert_close(result["losses"][0], expected["losses"], **FP32_TOL)
     torch.testing.assert_close(result["grads"], expected["grads"], **GRAD_TOL)
     torch.testing.assert_close(result["params"], expected["params"], **PARAM_TOL)
@@ -84,7 +89,31 @@ def test_splits_whose_casts_see_the_same_tensors_train_exactly_like_one_fp8_proc
 
 @pytest.mark.parametrize("strategy", RESCALED)
 def test_splits_that_change_the_scales_train_like_one_fp8_process_within_fp8_noise(strategy):
-    result, expected = merged(two_ranks(), (GPT, strategy)), single_fp8()
+    assert_within_fp8_noise(merged(ranks(2), (GPT, strategy)), single_fp8())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("spec", "strategy"), FOUR_RANKS)
+def test_sequence_context_and_expert_parallelism_train_fp8_within_its_noise(spec, strategy):
+    # sp casts each rank's shard of the sequence with its own scale; cp each rank's tokens; a MoE router (4
+    # outputs) stays bf16 and the stacked experts are no linears (runtime.float8)
+    assert_within_fp8_noise(merged(ranks(4), (spec, strategy)), single_fp8(spec))
+
+
+def test_rowwise_scaling_trains_one_process_near_full_precision():
+    model = make_model(GPT)
+    plan = make_plan(GPT, model, "dp=1,mbs=1", "fp8")
+    parallel = apply_plan(model, with_scaling(plan, "rowwise"))
+    losses = [parallel.train_step(batch) for batch in make_batches(GPT)]
+    torch.testing.assert_close(losses, reference(GPT)[0], **BF16_LOSS_TOL)
+    assert losses != single_fp8()["losses"]  # one scale per row rounds otherwise than one per tensor
+
+
+def with_scaling(plan, scaling: str):
+    return plan.model_copy(update={"training": plan.training.model_copy(update={"fp8_scaling": scaling})})
+
+
+def assert_within_fp8_noise(result: dict, expected: dict) -> None:
     assert all(losses == result["losses"][0] for losses in result["losses"])
     torch.testing.assert_close(result["losses"][0], expected["losses"], rtol=FP8_LOSS_RTOL, atol=0.0)
     assert relative_norm(result["grads"], expected["grads"]) < FP8_GRAD_NORM
@@ -96,8 +125,7 @@ def test_splits_that_change_the_scales_train_like_one_fp8_process_within_fp8_noi
                                               ("block", "block scaling needs MX/blockwise")])
 def test_scalings_the_runtime_cannot_run_are_refused_in_one_line(scaling, fix):
     model = make_model(GPT)
-    plan = make_plan(GPT, model, "dp=1", "fp8")
-    plan = plan.model_copy(update={"training": plan.training.model_copy(update={"fp8_scaling": scaling})})
+    plan = with_scaling(make_plan(GPT, model, "dp=1", "fp8"), scaling)
     with pytest.raises(NotModelledError, match=f"fp8_scaling={scaling}: {fix}.*run fp8_scaling=current") as error:
         apply_plan(model, plan)
     assert "\n" not in str(error.value)
