@@ -93,8 +93,8 @@ def stage_memory(
     if profile.gradient_bytes != FP32:  # gradients held in the framework's reduction dtype
         marks = tuple(dict(mark, gradients=mark["gradients"] * profile.gradient_bytes / FP32) for mark in marks)
     if autocasts(training, strategy, profile):  # the compute-dtype weight copies live until the backward is done
-        marks = (dict(marks[0], parameters=marks[0]["parameters"] + local_params(stage, strategy) * compute_dtype_bytes(training)),
-                 marks[1])
+        copies = autocast_copied_params(stage, training, strategy) * compute_dtype_bytes(training)
+        marks = (dict(marks[0], parameters=marks[0]["parameters"] + copies), marks[1])
     peak = max(marks, key=lambda mark: sum(mark.values()))
     return {**{name: max(0, int(value)) for name, value in peak.items()}, "reserve": reserve}
 
@@ -106,9 +106,7 @@ def with_fp8_state(
     """A high-water mark under FP8 as ``profile`` holds it: FP8 weight copies of the blocks' linears kept across
     micro-batches (Transformer Engine: the weight and its transpose), the linears' inputs saved in FP8 instead
     of bf16, and ZeRO-3's gathered block parameters in FP8 where the framework all-gathers FP8 weights."""
-    local = local_params(stage, strategy)
-    blocks = local - (stage.root_sharded_params / strategy.tp + stage.root_replicated_params)
-    updated = dict(mark, parameters=mark["parameters"] + profile.weight_fp8_bytes * blocks)
+    updated = dict(mark, parameters=mark["parameters"] + profile.weight_fp8_bytes * block_params(stage, strategy))
     if not in_backward:
         return updated
     in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
@@ -178,10 +176,22 @@ def kept_local_params(stage: StageTotals, strategy: Strategy) -> float:
 
 
 def autocasts(training: TrainingConfig, strategy: Strategy, profile: ImplementationProfile) -> bool:
-    """Whether mixed precision runs by ``torch.autocast`` (``ImplementationProfile.autocast_copies``): bf16/fp16 on a
-    model no FSDP unit wraps, ZeRO-0 without FSDP2's ``replicate`` (``runtime.parallel_model._autocast``)."""
-    return (profile.autocast_copies and training.precision in ("bf16", "fp16") and strategy.zero == 0
+    """Whether mixed precision runs by ``torch.autocast`` (``ImplementationProfile.autocast_copies``): bf16/fp16/fp8
+    on a model no FSDP unit wraps, ZeRO-0 without FSDP2's ``replicate`` (``runtime.parallel_model._autocast``)."""
+    return (profile.autocast_copies and training.precision in ("bf16", "fp16", "fp8") and strategy.zero == 0
             and not uses_fsdp2_replicate(strategy))
+
+
+def autocast_copied_params(stage: StageTotals, training: TrainingConfig, strategy: Strategy) -> float:
+    """Local parameters autocast keeps a compute-dtype copy of: all of them, except under fp8 the blocks' (their
+    FP8 linears cast the weight straight to FP8 on each use, ``runtime.float8``; the norms inside them are few)."""
+    local = local_params(stage, strategy)
+    return local - block_params(stage, strategy) if training.precision == "fp8" else local
+
+
+def block_params(stage: StageTotals, strategy: Strategy) -> float:
+    """Local parameters inside the stage's blocks (all but the root's embedding, final norm and head)."""
+    return local_params(stage, strategy) - (stage.root_sharded_params / strategy.tp + stage.root_replicated_params)
 
 
 def uses_ddp(strategy: Strategy) -> bool:

@@ -57,7 +57,7 @@ from tessera.runtime.data_parallel import (
 from tessera.runtime.lr_schedule import LRSchedulerFactory, build_scheduler
 from tessera.runtime.materialize import check_plan_agrees, is_on_meta, materialize_shards
 from tessera.runtime.context_parallel import apply_context_parallel, check_context_parallel
-from tessera.runtime.float8 import GEMM_MULTIPLE, check_float8, convert_blocks
+from tessera.runtime.float8 import MAX_BF16_SHARE, check_float8, check_float8_model, convert_blocks
 from tessera.runtime.expert_parallel import apply_expert_parallel, check_expert_folding, check_expert_parallel
 from tessera.runtime.mesh import PP, TP, build_mesh, device_type
 from tessera.runtime.offload import OffloadStats, apply_offload
@@ -216,6 +216,8 @@ def apply_plan(
     ``seq_len`` and does not compose with pipelining (``NotModelledError`` names the combination).
     """
     check_supported(plan)
+    if plan.training.precision == "fp8":
+        check_float8_model(model, plan.block_fqns)
     check_batch_norm(model, plan)
     _check_experts_and_context(model, plan, compile_blocks=compile_blocks)  # before any process group is made
     on_meta = is_on_meta(model)
@@ -249,11 +251,12 @@ def apply_plan(
 
 
 def _convert_to_float8(model: nn.Module, plan: Plan) -> None:
-    """The blocks' linears on FP8 matmuls (``runtime.float8``); says once which of them stay bf16."""
-    kept = convert_blocks(model, plan.block_fqns, plan.training.fp8_scaling)
+    """The blocks' linears on FP8 matmuls (``runtime.float8``); says once which matrix weights stay bf16."""
+    kept = list(convert_blocks(model, plan.block_fqns, plan.training.fp8_scaling))
     if kept and (not dist.is_initialized() or dist.get_rank() == 0):
-        log.warning("fp8: %d linear(s) inside the blocks stay bf16 (a dimension not a multiple of %d): %s",
-                    len(kept), GEMM_MULTIPLE, ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else ""))
+        log.warning("fp8: %d matrix weight(s) inside the blocks stay bf16 though the plan priced them FP8 (under "
+                    "%.0f%% of the blocks' weights): %s", len(kept), 100 * MAX_BF16_SHARE,
+                    ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else ""))
 
 
 def check_supported(plan: Plan) -> None:

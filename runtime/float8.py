@@ -11,10 +11,11 @@ all-gather). ``torch._scaled_mm`` runs on CPU too (torch 2.13: FP8 storage and r
 precision), so FP8 plans run on the gloo ranks here with FP8's numerics, at CPU speed.
 
 Converted: the ``nn.Linear`` modules inside the plan's blocks whose two dimensions are multiples of 16 (FP8
-GEMM kernels tile by 16; torchao's own rule). The others stay bf16 and are listed by :func:`convert_blocks` (a MoE
-router's few outputs, say). Not converted, and priced as FP8 all the same (left open): routed experts held as
-stacked weights (Tessera's ``MoELayer``, Hugging Face's Mixtral/Qwen MoE blocks), which would need torchao's
-grouped FP8 GEMMs, and GPT-2's ``Conv1D``.
+GEMM kernels tile by 16; torchao's own rule). The cost model prices all of the blocks' matmuls but the attention
+cores as FP8, so the runtime refuses a model whose blocks keep more than ``MAX_BF16_SHARE`` of their matrix
+weights out of FP8 (:func:`check_float8_model`, before anything is built): routed experts held as stacked weights
+(Tessera's ``MoELayer``, Hugging Face's Mixtral/Qwen MoE blocks: torchao's grouped FP8 GEMMs are not wired in),
+GPT-2's ``Conv1D``. Below that share (a MoE router's few outputs, say) they stay bf16 with a warning naming them.
 
 Under the splits: data parallelism and pipelining cast exactly the tensors one process would; FSDP2 gathers
 bf16 weights, so a weight's scale comes from its bf16 copy; tensor parallelism's row-parallel linears receive
@@ -30,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from tessera.cost_models.types import Fp8Scaling
@@ -40,6 +42,9 @@ TORCHAO_RECIPES: dict[str, str] = {"current": "tensorwise", "rowwise": "rowwise"
 GEMM_MULTIPLE = 16
 """Both dimensions of a converted linear's weight must be multiples of this (FP8 GEMM tiles)."""
 TORCHAO_INSTALL = "pip install torchao==0.18.0"
+MAX_BF16_SHARE = 0.01
+"""Largest share of the blocks' matrix weights (parameters of two or more dimensions) that may stay out of FP8
+while the plan prices them as FP8: beyond it the prediction would miss by about that share of the matmul time."""
 
 
 def check_float8(scaling: Fp8Scaling) -> None:
@@ -68,6 +73,10 @@ def torchao_float8():
     except ImportError as error:
         raise ConfigError(f"precision fp8 trains through torchao's float8 linears and torchao is not installed "
                           f"({error}); {TORCHAO_INSTALL}, or train with precision bf16") from None
+    except Exception as error:  # a torchao built for another torch fails in many ways at import
+        raise ConfigError(f"precision fp8: torchao failed to import with torch {torch.__version__} "
+                          f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); install the torchao "
+                          f"release made for this torch, or train with precision bf16") from None
     finally:
         for log, level in zip(loggers, levels):
             log.setLevel(level)
@@ -80,18 +89,52 @@ def convertible(module: nn.Module) -> bool:
             and module.out_features % GEMM_MULTIPLE == 0)
 
 
-def convert_blocks(model: nn.Module, block_fqns: Iterable[str], scaling: Fp8Scaling) -> list[str]:
+def bf16_matrices(model: nn.Module, block_fqns: Iterable[str]) -> dict[str, int]:
+    """The blocks' matrix weights FP8 would not cover, by FQN: their element counts."""
+    blocks = tuple(block_fqns)
+    covered = {id(module.weight) for fqn, module in model.named_modules()
+               if _inside(fqn, blocks) and convertible(module)}
+    return {fqn: param.numel() for fqn, param in model.named_parameters(remove_duplicate=False)
+            if _inside(fqn, blocks) and param.dim() >= 2 and id(param) not in covered}
+
+
+def check_float8_model(model: nn.Module, block_fqns: Iterable[str]) -> dict[str, int]:
+    """Raise if FP8 would leave more than ``MAX_BF16_SHARE`` of the blocks' matrix weights in bf16; else return
+    the ones it leaves (``bf16_matrices``)."""
+    blocks = tuple(block_fqns)
+    left = bf16_matrices(model, blocks)
+    total = sum(param.numel() for fqn, param in model.named_parameters(remove_duplicate=False)
+                if _inside(fqn, blocks) and param.dim() >= 2)
+    if total and sum(left.values()) > MAX_BF16_SHARE * total:
+        largest = sorted(left, key=left.get, reverse=True)[:3]
+        raise NotModelledError(
+            f"precision fp8: {sum(left.values()) / total:.0%} of the blocks' matrix weights are not nn.Linear "
+            f"layers FP8 can run (e.g. {', '.join(largest)}: stacked experts, Conv1D or dimensions not multiples of "
+            f"{GEMM_MULTIPLE}), so they would run bf16 while the plan prices them FP8; train with precision bf16")
+    return left
+
+
+def convert_blocks(model: nn.Module, block_fqns: Iterable[str], scaling: Fp8Scaling) -> dict[str, int]:
     """Swap the FP8-capable linears inside the blocks ``block_fqns`` of ``model`` for torchao ``Float8Linear``s
-    (in place, before any sharding); returns the FQNs of the blocks' linears left in bf16 (dimensions not
-    multiples of ``GEMM_MULTIPLE``)."""
+    (in place, before any sharding); returns the blocks' matrix weights left in bf16 (``check_float8_model``)."""
     float8 = torchao_float8()
     config = float8.Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[scaling])
     blocks = tuple(block_fqns)
-    kept = [fqn for fqn, module in model.named_modules()
-            if _inside(fqn, blocks) and type(module) is nn.Linear and not convertible(module)]
+    kept = check_float8_model(model, blocks)
     float8.convert_to_float8_training(model, config=config,
                                       module_filter_fn=lambda module, fqn: _inside(fqn, blocks) and convertible(module))
+    for module in model.modules():
+        if isinstance(module, float8.float8_linear.Float8Linear):
+            module.register_forward_pre_hook(_cast_input_under_cpu_autocast)
     return kept
+
+
+def _cast_input_under_cpu_autocast(module: nn.Module, args: tuple) -> tuple | None:
+    """Under CPU autocast, the input in the autocast dtype, as ``Float8Linear`` itself does under CUDA autocast
+    (torchao 0.18 checks CUDA's autocast only): else a CPU rank casts, saves and returns fp32 where a GPU has bf16."""
+    if not torch.is_autocast_enabled("cpu") or not args or args[0].dtype == torch.get_autocast_dtype("cpu"):
+        return None
+    return (args[0].to(torch.get_autocast_dtype("cpu")), *args[1:])
 
 
 def _inside(fqn: str, blocks: tuple[str, ...]) -> bool:

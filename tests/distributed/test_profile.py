@@ -31,6 +31,7 @@ def test_profile_world_on_two_gloo_ranks_round_trips_through_load_cluster(tmp_pa
     assert cluster.num_devices == 2 and cluster.device.name == "local-cpu"
     assert "measured by tessera profile" in cluster.device.source
     assert 1e8 < cluster.device.peak_flops("fp32") < 1e13  # a CPU core's matmul rate, measured
+    assert 1e6 < cluster.device.peak_flops("fp8") < 1e13  # torch's CPU _scaled_mm (a reference loop in torch 2.13)
     level = cluster.levels[0]
     assert level.group_size == 2 and set(level.collective_latency_s) >= {"all_reduce", "all_gather", "p2p"}
     assert all_reduce_time(cluster, 2**20, group_size=2) > 0

@@ -40,6 +40,15 @@ def test_autocast_weight_copies_are_in_the_prediction(gpu_check, tmp_path):
         assert abs(float(row.rstrip(" |").rsplit("|", 1)[1].strip().rstrip("%"))) < 5, row
 
 
+def test_fp8_memory_is_predicted_as_torchao_holds_it(gpu_check, tmp_path):
+    # torchao's Float8Linear casts the fp32 weight straight to FP8 (no autocast copy of the blocks' weights) and
+    # saves its bf16 input: the same peak as bf16 within the memory model's error on CPU ranks
+    text = gpu_check.main(["--device", "cpu", "--only", "small-fp8-mbs2-none", "--steps", "1",
+                           "--out", str(tmp_path)]).read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| small-fp8-mbs2-none"))
+    assert "FAILED" not in text and abs(float(row.rstrip(" |").rsplit("|", 1)[1].strip().rstrip("%"))) < 5, row
+
+
 @pytest.mark.parametrize("torch_name,catalog_name", [
     ("NVIDIA H200", "H200-SXM-141GB"), ("NVIDIA H100 80GB HBM3", "H100-SXM-80GB"), ("NVIDIA H100 NVL", "H100-NVL-94GB"),
     ("NVIDIA A100-SXM4-40GB", "A100-SXM-40GB"), ("NVIDIA A100-SXM4-80GB", "A100-SXM-80GB"),
