@@ -27,8 +27,8 @@ fi
 mkdir -p /tmp/tessera-path && ln -sfn "$PWD" /tmp/tessera-path/tessera
 export PYTHONPATH=/tmp/site:/tmp/tessera-path PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv | tee "$OUT/device.txt"
-python3 -c "import torch, tessera.api; print('torch', torch.__version__, torch.cuda.get_device_name())" \
-  2>&1 | tee -a "$OUT/device.txt" || exit 1
+python3 -c "import sys, torch, tessera.api; torch.cuda.is_available() or sys.exit('no CUDA device: nothing to measure');
+print('torch', torch.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/device.txt" || exit 1
 timeout 330 python3 benchmarks/gpu_check.py --out "$OUT" 2>&1 | grep -v USDT | tee "$OUT/gpu_check.log"
 timeout 90 python3 benchmarks/gpu_matmul.py --out "$OUT" 2>&1 | tee "$OUT/gpu_matmul.log"
 timeout 100 python3 -m pytest -p no:cacheprovider tests/gpu -q -o addopts=-ra 2>&1 | tail -20 \
