@@ -13,15 +13,17 @@ precision), so FP8 plans run on the gloo ranks here with FP8's numerics, at CPU 
 Converted: the ``nn.Linear`` modules inside the plan's blocks whose two dimensions are multiples of 16 (FP8
 GEMM kernels tile by 16; torchao's own rule). The cost model prices all of the blocks' matmuls but the attention
 cores as FP8, so the runtime refuses a model whose blocks keep more than ``MAX_BF16_SHARE`` of their matrix
-weights out of FP8 (:func:`check_float8_model`, before anything is built): routed experts held as stacked weights
-(Tessera's ``MoELayer``, Hugging Face's Mixtral/Qwen MoE blocks: torchao's grouped FP8 GEMMs are not wired in),
-GPT-2's ``Conv1D``. Below that share (a MoE router's few outputs, say) they stay bf16 with a warning naming them.
+weights out of FP8 (:func:`check_float8_model`, before anything is sharded): routed experts held as stacked
+weights (Hugging Face's Mixtral/Qwen MoE blocks: torchao's grouped FP8 GEMMs are not wired in; Tessera's own
+``MoELayer`` holds its experts as linears, which run FP8), GPT-2's ``Conv1D``. Below that share (a MoE router's few
+outputs, say) they stay bf16 with a warning naming them.
 
 Under the splits: data parallelism and pipelining cast exactly the tensors one process would; FSDP2 gathers
 bf16 weights, so a weight's scale comes from its bf16 copy; tensor parallelism's row-parallel linears receive
 their input as each rank's local shard, which is cast with its own scale (torchao's ``Float8RowwiseParallel``
 would cast before the split; Tessera's tensor parallelism keeps its own styles). Both are valid FP8 training
 with other roundings (``tests/distributed/test_float8.py`` measures the spread).
+
 Refused in one line: ``delayed`` scaling (torchao dropped it; use ``current``), ``block`` and ``mx`` scaling
 (MX formats need Blackwell's kernels; torchao's MX training is not wired in), and a missing torchao.
 """
@@ -89,22 +91,22 @@ def convertible(module: nn.Module) -> bool:
             and module.out_features % GEMM_MULTIPLE == 0)
 
 
-def bf16_matrices(model: nn.Module, block_fqns: Iterable[str]) -> dict[str, int]:
-    """The blocks' matrix weights FP8 would not cover, by FQN: their element counts."""
+def bf16_matrices(model: nn.Module, block_fqns: Iterable[str]) -> tuple[dict[str, int], int]:
+    """The blocks' matrix weights (two or more dimensions) FP8 would not cover, as element counts by FQN, and the
+    element count of all the blocks' matrix weights."""
     blocks = tuple(block_fqns)
     covered = {id(module.weight) for fqn, module in model.named_modules()
                if _inside(fqn, blocks) and convertible(module)}
-    return {fqn: param.numel() for fqn, param in model.named_parameters(remove_duplicate=False)
-            if _inside(fqn, blocks) and param.dim() >= 2 and id(param) not in covered}
+    matrices = [(fqn, param) for fqn, param in model.named_parameters(remove_duplicate=False)
+                if _inside(fqn, blocks) and param.dim() >= 2]
+    left = {fqn: param.numel() for fqn, param in matrices if id(param) not in covered}
+    return left, sum(param.numel() for _, param in matrices)
 
 
 def check_float8_model(model: nn.Module, block_fqns: Iterable[str]) -> dict[str, int]:
     """Raise if FP8 would leave more than ``MAX_BF16_SHARE`` of the blocks' matrix weights in bf16; else return
     the ones it leaves (``bf16_matrices``)."""
-    blocks = tuple(block_fqns)
-    left = bf16_matrices(model, blocks)
-    total = sum(param.numel() for fqn, param in model.named_parameters(remove_duplicate=False)
-                if _inside(fqn, blocks) and param.dim() >= 2)
+    left, total = bf16_matrices(model, block_fqns)
     if total and sum(left.values()) > MAX_BF16_SHARE * total:
         largest = sorted(left, key=left.get, reverse=True)[:3]
         raise NotModelledError(

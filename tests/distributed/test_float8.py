@@ -24,6 +24,7 @@ from torch import nn
 import tessera
 from tessera.errors import ConfigError, NotModelledError
 from tessera.runtime.apply import apply_plan
+from tessera.runtime.float8 import bf16_matrices, check_float8_model
 
 from .harness import (
     FP32_TOL, GPT, GRAD_TOL, LLAMA, MOE, PARAM_TOL, full_tensors, make_batches, make_model, make_plan, merged,
@@ -100,6 +101,14 @@ def test_a_model_whose_blocks_hold_no_linears_fp8_can_run_is_refused_in_one_line
     with pytest.raises(NotModelledError, match=r"precision fp8: \d+% of the blocks' matrix weights .*experts\.gate_up_proj"
                                                r".*train with precision bf16"):
         tessera.auto_parallelize(model, "cpu:ranks=1", global_batch=4, seq_len=32, precision="fp8")
+
+
+def test_a_few_small_matrices_outside_fp8_are_kept_in_bf16_and_named():
+    model = make_model(MOE)  # Tessera's MoE: experts are linears (FP8); routers have 4 outputs (not a multiple of 16)
+    blocks = make_plan(MOE, model, "dp=1", "fp8").block_fqns
+    left, total = bf16_matrices(model, blocks)
+    assert set(left) == {f"{block}.moe.router.weight" for block in blocks} and sum(left.values()) < 0.01 * total
+    assert check_float8_model(model, blocks) == left
 
 
 def fp32_reference() -> dict:
