@@ -77,13 +77,14 @@ def measure(spec: str, plan_json: str, global_batch: int, seq_len: int) -> int:
     return meter.peak_bytes
 
 
-def plan_for(spec: str, pins: str, ranks: int, global_batch: int, seq_len: int) -> Plan:
+def plan_for(spec: str, pins: str, ranks: int, global_batch: int, seq_len: int, precision: str | None = None) -> Plan:
     from tessera.api import _prepare
     from tessera.cost_models import estimate
     from tessera.cost_models.types import Strategy
     from tessera.planner.search import planned_layers
 
-    graph, cluster, training = _prepare(spec, f"cpu:ranks={ranks}", global_batch=global_batch, seq_len=seq_len, precision=None)
+    graph, cluster, training = _prepare(spec, f"cpu:ranks={ranks}", global_batch=global_batch, seq_len=seq_len,
+                                        precision=precision)
     strategy = Strategy.parse(f"{pins},mbs=2,recompute=none")
     return Plan(model_name=spec, param_count=graph.param_count, cluster=cluster.name, device_name=cluster.device.name,
                 training=training, strategy=strategy, estimate=estimate(list(graph.layers), cluster, training, strategy),
@@ -95,6 +96,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of the models")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of the paths")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp8"), help="default: the CPU cluster's (fp32); fp8 "
+                        "runs torchao's float8 linears, whose CPU matmul is a reference loop: use it with gpt-tiny")
     parser.add_argument("--reuse", type=Path, help="take the measured peaks from this JSON (written by a run) and "
                         "only re-predict (for iterating on the cost model; the measurement does not depend on it); "
                         "rows missing from it are measured and added")
@@ -106,7 +109,7 @@ def main() -> None:
     for model in args.models.split(","):
         spec, global_batch, seq_len = MODELS[model]
         for name in args.strategies.split(","):
-            plan = plan_for(spec, STRATEGIES[name], args.ranks, global_batch, seq_len)
+            plan = plan_for(spec, STRATEGIES[name], args.ranks, global_batch, seq_len, args.precision)
             key = f"{model}|{name}"
             peaks = reused.get(key) or spawn(measure, nprocs=args.ranks, args=(spec, plan.to_json(), global_batch, seq_len), timeout_s=1200)
             measured[key] = peaks
@@ -115,10 +118,12 @@ def main() -> None:
             per_rank = " ".join(f"{peak / 2**20:.2f}" for peak in peaks)
             print(model, name, f"predicted {max(stages) / 2**20:.2f} MiB measured {max(peaks) / 2**20:.2f} MiB "
                   f"error {max(stages) / max(peaks) - 1:+.1%} (per rank MiB: {per_rank})", flush=True)
-    report(rows, args.ranks, {**reused, **measured}, reused=measured.keys() <= reused.keys(), write=not args.no_write)
+    report(rows, args.ranks, {**reused, **measured}, reused=measured.keys() <= reused.keys(), write=not args.no_write,
+           precision=args.precision)
 
 
-def report(rows: list[tuple], ranks: int, measured: dict[str, list[int]], *, reused: bool, write: bool) -> None:
+def report(rows: list[tuple], ranks: int, measured: dict[str, list[int]], *, reused: bool, write: bool,
+           precision: str | None = None) -> None:
     errors = [abs(p / m - 1) for _, _, _, p, m, *_ in rows]
     verdict = (f"{len(rows)} runs; |error| median {statistics.median(errors):.1%}, worst {max(errors):.1%}; "
                f"within 10%: {sum(e <= 0.10 for e in errors)}/{len(rows)}")
@@ -132,11 +137,12 @@ def report(rows: list[tuple], ranks: int, measured: dict[str, list[int]], *, reu
     if not write:
         return
     date = datetime.date.today().isoformat()
-    stem = HERE / "results" / f"memory-truth-{platform.machine()}-cpu-{date}"
+    stem = HERE / "results" / f"memory-truth-{platform.machine()}-cpu-{date}{f'-{precision}' if precision else ''}"
     if not reused:
         stem.with_suffix(".json").write_text(json.dumps(measured, indent=1) + "\n")
     lines = [f"# Peak memory per device: predicted vs measured ({ranks} gloo ranks, {date})", "",
-             f"Command: `.venv/bin/python benchmarks/memory_truth.py --ranks {ranks}`. Predicted: the estimate's "
+             f"Command: `.venv/bin/python benchmarks/memory_truth.py --ranks {ranks}"
+             f"{f' --precision {precision} --models gpt-tiny' if precision else ''}`. Predicted: the estimate's "
              "peak minus its fixed CPU reserve (largest over pipeline stages); measured: the largest over the ranks of "
              "the peak bytes the CPU allocator held during one step after warm-up (`benchmarks/memory_meter.py`'s "
              "`AllocatorMeter`: the CPU allocator's running total, frees on gloo's threads included, on top of parameters, "

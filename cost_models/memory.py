@@ -112,10 +112,18 @@ def with_fp8_state(
     in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
     saved_less = saved_input_reduction_bytes(stage, training, saves_fp8_inputs=profile.fp8_saves_inputs)
     updated["activations"] -= saved_less * strategy.micro_batch * in_flight * tp_activation_share(strategy) / strategy.cp
+    updated["buffers"] += profile.fp8_cast_bytes_per_element * fp8_cast_elements(stage, training, strategy)
     if strategy.zero == 3 and profile.fp8_all_gather:  # the gathered blocks: 1 byte per parameter, not 2
         block = stage.largest_block_params / strategy.tp
         updated["buffers"] -= FSDP_PREFETCH_BLOCKS * block * (compute_dtype_bytes(training) - 1)
     return updated
+
+
+def fp8_cast_elements(stage: StageTotals, training: TrainingConfig, strategy: Strategy) -> float:
+    """Elements of the largest tensor one FP8 cast reads on a device: a micro-batch's widest matmul activation
+    (its tokens times the widest matrix dimension, split by tp, tokens by cp) or the largest weight (split by tp)."""
+    tokens = strategy.micro_batch * training.seq_len / strategy.cp
+    return max(tokens * stage.widest_matrix_dim, stage.largest_matrix_params) / strategy.tp
 
 
 def backward_memory(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int) -> dict:

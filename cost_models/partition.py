@@ -64,6 +64,8 @@ class StageTotals:
     loss_saved_bytes: int = 0  # what the stage's loss layer saves per sequence (log-probabilities), 0 if none
     logits_bytes: int = 0  # per sequence, the output of the layer feeding the loss (the stage's pipeline output)
     largest_block_params: int = 0  # parameters of the stage's largest block (an FSDP unit under ZeRO-3)
+    widest_matrix_dim: int = 0  # the widest dimension of the blocks' matrix weights (LayerStats.widest_matrix_dim)
+    largest_matrix_params: int = 0  # elements of the blocks' largest matrix weight
     embedding_params: int = 0  # parameters of embedding layers (vocabulary-parallel under tp)
     sp_gathered_bytes: int = 0  # per sequence, inputs of column-parallel linears that sp all-gathers and saves whole
     linears: int = 0  # linears of the blocks' pairs and heads: each costs framework overhead per micro-batch
@@ -269,6 +271,8 @@ def _root_and_loss_totals(stage: Sequence[LayerStats]) -> dict:
         "loss_saved_bytes": sum(stage[i].saved_bytes_no_recompute for i in losses),
         "logits_bytes": sum(stage[i - 1].output_bytes for i in losses if i > 0),
         "largest_block_params": max((layer.param_count for layer in stage if layer.kind == "block"), default=0),
+        "widest_matrix_dim": max((layer.widest_matrix_dim for layer in stage), default=0),
+        "largest_matrix_params": max((layer.largest_matrix_params for layer in stage), default=0),
         "embedding_params": sum(layer.param_count for layer in root if layer.kind == "embedding"),
         "head_forward_flops": sum(layer.forward_flops for layer in root if layer.kind == "head"),
         "head_backward_flops": sum(layer.backward_flops for layer in root if layer.kind == "head"),

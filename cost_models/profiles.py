@@ -81,6 +81,10 @@ class ImplementationProfile:
     """Under FP8, bytes per block-linear parameter of FP8 weight copies kept across micro-batches."""
     fp8_all_gather: bool = False
     """Under FP8 with ZeRO-3, block parameters are all-gathered in FP8 (1 byte each)."""
+    fp8_cast_bytes_per_element: float = 0.0
+    """Under FP8, bytes an eager cast allocates per element of the tensor it casts, alive while it runs (torchao's
+    eager cast: an fp32 copy, the scaled fp32 tensor, the FP8 result); 0 where the cast is one fused kernel (Transformer
+    Engine; torch.compile) whose FP8 result is all it allocates."""
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     """The ZeRO stages the framework runs (Megatron-Core: DDP or its distributed optimizer, ZeRO-1)."""
     tp_overlap_backward: bool = True
@@ -122,9 +126,11 @@ SELECTIVE_POLICIES = ("attention", "op")
 DEEPSPEED_ZERO3_SLOWDOWN = 5.0
 """Fitted on SC'21 Table 2's DeepSpeed ZeRO-3 rows (``benchmarks/published.py`` prints the fit); re-fit there."""
 
-TESSERA = ImplementationProfile(name="tessera", autocast_copies=True)
+TESSERA = ImplementationProfile(name="tessera", autocast_copies=True, fp8_cast_bytes_per_element=9.0)
 """Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); FP8 through torchao's float8 linears
-(``runtime.float8``): cast on the fly from the bf16/fp32 weight, bf16 inputs saved, bf16 all-gathers."""
+(``runtime.float8``): cast on the fly from the bf16/fp32 weight, bf16 inputs saved, bf16 all-gathers; its eager
+casts allocate 9 bytes per element cast (``hp_tensor_to_float8_dynamic`` on a 1024 x 256 bf16 tensor under
+``benchmarks/memory_meter.AllocatorMeter``: 9.0, 2026-12-04)."""
 TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False, autocast_copies=True,
                                    selective_policy="op", refused_together=())
 """torchtitan: FSDP2, torchao float8 (``enable_fsdp_float8_all_gather`` off by default), async TP on the

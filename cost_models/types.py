@@ -140,6 +140,11 @@ class LayerStats(BaseModel):
     """Routed experts in the layer (0 for dense layers); expert parallelism must divide it."""
     top_k: int = Field(default=0, ge=0)
     """Routed experts each token is sent to (0 for dense layers, or when the model does not declare it)."""
+    widest_matrix_dim: int = Field(default=0, ge=0)
+    """Largest dimension of the block's matrix weights (its MLP's inner width, typically): per token, the widest
+    matmul operand an FP8 cast reads (0 outside blocks)."""
+    largest_matrix_params: int = Field(default=0, ge=0)
+    """Elements of the block's largest matrix weight (one expert's, for stacked experts; 0 outside blocks)."""
     expert_param_count: int = Field(default=0, ge=0)
     """Parameters of the routed experts, all of them (a part of ``param_count``): what expert parallelism
     divides. The router and a shared expert are dense and not included."""

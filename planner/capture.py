@@ -350,6 +350,7 @@ def _facts(model: nn.Module, module: nn.Module, kind: str, tally: Tally, *, voca
         "experts": layer_info.expert_count(module),
         "vocab_size": vocab if kind == "head" else embedding_vocab,
         "tp_pairs": pairs,
+        **(layer_info.matrix_facts(module) if kind == "block" else {}),
     }
 
 

@@ -70,6 +70,14 @@ def has_linear(module: nn.Module) -> bool:
     return any(linear_dims(m) is not None for m in module.modules())
 
 
+def matrix_facts(module: nn.Module) -> dict[str, int]:
+    """The widest dimension and the largest element count of the module's matrix weights (two or more dimensions;
+    a stack of expert matrices counts one of them): what an FP8 cast of a matmul operand allocates scales with."""
+    shapes = [p.shape[-2:] for p in module.parameters() if p.dim() >= 2]
+    return {"widest_matrix_dim": max((max(shape) for shape in shapes), default=0),
+            "largest_matrix_params": max((shape[0] * shape[1] for shape in shapes), default=0)}
+
+
 def _holds(module: nn.Module, kind: type) -> bool:
     return any(isinstance(m, kind) for m in module.modules())
 

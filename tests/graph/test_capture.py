@@ -381,3 +381,11 @@ def test_deepseek_v3_captures_in_seconds_with_dense_and_moe_groups() -> None:
     assert len({block.signature for block in graph.blocks[4:]}) == 1 and graph.blocks[0].signature != graph.blocks[4].signature
     assert graph.param_count == pytest.approx(672.1e9, rel=0.001)
     assert seconds < 60, f"{seconds:.1f} s"  # ~4 s on an idle core (a whole capture of 63,000 modules took ~40 s)
+
+
+def test_blocks_record_their_widest_and_largest_matrix():
+    # what an FP8 cast of a matmul operand allocates scales with (cost_models.memory.fp8_cast_elements)
+    graph = capture_preset("gpt-tiny", seq_len=32)
+    blocks = [layer for layer in graph.layers if layer.kind == "block"]
+    assert {(layer.widest_matrix_dim, layer.largest_matrix_params) for layer in blocks} == {(256, 64 * 256)}
+    assert all(layer.widest_matrix_dim == 0 for layer in graph.layers if layer.kind != "block")
