@@ -24,6 +24,10 @@ their input as each rank's local shard, which is cast with its own scale (torcha
 would cast before the split; Tessera's tensor parallelism keeps its own styles). Both are valid FP8 training
 with other roundings (``tests/distributed/test_float8.py`` measures the spread).
 
+A converted linear is a new module (torchao's ``Float8Linear.from_float``) holding the same parameters, so state
+dicts, checkpoints and snapshots keep their keys, but hooks registered on the ``nn.Linear`` before ``apply_plan``
+stay behind on it: register them on the converted module.
+
 Refused in one line: ``delayed`` scaling (torchao dropped it; use ``current``), ``block`` and ``mx`` scaling
 (MX formats need Blackwell's kernels; torchao's MX training is not wired in), and a missing torchao.
 """
