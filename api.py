@@ -55,7 +55,8 @@ def plan(
     pins strategy fields (``"tp=8,pp=4"``) and searches the rest; a complete strategy is just evaluated.
     ``expert_capacity_factor`` sets the load MoE experts are planned for (``tessera.planner.experts``).
     ``precision="fp8"`` plans the blocks' linears on FP8 matrix units, scaled as ``fp8_scaling`` says
-    (``cost_models.fp8``; default ``current``); the runtime does not run FP8 yet. ``tp_plan`` (module glob ->
+    (``cost_models.fp8``; default ``current``), as the runtime runs them (torchao's float8 linears,
+    ``runtime.float8``: ``current`` and ``rowwise`` scaling). ``tp_plan`` (module glob ->
     Hugging Face style name) replaces the tensor-parallel plan the model declares, as ``auto_parallelize`` does.
     ``block_options`` are the per-block choices beside recomputation the integer program may make (activation
     offload, ZeRO-3 blocks keeping their gathered weights); ``planner.refine.NO_BLOCK_OPTIONS`` turns them off.
@@ -63,6 +64,8 @@ def plan(
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                                          expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling,
                                          tp_plan=tp_plan)
+    if training.precision == "fp8":
+        _check_fp8_runs(model, graph)
     from tessera.planner.search import search
 
     return search(graph, resolved, training, pins=_pins(strategy), top=top, progress=progress, block_options=block_options)
@@ -182,6 +185,19 @@ def _prepare(
         else capture(model, seq_len=seq_len, dtype=dtype, expert_capacity_factor=expert_capacity_factor, tp_plan=tp_plan)
     )
     return graph, resolved, training
+
+
+def _check_fp8_runs(model: nn.Module | str, graph: LayerGraph) -> None:
+    """Refuse, before the search, an FP8 plan whose blocks the runtime would leave largely in bf16 (stacked experts,
+    ``Conv1D``: ``runtime.float8.check_float8_model``), as ``apply_plan`` would after it. Specs are built again
+    (on meta) for this only where they name a Hugging Face config: Tessera's presets hold linears, and a factory's
+    user code is not run twice (``apply_plan`` checks its model)."""
+    from tessera.runtime.float8 import check_float8_model
+
+    if isinstance(model, str) and not model.strip().startswith("hf:"):
+        return
+    module = resolve_model(model)[0] if isinstance(model, str) else model
+    check_float8_model(module, [layer.fqn for layer in graph.layers if layer.kind == "block"])
 
 
 def _pins(strategy: Strategy | str | None) -> dict[str, object]:

@@ -149,7 +149,8 @@ def _add_planning_args(parser: argparse.ArgumentParser, *, formats: Sequence[str
     parser.add_argument("--seq-len", type=whole_number(unit="tokens", at_most=MAX_SEQ_LEN), default=None,
                         help=f"tokens per sequence (default: an imported config's, else {DEFAULT_SEQ_LEN})")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "fp8"), default=None,
-                        help="default bf16 on GPUs, fp32 on CPU; fp8: the blocks' linears on FP8 units (planned, not run yet)")
+                        help="default bf16 on GPUs, fp32 on CPU; fp8: the blocks' linears on FP8 units "
+                             "(torchao's float8 linears at run time)")
     parser.add_argument("--fp8-scaling", choices=("delayed", "current", "rowwise", "block", "mx"), default=None,
                         help="how FP8 tensors are scaled (with --precision fp8; default current)")
     capacity = finite_number(noun="a load factor", above=0, at_most=MAX_CAPACITY_FACTOR)

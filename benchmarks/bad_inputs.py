@@ -221,6 +221,9 @@ def _number_cases() -> list[Case]:
         planning("plan", "--checkpoint-every", "10", name="plan/checkpoint-every without --mtbf-hours"),
         planning("plan", "--mtbf-hours", "1000", "--format", "json", name="plan/mtbf-hours with --format json"),
         planning("plan", "--cluster", "dgx-a100:nodes=1", "--precision", "fp8", name="plan/fp8 on a part without FP8"),
+        planning("plan", "--model", "hf:mixtral:hidden_size=64,intermediate_size=128,num_hidden_layers=2,"
+                 "num_attention_heads=4,num_key_value_heads=2,vocab_size=256,num_local_experts=4", "--precision", "fp8",
+                 name="plan/fp8 on stacked experts"),
         planning("plan", "--format", "pdf"),
         planning("plan", "--out", "{tmp}/rep", name="plan/--out without md or html"),
     ]

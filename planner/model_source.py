@@ -35,6 +35,7 @@ from tessera.errors import ModelSpecError
 from tessera.models import build_model, is_builtin_spec
 from tessera.models.limits import check_dimension
 from tessera.models.meta_init import skipping_init_on_meta
+from tessera.quiet import muted
 
 _FACTORY = re.compile(r"^(?P<module>[\w./\\-]+?(\.py)?):(?P<factory>[A-Za-z_]\w*)$")
 HF_INSTALL_HINT = "pip install 'tessera[hf]'"
@@ -162,7 +163,7 @@ def hf_model(spec: str) -> nn.Module:
         config = transformers.AutoConfig.for_model(model_type.strip(), **values)
         config.use_cache = False
         config._attn_implementation = "sdpa"
-        with torch.device("meta"), skipping_init_on_meta():
+        with torch.device("meta"), skipping_init_on_meta(), muted():  # transformers imports torchao's parts here
             model = _hf_class(transformers, config).from_config(config, attn_implementation="sdpa")
     except Exception as exc:  # transformers' own checks of the user's values: named, not a traceback of ours
         raise ModelSpecError(f"{spec!r}: transformers cannot build this config: {type(exc).__name__}: "

@@ -34,7 +34,6 @@ Refused in one line: ``delayed`` scaling (torchao dropped it; use ``current``), 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 import torch
@@ -42,6 +41,7 @@ from torch import nn
 
 from tessera.cost_models.types import Fp8Scaling
 from tessera.errors import ConfigError, NotModelledError
+from tessera.quiet import muted
 
 TORCHAO_RECIPES: dict[str, str] = {"current": "tensorwise", "rowwise": "rowwise"}
 """Tessera's ``fp8_scaling`` -> torchao's ``Float8LinearRecipeName``."""
@@ -63,19 +63,11 @@ def check_float8(scaling: Fp8Scaling) -> None:
     torchao_float8()
 
 
-QUIET_ON_IMPORT = ("torchao", "torch.utils._pytree")
-"""Loggers muted while torchao imports: it warns about each CUDA kernel library a CPU host cannot load, and
-torch about how torchao registers an enum with pytree; neither concerns the user."""
-
-
 def torchao_float8():
-    """``torchao.float8``, imported quietly (``QUIET_ON_IMPORT``)."""
-    loggers = [logging.getLogger(name) for name in QUIET_ON_IMPORT]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
+    """``torchao.float8``, imported with torchao's import-time warnings muted (``tessera.quiet``)."""
     try:
-        import torchao.float8 as float8
+        with muted():
+            import torchao.float8 as float8
     except ImportError as error:
         raise ConfigError(f"precision fp8 trains through torchao's float8 linears and torchao is not installed "
                           f"({error}); {TORCHAO_INSTALL}, or train with precision bf16") from None
@@ -83,9 +75,6 @@ def torchao_float8():
         raise ConfigError(f"precision fp8: torchao failed to import with torch {torch.__version__} "
                           f"({type(error).__name__}: {str(error).splitlines()[0][:200]}); install the torchao "
                           f"release made for this torch, or train with precision bf16") from None
-    finally:
-        for log, level in zip(loggers, levels):
-            log.setLevel(level)
     return float8
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import resource
+import subprocess
+import sys
 
 import pytest
 
@@ -117,3 +119,16 @@ def test_a_users_hf_model_with_its_default_cache_setting() -> None:
     graph = capture(model, seq_len=T)  # the forward is called with use_cache=False: training keeps no cache
     direct = capture_preset("hf:llama:" + DECODER, seq_len=T)
     assert graph.front_end == "torch.export" and graph.layers == direct.layers
+
+
+def test_building_an_hf_spec_prints_nothing_of_torchao(tmp_path):
+    # transformers imports parts of torchao (installed by the test extras) while it builds a model; torchao and
+    # torch then warn about CUDA libraries and pytree enums on stderr, which Tessera mutes (tessera.quiet). A fresh
+    # interpreter, as the CLI: in this process torchao may already be imported, and would print nothing anyway.
+    pytest.importorskip("torchao")
+    build = ("from tessera.planner.model_source import hf_model; hf_model('hf:mixtral:hidden_size=64,"
+             "intermediate_size=128,num_hidden_layers=1,num_attention_heads=4,num_key_value_heads=2,vocab_size=256,"
+             "num_local_experts=4')")
+    done = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "torchao" not in done.stderr and "_pytree" not in done.stderr, done.stderr
