@@ -65,7 +65,7 @@ def plan(
                                          expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling,
                                          tp_plan=tp_plan)
     if training.precision == "fp8":
-        _check_fp8_runs(model, graph)
+        _check_fp8_runs(model, graph, training)
     from tessera.planner.search import search
 
     return search(graph, resolved, training, pins=_pins(strategy), top=top, progress=progress, block_options=block_options)
@@ -187,16 +187,17 @@ def _prepare(
     return graph, resolved, training
 
 
-def _check_fp8_runs(model: nn.Module | str, graph: LayerGraph) -> None:
-    """Refuse, before the search, an FP8 plan whose blocks the runtime would leave largely in bf16 (stacked experts,
-    ``Conv1D``: ``runtime.float8.check_float8_model``), as ``apply_plan`` would after it. Specs are built again
-    (on meta) for this only where they name a Hugging Face config: Tessera's presets hold linears, and a factory's
-    user code is not run twice (``apply_plan`` checks its model)."""
-    from tessera.runtime.float8 import check_float8_model
+def _check_fp8_runs(model: nn.Module | str, graph: LayerGraph, training: TrainingConfig) -> None:
+    """Refuse, before the search, an FP8 plan the runtime would refuse after it: a scaling torchao does not run, or
+    blocks the runtime would leave largely in bf16 (stacked experts, ``Conv1D``, dimensions not multiples of 16:
+    ``runtime.float8``). A factory's model is not built a second time for this (its user code ran for capture):
+    ``apply_plan`` checks it."""
+    from tessera.runtime.float8 import check_float8_model, check_float8_scaling
 
-    if isinstance(model, str) and not model.strip().startswith("hf:"):
+    check_float8_scaling(training.fp8_scaling)
+    if isinstance(model, str) and runs_user_code(model):
         return
-    module = resolve_model(model)[0] if isinstance(model, str) else model
+    module = resolve_model(model)[0] if isinstance(model, str) else model  # presets and hf: configs, on meta
     check_float8_model(module, [layer.fqn for layer in graph.layers if layer.kind == "block"])
 
 

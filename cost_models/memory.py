@@ -120,10 +120,12 @@ def with_fp8_state(
 
 
 def fp8_cast_elements(stage: StageTotals, training: TrainingConfig, strategy: Strategy) -> float:
-    """Elements of the largest tensor one FP8 cast reads on a device: a micro-batch's widest matmul activation
-    (its tokens times the widest matrix dimension, split by tp, tokens by cp) or the largest weight (split by tp)."""
+    """Elements of the largest tensor one FP8 cast reads on a device: a micro-batch's widest matmul activation (its
+    tokens, split by cp, times the widest matrix dimension split by tp, or times the hidden size, which a column
+    linear's input and a row linear's output gradient keep whole on every tp rank) or the largest weight (by tp)."""
     tokens = strategy.micro_batch * training.seq_len / strategy.cp
-    return max(tokens * stage.widest_matrix_dim, stage.largest_matrix_params) / strategy.tp
+    width = max(stage.widest_matrix_dim / strategy.tp, stage.hidden_size)
+    return max(tokens * width, stage.largest_matrix_params / strategy.tp)
 
 
 def backward_memory(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int) -> dict:

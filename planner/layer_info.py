@@ -71,11 +71,13 @@ def has_linear(module: nn.Module) -> bool:
 
 
 def matrix_facts(module: nn.Module) -> dict[str, int]:
-    """The widest dimension and the largest element count of the module's matrix weights (two or more dimensions;
-    a stack of expert matrices counts one of them): what an FP8 cast of a matmul operand allocates scales with."""
-    shapes = [p.shape[-2:] for p in module.parameters() if p.dim() >= 2]
-    return {"widest_matrix_dim": max((max(shape) for shape in shapes), default=0),
-            "largest_matrix_params": max((shape[0] * shape[1] for shape in shapes), default=0)}
+    """The widest dimension of the module's dense matrix weights (two or more dimensions) and the largest element
+    count of any (a stack of expert matrices counts one of them): what an FP8 cast of a matmul operand allocates
+    scales with. Routed experts' widths are left out of the first: each expert sees only the tokens routed to it."""
+    matrices = [(name, p.shape[-2:]) for name, p in module.named_parameters() if p.dim() >= 2]
+    dense = [shape for name, shape in matrices if "experts" not in name.split(".")]
+    return {"widest_matrix_dim": max((max(shape) for shape in dense), default=0),
+            "largest_matrix_params": max((shape[0] * shape[1] for _, shape in matrices), default=0)}
 
 
 def _holds(module: nn.Module, kind: type) -> bool:

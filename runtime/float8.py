@@ -55,12 +55,17 @@ while the plan prices them as FP8: beyond it the prediction would miss by about 
 
 def check_float8(scaling: Fp8Scaling) -> None:
     """Raise unless the runtime can train with FP8 ``scaling`` here (before any process group is made)."""
+    check_float8_scaling(scaling)
+    torchao_float8()
+
+
+def check_float8_scaling(scaling: Fp8Scaling) -> None:
+    """Raise unless torchao runs FP8 ``scaling`` (no import: the planner asks it too)."""
     if scaling not in TORCHAO_RECIPES:
         why = ("torchao removed delayed scaling; current scaling (a scale from each tensor's own maximum) replaces it"
                if scaling == "delayed" else
                f"{scaling} scaling needs MX/blockwise FP8 kernels (Blackwell) that the runtime does not wire in")
         raise NotModelledError(f"fp8_scaling={scaling}: {why}; run fp8_scaling=current or rowwise")
-    torchao_float8()
 
 
 def torchao_float8():

@@ -93,6 +93,24 @@ def test_rowwise_scaling_trains_one_process_near_full_precision():
     assert losses != single_fp8()["losses"]  # one scale per row rounds otherwise than one per tensor
 
 
+def test_plan_refuses_before_its_search_what_apply_plan_would_refuse():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64)
+    with pytest.raises(NotModelledError, match=r"100% of the blocks' matrix weights .*c_fc.*train with precision bf16"):
+        tessera.plan(transformers.GPT2LMHeadModel(config), "cpu:ranks=1", global_batch=4, seq_len=32, precision="fp8")
+    with pytest.raises(NotModelledError, match="dimensions not multiples of 16"):  # a preset too: hidden 72
+        tessera.plan("gpt-tiny:hidden=72", "cpu:ranks=1", global_batch=4, seq_len=32, precision="fp8")
+    with pytest.raises(NotModelledError, match="fp8_scaling=delayed: torchao removed delayed scaling"):
+        tessera.plan(GPT, "cpu:ranks=1", global_batch=4, seq_len=32, precision="fp8", fp8_scaling="delayed")
+
+
+def test_apply_plan_refuses_blocks_fp8_would_leave_in_bf16_whoever_made_the_plan():
+    spec = "gpt-tiny:hidden=72"  # every block matrix has a dimension of 72 or 216, not multiples of 16
+    model = make_model(spec)
+    with pytest.raises(NotModelledError, match=r"precision fp8: 100% of the blocks' matrix weights"):
+        apply_plan(model, make_plan(spec, model, "dp=1", "fp8"))
+
+
 def test_a_model_whose_blocks_hold_no_linears_fp8_can_run_is_refused_in_one_line():
     transformers = pytest.importorskip("transformers")
     config = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256,

@@ -389,3 +389,6 @@ def test_blocks_record_their_widest_and_largest_matrix():
     blocks = [layer for layer in graph.layers if layer.kind == "block"]
     assert {(layer.widest_matrix_dim, layer.largest_matrix_params) for layer in blocks} == {(256, 64 * 256)}
     assert all(layer.widest_matrix_dim == 0 for layer in graph.layers if layer.kind != "block")
+    # routed experts (inner width 128) see only their tokens: the widest dense matrix is attention's 64
+    moe = [layer for layer in capture_preset("moe-tiny", seq_len=32).layers if layer.kind == "block"]
+    assert {(layer.widest_matrix_dim, layer.largest_matrix_params) for layer in moe} == {(64, 128 * 64)}
