@@ -26,10 +26,11 @@ from tessera.cost_models.offload import exposed_offload_s
 from tessera.cost_models.partition import (
     StageTotals, block_policies, cached_stage_totals, kept_blocks, split_blocks, stage_totals,
 )
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.pipeline import in_flight_micro_batches, pipeline_slots_lower_bound, pipeline_time_s
 from tessera.cost_models.sparse import check_sparse_and_long, cp_comm_s, ep_comm_s, ep_stride, sharded_params
-from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
+from tessera.cost_models.types import Estimate, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster, DeviceSpec
 from tessera.topology.collectives import all_reduce_time, all_to_all_time

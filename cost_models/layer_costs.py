@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from tessera.cost_models.estimate import stage_time
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.memory import stage_memory
 from tessera.cost_models.partition import block_policies, kept_blocks, split_chunks, stage_totals
-from tessera.cost_models.types import LayerStats, Strategy, TrainingConfig
+from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology.cluster import Cluster
 
 LAYER_MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations")

@@ -15,7 +15,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from tessera.cost_models.types import LayerStats, Recompute, Strategy
+from tessera.cost_models.layer_stats import LayerStats
+from tessera.cost_models.types import Recompute, Strategy
 from tessera.errors import ConfigError
 
 TP_SHARDED_KINDS = ("block", "embedding", "head")

@@ -129,8 +129,8 @@ DEEPSPEED_ZERO3_SLOWDOWN = 5.0
 TESSERA = ImplementationProfile(name="tessera", autocast_copies=True, fp8_cast_bytes_per_element=9.0)
 """Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); FP8 through torchao's float8 linears
 (``runtime.float8``): cast on the fly from the bf16/fp32 weight, bf16 inputs saved, bf16 all-gathers; its eager
-casts allocate 9 bytes per element cast (``hp_tensor_to_float8_dynamic`` on a 1024 x 256 bf16 tensor under
-``benchmarks/memory_meter.AllocatorMeter``: 9.0, 2026-12-04)."""
+casts allocate 9 bytes per element cast (``tests/distributed/test_float8.py`` measures it with
+``benchmarks/memory_meter.AllocatorMeter``)."""
 TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False, autocast_copies=True,
                                    selective_policy="op", refused_together=())
 """torchtitan: FSDP2, torchao float8 (``enable_fsdp_float8_all_gather`` off by default), async TP on the

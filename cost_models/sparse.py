@@ -66,8 +66,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.partition import StageTotals
-from tessera.cost_models.types import LayerStats, Strategy, TrainingConfig
+from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster
 from tessera.topology.collectives import (

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessera.cost_models.types import LinearPair
+from tessera.cost_models.layer_stats import LinearPair
 from tessera.errors import NotModelledError
 from tessera.models.moe import stacked_experts_problem
 

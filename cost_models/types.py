@@ -1,4 +1,5 @@
-"""Data models the cost model consumes and produces: TrainingConfig, LayerStats, Strategy, Estimate.
+"""Data models the cost model consumes and produces: TrainingConfig, Strategy, Estimate (the measured layer
+record, LayerStats, is ``cost_models.layer_stats``).
 
 They live here (not in ``planner``) because imports run one way, ``topology <- cost_models <- planner``,
 and a cost model must never see a torch graph node, only these records.
@@ -80,110 +81,6 @@ class TrainingConfig(BaseModel):
     def tokens_per_step(self) -> int:
         """Tokens processed by one optimizer step."""
         return self.global_batch * self.seq_len
-
-
-class LinearPair(BaseModel):
-    """Linears that tensor parallelism splits together: column-parallel inputs feeding one row-parallel output."""
-
-    model_config = FROZEN
-
-    column: tuple[str, ...]
-    """FQNs (relative to the layer) of the column-parallel linears, e.g. ``("attn.q", "attn.k", "attn.v")``."""
-    row: str
-    """FQN (relative to the layer) of the row-parallel linear that consumes them, e.g. ``"attn.o"``."""
-    role: Literal["attention", "mlp", "expert"]
-    """What the pair computes; attention pairs split by heads."""
-
-
-class LayerStats(BaseModel):
-    """Measured statistics of one layer (a module FQN) for ONE sequence of ``seq_len`` tokens."""
-
-    model_config = FROZEN
-
-    fqn: str
-    """Stable module FQN (``blocks.3``); ``loss`` for the loss computed outside the model."""
-    kind: LayerKind
-    """Role of the layer in the model."""
-    signature: str
-    """Identical repeated layers (same class, shapes and measured numbers) share this key."""
-    param_count: int = Field(ge=0)
-    """Parameters owned by this layer (a tied weight is counted once, at its first owner)."""
-    forward_flops: float = Field(ge=0)
-    """FLOPs of the forward pass for one sequence (FlopCounterMode)."""
-    backward_flops: float = Field(ge=0)
-    """FLOPs of the backward pass for one sequence (FlopCounterMode)."""
-    saved_bytes_no_recompute: int = Field(ge=0)
-    """Bytes autograd saves for backward for one sequence when nothing is recomputed."""
-    saved_bytes_full_recompute: int = Field(ge=0)
-    """Bytes kept for one sequence under full recomputation (the layer's inputs)."""
-    output_bytes: int = Field(ge=0)
-    """Bytes of the layer's output for one sequence."""
-    saved_bytes_selective: int | None = Field(default=None, ge=0)
-    """Bytes kept for one sequence under selective recomputation (attention core recomputed);
-    ``None`` when not measured (treated as no saving)."""
-    selective_recompute_flops: float = Field(default=0.0, ge=0)
-    """Forward FLOPs re-run for one sequence under selective recomputation (the attention core)."""
-    op_selective_recompute_flops: float = Field(default=0.0, ge=0)
-    """Forward FLOPs re-run for one sequence under op-level selective recomputation as torchtitan runs it: every
-    second matrix multiplication (``aten.mm``) of the layer in the order they run (``cost_models.profiles``); 0
-    when not measured."""
-    saved_bytes_op_selective: int | None = Field(default=None, ge=0)
-    """Bytes kept for one sequence under that op-level policy: the layer's inputs and the outputs of its other
-    matmuls and of its attention cores; ``None`` when not measured (priced as ``saved_bytes_selective``)."""
-    hidden_size: int = Field(default=0, ge=0)
-    """Width of the layer's output activations (0 when not a transformer layer)."""
-    attention_heads: int = Field(default=0, ge=0)
-    """Query heads of the layer's attention (0 if none); tensor parallelism must divide it."""
-    kv_heads: int = Field(default=0, ge=0)
-    """Key/value heads (grouped-query attention); equal to ``attention_heads`` for multi-head attention."""
-    experts: int = Field(default=0, ge=0)
-    """Routed experts in the layer (0 for dense layers); expert parallelism must divide it."""
-    top_k: int = Field(default=0, ge=0)
-    """Routed experts each token is sent to (0 for dense layers, or when the model does not declare it)."""
-    widest_matrix_dim: int = Field(default=0, ge=0)
-    """Largest dimension of the block's matrix weights (its MLP's inner width, typically): per token, the widest
-    matmul operand an FP8 cast reads (0 outside blocks)."""
-    largest_matrix_params: int = Field(default=0, ge=0)
-    """Elements of the block's largest matrix weight (one expert's, for stacked experts; 0 outside blocks)."""
-    expert_param_count: int = Field(default=0, ge=0)
-    """Parameters of the routed experts, all of them (a part of ``param_count``): what expert parallelism
-    divides. The router and a shared expert are dense and not included."""
-    expert_forward_flops: float = Field(default=0.0, ge=0)
-    """Forward FLOPs of the routed experts for one sequence at the measured load (a part of ``forward_flops``)."""
-    expert_backward_flops: float = Field(default=0.0, ge=0)
-    """Backward FLOPs of the routed experts for one sequence at the measured load (a part of ``backward_flops``)."""
-    expert_capacity_factor: float = Field(default=1.0, gt=0)
-    """Load factor the experts were measured at: each expert processes ``top_k * tokens / experts`` times this
-    many token slots (1.0 = perfectly balanced routing; more = headroom for the busiest expert). The expert
-    all-to-alls carry the same factor."""
-    vocab_size: int = Field(default=0, ge=0)
-    """Vocabulary dimension of an embedding or LM head (0 otherwise); vocabulary parallelism splits it."""
-    tp_pairs: tuple[LinearPair, ...] = ()
-    """Column/row-parallel linear pairs: each costs one activation all-reduce forward and one backward."""
-    block_kind: BlockKind = ""
-    """What the block is (``BlockKind``; ``""`` for other layers). Blocks of one kind may still differ in
-    size: ``signature`` says which are alike."""
-    attention_window: int = Field(default=0, ge=0)
-    """Tokens each query of a ``local-attention`` / ``local-moe`` block attends to (its sliding window or chunk,
-    as the model declares it; ``tessera.planner.block_kinds``); 0 for global attention and other layers. The
-    measured FLOPs count the attention core whole (FlopCounterMode prices the SDPA call, not the mask): a cost
-    model that prices local attention scales the core by the window."""
-
-    @property
-    def params_per_expert(self) -> float:
-        """Parameters of one routed expert (0 for a dense layer)."""
-        return self.expert_param_count / self.experts if self.experts else 0.0
-
-    def expert_flops_per_token(self, seq_len: int) -> float:
-        """Forward FLOPs one routed expert spends on one token (``2 * 3 * hidden * ffn`` for a SwiGLU expert);
-        ``seq_len`` is the length the layer's statistics are for."""
-        slots = self.top_k * seq_len * self.expert_capacity_factor
-        return self.expert_forward_flops / slots if slots else 0.0
-
-    def expected_tokens_per_expert(self, tokens: int) -> float:
-        """Token slots each expert processes when ``tokens`` tokens are routed: ``top_k * tokens / experts``
-        times the capacity (imbalance) factor, as GShard / Switch Transformer size their expert buffers."""
-        return self.top_k * tokens / self.experts * self.expert_capacity_factor if self.experts else 0.0
 
 
 class Strategy(BaseModel):

@@ -46,7 +46,8 @@ from tessera.cost_models.tp_rules import (
     STYLES, block_problem, declared_tp_plan, is_norm, uncovered_parameter,
 )
 from tessera.cost_models.cp_rules import context_parallel_problem
-from tessera.cost_models.types import LayerStats, runtime_splits
+from tessera.cost_models.layer_stats import LayerStats
+from tessera.cost_models.types import runtime_splits
 from tessera.models.moe import stacked_experts_problem
 
 FX_FRONT_END = "torch.fx.symbolic_trace"

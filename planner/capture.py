@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessera.cost_models.types import LayerStats
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.errors import CaptureError, ModelSpecError
 from tessera.models import is_builtin_spec, model_config, with_override
 from tessera.planner import layer_info

@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from pydantic import BaseModel, ConfigDict
 
 from tessera.cost_models import estimate as estimate_strategy
-from tessera.cost_models.types import Estimate, LayerStats, Strategy, TrainingConfig
+from tessera.cost_models.layer_stats import LayerStats
+from tessera.cost_models.types import Estimate, Strategy, TrainingConfig
 from tessera.cost_models.error_bands import gap_band
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.errors import ConfigError, TesseraError

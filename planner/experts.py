@@ -33,7 +33,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from tessera.cost_models.types import LayerStats
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.models.moe import expert_capacity
 from tessera.planner.layer_info import attribute
 

@@ -42,9 +42,10 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from tessera.cost_models.estimate import stage_time
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.memory import stage_memory
 from tessera.cost_models.partition import split_blocks, stage_totals
-from tessera.cost_models.types import LayerStats, Recompute, Strategy, TrainingConfig
+from tessera.cost_models.types import Recompute, Strategy, TrainingConfig
 from tessera.topology.cluster import Cluster
 
 TIME_UNIT_S = 1e-6

@@ -50,9 +50,10 @@ from ortools.sat.python import cp_model
 
 from tessera.cost_models.communication import dp_comm_s, sharded_comm_slowdown
 from tessera.cost_models.estimate import stage_time
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.memory import stage_memory
 from tessera.cost_models.partition import split_blocks, stage_totals
-from tessera.cost_models.types import LayerStats, Strategy, TrainingConfig
+from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.planner.ilp import TIME_UNIT_S, _gap, _run
 from tessera.topology.cluster import Cluster
 

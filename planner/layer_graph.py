@@ -24,7 +24,7 @@ from functools import cached_property
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from tessera.cost_models.types import LayerStats
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.errors import CaptureError
 from tessera.planner.layer_info import with_windowed_attention
 

@@ -34,8 +34,9 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from tessera.cost_models.layer_stats import LayerStats, LinearPair
 from tessera.cost_models.tp_rules import linear_dims, moe_containers
-from tessera.cost_models.types import LayerKind, LayerStats, LinearPair
+from tessera.cost_models.types import LayerKind
 from tessera.planner.replay import CONTAINERS
 
 NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
-from tessera.cost_models.types import LayerStats, Recompute
+from tessera.cost_models.layer_stats import LayerStats
+from tessera.cost_models.types import Recompute
 from tessera.planner.ilp_mixed import block_kinds
 from tessera.topology.cluster import Cluster
 

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
 from tessera.cost_models.estimate import step_time_lower_bound
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.pipeline import bubble_micro_batches
-from tessera.cost_models.types import LayerStats, Recompute, runtime_conflict, strategy_features
+from tessera.cost_models.types import Recompute, runtime_conflict, strategy_features
 from tessera.planner.ilp import StageCoefficients, coefficients, optimal_pace_s, solve, stage_tables
 from tessera.planner.ilp_mixed import (
     StageMeasure, block_kinds, kind_coefficients, option_name, pace_lower_bound_s, solve_mixed, split_option,

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
 from tessera.cost_models.estimate import peak_memory_bytes, step_time_lower_bound
 from tessera.cost_models.layer_costs import layer_costs
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.partition import block_policies, kept_blocks, split_chunks, stage_totals
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
-from tessera.cost_models.types import LayerStats
 from tessera.errors import ConfigError, InfeasiblePlanError
 from tessera.planner.degrees import degree_alternatives
 from tessera.planner.layer_graph import LayerGraph

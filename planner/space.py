@@ -44,7 +44,8 @@ from types import MappingProxyType
 
 from tessera.cost_models import Strategy, TrainingConfig
 from tessera.cost_models.folding import folding_refusal
-from tessera.cost_models.types import RUNTIME_EXCLUSIVE, LayerStats, runtime_conflict, strategy_features
+from tessera.cost_models.layer_stats import LayerStats
+from tessera.cost_models.types import RUNTIME_EXCLUSIVE, runtime_conflict, strategy_features
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster
 

@@ -78,7 +78,7 @@ from tessera.cost_models.tp_rules import (
     head_split_attentions,
     uncovered_parameter,
 )
-from tessera.cost_models.types import LinearPair
+from tessera.cost_models.layer_stats import LinearPair
 from tessera.errors import NotModelledError
 from tessera.models.moe import MoELayer
 from tessera.runtime.hf_experts import ShardedExperts, check_experts_tensor_parallel

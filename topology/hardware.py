@@ -215,7 +215,8 @@ def local_cpu_device(ranks: int) -> DeviceSpec:
     cores = os.cpu_count() or 1
     # ~25 GFLOP/s fp32 per core: order of magnitude of an AVX2 core's sustained sgemm, not measured here.
     per_rank_flops = 25e9 * max(1, cores // ranks)
-    # FP8: torch's CPU _scaled_mm is a reference loop, ~0.06 GFLOP/s on one core here (2026-12-04, 512^3).
+    # FP8: torch's CPU _scaled_mm is a reference loop: 0.06 GFLOP/s per rank on 2 ranks here
+    # (benchmarks/results/cluster-x86_64-cpu-2026-12-04.yaml, tessera profile --nproc 2).
     per_rank_fp8_flops = 0.06e9 * max(1, cores // ranks)
     return DeviceSpec(
         name=LOCAL_CPU,

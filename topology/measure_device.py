@@ -97,7 +97,7 @@ def _shared_rate(fn: Callable[[], None], *, device: torch.device, min_time_s: fl
 
 FP8_CPU_DIM = 128
 """Square size of the FP8 product timed on CPU ranks: torch 2.13's CPU ``_scaled_mm`` is a reference loop
-(~0.06 GFLOP/s on one core of this project's CPU machine, 2026-12-04), so a larger one takes seconds."""
+(0.06 GFLOP/s per rank, ``benchmarks/results/cluster-x86_64-cpu-2026-12-04.yaml``), so a larger one takes seconds."""
 
 
 def fp8_matmul_flops(device: torch.device, *, dim: int, sweep: ProfileSweep) -> float:

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tessera.cost_models.types import LinearPair, Strategy
+from tessera.cost_models.layer_stats import LinearPair
+from tessera.cost_models.types import Strategy
 from tessera.errors import NotModelledError
 from tessera.models import build_model
 from tessera.planner.plan import PlannedLayer

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,6 +152,20 @@ def test_a_hugging_face_llama_trains_fp8_under_tp_and_pp_like_one_fp8_process(st
     expected = hf_llama_fp8_losses(1, "dp=1,mbs=1")
     for losses in spawn(hf_llama_fp8_losses, nprocs=2, args=(2, strategy), timeout_s=600):
         torch.testing.assert_close(losses, expected, rtol=FP8_LOSS_RTOL, atol=0.0)
+
+
+def test_an_eager_cast_holds_the_bytes_per_element_tesseras_profile_charges():
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    from memory_meter import AllocatorMeter
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    from tessera.cost_models.profiles import TESSERA
+
+    tensor = torch.randn(1024, 256, dtype=torch.bfloat16)
+    with AllocatorMeter(0) as meter:
+        hp_tensor_to_float8_dynamic(tensor, torch.float8_e4m3fn, LinearMMConfig())
+    assert meter.peak_bytes / tensor.numel() == pytest.approx(TESSERA.fp8_cast_bytes_per_element, rel=0.01)
 
 
 def fp32_reference() -> dict:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tessera.cost_models.types import LinearPair
+from tessera.cost_models.layer_stats import LinearPair
 from tessera.errors import ConfigError, NotModelledError
 from tessera.models import build_model
 from tessera.planner.plan import PlannedLayer

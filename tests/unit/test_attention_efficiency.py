@@ -6,9 +6,9 @@ from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.compute import (
     BACKWARD_CORE_FLOPS, CAUSAL_WORK, Calibration, attention_efficiency, compute_lower_bound_s, curve_at, stage_compute_s,
 )
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.partition import block_policies, stage_totals
 from tessera.cost_models.profiles import MEGATRON, MEGATRON_2021, PYTORCH_FSDP_TE, TESSERA, TORCHTITAN
-from tessera.cost_models.types import LayerStats
 from tessera.errors import ClusterSpecError
 from tessera.topology import load_cluster
 from tessera.topology.hardware import attention_curve, attention_curves_from_raw, device

@@ -4,10 +4,10 @@ import pytest
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.compute import GPU_CALIBRATION, Calibration
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.memory import REPLICATED_ACTIVATION_SHARE
 from tessera.cost_models.partition import split_blocks
 from tessera.cost_models.pipeline import bubble_micro_batches, in_flight_micro_batches
-from tessera.cost_models.types import LayerStats
 from tessera.errors import ConfigError
 from tessera.topology import load_cluster
 from tessera.topology.collectives import all_reduce_time

@@ -13,7 +13,7 @@ from tessera.cost_models.partition import stage_totals
 from tessera.cost_models.sparse import (
     cp_comm_s, dense_group, ep_comm_s, expert_group, group_all_reduce_s, local_param_split,
 )
-from tessera.cost_models.types import LayerStats, LinearPair
+from tessera.cost_models.layer_stats import LayerStats, LinearPair
 from tessera.errors import ConfigError
 from tessera.planner.space import LONG_CONTEXT_TOKENS, mesh_shapes
 from tessera.topology.clusterfile import cluster_from_raw

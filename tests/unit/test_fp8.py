@@ -7,8 +7,8 @@ import pytest
 from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.compute import Calibration
 from tessera.cost_models.fp8 import CAST_PASSES, LINEAR_INPUT_SHARE
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.profiles import MEGATRON, TESSERA, ImplementationProfile
-from tessera.cost_models.types import LayerStats
 from tessera.errors import ClusterSpecError, ConfigError
 from tessera.topology import load_cluster
 

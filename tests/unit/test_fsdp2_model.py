@@ -11,7 +11,7 @@ from tessera.cost_models.compute import Calibration, compute_lower_bound_s
 from tessera.cost_models.profiles import (
     DEEPSPEED, MEGATRON, PROFILES, PYTORCH_FSDP_TE, TESSERA, TORCHTITAN, ImplementationProfile, profile,
 )
-from tessera.cost_models.types import LayerStats
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.errors import ConfigError
 from tessera.topology import load_cluster
 

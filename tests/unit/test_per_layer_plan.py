@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
-from tessera.cost_models.types import LayerStats
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.planner.ilp_mixed import KindCoefficients, block_kinds, solve_mixed
 from tessera.planner.refine import materialise_options
 from tessera.topology.presets import load_cluster

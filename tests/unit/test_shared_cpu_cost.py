@@ -9,9 +9,9 @@ from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.communication import tp_comm_s
 from tessera.cost_models.compute import framework_overhead_s, linear_overhead_s, stage_compute_s
 from tessera.cost_models.estimate import step_time_lower_bound
+from tessera.cost_models.layer_stats import LayerStats, LinearPair
 from tessera.cost_models.partition import block_policies, stage_totals
 from tessera.cost_models.pipeline import bubble_micro_batches, in_flight_micro_batches, pipeline_time_s
-from tessera.cost_models.types import LayerStats, LinearPair
 from tessera.runtime.pipeline import single_stage_schedule
 from tessera.topology import load_cluster
 from tessera.errors import ClusterSpecError

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.cost_models.types import LayerStats
+from tessera.cost_models.layer_stats import LayerStats
 from tessera.planner import layer_info
 
 
