@@ -60,7 +60,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, field_validator
+import xxhash
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from tessera.errors import CheckpointError
 
@@ -83,15 +84,40 @@ HASH_BLOCK_BYTES = 1 << 24
 FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
+DIGESTS: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}
+"""The content hashes a record may carry, by field name: SHA-256 for disk checkpoints, XXH3-128 for in-memory
+snapshots (``runtime.snapshots``), which hash every rank's whole state as often as every step: 20 GB/s against
+SHA-256's 1.1 GB/s on this project's CPU (with SHA instructions). Either detects a torn or damaged file; neither
+guards against a writer who can also rewrite the manifest."""
+
+
 class FileRecord(BaseModel):
-    """One file of a checkpoint as it was written."""
+    """One file of a checkpoint as it was written: its size and one content hash (:data:`DIGESTS`)."""
 
     model_config = FROZEN
 
     size_bytes: int
     """Length of the file."""
-    sha256: str
-    """SHA-256 of its content (hex)."""
+    sha256: str | None = None
+    """SHA-256 of its content (hex): disk checkpoints'."""
+    xxh3_128: str | None = None
+    """XXH3-128 of its content (hex): in-memory snapshots'."""
+
+    @model_validator(mode="after")
+    def _one_digest(self) -> FileRecord:
+        if (self.sha256 is None) == (self.xxh3_128 is None):
+            raise ValueError("a file record carries exactly one hash (sha256 or xxh3_128)")
+        return self
+
+    @property
+    def algorithm(self) -> str:
+        """The field name of the hash this record carries."""
+        return "sha256" if self.sha256 is not None else "xxh3_128"
+
+    @property
+    def hash_name(self) -> str:
+        """The hash's usual name, for messages."""
+        return "SHA-256" if self.sha256 is not None else "XXH3-128"
 
 
 class Manifest(BaseModel):
@@ -232,7 +258,7 @@ def _write_manifest_and_rename(
 ) -> None:
     manifest = Manifest(step=step, world_size=world_size, strategy=strategy, saved_unix_s=time.time(),
                         files=dict(sorted(files.items())))
-    text = manifest.model_dump_json(indent=2)
+    text = manifest.model_dump_json(indent=2, exclude_none=True)
     write_durably(partial / MANIFEST, lambda path: path.write_text(text))
     write_durably(partial / MARKER, lambda path: path.write_text(sha256_text(text)))
     os.rename(partial, final)  # never over an existing folder: _prepare_partial refused that step already
@@ -383,8 +409,8 @@ def _file_problem(folder: Path, name: str, record: FileRecord, *, verify: bool) 
     size = path.stat().st_size
     if size != record.size_bytes:
         return f"file {name} has {size} bytes but {record.size_bytes} were written (truncated or overwritten)"
-    if verify and file_record(path).sha256 != record.sha256:
-        return f"file {name} does not match the SHA-256 recorded when it was written (its bytes changed on disk)"
+    if verify and not matches(path, record):
+        return f"file {name} does not match the {record.hash_name} recorded when it was written (its bytes changed on disk)"
     return None
 
 
@@ -428,13 +454,24 @@ def list_files(folder: Path) -> list[str]:
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
 
-def file_record(path: Path) -> FileRecord:
-    """Size and SHA-256 of ``path``."""
-    digest = hashlib.sha256()
+def file_record(path: Path, algorithm: str = "sha256") -> FileRecord:
+    """Size and hash (``algorithm``, a :data:`DIGESTS` name) of ``path``."""
+    digest = DIGESTS[algorithm]()
     with path.open("rb") as handle:
         while block := handle.read(HASH_BLOCK_BYTES):
             digest.update(block)
-    return FileRecord(size_bytes=path.stat().st_size, sha256=digest.hexdigest())
+    return FileRecord(size_bytes=path.stat().st_size, **{algorithm: digest.hexdigest()})
+
+
+def content_record(content: bytes | memoryview, algorithm: str = "sha256") -> FileRecord:
+    """Size and hash (``algorithm``) of ``content``."""
+    return FileRecord(size_bytes=len(content), **{algorithm: DIGESTS[algorithm](content).hexdigest()})
+
+
+def matches(path: Path, record: FileRecord) -> bool:
+    """Whether ``path`` holds exactly what ``record`` describes (its size, then its hash by the record's own
+    algorithm)."""
+    return path.stat().st_size == record.size_bytes and file_record(path, record.algorithm) == record
 
 
 def sha256_text(text: str) -> str:

@@ -2,7 +2,7 @@
 
 Every rank calls :func:`recover_from_snapshots` (``runtime.elastic.resume_if_possible`` does, before it looks at
 the disk): each node's leader lists the committed snapshots of its store and the files of each it holds intact
-(size and SHA-256 against the manifest); the ranks share these lists and pick the newest step for which every
+(size and hash against the manifest); the ranks share these lists and pick the newest step for which every
 file of the whole snapshot is held by *some* surviving node. If a disk checkpoint is newer, or no step is
 complete (a node and its buddy were lost together, or every store is gone), it says why and returns ``None``:
 the caller loads the newest intact disk checkpoint instead.
@@ -13,7 +13,7 @@ by the first leader holding the file) is shared, and each rank takes the file of
 that overlaps one of its shards under the new plan, one file holding it (``snapshot_format.files_to_read``), and
 rank 0's plan and data position. Each node's leader assembles the files its node's ranks read in its store
 (``store/recovery/step-N``): hard links to those it holds, and those it lacks sent point to point by a leader
-holding them, checked against the manifest's SHA-256. Before anything is written it checks that its store has
+holding them, checked against the manifest's hash. Before anything is written it checks that its store has
 room for what it lacks; if a node has not, recovery says so and the newest intact disk
 checkpoint is loaded instead. Every rank then reads its files (``runtime.snapshot_format``: JSON headers and raw
 bytes, nothing that runs code), copies into its state the parts of the saved chunks its own shards cover
@@ -46,7 +46,7 @@ from tessera.planner.plan import Plan
 from tessera.runtime.checkpoint import STATE_OPTIONS, CheckpointInfo, state_module, training_tensors
 from tessera.runtime.checkpoint_files import (
     DATA_FILE, MANIFEST, MARKER, PLAN_FILE, Manifest, all_gather, barrier, broadcast, complete_checkpoints,
-    file_record, sha256_text, step_folder, step_of, together,
+    matches, sha256_text, step_folder, step_of, together,
 )
 from tessera.runtime.lr_schedule import restore_scheduler
 from tessera.runtime.saved_plans import check_same_model
@@ -310,8 +310,8 @@ def _transfer(transfers: list[tuple[str, int, int]], manifest: Manifest, *, own:
         path = write_to / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(buffer.numpy().tobytes())
-        if file_record(path) != record:
-            problem = problem or f"snapshot file {name} arrived damaged from rank {source} (SHA-256 differs)"
+        if not matches(path, record):
+            problem = problem or f"snapshot file {name} arrived damaged from rank {source} ({record.hash_name} differs)"
     if problem:
         raise CheckpointError(problem)
 

@@ -23,7 +23,6 @@ and a restart under the same plan reads that file alone (``snapshot_format.files
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -36,11 +35,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tessera.errors import ConfigError
-from tessera.runtime.checkpoint_files import FileRecord, all_gather
+from tessera.runtime.checkpoint_files import DIGESTS, FileRecord, all_gather
 from tessera.runtime.snapshot_format import (
     FORMAT, GROUPS, LENGTH, PYTHON_RNG, RNG_PYTHON, Chunk, aligned, chunk_view, dtype_name, encode_value,
     flat_items, geometry, local_tensor, rng_tensors,
 )
+from tessera.runtime.snapshot_table import SNAPSHOT_DIGEST, snapshot_record
 from tessera.runtime.tp_styles import unstrided
 
 _SLACK = 512
@@ -97,7 +97,7 @@ class StagedShards:
         self._python = chunk_view(self._data, chunks[-1]).numpy()
         self._written_tail: bytes | None = None
         self._prefix_digest: Any = None
-        """The header's share of the file's SHA-256 (hashed again only after the header changed)."""
+        """The header's share of the file's hash (hashed again only after the header changed)."""
         self._write_header(tail)
 
     @staticmethod
@@ -137,13 +137,13 @@ class StagedShards:
         return self.file.numel()
 
     def record(self) -> FileRecord:
-        """The file's size and SHA-256, hashed from memory (the header's share cached while it is unchanged;
-        hashlib releases the GIL on large buffers, so training runs on meanwhile)."""
+        """The file's size and hash (``snapshot_table.SNAPSHOT_DIGEST``), hashed from memory (the header's share
+        cached while it is unchanged; xxhash releases the GIL, so training runs on meanwhile)."""
         if self._prefix_digest is None:
-            self._prefix_digest = hashlib.sha256(memoryview(self._prefix))
+            self._prefix_digest = DIGESTS[SNAPSHOT_DIGEST](memoryview(self._prefix))
         digest = self._prefix_digest.copy()
         digest.update(memoryview(self._data.numpy()))
-        return FileRecord(size_bytes=self.nbytes, sha256=digest.hexdigest())
+        return FileRecord(size_bytes=self.nbytes, **{SNAPSHOT_DIGEST: digest.hexdigest()})
 
     def _tail(self, param_groups: list[dict[str, Any]] | None, lr_scheduler: dict[str, Any] | None) -> bytes:
         """The header's changing part: the groups' settings (when kept per group) and the scheduler's state."""
@@ -203,11 +203,11 @@ def _refuse_strided_splits(held: list) -> None:
 
 
 def write_shard(path: Path, file: torch.Tensor) -> FileRecord:
-    """Write ``file`` (bytes) to ``path``; its size and SHA-256, hashed from memory."""
+    """Write ``file`` (bytes) to ``path``; its size and hash, hashed from memory."""
     view = memoryview(file.numpy()) if file.numel() else b""
     with path.open("wb") as handle:
         handle.write(view)
-    return FileRecord(size_bytes=file.numel(), sha256=hashlib.sha256(view).hexdigest())
+    return snapshot_record(view)
 
 
 def _writers(signature: tuple, group: dist.ProcessGroup | None) -> list[int | None]:

@@ -14,7 +14,7 @@
 
 A store folder is *committed* when its ``COMPLETE`` marker is the SHA-256 of its ``manifest.json``. Unlike a
 disk checkpoint, it holds only some of the files its manifest lists: a file counts as held when it is present
-with the recorded size and SHA-256 (:func:`held_files`); a missing or damaged one (its copy still arriving, or
+with the recorded size and XXH3-128 hash (:func:`held_files`); a missing or damaged one (its copy still arriving, or
 torn when its writer was killed) is simply not held here.
 
 **Only Tessera's own files.** A store is used only if it is new, empty, or carries the marker; inside it, only
@@ -28,7 +28,7 @@ overwriting an existing one 0.06 ms (measured on this project's 2-core machine).
 is renamed ``.spare`` instead of deleted, and the next snapshot's writers move their files out of it
 (:func:`reuse_spare`, an atomic rename) and overwrite them in place. The host memory is the same as deleting it
 and writing anew (the spare is the in-flight snapshot's memory); a file moved into a snapshot folder holds either
-the old bytes -- which its SHA-256 no longer matches -- or the new ones.
+the old bytes -- which its hash no longer matches -- or the new ones.
 
 Snapshots live in memory (tmpfs): they survive the training process, not a reboot, so nothing is fsynced.
 """
@@ -41,8 +41,8 @@ from pathlib import Path
 
 from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.checkpoint_files import (
-    LOCK_FILE, MANIFEST, MARKER, PARTIAL_SUFFIX, STEP_PREFIX, Manifest, complete_checkpoints, file_record,
-    lock_folder, manifest_problem, read_manifest, sha256_text, step_folder, step_of,
+    LOCK_FILE, MANIFEST, MARKER, PARTIAL_SUFFIX, STEP_PREFIX, Manifest, complete_checkpoints, lock_folder,
+    manifest_problem, matches, read_manifest, sha256_text, step_folder, step_of,
 )
 
 STORE_MARKER = ".tessera-snapshots"
@@ -83,7 +83,7 @@ def partial_snapshot(store: Path, step: int, *, take: int = 0) -> Path:
 
 def commit_snapshot(partial: Path, manifest: Manifest, *, keep: int) -> Path:
     """Write the whole snapshot's manifest and marker into ``partial``, rename it, keep the newest ``keep``."""
-    text = manifest.model_dump_json(indent=2)
+    text = manifest.model_dump_json(indent=2, exclude_none=True)
     (partial / MANIFEST).write_text(text)
     (partial / MARKER).write_text(sha256_text(text))
     final = step_folder(partial.parent, manifest.step)
@@ -131,8 +131,7 @@ def held_files(folder: Path) -> tuple[Manifest, set[str]] | None:
     held = set()
     for name, record in manifest.files.items():
         path = folder / name
-        if path.is_file() and not path.is_symlink() and path.stat().st_size == record.size_bytes \
-                and file_record(path).sha256 == record.sha256:
+        if path.is_file() and not path.is_symlink() and matches(path, record):
             held.add(name)
     return manifest, held
 

@@ -1,14 +1,13 @@
 """The one collective of a snapshot (``runtime.snapshots``): an integer table every rank fills its own row of.
 
 A rank's row: whether it failed (writing this snapshot, or copying or committing the previous one), its file's
-size and SHA-256; rank 0's tail adds its plan's and data position's size and SHA-256 and its clock. Summed by one
+size and hash; rank 0's tail adds its plan's and data position's size and hash and its clock. Summed by one
 all-reduce, the table is every row on every rank: every leader writes the same manifest from it, each rank knows
 the sizes its buddy partner will send, and a failure anywhere raises the same ``CheckpointError`` everywhere.
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
 import time
 
@@ -16,13 +15,15 @@ import torch
 import torch.distributed as dist
 
 from tessera.errors import CheckpointError
-from tessera.runtime.checkpoint_files import DATA_FILE, PLAN_FILE, FileRecord, Manifest, all_gather
+from tessera.runtime.checkpoint_files import DATA_FILE, PLAN_FILE, FileRecord, Manifest, all_gather, content_record
 from tessera.runtime.snapshot_format import shard_file
 
-_DIGEST = struct.Struct("<4q")
-"""A SHA-256 as four int64 words: how digests travel in the integer table."""
-_RECORD = 1 + 4
-"""A file's entries: its size, then its SHA-256."""
+SNAPSHOT_DIGEST = "xxh3_128"
+"""The hash of snapshot files (``checkpoint_files.DIGESTS``)."""
+_DIGEST = struct.Struct("<2q")
+"""An XXH3-128 as two int64 words: how digests travel in the integer table."""
+_RECORD = 1 + 2
+"""A file's entries: its size, then its hash."""
 _ROW = 1 + _RECORD
 """A rank's row of the table: failed (0/1), then its file's record."""
 _TAIL = 2 * _RECORD + 1
@@ -34,9 +35,9 @@ def side_files(rank: int) -> tuple[str, ...]:
     return (PLAN_FILE, DATA_FILE) if rank == 0 else ()
 
 
-def content_record(content: bytes) -> FileRecord:
-    """Size and SHA-256 of ``content``."""
-    return FileRecord(size_bytes=len(content), sha256=hashlib.sha256(content).hexdigest())
+def snapshot_record(content: bytes) -> FileRecord:
+    """Size and hash of a snapshot file's ``content``."""
+    return content_record(content, SNAPSHOT_DIGEST)
 
 
 def agree_on_table(records: dict[str, FileRecord], problem: str | None, *, rank: int, world: int,
@@ -76,11 +77,11 @@ def table_manifest(table: torch.Tensor, *, step: int, world: int, strategy: str)
 
 
 def _put(entries: torch.Tensor, record: FileRecord) -> None:
-    """``record`` into its table entries: size, then the SHA-256 as four words."""
+    """``record`` into its table entries: size, then the hash as two words."""
     entries[0] = record.size_bytes
-    entries[1:_RECORD] = torch.tensor(_DIGEST.unpack(bytes.fromhex(record.sha256)))
+    entries[1:_RECORD] = torch.tensor(_DIGEST.unpack(bytes.fromhex(record.xxh3_128)))
 
 
 def _get(entries: torch.Tensor) -> FileRecord:
     size, *words = entries.tolist()
-    return FileRecord(size_bytes=size, sha256=_DIGEST.pack(*words).hex())
+    return FileRecord(size_bytes=size, xxh3_128=_DIGEST.pack(*words).hex())
