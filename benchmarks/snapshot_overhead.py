@@ -51,13 +51,24 @@ from tessera.runtime.apply import apply_plan
 from tessera.runtime.elastic import resume_if_possible
 from tessera.runtime.launch import WorkerError, spawn
 from tessera.runtime.snapshots import SnapshotConfig
+from tessera.cost_models.types import TrainingConfig
+from tessera.models import model_config
 from tessera.tests.distributed.harness import make_batches, make_model, make_plan
 
-MODELS = {"gpt-tiny": "gpt-tiny:layers=4", "llama-tiny": "llama-tiny:layers=4"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_truth import GLOBAL_BATCH as SMALL_BATCH, MODELS as SMALL_MODELS, SEQ_LEN as SMALL_SEQ  # noqa: E402
+
+TINY = {"gpt-tiny": "gpt-tiny:layers=4", "llama-tiny": "llama-tiny:layers=4"}
+"""The distributed tests' models and batch (``GLOBAL_BATCH`` x ``SEQ_LEN`` of ``tests/distributed/harness``: 8 x
+16 tokens): steps of 20-130 ms, where a snapshot's fixed costs (a collective, a few files) weigh most."""
+MODELS = {**TINY, **SMALL_MODELS}
+"""Also ``local_truth``'s small GPT and Llama (5.3M and 5.5M parameters) at its batch, 16 x 256 tokens: what the
+cost model is checked against on these ranks."""
 PLANS = {"DDP": "dp=4,zero=0,mbs=2", "TP2xDP2": "dp=2,tp=2,mbs=4"}
-ROUND_SCALE = {"DDP": 3, "TP2xDP2": 1}
-"""Rounds per plan, times ``--rounds``: DDP steps are 5-10x shorter than tensor-parallel ones here, so more of
-its rounds fit in the same time (and its overhead, the larger, needs them)."""
+ROUND_SCALE = {("tiny", "DDP"): 3, ("tiny", "TP2xDP2"): 1, ("small", "DDP"): 1, ("small", "TP2xDP2"): 1}
+"""Rounds per size and plan, times ``--rounds``: the tiny models' DDP steps are 5-10x shorter than their
+tensor-parallel ones here, so more of its rounds fit in the same time (and its overhead, the larger, needs
+them); the small models' steps take 0.4-1 s."""
 MODES = {"off": 0, "k=1": 1, "k=2": 2, "k=4": 4, "k=8": 8}
 """Blocks without snapshots and with one every ``k`` steps."""
 BLOCK, WARMUP, RANKS_PER_NODE, DISK_EVERY, FAULT_STEPS = 8, 3, 2, 5, 40
@@ -80,51 +91,70 @@ def measure_overhead(cases: list[tuple[str, str, int]], stores: str) -> dict:
     rank, results = dist.get_rank(), {}
     for spec, strategy, rounds in cases:
         model = make_model(spec, 0)
-        pm = apply_plan(model, make_plan(spec, model, strategy), lr_scheduler_factory=cosine)
+        pm = apply_plan(model, case_plan(spec, model, strategy), lr_scheduler_factory=cosine)
         store = Path(stores) / f"{spec}-{strategy}" / f"node{rank // RANKS_PER_NODE}"
         snapshots = pm.enable_snapshots(SnapshotConfig(every=1, store=store, ranks_per_node=RANKS_PER_NODE))
         pm.snapshots = None  # the blocks below take their snapshots themselves
-        batches = make_batches(spec, BLOCK)
+        batches = case_batches(spec, BLOCK)
         for batch in batches[:WARMUP]:
             pm.train_step(batch)
         wall: dict[str, list[float]] = {mode: [] for mode in MODES}
         cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
-        background_cpu_s, snapshots_taken, load = 0.0, 0, []
+        background_cpu_s, snapshots_taken, load, waits = 0.0, 0, [], {"wait": [], "staging": []}
         for round_ in range(rounds):
             load.append(os.getloadavg()[0])
             order = list(MODES)[round_ % len(MODES):] + list(MODES)[:round_ % len(MODES)]  # no mode always first
             for mode in order:
                 every = MODES[mode]
                 before = snapshots.background_cpu_s
-                block_wall, block_cpu = run_block(pm, snapshots, batches, every)
+                block_wall, block_cpu = run_block(pm, snapshots, batches, every, waits if every == 1 else None)
                 wall[mode].append(block_wall)
                 cpu[mode].append(block_cpu)
                 if every:
                     background_cpu_s += snapshots.background_cpu_s - before
                     snapshots_taken += 1 + len(batches) // every
-        staging_s, commit_s = [], []
-        for _ in range(5):  # the training thread's share, then a snapshot's whole latency to commit on every node
+        commit_s = []
+        for batch in batches[:5]:  # a snapshot's whole latency to commit on every node, after a step as in a run
+            pm.train_step(batch)
             started = time.perf_counter()
             snapshots.snapshot(pm)
-            staged = time.perf_counter()
             snapshots.wait()
-            staging_s.append(staged - started)
             commit_s.append(time.perf_counter() - started)
         written = snapshots._staged.nbytes
         pm.snapshots = snapshots
         pm.close()
-        results[(spec, strategy)] = {"wall": wall, "cpu": cpu, "staging_s": staging_s, "commit_s": commit_s,
+        results[(spec, strategy)] = {"wall": wall, "cpu": cpu, "staging_s": waits["staging"], "wait_s": waits["wait"],
+                                     "commit_s": commit_s,
                                      "background_cpu_s": background_cpu_s / snapshots_taken, "load": load,
                                      "written_bytes": dist_max(written),
                                      "params": sum(p.numel() for p in model.parameters())}
     return results
 
 
-def run_block(pm, snapshots, batches: list, every: int) -> tuple[float, float]:
+def case_plan(spec: str, model, strategy: str):
+    """The harness's hand-built plan, at ``local_truth``'s batch for its small models."""
+    plan = make_plan(spec, model, strategy)
+    if spec in SMALL_MODELS.values():
+        plan = plan.model_copy(update={"training": TrainingConfig(global_batch=SMALL_BATCH, seq_len=SMALL_SEQ,
+                                                                  precision=plan.training.precision)})
+    return plan
+
+
+def case_batches(spec: str, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` batches: the harness's, or ``local_truth``'s shape for its small models."""
+    if spec not in SMALL_MODELS.values():
+        return make_batches(spec, steps)
+    tokens = torch.randint(model_config(spec).vocab, (steps, SMALL_BATCH, SMALL_SEQ + 1),
+                           generator=torch.Generator().manual_seed(1))
+    return [(step[:, :-1], step[:, 1:]) for step in tokens]
+
+
+def run_block(pm, snapshots, batches: list, every: int, waits: dict | None = None) -> tuple[float, float]:
     """Mean wall and process-CPU seconds per step over ``batches``, with a snapshot after every ``every``-th
     step (0: none). Steady state: an untimed step and snapshot first, so the timed steps overlap the one before
     them as they do in a run, and the timer stops without waiting for the last one (its tail belongs to the
-    steps after it); the waits between blocks are untimed."""
+    steps after it); the waits between blocks are untimed. ``waits``: where to append, per snapshot, the
+    training thread's wait for the one before it and its own staging."""
     snapshots.wait()
     pm.train_step(batches[0])
     if every:
@@ -132,8 +162,14 @@ def run_block(pm, snapshots, batches: list, every: int) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     for index, batch in enumerate(batches, start=1):
         pm.train_step(batch)
-        if every and index % every == 0:
-            snapshots.snapshot(pm)  # waits for the previous one first, as train_step's does
+        if every and index % every == 0:  # what train_step's own snapshot does: wait for the last one, stage
+            started = time.perf_counter()
+            snapshots.wait()
+            waited = time.perf_counter()
+            snapshots.snapshot(pm)
+            if waits is not None:
+                waits["wait"].append(waited - started)
+                waits["staging"].append(time.perf_counter() - waited)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     snapshots.wait()
     return wall / len(batches), cpu / len(batches)
@@ -261,19 +297,21 @@ def report(overhead: dict, lost: dict, *, command: str, load_before: str, load_a
         "snapshot), so its first steps overlap the snapshot before them, and without waiting for its last one. "
         "Overhead: per round, the block's mean step time over the same round's block without snapshots, minus "
         "one; median over rounds [lowest, highest]. Written: the most bytes one rank writes per snapshot "
-        "(replicated chunks once). Staging: the copy on the training thread (median). Commit: one snapshot from "
-        "staging to committed on every node (background, overlapped with the next steps; median).", "",
+        "(replicated chunks once). In the k = 1 blocks, per snapshot (median, rank 0): the training thread's wait "
+        "for the snapshot before it, then its staging (the copy into the rank's file). Commit: one snapshot from "
+        "staging to committed on every node, after a step (background, overlapped with the next steps in a run; "
+        "median of 5).", "",
         "| model | params | plan | step, no snapshots (ms) | " + " | ".join(f"{m} overhead" for m in modes)
-        + " | written per rank | staging (ms) | commit (ms) |",
-        "|---|---|---|---|" + "---|" * len(modes) + "---|---|---|",
+        + " | written per rank | wait (ms) | staging (ms) | commit (ms) |",
+        "|---|---|---|---|" + "---|" * len(modes) + "---|---|---|---|",
     ]
     for (spec, strategy), result in overhead.items():
         wall = result["wall"]
         cells = " | ".join(spread([b / off - 1 for b, off in zip(wall[m], wall["off"])]) for m in modes)
         lines.append(f"| `{spec}` | {result['params'] / 1e3:,.0f}K | `{strategy}` | "
                      f"{statistics.median(wall['off']) * 1e3:,.1f} | {cells} | "
-                     f"{result['written_bytes'] / 1e6:,.2f} MB | {statistics.median(result['staging_s']) * 1e3:,.2f} "
-                     f"| {statistics.median(result['commit_s']) * 1e3:,.0f} |")
+                     f"{result['written_bytes'] / 1e6:,.2f} MB | {statistics.median(result['wait_s']) * 1e3:,.2f} | "
+                     f"{statistics.median(result['staging_s']) * 1e3:,.2f} | {statistics.median(result['commit_s']) * 1e3:,.0f} |")
     lines += ["", "## CPU time: what a snapshot costs whatever the load", "",
               "Per rank (mean over the 4), median over rounds, `time.process_time` (every thread of the rank's "
               "process). Added per snapshot: the k = 1 block's CPU per step minus the same round's block without "
@@ -309,11 +347,14 @@ def main() -> None:
     parser.add_argument("--no-lost-work", action="store_true", help="measure the overhead only")
     parser.add_argument("--plans", nargs="+", choices=list(PLANS), default=list(PLANS),
                         help="measure these plans only")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                        help="measure these models only")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     load_before = os.popen("uptime").read().strip()
     rounds, trials = (1, 1) if args.smoke else (args.rounds, args.trials)
-    cases = [(spec, PLANS[plan], rounds * ROUND_SCALE[plan]) for spec in MODELS.values() for plan in args.plans]
+    cases = [(MODELS[name], PLANS[plan], rounds * ROUND_SCALE["tiny" if name in TINY else "small", plan])
+             for name in args.models for plan in args.plans]
     if args.smoke:
         cases = cases[:1]
     stores = tempfile.mkdtemp(prefix="tessera-snapshot-bench-", dir=SHM)

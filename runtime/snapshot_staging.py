@@ -87,9 +87,9 @@ class StagedShards:
                                    "group_params": self._group_params or []}).encode()
         tail = self._tail(param_groups, lr_scheduler)
         capacity = aligned(LENGTH.size + len(self._static) + len(tail) + max(_SLACK, len(tail)))
-        self.file = torch.empty(capacity + start, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self.file = torch.zeros(capacity + start, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         """The whole file: header (padded with spaces), then every chunk's bytes at its ``start`` (refilled in
-        place)."""
+        place; zeroed first, so the gaps between aligned chunks hold no stray memory)."""
         self._prefix = self.file[:capacity].numpy()
         self._prefix[:LENGTH.size] = numpy.frombuffer(LENGTH.pack(capacity - LENGTH.size), dtype=numpy.uint8)
         self._data = self.file[capacity:]

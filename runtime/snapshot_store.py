@@ -35,9 +35,12 @@ Snapshots live in memory (tmpfs): they survive the training process, not a reboo
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 from pathlib import Path
+
+import torch
 
 from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.checkpoint_files import (
@@ -116,6 +119,58 @@ def reuse_spare(store: Path, name: str, folder: int, target: str) -> None:
         os.rename(store / SPARE_FOLDER / name, target, dst_dir_fd=folder)
     except OSError:
         pass
+
+
+class MappedFiles:
+    """Files of a store mapped into memory as byte tensors, so that a snapshot's copy from the buddy partner is
+    received straight into its file's pages instead of into a buffer copied to them afterwards (16 MB: ~4 ms of a
+    rank's CPU here, ``benchmarks/snapshot_overhead.py``). A file recycled through the spare keeps its inode, so
+    its mapping is kept too (mapping again costs a fault per page). Each mapping holds
+    its file open: an inode cannot be reused while it is, so a file opened again with the same inode and size is
+    the same file. ``mappings``: how many it keeps (the files a store rotates through, plus one). (This rank's own file is not filled in place: on this project's CPU a copy into a few
+    rotating mapped files took the training thread twice as long as one into its reused staging buffer, 7 ms
+    against 3.4 ms for 16 MB, more than the background write it saved.)"""
+
+    def __init__(self, mappings: int) -> None:
+        self._mappings = mappings
+        self._files: dict[int, tuple[int, torch.Tensor]] = {}
+        """By inode, most recently used last: the open handle and the mapped bytes."""
+
+    def open(self, folder: int, name: str, size: int) -> torch.Tensor:
+        """File ``name`` of the open folder ``folder`` (created if missing), cut to ``size`` bytes and mapped."""
+        handle = os.open(name, os.O_RDWR | os.O_CREAT, 0o644, dir_fd=folder)
+        inode = os.fstat(handle).st_ino
+        kept = self._files.pop(inode, None)
+        if kept is not None and kept[1].numel() == size:
+            os.close(handle)
+            self._files[inode] = kept
+            return kept[1]
+        if kept is not None:
+            os.close(kept[0])
+        try:
+            os.ftruncate(handle, size)
+            mapped = torch.empty(0, dtype=torch.uint8)
+            if size:
+                os.posix_fallocate(handle, 0, size)  # tmpfs allocates the pages now or says ENOSPC: never a SIGBUS
+                mapped = torch.frombuffer(mmap.mmap(handle, size, flags=mmap.MAP_SHARED | _POPULATE),
+                                          dtype=torch.uint8)
+        except BaseException:
+            os.close(handle)
+            raise
+        self._files[inode] = (handle, mapped)
+        while len(self._files) > self._mappings:
+            os.close(self._files.pop(next(iter(self._files)))[0])  # unmapped once its last view is freed
+        return mapped
+
+    def close(self) -> None:
+        """Release every mapping (their files' memory is freed with the files)."""
+        for handle, _ in self._files.values():
+            os.close(handle)
+        self._files.clear()
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""Map every page up front (Linux), instead of one fault per page on first touch."""
 
 
 def committed_snapshots(store: Path) -> list[Path]:

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import io
 import logging
-import mmap
 import os
 import time
 from collections.abc import Callable
@@ -85,7 +84,7 @@ from tessera.runtime.checkpoint_files import FileRecord, all_gather, attempt, st
 from tessera.runtime.snapshot_format import shard_file
 from tessera.runtime.snapshot_staging import StagedShards
 from tessera.runtime.snapshot_store import (
-    commit_snapshot, free_bytes, open_store, partial_snapshot, remove_store, reuse_spare, store_bytes,
+    MappedFiles, commit_snapshot, free_bytes, open_store, partial_snapshot, remove_store, reuse_spare, store_bytes,
 )
 from tessera.runtime.snapshot_table import agree_on_table, snapshot_record, share_sizes, side_files, table_manifest
 
@@ -212,6 +211,9 @@ class Snapshotter:
         self._staged_key: tuple | None = None
         self._writers: dict = {}
         """Which rank writes each chunk, per chunk list (``snapshot_staging.StagedShards``)."""
+        self._arriving_files = MappedFiles(mappings=(self.config.keep + 2) * (1 + len(side_files(0))))
+        """The files the buddy partner's snapshots arrive in, mapped into memory (background thread only): its
+        snapshot file and side files, in each of the ``keep + 1`` snapshots a store rotates through and the spare."""
         self._plan: tuple | None = None
         self._pending: PendingSave | None = None
         self._checked_memory = False
@@ -282,6 +284,7 @@ class Snapshotter:
                 if problems:
                     raise CheckpointError(problems[0])
             finally:
+                self._arriving_files.close()
                 together(lambda: self._remove_store() if self.layout.is_leader(self.rank) else None, self.group,
                          what=f"removing snapshot store {self.store}")
                 if self._lock is not None:
@@ -399,7 +402,8 @@ class Snapshotter:
 
     def _exchange(self, pieces: list[torch.Tensor], table: torch.Tensor, folder: int) -> None:
         """Send ``pieces`` (this rank's files) to the partner on the buddy node, and receive the files of the
-        rank whose buddy this node is (their sizes: the table's) straight into their pages. Not hashed on arrival: recovery checks every
+        rank whose buddy this node is (their sizes: the table's) straight into their mapped pages. Not hashed on
+        arrival: recovery checks every
         file against the manifest's hash before using it (``snapshot_store.held_files``)."""
         layout = self.layout
         if not layout.shift:
@@ -407,8 +411,8 @@ class Snapshotter:
         target, source = layout.partner(self.rank, offset=layout.shift), layout.partner(self.rank, offset=-layout.shift)
         names = [shard_file(source), *side_files(source)]
         sizes = share_sizes(table, source, world=layout.world)
-        _receive_into_files(folder, [_arriving(name) for name in names], sizes,
-                            lambda incoming: self._swap([p for p in pieces if p.numel()], incoming, target, source))
+        incoming = [self._arriving_files.open(folder, _arriving(name), size) for name, size in zip(names, sizes)]
+        self._swap([p for p in pieces if p.numel()], [p for p in incoming if p.numel()], target, source)
         for name in names:  # under a temporary name until whole: never a torn final name
             os.rename(_arriving(name), name, src_dir_fd=folder, dst_dir_fd=folder)
 
@@ -451,32 +455,6 @@ def _write_file(folder: int, name: str, content: torch.Tensor | bytes) -> None:
             os.ftruncate(handle, size)
     finally:
         os.close(handle)
-
-
-def _receive_into_files(folder: int, names: list[str], sizes: list[int],
-                        receive: Callable[[list[torch.Tensor]], None]) -> None:
-    """``receive`` into files ``names`` of the open folder ``folder``, cut to ``sizes`` and mapped into memory as
-    byte tensors: the bytes land straight in the files' pages (on tmpfs: the store's host memory) instead of in
-    a buffer copied to them afterwards (16 MB: ~4 ms of a rank's CPU here, ``benchmarks/snapshot_overhead.py``).
-    The pages are mapped up front (``MAP_POPULATE``; one fault per page otherwise); a recycled file's are
-    already allocated."""
-    maps: list[mmap.mmap] = []
-    try:
-        for name, size in zip(names, sizes):
-            handle = os.open(name, os.O_RDWR | os.O_CREAT, 0o644, dir_fd=folder)
-            try:
-                os.ftruncate(handle, size)
-                if size:
-                    maps.append(mmap.mmap(handle, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)))
-            finally:
-                os.close(handle)
-        receive([torch.frombuffer(mapped, dtype=torch.uint8) for mapped in maps])
-    finally:
-        for mapped in maps:
-            try:
-                mapped.close()
-            except BufferError:  # a view outlived the receive: unmapped when it is freed
-                pass
 
 
 def _arriving(name: str) -> str:

@@ -3,6 +3,7 @@ running code, resharded by overlap; one process, no process group (the 4-rank ro
 tests/distributed/test_snapshots.py)."""
 
 import json
+import os
 import random
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from tessera.errors import CheckpointError
 from tessera.runtime.snapshot_format import ALIGN, Chunk, Shard, load_shards
 from tessera.runtime.snapshot_staging import StagedShards, write_shard
+from tessera.runtime.snapshot_store import MappedFiles
 
 
 def _state() -> dict:
@@ -169,3 +171,22 @@ def test_a_rank_reads_the_fewest_files_that_hold_its_chunks_and_settings():
     # a parameter whose shard here is empty still needs its param-group settings from a file that has them
     assert files_to_read({"w": ((0,), (0,)), "settings.w": scalar}, chunks, first="own") == {"own", "c"}
     assert files_to_read({"w": ((0,), (2,))}, chunks, first="b") == {"b", "own"}
+
+
+def test_a_mapped_store_file_is_its_bytes_and_stays_mapped_while_it_is_recycled(tmp_path):
+    files, folder = MappedFiles(mappings=2), os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        mapped = files.open(folder, ".rank-00002.snap.arriving", 4096)
+        mapped[:] = torch.arange(4096) % 251  # what a receive writes
+        os.rename(tmp_path / ".rank-00002.snap.arriving", tmp_path / "rank-00002.snap")
+        assert (tmp_path / "rank-00002.snap").read_bytes() == bytes(i % 251 for i in range(4096))
+        os.rename(tmp_path / "rank-00002.snap", tmp_path / "again.snap")  # through the spare: the same inode
+        assert files.open(folder, "again.snap", 4096) is mapped
+        assert files.open(folder, "again.snap", 100).numel() == 100  # another size: cut and mapped again
+        assert (tmp_path / "again.snap").stat().st_size == 100
+        assert files.open(folder, "empty.snap", 0).numel() == 0
+        files.open(folder, "third.snap", 8)  # beyond two mappings the oldest is let go
+        assert len(files._files) == 2
+    finally:
+        files.close()
+        os.close(folder)
