@@ -13,9 +13,10 @@ untimed step and snapshot, so its first steps overlap the snapshot before them a
 without waiting for the block's last snapshot. A round's overhead is its block's mean step time over the same
 round's block without snapshots, minus one (rank 0's clock: every step ends in an all-reduce, so all ranks
 finish it together); reported: the median over rounds and the lowest and highest, since the rounds measure the
-drift of a shared machine's load as much as anything. Also shown: the bytes each rank writes per snapshot, the
-staging copy (the part on the training thread, median), the time a snapshot takes from staging to commit on
-every node (in the background), and CPU time, which the load hardly moves: each rank's process CPU per step
+drift of a shared machine's load as much as anything. Also shown: the bytes each rank writes per snapshot, what
+the training thread spends per snapshot in the k = 1 blocks (rank 0's median; rank 0 also writes the plan and data
+position): its wait for the snapshot before and its staging copy into the staging buffer, the time a snapshot
+takes from staging to commit on every node (in the background), and CPU time, which the load hardly moves: each rank's process CPU per step
 with and without snapshots (every thread: training, the snapshot thread, gloo's) and the snapshot thread's own.
 
 **Lost work.** A fault run: 4 ranks train ``gpt-tiny`` (TP 2 x DP 2) with a disk checkpoint every
@@ -298,7 +299,7 @@ def report(overhead: dict, lost: dict, *, command: str, load_before: str, load_a
         "Overhead: per round, the block's mean step time over the same round's block without snapshots, minus "
         "one; median over rounds [lowest, highest]. Written: the most bytes one rank writes per snapshot "
         "(replicated chunks once). In the k = 1 blocks, per snapshot (median, rank 0): the training thread's wait "
-        "for the snapshot before it, then its staging (the copy into the rank's file). Commit: one snapshot from "
+        "for the snapshot before it, then its staging (the copy into the staging buffer). Commit: one snapshot from "
         "staging to committed on every node, after a step (background, overlapped with the next steps in a run; "
         "median of 5).", "",
         "| model | params | plan | step, no snapshots (ms) | " + " | ".join(f"{m} overhead" for m in modes)

@@ -14,7 +14,7 @@ is detected. The save/load flow that fills these folders is ``runtime.checkpoint
       .step-00000016.partial/   being written (or interrupted): never loaded
 
 **Manifest.** :class:`Manifest` records the step, the world size and strategy that wrote the checkpoint, and a
-:class:`FileRecord` (size, SHA-256) for every other file, keyed by relative POSIX path.
+:class:`FileRecord` (size, SHA-256: what every disk checkpoint records) for every other file, keyed by relative POSIX path.
 
 **Atomic commit** (:func:`commit_checkpoint`). Files go to ``root/.step-00000012.partial``. Once every rank's
 files and DCP's ``.metadata`` exist, the ranks hash the files (each a share), rank 0 writes ``manifest.json``,
@@ -84,7 +84,7 @@ HASH_BLOCK_BYTES = 1 << 24
 FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
-DIGESTS: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}
+DIGESTS: dict[str, Callable[..., Any]] = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}
 """The content hashes a record may carry, by field name: SHA-256 for disk checkpoints, XXH3-128 for in-memory
 snapshots (``runtime.snapshots``), which hash every rank's whole state as often as every step: 20 GB/s against
 SHA-256's 1.1 GB/s on this project's CPU (with SHA instructions). Either detects a torn or damaged file; neither
@@ -406,6 +406,8 @@ def _file_problem(folder: Path, name: str, record: FileRecord, *, verify: bool) 
         return f"file {name} is a symbolic link (a checkpoint holds only plain files)"
     if not path.is_file():
         return f"file {name} is missing"
+    if record.sha256 is None:
+        return f"file {name} has no SHA-256 in {MANIFEST} (a disk checkpoint records one for every file)"
     size = path.stat().st_size
     if size != record.size_bytes:
         return f"file {name} has {size} bytes but {record.size_bytes} were written (truncated or overwritten)"
@@ -463,7 +465,7 @@ def file_record(path: Path, algorithm: str = "sha256") -> FileRecord:
     return FileRecord(size_bytes=path.stat().st_size, **{algorithm: digest.hexdigest()})
 
 
-def content_record(content: bytes | memoryview, algorithm: str = "sha256") -> FileRecord:
+def content_record(content: bytes | memoryview, algorithm: str) -> FileRecord:
     """Size and hash (``algorithm``) of ``content``."""
     return FileRecord(size_bytes=len(content), **{algorithm: DIGESTS[algorithm](content).hexdigest()})
 

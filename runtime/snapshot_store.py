@@ -124,40 +124,46 @@ def reuse_spare(store: Path, name: str, folder: int, target: str) -> None:
 class MappedFiles:
     """Files of a store mapped into memory as byte tensors, so that a snapshot's copy from the buddy partner is
     received straight into its file's pages instead of into a buffer copied to them afterwards (16 MB: ~4 ms of a
-    rank's CPU here, ``benchmarks/snapshot_overhead.py``). A file recycled through the spare keeps its inode, so
-    its mapping is kept too (mapping again costs a fault per page). Each mapping holds
-    its file open: an inode cannot be reused while it is, so a file opened again with the same inode and size is
-    the same file. ``mappings``: how many it keeps (the files a store rotates through, plus one). (This rank's own file is not filled in place: on this project's CPU a copy into a few
-    rotating mapped files took the training thread twice as long as one into its reused staging buffer, 7 ms
-    against 3.4 ms for 16 MB, more than the background write it saved.)"""
+    rank's CPU here, timed ad hoc around one snapshot on 4 ranks). A file recycled through the spare keeps its
+    inode, so its mapping is kept too (``mappings`` of them: the files a store rotates through; mapping again
+    costs a fault per page). Each kept mapping holds its file open, so its inode cannot be reused: a file opened
+    again with the same device, inode and size is the same file. A kept file that was deleted (pruned instead of
+    recycled) is let go at the next ``open``, so its memory is freed. A view returned by ``open`` must not be
+    used after the next ``open`` of the same file, which may cut it to another size.
+
+    (This rank's own file is not filled in place: on this project's CPU a copy into a few rotating mapped files
+    took the training thread twice as long as one into its reused staging buffer, 7 ms against 3.4 ms for 16 MB,
+    more than the background write it saved.)"""
 
     def __init__(self, mappings: int) -> None:
         self._mappings = mappings
-        self._files: dict[int, tuple[int, torch.Tensor]] = {}
-        """By inode, most recently used last: the open handle and the mapped bytes."""
+        self._files: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+        """By (device, inode), most recently used last: the open handle and the mapped bytes."""
 
     def open(self, folder: int, name: str, size: int) -> torch.Tensor:
         """File ``name`` of the open folder ``folder`` (created if missing), cut to ``size`` bytes and mapped."""
+        self._let_go_of_deleted()
         handle = os.open(name, os.O_RDWR | os.O_CREAT, 0o644, dir_fd=folder)
-        inode = os.fstat(handle).st_ino
-        kept = self._files.pop(inode, None)
-        if kept is not None and kept[1].numel() == size:
-            os.close(handle)
-            self._files[inode] = kept
-            return kept[1]
-        if kept is not None:
-            os.close(kept[0])
         try:
-            os.ftruncate(handle, size)
+            info = os.fstat(handle)
+            key = (info.st_dev, info.st_ino)
+            kept = self._files.pop(key, None)
+            if kept is not None:
+                os.close(kept[0])
+                if kept[1].numel() == size == info.st_size:
+                    self._files[key] = (handle, kept[1])
+                    return kept[1]
             mapped = torch.empty(0, dtype=torch.uint8)
+            os.ftruncate(handle, size)
             if size:
-                os.posix_fallocate(handle, 0, size)  # tmpfs allocates the pages now or says ENOSPC: never a SIGBUS
+                if hasattr(os, "posix_fallocate"):  # tmpfs allocates the pages now or says ENOSPC: never a SIGBUS
+                    os.posix_fallocate(handle, 0, size)
                 mapped = torch.frombuffer(mmap.mmap(handle, size, flags=mmap.MAP_SHARED | _POPULATE),
                                           dtype=torch.uint8)
         except BaseException:
             os.close(handle)
             raise
-        self._files[inode] = (handle, mapped)
+        self._files[key] = (handle, mapped)
         while len(self._files) > self._mappings:
             os.close(self._files.pop(next(iter(self._files)))[0])  # unmapped once its last view is freed
         return mapped
@@ -167,6 +173,12 @@ class MappedFiles:
         for handle, _ in self._files.values():
             os.close(handle)
         self._files.clear()
+
+    def _let_go_of_deleted(self) -> None:
+        for key, (handle, _) in list(self._files.items()):
+            if os.fstat(handle).st_nlink == 0:
+                os.close(handle)
+                del self._files[key]
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)

@@ -211,7 +211,8 @@ class Snapshotter:
         self._staged_key: tuple | None = None
         self._writers: dict = {}
         """Which rank writes each chunk, per chunk list (``snapshot_staging.StagedShards``)."""
-        self._arriving_files = MappedFiles(mappings=(self.config.keep + 2) * (1 + len(side_files(0))))
+        source = self.layout.partner(self.rank, offset=-self.layout.shift) if self.layout.shift else self.rank
+        self._arriving_files = MappedFiles(mappings=(self.config.keep + 2) * (1 + len(side_files(source))))
         """The files the buddy partner's snapshots arrive in, mapped into memory (background thread only): its
         snapshot file and side files, in each of the ``keep + 1`` snapshots a store rotates through and the spare."""
         self._plan: tuple | None = None
@@ -411,8 +412,16 @@ class Snapshotter:
         target, source = layout.partner(self.rank, offset=layout.shift), layout.partner(self.rank, offset=-layout.shift)
         names = [shard_file(source), *side_files(source)]
         sizes = share_sizes(table, source, world=layout.world)
-        incoming = [self._arriving_files.open(folder, _arriving(name), size) for name, size in zip(names, sizes)]
+        incoming, problem = [], None
+        for name, size in zip(names, sizes):
+            try:
+                incoming.append(self._arriving_files.open(folder, _arriving(name), size))
+            except OSError as error:  # still received (into a buffer, then dropped): the partner's send must end
+                problem = problem or error
+                incoming.append(torch.empty(size, dtype=torch.uint8))
         self._swap([p for p in pieces if p.numel()], [p for p in incoming if p.numel()], target, source)
+        if problem is not None:
+            raise problem
         for name in names:  # under a temporary name until whole: never a torn final name
             os.rename(_arriving(name), name, src_dir_fd=folder, dst_dir_fd=folder)
 

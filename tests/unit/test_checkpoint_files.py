@@ -6,14 +6,16 @@ the checks runs in milliseconds with ``group=None`` (this process alone).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from tessera.errors import CheckpointError
 from tessera.runtime.checkpoint_files import (
     MARKER, check_checkpoint, commit_checkpoint, complete_checkpoints, has_checkpoint, partial_folder,
-    read_manifest, select_checkpoint, step_folder,
+    read_manifest, select_checkpoint, sha256_text, step_folder,
 )
 
 
@@ -36,6 +38,18 @@ def test_commit_renames_and_records_every_file(tmp_path):
     assert manifest.files["__0_0.distcp"].size_bytes == 2048
     assert has_checkpoint(tmp_path) and has_checkpoint(folder)
     assert check_checkpoint(folder, verify=True, group=None) is None
+    assert '"xxh3_128"' not in (folder / "manifest.json").read_text()  # the manifest as it always was
+
+
+def _with_snapshot_hash(folder: Path) -> None:
+    """The data file's record carries an XXH3-128 (a snapshot's hash), the manifest re-sealed by its marker."""
+    text = (folder / "manifest.json").read_text()
+    manifest = json.loads(text)
+    manifest["files"]["__0_0.distcp"] = {"size_bytes": 2048,
+                                         "xxh3_128": xxhash.xxh3_128((folder / "__0_0.distcp").read_bytes()).hexdigest()}
+    text = json.dumps(manifest)
+    (folder / "manifest.json").write_text(text)
+    (folder / MARKER).write_text(sha256_text(text))
 
 
 def test_keep_last_prunes_older_checkpoints(tmp_path):
@@ -50,6 +64,7 @@ def test_keep_last_prunes_older_checkpoints(tmp_path):
     (lambda f: (f / "rng" / "rank-00000.pt").unlink(), "rng/rank-00000.pt is missing"),
     (lambda f: (f / "manifest.json").write_text("{}"), "manifest.json is unreadable"),
     (lambda f: (f / MARKER).write_text("0" * 64), "does not match the hash in its COMPLETE marker"),
+    (_with_snapshot_hash, "__0_0.distcp has no SHA-256 in manifest.json"),
 ])
 def test_damage_is_named_and_the_previous_checkpoint_loaded(tmp_path, damage, reason):
     older, newest = committed(tmp_path, 1), committed(tmp_path, 2)

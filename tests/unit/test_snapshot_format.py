@@ -13,6 +13,7 @@ from tessera.errors import CheckpointError
 from tessera.runtime.snapshot_format import ALIGN, Chunk, Shard, load_shards
 from tessera.runtime.snapshot_staging import StagedShards, write_shard
 from tessera.runtime.snapshot_store import MappedFiles
+from tessera.runtime.snapshot_table import agree_on_table, snapshot_record, table_manifest
 
 
 def _state() -> dict:
@@ -25,7 +26,7 @@ def _write(path, state) -> StagedShards:
     staged = StagedShards(state, None, assignments={})
     staged.refill()
     record = write_shard(path, staged.file)
-    assert staged.record() == record  # the cached header hash plus the chunks' is the file's SHA-256
+    assert staged.record() == record  # the cached header hash plus the chunks' is the file's
     return staged
 
 
@@ -190,3 +191,25 @@ def test_a_mapped_store_file_is_its_bytes_and_stays_mapped_while_it_is_recycled(
     finally:
         files.close()
         os.close(folder)
+
+
+def test_a_deleted_file_is_let_go_so_its_memory_is_freed(tmp_path):
+    files, folder = MappedFiles(mappings=4), os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        files.open(folder, "pruned.snap", 4096)
+        (tmp_path / "pruned.snap").unlink()  # pruned instead of recycled
+        files.open(folder, "next.snap", 4096)
+        assert len(files._files) == 1  # only next.snap's mapping is kept: the deleted file's pages can go
+    finally:
+        files.close()
+        os.close(folder)
+
+
+def test_the_snapshot_table_carries_every_files_size_and_hash_through_the_sum():
+    records = {"rank-00000.snap": snapshot_record(b"shard"), "plan.json": snapshot_record(b"{}"),
+               "data.pt": snapshot_record(bytes(range(256)))}
+    table = agree_on_table(records, None, rank=0, world=1, group=None)
+    manifest = table_manifest(table, step=7, world=1, strategy="dp=1")
+    assert manifest.files == records and manifest.step == 7
+    with pytest.raises(CheckpointError, match="disk full"):
+        agree_on_table({}, "disk full", rank=0, world=1, group=None)
