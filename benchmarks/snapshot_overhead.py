@@ -12,12 +12,13 @@ steps), the modes in turn, each round starting at the next mode. A block is time
 untimed step and snapshot, so its first steps overlap the snapshot before them as in a run, and the timer stops
 without waiting for the block's last snapshot. A round's overhead is its block's mean step time over the same
 round's block without snapshots, minus one (rank 0's clock: every step ends in an all-reduce, so all ranks
-finish it together); reported: the median over rounds and the lowest and highest, since the rounds measure the
-drift of a shared machine's load as much as anything. Also shown: the bytes each rank writes per snapshot, what
-the training thread spends per snapshot in the k = 1 blocks (rank 0's median; rank 0 also writes the plan and data
-position): its wait for the snapshot before and its staging copy into the staging buffer, the time a snapshot
-takes from staging to commit on every node (in the background), and CPU time, which the load hardly moves: each rank's process CPU per step
-with and without snapshots (every thread: training, the snapshot thread, gloo's) and the snapshot thread's own.
+finish it together); reported: the median over rounds and the lowest and highest, since the rounds measure the drift
+of a shared machine's load as much as anything. Also shown: the bytes each rank writes per snapshot, what the
+training thread spends per snapshot in the k = 1 blocks (rank 0's median; rank 0 also writes the plan and data
+position): its wait for the snapshot before and its staging copy into the staging buffer, the time a snapshot takes
+from staging to commit on every node (in the background), and CPU time, which the load hardly moves: each rank's
+process CPU per step with and without snapshots (every thread: training, the snapshot thread, gloo's) and the
+snapshot thread's own.
 
 **Lost work.** A fault run: 4 ranks train ``gpt-tiny`` (TP 2 x DP 2) with a disk checkpoint every
 ``DISK_EVERY`` steps and, in the snapshot mode, a snapshot every step. Node 1's two ranks die at a random moment
@@ -312,7 +313,8 @@ def report(overhead: dict, lost: dict, *, command: str, load_before: str, load_a
         lines.append(f"| `{spec}` | {result['params'] / 1e3:,.0f}K | `{strategy}` | "
                      f"{statistics.median(wall['off']) * 1e3:,.1f} | {cells} | "
                      f"{result['written_bytes'] / 1e6:,.2f} MB | {statistics.median(result['wait_s']) * 1e3:,.2f} | "
-                     f"{statistics.median(result['staging_s']) * 1e3:,.2f} | {statistics.median(result['commit_s']) * 1e3:,.0f} |")
+                     f"{statistics.median(result['staging_s']) * 1e3:,.2f} | "
+                     f"{statistics.median(result['commit_s']) * 1e3:,.0f} |")
     lines += ["", "## CPU time: what a snapshot costs whatever the load", "",
               "Per rank (mean over the 4), median over rounds, `time.process_time` (every thread of the rank's "
               "process). Added per snapshot: the k = 1 block's CPU per step minus the same round's block without "

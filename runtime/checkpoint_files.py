@@ -14,7 +14,8 @@ is detected. The save/load flow that fills these folders is ``runtime.checkpoint
       .step-00000016.partial/   being written (or interrupted): never loaded
 
 **Manifest.** :class:`Manifest` records the step, the world size and strategy that wrote the checkpoint, and a
-:class:`FileRecord` (size, SHA-256: what every disk checkpoint records) for every other file, keyed by relative POSIX path.
+:class:`FileRecord` (size, SHA-256: what every disk checkpoint records) for every other file, keyed by relative
+POSIX path.
 
 **Atomic commit** (:func:`commit_checkpoint`). Files go to ``root/.step-00000012.partial``. Once every rank's
 files and DCP's ``.metadata`` exist, the ranks hash the files (each a share), rank 0 writes ``manifest.json``,
@@ -412,7 +413,8 @@ def _file_problem(folder: Path, name: str, record: FileRecord, *, verify: bool) 
     if size != record.size_bytes:
         return f"file {name} has {size} bytes but {record.size_bytes} were written (truncated or overwritten)"
     if verify and not matches(path, record):
-        return f"file {name} does not match the {record.hash_name} recorded when it was written (its bytes changed on disk)"
+        return (f"file {name} does not match the {record.hash_name} recorded when it was written (its bytes changed "
+                "on disk)")
     return None
 
 

@@ -33,11 +33,11 @@ training), each collective of the snapshot thread is CPU taken from training (me
 all-reduce, ~3 ms for an object all-gather; ``benchmarks/snapshot_overhead.py``). So a snapshot runs exactly one
 collective, besides the copy to the buddy: an all-reduce of a small integer table in which each rank fills its
 own row -- whether it failed (writing this snapshot, or copying or committing the previous one), and its files'
-sizes and hashes (XXH3-128, ``checkpoint_files.DIGESTS``; rank 0 also its clock, the manifest's time). The sum is every row on every rank: every
-leader writes the same manifest, each rank knows what its buddy partner will send, and a failure anywhere raises
-the same ``CheckpointError`` on every rank. Then each rank swaps files with its buddy partners (one gloo
-send/recv pair) and each node's leader commits; a failure of that copy or commit is reported by the next
-snapshot's all-reduce (or by ``close``), one snapshot later than it happened.
+sizes and hashes (XXH3-128, ``checkpoint_files.DIGESTS``; rank 0 also its clock, the manifest's time). The sum is
+every row on every rank: every leader writes the same manifest, each rank knows what its buddy partner will send,
+and a failure anywhere raises the same ``CheckpointError`` on every rank. Then each rank swaps files with its buddy
+partners (one gloo send/recv pair) and each node's leader commits; a failure of that copy or commit is reported by
+the next snapshot's all-reduce (or by ``close``), one snapshot later than it happened.
 
 **Commit.** A node's leader commits a snapshot once every rank has written its own file (the all-reduce says so)
 and it has copied its own share: it writes the whole snapshot's manifest (every rank's files: size and hash)
@@ -404,8 +404,8 @@ class Snapshotter:
     def _exchange(self, pieces: list[torch.Tensor], table: torch.Tensor, folder: int) -> None:
         """Send ``pieces`` (this rank's files) to the partner on the buddy node, and receive the files of the
         rank whose buddy this node is (their sizes: the table's) straight into their mapped pages. Not hashed on
-        arrival: recovery checks every
-        file against the manifest's hash before using it (``snapshot_store.held_files``)."""
+        arrival: recovery checks every file against the manifest's hash before using it
+        (``snapshot_store.held_files``)."""
         layout = self.layout
         if not layout.shift:
             return
