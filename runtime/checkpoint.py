@@ -63,23 +63,24 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict
 from torch import nn
-from torch.optim.lr_scheduler import LRScheduler
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils._pytree import tree_map_only
 
 from tessera.errors import CheckpointError
 from tessera.files import check_writable_file, write_atomically
 from tessera.planner.plan import Plan
 from tessera.runtime.checkpoint_files import (
-    DATA_FILE, FORMAT_VERSION, HASH_BLOCK_BYTES, MANIFEST, MARKER, PARTIAL_SUFFIX, PLAN_FILE, RNG_FOLDER,
-    STEP_PREFIX, FileRecord, Manifest, RootLock, broadcast, check_checkpoint, check_keep_last, commit_checkpoint,
-    complete_checkpoints, describe_failure, discard_partial, has_checkpoint, partial_folder, rank, read_manifest,
-    select_checkpoint, step_folder, together, world, write_durably,
+    DATA_FILE, FORMAT_VERSION, MANIFEST, MARKER, PARTIAL_SUFFIX, PLAN_FILE, RNG_FOLDER, STEP_PREFIX, Manifest,
+    RootLock, check_checkpoint, check_keep_last, commit_checkpoint, complete_checkpoints, discard_partial,
+    has_checkpoint, partial_folder, read_manifest, select_checkpoint, step_folder, write_durably,
 )
 from tessera.runtime.checkpoint_reader import load_metadata, read_state
+from tessera.runtime.file_records import HASH_BLOCK_BYTES, FileRecord
 from tessera.runtime.lr_schedule import restore_scheduler, scheduler_state
+from tessera.runtime.rank_agreement import broadcast, describe_failure, rank, together, world
 from tessera.runtime.tp_styles import unstrided
 
 __all__ = [  # the save/load flow, and the on-disk names of ``checkpoint_files`` so one import serves callers

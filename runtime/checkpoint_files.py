@@ -14,8 +14,8 @@ is detected. The save/load flow that fills these folders is ``runtime.checkpoint
       .step-00000016.partial/   being written (or interrupted): never loaded
 
 **Manifest.** :class:`Manifest` records the step, the world size and strategy that wrote the checkpoint, and a
-:class:`FileRecord` (size, SHA-256: what every disk checkpoint records) for every other file, keyed by relative
-POSIX path.
+:class:`~tessera.runtime.file_records.FileRecord` (size, SHA-256: what every disk checkpoint records) for every
+other file, keyed by relative POSIX path.
 
 **Atomic commit** (:func:`commit_checkpoint`). Files go to ``root/.step-00000012.partial``. Once every rank's
 files and DCP's ``.metadata`` exist, the ranks hash the files (each a share), rank 0 writes ``manifest.json``,
@@ -41,7 +41,7 @@ from the start of a save until its commit; a second save into the same root (ano
 The operating system releases the lock when its process dies, so a crash never leaves the root locked.
 
 **Failures.** A step that fails on any rank (a full disk, a permission, DCP's ``CheckpointException``) raises the
-same ``CheckpointError`` on every rank (:func:`together`), and the partial folder is removed.
+same ``CheckpointError`` on every rank (``rank_agreement.together``), and the partial folder is removed.
 
 Every function taking ``group`` runs on every rank of it (rank 0 lists and decides, all ranks share the
 hashing) and returns the same answer everywhere; ``group=None`` means this process alone.
@@ -50,7 +50,6 @@ hashing) and returns the same answer everywhere; ``group=None`` means this proce
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import os
 import re
@@ -58,13 +57,14 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.distributed as dist
-import xxhash
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, field_validator
 
 from tessera.errors import CheckpointError
+from tessera.runtime.file_records import FROZEN, FileRecord, file_record, matches, sha256_text
+from tessera.runtime.rank_agreement import all_gather, broadcast, rank, together, world
 
 log = logging.getLogger(__name__)
 
@@ -80,45 +80,6 @@ CORRUPT_SUFFIX = ".corrupt-"
 FORMAT_VERSION = 1
 STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d{{8,}})$")
 """A committed checkpoint's folder name: ``step-`` and the step, zero-padded to at least 8 digits."""
-T = TypeVar("T")
-HASH_BLOCK_BYTES = 1 << 24
-FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-
-DIGESTS: dict[str, Callable[..., Any]] = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}
-"""The content hashes a record may carry, by field name: SHA-256 for disk checkpoints, XXH3-128 for in-memory
-snapshots (``runtime.snapshots``), which hash every rank's whole state as often as every step: 20 GB/s against
-SHA-256's 1.1 GB/s on this project's CPU (with SHA instructions). Either detects a torn or damaged file; neither
-guards against a writer who can also rewrite the manifest."""
-
-
-class FileRecord(BaseModel):
-    """One file of a checkpoint as it was written: its size and one content hash (:data:`DIGESTS`)."""
-
-    model_config = FROZEN
-
-    size_bytes: int
-    """Length of the file."""
-    sha256: str | None = None
-    """SHA-256 of its content (hex): disk checkpoints'."""
-    xxh3_128: str | None = None
-    """XXH3-128 of its content (hex): in-memory snapshots'."""
-
-    @model_validator(mode="after")
-    def _one_digest(self) -> FileRecord:
-        if (self.sha256 is None) == (self.xxh3_128 is None):
-            raise ValueError("a file record carries exactly one hash (sha256 or xxh3_128)")
-        return self
-
-    @property
-    def algorithm(self) -> str:
-        """The field name of the hash this record carries."""
-        return "sha256" if self.sha256 is not None else "xxh3_128"
-
-    @property
-    def hash_name(self) -> str:
-        """The hash's usual name, for messages."""
-        return "SHA-256" if self.sha256 is not None else "XXH3-128"
 
 
 class Manifest(BaseModel):
@@ -275,37 +236,6 @@ def _prune(root: Path, keep_last: int) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def together(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> T:
-    """``action()`` on every rank; if it fails on any rank, the same ``CheckpointError`` is raised on all of them."""
-    value, problem = attempt(action, group, what=what)
-    problems = [p for p in all_gather(problem, group) if p]
-    if problems:
-        raise CheckpointError(problems[0])
-    return value
-
-
-def attempt(action: Callable[[], T], group: dist.ProcessGroup | None, *, what: str) -> tuple[T | None, str | None]:
-    """``(action(), None)``, or ``(None, one line saying what failed on this rank)`` if it raised."""
-    from torch.distributed.checkpoint.api import CheckpointException  # here: DCP takes seconds to import
-
-    try:
-        return action(), None
-    except CheckpointError as error:
-        return None, str(error)
-    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
-        return None, f"{what} failed on rank {rank(group)}: {describe_failure(error)}"
-
-
-def describe_failure(error: BaseException) -> str:
-    """One line for an error, looking inside DCP's ``CheckpointException`` for the rank's own exception."""
-    failures = getattr(error, "failures", None)  # DCP's CheckpointException: each rank's own exception
-    if isinstance(failures, dict) and failures:
-        error = next(iter(failures.values()))[0]
-    if isinstance(error, OSError) and error.strerror:
-        return f"{error.strerror}" + (f" ({error.filename})" if error.filename else "")
-    return f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
-
-
 # ------------------------------------------------------------------------------------------------ finding and checking
 
 
@@ -458,31 +388,6 @@ def list_files(folder: Path) -> list[str]:
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
 
-def file_record(path: Path, algorithm: str = "sha256") -> FileRecord:
-    """Size and hash (``algorithm``, a :data:`DIGESTS` name) of ``path``."""
-    digest = DIGESTS[algorithm]()
-    with path.open("rb") as handle:
-        while block := handle.read(HASH_BLOCK_BYTES):
-            digest.update(block)
-    return FileRecord(size_bytes=path.stat().st_size, **{algorithm: digest.hexdigest()})
-
-
-def content_record(content: bytes | memoryview, algorithm: str) -> FileRecord:
-    """Size and hash (``algorithm``) of ``content``."""
-    return FileRecord(size_bytes=len(content), **{algorithm: DIGESTS[algorithm](content).hexdigest()})
-
-
-def matches(path: Path, record: FileRecord) -> bool:
-    """Whether ``path`` holds exactly what ``record`` describes (its size, then its hash by the record's own
-    algorithm)."""
-    return path.stat().st_size == record.size_bytes and file_record(path, record.algorithm) == record
-
-
-def sha256_text(text: str) -> str:
-    """SHA-256 (hex) of ``text`` as UTF-8: what a ``COMPLETE`` marker holds for its manifest."""
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def _fsync_folder(folder: Path) -> None:
     """Make a rename inside ``folder`` durable (POSIX: fsync the directory)."""
     handle = os.open(folder, os.O_RDONLY)
@@ -490,41 +395,3 @@ def _fsync_folder(folder: Path) -> None:
         os.fsync(handle)
     finally:
         os.close(handle)
-
-
-# ------------------------------------------------------------------------------------------------ collectives
-# ``group`` None means this process alone (no process group): every helper is then the identity.
-
-
-def rank(group: dist.ProcessGroup | None) -> int:
-    """This process's rank in ``group``."""
-    return dist.get_rank(group) if group is not None else 0
-
-
-def world(group: dist.ProcessGroup | None) -> int:
-    """Ranks in ``group``."""
-    return dist.get_world_size(group) if group is not None else 1
-
-
-def broadcast(value: Any, group: dist.ProcessGroup | None) -> Any:
-    """Rank 0's ``value`` on every rank."""
-    if group is None:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
-
-
-def all_gather(value: Any, group: dist.ProcessGroup | None) -> list:
-    """Every rank's ``value``, in rank order."""
-    if group is None:
-        return [value]
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, value, group=group)
-    return gathered
-
-
-def barrier(group: dist.ProcessGroup | None) -> None:
-    """Wait for every rank of ``group``."""
-    if group is not None:
-        dist.barrier(group=group)

@@ -45,10 +45,11 @@ from tessera.errors import CheckpointError
 from tessera.planner.plan import Plan
 from tessera.runtime.checkpoint import STATE_OPTIONS, CheckpointInfo, state_module, training_tensors
 from tessera.runtime.checkpoint_files import (
-    DATA_FILE, MANIFEST, MARKER, PLAN_FILE, Manifest, all_gather, barrier, broadcast, complete_checkpoints,
-    matches, sha256_text, step_folder, step_of, together,
+    DATA_FILE, MANIFEST, MARKER, PLAN_FILE, Manifest, complete_checkpoints, step_folder, step_of,
 )
+from tessera.runtime.file_records import matches, sha256_text
 from tessera.runtime.lr_schedule import restore_scheduler
+from tessera.runtime.rank_agreement import all_gather, barrier, broadcast, together
 from tessera.runtime.saved_plans import check_same_model
 from tessera.runtime.snapshot_format import (
     SHARD_SUFFIX, Shard, files_to_read, held_boxes, load_shards, shard_file, state_boxes,

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tessera.errors import ConfigError
-from tessera.runtime.checkpoint_files import DIGESTS, FileRecord, all_gather
+from tessera.runtime.file_records import DIGESTS, FileRecord
+from tessera.runtime.rank_agreement import all_gather
 from tessera.runtime.snapshot_format import (
     FORMAT, GROUPS, LENGTH, PYTHON_RNG, RNG_PYTHON, Chunk, aligned, chunk_view, dtype_name, encode_value,
     flat_items, geometry, local_tensor, rng_tensors,

@@ -45,8 +45,9 @@ import torch
 from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.checkpoint_files import (
     LOCK_FILE, MANIFEST, MARKER, PARTIAL_SUFFIX, STEP_PREFIX, Manifest, complete_checkpoints, lock_folder,
-    manifest_problem, matches, read_manifest, sha256_text, step_folder, step_of,
+    manifest_problem, read_manifest, step_folder, step_of,
 )
+from tessera.runtime.file_records import matches, sha256_text
 
 STORE_MARKER = ".tessera-snapshots"
 RECOVERY_FOLDER = "recovery"

@@ -15,11 +15,13 @@ import torch
 import torch.distributed as dist
 
 from tessera.errors import CheckpointError
-from tessera.runtime.checkpoint_files import DATA_FILE, PLAN_FILE, FileRecord, Manifest, all_gather, content_record
+from tessera.runtime.checkpoint_files import DATA_FILE, PLAN_FILE, Manifest
+from tessera.runtime.file_records import FileRecord, content_record
+from tessera.runtime.rank_agreement import all_gather
 from tessera.runtime.snapshot_format import shard_file
 
 SNAPSHOT_DIGEST = "xxh3_128"
-"""The hash of snapshot files (``checkpoint_files.DIGESTS``)."""
+"""The hash of snapshot files (``file_records.DIGESTS``)."""
 _DIGEST = struct.Struct("<2q")
 """An XXH3-128 as two int64 words: how digests travel in the integer table."""
 _RECORD = 1 + 2

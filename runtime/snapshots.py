@@ -33,7 +33,7 @@ training), each collective of the snapshot thread is CPU taken from training (me
 all-reduce, ~3 ms for an object all-gather; ``benchmarks/snapshot_overhead.py``). So a snapshot runs exactly one
 collective, besides the copy to the buddy: an all-reduce of a small integer table in which each rank fills its
 own row -- whether it failed (writing this snapshot, or copying or committing the previous one), and its files'
-sizes and hashes (XXH3-128, ``checkpoint_files.DIGESTS``; rank 0 also its clock, the manifest's time). The sum is
+sizes and hashes (XXH3-128, ``file_records.DIGESTS``; rank 0 also its clock, the manifest's time). The sum is
 every row on every rank: every leader writes the same manifest, each rank knows what its buddy partner will send,
 and a failure anywhere raises the same ``CheckpointError`` on every rank. Then each rank swaps files with its buddy
 partners (one gloo send/recv pair) and each node's leader commits; a failure of that copy or commit is reported by
@@ -78,15 +78,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from tessera.cost_models.reliability import LLAMA3_GPU_MTBF_S, job_mtbf_s, snapshot_plan
 from tessera.errors import CheckpointError, ConfigError
 from tessera.planner.plan import Plan
-from tessera.runtime.checkpoint import PendingSave, TrainingState, training_tensors
 from tessera.runtime.background import in_worker, start_worker
-from tessera.runtime.checkpoint_files import FileRecord, all_gather, attempt, step_folder, together
+from tessera.runtime.checkpoint import PendingSave, TrainingState, training_tensors
+from tessera.runtime.checkpoint_files import step_folder
+from tessera.runtime.file_records import FileRecord
+from tessera.runtime.rank_agreement import all_gather, attempt, together
 from tessera.runtime.snapshot_format import shard_file
 from tessera.runtime.snapshot_staging import StagedShards
 from tessera.runtime.snapshot_store import (
     MappedFiles, commit_snapshot, free_bytes, open_store, partial_snapshot, remove_store, reuse_spare, store_bytes,
 )
-from tessera.runtime.snapshot_table import agree_on_table, snapshot_record, share_sizes, side_files, table_manifest
+from tessera.runtime.snapshot_table import agree_on_table, share_sizes, side_files, snapshot_record, table_manifest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

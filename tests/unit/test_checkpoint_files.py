@@ -15,8 +15,9 @@ import xxhash
 from tessera.errors import CheckpointError
 from tessera.runtime.checkpoint_files import (
     MARKER, check_checkpoint, commit_checkpoint, complete_checkpoints, has_checkpoint, partial_folder,
-    read_manifest, select_checkpoint, sha256_text, step_folder,
+    read_manifest, select_checkpoint, step_folder,
 )
+from tessera.runtime.file_records import sha256_text
 
 
 def committed(root: Path, step: int, *, keep_last: int | None = None) -> Path:
