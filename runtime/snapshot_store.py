@@ -124,17 +124,17 @@ def reuse_spare(store: Path, name: str, folder: int, target: str) -> None:
 
 class MappedFiles:
     """Files of a store mapped into memory as byte tensors, so that a snapshot's copy from the buddy partner is
-    received straight into its file's pages instead of into a buffer copied to them afterwards (16 MB: ~4 ms of a
-    rank's CPU here, timed ad hoc around one snapshot on 4 ranks). A file recycled through the spare keeps its
-    inode, so its mapping is kept too (``mappings`` of them: the files a store rotates through; mapping again
-    costs a fault per page). Each kept mapping holds its file open, so its inode cannot be reused: a file opened
-    again with the same device, inode and size is the same file. A kept file that was deleted (pruned instead of
-    recycled) is let go at the next ``open``, so its memory is freed. A view returned by ``open`` must not be
-    used after the next ``open`` of the same file, which may cut it to another size.
+    received straight into its file's pages instead of into a buffer copied to them afterwards (writing 16 MB from
+    memory: 3.3-3.7 ms of a rank's CPU here, the ``write`` part of ``benchmarks/snapshot_parts.py``). A file
+    recycled through the spare keeps its inode, so its mapping is kept too (``mappings`` of them: the files a store
+    rotates through; mapping again costs a fault per page). Each kept mapping holds its file open, so its inode
+    cannot be reused: a file opened again with the same device, inode and size is the same file. A kept file that
+    was deleted (pruned instead of recycled) is let go at the next ``open``, so its memory is freed. A view returned
+    by ``open`` must not be used after the next ``open`` of the same file, which may cut it to another size.
 
-    (This rank's own file is not filled in place: on this project's CPU a copy into a few rotating mapped files
-    took the training thread twice as long as one into its reused staging buffer, 7 ms against 3.4 ms for 16 MB,
-    more than the background write it saved.)"""
+    (This rank's own file is not filled in place: tried on this project's CPU, the training thread's copy into a
+    few rotating mapped files took longer than into its one reused staging buffer, by more than the background
+    write it saved; the variant was not kept.)"""
 
     def __init__(self, mappings: int) -> None:
         self._mappings = mappings
