@@ -410,11 +410,12 @@ def _print_reliability(plan, args: argparse.Namespace, console: Console) -> None
 
     bandwidth = args.checkpoint_gbps * 1e9 if args.checkpoint_gbps is not None else r.LLAMA3_STORAGE_BYTES_PER_S_PER_GPU
     step_s = plan.estimate.step_time_s
+    cluster = load_cluster(args.cluster)
     disk_only, with_snapshots = r.snapshot_plan(
-        plan.param_count, num_devices=plan.strategy.world_size, devices_per_node=load_cluster(args.cluster).devices_per_node,
+        plan.param_count, num_devices=plan.strategy.world_size, devices_per_node=cluster.devices_per_node,
         step_time_s=step_s, mtbf_s=args.mtbf_hours * 3600, write_bytes_per_s_per_device=bandwidth,
         asynchronous=args.async_checkpoint, disk_interval_s=args.checkpoint_every * step_s if args.checkpoint_every else None,
-        relaunch_s=(args.restart_minutes or 0.0) * 60)
+        relaunch_s=(args.restart_minutes or 0.0) * 60, host_rate=r.host_snapshot_rate(cluster.device))
     console.print(disk_only.summary(step_time_s=step_s), highlight=False, soft_wrap=True)
     console.print(with_snapshots.summary(), highlight=False, soft_wrap=True)
 
@@ -488,6 +489,9 @@ def _profile(args: argparse.Namespace, console: Console) -> int:
     device = result.cluster.device
     _say(console, f"device {device.name}: fp32 {device.peak_flops('fp32') / 1e9:.1f} GFLOP/s, memory "
                   f"{device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s per rank")
+    if device.snapshot_bytes_per_s is not None:
+        _say(console, f"snapshot work per rank (all ranks at once): {device.snapshot_fixed_s * 1e3:.1f} ms + "
+                      f"{device.snapshot_bytes_per_s / 1e9:.2f} GB/s of state (what an in-memory snapshot costs training)")
     _say(console, f"cluster file written to {args.out} in {time.perf_counter() - started:.1f} s; "
                   f"use it with --cluster {args.out}")
     return 0

@@ -26,6 +26,10 @@ snapshot thread's own.
 survivors restart under another plan and recover. Lost work = steps rank 0 had completed before the failure
 minus the step the restart resumed from.
 
+**Predicted.** Before the cases the ranks run ``tessera profile``'s snapshot probe; the cost model's k = 1
+overhead for each case (``cost_models.reliability``: on CPU ranks training pays the snapshot's whole work) is
+shown beside the measured one.
+
 Writes ``benchmarks/results/snapshot-<hardware>-<date>.md`` with the command and the load average before and
 after (the machine's cores are shared with other work: read the numbers with that in mind).
 """
@@ -49,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tessera.cost_models.reliability import snapshot_cost
 from tessera.runtime.apply import apply_plan
 from tessera.runtime.elastic import resume_if_possible
 from tessera.runtime.launch import WorkerError, spawn
@@ -56,6 +61,8 @@ from tessera.runtime.snapshots import SnapshotConfig
 from tessera.cost_models.types import TrainingConfig
 from tessera.models import model_config
 from tessera.tests.distributed.harness import make_batches, make_model, make_plan
+from tessera.topology.measure import ProfileSweep
+from tessera.topology.measure_device import snapshot_work
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from local_truth import GLOBAL_BATCH as SMALL_BATCH, MODELS as SMALL_MODELS, SEQ_LEN as SMALL_SEQ  # noqa: E402
@@ -89,8 +96,10 @@ def cosine(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSched
 
 def measure_overhead(cases: list[tuple[str, str, int]], stores: str) -> dict:
     """Rank body: per case, each round's block mean step time (wall and this process's CPU) per mode, the
-    background thread's CPU per snapshot, staging and commit times, the load average per round."""
+    background thread's CPU per snapshot, staging and commit times, the load average per round; and first, what
+    ``tessera profile`` measures of a snapshot's work on these ranks (the cost model's input)."""
     rank, results = dist.get_rank(), {}
+    host_rate = snapshot_work(sweep=ProfileSweep())
     for spec, strategy, rounds in cases:
         model = make_model(spec, 0)
         pm = apply_plan(model, case_plan(spec, model, strategy), lr_scheduler_factory=cosine)
@@ -128,7 +137,7 @@ def measure_overhead(cases: list[tuple[str, str, int]], stores: str) -> dict:
         results[(spec, strategy)] = {"wall": wall, "cpu": cpu, "staging_s": waits["staging"], "wait_s": waits["wait"],
                                      "commit_s": commit_s,
                                      "background_cpu_s": background_cpu_s / snapshots_taken, "load": load,
-                                     "written_bytes": dist_max(written),
+                                     "written_bytes": dist_max(written), "host_rate": host_rate,
                                      "params": sum(p.numel() for p in model.parameters())}
     return results
 
@@ -273,6 +282,15 @@ def cpu_figures(result: dict) -> dict:
     return {"step": step, "added": added, "k": max(1, math.ceil(added / (GOAL * step)))}
 
 
+def predicted(result: dict) -> dict:
+    """The cost model's k = 1 overhead (``reliability.snapshot_cost``'s work per rank, from the profiled rate,
+    over the measured step without snapshots: the snapshot model alone, not the step-time model) and the
+    smallest ``k`` it puts within ``GOAL``."""
+    cost = snapshot_cost(result["params"], num_devices=4, devices_per_node=RANKS_PER_NODE, host_rate=result["host_rate"])
+    share = cost.host_work_s / statistics.median(result["wall"]["off"])
+    return {"work": cost.host_work_s, "overhead": share, "k": max(1, math.ceil(share / GOAL))}
+
+
 def smallest_k(result: dict) -> str:
     """The smallest measured ``k`` whose median wall-clock overhead is within ``GOAL``."""
     wall = result["wall"]
@@ -315,6 +333,21 @@ def report(overhead: dict, lost: dict, *, command: str, load_before: str, load_a
                      f"{result['written_bytes'] / 1e6:,.2f} MB | {statistics.median(result['wait_s']) * 1e3:,.2f} | "
                      f"{statistics.median(result['staging_s']) * 1e3:,.2f} | "
                      f"{statistics.median(result['commit_s']) * 1e3:,.0f} |")
+    fixed, rate = next(iter(overhead.values()))["host_rate"]
+    lines += ["", "## Predicted by the cost model", "",
+              "`cost_models.reliability`: on CPU ranks training pays a snapshot's whole work, "
+              f"fixed + bytes / rate per rank, both as `tessera profile` measures them (`topology.measure_device."
+              f"snapshot_work`), here on these 4 ranks just before the cases: {fixed * 1e3:.1f} ms + "
+              f"{rate / 1e9:.3f} GB/s. Bytes: the model's, 12 per parameter over the 4 ranks. Predicted overhead: "
+              "that work over the measured step without snapshots. Predicted k: the smallest with the predicted "
+              f"overhead within {GOAL:.0%}; measured k: the smallest above whose median overhead is.", "",
+              "| model | plan | predicted work (ms) | predicted k=1 overhead | measured k=1 overhead (median) | "
+              "predicted k | measured k |", "|---|---|---|---|---|---|---|"]
+    for (spec, strategy), result in overhead.items():
+        model, wall = predicted(result), result["wall"]
+        measured = statistics.median([b / off - 1 for b, off in zip(wall["k=1"], wall["off"])])
+        lines.append(f"| `{spec}` | `{strategy}` | {model['work'] * 1e3:,.1f} | {model['overhead']:+.1%} | "
+                     f"{measured:+.1%} | {model['k']} | {smallest_k(result)} |")
     lines += ["", "## CPU time: what a snapshot costs whatever the load", "",
               "Per rank (mean over the 4), median over rounds, `time.process_time` (every thread of the rank's "
               "process). Added per snapshot: the k = 1 block's CPU per step minus the same round's block without "

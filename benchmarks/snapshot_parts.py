@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -116,7 +117,10 @@ def main() -> None:
     print(f"`uptime` before: {os.popen('uptime').read().strip()}")
     print("hash rates over 16 MiB: " + ", ".join(f"{name} {rate:.1f} GB/s" for name, rate in hash_rates_gb_s().items()))
     stores = tempfile.mkdtemp(prefix="tessera-snapshot-parts-", dir=SHM)
-    per_rank = spawn(measure, nprocs=4, args=(args.model, args.strategy, args.snapshots, stores), timeout_s=1800)
+    try:
+        per_rank = spawn(measure, nprocs=4, args=(args.model, args.strategy, args.snapshots, stores), timeout_s=1800)
+    finally:
+        shutil.rmtree(stores, ignore_errors=True)
     parts = list(dict.fromkeys(part for medians in per_rank for part in medians))
     print(f"\n{args.model}, {args.strategy}: CPU ms per snapshot, median of {args.snapshots} (rank: parts)")
     for rank, medians in enumerate(per_rank):

@@ -1,6 +1,6 @@
 """Reliability cost: what checkpoints cost at a given interval and what failures cost for a given MTBF.
 
-Pure arithmetic on numbers; no torch. The model is the classic first-order one of checkpoint/restart:
+Pure arithmetic on numbers (and a device's profiled rates); no torch. The model is the classic first-order one of checkpoint/restart:
 
 - a checkpoint every ``tau`` seconds of training costs ``delta`` seconds of blocked training each time;
 - failures arrive at random with mean time between failures ``M`` (of the whole job: a job on ``n`` devices
@@ -33,6 +33,9 @@ from __future__ import annotations
 import math
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from tessera.topology.cluster import DeviceSpec
+from tessera.topology.hardware import LOCAL_CPU
 
 FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 CHECKPOINT_BYTES_PER_PARAM = 12
@@ -191,12 +194,34 @@ def reliability_estimate(
 # Bytes: every chunk of the state is written once, by one of the ranks holding it (``runtime.snapshot_format``
 # de-duplicates replicas; replicas of at most 1 KiB, optimizer steps and the like, by every holder: negligible),
 # so each device stages and sends ``12 * params / devices`` bytes whatever the plan.
+# Where the devices are the host's own cores (CPU ranks, ``local-cpu``), nothing of a snapshot overlaps for free:
+# its file write, hash and buddy swap run on the cores training uses, so training pays the whole work
+# (:func:`host_snapshot_rate`). ``benchmarks/snapshot_overhead.py`` sets this price beside the measured overhead: on
+# 4 ranks on 2 cores it was 0.5-0.9 of what training lost (the probe leaves out the runtime's own Python and, likely,
+# the copies' eviction of training's cached data), so on CPU ranks the chosen ``k`` errs small.
 
 INFINIBAND_NDR_BYTES_PER_S = 400e9 / 8
 """One InfiniBand NDR port: 400 Gb/s (InfiniBand Trade Association roadmap); a node's snapshot to its buddy
 crosses at least one such link."""
 SNAPSHOT_KEEP = 2
 """Committed snapshots each store keeps (``runtime.snapshots.SnapshotConfig.keep``)."""
+SNAPSHOT_COPY_PASSES = 9
+"""Bytes read plus written per byte of state in a snapshot's work: the staging copy (2), the file write (2), the
+hash (1), sending (2) and receiving (2) the buddy's copy. Over the memory bandwidth, the rate of an unprofiled
+CPU rank's snapshot work: an upper bound, since file pages and sockets cost more than a plain copy (on 4 ranks on
+2 cores ``tessera profile`` measured 7.1 GB/s of copy and 0.52-0.56 GB/s of snapshot work, 70% of this bound;
+``benchmarks/results/snapshot-x86_64-cpu-2026-12-05.md``)."""
+
+
+def host_snapshot_rate(device: DeviceSpec) -> tuple[float, float] | None:
+    """``(fixed seconds, bytes per second)`` of a snapshot's whole work per rank where ``device`` is the host's
+    CPU (training pays for it: :func:`snapshot_cost`'s ``host_rate``): as ``tessera profile`` measured it, else
+    ``SNAPSHOT_COPY_PASSES`` over the memory bandwidth; ``None`` for an accelerator, whose host's cores are free."""
+    if device.name != LOCAL_CPU:
+        return None
+    if device.snapshot_bytes_per_s is not None:
+        return device.snapshot_fixed_s or 0.0, device.snapshot_bytes_per_s
+    return 0.0, device.memory_bandwidth_bytes_per_s / SNAPSHOT_COPY_PASSES
 
 
 class SnapshotCost(BaseModel):
@@ -216,21 +241,35 @@ class SnapshotCost(BaseModel):
     """Fetching a lost node's shards back from its buddy and copying them to the devices."""
     has_buddy: bool
     """Whether there is another node to copy to (one node: snapshots survive process failures only)."""
+    host_work_s: float = Field(default=0.0, ge=0)
+    """Where training runs on the host's cores (CPU ranks): a rank's whole snapshot work (staging, file write,
+    hash, buddy swap, agreement), every rank at once, all of it training's time; 0 where a device trains."""
+
+    @property
+    def training_pays_s(self) -> float:
+        """What one snapshot costs training before any replication the interval cannot hide: the whole work on
+        CPU ranks, else the staging copy."""
+        return self.host_work_s or self.staging_time_s
 
 
 def snapshot_cost(
     param_count: int, *, num_devices: int, devices_per_node: int, staging_bytes_per_s: float = PCIE5_X16_BYTES_PER_S,
     network_bytes_per_s_per_node: float = INFINIBAND_NDR_BYTES_PER_S, keep: int = SNAPSHOT_KEEP,
+    host_rate: tuple[float, float] | None = None,
 ) -> SnapshotCost:
-    """Bytes, memory and times of one snapshot of a ``param_count``-parameter model trained with AdamW."""
+    """Bytes, memory and times of one snapshot of a ``param_count``-parameter model trained with AdamW;
+    ``host_rate``: ``(fixed seconds, bytes per second)`` of the work per rank where training runs on the host's
+    cores (:func:`host_snapshot_rate`)."""
     per_device = param_count * CHECKPOINT_BYTES_PER_PARAM / num_devices
     node = per_device * min(devices_per_node, num_devices)
     has_buddy = num_devices > devices_per_node
     replicate = node / network_bytes_per_s_per_node if has_buddy else 0.0
     staging = per_device / staging_bytes_per_s
+    host_work = 0.0 if host_rate is None else host_rate[0] + per_device / host_rate[1]
     return SnapshotCost(
         node_bytes=node, host_bytes_per_node=(keep + 1) * node * (2 if has_buddy else 1) + node,
         staging_time_s=staging, replicate_time_s=replicate, recovery_time_s=replicate + staging, has_buddy=has_buddy,
+        host_work_s=host_work,
     )
 
 
@@ -269,17 +308,23 @@ class SnapshotEstimate(BaseModel):
         s, gb = self.snapshot, 1e9
         buddy = (f"copied to a buddy node in {s.replicate_time_s:,.2f} s (overlapped)" if s.has_buddy
                  else "one node: no buddy, survive process failures only")
+        what = "its whole work: training runs on the host's cores" if s.host_work_s else "copy to host"
         return "\n".join([
             f"snapshots  every {self.every_steps} step(s) in host memory: {s.node_bytes / gb:,.1f} GB per node, "
             f"{s.host_bytes_per_node / gb:,.1f} GB of host RAM per node; blocks training {self.blocking_s:,.3f} s "
-            f"each (copy to host), {buddy}",
-            f"disk       second line every {self.disk_second_line.interval_s / 3600:,.1f} h (for failures that also "
+            f"each ({what}), {buddy}",
+            f"disk       second line every {_duration(self.disk_second_line.interval_s)} (for failures that also "
             f"lose the buddy's copy: {self.buddy_loss_probability:.2%} of them)",
             f"per failure {self.lost_per_failure_s / 60:,.1f} min lost with snapshots vs "
             f"{self.disk_only_lost_per_failure_s / 60:,.1f} min with disk checkpoints alone",
             f"lost time  {self.waste_fraction:.1%} of wall time with snapshots vs {self.disk_only.waste_fraction:.1%} "
             "with disk checkpoints alone",
         ])
+
+
+def _duration(seconds: float) -> str:
+    """Minutes below two hours, else hours (a second line every 0.0 h says nothing)."""
+    return f"{seconds / 60:,.1f} min" if seconds < 2 * 3600 else f"{seconds / 3600:,.1f} h"
 
 
 def snapshot_estimate(
@@ -302,8 +347,8 @@ def snapshot_estimate(
 
 
 def _snapshot_candidates(snapshot: SnapshotCost, step_time_s: float, mtbf_s: float) -> list[int]:
-    """Around Young's ``k`` for the staging cost, and the smallest ``k`` whose interval hides the replication."""
-    young = young_interval_s(max(snapshot.staging_time_s, 1e-12), mtbf_s) / step_time_s
+    """Around Young's ``k`` for what training pays, and the smallest ``k`` whose interval hides the replication."""
+    young = young_interval_s(max(snapshot.training_pays_s, 1e-12), mtbf_s) / step_time_s
     hides = math.ceil(snapshot.replicate_time_s / step_time_s)
     return sorted({1, max(1, math.floor(young)), max(1, math.ceil(young)), max(1, hides)})
 
@@ -311,7 +356,7 @@ def _snapshot_candidates(snapshot: SnapshotCost, step_time_s: float, mtbf_s: flo
 def _snapshot_option(snapshot: SnapshotCost, disk_only: ReliabilityEstimate, k: int, *, step_time_s: float,
                      num_nodes: int, relaunch_s: float, correlated: float) -> SnapshotEstimate:
     mtbf, period = disk_only.mtbf_s, k * step_time_s
-    blocking = snapshot.staging_time_s + max(0.0, snapshot.replicate_time_s - period)
+    blocking = snapshot.training_pays_s + max(0.0, snapshot.replicate_time_s - period)
     rework = (period + blocking) / 2 + snapshot.replicate_time_s  # the snapshot in flight is not yet usable
     from_snapshot = relaunch_s + snapshot.recovery_time_s + rework
     if snapshot.has_buddy:  # the buddy (one of num_nodes, each failing at 1 / (M * num_nodes)) within the window
@@ -334,15 +379,17 @@ def snapshot_plan(
     param_count: int, *, num_devices: int, devices_per_node: int, step_time_s: float, mtbf_s: float,
     write_bytes_per_s_per_device: float = LLAMA3_STORAGE_BYTES_PER_S_PER_GPU, asynchronous: bool = False,
     disk_interval_s: float | None = None, relaunch_s: float = 0.0, every_steps: int | None = None,
+    host_rate: tuple[float, float] | None = None,
 ) -> tuple[ReliabilityEstimate, SnapshotEstimate]:
     """Disk checkpoints alone (every ``disk_interval_s``, default Daly's) and in-memory snapshots every
     ``every_steps`` (default: the best ``k``) beside them, for a job of ``num_devices`` with this step time and
-    MTBF: what ``tessera plan --mtbf-hours`` prints, and ``SnapshotConfig``'s default ``every``."""
+    MTBF: what ``tessera plan --mtbf-hours`` prints, and ``SnapshotConfig``'s default ``every``. ``host_rate``:
+    where training runs on the host's cores (:func:`host_snapshot_rate`)."""
     cost = checkpoint_cost(param_count, num_devices=num_devices, write_bytes_per_s_per_device=write_bytes_per_s_per_device,
                            asynchronous=asynchronous)
     disk_only = reliability_estimate(cost, mtbf_s=mtbf_s, interval_s=disk_interval_s,
                                      restart_s=cost.write_time_s + relaunch_s)
-    snapshot = snapshot_cost(param_count, num_devices=num_devices, devices_per_node=devices_per_node)
+    snapshot = snapshot_cost(param_count, num_devices=num_devices, devices_per_node=devices_per_node, host_rate=host_rate)
     nodes = max(1, num_devices // devices_per_node)
     return disk_only, snapshot_estimate(snapshot, disk_only, step_time_s=step_time_s, num_nodes=nodes,
                                         relaunch_s=relaunch_s, every_steps=every_steps)

@@ -26,7 +26,9 @@ That thread runs at the lowest CPU priority (nice 19, ``background_nice``), and 
 group (created from it): where training keeps every core busy, it yields to training. At most one snapshot is in
 flight: if the previous one is still being written at the next snapshot step, training waits for it (the
 staging buffer is free again only then; skipping that step instead would need every rank to decide alike, which
-costs a collective on the training thread).
+costs a collective on the training thread). Where the ranks train on the host's own cores (CPU ranks), off the
+critical path still means on training's cores: the reliability model prices such a snapshot at its whole work, as
+``tessera profile`` measures it (``DeviceSpec.snapshot_bytes_per_s``), and the default ``every`` follows.
 
 **One collective per snapshot** (``runtime.snapshot_table``). Where training saturates the host's cores (CPU
 training), each collective of the snapshot thread is CPU taken from training (measured on 4 gloo ranks: ~0.4 ms of CPU per rank for a flag
@@ -75,9 +77,11 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from tessera.cost_models.reliability import LLAMA3_GPU_MTBF_S, job_mtbf_s, snapshot_plan
-from tessera.errors import CheckpointError, ConfigError
+from tessera.cost_models.reliability import LLAMA3_GPU_MTBF_S, host_snapshot_rate, job_mtbf_s, snapshot_plan
+from tessera.errors import CheckpointError, ClusterSpecError, ConfigError
 from tessera.planner.plan import Plan
+from tessera.topology import load_cluster
+from tessera.topology.hardware import LOCAL_CPU
 from tessera.runtime.background import in_worker, start_worker
 from tessera.runtime.checkpoint import PendingSave, TrainingState, training_tensors
 from tessera.runtime.checkpoint_files import step_folder
@@ -167,8 +171,23 @@ def best_interval(config: SnapshotConfig, plan: Plan, layout: NodeLayout) -> int
     """The reliability model's best ``k`` for ``plan`` on this many ranks (``cost_models.reliability``)."""
     mtbf_s = config.mtbf_hours * 3600 if config.mtbf_hours else job_mtbf_s(LLAMA3_GPU_MTBF_S, layout.world)
     _, chosen = snapshot_plan(plan.param_count, num_devices=layout.world, devices_per_node=layout.ranks_per_node,
-                              step_time_s=plan.estimate.step_time_s, mtbf_s=mtbf_s)
+                              step_time_s=plan.estimate.step_time_s, mtbf_s=mtbf_s, host_rate=_host_rate(plan))
     return chosen.every_steps
+
+
+def _host_rate(plan: Plan) -> tuple[float, float] | None:
+    """What a snapshot's work costs training where the plan trains on CPU ranks (its cluster's profiled rate,
+    ``reliability.host_snapshot_rate``); ``None`` on accelerators. A cluster file no longer readable here is
+    priced at the CPU preset's rate, and said."""
+    if plan.device_name != LOCAL_CPU:
+        return None
+    try:
+        device = load_cluster(plan.cluster).device
+    except (ClusterSpecError, OSError) as exc:
+        log.warning("snapshot interval: cluster %s unreadable (%s); pricing snapshots at the cpu preset's "
+                       "unprofiled rate", plan.cluster, exc)
+        device = load_cluster("cpu").device
+    return host_snapshot_rate(device)
 
 
 def default_store() -> Path:

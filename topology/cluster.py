@@ -93,6 +93,14 @@ class DeviceSpec(BaseModel):
     """How many times longer a transformer block's arithmetic takes split over ``t`` tensor-parallel ranks than
     ``1/t`` of the whole block's, by degree ``t``: on CPU ranks that share cores a rank waits for its partners
     at every collective (measured by ``tessera profile``); empty where not measured (1: a device per rank)."""
+    snapshot_fixed_s: float | None = Field(default=None, ge=0)
+    """Seconds of an in-memory snapshot's work per rank that do not grow with its size (a collective, file
+    operations), every rank snapshotting at once, measured by ``tessera profile`` on CPU ranks; ``None`` where
+    not measured (a device per rank: the host's cores are free for it)."""
+    snapshot_bytes_per_s: float | None = Field(default=None, gt=0)
+    """Bytes of a rank's state per second that work gets through (staging copy, file write in host memory,
+    hash, the swap with a buddy), measured with ``snapshot_fixed_s``: on CPU ranks it runs on the cores that
+    train, so training pays for it (``cost_models.reliability``)."""
     source: str
     """Where every number above comes from (datasheet, paper table, or a measurement command)."""
 

@@ -6,15 +6,21 @@ and the shared timing helpers are ``topology.measure``.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import xxhash
 from pydantic import BaseModel, Field
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -55,6 +61,10 @@ class DeviceMeasurement(BaseModel):
     tp_compute_slowdown: dict[int, float] = Field(default_factory=dict)
     """A tensor-parallel block's arithmetic over its share of the whole block's, by degree (CPU only):
     ``tp_compute_slowdown``."""
+    snapshot_fixed_s: float | None = None
+    """Seconds of a snapshot's work per rank that do not grow with its bytes (CPU only): ``snapshot_work``."""
+    snapshot_bytes_per_s: float | None = None
+    """Bytes of a rank's state per second its snapshot work gets through (CPU only): ``snapshot_work``."""
 
 
 def _rate(fn: Callable[[], None], *, device: torch.device, min_time_s: float) -> float:
@@ -135,12 +145,13 @@ def measure_device(
         if bar:
             bar.advance(task)
     fp8 = fp8_matmul_flops(device, dim=dim if device.type == "cuda" else FP8_CPU_DIM, sweep=sweep)
-    solo, overheads, fsdp, tp_slowdown = 1.0, {}, None, {}
+    solo, overheads, fsdp, tp_slowdown, snapshot = 1.0, {}, None, {}, (None, None)
     if device.type == "cpu":  # accelerators: a device per rank, and the host's overhead hides behind it
         solo = solo_speedup(flops["fp32"], dim=dim, device=device, sweep=sweep)
         overheads = measure_linear_overhead((1, *tp_degrees), flops_per_s=flops["fp32"], device=device, sweep=sweep)
         fsdp = fsdp_slowdown(device=device, sweep=sweep)
         tp_slowdown = tp_compute_slowdown(overheads, device=device, sweep=sweep)
+        snapshot = snapshot_work(sweep=sweep)
     if bar:
         bar.advance(task)
     copy_bytes = (1024 if device.type == "cuda" else 64) * MiB
@@ -156,6 +167,7 @@ def measure_device(
         matmul_flops_by_dtype=by_dtype, matmul_dim=dim,
         memory_bandwidth_bytes_per_s=values[2], copy_bytes=copy_bytes, threads_per_rank=torch.get_num_threads(),
         solo_speedup=solo, linear_overhead_s=overheads, fsdp_comm_slowdown=fsdp, tp_compute_slowdown=tp_slowdown,
+        snapshot_fixed_s=snapshot[0], snapshot_bytes_per_s=snapshot[1],
     )
 
 
@@ -360,3 +372,68 @@ def tp_compute_slowdown(overheads: dict[int, float], *, device: torch.device, sw
         split = arithmetic_s(_tensor_parallel_pass(degree, device=device, width=TP_BLOCK_WIDTH, tokens=TP_BLOCK_TOKENS), degree)
         slowdowns[degree] = max(1.0, split * degree / max(whole, 1e-9))
     return slowdowns
+
+
+SNAPSHOT_PROBE_BYTES = (1 * MiB, 16 * MiB)
+"""State sizes ``snapshot_work`` times (the small models' snapshots: 16 MB per rank on 4 ranks); the fixed part
+and the rate come from the line through the two."""
+SNAPSHOT_PROBE_FILES = 3
+"""Files each rank's probe rotates through, as a store does (``keep`` 2 plus the one being written)."""
+
+
+def snapshot_work(*, sweep: ProfileSweep) -> tuple[float, float]:
+    """(fixed seconds, bytes per second) of an in-memory snapshot's work on one rank while every rank snapshots
+    (``runtime.snapshots``, CPU ranks): copy the state to a staging buffer, write it as a file in host memory,
+    hash it (XXH3-128), swap it with another rank and write what came back, agree with one small all-reduce.
+    Where training runs on these cores, a snapshot costs training that time (``cost_models.reliability``).
+    Timed at each of ``SNAPSHOT_PROBE_BYTES`` in a temporary folder (``/dev/shm`` where there is one) that is
+    removed after."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="tessera-profile-", dir=root) as folder:
+        sizes = SNAPSHOT_PROBE_BYTES
+        times = [_snapshot_seconds(nbytes, folder=Path(folder), sweep=sweep) for nbytes in sizes]
+    per_byte = max(times[1] - times[0], 1e-12) / (sizes[1] - sizes[0])
+    return max(0.0, times[0] - per_byte * sizes[0]), 1.0 / per_byte
+
+
+def _snapshot_seconds(nbytes: int, *, folder: Path, sweep: ProfileSweep) -> float:
+    """Seconds per snapshot of ``nbytes`` on each rank, every rank at once (``snapshot_work``). Store files are
+    recycled as the runtime's are: the own file rewritten in place, the swapped copy received into a mapped
+    file (``runtime.snapshot_store``)."""
+    rank = dist.get_rank()
+    own = [folder / f"rank{rank}-{slot}" for slot in range(SNAPSHOT_PROBE_FILES)]
+    for path in own:
+        path.write_bytes(bytes(nbytes))
+    with contextlib.ExitStack() as stack:
+        mappings = [_mapping(stack, folder / f"buddy{rank}-{slot}", nbytes) for slot in range(SNAPSHOT_PROBE_FILES)]
+        return _timed_snapshots(nbytes, own=own, mappings=mappings, sweep=sweep)  # its tensors over them gone
+
+
+def _timed_snapshots(nbytes: int, *, own: list[Path], mappings: list[mmap.mmap], sweep: ProfileSweep) -> float:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = torch.randn(nbytes // 4).view(torch.uint8)
+    staging = torch.zeros(nbytes, dtype=torch.uint8)
+    received = [torch.frombuffer(mapping, dtype=torch.uint8) for mapping in mappings]
+    flags = torch.zeros(world, dtype=torch.int64)
+    taken = iter(range(1 << 62))
+
+    def snapshot() -> None:
+        slot = next(taken) % SNAPSHOT_PROBE_FILES
+        staging.copy_(state)
+        with open(own[slot], "r+b") as file:
+            file.write(memoryview(staging.numpy()))
+        flags[rank] = xxhash.xxh3_128_intdigest(memoryview(staging.numpy())) & 0xFFFF
+        if world > 1:  # a ring shift: each rank sends to the next and receives from the one before
+            requests = (dist.isend(staging, (rank + 1) % world), dist.irecv(received[slot], (rank - 1) % world))
+            for request in requests:
+                request.wait()
+        dist.all_reduce(flags)
+
+    return 1.0 / _shared_rate(snapshot, device=torch.device("cpu"), min_time_s=sweep.compute_time_s)
+
+
+def _mapping(stack: contextlib.ExitStack, path: Path, nbytes: int) -> mmap.mmap:
+    """``path`` created at ``nbytes`` and mapped (both closed with ``stack``)."""
+    file = stack.enter_context(open(path, "w+b"))
+    os.posix_fallocate(file.fileno(), 0, nbytes)
+    return stack.enter_context(mmap.mmap(file.fileno(), nbytes))

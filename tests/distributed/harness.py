@@ -21,6 +21,7 @@ from tessera.cost_models.types import Estimate, Strategy, TrainingConfig
 from tessera.models import build_model, model_config
 from tessera.planner.plan import Plan, PlannedLayer
 from tessera.runtime.apply import apply_plan
+from tessera.topology.hardware import LOCAL_CPU
 
 SEED, LR, STEPS = 0, 1e-3, 5
 GLOBAL_BATCH, SEQ_LEN = 8, 16
@@ -89,7 +90,7 @@ def make_plan(spec: str, model: nn.Module, strategy: str, precision: str = "fp32
     layers.append(PlannedLayer(fqn="loss", kind="loss", recompute="none", chunk=chunks - 1))
     return Plan(
         model_name=spec, param_count=sum(p.numel() for p in model.parameters()), cluster="test",
-        device_name="cpu", training=TrainingConfig(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, precision=precision),
+        device_name=LOCAL_CPU, training=TrainingConfig(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, precision=precision),
         strategy=parsed, estimate=dummy_estimate(), layers=tuple(layers),
     )
 

@@ -32,6 +32,9 @@ def test_profile_world_on_two_gloo_ranks_round_trips_through_load_cluster(tmp_pa
     assert "measured by tessera profile" in cluster.device.source
     assert 1e8 < cluster.device.peak_flops("fp32") < 1e13  # a CPU core's matmul rate, measured
     assert 1e6 < cluster.device.peak_flops("fp8") < 1e13  # torch's CPU _scaled_mm (a reference loop in torch 2.13)
+    # a snapshot's work on these cores: a copy, a file, a hash and a swap cost more per byte than a copy alone
+    assert 1e6 < cluster.device.snapshot_bytes_per_s < cluster.device.memory_bandwidth_bytes_per_s
+    assert 0 <= cluster.device.snapshot_fixed_s < 1
     level = cluster.levels[0]
     assert level.group_size == 2 and set(level.collective_latency_s) >= {"all_reduce", "all_gather", "p2p"}
     assert all_reduce_time(cluster, 2**20, group_size=2) > 0

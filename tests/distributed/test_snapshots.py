@@ -269,12 +269,18 @@ def _one_process(store: Path, **config):
 
 
 def test_without_an_interval_the_reliability_model_chooses_it_for_the_plan(tmp_path):
-    from tessera.cost_models.reliability import LLAMA3_GPU_MTBF_S, snapshot_plan
+    from tessera.cost_models.reliability import LLAMA3_GPU_MTBF_S, host_snapshot_rate, snapshot_plan
+    from tessera.topology import load_cluster
 
     pm = _one_process(tmp_path / "store", every=None)
-    expected = snapshot_plan(pm.plan.param_count, num_devices=1, devices_per_node=1, mtbf_s=LLAMA3_GPU_MTBF_S,
-                             step_time_s=pm.plan.estimate.step_time_s)[1].every_steps
-    assert pm.snapshots.config.every == expected > 1  # one reliable CPU rank: snapshots now and then
+    assert pm.plan.cluster == "test"  # the harness's cluster, not loadable here: priced at the cpu preset's rate
+    host_rate = host_snapshot_rate(load_cluster("cpu").device)
+    assert host_rate is not None  # CPU ranks: training pays the snapshot's whole work
+    chosen = [snapshot_plan(pm.plan.param_count, num_devices=1, devices_per_node=1, mtbf_s=LLAMA3_GPU_MTBF_S,
+                            step_time_s=pm.plan.estimate.step_time_s, host_rate=rate)[1].every_steps
+              for rate in (host_rate, None)]
+    assert pm.snapshots.config.every == chosen[0] > chosen[1] > 1  # one reliable CPU rank: snapshots now and then
+    expected = chosen[0]
     pm.close()
     often = _one_process(tmp_path / "store", every=None, mtbf_hours=0.01)  # a job failing every 36 s
     assert often.snapshots.config.every < expected
