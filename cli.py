@@ -476,6 +476,7 @@ def _profile(args: argparse.Namespace, console: Console) -> int:
     """Spawn ``--nproc`` local ranks, measure collectives and the device, fit, write ``--out`` (checked when parsed)."""
     import time
 
+    from tessera.topology.hardware import LOCAL_CPU
     from tessera.topology.profiler import ProfileSweep, profile_local
 
     sweep = ProfileSweep.quick() if args.quick else ProfileSweep()
@@ -490,8 +491,14 @@ def _profile(args: argparse.Namespace, console: Console) -> int:
     _say(console, f"device {device.name}: fp32 {device.peak_flops('fp32') / 1e9:.1f} GFLOP/s, memory "
                   f"{device.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s per rank")
     if device.snapshot_bytes_per_s is not None:
+        swap = device.snapshot_swap_bytes_per_s
         _say(console, f"snapshot work per rank (all ranks at once): {device.snapshot_fixed_s * 1e3:.1f} ms + "
-                      f"{device.snapshot_bytes_per_s / 1e9:.2f} GB/s of state (what an in-memory snapshot costs training)")
+                      f"{device.snapshot_bytes_per_s / 1e9:.2f} GB/s of state"
+                      + (f", swap with a buddy {swap / 1e9:.2f} GB/s" if swap else "")
+                      + " (what an in-memory snapshot costs training on these cores)")
+    elif device.name == LOCAL_CPU:
+        _say(console, "snapshot work not measured: no room for its files in /dev/shm or the temporary folder; "
+                      "snapshots will be priced from the memory bandwidth")
     _say(console, f"cluster file written to {args.out} in {time.perf_counter() - started:.1f} s; "
                   f"use it with --cluster {args.out}")
     return 0

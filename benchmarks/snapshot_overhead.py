@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tessera.cost_models.reliability import snapshot_cost
+from tessera.cost_models.reliability import SnapshotWork, snapshot_cost
 from tessera.runtime.apply import apply_plan
 from tessera.runtime.elastic import resume_if_possible
 from tessera.runtime.launch import WorkerError, spawn
@@ -99,7 +99,7 @@ def measure_overhead(cases: list[tuple[str, str, int]], stores: str) -> dict:
     background thread's CPU per snapshot, staging and commit times, the load average per round; and first, what
     ``tessera profile`` measures of a snapshot's work on these ranks (the cost model's input)."""
     rank, results = dist.get_rank(), {}
-    host_rate = snapshot_work(sweep=ProfileSweep())
+    host_rate = SnapshotWork(*snapshot_work(sweep=ProfileSweep()))
     for spec, strategy, rounds in cases:
         model = make_model(spec, 0)
         pm = apply_plan(model, case_plan(spec, model, strategy), lr_scheduler_factory=cosine)
@@ -333,12 +333,13 @@ def report(overhead: dict, lost: dict, *, command: str, load_before: str, load_a
                      f"{result['written_bytes'] / 1e6:,.2f} MB | {statistics.median(result['wait_s']) * 1e3:,.2f} | "
                      f"{statistics.median(result['staging_s']) * 1e3:,.2f} | "
                      f"{statistics.median(result['commit_s']) * 1e3:,.0f} |")
-    fixed, rate = next(iter(overhead.values()))["host_rate"]
+    fixed, rate, swap = next(iter(overhead.values()))["host_rate"]
     lines += ["", "## Predicted by the cost model", "",
               "`cost_models.reliability`: on CPU ranks training pays a snapshot's whole work, "
-              f"fixed + bytes / rate per rank, both as `tessera profile` measures them (`topology.measure_device."
-              f"snapshot_work`), here on these 4 ranks just before the cases: {fixed * 1e3:.1f} ms + "
-              f"{rate / 1e9:.3f} GB/s. Bytes: the model's, 12 per parameter over the 4 ranks. Predicted overhead: "
+              "fixed + bytes / rate + bytes / swap rate per rank, as `tessera profile` measures them "
+              "(`topology.measure_device.snapshot_work`), here on these 4 ranks just before the cases: "
+              f"{fixed * 1e3:.1f} ms + {rate / 1e9:.3f} GB/s + swap {swap / 1e9:.3f} GB/s. Bytes: the model's, 12 per "
+              "parameter over the 4 ranks. Predicted overhead: "
               "that work over the measured step without snapshots. Predicted k: the smallest with the predicted "
               f"overhead within {GOAL:.0%}; measured k: the smallest above whose median overhead is.", "",
               "| model | plan | predicted work (ms) | predicted k=1 overhead | measured k=1 overhead (median) | "

@@ -31,6 +31,7 @@ steps, unless it takes longer than the interval, in which case the next save wai
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -197,31 +198,45 @@ def reliability_estimate(
 # Where the devices are the host's own cores (CPU ranks, ``local-cpu``), nothing of a snapshot overlaps for free:
 # its file write, hash and buddy swap run on the cores training uses, so training pays the whole work
 # (:func:`host_snapshot_rate`). ``benchmarks/snapshot_overhead.py`` sets this price beside the measured overhead: on
-# 4 ranks on 2 cores it was 0.5-0.9 of what training lost (the probe leaves out the runtime's own Python and, likely,
-# the copies' eviction of training's cached data), so on CPU ranks the chosen ``k`` errs small.
+# 4 ranks on 2 cores it was 0.7-1.3 of what training lost for 16 MB snapshots, about half for 0.8 MB ones in 20 ms
+# steps (the probe leaves out the runtime's own Python per snapshot), where the chosen ``k`` errs small.
 
 INFINIBAND_NDR_BYTES_PER_S = 400e9 / 8
 """One InfiniBand NDR port: 400 Gb/s (InfiniBand Trade Association roadmap); a node's snapshot to its buddy
 crosses at least one such link."""
 SNAPSHOT_KEEP = 2
 """Committed snapshots each store keeps (``runtime.snapshots.SnapshotConfig.keep``)."""
-SNAPSHOT_COPY_PASSES = 9
-"""Bytes read plus written per byte of state in a snapshot's work: the staging copy (2), the file write (2), the
-hash (1), sending (2) and receiving (2) the buddy's copy. Over the memory bandwidth, the rate of an unprofiled
-CPU rank's snapshot work: an upper bound, since file pages and sockets cost more than a plain copy (on 4 ranks on
-2 cores ``tessera profile`` measured 7.1 GB/s of copy and 0.52-0.56 GB/s of snapshot work, 70% of this bound;
-``benchmarks/results/snapshot-x86_64-cpu-2026-12-05.md``)."""
+SNAPSHOT_COPY_PASSES = 5
+"""Bytes read plus written per byte of state in a snapshot's own work: the staging copy (2), the file write (2) and
+the hash (1); over the memory bandwidth, an unprofiled CPU rank's rate for it. A bound the real work does not
+reach: file pages cost more than a plain copy."""
+SWAP_COPY_PASSES = 4
+"""The same for the swap with a buddy: sending (2) and receiving (2)."""
 
 
-def host_snapshot_rate(device: DeviceSpec) -> tuple[float, float] | None:
-    """``(fixed seconds, bytes per second)`` of a snapshot's whole work per rank where ``device`` is the host's
-    CPU (training pays for it: :func:`snapshot_cost`'s ``host_rate``): as ``tessera profile`` measured it, else
-    ``SNAPSHOT_COPY_PASSES`` over the memory bandwidth; ``None`` for an accelerator, whose host's cores are free."""
+class SnapshotWork(NamedTuple):
+    """What a snapshot's work costs a rank where training runs on the host's cores, every rank at once."""
+
+    fixed_s: float
+    """Per snapshot, whatever its size (a collective, file operations)."""
+    bytes_per_s: float
+    """Its own work per byte of state: staging copy, store-file write, hash."""
+    swap_bytes_per_s: float | None
+    """The swap with the buddy per byte (``None``: not charged; :func:`host_snapshot_rate` gives an unmeasured one
+    from the memory bandwidth)."""
+
+
+def host_snapshot_rate(device: DeviceSpec) -> SnapshotWork | None:
+    """What a snapshot's work costs per rank where ``device`` is the host's CPU (training pays for it:
+    :func:`snapshot_cost`'s ``host_rate``): as ``tessera profile`` measured it, else the copy passes at the memory
+    bandwidth; ``None`` for an accelerator, whose host's cores are free."""
     if device.name != LOCAL_CPU:
         return None
-    if device.snapshot_bytes_per_s is not None:
-        return device.snapshot_fixed_s or 0.0, device.snapshot_bytes_per_s
-    return 0.0, device.memory_bandwidth_bytes_per_s / SNAPSHOT_COPY_PASSES
+    bound = device.memory_bandwidth_bytes_per_s
+    if device.snapshot_bytes_per_s is None:
+        return SnapshotWork(0.0, bound / SNAPSHOT_COPY_PASSES, bound / SWAP_COPY_PASSES)
+    return SnapshotWork(device.snapshot_fixed_s or 0.0, device.snapshot_bytes_per_s,
+                        device.snapshot_swap_bytes_per_s or bound / SWAP_COPY_PASSES)
 
 
 class SnapshotCost(BaseModel):
@@ -245,27 +260,34 @@ class SnapshotCost(BaseModel):
     """Where training runs on the host's cores (CPU ranks): a rank's whole snapshot work (staging, file write,
     hash, buddy swap, agreement), every rank at once, all of it training's time; 0 where a device trains."""
 
-    @property
-    def training_pays_s(self) -> float:
-        """What one snapshot costs training before any replication the interval cannot hide: the whole work on
-        CPU ranks, else the staging copy."""
-        return self.host_work_s or self.staging_time_s
+    def training_pays_s(self, period_s: float = math.inf) -> float:
+        """What one snapshot every ``period_s`` of training costs it: on CPU ranks the whole work (the swap's
+        included); else the staging copy, plus any replication the period cannot hide."""
+        if self.host_work_s:
+            return self.host_work_s
+        return self.staging_time_s + max(0.0, self.replicate_time_s - period_s)
 
 
 def snapshot_cost(
     param_count: int, *, num_devices: int, devices_per_node: int, staging_bytes_per_s: float = PCIE5_X16_BYTES_PER_S,
     network_bytes_per_s_per_node: float = INFINIBAND_NDR_BYTES_PER_S, keep: int = SNAPSHOT_KEEP,
-    host_rate: tuple[float, float] | None = None,
+    host_rate: SnapshotWork | None = None,
 ) -> SnapshotCost:
     """Bytes, memory and times of one snapshot of a ``param_count``-parameter model trained with AdamW;
-    ``host_rate``: ``(fixed seconds, bytes per second)`` of the work per rank where training runs on the host's
-    cores (:func:`host_snapshot_rate`)."""
+    ``host_rate``: what the work costs per rank where training runs on the host's cores (:func:`host_snapshot_rate`;
+    the swap only where there is a buddy)."""
     per_device = param_count * CHECKPOINT_BYTES_PER_PARAM / num_devices
     node = per_device * min(devices_per_node, num_devices)
     has_buddy = num_devices > devices_per_node
     replicate = node / network_bytes_per_s_per_node if has_buddy else 0.0
     staging = per_device / staging_bytes_per_s
-    host_work = 0.0 if host_rate is None else host_rate[0] + per_device / host_rate[1]
+    host_work = 0.0
+    if host_rate is not None:
+        if host_rate.bytes_per_s <= 0 or (host_rate.swap_bytes_per_s or 1) <= 0 or host_rate.fixed_s < 0:
+            raise ValueError(f"snapshot work rates must be positive and its fixed cost at least 0: {host_rate}")
+        swap = per_device / host_rate.swap_bytes_per_s if has_buddy and host_rate.swap_bytes_per_s else 0.0
+        host_work = host_rate.fixed_s + per_device / host_rate.bytes_per_s + swap
+        staging = 0.0  # no device-to-host copy: the state is in host memory, and its copy is in host_work
     return SnapshotCost(
         node_bytes=node, host_bytes_per_node=(keep + 1) * node * (2 if has_buddy else 1) + node,
         staging_time_s=staging, replicate_time_s=replicate, recovery_time_s=replicate + staging, has_buddy=has_buddy,
@@ -348,7 +370,7 @@ def snapshot_estimate(
 
 def _snapshot_candidates(snapshot: SnapshotCost, step_time_s: float, mtbf_s: float) -> list[int]:
     """Around Young's ``k`` for what training pays, and the smallest ``k`` whose interval hides the replication."""
-    young = young_interval_s(max(snapshot.training_pays_s, 1e-12), mtbf_s) / step_time_s
+    young = young_interval_s(max(snapshot.training_pays_s(), 1e-12), mtbf_s) / step_time_s
     hides = math.ceil(snapshot.replicate_time_s / step_time_s)
     return sorted({1, max(1, math.floor(young)), max(1, math.ceil(young)), max(1, hides)})
 
@@ -356,7 +378,7 @@ def _snapshot_candidates(snapshot: SnapshotCost, step_time_s: float, mtbf_s: flo
 def _snapshot_option(snapshot: SnapshotCost, disk_only: ReliabilityEstimate, k: int, *, step_time_s: float,
                      num_nodes: int, relaunch_s: float, correlated: float) -> SnapshotEstimate:
     mtbf, period = disk_only.mtbf_s, k * step_time_s
-    blocking = snapshot.training_pays_s + max(0.0, snapshot.replicate_time_s - period)
+    blocking = snapshot.training_pays_s(period)
     rework = (period + blocking) / 2 + snapshot.replicate_time_s  # the snapshot in flight is not yet usable
     from_snapshot = relaunch_s + snapshot.recovery_time_s + rework
     if snapshot.has_buddy:  # the buddy (one of num_nodes, each failing at 1 / (M * num_nodes)) within the window
@@ -379,7 +401,7 @@ def snapshot_plan(
     param_count: int, *, num_devices: int, devices_per_node: int, step_time_s: float, mtbf_s: float,
     write_bytes_per_s_per_device: float = LLAMA3_STORAGE_BYTES_PER_S_PER_GPU, asynchronous: bool = False,
     disk_interval_s: float | None = None, relaunch_s: float = 0.0, every_steps: int | None = None,
-    host_rate: tuple[float, float] | None = None,
+    host_rate: SnapshotWork | None = None,
 ) -> tuple[ReliabilityEstimate, SnapshotEstimate]:
     """Disk checkpoints alone (every ``disk_interval_s``, default Daly's) and in-memory snapshots every
     ``every_steps`` (default: the best ``k``) beside them, for a job of ``num_devices`` with this step time and

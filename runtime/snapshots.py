@@ -77,7 +77,9 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
-from tessera.cost_models.reliability import LLAMA3_GPU_MTBF_S, host_snapshot_rate, job_mtbf_s, snapshot_plan
+from tessera.cost_models.reliability import (
+    LLAMA3_GPU_MTBF_S, SnapshotWork, host_snapshot_rate, job_mtbf_s, snapshot_plan,
+)
 from tessera.errors import CheckpointError, ClusterSpecError, ConfigError
 from tessera.planner.plan import Plan
 from tessera.topology import load_cluster
@@ -175,7 +177,7 @@ def best_interval(config: SnapshotConfig, plan: Plan, layout: NodeLayout) -> int
     return chosen.every_steps
 
 
-def _host_rate(plan: Plan) -> tuple[float, float] | None:
+def _host_rate(plan: Plan) -> SnapshotWork | None:
     """What a snapshot's work costs training where the plan trains on CPU ranks (its cluster's profiled rate,
     ``reliability.host_snapshot_rate``); ``None`` on accelerators. A cluster file no longer readable here is
     priced at the CPU preset's rate, and said."""
@@ -185,7 +187,7 @@ def _host_rate(plan: Plan) -> tuple[float, float] | None:
         device = load_cluster(plan.cluster).device
     except (ClusterSpecError, OSError) as exc:
         log.warning("snapshot interval: cluster %s unreadable (%s); pricing snapshots at the cpu preset's "
-                       "unprofiled rate", plan.cluster, exc)
+                    "unprofiled rate", plan.cluster, exc)
         device = load_cluster("cpu").device
     return host_snapshot_rate(device)
 
@@ -221,7 +223,7 @@ class Snapshotter:
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.layout = node_layout(config, dist.get_world_size(self.group) if self.group is not None else 1)
         self.config = config if config.every is not None else config.model_copy(
-            update={"every": best_interval(config, plan, self.layout)})
+            update={"every": self._agreed_interval(config, plan)})
         """The configuration, with ``every`` chosen where it was not given."""
         if self.rank == 0 and config.every is None:
             log.info("snapshots: every %d step(s), the reliability model's best interval for this plan",
@@ -249,6 +251,15 @@ class Snapshotter:
         ``time.thread_time``; gloo's threads and the training thread's staging are not in it)."""
         if self.layout.shift == 0 and self.rank == 0:
             log.warning("snapshots: one node, no buddy to copy to; they survive a process failure, not the node's")
+
+
+    def _agreed_interval(self, config: SnapshotConfig, plan: Plan) -> int:
+        """Rank 0's ``best_interval`` on every rank: ranks on other hosts may read the plan's cluster file
+        differently (or not at all), and every rank must snapshot at the same steps."""
+        chosen = torch.tensor([best_interval(config, plan, self.layout) if self.rank == 0 else 0])
+        if self.group is not None:
+            dist.broadcast(chosen, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return int(chosen)
 
     def after_step(self, state: TrainingState) -> None:
         """Start a snapshot of ``state`` if its step is one (called by ``train_step`` on every rank)."""

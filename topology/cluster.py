@@ -98,11 +98,22 @@ class DeviceSpec(BaseModel):
     operations), every rank snapshotting at once, measured by ``tessera profile`` on CPU ranks; ``None`` where
     not measured (a device per rank: the host's cores are free for it)."""
     snapshot_bytes_per_s: float | None = Field(default=None, gt=0)
-    """Bytes of a rank's state per second that work gets through (staging copy, file write in host memory,
-    hash, the swap with a buddy), measured with ``snapshot_fixed_s``: on CPU ranks it runs on the cores that
-    train, so training pays for it (``cost_models.reliability``)."""
+    """Bytes of a rank's state per second a snapshot's own work gets through (staging copy, file write in host
+    memory, hash), measured with ``snapshot_fixed_s``: on CPU ranks it runs on the cores that train, so training
+    pays for it (``cost_models.reliability``)."""
+    snapshot_swap_bytes_per_s: float | None = Field(default=None, gt=0)
+    """Bytes per second of the swap with a buddy rank on top of that work (sent and received into a store file),
+    every rank at once; ``None`` where not measured (one rank)."""
     source: str
     """Where every number above comes from (datasheet, paper table, or a measurement command)."""
+
+    @model_validator(mode="after")
+    def _snapshot_rates_together(self) -> DeviceSpec:
+        measured = (self.snapshot_fixed_s is not None, self.snapshot_bytes_per_s is not None)
+        if measured[0] != measured[1] or (self.snapshot_swap_bytes_per_s is not None and not all(measured)):
+            raise ValueError("snapshot_fixed_ms and snapshot_gb_per_s go together (snapshot_swap_gb_per_s only with "
+                             "them): give both or none, or profile again with tessera profile")
+        return self
 
     @field_validator("peak_flops_by_dtype", "tp_compute_slowdown")
     @classmethod

@@ -32,8 +32,8 @@ An inline device has ``name``, ``peak_tflops`` (dtype -> TFLOP/s), ``memory_gb``
 ``memory_bandwidth_tb_per_s`` or ``memory_bandwidth_gb_per_s``, optional ``scale_up_gb_per_s`` and ``host_gb_per_s`` (device-host link, per direction), and
 ``source`` (see ``topology/catalog.yaml``). Devices the profiler measured on ranks that share CPU cores also
 carry ``solo_speedup``, ``linear_overhead_ms`` (tensor-parallel degree -> ms per linear),
-``fsdp_comm_slowdown``, ``tp_compute_slowdown`` (degree -> factor), ``snapshot_fixed_ms`` and
-``snapshot_gb_per_s`` (``topology.cluster.DeviceSpec``).
+``fsdp_comm_slowdown``, ``tp_compute_slowdown`` (degree -> factor), ``snapshot_fixed_ms``,
+``snapshot_gb_per_s`` and ``snapshot_swap_gb_per_s`` (``topology.cluster.DeviceSpec``).
 
 Levels whose group is at least the world are cut to the world, and the levels outside it dropped, so
 ``dgx-h100:nodes=1`` has only its NVLink level and ``dgx-h100:nodes=8`` no spine.

@@ -33,13 +33,14 @@ LOCAL_CPU = "local-cpu"
 DEVICE_FIELDS = (
     "name", "peak_tflops", "memory_gib", "memory_gb", "memory_bandwidth_tb_per_s",
     "memory_bandwidth_gb_per_s", "scale_up_gb_per_s", "host_gb_per_s", "solo_speedup", "linear_overhead_ms", "fsdp_comm_slowdown",
-    "tp_compute_slowdown", "snapshot_fixed_ms", "snapshot_gb_per_s", "source",
+    "tp_compute_slowdown", "snapshot_fixed_ms", "snapshot_gb_per_s", "snapshot_swap_gb_per_s", "source",
 )
 
 DEVICE_RENAMES = {"peak_flops_by_dtype": "peak_tflops", "memory_bandwidth_bytes_per_s": "memory_bandwidth (bytes/s)",
                   "scale_up_bandwidth_bytes_per_s": "scale_up_gb_per_s (bytes/s)",
                   "host_bandwidth_bytes_per_s": "host_gb_per_s (bytes/s)", "linear_overhead_s": "linear_overhead_ms",
-                  "snapshot_fixed_s": "snapshot_fixed_ms (s)", "snapshot_bytes_per_s": "snapshot_gb_per_s (bytes/s)"}
+                  "snapshot_fixed_s": "snapshot_fixed_ms (s)", "snapshot_bytes_per_s": "snapshot_gb_per_s (bytes/s)",
+                  "snapshot_swap_bytes_per_s": "snapshot_swap_gb_per_s (bytes/s)"}
 """``DeviceSpec`` field names -> the file's names, for error messages (a value too large to be finite once
 converted to SI units is reported here)."""
 
@@ -103,6 +104,7 @@ def _device_fields(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
             else file_number(raw["snapshot_fixed_ms"], f"{where}: field 'snapshot_fixed_ms'") / 1e3
         ),
         snapshot_bytes_per_s=_optional_gb_per_s(raw, "snapshot_gb_per_s", where=where),
+        snapshot_swap_bytes_per_s=_optional_gb_per_s(raw, "snapshot_swap_gb_per_s", where=where),
         source=str(raw["source"]),
     )
 
@@ -153,6 +155,8 @@ def device_to_raw(spec: DeviceSpec) -> dict[str, Any]:
         raw["snapshot_fixed_ms"] = file_value(spec.snapshot_fixed_s * 1e3)
     if spec.snapshot_bytes_per_s is not None:
         raw["snapshot_gb_per_s"] = file_value(spec.snapshot_bytes_per_s / 1e9, positive=True)
+    if spec.snapshot_swap_bytes_per_s is not None:
+        raw["snapshot_swap_gb_per_s"] = file_value(spec.snapshot_swap_bytes_per_s / 1e9, positive=True)
     raw["source"] = spec.source
     return raw
 

@@ -10,6 +10,7 @@ import contextlib
 import math
 import mmap
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -65,6 +66,8 @@ class DeviceMeasurement(BaseModel):
     """Seconds of a snapshot's work per rank that do not grow with its bytes (CPU only): ``snapshot_work``."""
     snapshot_bytes_per_s: float | None = None
     """Bytes of a rank's state per second its snapshot work gets through (CPU only): ``snapshot_work``."""
+    snapshot_swap_bytes_per_s: float | None = None
+    """Bytes per second of the swap with a buddy rank on top of it (CPU only, 2 ranks or more): ``snapshot_work``."""
 
 
 def _rate(fn: Callable[[], None], *, device: torch.device, min_time_s: float) -> float:
@@ -145,7 +148,7 @@ def measure_device(
         if bar:
             bar.advance(task)
     fp8 = fp8_matmul_flops(device, dim=dim if device.type == "cuda" else FP8_CPU_DIM, sweep=sweep)
-    solo, overheads, fsdp, tp_slowdown, snapshot = 1.0, {}, None, {}, (None, None)
+    solo, overheads, fsdp, tp_slowdown, snapshot = 1.0, {}, None, {}, (None, None, None)
     if device.type == "cpu":  # accelerators: a device per rank, and the host's overhead hides behind it
         solo = solo_speedup(flops["fp32"], dim=dim, device=device, sweep=sweep)
         overheads = measure_linear_overhead((1, *tp_degrees), flops_per_s=flops["fp32"], device=device, sweep=sweep)
@@ -167,7 +170,7 @@ def measure_device(
         matmul_flops_by_dtype=by_dtype, matmul_dim=dim,
         memory_bandwidth_bytes_per_s=values[2], copy_bytes=copy_bytes, threads_per_rank=torch.get_num_threads(),
         solo_speedup=solo, linear_overhead_s=overheads, fsdp_comm_slowdown=fsdp, tp_compute_slowdown=tp_slowdown,
-        snapshot_fixed_s=snapshot[0], snapshot_bytes_per_s=snapshot[1],
+        snapshot_fixed_s=snapshot[0], snapshot_bytes_per_s=snapshot[1], snapshot_swap_bytes_per_s=snapshot[2],
     )
 
 
@@ -376,27 +379,49 @@ def tp_compute_slowdown(overheads: dict[int, float], *, device: torch.device, sw
 
 SNAPSHOT_PROBE_BYTES = (1 * MiB, 16 * MiB)
 """State sizes ``snapshot_work`` times (the small models' snapshots: 16 MB per rank on 4 ranks); the fixed part
-and the rate come from the line through the two."""
+and the rate come from the line through the two, the swap's rate from the larger one with and without it."""
 SNAPSHOT_PROBE_FILES = 3
 """Files each rank's probe rotates through, as a store does (``keep`` 2 plus the one being written)."""
 
 
-def snapshot_work(*, sweep: ProfileSweep) -> tuple[float, float]:
-    """(fixed seconds, bytes per second) of an in-memory snapshot's work on one rank while every rank snapshots
-    (``runtime.snapshots``, CPU ranks): copy the state to a staging buffer, write it as a file in host memory,
-    hash it (XXH3-128), swap it with another rank and write what came back, agree with one small all-reduce.
-    Where training runs on these cores, a snapshot costs training that time (``cost_models.reliability``).
-    Timed at each of ``SNAPSHOT_PROBE_BYTES`` in a temporary folder (``/dev/shm`` where there is one) that is
-    removed after."""
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+def snapshot_work(*, sweep: ProfileSweep) -> tuple[float | None, float | None, float | None]:
+    """(fixed seconds, bytes per second, swap bytes per second) of an in-memory snapshot's work on one rank while
+    every rank snapshots (``runtime.snapshots``, CPU ranks): copy the state to a staging buffer, rewrite a store
+    file with it, hash it (XXH3-128), agree with one small all-reduce; and, on top, swap it with another rank
+    into a mapped store file (``None`` on one rank). Where training runs on these cores, a snapshot costs
+    training that time (``cost_models.reliability``). Timed in a temporary folder that is removed after, in
+    ``/dev/shm`` where it has room for every rank of the host, else the temporary folder; all ``None`` on every
+    rank when some rank has room in neither (a container's 64 MB ``/dev/shm`` next to a full disk)."""
+    root = _probe_root()
+    if not reduce_values([0.0 if root is None else 1.0], op=dist.ReduceOp.MIN, device=torch.device("cpu"))[0]:
+        return None, None, None
+    small, large = SNAPSHOT_PROBE_BYTES
     with tempfile.TemporaryDirectory(prefix="tessera-profile-", dir=root) as folder:
-        sizes = SNAPSHOT_PROBE_BYTES
-        times = [_snapshot_seconds(nbytes, folder=Path(folder), sweep=sweep) for nbytes in sizes]
-    per_byte = max(times[1] - times[0], 1e-12) / (sizes[1] - sizes[0])
-    return max(0.0, times[0] - per_byte * sizes[0]), 1.0 / per_byte
+        alone = [_snapshot_seconds(nbytes, folder=Path(folder), sweep=sweep, swap=False) for nbytes in (small, large)]
+        swapped = None
+        if dist.get_world_size() > 1:
+            swapped = _snapshot_seconds(large, folder=Path(folder), sweep=sweep, swap=True)
+    slope = (alone[1] - alone[0]) / (large - small)
+    if slope * large < alone[1] / 10:  # noise swamped the difference: all of it per byte, the dearer reading
+        fixed, rate = 0.0, large / alone[1]
+    else:
+        fixed, rate = max(0.0, alone[0] - slope * small), 1.0 / slope
+    swap = None if swapped is None else large / max(swapped - alone[1], alone[1] / 100)
+    return fixed, rate, swap
 
 
-def _snapshot_seconds(nbytes: int, *, folder: Path, sweep: ProfileSweep) -> float:
+def _probe_root() -> str | None:
+    """``/dev/shm``, else the temporary folder, whichever has room for the probe's files of every rank on this
+    host (twice over); ``None`` if neither has."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    needed = 2 * ranks_here * 2 * SNAPSHOT_PROBE_FILES * max(SNAPSHOT_PROBE_BYTES)
+    for root in ("/dev/shm", tempfile.gettempdir()):
+        if os.path.isdir(root) and shutil.disk_usage(root).free >= needed:
+            return root
+    return None
+
+
+def _snapshot_seconds(nbytes: int, *, folder: Path, sweep: ProfileSweep, swap: bool) -> float:
     """Seconds per snapshot of ``nbytes`` on each rank, every rank at once (``snapshot_work``). Store files are
     recycled as the runtime's are: the own file rewritten in place, the swapped copy received into a mapped
     file (``runtime.snapshot_store``)."""
@@ -405,8 +430,9 @@ def _snapshot_seconds(nbytes: int, *, folder: Path, sweep: ProfileSweep) -> floa
     for path in own:
         path.write_bytes(bytes(nbytes))
     with contextlib.ExitStack() as stack:
-        mappings = [_mapping(stack, folder / f"buddy{rank}-{slot}", nbytes) for slot in range(SNAPSHOT_PROBE_FILES)]
-        return _timed_snapshots(nbytes, own=own, mappings=mappings, sweep=sweep)  # its tensors over them gone
+        mappings = [_mapping(stack, folder / f"buddy{rank}-{slot}", nbytes)
+                    for slot in range(SNAPSHOT_PROBE_FILES if swap else 0)]
+        return _timed_snapshots(nbytes, own=own, mappings=mappings, sweep=sweep)
 
 
 def _timed_snapshots(nbytes: int, *, own: list[Path], mappings: list[mmap.mmap], sweep: ProfileSweep) -> float:
@@ -422,18 +448,25 @@ def _timed_snapshots(nbytes: int, *, own: list[Path], mappings: list[mmap.mmap],
         staging.copy_(state)
         with open(own[slot], "r+b") as file:
             file.write(memoryview(staging.numpy()))
+        flags.zero_()
         flags[rank] = xxhash.xxh3_128_intdigest(memoryview(staging.numpy())) & 0xFFFF
-        if world > 1:  # a ring shift: each rank sends to the next and receives from the one before
+        if received:  # a ring shift: each rank sends to the next and receives from the one before
             requests = (dist.isend(staging, (rank + 1) % world), dist.irecv(received[slot], (rank - 1) % world))
             for request in requests:
                 request.wait()
         dist.all_reduce(flags)
 
-    return 1.0 / _shared_rate(snapshot, device=torch.device("cpu"), min_time_s=sweep.compute_time_s)
+    try:
+        return 1.0 / _shared_rate(snapshot, device=torch.device("cpu"), min_time_s=sweep.compute_time_s)
+    finally:
+        received.clear()  # no tensor over a mapping outlives it, even in a traceback
 
 
 def _mapping(stack: contextlib.ExitStack, path: Path, nbytes: int) -> mmap.mmap:
-    """``path`` created at ``nbytes`` and mapped (both closed with ``stack``)."""
+    """``path`` created at ``nbytes`` and mapped (both closed with ``stack``); its pages allocated up front where
+    the platform can (a full store then fails here, not with SIGBUS in the copy)."""
     file = stack.enter_context(open(path, "w+b"))
-    os.posix_fallocate(file.fileno(), 0, nbytes)
+    file.truncate(nbytes)
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(file.fileno(), 0, nbytes)
     return stack.enter_context(mmap.mmap(file.fileno(), nbytes))

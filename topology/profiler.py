@@ -275,6 +275,7 @@ def _device_spec(measured: DeviceMeasurement, *, device: torch.device, per_node:
         fsdp_comm_slowdown=measured.fsdp_comm_slowdown,
         tp_compute_slowdown=dict(measured.tp_compute_slowdown),
         snapshot_fixed_s=measured.snapshot_fixed_s, snapshot_bytes_per_s=measured.snapshot_bytes_per_s,
+        snapshot_swap_bytes_per_s=measured.snapshot_swap_bytes_per_s,
         source=(
             f"measured by tessera profile on {host['hostname']} ({host['date']}): {measured.matmul_dim}^2 matmul "
             f"FLOP/s and {measured.copy_bytes // MiB} MiB copy bandwidth achieved per rank with all "
@@ -284,7 +285,7 @@ def _device_spec(measured: DeviceMeasurement, *, device: torch.device, per_node:
                "and backward at negligible size, per linear, by tensor-parallel degree; FSDP slowdown: a ZeRO-3 unit's "
                "gathers and reduce-scatter over the bare collectives; tensor-parallel compute slowdown: a 256-wide "
                "block on 256 tokens split by degree over 1/degree of it whole; snapshot: a snapshot's staging copy, file "
-               "write, hash and buddy swap at 1 and 16 MiB per rank, every rank at once" if device.type == "cpu" else "")
+               "write and hash at 1 and 16 MiB per rank, and its swap with a buddy rank at 16 MiB, every rank at once" if device.type == "cpu" else "")
         ),
     )
 

@@ -34,6 +34,7 @@ def test_profile_world_on_two_gloo_ranks_round_trips_through_load_cluster(tmp_pa
     assert 1e6 < cluster.device.peak_flops("fp8") < 1e13  # torch's CPU _scaled_mm (a reference loop in torch 2.13)
     # a snapshot's work on these cores: a copy, a file, a hash and a swap cost more per byte than a copy alone
     assert 1e6 < cluster.device.snapshot_bytes_per_s < cluster.device.memory_bandwidth_bytes_per_s
+    assert 1e6 < cluster.device.snapshot_swap_bytes_per_s
     assert 0 <= cluster.device.snapshot_fixed_s < 1
     level = cluster.levels[0]
     assert level.group_size == 2 and set(level.collective_latency_s) >= {"all_reduce", "all_gather", "p2p"}
@@ -60,3 +61,17 @@ def test_cli_profile_spawns_ranks_and_writes_a_loadable_file(tmp_path, capsys):
 def test_cli_profile_refuses_an_unloadable_file_name(tmp_path, capsys):
     assert main(["profile", "--nproc", "2", "--out", str(tmp_path / "cluster.txt")]) == 2
     assert "must end in .yaml" in capsys.readouterr().err
+
+
+def _probe_with_room_on_rank_0_only() -> tuple[float | None, ...]:
+    from collections import namedtuple
+
+    from tessera.topology import measure_device
+
+    if dist.get_rank() == 1:
+        measure_device.shutil.disk_usage = lambda path: namedtuple("Usage", "total used free")(1, 1, 0)
+    return measure_device.snapshot_work(sweep=ProfileSweep.quick())
+
+
+def test_the_snapshot_probe_is_skipped_on_every_rank_when_one_has_no_room_for_its_files():
+    assert spawn(_probe_with_room_on_rank_0_only, nprocs=2, timeout_s=60) == [(None, None, None)] * 2

@@ -428,3 +428,23 @@ def test_each_node_assembles_only_the_files_its_ranks_read(little_room):
     for result in (rank["zero3"] for rank in little_room):
         assert result["step"] == 2 and result["path"].startswith("snapshot step-00000002"), result
         assert result["same"], "the restored shards are the saved ones"
+
+
+def test_the_default_interval_on_cpu_ranks_uses_the_plans_profiled_cluster(tmp_path):
+    import yaml
+
+    from tessera.cost_models.reliability import SnapshotWork
+    from tessera.topology import load_cluster
+    from tessera.topology.clusterfile import cluster_to_raw
+
+    cpu = load_cluster("cpu:ranks=2")
+    profiled = cpu.model_copy(update={"device": cpu.device.model_copy(update={
+        "snapshot_fixed_s": 0.004, "snapshot_bytes_per_s": 0.8e9, "snapshot_swap_bytes_per_s": 0.6e9})})
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cluster_to_raw(profiled)))
+    model = make_model(GPT, SEED)
+    plan = make_plan(GPT, model, "dp=1,mbs=8").model_copy(update={"cluster": str(path)})
+    assert snapshots._host_rate(plan) == SnapshotWork(0.004, 0.8e9, 0.6e9)  # what tessera profile measured
+    assert snapshots._host_rate(plan.model_copy(update={"cluster": str(tmp_path / "gone.yaml")})) == (
+        snapshots.host_snapshot_rate(load_cluster("cpu").device))  # unreadable: the cpu preset's rate
+    assert snapshots._host_rate(plan.model_copy(update={"device_name": "H100-SXM-80GB"})) is None

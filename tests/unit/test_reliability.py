@@ -6,8 +6,8 @@ import pytest
 
 from tessera.cost_models.reliability import (
     CHECKPOINT_BYTES_PER_PARAM, blocking_time_s, checkpoint_cost, expected_waste_fraction, job_mtbf_s,
-    optimal_interval_s, reliability_estimate, young_interval_s, SNAPSHOT_COPY_PASSES, SNAPSHOT_KEEP, host_snapshot_rate,
-    snapshot_cost, snapshot_estimate,
+    optimal_interval_s, reliability_estimate, young_interval_s, SNAPSHOT_COPY_PASSES, SNAPSHOT_KEEP, SWAP_COPY_PASSES,
+    SnapshotWork, _duration, host_snapshot_rate, snapshot_cost, snapshot_estimate,
 )
 
 HOUR = 3600.0
@@ -139,19 +139,27 @@ def test_correlated_failures_and_a_single_node_send_failures_back_to_disk():
 def test_on_cpu_ranks_training_pays_the_whole_snapshot_work_and_k_grows_with_it():
     from tessera.topology import load_cluster
 
-    profiled = load_cluster("cpu").device.model_copy(update={"snapshot_fixed_s": 0.003, "snapshot_bytes_per_s": 0.4e9})
-    assert host_snapshot_rate(profiled) == (0.003, 0.4e9)
-    unprofiled = load_cluster("cpu").device
-    assert host_snapshot_rate(unprofiled) == (0.0, unprofiled.memory_bandwidth_bytes_per_s / SNAPSHOT_COPY_PASSES)
+    cpu = load_cluster("cpu").device
+    profiled = cpu.model_copy(update={"snapshot_fixed_s": 0.003, "snapshot_bytes_per_s": 1e9,
+                                      "snapshot_swap_bytes_per_s": 0.5e9})
+    assert host_snapshot_rate(profiled) == SnapshotWork(0.003, 1e9, 0.5e9)
+    bound = cpu.memory_bandwidth_bytes_per_s
+    assert host_snapshot_rate(cpu) == SnapshotWork(0.0, bound / SNAPSHOT_COPY_PASSES, bound / SWAP_COPY_PASSES)
     assert host_snapshot_rate(load_cluster("dgx-h100:nodes=2").device) is None  # a GPU's host cores are free
-    cost = snapshot_cost(5_000_000, num_devices=4, devices_per_node=2, host_rate=(0.003, 0.4e9))
-    assert cost.host_work_s == pytest.approx(0.003 + 12 * 5e6 / 4 / 0.4e9)
-    assert cost.training_pays_s == cost.host_work_s > cost.staging_time_s
+    rate, per_rank = host_snapshot_rate(profiled), 12 * 5e6 / 4
+    cost = snapshot_cost(5_000_000, num_devices=4, devices_per_node=2, host_rate=rate)
+    assert cost.host_work_s == pytest.approx(0.003 + per_rank / 1e9 + per_rank / 0.5e9)
+    assert cost.training_pays_s(0.1) == cost.host_work_s and cost.staging_time_s == 0  # no device-to-host copy
+    one_node = snapshot_cost(5_000_000, num_devices=4, devices_per_node=4, host_rate=rate)
+    assert one_node.host_work_s == pytest.approx(0.003 + per_rank / 1e9)  # no buddy: no swap
     gpu = snapshot_cost(5_000_000, num_devices=4, devices_per_node=2)
-    assert gpu.host_work_s == 0 and gpu.training_pays_s == gpu.staging_time_s
+    assert gpu.host_work_s == 0 and gpu.training_pays_s() == gpu.staging_time_s > 0
     disk = reliability_estimate(checkpoint_cost(5_000_000, num_devices=4, write_bytes_per_s_per_device=1e9),
                                 mtbf_s=2 * HOUR)
     on_cpu = snapshot_estimate(cost, disk, step_time_s=0.6, num_nodes=2)
     on_gpu = snapshot_estimate(gpu, disk, step_time_s=0.6, num_nodes=2)
     assert on_cpu.blocking_s == pytest.approx(cost.host_work_s) and on_cpu.every_steps > on_gpu.every_steps
     assert "training runs on the host's cores" in on_cpu.summary() and "copy to host" in on_gpu.summary()
+    assert _duration(3600) == "60.0 min" and _duration(3 * 3600) == "3.0 h"  # the second line: "every 0.0 h" said nothing
+    with pytest.raises(ValueError, match="must be positive"):
+        snapshot_cost(5_000_000, num_devices=4, devices_per_node=2, host_rate=SnapshotWork(0.0, 0.0, None))

@@ -49,16 +49,19 @@ def cpu_cluster(tmp_path, *, solo_speedup: float = 1.0, overhead_ms: dict | None
 def test_profiled_device_fields_round_trip():
     raw = {"name": "local-cpu", "peak_tflops": {"fp32": 0.05}, "memory_gb": 6, "memory_bandwidth_gb_per_s": 4,
            "solo_speedup": 2.0, "linear_overhead_ms": {1: 0.2, 2: 6.0}, "tp_compute_slowdown": {2: 1.3},
-           "snapshot_fixed_ms": 3.3, "snapshot_gb_per_s": 0.37, "source": "test"}
+           "snapshot_fixed_ms": 3.3, "snapshot_gb_per_s": 0.9, "snapshot_swap_gb_per_s": 0.7, "source": "test"}
     spec = device_from_raw(raw, where="test")
     assert spec.solo_speedup == 2.0 and spec.linear_overhead_s == {1: pytest.approx(2e-4), 2: pytest.approx(6e-3)}
     assert spec.tp_compute_slowdown == {2: 1.3}
-    assert spec.snapshot_fixed_s == pytest.approx(3.3e-3) and spec.snapshot_bytes_per_s == pytest.approx(0.37e9)
+    assert spec.snapshot_fixed_s == pytest.approx(3.3e-3) and spec.snapshot_bytes_per_s == pytest.approx(0.9e9)
+    assert spec.snapshot_swap_bytes_per_s == pytest.approx(0.7e9)
     assert device_from_raw(device_to_raw(spec), where="again") == spec
     with pytest.raises(ClusterSpecError, match=r"field 'tp_compute_slowdown'.*degree 'two'"):
         device_from_raw({**raw, "tp_compute_slowdown": {"two": 1.3}}, where="test")
     with pytest.raises(ClusterSpecError, match=r"field 'snapshot_gb_per_s'.*positive"):
         device_from_raw({**raw, "snapshot_gb_per_s": 0}, where="test")
+    with pytest.raises(ClusterSpecError, match=r"snapshot_fixed_ms and snapshot_gb_per_s go together"):
+        device_from_raw({key: value for key, value in raw.items() if key != "snapshot_gb_per_s"}, where="test")
 
 
 def test_tensor_parallel_slowdown_scales_the_arithmetic_at_its_degree_only(tmp_path):
