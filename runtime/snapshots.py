@@ -249,9 +249,12 @@ class Snapshotter:
         self.background_cpu_s = 0.0
         """CPU seconds the background thread has spent writing, copying and committing snapshots (its own time,
         ``time.thread_time``; gloo's threads and the training thread's staging are not in it)."""
+        self.taken = 0
+        """Snapshots started."""
+        self.training_thread_s = 0.0
+        """Seconds the training thread spent in ``snapshot``: waiting for the one before, then staging."""
         if self.layout.shift == 0 and self.rank == 0:
             log.warning("snapshots: one node, no buddy to copy to; they survive a process failure, not the node's")
-
 
     def _agreed_interval(self, config: SnapshotConfig, plan: Plan) -> int:
         """Rank 0's ``best_interval`` on every rank: ranks on other hosts may read the plan's cluster file
@@ -268,6 +271,7 @@ class Snapshotter:
 
     def snapshot(self, state: TrainingState) -> PendingSave:
         """Stage ``state`` and write it in the background (after the previous snapshot is done)."""
+        entered = time.perf_counter()
         self.wait()
         staged = self._staged_for(state)
         if not self._checked_memory:
@@ -296,6 +300,8 @@ class Snapshotter:
 
         self._worker.put(run)
         self._pending = PendingSave(step_folder(self.store, step), future)
+        self.taken += 1
+        self.training_thread_s += time.perf_counter() - entered
         return self._pending
 
     def wait(self) -> Path | None:
@@ -307,9 +313,15 @@ class Snapshotter:
 
     def close(self) -> None:
         """A clean finish: wait for the snapshot in flight, agree that every rank is done with it (raising on
-        every rank its copy or commit failure, if any rank had one), then every node's leader removes its store."""
+        every rank its copy or commit failure, if any rank had one), then every node's leader removes its store;
+        rank 0 logs what the snapshots cost it (measured: what the cost model's price can be checked against)."""
         try:
             self.wait()
+            if self.rank == 0 and self.taken:
+                log.info("snapshots: %d taken, every %d step(s); per snapshot %.1f ms on the training thread (waiting "
+                         "for the one before, staging) and %.1f ms of the background thread's CPU", self.taken,
+                         self.config.every, 1e3 * self.training_thread_s / self.taken,
+                         1e3 * self.background_cpu_s / self.taken)
         finally:
             carried, self._carried = self._carried, None
             try:

@@ -24,6 +24,7 @@ store checks (memory budget, foreign folders, clean finish) run in the test proc
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import shutil
@@ -319,15 +320,17 @@ def test_one_process_snapshots_recover_and_finish_without_files(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread nice values are read from Linux's /proc")
-def test_the_snapshot_thread_yields_to_training_and_counts_its_cpu_time(tmp_path):
+def test_the_snapshot_thread_yields_to_training_and_counts_its_cpu_time(tmp_path, caplog):
     pm = _one_process(tmp_path / "store")
     pm.train_step(make_batches(GPT, 1)[0])
     pm.wait_for_snapshot()
     worker = next(t for t in threading.enumerate() if t.name == "tessera-snapshot" and t.is_alive())
     stat = Path(f"/proc/self/task/{worker.native_id}/stat").read_text()
     assert int(stat.rsplit(")", 1)[1].split()[16]) == 19  # field 19 of stat: the thread's nice value
-    assert pm.snapshots.background_cpu_s > 0
-    pm.close()
+    assert pm.snapshots.background_cpu_s > 0 and pm.snapshots.taken == 1 and pm.snapshots.training_thread_s > 0
+    with caplog.at_level(logging.INFO, logger="tessera.runtime.snapshots"):
+        pm.close()
+    assert "snapshots: 1 taken, every 1 step(s); per snapshot" in caplog.text  # what they cost, measured
 
 
 # ---------------------------------------------------------------------------------- the same step again
