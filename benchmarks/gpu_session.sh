@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one prepared run for a session that is lent a GPU (the device tool's `run`, repository root, $OUT set):
 # the single-device truth table (benchmarks/gpu_check.py), kernel rates against the cost model
-# (benchmarks/gpu_matmul.py) and the tests/gpu suite, each under its own time limit, every log under $OUT.
+# (benchmarks/gpu_matmul.py), the tests/gpu suite and snapshots at k = 1 against their price
+# (benchmarks/snapshot_gpu.py), each under its own time limit, every log under $OUT.
 #
 # The device machine has its own torch (2.11 when last seen, Python 3.12) and no package index, so Tessera is not
 # pip-installed there (its torch pin would refuse that torch): the package is linked onto PYTHONPATH and what the
@@ -11,12 +12,13 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     ortools==9.15.6755 immutabledict==4.3.1 protobuf==6.33.6 pydantic==2.14.4 pydantic-core==2.50.5 \
-#     annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 torchao==0.18.0
+#     annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 torchao==0.18.0 xxhash==4.1.0
 #
 # (35 MB; ortools pins protobuf, pydantic a newer typing_extensions than the image may hold, torchao runs the fp8
-# rows). Then, as one call:
+# rows, the runtime imports xxhash for its snapshot files). Then, as one call:
 #   run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=580)
-# and commit what comes back (gpu-check-cuda-<date>.md/.json, gpu-matmul-<date>.md) to benchmarks/results/.
+# and commit what comes back (gpu-check-cuda-<date>.md/.json, gpu-matmul-<date>.md, snapshot-cuda-<date>.md) to
+# benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the folder the results go to}
@@ -33,3 +35,5 @@ timeout 330 python3 benchmarks/gpu_check.py --out "$OUT" 2>&1 | grep -v USDT | t
 timeout 90 python3 benchmarks/gpu_matmul.py --out "$OUT" 2>&1 | tee "$OUT/gpu_matmul.log"
 timeout 100 python3 -m pytest -p no:cacheprovider tests/gpu -q -o addopts=-ra 2>&1 | tail -20 \
   | tee "$OUT/pytest-gpu.log"
+# last, so that a run past the call's limit still returns everything above: snapshots on the GPU against the price
+timeout 60 python3 benchmarks/snapshot_gpu.py --out "$OUT" 2>&1 | tee "$OUT/snapshot_gpu.log"

@@ -96,3 +96,14 @@ def test_the_kernel_table_prices_each_kernel_as_the_cost_model_does(gpu_check, g
 def test_the_kernel_table_refuses_without_a_gpu_in_one_line(gpu_matmul):
     with pytest.raises(SystemExit, match="no CUDA device here"):
         gpu_matmul.main([])
+
+
+def test_the_snapshot_dry_run_measures_and_prices_a_snapshot(tmp_path):
+    spec = importlib.util.spec_from_file_location("snapshot_gpu", BENCHMARKS / "snapshot_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = module.main(["--device", "cpu", "--rounds", "2", "--steps", "1", "--out", str(tmp_path)]).read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| tiny-fp32-mbs2"))
+    assert "FAILED" not in row and "whole work on the host's cores" in row  # a CPU rank is priced as one
+    cells = [cell.strip() for cell in row.strip(" |").split("|")]
+    assert float(cells[4]) > 0 and float(cells[6]) > 0  # the training thread's time and the model's price
