@@ -235,7 +235,7 @@ def host_snapshot_rate(device: DeviceSpec) -> SnapshotWork | None:
     bound = device.memory_bandwidth_bytes_per_s
     if device.snapshot_bytes_per_s is None:
         return SnapshotWork(0.0, bound / SNAPSHOT_COPY_PASSES, bound / SWAP_COPY_PASSES)
-    return SnapshotWork(device.snapshot_fixed_s or 0.0, device.snapshot_bytes_per_s,
+    return SnapshotWork(device.snapshot_fixed_s, device.snapshot_bytes_per_s,  # given together (DeviceSpec)
                         device.snapshot_swap_bytes_per_s or bound / SWAP_COPY_PASSES)
 
 

@@ -436,7 +436,8 @@ def test_each_node_assembles_only_the_files_its_ranks_read(little_room):
 def test_the_default_interval_on_cpu_ranks_uses_the_plans_profiled_cluster(tmp_path):
     import yaml
 
-    from tessera.cost_models.reliability import SnapshotWork
+    from tessera.cost_models.reliability import SnapshotWork, host_snapshot_rate
+    from tessera.runtime import snapshot_config
     from tessera.topology import load_cluster
     from tessera.topology.clusterfile import cluster_to_raw
 
@@ -447,7 +448,7 @@ def test_the_default_interval_on_cpu_ranks_uses_the_plans_profiled_cluster(tmp_p
     path.write_text(yaml.safe_dump(cluster_to_raw(profiled)))
     model = make_model(GPT, SEED)
     plan = make_plan(GPT, model, "dp=1,mbs=8").model_copy(update={"cluster": str(path)})
-    assert snapshots._host_rate(plan) == SnapshotWork(0.004, 0.8e9, 0.6e9)  # what tessera profile measured
-    assert snapshots._host_rate(plan.model_copy(update={"cluster": str(tmp_path / "gone.yaml")})) == (
-        snapshots.host_snapshot_rate(load_cluster("cpu").device))  # unreadable: the cpu preset's rate
-    assert snapshots._host_rate(plan.model_copy(update={"device_name": "H100-SXM-80GB"})) is None
+    assert snapshot_config._host_rate(plan) == SnapshotWork(0.004, 0.8e9, 0.6e9)  # what tessera profile measured
+    assert snapshot_config._host_rate(plan.model_copy(update={"cluster": str(tmp_path / "gone.yaml")})) == (
+        host_snapshot_rate(load_cluster("cpu").device))  # unreadable: the cpu preset's rate
+    assert snapshot_config._host_rate(plan.model_copy(update={"device_name": "H100-SXM-80GB"})) is None
