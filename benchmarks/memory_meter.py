@@ -78,12 +78,20 @@ def resident_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     seen, total = set(), 0
     for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        storage = local.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
+        for storage in _storages(tensor.to_local() if hasattr(tensor, "to_local") else tensor):
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
     return total
+
+
+def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding ``tensor``'s data: its own, or those of the tensors a wrapper subclass holds (torchao's
+    FP8-gathering weights wrap their fp32 shard, and have no storage of their own)."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor.untyped_storage()]
+    names, _ = tensor.__tensor_flatten__()
+    return [storage for name in names for storage in _storages(getattr(tensor, name))]
 
 
 class AllocatorMeter:

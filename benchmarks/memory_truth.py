@@ -38,7 +38,11 @@ MODELS = {
     "gpt-tiny": ("gpt-tiny:layers=4", 8, 64),
     "small-gpt": ("gpt:layers=4,hidden=256,heads=8,vocab=4096,seq=256", 16, 256),
     "small-llama": ("llama:layers=4,hidden=256,heads=8,kv_heads=4,ffn=704,vocab=4096,seq=256", 16, 256),
+    # weights over activations (6.3M block parameters, 128 tokens a step): what FSDP2 gathers shows in the peak; FP8
+    # on CPU can afford it (its forward matmul is a reference loop); not in the default set
+    "wide-short": ("gpt:layers=2,hidden=512,heads=8,vocab=1024,seq=16", 8, 16),
 }
+DEFAULT_MODELS = ("gpt-tiny", "small-gpt", "small-llama")
 STRATEGIES = {  # name -> pins over the 4 ranks; everything else fixed so each row is one runtime path
     "DDP": "dp=4,zero=0",
     "ZeRO-1": "dp=4,zero=1",
@@ -94,13 +98,15 @@ def plan_for(spec: str, pins: str, ranks: int, global_batch: int, seq_len: int, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of the models")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of the paths")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp8"), help="default: the CPU cluster's (fp32); fp8 "
                         "runs torchao's float8 linears, whose CPU matmul is a reference loop: use it with gpt-tiny")
     parser.add_argument("--reuse", type=Path, help="take the measured peaks from this JSON (written by a run) and "
                         "only re-predict (for iterating on the cost model; the measurement does not depend on it); "
                         "rows missing from it are measured and added")
+    parser.add_argument("--tag", default="", help="added to the results' file names (a run of a few rows beside the "
+                        "full run's files)")
     parser.add_argument("--no-write", action="store_true", help="print the table only; leave benchmarks/results alone "
                         "(for checking a few rows without overwriting the full run's files)")
     args = parser.parse_args()
@@ -119,11 +125,11 @@ def main() -> None:
             print(model, name, f"predicted {max(stages) / 2**20:.2f} MiB measured {max(peaks) / 2**20:.2f} MiB "
                   f"error {max(stages) / max(peaks) - 1:+.1%} (per rank MiB: {per_rank})", flush=True)
     report(rows, args.ranks, {**reused, **measured}, reused=measured.keys() <= reused.keys(), write=not args.no_write,
-           precision=args.precision)
+           precision=args.precision, tag=args.tag)
 
 
 def report(rows: list[tuple], ranks: int, measured: dict[str, list[int]], *, reused: bool, write: bool,
-           precision: str | None = None) -> None:
+           precision: str | None = None, tag: str = "") -> None:
     errors = [abs(p / m - 1) for _, _, _, p, m, *_ in rows]
     verdict = (f"{len(rows)} runs; |error| median {statistics.median(errors):.1%}, worst {max(errors):.1%}; "
                f"within 10%: {sum(e <= 0.10 for e in errors)}/{len(rows)}")
@@ -137,12 +143,12 @@ def report(rows: list[tuple], ranks: int, measured: dict[str, list[int]], *, reu
     if not write:
         return
     date = datetime.date.today().isoformat()
-    stem = HERE / "results" / f"memory-truth-{platform.machine()}-cpu-{date}{f'-{precision}' if precision else ''}"
+    suffix = "".join(f"-{part}" for part in (precision, tag) if part)
+    stem = HERE / "results" / f"memory-truth-{platform.machine()}-cpu-{date}{suffix}"
     if not reused:
         stem.with_suffix(".json").write_text(json.dumps(measured, indent=1) + "\n")
     lines = [f"# Peak memory per device: predicted vs measured ({ranks} gloo ranks, {date})", "",
-             f"Command: `.venv/bin/python benchmarks/memory_truth.py --ranks {ranks}"
-             f"{f' --precision {precision} --models gpt-tiny' if precision else ''}`. Predicted: the estimate's "
+             f"Command: `.venv/bin/python benchmarks/memory_truth.py {' '.join(sys.argv[1:])}`. Predicted: the estimate's "
              "peak minus its fixed CPU reserve (largest over pipeline stages); measured: the largest over the ranks of "
              "the peak bytes the CPU allocator held during one step after warm-up (`benchmarks/memory_meter.py`'s "
              "`AllocatorMeter`: the CPU allocator's running total, frees on gloo's threads included, on top of parameters, "

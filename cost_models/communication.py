@@ -101,7 +101,7 @@ def gathered_weight_bytes(
     """Bytes an all-gather of ``params`` local parameters of ``stage`` moves: the compute dtype, or 1 byte for
     the blocks' parameters where the framework all-gathers FP8 weights under ZeRO-3 (the root's stay bf16)."""
     width = compute_dtype_bytes(training)
-    if not (training.precision == "fp8" and profile.fp8_all_gather and strategy.zero == 3):
+    if not profile.gathers_fp8(training, strategy):
         return params * width
     local = local_params(stage, strategy)
     root = stage.root_sharded_params / strategy.tp + stage.root_replicated_params

@@ -112,20 +112,25 @@ def with_fp8_state(
     in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
     saved_less = saved_input_reduction_bytes(stage, training, saves_fp8_inputs=profile.fp8_saves_inputs)
     updated["activations"] -= saved_less * strategy.micro_batch * in_flight * tp_activation_share(strategy) / strategy.cp
-    updated["buffers"] += profile.fp8_cast_bytes_per_element * fp8_cast_elements(stage, training, strategy)
-    if strategy.zero == 3 and profile.fp8_all_gather:  # the gathered blocks: 1 byte per parameter, not 2
-        block = stage.largest_block_params / strategy.tp
-        updated["buffers"] -= FSDP_PREFETCH_BLOCKS * block * (compute_dtype_bytes(training) - 1)
+    gathers_fp8 = profile.gathers_fp8(training, strategy)
+    shards = strategy.dp * strategy.cp if gathers_fp8 else 1  # FSDP2's shard group (runtime.mesh.data_mesh)
+    updated["buffers"] += profile.fp8_cast_bytes_per_element * fp8_cast_elements(stage, training, strategy,
+                                                                                 weight_shards=shards)
+    if gathers_fp8:  # the gathered blocks: 1 byte per parameter, not 2
+        saved_per_param = compute_dtype_bytes(training) - 1
+        updated["buffers"] -= FSDP_PREFETCH_BLOCKS * stage.largest_block_params / strategy.tp * saved_per_param
+        updated["parameters"] -= kept_local_params(stage, strategy) * saved_per_param  # blocks kept gathered
     return updated
 
 
-def fp8_cast_elements(stage: StageTotals, training: TrainingConfig, strategy: Strategy) -> float:
+def fp8_cast_elements(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, weight_shards: int = 1) -> float:
     """Elements of the largest tensor one FP8 cast reads on a device: a micro-batch's widest matmul activation (its
     tokens, split by cp, times the widest matrix dimension split by tp, or times the hidden size, which a column
-    linear's input and a row linear's output gradient keep whole on every tp rank) or the largest weight (by tp)."""
+    linear's input and a row linear's output gradient keep whole on every tp rank) or the largest weight (by tp, and
+    by ``weight_shards`` where weights are cast as ZeRO-3 shards before an FP8 all-gather)."""
     tokens = strategy.micro_batch * training.seq_len / strategy.cp
     width = max(stage.widest_matrix_dim / strategy.tp, stage.hidden_size)
-    return max(tokens * width, stage.largest_matrix_params / strategy.tp)
+    return max(tokens * width, stage.largest_matrix_params / (strategy.tp * weight_shards))
 
 
 def backward_memory(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int) -> dict:

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tessera.cost_models.types import RUNTIME_EXCLUSIVE
+from tessera.cost_models.types import RUNTIME_EXCLUSIVE, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 
 
@@ -80,7 +80,10 @@ class ImplementationProfile:
     weight_fp8_bytes: float = 0.0
     """Under FP8, bytes per block-linear parameter of FP8 weight copies kept across micro-batches."""
     fp8_all_gather: bool = False
-    """Under FP8 with ZeRO-3, block parameters are all-gathered in FP8 (1 byte each)."""
+    """Under FP8 with ZeRO-3, block parameters are all-gathered in FP8 (1 byte each): see :meth:`gathers_fp8`."""
+    fp8_all_gather_under_tp: bool = True
+    """``fp8_all_gather`` holds under tensor parallelism too (torchtitan's float8 tensor-parallel styles); False where
+    the framework gathers FP8 only without it."""
     fp8_cast_bytes_per_element: float = 0.0
     """Under FP8, bytes an eager cast allocates per element of the tensor it casts, alive while it runs (torchao's
     eager cast: an fp32 copy, the scaled fp32 tensor, the FP8 result); 0 where the cast is one fused kernel (Transformer
@@ -109,6 +112,14 @@ class ImplementationProfile:
     planner's space for a run of it leaves those out. Tessera's runtime's by default; none for the other
     frameworks, whose runs Tessera evaluates as given (torchtitan's 4D runs combine context parallelism with
     pipelining and sequence parallelism, which Tessera's runtime does not)."""
+
+    def gathers_fp8(self, training: TrainingConfig, strategy: Strategy) -> bool:
+        """Whether ZeRO-3 all-gathers the blocks' parameters in FP8 for ``training`` under ``strategy``: where the
+        framework does (``fp8_all_gather``), under FP8 at current scaling (torchao's FP8 all-gather casts each
+        weight with one scale, its tensorwise recipe's), and under tensor parallelism only where
+        ``fp8_all_gather_under_tp``."""
+        return (self.fp8_all_gather and training.precision == "fp8" and training.fp8_scaling == "current"
+                and strategy.zero == 3 and (strategy.tp == 1 or self.fp8_all_gather_under_tp))
     selective_policy: str = "attention"
     """What ``recompute=selective`` re-runs: ``attention`` (the attention core) or ``op`` (torchtitan's op-level
     policy: every second matmul of the block and its elementwise work; the attention core is kept)."""
@@ -126,9 +137,11 @@ SELECTIVE_POLICIES = ("attention", "op")
 DEEPSPEED_ZERO3_SLOWDOWN = 5.0
 """Fitted on SC'21 Table 2's DeepSpeed ZeRO-3 rows (``benchmarks/published.py`` prints the fit); re-fit there."""
 
-TESSERA = ImplementationProfile(name="tessera", autocast_copies=True, fp8_cast_bytes_per_element=9.0)
+TESSERA = ImplementationProfile(name="tessera", autocast_copies=True, fp8_cast_bytes_per_element=9.0,
+                                fp8_all_gather=True, fp8_all_gather_under_tp=False)
 """Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); FP8 through torchao's float8 linears
-(``runtime.float8``): cast on the fly from the bf16/fp32 weight, bf16 inputs saved, bf16 all-gathers; its eager
+(``runtime.float8``): cast on the fly from the bf16/fp32 weight, bf16 inputs saved; ZeRO-3 all-gathers the blocks'
+FP8 weights in FP8 at current scaling without tensor parallelism (bf16 otherwise); its eager
 casts allocate 9 bytes per element cast (``tests/distributed/test_float8.py`` measures it with
 ``benchmarks/memory_meter.AllocatorMeter``)."""
 TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False, autocast_copies=True,

@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tessera.cost_models.layer_stats import LinearPair
+from tessera.cost_models.profiles import TESSERA
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.plan import Plan, PlannedLayer
 from tessera.runtime import pipeline as pp_
@@ -57,7 +58,9 @@ from tessera.runtime.data_parallel import (
 from tessera.runtime.lr_schedule import LRSchedulerFactory, build_scheduler
 from tessera.runtime.materialize import check_plan_agrees, is_on_meta, materialize_shards
 from tessera.runtime.context_parallel import apply_context_parallel, check_context_parallel
-from tessera.runtime.float8 import MAX_BF16_SHARE, check_float8, check_float8_model, convert_blocks
+from tessera.runtime.float8 import (
+    MAX_BF16_SHARE, check_float8, check_float8_model, convert_blocks, gather_bytes_on_gloo,
+)
 from tessera.runtime.expert_parallel import apply_expert_parallel, check_expert_folding, check_expert_parallel
 from tessera.runtime.mesh import PP, TP, build_mesh, device_type
 from tessera.runtime.offload import OffloadStats, apply_offload
@@ -239,6 +242,8 @@ def apply_plan(
     modules = _chunk_modules(model, plan, chunks, traced)
     pipeline_output = _pipeline_output(plan, traced, modules, chunks)
     modules = _data_parallel(model, plan, modules, mesh, on_meta=on_meta, device=device)
+    if TESSERA.gathers_fp8(plan.training, plan.strategy) and device.type == "cpu":
+        gather_bytes_on_gloo(modules)
     if plan.strategy.cp > 1:
         apply_context_parallel(model, mesh, seq_len=plan.training.seq_len)
     optimizer = (optimizer_factory or default_optimizer_factory)(_unique_parameters(modules))
@@ -252,7 +257,8 @@ def apply_plan(
 
 def _convert_to_float8(model: nn.Module, plan: Plan) -> None:
     """The blocks' linears on FP8 matmuls (``runtime.float8``); says once which matrix weights stay bf16."""
-    kept = list(convert_blocks(model, plan.block_fqns, plan.training.fp8_scaling))
+    kept = list(convert_blocks(model, plan.block_fqns, plan.training.fp8_scaling,
+                               gather_fp8=TESSERA.gathers_fp8(plan.training, plan.strategy)))
     if kept and (not dist.is_initialized() or dist.get_rank() == 0):
         log.warning("fp8: %d matrix weight(s) inside the blocks stay bf16 though the plan priced them FP8 (under "
                     "%.0f%% of the blocks' weights): %s", len(kept), 100 * MAX_BF16_SHARE,

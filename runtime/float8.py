@@ -6,8 +6,7 @@ Each converted ``nn.Linear`` becomes a ``Float8Linear``: in every forward and ba
 weight and its output gradient to FP8 with a scale from the tensor's own absolute maximum (``current`` scaling:
 torchao's ``tensorwise`` recipe; ``rowwise``: one scale per row) and multiplies them with ``torch._scaled_mm``.
 Its weights stay bf16/fp32 as the mixed-precision policy holds them, and autograd saves the bf16 input, as the
-``TESSERA`` implementation profile's FP8 memory assumes (no FP8 weight copies, no FP8 saved inputs, no FP8
-all-gather). ``torch._scaled_mm`` runs on CPU too (torch 2.13: FP8 storage and rounding, products in higher
+``TESSERA`` implementation profile's FP8 memory assumes (no FP8 weight copies, no FP8 saved inputs). ``torch._scaled_mm`` runs on CPU too (torch 2.13: FP8 storage and rounding, products in higher
 precision), so FP8 plans run on the gloo ranks here with FP8's numerics, at CPU speed.
 
 Converted: the ``nn.Linear`` modules inside the plan's blocks whose two dimensions are multiples of 16 (FP8
@@ -18,8 +17,15 @@ weights (Hugging Face's Mixtral/Qwen MoE blocks: torchao's grouped FP8 GEMMs are
 ``MoELayer`` holds its experts as linears, which run FP8), GPT-2's ``Conv1D``. Below that share (a MoE router's few
 outputs, say) they stay bf16 with a warning naming them.
 
-Under the splits: data parallelism and pipelining cast exactly the tensors one process would; FSDP2 gathers
-bf16 weights, so a weight's scale comes from its bf16 copy; tensor parallelism's row-parallel linears receive
+Under ZeRO-3 at current scaling without tensor parallelism (``TESSERA.gathers_fp8``, what the cost model prices),
+FSDP2 all-gathers the converted weights in FP8, 1 byte per element instead of bf16's 2 (torchao's
+``enable_fsdp_float8_all_gather``): each rank casts its fp32 shard with the scale of the whole weight, computed for
+all of them with one all-reduce at the start of each ``train_step`` (:func:`refresh_float8_scales`) and dropped
+after its optimizer step. gloo refuses FP8 dtypes, so on CPU ranks the gathers move bytes
+(:class:`ByteAllGather`). Elsewhere FSDP2 gathers bf16 weights.
+
+Under the splits: data parallelism and pipelining cast exactly the tensors one process would; FSDP2 casts a weight
+with the scale of its fp32 master (FP8 gathers) or its gathered bf16 copy; tensor parallelism's row-parallel linears receive
 their input as each rank's local shard, which is cast with its own scale (torchao's ``Float8RowwiseParallel``
 would cast before the split; Tessera's tensor parallelism keeps its own styles). Both are valid FP8 training
 with other roundings (``tests/distributed/test_float8.py`` measures the spread).
@@ -34,10 +40,14 @@ Refused in one line: ``delayed`` scaling (torchao dropped it; use ``current``), 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from tessera.cost_models.types import Fp8Scaling
 from tessera.errors import ConfigError, NotModelledError
@@ -114,11 +124,16 @@ def check_float8_model(model: nn.Module, block_fqns: Iterable[str]) -> dict[str,
     return left
 
 
-def convert_blocks(model: nn.Module, block_fqns: Iterable[str], scaling: Fp8Scaling) -> dict[str, int]:
+def convert_blocks(model: nn.Module, block_fqns: Iterable[str], scaling: Fp8Scaling,
+                   *, gather_fp8: bool = False) -> dict[str, int]:
     """Swap the FP8-capable linears inside the blocks ``block_fqns`` of ``model`` for torchao ``Float8Linear``s
-    (in place, before any sharding); returns the blocks' matrix weights left in bf16 (``check_float8_model``)."""
+    (in place, before any sharding); with ``gather_fp8`` their weights are cast to FP8 before FSDP2 all-gathers
+    them (torchao's ``enable_fsdp_float8_all_gather``). Returns the blocks' matrix weights left in bf16
+    (``check_float8_model``)."""
     float8 = torchao_float8()
     config = float8.Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[scaling])
+    if gather_fp8:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     blocks = tuple(block_fqns)
     kept = check_float8_model(model, blocks)
     float8.convert_to_float8_training(model, config=config,
@@ -139,3 +154,47 @@ def _cast_input_under_cpu_autocast(module: nn.Module, args: tuple) -> tuple | No
 
 def _inside(fqn: str, blocks: tuple[str, ...]) -> bool:
     return any(fqn.startswith(block + ".") for block in blocks)
+
+
+class ByteAllGather(AllGather):
+    """FSDP2's all-gather on byte views of its buffers: gloo refuses FP8 dtypes ("Invalid scalar type"), and an
+    all-gather moves bytes whatever they encode. FSDP2 gathers each unit's parameters in one flat buffer, of FP8
+    when the unit holds only FP8-gathered weights."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        return dist.all_gather_single(output_tensor.view(torch.uint8), input_tensor.view(torch.uint8), group=group,
+                                      async_op=async_op)
+
+
+def gather_bytes_on_gloo(modules: Iterable[nn.Module]) -> None:
+    """Every FSDP2 unit inside ``modules`` all-gathers through :class:`ByteAllGather` (CPU ranks, under FP8
+    all-gathers: NCCL gathers FP8 itself)."""
+    for module in modules:
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_custom_all_gather(ByteAllGather())
+
+
+def refresh_float8_scales(modules: Iterable[nn.Module]) -> None:
+    """Compute the FP8 scale of every FP8-gathered weight in ``modules`` with one all-reduce per module (torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``), for this step's all-gathers, instead of one all-reduce per weight
+    and all-gather. The weights of one call must share a mesh: not with expert parallelism, whose experts shard over
+    their own; there each gather computes its weight's scale itself."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    for module in modules:
+        precompute_float8_dynamic_scale_for_fsdp(module)
+
+
+def forget_float8_scales(modules: Iterable[nn.Module]) -> None:
+    """Drop the scales :func:`refresh_float8_scales` computed, once the step's optimizer has changed the weights: a
+    forward outside ``train_step`` (an evaluation, after a checkpoint load) then computes fresh ones. torchao keeps
+    them on the weight's local tensor (``WeightWithDynamicFloat8CastTensor._precomputed_scale``)."""
+    for module in modules:
+        for param in module.parameters():
+            local = getattr(param, "_local_tensor", param)  # a DTensor's own local tensor, as torchao sets it
+            if getattr(local, "_precomputed_scale", None) is not None:
+                local._precomputed_scale = None

@@ -29,10 +29,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
+from tessera.cost_models.profiles import TESSERA
 from tessera.errors import ConfigError
 from tessera.planner.plan import Plan
 from tessera.runtime.checkpoint import Checkpointer, CheckpointInfo, PendingSave
 from tessera.runtime.data_parallel import COMPUTE_DTYPES
+from tessera.runtime.float8 import forget_float8_scales, refresh_float8_scales
 from tessera.runtime.context_parallel import shard_sequence
 from tessera.runtime.mesh import CP, DP, PP, data_mesh
 from tessera.runtime.offload import OffloadStats
@@ -57,6 +59,7 @@ class ParallelModel:
         self.plan = plan
         """The plan this model was built from."""
         self.modules = tuple(modules)
+        self._gathers_fp8 = TESSERA.gathers_fp8(plan.training, plan.strategy)  # runtime.float8.convert_blocks
         """What this rank runs: the whole model (wrapped by DDP, or sharded in place by FSDP2/DTensor) without
         pipelining, else one module per local pipeline chunk (see ``runtime.pipeline``)."""
         self.optimizer = optimizer
@@ -118,6 +121,9 @@ class ParallelModel:
         inputs, targets = batch
         accumulation = self._accumulation_steps(inputs, targets)
         inputs, targets = self._local_rows(inputs), self._local_rows(targets)  # (B/dp, T)
+        fp8_scales = self._gathers_fp8 and self.plan.strategy.ep == 1  # one mesh: runtime.float8.refresh_float8_scales
+        if fp8_scales:
+            refresh_float8_scales(self.modules)
         if self.schedule is None:
             local_loss = self._run_micro_batches(inputs, targets, accumulation)
         elif accumulation != self.schedule._n_microbatches:
@@ -131,6 +137,8 @@ class ParallelModel:
         reduce_partial_gradients(self.optimizer)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if fp8_scales:
+            forget_float8_scales(self.modules)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1

@@ -77,10 +77,23 @@ def test_transformer_engine_keeps_fp8_weights_and_saves_fp8_inputs():
 
 
 def test_fp8_all_gather_halves_the_block_gathers():
-    fp8_gather = replace(TESSERA, name="fp8-gather", fp8_all_gather=True)
-    plain, gathered = run(), run(framework=fp8_gather)
+    bf16_gathers = replace(TESSERA, name="bf16-gathers", fp8_all_gather=False)
+    plain, gathered = run(framework=bf16_gathers), run()  # Tessera's runtime gathers FP8 under ZeRO-3
     assert gathered.comm_time_by_kind_s["fsdp_allgather"] < 0.6 * plain.comm_time_by_kind_s["fsdp_allgather"]
     assert gathered.memory_by_category_bytes["buffers"] == plain.memory_by_category_bytes["buffers"] - 2 * 10**9
+
+
+@pytest.mark.parametrize(("scaling", "strategy", "framework", "gathers"), [
+    ("current", "dp=8,zero=3,mbs=1", TESSERA, True),
+    ("rowwise", "dp=8,zero=3,mbs=1", TESSERA, False),  # torchao gathers FP8 with one scale per tensor only
+    ("current", "dp=4,tp=2,zero=3,mbs=1", TESSERA, False),  # Tessera's tensor-parallel styles gather bf16
+    ("current", "dp=4,tp=2,zero=3,mbs=1", replace(TESSERA, fp8_all_gather_under_tp=True), True),
+    ("current", "dp=8,zero=1,mbs=1", TESSERA, False),
+])
+def test_the_runtime_gathers_fp8_only_where_torchao_and_its_styles_can(scaling, strategy, framework, gathers):
+    training = TrainingConfig(global_batch=8, seq_len=4096, precision="fp8", fp8_scaling=scaling)
+    assert framework.gathers_fp8(training, Strategy.parse(strategy)) is gathers
+    assert not framework.gathers_fp8(TrainingConfig(global_batch=8, seq_len=4096), Strategy.parse(strategy))
 
 
 def test_eager_fp8_casts_hold_their_fp32_temporaries_in_the_backward():
@@ -90,15 +103,15 @@ def test_eager_fp8_casts_hold_their_fp32_temporaries_in_the_backward():
     wide = [block(i).model_copy(update={"widest_matrix_dim": 28672, "largest_matrix_params": 10**6})
             for i in range(4)]
     training = TrainingConfig(global_batch=8, seq_len=4096, precision="fp8")
-    fused = ImplementationProfile(name="fused-casts", autocast_copies=True)
+    fused = replace(TESSERA, name="fused-casts", fp8_cast_bytes_per_element=0.0)
     for strategy, elements in (("dp=8,zero=3,mbs=1", 4096 * 28672), ("dp=4,tp=2,zero=3,mbs=2", 8192 * 28672 / 2),
                                ("dp=1,tp=8,zero=3,mbs=1", 4096 * 8192)):
         eager, plain = (estimate(wide, H100, training, Strategy.parse(strategy), calibration=FLAT, profile=profile)
                         for profile in (TESSERA, fused))
         extra = eager.memory_by_category_bytes["buffers"] - plain.memory_by_category_bytes["buffers"]
         assert extra == pytest.approx(9 * elements, rel=1e-6), strategy
-    weights_wider = [layer.model_copy(update={"largest_matrix_params": 10**9}) for layer in wide]
-    eager = estimate(weights_wider, H100, training, Strategy.parse("dp=8,zero=3,mbs=1"), calibration=FLAT)
-    plain = estimate(weights_wider, H100, training, Strategy.parse("dp=8,zero=3,mbs=1"), calibration=FLAT,
-                     profile=fused)
-    assert eager.memory_by_category_bytes["buffers"] - plain.memory_by_category_bytes["buffers"] == 9 * 10**9
+    weights_wider = [layer.model_copy(update={"largest_matrix_params": 8 * 10**9}) for layer in wide]
+    for strategy, cast in (("dp=8,zero=1,mbs=1", 8 * 10**9), ("dp=8,zero=3,mbs=1", 10**9)):  # ZeRO-3: shards, then FP8
+        eager, plain = (estimate(weights_wider, H100, training, Strategy.parse(strategy), calibration=FLAT,
+                                 profile=profile) for profile in (TESSERA, fused))
+        assert eager.memory_by_category_bytes["buffers"] - plain.memory_by_category_bytes["buffers"] == 9 * cast
