@@ -85,11 +85,11 @@ def stage_memory(
         stage = as_op_level_memory(stage)
     if on_cpu and stage.offloaded_bytes:  # a CPU rank's device memory is the host's: offloading frees nothing
         stage = replace(stage, saved_bytes=stage.saved_bytes + stage.offloaded_bytes, offload_buffer_bytes=0)
-    marks = (backward_memory(stage, training, strategy, micro_batches=micro_batches),
+    marks = (backward_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu),
              step_end_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu))
     if training.precision == "fp8":
         marks = tuple(with_fp8_state(mark, stage, training, strategy, micro_batches=micro_batches, profile=profile,
-                                     in_backward=mark is marks[0]) for mark in marks)
+                                     in_backward=mark is marks[0], on_cpu=on_cpu) for mark in marks)
     if profile.gradient_bytes != FP32:  # gradients held in the framework's reduction dtype
         marks = tuple(dict(mark, gradients=mark["gradients"] * profile.gradient_bytes / FP32) for mark in marks)
     if autocasts(training, strategy, profile):  # the compute-dtype weight copies live until the backward is done
@@ -101,11 +101,12 @@ def stage_memory(
 
 def with_fp8_state(
     mark: dict, stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int,
-    profile: ImplementationProfile, in_backward: bool,
+    profile: ImplementationProfile, in_backward: bool, on_cpu: bool = False,
 ) -> dict:
     """A high-water mark under FP8 as ``profile`` holds it: FP8 weight copies of the blocks' linears kept across
     micro-batches (Transformer Engine: the weight and its transpose), the linears' inputs saved in FP8 instead
-    of bf16, and ZeRO-3's gathered block parameters in FP8 where the framework all-gathers FP8 weights."""
+    of bf16, and ZeRO-3's gathered block parameters in FP8 where the framework all-gathers FP8 weights. The casts'
+    temporaries live inside a block's backward, ZeRO-1/2's reduce-scatter after it: the larger sets the peak."""
     updated = dict(mark, parameters=mark["parameters"] + profile.weight_fp8_bytes * block_params(stage, strategy))
     if not in_backward:
         return updated
@@ -114,12 +115,11 @@ def with_fp8_state(
     updated["activations"] -= saved_less * strategy.micro_batch * in_flight * tp_activation_share(strategy) / strategy.cp
     gathers_fp8 = profile.gathers_fp8(training, strategy)
     shards = strategy.dp * strategy.cp if gathers_fp8 else 1  # FSDP2's shard group (runtime.mesh.data_mesh)
-    updated["buffers"] += profile.fp8_cast_bytes_per_element * fp8_cast_elements(stage, training, strategy,
-                                                                                 weight_shards=shards)
+    cast = profile.fp8_cast_bytes_per_element * fp8_cast_elements(stage, training, strategy, weight_shards=shards)
+    updated["buffers"] += max(0.0, cast - zero12_reduce_scatter_bytes(stage, strategy, on_cpu=on_cpu))
     if gathers_fp8:  # the gathered blocks: 1 byte per parameter, not 2
         saved_per_param = compute_dtype_bytes(training) - 1
         updated["buffers"] -= FSDP_PREFETCH_BLOCKS * stage.largest_block_params / strategy.tp * saved_per_param
-        updated["parameters"] -= kept_local_params(stage, strategy) * saved_per_param  # blocks kept gathered
     return updated
 
 
@@ -133,14 +133,17 @@ def fp8_cast_elements(stage: StageTotals, training: TrainingConfig, strategy: St
     return max(tokens * width, stage.largest_matrix_params / (strategy.tp * weight_shards))
 
 
-def backward_memory(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int) -> dict:
+def backward_memory(
+    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, on_cpu: bool = False,
+) -> dict:
     """Bytes by category when the backward of the stage's last in-flight micro-batch starts."""
     return {
         "parameters": parameter_bytes(stage, training, strategy, in_backward=True),
         "gradients": held_gradient_bytes(stage, strategy, micro_batches=micro_batches),
         "optimizer": sharded_params(stage, strategy, from_zero=1) * 2 * FP32,
         "activations": activation_bytes(stage, strategy, micro_batches=micro_batches) + loss_gradient_bytes(stage, strategy),
-        "buffers": _buffer_bytes(stage, training, strategy) + pipeline_output_bytes(stage, strategy, micro_batches=micro_batches),
+        "buffers": (_buffer_bytes(stage, training, strategy, on_cpu=on_cpu)
+                    + pipeline_output_bytes(stage, strategy, micro_batches=micro_batches)),
     }
 
 
@@ -344,17 +347,43 @@ def tp_activation_share(strategy: Strategy) -> float:
     return REPLICATED_ACTIVATION_SHARE + (1 - REPLICATED_ACTIVATION_SHARE) / strategy.tp
 
 
-def _buffer_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy) -> float:
-    """Communication and gathering buffers alive at the backward's start."""
+def _buffer_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, on_cpu: bool) -> float:
+    """Communication and gathering buffers alive at the backward's start, or at a unit's reduce-scatter soon after."""
     # Send and receive buffers of the stage boundary: one micro-batch's boundary activation (s / cp tokens).
     pipeline = 2 * stage.boundary_bytes * strategy.micro_batch / strategy.cp if strategy.pp > 1 else 0
     pipeline += ring_and_dispatch_buffer_bytes(stage, strategy)  # cp ring / ep all-to-all buffers (0 without them)
     if strategy.zero == 3:
-        return pipeline + zero3_gathered_bytes(stage, training, strategy)
-    return pipeline + ddp_bucket_bytes(stage, strategy)
+        return pipeline + zero3_gathered_bytes(stage, training, strategy, on_cpu=on_cpu)
+    return pipeline + ddp_bucket_bytes(stage, strategy) + zero12_reduce_scatter_bytes(stage, strategy, on_cpu=on_cpu)
 
 
-def zero3_gathered_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy) -> float:
+def zero12_reduce_scatter_bytes(stage: StageTotals, strategy: Strategy, *, on_cpu: bool) -> float:
+    """What ZeRO-1/2's reduce-scatter of its largest unit (a block, or the root: the parameters outside the blocks)
+    adds to the backward's start: FSDP2's ``post_backward`` frees the unit's gathered parameters, which its unsharded
+    gradient replaces, and copies that gradient into an fp32 reduce-scatter input of the unit's size
+    (``foreach_reduce``); gloo's reduce-scatter stages one more copy of its input (measured on torch 2.13: the CPU
+    allocator's peak during ``reduce_scatter_tensor`` is the input's size again). The loss's temporaries are
+    released by then (:func:`loss_backward_released_bytes`)."""
+    if strategy.zero not in (1, 2):
+        return 0.0
+    unit = max(root_params(stage, strategy), gathered_block_params(stage, strategy))
+    staged = 2 if on_cpu else 1
+    return max(0.0, staged * unit * FP32 - loss_backward_released_bytes(stage, strategy))
+
+
+def root_params(stage: StageTotals, strategy: Strategy) -> float:
+    """Local parameters of the root's FSDP2 unit (those outside the blocks: embedding, final norm, head)."""
+    return stage.root_sharded_params / strategy.tp + stage.root_replicated_params
+
+
+def gathered_block_params(stage: StageTotals, strategy: Strategy) -> float:
+    """Local parameters of the largest block as FSDP2 gathers it (experts stay ep-sharded)."""
+    if stage.largest_block_params >= stage.largest_layer_params:
+        return largest_gathered_params(stage, strategy)  # the largest layer is a block
+    return stage.largest_block_params / strategy.tp
+
+
+def zero3_gathered_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, on_cpu: bool = False) -> float:
     """ZeRO-3 (FSDP2 ``fully_shard`` per block, then on the root, all with ``reshard_after_forward=True``): what
     the gathering adds to the backward's start (every activation and the loss's temporaries alive), at the
     highest of three moments.
@@ -368,18 +397,17 @@ def zero3_gathered_bytes(stage: StageTotals, training: TrainingConfig, strategy:
       size before that), while the loss has released all but the logits' gradient
       (:func:`loss_backward_released_bytes`).
     - A block's backward: the root, the block and the next one (prefetched) and the block's unsharded fp32
-      gradient awaiting the reduce-scatter, the loss's tensors all released. It also covers the prefetch
-      itself (the next block's all-gather output staged twice beside the current block, at most as much).
+      gradient awaiting the reduce-scatter (on CPU ranks twice: gloo stages a copy of a reduce-scatter's input),
+      the loss's tensors all released. It also covers the prefetch itself (the next block's all-gather output
+      staged twice beside the current block, at most as much).
     """
     compute = compute_dtype_bytes(training)
-    root = (stage.root_sharded_params / strategy.tp + stage.root_replicated_params) * compute
-    if stage.largest_block_params >= stage.largest_layer_params:
-        block = largest_gathered_params(stage, strategy)  # the largest layer is a block (experts ep-sharded)
-    else:
-        block = stage.largest_block_params / strategy.tp
+    root = root_params(stage, strategy) * compute
+    block = gathered_block_params(stage, strategy)
     released = loss_backward_released_bytes(stage, strategy)
     root_regather = 2 * root + loss_output_bytes(stage, strategy) - released  # the logits' gradient is kept
-    block_backward = root + FSDP_PREFETCH_BLOCKS * block * compute + block * FP32 - released
+    reduce_input = block * FP32 * (2 if on_cpu else 1)
+    block_backward = root + FSDP_PREFETCH_BLOCKS * block * compute + reduce_input - released
     return max(0.0, root_regather, block_backward)
 
 

@@ -62,9 +62,12 @@ ZERO_PEAKS = {
     # gradient copy) and AdamW-foreach's sqrt temporaries (one fp32 copy); activations are freed by then.
     0: {"parameters": 4 * P, "gradients": 4 * P, "optimizer": 8 * P, "activations": 0, "buffers": 4 * P + 4 * P},
     # ZeRO-1/2 (FSDP2, reshard_after_forward=False) peak at the backward's start: 1/8 fp32 masters plus the
-    # whole bf16 gathered copy; no gradient yet (one micro-batch); 1/8 of the moments.
-    1: {"parameters": 4 * P // 8 + 2 * P, "gradients": 0, "optimizer": 8 * P // 8, "activations": 16 * GiB, "buffers": 0},
-    2: {"parameters": 4 * P // 8 + 2 * P, "gradients": 0, "optimizer": 8 * P // 8, "activations": 16 * GiB, "buffers": 0},
+    # whole bf16 gathered copy; no gradient yet (one micro-batch); 1/8 of the moments; a block's fp32
+    # reduce-scatter input (1e9 parameters) soon after.
+    1: {"parameters": 4 * P // 8 + 2 * P, "gradients": 0, "optimizer": 8 * P // 8, "activations": 16 * GiB,
+        "buffers": 4 * 10**9},
+    2: {"parameters": 4 * P // 8 + 2 * P, "gradients": 0, "optimizer": 8 * P // 8, "activations": 16 * GiB,
+        "buffers": 4 * 10**9},
     # ZeRO-3: 1/8 of everything; two gathered bf16 blocks (1e9 each) and one block's fp32 gradient; no root layers.
     3: {"parameters": 4 * P // 8, "gradients": 0, "optimizer": 8 * P // 8, "activations": 16 * GiB,
         "buffers": 2 * 2 * 10**9 + 4 * 10**9},
@@ -282,6 +285,21 @@ def test_zero3_gathers_at_the_highest_of_three_backward_moments():
     # With a loss larger than both, the backward's start binds, where every unit is resharded: nothing gathered.
     large_loss = replace(small_blocks, loss_saved_bytes=1000)
     assert zero3_gathered_bytes(large_loss, training, s) == 0
+    # On CPU ranks gloo stages a copy of the reduce-scatter's fp32 input (benchmarks/memory_truth.py wide-short)
+    assert zero3_gathered_bytes(totals, training, s, on_cpu=True) == 310 * 2 + 2 * 1000 * 2 + 2 * 1000 * 4 - 3 * 40
+
+
+def test_zero12_reduce_scatter_their_largest_unit_through_an_fp32_copy_after_the_loss_backward():
+    from dataclasses import replace
+
+    from tessera.cost_models.memory import zero12_reduce_scatter_bytes
+    totals, s = _totals("dp=4,zero=1")
+    # the largest unit is a block (1000 parameters): its fp32 reduce-scatter input, less what the loss freed
+    assert zero12_reduce_scatter_bytes(totals, s, on_cpu=False) == 1000 * 4 - 3 * 40
+    assert zero12_reduce_scatter_bytes(totals, s, on_cpu=True) == 2 * 1000 * 4 - 3 * 40  # gloo's staged copy
+    assert zero12_reduce_scatter_bytes(replace(totals, largest_block_params=10), s, on_cpu=False) == 310 * 4 - 3 * 40
+    for other in ("dp=4,zero=0", "dp=4,zero=3"):  # DDP's buckets; ZeRO-3's input is in its gathered blocks
+        assert zero12_reduce_scatter_bytes(totals, Strategy.parse(other), on_cpu=True) == 0
 
 
 def test_pipeline_last_stage_keeps_one_output_unless_the_runtime_merges_them(monkeypatch):
