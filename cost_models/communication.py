@@ -32,7 +32,7 @@ see ``Strategy``). Collective times come from ``topology.collectives``.
 
 from __future__ import annotations
 
-from tessera.cost_models.memory import compute_dtype_bytes, kept_local_params, local_params
+from tessera.cost_models.memory import compute_dtype_bytes, kept_local_params, local_params, root_params
 from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.sparse import (
@@ -104,8 +104,7 @@ def gathered_weight_bytes(
     if not profile.gathers_fp8(training, strategy):
         return params * width
     local = local_params(stage, strategy)
-    root = stage.root_sharded_params / strategy.tp + stage.root_replicated_params
-    blocks_share = (local - root) / local if local else 0.0
+    blocks_share = (local - root_params(stage, strategy)) / local if local else 0.0
     return params * (blocks_share * 1 + (1 - blocks_share) * width)
 
 

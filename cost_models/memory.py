@@ -85,7 +85,9 @@ def stage_memory(
         stage = as_op_level_memory(stage)
     if on_cpu and stage.offloaded_bytes:  # a CPU rank's device memory is the host's: offloading frees nothing
         stage = replace(stage, saved_bytes=stage.saved_bytes + stage.offloaded_bytes, offload_buffer_bytes=0)
-    marks = (backward_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu),
+    block_gather_bytes = 1 if profile.gathers_fp8(training, strategy) else None
+    marks = (backward_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu,
+                             block_gather_bytes=block_gather_bytes),
              step_end_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu))
     if training.precision == "fp8":
         marks = tuple(with_fp8_state(mark, stage, training, strategy, micro_batches=micro_batches, profile=profile,
@@ -105,8 +107,8 @@ def with_fp8_state(
 ) -> dict:
     """A high-water mark under FP8 as ``profile`` holds it: FP8 weight copies of the blocks' linears kept across
     micro-batches (Transformer Engine: the weight and its transpose), the linears' inputs saved in FP8 instead
-    of bf16, and ZeRO-3's gathered block parameters in FP8 where the framework all-gathers FP8 weights. The casts'
-    temporaries live inside a block's backward, ZeRO-1/2's reduce-scatter after it: the larger sets the peak."""
+    of bf16 (ZeRO-3's blocks gathered in FP8 are :func:`backward_memory`'s). The casts' temporaries live inside a
+    block's backward, gloo's staged copy of a reduce-scatter's input inside the reduce-scatter: the larger counts."""
     updated = dict(mark, parameters=mark["parameters"] + profile.weight_fp8_bytes * block_params(stage, strategy))
     if not in_backward:
         return updated
@@ -116,14 +118,13 @@ def with_fp8_state(
     gathers_fp8 = profile.gathers_fp8(training, strategy)
     shards = strategy.dp * strategy.cp if gathers_fp8 else 1  # FSDP2's shard group (runtime.mesh.data_mesh)
     cast = profile.fp8_cast_bytes_per_element * fp8_cast_elements(stage, training, strategy, weight_shards=shards)
-    updated["buffers"] += max(0.0, cast - zero12_reduce_scatter_bytes(stage, strategy, on_cpu=on_cpu))
-    if gathers_fp8:  # the gathered blocks: 1 byte per parameter, not 2
-        saved_per_param = compute_dtype_bytes(training) - 1
-        updated["buffers"] -= FSDP_PREFETCH_BLOCKS * stage.largest_block_params / strategy.tp * saved_per_param
+    updated["buffers"] += max(0.0, cast - gloo_staging_bytes(stage, strategy, on_cpu=on_cpu))
     return updated
 
 
-def fp8_cast_elements(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, weight_shards: int = 1) -> float:
+def fp8_cast_elements(
+    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, weight_shards: int = 1,
+) -> float:
     """Elements of the largest tensor one FP8 cast reads on a device: a micro-batch's widest matmul activation (its
     tokens, split by cp, times the widest matrix dimension split by tp, or times the hidden size, which a column
     linear's input and a row linear's output gradient keep whole on every tp rank) or the largest weight (by tp, and
@@ -135,14 +136,16 @@ def fp8_cast_elements(stage: StageTotals, training: TrainingConfig, strategy: St
 
 def backward_memory(
     stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, on_cpu: bool = False,
+    block_gather_bytes: float | None = None,
 ) -> dict:
-    """Bytes by category when the backward of the stage's last in-flight micro-batch starts."""
+    """Bytes by category when the backward of the stage's last in-flight micro-batch starts (ZeRO-3's gathered
+    blocks at ``block_gather_bytes`` per parameter: the compute dtype's unless the framework gathers FP8)."""
     return {
         "parameters": parameter_bytes(stage, training, strategy, in_backward=True),
         "gradients": held_gradient_bytes(stage, strategy, micro_batches=micro_batches),
         "optimizer": sharded_params(stage, strategy, from_zero=1) * 2 * FP32,
         "activations": activation_bytes(stage, strategy, micro_batches=micro_batches) + loss_gradient_bytes(stage, strategy),
-        "buffers": (_buffer_bytes(stage, training, strategy, on_cpu=on_cpu)
+        "buffers": (_buffer_bytes(stage, training, strategy, on_cpu=on_cpu, block_gather_bytes=block_gather_bytes)
                     + pipeline_output_bytes(stage, strategy, micro_batches=micro_batches)),
     }
 
@@ -347,28 +350,47 @@ def tp_activation_share(strategy: Strategy) -> float:
     return REPLICATED_ACTIVATION_SHARE + (1 - REPLICATED_ACTIVATION_SHARE) / strategy.tp
 
 
-def _buffer_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, on_cpu: bool) -> float:
+def _buffer_bytes(
+    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, on_cpu: bool, block_gather_bytes: float | None,
+) -> float:
     """Communication and gathering buffers alive at the backward's start, or at a unit's reduce-scatter soon after."""
     # Send and receive buffers of the stage boundary: one micro-batch's boundary activation (s / cp tokens).
     pipeline = 2 * stage.boundary_bytes * strategy.micro_batch / strategy.cp if strategy.pp > 1 else 0
     pipeline += ring_and_dispatch_buffer_bytes(stage, strategy)  # cp ring / ep all-to-all buffers (0 without them)
     if strategy.zero == 3:
-        return pipeline + zero3_gathered_bytes(stage, training, strategy, on_cpu=on_cpu)
+        return pipeline + zero3_gathered_bytes(stage, training, strategy, on_cpu=on_cpu,
+                                               block_gather_bytes=block_gather_bytes)
     return pipeline + ddp_bucket_bytes(stage, strategy) + zero12_reduce_scatter_bytes(stage, strategy, on_cpu=on_cpu)
 
 
 def zero12_reduce_scatter_bytes(stage: StageTotals, strategy: Strategy, *, on_cpu: bool) -> float:
-    """What ZeRO-1/2's reduce-scatter of its largest unit (a block, or the root: the parameters outside the blocks)
-    adds to the backward's start: FSDP2's ``post_backward`` frees the unit's gathered parameters, which its unsharded
-    gradient replaces, and copies that gradient into an fp32 reduce-scatter input of the unit's size
-    (``foreach_reduce``); gloo's reduce-scatter stages one more copy of its input (measured on torch 2.13: the CPU
-    allocator's peak during ``reduce_scatter_tensor`` is the input's size again). The loss's temporaries are
-    released by then (:func:`loss_backward_released_bytes`)."""
+    """What ZeRO-1/2's reduce-scatter of its largest unit adds to the backward's start: FSDP2's ``post_backward``
+    frees the unit's gathered parameters, which its unsharded gradient replaces, and copies that gradient into an
+    fp32 reduce-scatter input of the unit's size (``foreach_reduce``), which it keeps until the next unit's
+    ``post_backward`` (``reduce_scatter_states``), and gloo stages one more copy of (:func:`gloo_staging_bytes`).
+    The loss's temporaries are released by then (:func:`loss_backward_released_bytes`)."""
     if strategy.zero not in (1, 2):
         return 0.0
-    unit = max(root_params(stage, strategy), gathered_block_params(stage, strategy))
-    staged = 2 if on_cpu else 1
-    return max(0.0, staged * unit * FP32 - loss_backward_released_bytes(stage, strategy))
+    reduce_input = reduce_scatter_input_params(stage, strategy) * FP32
+    staged = gloo_staging_bytes(stage, strategy, on_cpu=on_cpu)
+    return max(0.0, reduce_input + staged - loss_backward_released_bytes(stage, strategy))
+
+
+def reduce_scatter_input_params(stage: StageTotals, strategy: Strategy) -> float:
+    """Local parameters of the largest unit whose gradient FSDP2 reduce-scatters while others are gathered: ZeRO-1/2's
+    largest unit (a block, or the root: the parameters outside the blocks), ZeRO-3's largest block (its root is
+    reduced last, nothing gathered beside it); none without FSDP2's sharding."""
+    if strategy.zero == 3:
+        return gathered_block_params(stage, strategy)
+    if strategy.zero in (1, 2):
+        return max(root_params(stage, strategy), gathered_block_params(stage, strategy))
+    return 0.0
+
+
+def gloo_staging_bytes(stage: StageTotals, strategy: Strategy, *, on_cpu: bool) -> float:
+    """gloo's copy of a reduce-scatter's input, alive inside the reduce-scatter (CPU ranks; measured on torch 2.13: the
+    CPU allocator's peak during ``reduce_scatter_tensor`` is the input's size again); NCCL reduces in place."""
+    return reduce_scatter_input_params(stage, strategy) * FP32 if on_cpu else 0.0
 
 
 def root_params(stage: StageTotals, strategy: Strategy) -> float:
@@ -383,7 +405,10 @@ def gathered_block_params(stage: StageTotals, strategy: Strategy) -> float:
     return stage.largest_block_params / strategy.tp
 
 
-def zero3_gathered_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, on_cpu: bool = False) -> float:
+def zero3_gathered_bytes(
+    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, on_cpu: bool = False,
+    block_gather_bytes: float | None = None,
+) -> float:
     """ZeRO-3 (FSDP2 ``fully_shard`` per block, then on the root, all with ``reshard_after_forward=True``): what
     the gathering adds to the backward's start (every activation and the loss's temporaries alive), at the
     highest of three moments.
@@ -396,18 +421,20 @@ def zero3_gathered_bytes(stage: StageTotals, training: TrainingConfig, strategy:
       storages it is copied into (``foreach_all_gather_copy_out``; gloo's all-gather stages a copy of the same
       size before that), while the loss has released all but the logits' gradient
       (:func:`loss_backward_released_bytes`).
-    - A block's backward: the root, the block and the next one (prefetched) and the block's unsharded fp32
-      gradient awaiting the reduce-scatter (on CPU ranks twice: gloo stages a copy of a reduce-scatter's input),
-      the loss's tensors all released. It also covers the prefetch itself (the next block's all-gather output
-      staged twice beside the current block, at most as much).
+    - A block's backward: the root, the block and the next one (prefetched; ``block_gather_bytes`` per
+      parameter, the compute dtype's by default) and the block's unsharded fp32 gradient awaiting the
+      reduce-scatter (on CPU ranks, gloo's copy of it too: :func:`gloo_staging_bytes`), the loss's tensors all
+      released. It also covers the prefetch itself (the next block's all-gather output staged twice beside the
+      current block, at most as much).
     """
     compute = compute_dtype_bytes(training)
     root = root_params(stage, strategy) * compute
     block = gathered_block_params(stage, strategy)
     released = loss_backward_released_bytes(stage, strategy)
     root_regather = 2 * root + loss_output_bytes(stage, strategy) - released  # the logits' gradient is kept
-    reduce_input = block * FP32 * (2 if on_cpu else 1)
-    block_backward = root + FSDP_PREFETCH_BLOCKS * block * compute + reduce_input - released
+    width = compute if block_gather_bytes is None else block_gather_bytes
+    reduce_input = block * FP32 + gloo_staging_bytes(stage, strategy, on_cpu=on_cpu)
+    block_backward = root + FSDP_PREFETCH_BLOCKS * block * width + reduce_input - released
     return max(0.0, root_regather, block_backward)
 
 

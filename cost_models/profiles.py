@@ -112,14 +112,6 @@ class ImplementationProfile:
     planner's space for a run of it leaves those out. Tessera's runtime's by default; none for the other
     frameworks, whose runs Tessera evaluates as given (torchtitan's 4D runs combine context parallelism with
     pipelining and sequence parallelism, which Tessera's runtime does not)."""
-
-    def gathers_fp8(self, training: TrainingConfig, strategy: Strategy) -> bool:
-        """Whether ZeRO-3 all-gathers the blocks' parameters in FP8 for ``training`` under ``strategy``: where the
-        framework does (``fp8_all_gather``), under FP8 at current scaling (torchao's FP8 all-gather casts each
-        weight with one scale, its tensorwise recipe's), and under tensor parallelism only where
-        ``fp8_all_gather_under_tp``."""
-        return (self.fp8_all_gather and training.precision == "fp8" and training.fp8_scaling == "current"
-                and strategy.zero == 3 and (strategy.tp == 1 or self.fp8_all_gather_under_tp))
     selective_policy: str = "attention"
     """What ``recompute=selective`` re-runs: ``attention`` (the attention core) or ``op`` (torchtitan's op-level
     policy: every second matmul of the block and its elementwise work; the attention core is kept)."""
@@ -128,6 +120,14 @@ class ImplementationProfile:
         if self.selective_policy not in SELECTIVE_POLICIES:
             raise ConfigError(f"selective_policy={self.selective_policy!r} is not one of "
                               f"{', '.join(SELECTIVE_POLICIES)}")
+
+    def gathers_fp8(self, training: TrainingConfig, strategy: Strategy) -> bool:
+        """Whether ZeRO-3 all-gathers the blocks' parameters in FP8 for ``training`` under ``strategy``: where the
+        framework does (``fp8_all_gather``), under FP8 at current scaling (torchao's FP8 all-gather casts each
+        weight with one scale, its tensorwise recipe's), and under tensor parallelism only where
+        ``fp8_all_gather_under_tp``."""
+        return (self.fp8_all_gather and training.precision == "fp8" and training.fp8_scaling == "current"
+                and strategy.zero == 3 and (strategy.tp == 1 or self.fp8_all_gather_under_tp))
 
 
 SELECTIVE_POLICIES = ("attention", "op")

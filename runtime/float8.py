@@ -6,8 +6,9 @@ Each converted ``nn.Linear`` becomes a ``Float8Linear``: in every forward and ba
 weight and its output gradient to FP8 with a scale from the tensor's own absolute maximum (``current`` scaling:
 torchao's ``tensorwise`` recipe; ``rowwise``: one scale per row) and multiplies them with ``torch._scaled_mm``.
 Its weights stay bf16/fp32 as the mixed-precision policy holds them, and autograd saves the bf16 input, as the
-``TESSERA`` implementation profile's FP8 memory assumes (no FP8 weight copies, no FP8 saved inputs). ``torch._scaled_mm`` runs on CPU too (torch 2.13: FP8 storage and rounding, products in higher
-precision), so FP8 plans run on the gloo ranks here with FP8's numerics, at CPU speed.
+``TESSERA`` implementation profile's FP8 memory assumes (no FP8 weight copies, no FP8 saved inputs).
+``torch._scaled_mm`` runs on CPU too (torch 2.13: FP8 storage and rounding, products in higher precision), so FP8
+plans run on the gloo ranks here with FP8's numerics, at CPU speed.
 
 Converted: the ``nn.Linear`` modules inside the plan's blocks whose two dimensions are multiples of 16 (FP8
 GEMM kernels tile by 16; torchao's own rule). The cost model prices all of the blocks' matmuls but the attention
@@ -20,15 +21,15 @@ outputs, say) they stay bf16 with a warning naming them.
 Under ZeRO-3 at current scaling without tensor parallelism (``TESSERA.gathers_fp8``, what the cost model prices),
 FSDP2 all-gathers the converted weights in FP8, 1 byte per element instead of bf16's 2 (torchao's
 ``enable_fsdp_float8_all_gather``): each rank casts its fp32 shard with the scale of the whole weight, computed for
-all of them with one all-reduce at the start of each ``train_step`` (:func:`refresh_float8_scales`) and dropped
-after its optimizer step. gloo refuses FP8 dtypes, so on CPU ranks the gathers move bytes
+all of them with one all-reduce per mesh at the start of each ``train_step`` (:func:`refresh_float8_scales`) and
+dropped once it ends (:func:`forget_float8_scales`). gloo refuses FP8 dtypes, so on CPU ranks the gathers move bytes
 (:class:`ByteAllGather`). Elsewhere FSDP2 gathers bf16 weights.
 
 Under the splits: data parallelism and pipelining cast exactly the tensors one process would; FSDP2 casts a weight
-with the scale of its fp32 master (FP8 gathers) or its gathered bf16 copy; tensor parallelism's row-parallel linears receive
-their input as each rank's local shard, which is cast with its own scale (torchao's ``Float8RowwiseParallel``
-would cast before the split; Tessera's tensor parallelism keeps its own styles). Both are valid FP8 training
-with other roundings (``tests/distributed/test_float8.py`` measures the spread).
+with the scale of its fp32 master (FP8 gathers) or its gathered bf16 copy; tensor parallelism's row-parallel linears
+receive their input as each rank's local shard, which is cast with its own scale (torchao's
+``Float8RowwiseParallel`` would cast before the split; Tessera's tensor parallelism keeps its own styles). Both are
+valid FP8 training with other roundings (``tests/distributed/test_float8.py`` measures the spread).
 
 A converted linear is a new module (torchao's ``Float8Linear.from_float``) holding the same parameters, so state
 dicts, checkpoints and snapshots keep their keys, but hooks registered on the ``nn.Linear`` before ``apply_plan``
@@ -47,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # the interface set_custom_all_gather takes
 
 from tessera.cost_models.types import Fp8Scaling
 from tessera.errors import ConfigError, NotModelledError
@@ -159,10 +160,10 @@ def _inside(fqn: str, blocks: tuple[str, ...]) -> bool:
 class ByteAllGather(AllGather):
     """FSDP2's all-gather on byte views of its buffers: gloo refuses FP8 dtypes ("Invalid scalar type"), and an
     all-gather moves bytes whatever they encode. FSDP2 gathers each unit's parameters in one flat buffer, of FP8
-    when the unit holds only FP8-gathered weights."""
+    when the unit holds only FP8-gathered weights (uint8 when it mixes them with others)."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
+        return torch.empty(size, dtype=dtype, device=device)  # as FSDP2's default; the interface requires it
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
@@ -172,7 +173,8 @@ class ByteAllGather(AllGather):
 
 def gather_bytes_on_gloo(modules: Iterable[nn.Module]) -> None:
     """Every FSDP2 unit inside ``modules`` all-gathers through :class:`ByteAllGather` (CPU ranks, under FP8
-    all-gathers: NCCL gathers FP8 itself)."""
+    all-gathers: NCCL gathers FP8 itself). Every unit, not only those whose buffer is FP8: which ones are is FSDP2's
+    choice per gather, and bytes are the same gather for the others."""
     for module in modules:
         for unit in module.modules():
             if isinstance(unit, FSDPModule):
@@ -180,13 +182,18 @@ def gather_bytes_on_gloo(modules: Iterable[nn.Module]) -> None:
 
 
 def refresh_float8_scales(modules: Iterable[nn.Module]) -> None:
-    """Compute the FP8 scale of every FP8-gathered weight in ``modules`` with one all-reduce per module (torchao's
-    ``precompute_float8_dynamic_scale_for_fsdp``), for this step's all-gathers, instead of one all-reduce per weight
-    and all-gather. The weights of one call must share a mesh: not with expert parallelism, whose experts shard over
-    their own; there each gather computes its weight's scale itself."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    """Compute the FP8 scale of every FP8-gathered weight in ``modules`` for this step's all-gathers, with one
+    all-reduce per mesh the weights are sharded over (torchao's ``precompute_float8_dynamic_scale_for_fsdp``, which
+    takes one mesh at a time: expert parallelism shards experts over their own), instead of one all-reduce per
+    weight and all-gather."""
+    float8 = torchao_float8()
+    by_mesh: dict[object, list[nn.Module]] = {}
     for module in modules:
-        precompute_float8_dynamic_scale_for_fsdp(module)
+        for linear in module.modules():
+            if isinstance(linear, float8.float8_linear.Float8Linear) and hasattr(linear.weight, "device_mesh"):
+                by_mesh.setdefault(linear.weight.device_mesh, []).append(linear)
+    for linears in by_mesh.values():
+        float8.precompute_float8_dynamic_scale_for_fsdp(nn.ModuleList(linears))
 
 
 def forget_float8_scales(modules: Iterable[nn.Module]) -> None:

@@ -59,9 +59,11 @@ class ParallelModel:
         self.plan = plan
         """The plan this model was built from."""
         self.modules = tuple(modules)
-        self._gathers_fp8 = TESSERA.gathers_fp8(plan.training, plan.strategy)  # runtime.float8.convert_blocks
         """What this rank runs: the whole model (wrapped by DDP, or sharded in place by FSDP2/DTensor) without
         pipelining, else one module per local pipeline chunk (see ``runtime.pipeline``)."""
+        # apply_plan converted the FP8 linears to cast as shards before FSDP2 gathers them: each step computes
+        # their scales first (runtime.float8.refresh_float8_scales)
+        self._gathers_fp8 = TESSERA.gathers_fp8(plan.training, plan.strategy)
         self.optimizer = optimizer
         """Optimizer over this rank's (possibly sharded) parameters."""
         self.lr_scheduler = lr_scheduler
@@ -121,24 +123,25 @@ class ParallelModel:
         inputs, targets = batch
         accumulation = self._accumulation_steps(inputs, targets)
         inputs, targets = self._local_rows(inputs), self._local_rows(targets)  # (B/dp, T)
-        fp8_scales = self._gathers_fp8 and self.plan.strategy.ep == 1  # one mesh: runtime.float8.refresh_float8_scales
-        if fp8_scales:
-            refresh_float8_scales(self.modules)
-        if self.schedule is None:
-            local_loss = self._run_micro_batches(inputs, targets, accumulation)
-        elif accumulation != self.schedule._n_microbatches:
+        if self.schedule is not None and accumulation != self.schedule._n_microbatches:
             raise ConfigError(
                 f"the pipeline schedule was built for {self.schedule._n_microbatches} micro-batches per step (the "
                 f"plan's global batch {self.plan.training.global_batch}); this batch of {batch[0].shape[0]} rows "
                 f"makes {accumulation}; pass batches of the planned size"
             )
-        else:
-            local_loss = self._run_pipeline(inputs, targets)
-        reduce_partial_gradients(self.optimizer)
-        self.optimizer.step()
+        if self._gathers_fp8:
+            refresh_float8_scales(self.modules)
+        try:
+            if self.schedule is None:
+                local_loss = self._run_micro_batches(inputs, targets, accumulation)
+            else:
+                local_loss = self._run_pipeline(inputs, targets)
+            reduce_partial_gradients(self.optimizer)
+            self.optimizer.step()
+        finally:  # scales of these weights: wrong once the optimizer or anything else changes them
+            if self._gathers_fp8:
+                forget_float8_scales(self.modules)
         self.optimizer.zero_grad(set_to_none=True)
-        if fp8_scales:
-            forget_float8_scales(self.modules)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
