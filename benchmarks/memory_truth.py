@@ -105,16 +105,22 @@ def main() -> None:
     parser.add_argument("--reuse", type=Path, help="take the measured peaks from this JSON (written by a run) and "
                         "only re-predict (for iterating on the cost model; the measurement does not depend on it); "
                         "rows missing from it are measured and added")
+    parser.add_argument("--pins", action="append", default=[], metavar="NAME=PINS",
+                        help="also run the strategy PINS under NAME (e.g. 'ZeRO-3 kept=dp=4,zero=3,block_reshard=2xfalse', "
+                        "whose per-block flags fit one model)")
     parser.add_argument("--tag", default="", help="added to the results' file names (a run of a few rows beside the "
                         "full run's files)")
     parser.add_argument("--no-write", action="store_true", help="print the table only; leave benchmarks/results alone "
                         "(for checking a few rows without overwriting the full run's files)")
     args = parser.parse_args()
+    extra = dict(pin.split("=", 1) for pin in args.pins)
+    STRATEGIES.update(extra)
+    names = [name for name in args.strategies.split(",") if name] + list(extra)
     reused = json.loads(args.reuse.read_text()) if args.reuse else {}
     rows, measured = [], {}
     for model in args.models.split(","):
         spec, global_batch, seq_len = MODELS[model]
-        for name in args.strategies.split(","):
+        for name in names:
             plan = plan_for(spec, STRATEGIES[name], args.ranks, global_batch, seq_len, args.precision)
             key = f"{model}|{name}"
             peaks = reused.get(key) or spawn(measure, nprocs=args.ranks, args=(spec, plan.to_json(), global_batch, seq_len), timeout_s=1200)

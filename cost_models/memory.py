@@ -107,8 +107,11 @@ def with_fp8_state(
 ) -> dict:
     """A high-water mark under FP8 as ``profile`` holds it: FP8 weight copies of the blocks' linears kept across
     micro-batches (Transformer Engine: the weight and its transpose), the linears' inputs saved in FP8 instead
-    of bf16 (ZeRO-3's blocks gathered in FP8 are :func:`backward_memory`'s). The casts' temporaries live inside a
-    block's backward, gloo's staged copy of a reduce-scatter's input inside the reduce-scatter: the larger counts."""
+    of bf16 (ZeRO-3's blocks gathered in FP8 are :func:`backward_memory`'s; those kept gathered to their backward
+    hold FP8 too without tensor parallelism, as measured on Tessera's runtime: ``benchmarks/memory_truth.py
+    --models wide-short --pins``; torchtitan's 405B rows at tp 8 fit bf16 copies instead). The casts' temporaries
+    live inside a block's backward, gloo's staged copy of a reduce-scatter's input inside the reduce-scatter: the
+    larger counts."""
     updated = dict(mark, parameters=mark["parameters"] + profile.weight_fp8_bytes * block_params(stage, strategy))
     if not in_backward:
         return updated
@@ -119,6 +122,8 @@ def with_fp8_state(
     shards = strategy.dp * strategy.cp if gathers_fp8 else 1  # FSDP2's shard group (runtime.mesh.data_mesh)
     cast = profile.fp8_cast_bytes_per_element * fp8_cast_elements(stage, training, strategy, weight_shards=shards)
     updated["buffers"] += max(0.0, cast - gloo_staging_bytes(stage, strategy, on_cpu=on_cpu))
+    if gathers_fp8 and strategy.tp == 1:  # blocks kept gathered hold their FP8 weights, 1 byte each
+        updated["parameters"] -= kept_local_params(stage, strategy) * (compute_dtype_bytes(training) - 1)
     return updated
 
 
@@ -421,11 +426,11 @@ def zero3_gathered_bytes(
       storages it is copied into (``foreach_all_gather_copy_out``; gloo's all-gather stages a copy of the same
       size before that), while the loss has released all but the logits' gradient
       (:func:`loss_backward_released_bytes`).
-    - A block's backward: the root, the block and the next one (prefetched; ``block_gather_bytes`` per
-      parameter, the compute dtype's by default) and the block's unsharded fp32 gradient awaiting the
-      reduce-scatter (on CPU ranks, gloo's copy of it too: :func:`gloo_staging_bytes`), the loss's tensors all
-      released. It also covers the prefetch itself (the next block's all-gather output staged twice beside the
-      current block, at most as much).
+    - A block's backward: the root, the block and the next one (prefetched; ``block_gather_bytes`` per parameter,
+      the compute dtype's by default; none where every block keeps its gathered weights, which
+      :func:`parameter_bytes` holds) and the block's unsharded fp32 gradient awaiting the reduce-scatter (on CPU
+      ranks, gloo's copy of it too: :func:`gloo_staging_bytes`), the loss's tensors all released. It also covers the
+      prefetch itself (the next block's all-gather output staged twice beside the current block, at most as much).
     """
     compute = compute_dtype_bytes(training)
     root = root_params(stage, strategy) * compute
@@ -434,7 +439,8 @@ def zero3_gathered_bytes(
     root_regather = 2 * root + loss_output_bytes(stage, strategy) - released  # the logits' gradient is kept
     width = compute if block_gather_bytes is None else block_gather_bytes
     reduce_input = block * FP32 + gloo_staging_bytes(stage, strategy, on_cpu=on_cpu)
-    block_backward = root + FSDP_PREFETCH_BLOCKS * block * width + reduce_input - released
+    in_flight = FSDP_PREFETCH_BLOCKS if stage.kept_blocks < stage.blocks else 0  # not by count: the ILP is linear in it
+    block_backward = root + in_flight * block * width + reduce_input - released
     return max(0.0, root_regather, block_backward)
 
 

@@ -77,6 +77,7 @@ class StageTotals:
     offload_buffer_bytes: int = 0  # per sequence, device copies an offloading stage holds at once (two blocks' worth)
     kept_params: int = 0  # parameters of blocks that keep their gathered weights to their backward (ZeRO-3)
     kept_expert_params: int = 0  # the routed-expert part of kept_params
+    kept_blocks: int = 0  # how many blocks keep their gathered weights
     # Selective blocks measured for an op-level policy, as a framework with one runs them (``profiles.selective_policy``).
     selective_core_flops: float = 0.0  # the part of recompute_flops that is those blocks' attention cores
     op_selective_recompute_flops: float = 0.0  # what op-level selective recomputation re-runs of those blocks
@@ -248,6 +249,7 @@ def _offload_and_kept_totals(blocks: Sequence[LayerStats], policy: Mapping[str, 
         "offload_buffer_bytes": 2 * max(offloaded, default=0),
         "kept_params": sum(b.param_count for b in held),
         "kept_expert_params": sum(b.expert_param_count for b in held),
+        "kept_blocks": len(held),
     }
 
 

@@ -285,6 +285,9 @@ def test_zero3_gathers_at_the_highest_of_three_backward_moments():
     # With a loss larger than both, the backward's start binds, where every unit is resharded: nothing gathered.
     large_loss = replace(small_blocks, loss_saved_bytes=1000)
     assert zero3_gathered_bytes(large_loss, training, s) == 0
+    # Every block keeping its gathered weights (parameter_bytes holds them): none gathered on top at a block's backward
+    all_kept = replace(totals, kept_blocks=totals.blocks, kept_params=totals.blocks * 1000)
+    assert zero3_gathered_bytes(all_kept, training, s) == 310 * 2 + 1000 * 4 - 3 * 40
     # On CPU ranks gloo stages a copy of the reduce-scatter's fp32 input (benchmarks/memory_truth.py wide-short)
     assert zero3_gathered_bytes(totals, training, s, on_cpu=True) == 310 * 2 + 2 * 1000 * 2 + 2 * 1000 * 4 - 3 * 40
 
