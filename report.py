@@ -61,7 +61,8 @@ def _headline(plan: Plan) -> Table:
                   f"{len(plan.layers)} layers"),
         ("cluster", f"{literal(plan.cluster)}: {e.memory_budget_bytes / GiB:.0f} GiB {literal(plan.device_name)} "
                     "per device"),
-        ("training", f"global batch {plan.training.global_batch} x {plan.training.seq_len} tokens, {plan.training.precision}"),
+        ("training", f"global batch {plan.training.global_batch} x {plan.training.seq_len} tokens, "
+                     f"{plan.precision_summary()}"),
         ("strategy", f"{plan.strategy.name}  [cyan]{literal(plan.strategy.to_string())}[/]"),
         ("mesh", "; ".join(mesh_layout(plan.strategy, devices_per_node=per_node))
                  + f"; {e.micro_batches} micro-batches per step"),

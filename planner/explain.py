@@ -77,7 +77,7 @@ def _overview(plan: Plan, *, nodes: int, per_node: int) -> Section:
         ("cluster", f"{plan.cluster}: {nodes} node{'s' * (nodes > 1)} x {per_node} {plan.device_name}, "
                     f"{plan.estimate.memory_budget_bytes / GiB:.0f} GiB each"),
         ("training", f"global batch {t.global_batch} x {t.seq_len} tokens = {t.tokens_per_step:,} tokens per step, "
-                     f"{t.precision}"),
+                     f"{plan.precision_summary()}"),
     )),))
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tessera.cost_models.error_bands import ErrorBand, prediction_band
+from tessera.cost_models.profiles import TESSERA
 from tessera.cost_models.types import BlockKind, Estimate, LayerKind, Recompute, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 from tessera.files import write_text_atomically
@@ -178,6 +179,15 @@ class Plan(BaseModel):
                   for c in self.unavailable_gains),
             ]
         )
+
+    def precision_summary(self) -> str:
+        """The precision as the reports state it: under FP8, its scaling and whether ZeRO-3 all-gathers the blocks'
+        weights in FP8 on Tessera's runtime (``ImplementationProfile.gathers_fp8``)."""
+        training = self.training
+        if training.precision != "fp8":
+            return training.precision
+        gathers = TESSERA.gathers_fp8(training, self.strategy)
+        return f"fp8 ({training.fp8_scaling} scaling{'; ZeRO-3 all-gathers FP8 weights' if gathers else ''})"
 
     def error_band(self) -> ErrorBand | None:
         """The error band of the plan's regime (FP8, context parallelism, mixture of experts, ZeRO-3 or not) on the

@@ -127,3 +127,18 @@ def test_eager_fp8_casts_hold_their_fp32_temporaries_in_the_backward():
     eager, plain = (estimate(weights_wider, cpu, training, Strategy.parse("dp=8,zero=1,mbs=1"), calibration=FLAT,
                              profile=profile) for profile in (TESSERA, fused))
     assert eager.memory_by_category_bytes["buffers"] - plain.memory_by_category_bytes["buffers"] == 9 * 8 * 10**9 - 4 * 10**9
+
+
+def test_plans_say_how_fp8_trains_and_whether_zero3_gathers_it_in_fp8():
+    import tessera
+
+    plan = tessera.plan("gpt3-2.7b", "dgx-h100:nodes=1", global_batch=64, seq_len=2048, precision="fp8")
+    for strategy, said in (("dp=8,zero=3", "fp8 (current scaling; ZeRO-3 all-gathers FP8 weights)"),
+                           ("dp=4,tp=2,zero=3", "fp8 (current scaling)"), ("dp=8,zero=1", "fp8 (current scaling)")):
+        assert plan.model_copy(update={"strategy": Strategy.parse(strategy)}).precision_summary() == said
+    from rich.console import Console
+
+    from tessera.report import print_plan
+    console = Console(record=True, width=200)
+    print_plan(plan, console)
+    assert f"tokens, {plan.precision_summary()}" in console.export_text()
