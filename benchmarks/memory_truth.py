@@ -114,14 +114,14 @@ def main() -> None:
                         "(for checking a few rows without overwriting the full run's files)")
     args = parser.parse_args()
     extra = dict(pin.split("=", 1) for pin in args.pins)
-    STRATEGIES.update(extra)
+    strategies = {**STRATEGIES, **extra}
     names = [name for name in args.strategies.split(",") if name] + list(extra)
     reused = json.loads(args.reuse.read_text()) if args.reuse else {}
     rows, measured = [], {}
     for model in args.models.split(","):
         spec, global_batch, seq_len = MODELS[model]
         for name in names:
-            plan = plan_for(spec, STRATEGIES[name], args.ranks, global_batch, seq_len, args.precision)
+            plan = plan_for(spec, strategies[name], args.ranks, global_batch, seq_len, args.precision)
             key = f"{model}|{name}"
             peaks = reused.get(key) or spawn(measure, nprocs=args.ranks, args=(spec, plan.to_json(), global_batch, seq_len), timeout_s=1200)
             measured[key] = peaks

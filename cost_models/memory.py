@@ -393,8 +393,9 @@ def reduce_scatter_input_params(stage: StageTotals, strategy: Strategy) -> float
 
 
 def gloo_staging_bytes(stage: StageTotals, strategy: Strategy, *, on_cpu: bool) -> float:
-    """gloo's copy of a reduce-scatter's input, alive inside the reduce-scatter (CPU ranks; measured on torch 2.13: the
-    CPU allocator's peak during ``reduce_scatter_tensor`` is the input's size again); NCCL reduces in place."""
+    """gloo's copy of a reduce-scatter's input, alive inside the reduce-scatter (CPU ranks: the CPU allocator's peak
+    during ``reduce_scatter_tensor`` is the input's size again, ``benchmarks/gloo_staging.py``); NCCL reduces in
+    place."""
     return reduce_scatter_input_params(stage, strategy) * FP32 if on_cpu else 0.0
 
 

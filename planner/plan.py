@@ -180,14 +180,18 @@ class Plan(BaseModel):
             ]
         )
 
+    def gathers_fp8(self) -> bool:
+        """Whether Tessera's runtime all-gathers this plan's FP8 block weights in FP8 under ZeRO-3, as the cost model
+        priced it (``ImplementationProfile.gathers_fp8``)."""
+        return TESSERA.gathers_fp8(self.training, self.strategy)
+
     def precision_summary(self) -> str:
         """The precision as the reports state it: under FP8, its scaling and whether ZeRO-3 all-gathers the blocks'
-        weights in FP8 on Tessera's runtime (``ImplementationProfile.gathers_fp8``)."""
+        weights in FP8 on Tessera's runtime (:meth:`gathers_fp8`)."""
         training = self.training
         if training.precision != "fp8":
             return training.precision
-        gathers = TESSERA.gathers_fp8(training, self.strategy)
-        return f"fp8 ({training.fp8_scaling} scaling{'; ZeRO-3 all-gathers FP8 weights' if gathers else ''})"
+        return f"fp8 ({training.fp8_scaling} scaling{'; ZeRO-3 all-gathers FP8 weights' if self.gathers_fp8() else ''})"
 
     def error_band(self) -> ErrorBand | None:
         """The error band of the plan's regime (FP8, context parallelism, mixture of experts, ZeRO-3 or not) on the

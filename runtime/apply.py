@@ -42,7 +42,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tessera.cost_models.layer_stats import LinearPair
-from tessera.cost_models.profiles import TESSERA
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.plan import Plan, PlannedLayer
 from tessera.runtime import pipeline as pp_
@@ -242,7 +241,7 @@ def apply_plan(
     modules = _chunk_modules(model, plan, chunks, traced)
     pipeline_output = _pipeline_output(plan, traced, modules, chunks)
     modules = _data_parallel(model, plan, modules, mesh, on_meta=on_meta, device=device)
-    if TESSERA.gathers_fp8(plan.training, plan.strategy) and device.type == "cpu":
+    if plan.gathers_fp8() and device.type == "cpu":
         gather_bytes_on_gloo(modules)
     if plan.strategy.cp > 1:
         apply_context_parallel(model, mesh, seq_len=plan.training.seq_len)
@@ -258,7 +257,7 @@ def apply_plan(
 def _convert_to_float8(model: nn.Module, plan: Plan) -> None:
     """The blocks' linears on FP8 matmuls (``runtime.float8``); says once which matrix weights stay bf16."""
     kept = list(convert_blocks(model, plan.block_fqns, plan.training.fp8_scaling,
-                               gather_fp8=TESSERA.gathers_fp8(plan.training, plan.strategy)))
+                               gather_fp8=plan.gathers_fp8()))
     if kept and (not dist.is_initialized() or dist.get_rank() == 0):
         log.warning("fp8: %d matrix weight(s) inside the blocks stay bf16 though the plan priced them FP8 (under "
                     "%.0f%% of the blocks' weights): %s", len(kept), 100 * MAX_BF16_SHARE,

@@ -18,7 +18,7 @@ weights (Hugging Face's Mixtral/Qwen MoE blocks: torchao's grouped FP8 GEMMs are
 ``MoELayer`` holds its experts as linears, which run FP8), GPT-2's ``Conv1D``. Below that share (a MoE router's few
 outputs, say) they stay bf16 with a warning naming them.
 
-Under ZeRO-3 at current scaling without tensor parallelism (``TESSERA.gathers_fp8``, what the cost model prices),
+Under ZeRO-3 at current scaling without tensor parallelism (``Plan.gathers_fp8``, what the cost model prices),
 FSDP2 all-gathers the converted weights in FP8, 1 byte per element instead of bf16's 2 (torchao's
 ``enable_fsdp_float8_all_gather``): each rank casts its fp32 shard with the scale of the whole weight, computed for
 all of them with one all-reduce per mesh at the start of each ``train_step`` (:func:`refresh_float8_scales`) and

@@ -29,7 +29,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
-from tessera.cost_models.profiles import TESSERA
 from tessera.errors import ConfigError
 from tessera.planner.plan import Plan
 from tessera.runtime.checkpoint import Checkpointer, CheckpointInfo, PendingSave
@@ -63,7 +62,7 @@ class ParallelModel:
         pipelining, else one module per local pipeline chunk (see ``runtime.pipeline``)."""
         # apply_plan converted the FP8 linears to cast as shards before FSDP2 gathers them: each step computes
         # their scales first (runtime.float8.refresh_float8_scales)
-        self._gathers_fp8 = TESSERA.gathers_fp8(plan.training, plan.strategy)
+        self._gathers_fp8 = plan.gathers_fp8()
         self.optimizer = optimizer
         """Optimizer over this rank's (possibly sharded) parameters."""
         self.lr_scheduler = lr_scheduler
