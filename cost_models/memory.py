@@ -43,6 +43,7 @@ from tessera.cost_models.types import Strategy, TrainingConfig
 FP32 = 4
 GiB = 2**30
 FSDP_PREFETCH_BLOCKS = 2  # the block being computed plus the one prefetched
+ADAMW_CPU_TEMPORARIES = 2  # ``_single_tensor_adamw``'s denominator: sqrt, then its division (``optimizer_temporary_bytes``)
 LOSS_TEMPORARIES = 2  # cross-entropy backward: d(log-probs) and d(logits) (``loss_gradient_bytes``)
 LOSS_PARALLEL_TEMPORARIES = 3  # loss_parallel forward: logits, x - max and exp beside the result
 # A fact about the runtime, not a setting: ``runtime/parallel_model.py`` runs ``schedule.step(return_outputs=False)``,
@@ -86,16 +87,16 @@ def stage_memory(
     if on_cpu and stage.offloaded_bytes:  # a CPU rank's device memory is the host's: offloading frees nothing
         stage = replace(stage, saved_bytes=stage.saved_bytes + stage.offloaded_bytes, offload_buffer_bytes=0)
     block_gather_bytes = 1 if profile.gathers_fp8(training, strategy) else None
+    copies = autocast_copy_bytes(stage, training, strategy, profile)
     marks = (backward_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu,
                              block_gather_bytes=block_gather_bytes),
-             step_end_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu))
+             step_end_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu, profile=profile))
     if training.precision == "fp8":
         marks = tuple(with_fp8_state(mark, stage, training, strategy, micro_batches=micro_batches, profile=profile,
                                      in_backward=mark is marks[0], on_cpu=on_cpu) for mark in marks)
     if profile.gradient_bytes != FP32:  # gradients held in the framework's reduction dtype
         marks = tuple(dict(mark, gradients=mark["gradients"] * profile.gradient_bytes / FP32) for mark in marks)
-    if autocasts(training, strategy, profile):  # the compute-dtype weight copies live until the backward is done
-        copies = autocast_copied_params(stage, training, strategy) * compute_dtype_bytes(training)
+    if copies:  # the compute-dtype weight copies live until the backward is done
         marks = (dict(marks[0], parameters=marks[0]["parameters"] + copies), marks[1])
     peak = max(marks, key=lambda mark: sum(mark.values()))
     return {**{name: max(0, int(value)) for name, value in peak.items()}, "reserve": reserve}
@@ -156,22 +157,82 @@ def backward_memory(
 
 
 def step_end_memory(
-    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, on_cpu: bool
+    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, on_cpu: bool,
+    profile: ImplementationProfile = TESSERA,
 ) -> dict:
-    """Bytes by category after the backward: reduced gradients, merged pipeline outputs, optimizer temporaries."""
+    """Bytes by category after the backward: reduced gradients, merged pipeline outputs, and the largest of what
+    comes and goes around them as ``profile`` runs: optimizer temporaries, FSDP2 ``replicate``'s reduction, or what
+    autograd's own accumulation holds at the backward's end."""
     # ZeRO-0 keeps the full gradient; every FSDP2 stage (1-3) reduce-scatters it to the 1/dp shard it steps on.
     if strategy.zero == 0:
         gradients = (local_params(stage, strategy) + replicated_embedding_gradient_params(stage, strategy)) * FP32
     else:
         gradients = sharded_params(stage, strategy, from_zero=1) * FP32
     merged = merged_pipeline_output_bytes(stage, strategy, micro_batches=micro_batches)
+    # The optimizer peaks in its step, FSDP2's replicate in its reduction, autograd's accumulation in the backward.
+    transient = [optimizer_temporary_bytes(stage, strategy, on_cpu=on_cpu)]
+    if profile.replicate_by_fsdp2:
+        transient.append(replicate_reduction_bytes(stage, training, strategy, micro_batches=micro_batches))
+    if profile.autocast_copies:
+        copies = autocast_copy_bytes(stage, training, strategy, profile)
+        transient.append(accumulation_bytes(stage, training, strategy, micro_batches=micro_batches, copies=copies))
     return {
         "parameters": parameter_bytes(stage, training, strategy, in_backward=False),
         "gradients": gradients,
         "optimizer": sharded_params(stage, strategy, from_zero=1) * 2 * FP32,
         "activations": 0.0,
-        "buffers": ddp_bucket_bytes(stage, strategy) + merged + optimizer_temporary_bytes(stage, strategy, on_cpu=on_cpu),
+        "buffers": ddp_bucket_bytes(stage, strategy) + merged + max(transient),
     }
+
+
+def accumulation_bytes(
+    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, copies: float
+) -> float:
+    """What the paths whose gradients autograd accumulates itself (DDP, a plain module, a pipeline stage without
+    FSDP2) hold beyond the step's full gradient near the end of the last micro-batch's backward: autocast's weight
+    copies (``copies``) not yet used, and the new gradient of the largest weight in fp32 as it is added to the
+    accumulated one.
+
+    Under autocast each weight's gradient comes in the compute dtype and is cast back by the backward of autocast's
+    cast, which autograd runs after the block's matmuls: a block's compute-dtype weight gradients wait together,
+    in place of its copies once each is used. Around the forward alone (the runtime's way) the copies of the
+    blocks not yet reached are the rest; a pipeline schedule runs every backward inside autocast, whose cache
+    keeps all copies to the step's last backward, so the block's gradients come on top. Measured on 2 ranks
+    (``benchmarks/memory_truth.py --ranks 2 --models wide-short --strategies '' --pins PP2=dp=1,pp=2``): 14 MiB
+    accumulated, 7 MiB of copies, a block's 6 MiB of bf16 gradients and a 4 MiB fp32 gradient at once."""
+    if strategy.zero != 0 or uses_fsdp2_replicate(strategy):
+        return 0.0
+    kept = copies if strategy.pp > 1 else 0.0
+    if micro_batches == 1:  # nothing accumulated: each gradient is the first, taken as it is
+        return kept
+    block_gradients = gathered_block_params(stage, strategy) * compute_dtype_bytes(training) if copies else 0.0
+    waiting = kept + block_gradients if strategy.pp > 1 else copies
+    return waiting + stage.largest_tensor_params / strategy.tp * FP32
+
+
+def replicate_reduction_bytes(
+    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int
+) -> float:
+    """What FSDP2's ``replicate`` (one unit over the stage's module, ``runtime.data_parallel``) holds beyond the
+    step's full fp32 gradient, at the higher of two moments after the activations are gone.
+
+    - The unit's backward has ended, before its ``post_backward``: its gathered parameters and its new
+      gradients, both in the compute dtype, beside the fp32 gradient accumulated over earlier micro-batches
+      (:func:`held_gradient_bytes`) and, as ``post_backward`` adds each new gradient to it, an fp32 copy of one.
+    - The reduction (``foreach_reduce`` over a shard group of one rank): an fp32 input of the whole unit, and an
+      fp32 output it copies that into and all-reduces, which stays as the gradient: one copy more.
+
+    Measured on the 4-rank TP x DP of ``benchmarks/memory_truth.py --models wide-short``: 14 MiB of fp32
+    gradients, 7 MiB each of gathered parameters and bf16 gradients and a 2 MiB copy at the first moment, two
+    14 MiB buffers at the second."""
+    if not uses_fsdp2_replicate(strategy):
+        return 0.0
+    gradients = local_params(stage, strategy) + replicated_embedding_gradient_params(stage, strategy)
+    compute = compute_dtype_bytes(training)
+    held = held_gradient_bytes(stage, strategy, micro_batches=micro_batches)
+    added = stage.largest_tensor_params / strategy.tp * FP32 if held else 0.0
+    unit_end = local_params(stage, strategy) * compute + gradients * compute + held + added
+    return max(gradients * FP32, unit_end - gradients * FP32)
 
 
 def parameter_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, in_backward: bool) -> float:
@@ -206,6 +267,18 @@ def autocasts(training: TrainingConfig, strategy: Strategy, profile: Implementat
     on a model no FSDP unit wraps, ZeRO-0 without FSDP2's ``replicate`` (``runtime.parallel_model._autocast``)."""
     return (profile.autocast_copies and training.precision in ("bf16", "fp16", "fp8") and strategy.zero == 0
             and not uses_fsdp2_replicate(strategy))
+
+
+def autocast_copy_bytes(
+    stage: StageTotals, training: TrainingConfig, strategy: Strategy, profile: ImplementationProfile
+) -> float:
+    """Bytes of the compute-dtype weight copies autocast makes (0 where it does not run). Its cache keeps them until
+    the context exits: the runtime wraps the forward alone, so each goes once its layer's backward has used it,
+    except under a pipeline schedule, which runs every backward inside the context too
+    (``runtime.parallel_model``): there they last to the step's last backward (:func:`accumulation_bytes`)."""
+    if not autocasts(training, strategy, profile):
+        return 0.0
+    return autocast_copied_params(stage, training, strategy) * compute_dtype_bytes(training)
 
 
 def autocast_copied_params(stage: StageTotals, training: TrainingConfig, strategy: Strategy) -> float:
@@ -319,9 +392,14 @@ def ddp_bucket_bytes(stage: StageTotals, strategy: Strategy) -> float:
 def optimizer_temporary_bytes(stage: StageTotals, strategy: Strategy, *, on_cpu: bool) -> float:
     """AdamW's step temporaries. On GPUs PyTorch picks the ``foreach`` implementation, whose
     ``torch._foreach_sqrt(exp_avg_sqs)`` materialises one fp32 tensor per parameter at once (the size of the
-    local optimizer shard); on CPU it picks the per-tensor loop (``_single_tensor_adamw``), whose temporaries
-    are one parameter's worth at a time: negligible against a stage."""
-    return 0.0 if on_cpu else sharded_params(stage, strategy, from_zero=1) * FP32
+    local optimizer shard); on CPU it picks the per-tensor loop (``_single_tensor_adamw``), whose denominator
+    ``exp_avg_sq.sqrt() / bias_correction2_sqrt`` holds two temporaries of one parameter at once: the largest
+    local one's (measured: 8 MiB at the step's end on the 4-rank DDP of ``benchmarks/memory_truth.py --models
+    wide-short``, whose largest weight holds 4 MiB)."""
+    if not on_cpu:
+        return sharded_params(stage, strategy, from_zero=1) * FP32
+    shards = strategy.dp * strategy.cp if strategy.zero >= 1 else 1  # FSDP2 steps on each parameter's dim-0 shard
+    return ADAMW_CPU_TEMPORARIES * stage.largest_tensor_params / (strategy.tp * shards) * FP32
 
 
 def activation_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:

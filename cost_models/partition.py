@@ -67,6 +67,7 @@ class StageTotals:
     largest_block_params: int = 0  # parameters of the stage's largest block (an FSDP unit under ZeRO-3)
     widest_matrix_dim: int = 0  # the widest dimension of the blocks' matrix weights (LayerStats.widest_matrix_dim)
     largest_matrix_params: int = 0  # elements of the blocks' largest matrix weight
+    largest_tensor_params: int = 0  # elements of the stage's largest parameter: that matrix, or a root embedding's or head's
     embedding_params: int = 0  # parameters of embedding layers (vocabulary-parallel under tp)
     sp_gathered_bytes: int = 0  # per sequence, inputs of column-parallel linears that sp all-gathers and saves whole
     linears: int = 0  # linears of the blocks' pairs and heads: each costs framework overhead per micro-batch
@@ -277,6 +278,8 @@ def _root_and_loss_totals(stage: Sequence[LayerStats]) -> dict:
         "widest_matrix_dim": max((layer.widest_matrix_dim for layer in stage), default=0),
         "largest_matrix_params": max((layer.largest_matrix_params for layer in stage), default=0),
         "embedding_params": sum(layer.param_count for layer in root if layer.kind == "embedding"),
+        "largest_tensor_params": max([layer.largest_matrix_params for layer in stage]
+                                     + [layer.param_count for layer in root if layer.kind in ("embedding", "head")]),
         "head_forward_flops": sum(layer.forward_flops for layer in root if layer.kind == "head"),
         "head_backward_flops": sum(layer.backward_flops for layer in root if layer.kind == "head"),
     }

@@ -100,7 +100,13 @@ class ImplementationProfile:
     """Mixed precision by ``torch.autocast`` where the model is not FSDP-wrapped (plain modules, DDP): a micro-batch
     holds a compute-dtype copy of every local weight from its forward to its backward (autocast's cast cache, and
     the copies autograd saves). FSDP casts once per gathered unit instead; Megatron-style frameworks keep bf16
-    weights themselves."""
+    weights themselves. Such frameworks also leave gradient accumulation on those modules to autograd
+    (``cost_models.memory.accumulation_bytes``), where Megatron-style ones fuse it into an fp32 buffer."""
+    replicate_by_fsdp2: bool = False
+    """ZeRO-0 beside tp, pp, cp or ep runs as FSDP2's ``replicate``, one unit over the model: its gradients come in
+    the compute dtype and are accumulated and all-reduced through fp32 copies of the whole unit
+    (``cost_models.memory.replicate_reduction_bytes``). Frameworks with a persistent fp32 gradient buffer reduce
+    it in place (Megatron-Core's DDP)."""
     gradient_bytes: int = 4
     """Bytes per element of the gradients the framework accumulates and reduces over data parallelism: 4 (fp32 main
     gradients) or 2 (reduced in bf16, as NeMo's ``grad_sync_dtype: bf16`` does)."""
@@ -138,7 +144,7 @@ DEEPSPEED_ZERO3_SLOWDOWN = 5.0
 """Fitted on SC'21 Table 2's DeepSpeed ZeRO-3 rows (``benchmarks/published.py`` prints the fit); re-fit there."""
 
 TESSERA = ImplementationProfile(name="tessera", autocast_copies=True, fp8_cast_bytes_per_element=9.0,
-                                fp8_all_gather=True, fp8_all_gather_under_tp=False)
+                                fp8_all_gather=True, fp8_all_gather_under_tp=False, replicate_by_fsdp2=True)
 """Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); FP8 through torchao's float8 linears
 (``runtime.float8``): cast on the fly from the bf16/fp32 weight, bf16 inputs saved; ZeRO-3 all-gathers the blocks'
 FP8 weights in FP8 at current scaling without tensor parallelism (bf16 otherwise); its eager

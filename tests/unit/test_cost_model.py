@@ -305,6 +305,47 @@ def test_zero12_reduce_scatter_their_largest_unit_through_an_fp32_copy_after_the
         assert zero12_reduce_scatter_bytes(totals, Strategy.parse(other), on_cpu=True) == 0
 
 
+def test_cpu_adamw_holds_two_temporaries_of_its_largest_local_tensor_and_gpu_foreach_a_whole_shard():
+    from tessera.cost_models.memory import optimizer_temporary_bytes
+    totals, s = _totals("dp=4,zero=0")
+    assert totals.largest_tensor_params == 200  # the head: no block matrix is declared in MODEL
+    assert optimizer_temporary_bytes(totals, s, on_cpu=True) == 2 * 200 * 4  # sqrt, then its division
+    assert optimizer_temporary_bytes(*_totals("dp=4,zero=1"), on_cpu=True) == 2 * 200 / 4 * 4  # FSDP2's dim-0 shard
+    assert optimizer_temporary_bytes(*_totals("dp=2,tp=2,zero=0"), on_cpu=True) == 2 * 200 / 2 * 4
+    assert optimizer_temporary_bytes(totals, s, on_cpu=False) == 2310 * 4  # foreach: one fp32 tensor per parameter
+
+
+def test_fsdp2_replicate_holds_its_reduction_or_its_unit_end_beyond_the_step_end_gradients():
+    from tessera.cost_models.memory import replicate_reduction_bytes
+    totals, s = _totals("dp=2,tp=2,zero=0,mbs=2")
+    bf16 = TrainingConfig(global_batch=4, seq_len=16, precision="bf16")
+    local, gradients = 2300 / 2 + 10, 2300 / 2 + 10 + 100 / 2  # a vocabulary-parallel embedding's gradient is whole
+    # one micro-batch: the reduction's second fp32 copy of the unit (its input and the output it all-reduces)
+    assert replicate_reduction_bytes(totals, bf16, s, micro_batches=1) == gradients * 4
+    # accumulating: gathered parameters and the new bf16 gradients beside the accumulated fp32 one, and an fp32
+    # copy of the largest tensor's new gradient as it is added
+    unit_end = local * 2 + gradients * 2 + gradients * 4 + 200 / 2 * 4
+    assert replicate_reduction_bytes(totals, bf16, s, micro_batches=2) == unit_end - gradients * 4
+    for other in ("dp=4,zero=0", "dp=4,zero=1", "dp=2,tp=2,zero=3", "dp=1,tp=4"):  # DDP, FSDP2's shards, no dp
+        assert replicate_reduction_bytes(totals, bf16, Strategy.parse(other), micro_batches=2) == 0
+
+
+def test_autograd_accumulation_holds_the_copies_not_yet_used_and_one_fp32_gradient_being_added():
+    from tessera.cost_models.memory import accumulation_bytes
+    bf16 = TrainingConfig(global_batch=8, seq_len=16, precision="bf16")
+    ddp, copies = Strategy.parse("dp=4,zero=0,mbs=2"), 2310 * 2
+    assert accumulation_bytes(*_totals("dp=4,zero=0,mbs=2")[:1], bf16, ddp, micro_batches=1, copies=copies) == 0
+    totals, _ = _totals("dp=1")
+    # autocast around the forward: the copies of blocks not yet reached, and the largest weight's fp32 gradient
+    assert accumulation_bytes(totals, bf16, ddp, micro_batches=2, copies=copies) == copies + 200 * 4
+    assert accumulation_bytes(totals, bf16, ddp, micro_batches=2, copies=0) == 200 * 4  # fp32: that gradient alone
+    pipeline = Strategy.parse("dp=1,pp=2,mbs=2")  # autocast's cache keeps every copy; a block's gradients wait
+    assert accumulation_bytes(totals, bf16, pipeline, micro_batches=4, copies=copies) == copies + 1000 * 2 + 200 * 4
+    assert accumulation_bytes(totals, bf16, pipeline, micro_batches=1, copies=copies) == copies
+    for fsdp2 in ("dp=4,zero=1,mbs=2", "dp=2,pp=2,zero=0,mbs=2"):  # FSDP2 accumulates (``replicate_reduction_bytes``)
+        assert accumulation_bytes(totals, bf16, Strategy.parse(fsdp2), micro_batches=4, copies=copies) == 0
+
+
 def test_pipeline_last_stage_keeps_one_output_unless_the_runtime_merges_them(monkeypatch):
     from tessera.cost_models import memory
     totals, s = _totals("dp=1,pp=4,mbs=2")
