@@ -326,6 +326,10 @@ def test_fsdp2_replicate_holds_its_reduction_or_its_unit_end_beyond_the_step_end
     # copy of the largest tensor's new gradient as it is added
     unit_end = local * 2 + gradients * 2 + gradients * 4 + 200 / 2 * 4
     assert replicate_reduction_bytes(totals, bf16, s, micro_batches=2) == unit_end - gradients * 4
+    # fp32: the gathered parameters' own gradients accumulate, one new gradient at a time
+    fp32 = TrainingConfig(global_batch=4, seq_len=16, precision="fp32")
+    unit_end = local * 4 + gradients * 4 + 200 / 2 * 4
+    assert replicate_reduction_bytes(totals, fp32, s, micro_batches=2) == unit_end - gradients * 4
     for other in ("dp=4,zero=0", "dp=4,zero=1", "dp=2,tp=2,zero=3", "dp=1,tp=4"):  # DDP, FSDP2's shards, no dp
         assert replicate_reduction_bytes(totals, bf16, Strategy.parse(other), micro_batches=2) == 0
 
