@@ -41,6 +41,8 @@ MODELS = {
     # weights over activations (6.3M block parameters, 128 tokens a step): what FSDP2 gathers shows in the peak; FP8
     # on CPU can afford it (its forward matmul is a reference loop); not in the default set
     "wide-short": ("gpt:layers=2,hidden=512,heads=8,vocab=1024,seq=16", 8, 16),
+    # the same with 4 blocks: ZeRO-3's middle blocks (a neighbour on each side) exist
+    "wide-4": ("gpt:layers=4,hidden=512,heads=8,vocab=1024,seq=16", 8, 16),
 }
 DEFAULT_MODELS = ("gpt-tiny", "small-gpt", "small-llama")
 STRATEGIES = {  # name -> pins over the 4 ranks; everything else fixed so each row is one runtime path

@@ -510,11 +510,17 @@ def zero3_gathered_bytes(
       storages it is copied into (``foreach_all_gather_copy_out``; gloo's all-gather stages a copy of the same
       size before that), while the loss has released all but the logits' gradient
       (:func:`loss_backward_released_bytes`).
-    - A block's backward: the root, the block and the next one (prefetched; ``block_gather_bytes`` per parameter,
-      the compute dtype's by default; none where every block keeps its gathered weights, which
-      :func:`parameter_bytes` holds) and the block's unsharded fp32 gradient awaiting the reduce-scatter (on CPU
-      ranks, gloo's copy of it too: :func:`gloo_staging_bytes`), the loss's tensors all released. It also covers the
-      prefetch itself (the next block's all-gather output staged twice beside the current block, at most as much).
+    - The end of a middle block's backward, before its ``post_backward``: the root, the block and the next one
+      (prefetched; ``block_gather_bytes`` per parameter, the compute dtype's by default; none where every block
+      keeps its gathered weights, which :func:`parameter_bytes` holds), the block's new gradients in the compute
+      dtype, and the reduce-scatter of the block after it, whose fp32 input and output shard FSDP2 keeps until
+      this block's ``post_backward`` (``reduce_scatter_states``); the loss's tensors all released. On CPU ranks
+      gloo's staged copy of that reduce-scatter's input is freed by whichever thread drops it last, at times only
+      after this block's gather (:func:`gloo_staging_bytes`): it is counted in place of the gradients where larger.
+      This moment covers the others of a block: its gather's copy-out, the prefetch's staged output, and its own
+      reduce-scatter (the next block, an fp32 input, its shard and gloo's copy).
+      Measured on 4-block and 2-block weight-heavy GPTs (``benchmarks/memory_truth.py --models wide-short``;
+      layers=4 by hand) from the CPU allocator's timeline of one step.
     """
     compute = compute_dtype_bytes(training)
     root = root_params(stage, strategy) * compute
@@ -522,9 +528,10 @@ def zero3_gathered_bytes(
     released = loss_backward_released_bytes(stage, strategy)
     root_regather = 2 * root + loss_output_bytes(stage, strategy) - released  # the logits' gradient is kept
     width = compute if block_gather_bytes is None else block_gather_bytes
-    reduce_input = block * FP32 + gloo_staging_bytes(stage, strategy, on_cpu=on_cpu)
+    previous = block * FP32 * (1 + 1 / (strategy.dp * strategy.cp))  # the block after's reduce-scatter, in and out
     in_flight = FSDP_PREFETCH_BLOCKS if stage.kept_blocks < stage.blocks else 0  # not by count: the ILP is linear in it
-    block_backward = root + in_flight * block * width + reduce_input - released
+    gradients = max(block * compute, gloo_staging_bytes(stage, strategy, on_cpu=on_cpu))
+    block_backward = root + in_flight * block * width + previous + gradients - released
     return max(0.0, root_regather, block_backward)
 
 
