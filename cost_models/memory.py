@@ -519,8 +519,8 @@ def zero3_gathered_bytes(
       after this block's gather (:func:`gloo_staging_bytes`): it is counted in place of the gradients where larger.
       This moment covers the others of a block: its gather's copy-out, the prefetch's staged output, and its own
       reduce-scatter (the next block, an fp32 input, its shard and gloo's copy).
-      Measured on 4-block and 2-block weight-heavy GPTs (``benchmarks/memory_truth.py --models wide-short``;
-      layers=4 by hand) from the CPU allocator's timeline of one step.
+      Measured on weight-heavy GPTs of 4 and 2 blocks (``benchmarks/memory_truth.py --models wide-4,wide-short``)
+      from the CPU allocator's timeline of one step.
     """
     compute = compute_dtype_bytes(training)
     root = root_params(stage, strategy) * compute
