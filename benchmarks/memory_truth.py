@@ -1,7 +1,8 @@
 """Predicted vs measured peak memory per device, for DDP, each ZeRO stage, TP and PP, on real gloo ranks.
 
-Run: ``.venv/bin/python benchmarks/memory_truth.py [--ranks 4] [--models ...] [--strategies ...]`` (about
-20-40 minutes on a busy 2-core machine; timing does not matter here). For a tiny and two small models, each
+Run: ``.venv/bin/python benchmarks/memory_truth.py [--ranks 4] [--models ...] [--strategies ...]`` (4.5 minutes
+for the default models on a 2-core machine at load 1.4-4; timing does not matter here). For a tiny and two small models whose
+activations outweigh their weights, and a weight-heavy one (`wide-4`), each
 strategy is planned with the cost model (everything pinned), applied to the real model on ``--ranks`` gloo
 ranks, run for a warm-up step (two under DDP, whose buckets are rebuilt after the first synchronised backward),
 then one step under ``benchmarks/memory_meter.py``'s ``AllocatorMeter``: the peak of what the CPU allocator
@@ -44,7 +45,7 @@ MODELS = {
     # the same with 4 blocks: ZeRO-3's middle blocks (a neighbour on each side) exist
     "wide-4": ("gpt:layers=4,hidden=512,heads=8,vocab=1024,seq=16", 8, 16),
 }
-DEFAULT_MODELS = ("gpt-tiny", "small-gpt", "small-llama")
+DEFAULT_MODELS = ("gpt-tiny", "small-gpt", "small-llama", "wide-4")  # activations over weights, then weights over activations
 STRATEGIES = {  # name -> pins over the 4 ranks; everything else fixed so each row is one runtime path
     "DDP": "dp=4,zero=0",
     "ZeRO-1": "dp=4,zero=1",
