@@ -32,7 +32,7 @@ see ``Strategy``). Collective times come from ``topology.collectives``.
 
 from __future__ import annotations
 
-from tessera.cost_models.memory import compute_dtype_bytes, kept_local_params, local_params, root_params
+from tessera.cost_models.memory_state import compute_dtype_bytes, kept_local_params, local_params, root_params
 from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.sparse import (

@@ -21,7 +21,8 @@ from tessera.cost_models.compute import (
     GPU_CALIBRATION, Calibration, achievable_flops, bf16_or, compute_lower_bound_s, device_calibration, optimizer_step_s, recomputed_flops,
     stage_compute_s,
 )
-from tessera.cost_models.memory import local_params, stage_memory
+from tessera.cost_models.memory import stage_memory
+from tessera.cost_models.memory_state import local_params
 from tessera.cost_models.offload import exposed_offload_s
 from tessera.cost_models.partition import (
     StageTotals, block_policies, cached_stage_totals, kept_blocks, split_blocks, stage_totals,

@@ -25,6 +25,10 @@ arXiv 2205.05198, Sec. 4): without sequence parallelism, the inputs of norms and
 (10 of the 34 ``sbh`` bytes per layer) are replicated on every tensor-parallel rank; with it everything
 is divided by ``tp``, except the inputs PyTorch's sequence parallelism all-gathers and saves whole
 (:func:`sp_gathered_input_bytes`).
+
+The building blocks (local shares, runtime paths, the loss's tensors) are ``cost_models.memory_state``'s; the
+buffers that come and go in the data-parallel machinery (buckets, optimizer temporaries, gradient accumulation and
+reductions, ZeRO-3's gathers) ``cost_models.memory_transients``'.
 """
 
 from __future__ import annotations
@@ -32,20 +36,21 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tessera.cost_models.fp8 import saved_input_reduction_bytes
-from tessera.cost_models.partition import StageTotals, as_op_level_memory, op_level_selective
-from tessera.cost_models.profiles import TESSERA, ImplementationProfile
-from tessera.cost_models.pipeline import in_flight_micro_batches
-from tessera.cost_models.sparse import (
-    largest_gathered_params, local_param_split, ring_and_dispatch_buffer_bytes, sharded_params,
+from tessera.cost_models.memory_state import (
+    FP32, block_params, compute_dtype_bytes, held_gradient_bytes, kept_local_params, local_params, loss_gradient_bytes,
+    replicated_embedding_gradient_params, uses_fsdp2_replicate,
 )
+from tessera.cost_models.memory_transients import (
+    accumulation_bytes, ddp_bucket_bytes, gloo_staging_bytes, optimizer_temporary_bytes, replicate_reduction_bytes,
+    zero3_gathered_bytes, zero12_reduce_scatter_bytes,
+)
+from tessera.cost_models.partition import StageTotals, as_op_level_memory, op_level_selective
+from tessera.cost_models.pipeline import in_flight_micro_batches
+from tessera.cost_models.profiles import TESSERA, ImplementationProfile
+from tessera.cost_models.sparse import ring_and_dispatch_buffer_bytes, sharded_params
 from tessera.cost_models.types import Strategy, TrainingConfig
 
-FP32 = 4
 GiB = 2**30
-FSDP_PREFETCH_BLOCKS = 2  # the block being computed plus the one prefetched
-ADAMW_CPU_TEMPORARIES = 2  # ``_single_tensor_adamw``'s denominator: sqrt, then its division (``optimizer_temporary_bytes``)
-LOSS_TEMPORARIES = 2  # cross-entropy backward: d(log-probs) and d(logits) (``loss_gradient_bytes``)
-LOSS_PARALLEL_TEMPORARIES = 3  # loss_parallel forward: logits, x - max and exp beside the result
 # A fact about the runtime, not a setting: ``runtime/parallel_model.py`` runs ``schedule.step(return_outputs=False)``,
 # so the last stage does not keep every micro-batch's logits for a merged output (``pipeline_output_bytes``).
 # True describes pipelining's default (``return_outputs=True``), for a runtime that asks for the outputs.
@@ -55,18 +60,6 @@ REPLICATED_ACTIVATION_SHARE = 10 / 34  # Korthikanti et al. eq. 2: sbh(10 + 24/t
 # a stated assumption); a CPU rank costs ~220 MB before any model (shared/PLATFORM-NOTES.md).
 GPU_RESERVE_BYTES = 2 * GiB
 CPU_RESERVE_BYTES = 256 * 2**20
-
-
-def compute_dtype_bytes(training: TrainingConfig) -> int:
-    """Bytes per element of the compute dtype."""
-    return FP32 if training.precision == "fp32" else 2
-
-
-def local_params(stage: StageTotals, strategy: Strategy) -> float:
-    """Parameters of ``stage`` on one device: tp divides the sharded ones, tp * ep the routed experts."""
-    if not stage.expert_params:
-        return stage.sharded_params / strategy.tp + stage.replicated_params
-    return sum(local_param_split(stage, strategy))
 
 
 def stage_memory(
@@ -90,7 +83,8 @@ def stage_memory(
     copies = autocast_copy_bytes(stage, training, strategy, profile)
     marks = (backward_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu,
                              block_gather_bytes=block_gather_bytes),
-             step_end_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu, profile=profile))
+             step_end_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu, profile=profile,
+                             autocast_copies=copies))
     if training.precision == "fp8":
         marks = tuple(with_fp8_state(mark, stage, training, strategy, micro_batches=micro_batches, profile=profile,
                                      in_backward=mark is marks[0], on_cpu=on_cpu) for mark in marks)
@@ -158,11 +152,12 @@ def backward_memory(
 
 def step_end_memory(
     stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, on_cpu: bool,
-    profile: ImplementationProfile = TESSERA,
+    profile: ImplementationProfile = TESSERA, autocast_copies: float = 0.0,
 ) -> dict:
     """Bytes by category after the backward: reduced gradients, merged pipeline outputs, and the largest of what
     comes and goes around them as ``profile`` runs: optimizer temporaries, FSDP2 ``replicate``'s reduction, or what
-    autograd's own accumulation holds at the backward's end."""
+    autograd's own accumulation holds at the backward's end (beside ``autocast_copies``,
+    :func:`autocast_copy_bytes`)."""
     # ZeRO-0 keeps the full gradient; every FSDP2 stage (1-3) reduce-scatters it to the 1/dp shard it steps on.
     if strategy.zero == 0:
         gradients = (local_params(stage, strategy) + replicated_embedding_gradient_params(stage, strategy)) * FP32
@@ -174,8 +169,8 @@ def step_end_memory(
     if profile.replicate_by_fsdp2:
         transient.append(replicate_reduction_bytes(stage, training, strategy, micro_batches=micro_batches))
     if profile.autocast_copies:
-        copies = autocast_copy_bytes(stage, training, strategy, profile)
-        transient.append(accumulation_bytes(stage, training, strategy, micro_batches=micro_batches, copies=copies))
+        transient.append(accumulation_bytes(stage, training, strategy, micro_batches=micro_batches,
+                                            copies=autocast_copies))
     return {
         "parameters": parameter_bytes(stage, training, strategy, in_backward=False),
         "gradients": gradients,
@@ -183,61 +178,6 @@ def step_end_memory(
         "activations": 0.0,
         "buffers": ddp_bucket_bytes(stage, strategy) + merged + max(transient),
     }
-
-
-def accumulation_bytes(
-    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, copies: float
-) -> float:
-    """What the paths whose gradients autograd accumulates itself (DDP, a plain module, a pipeline stage without
-    FSDP2) hold beyond the step's full gradient near the end of the last micro-batch's backward: autocast's weight
-    copies (``copies``) not yet used, and the new gradient of the largest weight in fp32 as it is added to the
-    accumulated one.
-
-    Under autocast each weight's gradient comes in the compute dtype and is cast back by the backward of autocast's
-    cast, which autograd runs after the block's matmuls: a block's compute-dtype weight gradients wait together,
-    in place of its copies once each is used. Around the forward alone (the runtime's way) the copies of the
-    blocks not yet reached are the rest; a pipeline schedule runs every backward inside autocast, whose cache
-    keeps all copies to the step's last backward, so the block's gradients come on top. Measured on 2 ranks
-    (``benchmarks/memory_truth.py --ranks 2 --models wide-short --strategies '' --pins PP2=dp=1,pp=2``): 14 MiB
-    accumulated, 7 MiB of copies, a block's 6 MiB of bf16 gradients and a 4 MiB fp32 gradient at once."""
-    if strategy.zero != 0 or uses_fsdp2_replicate(strategy):
-        return 0.0
-    kept = copies if strategy.pp > 1 else 0.0
-    if micro_batches == 1:  # nothing accumulated: each gradient is the first, taken as it is
-        return kept
-    block_gradients = gathered_block_params(stage, strategy) * compute_dtype_bytes(training) if copies else 0.0
-    waiting = kept + block_gradients if strategy.pp > 1 else copies
-    return waiting + stage.largest_tensor_params / strategy.tp * FP32
-
-
-def replicate_reduction_bytes(
-    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int
-) -> float:
-    """What FSDP2's ``replicate`` (one unit over the stage's module, ``runtime.data_parallel``) holds beyond the
-    step's full fp32 gradient, at the higher of two moments after the activations are gone.
-
-    - The unit's backward has ended, before its ``post_backward``: its gathered parameters and its new
-      gradients, both in the compute dtype, beside the fp32 gradient accumulated over earlier micro-batches
-      (:func:`held_gradient_bytes`) and, as ``post_backward`` adds each new gradient to it, an fp32 copy of one.
-      In fp32 the accumulated gradient is the gathered parameters' own, which autograd adds each new one to as
-      it comes: one new gradient at a time (measured on the same model in fp32: 14 MiB each of gathered
-      parameters and accumulated gradients, and a 2 MiB new one).
-    - The reduction (``foreach_reduce`` over a shard group of one rank): an fp32 input of the whole unit, and an
-      fp32 output it copies that into and all-reduces, which stays as the gradient: one copy more.
-
-    Measured on the 4-rank TP x DP of ``benchmarks/memory_truth.py --models wide-short``: 14 MiB of fp32
-    gradients, 7 MiB each of gathered parameters and bf16 gradients and a 2 MiB copy at the first moment, two
-    14 MiB buffers at the second."""
-    if not uses_fsdp2_replicate(strategy):
-        return 0.0
-    gradients = local_params(stage, strategy) + replicated_embedding_gradient_params(stage, strategy)
-    compute = compute_dtype_bytes(training)
-    held = held_gradient_bytes(stage, strategy, micro_batches=micro_batches)
-    added = stage.largest_tensor_params / strategy.tp * FP32 if held else 0.0
-    # In fp32 the gathered parameters' own gradients are the accumulator: autograd adds each new one as it comes.
-    new = gradients * compute if compute != FP32 or not held else 0.0
-    unit_end = local_params(stage, strategy) * compute + new + held + added
-    return max(gradients * FP32, unit_end - gradients * FP32)
 
 
 def parameter_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, in_backward: bool) -> float:
@@ -260,13 +200,6 @@ def parameter_bytes(stage: StageTotals, training: TrainingConfig, strategy: Stra
     return masters
 
 
-def kept_local_params(stage: StageTotals, strategy: Strategy) -> float:
-    """Gathered parameters on one device of the ZeRO-3 blocks that keep them from forward to backward: tp
-    divides the dense part, etp * ep the routed experts (as ``local_params``)."""
-    dense = stage.kept_params - stage.kept_expert_params
-    return dense / strategy.tp + stage.kept_expert_params / (strategy.expert_tp * strategy.ep)
-
-
 def autocasts(training: TrainingConfig, strategy: Strategy, profile: ImplementationProfile) -> bool:
     """Whether mixed precision runs by ``torch.autocast`` (``ImplementationProfile.autocast_copies``): bf16/fp16/fp8
     on a model no FSDP unit wraps, ZeRO-0 without FSDP2's ``replicate`` (``runtime.parallel_model._autocast``)."""
@@ -280,7 +213,8 @@ def autocast_copy_bytes(
     """Bytes of the compute-dtype weight copies autocast makes (0 where it does not run). Its cache keeps them until
     the context exits: the runtime wraps the forward alone, so each goes once its layer's backward has used it,
     except under a pipeline schedule, which runs every backward inside the context too
-    (``runtime.parallel_model``): there they last to the step's last backward (:func:`accumulation_bytes`)."""
+    (``runtime.parallel_model``): there they last to the step's last backward
+    (``memory_transients.accumulation_bytes``)."""
     if not autocasts(training, strategy, profile):
         return 0.0
     return autocast_copied_params(stage, training, strategy) * compute_dtype_bytes(training)
@@ -291,67 +225,6 @@ def autocast_copied_params(stage: StageTotals, training: TrainingConfig, strateg
     FP8 linears cast the weight straight to FP8 on each use, ``runtime.float8``; the norms inside them are few)."""
     local = local_params(stage, strategy)
     return local - block_params(stage, strategy) if training.precision == "fp8" else local
-
-
-def block_params(stage: StageTotals, strategy: Strategy) -> float:
-    """Local parameters inside the stage's blocks (all but the root's embedding, final norm and head)."""
-    return local_params(stage, strategy) - (stage.root_sharded_params / strategy.tp + stage.root_replicated_params)
-
-
-def uses_ddp(strategy: Strategy) -> bool:
-    """Whether the runtime's data-parallel axis is ``DistributedDataParallel`` (``runtime.data_parallel``)."""
-    plain = strategy.tp == strategy.pp == strategy.cp == strategy.ep == 1
-    return strategy.zero == 0 and plain and strategy.dp > 1
-
-
-def uses_fsdp2_replicate(strategy: Strategy) -> bool:
-    """Whether it is FSDP2's ``replicate`` (ZeRO-0 over ``dp * cp`` ranks with tp, pp, cp or ep)."""
-    return strategy.zero == 0 and strategy.dp * strategy.cp > 1 and not uses_ddp(strategy)
-
-
-def held_gradient_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
-    """Gradients alive when the last in-flight micro-batch's backward starts: those of earlier micro-batches.
-
-    The optimizer's ``zero_grad(set_to_none=True)`` frees them every step, so a step whose peak comes before
-    any backward (one micro-batch, or a pipeline stage whose in-flight count only peaks once) holds none.
-    Accumulated over micro-batches they are full-size where the reduction waits for the last micro-batch —
-    DDP's ``no_sync``, FSDP2 ZeRO-0/1 with gradient sync off (it accumulates the unsharded gradient in fp32),
-    and every stage under ``torch.distributed.pipelining`` (it syncs on the last micro-batch only) — and the
-    1/dp shard where ZeRO-2/3 reduce-scatter after every micro-batch.
-    """
-    in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
-    if micro_batches <= in_flight:
-        return 0.0
-    if strategy.zero <= 1 or strategy.pp > 1:
-        return (local_params(stage, strategy) + replicated_embedding_gradient_params(stage, strategy)) * FP32
-    return sharded_params(stage, strategy, from_zero=2) * FP32
-
-
-def replicated_embedding_gradient_params(stage: StageTotals, strategy: Strategy) -> float:
-    """Extra gradient elements of vocabulary-parallel embeddings under tensor parallelism.
-
-    DTensor's embedding backward gives a row-sharded (``Shard(0)``, ``RowwiseParallel``) embedding weight a
-    ``Replicate`` gradient: every tp rank holds the whole ``vocab x h`` gradient, ``1 - 1/tp`` more than its
-    shard (checked on torch 2.13: ``weight.grad.placements == (Replicate(),)``). Counted where the unsharded
-    gradient is what the step holds (ZeRO-0/1 accumulation; FSDP2's reduce-scatter of ZeRO-2/3 re-shards it).
-    """
-    if strategy.tp == 1 or strategy.zero > 1:
-        return 0.0
-    return stage.embedding_params * (1 - 1 / strategy.tp)
-
-
-def loss_gradient_bytes(stage: StageTotals, strategy: Strategy) -> float:
-    """The loss's working tensors on its micro-batch, beyond the saved log-probabilities, all activations alive.
-
-    Plain cross-entropy (``tp == 1``): the backward's first operations, ``nll_loss_backward`` (a dense gradient
-    of the log-probabilities) and ``_log_softmax_backward_data`` (the logits' gradient), hold two
-    log-probability-sized tensors: ``LOSS_TEMPORARIES``. Under tensor parallelism ``loss_parallel`` computes the
-    vocabulary-sharded log-softmax from aten pieces (``x - max``, ``exp``, the sum's all-reduce, the result), and
-    its forward keeps the logits and three shard-sized tensors alive at once: ``LOSS_PARALLEL_TEMPORARIES``
-    (the logits are otherwise freed). Sizes are 1/tp (vocabulary shards) and 1/cp (tokens).
-    """
-    temporaries = LOSS_TEMPORARIES if strategy.tp == 1 else LOSS_PARALLEL_TEMPORARIES
-    return temporaries * stage.loss_saved_bytes * strategy.micro_batch / (strategy.tp * strategy.cp)
 
 
 def pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
@@ -381,30 +254,6 @@ def merged_pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micr
     if strategy.pp == 1 or not stage.logits_bytes or not PIPELINE_KEEPS_OUTPUTS:
         return 0.0
     return 2 * stage.logits_bytes * strategy.micro_batch * micro_batches / (strategy.tp * strategy.cp)
-
-
-def ddp_bucket_bytes(stage: StageTotals, strategy: Strategy) -> float:
-    """DDP's gradient buckets: a second copy of every local gradient, allocated once at construction.
-
-    ``DistributedDataParallel`` (the runtime's ZeRO-0 path without tp/pp/cp/ep, ``runtime.data_parallel``)
-    flattens all gradients into buckets (``bucket_cap_mb=25``, the first 1 MiB) for the all-reduce; together
-    the buckets cover every parameter, in the gradients' dtype (fp32 masters: autocast keeps parameters
-    fp32), and they persist (``gradient_as_bucket_view=False``, the default, copies into them).
-    """
-    return local_params(stage, strategy) * FP32 if uses_ddp(strategy) else 0.0
-
-
-def optimizer_temporary_bytes(stage: StageTotals, strategy: Strategy, *, on_cpu: bool) -> float:
-    """AdamW's step temporaries. On GPUs PyTorch picks the ``foreach`` implementation, whose
-    ``torch._foreach_sqrt(exp_avg_sqs)`` materialises one fp32 tensor per parameter at once (the size of the
-    local optimizer shard); on CPU it picks the per-tensor loop (``_single_tensor_adamw``), whose denominator
-    ``exp_avg_sq.sqrt() / bias_correction2_sqrt`` holds two temporaries of one parameter at once: the largest
-    local one's (measured: 8 MiB at the step's end on the 4-rank DDP of ``benchmarks/memory_truth.py --models
-    wide-short``, whose largest weight holds 4 MiB)."""
-    if not on_cpu:
-        return sharded_params(stage, strategy, from_zero=1) * FP32
-    shards = strategy.dp * strategy.cp if strategy.zero >= 1 else 1  # FSDP2 steps on each parameter's dim-0 shard
-    return ADAMW_CPU_TEMPORARIES * stage.largest_tensor_params / (strategy.tp * shards) * FP32
 
 
 def activation_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
@@ -449,101 +298,3 @@ def _buffer_bytes(
         return pipeline + zero3_gathered_bytes(stage, training, strategy, on_cpu=on_cpu,
                                                block_gather_bytes=block_gather_bytes)
     return pipeline + ddp_bucket_bytes(stage, strategy) + zero12_reduce_scatter_bytes(stage, strategy, on_cpu=on_cpu)
-
-
-def zero12_reduce_scatter_bytes(stage: StageTotals, strategy: Strategy, *, on_cpu: bool) -> float:
-    """What ZeRO-1/2's reduce-scatter of its largest unit adds to the backward's start: FSDP2's ``post_backward``
-    frees the unit's gathered parameters, which its unsharded gradient replaces, and copies that gradient into an
-    fp32 reduce-scatter input of the unit's size (``foreach_reduce``), which it keeps until the next unit's
-    ``post_backward`` (``reduce_scatter_states``), and gloo stages one more copy of (:func:`gloo_staging_bytes`).
-    The loss's temporaries are released by then (:func:`loss_backward_released_bytes`)."""
-    if strategy.zero not in (1, 2):
-        return 0.0
-    reduce_input = reduce_scatter_input_params(stage, strategy) * FP32
-    staged = gloo_staging_bytes(stage, strategy, on_cpu=on_cpu)
-    return max(0.0, reduce_input + staged - loss_backward_released_bytes(stage, strategy))
-
-
-def reduce_scatter_input_params(stage: StageTotals, strategy: Strategy) -> float:
-    """Local parameters of the largest unit whose gradient FSDP2 reduce-scatters while others are gathered: ZeRO-1/2's
-    largest unit (a block, or the root: the parameters outside the blocks), ZeRO-3's largest block (its root is
-    reduced last, nothing gathered beside it); none without FSDP2's sharding."""
-    if strategy.zero == 3:
-        return gathered_block_params(stage, strategy)
-    if strategy.zero in (1, 2):
-        return max(root_params(stage, strategy), gathered_block_params(stage, strategy))
-    return 0.0
-
-
-def gloo_staging_bytes(stage: StageTotals, strategy: Strategy, *, on_cpu: bool) -> float:
-    """gloo's copy of a reduce-scatter's input, alive inside the reduce-scatter (CPU ranks: the CPU allocator's peak
-    during ``reduce_scatter_tensor`` is the input's size again, ``benchmarks/gloo_staging.py``); NCCL reduces in
-    place."""
-    return reduce_scatter_input_params(stage, strategy) * FP32 if on_cpu else 0.0
-
-
-def root_params(stage: StageTotals, strategy: Strategy) -> float:
-    """Local parameters of the root's FSDP2 unit (those outside the blocks: embedding, final norm, head)."""
-    return stage.root_sharded_params / strategy.tp + stage.root_replicated_params
-
-
-def gathered_block_params(stage: StageTotals, strategy: Strategy) -> float:
-    """Local parameters of the largest block as FSDP2 gathers it (experts stay ep-sharded)."""
-    if stage.largest_block_params >= stage.largest_layer_params:
-        return largest_gathered_params(stage, strategy)  # the largest layer is a block
-    return stage.largest_block_params / strategy.tp
-
-
-def zero3_gathered_bytes(
-    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, on_cpu: bool = False,
-    block_gather_bytes: float | None = None,
-) -> float:
-    """ZeRO-3 (FSDP2 ``fully_shard`` per block, then on the root, all with ``reshard_after_forward=True``): what
-    the gathering adds to the backward's start (every activation and the loss's temporaries alive), at the
-    highest of three moments.
-
-    - The backward's start: nothing is gathered. Every unit was resharded after its forward, the root too:
-      FSDP2 keeps the root gathered only when ``reshard_after_forward`` is left to its default
-      (``FSDPState._lazy_init`` checks ``_auto_reshard_after_forward``), and the runtime passes ``True``.
-    - The root's re-gather, as soon as the loss's backward has produced the logits' gradient (the root's
-      pre-backward hook): the root's parameters twice, the flat all-gather output and the per-parameter
-      storages it is copied into (``foreach_all_gather_copy_out``; gloo's all-gather stages a copy of the same
-      size before that), while the loss has released all but the logits' gradient
-      (:func:`loss_backward_released_bytes`).
-    - The end of a middle block's backward, before its ``post_backward``: the root, the block and the next one
-      (prefetched; ``block_gather_bytes`` per parameter, the compute dtype's by default; none where every block
-      keeps its gathered weights, which :func:`parameter_bytes` holds), the block's new gradients in the compute
-      dtype, and the reduce-scatter of the block after it, whose fp32 input and output shard FSDP2 keeps until
-      this block's ``post_backward`` (``reduce_scatter_states``); the loss's tensors all released. On CPU ranks
-      gloo's staged copy of that reduce-scatter's input is freed by whichever thread drops it last, at times only
-      after this block's gather (:func:`gloo_staging_bytes`): it is counted in place of the gradients where larger.
-      This moment covers the others of a block: its gather's copy-out, the prefetch's staged output, and its own
-      reduce-scatter (the next block, an fp32 input, its shard and gloo's copy).
-      Measured on weight-heavy GPTs of 4 and 2 blocks (``benchmarks/memory_truth.py --models wide-4,wide-short``)
-      from the CPU allocator's timeline of one step.
-    """
-    compute = compute_dtype_bytes(training)
-    root = root_params(stage, strategy) * compute
-    block = gathered_block_params(stage, strategy)
-    released = loss_backward_released_bytes(stage, strategy)
-    root_regather = 2 * root + loss_output_bytes(stage, strategy) - released  # the logits' gradient is kept
-    width = compute if block_gather_bytes is None else block_gather_bytes
-    previous = block * FP32 * (1 + 1 / (strategy.dp * strategy.cp))  # the block after's reduce-scatter, in and out
-    in_flight = FSDP_PREFETCH_BLOCKS if stage.kept_blocks < stage.blocks else 0  # not by count: the ILP is linear in it
-    gradients = max(block * compute, gloo_staging_bytes(stage, strategy, on_cpu=on_cpu))
-    block_backward = root + in_flight * block * width + previous + gradients - released
-    return max(0.0, root_regather, block_backward)
-
-
-def loss_output_bytes(stage: StageTotals, strategy: Strategy) -> float:
-    """One loss-sized tensor of a micro-batch on one device (1/tp vocabulary, 1/cp tokens): the saved
-    log-probabilities, their gradient or the logits' gradient."""
-    return stage.loss_saved_bytes * strategy.micro_batch / (strategy.tp * strategy.cp)
-
-
-def loss_backward_released_bytes(stage: StageTotals, strategy: Strategy) -> float:
-    """What the loss's backward has freed, against the backward's start, once it has run: the temporaries
-    counted there (:func:`loss_gradient_bytes`) and the saved log-probabilities (autograd frees a node's saved
-    tensors after running it). Measured on small-gpt (ZeRO-3, fp32): 16 MiB of temporaries and 8 MiB of
-    log-probabilities are freed before the root's all-gather, the 8 MiB gradient of the logits kept."""
-    return loss_gradient_bytes(stage, strategy) + loss_output_bytes(stage, strategy)

@@ -235,7 +235,7 @@ def test_root_loss_and_gathered_totals_of_a_stage():
 
 
 def test_loss_temporaries_plain_and_vocabulary_parallel():
-    from tessera.cost_models.memory import loss_gradient_bytes
+    from tessera.cost_models.memory_state import loss_gradient_bytes
     totals, s = _totals("dp=1,mbs=2")
     assert loss_gradient_bytes(totals, s) == 2 * 40 * 2
     totals, s = _totals("dp=1,tp=2,mbs=2")
@@ -243,7 +243,7 @@ def test_loss_temporaries_plain_and_vocabulary_parallel():
 
 
 def test_ddp_buckets_only_on_the_ddp_path():
-    from tessera.cost_models.memory import ddp_bucket_bytes
+    from tessera.cost_models.memory_transients import ddp_bucket_bytes
     totals, s = _totals("dp=4,zero=0")
     assert ddp_bucket_bytes(totals, s) == 2310 * 4  # a second fp32 copy of every gradient
     for other in ("dp=4,zero=1", "dp=2,tp=2,zero=0", "dp=2,pp=2,zero=0", "dp=1"):
@@ -251,7 +251,7 @@ def test_ddp_buckets_only_on_the_ddp_path():
 
 
 def test_held_gradients_only_after_an_earlier_backward():
-    from tessera.cost_models.memory import held_gradient_bytes
+    from tessera.cost_models.memory_state import held_gradient_bytes
     totals, s = _totals("dp=4,zero=2,mbs=1")
     assert held_gradient_bytes(totals, s, micro_batches=1) == 0
     assert held_gradient_bytes(totals, s, micro_batches=2) == 2310 * 4 / 4  # ZeRO-2 accumulates its shard
@@ -272,7 +272,8 @@ def test_zero12_keep_gathered_parameters():
 def test_zero3_gathers_at_the_highest_of_three_backward_moments():
     from dataclasses import replace
 
-    from tessera.cost_models.memory import loss_backward_released_bytes, zero3_gathered_bytes
+    from tessera.cost_models.memory_state import loss_backward_released_bytes
+    from tessera.cost_models.memory_transients import zero3_gathered_bytes
     training = TrainingConfig(global_batch=8, seq_len=16)  # bf16
     totals, s = _totals("dp=4,zero=3")
     # Once the loss's backward has run: its two 40 B temporaries and its 40 B of saved log-probabilities are freed.
@@ -299,7 +300,7 @@ def test_zero3_gathers_at_the_highest_of_three_backward_moments():
 def test_zero12_reduce_scatter_their_largest_unit_through_an_fp32_copy_after_the_loss_backward():
     from dataclasses import replace
 
-    from tessera.cost_models.memory import zero12_reduce_scatter_bytes
+    from tessera.cost_models.memory_transients import zero12_reduce_scatter_bytes
     totals, s = _totals("dp=4,zero=1")
     # the largest unit is a block (1000 parameters): its fp32 reduce-scatter input, less what the loss freed
     assert zero12_reduce_scatter_bytes(totals, s, on_cpu=False) == 1000 * 4 - 3 * 40
@@ -310,7 +311,7 @@ def test_zero12_reduce_scatter_their_largest_unit_through_an_fp32_copy_after_the
 
 
 def test_cpu_adamw_holds_two_temporaries_of_its_largest_local_tensor_and_gpu_foreach_a_whole_shard():
-    from tessera.cost_models.memory import optimizer_temporary_bytes
+    from tessera.cost_models.memory_transients import optimizer_temporary_bytes
     totals, s = _totals("dp=4,zero=0")
     assert totals.largest_tensor_params == 200  # the head: no block matrix is declared in MODEL
     assert optimizer_temporary_bytes(totals, s, on_cpu=True) == 2 * 200 * 4  # sqrt, then its division
@@ -320,7 +321,7 @@ def test_cpu_adamw_holds_two_temporaries_of_its_largest_local_tensor_and_gpu_for
 
 
 def test_fsdp2_replicate_holds_its_reduction_or_its_unit_end_beyond_the_step_end_gradients():
-    from tessera.cost_models.memory import replicate_reduction_bytes
+    from tessera.cost_models.memory_transients import replicate_reduction_bytes
     totals, s = _totals("dp=2,tp=2,zero=0,mbs=2")
     bf16 = TrainingConfig(global_batch=4, seq_len=16, precision="bf16")
     local, gradients = 2300 / 2 + 10, 2300 / 2 + 10 + 100 / 2  # a vocabulary-parallel embedding's gradient is whole
@@ -339,7 +340,7 @@ def test_fsdp2_replicate_holds_its_reduction_or_its_unit_end_beyond_the_step_end
 
 
 def test_autograd_accumulation_holds_the_copies_not_yet_used_and_one_fp32_gradient_being_added():
-    from tessera.cost_models.memory import accumulation_bytes
+    from tessera.cost_models.memory_transients import accumulation_bytes
     bf16 = TrainingConfig(global_batch=8, seq_len=16, precision="bf16")
     ddp, copies = Strategy.parse("dp=4,zero=0,mbs=2"), 2310 * 2
     assert accumulation_bytes(*_totals("dp=4,zero=0,mbs=2")[:1], bf16, ddp, micro_batches=1, copies=copies) == 0
