@@ -17,7 +17,7 @@ from dataclasses import replace
 from tessera.cost_models.estimate import stage_time
 from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.memory import stage_memory
-from tessera.cost_models.partition import block_policies, kept_blocks, split_chunks, stage_totals
+from tessera.cost_models.partition import StageTotals, block_policies, kept_blocks, split_chunks, stage_totals
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology.cluster import Cluster
 
@@ -35,9 +35,15 @@ def layer_costs(
     costs = {}
     for chunk, chunk_layers in enumerate(split_chunks(layers, strategy)):
         for layer in chunk_layers:
-            totals = replace(stage_totals([layer], chunk % strategy.pp, policies, kept=kept),
-                             recompute_buffer_bytes=0, offload_buffer_bytes=0, offloaded_bytes=0)
+            totals = _without_buffers(stage_totals([layer], chunk % strategy.pp, policies, kept=kept))
             t = stage_time(totals, cluster, training, strategy)
             memory = stage_memory(totals, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu)
             costs[layer.fqn] = (sum(memory.get(c, 0) for c in LAYER_MEMORY_CATEGORIES), t.total - t.pp_comm)
     return costs
+
+
+def _without_buffers(totals: StageTotals) -> StageTotals:
+    """One layer's totals without the stage's one-at-a-time buffers (they are the stage's, not the layer's), its
+    autocast figures likewise."""
+    autocast = totals.autocast and _without_buffers(totals.autocast)
+    return replace(totals, recompute_buffer_bytes=0, offload_buffer_bytes=0, offloaded_bytes=0, autocast=autocast)

@@ -58,6 +58,17 @@ class LayerStats(BaseModel):
     saved_bytes_op_selective: int | None = Field(default=None, ge=0)
     """Bytes kept for one sequence under that op-level policy: the layer's inputs and the outputs of its other
     matmuls and of its attention cores; ``None`` when not measured (priced as ``saved_bytes_selective``)."""
+    autocast_saved_bytes_no_recompute: int | None = Field(default=None, ge=0)
+    """``saved_bytes_no_recompute`` with fp32 weights under ``torch.autocast`` to the measured dtype, as the runtime
+    trains where no FSDP unit casts the weights: the residual stream stays fp32 and each linear saves its own cast
+    input; autocast's weight copies not counted. ``None`` when not measured (priced as the plain figure). The three
+    ``autocast_saved_bytes_*`` fields below are the other policies' figures under autocast, likewise."""
+    autocast_saved_bytes_full_recompute: int | None = Field(default=None, ge=0)
+    autocast_saved_bytes_selective: int | None = Field(default=None, ge=0)
+    autocast_saved_bytes_op_selective: int | None = Field(default=None, ge=0)
+    autocast_output_bytes: int | None = Field(default=None, ge=0)
+    """``output_bytes`` under autocast (a block's output is the fp32 residual stream): what a pipeline stage
+    boundary holds there; ``None`` when not measured."""
     hidden_size: int = Field(default=0, ge=0)
     """Width of the layer's output activations (0 when not a transformer layer)."""
     attention_heads: int = Field(default=0, ge=0)

@@ -75,6 +75,8 @@ def stage_memory(
     The stage's ``index`` matters only through ``in_flight_micro_batches`` (``estimate`` relies on it).
     """
     reserve = CPU_RESERVE_BYTES if on_cpu else GPU_RESERVE_BYTES
+    if stage.autocast is not None and autocasts(training, strategy, profile):
+        stage = stage.autocast  # activations as autocast saves them: an fp32 residual stream, per-linear casts
     if op_level_selective(stage, profile.selective_policy):
         stage = as_op_level_memory(stage)
     if on_cpu and stage.offloaded_bytes:  # a CPU rank's device memory is the host's: offloading frees nothing

@@ -86,6 +86,9 @@ class StageTotals:
     selective_saved_bytes: int = 0  # the part of saved_bytes that is those blocks' (attention-core policy)
     op_selective_saved_bytes: int = 0  # what they keep under the op-level policy instead
     op_selective_buffer_bytes: int = 0  # one of them recomputed: what its backward materialises again at once
+    # The same stage with every saved-bytes figure as measured under torch.autocast (``memory.autocasts``), or None
+    # where capture did not measure it: the memory model reads its activations on the paths that autocast.
+    autocast: StageTotals | None = None
 
 
 def split_blocks(layers: Sequence[LayerStats], strategy: Strategy) -> list[list[LayerStats]]:
@@ -179,6 +182,10 @@ def stage_totals(
 ) -> StageTotals:
     """Sum a stage's layers, each block under its activation policy (``policies`` by FQN); ``kept``: the blocks
     that keep their gathered weights to their backward (ZeRO-3)."""
+    view = [under_autocast(layer) for layer in stage]
+    autocast = None
+    if any(seen is not layer for seen, layer in zip(view, stage)):
+        autocast = replace(stage_totals(view, index, policies, kept=kept), **_autocast_boundary(stage))
     blocks = [layer for layer in stage if layer.kind == "block"]
     policy = {layer.fqn: policies.get(layer.fqn, "none") for layer in stage}
     full = [b for b in blocks if policy[b.fqn] == "full"]
@@ -206,7 +213,43 @@ def stage_totals(
         linears=sum(_linears(layer) for layer in stage),
         **_offload_and_kept_totals(blocks, policy, kept),
         **_selective_totals(blocks, policy),
+        autocast=autocast,
     )
+
+
+_AUTOCAST_FIELDS = {
+    "saved_bytes_no_recompute": "autocast_saved_bytes_no_recompute",
+    "saved_bytes_full_recompute": "autocast_saved_bytes_full_recompute",
+    "saved_bytes_selective": "autocast_saved_bytes_selective",
+    "saved_bytes_op_selective": "autocast_saved_bytes_op_selective",
+}
+_AUTOCAST_VIEWS: dict[int, tuple[LayerStats, LayerStats]] = {}
+
+
+def _autocast_boundary(stage: Sequence[LayerStats]) -> dict:
+    """What a pipeline stage sends on under autocast (its last block's output: the fp32 residual stream).
+    Only the boundary: the other uses of ``output_bytes`` (tensor-parallel reductions, keys and values) are linear
+    outputs, in the compute dtype either way."""
+    last = stage[-1]
+    return {"boundary_bytes": last.output_bytes if last.autocast_output_bytes is None else last.autocast_output_bytes}
+
+
+def under_autocast(layer: LayerStats) -> LayerStats:
+    """``layer`` with its saved bytes as measured under autocast and no autocast figures of its own; ``layer``
+    itself where capture did not measure them. Memoised by identity (a search sums the same layers many times)."""
+    if layer.autocast_saved_bytes_no_recompute is None:
+        return layer
+    hit = _AUTOCAST_VIEWS.get(id(layer))
+    if hit is not None and hit[0] is layer:
+        return hit[1]
+    view = layer.model_copy(update={
+        **{plain: getattr(layer, measured) for plain, measured in _AUTOCAST_FIELDS.items()},
+        **dict.fromkeys(_AUTOCAST_FIELDS.values()),
+    })
+    if len(_AUTOCAST_VIEWS) >= _TOTALS_CACHE_LIMIT:
+        _AUTOCAST_VIEWS.clear()
+    _AUTOCAST_VIEWS[id(layer)] = (layer, view)
+    return view
 
 
 def _selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:

@@ -14,7 +14,9 @@ Steps (one function each):
    ``tok_emb -> blocks.0``. The same graph gives the tensor-parallel linear pairs (``tessera.planner.layer_info``).
 3. ``measure_layers`` (``tessera.planner.measure``): FLOPs, saved bytes under each recompute policy, input and
    output bytes of every layer and the loss, from one fake forward + loss + backward -- at three sequence lengths,
-   so ``LayerGraph.at_seq_len`` can rescale without re-tracing (see ``tessera.planner.layer_graph``).
+   so ``LayerGraph.at_seq_len`` can rescale without re-tracing (see ``tessera.planner.layer_graph``); for a
+   bf16/fp16 capture, again with fp32 weights under ``torch.autocast`` (what the runtime's DDP and its TP or PP
+   without data parallelism save).
 4. ``LayerStats`` per layer: the measurements, the parameters it owns, the facts of ``layer_info``, the block's
    kind (``tessera.planner.block_kinds``: attention, local attention, MoE, SSM, encoder), and a signature shared by
    identical blocks (blocks that differ in kind, shapes or any measured number never share one).
@@ -31,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -51,6 +54,8 @@ from tessera.planner.layer_graph import (
 from tessera.planner.measure import LOSS, ExampleInputs, Tally, example_inputs_at, measure_at_lengths, measure_layers
 from tessera.planner.model_source import max_positions, resolve_model, resolve_model_and_inputs
 from tessera.planner.replay import CONTAINERS
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LayerFlow", "capture", "capture_preset", "find_layers", "measure_layers", "trace_layers"]
 
@@ -98,6 +103,8 @@ def capture(
         rescalable = fit_seq_scaling and (example_inputs is None or callable(example_inputs))
         lengths = fit_lengths(seq_len) if rescalable else (seq_len,)
         tallies = measure_at_lengths(model, flow.order, dtype=dtype, lengths=lengths, inputs=example_inputs)
+        if dtype in AUTOCAST_DTYPES:
+            _add_autocast(tallies, model, flow.order, dtype=dtype, inputs=example_inputs)
     stats, keys = _records(model, layers, flow, pairs, tallies[seq_len], capacity_factor=expert_capacity_factor,
                            seq_len=seq_len, windowed=windowed)
     unavailable = unavailable_axes(model, layers, stats, front_end=flow.front_end, fallback_reasons=flow.fallback_reasons,
@@ -339,6 +346,28 @@ def _records(
     return stats, keys
 
 
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+"""Capture dtypes the runtime may also train by ``torch.autocast`` over fp32 weights (``LayerStats``'s
+``autocast_saved_bytes_*``)."""
+
+
+def _add_autocast(
+    tallies: dict[int | None, dict[str, Tally]], model: nn.Module, order: tuple[str, ...], *, dtype: torch.dtype,
+    inputs: ExampleInputs | None,
+) -> None:
+    """Measure the same lengths again with fp32 weights under autocast and attach each layer's figures to its
+    tally. A model whose ops fake CPU tensors cannot run keeps only the plain figures (the cost model then prices
+    autocast's activations as the measured dtype's)."""
+    try:
+        measured = measure_at_lengths(model, order, dtype=dtype, lengths=tuple(tallies), inputs=inputs, autocast=True)
+    except CaptureError as exc:
+        log.info("autocast's activations not measured (priced as %s's): %s", _DTYPE_NAMES[dtype], exc)
+        return
+    for length, layers in tallies.items():
+        for fqn, tally in layers.items():
+            tally.under_autocast = measured[length][fqn]
+
+
 def _facts(model: nn.Module, module: nn.Module, kind: str, tally: Tally, *, vocab: int, pairs: tuple) -> dict:
     """LayerStats fields read off the module and the graph (see ``tessera.planner.layer_info``)."""
     declared_kv = layer_info.kv_heads_declared(module, getattr(model, "config", None)) if tally.heads else 0
@@ -389,6 +418,18 @@ def _numbers(tally: Tally) -> dict[str, int | None]:
         "saved_bytes_op_selective": tally.saved_bytes_op_selective,
         "expert_forward_flops": tally.expert_forward_flops,
         "expert_backward_flops": tally.expert_backward_flops,
+        **_autocast_numbers(tally.under_autocast),
+    }
+
+
+def _autocast_numbers(tally: Tally | None) -> dict[str, int | None]:
+    """The ``autocast_*`` fields from a layer's tally under autocast (``None`` when not measured)."""
+    return {
+        "autocast_saved_bytes_no_recompute": tally and tally.saved_bytes,
+        "autocast_saved_bytes_full_recompute": tally and tally.input_bytes,
+        "autocast_saved_bytes_selective": tally and tally.saved_bytes_selective,
+        "autocast_saved_bytes_op_selective": tally and tally.saved_bytes_op_selective,
+        "autocast_output_bytes": tally and tally.output_bytes,
     }
 
 

@@ -40,6 +40,11 @@ SCALED_FIELDS = (
     "saved_bytes_op_selective",
     "expert_forward_flops",
     "expert_backward_flops",
+    "autocast_saved_bytes_no_recompute",
+    "autocast_saved_bytes_full_recompute",
+    "autocast_saved_bytes_selective",
+    "autocast_saved_bytes_op_selective",
+    "autocast_output_bytes",
 )
 """LayerStats fields that depend on the sequence length (the rest are properties of the module)."""
 

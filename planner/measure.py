@@ -24,6 +24,13 @@ mask code does, and calls ``.item()`` otherwise -- take their tracing path. Per 
   would recompute (for instance) every ``aten.addmm`` of a biased linear.
 - full-recompute bytes = bytes of the layer's tensor inputs (each storage charged to the first layer it enters);
   output bytes = bytes of its tensor outputs.
+- under autocast (``autocast=True``, a second measurement capture makes of bf16/fp16 models): the same figures with
+  fp32 weights and the forward and loss under ``torch.autocast``, as the runtime trains without FSDP
+  (``LayerStats.autocast_saved_bytes_*``). Meta tensors have no autocast, so it runs on fake CPU tensors (which
+  allocate nothing) under CPU autocast's policy. CUDA's also runs norms and softmax in fp32: the same for a pre-norm
+  block's norms (they read the fp32 residual stream) and a fused attention kernel; a norm of a bf16 tensor (a
+  qk-norm) or a hand-written softmax saves an fp32 input on a GPU that this counts in bf16. Autocast's weight copies are left
+  out (``saved_bytes.WeightCopies``): the cost model prices them on their own.
 
 Repeated blocks of a container are replayed after two identical ones (``tessera.planner.replay``), so a deep model
 costs what a shallow one does. Attention is measured as the fused flash kernel (``tessera.planner.kernels``);
@@ -55,7 +62,7 @@ from tessera.errors import CaptureError
 from tessera.planner.front_ends import first_line, user_frame
 from tessera.planner.kernels import CORE_OPS, FusedKernels
 from tessera.planner.replay import BlockReplay, ElementReplay
-from tessera.planner.saved_bytes import Ledger, SavedOps
+from tessera.planner.saved_bytes import Ledger, SavedOps, WeightCopies
 from tessera.planner.tally import LOSS, Scope, Tally
 
 ExampleInputs = tuple | dict | torch.Tensor | Callable[[int], "tuple | dict | torch.Tensor"]
@@ -103,9 +110,17 @@ def measure_at_lengths(
     lengths: tuple[int | None, ...],
     inputs: ExampleInputs | None = None,
     reuse_repeated: bool = True,
+    autocast: bool = False,
 ) -> dict[int | None, dict[str, Tally]]:
-    """``measure_layers`` at each sequence length: on bare meta tensors, else under FakeTensorMode."""
+    """``measure_layers`` at each sequence length: on bare meta tensors, else under FakeTensorMode.
+
+    ``autocast``: fp32 weights with the forward and loss under ``torch.autocast`` to ``dtype``, as the runtime
+    trains where no FSDP unit casts the weights (``runtime.parallel_model``); autocast's copies of the weights are
+    not counted (``cost_models.memory.autocast_copy_bytes`` prices them). Meta tensors have no autocast, so this
+    runs on fake CPU tensors, under CPU autocast's casting policy."""
     options = {"dtype": dtype, "lengths": lengths, "inputs": inputs, "reuse_repeated": reuse_repeated}
+    if autocast:
+        return _measure_all(model, order, mode=FakeTensorMode(allow_non_fake_inputs=True), autocast=True, **options)
     try:
         return _measure_all(model, order, mode=None, **options)
     except CaptureError:  # e.g. .item() on meta: the fake run takes the model's tracing path
@@ -121,9 +136,12 @@ def _measure_all(
     lengths: tuple[int | None, ...],
     inputs: ExampleInputs | None,
     reuse_repeated: bool,
+    autocast: bool = False,
 ) -> dict[int | None, dict[str, Tally]]:
-    """Every length with one set of stand-in parameters (fake when ``mode`` is given, else meta)."""
-    state = _meta_state(model, dtype, mode)
+    """Every length with one set of stand-in parameters (fake when ``mode`` is given, else meta; fake CPU fp32
+    weights under ``autocast``)."""
+    device = "cpu" if autocast else "meta"
+    state = _meta_state(model, torch.float32 if autocast else dtype, mode, device=device)
     resident = {id(s): s for s in (t.untyped_storage() for t in state.values())}  # refs keep ids unique
     was_training = model.training
     model.train()  # plan for training: dropout and friends as in a training step
@@ -131,7 +149,7 @@ def _measure_all(
         return {
             s: _measure_once(
                 model, order, mode=mode, state=state, resident=resident, inputs=example_inputs_at(inputs, s),
-                dtype=dtype, reuse_repeated=reuse_repeated,
+                dtype=dtype, reuse_repeated=reuse_repeated, autocast=autocast, device=device,
             )
             for s in lengths
         }
@@ -151,13 +169,16 @@ def _measure_once(
     inputs: tuple[tuple, dict],
     dtype: torch.dtype,
     reuse_repeated: bool,
+    autocast: bool = False,
+    device: str = "meta",
 ) -> dict[str, Tally]:
-    """One forward + loss + backward with every meter installed."""
+    """One forward + loss + backward with every meter installed (the forward and loss under ``autocast`` to
+    ``dtype``: activations start in fp32 then)."""
     tallies = {fqn: Tally() for fqn in (*order, LOSS)}
     scope = Scope(first=order[0])
     ledger = Ledger(tallies, scope, resident)
     root = type(model).__name__  # FlopCounterMode's module tracker names modules "<RootClass>.<fqn>"
-    meta_inputs = tree_map(lambda x: _stand_in(x, mode, dtype), inputs)
+    meta_inputs = tree_map(lambda x: _stand_in(x, mode, torch.float32 if autocast else dtype, device), inputs)
     with (mode or nullcontext(), FlopCounterMode(display=False) as counter,
           _leave_in_backward(model, order, state, counter, root=root)):
         replay = BlockReplay(model, order if reuse_repeated else (), counter, root=root)
@@ -169,6 +190,9 @@ def _measure_once(
             stack.enter_context(replay.installed(lambda fqn: tallies[fqn].saved_bytes))
             stack.enter_context(elements.installed())
             stack.enter_context(SavedOps(scope, tallies))
+            if autocast:
+                stack.enter_context(WeightCopies(resident))
+                stack.enter_context(torch.autocast("cpu", dtype=dtype))
             loss = _forward_and_loss(model, state, meta_inputs, scope, tallies)
         forward_counts = counter.get_flop_counts()
         _backward(loss)
@@ -242,25 +266,34 @@ def _measure_error(fqn: str, phase: str, exc: Exception) -> CaptureError:
     )
 
 
-def _meta_state(model: nn.Module, dtype: torch.dtype, mode: FakeTensorMode | None) -> dict[str, torch.Tensor]:
-    """Meta (or fake meta) stand-ins for every parameter and buffer (floating ones in ``dtype``); ties kept."""
+def _meta_state(
+    model: nn.Module, dtype: torch.dtype, mode: FakeTensorMode | None, *, device: str = "meta"
+) -> dict[str, torch.Tensor]:
+    """Meta (or fake) stand-ins for every parameter and buffer (floating ones in ``dtype``); ties kept."""
     memo: dict[int, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for name, tensor in named:
         if id(tensor) not in memo:
-            stand_in = _stand_in(tensor, mode, dtype)
+            stand_in = _stand_in(tensor, mode, dtype, device)
             memo[id(tensor)] = stand_in.requires_grad_(isinstance(tensor, nn.Parameter) and tensor.requires_grad)
         state[name] = memo[id(tensor)]
     return state
 
 
-def _stand_in(value: object, mode: FakeTensorMode | None, dtype: torch.dtype) -> object:
-    """A meta (fake meta under ``mode``) tensor shaped like ``value``, floating ones in ``dtype``; others as is."""
+def _stand_in(value: object, mode: FakeTensorMode | None, dtype: torch.dtype, device: str = "meta") -> object:
+    """A meta tensor (a fake one on ``device`` under ``mode``) shaped like ``value``, floating ones in ``dtype``;
+    others as is. Fake CPU tensors are made inside the mode, which allocates nothing."""
     if not isinstance(value, torch.Tensor):
         return value
-    meta = torch.empty(value.shape, dtype=dtype if value.is_floating_point() else value.dtype, device="meta")
-    stand_in = mode.from_tensor(meta) if mode is not None else meta
+    kind = dtype if value.is_floating_point() else value.dtype
+    if mode is None:
+        stand_in = torch.empty(value.shape, dtype=kind, device="meta")
+    elif device == "meta":
+        stand_in = mode.from_tensor(torch.empty(value.shape, dtype=kind, device="meta"))
+    else:
+        with mode:
+            stand_in = torch.empty(value.shape, dtype=kind, device=device)
     return stand_in.requires_grad_(value.requires_grad)
 
 

@@ -163,14 +163,14 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, like: tuple[torch.Tensor, ...], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
-        ctx.inputs = [(x.shape, x.dtype) for x in inputs]
-        fresh = tuple(torch.empty_like(t, device="meta") for t in like)
+        ctx.inputs = [(x.shape, x.dtype, x.device) for x in inputs]
+        fresh = tuple(torch.empty_like(t) for t in like)  # on meta, or fake where the measurement is fake
         ctx.mark_non_differentiable(*(t for t, old in zip(fresh, like) if not old.requires_grad))
         return fresh
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple:  # noqa: ANN001
-        return (None, *(torch.empty(shape, dtype=dt, device="meta") for shape, dt in ctx.inputs))
+        return (None, *(torch.empty(shape, dtype=dt, device=device) for shape, dt, device in ctx.inputs))
 
 
 def _replay(like: object, args: tuple, kwargs: dict) -> object:

@@ -111,3 +111,19 @@ class SavedOps(TorchDispatchMode):
             self.tallies[self.scope.current()].core_output_bytes += sum(
                 t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
+
+
+class WeightCopies(TorchDispatchMode):
+    """Adds to ``resident`` each copy made of a resident storage (autocast's cast of a weight): the ledger skips
+    it as it skips the weight, since the cost model prices autocast's copies on their own."""
+
+    def __init__(self, resident: dict[int, object]) -> None:
+        super().__init__()
+        self.resident = resident
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch protocol
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and id(args[0].untyped_storage()) in self.resident:
+            storage = out.untyped_storage()
+            self.resident[id(storage)] = storage
+        return out

@@ -27,6 +27,8 @@ class Tally:
     kv_heads: int = 0
     expert_forward_flops: int = 0
     expert_backward_flops: int = 0
+    under_autocast: Tally | None = None
+    """The same layer measured with fp32 weights under ``torch.autocast`` (``measure_at_lengths(autocast=True)``)."""
 
     @property
     def op_selective_recompute_flops(self) -> int:

@@ -1,0 +1,81 @@
+"""Capture's second measurement under ``torch.autocast`` (fp32 weights, bf16 compute), against a real autocast run,
+and the memory model reading it on exactly the runtime paths that autocast."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.cost_models import Strategy, TrainingConfig, estimate
+from tessera.models import build_model
+from tessera.planner.capture import capture
+from tessera.planner.layer_graph import LayerGraph
+from tessera.topology import load_cluster
+
+H, T = 96, 48
+SPEC = f"gpt:layers=3,hidden={H},heads=4,vocab=128,seq={T}"
+FLASH_RNG_STATE = 24  # bytes the flash kernel's meta path saves per call beside its outputs (seed and offset)
+BENCHMARKS = str(Path(__file__).parents[2] / "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def graph() -> LayerGraph:
+    return capture(build_model(SPEC), seq_len=T, fit_seq_scaling=True)
+
+
+@pytest.fixture
+def saved_bytes():
+    """``benchmarks/autocast_saved.py``'s count of what a real forward saves (scripts, not a package)."""
+    sys.path.insert(0, BENCHMARKS)
+    import autocast_saved
+
+    yield autocast_saved.saved_bytes
+    sys.path.remove(BENCHMARKS)
+
+
+def test_a_block_under_autocast_saves_what_a_real_autocast_run_saves(graph: LayerGraph, saved_bytes) -> None:
+    torch.manual_seed(0)
+    block = build_model(SPEC).blocks[1]
+    x = torch.randn(1, T, H)
+    real, copies = saved_bytes(block, x, autocast=True)
+    in_bf16, _ = saved_bytes(copy.deepcopy(block).to(torch.bfloat16), x.bfloat16(), autocast=False)
+    measured = graph.blocks[1]
+    assert 0 <= measured.autocast_saved_bytes_no_recompute - real <= FLASH_RNG_STATE
+    # the fp32 residual stream and one bf16 cast per linear: a quarter more than the same block in bf16
+    assert real > 1.2 * in_bf16 and copies > 0
+    assert measured.autocast_saved_bytes_no_recompute > 1.2 * measured.saved_bytes_no_recompute
+
+
+def test_under_autocast_a_recomputed_block_keeps_its_fp32_input(graph: LayerGraph) -> None:
+    block = graph.blocks[1]
+    assert block.saved_bytes_full_recompute == T * H * 2
+    assert block.autocast_saved_bytes_full_recompute == T * H * 4
+    assert block.autocast_output_bytes == 2 * block.output_bytes  # the residual stream a pipeline stage sends on
+    assert graph.at_seq_len(2 * T).blocks[1].autocast_saved_bytes_full_recompute == 2 * T * H * 4
+
+
+def test_fp32_captures_measure_nothing_under_autocast() -> None:
+    fp32 = capture(build_model(SPEC, device="meta"), seq_len=T, dtype=torch.float32)
+    assert all(layer.autocast_saved_bytes_no_recompute is None for layer in fp32.layers)
+
+
+@pytest.mark.parametrize("pins, autocasts", [
+    ("dp=4,zero=0", True),  # DDP: torch.autocast over fp32 weights
+    ("dp=1,pp=2,tp=2,schedule=1f1b", True),  # tp and pp without data parallelism
+    ("dp=4,zero=1", False),  # FSDP2 casts the weights: activations in bf16 as captured
+])
+def test_the_memory_model_reads_autocast_activations_only_where_the_runtime_autocasts(
+    graph: LayerGraph, pins: str, autocasts: bool
+) -> None:
+    layers = list(graph.layers)
+    plain = [layer.model_copy(update={"autocast_saved_bytes_no_recompute": None}) for layer in layers]
+    cluster = load_cluster("cpu:ranks=4")
+    training = TrainingConfig(global_batch=8, seq_len=T, precision="bf16")
+    strategy = Strategy.parse(f"{pins},mbs=2,recompute=none")
+    with_autocast = estimate(layers, cluster, training, strategy).peak_memory_bytes
+    without = estimate(plain, cluster, training, strategy).peak_memory_bytes
+    assert (with_autocast > without) is autocasts
