@@ -21,7 +21,7 @@ from tessera.cost_models.compute import (
     GPU_CALIBRATION, Calibration, achievable_flops, bf16_or, compute_lower_bound_s, device_calibration, optimizer_step_s, recomputed_flops,
     stage_compute_s,
 )
-from tessera.cost_models.memory import stage_memory
+from tessera.cost_models.memory import as_run, stage_memory
 from tessera.cost_models.memory_state import local_params
 from tessera.cost_models.offload import exposed_offload_s
 from tessera.cost_models.partition import (
@@ -291,8 +291,9 @@ def stage_time(
     forward, backward, recompute = stage_compute_s(stage, cluster.device, training, strategy, calibration=calibration,
                                                    profile=profile)
     offload = exposed_offload_s(stage, cluster.device, strategy, forward_s=forward, backward_s=backward)
+    boundary = as_run(stage, training, strategy, profile)  # what it sends on: fp32 under autocast
     time = StageTime(forward, backward, recompute, tp_comm_s(stage, cluster, training, strategy, profile=profile),
-                     pp_comm_s(stage, cluster, strategy), offload=offload)
+                     pp_comm_s(boundary, cluster, strategy), offload=offload)
     if strategy.ep == 1 and strategy.cp == 1:
         return time
     rate = achievable_flops(cluster.device, bf16_or(training.precision), width=stage.hidden_size / strategy.tp,

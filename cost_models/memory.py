@@ -75,8 +75,7 @@ def stage_memory(
     The stage's ``index`` matters only through ``in_flight_micro_batches`` (``estimate`` relies on it).
     """
     reserve = CPU_RESERVE_BYTES if on_cpu else GPU_RESERVE_BYTES
-    if stage.autocast is not None and autocasts(training, strategy, profile):
-        stage = stage.autocast  # activations as autocast saves them: an fp32 residual stream, per-linear casts
+    stage = as_run(stage, training, strategy, profile)
     if op_level_selective(stage, profile.selective_policy):
         stage = as_op_level_memory(stage)
     if on_cpu and stage.offloaded_bytes:  # a CPU rank's device memory is the host's: offloading frees nothing
@@ -207,6 +206,14 @@ def autocasts(training: TrainingConfig, strategy: Strategy, profile: Implementat
     on a model no FSDP unit wraps, ZeRO-0 without FSDP2's ``replicate`` (``runtime.parallel_model._autocast``)."""
     return (profile.autocast_copies and training.precision in ("bf16", "fp16", "fp8") and strategy.zero == 0
             and not uses_fsdp2_replicate(strategy))
+
+
+def as_run(stage: StageTotals, training: TrainingConfig, strategy: Strategy, profile: ImplementationProfile) -> StageTotals:
+    """``stage`` with its activations as the runtime holds them: where it autocasts (:func:`autocasts`), as capture
+    measured them under autocast (an fp32 residual stream and stage boundary, a bf16 cast per linear)."""
+    if stage.autocast is not None and autocasts(training, strategy, profile):
+        return stage.autocast
+    return stage
 
 
 def autocast_copy_bytes(

@@ -79,3 +79,15 @@ def test_the_memory_model_reads_autocast_activations_only_where_the_runtime_auto
     with_autocast = estimate(layers, cluster, training, strategy).peak_memory_bytes
     without = estimate(plain, cluster, training, strategy).peak_memory_bytes
     assert (with_autocast > without) is autocasts
+
+
+def test_a_pipeline_under_autocast_sends_its_fp32_residual_stream(graph: LayerGraph) -> None:
+    layers = list(graph.layers)
+    plain = [layer.model_copy(update={"autocast_output_bytes": None}) for layer in layers]
+    cluster = load_cluster("cpu:ranks=2")
+    strategy = Strategy.parse("dp=1,pp=2,mbs=2,recompute=none")
+    sent = {precision: [estimate(graph_layers, cluster, TrainingConfig(global_batch=8, seq_len=T, precision=precision),
+                                 strategy).comm_time_by_kind_s["pp_p2p"] for graph_layers in (layers, plain)]
+            for precision in ("bf16", "fp32")}
+    assert sent["bf16"][0] > sent["bf16"][1]  # autocast: the block outputs are fp32
+    assert sent["fp32"][0] == sent["fp32"][1]  # no autocast: as captured
