@@ -100,6 +100,18 @@ def _fused_sdpa(
     try:
         # The flash kernel broadcasts fewer key/value heads itself (GQA), so enable_gqa needs no handling.
         flash = torch.ops.aten._scaled_dot_product_flash_attention
+        query, key, value = _as_autocast_runs_sdpa(query, key, value)
         return flash(query, key, value, dropout_p, is_causal, False, scale=scale)[0]  # (B, nh, T, hd)
     finally:
         observer.attention_finished()
+
+
+def _as_autocast_runs_sdpa(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast, SDPA's inputs in its lower-precision dtype, as autocast casts them for the public op (CPU's
+    and CUDA's policies both list it); the aten kernel called directly would get them as they come (fp32 after
+    rotary embeddings in fp32)."""
+    device = tensors[0].device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
