@@ -92,7 +92,9 @@ def plan_for(spec: str, pins: str, ranks: int, global_batch: int, seq_len: int, 
 
     graph, cluster, training = _prepare(spec, f"cpu:ranks={ranks}", global_batch=global_batch, seq_len=seq_len,
                                         precision=precision)
-    strategy = Strategy.parse(f"{pins},mbs=2,recompute=none")
+    fixed = {"mbs": "2", "recompute": "none"}  # unless the pins say otherwise
+    given = {field.split("=", 1)[0] for field in pins.split(",") if field}
+    strategy = Strategy.parse(",".join([pins, *(f"{k}={v}" for k, v in fixed.items() if k not in given)]).strip(","))
     return Plan(model_name=spec, param_count=graph.param_count, cluster=cluster.name, device_name=cluster.device.name,
                 training=training, strategy=strategy, estimate=estimate(list(graph.layers), cluster, training, strategy),
                 layers=planned_layers(graph, strategy))

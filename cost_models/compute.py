@@ -182,8 +182,19 @@ def stage_compute_s(
     return (
         forward * share + elementwise + casts + forward_overhead,
         backward * share + 2 * (elementwise + casts) + backward_overhead,
-        recompute * share + (elementwise + forward_overhead) * recompute_share + recast,
+        recompute * share + (elementwise + forward_overhead) * recompute_share + recast
+        + _matmul_policy_rerun_s(stage, profile, elementwise=elementwise, casts=casts),
     )
+
+
+def _matmul_policy_rerun_s(stage: StageTotals, profile: ImplementationProfile, *, elementwise: float, casts: float) -> float:
+    """Under the ``matmuls`` selective policy (``profiles.selective_policy``), what the selective blocks re-run
+    besides their attention cores: all their elementwise work and casts (everything but the matmuls), their share
+    of the stage's activation traffic."""
+    traffic = stage.activation_traffic_bytes
+    if profile.selective_policy != "matmuls" or not traffic:
+        return 0.0
+    return (elementwise + casts) * stage.matmul_selective_traffic_bytes / traffic
 
 
 def recomputed_flops(stage: StageTotals, profile: ImplementationProfile) -> float:

@@ -58,6 +58,10 @@ class LayerStats(BaseModel):
     saved_bytes_op_selective: int | None = Field(default=None, ge=0)
     """Bytes kept for one sequence under that op-level policy: the layer's inputs and the outputs of its other
     matmuls and of its attention cores; ``None`` when not measured (priced as ``saved_bytes_selective``)."""
+    saved_bytes_matmul_selective: int | None = Field(default=None, ge=0)
+    """Bytes kept for one sequence when selective recomputation keeps every matmul's output and re-runs the rest
+    (Tessera's runtime: ``runtime.recompute``): the layer's inputs and the outputs of its ``aten.mm`` and
+    ``aten.addmm`` calls; ``None`` when not measured (priced as ``saved_bytes_selective``)."""
     autocast_saved_bytes_no_recompute: int | None = Field(default=None, ge=0)
     """``saved_bytes_no_recompute`` with fp32 weights under ``torch.autocast`` to the measured dtype, as the runtime
     trains where no FSDP unit casts the weights: the residual stream stays fp32 and each linear saves its own cast
@@ -66,6 +70,7 @@ class LayerStats(BaseModel):
     autocast_saved_bytes_full_recompute: int | None = Field(default=None, ge=0)
     autocast_saved_bytes_selective: int | None = Field(default=None, ge=0)
     autocast_saved_bytes_op_selective: int | None = Field(default=None, ge=0)
+    autocast_saved_bytes_matmul_selective: int | None = Field(default=None, ge=0)
     autocast_output_bytes: int | None = Field(default=None, ge=0)
     """``output_bytes`` under autocast (a block's output is the fp32 residual stream): what a pipeline stage
     boundary holds there; ``None`` when not measured."""

@@ -44,7 +44,7 @@ from tessera.cost_models.memory_transients import (
     accumulation_bytes, ddp_bucket_bytes, gloo_staging_bytes, optimizer_temporary_bytes, replicate_reduction_bytes,
     zero3_gathered_bytes, zero12_reduce_scatter_bytes,
 )
-from tessera.cost_models.partition import StageTotals, as_op_level_memory, op_level_selective
+from tessera.cost_models.partition import StageTotals, as_selective_memory
 from tessera.cost_models.pipeline import in_flight_micro_batches
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.sparse import ring_and_dispatch_buffer_bytes, sharded_params
@@ -76,8 +76,7 @@ def stage_memory(
     """
     reserve = CPU_RESERVE_BYTES if on_cpu else GPU_RESERVE_BYTES
     stage = as_run(stage, training, strategy, profile)
-    if op_level_selective(stage, profile.selective_policy):
-        stage = as_op_level_memory(stage)
+    stage = as_selective_memory(stage, profile.selective_policy, tp=strategy.tp)
     if on_cpu and stage.offloaded_bytes:  # a CPU rank's device memory is the host's: offloading frees nothing
         stage = replace(stage, saved_bytes=stage.saved_bytes + stage.offloaded_bytes, offload_buffer_bytes=0)
     block_gather_bytes = 1 if profile.gathers_fp8(training, strategy) else None
@@ -145,7 +144,8 @@ def backward_memory(
         "parameters": parameter_bytes(stage, training, strategy, in_backward=True),
         "gradients": held_gradient_bytes(stage, strategy, micro_batches=micro_batches),
         "optimizer": sharded_params(stage, strategy, from_zero=1) * 2 * FP32,
-        "activations": activation_bytes(stage, strategy, micro_batches=micro_batches) + loss_gradient_bytes(stage, strategy),
+        "activations": activation_bytes(stage, strategy, micro_batches=micro_batches, buffers=False)
+        + max(loss_gradient_bytes(stage, strategy), _one_at_a_time_bytes(stage, strategy)),
         "buffers": (_buffer_bytes(stage, training, strategy, on_cpu=on_cpu, block_gather_bytes=block_gather_bytes)
                     + pipeline_output_bytes(stage, strategy, micro_batches=micro_batches)),
     }
@@ -230,10 +230,20 @@ def autocast_copy_bytes(
 
 
 def autocast_copied_params(stage: StageTotals, training: TrainingConfig, strategy: Strategy) -> float:
-    """Local parameters autocast keeps a compute-dtype copy of: all of them, except under fp8 the blocks' (their
-    FP8 linears cast the weight straight to FP8 on each use, ``runtime.float8``; the norms inside them are few)."""
-    local = local_params(stage, strategy)
-    return local - block_params(stage, strategy) if training.precision == "fp8" else local
+    """Local parameters autocast keeps a compute-dtype copy of to the backward: all of them, except the blocks'
+    under fp8 (their FP8 linears cast the weight straight to FP8 on each use, ``runtime.float8``; the norms inside
+    them are few) and, outside a pipeline, those of blocks recomputed in part or whole: a checkpointed region
+    saves none of its casts, so autocast's cache lets them go when the forward's context exits, and the
+    recomputation casts one block again at a time (measured: small-gpt's DDP with full recomputation,
+    ``benchmarks/memory_truth.py --pins``). A pipeline schedule runs its backward inside the context as well, whose
+    cache keeps every cast to the end."""
+    blocks = block_params(stage, strategy)
+    if training.precision == "fp8":
+        return local_params(stage, strategy) - blocks
+    all_blocks = stage.sharded_params + stage.replicated_params - stage.root_sharded_params - stage.root_replicated_params
+    if strategy.pp > 1 or not all_blocks:
+        return local_params(stage, strategy)
+    return local_params(stage, strategy) - blocks * stage.recomputed_block_params / all_blocks
 
 
 def pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
@@ -265,14 +275,23 @@ def merged_pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micr
     return 2 * stage.logits_bytes * strategy.micro_batch * micro_batches / (strategy.tp * strategy.cp)
 
 
-def activation_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
-    """Activations a stage holds at its peak: in-flight micro-batches, one block being recomputed, and the
-    device copies of offloaded blocks in transit (``StageTotals.offload_buffer_bytes``)."""
+def activation_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int, buffers: bool = True) -> float:
+    """Activations a stage holds at its peak: in-flight micro-batches and, with ``buffers``, one block being
+    recomputed and the device copies of offloaded blocks in transit (:func:`_one_at_a_time_bytes`)."""
     per_micro_batch = stage.saved_bytes * strategy.micro_batch
     in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
-    buffers = stage.recompute_buffer_bytes + stage.offload_buffer_bytes
-    held = per_micro_batch * in_flight + buffers * strategy.micro_batch
-    return (held * tp_activation_share(strategy) + sp_gathered_input_bytes(stage, strategy) * in_flight) / strategy.cp
+    held = per_micro_batch * in_flight * tp_activation_share(strategy) / strategy.cp
+    held += sp_gathered_input_bytes(stage, strategy) * in_flight / strategy.cp
+    return held + (_one_at_a_time_bytes(stage, strategy) if buffers else 0.0)
+
+
+def _one_at_a_time_bytes(stage: StageTotals, strategy: Strategy) -> float:
+    """What the backward materialises for one block at a time: its recomputed activations
+    (``StageTotals.recompute_buffer_bytes``) and the device copies of offloaded blocks in transit. They come when
+    the blocks' backward starts, after the loss's: its working tensors are gone by then, which is why
+    :func:`backward_memory` counts the larger of the two."""
+    buffers = (stage.recompute_buffer_bytes + stage.offload_buffer_bytes) * strategy.micro_batch
+    return buffers * tp_activation_share(strategy) / strategy.cp
 
 
 def sp_gathered_input_bytes(stage: StageTotals, strategy: Strategy) -> float:

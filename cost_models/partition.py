@@ -79,6 +79,7 @@ class StageTotals:
     kept_params: int = 0  # parameters of blocks that keep their gathered weights to their backward (ZeRO-3)
     kept_expert_params: int = 0  # the routed-expert part of kept_params
     kept_blocks: int = 0  # how many blocks keep their gathered weights
+    recomputed_block_params: int = 0  # parameters of the blocks recomputed in part or whole (selective, full)
     # Selective blocks measured for an op-level policy, as a framework with one runs them (``profiles.selective_policy``).
     selective_core_flops: float = 0.0  # the part of recompute_flops that is those blocks' attention cores
     op_selective_recompute_flops: float = 0.0  # what op-level selective recomputation re-runs of those blocks
@@ -86,6 +87,11 @@ class StageTotals:
     selective_saved_bytes: int = 0  # the part of saved_bytes that is those blocks' (attention-core policy)
     op_selective_saved_bytes: int = 0  # what they keep under the op-level policy instead
     op_selective_buffer_bytes: int = 0  # one of them recomputed: what its backward materialises again at once
+    # Every selective block as a policy keeping all matmul outputs runs it (``profiles.selective_policy`` ``matmuls``).
+    selective_blocks_saved_bytes: int = 0  # what every selective block keeps under the attention-core policy
+    matmul_selective_saved_bytes: int = 0  # what they keep under the matmuls policy instead (where measured)
+    matmul_selective_buffer_bytes: int = 0  # one of them recomputed: what its backward materialises again at once
+    matmul_selective_traffic_bytes: int = 0  # their activation traffic (their elementwise work re-runs whole)
     # The same stage with every saved-bytes figure as measured under torch.autocast (``memory.autocasts``), or None
     # where capture did not measure it: the memory model reads its activations on the paths that autocast.
     autocast: StageTotals | None = None
@@ -222,6 +228,7 @@ _AUTOCAST_FIELDS = {
     "saved_bytes_full_recompute": "autocast_saved_bytes_full_recompute",
     "saved_bytes_selective": "autocast_saved_bytes_selective",
     "saved_bytes_op_selective": "autocast_saved_bytes_op_selective",
+    "saved_bytes_matmul_selective": "autocast_saved_bytes_matmul_selective",
 }
 _AUTOCAST_VIEWS: dict[int, tuple[LayerStats, LayerStats]] = {}
 
@@ -258,7 +265,17 @@ def _selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompu
     selective = [b for b in blocks if policy[b.fqn] == "selective" and b.op_selective_recompute_flops > 0]
     kept = [_saved_bytes(b, "selective") for b in selective]
     op_kept = [k if b.saved_bytes_op_selective is None else b.saved_bytes_op_selective for b, k in zip(selective, kept)]
+    every = [b for b in blocks if policy[b.fqn] == "selective"]
+    attention_kept = [_saved_bytes(b, "selective") for b in every]
+    matmul_kept = [k if b.saved_bytes_matmul_selective is None else b.saved_bytes_matmul_selective
+                   for b, k in zip(every, attention_kept)]
     return {
+        "selective_blocks_saved_bytes": sum(attention_kept),
+        "matmul_selective_saved_bytes": sum(matmul_kept),
+        "matmul_selective_buffer_bytes": max((b.saved_bytes_no_recompute - k for b, k in zip(every, matmul_kept)),
+                                             default=0),
+        "matmul_selective_traffic_bytes": sum(b.saved_bytes_no_recompute for b in every
+                                              if b.saved_bytes_matmul_selective is not None),
         "selective_core_flops": sum(b.selective_recompute_flops for b in selective),
         "op_selective_recompute_flops": sum(b.op_selective_recompute_flops for b in selective),
         "selective_traffic_bytes": sum(b.saved_bytes_no_recompute for b in selective),
@@ -274,6 +291,21 @@ def op_level_selective(stage: StageTotals, selective_policy: str) -> bool:
     ``profiles.ImplementationProfile``); blocks not measured for it (a graph captured before it was, a block whose
     experts were replayed) keep the attention-core policy."""
     return selective_policy == "op" and stage.op_selective_recompute_flops > 0
+
+
+def as_selective_memory(stage: StageTotals, selective_policy: str, *, tp: int) -> StageTotals:
+    """``stage`` with its selective blocks keeping what ``selective_policy`` keeps (``profiles.selective_policy``):
+    the attention-core policy's figures as summed, the others' swapped in, and one such block recomputed at a time
+    on top of them. The ``matmuls`` policy only without tensor parallelism: there it also keeps its collectives'
+    outputs and each row-parallel linear's whole partial sum, which the per-layer figure does not hold (measured
+    11% short on small-gpt's ``tp=4``); the attention-core figure, larger, stands in."""
+    if op_level_selective(stage, selective_policy):
+        return as_op_level_memory(stage)
+    if selective_policy == "matmuls" and tp == 1 and stage.matmul_selective_traffic_bytes:
+        saved = stage.saved_bytes - stage.selective_blocks_saved_bytes + stage.matmul_selective_saved_bytes
+        return replace(stage, saved_bytes=saved,
+                       recompute_buffer_bytes=max(stage.recompute_buffer_bytes, stage.matmul_selective_buffer_bytes))
+    return stage
 
 
 def as_op_level_memory(stage: StageTotals) -> StageTotals:
@@ -294,6 +326,7 @@ def _offload_and_kept_totals(blocks: Sequence[LayerStats], policy: Mapping[str, 
         "kept_params": sum(b.param_count for b in held),
         "kept_expert_params": sum(b.expert_param_count for b in held),
         "kept_blocks": len(held),
+        "recomputed_block_params": sum(b.param_count for b in blocks if policy[b.fqn] in ("selective", "full")),
     }
 
 

@@ -41,8 +41,12 @@ there.
   configs at 061f2c7ce64e), the Triton FlashAttention. Megatron-LM of 2021-2022 (SC'21, Korthikanti et al.)
   and DeepSpeed's SC'21 runs of its model ran attention unfused (cuBLAS batched GEMMs over the whole ``s x s``
   around a fused softmax): no kernel figure, the calibrated fallback.
-- **What selective recomputation re-runs** (``selective_policy``). Tessera's runtime and Megatron recompute the
-  attention core (Korthikanti et al. 2022's selective recomputation; under a flash kernel, its forward).
+- **What selective recomputation re-runs** (``selective_policy``). Megatron recomputes the attention core
+  (Korthikanti et al. 2022's selective recomputation; under a flash kernel, its forward). Tessera's runtime
+  (``runtime.recompute``) keeps the outputs of every matmul (``aten.mm``, ``aten.addmm``) and of its collectives
+  and re-runs everything else: the attention core, the norms, the activation functions, the residual adds and,
+  under autocast, the casts (``matmuls``: its blocks keep their inputs and matmul outputs,
+  ``LayerStats.saved_bytes_matmul_selective``; measured on 4 gloo ranks, ``benchmarks/memory_truth.py --pins``).
   torchtitan's ``selective_ac_option = "op"`` (the default of its Llama training configs) is an op-level policy
   instead: its checkpoint wrapper saves the outputs of ``aten.mm``, the SDPA kernels and the reduce-scatters,
   "except every second mm" (``parallelisms/parallelize_llama.py`` at 1ea476e9f, April 2024, the commit of its
@@ -119,8 +123,9 @@ class ImplementationProfile:
     frameworks, whose runs Tessera evaluates as given (torchtitan's 4D runs combine context parallelism with
     pipelining and sequence parallelism, which Tessera's runtime does not)."""
     selective_policy: str = "attention"
-    """What ``recompute=selective`` re-runs: ``attention`` (the attention core) or ``op`` (torchtitan's op-level
-    policy: every second matmul of the block and its elementwise work; the attention core is kept)."""
+    """What ``recompute=selective`` re-runs: ``attention`` (the attention core), ``op`` (torchtitan's op-level
+    policy: every second matmul of the block and its elementwise work; the attention core is kept) or ``matmuls``
+    (Tessera's runtime: everything but the matmuls, which keep their outputs)."""
 
     def __post_init__(self) -> None:
         if self.selective_policy not in SELECTIVE_POLICIES:
@@ -136,7 +141,7 @@ class ImplementationProfile:
                 and strategy.zero == 3 and (strategy.tp == 1 or self.fp8_all_gather_under_tp))
 
 
-SELECTIVE_POLICIES = ("attention", "op")
+SELECTIVE_POLICIES = ("attention", "op", "matmuls")
 """What ``recompute=selective`` can mean (``ImplementationProfile.selective_policy``)."""
 
 
@@ -144,7 +149,8 @@ DEEPSPEED_ZERO3_SLOWDOWN = 5.0
 """Fitted on SC'21 Table 2's DeepSpeed ZeRO-3 rows (``benchmarks/published.py`` prints the fit); re-fit there."""
 
 TESSERA = ImplementationProfile(name="tessera", autocast_copies=True, fp8_cast_bytes_per_element=9.0,
-                                fp8_all_gather=True, fp8_all_gather_under_tp=False, replicate_by_fsdp2=True)
+                                fp8_all_gather=True, fp8_all_gather_under_tp=False, replicate_by_fsdp2=True,
+                                selective_policy="matmuls")
 """Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); FP8 through torchao's float8 linears
 (``runtime.float8``): cast on the fly from the bf16/fp32 weight, bf16 inputs saved; ZeRO-3 all-gathers the blocks'
 FP8 weights in FP8 at current scaling without tensor parallelism (bf16 otherwise); its eager

@@ -416,6 +416,7 @@ def _numbers(tally: Tally) -> dict[str, int | None]:
         "selective_recompute_flops": tally.core_flops,
         "op_selective_recompute_flops": tally.op_selective_recompute_flops,
         "saved_bytes_op_selective": tally.saved_bytes_op_selective,
+        "saved_bytes_matmul_selective": tally.saved_bytes_matmul_selective,
         "expert_forward_flops": tally.expert_forward_flops,
         "expert_backward_flops": tally.expert_backward_flops,
         **_autocast_numbers(tally.under_autocast),
@@ -429,6 +430,7 @@ def _autocast_numbers(tally: Tally | None) -> dict[str, int | None]:
         "autocast_saved_bytes_full_recompute": tally and tally.input_bytes,
         "autocast_saved_bytes_selective": tally and tally.saved_bytes_selective,
         "autocast_saved_bytes_op_selective": tally and tally.saved_bytes_op_selective,
+        "autocast_saved_bytes_matmul_selective": tally and tally.saved_bytes_matmul_selective,
         "autocast_output_bytes": tally and tally.output_bytes,
     }
 

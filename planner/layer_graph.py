@@ -38,12 +38,14 @@ SCALED_FIELDS = (
     "selective_recompute_flops",
     "op_selective_recompute_flops",
     "saved_bytes_op_selective",
+    "saved_bytes_matmul_selective",
     "expert_forward_flops",
     "expert_backward_flops",
     "autocast_saved_bytes_no_recompute",
     "autocast_saved_bytes_full_recompute",
     "autocast_saved_bytes_selective",
     "autocast_saved_bytes_op_selective",
+    "autocast_saved_bytes_matmul_selective",
     "autocast_output_bytes",
 )
 """LayerStats fields that depend on the sequence length (the rest are properties of the module)."""

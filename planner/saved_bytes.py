@@ -94,8 +94,9 @@ class Ledger:
 
 
 class SavedOps(TorchDispatchMode):
-    """In the forward, the FLOPs and output bytes of each ``aten.mm`` call (in call order) and the output bytes of each
-    attention core, charged to the layer running (what an op-level selective policy chooses from)."""
+    """In the forward, the FLOPs and output bytes of each ``aten.mm`` call (in call order), the output bytes of the
+    ``aten.addmm`` calls and of each attention core, charged to the layer running (what an op-level selective policy
+    chooses from)."""
 
     def __init__(self, scope: Scope, tallies: dict[str, Tally]) -> None:
         super().__init__()
@@ -107,6 +108,8 @@ class SavedOps(TorchDispatchMode):
         if packet is torch.ops.aten.mm:
             (m, k), n = args[0].shape, args[1].shape[1]
             self.tallies[self.scope.current()].mm_calls.append((2 * m * k * n, out.nbytes))
+        elif packet is torch.ops.aten.addmm:
+            self.tallies[self.scope.current()].addmm_output_bytes += out.nbytes
         elif packet in CORE_OPS:
             self.tallies[self.scope.current()].core_output_bytes += sum(
                 t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))

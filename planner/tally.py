@@ -20,6 +20,8 @@ class Tally:
     mm_calls: list[tuple[int, int]] = field(default_factory=list)
     """(FLOPs, output bytes) of each ``aten.mm`` the layer's forward ran, in call order (empty: not measured)."""
     core_output_bytes: int = 0
+    addmm_output_bytes: int = 0
+    """Output bytes of the layer's ``aten.addmm`` calls (biased linears), summed."""
     input_bytes: int = 0
     output_bytes: int = 0
     output_width: int = 0
@@ -42,6 +44,14 @@ class Tally:
         if not self.mm_calls:
             return None
         return self.input_bytes + sum(nbytes for _, nbytes in self.mm_calls[0::2]) + self.core_output_bytes
+
+    @property
+    def saved_bytes_matmul_selective(self) -> int | None:
+        """What a policy saving every matmul's output keeps (Tessera's runtime's selective recomputation): the
+        layer's inputs and the outputs of its ``aten.mm`` and ``aten.addmm`` calls (``None`` without either)."""
+        if not self.mm_calls and not self.addmm_output_bytes:
+            return None
+        return self.input_bytes + sum(nbytes for _, nbytes in self.mm_calls) + self.addmm_output_bytes
 
 
 @dataclass

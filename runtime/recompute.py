@@ -23,7 +23,7 @@ import functools
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 SAVED_OPS: frozenset = frozenset(
     op
@@ -49,7 +49,19 @@ def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def selective_context():
     """The (forward, recompute) context pair for ``checkpoint(..., context_fn=...)``."""
+    _ignore_profiler_annotations()
     return create_selective_checkpoint_contexts(selective_policy)
+
+
+def _ignore_profiler_annotations() -> None:
+    """Keep ``record_function``'s ops out of selective checkpointing's replay. FSDP2 in torch 2.13 runs its hooks
+    under ``record_function``, whose dispatched ops can come a different number of times in the recomputation than
+    in the forward: SAC, which replays ops by count, then stops the backward ("profiler._record_function_enter_new
+    ... encountered during backward but not found in storage"; met with ZeRO-1 and a profiler on, and reported
+    with torchtitan, pytorch/torchtitan#3427). Annotations compute nothing, so replaying them is never needed."""
+    profiler = torch.ops.profiler
+    for packet in (profiler._record_function_enter, profiler._record_function_enter_new, profiler._record_function_exit):
+        SAC_IGNORED_OPS.update(getattr(packet, name) for name in packet.overloads())
 
 
 def apply_recompute(model: nn.Module, block_fqns: tuple[str, ...], *, selective_fqns: tuple[str, ...] = ()) -> nn.Module:

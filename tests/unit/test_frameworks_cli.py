@@ -100,5 +100,8 @@ def test_evaluate_prices_a_framework_config_as_that_framework_runs_it(tmp_path, 
     workload = dict(global_batch=8, seq_len=64, strategy="dp=8,zero=3,mbs=1,recompute=selective")
     _, tessera_runtime = tessera.evaluate("llama-tiny", "dgx-h100:nodes=1", **workload)
     _, torchtitan = tessera.evaluate("llama-tiny", "dgx-h100:nodes=1", **workload, runs_on="torchtitan")
-    assert torchtitan.recompute_time_s > tessera_runtime.recompute_time_s
+    # torchtitan's op-level policy re-runs every second matmul; Tessera's runtime keeps every matmul's output and
+    # re-runs the rest (profiles.selective_policy): more FLOPs again there, more bytes kept here
+    assert torchtitan.hardware_flops_per_step > tessera_runtime.hardware_flops_per_step
+    assert torchtitan.recompute_time_s != tessera_runtime.recompute_time_s
     assert torchtitan.memory_by_category_bytes["activations"] < tessera_runtime.memory_by_category_bytes["activations"]
