@@ -92,3 +92,14 @@ def test_a_pipeline_under_autocast_sends_its_fp32_residual_stream(graph: LayerGr
             for precision in ("bf16", "fp32")}
     assert sent["bf16"][0] > sent["bf16"][1]  # autocast: the block outputs are fp32
     assert sent["fp32"][0] == sent["fp32"][1]  # no autocast: as captured
+
+
+@pytest.mark.parametrize("spec", [SPEC, "llama-tiny"])  # biased linears (aten.addmm) and plain ones (aten.mm)
+def test_the_runtimes_selective_policy_keeps_the_blocks_input_and_every_linears_output(spec: str) -> None:
+    model = build_model(spec, device="meta")
+    config = model_config(spec)
+    block = capture(model, seq_len=config.seq_len).blocks[1]
+    linears = [m for m in model.blocks[1].modules() if isinstance(m, torch.nn.Linear)]
+    outputs = sum(m.out_features for m in linears) * config.seq_len * 2  # bf16
+    assert block.saved_bytes_matmul_selective == config.seq_len * config.hidden * 2 + outputs
+    assert block.saved_bytes_full_recompute < block.saved_bytes_matmul_selective < block.saved_bytes_no_recompute
