@@ -76,7 +76,8 @@ def stage_memory(
     """
     reserve = CPU_RESERVE_BYTES if on_cpu else GPU_RESERVE_BYTES
     stage = as_run(stage, training, strategy, profile)
-    stage = as_selective_memory(stage, profile.selective_policy, tp=strategy.tp)
+    stage = as_selective_memory(stage, profile.selective_policy, tp=strategy.tp,
+                                sp=strategy.sp and not strategy.sp_regather)
     if on_cpu and stage.offloaded_bytes:  # a CPU rank's device memory is the host's: offloading frees nothing
         stage = replace(stage, saved_bytes=stage.saved_bytes + stage.offloaded_bytes, offload_buffer_bytes=0)
     block_gather_bytes = 1 if profile.gathers_fp8(training, strategy) else None

@@ -92,6 +92,8 @@ class StageTotals:
     matmul_selective_saved_bytes: int = 0  # what they keep under the matmuls policy instead (where measured)
     matmul_selective_buffer_bytes: int = 0  # one of them recomputed: what its backward materialises again at once
     matmul_selective_traffic_bytes: int = 0  # their activation traffic (their elementwise work re-runs whole)
+    matmul_selective_pair_bytes: int = 0  # per sequence, one residual-width output per linear pair of those blocks
+    matmul_selective_gathered_bytes: int = 0  # the same in the residual stream's dtype (fp32 under autocast)
     # The same stage with every saved-bytes figure as measured under torch.autocast (``memory.autocasts``), or None
     # where capture did not measure it: the memory model reads its activations on the paths that autocast.
     autocast: StageTotals | None = None
@@ -191,7 +193,7 @@ def stage_totals(
     view = [under_autocast(layer) for layer in stage]
     autocast = None
     if any(seen is not layer for seen, layer in zip(view, stage)):
-        autocast = replace(stage_totals(view, index, policies, kept=kept), **_autocast_boundary(stage))
+        autocast = replace(stage_totals(view, index, policies, kept=kept), **_autocast_boundary(stage, policies))
     blocks = [layer for layer in stage if layer.kind == "block"]
     policy = {layer.fqn: policies.get(layer.fqn, "none") for layer in stage}
     full = [b for b in blocks if policy[b.fqn] == "full"]
@@ -233,12 +235,22 @@ _AUTOCAST_FIELDS = {
 _AUTOCAST_VIEWS: dict[int, tuple[LayerStats, LayerStats]] = {}
 
 
-def _autocast_boundary(stage: Sequence[LayerStats]) -> dict:
-    """What a pipeline stage sends on under autocast (its last block's output: the fp32 residual stream).
-    Only the boundary: the other uses of ``output_bytes`` (tensor-parallel reductions, keys and values) are linear
-    outputs, in the compute dtype either way."""
+def _autocast_boundary(stage: Sequence[LayerStats], policies: Mapping[str, Recompute]) -> dict:
+    """What is in the residual stream's dtype (fp32 under autocast): what a pipeline stage sends on (its last
+    block's output) and what sequence parallelism gathers in front of a selective block's linear pairs. Only those:
+    the other uses of ``output_bytes`` (tensor-parallel reductions, keys and values) are linear outputs, in the
+    compute dtype either way."""
     last = stage[-1]
-    return {"boundary_bytes": last.output_bytes if last.autocast_output_bytes is None else last.autocast_output_bytes}
+    residual = {layer.fqn: layer.output_bytes if layer.autocast_output_bytes is None else layer.autocast_output_bytes
+                for layer in stage}
+    gathered = sum(_block_tp_reductions(b) * residual[b.fqn] for b in _matmul_selective(stage, policies))
+    return {"boundary_bytes": residual[last.fqn], "matmul_selective_gathered_bytes": gathered}
+
+
+def _matmul_selective(stage: Sequence[LayerStats], policies: Mapping[str, Recompute]) -> list[LayerStats]:
+    """The selective blocks measured for the matmuls policy (``LayerStats.saved_bytes_matmul_selective``)."""
+    return [layer for layer in stage if layer.kind == "block" and policies.get(layer.fqn) == "selective"
+            and layer.saved_bytes_matmul_selective is not None]
 
 
 def under_autocast(layer: LayerStats) -> LayerStats:
@@ -266,6 +278,7 @@ def _selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompu
     kept = [_saved_bytes(b, "selective") for b in selective]
     op_kept = [k if b.saved_bytes_op_selective is None else b.saved_bytes_op_selective for b, k in zip(selective, kept)]
     every = [b for b in blocks if policy[b.fqn] == "selective"]
+    pairs = sum(_block_tp_reductions(b) * b.output_bytes for b in _matmul_selective(blocks, policy))
     attention_kept = [_saved_bytes(b, "selective") for b in every]
     matmul_kept = [k if b.saved_bytes_matmul_selective is None else b.saved_bytes_matmul_selective
                    for b, k in zip(every, attention_kept)]
@@ -274,8 +287,9 @@ def _selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompu
         "matmul_selective_saved_bytes": sum(matmul_kept),
         "matmul_selective_buffer_bytes": max((b.saved_bytes_no_recompute - k for b, k in zip(every, matmul_kept)),
                                              default=0),
-        "matmul_selective_traffic_bytes": sum(b.saved_bytes_no_recompute for b in every
-                                              if b.saved_bytes_matmul_selective is not None),
+        "matmul_selective_traffic_bytes": sum(b.saved_bytes_no_recompute for b in _matmul_selective(blocks, policy)),
+        "matmul_selective_pair_bytes": pairs,
+        "matmul_selective_gathered_bytes": pairs,
         "selective_core_flops": sum(b.selective_recompute_flops for b in selective),
         "op_selective_recompute_flops": sum(b.op_selective_recompute_flops for b in selective),
         "selective_traffic_bytes": sum(b.saved_bytes_no_recompute for b in selective),
@@ -293,19 +307,26 @@ def op_level_selective(stage: StageTotals, selective_policy: str) -> bool:
     return selective_policy == "op" and stage.op_selective_recompute_flops > 0
 
 
-def as_selective_memory(stage: StageTotals, selective_policy: str, *, tp: int) -> StageTotals:
+def as_selective_memory(stage: StageTotals, selective_policy: str, *, tp: int = 1, sp: bool = False) -> StageTotals:
     """``stage`` with its selective blocks keeping what ``selective_policy`` keeps (``profiles.selective_policy``):
     the attention-core policy's figures as summed, the others' swapped in, and one such block recomputed at a time
-    on top of them. The ``matmuls`` policy only without tensor parallelism: there it also keeps its collectives'
-    outputs and each row-parallel linear's whole partial sum, which the per-layer figure does not hold (measured
-    11% short on small-gpt's ``tp=4``); the attention-core figure, larger, stands in."""
+    on top of them.
+
+    Under tensor and sequence parallelism the ``matmuls`` policy also keeps, per linear pair, the outputs of its
+    collectives and the row-parallel linear's whole partial sum: beyond the ``1/tp`` share of the per-layer
+    figure and the gathered inputs ``memory.sp_gathered_input_bytes`` adds, each device holds one more gathered
+    input (the residual stream's dtype: fp32 under autocast) and one reduce-scattered output per pair (measured on
+    small-gpt, ``benchmarks/memory_truth.py --pins``: ``tp=4`` 11% short and ``dp=2,tp=2`` 4% short without
+    them). Tensor parallelism without sequence parallelism keeps the attention-core figure (not measured)."""
     if op_level_selective(stage, selective_policy):
         return as_op_level_memory(stage)
-    if selective_policy == "matmuls" and tp == 1 and stage.matmul_selective_traffic_bytes:
-        saved = stage.saved_bytes - stage.selective_blocks_saved_bytes + stage.matmul_selective_saved_bytes
-        return replace(stage, saved_bytes=saved,
-                       recompute_buffer_bytes=max(stage.recompute_buffer_bytes, stage.matmul_selective_buffer_bytes))
-    return stage
+    if selective_policy != "matmuls" or not stage.matmul_selective_traffic_bytes or (tp > 1 and not sp):
+        return stage
+    saved = stage.saved_bytes - stage.selective_blocks_saved_bytes + stage.matmul_selective_saved_bytes
+    if tp > 1:  # saved bytes are divided by tp later: what each device holds whole counts tp times here
+        saved += stage.matmul_selective_gathered_bytes * tp + stage.matmul_selective_pair_bytes
+    return replace(stage, saved_bytes=saved,
+                   recompute_buffer_bytes=max(stage.recompute_buffer_bytes, stage.matmul_selective_buffer_bytes))
 
 
 def as_op_level_memory(stage: StageTotals) -> StageTotals:

@@ -46,7 +46,8 @@ there.
   (``runtime.recompute``) keeps the outputs of every matmul (``aten.mm``, ``aten.addmm``) and of its collectives
   and re-runs everything else: the attention core, the norms, the activation functions, the residual adds and,
   under autocast, the casts (``matmuls``: its blocks keep their inputs and matmul outputs,
-  ``LayerStats.saved_bytes_matmul_selective``; measured on 4 gloo ranks, ``benchmarks/memory_truth.py --pins``).
+  ``LayerStats.saved_bytes_matmul_selective``, and under sequence parallelism its collectives' outputs:
+  ``partition.as_selective_memory``; measured on 4 gloo ranks, ``benchmarks/memory_truth.py --pins``).
   torchtitan's ``selective_ac_option = "op"`` (the default of its Llama training configs) is an op-level policy
   instead: its checkpoint wrapper saves the outputs of ``aten.mm``, the SDPA kernels and the reduce-scatters,
   "except every second mm" (``parallelisms/parallelize_llama.py`` at 1ea476e9f, April 2024, the commit of its

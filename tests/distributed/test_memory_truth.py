@@ -56,12 +56,13 @@ def test_activations_under_autocast_are_what_the_cost_model_predicts_on_every_st
 
 
 
-RECOMPUTE_TOLERANCE = 0.03  # measured within 0.3% on 2026-12-05; +7.5% to +11% before pricing the runtime's policy
+RECOMPUTE_TOLERANCE = 0.03  # measured within 0.6% on 2026-12-05; +7.5% to +11% (TP: -5.3%) before pricing the runtime's policy
 
 
 @pytest.mark.parametrize("pins", [
     "dp=4,zero=0,recompute=selective",  # DDP: autocast's copies of recomputed blocks go with the forward's context
     "dp=4,zero=3,recompute=selective",  # FSDP2 inside a selective checkpoint, the AllocatorMeter's profiler on
+    "dp=1,tp=4,sp=true,recompute=selective",  # each pair's gathered input (fp32 under autocast), partial sum, shard
 ])
 def test_selective_recomputation_holds_what_the_runtimes_policy_keeps(memory_truth, pins):
     """Tessera's runtime keeps every matmul's output and re-runs the rest of a selective block
