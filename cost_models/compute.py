@@ -190,11 +190,13 @@ def stage_compute_s(
 def _matmul_policy_rerun_s(stage: StageTotals, profile: ImplementationProfile, *, elementwise: float, casts: float) -> float:
     """Under the ``matmuls`` selective policy (``profiles.selective_policy``), what the selective blocks re-run
     besides their attention cores: all their elementwise work and casts (everything but the matmuls), their share
-    of the stage's activation traffic."""
+    of the stage's activation traffic, less the elementwise share :func:`stage_compute_s` already charges with
+    their cores' FLOPs."""
     traffic = stage.activation_traffic_bytes
-    if profile.selective_policy != "matmuls" or not traffic:
+    if profile.selective_policy != "matmuls" or not traffic or not stage.forward_flops:
         return 0.0
-    return (elementwise + casts) * stage.matmul_selective_traffic_bytes / traffic
+    rerun = (elementwise + casts) * stage.matmul_selective_traffic_bytes / traffic
+    return max(0.0, rerun - elementwise * stage.matmul_selective_core_flops / stage.forward_flops)
 
 
 def recomputed_flops(stage: StageTotals, profile: ImplementationProfile) -> float:

@@ -8,7 +8,9 @@ forward to backward; ZeRO-1 accumulates the unsharded gradient over micro-batche
 ZeRO-3 gathers one block at a time (plus one prefetched), and the root layers for the forward and again for
 the backward.
 Mixed precision on a model no FSDP unit wraps runs by ``torch.autocast`` (:func:`autocasts`): every micro-batch
-then holds a compute-dtype copy of each local weight from its forward until its backward is done.
+then holds a compute-dtype copy of each local weight from its forward until its backward is done (except the
+recomputed blocks', :func:`autocast_copied_params`), and activations as capture measured them under autocast
+(:func:`as_run`).
 Tensor parallelism divides blocks and vocabulary matrices.
 Expert parallelism divides routed experts by ``ep``; the "data-parallel axis" of a kind of state is the ranks
 holding the same weights: ``dp * cp`` for dense, ``(dp / ep) * cp`` for expert state (``cost_models.sparse``).
@@ -145,7 +147,7 @@ def backward_memory(
         "parameters": parameter_bytes(stage, training, strategy, in_backward=True),
         "gradients": held_gradient_bytes(stage, strategy, micro_batches=micro_batches),
         "optimizer": sharded_params(stage, strategy, from_zero=1) * 2 * FP32,
-        "activations": activation_bytes(stage, strategy, micro_batches=micro_batches, buffers=False)
+        "activations": activation_bytes(stage, strategy, micro_batches=micro_batches)
         + _loss_and_recomputation_bytes(stage, strategy, on_cpu=on_cpu),
         "buffers": (_buffer_bytes(stage, training, strategy, on_cpu=on_cpu, block_gather_bytes=block_gather_bytes)
                     + pipeline_output_bytes(stage, strategy, micro_batches=micro_batches)),
@@ -213,7 +215,7 @@ def as_run(stage: StageTotals, training: TrainingConfig, strategy: Strategy, pro
     """``stage`` with its activations as the runtime holds them: where it autocasts (:func:`autocasts`), as capture
     measured them under autocast (an fp32 residual stream and stage boundary, a bf16 cast per linear)."""
     if stage.autocast is not None and autocasts(training, strategy, profile):
-        return stage.autocast
+        return replace(stage.autocast, index=stage.index)  # the index may have been set on the outer totals only
     return stage
 
 
@@ -236,8 +238,9 @@ def autocast_copied_params(stage: StageTotals, training: TrainingConfig, strateg
     them are few) and, outside a pipeline, those of blocks recomputed in part or whole: a checkpointed region
     saves none of its casts, so autocast's cache lets them go when the forward's context exits, and the
     recomputation casts one block again at a time (measured: small-gpt's DDP with full recomputation,
-    ``benchmarks/memory_truth.py --pins``). A pipeline schedule runs its backward inside the context as well, whose
-    cache keeps every cast to the end."""
+    ``benchmarks/memory_truth.py --pins``; the one block's copy that a recomputation holds is left out, small beside
+    the rest). A pipeline schedule runs its backward inside the context as well, whose cache keeps every cast to
+    the end."""
     blocks = block_params(stage, strategy)
     if training.precision == "fp8":
         return local_params(stage, strategy) - blocks
@@ -276,14 +279,13 @@ def merged_pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micr
     return 2 * stage.logits_bytes * strategy.micro_batch * micro_batches / (strategy.tp * strategy.cp)
 
 
-def activation_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int, buffers: bool = True) -> float:
-    """Activations a stage holds at its peak: in-flight micro-batches and, with ``buffers``, one block being
-    recomputed and the device copies of offloaded blocks in transit (:func:`_one_at_a_time_bytes`)."""
+def activation_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
+    """Activations a stage's in-flight micro-batches hold (what one block's recomputation and offloaded blocks in
+    transit add: :func:`_one_at_a_time_bytes`)."""
     per_micro_batch = stage.saved_bytes * strategy.micro_batch
     in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
     held = per_micro_batch * in_flight * tp_activation_share(strategy) / strategy.cp
-    held += sp_gathered_input_bytes(stage, strategy) * in_flight / strategy.cp
-    return held + (_one_at_a_time_bytes(stage, strategy) if buffers else 0.0)
+    return held + sp_gathered_input_bytes(stage, strategy) * in_flight / strategy.cp
 
 
 def _loss_and_recomputation_bytes(stage: StageTotals, strategy: Strategy, *, on_cpu: bool) -> float:

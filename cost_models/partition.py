@@ -92,6 +92,7 @@ class StageTotals:
     matmul_selective_saved_bytes: int = 0  # what they keep under the matmuls policy instead (where measured)
     matmul_selective_buffer_bytes: int = 0  # one of them recomputed: what its backward materialises again at once
     matmul_selective_traffic_bytes: int = 0  # their activation traffic (their elementwise work re-runs whole)
+    matmul_selective_core_flops: float = 0.0  # their attention cores' forward FLOPs (part of recompute_flops)
     matmul_selective_pair_bytes: int = 0  # per sequence, one residual-width output per linear pair of those blocks
     matmul_selective_gathered_bytes: int = 0  # the same in the residual stream's dtype (fp32 under autocast)
     # The same stage with every saved-bytes figure as measured under torch.autocast (``memory.autocasts``), or None
@@ -193,7 +194,7 @@ def stage_totals(
     view = [under_autocast(layer) for layer in stage]
     autocast = None
     if any(seen is not layer for seen, layer in zip(view, stage)):
-        autocast = replace(stage_totals(view, index, policies, kept=kept), **_autocast_boundary(stage, policies))
+        autocast = replace(stage_totals(view, index, policies, kept=kept), **_autocast_boundary(stage, view, policies))
     blocks = [layer for layer in stage if layer.kind == "block"]
     policy = {layer.fqn: policies.get(layer.fqn, "none") for layer in stage}
     full = [b for b in blocks if policy[b.fqn] == "full"]
@@ -235,7 +236,9 @@ _AUTOCAST_FIELDS = {
 _AUTOCAST_VIEWS: dict[int, tuple[LayerStats, LayerStats]] = {}
 
 
-def _autocast_boundary(stage: Sequence[LayerStats], policies: Mapping[str, Recompute]) -> dict:
+def _autocast_boundary(
+    stage: Sequence[LayerStats], view: Sequence[LayerStats], policies: Mapping[str, Recompute]
+) -> dict:
     """What is in the residual stream's dtype (fp32 under autocast): what a pipeline stage sends on (its last
     block's output) and what sequence parallelism gathers in front of a selective block's linear pairs. Only those:
     the other uses of ``output_bytes`` (tensor-parallel reductions, keys and values) are linear outputs, in the
@@ -243,7 +246,7 @@ def _autocast_boundary(stage: Sequence[LayerStats], policies: Mapping[str, Recom
     last = stage[-1]
     residual = {layer.fqn: layer.output_bytes if layer.autocast_output_bytes is None else layer.autocast_output_bytes
                 for layer in stage}
-    gathered = sum(_block_tp_reductions(b) * residual[b.fqn] for b in _matmul_selective(stage, policies))
+    gathered = sum(_block_tp_reductions(b) * residual[b.fqn] for b in _matmul_selective(view, policies))
     return {"boundary_bytes": residual[last.fqn], "matmul_selective_gathered_bytes": gathered}
 
 
@@ -254,8 +257,9 @@ def _matmul_selective(stage: Sequence[LayerStats], policies: Mapping[str, Recomp
 
 
 def under_autocast(layer: LayerStats) -> LayerStats:
-    """``layer`` with its saved bytes as measured under autocast and no autocast figures of its own; ``layer``
-    itself where capture did not measure them. Memoised by identity (a search sums the same layers many times)."""
+    """``layer`` with its saved bytes as measured under autocast (their autocast fields cleared; its
+    ``autocast_output_bytes`` stays, for :func:`_autocast_boundary`); ``layer`` itself where capture did not
+    measure them. Memoised by identity (a search sums the same layers many times)."""
     if layer.autocast_saved_bytes_no_recompute is None:
         return layer
     hit = _AUTOCAST_VIEWS.get(id(layer))
@@ -288,6 +292,7 @@ def _selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompu
         "matmul_selective_buffer_bytes": max((b.saved_bytes_no_recompute - k for b, k in zip(every, matmul_kept)),
                                              default=0),
         "matmul_selective_traffic_bytes": sum(b.saved_bytes_no_recompute for b in _matmul_selective(blocks, policy)),
+        "matmul_selective_core_flops": sum(b.selective_recompute_flops for b in _matmul_selective(blocks, policy)),
         "matmul_selective_pair_bytes": pairs,
         "matmul_selective_gathered_bytes": pairs,
         "selective_core_flops": sum(b.selective_recompute_flops for b in selective),
@@ -312,12 +317,14 @@ def as_selective_memory(stage: StageTotals, selective_policy: str, *, tp: int = 
     the attention-core policy's figures as summed, the others' swapped in, and one such block recomputed at a time
     on top of them.
 
-    Under tensor and sequence parallelism the ``matmuls`` policy also keeps, per linear pair, the outputs of its
-    collectives and the row-parallel linear's whole partial sum: beyond the ``1/tp`` share of the per-layer
-    figure and the gathered inputs ``memory.sp_gathered_input_bytes`` adds, each device holds one more gathered
-    input (the residual stream's dtype: fp32 under autocast) and one reduce-scattered output per pair (measured on
-    small-gpt, ``benchmarks/memory_truth.py --pins``: ``tp=4`` 11% short and ``dp=2,tp=2`` 4% short without
-    them). Tensor parallelism without sequence parallelism keeps the attention-core figure (not measured)."""
+    Under tensor and sequence parallelism the ``matmuls`` policy also keeps, per linear pair, the gathered input
+    whole (the residual stream's dtype: fp32 under autocast), the row-parallel matmul's partial sum whole and the
+    reduce-scattered output (``1/tp``). The ``1/tp`` share of the per-layer figure holds ``1/tp`` of the partial
+    sum, and ``memory.sp_gathered_input_bytes`` adds ``1 - 1/tp`` of one residual-width tensor per pair: what is
+    left to add per device is one gathered input and one ``1/tp`` output per pair (measured on small-gpt,
+    ``benchmarks/memory_truth.py --pins``: ``tp=4`` 11% short and ``dp=2,tp=2`` 4% short without them). Tensor
+    parallelism without sequence parallelism keeps the attention-core figure (not measured there), though its
+    recompute time is the matmuls policy's (``compute``: the runtime runs that policy either way)."""
     if op_level_selective(stage, selective_policy):
         return as_op_level_memory(stage)
     if selective_policy != "matmuls" or not stage.matmul_selective_traffic_bytes or (tp > 1 and not sp):

@@ -360,8 +360,9 @@ def _add_autocast(
     autocast's activations as the measured dtype's)."""
     try:
         measured = measure_at_lengths(model, order, dtype=dtype, lengths=tuple(tallies), inputs=inputs, autocast=True)
-    except CaptureError as exc:
-        log.info("autocast's activations not measured (priced as %s's): %s", _DTYPE_NAMES[dtype], exc)
+    except Exception as exc:  # an optional second measurement: the capture stands without it
+        log.warning("autocast's activations not measured (priced as %s's): %s: %s", _DTYPE_NAMES[dtype],
+                    type(exc).__name__, exc)
         return
     for length, layers in tallies.items():
         for fqn, tally in layers.items():

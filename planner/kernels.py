@@ -114,4 +114,4 @@ def _as_autocast_runs_sdpa(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
         return tensors
     dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+    return tuple(t.to(dtype) if t.dtype == torch.float32 else t for t in tensors)  # autocast leaves fp64 alone

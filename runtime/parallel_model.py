@@ -227,7 +227,7 @@ class ParallelModel:
         """Gradient sync on the last micro-batch, the loss on vocabulary shards under tp and, with ``autocast``,
         autocast over forward and backward alike (a pipeline schedule runs both in one call; its autocast cache
         then keeps one compute-dtype copy of each weight until the step's last backward, see
-        ``cost_models.memory.autocast_cache_kept``)."""
+        ``cost_models.memory_transients.accumulation_bytes``)."""
         stack = ExitStack()
         stack.enter_context(self._gradient_sync(enabled=last_micro_batch))
         if autocast:

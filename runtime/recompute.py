@@ -53,12 +53,14 @@ def selective_context():
     return create_selective_checkpoint_contexts(selective_policy)
 
 
+@functools.cache
 def _ignore_profiler_annotations() -> None:
     """Keep ``record_function``'s ops out of selective checkpointing's replay. FSDP2 in torch 2.13 runs its hooks
     under ``record_function``, whose dispatched ops can come a different number of times in the recomputation than
     in the forward: SAC, which replays ops by count, then stops the backward ("profiler._record_function_enter_new
     ... encountered during backward but not found in storage"; met with ZeRO-1 and a profiler on, and reported
-    with torchtitan, pytorch/torchtitan#3427). Annotations compute nothing, so replaying them is never needed."""
+    with torchtitan, pytorch/torchtitan#3427). Annotations compute nothing, so replaying them is never needed.
+    It adds them to torch's own ``SAC_IGNORED_OPS``: once per process, for every selective checkpoint in it."""
     profiler = torch.ops.profiler
     for packet in (profiler._record_function_enter, profiler._record_function_enter_new, profiler._record_function_exit):
         SAC_IGNORED_OPS.update(getattr(packet, name) for name in packet.overloads())

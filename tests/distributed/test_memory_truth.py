@@ -55,7 +55,6 @@ def test_activations_under_autocast_are_what_the_cost_model_predicts_on_every_st
     assert predicted == pytest.approx(peaks, rel=AUTOCAST_TOLERANCE)
 
 
-
 RECOMPUTE_TOLERANCE = 0.03  # measured within 0.6% on 2026-12-05; +7.5% to +11% (TP: -5.3%) before pricing the runtime's policy
 
 

@@ -103,5 +103,4 @@ def test_evaluate_prices_a_framework_config_as_that_framework_runs_it(tmp_path, 
     # torchtitan's op-level policy re-runs every second matmul; Tessera's runtime keeps every matmul's output and
     # re-runs the rest (profiles.selective_policy): more FLOPs again there, more bytes kept here
     assert torchtitan.hardware_flops_per_step > tessera_runtime.hardware_flops_per_step
-    assert torchtitan.recompute_time_s != tessera_runtime.recompute_time_s
     assert torchtitan.memory_by_category_bytes["activations"] < tessera_runtime.memory_by_category_bytes["activations"]
