@@ -323,8 +323,9 @@ def as_selective_memory(stage: StageTotals, selective_policy: str, *, tp: int = 
     sum, and ``memory.sp_gathered_input_bytes`` adds ``1 - 1/tp`` of one residual-width tensor per pair: what is
     left to add per device is one gathered input and one ``1/tp`` output per pair (measured on small-gpt,
     ``benchmarks/memory_truth.py --pins``: ``tp=4`` 11% short and ``dp=2,tp=2`` 4% short without them). Tensor
-    parallelism without sequence parallelism keeps the attention-core figure (not measured there), though its
-    recompute time is the matmuls policy's (``compute``: the runtime runs that policy either way)."""
+    parallelism without sequence parallelism keeps the attention-core figure, which is larger (measured 4-13% over
+    there), though its recompute time is the matmuls policy's (``compute``: the runtime runs that policy either
+    way)."""
     if op_level_selective(stage, selective_policy):
         return as_op_level_memory(stage)
     if selective_policy != "matmuls" or not stage.matmul_selective_traffic_bytes or (tp > 1 and not sp):
