@@ -293,8 +293,8 @@ def _loss_and_recomputation_bytes(stage: StageTotals, strategy: Strategy, *, on_
     They are never alive together: the loss's go with the head's backward, before the first block is recomputed,
     so a CPU rank's allocator holds the larger (measured: small-gpt's DDP with full recomputation, within 0.1%
     once not summed, ``benchmarks/memory_truth.py --pins``). On a GPU the sum stays: torchtitan's published peaks
-    are the caching allocator's reserved bytes, which keep the loss's large freed segments, and sit 8-9% above the
-    sum and 11-17% above the larger (``benchmarks/published.py``); no GPU measurement has told them apart yet."""
+    are the caching allocator's reserved bytes, which keep the loss's large freed segments, and sit up to 11.5%
+    above the sum already (``benchmarks/published.py``); no GPU measurement has told them apart yet."""
     loss, recomputed = loss_gradient_bytes(stage, strategy), _one_at_a_time_bytes(stage, strategy)
     return max(loss, recomputed) if on_cpu else loss + recomputed
 

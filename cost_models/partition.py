@@ -282,7 +282,8 @@ def _selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompu
     kept = [_saved_bytes(b, "selective") for b in selective]
     op_kept = [k if b.saved_bytes_op_selective is None else b.saved_bytes_op_selective for b, k in zip(selective, kept)]
     every = [b for b in blocks if policy[b.fqn] == "selective"]
-    pairs = sum(_block_tp_reductions(b) * b.output_bytes for b in _matmul_selective(blocks, policy))
+    measured = _matmul_selective(blocks, policy)
+    pairs = sum(_block_tp_reductions(b) * b.output_bytes for b in measured)
     attention_kept = [_saved_bytes(b, "selective") for b in every]
     matmul_kept = [k if b.saved_bytes_matmul_selective is None else b.saved_bytes_matmul_selective
                    for b, k in zip(every, attention_kept)]
@@ -291,8 +292,8 @@ def _selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompu
         "matmul_selective_saved_bytes": sum(matmul_kept),
         "matmul_selective_buffer_bytes": max((b.saved_bytes_no_recompute - k for b, k in zip(every, matmul_kept)),
                                              default=0),
-        "matmul_selective_traffic_bytes": sum(b.saved_bytes_no_recompute for b in _matmul_selective(blocks, policy)),
-        "matmul_selective_core_flops": sum(b.selective_recompute_flops for b in _matmul_selective(blocks, policy)),
+        "matmul_selective_traffic_bytes": sum(b.saved_bytes_no_recompute for b in measured),
+        "matmul_selective_core_flops": sum(b.selective_recompute_flops for b in measured),
         "matmul_selective_pair_bytes": pairs,
         "matmul_selective_gathered_bytes": pairs,
         "selective_core_flops": sum(b.selective_recompute_flops for b in selective),
