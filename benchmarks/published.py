@@ -192,7 +192,7 @@ def main() -> None:
     fitted, deepspeed = (GPU_CALIBRATION, DEEPSPEED.zero3_comm_slowdown) if subset or args.no_fit else fit_calibration(
         runs, {key: pair[0] for key, pair in chosen.items()})
     console.print(f"grid fit on the train split: {fitted}, DeepSpeed ZeRO-3 slowdown {deepspeed}")
-    rows, errors, speedups, held_out, memory_errors = [], [], [], {}, []
+    rows, errors, speedups, held_out, memory_errors, unfit = [], [], [], {}, [], []
     for run in runs:
         strategy, est = chosen[run["id"]]
         published = published_step_s(run)
@@ -209,10 +209,12 @@ def main() -> None:
         if published_gib := run["reported"].get("memory_gib"):
             memory_errors.append(est.peak_memory_bytes / 2**30 / published_gib - 1)
             memory += f" ({published_gib:.1f}, {memory_errors[-1]:+.0%})"
+        if not est.fits:
+            unfit.append(f"{run['id']} {est.peak_memory_bytes / 2**30:.1f} GiB of {est.memory_budget_bytes / 2**30:.0f}")
         rows.append((run["id"], split, regime(run), str(run["hardware"]["gpus"]), strategy.to_string(), f"{published:.2f}",
                      f"{est.step_time_s:.2f}", f"{error:+.1%}", memory, "yes" if est.fits else "NO", *own_cells))
     pairs = workload_pairs(runs, {key: pair[1].step_time_s for key, pair in chosen.items()})
-    summary = summarize(errors, fitted, deepspeed) + memory_summary(memory_errors) + pair_summary(pairs) + ("" if not speedups else
+    summary = summarize(errors, fitted, deepspeed) + memory_summary(memory_errors, unfit, len(runs)) + pair_summary(pairs) + ("" if not speedups else
         f"\n- plan quality: Tessera's own plan is predicted at least as fast as the published configuration in "
         f"{sum(x >= 0.999 for x in speedups)} of {len(speedups)} runs it plans (median speedup {statistics.median(speedups):.2f}x, "
         f"worst {min(speedups):.2f}x; same cost model, own plan always fits; a published configuration is compared "
@@ -319,14 +321,17 @@ def summarize(errors: list[tuple[str, str, float]], fitted: Calibration, deepspe
     return "\n".join(lines)
 
 
-def memory_summary(errors: list[float]) -> str:
+def memory_summary(errors: list[float], unfit: list[str], runs: int) -> str:
     """Peak memory against the runs that publish it (torchtitan's tables: its logged peak reserved memory, which the
-    caching allocator's fragmentation puts above what tensors hold)."""
-    if not errors:
-        return ""
-    low, high = min(errors), max(errors)
-    return (f"\n- peak memory per GPU against the {len(errors)} runs that publish it (torchtitan's peak reserved memory): "
-            f"median |error| {statistics.median(map(abs, errors)):.1%}, from {low:+.1%} to {high:+.1%}")
+    caching allocator's fragmentation puts above what tensors hold), and the runs predicted not to fit: each ran, so
+    each is a prediction too high by at least its excess."""
+    lines = ""
+    if errors:
+        low, high = min(errors), max(errors)
+        lines += (f"\n- peak memory per GPU against the {len(errors)} runs that publish it (torchtitan's peak reserved "
+                  f"memory): median |error| {statistics.median(map(abs, errors)):.1%}, from {low:+.1%} to {high:+.1%}")
+    return lines + (f"\n- runs predicted not to fit the memory they ran in: {len(unfit)} of {runs}"
+                    + (f" ({'; '.join(unfit)})" if unfit else ""))
 
 
 def write_markdown(rows: list[tuple[str, ...]], summary: str) -> None:

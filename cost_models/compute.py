@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, replace
 
 from tessera.cost_models.fp8 import bf16_flops, cast_traffic_bytes
-from tessera.cost_models.partition import StageTotals, op_level_selective
+from tessera.cost_models.partition import StageTotals, op_level_selective, with_loss_kernel
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology.cluster import DeviceSpec
@@ -287,8 +287,9 @@ def compute_lower_bound_s(
     at the rate of its widest block (a stage is never faster). Recomputation's memory traffic is left out
     (per stage it is not additive), so this is a bound, not an estimate. The attention cores are taken at the
     fastest kernel the device has a figure for, so the bound holds whichever framework's profile the estimate
-    uses.
+    uses, and so is the loss at a fused kernel's traffic (``partition.with_loss_kernel``) without tensor parallelism.
     """
+    model = with_loss_kernel(model, "flash-attn") if strategy.tp == 1 else model
     seq_len = training.seq_len / strategy.cp
     width = model.hidden_size / strategy.tp
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)

@@ -21,7 +21,7 @@ from tessera.cost_models.compute import (
     GPU_CALIBRATION, Calibration, achievable_flops, bf16_or, compute_lower_bound_s, device_calibration, optimizer_step_s, recomputed_flops,
     stage_compute_s,
 )
-from tessera.cost_models.memory import as_run, stage_memory
+from tessera.cost_models.memory import as_run, loss_as_run, stage_memory
 from tessera.cost_models.memory_state import local_params
 from tessera.cost_models.offload import exposed_offload_s
 from tessera.cost_models.partition import (
@@ -288,6 +288,7 @@ def stage_time(
     *, calibration: Calibration = GPU_CALIBRATION, profile: ImplementationProfile = TESSERA,
 ) -> StageTime:
     """Seconds one micro-batch spends on ``stage`` (``profile``: whose implementation overlaps its TP traffic)."""
+    stage = loss_as_run(stage, strategy, profile)  # a fused loss kernel makes fewer passes over the logits
     forward, backward, recompute = stage_compute_s(stage, cluster.device, training, strategy, calibration=calibration,
                                                    profile=profile)
     offload = exposed_offload_s(stage, cluster.device, strategy, forward_s=forward, backward_s=backward)

@@ -46,7 +46,7 @@ from tessera.cost_models.memory_transients import (
     accumulation_bytes, ddp_bucket_bytes, gloo_staging_bytes, optimizer_temporary_bytes, replicate_reduction_bytes,
     zero3_gathered_bytes, zero12_reduce_scatter_bytes,
 )
-from tessera.cost_models.partition import StageTotals, as_selective_memory
+from tessera.cost_models.partition import StageTotals, as_selective_memory, with_loss_kernel
 from tessera.cost_models.pipeline import in_flight_micro_batches
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.sparse import ring_and_dispatch_buffer_bytes, sharded_params
@@ -213,10 +213,18 @@ def autocasts(training: TrainingConfig, strategy: Strategy, profile: Implementat
 
 def as_run(stage: StageTotals, training: TrainingConfig, strategy: Strategy, profile: ImplementationProfile) -> StageTotals:
     """``stage`` with its activations as the runtime holds them: where it autocasts (:func:`autocasts`), as capture
-    measured them under autocast (an fp32 residual stream and stage boundary, a bf16 cast per linear)."""
+    measured them under autocast (an fp32 residual stream and stage boundary, a bf16 cast per linear), and its loss as
+    the framework computes it (:func:`loss_as_run`)."""
     if stage.autocast is not None and autocasts(training, strategy, profile):
-        return replace(stage.autocast, index=stage.index)  # the index may have been set on the outer totals only
-    return stage
+        stage = replace(stage.autocast, index=stage.index)  # the index may have been set on the outer totals only
+    return loss_as_run(stage, strategy, profile)
+
+
+def loss_as_run(stage: StageTotals, strategy: Strategy, profile: ImplementationProfile) -> StageTotals:
+    """``stage`` with its loss run by the framework's cross-entropy kernel (``profiles.cross_entropy``); flash-attn's
+    fused one only without tensor parallelism, where such a framework runs torch's ``loss_parallel``."""
+    kernel = profile.cross_entropy
+    return with_loss_kernel(stage, "torch" if kernel == "flash-attn" and strategy.tp > 1 else kernel)
 
 
 def autocast_copy_bytes(

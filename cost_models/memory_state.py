@@ -101,8 +101,13 @@ def loss_gradient_bytes(stage: StageTotals, strategy: Strategy) -> float:
     log-probability-sized tensors: ``LOSS_TEMPORARIES``. Under tensor parallelism ``loss_parallel`` computes the
     vocabulary-sharded log-softmax from aten pieces (``x - max``, ``exp``, the sum's all-reduce, the result), and
     its forward keeps the logits and three shard-sized tensors alive at once: ``LOSS_PARALLEL_TEMPORARIES``
-    (the logits are otherwise freed). Sizes are 1/tp (vocabulary shards) and 1/cp (tokens).
+    (the logits are otherwise freed). Sizes are 1/tp (vocabulary shards) and 1/cp (tokens). The other kernels
+    (``StageTotals.loss_kernel``) hold one gradient of the logits' size: flash-attn's fused kernel writes it beside
+    the saved logits; Megatron's turns its saved fp32 softmax into the gradient in place, which autograd then casts
+    to the logits' dtype.
     """
+    if stage.loss_kernel != "torch":
+        return logits_gradient_bytes(stage, strategy)
     temporaries = LOSS_TEMPORARIES if strategy.tp == 1 else LOSS_PARALLEL_TEMPORARIES
     return temporaries * stage.loss_saved_bytes * strategy.micro_batch / (strategy.tp * strategy.cp)
 
@@ -111,6 +116,15 @@ def loss_output_bytes(stage: StageTotals, strategy: Strategy) -> float:
     """One loss-sized tensor of a micro-batch on one device (1/tp vocabulary, 1/cp tokens): the saved
     log-probabilities, their gradient or the logits' gradient."""
     return stage.loss_saved_bytes * strategy.micro_batch / (strategy.tp * strategy.cp)
+
+
+def logits_gradient_bytes(stage: StageTotals, strategy: Strategy) -> float:
+    """The logits' gradient the loss's backward hands to the head, on one device: loss-sized under torch's
+    cross-entropy (as measured on small-gpt in fp32, :func:`loss_backward_released_bytes`), the logits' own size under
+    the other kernels (:func:`loss_gradient_bytes`)."""
+    if stage.loss_kernel == "torch":
+        return loss_output_bytes(stage, strategy)
+    return stage.logits_bytes * strategy.micro_batch / (strategy.tp * strategy.cp)
 
 
 def loss_backward_released_bytes(stage: StageTotals, strategy: Strategy) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tessera.cost_models.memory_state import (
     FP32, compute_dtype_bytes, gathered_block_params, held_gradient_bytes, largest_local_tensor_params, local_params,
-    loss_backward_released_bytes, loss_output_bytes, replicated_embedding_gradient_params, root_params, uses_ddp,
+    logits_gradient_bytes, loss_backward_released_bytes, replicated_embedding_gradient_params, root_params, uses_ddp,
     uses_fsdp2_replicate,
 )
 from tessera.cost_models.partition import StageTotals
@@ -161,7 +161,7 @@ def zero3_gathered_bytes(
     root = root_params(stage, strategy) * compute
     block = gathered_block_params(stage, strategy)
     released = loss_backward_released_bytes(stage, strategy)
-    root_regather = 2 * root + loss_output_bytes(stage, strategy) - released  # the logits' gradient is kept
+    root_regather = 2 * root + logits_gradient_bytes(stage, strategy) - released  # the logits' gradient is kept
     width = compute if block_gather_bytes is None else block_gather_bytes
     previous = block * FP32 * (1 + 1 / (strategy.dp * strategy.cp))  # the block after's reduce-scatter, in and out
     in_flight = FSDP_PREFETCH_BLOCKS if stage.kept_blocks < stage.blocks else 0  # not by count: the ILP is linear in it

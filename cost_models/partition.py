@@ -64,6 +64,7 @@ class StageTotals:
     root_replicated_params: int = 0  # parameters outside blocks that every tp rank keeps whole (final norm)
     loss_saved_bytes: int = 0  # what the stage's loss layer saves per sequence (log-probabilities), 0 if none
     logits_bytes: int = 0  # per sequence, the output of the layer feeding the loss (the stage's pipeline output)
+    loss_kernel: str = "torch"  # the cross-entropy kernel the loss runs as (:func:`with_loss_kernel`)
     largest_block_params: int = 0  # parameters of the stage's largest block (an FSDP unit under ZeRO-3)
     widest_matrix_dim: int = 0  # the widest dimension of the blocks' matrix weights (LayerStats.widest_matrix_dim)
     largest_matrix_params: int = 0  # elements of the blocks' largest matrix weight
@@ -336,6 +337,26 @@ def as_selective_memory(stage: StageTotals, selective_policy: str, *, tp: int = 
         saved += stage.matmul_selective_gathered_bytes * tp + stage.matmul_selective_pair_bytes
     return replace(stage, saved_bytes=saved,
                    recompute_buffer_bytes=max(stage.recompute_buffer_bytes, stage.matmul_selective_buffer_bytes))
+
+
+CROSS_ENTROPY_KERNELS = ("torch", "flash-attn", "megatron")
+"""How a framework computes the loss (``profiles.cross_entropy``): torch's cross-entropy over fp32 log-probabilities
+(what capture measures), flash-attn's fused ``xentropy`` kernel, or Megatron's vocabulary-parallel cross-entropy."""
+
+
+def with_loss_kernel(stage: StageTotals, kernel: str) -> StageTotals:
+    """``stage`` with its loss run by ``kernel`` (``CROSS_ENTROPY_KERNELS``; its backward's working tensors:
+    ``memory_state.loss_gradient_bytes``). ``flash-attn`` keeps the logits as they come instead of fp32
+    log-probabilities (plus one fp32 log-sum-exp per token, left out: 4 bytes beside a vocabulary's worth), in the
+    activations and in the traffic that elementwise time is charged by. ``megatron`` keeps an fp32 softmax, as large
+    as torch's log-probabilities."""
+    if kernel == stage.loss_kernel or not stage.loss_saved_bytes or not stage.logits_bytes:
+        return stage
+    if kernel != "flash-attn":
+        return replace(stage, loss_kernel=kernel)
+    change = stage.logits_bytes - stage.loss_saved_bytes
+    return replace(stage, saved_bytes=stage.saved_bytes + change, loss_saved_bytes=stage.logits_bytes,
+                   activation_traffic_bytes=stage.activation_traffic_bytes + change, loss_kernel=kernel)
 
 
 def as_op_level_memory(stage: StageTotals) -> StageTotals:

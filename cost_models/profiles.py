@@ -41,6 +41,12 @@ there.
   configs at 061f2c7ce64e), the Triton FlashAttention. Megatron-LM of 2021-2022 (SC'21, Korthikanti et al.)
   and DeepSpeed's SC'21 runs of its model ran attention unfused (cuBLAS batched GEMMs over the whole ``s x s``
   around a fused softmax): no kernel figure, the calibrated fallback.
+- **Loss kernel** (``cross_entropy``): what the cross-entropy holds around the backward's start. Tessera's runtime and
+  torchtitan call torch's cross-entropy (fp32 log-probabilities saved, two more of their size in its backward; what
+  capture measures). llm-foundry's MPT runs flash-attn's fused ``xentropy`` kernel (saves the logits as they come, one
+  logits-sized gradient), Megatron-LM and DeepSpeed's SC'21 runs of its model Megatron's vocabulary-parallel
+  cross-entropy (an fp32 softmax saved and overwritten by the gradient): ``partition.with_loss_kernel``. The fused
+  kernel's fewer passes over the logits also shorten the elementwise time charged for them.
 - **What selective recomputation re-runs** (``selective_policy``). Megatron recomputes the attention core
   (Korthikanti et al. 2022's selective recomputation; under a flash kernel, its forward). Tessera's runtime
   (``runtime.recompute``) keeps the outputs of every matmul (``aten.mm``, ``aten.addmm``) and of its collectives
@@ -69,6 +75,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tessera.cost_models.partition import CROSS_ENTROPY_KERNELS
 from tessera.cost_models.types import RUNTIME_EXCLUSIVE, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 
@@ -123,6 +130,12 @@ class ImplementationProfile:
     planner's space for a run of it leaves those out. Tessera's runtime's by default; none for the other
     frameworks, whose runs Tessera evaluates as given (torchtitan's 4D runs combine context parallelism with
     pipelining and sequence parallelism, which Tessera's runtime does not)."""
+    cross_entropy: str = "torch"
+    """The loss's kernel (``partition.CROSS_ENTROPY_KERNELS``): ``torch`` (cross-entropy over fp32 log-probabilities;
+    ``loss_parallel`` under tensor parallelism), ``flash-attn`` (one fused kernel on the logits as they come: it saves
+    the logits and its backward allocates one gradient of their size; without tensor parallelism) or ``megatron``
+    (vocabulary-parallel: it saves an fp32 softmax and turns it into the gradient in place). See
+    ``partition.with_loss_kernel`` and ``memory_state.loss_gradient_bytes``."""
     selective_policy: str = "attention"
     """What ``recompute=selective`` re-runs: ``attention`` (the attention core), ``op`` (torchtitan's op-level
     policy: every second matmul of the block and its elementwise work; the attention core is kept) or ``matmuls``
@@ -132,6 +145,8 @@ class ImplementationProfile:
         if self.selective_policy not in SELECTIVE_POLICIES:
             raise ConfigError(f"selective_policy={self.selective_policy!r} is not one of "
                               f"{', '.join(SELECTIVE_POLICIES)}")
+        if self.cross_entropy not in CROSS_ENTROPY_KERNELS:
+            raise ConfigError(f"cross_entropy={self.cross_entropy!r} is not one of {', '.join(CROSS_ENTROPY_KERNELS)}")
 
     def gathers_fp8(self, training: TrainingConfig, strategy: Strategy) -> bool:
         """Whether ZeRO-3 all-gathers the blocks' parameters in FP8 for ``training`` under ``strategy``: where the
@@ -162,12 +177,18 @@ TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False,
 """torchtitan: FSDP2, torchao float8 (``enable_fsdp_float8_all_gather`` off by default), async TP on the
 forward only, op-level selective recomputation."""
 PYTORCH_FSDP_TE = ImplementationProfile(name="fsdp-te", fp8_saves_inputs=True, weight_fp8_bytes=2.0,
-                                        backward_prefetch="post", attention_kernels=("fa-triton",), refused_together=())
+                                        backward_prefetch="post", attention_kernels=("fa-triton",),
+                                        cross_entropy="flash-attn", refused_together=())
 """PyTorch FSDP1 under MosaicML Composer (llm-foundry): ``BACKWARD_POST`` prefetch, Transformer Engine linears
-under ``amp_fp8``, the Triton FlashAttention (``attn_impl: triton``)."""
+under ``amp_fp8``, the Triton FlashAttention (``attn_impl: triton``), and flash-attn's fused cross-entropy
+(``llmfoundry/models/mpt/modeling_mpt.py`` at 061f2c7ce64e: ``loss_fn`` defaults to ``fused_crossentropy``,
+``flash_attn.losses.cross_entropy.CrossEntropyLoss``, which saves the bf16 logits and a log-sum-exp per token and
+whose backward returns a new logits-sized gradient, ``inplace_backward`` off by default)."""
 MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1),
-                                 attention_kernels=("cudnn", "fa2"), refused_together=())
-"""Megatron-Core / NeMo: Transformer Engine for FP8 and attention (cuDNN on Hopper, FA2 before)."""
+                                 attention_kernels=("cudnn", "fa2"), cross_entropy="megatron", refused_together=())
+"""Megatron-Core / NeMo: Transformer Engine for FP8 and attention (cuDNN on Hopper, FA2 before); its vocabulary-parallel
+cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, fused or not: an fp32 copy of the logits turned
+into the softmax in place and saved, the backward's gradient written over it)."""
 NEMO_2407 = replace(MEGATRON, name="nemo-24.07", gradient_bytes=2)
 """NeMo 24.07 (Megatron-Core under NeMo's launcher): its performance recipes reduce gradients in bf16. Every GPT and
 Llama H100 example script of NVIDIA/NeMo-Framework-Launcher at tag 24.07 (examples/training/{gpt,llama}/h100/*.sh, bf16
@@ -176,7 +197,7 @@ and fp8) passes ``+training.model.optim.grad_sync_dtype=bf16``, and so does its 
 MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=())
 """Megatron-LM as SC'21 and Korthikanti et al. (2022) ran it: unfused attention."""
 DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEED_ZERO3_SLOWDOWN, attention_kernels=(),
-                                  refused_together=())
+                                  cross_entropy="megatron", refused_together=())
 """DeepSpeed ZeRO-3 as SC'21 measured it (Megatron-LM's model code: unfused attention)."""
 
 PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, PYTORCH_FSDP_TE, MEGATRON, NEMO_2407, MEGATRON_2021, DEEPSPEED)}

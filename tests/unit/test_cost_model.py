@@ -242,6 +242,30 @@ def test_loss_temporaries_plain_and_vocabulary_parallel():
     assert loss_gradient_bytes(totals, s) == 3 * 40 * 2 / 2
 
 
+def test_loss_kernels_keep_and_allocate_what_their_code_does():
+    from dataclasses import replace
+
+    from tessera.cost_models.memory import loss_as_run
+    from tessera.cost_models.memory_state import logits_gradient_bytes, loss_backward_released_bytes, loss_gradient_bytes
+    from tessera.cost_models.profiles import MEGATRON, PYTORCH_FSDP_TE, TESSERA
+    totals, s = _totals("dp=1,mbs=2")  # the loss saves 40 B per sequence, the logits are 50 B
+    assert loss_as_run(totals, s, TESSERA) is totals
+    fused = loss_as_run(totals, s, PYTORCH_FSDP_TE)  # flash-attn's xentropy saves the logits, not log-probabilities
+    assert (fused.loss_saved_bytes, fused.saved_bytes, fused.activation_traffic_bytes) == (
+        50, totals.saved_bytes + 10, totals.activation_traffic_bytes + 10)
+    assert loss_gradient_bytes(fused, s) == logits_gradient_bytes(fused, s) == 50 * 2  # one gradient, logits-sized
+    assert loss_backward_released_bytes(fused, s) == 2 * 50 * 2
+    megatron = loss_as_run(totals, s, MEGATRON)  # an fp32 softmax as large as the log-probabilities, used in place
+    assert (megatron.loss_saved_bytes, megatron.saved_bytes) == (40, totals.saved_bytes)
+    assert loss_gradient_bytes(megatron, s) == 50 * 2  # only the cast of the gradient to the logits' dtype
+    assert logits_gradient_bytes(totals, s) == 40 * 2  # torch's: loss-sized, as measured
+    tp_totals, tp = _totals("dp=1,tp=2,mbs=2")
+    assert loss_as_run(tp_totals, tp, PYTORCH_FSDP_TE) is tp_totals  # under tp: torch's loss_parallel
+    assert loss_gradient_bytes(loss_as_run(tp_totals, tp, MEGATRON), tp) == 50 * 2 / 2  # vocabulary-parallel
+    with pytest.raises(ConfigError, match="cross_entropy='apex' is not one of torch, flash-attn, megatron"):
+        replace(TESSERA, cross_entropy="apex")
+
+
 def test_ddp_buckets_only_on_the_ddp_path():
     from tessera.cost_models.memory_transients import ddp_bucket_bytes
     totals, s = _totals("dp=4,zero=0")
@@ -401,3 +425,26 @@ def test_sharded_collectives_per_step_follow_the_runtime():
     # under pipelining, PipelineStage defers FSDP2's gradient sync and resharding to the last micro-batch
     assert counts("dp=2,pp=2,zero=2") == (1, 1)
     assert counts("dp=2,pp=2,zero=3") == (9, 1)
+
+
+def test_a_fused_loss_kernel_holds_less_and_runs_faster_on_a_captured_model():
+    from dataclasses import replace
+
+    from tessera.cost_models.partition import stage_totals
+    from tessera.cost_models.profiles import TESSERA
+    from tessera.planner.capture import capture_preset
+    layers = capture_preset("gpt:layers=2,hidden=64,heads=4,vocab=4096,seq=128", seq_len=128).layers
+    cluster, training = load_cluster("dgx-a100:nodes=1"), TrainingConfig(global_batch=32, seq_len=128)
+    fused_profile = replace(TESSERA, cross_entropy="flash-attn")
+    totals = stage_totals(layers, 0, {})
+    loss, logits = totals.loss_saved_bytes, totals.logits_bytes
+    assert loss == pytest.approx(2 * logits, rel=1e-4)  # fp32 log-probabilities against bf16 logits
+    strategy = Strategy.parse("dp=8,zero=3,mbs=4,recompute=none")
+    plain = estimate(layers, cluster, training, strategy)
+    fused = estimate(layers, cluster, training, strategy, profile=fused_profile)
+    held = plain.memory_by_category_bytes["activations"] - fused.memory_by_category_bytes["activations"]
+    assert held == pytest.approx(4 * (3 * loss - 2 * logits), abs=4)  # saved + two temporaries against two logits
+    assert fused.step_time_s < plain.step_time_s
+    tp = Strategy.parse("dp=4,tp=2,zero=3,mbs=4,recompute=none")  # torch's loss_parallel either way
+    assert estimate(layers, cluster, training, tp, profile=fused_profile).step_time_s == pytest.approx(
+        estimate(layers, cluster, training, tp).step_time_s)
