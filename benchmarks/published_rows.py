@@ -65,8 +65,10 @@ def framework_profile(run: dict) -> ImplementationProfile:
     if run["id"].startswith(("megatron-sc21", "korthikanti")):
         return MEGATRON_2021
     framework = str(run.get("framework", "Megatron-LM"))
-    if framework.startswith("torchtitan"):  # the row's config may turn on FP8 all-gathers (off by default)
-        return replace(TORCHTITAN, fp8_all_gather=bool(run["training"].get("fsdp_float8_all_gather")))
+    if framework.startswith("torchtitan"):  # the row's config may turn on FP8 all-gathers and its fused RMSNorm
+        training = run["training"]
+        return replace(TORCHTITAN, fp8_all_gather=bool(training.get("fsdp_float8_all_gather")),
+                       fused_rms_norm=training.get("norm_type") == "fused_rmsnorm")
     if framework.startswith("llm-foundry"):
         return PYTORCH_FSDP_TE
     if framework.startswith("NeMo") and "24.07" in str(run.get("source", "")):

@@ -71,6 +71,13 @@ class LayerStats(BaseModel):
     autocast_saved_bytes_selective: int | None = Field(default=None, ge=0)
     autocast_saved_bytes_op_selective: int | None = Field(default=None, ge=0)
     autocast_saved_bytes_matmul_selective: int | None = Field(default=None, ge=0)
+    fused_norm_saving_bytes: int = Field(default=0, ge=0)
+    """Bytes per sequence the layer's ``torch.rms_norm`` calls save beyond what CUDA's fused kernel saves, when the
+    layer is not recomputed (``planner.kernels``: the composite measured here keeps two fp32 copies of the input, the
+    fused kernel the input alone): what the cost model takes off on GPUs where the framework's norm is that kernel
+    (``profiles.fused_rms_norm``)."""
+    autocast_fused_norm_saving_bytes: int | None = Field(default=None, ge=0)
+    """The same under autocast (the fused kernel runs in fp32 there); ``None`` when not measured."""
     autocast_output_bytes: int | None = Field(default=None, ge=0)
     """``output_bytes`` under autocast (a block's output is the fp32 residual stream): what a pipeline stage
     boundary holds there; ``None`` when not measured."""

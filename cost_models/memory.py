@@ -46,7 +46,7 @@ from tessera.cost_models.memory_transients import (
     accumulation_bytes, ddp_bucket_bytes, gloo_staging_bytes, optimizer_temporary_bytes, replicate_reduction_bytes,
     zero3_gathered_bytes, zero12_reduce_scatter_bytes,
 )
-from tessera.cost_models.partition import StageTotals, as_selective_memory, with_loss_kernel
+from tessera.cost_models.partition import StageTotals, as_selective_memory, with_fused_norms, with_loss_kernel
 from tessera.cost_models.pipeline import in_flight_micro_batches
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.sparse import ring_and_dispatch_buffer_bytes, sharded_params
@@ -77,7 +77,7 @@ def stage_memory(
     The stage's ``index`` matters only through ``in_flight_micro_batches`` (``estimate`` relies on it).
     """
     reserve = CPU_RESERVE_BYTES if on_cpu else GPU_RESERVE_BYTES
-    stage = as_run(stage, training, strategy, profile)
+    stage = norms_as_run(as_run(stage, training, strategy, profile), profile, on_cpu=on_cpu)
     stage = as_selective_memory(stage, profile.selective_policy, tp=strategy.tp,
                                 sp=strategy.sp and not strategy.sp_regather)
     if on_cpu and stage.offloaded_bytes:  # a CPU rank's device memory is the host's: offloading frees nothing
@@ -225,6 +225,12 @@ def loss_as_run(stage: StageTotals, strategy: Strategy, profile: ImplementationP
     fused one only without tensor parallelism, where such a framework runs torch's ``loss_parallel``."""
     kernel = profile.cross_entropy
     return with_loss_kernel(stage, "torch" if kernel == "flash-attn" and strategy.tp > 1 else kernel)
+
+
+def norms_as_run(stage: StageTotals, profile: ImplementationProfile, *, on_cpu: bool) -> StageTotals:
+    """``stage`` with its ``torch.rms_norm`` calls as the framework runs them: CUDA's fused kernel on a GPU where the
+    framework calls it (``profiles.fused_rms_norm``); CPU ranks run the composite that capture measured."""
+    return stage if on_cpu or not profile.fused_rms_norm else with_fused_norms(stage, profile.selective_policy)
 
 
 def autocast_copy_bytes(

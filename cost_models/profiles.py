@@ -47,6 +47,10 @@ there.
   logits-sized gradient), Megatron-LM and DeepSpeed's SC'21 runs of its model Megatron's vocabulary-parallel
   cross-entropy (an fp32 softmax saved and overwritten by the gradient): ``partition.with_loss_kernel``. The fused
   kernel's fewer passes over the logits also shorten the elementwise time charged for them.
+- **RMSNorm kernel** (``fused_rms_norm``): CUDA's fused ``torch.rms_norm`` (PyTorch 2.8 on, as Tessera's runtime
+  runs on torch 2.13) and Transformer Engine's RMSNorm keep the norm's input alone for the backward; the composite
+  that capture measures (and that torch ran on GPUs before, as in torchtitan's 2024 tables) keeps two fp32 tensors of
+  its size: ``partition.with_fused_norms``, on GPUs only.
 - **What selective recomputation re-runs** (``selective_policy``). Megatron recomputes the attention core
   (Korthikanti et al. 2022's selective recomputation; under a flash kernel, its forward). Tessera's runtime
   (``runtime.recompute``) keeps the outputs of every matmul (``aten.mm``, ``aten.addmm``) and of its collectives
@@ -130,6 +134,11 @@ class ImplementationProfile:
     planner's space for a run of it leaves those out. Tessera's runtime's by default; none for the other
     frameworks, whose runs Tessera evaluates as given (torchtitan's 4D runs combine context parallelism with
     pipelining and sequence parallelism, which Tessera's runtime does not)."""
+    fused_rms_norm: bool = False
+    """``torch.rms_norm`` (``nn.RMSNorm``) runs on GPUs as CUDA's fused kernel, which keeps its input alone for the
+    backward (``partition.with_fused_norms``): PyTorch's since its fused RMSNorm (2.8; under autocast since the fix of
+    pytorch/pytorch#167308), Transformer Engine's RMSNorm. False: the composite capture measures (two fp32 tensors of
+    the input's size), as torch ran it before."""
     cross_entropy: str = "torch"
     """The loss's kernel (``partition.CROSS_ENTROPY_KERNELS``): ``torch`` (cross-entropy over fp32 log-probabilities;
     ``loss_parallel`` under tensor parallelism), ``flash-attn`` (one fused kernel on the logits as they come: it saves
@@ -166,8 +175,8 @@ DEEPSPEED_ZERO3_SLOWDOWN = 5.0
 
 TESSERA = ImplementationProfile(name="tessera", autocast_copies=True, fp8_cast_bytes_per_element=9.0,
                                 fp8_all_gather=True, fp8_all_gather_under_tp=False, replicate_by_fsdp2=True,
-                                selective_policy="matmuls")
-"""Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); FP8 through torchao's float8 linears
+                                selective_policy="matmuls", fused_rms_norm=True)
+"""Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); ``nn.RMSNorm`` on torch 2.13, fused on CUDA; FP8 through torchao's float8 linears
 (``runtime.float8``): cast on the fly from the bf16/fp32 weight, bf16 inputs saved; ZeRO-3 all-gathers the blocks'
 FP8 weights in FP8 at current scaling without tensor parallelism (bf16 otherwise); its eager
 casts allocate 9 bytes per element cast (``tests/distributed/test_float8.py`` measures it with
@@ -185,8 +194,9 @@ under ``amp_fp8``, the Triton FlashAttention (``attn_impl: triton``), and flash-
 ``flash_attn.losses.cross_entropy.CrossEntropyLoss``, which saves the bf16 logits and a log-sum-exp per token and
 whose backward returns a new logits-sized gradient, ``inplace_backward`` off by default)."""
 MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1),
-                                 attention_kernels=("cudnn", "fa2"), cross_entropy="megatron", refused_together=())
-"""Megatron-Core / NeMo: Transformer Engine for FP8 and attention (cuDNN on Hopper, FA2 before); its vocabulary-parallel
+                                 attention_kernels=("cudnn", "fa2"), cross_entropy="megatron", fused_rms_norm=True,
+                                 refused_together=())
+"""Megatron-Core / NeMo: Transformer Engine for FP8, attention (cuDNN on Hopper, FA2 before) and RMSNorm (fused); its vocabulary-parallel
 cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, fused or not: an fp32 copy of the logits turned
 into the softmax in place and saved, the backward's gradient written over it)."""
 NEMO_2407 = replace(MEGATRON, name="nemo-24.07", gradient_bytes=2)

@@ -420,6 +420,7 @@ def _numbers(tally: Tally) -> dict[str, int | None]:
         "saved_bytes_matmul_selective": tally.saved_bytes_matmul_selective,
         "expert_forward_flops": tally.expert_forward_flops,
         "expert_backward_flops": tally.expert_backward_flops,
+        "fused_norm_saving_bytes": tally.fused_norm_saving_bytes,
         **_autocast_numbers(tally.under_autocast),
     }
 
@@ -433,6 +434,7 @@ def _autocast_numbers(tally: Tally | None) -> dict[str, int | None]:
         "autocast_saved_bytes_op_selective": tally and tally.saved_bytes_op_selective,
         "autocast_saved_bytes_matmul_selective": tally and tally.saved_bytes_matmul_selective,
         "autocast_output_bytes": tally and tally.output_bytes,
+        "autocast_fused_norm_saving_bytes": tally and tally.fused_norm_saving_bytes,
     }
 
 

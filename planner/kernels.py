@@ -18,6 +18,14 @@ On meta only shapes exist, so the kernel choice changes costs, never results. (H
 explicit boolean causal mask whenever they see fake or traced tensors, as here; in eager GPU training without
 padding they pass ``is_causal=True`` and no mask. The difference is one ``T x T`` byte mask per model.)
 
+**RMSNorm.** ``torch.rms_norm`` (``nn.RMSNorm``, ``F.rms_norm``) runs on CUDA as one fused kernel,
+``aten._fused_rms_norm``, wherever its input and weight share a dtype (and under CUDA autocast, which casts both to
+fp32): it saves its input and one fp32 reciprocal RMS per row. On meta and CPU it is the composite, which saves two
+fp32 tensors of the input's size (the upcast input and the normalised one: ``COMPOSITE_RMS_NORM_BYTES``). The
+measurement keeps the composite (CPU ranks train with it) and reports each call to ``observer.rms_norm``, which
+records the difference for the cost model to take off on GPUs (``LayerStats.fused_norm_saving_bytes``). Norms
+written out by hand (Hugging Face's ``LlamaRMSNorm``) are not ``torch.rms_norm`` and run as written everywhere.
+
 **Selective recomputation** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", Section 4.2) re-runs the *core attention* -- QK^T, softmax, dropout, attention over V -- in backward and
 keeps every other activation. Here the core is each SDPA call. What stays saved is what
@@ -54,9 +62,19 @@ class AttentionObserver(Protocol):
     def attention_finished(self) -> None:
         """The SDPA call returned."""
 
+    def rms_norm(self, saving: int) -> None:
+        """A ``torch.rms_norm`` call saved ``saving`` bytes more than CUDA's fused kernel would."""
+
+
+COMPOSITE_RMS_NORM_BYTES = 8
+"""Bytes per input element the composite ``torch.rms_norm`` saves for backward, in bf16 and in fp32: the input upcast
+to fp32 and the normalised fp32 tensor (measured on torch 2.13's CPU path; ``tests/graph`` checks it), beside one fp32
+value per row, as the fused kernel keeps too."""
+
 
 class FusedKernels(TorchFunctionMode):
-    """Route 4-D SDPA to the flash kernel (reporting each call to ``observer``) and dropout to native_dropout."""
+    """Route 4-D SDPA to the flash kernel (reporting each call to ``observer``) and dropout to native_dropout; report
+    what each ``rms_norm`` would save less as CUDA's fused kernel."""
 
     def __init__(self, observer: AttentionObserver) -> None:
         super().__init__()
@@ -68,7 +86,27 @@ class FusedKernels(TorchFunctionMode):
             return _fused_sdpa(self.observer, func, *args, **kwargs)
         if func is F.dropout:
             return _fused_dropout(func, *args, **kwargs)
+        if func is F.rms_norm or func is torch.rms_norm:
+            self.observer.rms_norm(_fused_rms_norm_saving(*args, **kwargs))
         return func(*args, **kwargs)
+
+
+def _fused_rms_norm_saving(
+    input: torch.Tensor, normalized_shape: object = None, weight: torch.Tensor | None = None, eps: float | None = None,
+) -> int:
+    """Bytes the composite ``rms_norm`` saves for ``input`` beyond CUDA's fused kernel: none where autograd records
+    nothing or the dtypes differ (CUDA falls back to the composite then); the fused kernel saves the input in the
+    dtype it runs in (fp32 under autocast)."""
+    needs_grad = input.requires_grad or (weight is not None and weight.requires_grad)
+    if not torch.is_grad_enabled() or not needs_grad:
+        return 0
+    if _autocasting(input):
+        run_bytes = 4
+    elif weight is None or weight.dtype == input.dtype:
+        run_bytes = input.element_size()
+    else:
+        return 0
+    return (COMPOSITE_RMS_NORM_BYTES - run_bytes) * input.numel()
 
 
 def _fused_dropout(
@@ -110,8 +148,13 @@ def _as_autocast_runs_sdpa(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Under autocast, SDPA's inputs in its lower-precision dtype, as autocast casts them for the public op (CPU's
     and CUDA's policies both list it); the aten kernel called directly would get them as they come (fp32 after
     rotary embeddings in fp32)."""
-    device = tensors[0].device.type
-    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+    if not _autocasting(tensors[0]):
         return tensors
-    dtype = torch.get_autocast_dtype(device)
+    dtype = torch.get_autocast_dtype(tensors[0].device.type)
     return tuple(t.to(dtype) if t.dtype == torch.float32 else t for t in tensors)  # autocast leaves fp64 alone
+
+
+def _autocasting(tensor: torch.Tensor) -> bool:
+    """Whether autocast is on for ``tensor``'s device (meta tensors have none)."""
+    device = tensor.device.type
+    return device in ("cpu", "cuda") and torch.is_autocast_enabled(device)

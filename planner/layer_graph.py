@@ -47,6 +47,8 @@ SCALED_FIELDS = (
     "autocast_saved_bytes_op_selective",
     "autocast_saved_bytes_matmul_selective",
     "autocast_output_bytes",
+    "fused_norm_saving_bytes",
+    "autocast_fused_norm_saving_bytes",
 )
 """LayerStats fields that depend on the sequence length (the rest are properties of the module)."""
 

@@ -34,6 +34,10 @@ class Ledger:
         self._charge(tensor, kept=not self.in_core)
         return tensor
 
+    def rms_norm(self, saving: int) -> None:
+        """``kernels.AttentionObserver.rms_norm``: charged to the running layer."""
+        self.tallies[self.scope.current()].fused_norm_saving_bytes += saving
+
     def _charge(self, tensor: torch.Tensor, *, kept: bool) -> None:
         storage = tensor.untyped_storage()
         key = id(storage)

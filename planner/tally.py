@@ -29,6 +29,9 @@ class Tally:
     kv_heads: int = 0
     expert_forward_flops: int = 0
     expert_backward_flops: int = 0
+    fused_norm_saving_bytes: int = 0
+    """What the layer's ``torch.rms_norm`` calls save here beyond what CUDA's fused kernel saves
+    (``kernels.FusedKernels``, ``saved_bytes.Ledger.rms_norm``)."""
     under_autocast: Tally | None = None
     """The same layer measured with fp32 weights under ``torch.autocast`` (``measure_at_lengths(autocast=True)``)."""
 
