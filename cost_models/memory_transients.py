@@ -11,6 +11,7 @@ from tessera.cost_models.memory_state import (
     uses_fsdp2_replicate,
 )
 from tessera.cost_models.partition import StageTotals
+from tessera.cost_models.profiles import ParameterGathering
 from tessera.cost_models.sparse import sharded_params
 from tessera.cost_models.types import Strategy, TrainingConfig
 
@@ -168,3 +169,15 @@ def zero3_gathered_bytes(
     gradients = max(block * compute, gloo_staging_bytes(stage, strategy, on_cpu=on_cpu))
     block_backward = root + in_flight * block * width + previous + gradients - released
     return max(0.0, root_regather, block_backward)
+
+
+def parameter_gathered_bytes(
+    stage: StageTotals, training: TrainingConfig, strategy: Strategy, gathering: ParameterGathering,
+) -> float:
+    """ZeRO-3 gathering parameter by parameter (``profiles.zero3_by_parameter``, DeepSpeed's stage 3): what it adds
+    once the loss's backward has run, in the compute dtype: the live parameters (up to ``live_params``, and at least
+    the largest parameter, which is gathered whole), the prefetch bucket and the gradient reduce bucket. Nothing
+    the size of a block is gathered or reduced at once, as FSDP does (:func:`zero3_gathered_bytes`)."""
+    live = max(gathering.live_params, largest_local_tensor_params(stage, strategy)) + gathering.prefetch_params
+    held = (live + gathering.reduce_bucket_params) * compute_dtype_bytes(training)
+    return max(0.0, held - loss_backward_released_bytes(stage, strategy))

@@ -11,7 +11,9 @@ there.
   gradients as soon as its backward ends, on their own streams: the collectives move at the fabric's rate and
   hide behind compute (``communication.exposed_dp_comm_s``). DeepSpeed ZeRO-3 as measured in 2021 (Narayanan
   et al. SC'21 Table 2: 174.6B and 529.6B on 384-2240 A100s) gathered parameter by parameter, its collectives
-  ``zero3_comm_slowdown`` times slower than the ideal ring: fitted on those rows (``benchmarks/published.py``).
+  ``zero3_comm_slowdown`` times slower than the ideal ring: fitted on those rows (``benchmarks/published.py``);
+  what it holds gathered is bounded by its live-parameter limit and its buckets, not a block and the next one
+  (``zero3_by_parameter``).
   How far ahead the backward gathers are issued is the framework's (``backward_prefetch``). FSDP1's
   ``BackwardPrefetch.BACKWARD_PRE`` (and FSDP2, always) issues the next block's all-gather before the current
   block's gradient computation, so it hides behind it; ``BACKWARD_POST`` issues it only after that computation
@@ -85,6 +87,17 @@ from tessera.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class ParameterGathering:
+    """ZeRO-3 that gathers parameter by parameter (DeepSpeed's stage 3) instead of a whole unit at a time: at most
+    ``live_params`` gathered elements stay resident (a larger parameter is gathered whole), ``prefetch_params`` more
+    are fetched ahead, and gradients are reduced through a bucket of ``reduce_bucket_params`` elements."""
+
+    live_params: float
+    prefetch_params: float
+    reduce_bucket_params: float
+
+
+@dataclass(frozen=True)
 class ImplementationProfile:
     """The behaviours of one framework the cost model distinguishes (see the module docstring)."""
 
@@ -109,6 +122,9 @@ class ImplementationProfile:
     tp_overlap_backward: bool = True
     """Under ``Strategy.tp_overlap``, the backward's tensor-parallel collectives are overlapped too (not only the
     forward's and the recomputation's)."""
+    zero3_by_parameter: ParameterGathering | None = None
+    """ZeRO-3 gathering parameter by parameter, with its limits (``memory_transients.parameter_gathered_bytes``);
+    ``None``: FSDP's whole units (a block, and the next one prefetched)."""
     backward_prefetch: str = "pre"
     """When ZeRO-3 issues a block's backward all-gather: ``pre`` (before the later block's gradient computation,
     hidden behind it) or ``post`` (after it: exposed), as FSDP1's ``BackwardPrefetch``."""
@@ -206,9 +222,14 @@ and fp8) passes ``+training.model.optim.grad_sync_dtype=bf16``, and so does its 
 (launcher_scripts/conf/training/gpt3/175b_fp8.yaml)."""
 MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=())
 """Megatron-LM as SC'21 and Korthikanti et al. (2022) ran it: unfused attention."""
+DEEPSPEED_2021_GATHERING = ParameterGathering(live_params=1e9, prefetch_params=5e7, reduce_bucket_params=5e8)
+"""DeepSpeed's stage-3 defaults of 2021 (``deepspeed/runtime/zero/constants.py``: ``stage3_max_live_parameters``
+1e9, ``stage3_prefetch_bucket_size`` 5e7, ``reduce_bucket_size`` 5e8); SC'21 states no ZeRO configuration."""
 DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEED_ZERO3_SLOWDOWN, attention_kernels=(),
-                                  cross_entropy="megatron", refused_together=())
-"""DeepSpeed ZeRO-3 as SC'21 measured it (Megatron-LM's model code: unfused attention)."""
+                                  cross_entropy="megatron", zero3_by_parameter=DEEPSPEED_2021_GATHERING,
+                                  refused_together=())
+"""DeepSpeed ZeRO-3 as SC'21 measured it (Megatron-LM's model code: unfused attention), gathering parameter by
+parameter within its default limits."""
 
 PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, PYTORCH_FSDP_TE, MEGATRON, NEMO_2407, MEGATRON_2021, DEEPSPEED)}
 """Every profile by name."""

@@ -266,6 +266,25 @@ def test_loss_kernels_keep_and_allocate_what_their_code_does():
         replace(TESSERA, cross_entropy="apex")
 
 
+def test_deepspeed_zero3_holds_its_live_parameters_and_buckets_not_whole_blocks():
+    from tessera.cost_models.memory import backward_memory
+    from tessera.cost_models.memory_state import loss_backward_released_bytes
+    from tessera.cost_models.memory_transients import parameter_gathered_bytes, zero3_gathered_bytes
+    from tessera.cost_models.profiles import DEEPSPEED, ParameterGathering
+    training = TrainingConfig(global_batch=8, seq_len=16)  # bf16
+    totals, s = _totals("dp=4,zero=3")
+    released = loss_backward_released_bytes(totals, s)
+    small = ParameterGathering(live_params=100, prefetch_params=10, reduce_bucket_params=50)
+    assert parameter_gathered_bytes(totals, training, s, small) == (totals.largest_tensor_params + 10 + 50) * 2 - released
+    large = ParameterGathering(live_params=5000, prefetch_params=10, reduce_bucket_params=50)
+    assert parameter_gathered_bytes(totals, training, s, large) == (5000 + 10 + 50) * 2 - released
+    assert DEEPSPEED.zero3_by_parameter == ParameterGathering(1e9, 5e7, 5e8)  # its 2021 defaults
+    by_unit = backward_memory(totals, training, s, micro_batches=1)["buffers"]
+    by_parameter = backward_memory(totals, training, s, micro_batches=1, by_parameter=small)["buffers"]
+    assert by_unit == zero3_gathered_bytes(totals, training, s)
+    assert by_parameter == parameter_gathered_bytes(totals, training, s, small)
+
+
 def test_ddp_buckets_only_on_the_ddp_path():
     from tessera.cost_models.memory_transients import ddp_bucket_bytes
     totals, s = _totals("dp=4,zero=0")
