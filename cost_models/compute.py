@@ -166,7 +166,9 @@ def stage_compute_s(
                                                 calibration=calibration, kernels=profile.attention_kernels,
                                                 seq_len=training.seq_len / strategy.cp, op_level=op_level)
     constants = device_calibration(device, calibration)
-    elementwise = share * constants.traffic_factor * stage.activation_traffic_bytes / device.memory_bandwidth_bytes_per_s
+    per_byte = share * constants.traffic_factor / device.memory_bandwidth_bytes_per_s
+    elementwise = per_byte * stage.activation_traffic_bytes
+    fused_loss = per_byte * stage.loss_traffic_saving_bytes  # what a fused loss kernel does not make of it
     casts = share * cast_traffic_bytes(stage, training) / device.memory_bandwidth_bytes_per_s
     forward_overhead, backward_overhead = framework_overhead_s(stage, device, tp=strategy.tp)
     if op_level:  # the selective blocks' elementwise work re-runs whole, their casts with their matmuls
@@ -175,13 +177,13 @@ def stage_compute_s(
         traffic_share = stage.selective_traffic_bytes / traffic if traffic else 0.0
         linear_share = full_share + stage.op_selective_recompute_flops / stage.forward_flops
         rerun = elementwise * (full_share + traffic_share) + (forward_overhead + casts) * linear_share
-        return (forward * share + elementwise + casts + forward_overhead,
-                backward * share + 2 * (elementwise + casts) + backward_overhead, recompute * share + rerun)
+        return (forward * share + elementwise - fused_loss + casts + forward_overhead,
+                backward * share + 2 * (elementwise - fused_loss + casts) + backward_overhead, recompute * share + rerun)
     recompute_share = stage.recompute_flops / stage.forward_flops if stage.forward_flops else 0.0
     recast = casts * recompute_share if stage.full_recompute_blocks else 0.0  # selective re-runs no linear
     return (
-        forward * share + elementwise + casts + forward_overhead,
-        backward * share + 2 * (elementwise + casts) + backward_overhead,
+        forward * share + elementwise - fused_loss + casts + forward_overhead,
+        backward * share + 2 * (elementwise - fused_loss + casts) + backward_overhead,
         recompute * share + (elementwise + forward_overhead) * recompute_share + recast
         + _matmul_policy_rerun_s(stage, profile, elementwise=elementwise, casts=casts),
     )

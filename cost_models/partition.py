@@ -65,6 +65,7 @@ class StageTotals:
     loss_saved_bytes: int = 0  # what the stage's loss layer saves per sequence (log-probabilities), 0 if none
     logits_bytes: int = 0  # per sequence, the output of the layer feeding the loss (the stage's pipeline output)
     loss_kernel: str = "torch"  # the cross-entropy kernel the loss runs as (:func:`with_loss_kernel`)
+    loss_traffic_saving_bytes: int = 0  # per sequence, the activation traffic a fused loss kernel does not make
     # What CUDA's fused torch.rms_norm saves less than the composite measured (:func:`with_fused_norms`), per sequence.
     norm_saving_bytes: int = 0  # in the layers not recomputed
     selective_norm_saving_bytes: int = 0  # in the selective blocks (kept under the attention-core policy only)
@@ -233,8 +234,8 @@ def stage_totals(
 
 def _norm_savings(stage: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:
     """The StageTotals fields of what CUDA's fused ``rms_norm`` saves less (``LayerStats.fused_norm_saving_bytes``)."""
-    def by(kind: str) -> int:
-        return sum(layer.fused_norm_saving_bytes for layer in stage if policy[layer.fqn] == kind)
+    def by(kind: str) -> int:  # a graph captured before the figure existed has None under autocast: nothing known
+        return sum(layer.fused_norm_saving_bytes or 0 for layer in stage if policy[layer.fqn] == kind)
 
     return {"norm_saving_bytes": by("none"), "selective_norm_saving_bytes": by("selective")}
 
@@ -360,16 +361,17 @@ CROSS_ENTROPY_KERNELS = ("torch", "flash-attn", "megatron")
 def with_loss_kernel(stage: StageTotals, kernel: str) -> StageTotals:
     """``stage`` with its loss run by ``kernel`` (``CROSS_ENTROPY_KERNELS``; its backward's working tensors:
     ``memory_state.loss_gradient_bytes``). ``flash-attn`` keeps the logits as they come instead of fp32
-    log-probabilities (plus one fp32 log-sum-exp per token, left out: 4 bytes beside a vocabulary's worth), in the
-    activations and in the traffic that elementwise time is charged by. ``megatron`` keeps an fp32 softmax, as large
+    log-probabilities (plus one fp32 log-sum-exp per token, left out: 4 bytes beside a vocabulary's worth), and makes
+    that much less of the traffic elementwise time is charged by (``loss_traffic_saving_bytes``: the FP8 terms that
+    read the activation traffic as the linears' inputs leave it alone). ``megatron`` keeps an fp32 softmax, as large
     as torch's log-probabilities."""
     if kernel == stage.loss_kernel or not stage.loss_saved_bytes or not stage.logits_bytes:
         return stage
     if kernel != "flash-attn":
         return replace(stage, loss_kernel=kernel)
-    change = stage.logits_bytes - stage.loss_saved_bytes
-    return replace(stage, saved_bytes=stage.saved_bytes + change, loss_saved_bytes=stage.logits_bytes,
-                   activation_traffic_bytes=stage.activation_traffic_bytes + change, loss_kernel=kernel)
+    saving = stage.loss_saved_bytes - stage.logits_bytes
+    return replace(stage, saved_bytes=stage.saved_bytes - saving, loss_saved_bytes=stage.logits_bytes,
+                   loss_traffic_saving_bytes=saving, loss_kernel=kernel)
 
 
 def with_fused_norms(stage: StageTotals, selective_policy: str) -> StageTotals:

@@ -220,8 +220,8 @@ NEMO_2407 = replace(MEGATRON, name="nemo-24.07", gradient_bytes=2)
 Llama H100 example script of NVIDIA/NeMo-Framework-Launcher at tag 24.07 (examples/training/{gpt,llama}/h100/*.sh, bf16
 and fp8) passes ``+training.model.optim.grad_sync_dtype=bf16``, and so does its GPT-3 175B FP8 config
 (launcher_scripts/conf/training/gpt3/175b_fp8.yaml)."""
-MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=())
-"""Megatron-LM as SC'21 and Korthikanti et al. (2022) ran it: unfused attention."""
+MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=(), fused_rms_norm=False)
+"""Megatron-LM as SC'21 and Korthikanti et al. (2022) ran it: unfused attention (its GPT models norm with LayerNorm)."""
 DEEPSPEED_2021_GATHERING = ParameterGathering(live_params=1e9, prefetch_params=5e7, reduce_bucket_params=5e8)
 """DeepSpeed's stage-3 defaults of 2021 (``deepspeed/runtime/zero/constants.py``: ``stage3_max_live_parameters``
 1e9, ``stage3_prefetch_bucket_size`` 5e7, ``reduce_bucket_size`` 5e8); SC'21 states no ZeRO configuration."""

@@ -20,11 +20,12 @@ padding they pass ``is_causal=True`` and no mask. The difference is one ``T x T`
 
 **RMSNorm.** ``torch.rms_norm`` (``nn.RMSNorm``, ``F.rms_norm``) runs on CUDA as one fused kernel,
 ``aten._fused_rms_norm``, wherever its input and weight share a dtype (and under CUDA autocast, which casts both to
-fp32): it saves its input and one fp32 reciprocal RMS per row. On meta and CPU it is the composite, which saves two
-fp32 tensors of the input's size (the upcast input and the normalised one: ``COMPOSITE_RMS_NORM_BYTES``). The
-measurement keeps the composite (CPU ranks train with it) and reports each call to ``observer.rms_norm``, which
-records the difference for the cost model to take off on GPUs (``LayerStats.fused_norm_saving_bytes``). Norms
-written out by hand (Hugging Face's ``LlamaRMSNorm``) are not ``torch.rms_norm`` and run as written everywhere.
+fp32): it saves its input and one fp32 reciprocal RMS per row. On meta and CPU it is the composite, which saves up to
+two fp32 tensors of the input's size (the upcast input, and the normalised one where the weight needs a gradient).
+The measurement keeps the composite (CPU ranks train with it) and tells ``observer.rms_norm`` what the fused kernel
+would save instead; the observer charges the difference from what the call did save (``saved_bytes.Ledger``), for
+the cost model to take off on GPUs (``LayerStats.fused_norm_saving_bytes``). Norms written out by hand (Hugging
+Face's ``LlamaRMSNorm``) are not ``torch.rms_norm`` and run as written everywhere.
 
 **Selective recomputation** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", Section 4.2) re-runs the *core attention* -- QK^T, softmax, dropout, attention over V -- in backward and
@@ -36,6 +37,8 @@ mask), which the checkpoint holds to re-run it. Measured attention that is not a
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -62,14 +65,12 @@ class AttentionObserver(Protocol):
     def attention_finished(self) -> None:
         """The SDPA call returned."""
 
-    def rms_norm(self, saving: int) -> None:
-        """A ``torch.rms_norm`` call saved ``saving`` bytes more than CUDA's fused kernel would."""
+    def mark(self) -> int:
+        """A point to count what is saved from (before a ``torch.rms_norm`` call)."""
 
-
-COMPOSITE_RMS_NORM_BYTES = 8
-"""Bytes per input element the composite ``torch.rms_norm`` saves for backward, in bf16 and in fp32: the input upcast
-to fp32 and the normalised fp32 tensor (measured on torch 2.13's CPU path; ``tests/graph`` checks it), beside one fp32
-value per row, as the fused kernel keeps too."""
+    def rms_norm(self, mark: int, fused_bytes: int | None) -> None:
+        """A ``torch.rms_norm`` call since ``mark`` ran; CUDA's fused kernel would have saved ``fused_bytes`` (``None``:
+        CUDA runs the same composite)."""
 
 
 class FusedKernels(TorchFunctionMode):
@@ -87,26 +88,31 @@ class FusedKernels(TorchFunctionMode):
         if func is F.dropout:
             return _fused_dropout(func, *args, **kwargs)
         if func is F.rms_norm or func is torch.rms_norm:
-            self.observer.rms_norm(_fused_rms_norm_saving(*args, **kwargs))
+            mark = self.observer.mark()
+            output = func(*args, **kwargs)
+            self.observer.rms_norm(mark, _fused_rms_norm_bytes(*args, **kwargs))
+            return output
         return func(*args, **kwargs)
 
 
-def _fused_rms_norm_saving(
-    input: torch.Tensor, normalized_shape: object = None, weight: torch.Tensor | None = None, eps: float | None = None,
-) -> int:
-    """Bytes the composite ``rms_norm`` saves for ``input`` beyond CUDA's fused kernel: none where autograd records
-    nothing or the dtypes differ (CUDA falls back to the composite then); the fused kernel saves the input in the
-    dtype it runs in (fp32 under autocast)."""
-    needs_grad = input.requires_grad or (weight is not None and weight.requires_grad)
-    if not torch.is_grad_enabled() or not needs_grad:
+def _fused_rms_norm_bytes(
+    input: torch.Tensor, normalized_shape: Sequence[int] | int = (), weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> int | None:
+    """Bytes CUDA's fused ``rms_norm`` saves for ``input``: its input in the dtype it runs in (fp32 under autocast)
+    and one fp32 value per row, whenever any gradient is needed; ``None`` where the dtypes differ (CUDA runs the
+    composite then)."""
+    if not torch.is_grad_enabled() or not (input.requires_grad or (weight is not None and weight.requires_grad)):
         return 0
     if _autocasting(input):
         run_bytes = 4
     elif weight is None or weight.dtype == input.dtype:
         run_bytes = input.element_size()
     else:
-        return 0
-    return (COMPOSITE_RMS_NORM_BYTES - run_bytes) * input.numel()
+        return None
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    rows = input.numel() // max(1, math.prod(shape))
+    return run_bytes * input.numel() + 4 * rows
 
 
 def _fused_dropout(

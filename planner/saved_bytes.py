@@ -34,9 +34,12 @@ class Ledger:
         self._charge(tensor, kept=not self.in_core)
         return tensor
 
-    def rms_norm(self, saving: int) -> None:
-        """``kernels.AttentionObserver.rms_norm``: charged to the running layer."""
-        self.tallies[self.scope.current()].fused_norm_saving_bytes += saving
+    def rms_norm(self, mark: int, fused_bytes: int | None) -> None:
+        """``kernels.AttentionObserver.rms_norm``: what the call saved since ``mark`` beyond ``fused_bytes``, charged to
+        the running layer (nothing it did not save: under a model's own checkpoint the call saves nothing here)."""
+        if fused_bytes is not None:
+            saving = sum(self.since(mark)) - fused_bytes
+            self.tallies[self.scope.current()].fused_norm_saving_bytes += max(0, saving)
 
     def _charge(self, tensor: torch.Tensor, *, kept: bool) -> None:
         storage = tensor.untyped_storage()

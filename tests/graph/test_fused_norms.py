@@ -2,15 +2,19 @@
 off (``planner.kernels``, ``partition.with_fused_norms``)."""
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.partition import stage_totals, with_fused_norms
 from tessera.cost_models.profiles import TESSERA
 from tessera.planner.capture import capture_preset
-from tessera.planner.kernels import COMPOSITE_RMS_NORM_BYTES
+from tessera.planner.kernels import FusedKernels
+from tessera.planner.saved_bytes import Ledger
+from tessera.planner.tally import Scope, Tally
 from tessera.topology import load_cluster
 
 H, S = 64, 32
@@ -19,25 +23,32 @@ HF_LLAMA = ("hf:llama:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,n
             "intermediate_size=128,vocab_size=256,max_position_embeddings=64")
 
 
-def _saved_bytes(fn, *tensors: torch.Tensor) -> int:
-    storages = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        fn(*tensors)
-    return sum(storages.values())
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_composite_rms_norm_saves_two_fp32_copies_of_its_input(dtype):
+def _saving(dtype: torch.dtype, *, weight: str, checkpointed: bool = False) -> int:
+    """What the measurement charges for one ``rms_norm`` of a (16, H) input (``weight``: trained, frozen or none)."""
     x = torch.randn(16, H, dtype=dtype, requires_grad=True)
-    weight = torch.ones(H, dtype=dtype, requires_grad=True)
-    saved = _saved_bytes(lambda x, w: torch.nn.functional.rms_norm(x, (H,), w, 1e-5), x, weight)
-    rstd = 4 * 16  # one fp32 value per row, which the fused kernel keeps too
-    assert saved - weight.nbytes - rstd == COMPOSITE_RMS_NORM_BYTES * x.numel()
+    w = None if weight == "none" else torch.ones(H, dtype=dtype, requires_grad=weight == "trained")
+    resident = {} if w is None else {id(w.untyped_storage()): w.untyped_storage()}  # parameters are never charged
+    tallies = {"layer": Tally()}
+    ledger = Ledger(tallies, Scope(first="layer"), resident)
+    norm = partial(torch.nn.functional.rms_norm, normalized_shape=(H,), weight=w, eps=1e-5)
+    with FusedKernels(ledger), torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda tensor: tensor):
+        checkpoint(norm, x, use_reentrant=False) if checkpointed else norm(x)
+    return tallies["layer"].fused_norm_saving_bytes
+
+
+@pytest.mark.parametrize(("dtype", "weight", "per_element"), [
+    (torch.bfloat16, "trained", 8 - 2),  # the composite keeps the fp32 input and the normalised one; fused: the input
+    (torch.bfloat16, "frozen", 4 - 2),  # no weight gradient: the composite keeps the fp32 input alone
+    (torch.bfloat16, "none", 4 - 2),
+    (torch.float32, "trained", 8 - 4),
+    (torch.float32, "none", 0),  # both keep the fp32 input
+])
+def test_the_saving_is_what_the_composite_saved_beyond_the_fused_kernel(dtype, weight, per_element):
+    assert _saving(dtype, weight=weight) == per_element * 16 * H
+
+
+def test_nothing_is_charged_for_what_the_measurement_did_not_see_saved():
+    assert _saving(torch.bfloat16, weight="trained", checkpointed=True) == 0  # a model's own checkpoint hides it
 
 
 def test_capture_records_what_the_fused_kernel_saves_less():
@@ -78,3 +89,10 @@ def test_gpu_plans_hold_less_cpu_ranks_the_composite():
     cpu_strategy = Strategy.parse("dp=2,zero=3,mbs=2,recompute=none")
     assert (estimate(layers, cpu, cpu_training, cpu_strategy).peak_memory_bytes
             == estimate(layers, cpu, cpu_training, cpu_strategy, profile=composite).peak_memory_bytes)
+
+
+def test_a_graph_captured_before_the_figure_existed_still_plans():
+    old = [layer.model_copy(update={"autocast_fused_norm_saving_bytes": None})
+           for layer in capture_preset(LLAMA, seq_len=S).layers]  # as read back from an older graph's JSON
+    strategy = Strategy.parse("dp=8,zero=0,mbs=2,recompute=none")  # DDP: the autocast figures are read
+    assert estimate(old, load_cluster("dgx-h100:nodes=1"), TrainingConfig(global_batch=16, seq_len=S), strategy).fits

@@ -252,7 +252,8 @@ def test_loss_kernels_keep_and_allocate_what_their_code_does():
     assert loss_as_run(totals, s, TESSERA) is totals
     fused = loss_as_run(totals, s, PYTORCH_FSDP_TE)  # flash-attn's xentropy saves the logits, not log-probabilities
     assert (fused.loss_saved_bytes, fused.saved_bytes, fused.activation_traffic_bytes) == (
-        50, totals.saved_bytes + 10, totals.activation_traffic_bytes + 10)
+        50, totals.saved_bytes + 10, totals.activation_traffic_bytes)  # what the FP8 terms read stays
+    assert fused.loss_traffic_saving_bytes == 40 - 50  # read by the elementwise time alone
     assert loss_gradient_bytes(fused, s) == logits_gradient_bytes(fused, s) == 50 * 2  # one gradient, logits-sized
     assert loss_backward_released_bytes(fused, s) == 2 * 50 * 2
     megatron = loss_as_run(totals, s, MEGATRON)  # an fp32 softmax as large as the log-probabilities, used in place
