@@ -69,8 +69,9 @@ def framework_profile(run: dict) -> ImplementationProfile:
         training = run["training"]
         return replace(TORCHTITAN, fp8_all_gather=bool(training.get("fsdp_float8_all_gather")),
                        fused_rms_norm=training.get("norm_type") == "fused_rmsnorm")
-    if framework.startswith("llm-foundry"):
-        return PYTORCH_FSDP_TE
+    if framework.startswith("llm-foundry"):  # FSDP's PURE mixed precision reduces gradients in bf16 too
+        pure = run["training"].get("mixed_precision_mode") == "PURE"
+        return replace(PYTORCH_FSDP_TE, gradient_bytes=2) if pure else PYTORCH_FSDP_TE
     if framework.startswith("NeMo") and "24.07" in str(run.get("source", "")):
         return NEMO_2407
     return MEGATRON

@@ -208,7 +208,9 @@ PYTORCH_FSDP_TE = ImplementationProfile(name="fsdp-te", fp8_saves_inputs=True, w
 under ``amp_fp8``, the Triton FlashAttention (``attn_impl: triton``), and flash-attn's fused cross-entropy
 (``llmfoundry/models/mpt/modeling_mpt.py`` at 061f2c7ce64e: ``loss_fn`` defaults to ``fused_crossentropy``,
 ``flash_attn.losses.cross_entropy.CrossEntropyLoss``, which saves the bf16 logits and a log-sum-exp per token and
-whose backward returns a new logits-sized gradient, ``inplace_backward`` off by default)."""
+whose backward returns a new logits-sized gradient, ``inplace_backward`` off by default). A run under Composer's
+``PURE`` FSDP mixed precision (``reduce_dtype`` the training dtype, bf16) reduces in bf16: ``gradient_bytes`` 2 there
+(``benchmarks/published_rows.framework_profile``)."""
 MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1),
                                  attention_kernels=("cudnn", "fa2"), cross_entropy="megatron", fused_rms_norm=True,
                                  refused_together=())

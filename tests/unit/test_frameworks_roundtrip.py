@@ -259,3 +259,16 @@ def test_megatron_offload_and_expert_tensor_parallel_flags_are_written():
     mix = export_plan(plan_like(CASES["reshard-mix"][0], blocks=8, global_batch=64), "torchtitan")
     assert "fsdp_reshard_after_forward = 'default'" in mix.text
     assert any("block_reshard keeps 2 of 8 blocks" in note for note in mix.notes)
+
+
+def test_each_published_row_is_priced_with_what_its_source_states_about_the_framework():
+    rows = _published_rows()
+    runs = {run["id"]: run for run in rows.measured_runs()}
+    profile = {run_id: rows.framework_profile(run) for run_id, run in runs.items()}
+    pure = [run_id for run_id, run in runs.items() if run["training"].get("mixed_precision_mode") == "PURE"]
+    assert pure and all(profile[run_id].gradient_bytes == 2 for run_id in pure)  # FSDP PURE: bf16 reductions
+    assert profile["foundry-a100-mpt350m-s2048-8gpu"].gradient_bytes == 4  # DEFAULT: fp32 reductions
+    assert profile["foundry-a100-mpt350m-s2048-8gpu"].cross_entropy == "flash-attn"
+    assert profile["torchtitan-a100-llama2-13b-no-lbs2"].fused_rms_norm  # its 64-A100 preset: fused_rmsnorm
+    assert not profile["torchtitan-a100-llama2-70b-full-lbs2"].fused_rms_norm  # its preset: the composite
+    assert profile["megatron-sc21-t2-zero3-529.6b-640gpu"].zero3_by_parameter is not None  # DeepSpeed
