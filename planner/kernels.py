@@ -53,8 +53,8 @@ CORE_OPS = (
 """Aten ops whose forward FLOPs are the attention core (what selective recomputation re-runs)."""
 
 
-class AttentionObserver(Protocol):
-    """What the measurement learns about each attention call."""
+class KernelObserver(Protocol):
+    """What the measurement learns about each attention call and each ``torch.rms_norm`` call."""
 
     def attention_started(self, query: torch.Tensor, key: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
         """An SDPA call begins: its query/key shapes and the tensors a checkpoint of it would hold."""
@@ -77,7 +77,7 @@ class FusedKernels(TorchFunctionMode):
     """Route 4-D SDPA to the flash kernel (reporting each call to ``observer``) and dropout to native_dropout; report
     what each ``rms_norm`` would save less as CUDA's fused kernel."""
 
-    def __init__(self, observer: AttentionObserver) -> None:
+    def __init__(self, observer: KernelObserver) -> None:
         super().__init__()
         self.observer = observer
 
@@ -124,7 +124,7 @@ def _fused_dropout(
 
 
 def _fused_sdpa(
-    observer: AttentionObserver,
+    observer: KernelObserver,
     stock: object,
     query: torch.Tensor,
     key: torch.Tensor,

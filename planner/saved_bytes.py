@@ -35,7 +35,7 @@ class Ledger:
         return tensor
 
     def rms_norm(self, mark: int, fused_bytes: int | None) -> None:
-        """``kernels.AttentionObserver.rms_norm``: what the call saved since ``mark`` beyond ``fused_bytes``, charged to
+        """``kernels.KernelObserver.rms_norm``: what the call saved since ``mark`` beyond ``fused_bytes``, charged to
         the running layer (nothing it did not save: under a model's own checkpoint the call saves nothing here)."""
         if fused_bytes is not None:
             saving = sum(self.since(mark)) - fused_bytes
