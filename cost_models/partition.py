@@ -376,12 +376,12 @@ def with_loss_kernel(stage: StageTotals, kernel: str) -> StageTotals:
 
 def with_fused_norms(stage: StageTotals, selective_policy: str) -> StageTotals:
     """``stage`` with its ``torch.rms_norm`` calls run as CUDA's fused kernel (``profiles.fused_rms_norm``): each keeps
-    its input alone, not the two fp32 tensors the composite measured keeps (``planner.kernels``), in the layers that
-    are not recomputed, in the selective blocks where the attention-core policy keeps their norms (the op-level and
-    matmuls policies re-run them). A recomputed block's buffer (``recompute_buffer_bytes``) keeps the composite's
-    figure: one block, on the safe side. Memory only: the elementwise time stays priced from the composite's
-    activation traffic, the fitted proxy (taking the fused norms off it moved the published rows that run them 3-5%
-    too fast: ``benchmarks/published.py``)."""
+    its input alone, not what the composite measured keeps (up to two fp32 copies of it: ``planner.kernels``), in the
+    layers that are not recomputed, in the selective blocks where the attention-core policy keeps their norms (the
+    op-level and matmuls policies re-run them). A recomputed block's buffer (``recompute_buffer_bytes``) keeps the
+    composite's figure: one block, on the safe side. Memory only: the elementwise time stays priced from the
+    composite's activation traffic, the fitted proxy (taking the fused norms off it moved the published rows that run
+    them 3-5% too fast: ``benchmarks/published.py``)."""
     kept = stage.norm_saving_bytes + (stage.selective_norm_saving_bytes if selective_policy == "attention" else 0)
     if not kept:
         return stage

@@ -192,10 +192,10 @@ DEEPSPEED_ZERO3_SLOWDOWN = 5.0
 TESSERA = ImplementationProfile(name="tessera", autocast_copies=True, fp8_cast_bytes_per_element=9.0,
                                 fp8_all_gather=True, fp8_all_gather_under_tp=False, replicate_by_fsdp2=True,
                                 selective_policy="matmuls", fused_rms_norm=True)
-"""Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); ``nn.RMSNorm`` on torch 2.13, fused on CUDA; FP8 through torchao's float8 linears
-(``runtime.float8``): cast on the fly from the bf16/fp32 weight, bf16 inputs saved; ZeRO-3 all-gathers the blocks'
-FP8 weights in FP8 at current scaling without tensor parallelism (bf16 otherwise); its eager
-casts allocate 9 bytes per element cast (``tests/distributed/test_float8.py`` measures it with
+"""Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); ``nn.RMSNorm`` on torch 2.13, fused on
+CUDA; FP8 through torchao's float8 linears (``runtime.float8``): cast on the fly from the bf16/fp32 weight, bf16
+inputs saved; ZeRO-3 all-gathers the blocks' FP8 weights in FP8 at current scaling without tensor parallelism (bf16
+otherwise); its eager casts allocate 9 bytes per element cast (``tests/distributed/test_float8.py`` measures it with
 ``benchmarks/memory_meter.AllocatorMeter``)."""
 TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False, autocast_copies=True,
                                    selective_policy="op", refused_together=())
@@ -214,9 +214,9 @@ whose backward returns a new logits-sized gradient, ``inplace_backward`` off by 
 MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1),
                                  attention_kernels=("cudnn", "fa2"), cross_entropy="megatron", fused_rms_norm=True,
                                  refused_together=())
-"""Megatron-Core / NeMo: Transformer Engine for FP8, attention (cuDNN on Hopper, FA2 before) and RMSNorm (fused); its vocabulary-parallel
-cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, fused or not: an fp32 copy of the logits turned
-into the softmax in place and saved, the backward's gradient written over it)."""
+"""Megatron-Core / NeMo: Transformer Engine for FP8, attention (cuDNN on Hopper, FA2 before) and RMSNorm (fused);
+its vocabulary-parallel cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, fused or not: an fp32 copy
+of the logits turned into the softmax in place and saved, the backward's gradient written over it)."""
 NEMO_2407 = replace(MEGATRON, name="nemo-24.07", gradient_bytes=2)
 """NeMo 24.07 (Megatron-Core under NeMo's launcher): its performance recipes reduce gradients in bf16. Every GPT and
 Llama H100 example script of NVIDIA/NeMo-Framework-Launcher at tag 24.07 (examples/training/{gpt,llama}/h100/*.sh, bf16
