@@ -25,8 +25,9 @@ import math
 from dataclasses import dataclass, replace
 
 from tessera.cost_models.fp8 import bf16_flops, cast_traffic_bytes
-from tessera.cost_models.partition import StageTotals, op_level_selective, with_loss_kernel
+from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
+from tessera.cost_models.stage_views import op_level_selective, with_loss_kernel
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology.cluster import DeviceSpec
 from tessera.topology.hardware import ATTENTION_KERNELS, AttentionCurve, attention_curve
@@ -168,7 +169,7 @@ def stage_compute_s(
     constants = device_calibration(device, calibration)
     per_byte = share * constants.traffic_factor / device.memory_bandwidth_bytes_per_s
     elementwise = per_byte * stage.activation_traffic_bytes
-    fused_loss = per_byte * stage.loss_traffic_saving_bytes  # what a fused loss kernel does not make of it
+    passes = elementwise - per_byte * stage.loss_traffic_saving_bytes  # less what a fused loss kernel does not make
     casts = share * cast_traffic_bytes(stage, training) / device.memory_bandwidth_bytes_per_s
     forward_overhead, backward_overhead = framework_overhead_s(stage, device, tp=strategy.tp)
     if op_level:  # the selective blocks' elementwise work re-runs whole, their casts with their matmuls
@@ -177,13 +178,13 @@ def stage_compute_s(
         traffic_share = stage.selective_traffic_bytes / traffic if traffic else 0.0
         linear_share = full_share + stage.op_selective_recompute_flops / stage.forward_flops
         rerun = elementwise * (full_share + traffic_share) + (forward_overhead + casts) * linear_share
-        return (forward * share + elementwise - fused_loss + casts + forward_overhead,
-                backward * share + 2 * (elementwise - fused_loss + casts) + backward_overhead, recompute * share + rerun)
+        return (forward * share + passes + casts + forward_overhead,
+                backward * share + 2 * (passes + casts) + backward_overhead, recompute * share + rerun)
     recompute_share = stage.recompute_flops / stage.forward_flops if stage.forward_flops else 0.0
     recast = casts * recompute_share if stage.full_recompute_blocks else 0.0  # selective re-runs no linear
     return (
-        forward * share + elementwise - fused_loss + casts + forward_overhead,
-        backward * share + 2 * (elementwise - fused_loss + casts) + backward_overhead,
+        forward * share + passes + casts + forward_overhead,
+        backward * share + 2 * (passes + casts) + backward_overhead,
         recompute * share + (elementwise + forward_overhead) * recompute_share + recast
         + _matmul_policy_rerun_s(stage, profile, elementwise=elementwise, casts=casts),
     )
@@ -219,7 +220,7 @@ def arithmetic_s(
     ``seq_len`` (``attention_efficiency``; one forward + backward rate for both passes, as the benchmarks give
     it); under FP8 the blocks' other linears run at the FP8 rate and the head at the bf16 rate
     (``cost_models.fp8``). A selective recomputation re-runs attention cores only, a full one the blocks'
-    forward at its mixed rate; with ``op_level`` (``partition.op_level_selective``), a selective block re-runs its
+    forward at its mixed rate; with ``op_level`` (``stage_views.op_level_selective``), a selective block re-runs its
     ``op_selective_recompute_flops`` at the linears' rate instead (``profiles.selective_policy``).
     """
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
@@ -289,7 +290,7 @@ def compute_lower_bound_s(
     at the rate of its widest block (a stage is never faster). Recomputation's memory traffic is left out
     (per stage it is not additive), so this is a bound, not an estimate. The attention cores are taken at the
     fastest kernel the device has a figure for, so the bound holds whichever framework's profile the estimate
-    uses, and so is the loss at a fused kernel's traffic (``partition.with_loss_kernel``) without tensor parallelism.
+    uses, and so is the loss at a fused kernel's traffic (``stage_views.with_loss_kernel``) without tensor parallelism.
     """
     model = with_loss_kernel(model, "flash-attn") if strategy.tp == 1 else model
     seq_len = training.seq_len / strategy.cp

@@ -47,10 +47,11 @@ from tessera.cost_models.memory_transients import (
     replicate_reduction_bytes,
     zero3_gathered_bytes, zero12_reduce_scatter_bytes,
 )
-from tessera.cost_models.partition import StageTotals, as_selective_memory, with_fused_norms, with_loss_kernel
+from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.pipeline import in_flight_micro_batches
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile, ParameterGathering
 from tessera.cost_models.sparse import ring_and_dispatch_buffer_bytes, sharded_params
+from tessera.cost_models.stage_views import as_selective_memory, with_fused_norms, with_loss_kernel
 from tessera.cost_models.types import Strategy, TrainingConfig
 
 GiB = 2**30

@@ -47,19 +47,19 @@ there.
   torchtitan call torch's cross-entropy (fp32 log-probabilities saved, two more of their size in its backward; what
   capture measures). llm-foundry's MPT runs flash-attn's fused ``xentropy`` kernel (saves the logits as they come, one
   logits-sized gradient), Megatron-LM and DeepSpeed's SC'21 runs of its model Megatron's vocabulary-parallel
-  cross-entropy (an fp32 softmax saved and overwritten by the gradient): ``partition.with_loss_kernel``. The fused
+  cross-entropy (an fp32 softmax saved and overwritten by the gradient): ``stage_views.with_loss_kernel``. The fused
   kernel's fewer passes over the logits also shorten the elementwise time charged for them.
 - **RMSNorm kernel** (``fused_rms_norm``): CUDA's fused ``torch.rms_norm`` (PyTorch 2.8 on, as Tessera's runtime
   runs on torch 2.13) and Transformer Engine's RMSNorm keep the norm's input alone for the backward; the composite
   that capture measures (and that torch ran on GPUs before, as in torchtitan's 2024 tables) keeps two fp32 tensors of
-  its size: ``partition.with_fused_norms``, on GPUs only.
+  its size: ``stage_views.with_fused_norms``, on GPUs only.
 - **What selective recomputation re-runs** (``selective_policy``). Megatron recomputes the attention core
   (Korthikanti et al. 2022's selective recomputation; under a flash kernel, its forward). Tessera's runtime
   (``runtime.recompute``) keeps the outputs of every matmul (``aten.mm``, ``aten.addmm``) and of its collectives
   and re-runs everything else: the attention core, the norms, the activation functions, the residual adds and,
   under autocast, the casts (``matmuls``: its blocks keep their inputs and matmul outputs,
   ``LayerStats.saved_bytes_matmul_selective``, and under sequence parallelism its collectives' outputs:
-  ``partition.as_selective_memory``; measured on 4 gloo ranks, ``benchmarks/memory_truth.py --pins``).
+  ``stage_views.as_selective_memory``; measured on 4 gloo ranks, ``benchmarks/memory_truth.py --pins``).
   torchtitan's ``selective_ac_option = "op"`` (the default of its Llama training configs) is an op-level policy
   instead: its checkpoint wrapper saves the outputs of ``aten.mm``, the SDPA kernels and the reduce-scatters,
   "except every second mm" (``parallelisms/parallelize_llama.py`` at 1ea476e9f, April 2024, the commit of its
@@ -81,7 +81,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tessera.cost_models.partition import CROSS_ENTROPY_KERNELS
+from tessera.cost_models.stage_views import CROSS_ENTROPY_KERNELS
 from tessera.cost_models.types import RUNTIME_EXCLUSIVE, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 
@@ -152,15 +152,15 @@ class ImplementationProfile:
     pipelining and sequence parallelism, which Tessera's runtime does not)."""
     fused_rms_norm: bool = False
     """``torch.rms_norm`` (``nn.RMSNorm``) runs on GPUs as CUDA's fused kernel, which keeps its input alone for the
-    backward (``partition.with_fused_norms``): PyTorch's since its fused RMSNorm (2.8; under autocast since the fix of
+    backward (``stage_views.with_fused_norms``): PyTorch's since its fused RMSNorm (2.8; under autocast since the fix of
     pytorch/pytorch#167308), Transformer Engine's RMSNorm. False: the composite capture measures (two fp32 tensors of
     the input's size), as torch ran it before."""
     cross_entropy: str = "torch"
-    """The loss's kernel (``partition.CROSS_ENTROPY_KERNELS``): ``torch`` (cross-entropy over fp32 log-probabilities;
+    """The loss's kernel (``stage_views.CROSS_ENTROPY_KERNELS``): ``torch`` (cross-entropy over fp32 log-probabilities;
     ``loss_parallel`` under tensor parallelism), ``flash-attn`` (one fused kernel on the logits as they come: it saves
     the logits and its backward allocates one gradient of their size; without tensor parallelism) or ``megatron``
     (vocabulary-parallel: it saves an fp32 softmax and turns it into the gradient in place). See
-    ``partition.with_loss_kernel`` and ``memory_state.loss_gradient_bytes``."""
+    ``stage_views.with_loss_kernel`` and ``memory_state.loss_gradient_bytes``."""
     selective_policy: str = "attention"
     """What ``recompute=selective`` re-runs: ``attention`` (the attention core), ``op`` (torchtitan's op-level
     policy: every second matmul of the block and its elementwise work; the attention core is kept) or ``matmuls``

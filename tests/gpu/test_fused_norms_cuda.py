@@ -1,5 +1,5 @@
 """What CUDA's ``torch.rms_norm`` keeps for the backward, which the GPU cost model assumes (``planner.kernels``,
-``partition.with_fused_norms``): its input alone (and one fp32 value per row). Skipped without CUDA (CI has none)."""
+``stage_views.with_fused_norms``): its input alone (and one fp32 value per row). Skipped without CUDA (CI has none)."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """CUDA's fused RMSNorm against the composite capture measures: what capture records and what the GPU cost model takes
-off (``planner.kernels``, ``partition.with_fused_norms``)."""
+off (``planner.kernels``, ``stage_views.with_fused_norms``)."""
 
 from dataclasses import replace
 from functools import partial
@@ -9,7 +9,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
-from tessera.cost_models.partition import stage_totals, with_fused_norms
+from tessera.cost_models.partition import stage_totals
+from tessera.cost_models.stage_views import with_fused_norms
 from tessera.cost_models.profiles import TESSERA
 from tessera.planner.capture import capture_preset
 from tessera.planner.kernels import FusedKernels

@@ -1,0 +1,212 @@
+"""What each layer adds to its pipeline stage's totals (``partition.stage_totals``), under its block's activation
+policy: saved bytes, recomputed FLOPs, tensor-parallel reductions and linears, and the dictionaries of
+``StageTotals`` fields for the root and loss, expert and context parallelism, offloaded and kept blocks, selective
+recomputation and fused norms."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from tessera.cost_models.layer_stats import LayerStats
+from tessera.cost_models.types import Recompute
+
+TP_SHARDED_KINDS = ("block", "embedding", "head")
+DEFAULT_TP_PAIRS_PER_BLOCK = 2  # attention and MLP, when capture did not report the pairs
+DEFAULT_LINEARS_PER_BLOCK = 6  # q, k, v, o, up, down, when capture did not report the pairs
+_PAIR_CACHE_LIMIT = 65536
+
+
+def norm_saving_totals(stage: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:
+    """The StageTotals fields of what CUDA's fused ``rms_norm`` saves less (``LayerStats.fused_norm_saving_bytes``)."""
+    def by(kind: str) -> int:  # a graph captured before the figure existed has None under autocast: nothing known
+        return sum(layer.fused_norm_saving_bytes or 0 for layer in stage if policy[layer.fqn] == kind)
+
+    return {"norm_saving_bytes": by("none"), "selective_norm_saving_bytes": by("selective")}
+
+
+def selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:
+    """The StageTotals fields of the selectively recomputed blocks."""
+    # Blocks measured for the op-level policy only (a block without the figures keeps the attention-core policy).
+    selective = [b for b in blocks if policy[b.fqn] == "selective" and b.op_selective_recompute_flops > 0]
+    kept = [layer_saved_bytes(b, "selective") for b in selective]
+    op_kept = [k if b.saved_bytes_op_selective is None else b.saved_bytes_op_selective for b, k in zip(selective, kept)]
+    every = [b for b in blocks if policy[b.fqn] == "selective"]
+    measured = matmul_selective_blocks(blocks, policy)
+    pairs = sum(block_tp_reductions(b) * b.output_bytes for b in measured)
+    attention_kept = [layer_saved_bytes(b, "selective") for b in every]
+    matmul_kept = [k if b.saved_bytes_matmul_selective is None else b.saved_bytes_matmul_selective
+                   for b, k in zip(every, attention_kept)]
+    return {
+        "selective_blocks_saved_bytes": sum(attention_kept),
+        "matmul_selective_saved_bytes": sum(matmul_kept),
+        "matmul_selective_buffer_bytes": max((b.saved_bytes_no_recompute - k for b, k in zip(every, matmul_kept)),
+                                             default=0),
+        "matmul_selective_traffic_bytes": sum(b.saved_bytes_no_recompute for b in measured),
+        "matmul_selective_core_flops": sum(b.selective_recompute_flops for b in measured),
+        "matmul_selective_pair_bytes": pairs,
+        "matmul_selective_gathered_bytes": pairs,
+        "selective_core_flops": sum(b.selective_recompute_flops for b in selective),
+        "op_selective_recompute_flops": sum(b.op_selective_recompute_flops for b in selective),
+        "selective_traffic_bytes": sum(b.saved_bytes_no_recompute for b in selective),
+        "selective_saved_bytes": sum(kept),
+        "op_selective_saved_bytes": sum(op_kept),
+        "op_selective_buffer_bytes": max((b.saved_bytes_no_recompute - k for b, k in zip(selective, op_kept)),
+                                         default=0),
+    }
+
+
+def matmul_selective_blocks(stage: Sequence[LayerStats], policies: Mapping[str, Recompute]) -> list[LayerStats]:
+    """The selective blocks measured for the matmuls policy (``LayerStats.saved_bytes_matmul_selective``)."""
+    return [layer for layer in stage if layer.kind == "block" and policies.get(layer.fqn) == "selective"
+            and layer.saved_bytes_matmul_selective is not None]
+
+
+def offload_and_kept_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompute], kept: frozenset[str]) -> dict:
+    """The StageTotals fields of offloaded blocks and of blocks that keep their gathered weights."""
+    offloaded = [b.saved_bytes_no_recompute for b in blocks if policy[b.fqn] == "offload"]
+    held = [b for b in blocks if b.fqn in kept]
+    return {
+        "offloaded_bytes": sum(offloaded),
+        # The block whose backward runs and the next one prefetched back from host (copy-in ahead of use).
+        "offload_buffer_bytes": 2 * max(offloaded, default=0),
+        "kept_params": sum(b.param_count for b in held),
+        "kept_expert_params": sum(b.expert_param_count for b in held),
+        "kept_blocks": len(held),
+        "recomputed_block_params": sum(b.param_count for b in blocks if policy[b.fqn] in ("selective", "full")),
+    }
+
+
+def layer_sp_gathered_bytes(layer: LayerStats, recompute: Recompute) -> float:
+    """Per sequence, what sequence parallelism all-gathers in front of a layer's column-parallel linears and the
+    linears save for their weight gradient: one residual-width input per linear pair of a block (unless the
+    block is fully recomputed, which saves only its input), and the head's input."""
+    if layer.kind == "block" and recompute != "full":
+        return block_tp_reductions(layer) * layer.output_bytes
+    if layer.kind == "head":
+        return layer.saved_bytes_full_recompute
+    return 0.0
+
+
+def root_and_loss_totals(stage: Sequence[LayerStats]) -> dict:
+    """The StageTotals fields of the layers outside blocks and of the loss (see ``cost_models.memory``)."""
+    root = [layer for layer in stage if layer.kind != "block"]
+    losses = [i for i, layer in enumerate(stage) if layer.kind == "loss"]
+    return {
+        "root_sharded_params": sum(layer.param_count for layer in root if layer.kind in TP_SHARDED_KINDS),
+        "root_replicated_params": sum(layer.param_count for layer in root if layer.kind not in TP_SHARDED_KINDS),
+        "loss_saved_bytes": sum(stage[i].saved_bytes_no_recompute for i in losses),
+        "logits_bytes": sum(stage[i - 1].output_bytes for i in losses if i > 0),
+        "largest_block_params": max((layer.param_count for layer in stage if layer.kind == "block"), default=0),
+        "widest_matrix_dim": max((layer.widest_matrix_dim for layer in stage), default=0),
+        "largest_matrix_params": max((layer.largest_matrix_params for layer in stage), default=0),
+        "embedding_params": sum(layer.param_count for layer in root if layer.kind == "embedding"),
+        "largest_tensor_params": max([layer.largest_matrix_params for layer in stage]
+                                     + [layer.param_count for layer in root if layer.kind in ("embedding", "head")]),
+        "head_forward_flops": sum(layer.forward_flops for layer in root if layer.kind == "head"),
+        "head_backward_flops": sum(layer.backward_flops for layer in root if layer.kind == "head"),
+    }
+
+
+def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:
+    """The StageTotals fields expert and context parallelism cost (see ``cost_models.sparse``)."""
+    moe = [layer for layer in stage if layer.experts]
+    attention = [layer for layer in stage if layer.attention_heads]
+    if not moe and not attention:
+        return {}
+    largest = max(stage, key=lambda layer: layer.param_count)
+    # Dispatch all-to-all payload: each token goes to top_k experts, carrying its hidden activation (the layer's
+    # output width and dtype), times the load factor the experts were measured at.
+    dispatch = {layer.fqn: layer.top_k * layer.expert_capacity_factor * layer.output_bytes for layer in moe}
+    # Keys + values: 2 x kv_heads x head_dim per token, head_dim = hidden / heads (the layer's output width).
+    kv = {layer.fqn: 2 * layer.output_bytes * (layer.kv_heads or layer.attention_heads) / layer.attention_heads
+          for layer in attention}
+    return {
+        "expert_params": sum(layer.expert_param_count for layer in moe),
+        "largest_layer_expert_params": largest.expert_param_count,
+        "moe_layers": len(moe),
+        "dispatch_bytes": sum(dispatch.values()),
+        "recompute_dispatch_bytes": sum(b for fqn, b in dispatch.items() if policy.get(fqn) == "full"),
+        "attention_layers": len(attention),
+        "kv_bytes": sum(kv.values()),
+        "recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn, "none") in ("selective", "full")),
+        "attention_core_flops": sum(layer.selective_recompute_flops for layer in attention),
+        "kv_heads": min(layer.kv_heads or layer.attention_heads for layer in attention),
+    }
+
+
+def block_width(layer: LayerStats) -> int:
+    """Hidden size of a block: measured, or from its parameters (~12 h^2 in a transformer block)."""
+    return layer.hidden_size or int(math.sqrt(layer.param_count / 12))
+
+
+def layer_recomputed_flops(layer: LayerStats, recompute: Recompute) -> float:
+    return {"none": 0.0, "offload": 0.0, "selective": layer.selective_recompute_flops, "full": layer.forward_flops}[recompute]
+
+
+def layer_saved_bytes(layer: LayerStats, recompute: Recompute) -> int:
+    """What a layer keeps on the device for its backward (an offloaded block: nothing; its copy-in buffer is
+    ``offload_buffer_bytes``)."""
+    if layer.kind != "block" or recompute == "none":
+        return layer.saved_bytes_no_recompute
+    if recompute == "offload":
+        return 0
+    if recompute == "selective":
+        return layer.saved_bytes_no_recompute if layer.saved_bytes_selective is None else layer.saved_bytes_selective
+    return layer.saved_bytes_full_recompute
+
+
+def layer_tp_allreduce_count(layer: LayerStats) -> int:
+    if layer.kind == "block":
+        return block_tp_reductions(layer)
+    return int(layer_tp_allreduce_bytes(layer) > 0)
+
+
+def block_tp_reductions(layer: LayerStats) -> int:
+    """Activation all-reduces of a tensor-parallel block per pass: one per linear pair, except that the routed
+    experts' pairs (one per expert) share one: their partial outputs are combined before the reduction, as
+    Megatron-Core's MoE layer does."""
+    if not layer.tp_pairs:
+        return DEFAULT_TP_PAIRS_PER_BLOCK
+    return _pair_counts(layer.tp_pairs)[0]
+
+
+def layer_linears(layer: LayerStats) -> int:
+    """Linears whose framework overhead a micro-batch pays (``DeviceSpec.linear_overhead_s``): a block's pairs'
+    (the routed experts counted as one pair, as for their reduction), a head's one."""
+    if layer.kind == "head":
+        return 1
+    if layer.kind != "block":
+        return 0
+    if not layer.tp_pairs:
+        return DEFAULT_LINEARS_PER_BLOCK
+    return _pair_counts(layer.tp_pairs)[1]
+
+
+_PAIR_COUNTS: dict[int, tuple[tuple, tuple[int, int]]] = {}
+
+
+def _pair_counts(pairs: tuple) -> tuple[int, int]:
+    """(reductions, linears) of a block's pairs, memoised by the tuple's identity (an MoE block lists one pair
+    per expert, and copies of a block share the tuple): the search sums them for thousands of stages."""
+    hit = _PAIR_COUNTS.get(id(pairs))
+    if hit is not None and hit[0] is pairs:
+        return hit[1]
+    dense = [pair for pair in pairs if pair.role != "expert"]
+    experts = [pair for pair in pairs if pair.role == "expert"][:1]
+    counts = (len(dense) + len(experts), sum(len(pair.column) + 1 for pair in dense + experts))
+    if len(_PAIR_COUNTS) >= _PAIR_CACHE_LIMIT:
+        _PAIR_COUNTS.clear()
+    _PAIR_COUNTS[id(pairs)] = (pairs, counts)
+    return counts
+
+
+def layer_tp_allreduce_bytes(layer: LayerStats) -> float:
+    """Bytes all-reduced per pass when the layer is tensor-parallel (Megatron: one per linear pair)."""
+    if layer.kind == "block":
+        return block_tp_reductions(layer) * layer.output_bytes
+    if layer.kind == "embedding" and layer.param_count:
+        return layer.output_bytes  # vocabulary-parallel embedding: partial lookups are summed
+    if layer.kind == "head":
+        return layer.saved_bytes_full_recompute  # column-parallel head: input gradient summed in backward
+    return 0.0
