@@ -16,7 +16,7 @@ import yaml
 
 from tessera.cost_models import Strategy, TrainingConfig
 from tessera.cost_models.profiles import (
-    DEEPSPEED, MEGATRON, MEGATRON_2021, NEMO_2407, PYTORCH_FSDP_TE, TORCHTITAN, ImplementationProfile,
+    DEEPSPEED, MEGATRON, MEGATRON_2021, NEMO_2407, PYTORCH_FSDP_TE, TORCHTITAN_2024, ImplementationProfile,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -67,7 +67,7 @@ def framework_profile(run: dict) -> ImplementationProfile:
     framework = str(run.get("framework", "Megatron-LM"))
     if framework.startswith("torchtitan"):  # the row's config may turn on FP8 all-gathers and its fused RMSNorm
         training = run["training"]
-        return replace(TORCHTITAN, fp8_all_gather=bool(training.get("fsdp_float8_all_gather")),
+        return replace(TORCHTITAN_2024, fp8_all_gather=bool(training.get("fsdp_float8_all_gather")),
                        fused_rms_norm=training.get("norm_type") == "fused_rmsnorm")
     if framework.startswith("llm-foundry"):  # FSDP's PURE mixed precision reduces gradients in bf16 too
         pure = run["training"].get("mixed_precision_mode") == "PURE"
@@ -133,7 +133,7 @@ def _stated_pins(run: dict) -> dict[str, object]:
         fixed["schedule"], fixed["virtual_stages"] = "interleaved", par["virtual_pipeline"]
     if framework_profile(run) in (MEGATRON, NEMO_2407):
         fixed["sp_regather"] = True  # Megatron-Core's sequence parallelism, should the planner turn it on
-    if framework_profile(run).name == TORCHTITAN.name and par["pp"] > 1 and fixed.get("zero") == 3:
+    if framework_profile(run).name == TORCHTITAN_2024.name and par["pp"] > 1 and fixed.get("zero") == 3:
         # torchtitan 9dec370 (parallelisms/parallelize_llama.py, apply_fsdp): "For PP, do not reshard after
         # forward to avoid per-microbatch all-gathers": every block keeps its gathered weights
         fixed["block_reshard"] = (False,) * run["model"]["layers"]

@@ -299,7 +299,7 @@ def stage_time(
         return time
     rate = achievable_flops(cluster.device, bf16_or(training.precision), width=stage.hidden_size / strategy.tp,
                             calibration=calibration)  # attention cores hide the ring: bf16 under FP8 too
-    cp_total, cp_exposed = cp_comm_s(stage, cluster, strategy, flops_per_s=rate)
+    cp_total, cp_exposed = cp_comm_s(stage, cluster, strategy, flops_per_s=rate, profile=profile)
     return replace(time, ep_comm=ep_comm_s(stage, cluster, strategy), cp_comm=cp_exposed, cp_comm_total=cp_total)
 
 

@@ -129,6 +129,7 @@ def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Rec
         "recompute_dispatch_bytes": sum(b for fqn, b in dispatch.items() if policy.get(fqn) == "full"),
         "attention_layers": len(attention),
         "kv_bytes": sum(kv.values()),
+        "kv_repeated_bytes": sum(2 * layer.output_bytes for layer in attention),
         "recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn, "none") in ("selective", "full")),
         "attention_core_flops": sum(layer.selective_recompute_flops for layer in attention),
         "kv_heads": min(layer.kv_heads or layer.attention_heads for layer in attention),

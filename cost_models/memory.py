@@ -49,7 +49,7 @@ from tessera.cost_models.memory_transients import (
 )
 from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.pipeline import in_flight_micro_batches
-from tessera.cost_models.profiles import TESSERA, ImplementationProfile, ParameterGathering
+from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.sparse import ring_and_dispatch_buffer_bytes, sharded_params
 from tessera.cost_models.stage_views import as_selective_memory, with_fused_norms, with_loss_kernel
 from tessera.cost_models.types import Strategy, TrainingConfig
@@ -87,7 +87,7 @@ def stage_memory(
     block_gather_bytes = 1 if profile.gathers_fp8(training, strategy) else None
     copies = autocast_copy_bytes(stage, training, strategy, profile)
     marks = (backward_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu,
-                             block_gather_bytes=block_gather_bytes, by_parameter=profile.zero3_by_parameter),
+                             block_gather_bytes=block_gather_bytes, profile=profile),
              step_end_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu, profile=profile,
                              autocast_copies=copies))
     if training.precision == "fp8":
@@ -141,11 +141,12 @@ def fp8_cast_elements(
 
 def backward_memory(
     stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, on_cpu: bool = False,
-    block_gather_bytes: float | None = None, by_parameter: ParameterGathering | None = None,
+    block_gather_bytes: float | None = None, profile: ImplementationProfile = TESSERA,
 ) -> dict:
     """Bytes by category when the backward of the stage's last in-flight micro-batch starts (ZeRO-3's gathered
     blocks at ``block_gather_bytes`` per parameter: the compute dtype's unless the framework gathers FP8; or its
-    parameters one by one, within ``by_parameter``'s limits)."""
+    parameters one by one, within ``profile.zero3_by_parameter``'s limits; the cp exchange's buffers as
+    ``profile`` moves K/V)."""
     return {
         "parameters": parameter_bytes(stage, training, strategy, in_backward=True),
         "gradients": held_gradient_bytes(stage, strategy, micro_batches=micro_batches),
@@ -153,7 +154,7 @@ def backward_memory(
         "activations": activation_bytes(stage, strategy, micro_batches=micro_batches)
         + _loss_and_recomputation_bytes(stage, strategy, on_cpu=on_cpu),
         "buffers": (_buffer_bytes(stage, training, strategy, on_cpu=on_cpu, block_gather_bytes=block_gather_bytes,
-                                  by_parameter=by_parameter)
+                                  profile=profile)
                     + pipeline_output_bytes(stage, strategy, micro_batches=micro_batches)),
     }
 
@@ -348,14 +349,14 @@ def tp_activation_share(strategy: Strategy) -> float:
 
 def _buffer_bytes(
     stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, on_cpu: bool, block_gather_bytes: float | None,
-    by_parameter: ParameterGathering | None = None,
+    profile: ImplementationProfile = TESSERA,
 ) -> float:
     """Communication and gathering buffers alive at the backward's start, or at a unit's reduce-scatter soon after."""
     # Send and receive buffers of the stage boundary: one micro-batch's boundary activation (s / cp tokens).
     pipeline = 2 * stage.boundary_bytes * strategy.micro_batch / strategy.cp if strategy.pp > 1 else 0
-    pipeline += ring_and_dispatch_buffer_bytes(stage, strategy)  # cp ring / ep all-to-all buffers (0 without them)
-    if strategy.zero == 3 and by_parameter is not None:
-        return pipeline + parameter_gathered_bytes(stage, training, strategy, by_parameter)
+    pipeline += ring_and_dispatch_buffer_bytes(stage, strategy, profile)  # cp / ep exchange buffers (0 without them)
+    if strategy.zero == 3 and profile.zero3_by_parameter is not None:
+        return pipeline + parameter_gathered_bytes(stage, training, strategy, profile.zero3_by_parameter)
     if strategy.zero == 3:
         return pipeline + zero3_gathered_bytes(stage, training, strategy, on_cpu=on_cpu,
                                                block_gather_bytes=block_gather_bytes)

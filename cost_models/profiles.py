@@ -53,6 +53,11 @@ there.
   runs on torch 2.13) and Transformer Engine's RMSNorm keep the norm's input alone for the backward; the composite
   that capture measures (and that torch ran on GPUs before, as in torchtitan's 2024 tables) keeps two fp32 tensors of
   its size: ``stage_views.with_fused_norms``, on GPUs only.
+- **Context-parallel exchange** (``cp_rotation``, ``cp_kv_repeated``). Tessera's runtime and Transformer Engine pass
+  K/V blocks along a ring, each step hidden by the attention of the block before; PyTorch's ring attention, which
+  torchtitan runs, all-gathers each layer's K/V behind its first block only (its default ``ALL_GATHER`` rotation),
+  and torchtitan's 2024 Llama repeated them to every query head first (``TORCHTITAN_2024``, its published tables):
+  ``cost_models.sparse.cp_comm_s`` and the gathered sequence's memory.
 - **What selective recomputation re-runs** (``selective_policy``). Megatron recomputes the attention core
   (Korthikanti et al. 2022's selective recomputation; under a flash kernel, its forward). Tessera's runtime
   (``runtime.recompute``) keeps the outputs of every matmul (``aten.mm``, ``aten.addmm``) and of its collectives
@@ -161,6 +166,15 @@ class ImplementationProfile:
     the logits and its backward allocates one gradient of their size; without tensor parallelism) or ``megatron``
     (vocabulary-parallel: it saves an fp32 softmax and turns it into the gradient in place). See
     ``stage_views.with_loss_kernel`` and ``memory_state.loss_gradient_bytes``."""
+    cp_rotation: str = "ring"
+    """How context parallelism moves the keys and values (``CP_ROTATIONS``): ``ring`` (each step sends one K/V block
+    on while the attention of the one received runs: Tessera's ``runtime.context_parallel``, Transformer Engine's
+    ``cp_comm_type="p2p"``) or ``allgather`` (PyTorch's ring attention with its default ``ALL_GATHER`` rotation: every
+    layer all-gathers the whole sequence's K/V behind its first step only, again in the backward, where the fp32
+    dK/dV travel a ring one step per block: ``cost_models.sparse.cp_comm_s``)."""
+    cp_kv_repeated: bool = False
+    """The keys and values the context-parallel exchange carries are repeated to every query head (a model that
+    calls SDPA after its own ``repeat_kv`` under grouped-query attention): ``heads / kv_heads`` times the bytes."""
     selective_policy: str = "attention"
     """What ``recompute=selective`` re-runs: ``attention`` (the attention core), ``op`` (torchtitan's op-level
     policy: every second matmul of the block and its elementwise work; the attention core is kept) or ``matmuls``
@@ -172,6 +186,8 @@ class ImplementationProfile:
                               f"{', '.join(SELECTIVE_POLICIES)}")
         if self.cross_entropy not in CROSS_ENTROPY_KERNELS:
             raise ConfigError(f"cross_entropy={self.cross_entropy!r} is not one of {', '.join(CROSS_ENTROPY_KERNELS)}")
+        if self.cp_rotation not in CP_ROTATIONS:
+            raise ConfigError(f"cp_rotation={self.cp_rotation!r} is not one of {', '.join(CP_ROTATIONS)}")
 
     def gathers_fp8(self, training: TrainingConfig, strategy: Strategy) -> bool:
         """Whether ZeRO-3 all-gathers the blocks' parameters in FP8 for ``training`` under ``strategy``: where the
@@ -184,6 +200,8 @@ class ImplementationProfile:
 
 SELECTIVE_POLICIES = ("attention", "op", "matmuls")
 """What ``recompute=selective`` can mean (``ImplementationProfile.selective_policy``)."""
+CP_ROTATIONS = ("ring", "allgather")
+"""How context parallelism can move keys and values (``ImplementationProfile.cp_rotation``)."""
 
 
 DEEPSPEED_ZERO3_SLOWDOWN = 5.0
@@ -198,9 +216,15 @@ inputs saved; ZeRO-3 all-gathers the blocks' FP8 weights in FP8 at current scali
 otherwise); its eager casts allocate 9 bytes per element cast (``tests/distributed/test_float8.py`` measures it with
 ``benchmarks/memory_meter.AllocatorMeter``)."""
 TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False, autocast_copies=True,
-                                   selective_policy="op", refused_together=())
+                                   selective_policy="op", refused_together=(), cp_rotation="allgather")
 """torchtitan: FSDP2, torchao float8 (``enable_fsdp_float8_all_gather`` off by default), async TP on the
-forward only, op-level selective recomputation."""
+forward only, op-level selective recomputation. Context parallelism through PyTorch's ring attention at its default
+rotation, ``ALL_GATHER`` (``_ContextParallelOptions.rotate_method``, torch 2.6 to 2.13; torchtitan's
+``--experimental.context_parallel_rotate_method`` defaulted to ``allgather`` too, ``torchtitan/config_manager.py`` at
+eaea6f6a2fa9); its models pass grouped K/V to SDPA with ``enable_gqa`` (``models/common/attention.py``, 2026)."""
+TORCHTITAN_2024 = replace(TORCHTITAN, name="torchtitan-2024", cp_kv_repeated=True)
+"""torchtitan as its 2024 performance tables ran it: its Llama repeated K/V to every query head before SDPA
+(``models/llama/model.py``: ``repeat_kv``, at 1ea476e9f and eaea6f6a2fa9), so context parallelism moved them so."""
 PYTORCH_FSDP_TE = ImplementationProfile(name="fsdp-te", fp8_saves_inputs=True, weight_fp8_bytes=2.0,
                                         backward_prefetch="post", attention_kernels=("fa-triton",),
                                         cross_entropy="flash-attn", refused_together=())
@@ -233,7 +257,8 @@ DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEE
 """DeepSpeed ZeRO-3 as SC'21 measured it (Megatron-LM's model code: unfused attention), gathering parameter by
 parameter within its default limits."""
 
-PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, PYTORCH_FSDP_TE, MEGATRON, NEMO_2407, MEGATRON_2021, DEEPSPEED)}
+PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_2024, PYTORCH_FSDP_TE, MEGATRON, NEMO_2407, MEGATRON_2021,
+                                 DEEPSPEED)}
 """Every profile by name."""
 
 

@@ -52,7 +52,10 @@ attention core (selective or full) repeats the forward ring. Each step overlaps 
 pair already received: ``core_flops * b / (cp^2 * tp)`` FLOPs forward and 2.5x that backward (the flash
 backward, ``planner.kernels``); only ``max(0, t_step - t_attention_step)`` is exposed. Activations are divided
 by ``cp`` (``memory.activation_bytes``); the ring keeps four K/V-sized buffers (K/V received and being sent,
-and in backward their gradients).
+and in backward their gradients). That is the ring of Tessera's runtime and Transformer Engine; PyTorch's ring
+attention as torchtitan runs it all-gathers each layer's K/V instead, hidden by one block's attention only, and
+carries them repeated to every query head (``ImplementationProfile.cp_rotation``, ``cp_kv_repeated``;
+``_all_gathered_kv_s``).
 
 **Gradients and ZeRO.** Dense gradients are reduced over the ``dp * cp`` ranks holding the same weights, expert
 gradients over the ``edp * cp`` ranks holding the same experts (Megatron-Core's expert data-parallel group);
@@ -68,6 +71,7 @@ from typing import NamedTuple
 
 from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.partition import StageTotals
+from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster
@@ -181,11 +185,15 @@ def largest_gathered_params(stage: StageTotals, strategy: Strategy) -> float:
     return dense / strategy.tp + stage.largest_layer_expert_params / expert_shards(strategy)
 
 
-def ring_and_dispatch_buffer_bytes(stage: StageTotals, strategy: Strategy) -> float:
-    """Transient communication buffers of the cp ring and the ep all-to-all on one device."""
+def ring_and_dispatch_buffer_bytes(stage: StageTotals, strategy: Strategy,
+                                   profile: ImplementationProfile = TESSERA) -> float:
+    """Transient communication buffers of the cp exchange and the ep all-to-all on one device: the ring's four
+    K/V-sized buffers, or under an all-gather rotation the whole sequence's K/V gathered and the fp32 dK/dV
+    accumulated, sent and received (``_all_gathered_kv_s``)."""
     total = 0.0
     if strategy.cp > 1 and stage.attention_layers:
-        total += RING_BUFFERS * _kv_step_bytes(stage, strategy)
+        step = _kv_step_bytes(stage, strategy, repeated=profile.cp_kv_repeated)
+        total += (strategy.cp + 3 * 2) * step if profile.cp_rotation == "allgather" else RING_BUFFERS * step
     if strategy.ep > 1 and stage.moe_layers:
         total += DISPATCH_BUFFERS * _dispatch_bytes_per_layer(stage, strategy)
     return total
@@ -227,27 +235,51 @@ def _dispatch_bytes_per_layer(stage: StageTotals, strategy: Strategy) -> float:
 # ----------------------------------------------------------------------------------------------- context parallelism
 
 
-def cp_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy, *, flops_per_s: float) -> tuple[float, float]:
-    """``(total, exposed)`` K/V ring seconds of one micro-batch on one device of ``stage``; ``flops_per_s`` is
-    the rate the attention cores that hide it run at."""
+def cp_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy, *, flops_per_s: float,
+              profile: ImplementationProfile = TESSERA) -> tuple[float, float]:
+    """``(total, exposed)`` K/V exchange seconds of one micro-batch on one device of ``stage``, as ``profile`` moves
+    them (``cp_rotation``); ``flops_per_s`` is the rate the attention cores that hide it run at."""
     if strategy.cp == 1 or not stage.attention_layers:
         return 0.0, 0.0
-    layers, steps = stage.attention_layers, strategy.cp - 1
-    forward = p2p_time(cluster, _kv_step_bytes(stage, strategy), group_size=strategy.cp, stride=strategy.tp)
-    backward = p2p_time(cluster, 2 * _kv_step_bytes(stage, strategy), group_size=strategy.cp, stride=strategy.tp)
-    attention = stage.attention_core_flops / layers * strategy.micro_batch / (strategy.cp**2 * strategy.tp * flops_per_s)
+    layers, cp, tp = stage.attention_layers, strategy.cp, strategy.tp
+    step_bytes = _kv_step_bytes(stage, strategy, repeated=profile.cp_kv_repeated)
+    attention = stage.attention_core_flops / layers * strategy.micro_batch / (cp**2 * tp * flops_per_s)
     recomputed = stage.recompute_kv_bytes / stage.kv_bytes if stage.kv_bytes else 0.0
-    total = layers * steps * (forward * (1 + recomputed) + backward)
-    exposed = layers * steps * (
+    if profile.cp_rotation == "allgather":
+        return _all_gathered_kv_s(cluster, strategy, step_bytes, attention, recomputed, layers)
+    forward = p2p_time(cluster, step_bytes, group_size=cp, stride=tp)
+    backward = p2p_time(cluster, 2 * step_bytes, group_size=cp, stride=tp)
+    total = layers * (cp - 1) * (forward * (1 + recomputed) + backward)
+    exposed = layers * (cp - 1) * (
         max(0.0, forward - attention) * (1 + recomputed) + max(0.0, backward - FLASH_BACKWARD_RATIO * attention)
     )
     return total, exposed
 
 
-def _kv_step_bytes(stage: StageTotals, strategy: Strategy) -> float:
-    """K/V bytes one ring step sends from one device, for one attention layer."""
-    heads_split = min(strategy.tp, stage.kv_heads or strategy.tp)
-    return stage.kv_bytes / stage.attention_layers * strategy.micro_batch / (strategy.cp * heads_split)
+def _all_gathered_kv_s(cluster: Cluster, strategy: Strategy, step_bytes: float, attention: float, recomputed: float,
+                       layers: int) -> tuple[float, float]:
+    """PyTorch's ring attention under its ``ALL_GATHER`` rotation (``torch.distributed.tensor.experimental``
+    ``_context_parallel/_attention.py``): each forward all-gathers the layer's K/V from every cp rank, issued before
+    the first block's attention and waited for after it, so only that block hides it; the backward gathers them
+    again the same way and passes the fp32 dK/dV accumulators (twice the bf16 K/V's bytes) one step along a ring after
+    every block, each hidden by the next block's backward, the last one by nothing."""
+    cp, tp = strategy.cp, strategy.tp
+    gather = all_gather_time(cluster, cp * step_bytes, group_size=cp, stride=tp)
+    gradients = p2p_time(cluster, 2 * step_bytes, group_size=cp, stride=tp)
+    backward = FLASH_BACKWARD_RATIO * attention
+    total = layers * (gather * (2 + recomputed) + cp * gradients)
+    exposed = layers * (max(0.0, gather - attention) * (1 + recomputed) + max(0.0, gather - backward)
+                        + (cp - 1) * max(0.0, gradients - backward) + gradients)
+    return total, exposed
+
+
+def _kv_step_bytes(stage: StageTotals, strategy: Strategy, *, repeated: bool = False) -> float:
+    """K/V bytes of one rank's sequence shard, for one attention layer: what one ring step sends. Tensor parallelism
+    splits the kv heads (beyond ``kv_heads`` ranks they are replicated); K/V ``repeated`` to every query head split
+    as the query heads do."""
+    per_layer = (stage.kv_repeated_bytes if repeated else stage.kv_bytes) / stage.attention_layers
+    heads_split = strategy.tp if repeated else min(strategy.tp, stage.kv_heads or strategy.tp)
+    return per_layer * strategy.micro_batch / (strategy.cp * heads_split)
 
 
 # ----------------------------------------------------------------------------------------------- groups on two axes

@@ -271,7 +271,9 @@ def test_deepspeed_zero3_holds_its_live_parameters_and_buckets_not_whole_blocks(
     from tessera.cost_models.memory import backward_memory
     from tessera.cost_models.memory_state import loss_backward_released_bytes
     from tessera.cost_models.memory_transients import parameter_gathered_bytes, zero3_gathered_bytes
-    from tessera.cost_models.profiles import DEEPSPEED, ParameterGathering
+    from dataclasses import replace
+
+    from tessera.cost_models.profiles import DEEPSPEED, TESSERA, ParameterGathering
     training = TrainingConfig(global_batch=8, seq_len=16)  # bf16
     totals, s = _totals("dp=4,zero=3")
     released = loss_backward_released_bytes(totals, s)
@@ -281,7 +283,8 @@ def test_deepspeed_zero3_holds_its_live_parameters_and_buckets_not_whole_blocks(
     assert parameter_gathered_bytes(totals, training, s, large) == (5000 + 10 + 50) * 2 - released
     assert DEEPSPEED.zero3_by_parameter == ParameterGathering(1e9, 5e7, 5e8)  # its 2021 defaults
     by_unit = backward_memory(totals, training, s, micro_batches=1)["buffers"]
-    by_parameter = backward_memory(totals, training, s, micro_batches=1, by_parameter=small)["buffers"]
+    by_parameter = backward_memory(totals, training, s, micro_batches=1,
+                                   profile=replace(TESSERA, zero3_by_parameter=small))["buffers"]
     assert by_unit == zero3_gathered_bytes(totals, training, s)
     assert by_parameter == parameter_gathered_bytes(totals, training, s, small)
 

@@ -203,6 +203,35 @@ def test_ring_exchange_and_its_overlap_with_attention():
     assert cp_comm_s(stage_totals(long, 0, {}), c, s, flops_per_s=989e12 * 0.5)[1] == 0
 
 
+def test_pytorch_all_gather_rotation_of_repeated_kv_as_torchtitan_ran_it():
+    # torchtitan in 2024: K/V repeated to all 32 query heads (2 * OUT per sequence, OUT/2 per rank of cp=4) and
+    # all-gathered per layer into a 2 * OUT buffer, once forward and once backward, each hidden by one block's
+    # attention only; the fp32 dK/dV (2 * OUT/2 bytes) go one ring step after each of the 4 blocks, the last one
+    # hidden by nothing.
+    from tessera.cost_models.profiles import TORCHTITAN, TORCHTITAN_2024
+    from tessera.cost_models.sparse import ring_and_dispatch_buffer_bytes
+    s, c = Strategy(dp=2, cp=4), cluster(1)
+    gather, gradients = all_gather_time(c, 2 * OUT, group_size=4), OUT / NODE_BW
+    assert gather == pytest.approx(3 / 4 * 2 * OUT / NODE_BW)
+    short = stage_totals([dense_block(i, core_flops=1e3) for i in range(2)], 0, {})
+    total, exposed = cp_comm_s(short, c, s, flops_per_s=1e15, profile=TORCHTITAN_2024)
+    assert total == pytest.approx(2 * (2 * gather + 4 * gradients)) and exposed == pytest.approx(total)
+    long = stage_totals([dense_block(i, core_flops=1e14) for i in range(2)], 0, {})
+    assert cp_comm_s(long, c, s, flops_per_s=1e15, profile=TORCHTITAN_2024)[1] == pytest.approx(2 * gradients)
+    # Its buffers: the gathered sequence (4 blocks) and three fp32 dK/dV-sized ones; the ring's: four blocks of OUT/8.
+    assert ring_and_dispatch_buffer_bytes(short, s, TORCHTITAN_2024) == pytest.approx((4 + 6) * OUT / 2)
+    assert ring_and_dispatch_buffer_bytes(short, s) == pytest.approx(4 * OUT / 8)
+    # Today's torchtitan passes the 8 grouped K/V heads (enable_gqa): a quarter of the bytes, gathered the same way.
+    grouped = cp_comm_s(short, c, s, flops_per_s=1e15, profile=TORCHTITAN)[0]
+    assert grouped == pytest.approx(total / 4)
+
+
+def test_an_unknown_cp_rotation_is_refused_by_name():
+    from tessera.cost_models.profiles import ImplementationProfile
+    with pytest.raises(ConfigError, match="cp_rotation='alltoall' is not one of ring, allgather"):
+        ImplementationProfile(name="x", cp_rotation="alltoall")
+
+
 def test_recomputed_attention_reruns_the_forward_ring():
     layers = [dense_block(i) for i in range(2)]
     s, c = Strategy(dp=2, cp=4), cluster(1)
