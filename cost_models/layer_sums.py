@@ -131,6 +131,7 @@ def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Rec
         "kv_bytes": sum(kv.values()),
         "kv_repeated_bytes": sum(2 * layer.output_bytes for layer in attention),
         "recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn, "none") in ("selective", "full")),
+        "full_recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn) == "full"),
         "attention_core_flops": sum(layer.selective_recompute_flops for layer in attention),
         "kv_heads": min(layer.kv_heads or layer.attention_heads for layer in attention),
     }

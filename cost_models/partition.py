@@ -58,6 +58,7 @@ class StageTotals:
     kv_bytes: float = 0.0  # keys + values per sequence, summed over attention layers (what the cp ring moves)
     kv_repeated_bytes: float = 0.0  # the same with every query head's K/V (what a ring of repeated K/V moves)
     recompute_kv_bytes: float = 0.0  # the part of kv_bytes whose attention core is recomputed (selective or full)
+    full_recompute_kv_bytes: float = 0.0  # the part of it in fully recomputed blocks
     attention_core_flops: float = 0.0  # forward FLOPs of the attention cores per sequence (hides the ring)
     kv_heads: int = 0  # fewest key/value heads of the stage's attention layers (tp beyond it replicates K/V)
     # What the runtime holds around the loss and outside the blocks (``cost_models.memory``).

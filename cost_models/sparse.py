@@ -51,8 +51,8 @@ replicated); the backward passes K/V again with their gradients (``2 N_kv`` per 
 attention core (selective or full) repeats the forward ring. Each step overlaps the attention of the chunk
 pair already received: ``core_flops * b / (cp^2 * tp)`` FLOPs forward and 2.5x that backward (the flash
 backward, ``planner.kernels``); only ``max(0, t_step - t_attention_step)`` is exposed. Activations are divided
-by ``cp`` (``memory.activation_bytes``); the ring keeps four K/V-sized buffers (K/V received and being sent,
-and in backward their gradients). That is the ring of Tessera's runtime and Transformer Engine; PyTorch's ring
+by ``cp`` (``memory.activation_bytes``); the backward holds the K/V blocks sent and received, their fp32 gradient
+accumulators sent and received, and an fp32 query-gradient accumulator (``ring_and_dispatch_buffer_bytes``). That is the ring of Tessera's runtime and Transformer Engine; PyTorch's ring
 attention as torchtitan runs it all-gathers each layer's K/V instead, hidden by one block's attention only, and
 carries them repeated to every query head (``ImplementationProfile.cp_rotation``, ``cp_kv_repeated``;
 ``_all_gathered_kv_s``).
@@ -83,7 +83,7 @@ Axes = tuple[tuple[int, int], ...]
 """A group spanning mesh axes: ``(size, stride)`` per axis, innermost first; size-1 axes left out."""
 
 FLASH_BACKWARD_RATIO = 2.5  # flash-attention backward FLOPs / forward (planner.kernels: recomputed scores)
-RING_BUFFERS = 4  # K/V received + K/V being sent; in backward also dK/dV in flight (two more of the same size)
+FP32_RATIO = 2  # an fp32 accumulator over the bf16 activations it accumulates (on the safe side for fp32 runs)
 DISPATCH_BUFFERS = 2  # an all-to-all's send and receive buffers, one layer at a time
 
 
@@ -187,13 +187,17 @@ def largest_gathered_params(stage: StageTotals, strategy: Strategy) -> float:
 
 def ring_and_dispatch_buffer_bytes(stage: StageTotals, strategy: Strategy,
                                    profile: ImplementationProfile = TESSERA) -> float:
-    """Transient communication buffers of the cp exchange and the ep all-to-all on one device: the ring's four
-    K/V-sized buffers, or under an all-gather rotation the whole sequence's K/V gathered and the fp32 dK/dV
-    accumulated, sent and received (``_all_gathered_kv_s``)."""
+    """Transient communication buffers of the cp exchange and the ep all-to-all on one device. The cp exchange's, at
+    the backward: the K/V blocks sent and received and the fp32 dK/dV accumulators sent and received (under an
+    all-gather rotation, the whole sequence's K/V gathered instead, and the dK/dV accumulated, sent and received),
+    and the fp32 dQ accumulator (``_all_gathered_kv_s``; ``runtime.context_parallel.RingAttention``)."""
     total = 0.0
     if strategy.cp > 1 and stage.attention_layers:
         step = _kv_step_bytes(stage, strategy, repeated=profile.cp_kv_repeated)
-        total += (strategy.cp + 3 * 2) * step if profile.cp_rotation == "allgather" else RING_BUFFERS * step
+        queries = _kv_step_bytes(stage, strategy, repeated=True) / 2  # one layer's query shard: K or V per query head
+        exchanged = strategy.cp * step + 3 * FP32_RATIO * step if profile.cp_rotation == "allgather" else (
+            2 * step + 2 * FP32_RATIO * step)
+        total += exchanged + FP32_RATIO * queries
     if strategy.ep > 1 and stage.moe_layers:
         total += DISPATCH_BUFFERS * _dispatch_bytes_per_layer(stage, strategy)
     return total
@@ -244,7 +248,9 @@ def cp_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy, *, flops
     layers, cp, tp = stage.attention_layers, strategy.cp, strategy.tp
     step_bytes = _kv_step_bytes(stage, strategy, repeated=profile.cp_kv_repeated)
     attention = stage.attention_core_flops / layers * strategy.micro_batch / (cp**2 * tp * flops_per_s)
-    recomputed = stage.recompute_kv_bytes / stage.kv_bytes if stage.kv_bytes else 0.0
+    # torchtitan's op-level selective policy keeps the attention cores' outputs: only its full blocks re-run the exchange
+    rerun = stage.full_recompute_kv_bytes if profile.selective_policy == "op" else stage.recompute_kv_bytes
+    recomputed = rerun / stage.kv_bytes if stage.kv_bytes else 0.0
     if profile.cp_rotation == "allgather":
         return _all_gathered_kv_s(cluster, strategy, step_bytes, attention, recomputed, layers)
     forward = p2p_time(cluster, step_bytes, group_size=cp, stride=tp)

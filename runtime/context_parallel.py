@@ -7,8 +7,11 @@ their backwards, in the dispatch table of its ``_context_parallel/_attention.py`
 ranks: "Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
 registered"). So the runtime brings a ring attention of its own (Liu et al. 2023, "Ring Attention with
 Blockwise Transformers", arXiv:2310.01889), with an explicit forward and backward (:class:`RingAttention`),
-over point-to-point ``isend``/``irecv`` (gloo supports them). On CUDA the same code runs (NCCL); switching
-to PyTorch's kernels there is future work.
+over point-to-point ``isend``/``irecv`` (gloo supports them; NCCL on CUDA). Each block runs the device's fused
+flash kernel, the one SDPA itself calls (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward on
+CPU, ``aten._scaled_dot_product_flash_attention`` on CUDA): no ``(tq, tk)`` score block is materialised, as the cost
+model assumes (``cost_models.sparse``: attention at the flash kernel's rate, no score memory). The CUDA kernels are
+checked by ``tests/gpu/test_ring_attention_cuda.py`` where a GPU is lent; no GPU has run them yet.
 
 **Sequence layout: zig-zag.** A sequence of ``T`` tokens is cut into ``2 * cp`` chunks; cp rank ``i`` holds
 chunks ``i`` and ``2cp - 1 - i`` (:func:`zigzag_positions`), as Megatron-LM / Transformer Engine and Llama 3
@@ -33,10 +36,11 @@ module. Local query heads under tensor parallelism are fine: the ring runs per l
 **The ring** (per attention call, ``cp`` steps). Forward: at step ``s`` a rank holds the keys/values of rank
 ``i - s`` and, while it computes against them, already sends them on to ``i + 1`` and receives the next ones
 (communication overlaps compute). Each (query chunk, key chunk) pair is skipped when the mask hides it,
-computed without mask when it is fully visible, and masked on the diagonal. Blocks are merged with their
-log-sum-exp, as flash attention does. Backward: the key/value blocks travel the same ring again with their
-gradient accumulators; each rank adds its queries' contribution; after ``cp`` shifts every accumulator is
-back at its owner. Memory: one block of keys/values in flight, never the whole sequence's.
+computed without mask when it is fully visible, and under the causal mask on the diagonal (the chunks are equal,
+so a pair is one or the other). Block outputs are merged in fp32 with their log-sum-exp, as flash attention
+merges its tiles. Backward: the key/value blocks travel the same ring again with their fp32 gradient accumulators;
+each block's flash backward takes the whole attention's output and log-sum-exp; after ``cp`` shifts every
+accumulator is back at its owner. Memory: one block of keys/values in flight, never the whole sequence's.
 
 Expert parallelism composes (``runtime.expert_parallel``). Not implemented (``NotModelledError`` from
 :func:`check_context_parallel`): pipeline parallelism, sequence parallelism and ``torch.compile`` with ``cp > 1``;
@@ -107,22 +111,40 @@ def _wait(requests: list) -> None:
 
 
 def _chunk_pairs(pos_q: torch.Tensor, pos_k: torch.Tensor):
-    """(query slice, key slice, mask) for each pair of zig-zag chunks the causal mask does not hide entirely;
-    the mask is ``None`` when the pair is fully visible, else ``(tq, tk)`` bool (True = attend)."""
+    """(query slice, key slice, causal) for each pair of zig-zag chunks the causal mask does not hide entirely: the
+    chunks are equal, so a pair is either fully visible (``causal`` False) or one chunk with itself (True)."""
     half_q, half_k = pos_q.numel() // 2, pos_k.numel() // 2
     for q_slice in (slice(0, half_q), slice(half_q, None)):
         for k_slice in (slice(0, half_k), slice(half_k, None)):
             q_pos, k_pos = pos_q[q_slice], pos_k[k_slice]
             if q_pos.max() < k_pos.min():
                 continue  # every key lies in the future of every query
-            mask = None if q_pos.min() >= k_pos.max() else q_pos[:, None] >= k_pos[None, :]
-            yield q_slice, k_slice, mask
+            yield q_slice, k_slice, bool(q_pos.min() < k_pos.max())
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Masked attention logits ``(B, nh, tq, tk)`` in fp32."""
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
-    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+CPU = torch.device("cpu")
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+"""What CUDA's flash kernel takes (CPU's takes fp32 too)."""
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """One block's fused attention: ``(out, lse, aux)``, ``aux`` what its backward needs back (CUDA's flash kernel
+    returns it; the CPU kernel needs none)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse, ()
+    out, lse, *aux, _ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return out, lse, tuple(aux)  # cum_seq_q, cum_seq_k, max_q, max_k, philox seed and offset
+
+
+def _block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, aux: tuple):
+    """dQ, dK, dV of one block from the whole attention's output and log-sum-exp (the flash backward)."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
 
 
 def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
@@ -146,41 +168,44 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, ring: _Ring, scale: float):
         # q (B, nh, t, hd); k, v (B, nkv, t, hd): this rank's zig-zag tokens
         groups = q.shape[1] // k.shape[1]
-        pos_q = ring.positions(ring.rank, q.device)
+        pos_q = ring.positions(ring.rank, CPU)  # only decides which blocks run: no device sync per decision
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, nh, t, hd)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)  # (B, nh, t)
-        kv = torch.stack([k, v])  # (2, B, nkv, t, hd)
+        kv, blocks = torch.stack([k, v]), []  # (2, B, nkv, t, hd)
         for step in range(ring.size):
             following, requests = ring.start_shift(kv) if step < ring.size - 1 else (kv, [])
-            pos_k = ring.positions((ring.rank - step) % ring.size, q.device)
-            for qs, ks, mask in _chunk_pairs(pos_q, pos_k):
+            pos_k = ring.positions((ring.rank - step) % ring.size, CPU)
+            for qs, ks, causal in _chunk_pairs(pos_q, pos_k):
                 keys, values = _expand(kv[0][:, :, ks], groups), _expand(kv[1][:, :, ks], groups)
-                _merge_block(out[:, :, qs], lse[:, :, qs], _scores(q[:, :, qs], keys, mask, scale), values)
+                block_out, block_lse, aux = _block_forward(q[:, :, qs], keys, values, causal, scale)
+                _merge_block(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+                blocks.append(aux)
             _wait(requests)
             kv = following
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale = ring, scale
-        return out.to(q.dtype)
+        ctx.ring, ctx.scale, ctx.blocks = ring, scale, blocks
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, scale, groups = ctx.ring, ctx.scale, q.shape[1] // k.shape[1]
-        grad_out = grad_out.float()
-        delta = (grad_out * out).sum(-1)  # (B, nh, t): rowsum(dO * O) of the flash-attention backward
-        pos_q = ring.positions(ring.rank, q.device)
-        dq = torch.zeros_like(out)  # (B, nh, t, hd) fp32
+        ring, scale, groups, blocks = ctx.ring, ctx.scale, q.shape[1] // k.shape[1], iter(ctx.blocks)
+        grad_out = grad_out.contiguous()
+        pos_q = ring.positions(ring.rank, CPU)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, nh, t, hd)
         kv, dkv = torch.stack([k, v]), torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
         for step in range(ring.size):
             following, requests = ring.start_shift(kv) if step < ring.size - 1 else (kv, [])
-            pos_k = ring.positions((ring.rank - step) % ring.size, q.device)
-            for qs, ks, mask in _chunk_pairs(pos_q, pos_k):
+            pos_k = ring.positions((ring.rank - step) % ring.size, CPU)
+            for qs, ks, causal in _chunk_pairs(pos_q, pos_k):
                 keys, values = _expand(kv[0][:, :, ks], groups), _expand(kv[1][:, :, ks], groups)
-                grad_q, grad_k, grad_v = _block_grads(q[:, :, qs], keys, values, grad_out[:, :, qs], lse[:, :, qs],
-                                                      delta[:, :, qs], mask, scale)
+                grad_q, grad_k, grad_v = _block_backward(
+                    grad_out[:, :, qs], q[:, :, qs], keys, values, out[:, :, qs], lse[:, :, qs].contiguous(), causal,
+                    scale, next(blocks))
                 dq[:, :, qs] += grad_q
-                dkv[0][:, :, ks] += _fold(grad_k, groups)
-                dkv[1][:, :, ks] += _fold(grad_v, groups)
+                dkv[0][:, :, ks] += _fold(grad_k.float(), groups)
+                dkv[1][:, :, ks] += _fold(grad_v.float(), groups)
             dkv, grad_requests = ring.start_shift(dkv)  # the accumulator follows its block to the next rank
             _wait(requests + grad_requests)
             kv = following
@@ -188,23 +213,12 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def _merge_block(out: torch.Tensor, lse: torch.Tensor, scores: torch.Tensor, values: torch.Tensor) -> None:
-    """Fold one block of logits ``(B, nh, tq, tk)`` into the running output and log-sum-exp (views, in place)."""
-    new_lse = torch.logaddexp(lse, scores.logsumexp(-1))  # (B, nh, tq)
-    keep = torch.exp(lse - new_lse).nan_to_num(0.0)  # a row still fully masked gives -inf - -inf
-    weights = torch.exp(scores - new_lse.unsqueeze(-1)).nan_to_num(0.0)  # (B, nh, tq, tk)
-    out.copy_(out * keep.unsqueeze(-1) + weights @ values.float())
+def _merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one block's output and log-sum-exp into the running fp32 output and log-sum-exp (views, in place); the
+    block sees at least one key in every row, so its log-sum-exp is finite."""
+    new_lse = torch.logaddexp(lse, block_lse)  # (B, nh, tq)
+    out.copy_(out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1))
     lse.copy_(new_lse)
-
-
-def _block_grads(q, keys, values, grad_out, lse, delta, mask, scale: float):
-    """dQ, dK, dV of one block (the flash-attention backward, Dao 2023): probabilities from the final log-sum-exp."""
-    probs = torch.exp(_scores(q, keys, mask, scale) - lse.unsqueeze(-1))  # (B, nh, tq, tk)
-    grad_values = probs.transpose(-1, -2) @ grad_out  # (B, nh, tk, hd)
-    grad_scores = probs * (grad_out @ values.float().transpose(-1, -2) - delta.unsqueeze(-1))  # (B, nh, tq, tk)
-    grad_q = grad_scores @ keys.float() * scale  # (B, nh, tq, hd)
-    grad_keys = grad_scores.transpose(-1, -2) @ q.float() * scale  # (B, nh, tk, hd)
-    return grad_q, grad_keys, grad_values
 
 
 def ring_attention(
@@ -213,6 +227,9 @@ def ring_attention(
     """Causal attention ``(B, nh, t, hd)`` of this rank's zig-zag queries over the whole sequence (GQA allowed)."""
     if q.shape[1] % k.shape[1]:
         raise NotModelledError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    if q.device.type != "cpu" and q.dtype not in FLASH_DTYPES:
+        raise NotModelledError(f"context parallelism on {q.device.type} runs the flash attention kernel, which takes "
+                               f"bf16 or fp16; this attention runs in {q.dtype}: train with precision bf16, or cp=1")
     return RingAttention.apply(q, k, v, ring, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
 
 
@@ -228,6 +245,9 @@ class RingAttentionMode(TorchFunctionMode):
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         q, k, v = args[:3]
+        if torch.is_autocast_enabled(q.device.type):  # SDPA runs in autocast's dtype; so does the ring
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = (tensor.to(dtype) for tensor in (q, k, v))
         options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]), **kwargs)
         if options.get("attn_mask") is not None or options.get("dropout_p", 0.0) or not options.get("is_causal"):
             raise NotModelledError(

@@ -218,12 +218,24 @@ def test_pytorch_all_gather_rotation_of_repeated_kv_as_torchtitan_ran_it():
     assert total == pytest.approx(2 * (2 * gather + 4 * gradients)) and exposed == pytest.approx(total)
     long = stage_totals([dense_block(i, core_flops=1e14) for i in range(2)], 0, {})
     assert cp_comm_s(long, c, s, flops_per_s=1e15, profile=TORCHTITAN_2024)[1] == pytest.approx(2 * gradients)
-    # Its buffers: the gathered sequence (4 blocks) and three fp32 dK/dV-sized ones; the ring's: four blocks of OUT/8.
-    assert ring_and_dispatch_buffer_bytes(short, s, TORCHTITAN_2024) == pytest.approx((4 + 6) * OUT / 2)
-    assert ring_and_dispatch_buffer_bytes(short, s) == pytest.approx(4 * OUT / 8)
+    # Its buffers: the gathered sequence (4 blocks of OUT/2), three fp32 dK/dV-sized ones and the fp32 dQ (a query
+    # shard, OUT/4, in fp32); the ring's: K/V blocks of OUT/8 sent and received, their fp32 gradients, the fp32 dQ.
+    assert ring_and_dispatch_buffer_bytes(short, s, TORCHTITAN_2024) == pytest.approx((4 + 3 * 2) * OUT / 2 + 2 * OUT / 4)
+    assert ring_and_dispatch_buffer_bytes(short, s) == pytest.approx((2 + 2 * 2) * OUT / 8 + 2 * OUT / 4)
     # Today's torchtitan passes the 8 grouped K/V heads (enable_gqa): a quarter of the bytes, gathered the same way.
     grouped = cp_comm_s(short, c, s, flops_per_s=1e15, profile=TORCHTITAN)[0]
     assert grouped == pytest.approx(total / 4)
+
+
+def test_torchtitans_selective_blocks_keep_the_attention_and_do_not_gather_again():
+    from tessera.cost_models.profiles import TORCHTITAN
+    layers, s, c = [dense_block(i) for i in range(2)], Strategy(dp=2, cp=4), cluster(1)
+    def total(policy):
+        return cp_comm_s(stage_totals(layers, 0, {b.fqn: policy for b in layers}), c, s, flops_per_s=1e15,
+                         profile=TORCHTITAN)[0]
+    gather = all_gather_time(c, 4 * OUT / 8, group_size=4)  # grouped K/V: OUT/8 per rank, gathered from 4
+    assert total("selective") == pytest.approx(total("none"))  # op-level: the SDPA output is kept
+    assert total("full") - total("none") == pytest.approx(2 * gather)
 
 
 def test_an_unknown_cp_rotation_is_refused_by_name():
