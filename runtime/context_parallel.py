@@ -10,8 +10,9 @@ Blockwise Transformers", arXiv:2310.01889), with an explicit forward and backwar
 over point-to-point ``isend``/``irecv`` (gloo supports them; NCCL on CUDA). Each block runs the device's fused
 flash kernel, the one SDPA itself calls (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward on
 CPU, ``aten._scaled_dot_product_flash_attention`` on CUDA): no ``(tq, tk)`` score block is materialised, as the cost
-model assumes (``cost_models.sparse``: attention at the flash kernel's rate, no score memory). The CUDA kernels are
-checked by ``tests/gpu/test_ring_attention_cuda.py`` where a GPU is lent; no GPU has run them yet.
+model assumes (``cost_models.sparse``: attention at the flash kernel's rate, no score memory); grouped-query K/V
+go to it as they are (both kernels take key/value heads that divide the query heads). The CUDA kernels are checked
+by ``tests/gpu/test_ring_attention_cuda.py`` where a GPU is lent; no GPU has run them yet.
 
 **Sequence layout: zig-zag.** A sequence of ``T`` tokens is cut into ``2 * cp`` chunks; cp rank ``i`` holds
 chunks ``i`` and ``2cp - 1 - i`` (:func:`zigzag_positions`), as Megatron-LM / Transformer Engine and Llama 3
@@ -147,27 +148,12 @@ def _block_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, aux
         grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
 
 
-def _expand(kv: torch.Tensor, groups: int) -> torch.Tensor:
-    """Key/value heads repeated for grouped-query attention as SDPA's ``enable_gqa`` does:
-    (B, nkv, t, hd) -> (B, nh, t, hd)."""
-    return kv.repeat_interleave(groups, dim=1) if groups > 1 else kv
-
-
-def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """Sum the gradient of repeated key/value heads onto each head: (B, nh, t, hd) -> (B, nkv, t, hd)."""
-    if groups == 1:
-        return grad
-    B, nh, t, hd = grad.shape
-    return grad.view(B, nh // groups, groups, t, hd).sum(2)
-
-
 class RingAttention(torch.autograd.Function):
     """Causal attention of local queries over the whole sequence's keys/values, circulated over the cp ring."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring, scale: float):
         # q (B, nh, t, hd); k, v (B, nkv, t, hd): this rank's zig-zag tokens
-        groups = q.shape[1] // k.shape[1]
         pos_q = ring.positions(ring.rank, CPU)  # only decides which blocks run: no device sync per decision
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, nh, t, hd)
         lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)  # (B, nh, t)
@@ -176,8 +162,7 @@ class RingAttention(torch.autograd.Function):
             following, requests = ring.start_shift(kv) if step < ring.size - 1 else (kv, [])
             pos_k = ring.positions((ring.rank - step) % ring.size, CPU)
             for qs, ks, causal in _chunk_pairs(pos_q, pos_k):
-                keys, values = _expand(kv[0][:, :, ks], groups), _expand(kv[1][:, :, ks], groups)
-                block_out, block_lse, aux = _block_forward(q[:, :, qs], keys, values, causal, scale)
+                block_out, block_lse, aux = _block_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal, scale)
                 _merge_block(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
                 blocks.append(aux)
             _wait(requests)
@@ -190,7 +175,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, scale, groups, blocks = ctx.ring, ctx.scale, q.shape[1] // k.shape[1], iter(ctx.blocks)
+        ring, scale, blocks = ctx.ring, ctx.scale, iter(ctx.blocks)
         grad_out = grad_out.contiguous()
         pos_q = ring.positions(ring.rank, CPU)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, nh, t, hd)
@@ -199,13 +184,12 @@ class RingAttention(torch.autograd.Function):
             following, requests = ring.start_shift(kv) if step < ring.size - 1 else (kv, [])
             pos_k = ring.positions((ring.rank - step) % ring.size, CPU)
             for qs, ks, causal in _chunk_pairs(pos_q, pos_k):
-                keys, values = _expand(kv[0][:, :, ks], groups), _expand(kv[1][:, :, ks], groups)
                 grad_q, grad_k, grad_v = _block_backward(
-                    grad_out[:, :, qs], q[:, :, qs], keys, values, out[:, :, qs], lse[:, :, qs].contiguous(), causal,
-                    scale, next(blocks))
+                    grad_out[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs],
+                    lse[:, :, qs].contiguous(), causal, scale, next(blocks))
                 dq[:, :, qs] += grad_q
-                dkv[0][:, :, ks] += _fold(grad_k.float(), groups)
-                dkv[1][:, :, ks] += _fold(grad_v.float(), groups)
+                dkv[0][:, :, ks] += grad_k
+                dkv[1][:, :, ks] += grad_v
             dkv, grad_requests = ring.start_shift(dkv)  # the accumulator follows its block to the next rank
             _wait(requests + grad_requests)
             kv = following
