@@ -224,7 +224,7 @@ def arithmetic_s(
     ``op_selective_recompute_flops`` at the linears' rate instead (``profiles.selective_policy``).
     """
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
-    attention_rate = _attention_rate(device, training, rate, calibration=calibration, kernels=kernels,
+    attention_rate = attention_core_rate(device, training, rate, calibration=calibration, kernels=kernels,
                                      seq_len=seq_len or training.seq_len)
     core = min(stage.attention_core_flops, stage.forward_flops)
     linear_rate, head_forward, head_backward = rate, 0.0, 0.0
@@ -244,12 +244,13 @@ def arithmetic_s(
     return forward, backward, recompute
 
 
-def _attention_rate(
+def attention_core_rate(
     device: DeviceSpec, training: TrainingConfig, rate: float,
     *, calibration: Calibration, kernels: tuple[str, ...], seq_len: float,
 ) -> float:
-    """FLOP/s of the attention cores: ``attention_efficiency`` of the peak of their dtype (bf16 under FP8), else
-    the matmul ``rate`` (no kernel figure and no calibrated fallback)."""
+    """FLOP/s at which the attention cores get through their measured FLOPs (the whole ``s x s`` of each call):
+    ``attention_efficiency`` of the peak of their dtype (bf16 under FP8), else the matmul ``rate`` (no kernel
+    figure and no calibrated fallback)."""
     precision = bf16_or(training.precision)
     efficiency = attention_efficiency(device, precision, kernels=kernels, seq_len=seq_len, calibration=calibration)
     return device.peak_flops(precision) * efficiency if efficiency else rate
@@ -299,7 +300,7 @@ def compute_lower_bound_s(
     kernels = _fastest_attention(device, training, rate, seq_len=seq_len, calibration=calibration)
     forward, backward, _ = stage_compute_s(model, device, training, strategy, calibration=calibration,
                                            profile=_tessera_with(kernels))
-    attention = _attention_rate(device, training, rate, calibration=calibration, kernels=kernels, seq_len=seq_len)
+    attention = attention_core_rate(device, training, rate, calibration=calibration, kernels=kernels, seq_len=seq_len)
     fastest = max(rate, attention,
                   device.peak_flops("fp8") * device_calibration(device, calibration).fp8_at(width)
                   if training.precision == "fp8" else 0.0)
@@ -324,7 +325,7 @@ def _fastest_attention(
     published = [(flops, (kernel,)) for kernel in ATTENTION_KERNELS
                  if (flops := published_attention_flops(device.name, precision, (kernel,), seq_len))]
     fastest, kernels = max(published, default=(0.0, ()))
-    fallback = _attention_rate(device, training, rate, calibration=calibration, kernels=(), seq_len=seq_len)
+    fallback = attention_core_rate(device, training, rate, calibration=calibration, kernels=(), seq_len=seq_len)
     return kernels if fastest > fallback else ()
 
 

@@ -18,8 +18,8 @@ from tessera.cost_models.communication import (
     dp_comm_s, exposed_dp_comm_s, pp_comm_s, sharded_comm_slowdown, tp_comm_s,
 )
 from tessera.cost_models.compute import (
-    GPU_CALIBRATION, Calibration, achievable_flops, bf16_or, compute_lower_bound_s, device_calibration, optimizer_step_s, recomputed_flops,
-    stage_compute_s,
+    GPU_CALIBRATION, Calibration, achievable_flops, attention_core_rate, bf16_or, compute_lower_bound_s,
+    device_calibration, optimizer_step_s, recomputed_flops, stage_compute_s,
 )
 from tessera.cost_models.memory import as_run, loss_as_run, stage_memory
 from tessera.cost_models.memory_state import local_params
@@ -298,8 +298,10 @@ def stage_time(
     if strategy.ep == 1 and strategy.cp == 1:
         return time
     rate = achievable_flops(cluster.device, bf16_or(training.precision), width=stage.hidden_size / strategy.tp,
-                            calibration=calibration)  # attention cores hide the ring: bf16 under FP8 too
-    cp_total, cp_exposed = cp_comm_s(stage, cluster, strategy, flops_per_s=rate, profile=profile)
+                            calibration=calibration)
+    attention = attention_core_rate(cluster.device, training, rate, calibration=calibration,  # what hides the ring
+                                    kernels=profile.attention_kernels, seq_len=training.seq_len / strategy.cp)
+    cp_total, cp_exposed = cp_comm_s(stage, cluster, strategy, flops_per_s=attention, profile=profile)
     return replace(time, ep_comm=ep_comm_s(stage, cluster, strategy), cp_comm=cp_exposed, cp_comm_total=cp_total)
 
 
