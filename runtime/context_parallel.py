@@ -201,7 +201,8 @@ def _merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, 
     """Fold one block's output and log-sum-exp into the running fp32 output and log-sum-exp (views, in place); the
     block sees at least one key in every row, so its log-sum-exp is finite."""
     new_lse = torch.logaddexp(lse, block_lse)  # (B, nh, tq)
-    out.copy_(out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    keep, take = torch.exp(lse - new_lse).unsqueeze(-1), torch.exp(block_lse - new_lse).unsqueeze(-1)
+    out.copy_(out * keep + block_out.float() * take)
     lse.copy_(new_lse)
 
 
