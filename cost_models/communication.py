@@ -75,13 +75,20 @@ def _latency_s(cluster: Cluster, *, group_size: int) -> float:
     return 2 * one - two
 
 
-def pp_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float:
-    """Point-to-point seconds per micro-batch: activations forward, gradients backward, per chunk."""
+def pp_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy, *,
+              profile: ImplementationProfile = TESSERA) -> float:
+    """Point-to-point seconds per micro-batch: activations forward, gradients backward, per chunk; under the
+    profile's ``pp_scatter_gather`` (tensor parallelism without sequence parallelism) each rank sends its ``1/tp``
+    share and the receiver all-gathers the whole over its tensor-parallel group."""
     if strategy.pp == 1:
         return 0.0
     nbytes = stage.boundary_bytes * strategy.micro_batch / strategy.cp / (strategy.tp if strategy.sp else 1)
+    scattered = profile.pp_scatter_gather and strategy.tp > 1 and not strategy.sp
+    sent = nbytes / strategy.tp if scattered else nbytes
+    gather = all_gather_time(cluster, nbytes, group_size=strategy.tp) if scattered else 0.0
     # Pipeline neighbours are tp*cp*ep ranks apart (Strategy's layout: ep sits inside pp; folded experts: no ep axis).
-    return 2 * strategy.virtual_stages * p2p_time(cluster, nbytes, distance=strategy.tp * strategy.cp * strategy.layout_ep)
+    send = p2p_time(cluster, sent, distance=strategy.tp * strategy.cp * strategy.layout_ep)
+    return 2 * strategy.virtual_stages * (send + gather)
 
 
 def sharded_comm_slowdown(device: DeviceSpec, strategy: Strategy, *, profile: ImplementationProfile = TESSERA) -> float:

@@ -254,6 +254,7 @@ def _distinct_stage_costs(
     overlap."""
     slowdown = sharded_comm_slowdown(cluster.device, strategy, profile=profile)
     overlap = cluster.device.solo_speedup == 1.0  # ranks sharing cores communicate with their compute's cores
+    overlap = overlap and (profile.dp_overlap or strategy.zero == 3)
     costs = []
     for stage in stages:
         t = stage_time(stage, cluster, training, strategy, calibration=calibration, profile=profile)
@@ -294,7 +295,7 @@ def stage_time(
     offload = exposed_offload_s(stage, cluster.device, strategy, forward_s=forward, backward_s=backward)
     boundary = as_run(stage, training, strategy, profile)  # what it sends on: fp32 under autocast
     time = StageTime(forward, backward, recompute, tp_comm_s(stage, cluster, training, strategy, profile=profile),
-                     pp_comm_s(boundary, cluster, strategy), offload=offload)
+                     pp_comm_s(boundary, cluster, strategy, profile=profile), offload=offload)
     if strategy.ep == 1 and strategy.cp == 1:
         return time
     rate = achievable_flops(cluster.device, bf16_or(training.precision), width=stage.hidden_size / strategy.tp,

@@ -175,6 +175,17 @@ class ImplementationProfile:
     cp_kv_repeated: bool = False
     """The keys and values the context-parallel exchange carries are repeated to every query head (a model that
     calls SDPA after its own ``repeat_kv`` under grouped-query attention): ``heads / kv_heads`` times the bytes."""
+    dp_overlap: bool = True
+    """Gradient reduction without ZeRO-3 (DDP's all-reduce, ZeRO-1/2's reduce-scatter) overlaps the backward; False
+    where the framework reduces every gradient after the step's last backward: Megatron-LM's default ``local`` DDP
+    before Megatron-Core's ``--overlap-grad-reduce`` (``megatron/training.py`` ``train_step`` of 2021-2022 calls
+    ``allreduce_gradients`` once ``forward_backward_func`` has returned)."""
+    pp_scatter_gather: bool = False
+    """Without sequence parallelism, each tensor-parallel rank sends only its ``1/tp`` share of a pipeline stage's
+    boundary activation (all ``tp`` ranks hold the same tensor) and the receiving stage all-gathers the shares over its
+    tensor-parallel group: Megatron-LM's scatter/gather optimisation (Narayanan et al., SC'21, Sec. 4.1;
+    ``--no-scatter-gather-tensors-in-pipeline`` turns it off, so it is on by default in ``megatron/arguments.py``
+    of 2021-2022 and ``megatron/p2p_communication.py`` applies it whenever sequence parallelism is off)."""
     selective_policy: str = "attention"
     """What ``recompute=selective`` re-runs: ``attention`` (the attention core), ``op`` (torchtitan's op-level
     policy: every second matmul of the block and its elementwise work; the attention core is kept) or ``matmuls``
@@ -246,8 +257,11 @@ NEMO_2407 = replace(MEGATRON, name="nemo-24.07", gradient_bytes=2)
 Llama H100 example script of NVIDIA/NeMo-Framework-Launcher at tag 24.07 (examples/training/{gpt,llama}/h100/*.sh, bf16
 and fp8) passes ``+training.model.optim.grad_sync_dtype=bf16``, and so does its GPT-3 175B FP8 config
 (launcher_scripts/conf/training/gpt3/175b_fp8.yaml)."""
-MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=(), fused_rms_norm=False)
-"""Megatron-LM as SC'21 and Korthikanti et al. (2022) ran it: unfused attention (its GPT models norm with LayerNorm)."""
+MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=(), fused_rms_norm=False,
+                        pp_scatter_gather=True, dp_overlap=False)
+"""Megatron-LM as SC'21 and Korthikanti et al. (2022) ran it: unfused attention (its GPT models norm with LayerNorm),
+pipeline sends scattered over the tensor-parallel ranks and gathered on arrival, gradients all-reduced after the
+backward."""
 DEEPSPEED_2021_GATHERING = ParameterGathering(live_params=1e9, prefetch_params=5e7, reduce_bucket_params=5e8)
 """DeepSpeed's stage-3 defaults of 2021 (``deepspeed/runtime/zero/constants.py``: ``stage3_max_live_parameters``
 1e9, ``stage3_prefetch_bucket_size`` 5e7, ``reduce_bucket_size`` 5e8); SC'21 states no ZeRO configuration."""

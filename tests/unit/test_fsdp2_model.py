@@ -183,3 +183,35 @@ def test_torchtitan_selective_reruns_every_second_matmul_not_the_attention_core(
     assert tessera.peak_memory_bytes - titan.peak_memory_bytes == 4 * (2 * GiB - GiB // 2) - (2 * GiB - GiB // 2)
     with pytest.raises(ConfigError, match="selective_policy='layer' is not one of attention, op"):
         ImplementationProfile(name="x", selective_policy="layer")
+
+
+def test_megatron_2021_reduces_gradients_after_the_backward():
+    # Megatron-LM's local DDP of 2021-2022 all-reduces after forward_backward_func: none of it hides (ZeRO-0 to 2);
+    # ZeRO-3 is the framework's own business (unchanged)
+    from tessera.cost_models.profiles import MEGATRON_2021
+
+    overlapped, after = run("dp=16,zero=0,mbs=2", framework=MEGATRON), run("dp=16,zero=0,mbs=2", framework=MEGATRON_2021)
+    reduce = after.comm_time_by_kind_s["dp_allreduce"]
+    assert overlapped.comm_time_by_kind_s["dp_allreduce"] == pytest.approx(reduce)
+    assert overlapped.exposed_comm_time_s < reduce and after.exposed_comm_time_s == pytest.approx(reduce)
+    assert not MEGATRON_2021.dp_overlap and MEGATRON.dp_overlap and TESSERA.dp_overlap
+
+
+def test_megatron_2021_scatters_pipeline_sends_over_the_tensor_parallel_ranks():
+    # SC'21 Sec. 4.1: each tp rank sends 1/tp of the (replicated) boundary activation, the receiver all-gathers it
+    # over NVLink; with sequence parallelism the activation is already split, so nothing changes
+    from tessera.cost_models.communication import pp_comm_s
+    from tessera.cost_models.profiles import MEGATRON_2021
+    from tessera.topology.collectives import all_gather_time, p2p_time
+
+    cluster = load_cluster("dgx-h100:nodes=4")
+    stage = stage_totals([block(i) for i in range(4)], 0, {})
+    plain, sp = Strategy.parse("tp=8,pp=4,mbs=1"), Strategy.parse("tp=8,pp=4,mbs=1,sp=true")
+    nbytes = stage.boundary_bytes
+    whole = 2 * p2p_time(cluster, nbytes, distance=8)
+    scattered = 2 * (p2p_time(cluster, nbytes / 8, distance=8) + all_gather_time(cluster, nbytes, group_size=8))
+    assert pp_comm_s(stage, cluster, plain) == pytest.approx(whole)
+    assert pp_comm_s(stage, cluster, plain, profile=MEGATRON_2021) == pytest.approx(scattered)
+    assert scattered < whole
+    assert pp_comm_s(stage, cluster, sp, profile=MEGATRON_2021) == pytest.approx(pp_comm_s(stage, cluster, sp))
+    assert not MEGATRON.pp_scatter_gather and not TESSERA.pp_scatter_gather
