@@ -59,7 +59,8 @@ def training_config(run: dict) -> TrainingConfig:
 
 def framework_profile(run: dict) -> ImplementationProfile:
     """The framework that ran the row: DeepSpeed for SC'21's ZeRO-3 rows, Megatron-LM of 2021-2022 for SC'21's other
-    rows and Korthikanti et al.'s (unfused attention), else by the row's ``framework`` (Megatron-Core/NeMo by default)."""
+    rows and Korthikanti et al.'s (unfused attention, scattered pipeline sends, gradients reduced after the backward),
+    else by the row's ``framework`` (Megatron-Core/NeMo by default)."""
     if run["id"].startswith("megatron-sc21-t2-zero3"):
         return DEEPSPEED
     if run["id"].startswith(("megatron-sc21", "korthikanti")):

@@ -14,7 +14,8 @@ see ``Strategy``). Collective times come from ``topology.collectives``.
   micro-batch; 3 (FSDP) gathers parameters before forward and backward of every micro-batch and
   reduce-scatters gradients after it. Gradient reduction overlaps backward except its last bucket
   (~1/blocks); FSDP gathers are prefetched behind the previous block's compute. Ranks that share CPU cores
-  (``DeviceSpec.solo_speedup > 1``) overlap nothing: gloo moves the bytes on the cores the compute is using.
+  (``DeviceSpec.solo_speedup > 1``) overlap nothing: gloo moves the bytes on the cores the compute is using; nor
+  does a framework that reduces after the backward (``ImplementationProfile.dp_overlap``: Megatron-LM of 2021-2022).
   ZeRO collectives are scaled by FSDP2's measured slowdown where profiled, and ZeRO-3's by the framework's
   (``sharded_comm_slowdown``, ``cost_models.profiles``: DeepSpeed's 2021 ZeRO-3, not PyTorch FSDP).
   Each gather and each reduce-scatter is one collective per FSDP unit, not one of the stage's whole parameters:
@@ -24,7 +25,8 @@ see ``Strategy``). Collective times come from ``topology.collectives``.
   stage's bytes priced 0.09 s; benchmarks/results/per-layer-truth-*).
 - Tensor parallelism on a device with a measured per-linear overhead at that degree: the collectives' fixed
   costs are in that overhead (``compute.framework_overhead_s``); here only what their bytes add.
-- Pipeline: one activation send forward and one gradient send backward per micro-batch and chunk.
+- Pipeline: one activation send forward and one gradient send backward per micro-batch and chunk (Megatron-LM of
+  2021-2022 without sequence parallelism: ``1/tp`` of it per rank, all-gathered on arrival; ``pp_scatter_gather``).
 - Expert and context parallelism (``cost_models.sparse``): gradients of dense weights are reduced over the
   ``dp * cp`` ranks holding them, of routed experts over ``(dp / ep) * cp``; the all-to-alls and the K/V
   ring are costed there.
@@ -236,7 +238,8 @@ def exposed_dp_comm_s(
     overlap: bool = True, recompute_s: float = 0.0,
 ) -> float:
     """Data-parallel communication left on the critical path after overlap with compute (all of it without
-    ``overlap``: ranks that share CPU cores move the bytes with the cores their compute is using).
+    ``overlap``: ranks that share CPU cores move the bytes with the cores their compute is using, and a framework
+    that reduces after the backward, ``ImplementationProfile.dp_overlap``, runs them between steps).
 
     ZeRO-3 (FSDP): each block's all-gather is issued while the block before it computes (prefetch) and each
     block's reduce-scatter runs while the block after it computes its backward, on their own streams, so the

@@ -253,8 +253,8 @@ def _distinct_stage_costs(
     """Per distinct stage: its time, its data-parallel traffic, and the part of that traffic left exposed after
     overlap."""
     slowdown = sharded_comm_slowdown(cluster.device, strategy, profile=profile)
-    overlap = cluster.device.solo_speedup == 1.0  # ranks sharing cores communicate with their compute's cores
-    overlap = overlap and (profile.dp_overlap or strategy.zero == 3)
+    # ranks sharing cores communicate with their compute's cores; some frameworks reduce after the backward (profiles)
+    overlap = cluster.device.solo_speedup == 1.0 and (profile.dp_overlap or strategy.zero == 3)
     costs = []
     for stage in stages:
         t = stage_time(stage, cluster, training, strategy, calibration=calibration, profile=profile)

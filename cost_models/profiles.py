@@ -58,6 +58,10 @@ there.
   torchtitan runs, all-gathers each layer's K/V behind its first block only (its default ``ALL_GATHER`` rotation),
   and torchtitan's 2024 Llama repeated them to every query head first (``TORCHTITAN_2024``, its published tables):
   ``cost_models.sparse.cp_comm_s`` and the gathered sequence's memory.
+- **Megatron-LM of 2021-2022** (SC'21, Korthikanti et al.; ``MEGATRON_2021``). Without sequence parallelism its
+  pipeline sends are scattered over the tensor-parallel ranks and gathered on arrival (``pp_scatter_gather``:
+  ``communication.pp_comm_s``), and its default local DDP reduces gradients after the step's last backward,
+  overlapping none of it (``dp_overlap``: ``communication.exposed_dp_comm_s`` with ``overlap`` off).
 - **What selective recomputation re-runs** (``selective_policy``). Megatron recomputes the attention core
   (Korthikanti et al. 2022's selective recomputation; under a flash kernel, its forward). Tessera's runtime
   (``runtime.recompute``) keeps the outputs of every matmul (``aten.mm``, ``aten.addmm``) and of its collectives
@@ -176,10 +180,11 @@ class ImplementationProfile:
     """The keys and values the context-parallel exchange carries are repeated to every query head (a model that
     calls SDPA after its own ``repeat_kv`` under grouped-query attention): ``heads / kv_heads`` times the bytes."""
     dp_overlap: bool = True
-    """Gradient reduction without ZeRO-3 (DDP's all-reduce, ZeRO-1/2's reduce-scatter) overlaps the backward; False
-    where the framework reduces every gradient after the step's last backward: Megatron-LM's default ``local`` DDP
-    before Megatron-Core's ``--overlap-grad-reduce`` (``megatron/training.py`` ``train_step`` of 2021-2022 calls
-    ``allreduce_gradients`` once ``forward_backward_func`` has returned)."""
+    """Without ZeRO-3, the data-parallel collectives overlap compute (DDP's all-reduce and ZeRO-1/2's reduce-scatter
+    the backward, ZeRO-1/2's parameter all-gather the next forward); False where the framework runs them between
+    steps, none hidden: Megatron-LM's default ``local`` DDP before Megatron-Core's ``--overlap-grad-reduce`` and
+    ``--overlap-param-gather`` (``megatron/training.py`` ``train_step`` of 2021-2022 calls ``allreduce_gradients`` once
+    ``forward_backward_func`` has returned)."""
     pp_scatter_gather: bool = False
     """Without sequence parallelism, each tensor-parallel rank sends only its ``1/tp`` share of a pipeline stage's
     boundary activation (all ``tp`` ranks hold the same tensor) and the receiving stage all-gathers the shares over its
