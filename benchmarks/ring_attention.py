@@ -10,7 +10,9 @@ the ring that materialised fp32 score blocks). Median of 3 calls after a warm-up
 **Ring.** Four gloo ranks, one thread each, at the attention shapes of ``benchmarks/local_truth.py``'s small models
 (2 sequences of 256 tokens, 8 heads, 4 key/value heads, head dim 32): a ring call (forward + backward) at cp 2 (two
 rings) and cp 4, against the ``1/cp`` share of the whole sequence's SDPA on one rank: what a ring adds per attention
-layer and micro-batch when ranks share cores (slowest rank, median of 40 calls).
+layer and micro-batch when ranks share cores (slowest rank, median of 40 calls); and the same ring call with its
+exchange replaced by a local copy (every rank computes the same blocks on its own keys and values, no rank waits for
+another), which splits what the ring adds into its blocks' own overhead and the exchange's waits.
 
 Writes ``benchmarks/results/ring-attention-<hardware>-<date>.md``.
 """
@@ -117,7 +119,13 @@ def ring_call(cp: int, calls: int = 40) -> dict[str, float]:
     whole = _tensors(**shapes, tokens=seq_len)
     scale = shapes["head_dim"] ** -0.5
 
-    def ring_run() -> None:
+    class Unconnected(context_parallel._Ring):
+        def start_shift(self, tensor):  # the same blocks, no exchange: a copy stands in for the received buffer
+            return tensor.clone(), []
+
+    unconnected = Unconnected(groups[rank // cp], seq_len)
+
+    def ring_run(ring=ring) -> None:
         out = context_parallel.RingAttention.apply(q, k, v, ring, scale)
         torch.autograd.grad(out, (q, k, v), grad)
 
@@ -126,7 +134,7 @@ def ring_call(cp: int, calls: int = 40) -> dict[str, float]:
         torch.autograd.grad(out, whole[:3], whole[3])
 
     result = {}
-    for name, run in (("ring", ring_run), ("whole", whole_run)):
+    for name, run in (("ring", ring_run), ("unconnected", lambda: ring_run(unconnected)), ("whole", whole_run)):
         dist.barrier()
         result[name] = _median_s(run, calls=calls)
     return result
@@ -146,12 +154,14 @@ def main() -> None:
         row = f"| {tokens} | {sdpa:.3f} | {ring:.3f} | {ring / sdpa:.2f} |"
         lines.append(row + (f" {block_seconds(baseline, tokens):.3f} |" if baseline else ""))
         print(lines[-1], flush=True)
-    lines += ["", "| cp | rings on 4 ranks | ring call ms | 1/cp of the whole sequence's SDPA ms | added ms |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| cp | rings on 4 ranks | ring call ms | 1/cp of the whole sequence's SDPA ms | added ms | of it, the "
+              "blocks' overhead (no exchange) ms | of it, the exchange ms |", "|---|---|---|---|---|---|---|"]
     for cp in (2, 4):
         per_rank = spawn(ring_call, nprocs=4, args=(cp,))
-        ring, whole = (max(r[key] for r in per_rank) for key in ("ring", "whole"))
-        lines.append(f"| {cp} | {4 // cp} | {ring * 1e3:.1f} | {whole / cp * 1e3:.1f} | {(ring - whole / cp) * 1e3:.1f} |")
+        ring, unconnected, whole = (max(r[key] for r in per_rank) for key in ("ring", "unconnected", "whole"))
+        share = whole / cp
+        lines.append(f"| {cp} | {4 // cp} | {ring * 1e3:.1f} | {share * 1e3:.1f} | {(ring - share) * 1e3:.1f} | "
+                     f"{(unconnected - share) * 1e3:.1f} | {(ring - unconnected) * 1e3:.1f} |")
         print(lines[-1], flush=True)
     command = "`.venv/bin/python benchmarks/ring_attention.py" + (f" --baseline {args.baseline}" if baseline else "") + "`"
     text = "\n".join([
