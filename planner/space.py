@@ -180,7 +180,8 @@ def strategies(
                          [m for m in range(1, MAX_MICRO_BATCH + 1) if (training.global_batch // dp) % m == 0])
         etps = expert_tp_degrees(dp, tp, ep, may_fold(tp, cp, experts, pins, unavailable), pins)
         sps = {etp: pins.get("sp", _sequence_parallel_runs(tp, cp, ep, etp, unavailable, exclusive)) for etp in etps}
-        for zero in _pinned(pins, "zero", ZERO_STAGES if dp > 1 else (0,)):
+        # ZeRO shards over the dp * cp ranks that hold the same weights (runtime.mesh.data_mesh)
+        for zero in _pinned(pins, "zero", ZERO_STAGES if dp * cp > 1 else (0,)):
             for micro_batch in _pinned(pins, "micro_batch", micro_batches):
                 for recompute, etp in itertools.product(recomputes, etps):
                     for schedule, chunks in _schedules(pp, blocks, pins):
@@ -287,7 +288,8 @@ def check_runtime_pins(pins: Mapping[str, object], unavailable: Mapping[str, str
     used = {axis for axis in ("tp", "pp", "cp", "ep") if int(pins.get(axis, 1)) > 1}
     used |= {"sp"} if pins.get("sp") else set()
     used |= {"selective"} if pins.get("recompute") == "selective" or "selective" in (pins.get("block_recompute") or ()) else set()
-    pinned = used | ({"zero"} if int(pins.get("zero", 0)) >= 1 and int(pins.get("dp", 1)) > 1 else set())
+    sharded = int(pins.get("dp", 1)) * int(pins.get("cp", 1)) > 1
+    pinned = used | ({"zero"} if int(pins.get("zero", 0)) >= 1 and sharded else set())
     pinned |= {"recompute"} if pins.get("recompute", "none") != "none" or any(
         p != "none" for p in pins.get("block_recompute") or ()) else set()
     if pins.get("etp") is not None and int(pins["etp"]) not in (1, int(pins.get("tp", 0))):

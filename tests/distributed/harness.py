@@ -338,7 +338,8 @@ SPARSE_LONG_CASES = {
         (MOE, "dp=2,ep=2,zero=3,mbs=4", "bf16", True),  # bf16 all-to-alls, FSDP2 mixed precision; built on meta
         (LLAMA, "dp=1,cp=2,mbs=4,recompute=selective", "fp32", False),  # CP alone: RoPE at global positions, GQA
         (GPT, "dp=1,cp=2,mbs=2,recompute=full", "fp32", False),  # learned positions, accumulation 4
-        (LLAMA, "dp=1,cp=2,mbs=4", "bf16", False)],  # under autocast: the ring's flash blocks in bf16, as SDPA runs
+        (LLAMA, "dp=1,cp=2,mbs=4", "bf16", False),  # under autocast: the ring's flash blocks in bf16, as SDPA runs
+        (LLAMA, "dp=1,cp=2,zero=3,mbs=2", "fp32", False)],  # ZeRO-3 with no dp: FSDP over the cp ranks alone
     4: [(MOE, "dp=4,ep=4,mbs=1", "fp32", False),  # one expert per rank, accumulation 2
         (MOE, "dp=4,ep=2,zero=1,mbs=2", "fp32", False),  # EP with DP: experts replicated over edp=2
         (MOE, "dp=2,ep=2,tp=2,mbs=4", "fp32", False),  # EP with TP on attention and experts

@@ -297,6 +297,21 @@ def test_space_tries_ep_only_for_moe_models_and_cp_only_for_long_sequences():
     assert {(cp, ep) for _, _, _, cp, ep in mesh_shapes(MOE, c, TRAINING, {"ep": 4, "cp": 2})} == {(2, 4)}
 
 
+def test_zero_shards_over_the_cp_ranks_when_there_is_no_dp():
+    """The dp * cp ranks hold the same weights (runtime.mesh.data_mesh), so ZeRO has ranks to shard over with dp=1:
+    the space offers every stage there (long context on a few GPUs, torchtitan's FSDP 1 x CP 8), and a pin of zero
+    counts as sharding there too."""
+    from tessera.planner.space import check_runtime_pins, strategies
+
+    dense = [dense_block(i) for i in range(4)]
+    long = TrainingConfig(global_batch=2, seq_len=LONG_CONTEXT_TOKENS)
+    zeros = {s.zero for s in strategies(dense, cluster(1), long, {"dp": 1, "cp": 8, "recompute": "full", "micro_batch": 1})}
+    assert zeros == {0, 1, 2, 3}
+    assert {s.zero for s in strategies(dense, cluster(1), long, {"dp": 1, "cp": 1, "tp": 8, "micro_batch": 1})} == {0}
+    with pytest.raises(ConfigError, match="zero"):
+        check_runtime_pins({"dp": 1, "cp": 8, "zero": 3}, {"zero": "the model's weights cannot be sharded"})
+
+
 def test_another_frameworks_run_may_combine_what_tesseras_runtime_does_not():
     """cp with pp and sp (torchtitan's 4D runs): out of Tessera's own space, in the space of a run another framework
     made (``exclusive=()``, how benchmarks/published.py evaluates published runs)."""
