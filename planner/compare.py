@@ -167,13 +167,13 @@ def leanest_completion(
     *, profile: ImplementationProfile = TESSERA,
 ) -> tuple[Strategy, Estimate]:
     """The pinned fields with the leanest choice for every other one (micro-batch 1, full recomputation,
-    ZeRO-3, sequence parallelism; dp takes the devices left), estimated."""
+    ZeRO-3 where dp x cp ranks share the weights, sequence parallelism; dp takes the devices left), estimated."""
     fields: dict[str, object] = {"micro_batch": 1, "recompute": "full", **pins}
     inner = 1
     for axis in ("tp", "pp", "cp"):  # ep is part of dp
         inner *= int(fields.get(axis, 1))
     fields.setdefault("dp", max(cluster.num_devices // inner, 1))
-    fields.setdefault("zero", 3 if int(fields["dp"]) > 1 else 0)
+    fields.setdefault("zero", 3 if int(fields["dp"]) * int(fields.get("cp", 1)) > 1 else 0)  # over the dp x cp ranks
     fields.setdefault("sp", int(fields.get("tp", 1)) > 1)
     strategy = Strategy.model_validate(fields)
     return strategy, estimate_strategy(list(layers), cluster, training, strategy, profile=profile)

@@ -310,6 +310,12 @@ def test_zero_shards_over_the_cp_ranks_when_there_is_no_dp():
     assert {s.zero for s in strategies(dense, cluster(1), long, {"dp": 1, "cp": 1, "tp": 8, "micro_batch": 1})} == {0}
     with pytest.raises(ConfigError, match="zero"):
         check_runtime_pins({"dp": 1, "cp": 8, "zero": 3}, {"zero": "the model's weights cannot be sharded"})
+    # and a baseline none of whose completions fits is shown at its leanest: ZeRO-3 over the cp ranks
+    from tessera.planner.compare import leanest_completion
+
+    leanest, _ = leanest_completion(dense, cluster(1), long, {"cp": 8})
+    assert (leanest.dp, leanest.cp, leanest.zero) == (1, 8, 3)
+    assert leanest_completion(dense, cluster(1), long, {"tp": 8})[0].zero == 0
 
 
 def test_another_frameworks_run_may_combine_what_tesseras_runtime_does_not():
