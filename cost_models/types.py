@@ -125,7 +125,8 @@ class Strategy(BaseModel):
     ep: int = Field(default=1, gt=0, le=MAX_DEVICES)
     """Expert-parallel degree: carved out of ``dp`` (it divides ``dp`` and adds no ranks; see above)."""
     zero: Literal[0, 1, 2, 3] = 0
-    """ZeRO stage on the data-parallel axis: 0 replicated (DDP), 1 optimizer, 2 +grads, 3 +params (FSDP)."""
+    """ZeRO stage over the ranks that hold the same weights (``dp * cp`` of them): 0 replicated (DDP), 1 optimizer,
+    2 +grads, 3 +params (FSDP)."""
     micro_batch: int = Field(default=1, gt=0, le=MAX_GLOBAL_BATCH)
     """Sequences per micro-batch on one data-parallel rank."""
     recompute: Recompute = "none"
