@@ -79,6 +79,12 @@ def test_torchtitan_async_tp_hides_the_forward_collectives_only():
     assert tp_comm_s(stage, cluster, training, overlapped, profile=MEGATRON) == pytest.approx(plain / 8)
     # forward overlapped (1/8 left), backward not: half the passes at full cost
     assert tp_comm_s(stage, cluster, training, overlapped, profile=TORCHTITAN) == pytest.approx(plain / 2 / 8 + plain / 2)
+    # under full recomputation the recomputed forward runs in the backward's compiled graph: exposed with it
+    recomputed = stage_totals([block(i) for i in range(4)], 0, {f"blocks.{i}": "full" for i in range(4)})
+    plain = tp_comm_s(recomputed, cluster, training, Strategy.parse("tp=8,mbs=1"))  # three passes
+    assert tp_comm_s(recomputed, cluster, training, overlapped, profile=MEGATRON) == pytest.approx(plain / 8)
+    assert tp_comm_s(recomputed, cluster, training, overlapped, profile=TORCHTITAN) == pytest.approx(
+        plain / 3 / 8 + 2 * plain / 3)
 
 
 def test_stragglers_grow_with_the_number_of_ranks():
