@@ -80,6 +80,8 @@ TRAIN_IDS = frozenset({
     "torchtitan-h100-llama3-8b-8gpu-s32768-fsdp8-cp1", "torchtitan-h100-llama3-8b-8gpu-s131072-fsdp2-cp4",
     "torchtitan-h100-llama3-405b-512gpu-s32768-fsdp8-cp1", "torchtitan-h100-llama3-405b-512gpu-s131072-fsdp2-cp4",
     "nemo2407-fp8-gpt3-175b-128gpu", "nemo2407-fp8-llama2-7b-8gpu", "nemo2407-fp8-llama2-70b-64gpu",
+    "torchtitan2506-h100-llama3-70b-256gpu-bf16-tp", "torchtitan2506-h100-llama3-70b-256gpu-fp8-tp",
+    "torchtitan2506-h100-llama3-8b-64gpu-bf16-tp", "torchtitan2506-h100-llama3-8b-64gpu-fp8-tp",
 })
 COMPUTE_GRID = {
     "peak_fraction": [round(0.40 + 0.01 * i, 2) for i in range(41)],
@@ -278,12 +280,14 @@ TIE = 0.02
 
 
 def workload_pairs(runs: list[dict], predicted_s: dict[str, float]) -> list[Pair]:
-    """Every pair of runs of the same workload in another configuration (strategy, recompute, precision, framework):
+    """Every pair of runs of the same workload in another configuration (strategy, recompute, precision, framework)
+    measured by one source document (two documents' runs of one configuration differ by their software versions):
     how a planner's choice between two configurations is judged, which the error of each alone does not show (two
     predictions of one workload share their biases)."""
     by_workload: dict[tuple, list[dict]] = {}
     for run in runs:
-        key = (model_spec(run), cluster_spec(run), run["training"]["global_batch"], run["model"]["seq_len"])
+        document = run["source"].split(",")[0]  # e.g. "pytorch/torchtitan docs/performance.md (commit eaea6f6a2fa9)"
+        key = (model_spec(run), cluster_spec(run), run["training"]["global_batch"], run["model"]["seq_len"], document)
         by_workload.setdefault(key, []).append(run)
     return [Pair(a["id"], b["id"], published_step_s(a) / published_step_s(b), predicted_s[a["id"]] / predicted_s[b["id"]])
             for group in by_workload.values() for a, b in itertools.combinations(group, 2)]

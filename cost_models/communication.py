@@ -37,6 +37,7 @@ from __future__ import annotations
 from tessera.cost_models.memory_state import compute_dtype_bytes, kept_local_params, local_params, root_params
 from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
+from tessera.cost_models.stage_views import op_level_selective
 from tessera.cost_models.sparse import (
     gradient_families, group_all_gather_s, group_all_reduce_s, group_reduce_scatter_s,
 )
@@ -54,7 +55,9 @@ def tp_comm_s(
     (``ImplementationProfile.tp_overlap_backward``)."""
     if strategy.tp == 1:
         return 0.0
-    forward_passes = 1 + stage.full_recompute_blocks / max(stage.blocks, 1)  # the forward and its recomputation
+    # the forward and its recomputation
+    forward_passes = 1 + stage.full_recompute_blocks / max(stage.blocks, 1) + _selective_rerun_share(stage, strategy,
+                                                                                                   profile)
     count = max(stage.tp_allreduce_count, 1)
     nbytes = stage.tp_allreduce_bytes * strategy.micro_batch / strategy.cp / count
     # A profiled per-linear overhead at this degree already holds the collectives' fixed costs (measured on a
@@ -70,6 +73,19 @@ def tp_comm_s(
         return (forward_passes + 1) * per_pass / strategy.tp
     # Forward only: the recomputation runs in the backward's graph, exposed with it.
     return per_pass / strategy.tp + forward_passes * per_pass
+
+
+def _selective_rerun_share(stage: StageTotals, strategy: Strategy, profile: ImplementationProfile) -> float:
+    """The share of a forward pass's tensor-parallel collectives that op-level selective recomputation runs again
+    (``profiles.selective_policy`` ``op``: torchtitan's save list keeps ``reduce_scatter_tensor`` outputs and no other
+    collective's, and a compiled region's collectives marked for recomputation are recomputed,
+    ``torch/_functorch/partitioners.py`` ``force_save_collectives``): under sequence parallelism the all-gather half of
+    each pair, which the backward needs for the weight gradients; without it the all-reduces, whose sums the
+    recomputed norms read. Tessera's runtime keeps every collective's output (the ``matmuls`` policy)."""
+    if not op_level_selective(stage, profile.selective_policy):
+        return 0.0
+    half = strategy.sp and not strategy.sp_regather
+    return (0.5 if half else 1.0) * stage.op_selective_blocks / max(stage.blocks, 1)
 
 
 def _latency_s(cluster: Cluster, *, group_size: int) -> float:

@@ -53,6 +53,8 @@ def selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recomput
         "op_selective_saved_bytes": sum(op_kept),
         "op_selective_buffer_bytes": max((b.saved_bytes_no_recompute - k for b, k in zip(selective, op_kept)),
                                          default=0),
+        "op_selective_blocks": len(selective),
+        "op_selective_gathered_bytes": sum(block_tp_reductions(b) * b.output_bytes for b in selective),
     }
 
 

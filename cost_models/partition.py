@@ -95,6 +95,8 @@ class StageTotals:
     selective_saved_bytes: int = 0  # the part of saved_bytes that is those blocks' (attention-core policy)
     op_selective_saved_bytes: int = 0  # what they keep under the op-level policy instead
     op_selective_buffer_bytes: int = 0  # one of them recomputed: what its backward materialises again at once
+    op_selective_blocks: int = 0  # how many they are
+    op_selective_gathered_bytes: int = 0  # per sequence, their share of sp_gathered_bytes (one input per linear pair)
     # Every selective block as a policy keeping all matmul outputs runs it (``profiles.selective_policy`` ``matmuls``).
     selective_blocks_saved_bytes: int = 0  # what every selective block keeps under the attention-core policy
     matmul_selective_saved_bytes: int = 0  # what they keep under the matmuls policy instead (where measured)

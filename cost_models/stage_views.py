@@ -28,9 +28,14 @@ def as_selective_memory(stage: StageTotals, selective_policy: str, *, tp: int = 
     ``benchmarks/memory_truth.py --pins``: ``tp=4`` 11% short and ``dp=2,tp=2`` 4% short without them). Tensor
     parallelism without sequence parallelism keeps the attention-core figure, which is larger (measured 4-13% over
     there), though its recompute time is the matmuls policy's (``compute``: the runtime runs that policy either
-    way)."""
+    way). The op-level policy keeps none of those gathered inputs: its save list holds reduce-scatters, not
+    all-gathers, so each selective block gathers its pairs' inputs again in the backward
+    (``communication.tp_comm_s``)."""
     if op_level_selective(stage, selective_policy):
-        return as_op_level_memory(stage)
+        stage = as_op_level_memory(stage)
+        if tp > 1 and sp:  # its save list keeps reduce-scatters, not all-gathers: the inputs are gathered again
+            stage = replace(stage, sp_gathered_bytes=stage.sp_gathered_bytes - stage.op_selective_gathered_bytes)
+        return stage
     if selective_policy != "matmuls" or not stage.matmul_selective_traffic_bytes or (tp > 1 and not sp):
         return stage
     saved = stage.saved_bytes - stage.selective_blocks_saved_bytes + stage.matmul_selective_saved_bytes

@@ -6,7 +6,9 @@ import pytest
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.communication import exposed_dp_comm_s, tp_comm_s
+from tessera.cost_models.memory import sp_gathered_input_bytes
 from tessera.cost_models.partition import stage_totals
+from tessera.cost_models.stage_views import as_selective_memory
 from tessera.cost_models.compute import Calibration, compute_lower_bound_s
 from tessera.cost_models.profiles import (
     DEEPSPEED, MEGATRON, PROFILES, PYTORCH_FSDP_TE, TESSERA, TORCHTITAN, ImplementationProfile, profile,
@@ -189,6 +191,24 @@ def test_torchtitan_selective_reruns_every_second_matmul_not_the_attention_core(
     assert tessera.peak_memory_bytes - titan.peak_memory_bytes == 4 * (2 * GiB - GiB // 2) - (2 * GiB - GiB // 2)
     with pytest.raises(ConfigError, match="selective_policy='layer' is not one of attention, op"):
         ImplementationProfile(name="x", selective_policy="layer")
+
+
+def test_torchtitan_selective_under_tensor_parallelism_gathers_again_and_keeps_no_gathered_input():
+    """torchtitan's op-level save list keeps reduce-scatters and no other collective: under sequence parallelism each
+    selective block all-gathers its pairs' inputs again in the backward (half of each pair's collectives; without
+    sequence parallelism its all-reduces, whole) and keeps none of the gathered inputs; Tessera's runtime keeps them."""
+    layers = [block(i).model_copy(update={"op_selective_recompute_flops": 3e12, "saved_bytes_op_selective": GiB // 2})
+              for i in range(4)]
+    cluster, training = load_cluster("dgx-h100:nodes=2"), TrainingConfig(global_batch=16, seq_len=4096)
+    stage = stage_totals(layers, 0, {f"blocks.{i}": "selective" for i in range(4)})
+    for sp, rerun in ((True, 0.5), (False, 1.0)):
+        strategy = Strategy.parse(f"dp=2,tp=8,zero=3,mbs=1,recompute=selective,sp={str(sp).lower()}")
+        plain = tp_comm_s(stage, cluster, training, strategy, profile=TESSERA)  # a forward and a backward
+        assert tp_comm_s(stage, cluster, training, strategy, profile=TORCHTITAN) == pytest.approx(plain * (2 + rerun) / 2)
+    sp = Strategy.parse("dp=2,tp=8,zero=3,mbs=1,recompute=selective,sp=true")
+    kept = sp_gathered_input_bytes(as_selective_memory(stage, "attention", tp=8, sp=True), sp)
+    assert kept == pytest.approx(stage.sp_gathered_bytes * (1 - 1 / 8)) and stage.op_selective_gathered_bytes > 0
+    assert sp_gathered_input_bytes(as_selective_memory(stage, "op", tp=8, sp=True), sp) == 0
 
 
 @pytest.mark.parametrize("zero, kinds", [(0, ("dp_allreduce",)), (1, ("zero_reducescatter", "zero_allgather"))])
