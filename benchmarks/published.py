@@ -82,6 +82,7 @@ TRAIN_IDS = frozenset({
     "nemo2407-fp8-gpt3-175b-128gpu", "nemo2407-fp8-llama2-7b-8gpu", "nemo2407-fp8-llama2-70b-64gpu",
     "torchtitan2506-h100-llama3-70b-256gpu-bf16-tp", "torchtitan2506-h100-llama3-70b-256gpu-fp8-tp",
     "torchtitan2506-h100-llama3-8b-64gpu-bf16-tp", "torchtitan2506-h100-llama3-8b-64gpu-fp8-tp",
+    "torchtitan2506-h200-llama3-8b-32gpu-fsdp-float8",
 })
 COMPUTE_GRID = {
     "peak_fraction": [round(0.40 + 0.01 * i, 2) for i in range(41)],

@@ -24,7 +24,7 @@ REFERENCE_FILES = ("published_runs.yaml", "fsdp_fp8_runs.yaml")
 PRESETS = {  # catalog device -> (preset whose fabric it sits on, gpu= variant or None)
     "A100-SXM4-80GB": ("dgx-a100", None), "A100-SXM-80GB": ("dgx-a100", None),
     "A100-SXM-40GB": ("dgx-a100", "A100-SXM-40GB"), "H100-SXM-80GB": ("dgx-h100", None),
-    "H100-SXM-96GB-500W": ("dgx-h100", "H100-SXM-96GB-500W"),
+    "H100-SXM-96GB-500W": ("dgx-h100", "H100-SXM-96GB-500W"), "H200-SXM-141GB": ("dgx-h200", None),
 }
 
 
@@ -67,9 +67,10 @@ def framework_profile(run: dict) -> ImplementationProfile:
         return MEGATRON_2021
     framework = str(run.get("framework", "Megatron-LM"))
     if framework.startswith("torchtitan"):  # the row's config may turn on FP8 all-gathers and its fused RMSNorm
-        training = run["training"]
+        training = run["training"]  # and its version compile the loss (``compiled_loss``)
         return replace(TORCHTITAN_2024, fp8_all_gather=bool(training.get("fsdp_float8_all_gather")),
-                       fused_rms_norm=training.get("norm_type") == "fused_rmsnorm")
+                       fused_rms_norm=training.get("norm_type") == "fused_rmsnorm",
+                       cross_entropy="compiled" if training.get("compiled_loss") else "torch")
     if framework.startswith("llm-foundry"):  # FSDP's PURE mixed precision reduces gradients in bf16 too
         pure = run["training"].get("mixed_precision_mode") == "PURE"
         return replace(PYTORCH_FSDP_TE, gradient_bytes=2) if pure else PYTORCH_FSDP_TE

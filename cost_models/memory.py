@@ -51,7 +51,7 @@ from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.pipeline import in_flight_micro_batches
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.sparse import ring_and_dispatch_buffer_bytes, sharded_params
-from tessera.cost_models.stage_views import as_selective_memory, with_fused_norms, with_loss_kernel
+from tessera.cost_models.stage_views import FUSED_CROSS_ENTROPY, as_selective_memory, with_fused_norms, with_loss_kernel
 from tessera.cost_models.types import Strategy, TrainingConfig
 
 GiB = 2**30
@@ -229,7 +229,7 @@ def loss_as_run(stage: StageTotals, strategy: Strategy, profile: ImplementationP
     """``stage`` with its loss run by the framework's cross-entropy kernel (``profiles.cross_entropy``); flash-attn's
     fused one only without tensor parallelism, where such a framework runs torch's ``loss_parallel``."""
     kernel = profile.cross_entropy
-    return with_loss_kernel(stage, "torch" if kernel == "flash-attn" and strategy.tp > 1 else kernel)
+    return with_loss_kernel(stage, "torch" if kernel in FUSED_CROSS_ENTROPY and strategy.tp > 1 else kernel)
 
 
 def norms_as_run(stage: StageTotals, profile: ImplementationProfile, *, on_cpu: bool) -> StageTotals:

@@ -171,7 +171,8 @@ class ImplementationProfile:
     cross_entropy: str = "torch"
     """The loss's kernel (``stage_views.CROSS_ENTROPY_KERNELS``): ``torch`` (cross-entropy over fp32 log-probabilities;
     ``loss_parallel`` under tensor parallelism), ``flash-attn`` (one fused kernel on the logits as they come: it saves
-    the logits and its backward allocates one gradient of their size; without tensor parallelism) or ``megatron``
+    the logits and its backward allocates one gradient of their size; without tensor parallelism), ``compiled`` (torch's
+    under ``torch.compile``: the same, as one fused kernel) or ``megatron``
     (vocabulary-parallel: it saves an fp32 softmax and turns it into the gradient in place). See
     ``stage_views.with_loss_kernel`` and ``memory_state.loss_gradient_bytes``."""
     cp_rotation: str = "ring"

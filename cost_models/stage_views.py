@@ -45,21 +45,25 @@ def as_selective_memory(stage: StageTotals, selective_policy: str, *, tp: int = 
                    recompute_buffer_bytes=max(stage.recompute_buffer_bytes, stage.matmul_selective_buffer_bytes))
 
 
-CROSS_ENTROPY_KERNELS = ("torch", "flash-attn", "megatron")
+CROSS_ENTROPY_KERNELS = ("torch", "flash-attn", "compiled", "megatron")
 """How a framework computes the loss (``profiles.cross_entropy``): torch's cross-entropy over fp32 log-probabilities
-(what capture measures), flash-attn's fused ``xentropy`` kernel, or Megatron's vocabulary-parallel cross-entropy."""
+(what capture measures), flash-attn's fused ``xentropy`` kernel, torch's cross-entropy under ``torch.compile`` (one
+fused kernel too: the partitioner keeps the logits and a log-sum-exp per token and recomputes the softmax in the
+backward), or Megatron's vocabulary-parallel cross-entropy."""
+FUSED_CROSS_ENTROPY = ("flash-attn", "compiled")
+"""The kernels that run on the logits as they come (:func:`with_loss_kernel`), without tensor parallelism."""
 
 
 def with_loss_kernel(stage: StageTotals, kernel: str) -> StageTotals:
     """``stage`` with its loss run by ``kernel`` (``CROSS_ENTROPY_KERNELS``; its backward's working tensors:
-    ``memory_state.loss_gradient_bytes``). ``flash-attn`` keeps the logits as they come instead of fp32
+    ``memory_state.loss_gradient_bytes``). A fused kernel (``FUSED_CROSS_ENTROPY``) keeps the logits as they come instead of fp32
     log-probabilities (plus one fp32 log-sum-exp per token, left out: 4 bytes beside a vocabulary's worth), and makes
     that much less of the traffic elementwise time is charged by (``loss_traffic_saving_bytes``: the FP8 terms that
     read the activation traffic as the linears' inputs leave it alone). ``megatron`` keeps an fp32 softmax, as large
     as torch's log-probabilities."""
     if kernel == stage.loss_kernel or not stage.loss_saved_bytes or not stage.logits_bytes:
         return stage
-    if kernel != "flash-attn":
+    if kernel not in FUSED_CROSS_ENTROPY:
         return replace(stage, loss_kernel=kernel)
     saving = stage.loss_saved_bytes - stage.logits_bytes
     return replace(stage, saved_bytes=stage.saved_bytes - saving, loss_saved_bytes=stage.logits_bytes,

@@ -263,7 +263,11 @@ def test_loss_kernels_keep_and_allocate_what_their_code_does():
     tp_totals, tp = _totals("dp=1,tp=2,mbs=2")
     assert loss_as_run(tp_totals, tp, PYTORCH_FSDP_TE) is tp_totals  # under tp: torch's loss_parallel
     assert loss_gradient_bytes(loss_as_run(tp_totals, tp, MEGATRON), tp) == 50 * 2 / 2  # vocabulary-parallel
-    with pytest.raises(ConfigError, match="cross_entropy='apex' is not one of torch, flash-attn, megatron"):
+    compiled = loss_as_run(totals, s, replace(TESSERA, cross_entropy="compiled"))  # torch.compile fuses it alike
+    assert (compiled.loss_saved_bytes, compiled.saved_bytes) == (fused.loss_saved_bytes, fused.saved_bytes)
+    assert loss_gradient_bytes(compiled, s) == 50 * 2
+    assert loss_as_run(tp_totals, tp, replace(TESSERA, cross_entropy="compiled")) is tp_totals
+    with pytest.raises(ConfigError, match="cross_entropy='apex' is not one of torch, flash-attn, compiled, megatron"):
         replace(TESSERA, cross_entropy="apex")
 
 

@@ -269,6 +269,8 @@ def test_each_published_row_is_priced_with_what_its_source_states_about_the_fram
     assert pure and all(profile[run_id].gradient_bytes == 2 for run_id in pure)  # FSDP PURE: bf16 reductions
     assert profile["foundry-a100-mpt350m-s2048-8gpu"].gradient_bytes == 4  # DEFAULT: fp32 reductions
     assert profile["foundry-a100-mpt350m-s2048-8gpu"].cross_entropy == "flash-attn"
+    assert profile["torchtitan2506-h200-llama3-8b-32gpu-fsdp-float8"].cross_entropy == "compiled"  # its 2025 version
+    assert profile["torchtitan-h100-llama3-8b-8gpu-s8192-fsdp-torchcompile"].cross_entropy == "torch"  # 9dec370: not
     assert profile["torchtitan-a100-llama2-13b-no-lbs2"].fused_rms_norm  # its 64-A100 preset: fused_rmsnorm
     assert not profile["torchtitan-a100-llama2-70b-full-lbs2"].fused_rms_norm  # its preset: the composite
     assert profile["megatron-sc21-t2-zero3-529.6b-640gpu"].zero3_by_parameter is not None  # DeepSpeed
