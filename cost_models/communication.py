@@ -51,7 +51,7 @@ def tp_comm_s(
     *, profile: ImplementationProfile = TESSERA,
 ) -> float:
     """Tensor-parallel all-reduce seconds of one micro-batch on ``stage`` (forward, backward, recompute); under
-    ``tp_overlap``, the backward's and the recomputation's are hidden too only where the framework overlaps them
+    ``tp_overlap``, the backward's are hidden too only where the framework overlaps them
     (``ImplementationProfile.tp_overlap_backward``)."""
     if strategy.tp == 1:
         return 0.0
@@ -69,10 +69,8 @@ def tp_comm_s(
         return (forward_passes + 1) * per_pass
     # Overlapped: each collective is split into tp ring steps, each hidden behind the partial matmul of
     # the previous one; only one step in tp stays on the critical path (Wang et al., ASPLOS'23).
-    if profile.tp_overlap_backward:
-        return (forward_passes + 1) * per_pass / strategy.tp
-    # Forward only: the recomputation runs in the backward's graph, exposed with it.
-    return per_pass / strategy.tp + forward_passes * per_pass
+    backward = per_pass / strategy.tp if profile.tp_overlap_backward else per_pass
+    return forward_passes * per_pass / strategy.tp + backward
 
 
 def _selective_rerun_share(stage: StageTotals, strategy: Strategy, profile: ImplementationProfile) -> float:

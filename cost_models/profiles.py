@@ -26,11 +26,12 @@ there.
   torchtitan's async TP (inductor's micro-pipeline pass, late 2024) overlaps the forward's only
   (``tp_overlap_backward`` False): its announcement (PyTorch dev-discuss, "[Distributed w/ TorchTitan]
   Introducing Async Tensor Parallelism in PyTorch", 2024) reports ~20% forward speedup but ~8% end to end on
-  Llama 3 70B, about what a forward-only overlap saves of a step that also runs the backward. Its recomputation
-  stays exposed too: torchtitan compiles each checkpointed block (AC, then compile), so the recomputed forward
-  runs inside the backward's compiled graph; its performance table (docs/performance.md at eaea6f6a2fa9, Table 4,
-  Llama 3.1 70B, full recomputation) measures async TP at 5.4% of the step, where hiding the recomputation's
-  collectives as well would save about twice what hiding the forward's alone saves.
+  Llama 3 70B, about what a forward-only overlap saves of a step that also runs the backward. The recomputed
+  forward is priced as hidden too: inductor runs its micro-pipeline pass on the backward's compiled graph as well
+  (``torch/_inductor/fx_passes/post_grad.py``), where a checkpointed block's recomputation runs. torchtitan's two
+  measurements of its 70B with full recomputation disagree about it: async TP saved 5.4% of the step in
+  docs/performance.md (December 2024) and 14.1% in benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (June 2025,
+  Float8 tensorwise).
 - **FP8 memory**. Transformer Engine keeps an FP8 copy of each linear's weight and of its transpose across
   micro-batches (``weight_fp8_bytes`` = 2) and saves FP8 inputs for the backward (``fp8_saves_inputs``); torchao
   float8 casts on the fly from the bf16 weight and saves what autograd saves (bf16). FSDP2 with torchao may
@@ -133,8 +134,8 @@ class ImplementationProfile:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     """The ZeRO stages the framework runs (Megatron-Core: DDP or its distributed optimizer, ZeRO-1)."""
     tp_overlap_backward: bool = True
-    """Under ``Strategy.tp_overlap``, the backward's and the recomputation's tensor-parallel collectives are
-    overlapped too (not only the forward's)."""
+    """Under ``Strategy.tp_overlap``, the backward's tensor-parallel collectives are overlapped too (not only the
+    forward's and the recomputation's)."""
     zero3_by_parameter: ParameterGathering | None = None
     """ZeRO-3 gathering parameter by parameter, with its limits (``memory_transients.parameter_gathered_bytes``);
     ``None``: FSDP's whole units (a block, and the next one prefetched)."""

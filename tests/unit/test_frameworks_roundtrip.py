@@ -171,6 +171,25 @@ def _published_rows():
     return module
 
 
+def test_pairs_are_two_configurations_one_source_measured():
+    """``benchmarks/published.py`` judges choices between configurations on pairs of runs of one workload from one
+    source document: two documents' runs of one configuration differ by software version, not by a choice."""
+    _published_rows()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("published_under_test", ROOT / "benchmarks" / "published.py")
+        published = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(published)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    runs = published.measured_runs()
+    pairs = {frozenset((p.first, p.second)) for p in published.workload_pairs(runs, {r["id"]: 1.0 for r in runs})}
+    december, june = "torchtitan-h100-llama3-70b-256gpu-s8192-2d", "torchtitan2506-h100-llama3-70b-256gpu-fp8"
+    assert frozenset((december, december + "-asynctp")) in pairs  # one document, TP against async TP
+    assert frozenset((june + "-tp", june + "-asynctp")) in pairs
+    assert frozenset((december + "-asynctp", june + "-asynctp")) not in pairs  # one configuration, two versions
+
+
 def published_strategies() -> list[tuple[str, str, Strategy, int, int]]:
     """Each published run with a stated layout: (id, framework profile, its pins completed, blocks, global batch).
     Micro-batch 1 and 2 chunks per stage where the source leaves them out, as the benchmark's planner may fill."""

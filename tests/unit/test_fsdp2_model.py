@@ -81,12 +81,12 @@ def test_torchtitan_async_tp_hides_the_forward_collectives_only():
     assert tp_comm_s(stage, cluster, training, overlapped, profile=MEGATRON) == pytest.approx(plain / 8)
     # forward overlapped (1/8 left), backward not: half the passes at full cost
     assert tp_comm_s(stage, cluster, training, overlapped, profile=TORCHTITAN) == pytest.approx(plain / 2 / 8 + plain / 2)
-    # under full recomputation the recomputed forward runs in the backward's compiled graph: exposed with it
+    # under full recomputation the recomputed forward is overlapped as the forward is; the backward is not
     recomputed = stage_totals([block(i) for i in range(4)], 0, {f"blocks.{i}": "full" for i in range(4)})
     plain = tp_comm_s(recomputed, cluster, training, Strategy.parse("tp=8,mbs=1"))  # three passes
     assert tp_comm_s(recomputed, cluster, training, overlapped, profile=MEGATRON) == pytest.approx(plain / 8)
     assert tp_comm_s(recomputed, cluster, training, overlapped, profile=TORCHTITAN) == pytest.approx(
-        plain / 3 / 8 + 2 * plain / 3)
+        2 * plain / 3 / 8 + plain / 3)
 
 
 def test_stragglers_grow_with_the_number_of_ranks():
@@ -209,6 +209,20 @@ def test_torchtitan_selective_under_tensor_parallelism_gathers_again_and_keeps_n
     kept = sp_gathered_input_bytes(as_selective_memory(stage, "attention", tp=8, sp=True), sp)
     assert kept == pytest.approx(stage.sp_gathered_bytes * (1 - 1 / 8)) and stage.op_selective_gathered_bytes > 0
     assert sp_gathered_input_bytes(as_selective_memory(stage, "op", tp=8, sp=True), sp) == 0
+    # a mixed stage: only the selective blocks re-gather; the unrecomputed one keeps its gathered inputs, the full one
+    # keeps only its input (and re-runs a whole forward's collectives, as before)
+    mixed = stage_totals(layers, 0, {"blocks.0": "selective", "blocks.1": "selective", "blocks.2": "full"})
+    one_block = stage.sp_gathered_bytes / 4
+    assert mixed.sp_gathered_bytes == pytest.approx(3 * one_block)
+    assert sp_gathered_input_bytes(as_selective_memory(mixed, "op", tp=8, sp=True), sp) == pytest.approx(
+        one_block * (1 - 1 / 8))
+    plain = tp_comm_s(mixed, cluster, training, sp, profile=TESSERA)  # forward, a quarter's recomputation, backward
+    assert tp_comm_s(mixed, cluster, training, sp, profile=TORCHTITAN) == pytest.approx(plain * (2.25 + 0.25) / 2.25)
+    # under async TP the re-gathers run in the backward's compiled graph with the recomputation, overlapped as it is
+    overlapped = sp.model_copy(update={"tp_overlap": True})
+    per_pass = plain / 2.25
+    assert tp_comm_s(mixed, cluster, training, overlapped, profile=TORCHTITAN) == pytest.approx(
+        1.5 * per_pass / 8 + per_pass)
 
 
 @pytest.mark.parametrize("zero, kinds", [(0, ("dp_allreduce",)), (1, ("zero_reducescatter", "zero_allgather"))])
