@@ -244,6 +244,10 @@ forward only, op-level selective recomputation. Context parallelism through PyTo
 rotation, ``ALL_GATHER`` (``_ContextParallelOptions.rotate_method``, torch 2.6 to 2.13; torchtitan's
 ``--experimental.context_parallel_rotate_method`` defaulted to ``allgather`` too, ``torchtitan/config_manager.py`` at
 eaea6f6a2fa9); its models pass grouped K/V to SDPA with ``enable_gqa`` (``models/common/attention.py``, 2026)."""
+TORCHTITAN_COMPILED = replace(TORCHTITAN, name="torchtitan-compiled", cross_entropy="compiled")
+"""torchtitan with ``compile.enable`` and ``loss`` among ``compile.components`` (0.3.0's default, ``["model", "loss"]``):
+it compiles the loss too (``components/loss.py``, ``BaseLoss._maybe_compile``; since mid-2025), one fused kernel
+on the logits (``stage_views.CROSS_ENTROPY_KERNELS``)."""
 TORCHTITAN_2024 = replace(TORCHTITAN, name="torchtitan-2024", cp_kv_repeated=True)
 """torchtitan as its 2024 performance tables ran it: its Llama repeated K/V to every query head before SDPA
 (``models/llama/model.py``: ``repeat_kv``, at 1ea476e9f and eaea6f6a2fa9), so context parallelism moved them so."""
@@ -282,7 +286,7 @@ DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEE
 """DeepSpeed ZeRO-3 as SC'21 measured it (Megatron-LM's model code: unfused attention), gathering parameter by
 parameter within its default limits."""
 
-PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_2024, PYTORCH_FSDP_TE, MEGATRON, NEMO_2407, MEGATRON_2021,
+PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_COMPILED, TORCHTITAN_2024, PYTORCH_FSDP_TE, MEGATRON, NEMO_2407, MEGATRON_2021,
                                  DEEPSPEED)}
 """Every profile by name."""
 

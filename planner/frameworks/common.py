@@ -91,11 +91,14 @@ class ImportedConfig(BaseModel):
     """Flags or fields Tessera does not read (listed so nothing is silently ignored)."""
     notes: tuple[str, ...] = ()
     """Where the configuration was evaluated as the nearest thing the cost model has, in words."""
+    variant: str | None = None
+    """The framework's profile as this configuration runs it, where it differs from the framework's default (a
+    torchtitan configuration that compiles its loss: ``torchtitan-compiled``)."""
 
     @property
     def profile(self) -> str:
         """The framework's implementation profile (``cost_models.profiles.PROFILES``) to estimate ``strategy`` with."""
-        return PROFILE_NAMES[self.framework]
+        return self.variant or PROFILE_NAMES[self.framework]
 
 
 def pin_string(strategy: Strategy) -> str:

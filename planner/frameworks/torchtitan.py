@@ -58,7 +58,7 @@ DEFAULTS = {
                     "pipeline_parallel_last_stage_less_layers": 1},
     "training": {"local_batch_size": 8, "global_batch_size": -1, "seq_len": 2048, "mixed_precision_param": "bfloat16",
                  "dtype": "float32", "enable_cpu_offload": False},
-    "compile": {"enable": False, "enable_async_tensor_parallel": False},
+    "compile": {"enable": False, "enable_async_tensor_parallel": False, "components": ["model", "loss"]},
 }
 """torchtitan 0.3.0's defaults of the fields Tessera reads (``ParallelismConfig``, ``TrainingConfig``, ``CompileConfig``)."""
 BLOCK_FQN = re.compile(r".*\.\d+")
@@ -233,7 +233,18 @@ def from_torchtitan(source: str, *, world_size: int) -> ImportedConfig:
                           ": use bfloat16 or float32")
     seq_len = whole(train["seq_len"], name="training.seq_len", framework="torchtitan", at_most=MAX_SEQ_LEN)
     return ImportedConfig(framework="torchtitan", strategy=canonical(strategy), global_batch=global_batch,
+                          variant="torchtitan-compiled" if _compiles_loss(fields["compile"]) else None,
                           seq_len=seq_len, precision=precision, unread=tuple(unread), notes=tuple(notes))
+
+
+def _compiles_loss(compile_: dict) -> bool:
+    """Whether torchtitan compiles the loss (``BaseLoss._maybe_compile``: ``compile.enable`` and ``loss`` among
+    ``compile.components``), which the cost model prices as one fused kernel."""
+    components = compile_["components"]
+    if not isinstance(components, list) or not all(isinstance(name, str) for name in components):
+        raise ConfigError(f"bad torchtitan setting compile.components {quoted(components)}: use a list of names such "
+                          "as [\"model\", \"loss\"]")
+    return bool(compile_["enable"]) and "loss" in components
 
 
 def _degree(par: dict, key: str) -> int:

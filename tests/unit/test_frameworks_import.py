@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tessera.cost_models.types import Strategy
+from tessera.cost_models.profiles import PROFILES
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.frameworks import import_config
 from tessera.planner.frameworks.common import canonical
@@ -157,6 +158,7 @@ def test_a_derived_torchtitan_config_follows_its_base_function(tmp_path):
      "Tessera models GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble"),
     ("config.training.enable_cpu_offload = True", "no CPU offload"),
     ("config.training.mixed_precision_param = 'float16'", "use bfloat16 or float32"),
+    ("config.compile.components = 'loss'", "compile.components 'loss': use a list of names"),
 ])
 def test_bad_torchtitan_values_are_one_line_naming_the_field(body, message, tmp_path):
     path = tmp_path / "config.py"
@@ -187,6 +189,19 @@ def test_torchtitan_json_dump_and_toml(tmp_path):
                                        "[activation_checkpoint]\nmode = 'selective'\n")
     assert import_config("torchtitan", str(tmp_path / "old.toml"), world_size=8).strategy.to_string() == \
         "dp=8,zero=0,mbs=8,recompute=selective"
+
+
+def test_a_torchtitan_config_that_compiles_its_loss_is_priced_with_the_fused_loss(tmp_path):
+    """torchtitan compiles the loss with ``compile.enable`` and ``loss`` among ``compile.components`` (its default):
+    its profile is ``torchtitan-compiled`` (one fused cross-entropy kernel), else ``torchtitan``."""
+    def profile_of(lines):
+        path = tmp_path / "config.py"
+        path.write_text("def apply(config):\n" + "".join(f"    {line}\n" for line in lines) + "    return config\n")
+        return import_config("torchtitan", str(path), world_size=8).profile
+    assert profile_of(["config.compile.enable = True"]) == "torchtitan-compiled"
+    assert profile_of(["config.compile.enable = True", "config.compile.components = ['model']"]) == "torchtitan"
+    assert profile_of(["config.training.local_batch_size = 2"]) == "torchtitan"
+    assert PROFILES["torchtitan-compiled"].cross_entropy == "compiled"
 
 
 # ----------------------------------------------------------------------------------------- DeepSpeed
