@@ -61,11 +61,14 @@ class FrameworkExport(BaseModel):
     with the framework's implementation behaviours (e.g. Megatron-LM's sequence-parallel memory)."""
     notes: tuple[str, ...] = ()
     """Every difference between the plan and what the framework runs, in words (the comments of ``text``)."""
+    variant: str | None = None
+    """The framework's profile as this configuration runs it, where it differs from the framework's default (a
+    torchtitan configuration that turns on compile, and so compiles its loss: ``torchtitan-compiled``)."""
 
     @property
     def profile(self) -> str:
         """The framework's implementation profile (``cost_models.profiles.PROFILES``) to estimate ``strategy`` with."""
-        return PROFILE_NAMES[self.framework]
+        return self.variant or PROFILE_NAMES[self.framework]
 
     def differs_from(self, planned: Strategy) -> bool:
         """Whether the framework runs something other than ``planned`` (then Tessera evaluates ``strategy`` too)."""

@@ -107,7 +107,8 @@ def to_torchtitan(plan: PlanLike) -> FrameworkExport:
         notes.append("sp_regather: torchtitan's sequence parallelism (DTensor) keeps the gathered input, as Tessera's "
                      "runtime does; the strategy it runs has sp_regather off")
     runs = strategy_with(s, sp_regather=False, **update, **_policy_update(plan, policy), **_experts(s, notes))
-    return FrameworkExport(framework="torchtitan", text=text, strategy=runs, notes=tuple(notes))
+    return FrameworkExport(framework="torchtitan", text=text, strategy=runs, notes=tuple(notes),
+                           variant="torchtitan-compiled" if s.tp_overlap else None)  # compile's components: the loss too
 
 
 def _sharding(s: Strategy, notes: list[str]) -> dict[str, object]:

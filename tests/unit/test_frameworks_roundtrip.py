@@ -293,3 +293,14 @@ def test_each_published_row_is_priced_with_what_its_source_states_about_the_fram
     assert profile["torchtitan-a100-llama2-13b-no-lbs2"].fused_rms_norm  # its 64-A100 preset: fused_rmsnorm
     assert not profile["torchtitan-a100-llama2-70b-full-lbs2"].fused_rms_norm  # its preset: the composite
     assert profile["megatron-sc21-t2-zero3-529.6b-640gpu"].zero3_by_parameter is not None  # DeepSpeed
+
+
+def test_a_torchtitan_export_that_turns_on_compile_is_priced_with_its_compiled_loss(tmp_path):
+    """The export turns on ``compile`` for async TP, and torchtitan then compiles the loss too (``compile.components``
+    defaults to model and loss): the export and its import are priced as ``torchtitan-compiled``."""
+    overlapped = plan_like("dp=2,tp=4,zero=3,mbs=1,recompute=full,sp=true,tp_overlap=true", blocks=8, global_batch=16)
+    export, imported = round_trip(overlapped, "torchtitan", tmp_path)
+    assert export.profile == imported.profile == "torchtitan-compiled"
+    plain = export_plan(plan_like("dp=2,tp=4,zero=3,mbs=1,recompute=full,sp=true", blocks=8, global_batch=16),
+                        "torchtitan")
+    assert plain.profile == "torchtitan"
