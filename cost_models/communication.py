@@ -55,9 +55,8 @@ def tp_comm_s(
     (``ImplementationProfile.tp_overlap_backward``)."""
     if strategy.tp == 1:
         return 0.0
-    # the forward and its recomputation
-    forward_passes = 1 + stage.full_recompute_blocks / max(stage.blocks, 1) + _selective_rerun_share(stage, strategy,
-                                                                                                   profile)
+    rerun = _selective_rerun_share(stage, strategy, profile)
+    forward_passes = 1 + stage.full_recompute_blocks / max(stage.blocks, 1) + rerun  # the forward and its recomputation
     count = max(stage.tp_allreduce_count, 1)
     nbytes = stage.tp_allreduce_bytes * strategy.micro_batch / strategy.cp / count
     # A profiled per-linear overhead at this degree already holds the collectives' fixed costs (measured on a

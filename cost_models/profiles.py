@@ -286,8 +286,8 @@ DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEE
 """DeepSpeed ZeRO-3 as SC'21 measured it (Megatron-LM's model code: unfused attention), gathering parameter by
 parameter within its default limits."""
 
-PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_COMPILED, TORCHTITAN_2024, PYTORCH_FSDP_TE, MEGATRON, NEMO_2407, MEGATRON_2021,
-                                 DEEPSPEED)}
+PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_COMPILED, TORCHTITAN_2024, PYTORCH_FSDP_TE, MEGATRON,
+                                 NEMO_2407, MEGATRON_2021, DEEPSPEED)}
 """Every profile by name."""
 
 

@@ -56,8 +56,8 @@ FUSED_CROSS_ENTROPY = ("flash-attn", "compiled")
 
 def with_loss_kernel(stage: StageTotals, kernel: str) -> StageTotals:
     """``stage`` with its loss run by ``kernel`` (``CROSS_ENTROPY_KERNELS``; its backward's working tensors:
-    ``memory_state.loss_gradient_bytes``). A fused kernel (``FUSED_CROSS_ENTROPY``) keeps the logits as they come instead of fp32
-    log-probabilities (plus one fp32 log-sum-exp per token, left out: 4 bytes beside a vocabulary's worth), and makes
+    ``memory_state.loss_gradient_bytes``). A fused kernel (``FUSED_CROSS_ENTROPY``) keeps the logits as they come
+    instead of fp32 log-probabilities (plus one fp32 log-sum-exp per token, left out: 4 bytes beside a vocabulary's worth), and makes
     that much less of the traffic elementwise time is charged by (``loss_traffic_saving_bytes``: the FP8 terms that
     read the activation traffic as the linears' inputs leave it alone). ``megatron`` keeps an fp32 softmax, as large
     as torch's log-probabilities."""

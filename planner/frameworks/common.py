@@ -47,20 +47,13 @@ class PlanLike(Protocol):
     layers: Sequence[LayerLike]
 
 
-class FrameworkExport(BaseModel):
-    """A plan rendered for one framework, and what the framework will run."""
+class _FrameworkRecord(BaseModel):
+    """What an export and an import share: the framework, and the implementation profile its run is priced with."""
 
     model_config = FROZEN
 
     framework: str
     """``megatron``, ``torchtitan`` or ``deepspeed``."""
-    text: str
-    """The configuration, with a comment for every choice the framework cannot express exactly."""
-    strategy: Strategy
-    """The strategy the framework runs with this configuration: the plan's, or the nearest one it can express,
-    with the framework's implementation behaviours (e.g. Megatron-LM's sequence-parallel memory)."""
-    notes: tuple[str, ...] = ()
-    """Every difference between the plan and what the framework runs, in words (the comments of ``text``)."""
     variant: str | None = None
     """The framework's profile as this configuration runs it, where it differs from the framework's default (a
     torchtitan configuration that turns on compile, and so compiles its loss: ``torchtitan-compiled``)."""
@@ -70,18 +63,26 @@ class FrameworkExport(BaseModel):
         """The framework's implementation profile (``cost_models.profiles.PROFILES``) to estimate ``strategy`` with."""
         return self.variant or PROFILE_NAMES[self.framework]
 
+
+class FrameworkExport(_FrameworkRecord):
+    """A plan rendered for one framework, and what the framework will run."""
+
+    text: str
+    """The configuration, with a comment for every choice the framework cannot express exactly."""
+    strategy: Strategy
+    """The strategy the framework runs with this configuration: the plan's, or the nearest one it can express,
+    with the framework's implementation behaviours (e.g. Megatron-LM's sequence-parallel memory)."""
+    notes: tuple[str, ...] = ()
+    """Every difference between the plan and what the framework runs, in words (the comments of ``text``)."""
+
     def differs_from(self, planned: Strategy) -> bool:
         """Whether the framework runs something other than ``planned`` (then Tessera evaluates ``strategy`` too)."""
         return canonical(self.strategy) != canonical(planned)
 
 
-class ImportedConfig(BaseModel):
+class ImportedConfig(_FrameworkRecord):
     """A framework's configuration read into Tessera's terms."""
 
-    model_config = FROZEN
-
-    framework: str
-    """``megatron``, ``torchtitan`` or ``deepspeed``."""
     strategy: Strategy
     """The strategy the configuration runs, with the framework's implementation behaviours."""
     global_batch: int | None = None
@@ -94,14 +95,6 @@ class ImportedConfig(BaseModel):
     """Flags or fields Tessera does not read (listed so nothing is silently ignored)."""
     notes: tuple[str, ...] = ()
     """Where the configuration was evaluated as the nearest thing the cost model has, in words."""
-    variant: str | None = None
-    """The framework's profile as this configuration runs it, where it differs from the framework's default (a
-    torchtitan configuration that compiles its loss: ``torchtitan-compiled``)."""
-
-    @property
-    def profile(self) -> str:
-        """The framework's implementation profile (``cost_models.profiles.PROFILES``) to estimate ``strategy`` with."""
-        return self.variant or PROFILE_NAMES[self.framework]
 
 
 def pin_string(strategy: Strategy) -> str:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import re
 
+from tessera.cost_models.profiles import TORCHTITAN_COMPILED
 from tessera.cost_models.types import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, Strategy
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.frameworks.common import (
@@ -108,7 +109,7 @@ def to_torchtitan(plan: PlanLike) -> FrameworkExport:
                      "runtime does; the strategy it runs has sp_regather off")
     runs = strategy_with(s, sp_regather=False, **update, **_policy_update(plan, policy), **_experts(s, notes))
     return FrameworkExport(framework="torchtitan", text=text, strategy=runs, notes=tuple(notes),
-                           variant="torchtitan-compiled" if s.tp_overlap else None)  # compile's components: the loss too
+                           variant=TORCHTITAN_COMPILED.name if s.tp_overlap else None)  # compile's components: the loss too
 
 
 def _sharding(s: Strategy, notes: list[str]) -> dict[str, object]:
@@ -234,7 +235,7 @@ def from_torchtitan(source: str, *, world_size: int) -> ImportedConfig:
                           ": use bfloat16 or float32")
     seq_len = whole(train["seq_len"], name="training.seq_len", framework="torchtitan", at_most=MAX_SEQ_LEN)
     return ImportedConfig(framework="torchtitan", strategy=canonical(strategy), global_batch=global_batch,
-                          variant="torchtitan-compiled" if _compiles_loss(fields["compile"]) else None,
+                          variant=TORCHTITAN_COMPILED.name if _compiles_loss(fields["compile"]) else None,
                           seq_len=seq_len, precision=precision, unread=tuple(unread), notes=tuple(notes))
 
 
