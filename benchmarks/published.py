@@ -83,6 +83,8 @@ TRAIN_IDS = frozenset({
     "torchtitan2506-h100-llama3-70b-256gpu-bf16-tp", "torchtitan2506-h100-llama3-70b-256gpu-fp8-tp",
     "torchtitan2506-h100-llama3-8b-64gpu-bf16-tp", "torchtitan2506-h100-llama3-8b-64gpu-fp8-tp",
     "torchtitan2506-h200-llama3-8b-32gpu-fsdp-float8",
+    "nemo2403-fp8-llama2-7b-s4k-4gpu-cp1", "nemo2403-fp8-llama2-7b-s16k-16gpu-cp1", "nemo2403-fp8-llama2-7b-s64k-64gpu-cp2",
+    "nemo2403-fp8-llama2-7b-s256k-256gpu-cp8", "nemo2403-fp8-llama2-7b-s1024k-1024gpu-cp32",
 })
 COMPUTE_GRID = {
     "peak_fraction": [round(0.40 + 0.01 * i, 2) for i in range(41)],

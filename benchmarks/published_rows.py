@@ -16,7 +16,7 @@ import yaml
 
 from tessera.cost_models import Strategy, TrainingConfig
 from tessera.cost_models.profiles import (
-    DEEPSPEED, MEGATRON, MEGATRON_2021, NEMO_2407, PYTORCH_FSDP_TE, TORCHTITAN_2024, ImplementationProfile,
+    DEEPSPEED, MEGATRON, MEGATRON_2021, NEMO_2024, PYTORCH_FSDP_TE, TORCHTITAN_2024, ImplementationProfile,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -47,7 +47,9 @@ def model_spec(run: dict) -> str:
 def cluster_spec(run: dict) -> str:
     gpu = run["hardware"]["gpu"]
     preset, variant = PRESETS.get(gpu, ("dgx-h100" if gpu.startswith("H100") else "dgx-a100", None))
-    return f"{preset}:nodes={run['hardware']['gpus'] // 8}" + (f",gpu={variant}" if variant else "")
+    gpus = run["hardware"]["gpus"]  # a run on part of one node: that node with only its GPUs
+    size = f"nodes={gpus // 8}" if gpus >= 8 else f"nodes=1,gpus_per_node={gpus}"
+    return f"{preset}:{size}" + (f",gpu={variant}" if variant else "")
 
 
 def training_config(run: dict) -> TrainingConfig:
@@ -74,8 +76,8 @@ def framework_profile(run: dict) -> ImplementationProfile:
     if framework.startswith("llm-foundry"):  # FSDP's PURE mixed precision reduces gradients in bf16 too
         pure = run["training"].get("mixed_precision_mode") == "PURE"
         return replace(PYTORCH_FSDP_TE, gradient_bytes=2) if pure else PYTORCH_FSDP_TE
-    if framework.startswith("NeMo") and "24.07" in str(run.get("source", "")):
-        return NEMO_2407
+    if framework.startswith("NeMo") and any(tag in str(run.get("source", "")) for tag in ("24.03.01", "24.07")):
+        return NEMO_2024
     return MEGATRON
 
 
@@ -102,6 +104,9 @@ def published_step_s(run: dict) -> float:
     s, l, h, v = m["seq_len"], m["layers"], m["hidden"], m["vocab"]
     if run["id"].startswith("megatron-sc21"):  # eq. 3: forward, backward and recomputed forward
         flops = 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+    elif reported.get("flops_formula") == "nemo-llama":  # NeMo's Llama model FLOPs (the row's notes)
+        ratios = 12 * m["kv_heads"] / m["heads"] + 18 * m["ffn_hidden"] / h + 12 * s / h + 6 * v / (l * h)
+        flops = b * s * l * h**2 * (12 + ratios)
     else:  # model FLOPs: forward and backward only
         flops = 72 * b * s * l * h**2 * (1 + s / (6 * h)) + 6 * b * s * h * v
     return flops / (reported["tflops_per_gpu"] * 1e12 * run["hardware"]["gpus"])
@@ -133,7 +138,7 @@ def _stated_pins(run: dict) -> dict[str, object]:
         fixed["schedule"] = par["schedule"]
     if par.get("virtual_pipeline"):
         fixed["schedule"], fixed["virtual_stages"] = "interleaved", par["virtual_pipeline"]
-    if framework_profile(run) in (MEGATRON, NEMO_2407):
+    if framework_profile(run) in (MEGATRON, NEMO_2024):
         fixed["sp_regather"] = True  # Megatron-Core's sequence parallelism, should the planner turn it on
     if framework_profile(run).name == TORCHTITAN_2024.name and par["pp"] > 1 and fixed.get("zero") == 3:
         # torchtitan 9dec370 (parallelisms/parallelize_llama.py, apply_fsdp): "For PP, do not reshard after

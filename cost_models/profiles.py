@@ -267,11 +267,12 @@ MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_
 """Megatron-Core / NeMo: Transformer Engine for FP8, attention (cuDNN on Hopper, FA2 before) and RMSNorm (fused);
 its vocabulary-parallel cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, fused or not: an fp32 copy
 of the logits turned into the softmax in place and saved, the backward's gradient written over it)."""
-NEMO_2407 = replace(MEGATRON, name="nemo-24.07", gradient_bytes=2)
-"""NeMo 24.07 (Megatron-Core under NeMo's launcher): its performance recipes reduce gradients in bf16. Every GPT and
-Llama H100 example script of NVIDIA/NeMo-Framework-Launcher at tag 24.07 (examples/training/{gpt,llama}/h100/*.sh, bf16
-and fp8) passes ``+training.model.optim.grad_sync_dtype=bf16``, and so does its GPT-3 175B FP8 config
-(launcher_scripts/conf/training/gpt3/175b_fp8.yaml)."""
+NEMO_2024 = replace(MEGATRON, name="nemo-2024", gradient_bytes=2)
+"""NeMo of 2024 (Megatron-Core under NeMo's launcher, containers 24.03.01 and 24.07): its performance recipes reduce
+gradients in bf16. The Llama 2 7B FP8 example of NVIDIA/NeMo-Framework-Launcher at tag 24.03.01
+(examples/training/llama/h100/llama2_7b_fp8.sh) passes ``+training.model.optim.grad_sync_dtype=bf16``, and at tag 24.07
+every GPT and Llama H100 example script (examples/training/{gpt,llama}/h100/*.sh, bf16 and fp8) and the GPT-3 175B FP8
+config (launcher_scripts/conf/training/gpt3/175b_fp8.yaml) do."""
 MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=(), fused_rms_norm=False,
                         pp_scatter_gather=True, dp_overlap=False)
 """Megatron-LM as SC'21 and Korthikanti et al. (2022) ran it: unfused attention (its GPT models norm with LayerNorm),
@@ -287,7 +288,7 @@ DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEE
 parameter within its default limits."""
 
 PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_COMPILED, TORCHTITAN_2024, PYTORCH_FSDP_TE, MEGATRON,
-                                 NEMO_2407, MEGATRON_2021, DEEPSPEED)}
+                                 NEMO_2024, MEGATRON_2021, DEEPSPEED)}
 """Every profile by name."""
 
 

@@ -16,6 +16,7 @@ from tessera.errors import ConfigError
 from tessera.planner.frameworks import export_plan, import_config
 from tessera.planner.frameworks.common import canonical
 from tessera.planner.plan import PlannedLayer
+from tessera.topology import load_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -293,6 +294,20 @@ def test_each_published_row_is_priced_with_what_its_source_states_about_the_fram
     assert profile["torchtitan-a100-llama2-13b-no-lbs2"].fused_rms_norm  # its 64-A100 preset: fused_rmsnorm
     assert not profile["torchtitan-a100-llama2-70b-full-lbs2"].fused_rms_norm  # its preset: the composite
     assert profile["megatron-sc21-t2-zero3-529.6b-640gpu"].zero3_by_parameter is not None  # DeepSpeed
+
+
+def test_a_row_in_nemos_model_tflops_converts_with_nemos_formula_and_part_of_a_node_is_that_part():
+    """NeMo's long-sequence table prints model TFLOP/s only: the step time is NeMo's Llama FLOPs over them. The
+    formula reproduces NeMo 24.07's own table, which prints both (Llama 2 7B at 4K: 767 TFLOP/s, 16,634 tokens/s per
+    GPU). A run on 4 of a node's 8 GPUs is priced on a 4-GPU node."""
+    rows = _published_rows()
+    run = next(r for r in rows.measured_runs() if r["id"] == "nemo2403-fp8-llama2-7b-s4k-4gpu-cp1")
+    as_in_2407 = {**run, "hardware": {**run["hardware"], "gpus": 8},
+                  "training": {**run["training"], "global_batch": 128}, "reported": {**run["reported"], "tflops_per_gpu": 767}}
+    tokens_per_gpu_s = 128 * 4096 / (rows.published_step_s(as_in_2407) * 8)
+    assert tokens_per_gpu_s == pytest.approx(16634, rel=1e-3)
+    assert rows.cluster_spec(run) == "dgx-h100:nodes=1,gpus_per_node=4"
+    assert load_cluster(rows.cluster_spec(run)).num_devices == 4
 
 
 def test_a_torchtitan_export_that_turns_on_compile_is_priced_with_its_compiled_loss(tmp_path):

@@ -142,7 +142,7 @@ def test_zero_collectives_are_priced_per_fully_shard_unit():
 
 
 def test_gradients_reduced_in_bf16_hold_and_move_half_the_bytes():
-    # NeMo 24.07's recipes reduce gradients in bf16 (profiles.NEMO_2407): the held gradients and the data-parallel
+    # NeMo's 2024 recipes reduce gradients in bf16 (profiles.NEMO_2024): the held gradients and the data-parallel
     # gradient collectives are half of fp32's; the parameter all-gathers and everything else are unchanged.
     from dataclasses import replace
 
@@ -152,7 +152,7 @@ def test_gradients_reduced_in_bf16_hold_and_move_half_the_bytes():
         assert bf16.memory_by_category_bytes["gradients"] == pytest.approx(fp32.memory_by_category_bytes["gradients"] / 2, rel=1e-6)
         assert bf16.memory_by_category_bytes["optimizer"] == fp32.memory_by_category_bytes["optimizer"]
         assert bf16.comm_time_by_kind_s[collective] < fp32.comm_time_by_kind_s[collective]
-    assert profile("nemo-24.07").gradient_bytes == 2 and TESSERA.gradient_bytes == 4
+    assert profile("nemo-2024").gradient_bytes == 2 and TESSERA.gradient_bytes == 4
 
 
 def test_torchtitan_selective_reruns_every_second_matmul_not_the_attention_core():

@@ -1,0 +1,70 @@
+"""How much slower than its kernel's published rate the attention would have to run for a published run's step.
+
+Run: ``.venv/bin/python benchmarks/attention_gap.py [--rows REGEX]`` (seconds per row; default: the runs with
+sequences of 16K tokens and more). For each run it plans the published configuration as ``benchmarks/published.py``
+does (the calibration in use, no fit), then prices its attention cores ``k`` times slower than their kernel's
+figure (``cost_models.compute.attention_core_rate``: the published FlashAttention-2 / cuDNN / Triton rate, or the
+calibrated fallback) and finds the ``k`` at which the predicted step equals the published one (bisection). A ``k``
+near 1 says the attention is priced as it ran and the rest of the step explains any error; the same ``k`` on every
+long-sequence run of one setup says the attention is what is mispriced there. It is a diagnosis, not a fit: nothing
+here changes the model. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+from unittest import mock
+
+from published import GPU_CALIBRATION, evaluate_as_run, plan_run
+from published_rows import framework_profile, measured_runs, published_step_s, regime
+from tessera.cost_models import compute
+
+ESTIMATE = importlib.import_module("tessera.cost_models.estimate")  # the module (the package exports its function)
+
+LONG_SEQUENCES = 16384
+SLOWDOWNS = (0.25, 4.0)
+
+
+def step_with_attention_slowed(run: dict, strategy, slowdown: float) -> float:
+    """The predicted step of ``strategy`` with every attention core ``slowdown`` times slower than priced (in the
+    compute and in what hides the context-parallel ring behind it)."""
+    priced = compute.attention_core_rate
+    slowed = lambda *args, **kwargs: priced(*args, **kwargs) / slowdown  # noqa: E731
+    with mock.patch.object(compute, "attention_core_rate", slowed), \
+            mock.patch.object(ESTIMATE, "attention_core_rate", slowed):
+        return evaluate_as_run(run, strategy, GPU_CALIBRATION).step_time_s
+
+
+def slowdown_for(run: dict, strategy, published: float) -> float | None:
+    """The attention slowdown at which the predicted step is ``published`` (None outside ``SLOWDOWNS``)."""
+    low, high = SLOWDOWNS
+    if not step_with_attention_slowed(run, strategy, low) <= published <= step_with_attention_slowed(run, strategy, high):
+        return None
+    for _ in range(30):  # geometric bisection: the step grows with the slowdown
+        middle = (low * high) ** 0.5
+        low, high = (middle, high) if step_with_attention_slowed(run, strategy, middle) < published else (low, middle)
+    return (low * high) ** 0.5
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", metavar="REGEX", help="only the runs whose id matches (default: sequences >= 16K)")
+    args = parser.parse_args()
+    runs = [run for run in measured_runs() if (re.search(args.rows, run["id"]) if args.rows
+                                               else run["model"]["seq_len"] >= LONG_SEQUENCES)]
+    print("| run | regime | seq | cp | kernels | published s | predicted s | error | attention slower by |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for run in runs:
+        strategy, estimate = plan_run(run, GPU_CALIBRATION)[:2]
+        published = published_step_s(run)
+        slowdown = slowdown_for(run, strategy, published)
+        kernels = "/".join(framework_profile(run).attention_kernels) or "fallback"
+        print(f"| {run['id']} | {regime(run)} | {run['model']['seq_len']} | {strategy.cp} | {kernels} | {published:.2f} | "
+              f"{estimate.step_time_s:.2f} | {estimate.step_time_s / published - 1:+.1%} | "
+              f"{'outside 0.25-4x' if slowdown is None else f'x{slowdown:.2f}'} |")
+
+
+if __name__ == "__main__":
+    main()
