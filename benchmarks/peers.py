@@ -29,6 +29,7 @@ median and worst |error| on the rows that predictor can express, and Tessera's o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -39,10 +40,12 @@ import types
 from pathlib import Path
 
 from published import HERE, TRAIN_IDS, plan_run
-from published_rows import framework_profile, measured_runs, published_step_s, regime
+from published_rows import cluster_spec, framework_profile, measured_runs, published_step_s, regime
 from tessera.cost_models import Strategy
 from tessera.cost_models.compute import GPU_CALIBRATION
 from tessera.cost_models.profiles import MEGATRON_2021
+from tessera.topology import load_cluster
+from tessera.topology.hardware import device
 
 LLM_ANALYSIS_GPUS = {"A100-40GB": "a100-sxm-40gb", "A100-80GB": "a100-sxm-80gb", "H100": "h100-sxm-80gb"}
 CALCULON_SYSTEMS = {"A100-40GB": "a100_80g.json", "A100-80GB": "a100_80g.json", "H100": "h100_80g_nvl8.json"}
@@ -51,13 +54,25 @@ GPUS_PER_NODE = 8  # Calculon's first network tier (NVLink) in both system files
 
 def peer_gpu(run: dict) -> str | None:
     """The row's GPU as the peers know it: every H100 row (the 96 GB 500 W part and those whose variant is not
-    stated, as ``published_rows.cluster_spec`` places them) is their H100 SXM."""
+    stated, as ``published_rows.cluster_spec`` places them) is their H100 SXM (at the row's peak:
+    :func:`peer_peak_share`)."""
     gpu = run["hardware"]["gpu"]
     if gpu.startswith("H100"):
         return "H100"
     if gpu.startswith("A100"):
         return "A100-40GB" if "40GB" in gpu else "A100-80GB"
     return None
+
+
+def peer_peak_share(run: dict) -> float:
+    """The row's device peak over the part the peers price it as: below 1 for torchtitan's 500 W H100, which the
+    catalog puts between the H100 SXM and NVL as its page does, so the peers get the same peak as Tessera."""
+    catalogued = {"A100-40GB": "A100-SXM-40GB", "A100-80GB": "A100-SXM-80GB", "H100": "H100-SXM-80GB"}
+    peer = peer_gpu(run)
+    if peer is None:
+        return 1.0
+    priced = load_cluster(cluster_spec(run)).device  # the part Tessera prices the row on
+    return priced.peak_flops("bf16") / device(catalogued[peer]).peak_flops("bf16")
 
 
 def llm_analysis_step_s(la, run: dict, strategy: Strategy) -> float | None:
@@ -72,8 +87,12 @@ def llm_analysis_step_s(la, run: dict, strategy: Strategy) -> float | None:
         expansion_ratio=ffn / m["hidden"], model_type="llama" if m.get("family") == "llama" else "gpt",
     )
     fp8 = run["training"].get("precision") == "fp8"
+    gpu = la.config.get_gpu_config_by_name(LLM_ANALYSIS_GPUS[peer_gpu(run)])
+    share = peer_peak_share(run)
+    gpu = dataclasses.replace(gpu, peak_fp16_TFLOPS=gpu.peak_fp16_TFLOPS * share, peak_i8_TFLOPS=gpu.peak_i8_TFLOPS * share,
+                              peak_i4_TFLOPS=gpu.peak_i4_TFLOPS * share)
     analysis = la.analysis.LLMAnalysis(
-        model, la.config.get_gpu_config_by_name(LLM_ANALYSIS_GPUS[peer_gpu(run)]),
+        model, gpu,
         dtype_config=la.config.get_dtype_config_by_name("w8a8e16" if fp8 else "w16a16e16"),
         parallelism_config=la.config.ParallelismConfig(tp_size=strategy.tp, pp_size=strategy.pp, dp_size=strategy.dp,
                                                        sp_size=strategy.tp if strategy.sp else 1),

@@ -47,8 +47,10 @@ def model_spec(run: dict) -> str:
 def cluster_spec(run: dict) -> str:
     gpu = run["hardware"]["gpu"]
     preset, variant = PRESETS.get(gpu, ("dgx-h100" if gpu.startswith("H100") else "dgx-a100", None))
-    gpus = run["hardware"]["gpus"]  # a run on part of one node: that node with only its GPUs
-    size = f"nodes={gpus // 8}" if gpus >= 8 else f"nodes=1,gpus_per_node={gpus}"
+    gpus, per_node = run["hardware"]["gpus"], run["hardware"].get("gpus_per_node") or 8
+    if gpus % per_node:
+        raise ValueError(f"{run['id']}: {gpus} GPUs are not whole nodes of gpus_per_node {per_node}")
+    size = f"nodes={gpus // per_node}" + (f",gpus_per_node={per_node}" if per_node != 8 else "")  # 4 of 8: a 4-GPU node
     return f"{preset}:{size}" + (f",gpu={variant}" if variant else "")
 
 
@@ -107,6 +109,8 @@ def published_step_s(run: dict) -> float:
     elif reported.get("flops_formula") == "nemo-llama":  # NeMo's Llama model FLOPs (the row's notes)
         ratios = 12 * m["kv_heads"] / m["heads"] + 18 * m["ffn_hidden"] / h + 12 * s / h + 6 * v / (l * h)
         flops = b * s * l * h**2 * (12 + ratios)
+    elif reported.get("flops_formula") is not None:
+        raise ValueError(f"{run['id']}: unknown flops_formula {reported['flops_formula']!r}; known: nemo-llama")
     else:  # model FLOPs: forward and backward only
         flops = 72 * b * s * l * h**2 * (1 + s / (6 * h)) + 6 * b * s * h * v
     return flops / (reported["tflops_per_gpu"] * 1e12 * run["hardware"]["gpus"])

@@ -46,7 +46,7 @@ converted to SI units is reported here)."""
 
 ATTENTION_KERNELS = ("fa2", "fa-triton", "cudnn", "fa3")
 """Fused attention kernels a catalog entry may give figures for (``catalog.yaml`` header)."""
-CATALOG_ONLY_FIELDS = ("attention_tflops", "attention_source")
+CATALOG_ONLY_FIELDS = ("attention_tflops", "attention_scale", "attention_source")
 """Catalog entry fields that are not ``DeviceSpec`` fields: the attention kernels' published rates."""
 
 AttentionCurve = tuple[tuple[int, float], ...]
@@ -187,9 +187,16 @@ def _catalog() -> dict[str, DeviceSpec]:
 def _attention_catalog() -> dict[str, dict[str, AttentionCurve]]:
     """``{device name: {kernel: curve}}`` for the catalog entries that give attention figures."""
     return {
-        str(entry["name"]): attention_curves_from_raw(entry["attention_tflops"], where=f"catalog.yaml entry {i}")
+        str(entry["name"]): _scaled(attention_curves_from_raw(entry["attention_tflops"], where=f"catalog.yaml entry {i}"),
+                                    file_number(entry.get("attention_scale", 1.0),
+                                                f"catalog.yaml entry {i}: field 'attention_scale'", positive=True))
         for i, entry in enumerate(_entries()) if entry.get("attention_tflops")
     }
+
+
+def _scaled(curves: dict[str, AttentionCurve], scale: float) -> dict[str, AttentionCurve]:
+    """``curves`` with every rate times ``scale`` (``attention_scale``: a part priced from a sibling's figures)."""
+    return {kernel: tuple((seq, rate * scale) for seq, rate in curve) for kernel, curve in curves.items()}
 
 
 def attention_curves_from_raw(raw: Any, *, where: str) -> dict[str, AttentionCurve]:

@@ -126,3 +126,12 @@ def test_catalog_attention_figures_are_checked():
     with pytest.raises(ClusterSpecError, match="fa2.2048"):
         attention_curves_from_raw({"fa2": {2048: -1}}, where="x")
     assert device("A100-SXM-80GB").name == "A100-SXM-80GB"  # the catalog-only fields do not reach DeviceSpec
+
+
+def test_a_part_priced_from_a_siblings_figures_scales_them():
+    """torchtitan's 500 W H100 has no attention benchmark of its own: the catalog scales the H100 SXM's figures by
+    its peak over the SXM's (``attention_scale``)."""
+    sxm, capped = attention_curve("H100-SXM-80GB", "fa2"), attention_curve("H100-SXM-96GB-500W", "fa2")
+    assert [seq for seq, _ in capped] == [seq for seq, _ in sxm]
+    assert all(rate == pytest.approx(full * 0.9224) for (_, rate), (_, full) in zip(capped, sxm))
+    assert device("H100-SXM-96GB-500W").peak_flops("bf16") == pytest.approx(912.25e12)

@@ -172,17 +172,23 @@ def _published_rows():
     return module
 
 
-def test_pairs_are_two_configurations_one_source_measured():
-    """``benchmarks/published.py`` judges choices between configurations on pairs of runs of one workload from one
-    source document: two documents' runs of one configuration differ by software version, not by a choice."""
+def _benchmark_script(name: str):
+    """A script of ``benchmarks/`` loaded as a module (its sibling modules importable while it loads)."""
     _published_rows()
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        spec = importlib.util.spec_from_file_location("published_under_test", ROOT / "benchmarks" / "published.py")
-        published = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(published)
+        spec = importlib.util.spec_from_file_location(f"{name}_under_test", ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def test_pairs_are_two_configurations_one_source_measured():
+    """``benchmarks/published.py`` judges choices between configurations on pairs of runs of one workload from one
+    source document: two documents' runs of one configuration differ by software version, not by a choice."""
+    published = _benchmark_script("published")
     runs = published.measured_runs()
     pairs = {frozenset((p.first, p.second)) for p in published.workload_pairs(runs, {r["id"]: 1.0 for r in runs})}
     december, june = "torchtitan-h100-llama3-70b-256gpu-s8192-2d", "torchtitan2506-h100-llama3-70b-256gpu-fp8"
@@ -307,7 +313,22 @@ def test_a_row_in_nemos_model_tflops_converts_with_nemos_formula_and_part_of_a_n
     tokens_per_gpu_s = 128 * 4096 / (rows.published_step_s(as_in_2407) * 8)
     assert tokens_per_gpu_s == pytest.approx(16634, rel=1e-3)
     assert rows.cluster_spec(run) == "dgx-h100:nodes=1,gpus_per_node=4"
+    assert rows.framework_profile(run).name == "nemo-2024"  # its launcher's recipes reduce gradients in bf16
     assert load_cluster(rows.cluster_spec(run)).num_devices == 4
+
+
+def test_the_attention_gap_prices_the_attention_slower_and_finds_the_slowdown_a_step_implies():
+    """``benchmarks/attention_gap.py``: at slowdown 1 the step is the benchmark's estimate; slower attention lengthens
+    it; the slowdown found for a step 10% longer lies above 1 and reproduces that step."""
+    gap = _benchmark_script("attention_gap")
+    run = next(r for r in gap.measured_runs() if r["id"] == "nemo2403-fp8-llama2-7b-s16k-16gpu-cp1")
+    strategy, estimate = gap.plan_run(run, gap.GPU_CALIBRATION)[:2]
+    assert gap.step_with_attention_slowed(run, strategy, 1.0) == pytest.approx(estimate.step_time_s)
+    assert gap.step_with_attention_slowed(run, strategy, 2.0) > 1.05 * estimate.step_time_s
+    slowdown = gap.slowdown_for(run, strategy, 1.1 * estimate.step_time_s)
+    assert slowdown > 1 and gap.step_with_attention_slowed(run, strategy, slowdown) == pytest.approx(
+        1.1 * estimate.step_time_s, rel=1e-3)
+    assert gap.priced_kernel(run) == "cudnn"  # NeMo's Transformer Engine on an H100
 
 
 def test_a_torchtitan_export_that_turns_on_compile_is_priced_with_its_compiled_loss(tmp_path):
