@@ -34,6 +34,7 @@ from tessera.cost_models.sparse import check_sparse_and_long, cp_comm_s, ep_comm
 from tessera.cost_models.types import Estimate, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster, DeviceSpec
+from tessera.topology.hardware import attention_curve
 from tessera.topology.collectives import all_reduce_time, all_to_all_time
 
 
@@ -119,7 +120,7 @@ def estimate(
         hardware_flops_per_step=hardware_flops,
         mfu=model_flops / (step * peak_rate),
         hfu=hardware_flops / (step * peak_rate),
-        notes=_notes(training, straggling),
+        notes=_notes(training, straggling) + _attention_note(cluster.device, training, profile, calibration),
     )
 
 
@@ -179,6 +180,18 @@ def _notes(training: TrainingConfig, straggling: float) -> tuple[str, ...]:
     if straggling:
         notes.append(f"stragglers: {straggling:.3g} s per step waiting for the slowest rank")
     return tuple(notes)
+
+
+def _attention_note(device: DeviceSpec, training: TrainingConfig, profile: ImplementationProfile,
+                    calibration: Calibration) -> tuple[str, ...]:
+    """Where no published kernel figure prices the attention on this GPU, a note saying what does instead."""
+    if device.name == "local-cpu" or any(attention_curve(device.name, kernel) for kernel in profile.attention_kernels):
+        return ()
+    kernels = "/".join(profile.attention_kernels) or "unfused attention"
+    share = device_calibration(device, calibration).attention_efficiency
+    rate = (f"the calibrated fallback, {share:.0%} of the {bf16_or(training.precision)} peak, fitted on published runs "
+            "of unfused and Triton attention") if share else "the matmul rate"
+    return (f"attention: no published rate of {kernels} on {device.name}; its cores are priced at {rate}",)
 
 
 def step_time_lower_bound(

@@ -135,3 +135,14 @@ def test_a_part_priced_from_a_siblings_figures_scales_them():
     assert [seq for seq, _ in capped] == [seq for seq, _ in sxm]
     assert all(rate == pytest.approx(full * 0.9224) for (_, rate), (_, full) in zip(capped, sxm))
     assert device("H100-SXM-96GB-500W").peak_flops("bf16") == pytest.approx(912.25e12)
+
+
+def test_an_estimate_says_when_no_published_kernel_rate_prices_its_attention():
+    """On a part the catalog has no attention figure for (the B200), the estimate's notes say the calibrated fallback
+    prices the attention; on an H100 running FlashAttention-2 they say nothing of it."""
+    t, s = training(), Strategy.parse("dp=8,zero=3,mbs=1")
+    b200 = estimate(LAYERS, load_cluster("dgx-b200:nodes=1"), t, s, calibration=FLAT, profile=TESSERA)
+    assert any(note.startswith("attention: no published rate of fa2 on B200-SXM-180GB") and "40% of the bf16 peak" in note
+               for note in b200.notes)
+    h100 = estimate(LAYERS, H100, t, s, calibration=FLAT, profile=TESSERA)
+    assert not any(note.startswith("attention:") for note in h100.notes)
