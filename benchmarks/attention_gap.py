@@ -19,7 +19,7 @@ import re
 from unittest import mock
 
 from published import evaluate_as_run, plan_run
-from published_rows import cluster_spec, framework_profile, measured_runs, published_step_s, regime
+from published_rows import cluster_spec, framework_profile, measured_runs, published_step_s, regime, unpriced_runs
 from tessera.cost_models import compute
 from tessera.cost_models.compute import GPU_CALIBRATION
 from tessera.topology import load_cluster
@@ -63,10 +63,11 @@ def priced_kernel(run: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", metavar="REGEX", help="only the runs whose id matches (default: sequences >= 16K)")
+    parser.add_argument("--rows", metavar="REGEX", help="only the runs whose id matches, those Tessera cannot price "
+                        "yet included (default: the priced runs of sequences >= 16K)")
     args = parser.parse_args()
-    runs = [run for run in measured_runs() if (re.search(args.rows, run["id"]) if args.rows
-                                               else run["model"]["seq_len"] >= LONG_SEQUENCES)]
+    runs = ([run for run in measured_runs() + unpriced_runs() if re.search(args.rows, run["id"])] if args.rows
+            else [run for run in measured_runs() if run["model"]["seq_len"] >= LONG_SEQUENCES])
     print("| run | regime | seq | cp | kernel | published s | predicted s | error | attention slower by |")
     print("|---|---|---|---|---|---|---|---|---|")
     for run in runs:

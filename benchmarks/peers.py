@@ -71,8 +71,12 @@ def peer_peak_share(run: dict) -> float:
     peer = peer_gpu(run)
     if peer is None:
         return 1.0
-    priced = load_cluster(cluster_spec(run)).device  # the part Tessera prices the row on
-    return priced.peak_flops("bf16") / device(catalogued[peer]).peak_flops("bf16")
+    return priced_device(run).peak_flops("bf16") / device(catalogued[peer]).peak_flops("bf16")
+
+
+def priced_device(run: dict):
+    """The part Tessera prices the row on (``published_rows.cluster_spec``)."""
+    return load_cluster(cluster_spec(run)).device
 
 
 def llm_analysis_step_s(la, run: dict, strategy: Strategy) -> float | None:
@@ -89,8 +93,11 @@ def llm_analysis_step_s(la, run: dict, strategy: Strategy) -> float | None:
     fp8 = run["training"].get("precision") == "fp8"
     gpu = la.config.get_gpu_config_by_name(LLM_ANALYSIS_GPUS[peer_gpu(run)])
     share = peer_peak_share(run)
-    gpu = dataclasses.replace(gpu, peak_fp16_TFLOPS=gpu.peak_fp16_TFLOPS * share, peak_i8_TFLOPS=gpu.peak_i8_TFLOPS * share,
-                              peak_i4_TFLOPS=gpu.peak_i4_TFLOPS * share)
+    if share != 1:  # the part is not the peer's own: its peak and memory bandwidth as Tessera prices them
+        gpu = dataclasses.replace(
+            gpu, peak_fp16_TFLOPS=gpu.peak_fp16_TFLOPS * share, peak_i8_TFLOPS=gpu.peak_i8_TFLOPS * share,
+            peak_i4_TFLOPS=gpu.peak_i4_TFLOPS * share,
+            hbm_bandwidth_in_GB_per_sec=priced_device(run).memory_bandwidth_bytes_per_s / 1e9)
     analysis = la.analysis.LLMAnalysis(
         model, gpu,
         dtype_config=la.config.get_dtype_config_by_name("w8a8e16" if fp8 else "w16a16e16"),
@@ -112,6 +119,7 @@ def calculon_step_s(calculon, folder: Path, run: dict, strategy: Strategy) -> fl
     where it cannot express the row."""
     if not calculon_expresses(run, strategy):
         return None
+    assert peer_peak_share(run) == 1, "Calculon's system files are the peers' own parts"
     llm, m = calculon.llm.Llm, run["model"]
     system = json.loads((folder / "systems" / CALCULON_SYSTEMS[peer_gpu(run)]).read_text())
     system["mem1"]["GiB"] = system["mem2"]["GiB"] = 1e12  # only the time is compared: the published run fitted

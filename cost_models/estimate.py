@@ -19,7 +19,7 @@ from tessera.cost_models.communication import (
 )
 from tessera.cost_models.compute import (
     GPU_CALIBRATION, Calibration, achievable_flops, attention_core_rate, bf16_or, compute_lower_bound_s,
-    device_calibration, optimizer_step_s, recomputed_flops, stage_compute_s,
+    device_calibration, optimizer_step_s, published_attention_flops, recomputed_flops, stage_compute_s,
 )
 from tessera.cost_models.memory import as_run, loss_as_run, stage_memory
 from tessera.cost_models.memory_state import local_params
@@ -34,7 +34,7 @@ from tessera.cost_models.sparse import check_sparse_and_long, cp_comm_s, ep_comm
 from tessera.cost_models.types import Estimate, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster, DeviceSpec
-from tessera.topology.hardware import attention_curve
+from tessera.topology.hardware import LOCAL_CPU
 from tessera.topology.collectives import all_reduce_time, all_to_all_time
 
 
@@ -120,7 +120,7 @@ def estimate(
         hardware_flops_per_step=hardware_flops,
         mfu=model_flops / (step * peak_rate),
         hfu=hardware_flops / (step * peak_rate),
-        notes=_notes(training, straggling) + _attention_note(cluster.device, training, profile, calibration),
+        notes=_notes(training, straggling) + _attention_note(cluster.device, training, strategy, profile, calibration),
     )
 
 
@@ -182,16 +182,18 @@ def _notes(training: TrainingConfig, straggling: float) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _attention_note(device: DeviceSpec, training: TrainingConfig, profile: ImplementationProfile,
+def _attention_note(device: DeviceSpec, training: TrainingConfig, strategy: Strategy, profile: ImplementationProfile,
                     calibration: Calibration) -> tuple[str, ...]:
-    """Where no published kernel figure prices the attention on this GPU, a note saying what does instead."""
-    if device.name == "local-cpu" or any(attention_curve(device.name, kernel) for kernel in profile.attention_kernels):
+    """Where no published kernel rate prices the attention on this GPU (``compute.published_attention_flops``, as
+    the pricing decides), a note saying what does instead."""
+    precision, kernels = bf16_or(training.precision), profile.attention_kernels
+    if device.name == LOCAL_CPU or published_attention_flops(device.name, precision, kernels,
+                                                             training.seq_len / strategy.cp) is not None:
         return ()
-    kernels = "/".join(profile.attention_kernels) or "unfused attention"
     share = device_calibration(device, calibration).attention_efficiency
-    rate = (f"the calibrated fallback, {share:.0%} of the {bf16_or(training.precision)} peak, fitted on published runs "
-            "of unfused and Triton attention") if share else "the matmul rate"
-    return (f"attention: no published rate of {kernels} on {device.name}; its cores are priced at {rate}",)
+    rate = f"the calibration's fallback, {share:.0%} of the {precision} peak" if share else "the matmul rate"
+    what = f"no published rate of {'/'.join(kernels)} in {precision} on" if kernels else "it runs unfused on"
+    return (f"attention: {what} {device.name}; its cores are priced at {rate}",)
 
 
 def step_time_lower_bound(

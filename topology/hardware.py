@@ -186,12 +186,26 @@ def _catalog() -> dict[str, DeviceSpec]:
 @functools.cache
 def _attention_catalog() -> dict[str, dict[str, AttentionCurve]]:
     """``{device name: {kernel: curve}}`` for the catalog entries that give attention figures."""
-    return {
-        str(entry["name"]): _scaled(attention_curves_from_raw(entry["attention_tflops"], where=f"catalog.yaml entry {i}"),
-                                    file_number(entry.get("attention_scale", 1.0),
-                                                f"catalog.yaml entry {i}: field 'attention_scale'", positive=True))
-        for i, entry in enumerate(_entries()) if entry.get("attention_tflops")
-    }
+    curves = {}
+    for i, entry in enumerate(_entries()):
+        where = f"catalog.yaml entry {i}"
+        scale = _attention_scale(entry, where=where)
+        if entry.get("attention_tflops"):
+            curves[str(entry["name"])] = _scaled(attention_curves_from_raw(entry["attention_tflops"], where=where), scale)
+    return curves
+
+
+def _attention_scale(entry: dict, *, where: str) -> float:
+    """The entry's ``attention_scale``: a factor in (0, 2] on its own ``attention_tflops``, 1 when absent."""
+    if "attention_scale" not in entry:
+        return 1.0
+    field = f"{where}: field 'attention_scale'"
+    if not entry.get("attention_tflops"):
+        raise ClusterSpecError(f"{field} scales attention_tflops, which the entry does not give; add them or drop it")
+    scale = file_number(entry["attention_scale"], field, positive=True)
+    if scale > 2:
+        raise ClusterSpecError(f"{field} is {scale:g}; a factor on a sibling part's figures is at most 2")
+    return scale
 
 
 def _scaled(curves: dict[str, AttentionCurve], scale: float) -> dict[str, AttentionCurve]:

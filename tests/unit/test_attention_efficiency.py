@@ -133,7 +133,7 @@ def test_a_part_priced_from_a_siblings_figures_scales_them():
     its peak over the SXM's (``attention_scale``)."""
     sxm, capped = attention_curve("H100-SXM-80GB", "fa2"), attention_curve("H100-SXM-96GB-500W", "fa2")
     assert [seq for seq, _ in capped] == [seq for seq, _ in sxm]
-    assert all(rate == pytest.approx(full * 0.9224) for (_, rate), (_, full) in zip(capped, sxm))
+    assert all(rate == pytest.approx(full * 912.25 / 989, rel=1e-4) for (_, rate), (_, full) in zip(capped, sxm))
     assert device("H100-SXM-96GB-500W").peak_flops("bf16") == pytest.approx(912.25e12)
 
 
@@ -142,7 +142,28 @@ def test_an_estimate_says_when_no_published_kernel_rate_prices_its_attention():
     prices the attention; on an H100 running FlashAttention-2 they say nothing of it."""
     t, s = training(), Strategy.parse("dp=8,zero=3,mbs=1")
     b200 = estimate(LAYERS, load_cluster("dgx-b200:nodes=1"), t, s, calibration=FLAT, profile=TESSERA)
-    assert any(note.startswith("attention: no published rate of fa2 on B200-SXM-180GB") and "40% of the bf16 peak" in note
-               for note in b200.notes)
+    assert any(note.startswith("attention: no published rate of fa2 in bf16 on B200-SXM-180GB") and
+               "40% of the bf16 peak" in note for note in b200.notes)
     h100 = estimate(LAYERS, H100, t, s, calibration=FLAT, profile=TESSERA)
     assert not any(note.startswith("attention:") for note in h100.notes)
+    fp32 = estimate(LAYERS, H100, TrainingConfig(global_batch=64, seq_len=2048, precision="fp32"), s, calibration=FLAT)
+    assert any("no published rate of fa2 in fp32 on H100-SXM-80GB" in note for note in fp32.notes)  # as it is priced
+    unfused = estimate(LAYERS, A100, t, s, calibration=FLAT, profile=MEGATRON_2021)
+    assert any("attention: it runs unfused on A100-SXM-80GB" in note for note in unfused.notes)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"name": "x", "attention_scale": 0.9}, "scales attention_tflops, which the entry does not give"),
+    ({"name": "x", "attention_tflops": {"fa2": {2048: 100}}, "attention_scale": 9}, "is 9; a factor on a sibling"),
+    ({"name": "x", "attention_tflops": {"fa2": {2048: 100}}, "attention_scale": -1}, "attention_scale"),
+])
+def test_a_bad_attention_scale_is_one_line(monkeypatch, entry, message):
+    from tessera.topology import hardware
+
+    monkeypatch.setattr(hardware, "_entries", lambda: [entry])
+    hardware._attention_catalog.cache_clear()
+    try:
+        with pytest.raises(ClusterSpecError, match=message):
+            hardware._attention_catalog()
+    finally:
+        hardware._attention_catalog.cache_clear()

@@ -314,6 +314,10 @@ def test_a_row_in_nemos_model_tflops_converts_with_nemos_formula_and_part_of_a_n
     assert tokens_per_gpu_s == pytest.approx(16634, rel=1e-3)
     assert rows.cluster_spec(run) == "dgx-h100:nodes=1,gpus_per_node=4"
     assert rows.framework_profile(run).name == "nemo-2024"  # its launcher's recipes reduce gradients in bf16
+    with pytest.raises(ValueError, match="unknown flops_formula 'nemo_llama'; known: nemo-llama"):
+        rows.published_step_s({**run, "reported": {**run["reported"], "flops_formula": "nemo_llama"}})
+    with pytest.raises(ValueError, match="6 GPUs are not whole nodes of gpus_per_node 4"):
+        rows.cluster_spec({**run, "hardware": {**run["hardware"], "gpus": 6}})
     assert load_cluster(rows.cluster_spec(run)).num_devices == 4
 
 
