@@ -19,11 +19,12 @@ import re
 from unittest import mock
 
 from published import evaluate_as_run, plan_run
-from published_rows import cluster_spec, framework_profile, measured_runs, published_step_s, regime, unpriced_runs
+from published_rows import (
+    cluster_spec, framework_profile, measured_runs, published_step_s, regime, training_config, unpriced_runs,
+)
 from tessera.cost_models import compute
-from tessera.cost_models.compute import GPU_CALIBRATION
+from tessera.cost_models.compute import GPU_CALIBRATION, bf16_or, priced_attention_kernel
 from tessera.topology import load_cluster
-from tessera.topology.hardware import attention_curve
 
 estimate_module = importlib.import_module("tessera.cost_models.estimate")  # the package exports its function instead
 
@@ -54,11 +55,11 @@ def slowdown_for(run: dict, strategy, published: float) -> float | None:
 
 
 def priced_kernel(run: dict) -> str:
-    """The kernel whose published rate prices the run's attention: the first of its framework's kernels the device
-    has a figure for, else the calibrated fallback."""
+    """The kernel whose published rate prices the run's attention (``compute.priced_attention_kernel``), else
+    ``fallback``: the calibrated share of the peak."""
     device = load_cluster(cluster_spec(run)).device.name
-    kernels = framework_profile(run).attention_kernels
-    return next((kernel for kernel in kernels if attention_curve(device, kernel)), "fallback")
+    precision = bf16_or(training_config(run).precision)
+    return priced_attention_kernel(device, precision, framework_profile(run).attention_kernels) or "fallback"
 
 
 def main() -> None:

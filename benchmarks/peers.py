@@ -49,6 +49,8 @@ from tessera.topology.hardware import device
 
 LLM_ANALYSIS_GPUS = {"A100-40GB": "a100-sxm-40gb", "A100-80GB": "a100-sxm-80gb", "H100": "h100-sxm-80gb"}
 CALCULON_SYSTEMS = {"A100-40GB": "a100_80g.json", "A100-80GB": "a100_80g.json", "H100": "h100_80g_nvl8.json"}
+PEER_PARTS = {"A100-40GB": "A100-SXM-40GB", "A100-80GB": "A100-SXM-80GB", "H100": "H100-SXM-80GB"}
+"""The catalog entry of each part the peers know."""
 GPUS_PER_NODE = 8  # Calculon's first network tier (NVLink) in both system files
 
 
@@ -67,11 +69,10 @@ def peer_gpu(run: dict) -> str | None:
 def peer_peak_share(run: dict) -> float:
     """The row's device peak over the part the peers price it as: below 1 for torchtitan's 500 W H100, which the
     catalog puts between the H100 SXM and NVL as its page does, so the peers get the same peak as Tessera."""
-    catalogued = {"A100-40GB": "A100-SXM-40GB", "A100-80GB": "A100-SXM-80GB", "H100": "H100-SXM-80GB"}
     peer = peer_gpu(run)
     if peer is None:
         return 1.0
-    return priced_device(run).peak_flops("bf16") / device(catalogued[peer]).peak_flops("bf16")
+    return priced_device(run).peak_flops("bf16") / device(PEER_PARTS[peer]).peak_flops("bf16")
 
 
 def priced_device(run: dict):

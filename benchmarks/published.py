@@ -197,7 +197,7 @@ def main() -> None:
     fitted, deepspeed = (GPU_CALIBRATION, DEEPSPEED.zero3_comm_slowdown) if subset or args.no_fit else fit_calibration(
         runs, {key: pair[0] for key, pair in chosen.items()})
     console.print(f"grid fit on the train split: {fitted}, DeepSpeed ZeRO-3 slowdown {deepspeed}")
-    rows, errors, speedups, held_out, memory_errors, unfit = [], [], [], {}, [], []
+    rows, errors, speedups, held_out, memory_errors, unfit, train_log_errors = [], [], [], {}, [], [], []
     for run in runs:
         strategy, est = chosen[run["id"]]
         published = published_step_s(run)
@@ -205,6 +205,8 @@ def main() -> None:
         split = "unpriced" if run.get("unpriced") else "train" if run["id"] in TRAIN_IDS else "test"
         if split != "unpriced":  # a part Tessera cannot price yet: shown, outside the splits and the bands
             errors.append((split, regime(run), abs(error)))
+        if split == "train":
+            train_log_errors.append(abs(math.log1p(error)))
         if split == "test":
             held_out.setdefault(regime(run), []).append(published / est.step_time_s)
         training = training_config(run)
@@ -223,6 +225,8 @@ def main() -> None:
     pairs = workload_pairs(priced, {key: pair[1].step_time_s for key, pair in chosen.items()})
     summary = summarize(errors, fitted, deepspeed) + memory_summary(memory_errors, unfit, len(runs)) + pair_summary(pairs)
     summary += "" if subset else unpriced_summary()
+    if train_log_errors:  # what the fit minimises, with the calibration in use
+        summary += f"\n- calibration objective (mean |log error| over the train split): {statistics.mean(train_log_errors):.4f}"
     summary += ("" if not speedups else
         f"\n- plan quality: Tessera's own plan is predicted at least as fast as the published configuration in "
         f"{sum(x >= 0.999 for x in speedups)} of {len(speedups)} runs it plans (median speedup {statistics.median(speedups):.2f}x, "

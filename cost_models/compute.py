@@ -133,10 +133,16 @@ def published_attention_flops(
 ) -> float | None:
     """FLOP/s of the first of ``kernels`` with a published curve on the catalogued ``device_name`` in
     ``precision`` (bf16/fp16 only) at ``seq_len`` (``curve_at``), or ``None``."""
+    kernel = priced_attention_kernel(device_name, precision, kernels)
+    return None if kernel is None else curve_at(attention_curve(device_name, kernel), seq_len)
+
+
+def priced_attention_kernel(device_name: str, precision: str, kernels: tuple[str, ...]) -> str | None:
+    """The first of ``kernels`` with a published curve on ``device_name`` in ``precision`` (the benchmarks are bf16
+    and fp16 only), or ``None``: the calibrated fallback prices the attention."""
     if precision not in ("bf16", "fp16"):
         return None
-    curve = next((curve for kernel in kernels if (curve := attention_curve(device_name, kernel))), None)
-    return None if curve is None else curve_at(curve, seq_len)
+    return next((kernel for kernel in kernels if attention_curve(device_name, kernel)), None)
 
 
 def curve_at(curve: AttentionCurve, seq_len: float) -> float:
