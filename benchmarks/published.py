@@ -13,7 +13,8 @@ eq. 3 counts the recomputed forward; Megatron-Core's table counts model FLOPs on
 
 It then fits the calibration constants on the TRAIN_IDS split (grid search, least mean |log error|,
 strategies held fixed), in turn: the compute constants on the bf16 rows, DeepSpeed's ZeRO-3 slowdown on its
-rows, the FP8 efficiency curve on the FP8 rows, the straggler jitter on all of them; and reports the error on
+rows, the FP8 efficiency curve on the FP8 rows, the ring's attention slowdown on the context-parallel rows, the
+straggler jitter on all of them; and reports the error on
 the held-out rows, per regime (``published_rows.regime``). Writes ``benchmarks/results/published-<hardware>-<date>.md``
 and the held-out rows' error band per regime, ``cost_models/error_bands.json``, which every plan's report quotes.
 Pairs of runs of one workload (model, cluster, batch) in two configurations are judged too: the error of the
@@ -94,6 +95,7 @@ COMPUTE_GRID = {
 }
 FP8_GRID = {"fp8_peak_fraction": [round(0.3 + 0.025 * i, 3) for i in range(27)],
             "fp8_half_width": [0.0, 160.0, 320.0, 640.0, 1280.0]}
+CP_GRID = {"cp_attention_slowdown": [round(1.0 + 0.05 * i, 2) for i in range(21)]}
 ZERO3_SLOWDOWNS = [1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0]
 JITTERS = [0.0, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02]
 COLUMNS = ("run", "split", "regime", "gpus", "strategy (pinned + planner-filled)", "published s", "predicted s", "error",
@@ -150,16 +152,18 @@ def log_error(run: dict, strategy: Strategy, calibration: Calibration, *, deepsp
 
 def fit_calibration(runs: list[dict], chosen: dict[str, Strategy]) -> tuple[Calibration, float]:
     """Grid search on the training split, strategies held fixed, one family of constants at a time: the compute
-    constants on the bf16 rows (DeepSpeed's ZeRO-3 rows aside), DeepSpeed's ZeRO-3 slowdown on its rows, the FP8
-    curve on the FP8 rows, then the straggler jitter on every training row. Each family is searched one axis at a
-    time over its grid, twice round (coordinate descent). Returns the constants and the DeepSpeed slowdown."""
+    constants on the bf16 rows (DeepSpeed's ZeRO-3 and the context-parallel rows aside), DeepSpeed's ZeRO-3 slowdown
+    on its rows, the FP8 curve on the FP8 rows, the ring's attention slowdown on the context-parallel rows, then the
+    straggler jitter on every training row. Each family is searched one axis at a time over its grid, twice round
+    (coordinate descent). Returns the constants and the DeepSpeed slowdown."""
     train = [r for r in runs if r["id"] in TRAIN_IDS]
-    by_regime = {name: [r for r in train if regime(r) == name] for name in ("deepspeed-zero3", "fp8")}
+    by_regime = {name: [r for r in train if regime(r) == name] for name in ("deepspeed-zero3", "fp8", "cp")}
     dense = [r for r in train if regime(r) not in by_regime]
     compute = coordinate_fit(GPU_CALIBRATION, COMPUTE_GRID, dense, chosen)
     deepspeed = min(ZERO3_SLOWDOWNS, key=lambda z: _mean_abs_log_error(by_regime["deepspeed-zero3"], chosen, compute, deepspeed=z))
     fp8 = coordinate_fit(compute, FP8_GRID, by_regime["fp8"], chosen) if by_regime["fp8"] else compute
-    return coordinate_fit(fp8, {"jitter": JITTERS}, train, chosen, rounds=1, deepspeed=deepspeed), deepspeed
+    ring = coordinate_fit(fp8, CP_GRID, by_regime["cp"], chosen) if by_regime["cp"] else fp8
+    return coordinate_fit(ring, {"jitter": JITTERS}, train, chosen, rounds=1, deepspeed=deepspeed), deepspeed
 
 
 def coordinate_fit(start: Calibration, grid: dict[str, list[float]], runs: list[dict], chosen: dict[str, Strategy],

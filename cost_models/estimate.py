@@ -316,7 +316,8 @@ def stage_time(
     rate = achievable_flops(cluster.device, bf16_or(training.precision), width=stage.hidden_size / strategy.tp,
                             calibration=calibration)
     attention = attention_core_rate(cluster.device, training, rate, calibration=calibration,  # what hides the ring
-                                    kernels=profile.attention_kernels, seq_len=training.seq_len / strategy.cp)
+                                    kernels=profile.attention_kernels, seq_len=training.seq_len / strategy.cp,
+                                    cp=strategy.cp)
     cp_total, cp_exposed = cp_comm_s(stage, cluster, strategy, flops_per_s=attention, profile=profile)
     return replace(time, ep_comm=ep_comm_s(stage, cluster, strategy), cp_comm=cp_exposed, cp_comm_total=cp_total)
 

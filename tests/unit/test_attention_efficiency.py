@@ -1,5 +1,7 @@
 """Attention cores priced at their kernel's published rate per device (``cost_models.compute.attention_efficiency``)."""
 
+from dataclasses import replace
+
 import pytest
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
@@ -96,6 +98,22 @@ def test_rate_follows_the_sequence_length_and_is_flat_beyond_the_published_point
     cp = compute_s(A100, TESSERA, seq_len=8192, strategy="dp=4,cp=2,zero=3,mbs=1")
     assert cp[0] == pytest.approx(compute_s(A100, TESSERA, seq_len=4096)[0] / 2)
 
+
+
+def test_a_context_parallel_ring_runs_its_attention_cores_slower_by_the_fitted_factor():
+    ring = replace(FLAT, cp_attention_slowdown=1.5)
+    s = Strategy.parse("dp=4,cp=2,zero=3,mbs=1")
+    stage = stage_totals(LAYERS, 0, block_policies(LAYERS, s))
+    forward, backward, _ = stage_compute_s(stage, A100.device, training(8192), s, calibration=ring, profile=TESSERA)
+    hand_forward, hand_backward = hand_s(312e12, 182e12 / CAUSAL_WORK / 1.5)  # the 4K-token kernel rate, slowed
+    assert (forward, backward) == pytest.approx((hand_forward / 2, hand_backward / 2))  # each rank: half the work
+    unsplit = Strategy.parse("dp=8,zero=3,mbs=1")  # no ring: the factor does not apply
+    whole = stage_totals(LAYERS, 0, block_policies(LAYERS, unsplit))
+    assert stage_compute_s(whole, A100.device, training(), unsplit, calibration=ring) == \
+        stage_compute_s(whole, A100.device, training(), unsplit, calibration=FLAT)
+    cpu = load_cluster("cpu:ranks=2")  # CPU ranks keep their own calibration
+    assert stage_compute_s(stage, cpu.device, training(8192), s, calibration=ring) == \
+        stage_compute_s(stage, cpu.device, training(8192), s, calibration=FLAT)
 
 def test_selective_recompute_reruns_the_cores_at_the_kernel_rate():
     _, _, recompute = compute_s(A100, TESSERA, strategy="dp=8,zero=3,mbs=1,recompute=selective")
