@@ -65,7 +65,7 @@ def rank_candidates(
     above the leanest estimated so far can be neither, and are left out of the result.
     """
     pins = dict(pins or {})
-    check_pins(pins, cluster, unavailable=graph.unavailable_axes)
+    check_pins(pins, cluster, unavailable=graph.unavailable_axes, exclusive=profile.refused_together)
     layers = list(graph.layers)
     check_layer_pins(pins, layers)
     params = _dense_and_expert_params(layers)

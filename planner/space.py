@@ -261,10 +261,14 @@ def check_layer_pins(pins: Mapping[str, object], layers: list[LayerStats]) -> No
                               f"{pins.get('virtual_stages', 1)} makes {chunks} pipeline chunks; give one size per chunk")
 
 
-def check_pins(pins: Mapping[str, object], cluster: Cluster, *, unavailable: Mapping[str, str] = MappingProxyType({})) -> None:
+def check_pins(
+    pins: Mapping[str, object], cluster: Cluster, *, unavailable: Mapping[str, str] = MappingProxyType({}),
+    exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE,
+) -> None:
     """Raise if the pins cannot multiply to the world size (``ep`` is part of ``dp`` and adds no ranks), use an
-    axis the runtime cannot apply to the model (``unavailable``) or a combination it does not run."""
-    check_runtime_pins(pins, unavailable)
+    axis the runtime cannot apply to the model (``unavailable``) or a combination the framework that runs them does
+    not (``exclusive``: Tessera's runtime's by default, ``ImplementationProfile.refused_together``)."""
+    check_runtime_pins(pins, unavailable, exclusive)
     product = 1
     for axis in ("dp", "tp", "pp", "cp"):
         product *= int(pins.get(axis, 1))
@@ -280,8 +284,12 @@ def check_pins(pins: Mapping[str, object], cluster: Cluster, *, unavailable: Map
         raise ConfigError(f"ep={pins['ep']} must divide {what} = {carved}: expert parallelism is carved out of it")
 
 
-def check_runtime_pins(pins: Mapping[str, object], unavailable: Mapping[str, str]) -> None:
-    """Raise one line naming the axis and the reason when a pin asks for what the runtime cannot apply."""
+def check_runtime_pins(
+    pins: Mapping[str, object], unavailable: Mapping[str, str],
+    exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE,
+) -> None:
+    """Raise one line naming the axis and the reason when a pin asks for what the runtime cannot apply, or for a
+    pair of features the framework that runs them (``exclusive``) does not combine."""
     for axis, reason in unavailable.items():
         if axis in ("tp", "pp", "cp", "ep") and int(pins.get(axis, 1)) > 1:
             raise ConfigError(f"{axis}={pins[axis]} is unavailable for this model: {reason}; leave {axis} out or pin {axis}=1")
@@ -299,8 +307,9 @@ def check_runtime_pins(pins: Mapping[str, object], unavailable: Mapping[str, str
     if refused is not None:
         raise ConfigError(f"the pins use {refused}, which the runtime cannot run on this model: {unavailable[refused]}; "
                           "pin one of them off")
-    conflict = runtime_conflict(used)
+    conflict = runtime_conflict(used, exclusive)
     if conflict is not None:
         a, b = conflict
-        raise ConfigError(f"the runtime does not implement {a} together with {b}; pin one of them off "
+        who = "the runtime" if exclusive == RUNTIME_EXCLUSIVE else "that framework"
+        raise ConfigError(f"{who} does not implement {a} together with {b}; pin one of them off "
                           f"(e.g. {'sp=false' if 'sp' in conflict else f'{a}=1'})")

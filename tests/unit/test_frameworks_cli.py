@@ -104,3 +104,14 @@ def test_evaluate_prices_a_framework_config_as_that_framework_runs_it(tmp_path, 
     # re-runs the rest (profiles.selective_policy): more FLOPs again there, more bytes kept here
     assert torchtitan.hardware_flops_per_step > tessera_runtime.hardware_flops_per_step
     assert torchtitan.memory_by_category_bytes["activations"] < tessera_runtime.memory_by_category_bytes["activations"]
+
+
+def test_evaluate_runs_on_a_framework_that_combines_what_tessera_runtime_refuses(capsys):
+    """Context with pipeline parallelism: Tessera's runtime refuses the pair in one line; Megatron runs it, so
+    ``--runs-on megatron`` prices it (the refusal is the runtime's, not the cost model's)."""
+    args = ["evaluate", "--model", "llama-tiny", "--cluster", "dgx-h100:nodes=1", "--global-batch", "8",
+            "--seq-len", "64", "--strategy", "dp=2,pp=2,cp=2"]
+    assert main(args) == 2
+    assert "the runtime does not implement cp together with pp; pin one of them off" in capsys.readouterr().err
+    assert main([*args, "--runs-on", "megatron", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs_on"] == "megatron"
