@@ -16,6 +16,7 @@ the published forward + backward rate of the kernel the framework runs (``Implem
 on the device (``topology/catalog.yaml`` ``attention_tflops``, from the FlashAttention-2 and -3 papers), at the run's
 sequence length (``attention_efficiency``). A device or kernel with no published figure falls back to the calibrated
 ``Calibration.attention_efficiency`` (the behaviour before per-device figures), 0 there meaning the matmul curve.
+Split over a context-parallel ring, they run ``Calibration.cp_attention_slowdown`` times slower (fitted).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ class Calibration:
     unfused), at ``attention_efficiency`` of the bf16 peak whatever the width (0: the matmul curve): the fitted
     fallback. Split over a context-parallel ring, they run ``cp_attention_slowdown`` times slower than that rate:
     fitted on the published context-parallel runs (Transformer Engine's ring and PyTorch's alike), whose attention
-    runs ~1.4-1.6x slower than the unsplit kernel's published rate at every degree from 2 to 32
-    (``benchmarks/attention_gap.py``) for a reason not yet identified: the load-balanced ring's own published
+    runs ~1.4-1.6x slower than the unsplit kernel's published rate on 11 of 13 of them, at degrees 2 to 32 (two at
+    cp 2 imply ~1.0; ``benchmarks/attention_gap.py``), for a reason not yet identified: the load-balanced ring's own published
     overhead is ~1.1x (zhuzilin/ring-flash-attention README, zigzag ring vs flash_attn on 8 GPUs). How well ZeRO-3's
     collectives overlap is the framework's, not the device's: ``cost_models.profiles``.
     """
@@ -232,8 +233,8 @@ def arithmetic_s(
     The attention cores (their forward FLOPs ``stage.attention_core_flops``, backward ``BACKWARD_CORE_FLOPS``
     times that) run at the rate of the first of ``kernels`` the device has a figure for at query length
     ``seq_len`` (``attention_efficiency``; one forward + backward rate for both passes, as the benchmarks give
-    it), slower on a ring of ``cp`` > 1 ranks (``attention_core_rate``); under FP8 the blocks' other linears run at the FP8 rate and the head at the bf16 rate
-    (``cost_models.fp8``). A selective recomputation re-runs attention cores only, a full one the blocks'
+    it), slower on a ring of ``cp`` > 1 ranks (``attention_core_rate``); under FP8 the blocks' other linears run at
+    the FP8 rate and the head at the bf16 rate (``cost_models.fp8``). A selective recomputation re-runs attention cores only, a full one the blocks'
     forward at its mixed rate; with ``op_level`` (``stage_views.op_level_selective``), a selective block re-runs its
     ``op_selective_recompute_flops`` at the linears' rate instead (``profiles.selective_policy``).
     """
@@ -336,13 +337,13 @@ def _fastest_attention(
     device: DeviceSpec, training: TrainingConfig, rate: float, *, seq_len: float, calibration: Calibration,
 ) -> tuple[str, ...]:
     """The ``kernels`` argument that gives the fastest attention any profile can get on ``device``: the catalogued
-    kernel of the highest rate, or none (the fallback) where the fallback is faster."""
+    kernel of the highest rate, or none (the fallback) where the fallback is faster; compared as each is priced
+    (``attention_core_rate``: a kernel's published causal rate counts half the FLOPs the fallback's does)."""
     precision = bf16_or(training.precision)
-    published = [(flops, (kernel,)) for kernel in ATTENTION_KERNELS
-                 if (flops := published_attention_flops(device.name, precision, (kernel,), seq_len))]
-    fastest, kernels = max(published, default=(0.0, ()))
-    fallback = attention_core_rate(device, training, rate, calibration=calibration, kernels=(), seq_len=seq_len)
-    return kernels if fastest > fallback else ()
+    options = [(kernel,) for kernel in ATTENTION_KERNELS
+               if published_attention_flops(device.name, precision, (kernel,), seq_len)] + [()]
+    return max(options, key=lambda kernels: attention_core_rate(device, training, rate, calibration=calibration,
+                                                                kernels=kernels, seq_len=seq_len))
 
 
 def optimizer_step_s(local_params: float, device: DeviceSpec) -> float:

@@ -185,15 +185,23 @@ def _notes(training: TrainingConfig, straggling: float) -> tuple[str, ...]:
 def _attention_note(device: DeviceSpec, training: TrainingConfig, strategy: Strategy, profile: ImplementationProfile,
                     calibration: Calibration) -> tuple[str, ...]:
     """Where no published kernel rate prices the attention on this GPU (``compute.published_attention_flops``, as
-    the pricing decides), a note saying what does instead."""
-    precision, kernels = bf16_or(training.precision), profile.attention_kernels
-    if device.name == LOCAL_CPU or published_attention_flops(device.name, precision, kernels,
-                                                             training.seq_len / strategy.cp) is not None:
+    the pricing decides), a note saying what does instead; under context parallelism, one saying the ring's fitted
+    slowdown prices it too."""
+    if device.name == LOCAL_CPU:
         return ()
-    share = device_calibration(device, calibration).attention_efficiency
-    rate = f"the calibration's fallback, {share:.0%} of the {precision} peak" if share else "the matmul rate"
-    what = f"no published rate of {'/'.join(kernels)} in {precision} on" if kernels else "it runs unfused on"
-    return (f"attention: {what} {device.name}; its cores are priced at {rate}",)
+    precision, kernels = bf16_or(training.precision), profile.attention_kernels
+    constants = device_calibration(device, calibration)
+    notes = []
+    if published_attention_flops(device.name, precision, kernels, training.seq_len / strategy.cp) is None:
+        share = constants.attention_efficiency
+        rate = f"the calibration's fallback, {share:.0%} of the {precision} peak" if share else "the matmul rate"
+        what = f"no published rate of {'/'.join(kernels)} in {precision} on" if kernels else "it runs unfused on"
+        notes.append(f"attention: {what} {device.name}; its cores are priced at {rate}")
+    if strategy.cp > 1 and constants.cp_attention_slowdown != 1.0:
+        notes.append(f"attention: split over a context-parallel ring of {strategy.cp}, its cores are priced "
+                     f"{constants.cp_attention_slowdown:g}x slower than unsplit (fitted on published context-parallel "
+                     "runs; the cause is not identified)")
+    return tuple(notes)
 
 
 def step_time_lower_bound(

@@ -99,7 +99,6 @@ def test_rate_follows_the_sequence_length_and_is_flat_beyond_the_published_point
     assert cp[0] == pytest.approx(compute_s(A100, TESSERA, seq_len=4096)[0] / 2)
 
 
-
 def test_a_context_parallel_ring_runs_its_attention_cores_slower_by_the_fitted_factor():
     ring = replace(FLAT, cp_attention_slowdown=1.5)
     s = Strategy.parse("dp=4,cp=2,zero=3,mbs=1")
@@ -115,19 +114,22 @@ def test_a_context_parallel_ring_runs_its_attention_cores_slower_by_the_fitted_f
     assert stage_compute_s(stage, cpu.device, training(8192), s, calibration=ring) == \
         stage_compute_s(stage, cpu.device, training(8192), s, calibration=FLAT)
 
+
 def test_selective_recompute_reruns_the_cores_at_the_kernel_rate():
     _, _, recompute = compute_s(A100, TESSERA, strategy="dp=8,zero=3,mbs=1,recompute=selective")
     assert recompute == pytest.approx(4 * CORE / (155e12 / CAUSAL_WORK))
 
 
 def test_lower_bound_holds_for_every_framework():
-    s = Strategy.parse("dp=8,zero=3,mbs=1")
-    whole = stage_totals(LAYERS, 0, block_policies(LAYERS, s))
-    for cluster in (A100, H100):
-        bound = compute_lower_bound_s(whole, cluster.device, training(), s, calibration=FLAT)
-        for profile in (TESSERA, MEGATRON, MEGATRON_2021, PYTORCH_FSDP_TE):
-            forward, backward, recompute = compute_s(cluster, profile)
-            assert bound <= forward + backward + recompute
+    ring = replace(FLAT, cp_attention_slowdown=1.5)
+    for spec, calibration in (("dp=8,zero=3,mbs=1", FLAT), ("dp=4,cp=2,zero=3,mbs=1", ring)):
+        s = Strategy.parse(spec)
+        whole = stage_totals(LAYERS, 0, block_policies(LAYERS, s))
+        for cluster in (A100, H100):
+            bound = compute_lower_bound_s(whole, cluster.device, training(), s, calibration=calibration)
+            for profile in (TESSERA, MEGATRON, MEGATRON_2021, PYTORCH_FSDP_TE):
+                times = stage_compute_s(whole, cluster.device, training(), s, calibration=calibration, profile=profile)
+                assert bound <= sum(times)
 
 
 def test_estimate_prices_a_published_run_as_its_framework():
@@ -168,6 +170,10 @@ def test_an_estimate_says_when_no_published_kernel_rate_prices_its_attention():
     assert any("no published rate of fa2 in fp32 on H100-SXM-80GB" in note for note in fp32.notes)  # as it is priced
     unfused = estimate(LAYERS, A100, t, s, calibration=FLAT, profile=MEGATRON_2021)
     assert any("attention: it runs unfused on A100-SXM-80GB" in note for note in unfused.notes)
+    ring, split = replace(FLAT, cp_attention_slowdown=1.5), Strategy.parse("dp=4,cp=2,zero=3,mbs=1")
+    assert any("context-parallel ring of 2, its cores are priced 1.5x slower than unsplit" in note
+               for note in estimate(LAYERS, H100, t, split, calibration=ring).notes)
+    assert not any("context-parallel ring" in note for note in estimate(LAYERS, H100, t, split, calibration=FLAT).notes)
 
 
 @pytest.mark.parametrize("entry, message", [

@@ -4,10 +4,13 @@ The cluster is two link levels with round numbers and no latency (nodes of 8 at 
 direction, a network at 10 GB/s), so every collective below is bytes over bandwidth times its volume factor.
 """
 
+from dataclasses import replace
+
 import pytest
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
-from tessera.cost_models.compute import Calibration
+from tessera.cost_models.compute import Calibration, attention_core_rate
+from tessera.cost_models.profiles import TESSERA
 from tessera.cost_models.estimate import stage_time
 from tessera.cost_models.partition import stage_totals
 from tessera.cost_models.sparse import (
@@ -242,6 +245,20 @@ def test_an_unknown_cp_rotation_is_refused_by_name():
     from tessera.cost_models.profiles import ImplementationProfile
     with pytest.raises(ConfigError, match="cp_rotation='alltoall' is not one of ring, allgather"):
         ImplementationProfile(name="x", cp_rotation="alltoall")
+
+
+def test_the_ring_hides_behind_its_attention_at_the_slowed_rate():
+    # the ring's steps hide behind the attention as it is priced: slower under cp_attention_slowdown, so less shows
+    layers = [dense_block(i, core_flops=4e10) for i in range(2)]
+    training, s, c = TrainingConfig(global_batch=8, seq_len=4096), Strategy.parse("dp=2,cp=4,mbs=1"), cluster(1)
+    stage = stage_totals(layers, 0, {})
+    plain = stage_time(stage, c, training, s, calibration=FLAT)
+    slowed = stage_time(stage, c, training, s, calibration=replace(FLAT, cp_attention_slowdown=2.0))
+    rate = attention_core_rate(c.device, training, 0.0, calibration=FLAT, kernels=TESSERA.attention_kernels,
+                               seq_len=1024)  # unsplit, at each rank's 1024 tokens
+    assert plain.cp_comm == pytest.approx(cp_comm_s(stage, c, s, flops_per_s=rate)[1])
+    assert slowed.cp_comm == pytest.approx(cp_comm_s(stage, c, s, flops_per_s=rate / 2)[1])
+    assert 0 <= slowed.cp_comm < plain.cp_comm
 
 
 def test_recomputed_attention_reruns_the_forward_ring():
