@@ -64,10 +64,10 @@ def with_loss_kernel(stage: StageTotals, kernel: str) -> StageTotals:
     if kernel == stage.loss_kernel or not stage.loss_saved_bytes or not stage.logits_bytes:
         return stage
     if kernel not in FUSED_CROSS_ENTROPY:
-        return replace(stage, loss_kernel=kernel)
+        return stage.amended(loss_kernel=kernel)
     saving = stage.loss_saved_bytes - stage.logits_bytes
-    return replace(stage, saved_bytes=stage.saved_bytes - saving, loss_saved_bytes=stage.logits_bytes,
-                   loss_traffic_saving_bytes=saving, loss_kernel=kernel)
+    return stage.amended(saved_bytes=stage.saved_bytes - saving, loss_saved_bytes=stage.logits_bytes,
+                         loss_traffic_saving_bytes=saving, loss_kernel=kernel)
 
 
 def with_fused_norms(stage: StageTotals, selective_policy: str) -> StageTotals:
@@ -81,7 +81,7 @@ def with_fused_norms(stage: StageTotals, selective_policy: str) -> StageTotals:
     kept = stage.norm_saving_bytes + (stage.selective_norm_saving_bytes if selective_policy == "attention" else 0)
     if not kept:
         return stage
-    return replace(stage, saved_bytes=stage.saved_bytes - kept, norm_saving_bytes=0, selective_norm_saving_bytes=0)
+    return stage.amended(saved_bytes=stage.saved_bytes - kept, norm_saving_bytes=0, selective_norm_saving_bytes=0)
 
 
 def as_op_level_memory(stage: StageTotals) -> StageTotals:
