@@ -3,8 +3,8 @@
 Run: ``.venv/bin/python benchmarks/attention_gap.py [--rows REGEX]`` (seconds per row; default: the runs with
 sequences of 16K tokens and more). For each run it plans the published configuration as ``benchmarks/published.py``
 does (the calibration in use, no fit, but the ring's fitted ``cp_attention_slowdown`` left out, so that ``k`` is
-against the unsplit kernel's rate: what that constant was fitted to), then prices its attention cores ``k`` times slower than their kernel's
-figure (``cost_models.compute.attention_core_rate``: the published FlashAttention-2 / cuDNN / Triton rate, or the
+against the unsplit kernel's rate: what that constant was fitted to), then prices its attention cores ``k`` times
+slower than their kernel's figure (``cost_models.compute.attention_core_rate``: the published FlashAttention-2 / cuDNN / Triton rate, or the
 calibrated fallback) and finds the ``k`` at which the predicted step equals the published one (bisection; the
 configuration is planned once, at the published rate, and held while ``k`` varies). A ``k``
 near 1 says the attention is priced as it ran and the rest of the step explains any error; the same ``k`` on every

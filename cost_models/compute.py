@@ -50,9 +50,9 @@ class Calibration:
     fallback. Split over a context-parallel ring, they run ``cp_attention_slowdown`` times slower than that rate:
     fitted on the published context-parallel runs (Transformer Engine's ring and PyTorch's alike), whose attention
     runs ~1.4-1.6x slower than the unsplit kernel's published rate on 11 of 13 of them, at degrees 2 to 32 (two at
-    cp 2 imply ~1.0; ``benchmarks/attention_gap.py``), for a reason not yet identified: the load-balanced ring's own published
-    overhead is ~1.1x (zhuzilin/ring-flash-attention README, zigzag ring vs flash_attn on 8 GPUs). How well ZeRO-3's
-    collectives overlap is the framework's, not the device's: ``cost_models.profiles``.
+    cp 2 imply ~1.0; ``benchmarks/attention_gap.py``), for a reason not yet identified: the load-balanced ring's own
+    published overhead is ~1.1x (zhuzilin/ring-flash-attention README, zigzag ring vs flash_attn on 8 GPUs). How well
+    ZeRO-3's collectives overlap is the framework's, not the device's: ``cost_models.profiles``.
     """
 
     peak_fraction: float
@@ -234,9 +234,10 @@ def arithmetic_s(
     times that) run at the rate of the first of ``kernels`` the device has a figure for at query length
     ``seq_len`` (``attention_efficiency``; one forward + backward rate for both passes, as the benchmarks give
     it), slower on a ring of ``cp`` > 1 ranks (``attention_core_rate``); under FP8 the blocks' other linears run at
-    the FP8 rate and the head at the bf16 rate (``cost_models.fp8``). A selective recomputation re-runs attention cores only, a full one the blocks'
-    forward at its mixed rate; with ``op_level`` (``stage_views.op_level_selective``), a selective block re-runs its
-    ``op_selective_recompute_flops`` at the linears' rate instead (``profiles.selective_policy``).
+    the FP8 rate and the head at the bf16 rate (``cost_models.fp8``). A selective recomputation re-runs attention
+    cores only, a full one the blocks' forward at its mixed rate; with ``op_level``
+    (``stage_views.op_level_selective``), a selective block re-runs its ``op_selective_recompute_flops`` at the
+    linears' rate instead (``profiles.selective_policy``).
     """
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
     attention_rate = attention_core_rate(device, training, rate, calibration=calibration, kernels=kernels,
