@@ -310,6 +310,7 @@ def check_runtime_pins(
     conflict = runtime_conflict(used, exclusive)
     if conflict is not None:
         a, b = conflict
-        who = "the runtime" if exclusive == RUNTIME_EXCLUSIVE else "that framework"
-        raise ConfigError(f"{who} does not implement {a} together with {b}; pin one of them off "
-                          f"(e.g. {'sp=false' if 'sp' in conflict else f'{a}=1'})")
+        runtime = exclusive == RUNTIME_EXCLUSIVE
+        elsewhere = "; to price it as Megatron-LM runs it, tessera evaluate --runs-on megatron" if runtime else ""
+        raise ConfigError(f"{'the runtime' if runtime else 'that framework'} does not implement {a} together with "
+                          f"{b}; pin one of them off (e.g. {'sp=false' if 'sp' in conflict else f'{a}=1'}){elsewhere}")

@@ -112,7 +112,9 @@ def test_evaluate_runs_on_a_framework_that_combines_what_tessera_runtime_refuses
     args = ["evaluate", "--model", "llama-tiny", "--cluster", "dgx-h100:nodes=1", "--global-batch", "8",
             "--seq-len", "64", "--strategy", "dp=2,pp=2,cp=2"]
     assert main(args) == 2
-    assert "the runtime does not implement cp together with pp; pin one of them off" in capsys.readouterr().err
+    refused = capsys.readouterr().err
+    assert "the runtime does not implement cp together with pp; pin one of them off" in refused
+    assert "tessera evaluate --runs-on megatron" in refused
     assert main([*args, "--runs-on", "megatron", "--format", "json"]) == 0
     priced = json.loads(capsys.readouterr().out)
     assert priced["runs_on"] == "megatron" and {"pp=2", "cp=2"} <= set(priced["strategy"].split(","))
