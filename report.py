@@ -104,7 +104,8 @@ def _per_layer(plan: Plan) -> Table:
 def _step_breakdown(e: Estimate) -> str:
     return (f"{e.step_time_s:.3f} s  (compute {e.compute_time_s:.3f}, recompute {e.recompute_time_s:.3f}, "
             f"bubble {e.bubble_time_s:.3f}, exposed comm {e.exposed_comm_time_s:.3f}, optimizer {e.optimizer_time_s:.3f}, "
-            f"stragglers {e.straggler_time_s:.3f}" + (f", exposed offload {e.offload_time_s:.3f})" if e.offload_time_s else ")"))
+            f"stragglers {e.straggler_time_s:.3f}" + (f", overlap contention {e.contention_time_s:.3f}" if e.contention_time_s else "")
+            + (f", exposed offload {e.offload_time_s:.3f})" if e.offload_time_s else ")"))
 
 
 def _memory(plan: Plan) -> Table:
@@ -191,7 +192,7 @@ def estimate_json(strategy: Strategy, estimate: Estimate, *, band: ErrorBand | N
             "time_s": {
                 "compute": e.compute_time_s, "recompute": e.recompute_time_s, "bubble": e.bubble_time_s,
                 "exposed_comm": e.exposed_comm_time_s, "optimizer": e.optimizer_time_s,
-                "stragglers": e.straggler_time_s, "offload": e.offload_time_s,
+                "stragglers": e.straggler_time_s, "offload": e.offload_time_s, "contention": e.contention_time_s,
             },
             "comm_s_before_overlap": e.comm_time_by_kind_s,
             "memory_bytes": e.memory_by_category_bytes,

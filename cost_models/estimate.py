@@ -89,9 +89,10 @@ def estimate(
                                solo_speedup=cluster.device.solo_speedup)
     bubble = pipeline - micro_batches * times[slowest].total  # < 0 where idle ranks' cores speed up the slowest
     exposed_dp = [cost[2] for cost in per_stage]
+    waits = max(range(len(stages)), key=lambda i: exposed_dp[i] + per_stage[i][3])  # exposed + contended, per stage
     optimizer = max(optimizer_step_s(_optimizer_params(stage, strategy), cluster.device) for stage in distinct)
     straggling = straggler_s(pipeline, cluster, calibration=calibration)
-    step = pipeline + max(exposed_dp) + optimizer + straggling
+    step = pipeline + exposed_dp[waits] + per_stage[waits][3] + optimizer + straggling
     worst = max(range(len(stages)), key=lambda i: sum(memory[i].values()))
     model_flops = facts.flops_per_sequence * training.global_batch
     hardware_flops = model_flops + sum(recomputed_flops(stage, profile) for stage in stages) * training.global_batch
@@ -102,9 +103,10 @@ def estimate(
         compute_time_s=micro_batches * (t.forward + t.backward),
         recompute_time_s=micro_batches * t.recompute,
         optimizer_time_s=optimizer,
-        exposed_comm_time_s=micro_batches * (t.tp_comm + t.pp_comm + t.ep_comm + t.cp_comm) + max(exposed_dp),
+        exposed_comm_time_s=micro_batches * (t.tp_comm + t.pp_comm + t.ep_comm + t.cp_comm) + exposed_dp[waits],
         bubble_time_s=bubble,
         straggler_time_s=straggling,
+        contention_time_s=per_stage[waits][3],
         offload_time_s=micro_batches * t.offload,
         comm_time_by_kind_s=_comm_by_kind(t, dp[slowest], micro_batches),
         memory_by_category_bytes=memory[worst],
@@ -272,9 +274,9 @@ def _tp_comm_lower_bound_s(whole: StageTotals, cluster: Cluster, strategy: Strat
 def _distinct_stage_costs(
     stages: Sequence[StageTotals], cluster: Cluster, training: TrainingConfig, strategy: Strategy,
     *, micro_batches: int, calibration: Calibration, profile: ImplementationProfile,
-) -> list[tuple[StageTime, dict[str, float], float]]:
-    """Per distinct stage: its time, its data-parallel traffic, and the part of that traffic left exposed after
-    overlap."""
+) -> list[tuple[StageTime, dict[str, float], float, float]]:
+    """Per distinct stage: its time, its data-parallel traffic, the part of that traffic left exposed after
+    overlap, and the seconds per step its compute loses to the collectives it hides (``contention_s``)."""
     slowdown = sharded_comm_slowdown(cluster.device, strategy, profile=profile)
     # ranks sharing cores communicate with their compute's cores; some frameworks reduce after the backward (profiles)
     overlap = cluster.device.solo_speedup == 1.0 and (profile.dp_overlap or strategy.zero == 3)
@@ -286,8 +288,16 @@ def _distinct_stage_costs(
         exposed = exposed_dp_comm_s(comm, strategy, forward_s=t.forward, backward_s=t.backward,
                                     micro_batches=micro_batches, blocks=stage.blocks, overlap=overlap,
                                     recompute_s=t.recompute)
-        costs.append((t, comm, exposed))
+        hidden = (sum(comm.values()) - exposed) / slowdown if overlap else 0.0
+        costs.append((t, comm, exposed, contention_s(hidden, cluster.device, calibration=calibration)))
     return costs
+
+
+def contention_s(hidden_dp_s: float, device: DeviceSpec, *, calibration: Calibration) -> float:
+    """Seconds per step the compute loses running beside the data-parallel collectives it hides (``hidden_dp_s``,
+    at the ring's speed: a framework's slowdown on them, DeepSpeed's 2021 ZeRO-3, is time its kernels wait, not
+    bandwidth they use), each second slowing the compute beside it by ``Calibration.overlap_contention``."""
+    return device_calibration(device, calibration).overlap_contention * max(hidden_dp_s, 0.0)
 
 
 def _stage_memories(

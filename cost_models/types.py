@@ -324,6 +324,8 @@ class Estimate(BaseModel):
     """Seconds a step waits for its slowest rank beyond one rank's mean (``Calibration.jitter``)."""
     offload_time_s: float = 0.0
     """Seconds of activation-offload copies per step that the compute does not hide (``cost_models.offload``)."""
+    contention_time_s: float = 0.0
+    """Seconds per step the compute loses to the collectives it hides (``Calibration.overlap_contention``)."""
     stage_peak_memory_bytes: tuple[int, ...] = ()
     """Predicted peak memory of each pipeline stage (``memory_by_category_bytes`` is the worst one)."""
     stage_memory_by_category_bytes: tuple[dict[str, int], ...] = ()

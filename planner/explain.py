@@ -149,7 +149,7 @@ def _breakdown(e: Estimate) -> Section:
     terms = step_terms(e)
     rows = tuple((name, seconds(value), f"{value / e.step_time_s:.1%}") for name, value in terms.items())
     rows += (("step time", seconds(e.step_time_s), "100.0%"),)
-    chart = Figure("step_time", "Step time by term (exposed communication only; hidden communication is free)",
+    chart = Figure("step_time", "Step time by term (hidden communication counts only as contention)",
                    plots.breakdown_chart(terms, step_time_s=e.step_time_s))
     return Section("Step time breakdown", (Table(("term", "time", "share"), rows), chart))
 

@@ -112,6 +112,7 @@ def step_terms(e: Estimate) -> dict[str, float]:
     terms = {"compute": e.compute_time_s, "recompute": e.recompute_time_s}
     terms |= {f"exposed {kind}": value for kind, value in exposed_comm_by_kind(e).items()}
     terms |= {"bubble": e.bubble_time_s, "optimizer": e.optimizer_time_s, "stragglers": e.straggler_time_s}
+    terms |= {"overlap contention": e.contention_time_s} if e.contention_time_s else {}
     return terms | ({"exposed offload": e.offload_time_s} if e.offload_time_s else {})
 
 

@@ -1,6 +1,7 @@
 """Sharded data parallelism per framework (``cost_models.profiles``) and stragglers, on hand-made LayerStats."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -43,6 +44,22 @@ def test_deepspeed_zero3_collectives_take_its_profiles_slowdown():
     assert deepspeed.step_time_s > fsdp.step_time_s
     # ZeRO-1 is no business of the ZeRO-3 profile
     assert run("dp=16,zero=1,mbs=2", framework=DEEPSPEED).step_time_s == pytest.approx(run("dp=16,zero=1,mbs=2").step_time_s)
+
+
+def test_hidden_collectives_slow_the_compute_beside_them_at_the_rings_speed():
+    contended = replace(FLAT, overlap_contention=0.2)
+    for framework in (TESSERA, DEEPSPEED):
+        plain = run("dp=16,zero=3,mbs=2", framework=framework)
+        slowed = run("dp=16,zero=3,mbs=2", framework=framework, calibration=contended)
+        hidden = sum(plain.comm_time_by_kind_s.values()) - plain.exposed_comm_time_s
+        assert hidden > 0 and plain.contention_time_s == 0.0
+        # DeepSpeed's 2021 slowdown is its kernels waiting, not bandwidth they take from the compute
+        at_ring_speed = hidden / (DEEPSPEED.zero3_comm_slowdown if framework is DEEPSPEED else 1.0)
+        assert slowed.contention_time_s == pytest.approx(0.2 * at_ring_speed)
+        assert slowed.step_time_s == pytest.approx(plain.step_time_s + slowed.contention_time_s)
+    # a framework that reduces after the backward hides nothing, so nothing slows its compute
+    after = replace(TESSERA, dp_overlap=False)
+    assert run("dp=16,zero=1,mbs=2", framework=after, calibration=contended).contention_time_s == 0.0
 
 
 def test_compute_bound_fsdp_exposes_only_the_first_gather_and_last_reduce_scatter():
