@@ -159,6 +159,37 @@ def dp_comm_s(
     return split_unprefetched_gathers(comm, strategy, profile=profile, micro_batches=micro_batches)
 
 
+def dp_traffic_lower_bound_s(whole: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy, *,
+                             micro_batches: int) -> float:
+    """Data-parallel collective seconds per step of the mean pipeline stage at least (``whole``: the model as one
+    stage), before any framework's slowdown, whatever a profile or the per-block choices make of it: the fewest
+    collectives a step runs (ZeRO-3 blocks that keep their gathered weights skip the backward's gathers) and the
+    fewest bytes (bf16 gradients, FP8 weight gathers under fp8), at each collective's per-byte rate alone. A
+    collective's time is concave in its bytes and zero at none (``topology.collectives``: a minimum of affine pieces
+    per level), so never below that rate times its bytes, and the stages' bytes sum to the model's. Without context
+    or expert parallelism (0 there: their gradient groups are not bounded here)."""
+    if strategy.dp == 1 or strategy.cp > 1 or strategy.ep > 1:
+        return 0.0
+    group = {"group_size": strategy.dp, "stride": strategy.tp * strategy.cp * strategy.pp}
+    params = local_params(whole, strategy)
+    grads = 2 * params
+    if strategy.zero == 0:
+        return _per_byte_s(all_reduce_time, cluster, group) * grads / strategy.pp
+    weights = params * (1 if training.precision == "fp8" else compute_dtype_bytes(training))
+    gathers, scatters = sharded_collective_counts(strategy, micro_batches=micro_batches)
+    if strategy.zero == 3:  # blocks keeping their gathered weights gather once per step (pp) or micro-batch
+        gathers = min(gathers, 1 if strategy.pp > 1 else micro_batches)
+    return (scatters * _per_byte_s(reduce_scatter_time, cluster, group) * grads
+            + gathers * _per_byte_s(all_gather_time, cluster, group) * weights) / strategy.pp
+
+
+def _per_byte_s(collective, cluster: Cluster, group: dict[str, int]) -> float:
+    """The collective's asymptotic seconds per byte over ``group``: the slope of its time far beyond every piece's
+    crossover (where it is affine), shaded by 1e-9 for rounding."""
+    big = float(2**50)
+    return (collective(cluster, 2 * big, **group) - collective(cluster, big, **group)) / big * (1 - 1e-9)
+
+
 def sharded_units(stage: StageTotals, *, experts: bool = False) -> int:
     """FSDP units of ``stage`` that each all-gather and reduce-scatter in collectives of their own: every block and
     the root (embeddings, final norm, head) where the stage holds any of it (``runtime.data_parallel.apply_fsdp``:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from tessera.cost_models.communication import (
-    dp_comm_s, exposed_dp_comm_s, pp_comm_s, sharded_comm_slowdown, tp_comm_s,
+    dp_comm_s, dp_traffic_lower_bound_s, exposed_dp_comm_s, pp_comm_s, sharded_comm_slowdown, tp_comm_s,
 )
 from tessera.cost_models.compute import (
     GPU_CALIBRATION, Calibration, achievable_flops, attention_core_rate, bf16_or, compute_lower_bound_s,
@@ -217,17 +217,31 @@ def step_time_lower_bound(
     is at least those slots times the mean of the ``pp`` stages' times, and each
     part of that mean is bounded from below: compute by ``compute_lower_bound_s``, the expert all-to-alls by
     ``_ep_comm_lower_bound_s``, the tensor-parallel all-reduces by ``_tp_comm_lower_bound_s`` (all summed over
-    stages); the estimate adds the other communication, the
-    optimizer and stage imbalance, all non-negative. ``whole`` is the model summed as one stage under the
-    strategy's recomputation (pass it in when bounding many strategies).
+    stages); then what the data-parallel traffic adds at least, exposed or contending (``dp_lower_bound_s``); the
+    estimate adds the rest of the communication, the optimizer and stage imbalance, all non-negative. ``whole`` is
+    the model summed as one stage under the strategy's recomputation (pass it in when bounding many strategies).
     """
     whole = whole or stage_totals(layers, 0, block_policies(layers, strategy))
     per_micro_batch = compute_lower_bound_s(whole, cluster.device, training, strategy, calibration=calibration)
     per_micro_batch += _ep_comm_lower_bound_s(layers, cluster, strategy, whole) / strategy.pp
     per_micro_batch += _tp_comm_lower_bound_s(whole, cluster, strategy) / strategy.pp
-    slots = pipeline_slots_lower_bound(strategy, micro_batches=strategy.gradient_accumulation(training.global_batch),
-                                       solo_speedup=cluster.device.solo_speedup)
-    return slots * per_micro_batch
+    micro_batches = strategy.gradient_accumulation(training.global_batch)
+    slots = pipeline_slots_lower_bound(strategy, micro_batches=micro_batches, solo_speedup=cluster.device.solo_speedup)
+    return slots * per_micro_batch + dp_lower_bound_s(whole, cluster, training, strategy, calibration=calibration)
+
+
+def dp_lower_bound_s(whole: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy, *,
+                     calibration: Calibration = GPU_CALIBRATION) -> float:
+    """Seconds the data-parallel traffic adds to a step at least, however much of it is hidden: the waiting stage's
+    exposed traffic plus the contention of its hidden traffic (``contention_s``) is at least ``overlap_contention``
+    of its traffic at the ring's speed (an exposed second costs all of itself, a hidden one that share), and its
+    traffic at least the mean stage's lower bound (``communication.dp_traffic_lower_bound_s``)."""
+    share = device_calibration(cluster.device, calibration).overlap_contention
+    if not share:
+        return 0.0
+    traffic = dp_traffic_lower_bound_s(whole, cluster, training, strategy,
+                                       micro_batches=strategy.gradient_accumulation(training.global_batch))
+    return share * traffic * min(1.0, cluster.device.fsdp_comm_slowdown or 1.0)
 
 
 def _ep_comm_lower_bound_s(

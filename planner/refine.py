@@ -21,8 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
-from tessera.cost_models.estimate import step_time_lower_bound
+from tessera.cost_models.estimate import dp_lower_bound_s, step_time_lower_bound
 from tessera.cost_models.layer_stats import LayerStats
+from tessera.cost_models.partition import block_policies, stage_totals
 from tessera.cost_models.pipeline import bubble_micro_batches
 from tessera.cost_models.types import Recompute, runtime_conflict, strategy_features
 from tessera.planner.ilp import StageCoefficients, coefficients, optimal_pace_s, solve, stage_tables
@@ -162,7 +163,8 @@ def _refine_mixed(layers, cluster, training, key: Strategy, *, options, incumben
     kinds, _ = block_kinds(layers)
     measure = StageMeasure(cluster, training, key)
     slots = _slots(key, training, cluster)
-    if slots * pace_lower_bound_s(layers, key, options=options, measure=measure) >= incumbent:
+    floor = _dp_floor(layers, cluster, training, key)
+    if slots * pace_lower_bound_s(layers, key, options=options, measure=measure) + floor >= incumbent:
         stats.pruned += 1
         return None
     coeffs = kind_coefficients(layers, cluster, training, key, options=options, measure=measure)
@@ -222,14 +224,15 @@ def materialise_options(key: Strategy, options: Sequence[str], *, chunk_blocks: 
 def _refine_one(layers, cluster, training, key: Strategy, *, policies, incumbent: float, stats: RefineStats):
     coeffs = coefficients(layers, cluster, training, key, policies=policies)
     blocks = sum(layer.kind == "block" for layer in layers)
-    if _lower_bound_step(coeffs, key, training, cluster, blocks=blocks) >= incumbent:
+    to_beat = incumbent - _dp_floor(layers, cluster, training, key)  # the pace's share of the incumbent, at most
+    if _lower_bound_step(coeffs, key, training, cluster, blocks=blocks) >= to_beat:
         stats.pruned += 1
         return None
     fixed = _even_stage_shares(blocks, key) if key.virtual_stages > 1 else None
     budget = float(cluster.device.memory_bytes)
     tables = stage_tables(coeffs, blocks=blocks, budget_bytes=budget)  # shared by the bound and the first solve
     pace = optimal_pace_s(coeffs, blocks=blocks, budget_bytes=budget, fixed_blocks=fixed, tables=tables)
-    if pace is not None and _slots(key, training, cluster) * pace >= incumbent:  # even the optimum cannot win: skip the solve
+    if pace is not None and _slots(key, training, cluster) * pace >= to_beat:  # even the optimum cannot win: skip the solve
         stats.pruned += 1
         return None
 
@@ -238,6 +241,12 @@ def _refine_one(layers, cluster, training, key: Strategy, *, policies, incumbent
         return result and (result, materialise(key, result.blocks, blocks=blocks))
 
     return _solve_and_check(layers, cluster, training, solve_at, stats=stats, policies=policies)
+
+
+def _dp_floor(layers, cluster: Cluster, training: TrainingConfig, key: Strategy) -> float:
+    """Seconds the data-parallel traffic adds to any refinement of ``key`` at least (``estimate.dp_lower_bound_s``:
+    its bound holds whatever the blocks' policies, stage sizes and kept weights)."""
+    return dp_lower_bound_s(stage_totals(layers, 0, block_policies(layers, key)), cluster, training, key)
 
 
 def _lower_bound_step(coeffs: Sequence[StageCoefficients], key: Strategy, training: TrainingConfig, cluster: Cluster, *,

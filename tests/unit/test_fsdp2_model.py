@@ -62,6 +62,25 @@ def test_hidden_collectives_slow_the_compute_beside_them_at_the_rings_speed():
     assert run("dp=16,zero=1,mbs=2", framework=after, calibration=contended).contention_time_s == 0.0
 
 
+def test_the_data_parallel_floor_bites_and_stays_below_what_the_estimate_charges():
+    """``estimate.dp_lower_bound_s`` (the search's pruning): positive where there is data-parallel traffic, never above
+    the exposed traffic plus its contention, for every ZeRO stage, pipelined or not, and any framework's slowdown."""
+    from tessera.cost_models.estimate import dp_lower_bound_s
+    from tessera.cost_models.partition import block_policies
+
+    contended = replace(FLAT, overlap_contention=0.2)
+    layers, training = [block(i) for i in range(4)], TrainingConfig(global_batch=32, seq_len=4096)
+    for spec in ("dp=16,zero=0,mbs=2", "dp=16,zero=1,mbs=2", "dp=16,zero=2,mbs=2", "dp=16,zero=3,mbs=2",
+                 "dp=8,pp=2,zero=1,mbs=1", "dp=8,pp=2,zero=3,mbs=1"):
+        strategy = Strategy.parse(spec)
+        whole = stage_totals(layers, 0, block_policies(layers, strategy))
+        floor = dp_lower_bound_s(whole, load_cluster("dgx-h100:nodes=2"), training, strategy, calibration=contended)
+        assert floor > 0, spec
+        for framework in (TESSERA, DEEPSPEED, PYTORCH_FSDP_TE):
+            e = run(spec, framework=framework, calibration=contended)  # exposed: the pipeline's sends too, if any
+            assert floor <= e.exposed_comm_time_s + e.contention_time_s + 1e-12, (spec, framework.name)
+
+
 def test_compute_bound_fsdp_exposes_only_the_first_gather_and_last_reduce_scatter():
     e = run("dp=16,zero=3,mbs=2")
     total = e.comm_time_by_kind_s["fsdp_allgather"] + e.comm_time_by_kind_s["fsdp_reducescatter"]
