@@ -15,7 +15,6 @@ import math
 import statistics
 from dataclasses import replace
 
-import published
 from published import TRAIN_IDS, evaluate_as_run, fit_calibration, plan_run
 from published_rows import measured_runs, published_step_s
 from tessera.cost_models.compute import GPU_CALIBRATION
@@ -32,8 +31,7 @@ def main() -> None:
     print("| overlap_contention | refitted constants | calibration objective | held-out median | held-out worst |")
     print("|---|---|---|---|---|")
     for value in args.values:
-        published.GPU_CALIBRATION = replace(GPU_CALIBRATION, overlap_contention=value)  # the fit's starting point
-        fitted, deepspeed = fit_calibration(runs, chosen)
+        fitted, deepspeed = fit_calibration(runs, chosen, start=replace(GPU_CALIBRATION, overlap_contention=value))
         errors = {run["id"]: evaluate_as_run(run, chosen[run["id"]], fitted, deepspeed=deepspeed).step_time_s
                   / published_step_s(run) - 1 for run in runs}
         train = [abs(math.log1p(e)) for key, e in errors.items() if key in TRAIN_IDS]

@@ -151,7 +151,8 @@ def log_error(run: dict, strategy: Strategy, calibration: Calibration, *, deepsp
     return math.log(predicted / published_step_s(run))
 
 
-def fit_calibration(runs: list[dict], chosen: dict[str, Strategy]) -> tuple[Calibration, float]:
+def fit_calibration(runs: list[dict], chosen: dict[str, Strategy], *,
+                    start: Calibration = GPU_CALIBRATION) -> tuple[Calibration, float]:
     """Grid search on the training split, strategies held fixed, one family of constants at a time: the compute
     constants on the bf16 rows (DeepSpeed's ZeRO-3 and the context-parallel rows aside), DeepSpeed's ZeRO-3 slowdown
     on its rows, the FP8 curve on the FP8 rows, the ring's attention slowdown on the context-parallel rows, then the
@@ -160,7 +161,7 @@ def fit_calibration(runs: list[dict], chosen: dict[str, Strategy]) -> tuple[Cali
     train = [r for r in runs if r["id"] in TRAIN_IDS]
     by_regime = {name: [r for r in train if regime(r) == name] for name in ("deepspeed-zero3", "fp8", "cp")}
     dense = [r for r in train if regime(r) not in by_regime]
-    compute = coordinate_fit(GPU_CALIBRATION, COMPUTE_GRID, dense, chosen)
+    compute = coordinate_fit(start, COMPUTE_GRID, dense, chosen)
     deepspeed = min(ZERO3_SLOWDOWNS, key=lambda z: _mean_abs_log_error(by_regime["deepspeed-zero3"], chosen, compute, deepspeed=z))
     fp8 = coordinate_fit(compute, FP8_GRID, by_regime["fp8"], chosen) if by_regime["fp8"] else compute
     ring = coordinate_fit(fp8, CP_GRID, by_regime["cp"], chosen) if by_regime["cp"] else fp8
@@ -264,7 +265,7 @@ def unpriced_summary() -> str:
             f"'unpriced' says why): " + ", ".join(lines))
 
 
-def plan_quality(speedups: list["Speedup"]) -> str:
+def plan_quality(speedups: list[Speedup]) -> str:
     """The summary line on Tessera's own plans against the published configurations that fit on its runtime."""
     fair = [x.ratio for x in speedups if x.opponent_fits]
     unfit = [x.ratio for x in speedups if not x.opponent_fits]
@@ -276,7 +277,7 @@ def plan_quality(speedups: list["Speedup"]) -> str:
             f"{len(unfit)} more do not fit there (speedups {', '.join(f'{x:.2f}x' for x in sorted(unfit))})")
 
 
-def own_plan_cells(run: dict, strategy: Strategy, est, training: TrainingConfig, speedups: list[float]) -> tuple[str, ...]:
+def own_plan_cells(run: dict, strategy: Strategy, est, training: TrainingConfig, speedups: list[Speedup]) -> tuple[str, ...]:
     """The table's cells for Tessera's own plan of ``run``'s case (its speedup appended to ``speedups``)."""
     try:
         own = own_plan(model_spec(run), cluster_spec(run), training)

@@ -73,6 +73,10 @@ class Calibration:
     cp_attention_slowdown: float = 1.0
     overlap_contention: float = 0.0
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.overlap_contention <= 1.0:  # a share of the hidden time (the search's floor relies on it)
+            raise ValueError(f"overlap_contention={self.overlap_contention!r} is not between 0 and 1")
+
     def at(self, width: float) -> float:
         """Efficiency at local matmul width ``width`` (unknown width: the asymptote)."""
         return self.peak_fraction if width <= 0 else self.peak_fraction * width / (width + self.half_width)

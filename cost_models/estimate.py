@@ -3,8 +3,9 @@
 The step is the pipeline's time for all micro-batches on its slowest stage (compute, recomputation,
 exposed tensor-parallel, point-to-point, expert all-to-all and context-parallel ring communication
 (``cost_models.sparse``), plus the schedule's bubble; on ranks sharing CPU cores, bounded by the mean stage's
-work instead: ``cost_models.pipeline.pipeline_time_s``), then the exposed data-parallel communication and the
-optimizer update. Memory is checked on every stage; the worst one is reported.
+work instead: ``cost_models.pipeline.pipeline_time_s``), then the exposed data-parallel communication, what the
+collectives it hides slow the compute beside them (``contention_s``), the optimizer update and the stragglers.
+Memory is checked on every stage; the worst one is reported.
 """
 
 from __future__ import annotations
@@ -232,16 +233,18 @@ def step_time_lower_bound(
 
 def dp_lower_bound_s(whole: StageTotals, cluster: Cluster, training: TrainingConfig, strategy: Strategy, *,
                      calibration: Calibration = GPU_CALIBRATION) -> float:
-    """Seconds the data-parallel traffic adds to a step at least, however much of it is hidden: the waiting stage's
-    exposed traffic plus the contention of its hidden traffic (``contention_s``) is at least ``overlap_contention``
-    of its traffic at the ring's speed (an exposed second costs all of itself, a hidden one that share), and its
-    traffic at least the mean stage's lower bound (``communication.dp_traffic_lower_bound_s``)."""
+    """Seconds the data-parallel traffic adds to a step at least, however much of it is hidden (with the same
+    ``calibration`` as the estimates it bounds). The waiting stage's part is ``max(e, u + k (T - e))`` (``contention_s``:
+    exposed ``e``, unhideable ``u >= 0``, traffic ``T`` and ``k`` the contention share over the framework's slowdown
+    ``s >= 1``), never below ``k T / (1 + k)``, so never below ``share / (1 + share)`` of the traffic at the ring's
+    speed, ``T / s``; and that traffic is at least the mean stage's lower bound
+    (``communication.dp_traffic_lower_bound_s``)."""
     share = device_calibration(cluster.device, calibration).overlap_contention
     if not share:
         return 0.0
     traffic = dp_traffic_lower_bound_s(whole, cluster, training, strategy,
                                        micro_batches=strategy.gradient_accumulation(training.global_batch))
-    return share * traffic * min(1.0, cluster.device.fsdp_comm_slowdown or 1.0)
+    return share / (1 + share) * traffic
 
 
 def _ep_comm_lower_bound_s(
@@ -302,16 +305,25 @@ def _distinct_stage_costs(
         exposed = exposed_dp_comm_s(comm, strategy, forward_s=t.forward, backward_s=t.backward,
                                     micro_batches=micro_batches, blocks=stage.blocks, overlap=overlap,
                                     recompute_s=t.recompute)
+        unhideable = exposed_dp_comm_s(comm, strategy, forward_s=math.inf, backward_s=math.inf,
+                                       micro_batches=micro_batches, blocks=stage.blocks, overlap=overlap)
         hidden = (sum(comm.values()) - exposed) / slowdown if overlap else 0.0
-        costs.append((t, comm, exposed, contention_s(hidden, cluster.device, calibration=calibration)))
+        costs.append((t, comm, exposed, contention_s(exposed, unhideable, hidden, cluster.device,
+                                                     calibration=calibration)))
     return costs
 
 
-def contention_s(hidden_dp_s: float, device: DeviceSpec, *, calibration: Calibration) -> float:
-    """Seconds per step the compute loses running beside the data-parallel collectives it hides (``hidden_dp_s``,
-    at the ring's speed: a framework's slowdown on them, DeepSpeed's 2021 ZeRO-3, is time its kernels wait, not
-    bandwidth they use), each second slowing the compute beside it by ``Calibration.overlap_contention``."""
-    return device_calibration(device, calibration).overlap_contention * max(hidden_dp_s, 0.0)
+def contention_s(exposed_s: float, unhideable_s: float, hidden_s: float, device: DeviceSpec, *,
+                 calibration: Calibration) -> float:
+    """Seconds per step the compute loses beside the data-parallel collectives it hides, beyond the ``exposed_s``
+    the step already waits for them. Each hidden second (``hidden_s``, at the ring's speed: a framework's slowdown
+    on them, DeepSpeed's 2021 ZeRO-3, is time its kernels wait, not bandwidth they take) slows the compute beside it
+    by ``Calibration.overlap_contention``; the slowed compute still runs inside the collectives' window, so the step's
+    data-parallel part is ``max(exposed, unhideable + slowing)``, ``unhideable_s`` being what stays exposed however
+    long the compute (each pass's first gather and last reduce-scatter): compute-bound, the whole slowing counts;
+    bandwidth-bound, the exposed traffic absorbs it."""
+    slowing = device_calibration(device, calibration).overlap_contention * max(hidden_s, 0.0)
+    return max(0.0, unhideable_s + slowing - exposed_s)
 
 
 def _stage_memories(

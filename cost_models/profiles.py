@@ -210,6 +210,8 @@ class ImplementationProfile:
             raise ConfigError(f"cross_entropy={self.cross_entropy!r} is not one of {', '.join(CROSS_ENTROPY_KERNELS)}")
         if self.cp_rotation not in CP_ROTATIONS:
             raise ConfigError(f"cp_rotation={self.cp_rotation!r} is not one of {', '.join(CP_ROTATIONS)}")
+        if self.gradient_bytes not in (2, 4):  # the search's data-parallel floor counts 2 bytes at least
+            raise ConfigError(f"gradient_bytes={self.gradient_bytes!r} is not 2 (bf16) or 4 (fp32)")
 
     def gathers_fp8(self, training: TrainingConfig, strategy: Strategy) -> bool:
         """Whether ZeRO-3 all-gathers the blocks' parameters in FP8 for ``training`` under ``strategy``: where the

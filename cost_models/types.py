@@ -391,11 +391,18 @@ def runtime_splits(axis: str, cls: type) -> bool:
 
 def strategy_features(strategy: Strategy) -> set[str]:
     """The features of ``strategy`` that ``RUNTIME_EXCLUSIVE`` speaks of."""
-    used = {axis for axis in ("tp", "pp", "cp", "ep") if getattr(strategy, axis) > 1}
-    policies = {strategy.recompute, *strategy.block_recompute}
-    flags = {"sp": strategy.sp, "selective": "selective" in policies, "offload": "offload" in policies,
-             "block-reshard": False in strategy.block_reshard, "expert-folding": strategy.expert_tp != strategy.tp}
-    return used | {feature for feature, on in flags.items() if on}
+    used = {axis for axis, degree in (("tp", strategy.tp), ("pp", strategy.pp), ("cp", strategy.cp),
+                                       ("ep", strategy.ep)) if degree > 1}
+    if strategy.sp:
+        used.add("sp")
+    for policy in ("selective", "offload"):
+        if strategy.recompute == policy or policy in strategy.block_recompute:
+            used.add(policy)
+    if False in strategy.block_reshard:
+        used.add("block-reshard")
+    if strategy.expert_tp != strategy.tp:
+        used.add("expert-folding")
+    return used
 
 
 def runtime_conflict(

@@ -89,9 +89,10 @@ def mesh_shapes(
                             yield dp, tp, pp, cp, ep
 
 
-def model_features(strategy: Strategy, training: TrainingConfig) -> set[str]:
-    """``strategy_features`` plus the model-dependent ones ``unavailable_axes`` may name (module docstring)."""
-    used = strategy_features(strategy)
+def model_features(strategy: Strategy, training: TrainingConfig, *, features: set[str] | None = None) -> set[str]:
+    """``strategy_features`` (``features``, where already computed) plus the model-dependent ones
+    ``unavailable_axes`` may name (module docstring)."""
+    used = set(strategy_features(strategy) if features is None else features)
     if strategy.zero >= 1 and strategy.dp * strategy.cp > 1:
         used.add("zero")
     if training.global_batch // (strategy.dp * strategy.micro_batch) > 1:
@@ -195,8 +196,9 @@ def strategies(
                             # never chosen: the runtime lacks both
                             tp_overlap=pins.get("tp_overlap", False), sp_regather=pins.get("sp_regather", False),
                         )
-                        if (runtime_conflict(strategy_features(strategy), exclusive) is None and folding_refusal(strategy) is None
-                                and model_refusal(model_features(strategy, training), unavailable) is None):
+                        features = strategy_features(strategy)
+                        if (runtime_conflict(features, exclusive) is None and folding_refusal(strategy) is None
+                                and model_refusal(model_features(strategy, training, features=features), unavailable) is None):
                             yield strategy
 
 
