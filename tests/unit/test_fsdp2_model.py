@@ -91,6 +91,24 @@ def test_the_data_parallel_floor_bites_and_stays_below_what_the_estimate_charges
             assert floor <= dp_part * (1 + 1e-9), (spec, precision, flops, framework.name)
 
 
+def test_the_stage_with_the_most_data_parallel_traffic_sets_the_step():
+    """Pipelined, each stage reduces its own gradients; the step waits for the stage whose exposed traffic plus
+    contention is largest (here the later stage, whose blocks hold four times the parameters)."""
+    from tessera.cost_models.communication import dp_comm_s
+    from tessera.cost_models.estimate import stage_split
+    from tessera.cost_models.profiles import MEGATRON_2021
+
+    layers = [block(i) if i < 2 else block(i).model_copy(update={"param_count": 4 * 10**9}) for i in range(4)]
+    training, cluster = TrainingConfig(global_batch=32, seq_len=4096), load_cluster("dgx-h100:nodes=2")
+    strategy = Strategy.parse("dp=8,pp=2,zero=1,mbs=1")  # Megatron-LM of 2021 reduces after the backward: all exposed
+    e = estimate(layers, cluster, training, strategy, calibration=FLAT, profile=MEGATRON_2021)
+    traffic = [sum(dp_comm_s(stage, cluster, training, strategy, micro_batches=e.micro_batches,
+                             profile=MEGATRON_2021).values()) for stage in stage_split(layers, strategy).stages]
+    assert traffic[1] > traffic[0]
+    pipeline_sends = e.micro_batches * max(parts["pp_comm"] for parts in e.stage_time_per_micro_batch_s)
+    assert e.exposed_comm_time_s - pipeline_sends == pytest.approx(traffic[1], rel=1e-6)
+
+
 def test_compute_bound_fsdp_exposes_only_the_first_gather_and_last_reduce_scatter():
     e = run("dp=16,zero=3,mbs=2")
     total = e.comm_time_by_kind_s["fsdp_allgather"] + e.comm_time_by_kind_s["fsdp_reducescatter"]
