@@ -90,10 +90,11 @@ def estimate(
                                solo_speedup=cluster.device.solo_speedup)
     bubble = pipeline - micro_batches * times[slowest].total  # < 0 where idle ranks' cores speed up the slowest
     exposed_dp = [cost[2] for cost in per_stage]
-    waits = max(range(len(stages)), key=lambda i: exposed_dp[i] + per_stage[i][3])  # exposed + contended, per stage
+    contended = [cost[3] for cost in per_stage]
+    waits = max(range(len(stages)), key=lambda i: exposed_dp[i] + contended[i])  # the stage the step waits for
     optimizer = max(optimizer_step_s(_optimizer_params(stage, strategy), cluster.device) for stage in distinct)
     straggling = straggler_s(pipeline, cluster, calibration=calibration)
-    step = pipeline + exposed_dp[waits] + per_stage[waits][3] + optimizer + straggling
+    step = pipeline + exposed_dp[waits] + contended[waits] + optimizer + straggling
     worst = max(range(len(stages)), key=lambda i: sum(memory[i].values()))
     model_flops = facts.flops_per_sequence * training.global_batch
     hardware_flops = model_flops + sum(recomputed_flops(stage, profile) for stage in stages) * training.global_batch
@@ -107,7 +108,7 @@ def estimate(
         exposed_comm_time_s=micro_batches * (t.tp_comm + t.pp_comm + t.ep_comm + t.cp_comm) + exposed_dp[waits],
         bubble_time_s=bubble,
         straggler_time_s=straggling,
-        contention_time_s=per_stage[waits][3],
+        contention_time_s=contended[waits],
         offload_time_s=micro_batches * t.offload,
         comm_time_by_kind_s=_comm_by_kind(t, dp[slowest], micro_batches),
         memory_by_category_bytes=memory[worst],

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from tessera.cost_models import Estimate, Strategy, TrainingConfig, estimate
 from tessera.cost_models.estimate import dp_lower_bound_s, step_time_lower_bound
 from tessera.cost_models.layer_stats import LayerStats
-from tessera.cost_models.partition import block_policies, stage_totals
+from tessera.cost_models.partition import block_policies, cached_stage_totals
 from tessera.cost_models.pipeline import bubble_micro_batches
 from tessera.cost_models.types import Recompute, runtime_conflict, strategy_features
 from tessera.planner.ilp import StageCoefficients, coefficients, optimal_pace_s, solve, stage_tables
@@ -157,13 +157,14 @@ def block_option_names(
 
 def _refine_mixed(layers, cluster, training, key: Strategy, *, options, incumbent: float, stats: RefineStats):
     """The mixed program (``planner.ilp_mixed``) for one outer candidate, re-checked by ``estimate``."""
-    if step_time_lower_bound(layers, cluster, training, key) >= incumbent:  # before measuring any coefficient
+    whole = _whole(layers, key)
+    if step_time_lower_bound(layers, cluster, training, key, whole=whole) >= incumbent:  # before any coefficient
         stats.pruned += 1
         return None
     kinds, _ = block_kinds(layers)
     measure = StageMeasure(cluster, training, key)
     slots = _slots(key, training, cluster)
-    floor = _dp_floor(layers, cluster, training, key)
+    floor = dp_lower_bound_s(whole, cluster, training, key)
     if slots * pace_lower_bound_s(layers, key, options=options, measure=measure) + floor >= incumbent:
         stats.pruned += 1
         return None
@@ -224,7 +225,7 @@ def materialise_options(key: Strategy, options: Sequence[str], *, chunk_blocks: 
 def _refine_one(layers, cluster, training, key: Strategy, *, policies, incumbent: float, stats: RefineStats):
     coeffs = coefficients(layers, cluster, training, key, policies=policies)
     blocks = sum(layer.kind == "block" for layer in layers)
-    to_beat = incumbent - _dp_floor(layers, cluster, training, key)  # the pace's share of the incumbent, at most
+    to_beat = incumbent - dp_lower_bound_s(_whole(layers, key), cluster, training, key)  # the pace's share, at most
     if _lower_bound_step(coeffs, key, training, cluster, blocks=blocks) >= to_beat:
         stats.pruned += 1
         return None
@@ -243,10 +244,11 @@ def _refine_one(layers, cluster, training, key: Strategy, *, policies, incumbent
     return _solve_and_check(layers, cluster, training, solve_at, stats=stats, policies=policies)
 
 
-def _dp_floor(layers, cluster: Cluster, training: TrainingConfig, key: Strategy) -> float:
-    """Seconds the data-parallel traffic adds to any refinement of ``key`` at least (``estimate.dp_lower_bound_s``:
-    its bound holds whatever the blocks' policies, stage sizes and kept weights)."""
-    return dp_lower_bound_s(stage_totals(layers, 0, block_policies(layers, key)), cluster, training, key)
+def _whole(layers, key: Strategy):
+    """The model summed as one stage under ``key``'s policies: what the step-time bounds and the data-parallel floor
+    (``estimate.dp_lower_bound_s``, which holds whatever a refinement's policies, stage sizes and kept weights)
+    start from."""
+    return cached_stage_totals(layers, 0, block_policies(layers, key))
 
 
 def _lower_bound_step(coeffs: Sequence[StageCoefficients], key: Strategy, training: TrainingConfig, cluster: Cluster, *,
