@@ -19,6 +19,7 @@ calls ``spawn`` must guard its entry point with ``if __name__ == "__main__":``.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import shlex
@@ -26,6 +27,7 @@ import shutil
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -56,7 +58,9 @@ def spawn(fn: Callable[..., Any], *, nprocs: int, args: tuple = (), timeout_s: f
 
     If a rank raises (or dies), the others are killed and ``WorkerError`` names the rank that failed
     first, with its traceback. If the ranks are not all done after ``timeout_s`` seconds they are
-    killed and ``WorkerTimeoutError`` is raised.
+    killed and ``WorkerTimeoutError`` is raised. A rank killed by a signal is reported with its threads'
+    stacks where Python's fault handler could write them. A rank that wrote its result and then died while
+    exiting keeps its result, with a ``RuntimeWarning`` that shows its stacks.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be at least 1, got {nprocs}")
@@ -90,6 +94,10 @@ def _start_ranks(fn, args, *, nprocs: int, workdir: Path, timeout_s: float) -> l
 def _run_rank(fn, args, rank: int, world_size: int, workdir: str, timeout_s: float) -> None:
     """Body of one spawned process: join the group, run ``fn``, write its result or traceback."""
     torch.set_num_threads(1)  # the CI machine has 2 cores shared by every rank
+    # a rank killed by a signal (an abort inside torch or gloo, a segfault) leaves no Python traceback; the
+    # interpreter's fault handler writes each thread's stack here so the failure report can show where it died
+    fault_log = open(_fault_path(workdir, rank), "w")  # open until the process ends: the handler writes on death
+    faulthandler.enable(file=fault_log, all_threads=True)
     try:
         dist.init_process_group(
             "gloo",
@@ -126,15 +134,30 @@ def _wait_for_ranks(procs: list, *, workdir: Path, timeout_s: float) -> None:
     failed = _failed_ranks(procs, workdir)
     if failed:  # the caller kills the ranks still running
         raise _describe_failure(failed, procs, workdir)
+    _warn_of_deaths_after_results(procs, workdir)
 
 
 def _failed_ranks(procs: list, workdir: Path) -> list[int]:
-    """Ranks that wrote a traceback or exited with a non-zero code."""
+    """Ranks that wrote a traceback, or exited with a non-zero code before writing their result."""
     return [
         rank
         for rank, proc in enumerate(procs)
-        if proc.exitcode not in (None, 0) or _error_path(workdir, rank).exists()
+        if _error_path(workdir, rank).exists()
+        or (proc.exitcode not in (None, 0) and not _result_path(workdir, rank).exists())
     ]
+
+
+def _warn_of_deaths_after_results(procs: list, workdir: Path) -> None:
+    """A rank that wrote its whole result and then died while exiting (torch's or gloo's teardown aborting:
+    "terminate called without an active exception") did its work: keep the result, say what happened."""
+    for rank, proc in enumerate(procs):
+        if proc.exitcode not in (None, 0):
+            warnings.warn(
+                f"rank {rank} of {len(procs)} returned its result, then exited with code {proc.exitcode}"
+                f"{_stacks_at_fault(workdir, rank)}",
+                RuntimeWarning,
+                stacklevel=4,  # spawn's caller
+            )
 
 
 def _describe_failure(failed: list[int], procs: list, workdir: Path) -> WorkerError:
@@ -153,7 +176,7 @@ def _describe_failure(failed: list[int], procs: list, workdir: Path) -> WorkerEr
         else:
             code = procs[rank].exitcode
             how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-            reports.append((0, 0.0, rank, f"process {how}, no traceback\n"))
+            reports.append((0, 0.0, rank, f"process {how}, no Python traceback{_stacks_at_fault(workdir, rank)}\n"))
     reports.sort()
     first_rank, first_text = reports[0][2:]
     others = [report[2] for report in reports[1:]]
@@ -167,6 +190,17 @@ def _result_path(workdir: str | Path, rank: int) -> Path:
 
 def _error_path(workdir: str | Path, rank: int) -> Path:
     return Path(workdir) / f"rank{rank}.error.json"
+
+
+def _fault_path(workdir: str | Path, rank: int) -> Path:
+    return Path(workdir) / f"rank{rank}.fault.txt"
+
+
+def _stacks_at_fault(workdir: Path, rank: int) -> str:
+    """The thread stacks the rank's fault handler wrote as it died, with where it stood: inside ``fn`` or after."""
+    stacks = _fault_path(workdir, rank).read_text().strip() if _fault_path(workdir, rank).exists() else ""
+    stage = "after returning its result (while exiting)" if _result_path(workdir, rank).exists() else "inside fn"
+    return f"; it died {stage}" + (f"; its threads' stacks:\n{stacks}" if stacks else "")
 
 
 def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:

@@ -34,6 +34,21 @@ def _killed_on_rank_one() -> None:
     dist.barrier()  # rank 0 raises here (peer gone) and writes a traceback
 
 
+def _abort_on_rank_one() -> None:
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.abort()  # as a C++ std::terminate inside torch or gloo does
+    time.sleep(1)
+    dist.barrier()
+
+
+def _abort_while_exiting(value: int) -> int:
+    import atexit
+
+    atexit.register(os.abort)  # runs after the result is written, as a teardown crash in torch or gloo would
+    return value + dist.get_rank()
+
+
 def _sleep_forever() -> None:
     time.sleep(600)
 
@@ -60,6 +75,20 @@ def test_a_rank_killed_by_a_signal_is_blamed_not_the_peer_that_lost_it():
     message = str(caught.value)
     assert message.startswith("rank 1 of 2 failed"), message
     assert "killed by signal 9" in message
+
+
+def test_an_aborted_rank_is_reported_with_where_its_python_stood():
+    with pytest.raises(WorkerError) as caught:
+        spawn(_abort_on_rank_one, nprocs=2, timeout_s=60)
+    message = str(caught.value)
+    assert message.startswith("rank 1 of 2 failed") and "killed by signal 6" in message, message
+    assert "died inside fn" in message and "in _abort_on_rank_one" in message  # the fault handler's stack
+
+
+def test_a_rank_that_dies_while_exiting_after_its_result_keeps_the_result_and_warns():
+    with pytest.warns(RuntimeWarning, match=r"rank \d of 2 returned its result, then exited with code -6; "
+                      r"it died after returning its result \(while exiting\)"):
+        assert spawn(_abort_while_exiting, nprocs=2, args=(5,), timeout_s=60) == [5, 6]
 
 
 def test_hanging_ranks_raise_a_timeout_error():
