@@ -1,7 +1,8 @@
 """The calibration set's rows as Tessera inputs: model spec, cluster, training config, pins, framework profile.
 
 Two files in ``benchmarks/reference/``, every row with its source: ``published_runs.yaml`` (a copy of the
-shared set: Megatron-LM SC'21, Megatron-Core, Korthikanti et al.) and ``fsdp_fp8_runs.yaml`` (PyTorch FSDP
+shared set: Megatron-LM SC'21, Megatron-Core, Korthikanti et al.; annotated with each row's ``framework`` and, for
+SC'21, the FLOPs formula its TFLOP/s count, both from the row's source) and ``fsdp_fp8_runs.yaml`` (PyTorch FSDP
 and FP8 runs: MosaicML llm-foundry, torchtitan, NeMo). A row pins only what its source states; the planner
 fills the rest (``published.plan_run``). Each row is evaluated as the framework that ran it
 (``cost_models.profiles``).
@@ -20,7 +21,9 @@ from tessera.cost_models.profiles import (
 )
 
 HERE = Path(__file__).resolve().parent
-REFERENCE_FILES = ("published_runs.yaml", "fsdp_fp8_runs.yaml")
+MEGATRON_FIELDS_FILE = "published_runs.yaml"  # the shared set's own field names (``_megatron_pins``)
+REFERENCE_FILES = (MEGATRON_FIELDS_FILE, "fsdp_fp8_runs.yaml")
+SC21_FLOPS = "megatron-sc21-eq3"  # Narayanan et al. 2021's eq. 3: the FLOPs its TFLOP/s count, recomputation included
 PRESETS = {  # catalog device -> (preset whose fabric it sits on, gpu= variant or None)
     "A100-SXM4-80GB": ("dgx-a100", None), "A100-SXM-80GB": ("dgx-a100", None),
     "A100-SXM-40GB": ("dgx-a100", "A100-SXM-40GB"), "H100-SXM-80GB": ("dgx-h100", None),
@@ -42,7 +45,8 @@ def unpriced_runs() -> list[dict]:
 
 
 def _runs_with_a_measurement() -> list[dict]:
-    runs = [run for name in REFERENCE_FILES for run in yaml.safe_load((HERE / "reference" / name).read_text())["runs"]]
+    runs = [{**run, "file": name} for name in REFERENCE_FILES
+            for run in yaml.safe_load((HERE / "reference" / name).read_text())["runs"]]
     reported = ("tflops_per_gpu", "step_time_s", "tokens_per_s_per_gpu")
     return [r for r in runs if r["parallel"].get("tp") and any(r["reported"].get(key) for key in reported)]
 
@@ -73,26 +77,37 @@ def training_config(run: dict) -> TrainingConfig:
     return TrainingConfig(global_batch=training["global_batch"], seq_len=run["model"]["seq_len"], precision=precision, **extra)
 
 
+FRAMEWORKS = (  # a row's ``framework``, by how it begins -> the profile of that framework's behaviours
+    ("DeepSpeed ZeRO-3 2021", DEEPSPEED),
+    ("Megatron-LM 2021", MEGATRON_2021),
+    ("Megatron-LM 2022", MEGATRON_2021),
+    ("Megatron-Core", MEGATRON),
+    ("NeMo 24.03", NEMO_2024),
+    ("NeMo 24.07", NEMO_2024),
+    ("NeMo", MEGATRON),
+    ("torchtitan", TORCHTITAN_2024),
+    ("llm-foundry", PYTORCH_FSDP_TE),
+)
+
+
 def framework_profile(run: dict) -> ImplementationProfile:
-    """The framework that ran the row: DeepSpeed for SC'21's ZeRO-3 rows, Megatron-LM of 2021-2022 for SC'21's other
-    rows and Korthikanti et al.'s (unfused attention, scattered pipeline sends, gradients reduced after the backward),
-    else by the row's ``framework`` (Megatron-Core/NeMo by default)."""
-    if run["id"].startswith("megatron-sc21-t2-zero3"):
-        return DEEPSPEED
-    if run["id"].startswith(("megatron-sc21", "korthikanti")):
-        return MEGATRON_2021
-    framework = str(run.get("framework", "Megatron-LM"))
-    if framework.startswith("torchtitan"):  # the row's config may turn on FP8 all-gathers and its fused RMSNorm
-        training = run["training"]  # and its version compile the loss (``compiled_loss``)
-        return replace(TORCHTITAN_2024, fp8_all_gather=bool(training.get("fsdp_float8_all_gather")),
-                       fused_rms_norm=training.get("norm_type") == "fused_rmsnorm",
+    """The framework that ran the row, by its ``framework`` (``FRAMEWORKS``), with what its stated config turns on:
+    DeepSpeed for SC'21's ZeRO-3 rows; Megatron-LM of 2021-2022 for SC'21's other rows and Korthikanti et al.'s
+    (unfused attention, scattered pipeline sends, gradients reduced after the backward); NeMo's 2024 containers
+    reducing gradients in bf16."""
+    framework = str(run["framework"])
+    profile = next((p for prefix, p in FRAMEWORKS if framework.startswith(prefix)), None)
+    if profile is None:
+        raise ValueError(f"{run['id']}: framework {framework!r} is not one Tessera profiles; known (as the name "
+                         f"begins): {', '.join(prefix for prefix, _ in FRAMEWORKS)}")
+    training = run["training"]
+    if profile is TORCHTITAN_2024:  # the row's config may turn on FP8 all-gathers and its fused RMSNorm
+        return replace(profile, fp8_all_gather=bool(training.get("fsdp_float8_all_gather")),  # and its version
+                       fused_rms_norm=training.get("norm_type") == "fused_rmsnorm",  # compile the loss
                        cross_entropy="compiled" if training.get("compiled_loss") else "torch")
-    if framework.startswith("llm-foundry"):  # FSDP's PURE mixed precision reduces gradients in bf16 too
-        pure = run["training"].get("mixed_precision_mode") == "PURE"
-        return replace(PYTORCH_FSDP_TE, gradient_bytes=2) if pure else PYTORCH_FSDP_TE
-    if framework.startswith("NeMo") and any(tag in str(run.get("source", "")) for tag in ("24.03.01", "24.07")):
-        return NEMO_2024
-    return MEGATRON
+    if profile is PYTORCH_FSDP_TE and training.get("mixed_precision_mode") == "PURE":
+        return replace(profile, gradient_bytes=2)  # FSDP's PURE mixed precision reduces gradients in bf16 too
+    return profile
 
 
 def regime(run: dict) -> str:
@@ -116,13 +131,14 @@ def published_step_s(run: dict) -> float:
     if reported.get("tokens_per_s_per_gpu"):
         return b * m["seq_len"] / (reported["tokens_per_s_per_gpu"] * run["hardware"]["gpus"])
     s, l, h, v = m["seq_len"], m["layers"], m["hidden"], m["vocab"]
-    if run["id"].startswith("megatron-sc21"):  # eq. 3: forward, backward and recomputed forward
+    if reported.get("flops_formula") == SC21_FLOPS:  # eq. 3: forward, backward and recomputed forward
         flops = 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
     elif reported.get("flops_formula") == "nemo-llama":  # NeMo's Llama model FLOPs (the row's notes)
         ratios = 12 * m["kv_heads"] / m["heads"] + 18 * m["ffn_hidden"] / h + 12 * s / h + 6 * v / (l * h)
         flops = b * s * l * h**2 * (12 + ratios)
     elif reported.get("flops_formula") is not None:
-        raise ValueError(f"{run['id']}: unknown flops_formula {reported['flops_formula']!r}; known: nemo-llama")
+        raise ValueError(f"{run['id']}: unknown flops_formula {reported['flops_formula']!r}; "
+                         f"known: {SC21_FLOPS}, nemo-llama")
     else:  # model FLOPs: forward and backward only
         flops = 72 * b * s * l * h**2 * (1 + s / (6 * h)) + 6 * b * s * h * v
     return flops / (reported["tflops_per_gpu"] * 1e12 * run["hardware"]["gpus"])
@@ -130,7 +146,7 @@ def published_step_s(run: dict) -> float:
 
 def pins(run: dict) -> dict[str, object]:
     """What the source states about the run's strategy, as Strategy fields."""
-    return _stated_pins(run) if "framework" in run else _megatron_pins(run)
+    return _megatron_pins(run) if run["file"] == MEGATRON_FIELDS_FILE else _stated_pins(run)
 
 
 def _stated_pins(run: dict) -> dict[str, object]:
@@ -167,7 +183,7 @@ def _megatron_pins(run: dict) -> dict[str, object]:
     """A row of ``published_runs.yaml`` (Megatron-LM, its own field names)."""
     par, training = run["parallel"], run["training"]
     fixed: dict[str, object] = {"tp": par["tp"], "pp": par["pp"], "dp": par["dp"]}
-    if par.get("zero_stage") is not None or run["id"].startswith("megatron-sc21"):
+    if par.get("zero_stage") is not None or run["framework"].startswith("Megatron-LM 2021"):
         fixed["zero"] = par.get("zero_stage") or 0  # 2021 Megatron-LM had no distributed optimizer
     if training.get("micro_batch"):
         fixed["micro_batch"] = training["micro_batch"]
@@ -179,8 +195,8 @@ def _megatron_pins(run: dict) -> dict[str, object]:
     if "--tp-comm-overlap" in str(run.get("notes", "")):  # the source says it overlapped TP communication
         fixed["tp_overlap"] = True
     recompute = str(par.get("recompute") or "")
-    if run["id"].startswith("megatron-sc21") or recompute.startswith("full"):
-        fixed["recompute"] = "full"  # SC'21 ran (and counted FLOPs) with full recomputation
+    if run["reported"].get("flops_formula") == SC21_FLOPS or recompute.startswith("full"):
+        fixed["recompute"] = "full"  # SC'21 ran (and counted FLOPs, eq. 3) with full recomputation
     elif recompute.startswith("selective"):
         fixed["recompute"] = "selective"
     virtual = par.get("virtual_pipeline")

@@ -32,7 +32,7 @@ LLAMA3_405B = dict(model="llama3-405b", cluster="dgx-h100:nodes=2048", global_ba
 
 
 def stack(run: dict) -> str:
-    return "NeMo" if run["id"].startswith("nemo") else "torchtitan"
+    return "NeMo" if run["framework"].startswith("NeMo") else "torchtitan"
 
 
 def cross_stack_table() -> list[str]:

@@ -300,6 +300,11 @@ def test_each_published_row_is_priced_with_what_its_source_states_about_the_fram
     assert profile["torchtitan-a100-llama2-13b-no-lbs2"].fused_rms_norm  # its 64-A100 preset: fused_rmsnorm
     assert not profile["torchtitan-a100-llama2-70b-full-lbs2"].fused_rms_norm  # its preset: the composite
     assert profile["megatron-sc21-t2-zero3-529.6b-640gpu"].zero3_by_parameter is not None  # DeepSpeed
+    assert {profile["megatron-sc21-t1-1.7b"].name, profile["korthikanti-22B-full"].name} == {"megatron-2021"}
+    assert profile["megatron-core-h100-weak-1.7b"].name == "megatron"
+    assert profile["nemo2407-fp8-llama2-7b-8gpu"].name == "nemo-2024"  # its 24.07 container's recipes: bf16 grads
+    with pytest.raises(ValueError, match="framework 'Colossal-AI' is not one Tessera profiles; known .*: DeepSpeed"):
+        rows.framework_profile({**runs["megatron-core-h100-weak-1.7b"], "framework": "Colossal-AI"})
 
 
 def test_a_row_in_nemos_model_tflops_converts_with_nemos_formula_and_part_of_a_node_is_that_part():
@@ -314,7 +319,7 @@ def test_a_row_in_nemos_model_tflops_converts_with_nemos_formula_and_part_of_a_n
     assert tokens_per_gpu_s == pytest.approx(16634, rel=1e-3)
     assert rows.cluster_spec(run) == "dgx-h100:nodes=1,gpus_per_node=4"
     assert rows.framework_profile(run).name == "nemo-2024"  # its launcher's recipes reduce gradients in bf16
-    with pytest.raises(ValueError, match="unknown flops_formula 'nemo_llama'; known: nemo-llama"):
+    with pytest.raises(ValueError, match="unknown flops_formula 'nemo_llama'; known: megatron-sc21-eq3, nemo-llama"):
         rows.published_step_s({**run, "reported": {**run["reported"], "flops_formula": "nemo_llama"}})
     with pytest.raises(ValueError, match="6 GPUs are not whole nodes of gpus_per_node 4"):
         rows.cluster_spec({**run, "hardware": {**run["hardware"], "gpus": 6}})
