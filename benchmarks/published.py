@@ -3,8 +3,8 @@
 Run: ``.venv/bin/python benchmarks/published.py`` (about a minute on an idle 2-core machine); ``--rows REGEX``
 evaluates only the matching runs with the calibration in use (no fit, no file written: seconds per row),
 ``--no-fit`` and ``--no-own-plan`` skip the grid fit and Tessera's own plans. For each run in ``benchmarks/reference/``
-(``published_runs.yaml``, a copy of the shared calibration set annotated with each row's framework, and ``fsdp_fp8_runs.yaml``, PyTorch FSDP and
-FP8 runs; every row with its source; ``published_rows``) it pins what the source states (tp, pp, dp, cp, ZeRO,
+(``published_runs.yaml``, a copy of the shared calibration set annotated with each row's framework, and
+``fsdp_fp8_runs.yaml``, PyTorch FSDP and FP8 runs; every row with its source; ``published_rows``) it pins what the source states (tp, pp, dp, cp, ZeRO,
 micro-batch, sequence parallelism, recompute, schedule, precision), lets the planner fill what it leaves out,
 evaluates it as the framework that ran it (``cost_models.profiles``) and compares the predicted step time with
 the published one. Published step time is the source's own: given directly (Korthikanti et al.), its tokens
