@@ -53,17 +53,45 @@ class WorkerTimeoutError(WorkerError, TimeoutError):
     """Spawned ranks ran past the launcher's time limit and were killed."""
 
 
-def spawn(fn: Callable[..., Any], *, nprocs: int, args: tuple = (), timeout_s: float = 120) -> list:
+CRASH_RETRIES = 0
+"""How many times ``spawn`` starts every rank again after one crashed (``RankCrashedError``) by default. Tessera's
+test suite sets 1 (``tests/distributed/conftest.py``): on 2 loaded CPU cores torch's gloo path has, rarely, died by
+SIGSEGV or SIGABRT inside a collective (``PLATFORM-NOTES``), a crash in C++, not a result a test checks."""
+
+
+class RankCrashedError(WorkerError):
+    """A rank died by a signal (a segfault or abort inside torch or gloo, or the OOM killer), not by raising."""
+
+
+def spawn(
+    fn: Callable[..., Any], *, nprocs: int, args: tuple = (), timeout_s: float = 120, crash_retries: int | None = None,
+) -> list:
     """Run ``fn(*args)`` on ``nprocs`` gloo ranks; return each rank's result in rank order.
 
     If a rank raises (or dies), the others are killed and ``WorkerError`` names the rank that failed
     first, with its traceback. If the ranks are not all done after ``timeout_s`` seconds they are
     killed and ``WorkerTimeoutError`` is raised. A rank killed by a signal is reported with its threads'
-    stacks where Python's fault handler could write them. A rank that wrote its result and then died while
-    exiting keeps its result, with a ``RuntimeWarning`` that shows its stacks.
+    stacks where Python's fault handler could write them (``RankCrashedError``); with ``crash_retries``
+    (default ``CRASH_RETRIES``) every rank is started again that many times after such a crash, each retry
+    announced by a ``RuntimeWarning`` with the crash; ``fn`` must then be safe to run again. A rank that raised
+    or timed out is never retried. A rank that wrote its result and then died while exiting keeps its result,
+    with a ``RuntimeWarning`` that shows its stacks.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be at least 1, got {nprocs}")
+    retries = CRASH_RETRIES if crash_retries is None else crash_retries
+    for attempt in range(retries + 1):
+        try:
+            return _spawn_once(fn, args, nprocs=nprocs, timeout_s=timeout_s)
+        except RankCrashedError as crash:
+            if attempt == retries:
+                raise
+            warnings.warn(f"starting all {nprocs} ranks of {getattr(fn, '__name__', fn)} again "
+                          f"(retry {attempt + 1} of {retries}) after a crash: {crash}", RuntimeWarning, stacklevel=2)
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(fn: Callable[..., Any], args: tuple, *, nprocs: int, timeout_s: float) -> list:
     workdir = Path(tempfile.mkdtemp(prefix="tessera-spawn-"))
     try:
         procs = _start_ranks(fn, args, nprocs=nprocs, workdir=workdir, timeout_s=timeout_s)
@@ -156,7 +184,7 @@ def _warn_of_deaths_after_results(procs: list, workdir: Path) -> None:
                 f"rank {rank} of {len(procs)} returned its result, then exited with code {proc.exitcode}"
                 f"{_stacks_at_fault(workdir, rank)}",
                 RuntimeWarning,
-                stacklevel=4,  # spawn's caller
+                stacklevel=5,  # spawn's caller
             )
 
 
@@ -181,7 +209,9 @@ def _describe_failure(failed: list[int], procs: list, workdir: Path) -> WorkerEr
     first_rank, first_text = reports[0][2:]
     others = [report[2] for report in reports[1:]]
     also = f" (ranks {others} failed after it)" if others else ""
-    return WorkerError(f"rank {first_rank} of {len(procs)} failed{also}; its traceback:\n{first_text}")
+    signalled = not _error_path(workdir, first_rank).exists() and (procs[first_rank].exitcode or 0) < 0
+    error = RankCrashedError if signalled else WorkerError
+    return error(f"rank {first_rank} of {len(procs)} failed{also}; its traceback:\n{first_text}")
 
 
 def _result_path(workdir: str | Path, rank: int) -> Path:

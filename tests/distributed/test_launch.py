@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.errors import TesseraError
-from tessera.runtime.launch import WorkerError, WorkerTimeoutError, spawn
+from tessera.runtime.launch import RankCrashedError, WorkerError, WorkerTimeoutError, spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -49,6 +49,26 @@ def _abort_while_exiting(value: int) -> int:
     return value + dist.get_rank()
 
 
+def _abort_the_first_time(marks: str) -> int:
+    """Rank 1 aborts on the first attempt only (a file under ``marks`` remembers it); rank 0 counts its attempts."""
+    from pathlib import Path
+
+    attempt = len(list(Path(marks).glob(f"rank{dist.get_rank()}-*"))) + 1
+    (Path(marks) / f"rank{dist.get_rank()}-{attempt}").touch()
+    dist.barrier()
+    if dist.get_rank() == 1 and attempt == 1:
+        os.abort()
+    dist.barrier()
+    return attempt
+
+
+def _raise_and_count(marks: str) -> None:
+    from pathlib import Path
+
+    (Path(marks) / f"rank{dist.get_rank()}-{time.monotonic_ns()}").touch()
+    raise ValueError("a Python error is the function's own: never retried")
+
+
 def _sleep_forever() -> None:
     time.sleep(600)
 
@@ -70,16 +90,16 @@ def test_raising_rank_is_named_with_its_traceback_and_the_others_are_killed():
 
 
 def test_a_rank_killed_by_a_signal_is_blamed_not_the_peer_that_lost_it():
-    with pytest.raises(WorkerError) as caught:
-        spawn(_killed_on_rank_one, nprocs=2, timeout_s=60)
+    with pytest.raises(RankCrashedError) as caught:
+        spawn(_killed_on_rank_one, nprocs=2, timeout_s=60, crash_retries=0)
     message = str(caught.value)
     assert message.startswith("rank 1 of 2 failed"), message
     assert "killed by signal 9" in message
 
 
 def test_an_aborted_rank_is_reported_with_where_its_python_stood():
-    with pytest.raises(WorkerError) as caught:
-        spawn(_abort_on_rank_one, nprocs=2, timeout_s=60)
+    with pytest.raises(RankCrashedError) as caught:
+        spawn(_abort_on_rank_one, nprocs=2, timeout_s=60, crash_retries=0)
     message = str(caught.value)
     assert message.startswith("rank 1 of 2 failed") and "killed by signal 6" in message, message
     assert "died inside fn" in message and "in _abort_on_rank_one" in message  # the fault handler's stack
@@ -89,6 +109,23 @@ def test_a_rank_that_dies_while_exiting_after_its_result_keeps_the_result_and_wa
     with pytest.warns(RuntimeWarning, match=r"rank \d of 2 returned its result, then exited with code -6; "
                       r"it died after returning its result \(while exiting\)"):
         assert spawn(_abort_while_exiting, nprocs=2, args=(5,), timeout_s=60) == [5, 6]
+
+
+def test_a_crashed_spawn_runs_again_when_asked_and_says_so(tmp_path):
+    with pytest.warns(RuntimeWarning, match=r"(?s)starting all 2 ranks of _abort_the_first_time again \(retry 1 of 1\) "
+                      r"after a crash: rank 1 of 2 failed.*killed by signal 6"):
+        assert spawn(_abort_the_first_time, nprocs=2, args=(str(tmp_path),), timeout_s=60, crash_retries=1) == [2, 2]
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    with pytest.raises(RankCrashedError):  # without retries the crash is the answer
+        spawn(_abort_the_first_time, nprocs=2, args=(str(fresh),), timeout_s=60, crash_retries=0)
+
+
+def test_a_rank_that_raises_is_never_retried(tmp_path):
+    with pytest.raises(WorkerError, match="never retried") as caught:
+        spawn(_raise_and_count, nprocs=2, args=(str(tmp_path),), timeout_s=60, crash_retries=3)
+    assert not isinstance(caught.value, RankCrashedError)
+    assert len(list(tmp_path.glob("rank*"))) <= 2  # one attempt (a rank may be killed before it got there)
 
 
 def test_hanging_ranks_raise_a_timeout_error():
