@@ -8,6 +8,7 @@ candidates are then refined by the integer program (``planner.refine``).
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -46,7 +47,8 @@ class Priced:
 def rank_candidates(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object] | None = None,
     progress: Progress | None = None, prune: bool = True, reached: dict[str, float] | None = None,
-    priced: Priced | None = None, only_best: bool = False, profile: ImplementationProfile = TESSERA,
+    priced: Priced | None = None, only_best: bool = False, profile: ImplementationProfile = TESSERA, keep: int = 1,
+    contenders: set[Strategy] | None = None,
 ) -> list[tuple[Strategy, Estimate]]:
     """Every strategy under ``pins`` with its estimate, fastest first (ties: leaner, then by name), as the framework
     ``profile`` runs it (``cost_models.profiles``; Tessera's runtime by default; ``priced`` must be for it too).
@@ -54,7 +56,9 @@ def rank_candidates(
     Never estimated, because they cannot fit: a mesh shape and ZeRO stage whose model state alone overflows
     the device, and micro-batches larger than one at which no recomputation policy fit (activations only
     grow with the micro-batch, except under GPipe). With ``prune`` (the default) also those that cannot
-    win: candidates whose step-time lower bound reaches the fastest fitting estimate found so far, and a
+    win: candidates whose step-time lower bound reaches the ``keep``-th fastest fitting estimate found so far (1:
+    the fastest; more keeps the runners-up exact; ``contenders`` collects those estimated while their bound was
+    below the fastest so far, what ``keep=1`` estimates), and a
     recomputation policy costlier than one that already fits with every other choice equal (recomputing
     more only adds time). ``prune=False`` estimates every candidate that may fit (a study of the whole
     space, such as the local-truth benchmark). ``reached["bound"]`` is set to the lower bound the enumeration
@@ -76,7 +80,9 @@ def rank_candidates(
     priced = Priced() if priced is None else priced
     space = strategies(layers, cluster, training, pins, unavailable=graph.unavailable_axes, exclusive=profile.refused_together)
     candidates = _by_lower_bound(layers, cluster, training, list(space), known=priced.bounds)
-    incumbent = float("inf")  # fastest fitting step so far
+    incumbent = float("inf")  # the keep-th fastest fitting step so far
+    fastest: list[float] = []  # the keep fastest fitting steps so far, negated (a max-heap)
+    fastest_fit = float("inf")
     leanest = float("inf")  # lowest peak memory estimated so far (``only_best``)
     for done, (bound, strategy) in enumerate(candidates, 1):
         if progress is not None and (done % 256 == 0 or done == len(candidates)):
@@ -100,9 +106,15 @@ def rank_candidates(
             est = priced.estimates[strategy] = estimate(layers, cluster, training, strategy, profile=profile)
         if est is not None:
             scored.append((strategy, est))
+            if contenders is not None and bound < fastest_fit:
+                contenders.add(strategy)
             leanest = min(leanest, est.peak_memory_bytes)
         if est is not None and est.fits:
-            incumbent = min(incumbent, est.step_time_s)
+            heapq.heappush(fastest, -est.step_time_s)
+            if len(fastest) > keep:
+                heapq.heappop(fastest)
+            incumbent = -fastest[0] if len(fastest) == keep else incumbent
+            fastest_fit = min(fastest_fit, est.step_time_s)
             fits_at.add((*key, strategy.micro_batch))
             cheapest_fit.setdefault((*key, strategy.micro_batch), RECOMPUTE_COST[strategy.recompute])
             no_fit_at.pop(key, None)
@@ -190,12 +202,14 @@ def search(
     start = time.perf_counter()
     reached = {"bound": float("inf")}
     priced = Priced()
-    scored = rank_candidates(graph, cluster, training, pins=pins, progress=progress, reached=reached, priced=priced)
+    contenders: set[Strategy] = set()  # what the integer program refines: the candidates that could beat the best
+    scored = rank_candidates(graph, cluster, training, pins=pins, progress=progress, reached=reached, priced=priced,
+                             keep=top + 1, contenders=contenders)  # the plan and its runners-up exact
     stats = RefineStats()
     uniform = best_candidate(scored)
     if not _per_layer_pinned(pins or {}):
-        refined = refine(list(graph.layers), cluster, training, scored, policies=_policies(graph, pins or {}), stats=stats,
-                         block_options=block_options)
+        refined = refine(list(graph.layers), cluster, training, [pair for pair in scored if pair[0] in contenders],
+                         policies=_policies(graph, pins or {}), stats=stats, block_options=block_options)
         scored = sorted(refined + scored, key=lambda pair: (pair[1].step_time_s, pair[1].peak_memory_bytes, pair[0].to_string()))
     fitting = [pair for pair in scored if pair[1].fits]
     if not fitting:

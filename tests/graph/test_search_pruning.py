@@ -7,7 +7,7 @@ import pytest
 from tessera.api import _prepare
 from tessera.cost_models import estimate
 from tessera.cost_models.estimate import step_time_lower_bound
-from tessera.planner.search import rank_candidates
+from tessera.planner.search import RECOMPUTE_COST, rank_candidates
 from tessera.planner.space import strategies
 
 CASES = [
@@ -33,6 +33,21 @@ def test_pruned_search_equals_exhaustive(model, cluster, batch, seq):
     # The bound is a bound: never above the estimate it bounds.
     for strategy, est in everything:
         assert step_time_lower_bound(layers, resolved, training, strategy) <= est.step_time_s * (1 + 1e-12)
+    # Kept exact for the runners-up: every fitting strategy faster than the 6th fastest found was estimated, unless the
+    # same one with less recomputation fits (recomputing more never runs faster: pruned as a runner-up too).
+    reached = {"bound": float("inf")}
+    kept = rank_candidates(graph, resolved, training, keep=6, reached=reached)
+    sixth = sorted(e.step_time_s for _, e in kept if e.fits)[:6][-1]
+    assert reached["bound"] >= sixth  # the enumeration went on past the sixth fastest
+    fits = {s for s, e in fitting}
+    estimated = {s for s, _ in kept}
+
+    def lighter_fits(s):
+        return any(s.model_copy(update={"recompute": r}) in fits for r, cost in RECOMPUTE_COST.items()
+                   if cost < RECOMPUTE_COST[s.recompute])
+
+    assert not [s for s, e in fitting if e.step_time_s < sixth and s not in estimated and not lighter_fits(s)]
+    assert next(s for s, e in kept if e.fits) == best[0]  # the same plan
 
 
 def test_communication_bounds_are_below_what_estimate_charges():
