@@ -409,4 +409,4 @@ def runtime_conflict(
     features: set[str], exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE
 ) -> tuple[str, str] | None:
     """The first pair of ``features`` the runtime refuses together (``exclusive``: Tessera's by default), or None."""
-    return next((pair for pair in exclusive if set(pair) <= features), None)
+    return next((pair for pair in exclusive if pair[0] in features and pair[1] in features), None)
