@@ -95,8 +95,9 @@ def framework_profile(run: dict) -> ImplementationProfile:
     DeepSpeed for SC'21's ZeRO-3 rows; Megatron-LM of 2021-2022 for SC'21's other rows and Korthikanti et al.'s
     (unfused attention, scattered pipeline sends, gradients reduced after the backward); NeMo's 2024 containers
     reducing gradients in bf16."""
-    framework = str(run["framework"])
-    profile = next((p for prefix, p in FRAMEWORKS if framework.startswith(prefix)), None)
+    framework = str(run.get("framework", ""))
+    matches = [(len(prefix), p) for prefix, p in FRAMEWORKS if framework.startswith(prefix)]
+    profile = max(matches, key=lambda match: match[0])[1] if matches else None  # the longest: 'NeMo 24.07' > 'NeMo'
     if profile is None:
         raise ValueError(f"{run['id']}: framework {framework!r} is not one Tessera profiles; known (as the name "
                          f"begins): {', '.join(prefix for prefix, _ in FRAMEWORKS)}")

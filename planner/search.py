@@ -68,6 +68,8 @@ def rank_candidates(
     one degree); candidates whose peak memory (``peak_memory_bytes``, without the step time) is over the device and
     above the leanest estimated so far can be neither, and are left out of the result.
     """
+    if keep < 1:
+        raise ValueError(f"keep must be 1 or more (the fastest fitting candidates kept exact), got {keep}")
     pins = dict(pins or {})
     check_pins(pins, cluster, unavailable=graph.unavailable_axes, exclusive=profile.refused_together)
     layers = list(graph.layers)
@@ -110,9 +112,7 @@ def rank_candidates(
                 contenders.add(strategy)
             leanest = min(leanest, est.peak_memory_bytes)
         if est is not None and est.fits:
-            heapq.heappush(fastest, -est.step_time_s)
-            if len(fastest) > keep:
-                heapq.heappop(fastest)
+            (heapq.heappushpop if len(fastest) == keep else heapq.heappush)(fastest, -est.step_time_s)
             incumbent = -fastest[0] if len(fastest) == keep else incumbent
             fastest_fit = min(fastest_fit, est.step_time_s)
             fits_at.add((*key, strategy.micro_batch))
@@ -124,8 +124,11 @@ def rank_candidates(
         progress(len(candidates), len(candidates))
     if overflowing and not fits_at:  # nothing fits: estimate the leanest pruned ones so the diagnosis is exact
         least = min((_state_bytes_lower_bound(params, s), s.micro_batch) for s in overflowing)
-        scored += [(s, estimate(layers, cluster, training, s, profile=profile)) for s in overflowing
-                   if (_state_bytes_lower_bound(params, s), s.micro_batch) == least][:64]
+        leanest_overflowing = [(s, estimate(layers, cluster, training, s, profile=profile)) for s in overflowing
+                               if (_state_bytes_lower_bound(params, s), s.micro_batch) == least][:64]
+        scored += leanest_overflowing
+        if contenders is not None:
+            contenders.update(s for s, _ in leanest_overflowing)
     scored.sort(key=lambda pair: (pair[1].step_time_s, pair[1].peak_memory_bytes, pair[0].to_string()))
     if not scored:
         raise ConfigError(

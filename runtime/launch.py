@@ -53,42 +53,43 @@ class WorkerTimeoutError(WorkerError, TimeoutError):
     """Spawned ranks ran past the launcher's time limit and were killed."""
 
 
-CRASH_RETRIES = 0
-"""How many times ``spawn`` starts every rank again after one crashed (``RankCrashedError``) by default. Tessera's
-test suite sets 1 (``tests/distributed/conftest.py``): on 2 loaded CPU cores torch's gloo path has, rarely, died by
-SIGSEGV or SIGABRT inside a collective (``PLATFORM-NOTES``), a crash in C++, not a result a test checks."""
-
-
 class RankCrashedError(WorkerError):
     """A rank died by a signal (a segfault or abort inside torch or gloo, or the OOM killer), not by raising."""
 
 
 def spawn(
-    fn: Callable[..., Any], *, nprocs: int, args: tuple = (), timeout_s: float = 120, crash_retries: int | None = None,
+    fn: Callable[..., Any], *, nprocs: int, args: tuple = (), timeout_s: float = 120, crash_retries: int = 0,
 ) -> list:
     """Run ``fn(*args)`` on ``nprocs`` gloo ranks; return each rank's result in rank order.
 
     If a rank raises (or dies), the others are killed and ``WorkerError`` names the rank that failed
     first, with its traceback. If the ranks are not all done after ``timeout_s`` seconds they are
     killed and ``WorkerTimeoutError`` is raised. A rank killed by a signal is reported with its threads'
-    stacks where Python's fault handler could write them (``RankCrashedError``); with ``crash_retries``
-    (default ``CRASH_RETRIES``) every rank is started again that many times after such a crash, each retry
-    announced by a ``RuntimeWarning`` with the crash; ``fn`` must then be safe to run again. A rank that raised
-    or timed out is never retried. A rank that wrote its result and then died while exiting keeps its result,
-    with a ``RuntimeWarning`` that shows its stacks.
+    stacks where Python's fault handler could write them (``RankCrashedError`` when that death came first).
+    With ``crash_retries`` every rank is started again up to that many times after such a crash, each retry
+    announced by a ``RuntimeWarning`` with the crash: for an ``fn`` that is safe to run again (nothing it leaves
+    on disk trips a second run), where a rare crash inside torch or gloo's C++ is not what the caller checks (on 2
+    loaded CPU cores gloo ranks have, rarely, died by SIGSEGV or SIGABRT inside a collective; PLATFORM-NOTES). A
+    spawn whose first failure was a rank raising, or that timed out, is never retried. A rank that wrote its result
+    and then died while exiting keeps its result, with a ``RuntimeWarning`` that shows its stacks.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be at least 1, got {nprocs}")
-    retries = CRASH_RETRIES if crash_retries is None else crash_retries
-    for attempt in range(retries + 1):
+    if crash_retries < 0:
+        raise ValueError(f"crash_retries must be 0 or more, got {crash_retries}")
+    first_crash = None
+    for attempt in range(crash_retries + 1):
         try:
             return _spawn_once(fn, args, nprocs=nprocs, timeout_s=timeout_s)
         except RankCrashedError as crash:
-            if attempt == retries:
-                raise
+            if attempt == crash_retries:
+                if first_crash is None:
+                    raise
+                raise RankCrashedError(f"{crash} (it crashed on all {crash_retries + 1} attempts)") from first_crash
+            first_crash = first_crash or crash
             warnings.warn(f"starting all {nprocs} ranks of {getattr(fn, '__name__', fn)} again "
-                          f"(retry {attempt + 1} of {retries}) after a crash: {crash}", RuntimeWarning, stacklevel=2)
-    raise AssertionError("unreachable")
+                          f"(retry {attempt + 1} of {crash_retries}) after a crash: {crash}", RuntimeWarning, stacklevel=2)
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _spawn_once(fn: Callable[..., Any], args: tuple, *, nprocs: int, timeout_s: float) -> list:
@@ -155,6 +156,7 @@ def _wait_for_ranks(procs: list, *, workdir: Path, timeout_s: float) -> None:
             raise WorkerTimeoutError(
                 f"ranks {running} of {len(procs)} still running after {timeout_s:.0f} s and were killed; "
                 "a rank is probably blocked in a collective the others never reached, or raise timeout_s"
+                f"{_deaths_after_results(procs, workdir)}"
             )
         time.sleep(POLL_INTERVAL_S)
     for proc in procs:
@@ -191,27 +193,42 @@ def _warn_of_deaths_after_results(procs: list, workdir: Path) -> None:
 def _describe_failure(failed: list[int], procs: list, workdir: Path) -> WorkerError:
     """Blame the rank that failed first: later ones are usually peers losing their connection.
 
-    A rank that died without a traceback (killed by a signal: ``kill -9``, the OOM killer; or ``os._exit``)
-    is blamed before any rank that raised: a peer's death makes the others raise, never die silently. Among
-    ranks that raised, the earliest traceback is blamed (checked before the launcher kills anyone).
+    A rank that raised is timed by its traceback, a rank killed by a signal by the stacks its fault handler wrote
+    as it died. A death with no such time (``kill -9``, the OOM killer, ``os._exit``) is blamed before everything
+    else. ``RankCrashedError`` when the first failure is a signal, else ``WorkerError``.
     """
     reports = []
     for rank in failed:
         path = _error_path(workdir, rank)
         if path.exists():
             report = json.loads(path.read_text())
-            reports.append((1, report["unix_time_s"], rank, report["traceback"]))
+            reports.append((report["unix_time_s"], rank, "its traceback", report["traceback"]))
         else:
             code = procs[rank].exitcode
             how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-            reports.append((0, 0.0, rank, f"process {how}, no Python traceback{_stacks_at_fault(workdir, rank)}\n"))
+            text = f"process {how}, no Python traceback{_stacks_at_fault(workdir, rank)}\n"
+            reports.append((_death_time(workdir, rank), rank, "how it died", text))
     reports.sort()
-    first_rank, first_text = reports[0][2:]
-    others = [report[2] for report in reports[1:]]
+    _, first_rank, what, first_text = reports[0]
+    others = [report[1] for report in reports[1:]]
     also = f" (ranks {others} failed after it)" if others else ""
-    signalled = not _error_path(workdir, first_rank).exists() and (procs[first_rank].exitcode or 0) < 0
+    signalled = what == "how it died" and (procs[first_rank].exitcode or 0) < 0
     error = RankCrashedError if signalled else WorkerError
-    return error(f"rank {first_rank} of {len(procs)} failed{also}; its traceback:\n{first_text}")
+    return error(f"rank {first_rank} of {len(procs)} failed{also}{_deaths_after_results(procs, workdir)}; "
+                 f"{what}:\n{first_text}")
+
+
+def _death_time(workdir: Path, rank: int) -> float:
+    """When a rank killed by a signal died: when its fault handler wrote its stacks (-inf: it could not)."""
+    path = _fault_path(workdir, rank)
+    return path.stat().st_mtime if path.exists() and path.stat().st_size else float("-inf")
+
+
+def _deaths_after_results(procs: list, workdir: Path) -> str:
+    """``, and rank 1 returned its result, then exited with code -6`` for the ranks that did, else empty."""
+    ranks = [rank for rank, proc in enumerate(procs)
+             if proc.exitcode not in (None, 0) and _result_path(workdir, rank).exists()]
+    return "".join(f"; rank {rank} returned its result, then exited with code {procs[rank].exitcode}" for rank in ranks)
 
 
 def _result_path(workdir: str | Path, rank: int) -> Path:
@@ -229,7 +246,8 @@ def _fault_path(workdir: str | Path, rank: int) -> Path:
 def _stacks_at_fault(workdir: Path, rank: int) -> str:
     """The thread stacks the rank's fault handler wrote as it died, with where it stood: inside ``fn`` or after."""
     stacks = _fault_path(workdir, rank).read_text().strip() if _fault_path(workdir, rank).exists() else ""
-    stage = "after returning its result (while exiting)" if _result_path(workdir, rank).exists() else "inside fn"
+    stage = ("after returning its result (while exiting)" if _result_path(workdir, rank).exists()
+             else "before writing its result")
     return f"; it died {stage}" + (f"; its threads' stacks:\n{stacks}" if stacks else "")
 
 

@@ -302,7 +302,8 @@ def world_results(world: int) -> list[dict]:
 
     cases = DATA_PARALLEL_CASES[world] + MODEL_PARALLEL_CASES[world]
     try:
-        return spawn(run_world, nprocs=world, args=(cases, extras.EXTRAS[world]), timeout_s=600)
+        return spawn(run_world, nprocs=world, args=(cases, extras.EXTRAS[world]), timeout_s=600,
+                     crash_retries=1)  # training cases and extras in fresh folders: safe to rerun
     except WorkerError as error:  # cached too: every test of this world reports it without a new spawn
         return [{"spawn_error": str(error)}] * world
 
@@ -447,6 +448,6 @@ def sparse_long_results(world: int) -> list[dict]:
 
     try:
         return spawn(_sparse_long_world, nprocs=world, args=(SPARSE_LONG_CASES[world], SPARSE_LONG_EXTRAS[world]),
-                     timeout_s=600)
+                     timeout_s=600, crash_retries=1)
     except WorkerError as error:
         return [{"spawn_error": str(error)}] * world

@@ -57,7 +57,7 @@ def ranks(world: int) -> list[dict]:
     from tessera.runtime.launch import spawn
 
     cases = [(GPT, strategy) for strategy in EXACT + RESCALED] if world == 2 else FOUR_RANKS
-    return spawn(run_fp8_cases, nprocs=world, args=(cases,), timeout_s=600)
+    return spawn(run_fp8_cases, nprocs=world, args=(cases,), timeout_s=600, crash_retries=1)
 
 
 def relative_norm(result: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
@@ -150,7 +150,7 @@ def test_a_hugging_face_llama_trains_fp8_under_tp_and_pp_like_one_fp8_process(st
     from tessera.runtime.launch import spawn
 
     expected = hf_llama_fp8_losses(1, "dp=1,mbs=1")
-    for losses in spawn(hf_llama_fp8_losses, nprocs=2, args=(2, strategy), timeout_s=600):
+    for losses in spawn(hf_llama_fp8_losses, nprocs=2, args=(2, strategy), timeout_s=600, crash_retries=1):
         torch.testing.assert_close(losses, expected, rtol=FP8_LOSS_RTOL, atol=0.0)
 
 
@@ -292,7 +292,8 @@ def test_zero3_gathers_the_blocks_fp8_weights_in_fp8_and_the_rest_in_bf16():
     # runtime.float8.ByteAllGather), as Tessera's profile prices them (TESSERA.gathers_fp8); a bf16 plan gathers 2
     from tessera.runtime.launch import spawn
 
-    runs = {precision: spawn(all_gathered_bytes, nprocs=2, args=(precision,), timeout_s=300)
+    runs = {precision: spawn(all_gathered_bytes, nprocs=2, args=(precision,), timeout_s=300,
+                             crash_retries=1)
             for precision in ("fp8", "bf16")}
     for fed, expected in runs["fp8"] + runs["bf16"]:
         assert fed == expected
@@ -301,7 +302,7 @@ def test_zero3_gathers_the_blocks_fp8_weights_in_fp8_and_the_rest_in_bf16():
 def test_gloo_refuses_fp8_all_gathers_and_byte_views_gather_them():
     from tessera.runtime.launch import spawn
 
-    for gathered, refused in spawn(gathered_fp8_bytes, nprocs=2, timeout_s=120):
+    for gathered, refused in spawn(gathered_fp8_bytes, nprocs=2, timeout_s=120, crash_retries=1):
         assert gathered.tolist() == [1.5] * 4 + [3.0] * 4
         assert "Invalid scalar type" in refused  # why runtime.float8.ByteAllGather exists; gone: drop it
 
@@ -309,7 +310,7 @@ def test_gloo_refuses_fp8_all_gathers_and_byte_views_gather_them():
 def test_each_step_computes_the_fp8_gathers_scales_first_and_drops_them_after():
     from tessera.runtime.launch import spawn
 
-    for weights, held, left in spawn(scales_around_a_step, nprocs=2, timeout_s=300):
+    for weights, held, left in spawn(scales_around_a_step, nprocs=2, timeout_s=300, crash_retries=1):
         assert weights > 0 and held == weights and left == 0
 
 

@@ -69,6 +69,18 @@ def _raise_and_count(marks: str) -> None:
     raise ValueError("a Python error is the function's own: never retried")
 
 
+def _raise_then_a_peer_aborts(marks: str) -> None:
+    """Rank 0 raises; rank 1 aborts 20 ms later, before the launcher polls again: the error came first."""
+    from pathlib import Path
+
+    (Path(marks) / f"rank{dist.get_rank()}-{time.monotonic_ns()}").touch()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        raise ValueError("the real failure")
+    time.sleep(0.02)
+    os.abort()
+
+
 def _sleep_forever() -> None:
     time.sleep(600)
 
@@ -102,7 +114,7 @@ def test_an_aborted_rank_is_reported_with_where_its_python_stood():
         spawn(_abort_on_rank_one, nprocs=2, timeout_s=60, crash_retries=0)
     message = str(caught.value)
     assert message.startswith("rank 1 of 2 failed") and "killed by signal 6" in message, message
-    assert "died inside fn" in message and "in _abort_on_rank_one" in message  # the fault handler's stack
+    assert "died before writing its result" in message and "in _abort_on_rank_one" in message  # the fault handler's stack
 
 
 def test_a_rank_that_dies_while_exiting_after_its_result_keeps_the_result_and_warns():
@@ -126,6 +138,13 @@ def test_a_rank_that_raises_is_never_retried(tmp_path):
         spawn(_raise_and_count, nprocs=2, args=(str(tmp_path),), timeout_s=60, crash_retries=3)
     assert not isinstance(caught.value, RankCrashedError)
     assert len(list(tmp_path.glob("rank*"))) <= 2  # one attempt (a rank may be killed before it got there)
+
+
+def test_a_crash_after_a_peer_raised_blames_the_error_and_is_not_retried(tmp_path):
+    with pytest.raises(WorkerError, match="(?s)rank 0 of 2 failed.*its traceback.*ValueError: the real failure") as caught:
+        spawn(_raise_then_a_peer_aborts, nprocs=2, args=(str(tmp_path),), timeout_s=60, crash_retries=2)
+    assert not isinstance(caught.value, RankCrashedError)
+    assert len(list(tmp_path.glob("rank*"))) == 2  # one attempt
 
 
 def test_hanging_ranks_raise_a_timeout_error():
