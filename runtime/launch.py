@@ -180,14 +180,9 @@ def _failed_ranks(procs: list, workdir: Path) -> list[int]:
 def _warn_of_deaths_after_results(procs: list, workdir: Path) -> None:
     """A rank that wrote its whole result and then died while exiting (torch's or gloo's teardown aborting:
     "terminate called without an active exception") did its work: keep the result, say what happened."""
-    for rank, proc in enumerate(procs):
-        if proc.exitcode not in (None, 0):
-            warnings.warn(
-                f"rank {rank} of {len(procs)} returned its result, then exited with code {proc.exitcode}"
-                f"{_stacks_at_fault(workdir, rank)}",
-                RuntimeWarning,
-                stacklevel=5,  # spawn's caller
-            )
+    for rank in _dead_after_results(procs, workdir):
+        warnings.warn(f"{_death_after_result(procs, rank)}{_stacks_at_fault(workdir, rank)}", RuntimeWarning,
+                      stacklevel=5)  # spawn's caller
 
 
 def _describe_failure(failed: list[int], procs: list, workdir: Path) -> WorkerError:
@@ -224,11 +219,19 @@ def _death_time(workdir: Path, rank: int) -> float:
     return path.stat().st_mtime if path.exists() and path.stat().st_size else float("-inf")
 
 
+def _dead_after_results(procs: list, workdir: Path) -> list[int]:
+    """Ranks that wrote their result and then exited with a non-zero code."""
+    return [rank for rank, proc in enumerate(procs)
+            if proc.exitcode not in (None, 0) and _result_path(workdir, rank).exists()]
+
+
+def _death_after_result(procs: list, rank: int) -> str:
+    return f"rank {rank} of {len(procs)} returned its result, then exited with code {procs[rank].exitcode}"
+
+
 def _deaths_after_results(procs: list, workdir: Path) -> str:
-    """``, and rank 1 returned its result, then exited with code -6`` for the ranks that did, else empty."""
-    ranks = [rank for rank, proc in enumerate(procs)
-             if proc.exitcode not in (None, 0) and _result_path(workdir, rank).exists()]
-    return "".join(f"; rank {rank} returned its result, then exited with code {procs[rank].exitcode}" for rank in ranks)
+    """``; rank 1 of 2 returned its result, then exited with code -6`` for each rank that did, else empty."""
+    return "".join(f"; {_death_after_result(procs, rank)}" for rank in _dead_after_results(procs, workdir))
 
 
 def _result_path(workdir: str | Path, rank: int) -> Path:
@@ -244,8 +247,10 @@ def _fault_path(workdir: str | Path, rank: int) -> Path:
 
 
 def _stacks_at_fault(workdir: Path, rank: int) -> str:
-    """The thread stacks the rank's fault handler wrote as it died, with where it stood: inside ``fn`` or after."""
-    stacks = _fault_path(workdir, rank).read_text().strip() if _fault_path(workdir, rank).exists() else ""
+    """The thread stacks the rank's fault handler wrote as it died, and whether that was before or after it wrote its
+    result."""
+    path = _fault_path(workdir, rank)
+    stacks = path.read_text().strip() if path.exists() else ""
     stage = ("after returning its result (while exiting)" if _result_path(workdir, rank).exists()
              else "before writing its result")
     return f"; it died {stage}" + (f"; its threads' stacks:\n{stacks}" if stacks else "")
