@@ -1,15 +1,17 @@
 """How much slower than its kernel's published rate the attention would have to run for a published run's step.
 
 Run: ``.venv/bin/python benchmarks/attention_gap.py [--rows REGEX]`` (seconds per row; default: the runs with
-sequences of 16K tokens and more). For each run it plans the published configuration as ``benchmarks/published.py``
-does (the calibration in use, no fit, but the ring's fitted ``cp_attention_slowdown`` left out, so that ``k`` is
+sequences of 16K tokens and more, and those with context parallelism). For each run it plans the published
+configuration as ``benchmarks/published.py`` does (the calibration in use, no fit, but the ring's fitted ``cp_attention_slowdown`` left out, so that ``k`` is
 against the unsplit kernel's rate: what that constant was fitted to), then prices its attention cores ``k`` times
 slower than their kernel's figure (``cost_models.compute.attention_core_rate``: the published FlashAttention-2 / cuDNN / Triton rate, or the
 calibrated fallback) and finds the ``k`` at which the predicted step equals the published one (bisection; the
 configuration is planned once, at the published rate, and held while ``k`` varies). A ``k``
 near 1 says the attention is priced as it ran and the rest of the step explains any error; the same ``k`` on every
-long-sequence run of one setup says the attention is what is mispriced there. It is a diagnosis, not a fit: nothing
-here changes the model. Prints a markdown table.
+long-sequence run of one setup says the attention is what is mispriced there. The last column is the range of ``k``
+that keeps the run within the issue's 15% of its published step: two runs of one framework and ring degree whose
+ranges do not meet cannot both be within 15% under any one slowdown per framework and degree. It is a diagnosis,
+not a fit: nothing here changes the model. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ UNSPLIT = replace(GPU_CALIBRATION, cp_attention_slowdown=1.0)
 LONG_SEQUENCES = 16384
 BRACKET = (0.25, 4.0)
 """The slowdowns searched; a run whose published step lies outside what they give is reported as outside."""
+GOAL = 0.15
+"""The worst-row error the issue asks for (#19)."""
 
 
 def step_with_attention_slowed(run: dict, strategy, slowdown: float) -> float:
@@ -69,20 +73,28 @@ def priced_kernel(run: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", metavar="REGEX", help="only the runs whose id matches, those Tessera cannot price "
-                        "yet included (default: the priced runs of sequences >= 16K)")
+                        "yet included (default: the priced runs of sequences >= 16K or with context parallelism)")
     args = parser.parse_args()
     runs = ([run for run in measured_runs() + unpriced_runs() if re.search(args.rows, run["id"])] if args.rows
-            else [run for run in measured_runs() if run["model"]["seq_len"] >= LONG_SEQUENCES])
-    print("| run | regime | seq | cp | kernel | published s | predicted s | error | attention slower by |")
-    print("|---|---|---|---|---|---|---|---|---|")
+            else [run for run in measured_runs()
+                  if run["model"]["seq_len"] >= LONG_SEQUENCES or (run["parallel"].get("cp") or 1) > 1])
+    print(f"| run | regime | seq | cp | kernel | published s | predicted s | error | attention slower by | "
+          f"slower by, within {GOAL:.0%} |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for run in runs:
         strategy, estimate = plan_run(run, UNSPLIT)[:2]
         published = published_step_s(run)
         slowdown = slowdown_for(run, strategy, published)
+        within = [slowdown_for(run, strategy, published * (1 + sign * GOAL)) for sign in (-1, 1)]
         print(f"| {run['id']} | {regime(run)} | {run['model']['seq_len']} | {strategy.cp} | {priced_kernel(run)} | "
               f"{published:.2f} | "
               f"{estimate.step_time_s:.2f} | {estimate.step_time_s / published - 1:+.1%} | "
-              f"{'outside 0.25-4x' if slowdown is None else f'x{slowdown:.2f}'} |")
+              f"{'outside 0.25-4x' if slowdown is None else f'x{slowdown:.2f}'} | {shown_range(*within)} |")
+
+
+def shown_range(low: float | None, high: float | None) -> str:
+    """The slowdowns between ``low`` and ``high``; an end outside ``BRACKET`` is that end of the bracket."""
+    return f"x{low or BRACKET[0]:.2f}-x{high or BRACKET[1]:.2f}"
 
 
 if __name__ == "__main__":
