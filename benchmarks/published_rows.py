@@ -84,6 +84,8 @@ FRAMEWORKS = (  # a row's ``framework``, by how it begins -> the profile of that
     ("Megatron-Core", MEGATRON),
     ("NeMo 24.03", NEMO_2024),
     ("NeMo 24.07", NEMO_2024),
+    ("NeMo 25.11", NEMO_2024),  # Megatron-Bridge's performance recipes reduce gradients in bf16 too
+    ("NeMo 26.04", NEMO_2024),
     ("NeMo", MEGATRON),
     ("torchtitan", TORCHTITAN_2024),
     ("llm-foundry", PYTORCH_FSDP_TE),
@@ -171,6 +173,10 @@ def _stated_pins(run: dict) -> dict[str, object]:
         fixed["schedule"] = par["schedule"]
     if par.get("virtual_pipeline"):
         fixed["schedule"], fixed["virtual_stages"] = "interleaved", par["virtual_pipeline"]
+    if par.get("pipeline_split") == "embedding-and-loss":
+        fixed["chunk_blocks"] = split_counting_embedding_and_loss(run)
+    elif par.get("pipeline_split") is not None:
+        raise ValueError(f"{run['id']}: pipeline_split {par['pipeline_split']!r} is not 'embedding-and-loss'")
     if framework_profile(run) in (MEGATRON, NEMO_2024):
         fixed["sp_regather"] = True  # Megatron-Core's sequence parallelism, should the planner turn it on
     if framework_profile(run).name == TORCHTITAN_2024.name and par["pp"] > 1 and fixed.get("zero") == 3:
@@ -178,6 +184,19 @@ def _stated_pins(run: dict) -> dict[str, object]:
         # forward to avoid per-microbatch all-gathers": every block keeps its gathered weights
         fixed["block_reshard"] = (False,) * run["model"]["layers"]
     return fixed
+
+
+def split_counting_embedding_and_loss(run: dict) -> tuple[int, ...]:
+    """Blocks per pipeline chunk where the embedding and the loss each count as a layer of the split (Megatron-Core's
+    ``account_for_embedding_in_pipeline_split`` and ``account_for_loss_in_pipeline_split``): the first chunk holds
+    the embedding and one block fewer, the last the loss and one block fewer."""
+    par, layers = run["parallel"], run["model"]["layers"]
+    chunks = par["pp"] * (par.get("virtual_pipeline") or 1)
+    per_chunk, left = divmod(layers + 2, chunks)
+    if left or per_chunk < 2:
+        raise ValueError(f"{run['id']}: {layers} blocks with the embedding and the loss do not split evenly into "
+                         f"{chunks} pipeline chunks of two or more")
+    return (per_chunk - 1,) + (per_chunk,) * (chunks - 2) + (per_chunk - 1,)
 
 
 def _megatron_pins(run: dict) -> dict[str, object]:

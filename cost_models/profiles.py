@@ -270,9 +270,11 @@ MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_
 its vocabulary-parallel cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, fused or not: an fp32 copy
 of the logits turned into the softmax in place and saved, the backward's gradient written over it)."""
 NEMO_2024 = replace(MEGATRON, name="nemo-2024", gradient_bytes=2)
-"""NeMo of 2024 (Megatron-Core under NeMo's launcher, containers 24.03.01 and 24.07): its performance recipes reduce
-gradients in bf16. The Llama 2 7B FP8 example of NVIDIA/NeMo-Framework-Launcher at tag 24.03.01
-(examples/training/llama/h100/llama2_7b_fp8.sh) passes ``+training.model.optim.grad_sync_dtype=bf16``, and at tag 24.07
+"""NeMo's performance recipes, which reduce gradients in bf16: Megatron-Core under NeMo's launcher (containers 24.03.01
+and 24.07, whence the name) and under Megatron-Bridge (containers 25.11 and 26.04.01: its
+``scripts/performance/configs/llama*/`` set ``grad_reduce_in_fp32`` False, at tags v0.2.0 and v0.4.1). The Llama 2
+7B FP8 example of NVIDIA/NeMo-Framework-Launcher at tag 24.03.01 (examples/training/llama/h100/llama2_7b_fp8.sh)
+passes ``+training.model.optim.grad_sync_dtype=bf16``, and at tag 24.07
 every GPT and Llama H100 example script (examples/training/{gpt,llama}/h100/*.sh, bf16 and fp8) and the GPT-3 175B FP8
 config (launcher_scripts/conf/training/gpt3/175b_fp8.yaml) do."""
 MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=(), fused_rms_norm=False,

@@ -307,6 +307,21 @@ def test_each_published_row_is_priced_with_what_its_source_states_about_the_fram
         rows.framework_profile({**runs["megatron-core-h100-weak-1.7b"], "framework": "Colossal-AI"})
 
 
+def test_a_recipe_that_counts_the_embedding_and_the_loss_as_layers_splits_the_pipeline_so():
+    """Megatron-Bridge's 405B recipe (``account_for_embedding_in_pipeline_split`` and ``..._loss_...``): 126 blocks
+    and 2 counted layers over 8 stages x 8 virtual ones, two a chunk, the first and the last chunk one block each; a
+    split that does not come out even, or an unknown ``pipeline_split``, is one line."""
+    rows = _published_rows()
+    run = next(r for r in rows.measured_runs() if r["id"] == "nemo2511-fp8cs-llama31-405b-1024gpu")
+    assert rows.pins(run)["chunk_blocks"] == (1,) + (2,) * 62 + (1,)
+    assert rows.framework_profile(run).gradient_bytes == 2  # its recipes: grad_reduce_in_fp32 False
+    uneven = {**run, "parallel": {**run["parallel"], "virtual_pipeline": 5}}
+    with pytest.raises(ValueError, match="126 blocks with the embedding and the loss do not split evenly into 40"):
+        rows.pins(uneven)
+    with pytest.raises(ValueError, match="pipeline_split 'uniform' is not 'embedding-and-loss'"):
+        rows.pins({**run, "parallel": {**run["parallel"], "pipeline_split": "uniform"}})
+
+
 def test_a_row_in_nemos_model_tflops_converts_with_nemos_formula_and_part_of_a_node_is_that_part():
     """NeMo's long-sequence table prints model TFLOP/s only: the step time is NeMo's Llama FLOPs over them. The
     formula reproduces NeMo 24.07's own table, which prints both (Llama 2 7B at 4K: 767 TFLOP/s, 16,634 tokens/s per
