@@ -22,7 +22,8 @@ def norm_saving_totals(stage: Sequence[LayerStats], policy: Mapping[str, Recompu
     def by(kind: str) -> int:  # a graph captured before the figure existed has None under autocast: nothing known
         return sum(layer.fused_norm_saving_bytes or 0 for layer in stage if policy[layer.fqn] == kind)
 
-    return {"norm_saving_bytes": by("none"), "selective_norm_saving_bytes": by("selective")}
+    return {"norm_saving_bytes": by("none"), "selective_norm_saving_bytes": by("selective"),
+            "norm_traffic_saving_bytes": sum(layer.fused_norm_saving_bytes or 0 for layer in stage)}
 
 
 def selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:

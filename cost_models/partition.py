@@ -72,6 +72,7 @@ class StageTotals:
     # (``stage_views.with_fused_norms``).
     norm_saving_bytes: int = 0  # in the layers not recomputed
     selective_norm_saving_bytes: int = 0  # in the selective blocks (kept under the attention-core policy only)
+    norm_traffic_saving_bytes: int = 0  # in every layer: the activation traffic a fused rms_norm does not make
     largest_block_params: int = 0  # parameters of the stage's largest block (an FSDP unit under ZeRO-3)
     widest_matrix_dim: int = 0  # the widest dimension of the blocks' matrix weights (LayerStats.widest_matrix_dim)
     largest_matrix_params: int = 0  # elements of the blocks' largest matrix weight

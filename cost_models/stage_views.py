@@ -75,9 +75,9 @@ def with_fused_norms(stage: StageTotals, selective_policy: str) -> StageTotals:
     its input alone, not what the composite measured keeps (up to two fp32 copies of it: ``planner.kernels``), in the
     layers that are not recomputed, in the selective blocks where the attention-core policy keeps their norms (the
     op-level and matmuls policies re-run them). A recomputed block's buffer (``recompute_buffer_bytes``) keeps the
-    composite's figure: one block, on the safe side. Memory only: the elementwise time stays priced from the
-    composite's activation traffic, the proxy the calibration was fitted with (taking the fused norms off it too
-    moved the published rows that run them further from their times)."""
+    composite's figure: one block, on the safe side. Memory only: the elementwise time takes the fused norms off
+    the activation traffic by itself (``StageTotals.norm_traffic_saving_bytes``, ``compute.stage_compute_s``), in
+    every layer, recomputed or not."""
     kept = stage.norm_saving_bytes + (stage.selective_norm_saving_bytes if selective_policy == "attention" else 0)
     if not kept:
         return stage

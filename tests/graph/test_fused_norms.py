@@ -9,6 +9,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
+from tessera.cost_models.compute import GPU_CALIBRATION, stage_compute_s
 from tessera.cost_models.partition import stage_totals
 from tessera.cost_models.stage_views import with_fused_norms
 from tessera.cost_models.profiles import TESSERA
@@ -90,6 +91,26 @@ def test_gpu_plans_hold_less_cpu_ranks_the_composite():
     cpu_strategy = Strategy.parse("dp=2,zero=3,mbs=2,recompute=none")
     assert (estimate(layers, cpu, cpu_training, cpu_strategy).peak_memory_bytes
             == estimate(layers, cpu, cpu_training, cpu_strategy, profile=composite).peak_memory_bytes)
+
+
+def test_the_fused_norms_write_no_elementwise_traffic_on_gpus_in_every_layer():
+    """A framework that runs the fused kernel (``profiles.fused_rms_norm``) is charged no elementwise time for the fp32
+    copies the composite keeps, in every layer, fully recomputed ones too (their forward runs the kernel as well); the
+    composite's framework and CPU ranks are charged them."""
+    layers = capture_preset(LLAMA, seq_len=S).layers
+    blocks = [layer.fqn for layer in layers if layer.kind == "block"]
+    training, strategy = TrainingConfig(global_batch=16, seq_len=S), Strategy.parse("dp=8,zero=3,mbs=2,recompute=full")
+    composite = replace(TESSERA, fused_rms_norm=False)
+    stage = stage_totals(layers, 0, dict.fromkeys(blocks, "full"))
+    assert stage.norm_traffic_saving_bytes == (2 * 2 * 6 + 6) * S * H and stage.norm_saving_bytes == 6 * S * H
+    gpu = load_cluster("dgx-h100:nodes=1").device
+    fused, written = (stage_compute_s(stage, gpu, training, strategy, profile=p) for p in (TESSERA, composite))
+    per_byte = 2 * GPU_CALIBRATION.traffic_factor / gpu.memory_bandwidth_bytes_per_s  # two sequences a micro-batch
+    assert written[0] - fused[0] == pytest.approx(per_byte * stage.norm_traffic_saving_bytes)  # forward: one pass
+    assert written[1] - fused[1] == pytest.approx(2 * per_byte * stage.norm_traffic_saving_bytes)  # backward: two
+    cpu = load_cluster("cpu:ranks=2").device
+    assert stage_compute_s(stage, cpu, training, strategy) == stage_compute_s(stage, cpu, training, strategy,
+                                                                               profile=composite)
 
 
 def test_a_graph_captured_before_the_figure_existed_still_plans():
