@@ -2,9 +2,10 @@
 
 Run: ``.venv/bin/python benchmarks/attention_gap.py [--rows REGEX]`` (seconds per row; default: the runs with
 sequences of 16K tokens and more, and those with context parallelism). For each run it plans the published
-configuration as ``benchmarks/published.py`` does (the calibration in use, no fit, but the ring's fitted ``cp_attention_slowdown`` left out, so that ``k`` is
-against the unsplit kernel's rate: what that constant was fitted to), then prices its attention cores ``k`` times
-slower than their kernel's figure (``cost_models.compute.attention_core_rate``: the published FlashAttention-2 / cuDNN / Triton rate, or the
+configuration as ``benchmarks/published.py`` does (the calibration in use, no fit, but the ring's fitted
+``cp_attention_slowdown`` left out, so that ``k`` is against the unsplit kernel's rate: what that constant was fitted
+to), then prices its attention cores ``k`` times slower than their kernel's figure
+(``cost_models.compute.attention_core_rate``: the published FlashAttention-2 / cuDNN / Triton rate, or the
 calibrated fallback) and finds the ``k`` at which the predicted step equals the published one (bisection; the
 configuration is planned once, at the published rate, and held while ``k`` varies). A ``k``
 near 1 says the attention is priced as it ran and the rest of the step explains any error; the same ``k`` on every
@@ -85,16 +86,24 @@ def main() -> None:
         strategy, estimate = plan_run(run, UNSPLIT)[:2]
         published = published_step_s(run)
         slowdown = slowdown_for(run, strategy, published)
-        within = [slowdown_for(run, strategy, published * (1 + sign * GOAL)) for sign in (-1, 1)]
+        within = slowdowns_within(run, strategy, published)
         print(f"| {run['id']} | {regime(run)} | {run['model']['seq_len']} | {strategy.cp} | {priced_kernel(run)} | "
               f"{published:.2f} | "
               f"{estimate.step_time_s:.2f} | {estimate.step_time_s / published - 1:+.1%} | "
-              f"{'outside 0.25-4x' if slowdown is None else f'x{slowdown:.2f}'} | {shown_range(*within)} |")
+              f"{'outside 0.25-4x' if slowdown is None else f'x{slowdown:.2f}'} | "
+              f"{'none in 0.25-4x' if within is None else f'x{within[0]:.2f}-x{within[1]:.2f}'} |")
 
 
-def shown_range(low: float | None, high: float | None) -> str:
-    """The slowdowns between ``low`` and ``high``; an end outside ``BRACKET`` is that end of the bracket."""
-    return f"x{low or BRACKET[0]:.2f}-x{high or BRACKET[1]:.2f}"
+def slowdowns_within(run: dict, strategy, published: float) -> tuple[float, float] | None:
+    """The slowdowns in ``BRACKET`` whose predicted step is within ``GOAL`` of ``published`` (an end of the bracket
+    where the range reaches it), or None where none is."""
+    fastest, slowest = (step_with_attention_slowed(run, strategy, k) for k in BRACKET)
+    low_step, high_step = published * (1 - GOAL), published * (1 + GOAL)
+    if fastest > high_step or slowest < low_step:
+        return None
+    low = BRACKET[0] if fastest >= low_step else slowdown_for(run, strategy, low_step)
+    high = BRACKET[1] if slowest <= high_step else slowdown_for(run, strategy, high_step)
+    return low, high
 
 
 if __name__ == "__main__":

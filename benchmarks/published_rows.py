@@ -193,7 +193,7 @@ def split_counting_embedding_and_loss(run: dict) -> tuple[int, ...]:
     par, layers = run["parallel"], run["model"]["layers"]
     chunks = par["pp"] * (par.get("virtual_pipeline") or 1)
     per_chunk, left = divmod(layers + 2, chunks)
-    if left or per_chunk < 2:
+    if chunks < 2 or left or per_chunk < 2:
         raise ValueError(f"{run['id']}: {layers} blocks with the embedding and the loss do not split evenly into "
                          f"{chunks} pipeline chunks of two or more")
     return (per_chunk - 1,) + (per_chunk,) * (chunks - 2) + (per_chunk - 1,)

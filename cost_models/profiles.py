@@ -57,7 +57,8 @@ there.
 - **RMSNorm kernel** (``fused_rms_norm``): CUDA's fused ``torch.rms_norm`` (PyTorch 2.8 on, as Tessera's runtime
   runs on torch 2.13) and Transformer Engine's RMSNorm keep the norm's input alone for the backward; the composite
   that capture measures (and that torch ran on GPUs before, as in torchtitan's 2024 tables) keeps two fp32 tensors of
-  its size: ``stage_views.with_fused_norms``, on GPUs only.
+  its size: ``stage_views.with_fused_norms``, on GPUs only; nor does the fused kernel write them, so they come off the
+  elementwise time too (``compute.stage_compute_s``).
 - **Context-parallel exchange** (``cp_rotation``, ``cp_kv_repeated``). Tessera's runtime and Transformer Engine pass
   K/V blocks along a ring, each step hidden by the attention of the block before; PyTorch's ring attention, which
   torchtitan runs, all-gathers each layer's K/V behind its first block only (its default ``ALL_GATHER`` rotation),
@@ -167,8 +168,9 @@ class ImplementationProfile:
     fused_rms_norm: bool = False
     """``torch.rms_norm`` (``nn.RMSNorm``) runs on GPUs as CUDA's fused kernel, which keeps its input alone for the
     backward (``stage_views.with_fused_norms``): PyTorch's since its fused RMSNorm (2.8; under autocast since the fix of
-    pytorch/pytorch#167308), Transformer Engine's RMSNorm. False: the composite capture measures (two fp32 tensors of
-    the input's size), as torch ran it before."""
+    pytorch/pytorch#167308), Transformer Engine's RMSNorm; and writes no fp32 copies of it, which the elementwise time
+    charges no traffic for (``compute.stage_compute_s``). False: the composite capture measures (two fp32 tensors of
+    the input's size, written and kept), as torch ran it before."""
     cross_entropy: str = "torch"
     """The loss's kernel (``stage_views.CROSS_ENTROPY_KERNELS``): ``torch`` (cross-entropy over fp32 log-probabilities;
     ``loss_parallel`` under tensor parallelism), ``flash-attn`` (one fused kernel on the logits as they come: it saves

@@ -318,6 +318,9 @@ def test_a_recipe_that_counts_the_embedding_and_the_loss_as_layers_splits_the_pi
     uneven = {**run, "parallel": {**run["parallel"], "virtual_pipeline": 5}}
     with pytest.raises(ValueError, match="126 blocks with the embedding and the loss do not split evenly into 40"):
         rows.pins(uneven)
+    one_chunk = {**run, "parallel": {**run["parallel"], "pp": 1, "virtual_pipeline": None, "dp": 64}}
+    with pytest.raises(ValueError, match="into 1 pipeline chunks"):
+        rows.pins(one_chunk)
     with pytest.raises(ValueError, match="pipeline_split 'uniform' is not 'embedding-and-loss'"):
         rows.pins({**run, "parallel": {**run["parallel"], "pipeline_split": "uniform"}})
 
