@@ -1,6 +1,6 @@
 """Tessera's prediction for every published run with a measured throughput, and the calibration fit.
 
-Run: ``.venv/bin/python benchmarks/published.py`` (about a minute on an idle 2-core machine); ``--rows REGEX``
+Run: ``.venv/bin/python benchmarks/published.py`` (about 3 minutes on an idle 2-core machine); ``--rows REGEX``
 evaluates only the matching runs with the calibration in use (no fit, no file written: seconds per row),
 ``--no-fit`` and ``--no-own-plan`` skip the grid fit and Tessera's own plans. For each run in ``benchmarks/reference/``
 (``published_runs.yaml``, a copy of the shared calibration set annotated with each row's framework, and
@@ -233,6 +233,9 @@ def main() -> None:
     summary += "" if subset else unpriced_summary()
     if train_log_errors:  # what the fit minimises, with the calibration in use
         summary += f"\n- calibration objective (mean |log error| over the train split): {statistics.mean(train_log_errors):.4f}"
+    if held_out:  # the same measure on the rows the fit never sees
+        held_out_log = [abs(math.log(ratio)) for ratios in held_out.values() for ratio in ratios]
+        summary += f"\n- held out, mean |log error|: {statistics.mean(held_out_log):.4f}"
     summary += "" if not speedups else plan_quality(speedups)
     table = Table(title="Published runs: step time, predicted vs published")
     for column in COLUMNS:

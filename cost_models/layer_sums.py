@@ -19,11 +19,14 @@ _PAIR_CACHE_LIMIT = 65536
 
 def norm_saving_totals(stage: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:
     """The StageTotals fields of what CUDA's fused ``rms_norm`` saves less (``LayerStats.fused_norm_saving_bytes``)."""
-    def by(kind: str) -> int:  # a graph captured before the figure existed has None under autocast: nothing known
-        return sum(layer.fused_norm_saving_bytes or 0 for layer in stage if policy[layer.fqn] == kind)
+    # a graph captured before the figure existed has None under autocast: nothing known
+    saving = [(policy[layer.fqn], layer.fused_norm_saving_bytes or 0) for layer in stage]
+
+    def by(kind: str) -> int:
+        return sum(bytes_ for layer_kind, bytes_ in saving if layer_kind == kind)
 
     return {"norm_saving_bytes": by("none"), "selective_norm_saving_bytes": by("selective"),
-            "norm_traffic_saving_bytes": sum(layer.fused_norm_saving_bytes or 0 for layer in stage)}
+            "norm_traffic_saving_bytes": sum(bytes_ for _, bytes_ in saving)}
 
 
 def selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:
