@@ -217,6 +217,8 @@ def main() -> None:
         parser.error("name at least one peer: --llm-analysis DIR and/or --calculon DIR (see the docstring)")
     results = []  # (id, split, regime, tessera error, {peer: error or None})
     for run in measured_runs():
+        if run["model"].get("experts"):  # neither peer has routed experts: those rows are Tessera's alone
+            continue
         strategy, est = plan_run(run, GPU_CALIBRATION)
         published = published_step_s(run)
         theirs = {name: predict(run, strategy) for name, predict in peers.items()}

@@ -53,11 +53,18 @@ def _runs_with_a_measurement() -> list[dict]:
 
 def model_spec(run: dict) -> str:
     m = run["model"]
+    if m.get("family") == "hf":  # a Hugging Face config built offline from the model's published shape
+        config = {"num_hidden_layers": m["layers"], **m["config"]}
+        return f"hf:{m['model_type']}:" + ",".join(f"{key}={_spec_value(value)}" for key, value in config.items())
     if m.get("family") == "llama":
         return (f"llama:layers={m['layers']},hidden={m['hidden']},heads={m['heads']},kv_heads={m['kv_heads']},"
                 f"ffn={m['ffn_hidden']},vocab={m['vocab']},seq={m['seq_len']}")
     spec = f"gpt:layers={m['layers']},hidden={m['hidden']},heads={m['heads']},vocab={m['vocab']},seq={m['seq_len']}"
     return spec + (f",ffn={m['ffn_hidden']}" if m.get("ffn_hidden") else "")
+
+
+def _spec_value(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def cluster_spec(run: dict) -> str:
@@ -114,11 +121,14 @@ def framework_profile(run: dict) -> ImplementationProfile:
 
 
 def regime(run: dict) -> str:
-    """The row's regime for per-regime errors: cp (context parallelism, whatever the precision), fp8,
-    deepspeed-zero3, fsdp (PyTorch ZeRO-3) or ptd-p."""
+    """The row's regime for per-regime errors: cp (context parallelism, whatever the precision), moe (routed experts,
+    whatever the precision), fp8, deepspeed-zero3, fsdp (PyTorch ZeRO-3) or ptd-p; the precedence of a plan's band
+    (``cost_models.error_bands.plan_regime``)."""
     par = run["parallel"]
     if (par.get("cp") or 1) > 1:
         return "cp"
+    if run["model"].get("experts"):
+        return "moe"
     if training_config(run).precision == "fp8":
         return "fp8"
     if framework_profile(run) is DEEPSPEED:
@@ -155,7 +165,8 @@ def pins(run: dict) -> dict[str, object]:
 def _stated_pins(run: dict) -> dict[str, object]:
     """A row of ``fsdp_fp8_runs.yaml``: its ``parallel`` fields are written as Strategy fields already."""
     par, training = run["parallel"], run["training"]
-    fixed: dict[str, object] = {"tp": par["tp"], "pp": par["pp"], "dp": par["dp"], "cp": par.get("cp") or 1}
+    fixed: dict[str, object] = {"tp": par["tp"], "pp": par["pp"], "dp": par["dp"], "cp": par.get("cp") or 1,
+                                "ep": par.get("ep") or 1}
     if par.get("zero_stage") is not None:
         fixed["zero"] = par["zero_stage"]
     if training.get("micro_batch"):
@@ -165,8 +176,10 @@ def _stated_pins(run: dict) -> dict[str, object]:
         fixed["block_recompute"] = tuple("full" if i % 2 == 0 else "none" for i in range(run["model"]["layers"]))
     elif recompute:
         fixed["recompute"] = recompute
-    if par.get("tp_overlap"):
-        fixed["tp_overlap"] = True
+    if isinstance(par.get("tp_overlap"), bool):
+        fixed["tp_overlap"] = par["tp_overlap"]
+    if par.get("expert_tp"):  # Megatron-Core's expert_tensor_parallel_size
+        fixed["etp"] = par["expert_tp"]
     if isinstance(par.get("sequence_parallel"), bool):
         fixed["sp"] = par["sequence_parallel"]
     if par.get("schedule"):

@@ -5,8 +5,8 @@
 how many runs and the 10th and 90th percentile of published / predicted step time. A prediction of regime ``R``
 then carries the band ``[predicted * low, predicted * high]``: where 80% of the held-out published runs of ``R``
 landed against their prediction. Context parallelism is its own regime whatever the precision (its long-sequence
-rows are the worst predicted). A regime without held-out runs (mixture of experts today) takes the band of all of
-them, and says so. The published runs are GPU runs; a plan for this machine's CPU gets no band (its own check is
+rows are the worst predicted), and so is mixture of experts whatever the precision (its published runs are FP8). A
+regime without held-out runs takes the band of all of them, and says so. The published runs are GPU runs; a plan for this machine's CPU gets no band (its own check is
 ``benchmarks/local_truth.py``).
 """
 
@@ -60,13 +60,14 @@ class ErrorBand:
 
 def plan_regime(strategy: Strategy, precision: str, *, moe: bool) -> str:
     """The regime a strategy's prediction is judged in, with the same precedence as the published rows' own
-    (``benchmarks/published_rows.regime``): context parallelism first, then FP8, mixture of experts, ZeRO-3."""
+    (``benchmarks/published_rows.regime``): context parallelism first, then mixture of experts (its errors, on
+    published FP8 runs, are its own, not the dense FP8 rows'), FP8, ZeRO-3."""
     if strategy.cp > 1:
         return "cp"
-    if precision == "fp8":
-        return "fp8"
     if moe:
         return "moe"
+    if precision == "fp8":
+        return "fp8"
     return "fsdp" if strategy.zero == 3 else "ptd-p"
 
 

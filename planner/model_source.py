@@ -153,7 +153,7 @@ def hf_model(spec: str) -> nn.Module:
         defaults = transformers.AutoConfig.for_model(model_type.strip())
     except (ValueError, KeyError) as exc:
         raise ModelSpecError(f"unknown Hugging Face model_type {model_type!r} in {spec!r}: {_first_line(exc)}") from None
-    unknown = sorted(k for k in values if not hasattr(defaults, k))
+    unknown = sorted(k for k in values if not hasattr(defaults, k) and k not in OPTIONAL_HF_KEYS)
     if unknown:
         raise ModelSpecError(
             f"{spec!r}: {model_type} configs have no {', '.join(unknown)}; keys are the config's attributes, "
@@ -182,6 +182,12 @@ def _training_attention(spec: str, value: object) -> str:
     if value not in ATTENTION_IMPLEMENTATIONS:
         raise ModelSpecError(f"{spec!r}: attn_implementation={value!r} is not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
     return value  # type: ignore[return-value]
+
+
+OPTIONAL_HF_KEYS = ("head_dim",)
+"""Config keys a model reads only where a checkpoint's ``config.json`` sets them, so a default config lacks them:
+``head_dim`` (``getattr(config, "head_dim", hidden_size // num_attention_heads)`` in transformers' Llama, Qwen3,
+Qwen3-MoE and Mistral attention), which Qwen3's released configs set to 128 whatever the width."""
 
 
 HF_SIZES = {

@@ -89,6 +89,17 @@ def test_hf_mixtral_expert_load_is_settable() -> None:
     assert extra == 2 * T * 2 * 3 * H * F  # twice the expected load: 2 T more token slots over all experts
 
 
+def test_a_head_dim_that_a_default_config_lacks_sets_the_attention_width() -> None:
+    """Qwen3's released configs set ``head_dim`` (128 at width 2048), which its default config has no attribute for:
+    accepted, it widens the query and output projections to heads x head_dim."""
+    spec = (f"hf:qwen3_moe:hidden_size={H},num_hidden_layers=1,num_attention_heads={HEADS},num_key_value_heads={KV},"
+            f"num_local_experts=4,num_experts_per_tok=2,moe_intermediate_size={F},vocab_size={V}")
+    narrow, wide = (capture_preset(spec + extra, seq_len=T).blocks[0] for extra in ("", f",head_dim={2 * H // HEADS}"))
+    projections = 2 * (2 * H * H + 2 * H * H // HEADS * KV)  # q and o, then k and v: twice as wide
+    assert wide.param_count - narrow.param_count == projections // 2 + 2 * H // HEADS  # and q/k norms of head_dim
+    assert wide.forward_flops > narrow.forward_flops
+
+
 def test_hf_model_of_realistic_width_allocates_nothing() -> None:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     graph = capture_preset("hf:llama:num_hidden_layers=2", seq_len=512)  # 4096 wide: 0.67B parameters

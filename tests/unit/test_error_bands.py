@@ -48,7 +48,8 @@ def test_the_gap_band_holds_both_orders_of_each_pair(tmp_path, monkeypatch):
 
 def test_a_plan_is_judged_in_its_regime():
     s = Strategy.parse
-    assert eb.plan_regime(s("dp=8,zero=3"), "fp8", moe=True) == "fp8"
+    assert eb.plan_regime(s("dp=8,zero=3"), "fp8", moe=True) == "moe"  # the published MoE runs are FP8
+    assert eb.plan_regime(s("dp=8,zero=3"), "fp8", moe=False) == "fp8"
     assert eb.plan_regime(s("dp=4,cp=2,zero=3"), "bf16", moe=False) == "cp"
     assert eb.plan_regime(s("dp=4,cp=2,zero=3"), "fp8", moe=False) == "cp"  # the long-sequence rows: their own band
     assert eb.plan_regime(s("dp=8,ep=8,zero=3"), "bf16", moe=True) == "moe"

@@ -376,3 +376,21 @@ def test_a_torchtitan_export_that_turns_on_compile_is_priced_with_its_compiled_l
     plain = export_plan(plan_like("dp=2,tp=4,zero=3,mbs=1,recompute=full,sp=true", blocks=8, global_batch=16),
                         "torchtitan")
     assert plain.profile == "torchtitan"
+
+
+def test_a_published_moe_run_is_a_hugging_face_config_with_its_expert_layout_pinned():
+    """Megatron-Bridge's Qwen3 235B-A22B row: the model is transformers' qwen3_moe built from its published shape
+    (head_dim 128 whatever the width: a key default configs lack), its experts folded over the tensor-parallel ranks
+    (expert_tensor_parallel_size 1), TP overlap pinned off as its recipe states, and judged as mixture of experts
+    although it ran FP8, the precedence a plan's band takes."""
+    rows = _published_rows()
+    run = next(r for r in rows.measured_runs() if r["id"] == "nemo2511-fp8cs-qwen3-235b-a22b-256gpu")
+    spec = rows.model_spec(run)
+    assert spec.startswith("hf:qwen3_moe:num_hidden_layers=94,hidden_size=4096,") and "head_dim=128" in spec
+    assert "norm_topk_prob=true" in spec and "tie_word_embeddings=false" in spec  # as the spec reader parses them
+    fixed = rows.pins(run)
+    assert (fixed["ep"], fixed["etp"], fixed["tp_overlap"], fixed["tp"]) == (32, 1, False, 2)
+    assert Strategy(**fixed).expert_tp == 1
+    assert rows.regime(run) == "moe" and rows.training_config(run).precision == "fp8"
+    dense = next(r for r in rows.measured_runs() if r["id"] == "nemo2511-fp8cs-llama3-70b-64gpu")
+    assert rows.pins(dense)["ep"] == 1 and rows.regime(dense) == "fp8"
