@@ -6,8 +6,8 @@ how many runs and the 10th and 90th percentile of published / predicted step tim
 then carries the band ``[predicted * low, predicted * high]``: where 80% of the held-out published runs of ``R``
 landed against their prediction. Context parallelism is its own regime whatever the precision (its long-sequence
 rows are the worst predicted), and so is mixture of experts whatever the precision (its published runs are FP8). A
-regime without held-out runs takes the band of all of them, and says so. The published runs are GPU runs; a plan for this machine's CPU gets no band (its own check is
-``benchmarks/local_truth.py``).
+regime without held-out runs takes the band of all of them, and says so. The published runs are GPU runs; a plan
+for this machine's CPU gets no band (its own check is ``benchmarks/local_truth.py``).
 """
 
 from __future__ import annotations
