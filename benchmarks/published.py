@@ -1,6 +1,6 @@
 """Tessera's prediction for every published run with a measured throughput, and the calibration fit.
 
-Run: ``.venv/bin/python benchmarks/published.py`` (about 5 minutes on an idle 2-core machine); ``--rows REGEX``
+Run: ``.venv/bin/python benchmarks/published.py`` (about 4 minutes on an idle 2-core machine); ``--rows REGEX``
 evaluates only the matching runs with the calibration in use (no fit, no file written: seconds per row),
 ``--no-fit`` and ``--no-own-plan`` skip the grid fit and Tessera's own plans. For each run in ``benchmarks/reference/``
 (``published_runs.yaml``, a copy of the shared calibration set annotated with each row's framework, and

@@ -103,20 +103,24 @@ def framework_profile(run: dict) -> ImplementationProfile:
     """The framework that ran the row, by its ``framework`` (``FRAMEWORKS``), with what its stated config turns on:
     DeepSpeed for SC'21's ZeRO-3 rows; Megatron-LM of 2021-2022 for SC'21's other rows and Korthikanti et al.'s
     (unfused attention, scattered pipeline sends, gradients reduced after the backward); NeMo's 2024 containers
-    reducing gradients in bf16."""
+    reducing gradients in bf16; how a MoE row's expert all-to-alls cross nodes and overlap (``parallel.ep_dispatch``,
+    ``parallel.ep_overlap``)."""
     framework = str(run.get("framework", ""))
     matches = [(len(prefix), p) for prefix, p in FRAMEWORKS if framework.startswith(prefix)]
     profile = max(matches, key=lambda match: match[0])[1] if matches else None  # the longest: 'NeMo 24.07' > 'NeMo'
     if profile is None:
         raise ValueError(f"{run['id']}: framework {framework!r} is not one Tessera profiles; known (as the name "
                          f"begins): {', '.join(prefix for prefix, _ in FRAMEWORKS)}")
-    training = run["training"]
+    training, par = run["training"], run["parallel"]
     if profile is TORCHTITAN_2024:  # the row's config may turn on FP8 all-gathers and its fused RMSNorm
-        return replace(profile, fp8_all_gather=bool(training.get("fsdp_float8_all_gather")),  # and its version
-                       fused_rms_norm=training.get("norm_type") == "fused_rmsnorm",  # compile the loss
-                       cross_entropy="compiled" if training.get("compiled_loss") else "torch")
+        profile = replace(profile, fp8_all_gather=bool(training.get("fsdp_float8_all_gather")),  # and its version
+                          fused_rms_norm=training.get("norm_type") == "fused_rmsnorm",  # compile the loss
+                          cross_entropy="compiled" if training.get("compiled_loss") else "torch")
     if profile is PYTORCH_FSDP_TE and training.get("mixed_precision_mode") == "PURE":
-        return replace(profile, gradient_bytes=2)  # FSDP's PURE mixed precision reduces gradients in bf16 too
+        profile = replace(profile, gradient_bytes=2)  # FSDP's PURE mixed precision reduces gradients in bf16 too
+    if par.get("ep_dispatch") or par.get("ep_overlap"):  # how the row's recipe runs its expert all-to-alls
+        profile = replace(profile, ep_dispatch=par.get("ep_dispatch") or profile.ep_dispatch,
+                          ep_overlap=bool(par.get("ep_overlap")))
     return profile
 
 
@@ -190,7 +194,7 @@ def _stated_pins(run: dict) -> dict[str, object]:
         fixed["chunk_blocks"] = split_counting_embedding_and_loss(run)
     elif par.get("pipeline_split") is not None:
         raise ValueError(f"{run['id']}: pipeline_split {par['pipeline_split']!r} is not 'embedding-and-loss'")
-    if framework_profile(run) in (MEGATRON, NEMO_2024):
+    if framework_profile(run).name in (MEGATRON.name, NEMO_2024.name):  # by name: a row's config may vary its fields
         fixed["sp_regather"] = True  # Megatron-Core's sequence parallelism, should the planner turn it on
     if framework_profile(run).name == TORCHTITAN_2024.name and par["pp"] > 1 and fixed.get("zero") == 3:
         # torchtitan 9dec370 (parallelisms/parallelize_llama.py, apply_fsdp): "For PP, do not reshard after

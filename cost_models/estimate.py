@@ -31,7 +31,9 @@ from tessera.cost_models.partition import (
 from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.pipeline import in_flight_micro_batches, pipeline_slots_lower_bound, pipeline_time_s
-from tessera.cost_models.sparse import check_sparse_and_long, cp_comm_s, ep_comm_s, ep_stride, sharded_params
+from tessera.cost_models.sparse import (
+    check_sparse_and_long, cp_comm_s, ep_comm_s, ep_stride, exposed_ep_comm_s, sharded_params,
+)
 from tessera.cost_models.types import Estimate, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster, DeviceSpec
@@ -48,7 +50,8 @@ class StageTime:
     recompute: float
     tp_comm: float
     pp_comm: float
-    ep_comm: float = 0.0  # expert dispatch/combine all-to-alls (on the critical path)
+    ep_comm: float = 0.0  # the part of the expert dispatch/combine all-to-alls on the critical path
+    ep_comm_total: float = 0.0  # the whole all-to-alls, hidden or not (for the per-kind totals)
     cp_comm: float = 0.0  # the part of the K/V ring the attention cores do not hide
     cp_comm_total: float = 0.0  # the whole K/V ring, hidden or not (for the per-kind totals)
     offload: float = 0.0  # activation offload copies the compute does not hide (``cost_models.offload``)
@@ -211,8 +214,10 @@ def _attention_note(device: DeviceSpec, training: TrainingConfig, strategy: Stra
 def step_time_lower_bound(
     layers: Sequence[LayerStats], cluster: Cluster, training: TrainingConfig, strategy: Strategy,
     *, calibration: Calibration = GPU_CALIBRATION, whole: StageTotals | None = None,
+    profile: ImplementationProfile = TESSERA,
 ) -> float:
-    """Seconds that ``estimate(...).step_time_s`` never goes below, at a small fraction of its cost.
+    """Seconds that ``estimate(...).step_time_s`` never goes below (as ``profile`` runs it), at a small fraction of its
+    cost.
 
     Compute and the expert all-to-alls, spread perfectly over the stages, for the micro-batches plus the
     schedule's bubble (fewer slots on ranks sharing cores: ``pipeline_slots_lower_bound``). The pipeline's time
@@ -225,7 +230,8 @@ def step_time_lower_bound(
     """
     whole = whole or stage_totals(layers, 0, block_policies(layers, strategy))
     per_micro_batch = compute_lower_bound_s(whole, cluster.device, training, strategy, calibration=calibration)
-    per_micro_batch += _ep_comm_lower_bound_s(layers, cluster, strategy, whole) / strategy.pp
+    if profile.ep_dispatch == "per-expert" and not profile.ep_overlap:  # the bound prices each copy, in line
+        per_micro_batch += _ep_comm_lower_bound_s(layers, cluster, strategy, whole) / strategy.pp
     per_micro_batch += _tp_comm_lower_bound_s(whole, cluster, strategy) / strategy.pp
     micro_batches = strategy.gradient_accumulation(training.global_batch)
     slots = pipeline_slots_lower_bound(strategy, micro_batches=micro_batches, solo_speedup=cluster.device.solo_speedup)
@@ -364,7 +370,11 @@ def stage_time(
                                     kernels=profile.attention_kernels, seq_len=training.seq_len / strategy.cp,
                                     cp=strategy.cp)
     cp_total, cp_exposed = cp_comm_s(stage, cluster, strategy, flops_per_s=attention, profile=profile)
-    return replace(time, ep_comm=ep_comm_s(stage, cluster, strategy), cp_comm=cp_exposed, cp_comm_total=cp_total)
+    ep_total = ep_comm_s(stage, cluster, strategy, dispatch=profile.ep_dispatch)
+    ep_exposed = ep_total if not profile.ep_overlap else exposed_ep_comm_s(  # beside another micro-batch's compute
+        ep_total, forward + backward + recompute,
+        contention=device_calibration(cluster.device, calibration).overlap_contention)
+    return replace(time, ep_comm=ep_exposed, ep_comm_total=ep_total, cp_comm=cp_exposed, cp_comm_total=cp_total)
 
 
 def check_supported(
@@ -458,5 +468,5 @@ def _optimizer_params(stage: StageTotals, strategy: Strategy) -> float:
 
 def _comm_by_kind(t: StageTime, dp: dict[str, float], micro_batches: int) -> dict[str, float]:
     kinds = {"tp_allreduce": micro_batches * t.tp_comm, "pp_p2p": micro_batches * t.pp_comm,
-             "ep_alltoall": micro_batches * t.ep_comm, "cp_ring": micro_batches * t.cp_comm_total, **dp}
+             "ep_alltoall": micro_batches * t.ep_comm_total, "cp_ring": micro_batches * t.cp_comm_total, **dp}
     return {kind: seconds for kind, seconds in kinds.items() if seconds > 0}

@@ -131,6 +131,8 @@ def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Rec
         "expert_params": sum(layer.expert_param_count for layer in moe),
         "largest_layer_expert_params": largest.expert_param_count,
         "moe_layers": len(moe),
+        "experts": min((layer.experts for layer in moe), default=0),
+        "top_k": max((layer.top_k for layer in moe), default=0),
         "dispatch_bytes": sum(dispatch.values()),
         "recompute_dispatch_bytes": sum(b for fqn, b in dispatch.items() if policy.get(fqn) == "full"),
         "attention_layers": len(attention),

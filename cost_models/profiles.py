@@ -64,6 +64,13 @@ there.
   torchtitan runs, all-gathers each layer's K/V behind its first block only (its default ``ALL_GATHER`` rotation),
   and torchtitan's 2024 Llama repeated them to every query head first (``TORCHTITAN_2024``, its published tables):
   ``cost_models.sparse.cp_comm_s`` and the gathered sequence's memory.
+- **Expert all-to-alls** (``ep_dispatch``, ``ep_overlap``; ``cost_models.sparse``). Megatron-Core's ``alltoall``
+  dispatcher and Tessera's runtime send a token's hidden state once for each chosen expert, in line with the compute;
+  Megatron-Core's ``flex`` dispatcher with its DeepEP or HybridEP backend sends it once to each other node holding one
+  of its experts and fans it out over NVLink there; Megatron-Bridge's ``moe_a2a_overlap``
+  (``overlap_moe_expert_parallel_comm``) runs one micro-batch's all-to-alls beside another's compute. Both are a run's
+  choice: off in every profile here, turned on for a published row where its recipe states them
+  (``benchmarks/published_rows.framework_profile``).
 - **Megatron-LM of 2021-2022** (SC'21, Korthikanti et al.; ``MEGATRON_2021``). Without sequence parallelism its
   pipeline sends are scattered over the tensor-parallel ranks and gathered on arrival (``pp_scatter_gather``:
   ``communication.pp_comm_s``), and its default local DDP reduces gradients after the step's last backward,
@@ -204,7 +211,20 @@ class ImplementationProfile:
     policy: every second matmul of the block and its elementwise work; the attention core is kept) or ``matmuls``
     (Tessera's runtime: everything but the matmuls, which keep their outputs)."""
 
+    ep_dispatch: str = "per-expert"
+    """How the expert-parallel dispatch and combine cross nodes (``EP_DISPATCHES``): ``per-expert`` (a copy of a token
+    for each chosen expert on another rank: Megatron-Core's ``alltoall`` dispatcher, Tessera's ``runtime.experts_exchange``)
+    or ``per-node`` (one copy for each other node that holds a chosen expert, fanned out over NVLink there: DeepEP's
+    normal kernels and Megatron-Core's ``flex`` dispatcher with its DeepEP or HybridEP backend): the bytes beyond a node
+    shrink by ``sparse.per_node_share``."""
+    ep_overlap: bool = False
+    """The dispatch and combine all-to-alls of one micro-batch run beside another micro-batch's compute (Megatron-Core's
+    ``overlap_moe_expert_parallel_comm``, Megatron-Bridge's ``moe_a2a_overlap``; DeepSeek-V3's DualPipe): only what the
+    compute does not cover stays on the critical path (``sparse.exposed_ep_comm_s``)."""
+
     def __post_init__(self) -> None:
+        if self.ep_dispatch not in EP_DISPATCHES:
+            raise ConfigError(f"ep_dispatch={self.ep_dispatch!r} is not one of {', '.join(EP_DISPATCHES)}")
         if self.selective_policy not in SELECTIVE_POLICIES:
             raise ConfigError(f"selective_policy={self.selective_policy!r} is not one of "
                               f"{', '.join(SELECTIVE_POLICIES)}")
@@ -228,6 +248,8 @@ SELECTIVE_POLICIES = ("attention", "op", "matmuls")
 """What ``recompute=selective`` can mean (``ImplementationProfile.selective_policy``)."""
 CP_ROTATIONS = ("ring", "allgather")
 """How context parallelism can move keys and values (``ImplementationProfile.cp_rotation``)."""
+EP_DISPATCHES = ("per-expert", "per-node")
+"""How the expert-parallel all-to-alls can cross nodes (``ImplementationProfile.ep_dispatch``)."""
 
 
 DEEPSPEED_ZERO3_SLOWDOWN = 5.0

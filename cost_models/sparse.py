@@ -19,11 +19,13 @@ as Megatron-Core does under sequence parallelism, and the others arrive by the t
 tensor parallelism already pays). Routing is assumed uniform, so ``N_ep / ep`` goes to each peer:
 ``topology.collectives.all_to_all_time`` places the group (``ep`` ranks ``tp * cp`` apart) on the hierarchy: an ep
 group of 8 with tp = cp = 1 stays on NVLink; with tp = 2 it spans two nodes and most of its traffic crosses the
-network. The all-to-alls are on the critical path:
-Megatron-Core's default dispatcher does not overlap them (DeepSeek-V3's DualPipe hides them behind another
-micro-batch's compute, arXiv:2412.19437 Sec. 3.2.1; Tessera does not model that overlap, so it over-states
-exposed all-to-all time for DualPipe-style runs). Expert compute per device does not change with ``ep``:
-each rank's ``E/ep`` experts receive ``k f b s / ep`` slots from each of ``ep`` peers, i.e. the same
+network. The all-to-alls are on the critical path where the framework runs them in line (Megatron-Core's default,
+Tessera's runtime); a framework that runs them beside another micro-batch's compute (Megatron-Core's
+``overlap_moe_expert_parallel_comm``; DeepSeek-V3's DualPipe, arXiv:2412.19437 Sec. 3.2.1) leaves exposed only what
+that compute does not cover (``ImplementationProfile.ep_overlap``, :func:`exposed_ep_comm_s`). A dispatcher that
+sends a token once per other node holding one of its experts and fans it out over NVLink there (DeepEP; Megatron-Core's
+``flex`` dispatcher) sends fewer bytes between nodes (``ep_dispatch``, :func:`per_node_share`). Expert compute per
+device does not change with ``ep``: each rank's ``E/ep`` experts receive ``k f b s / ep`` slots from each of ``ep`` peers, i.e. the same
 ``k f b s`` slots the rank would process without expert parallelism (at the balanced load the capture measured).
 
 **Expert tensor parallelism and folding** (``Strategy.etp``; Megatron-Core's ``expert_tensor_parallel_size`` and
@@ -66,6 +68,7 @@ over the outer; all-reduce = inner reduce-scatter + outer all-reduce of the shar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -206,15 +209,42 @@ def ring_and_dispatch_buffer_bytes(stage: StageTotals, strategy: Strategy,
 # ----------------------------------------------------------------------------------------------- expert parallelism
 
 
-def ep_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float:
-    """Dispatch and combine all-to-all seconds of one micro-batch on one device of ``stage`` (all exposed)."""
+def ep_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy, *, dispatch: str = "per-expert") -> float:
+    """Dispatch and combine all-to-all seconds of one micro-batch on one device of ``stage``, crossing nodes as
+    ``dispatch`` does (``ImplementationProfile.ep_dispatch``)."""
     if strategy.ep == 1 or not stage.moe_layers:
         return 0.0
+    share = per_node_share(stage, cluster, strategy) if dispatch == "per-node" else 1.0
     one = all_to_all_time(cluster, _dispatch_bytes_per_layer(stage, strategy), group_size=strategy.ep,
-                          stride=ep_stride(strategy))
+                          stride=ep_stride(strategy), beyond_first_share=share)
     recomputed = stage.recompute_dispatch_bytes / stage.dispatch_bytes if stage.dispatch_bytes else 0.0
     exchange = stage.moe_layers * one * (4 + 2 * recomputed)  # fwd dispatch+combine, bwd both, recomputed fwd again
     return exchange + _folded_combine_s(stage, cluster, strategy) * (2 + recomputed)
+
+
+def per_node_share(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float:
+    """The bytes a per-node dispatch sends beyond a node over what a per-expert one sends there.
+
+    The ep group spans ``N`` nodes, each holding ``E / N`` of a layer's ``E`` experts; a token picks ``k`` of them
+    (uniformly: the balanced load the experts are measured at). Per expert, it crosses to other nodes
+    ``k (N - 1) / N`` times on average; once per node, as often as another node holds one of its ``k``, which
+    ``(N - 1) (1 - C(E - E/N, k) / C(E, k))`` counts. 1 for a group inside one node or a layer without the counts."""
+    members = max(1, min(strategy.ep, cluster.devices_per_node // ep_stride(strategy)))
+    nodes, experts, k = math.ceil(strategy.ep / members), stage.experts, stage.top_k
+    if nodes <= 1 or not experts or not k or experts % nodes:
+        return 1.0
+    missed = math.comb(experts - experts // nodes, k) / math.comb(experts, k)  # a given other node holds none
+    return (nodes - 1) * (1 - missed) / (k * (nodes - 1) / nodes)
+
+
+def exposed_ep_comm_s(all_to_alls_s: float, compute_s: float, *, contention: float) -> float:
+    """What a micro-batch's all-to-alls add to its time when they run beside another micro-batch's compute
+    (``ImplementationProfile.ep_overlap``): the part that compute does not cover, and the ``contention`` share
+    (``Calibration.overlap_contention``) of the part it does, which that compute runs slower beside the NCCL
+    kernels. The pipeline's first forward and last backward, which have no partner, are left out: one micro-batch of
+    the step's many."""
+    hidden = min(all_to_alls_s, compute_s)
+    return all_to_alls_s - hidden + contention * hidden
 
 
 def _folded_combine_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float:

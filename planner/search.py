@@ -81,7 +81,7 @@ def rank_candidates(
     scored, overflowing = [], []
     priced = Priced() if priced is None else priced
     space = strategies(layers, cluster, training, pins, unavailable=graph.unavailable_axes, exclusive=profile.refused_together)
-    candidates = _by_lower_bound(layers, cluster, training, list(space), known=priced.bounds)
+    candidates = _by_lower_bound(layers, cluster, training, list(space), known=priced.bounds, profile=profile)
     incumbent = float("inf")  # the keep-th fastest fitting step so far
     fastest: list[float] = []  # the keep fastest fitting steps so far, negated (a max-heap)
     fastest_fit = float("inf")
@@ -150,10 +150,10 @@ def _neither_fits_nor_leanest(
 
 def _by_lower_bound(
     layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, candidates: list[Strategy],
-    *, known: dict[Strategy, float],
+    *, known: dict[Strategy, float], profile: ImplementationProfile = TESSERA,
 ) -> list[tuple[float, Strategy]]:
-    """Candidates with their step-time lower bound, lowest first (stable: the space's order breaks ties);
-    ``known`` bounds are reused and new ones added to it."""
+    """Candidates with their step-time lower bound as ``profile`` runs them, lowest first (stable: the space's order
+    breaks ties); ``known`` bounds are reused and new ones added to it."""
     wholes: dict[object, object] = {}  # the whole model's totals under each block recomputation
     bounded = []
     for s in candidates:
@@ -162,7 +162,7 @@ def _by_lower_bound(
             key = s.block_recompute or s.recompute
             if key not in wholes:
                 wholes[key] = stage_totals(layers, 0, block_policies(layers, s))
-            bound = known[s] = step_time_lower_bound(layers, cluster, training, s, whole=wholes[key])
+            bound = known[s] = step_time_lower_bound(layers, cluster, training, s, whole=wholes[key], profile=profile)
         bounded.append((bound, s))
     return sorted(bounded, key=lambda pair: pair[0])
 

@@ -251,8 +251,12 @@ def broadcast_time(
     return sum(level_time(level, "broadcast", nbytes, p, algorithm=algorithm, stride=layout) for level, p in phases)
 
 
-def all_to_all_time(cluster: Cluster, nbytes: float, *, group_size: int, stride: int = 1) -> float:
-    """Seconds for an all-to-all where each rank holds ``nbytes``, ``nbytes/n`` for each member."""
+def all_to_all_time(
+    cluster: Cluster, nbytes: float, *, group_size: int, stride: int = 1, beyond_first_share: float = 1.0
+) -> float:
+    """Seconds for an all-to-all where each rank holds ``nbytes``, ``nbytes/n`` for each member; of the bytes bound
+    beyond the first level the group spans, ``beyond_first_share`` cross it (below 1 for an exchange that sends a
+    token once per node and fans it out inside: ``cost_models.sparse.per_node_share``)."""
     if group_size <= 1 or nbytes <= 0:
         return 0.0
     phases = _levels_crossed(cluster, group_size, stride)
@@ -260,11 +264,12 @@ def all_to_all_time(cluster: Cluster, nbytes: float, *, group_size: int, stride:
         (level, p), = phases
         return level_time(level, "all_to_all", nbytes, p, stride=stride)
     latency_s, transfer_s, below = 0.0, 0.0, 1
-    for level, p in phases:
+    for depth, (level, p) in enumerate(phases):
         peers = below * p - below  # members first reached at this level
         alpha, bandwidth = level.link("all_to_all")
+        share = beyond_first_share if depth else 1.0
         latency_s += peers * alpha + level.collective_local_s_per_byte.get("all_to_all", 0.0) * nbytes
-        transfer_s = max(transfer_s, peers / group_size * nbytes / bandwidth)
+        transfer_s = max(transfer_s, share * peers / group_size * nbytes / bandwidth)
         below *= p
     return latency_s + transfer_s
 

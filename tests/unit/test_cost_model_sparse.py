@@ -14,7 +14,8 @@ from tessera.cost_models.profiles import TESSERA
 from tessera.cost_models.estimate import stage_time
 from tessera.cost_models.partition import stage_totals
 from tessera.cost_models.sparse import (
-    cp_comm_s, dense_group, ep_comm_s, expert_group, group_all_reduce_s, local_param_split,
+    cp_comm_s, dense_group, ep_comm_s, expert_group, exposed_ep_comm_s, group_all_reduce_s, local_param_split,
+    per_node_share,
 )
 from tessera.cost_models.layer_stats import LayerStats, LinearPair
 from tessera.errors import ConfigError
@@ -122,6 +123,38 @@ def test_all_to_all_across_nodes_is_bound_by_the_network():
     n = 1 * 2 * 1.0 * OUT / 2
     per_a2a = max(3 / 8 * n / NODE_BW, 4 / 8 * n / NET_BW)
     assert ep_comm_s(stage_totals(MOE, 0, {}), cluster(2), s) == pytest.approx(4 * 4 * per_a2a)
+
+
+def test_a_per_node_dispatch_sends_a_token_once_to_each_other_node_holding_one_of_its_experts():
+    # The same 8 ranks over 2 nodes, 4 of the 8 experts on each: a token's 2 experts both sit on its own node with
+    # probability C(4, 2) / C(8, 2) = 6/28, so it crosses once with probability 22/28, where a copy per expert crosses
+    # 2 * 1/2 = 1 time on average. NVLink carries the fan-out as before.
+    s = Strategy(dp=8, tp=2, ep=8, micro_batch=1)
+    totals = stage_totals(MOE, 0, {})
+    assert per_node_share(totals, cluster(2), s) == pytest.approx(22 / 28)
+    n = 1 * 2 * 1.0 * OUT / 2
+    per_a2a = max(3 / 8 * n / NODE_BW, 22 / 28 * 4 / 8 * n / NET_BW)
+    assert ep_comm_s(totals, cluster(2), s, dispatch="per-node") == pytest.approx(4 * 4 * per_a2a)
+    inside = Strategy(dp=8, ep=8)  # one node: nothing to spare
+    assert per_node_share(totals, cluster(1), inside) == 1.0
+    assert ep_comm_s(totals, cluster(1), inside, dispatch="per-node") == ep_comm_s(totals, cluster(1), inside)
+    with pytest.raises(ConfigError, match="ep_dispatch='per-token' is not one of per-expert, per-node"):
+        replace(TESSERA, ep_dispatch="per-token")
+
+
+def test_all_to_alls_beside_another_micro_batch_expose_what_its_compute_does_not_cover():
+    assert exposed_ep_comm_s(3.0, 10.0, contention=0.2) == pytest.approx(0.6)  # hidden, the compute 20% slower
+    assert exposed_ep_comm_s(10.0, 4.0, contention=0.2) == pytest.approx(6.0 + 0.8)
+    s = Strategy(dp=16, tp=2, ep=8, micro_batch=1)
+    training = TrainingConfig(global_batch=64, seq_len=2048)
+    calibration = replace(FLAT, overlap_contention=0.25)
+    stage = stage_totals(MOE, 0, {})
+    in_line = stage_time(stage, cluster(4), training, s, calibration=calibration)
+    beside = stage_time(stage, cluster(4), training, s, calibration=calibration, profile=replace(TESSERA, ep_overlap=True))
+    compute = in_line.forward + in_line.backward + in_line.recompute
+    assert beside.ep_comm_total == in_line.ep_comm_total == in_line.ep_comm > 0
+    assert beside.ep_comm == pytest.approx(exposed_ep_comm_s(in_line.ep_comm, compute, contention=0.25))
+    assert beside.ep_comm < in_line.ep_comm
 
 
 def test_folding_experts_into_the_tp_axis_keeps_the_all_to_all_on_nvlink():
