@@ -69,8 +69,9 @@ there.
   Megatron-Core's ``flex`` dispatcher with its DeepEP or HybridEP backend sends it once to each other node holding one
   of its experts and fans it out over NVLink there; Megatron-Bridge's ``moe_a2a_overlap``
   (``overlap_moe_expert_parallel_comm``) runs one micro-batch's all-to-alls beside another's compute. Both are a run's
-  choice: off in every profile here, turned on for a published row where its recipe states them
-  (``benchmarks/published_rows.framework_profile``).
+  choice: off in the frameworks' own profiles, on in Megatron-Core's variants named for them (what an imported
+  Megatron-LM command line with those flags runs: ``planner.frameworks.megatron``), and for a published row where its
+  recipe states them (``benchmarks/published_rows.framework_profile``).
 - **Megatron-LM of 2021-2022** (SC'21, Korthikanti et al.; ``MEGATRON_2021``). Without sequence parallelism its
   pipeline sends are scattered over the tensor-parallel ranks and gathered on arrival (``pp_scatter_gather``:
   ``communication.pp_comm_s``), and its default local DDP reduces gradients after the step's last backward,
@@ -301,6 +302,13 @@ and 24.07, whence the name) and under Megatron-Bridge (containers 25.11 and 26.0
 passes ``+training.model.optim.grad_sync_dtype=bf16``, and at tag 24.07
 every GPT and Llama H100 example script (examples/training/{gpt,llama}/h100/*.sh, bf16 and fp8) and the GPT-3 175B FP8
 config (launcher_scripts/conf/training/gpt3/175b_fp8.yaml) do."""
+MEGATRON_EP_OVERLAP = replace(MEGATRON, name="megatron-ep-overlap", ep_overlap=True)
+"""Megatron-Core with ``--overlap-moe-expert-parallel-comm``: the expert all-to-alls beside another micro-batch."""
+MEGATRON_DEEPEP = replace(MEGATRON, name="megatron-deepep", ep_dispatch="per-node")
+"""Megatron-Core's ``flex`` dispatcher (``--moe-token-dispatcher-type flex --moe-enable-deepep``): DeepEP, a token
+sent once to each other node holding one of its experts."""
+MEGATRON_DEEPEP_EP_OVERLAP = replace(MEGATRON_DEEPEP, name="megatron-deepep-ep-overlap", ep_overlap=True)
+"""Both."""
 MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=(), fused_rms_norm=False,
                         pp_scatter_gather=True, dp_overlap=False)
 """Megatron-LM as SC'21 and Korthikanti et al. (2022) ran it: unfused attention (its GPT models norm with LayerNorm),
@@ -316,7 +324,8 @@ DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEE
 parameter within its default limits."""
 
 PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_COMPILED, TORCHTITAN_2024, PYTORCH_FSDP_TE, MEGATRON,
-                                 NEMO_2024, MEGATRON_2021, DEEPSPEED)}
+                                 MEGATRON_EP_OVERLAP, MEGATRON_DEEPEP, MEGATRON_DEEPEP_EP_OVERLAP, NEMO_2024,
+                                 MEGATRON_2021, DEEPSPEED)}
 """Every profile by name."""
 
 

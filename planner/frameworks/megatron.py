@@ -23,6 +23,10 @@ What the arguments express, and the nearest setting where they cannot:
   (``block_reshard``) is rendered as every block resharding.
 - Experts on their own tensor-parallel degree (``Strategy.etp``, "MoE parallel folding") are
   ``--expert-tensor-parallel-size``.
+- Expert all-to-alls: the export asks for the ``alltoall`` dispatcher the cost model prices (Megatron-LM's default
+  is ``allgather``); an imported ``flex`` dispatcher with ``--moe-enable-deepep`` and
+  ``--overlap-moe-expert-parallel-comm`` are priced as Megatron-Core runs them (``profiles.MEGATRON_DEEPEP``,
+  ``MEGATRON_EP_OVERLAP``).
 - Sequence parallelism in Megatron-LM keeps each column-parallel input's shard and gathers it again in the
   backward (``Strategy.sp_regather``): the strategy Megatron-LM runs carries it.
 """
@@ -34,6 +38,7 @@ import difflib
 import re
 import shlex
 
+from tessera.cost_models.profiles import MEGATRON_DEEPEP, MEGATRON_DEEPEP_EP_OVERLAP, MEGATRON_EP_OVERLAP
 from tessera.cost_models.types import MAX_BLOCKS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, Strategy
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.frameworks.common import (
@@ -59,6 +64,7 @@ def to_megatron_args(plan: PlanLike) -> FrameworkExport:
     chunks = chunk_block_counts(plan)
     args = ["--tensor-model-parallel-size", s.tp, "--pipeline-model-parallel-size", s.pp]
     args += ["--context-parallel-size", s.cp] * (s.cp > 1) + ["--expert-model-parallel-size", s.ep] * (s.ep > 1)
+    args += ["--moe-token-dispatcher-type", "alltoall"] * (s.ep > 1)  # the all-to-alls priced (default: allgather)
     args += ["--expert-tensor-parallel-size", s.etp] * (s.etp is not None)
     args += ["--sequence-parallel"] * s.sp + ["--tp-comm-overlap"] * s.tp_overlap
     args += ["--num-layers", sum(chunks), "--seq-length", t.seq_len]
@@ -232,9 +238,10 @@ def megatron_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None)
     parser.add_argument("--fp8-recipe", choices=("tensorwise", "delayed", "mxfp8", "blockwise"), default="delayed")
     parser.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
+    parser.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "flex"), default="allgather")
     for flag in ("--sequence-parallel", "--tp-comm-overlap", "--use-distributed-optimizer", "--use-megatron-fsdp",
                  "--use-custom-fsdp", "--use-torch-fsdp2", "--recompute-activations", "--cpu-offloading", "--bf16",
-                 "--fp16"):
+                 "--fp16", "--moe-enable-deepep", "--overlap-moe-expert-parallel-comm"):
         parser.add_argument(flag, action="store_true")
     return parser
 
@@ -269,9 +276,29 @@ def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
     )
     return ImportedConfig(
         framework="megatron", strategy=canonical(strategy), global_batch=args.global_batch_size or args.micro_batch_size * dp,
-        seq_len=args.seq_length, precision=_precision(args),
+        seq_len=args.seq_length, precision=_precision(args), variant=_expert_exchange(args, ep=ep, notes=notes),
         unread=tuple(unread), notes=tuple(notes),
     )
+
+
+def _expert_exchange(args: argparse.Namespace, *, ep: int, notes: list[str]) -> str | None:
+    """The profile variant that runs the expert all-to-alls as the arguments say (``cost_models.profiles``): DeepEP
+    under the ``flex`` dispatcher, overlapped with another micro-batch's compute under
+    ``--overlap-moe-expert-parallel-comm``; None for Megatron-LM's own profile. ``allgather`` (Megatron-LM's default
+    dispatcher) is priced as ``alltoall``, and said so."""
+    if ep == 1:
+        return None
+    dispatcher = args.moe_token_dispatcher_type
+    if dispatcher == "flex" and not args.moe_enable_deepep:
+        raise ConfigError("Megatron-LM arguments: --moe-token-dispatcher-type flex needs --moe-enable-deepep in "
+                          f"{MEGATRON_VERSION} (DeepEP is its only backend); add it, or use alltoall")
+    if dispatcher == "allgather":
+        notes.append("--moe-token-dispatcher-type allgather (Megatron-LM's default): priced as the alltoall "
+                     "dispatcher's all-to-alls, which Megatron-LM recommends under expert parallelism")
+    deepep, overlap = dispatcher == "flex", args.overlap_moe_expert_parallel_comm
+    names = {(True, True): MEGATRON_DEEPEP_EP_OVERLAP.name, (True, False): MEGATRON_DEEPEP.name,
+             (False, True): MEGATRON_EP_OVERLAP.name}
+    return names.get((deepep, overlap))
 
 
 def _precision(args: argparse.Namespace) -> str:

@@ -102,6 +102,29 @@ def test_megatron_expert_tensor_parallel_size_is_read_as_etp():
     assert same.strategy.etp is None  # the default (etp = tp), one form per meaning
 
 
+def test_megatron_expert_dispatch_and_overlap_pick_the_profile_that_prices_them():
+    """DeepEP under the flex dispatcher sends a token once per node, ``--overlap-moe-expert-parallel-comm`` runs the
+    all-to-alls beside another micro-batch: each selects Megatron-Core's variant for it; the default allgather
+    dispatcher is priced as alltoall and says so; flex without DeepEP is one line."""
+    from tessera.cost_models.profiles import profile
+
+    base = "--expert-model-parallel-size 8 --micro-batch-size 1"
+    both = from_megatron(f"{base} --moe-token-dispatcher-type flex --moe-enable-deepep "
+                         "--overlap-moe-expert-parallel-comm", world_size=16)
+    assert both.profile == "megatron-deepep-ep-overlap"
+    assert profile(both.profile).ep_dispatch == "per-node" and profile(both.profile).ep_overlap
+    assert from_megatron(f"{base} --moe-token-dispatcher-type alltoall --overlap-moe-expert-parallel-comm",
+                         world_size=16).profile == "megatron-ep-overlap"
+    plain = from_megatron(f"{base} --moe-token-dispatcher-type alltoall", world_size=16)
+    assert plain.profile == "megatron" and not plain.notes
+    default = from_megatron(base, world_size=16)
+    assert default.profile == "megatron" and any("allgather" in note for note in default.notes)
+    with pytest.raises(ConfigError, match="--moe-token-dispatcher-type flex needs --moe-enable-deepep"):
+        from_megatron(f"{base} --moe-token-dispatcher-type flex", world_size=16)
+    dense = from_megatron("--micro-batch-size 1 --overlap-moe-expert-parallel-comm", world_size=16)
+    assert dense.profile == "megatron"  # no experts: nothing to exchange
+
+
 def test_megatron_cpu_offloading_is_read_as_offload_of_the_first_blocks():
     config = from_megatron("--num-layers 8 --cpu-offloading --cpu-offloading-num-layers 3 --micro-batch-size 1",
                            world_size=8)
