@@ -152,7 +152,7 @@ def calculon_execution(run: dict, strategy: Strategy) -> dict:
     m = run["model"]
     tp, pp, dp = strategy.tp, strategy.pp, strategy.dp
     recompute = {"none": "none", "selective": "attn_only", "full": "full"}[strategy.recompute]
-    modern = framework_profile(run) is not MEGATRON_2021  # Megatron-LM since 2022: fused bias-GeLU, DP overlap
+    modern = framework_profile(run).name != MEGATRON_2021.name  # Megatron-LM since 2022: fused bias-GeLU, DP overlap
     return {
         "num_procs": tp * pp * dp, "tensor_par": tp, "pipeline_par": pp, "data_par": dp,
         # Megatron's rank order puts tp innermost, then dp, then pp: each on NVLink while it fits in a node

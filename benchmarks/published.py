@@ -117,7 +117,7 @@ def evaluate_as_run(run: dict, strategy: Strategy, calibration: Calibration, *, 
     """The estimate of ``strategy`` for ``run`` as its framework runs it (``deepspeed``: a ZeRO-3 slowdown to try)."""
     graph, cluster = graph_for(model_spec(run), run["model"]["seq_len"]), load_cluster(cluster_spec(run))
     profile = framework_profile(run)
-    if deepspeed is not None and profile is DEEPSPEED:
+    if deepspeed is not None and profile.name == DEEPSPEED.name:
         profile = replace(profile, zero3_comm_slowdown=deepspeed)
     return estimate(graph.layers, cluster, training_config(run), strategy, calibration=calibration, profile=profile)
 

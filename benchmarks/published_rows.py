@@ -55,6 +55,9 @@ def model_spec(run: dict) -> str:
     m = run["model"]
     if m.get("family") == "hf":  # a Hugging Face config built offline from the model's published shape
         config = {"num_hidden_layers": m["layers"], **m["config"]}
+        if m.get("experts") != config.get("num_local_experts", m.get("experts")):
+            raise ValueError(f"{run['id']}: model.experts {m.get('experts')} is not its config's num_local_experts "
+                             f"{config['num_local_experts']}")
         return f"hf:{m['model_type']}:" + ",".join(f"{key}={_spec_value(value)}" for key, value in config.items())
     if m.get("family") == "llama":
         return (f"llama:layers={m['layers']},hidden={m['hidden']},heads={m['heads']},kv_heads={m['kv_heads']},"
@@ -135,7 +138,7 @@ def regime(run: dict) -> str:
         return "moe"
     if training_config(run).precision == "fp8":
         return "fp8"
-    if framework_profile(run) is DEEPSPEED:
+    if framework_profile(run).name == DEEPSPEED.name:
         return "deepspeed-zero3"
     return "fsdp" if par.get("zero_stage") == 3 else "ptd-p"
 

@@ -125,8 +125,10 @@ def case_notes(key: str, model: str, result: dict) -> list[str]:
                 f"The published layout's all-to-alls are {e.comm_time_by_kind_s.get('ep_alltoall', 0.0):.1f} s of its "
                 f"{e.step_time_s:.1f} s step in this cost model, which charges them in full (Megatron-Core's default "
                 f"dispatcher) and sends every token's k=8 copies over InfiniBand. DeepSeek-V3 hides them behind "
-                f"computation with DualPipe and caps cross-node traffic with node-limited routing (4 nodes per token); "
-                f"neither is modelled. With its all-to-alls fully hidden the published layout would take {hidden:.1f} s "
+                f"computation with DualPipe and caps cross-node traffic with node-limited routing (4 nodes per token): "
+                f"priced as Tessera's runtime (this layout's evaluation) would run them, not as DeepSeek's "
+                f"(profiles.ep_overlap and ep_dispatch price an overlap and a once-per-node dispatch; the 4-node cap is "
+                f"not modelled). With its all-to-alls fully hidden the published layout would take {hidden:.1f} s "
                 f"({plan.estimate.step_time_s / hidden:.2f}x the plan's speed). Measured, for scale only: "
                 f"{facts['step_s_derived']:.1f} s per 15360 x 4096 step (derived from 180K GPU-hours per trillion "
                 f"tokens, in FP8; this model assumes BF16).")

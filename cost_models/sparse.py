@@ -214,9 +214,9 @@ def ep_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy, *, dispa
     ``dispatch`` does (``ImplementationProfile.ep_dispatch``)."""
     if strategy.ep == 1 or not stage.moe_layers:
         return 0.0
-    share = per_node_share(stage, cluster, strategy) if dispatch == "per-node" else 1.0
+    share = per_node_share(stage, cluster, strategy) if dispatch == "per-node" else None
     one = all_to_all_time(cluster, _dispatch_bytes_per_layer(stage, strategy), group_size=strategy.ep,
-                          stride=ep_stride(strategy), beyond_first_share=share)
+                          stride=ep_stride(strategy), per_node_share=share)
     recomputed = stage.recompute_dispatch_bytes / stage.dispatch_bytes if stage.dispatch_bytes else 0.0
     exchange = stage.moe_layers * one * (4 + 2 * recomputed)  # fwd dispatch+combine, bwd both, recomputed fwd again
     return exchange + _folded_combine_s(stage, cluster, strategy) * (2 + recomputed)
@@ -228,7 +228,9 @@ def per_node_share(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> 
     The ep group spans ``N`` nodes, each holding ``E / N`` of a layer's ``E`` experts; a token picks ``k`` of them
     (uniformly: the balanced load the experts are measured at). Per expert, it crosses to other nodes
     ``k (N - 1) / N`` times on average; once per node, as often as another node holds one of its ``k``, which
-    ``(N - 1) (1 - C(E - E/N, k) / C(E, k))`` counts. 1 for a group inside one node or a layer without the counts."""
+    ``(N - 1) (1 - C(E - E/N, k) / C(E, k))`` counts. 1 (no saving priced) for a group inside one node, a stage
+    without the counts, or experts that do not divide evenly among the nodes. A stage whose MoE layers differ is
+    taken at its fewest experts and most experts per token."""
     members = max(1, min(strategy.ep, cluster.devices_per_node // ep_stride(strategy)))
     nodes, experts, k = math.ceil(strategy.ep / members), stage.experts, stage.top_k
     if nodes <= 1 or not experts or not k or experts % nodes:
@@ -237,14 +239,26 @@ def per_node_share(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> 
     return (nodes - 1) * (1 - missed) / (k * (nodes - 1) / nodes)
 
 
-def exposed_ep_comm_s(all_to_alls_s: float, compute_s: float, *, contention: float) -> float:
-    """What a micro-batch's all-to-alls add to its time when they run beside another micro-batch's compute
-    (``ImplementationProfile.ep_overlap``): the part that compute does not cover, and the ``contention`` share
-    (``Calibration.overlap_contention``) of the part it does, which that compute runs slower beside the NCCL
-    kernels. The pipeline's first forward and last backward, which have no partner, are left out: one micro-batch of
-    the step's many."""
-    hidden = min(all_to_alls_s, compute_s)
-    return all_to_alls_s - hidden + contention * hidden
+def exposed_ep_comm_s(all_to_alls_s: float, forward_s: float, backward_s: float, *, contention: float,
+                      unpartnered: float = 0.0) -> float:
+    """What a micro-batch's all-to-alls add to its time, on average, when they run beside another micro-batch's
+    compute (``ImplementationProfile.ep_overlap``; Megatron-Core pairs one micro-batch's forward with another's
+    backward, layer by layer): the forward's half beside the partner's backward (``backward_s``, its recomputation
+    included), the backward's half beside the partner's forward (``forward_s``); what that compute does not cover,
+    and the ``contention`` share (``Calibration.overlap_contention``) of what it does, which runs slower beside the
+    NCCL kernels; all of it for the ``unpartnered`` share of the micro-batches (:func:`unpartnered_share`)."""
+    half = all_to_alls_s / 2
+    hidden = min(half, backward_s) + min(half, forward_s)
+    overlapped = all_to_alls_s - hidden + contention * hidden
+    return (1 - unpartnered) * overlapped + unpartnered * all_to_alls_s
+
+
+def unpartnered_share(strategy: Strategy, micro_batches: int) -> float:
+    """The share of a step's micro-batches whose all-to-alls have no other micro-batch's compute beside them: the
+    1F1B schedule's ``pp - 1`` warm-up forwards and cool-down backwards and the step's first forward and last
+    backward, ``pp`` micro-batches' worth of the step's ``micro_batches`` (all of them when there are fewer). An
+    interleaved schedule's longer warm-up, counted in chunks, is not added."""
+    return min(1.0, strategy.pp / micro_batches) if micro_batches else 1.0
 
 
 def _folded_combine_s(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float:

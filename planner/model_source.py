@@ -170,7 +170,18 @@ def hf_model(spec: str) -> nn.Module:
                              f"{_first_line(exc)}; fix the overrides") from exc
     model.config.use_cache = False
     model.config._attn_implementation = kernel  # measured as SDPA all the same (layer_info.measured_with_sdpa)
+    _check_optional_keys_read(spec, model_type.strip(), model, values, defaults)
     return model
+
+
+def _check_optional_keys_read(spec: str, model_type: str, model: nn.Module, values: dict, defaults: object) -> None:
+    """Refuse an ``OPTIONAL_HF_KEYS`` value the built model does not use (a config without the key whose modules take
+    no such attribute), as an unknown key is refused."""
+    for key in OPTIONAL_HF_KEYS:
+        if key in values and not hasattr(defaults, key) and not any(
+                getattr(module, key, None) == values[key] for module in model.modules()):
+            raise ModelSpecError(f"{spec!r}: {model_type} configs have no {key}, and its model does not read one; "
+                                 "drop it")
 
 
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")

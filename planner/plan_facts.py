@@ -3,10 +3,11 @@
 
 Where the step time goes (:func:`step_terms`): compute, recompute, exposed communication per kind,
 bubble, optimizer, stragglers and exposed activation offload, which sum to ``Estimate.step_time_s``. The estimate states exposed communication
-as one number; it is split by kind as the cost model accrues it: tensor-, expert-parallel and pipeline
-transfers sit on the critical path in full, the context-parallel K/V ring by the part attention does not hide
-(the slowest stage's ``cp_comm``), and what is left is data-parallel communication, shared among its kinds in
-proportion to their totals.
+as one number; it is split by kind as the cost model accrues it: tensor-parallel and pipeline transfers sit on the
+critical path in full, the context-parallel K/V ring by the part attention does not hide (the slowest stage's
+``cp_comm``), the expert all-to-alls by the part another micro-batch's compute does not hide where the framework
+overlaps them (the slowest stage's ``ep_comm``; in full otherwise), and what is left is data-parallel communication,
+shared among its kinds in proportion to their totals.
 
 How far to trust the step time (``Plan.error_band``, :func:`band_sentence`): the error band of the plan's regime on held-out published
 runs (``cost_models.error_bands``), and which runners-up are within the cost model's error of the plan (the gap band:
@@ -89,7 +90,8 @@ def exposed_comm_by_kind(e: Estimate) -> dict[str, float]:
     left, exposed = e.exposed_comm_time_s, {}
     for kind, total in e.comm_time_by_kind_s.items():
         if not kind.startswith(DP_KIND_PREFIXES):
-            exposed[kind] = min(_exposed_cp_ring_s(e) if kind == "cp_ring" else total, left)
+            hidden_by = {"cp_ring": "cp_comm", "ep_alltoall": "ep_comm"}.get(kind)
+            exposed[kind] = min(_exposed_on_slowest_stage_s(e, kind, hidden_by) if hidden_by else total, left)
             left -= exposed[kind]
     dp = {kind: total for kind, total in e.comm_time_by_kind_s.items() if kind.startswith(DP_KIND_PREFIXES)}
     for kind, total in dp.items():
@@ -99,12 +101,13 @@ def exposed_comm_by_kind(e: Estimate) -> dict[str, float]:
     return exposed
 
 
-def _exposed_cp_ring_s(e: Estimate) -> float:
-    """The part of the K/V ring attention does not hide, per step: the slowest stage's ``cp_comm`` share."""
+def _exposed_on_slowest_stage_s(e: Estimate, kind: str, part: str) -> float:
+    """The part of ``kind`` compute does not hide, per step: the slowest stage's exposed ``part`` (the K/V ring
+    beside the attention, ``cp_comm``; the expert all-to-alls beside another micro-batch, ``ep_comm``)."""
     if not e.stage_time_per_micro_batch_s:
-        return e.comm_time_by_kind_s.get("cp_ring", 0.0)
+        return e.comm_time_by_kind_s.get(kind, 0.0)
     slowest = max(e.stage_time_per_micro_batch_s, key=lambda parts: sum(parts.values()))
-    return e.micro_batches * slowest.get("cp_comm", 0.0)
+    return e.micro_batches * slowest.get(part, 0.0)
 
 
 def step_terms(e: Estimate) -> dict[str, float]:

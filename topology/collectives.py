@@ -252,26 +252,39 @@ def broadcast_time(
 
 
 def all_to_all_time(
-    cluster: Cluster, nbytes: float, *, group_size: int, stride: int = 1, beyond_first_share: float = 1.0
+    cluster: Cluster, nbytes: float, *, group_size: int, stride: int = 1, per_node_share: float | None = None
 ) -> float:
-    """Seconds for an all-to-all where each rank holds ``nbytes``, ``nbytes/n`` for each member; of the bytes bound
-    beyond the first level the group spans, ``beyond_first_share`` cross it (below 1 for an exchange that sends a
-    token once per node and fans it out inside: ``cost_models.sparse.per_node_share``)."""
+    """Seconds for an all-to-all where each rank holds ``nbytes``, ``nbytes/n`` for each member.
+
+    ``per_node_share``: the exchange sends once to each other node and fans out inside it (DeepEP's dispatch:
+    ``cost_models.sparse.per_node_share``): of the bytes bound for other nodes, that share crosses the levels beyond a
+    node, one message to each other node; inside a node, NVLink carries the copies for every other member, those that
+    arrived from other nodes included."""
     if group_size <= 1 or nbytes <= 0:
         return 0.0
     phases = _levels_crossed(cluster, group_size, stride)
-    if len(phases) == 1:  # one level: the table's formula, with what was measured for the layout or p
-        (level, p), = phases
+    per_node = per_node_share is not None
+    if len(phases) == 1 and not (per_node and _beyond_node(cluster, phases[0][0])):
+        (level, p), = phases  # one level: the table's formula, with what was measured for the layout or p
         return level_time(level, "all_to_all", nbytes, p, stride=stride)
     latency_s, transfer_s, below = 0.0, 0.0, 1
-    for depth, (level, p) in enumerate(phases):
+    for level, p in phases:
         peers = below * p - below  # members first reached at this level
         alpha, bandwidth = level.link("all_to_all")
-        share = beyond_first_share if depth else 1.0
-        latency_s += peers * alpha + level.collective_local_s_per_byte.get("all_to_all", 0.0) * nbytes
-        transfer_s = max(transfer_s, share * peers / group_size * nbytes / bandwidth)
+        share, messages = peers / group_size, peers
+        if per_node and _beyond_node(cluster, level):
+            share, messages = per_node_share * share, p - 1  # once to each other node, of the bytes bound there
+        elif per_node:
+            share = (below * p - 1) / (below * p)  # the node's fan-out: every other member's copies
+        latency_s += messages * alpha + level.collective_local_s_per_byte.get("all_to_all", 0.0) * nbytes
+        transfer_s = max(transfer_s, share * nbytes / bandwidth)
         below *= p
     return latency_s + transfer_s
+
+
+def _beyond_node(cluster: Cluster, level: LinkLevel) -> bool:
+    """Whether ``level`` joins devices of different nodes."""
+    return level.group_size > cluster.devices_per_node
 
 
 def p2p_time(

@@ -98,6 +98,8 @@ def test_a_head_dim_that_a_default_config_lacks_sets_the_attention_width() -> No
     projections = 2 * (2 * H * H + 2 * H * H // HEADS * KV)  # q and o, then k and v: twice as wide
     assert wide.param_count - narrow.param_count == projections // 2 + 2 * H // HEADS  # and q/k norms of head_dim
     assert wide.forward_flops > narrow.forward_flops
+    with pytest.raises(ModelSpecError, match="gpt2 configs have no head_dim, and its model does not read one"):
+        resolve_model(SPECS["gpt2"] + ",head_dim=32")
 
 
 def test_hf_model_of_realistic_width_allocates_nothing() -> None:

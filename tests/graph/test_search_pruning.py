@@ -90,12 +90,15 @@ def test_the_bound_holds_for_a_framework_that_hides_or_thins_its_all_to_alls():
     graph, resolved, training = _prepare("mixtral-8x7b:layers=4", "dgx-h100:nodes=2", global_batch=64, seq_len=4096,
                                          precision=None)
     layers = list(graph.layers)
+    moe = [s for s in strategies(layers, resolved, training, {}) if s.ep > 1]
+    assert moe
     for profile in (replace(MEGATRON, ep_overlap=True), replace(MEGATRON, ep_dispatch="per-node")):
-        moe = [s for s in strategies(layers, resolved, training, {}) if s.ep > 1]
-        assert moe
+        above = 0  # strategies the in-line, per-copy bound would have pruned wrongly
         for strategy in moe:
-            bound = step_time_lower_bound(layers, resolved, training, strategy, profile=profile)
-            assert bound <= estimate(layers, resolved, training, strategy, profile=profile).step_time_s * (1 + 1e-12)
+            step = estimate(layers, resolved, training, strategy, profile=profile).step_time_s
+            assert step_time_lower_bound(layers, resolved, training, strategy, profile=profile) <= step * (1 + 1e-12)
+            above += step_time_lower_bound(layers, resolved, training, strategy) > step
+        assert above or not profile.ep_overlap  # (a per-node dispatch of Mixtral's 8 experts saves too little here)
 
 
 def test_candidates_nothing_fits_do_not_use_up_the_refinement(monkeypatch):

@@ -15,10 +15,11 @@ from tessera.cost_models.estimate import stage_time
 from tessera.cost_models.partition import stage_totals
 from tessera.cost_models.sparse import (
     cp_comm_s, dense_group, ep_comm_s, expert_group, exposed_ep_comm_s, group_all_reduce_s, local_param_split,
-    per_node_share,
+    per_node_share, unpartnered_share,
 )
 from tessera.cost_models.layer_stats import LayerStats, LinearPair
 from tessera.errors import ConfigError
+from tessera.planner.plan_facts import exposed_comm_by_kind
 from tessera.planner.space import LONG_CONTEXT_TOKENS, mesh_shapes
 from tessera.topology.clusterfile import cluster_from_raw
 from tessera.topology.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
@@ -128,13 +129,22 @@ def test_all_to_all_across_nodes_is_bound_by_the_network():
 def test_a_per_node_dispatch_sends_a_token_once_to_each_other_node_holding_one_of_its_experts():
     # The same 8 ranks over 2 nodes, 4 of the 8 experts on each: a token's 2 experts both sit on its own node with
     # probability C(4, 2) / C(8, 2) = 6/28, so it crosses once with probability 22/28, where a copy per expert crosses
-    # 2 * 1/2 = 1 time on average. NVLink carries the fan-out as before.
+    # 2 * 1/2 = 1 time on average. NVLink carries the copies for the node's 3 other members, those that came from the
+    # other node included: 3/4 of N where a copy per expert sends it 3/8.
     s = Strategy(dp=8, tp=2, ep=8, micro_batch=1)
     totals = stage_totals(MOE, 0, {})
     assert per_node_share(totals, cluster(2), s) == pytest.approx(22 / 28)
     n = 1 * 2 * 1.0 * OUT / 2
-    per_a2a = max(3 / 8 * n / NODE_BW, 22 / 28 * 4 / 8 * n / NET_BW)
+    per_a2a = max(3 / 4 * n / NODE_BW, 22 / 28 * 4 / 8 * n / NET_BW)
     assert ep_comm_s(totals, cluster(2), s, dispatch="per-node") == pytest.approx(4 * 4 * per_a2a)
+    # Peers a node apart (tp 8): no NVLink level in the group, its only level thinned all the same
+    apart = Strategy(dp=2, tp=8, ep=2, micro_batch=1)
+    share = per_node_share(totals, cluster(2), apart)
+    assert share == pytest.approx(22 / 28)  # as above: 2 nodes of 4 experts, one remote copy per token on average
+    m = 1 * 2 * 1.0 * OUT / 8
+    thinned = 4 * 4 * share * 1 / 2 * m / NET_BW
+    assert ep_comm_s(totals, cluster(2), apart, dispatch="per-node") == pytest.approx(thinned)
+    assert ep_comm_s(totals, cluster(2), apart) == pytest.approx(4 * 4 * 1 / 2 * m / NET_BW)
     inside = Strategy(dp=8, ep=8)  # one node: nothing to spare
     assert per_node_share(totals, cluster(1), inside) == 1.0
     assert ep_comm_s(totals, cluster(1), inside, dispatch="per-node") == ep_comm_s(totals, cluster(1), inside)
@@ -143,18 +153,31 @@ def test_a_per_node_dispatch_sends_a_token_once_to_each_other_node_holding_one_o
 
 
 def test_all_to_alls_beside_another_micro_batch_expose_what_its_compute_does_not_cover():
-    assert exposed_ep_comm_s(3.0, 10.0, contention=0.2) == pytest.approx(0.6)  # hidden, the compute 20% slower
-    assert exposed_ep_comm_s(10.0, 4.0, contention=0.2) == pytest.approx(6.0 + 0.8)
+    # The forward's half beside the partner's backward, the backward's half beside its forward
+    assert exposed_ep_comm_s(3.0, 5.0, 10.0, contention=0.2) == pytest.approx(0.6)  # hidden, the compute 20% slower
+    assert exposed_ep_comm_s(10.0, 2.0, 4.0, contention=0.2) == pytest.approx(10 - 6 + 0.2 * 6)
+    assert exposed_ep_comm_s(6.0, 1.0, 5.0, contention=0.0) == pytest.approx(2.0)  # covered in sum, not by direction
+    assert exposed_ep_comm_s(3.0, 5.0, 10.0, contention=0.2, unpartnered=0.25) == pytest.approx(0.75 * 0.6 + 0.25 * 3.0)
+    # 1F1B's warm-up forwards and cool-down backwards, pp micro-batches' worth, have no partner
+    assert unpartnered_share(Strategy(dp=2, pp=4, ep=2), 16) == 0.25
+    assert unpartnered_share(Strategy(dp=2, pp=4, ep=2), 2) == unpartnered_share(Strategy(dp=8, ep=8), 1) == 1.0
     s = Strategy(dp=16, tp=2, ep=8, micro_batch=1)
     training = TrainingConfig(global_batch=64, seq_len=2048)
     calibration = replace(FLAT, overlap_contention=0.25)
     stage = stage_totals(MOE, 0, {})
     in_line = stage_time(stage, cluster(4), training, s, calibration=calibration)
     beside = stage_time(stage, cluster(4), training, s, calibration=calibration, profile=replace(TESSERA, ep_overlap=True))
-    compute = in_line.forward + in_line.backward + in_line.recompute
     assert beside.ep_comm_total == in_line.ep_comm_total == in_line.ep_comm > 0
-    assert beside.ep_comm == pytest.approx(exposed_ep_comm_s(in_line.ep_comm, compute, contention=0.25))
+    assert beside.ep_comm == pytest.approx(exposed_ep_comm_s(
+        in_line.ep_comm, in_line.forward, in_line.backward + in_line.recompute, contention=0.25,
+        unpartnered=1 / 4))  # 4 micro-batches, pp 1
     assert beside.ep_comm < in_line.ep_comm
+    # Reports split the exposed time by kind: the all-to-alls by what stays exposed, the rest data-parallel
+    whole = estimate(MOE, cluster(4), training, s, calibration=calibration, profile=replace(TESSERA, ep_overlap=True))
+    by_kind = exposed_comm_by_kind(whole)
+    assert by_kind["ep_alltoall"] == pytest.approx(whole.micro_batches * beside.ep_comm, rel=1e-6)
+    assert by_kind["ep_alltoall"] < whole.comm_time_by_kind_s["ep_alltoall"]
+    assert sum(by_kind.values()) == pytest.approx(whole.exposed_comm_time_s)
 
 
 def test_folding_experts_into_the_tp_axis_keeps_the_all_to_all_on_nvlink():

@@ -394,3 +394,13 @@ def test_a_published_moe_run_is_a_hugging_face_config_with_its_expert_layout_pin
     assert rows.regime(run) == "moe" and rows.training_config(run).precision == "fp8"
     dense = next(r for r in rows.measured_runs() if r["id"] == "nemo2511-fp8cs-llama3-70b-64gpu")
     assert rows.pins(dense)["ep"] == 1 and rows.regime(dense) == "fp8"
+    # its recipe's all-to-alls: overlapped with another micro-batch; 26.04's 30B sends once per node (HybridEP)
+    by_id = {r["id"]: r for r in rows.measured_runs()}
+    overlapped = rows.framework_profile(run)
+    assert overlapped.ep_overlap and overlapped.ep_dispatch == "per-expert" and overlapped.gradient_bytes == 2
+    assert rows.pins(run)["sp_regather"]  # a row's varied profile is still Megatron-Core's (compared by name)
+    hybrid = rows.framework_profile(by_id["nemo2604-fp8cs-qwen3-30b-a3b-16gpu"])
+    assert hybrid.ep_dispatch == "per-node" and not hybrid.ep_overlap
+    assert not rows.framework_profile(by_id["nemo2511-fp8cs-qwen3-30b-a3b-16gpu"]).ep_overlap  # recipe not the row's
+    with pytest.raises(ValueError, match="model.experts 64 is not its config's num_local_experts 128"):
+        rows.model_spec({**run, "model": {**run["model"], "experts": 64}})
