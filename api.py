@@ -20,6 +20,7 @@ from tessera.planner.refine import RUNTIME_BLOCK_OPTIONS, BlockOptions
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.model_source import resolve_model, runs_user_code
 from tessera.topology import Cluster, load_cluster
+from tessera.topology.hardware import LOCAL_CPU
 
 if TYPE_CHECKING:  # the runtime (torch.distributed.pipelining...) costs ~1.5 s to import; planning never needs it
     from tessera.planner.compare import Comparison
@@ -339,4 +340,4 @@ def checkpoint_model(
 
 def default_precision(cluster: Cluster) -> Precision:
     """bf16 mixed precision on accelerators; fp32 on CPU ranks, where bf16 is slow and inexact."""
-    return "fp32" if cluster.device.name == "local-cpu" else "bf16"
+    return "fp32" if cluster.device.name == LOCAL_CPU else "bf16"

@@ -31,7 +31,7 @@ from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.stage_views import op_level_selective, with_loss_kernel
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology.cluster import DeviceSpec
-from tessera.topology.hardware import ATTENTION_KERNELS, AttentionCurve, attention_curve
+from tessera.topology.hardware import ATTENTION_KERNELS, LOCAL_CPU, AttentionCurve, attention_curve
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ the forward's two) and as the kernel benchmarks count them: all of it runs insid
 
 def device_calibration(device: DeviceSpec, calibration: Calibration = GPU_CALIBRATION) -> Calibration:
     """The constants for a device kind (``calibration`` for accelerators)."""
-    return CPU_CALIBRATION if device.name == "local-cpu" else calibration
+    return CPU_CALIBRATION if device.name == LOCAL_CPU else calibration
 
 
 def achievable_flops(
@@ -200,7 +200,7 @@ def stage_compute_s(
     constants = device_calibration(device, calibration)
     per_byte = share * constants.traffic_factor / device.memory_bandwidth_bytes_per_s
     # a fused rms_norm writes no fp32 copies of its input (``profiles.fused_rms_norm``; CPU ranks run the composite)
-    fused_norms = stage.norm_traffic_saving_bytes if profile.fused_rms_norm and device.name != "local-cpu" else 0
+    fused_norms = stage.norm_traffic_saving_bytes if profile.fused_rms_norm and device.name != LOCAL_CPU else 0
     elementwise = per_byte * (stage.activation_traffic_bytes - fused_norms)
     passes = elementwise - per_byte * stage.loss_traffic_saving_bytes  # less what a fused loss kernel does not make
     casts = share * cast_traffic_bytes(stage, training) / device.memory_bandwidth_bytes_per_s

@@ -162,7 +162,7 @@ def _checked_stages_and_memory(
     micro_batches = strategy.gradient_accumulation(training.global_batch)
     split = stage_split(layers, strategy, facts=facts)
     memory = _stage_memories(split.stages, split.kinds, training, strategy, micro_batches=micro_batches,
-                             on_cpu=cluster.device.name == "local-cpu", profile=profile)
+                             on_cpu=cluster.device.name == LOCAL_CPU, profile=profile)
     return facts, micro_batches, split, memory
 
 

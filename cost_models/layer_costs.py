@@ -20,6 +20,7 @@ from tessera.cost_models.memory import stage_memory
 from tessera.cost_models.partition import StageTotals, block_policies, kept_blocks, split_chunks, stage_totals
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology.cluster import Cluster
+from tessera.topology.hardware import LOCAL_CPU
 
 LAYER_MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 """The memory categories a layer owns (``stage_memory``'s buffers and reserve are the stage's)."""
@@ -31,7 +32,7 @@ def layer_costs(
     """Per layer FQN: (bytes on one device at its peak, seconds per micro-batch on one device)."""
     policies, kept = block_policies(layers, strategy), kept_blocks(layers, strategy)
     micro_batches = strategy.gradient_accumulation(training.global_batch)
-    on_cpu = cluster.device.name == "local-cpu"
+    on_cpu = cluster.device.name == LOCAL_CPU
     costs = {}
     for chunk, chunk_layers in enumerate(split_chunks(layers, strategy)):
         for layer in chunk_layers:

@@ -17,6 +17,7 @@ from tessera.cost_models.memory import tp_activation_share
 from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.types import Strategy
 from tessera.topology.cluster import DeviceSpec
+from tessera.topology.hardware import LOCAL_CPU
 
 OFFLOAD_COPIES_OVERLAP = False
 """A fact about the runtime, not a setting: whether ``runtime.offload``'s copies hide behind compute. Its CUDA
@@ -33,7 +34,7 @@ def host_bandwidth_bytes_per_s(device: DeviceSpec) -> float:
     """The device's host link per direction: catalogued, or ``DEFAULT_HOST_BANDWIDTH_BYTES_PER_S``; on a CPU
     rank (``local-cpu``) a copy within its own memory, at the memory bandwidth (and ``cost_models.memory`` keeps
     the offloaded tensors in its memory: there is no other)."""
-    if device.name == "local-cpu":
+    if device.name == LOCAL_CPU:
         return device.memory_bandwidth_bytes_per_s
     return device.host_bandwidth_bytes_per_s or DEFAULT_HOST_BANDWIDTH_BYTES_PER_S
 

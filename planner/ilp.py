@@ -47,6 +47,7 @@ from tessera.cost_models.memory import stage_memory
 from tessera.cost_models.partition import split_blocks, stage_totals
 from tessera.cost_models.types import Recompute, Strategy, TrainingConfig
 from tessera.topology.cluster import Cluster
+from tessera.topology.hardware import LOCAL_CPU
 
 TIME_UNIT_S = 1e-6
 SOLVER_TIME_LIMIT_S = 2.0
@@ -81,7 +82,7 @@ def coefficients(
     """Per-stage linear costs measured with the cost model (one block vs two blocks)."""
     block = max((layer for layer in layers if layer.kind == "block"), key=lambda b: (b.forward_flops, b.param_count))
     micro_batches = strategy.gradient_accumulation(training.global_batch)
-    on_cpu = cluster.device.name == "local-cpu"
+    on_cpu = cluster.device.name == LOCAL_CPU
     result = []
     for index, stage_layers in enumerate(split_blocks(layers, strategy)):
         others = [layer for layer in stage_layers if layer.kind != "block"]

@@ -56,6 +56,7 @@ from tessera.cost_models.partition import split_blocks, stage_totals
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.planner.ilp import TIME_UNIT_S, _gap, _run
 from tessera.topology.cluster import Cluster
+from tessera.topology.hardware import LOCAL_CPU
 
 MEMORY_UNIT_BYTES = 2**20
 DEFAULT_OPTION = "none"
@@ -194,7 +195,7 @@ class StageMeasure:
         time_s, comm_s, compute_s = self.time(others, kind, block, option, count)
         totals = replace(self.totals[(tuple(layer.fqn for layer in others), kind, option, count)], index=index)
         memory = sum(stage_memory(totals, self.training, self.strategy, micro_batches=self.micro_batches,
-                                  on_cpu=self.cluster.device.name == "local-cpu").values())
+                                  on_cpu=self.cluster.device.name == LOCAL_CPU).values())
         return time_s, memory, comm_s, compute_s
 
 

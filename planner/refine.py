@@ -32,6 +32,7 @@ from tessera.planner.ilp_mixed import (
 )
 from tessera.planner.lighten import lighten
 from tessera.topology.cluster import Cluster
+from tessera.topology.hardware import LOCAL_CPU
 
 MAX_SOLVES = 16
 MAX_INFEASIBLE = 32
@@ -146,7 +147,7 @@ def block_option_names(
     Offload is not offered where the device's memory is the host's (a CPU rank) or under zero-bubble."""
     features = strategy_features(key)
     activation = list(policies)
-    if (block_options.offload and key.schedule != "zero-bubble" and cluster.device.name != "local-cpu"
+    if (block_options.offload and key.schedule != "zero-bubble" and cluster.device.name != LOCAL_CPU
             and runtime_conflict(features | {"offload"}) is None):
         activation.append("offload")
     names = [option_name(p, reshard=True) for p in activation]
