@@ -1,0 +1,73 @@
+"""What transformers' eager experts save for the backward, against what a fused permute and grouped GEMM keep.
+
+Run: ``.venv/bin/python benchmarks/moe_saved.py`` (seconds, one process, CPU).
+
+Capture prices a Hugging Face MoE model as transformers runs it. Megatron-Core, which ran the published Qwen3 rows,
+runs the same layer through a fused permutation and grouped GEMMs instead. This builds one Qwen3-MoE sparse block at
+Qwen3-30B-A3B's widths (hidden 2048, 128 experts of width 768, 8 per token), runs a forward of ``--tokens`` tokens in
+bf16 and sums what autograd's graph saves, per token and hidden unit, weights aside. Beside it, the count of what the
+fused path keeps per routed copy of a token: the permuted input (``h``), the gated first linear's output (``2f``), the
+activation's output (``f``) and the expert's output (``h``), all bf16, and the router's fp32 probabilities.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+HIDDEN, EXPERTS, TOP_K, WIDTH = 2048, 128, 8, 768  # Qwen/Qwen3-30B-A3B's config.json
+
+
+def saved_bytes(output: torch.Tensor, weights: set[int]) -> int:
+    """Bytes of the distinct storages the autograd graph behind ``output`` saves, the ``weights`` aside."""
+    seen, storages, pending = set(), {}, [output.grad_fn]
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # a saved tensor already freed
+                continue
+            for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(tensor, torch.Tensor):
+                    key = tensor.untyped_storage().data_ptr()
+                    if key not in weights:
+                        storages[key] = tensor.untyped_storage().nbytes()
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return sum(storages.values())
+
+
+def fused_bytes_per_token(hidden: int, width: int, top_k: int, experts: int) -> float:
+    """What a fused permute and grouped GEMM keep per token (module docstring), in bytes."""
+    per_copy = 2 * (hidden + 2 * width + width + hidden)
+    return top_k * per_copy + 4 * experts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=512)
+    args = parser.parse_args()
+    from transformers import Qwen3MoeConfig  # the hf extra
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(hidden_size=HIDDEN, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                            moe_intermediate_size=WIDTH, norm_topk_prob=True)
+    block = Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
+    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    torch.manual_seed(0)
+    x = torch.randn(1, args.tokens, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    out = block(x)
+    eager = saved_bytes(out[0] if isinstance(out, tuple) else out, weights) / (args.tokens * HIDDEN)
+    fused = fused_bytes_per_token(HIDDEN, WIDTH, TOP_K, EXPERTS) / HIDDEN
+    print(f"bytes saved per token and hidden unit: transformers' eager experts {eager:.1f}, "
+          f"a fused permute and grouped GEMM {fused:.1f} ({eager / fused:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
