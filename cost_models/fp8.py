@@ -15,9 +15,10 @@ scaling knows its scale from the amax history (one pass: the cast, amax fused in
 each tile's scale inside the cast kernel (one pass). These pass counts are engineering assumptions from how
 the kernels are written, not fitted: no public rows compare the recipes on one model.
 
-The inputs of a block's linears are ``LINEAR_INPUT_SHARE`` of its saved activations: in Korthikanti et al.'s
-per-layer accounting (arXiv 2205.05198 Sec. 4.1, 34 sbh bytes) the QKV input (2 sbh), the projection input
-(2 sbh), the first MLP input (2 sbh) and the second MLP input (8 sbh).
+What a cast reads is what the blocks' linears read, as capture measures it (``LayerStats.linear_input_bytes``:
+each distinct activation a linear multiplies, so q, k and v reading one tensor count once): a Llama 3 block's
+linears read 3h + 3.5h elements per token, a GPT block's 7h. Where capture did not see every linear, a GPT share of
+the block's saved activations stands in (``layer_sums.LINEAR_INPUT_SHARE``). The head's linear stays in bf16.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from __future__ import annotations
 from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.types import TrainingConfig
 
-LINEAR_INPUT_SHARE = 14 / 34
-"""Share of a block's saved activations that are its linears' inputs (Korthikanti et al. Sec. 4.1)."""
 CAST_BYTES_PER_ELEMENT_BYTE = 1.5 / 2
 """Bytes a cast moves per byte of its bf16 input: read 2, write 1, per 2 bytes of input."""
 CAST_PASSES = {"delayed": 1, "current": 2, "rowwise": 2, "block": 1, "mx": 1}
@@ -45,8 +44,7 @@ def cast_traffic_bytes(stage: StageTotals, training: TrainingConfig) -> float:
     """Bytes the FP8 casts move per sequence and pass (forward, and again backward); 0 outside FP8."""
     if training.precision != "fp8":
         return 0.0
-    inputs = LINEAR_INPUT_SHARE * stage.activation_traffic_bytes
-    return CAST_PASSES[training.fp8_scaling] * CAST_BYTES_PER_ELEMENT_BYTE * inputs
+    return CAST_PASSES[training.fp8_scaling] * CAST_BYTES_PER_ELEMENT_BYTE * stage.linear_input_bytes
 
 
 def saved_input_reduction_bytes(stage: StageTotals, training: TrainingConfig, *, saves_fp8_inputs: bool) -> float:
@@ -55,4 +53,4 @@ def saved_input_reduction_bytes(stage: StageTotals, training: TrainingConfig, *,
     if training.precision != "fp8" or not saves_fp8_inputs or stage.blocks == 0:
         return 0.0
     kept = 1 - stage.full_recompute_blocks / stage.blocks
-    return 0.5 * LINEAR_INPUT_SHARE * stage.activation_traffic_bytes * kept
+    return 0.5 * stage.linear_input_bytes * kept

@@ -91,6 +91,10 @@ class LayerStats(BaseModel):
     """Routed experts in the layer (0 for dense layers); expert parallelism must divide it."""
     top_k: int = Field(default=0, ge=0)
     """Routed experts each token is sent to (0 for dense layers, or when the model does not declare it)."""
+    linear_input_bytes: int | None = Field(default=None, ge=0)
+    """Bytes of the distinct activations the layer's linears read for one sequence (q, k and v reading one
+    tensor count it once): what an FP8 recipe casts (``cost_models.fp8``). ``None`` where capture did not see every
+    linear (a replayed element, a grouped GEMM): the cost model falls back to a share of the saved activations."""
     widest_matrix_dim: int = Field(default=0, ge=0)
     """Largest dimension of the block's matrix weights (its MLP's inner width, typically): per token, the widest
     matmul operand an FP8 cast reads (0 outside blocks)."""

@@ -12,6 +12,11 @@ from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.types import Recompute
 
 TP_SHARDED_KINDS = ("block", "embedding", "head")
+LINEAR_INPUT_SHARE = 14 / 34
+"""Share of a block's saved activations that are its linears' inputs, where capture did not measure them
+(``LayerStats.linear_input_bytes``): in Korthikanti et al.'s per-layer accounting of a GPT block (arXiv 2205.05198
+Sec. 4.1, 34 sbh bytes) the QKV input (2 sbh), the projection input (2 sbh), the first MLP input (2 sbh) and the
+second MLP input (8 sbh). A gated MLP's block reads less of what it saves (a Llama 3 block: about 0.6 of this)."""
 DEFAULT_TP_PAIRS_PER_BLOCK = 2  # attention and MLP, when capture did not report the pairs
 DEFAULT_LINEARS_PER_BLOCK = 6  # q, k, v, o, up, down, when capture did not report the pairs
 _PAIR_CACHE_LIMIT = 65536
@@ -92,6 +97,16 @@ def layer_sp_gathered_bytes(layer: LayerStats, recompute: Recompute) -> float:
     if layer.kind == "head":
         return layer.saved_bytes_full_recompute
     return 0.0
+
+
+def layer_linear_input_bytes(layer: LayerStats) -> float:
+    """Per sequence, what a block's linears read (an FP8 recipe casts it): as measured, else the GPT share of what
+    the block saves; 0 outside blocks (the head stays in bf16)."""
+    if layer.kind != "block":
+        return 0.0
+    if layer.linear_input_bytes is not None:
+        return layer.linear_input_bytes
+    return LINEAR_INPUT_SHARE * layer.saved_bytes_no_recompute
 
 
 def root_and_loss_totals(stage: Sequence[LayerStats]) -> dict:

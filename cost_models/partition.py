@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 
 from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.layer_sums import (
-    TP_SHARDED_KINDS, block_tp_reductions, block_width, layer_linears, layer_recomputed_flops, layer_saved_bytes,
+    TP_SHARDED_KINDS, block_tp_reductions, block_width, layer_linear_input_bytes, layer_linears, layer_recomputed_flops,
+    layer_saved_bytes,
     layer_sp_gathered_bytes, layer_tp_allreduce_bytes, layer_tp_allreduce_count, matmul_selective_blocks,
     norm_saving_totals, offload_and_kept_totals, root_and_loss_totals, selective_totals, sparse_and_long_totals,
 )
@@ -82,6 +83,7 @@ class StageTotals:
     embedding_params: int = 0  # parameters of embedding layers (vocabulary-parallel under tp)
     sp_gathered_bytes: int = 0  # per sequence, inputs of column-parallel linears that sp all-gathers and saves whole
     linears: int = 0  # linears of the blocks' pairs and heads: each costs framework overhead per micro-batch
+    linear_input_bytes: int = 0  # per sequence, what the blocks' linears read: what an FP8 recipe casts
     head_forward_flops: float = 0.0  # the head's forward FLOPs per sequence (FP8 recipes keep it in bf16)
     head_backward_flops: float = 0.0  # the head's backward FLOPs per sequence
     # Per-block activation offload and ZeRO-3 resharding (``cost_models.offload``, ``memory``, ``communication``).
@@ -244,6 +246,7 @@ def stage_totals(
         **norm_saving_totals(stage, policy),
         sp_gathered_bytes=sum(layer_sp_gathered_bytes(layer, policy[layer.fqn]) for layer in stage),
         linears=sum(layer_linears(layer) for layer in stage),
+        linear_input_bytes=round(sum(layer_linear_input_bytes(layer) for layer in stage)),
         **offload_and_kept_totals(blocks, policy, kept),
         **selective_totals(blocks, policy),
         autocast=autocast,

@@ -418,6 +418,7 @@ def _numbers(tally: Tally) -> dict[str, int | None]:
         "op_selective_recompute_flops": tally.op_selective_recompute_flops,
         "saved_bytes_op_selective": tally.saved_bytes_op_selective,
         "saved_bytes_matmul_selective": tally.saved_bytes_matmul_selective,
+        "linear_input_bytes": tally.measured_linear_input_bytes,
         "expert_forward_flops": tally.expert_forward_flops,
         "expert_backward_flops": tally.expert_backward_flops,
         "fused_norm_saving_bytes": tally.fused_norm_saving_bytes,

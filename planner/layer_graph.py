@@ -39,6 +39,7 @@ SCALED_FIELDS = (
     "op_selective_recompute_flops",
     "saved_bytes_op_selective",
     "saved_bytes_matmul_selective",
+    "linear_input_bytes",
     "expert_forward_flops",
     "expert_backward_flops",
     "autocast_saved_bytes_no_recompute",

@@ -189,7 +189,7 @@ def _measure_once(
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda t: t))
             stack.enter_context(replay.installed(lambda fqn: tallies[fqn].saved_bytes))
             stack.enter_context(elements.installed())
-            stack.enter_context(SavedOps(scope, tallies))
+            stack.enter_context(SavedOps(scope, tallies, resident))
             if autocast:
                 stack.enter_context(WeightCopies(resident))
                 stack.enter_context(torch.autocast("cpu", dtype=dtype))
@@ -393,7 +393,7 @@ def _finalize(
         tally.backward_flops = flops(total, f"{root}.{fqn}") - tally.forward_flops
         tally.core_flops = sum(forward.get(f"{root}.{fqn}", {}).get(op, 0) for op in CORE_OPS)
         if fqn in partly_replayed:  # a replayed element's matmuls are not seen one by one: not measured
-            tally.mm_calls, tally.addmm_output_bytes = [], 0
+            tally.mm_calls, tally.addmm_output_bytes, tally.linear_flops = [], 0, 0
         experts = _expert_keys(total, f"{root}.{fqn}")
         tally.expert_forward_flops = sum(flops(forward, key) for key in experts)
         tally.expert_backward_flops = sum(flops(total, key) for key in experts) - tally.expert_forward_flops

@@ -3,7 +3,7 @@
 ``Ledger``: the storages autograd saves (``saved_tensors_hooks``), each charged once to the layer that first saves it,
 and which of them selective recomputation keeps (saved outside an attention core, or an input a checkpoint of the
 core holds). ``SavedOps``: the outputs an op-level selective policy chooses from (each ``aten.mm`` call, the
-attention cores).
+attention cores), and the activations the linears read (what an FP8 recipe casts).
 """
 
 from __future__ import annotations
@@ -105,9 +105,10 @@ class SavedOps(TorchDispatchMode):
     ``aten.addmm`` calls and of each attention core, charged to the layer running (what an op-level selective policy
     chooses from)."""
 
-    def __init__(self, scope: Scope, tallies: dict[str, Tally]) -> None:
+    def __init__(self, scope: Scope, tallies: dict[str, Tally], resident: dict[int, object]) -> None:
         super().__init__()
-        self.scope, self.tallies = scope, tallies
+        self.scope, self.tallies, self.resident = scope, tallies, resident
+        self.read: dict[int, object] = {}  # activation storages linears have read (refs keep the ids unique)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch protocol
         out = func(*args, **(kwargs or {}))
@@ -115,12 +116,26 @@ class SavedOps(TorchDispatchMode):
         if packet is torch.ops.aten.mm:
             (m, k), n = args[0].shape, args[1].shape[1]
             self.tallies[self.scope.current()].mm_calls.append((2 * m * k * n, out.nbytes))
+            self._linear(args[0], args[1])
         elif packet is torch.ops.aten.addmm:
             self.tallies[self.scope.current()].addmm_output_bytes += out.nbytes
+            self._linear(args[1], args[2])
         elif packet in CORE_OPS:
             self.tallies[self.scope.current()].core_output_bytes += sum(
                 t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
+
+    def _linear(self, activation: torch.Tensor, weight: torch.Tensor) -> None:
+        """A linear's call: its FLOPs, and its activation's bytes the first time a linear reads that storage."""
+        if id(weight.untyped_storage()) not in self.resident:
+            return  # two activations multiplied: not a linear, nothing an FP8 recipe casts
+        (m, k), n = activation.shape, weight.shape[1]
+        tally = self.tallies[self.scope.current()]
+        tally.linear_flops += 2 * m * k * n
+        storage = activation.untyped_storage()
+        if id(storage) not in self.read:
+            self.read[id(storage)] = storage
+            tally.linear_input_bytes += activation.nbytes
 
 
 class WeightCopies(TorchDispatchMode):

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 LOSS = "loss"
 """FQN of the loss layer (computed outside the model)."""
+LINEARS_SEEN = 0.99
+"""Share of a layer's forward FLOPs outside its attention cores its linears must account for: the rest (an
+einsum, a gating product) is too small to change what the casts read."""
 
 
 @dataclass
@@ -22,6 +25,11 @@ class Tally:
     core_output_bytes: int = 0
     addmm_output_bytes: int = 0
     """Output bytes of the layer's ``aten.addmm`` calls (biased linears), summed."""
+    linear_input_bytes: int = 0
+    """Bytes of the distinct activations the layer's linears read (``aten.mm`` / ``aten.addmm`` against a weight):
+    what an FP8 recipe casts; q, k and v reading one tensor count it once."""
+    linear_flops: int = 0
+    """Forward FLOPs of those linears: with the attention cores', all the layer's FLOPs when every linear was seen."""
     input_bytes: int = 0
     output_bytes: int = 0
     output_width: int = 0
@@ -34,6 +42,13 @@ class Tally:
     (``kernels.FusedKernels``, ``saved_bytes.Ledger.rms_norm``)."""
     under_autocast: Tally | None = None
     """The same layer measured with fp32 weights under ``torch.autocast`` (``measure_at_lengths(autocast=True)``)."""
+
+    @property
+    def measured_linear_input_bytes(self) -> int | None:
+        """``linear_input_bytes`` where the linears seen account for every forward FLOP outside the attention cores
+        (``None`` otherwise: a replayed element or a kernel not seen as ``aten.mm``, such as a grouped GEMM)."""
+        outside_cores = self.forward_flops - self.core_flops
+        return self.linear_input_bytes if self.linear_flops >= LINEARS_SEEN * outside_cores else None
 
     @property
     def op_selective_recompute_flops(self) -> int:

@@ -280,6 +280,30 @@ def test_op_level_selective_recompute_counts_every_second_matmul(llama_graph: La
     assert (moe.op_selective_recompute_flops, moe.saved_bytes_op_selective) == (0, None)
 
 
+@pytest.mark.parametrize("spec", [GPT_SPEC, "llama-tiny"])  # biased linears (aten.addmm) and plain ones (aten.mm)
+def test_blocks_measure_the_activations_their_linears_read(spec: str) -> None:
+    """What an FP8 recipe casts: each distinct input of a block's linears, counted here on a real CPU forward by
+    hooks on the ``nn.Linear`` modules (q, k and v read one tensor); at every captured length."""
+    model = build_model(spec)
+    read: dict[int, int] = {}
+
+    def record(_module: nn.Module, args: tuple) -> None:
+        read.setdefault(args[0].untyped_storage().data_ptr(), args[0].numel())
+
+    hooks = [m.register_forward_pre_hook(record) for m in model.blocks[1].modules() if isinstance(m, nn.Linear)]
+    seq_len = model.config.seq_len
+    model(torch.zeros(1, seq_len, dtype=torch.long))
+    for hook in hooks:
+        hook.remove()
+    expected = 2 * sum(read.values())  # bf16, as captured
+    graph = capture(build_model(spec, device="meta"), seq_len=seq_len, fit_seq_scaling=True)
+    assert {block.linear_input_bytes for block in graph.blocks} == {expected}
+    assert graph.at_seq_len(2 * seq_len).blocks[1].linear_input_bytes == 2 * expected
+    assert graph.layer("head").linear_input_bytes is not None  # measured, though the cost model casts blocks only
+    moe = capture_preset("moe-tiny", seq_len=32).blocks[0]  # replayed experts: their matmuls are not seen one by one
+    assert moe.linear_input_bytes is None
+
+
 def test_moe_experts_are_measured_at_their_expected_load() -> None:
     """Each expert runs ceil(top_k * tokens / experts * factor) tokens; the factor is settable at capture."""
     hidden, ffn, experts, top_k, seq = 64, 128, 4, 2, 32

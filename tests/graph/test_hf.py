@@ -145,3 +145,12 @@ def test_building_an_hf_spec_prints_nothing_of_torchao(tmp_path):
     done = subprocess.run([sys.executable, "-c", build], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "torchao" not in done.stderr and "_pytree" not in done.stderr, done.stderr
+
+
+def test_hf_blocks_measure_the_activations_their_linears_read(captured) -> None:  # noqa: ANN001
+    """q, k and v (or GPT-2's fused c_attn) read the block's normed input, the output projection the attention's
+    output (H wide), the MLP's first linears the normed input, its last the F-wide activation: 3H + F per token,
+    in bf16. Mixtral's experts are replayed, not seen one by one: not measured."""
+    name, _, graph = captured
+    expected = None if name == "mixtral" else 2 * T * (3 * H + F)
+    assert {block.linear_input_bytes for block in graph.blocks} == {expected}

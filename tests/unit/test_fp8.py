@@ -6,7 +6,8 @@ import pytest
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.compute import Calibration
-from tessera.cost_models.fp8 import CAST_PASSES, LINEAR_INPUT_SHARE
+from tessera.cost_models.fp8 import CAST_PASSES
+from tessera.cost_models.layer_sums import LINEAR_INPUT_SHARE
 from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.profiles import MEGATRON, TESSERA, ImplementationProfile
 from tessera.errors import ClusterSpecError, ConfigError
@@ -47,6 +48,28 @@ def test_linears_run_at_the_fp8_rate_and_attention_cores_at_the_bf16_rate():
     assert e.compute_time_s == pytest.approx(arithmetic + casts)
     assert e.compute_time_s < run("bf16").compute_time_s
     assert any("fp8 (current scaling)" in note for note in e.notes)
+
+
+def test_casts_read_what_capture_measured_the_linears_read():
+    """A block whose linears' inputs capture measured casts those (a Llama block's are ~0.6 of the GPT share of what
+    it saves); the head's input is not cast; a block without the figure falls back to the share (above)."""
+    measured = [layer.model_copy(update={"linear_input_bytes": GiB // 4}) for layer in LAYERS]
+    head = LayerStats(fqn="head", kind="head", signature="h", param_count=10**8, forward_flops=1e12, backward_flops=2e12,
+                      saved_bytes_no_recompute=GiB, saved_bytes_full_recompute=GiB, output_bytes=GiB, linear_input_bytes=GiB)
+    training = TrainingConfig(global_batch=8, seq_len=4096, precision="fp8")
+    strategy = Strategy.parse("dp=8,zero=3,mbs=1")
+
+    def compute(layers, precision="fp8"):
+        config = training if precision == "fp8" else training.model_copy(update={"precision": precision, "fp8_scaling": None})
+        return estimate(layers, H100, config, strategy, calibration=FLAT).compute_time_s
+
+    casts = 4 * 3 * CAST_PASSES["current"] * 0.75 * GiB / 4 / H100.device.memory_bandwidth_bytes_per_s
+    assert compute(measured) - compute(LAYERS) == pytest.approx(casts - 4 * 3 * CAST_PASSES["current"] * 0.75
+                                                                 * LINEAR_INPUT_SHARE * 2 * GiB
+                                                                 / H100.device.memory_bandwidth_bytes_per_s)
+    with_head, without = compute([*measured, head]), compute(measured)
+    bf16_head = compute([*measured, head], "bf16") - compute(measured, "bf16")
+    assert with_head - without == pytest.approx(bf16_head)  # the head adds its bf16 matmuls, no cast
 
 
 def test_delayed_scaling_moves_fewer_bytes_than_current_scaling():
