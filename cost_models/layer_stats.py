@@ -78,6 +78,12 @@ class LayerStats(BaseModel):
     (``profiles.fused_rms_norm``)."""
     autocast_fused_norm_saving_bytes: int | None = Field(default=None, ge=0)
     """The same under autocast (the fused kernel runs in fp32 there); ``None`` when not measured."""
+    fused_gate_saving_bytes: int = Field(default=0, ge=0)
+    """Bytes per sequence the layer's gated activations (SwiGLU, GeGLU: ``act(gate) * up``) save beyond what a fused
+    gated-MLP kernel saves, when the layer is not recomputed: the activations' outputs (``planner.kernels``). What
+    the cost model takes off where the framework runs that kernel (``profiles.fused_gated_activation``); the same
+    under autocast, which runs the activation in the linears' dtype. 0 where none was seen (or its experts were
+    replayed)."""
     autocast_output_bytes: int | None = Field(default=None, ge=0)
     """``output_bytes`` under autocast (a block's output is the fp32 residual stream): what a pipeline stage
     boundary holds there; ``None`` when not measured."""
@@ -93,8 +99,9 @@ class LayerStats(BaseModel):
     """Routed experts each token is sent to (0 for dense layers, or when the model does not declare it)."""
     linear_input_bytes: int | None = Field(default=None, ge=0)
     """Bytes of the distinct activations the layer's linears read for one sequence (q, k and v reading one
-    tensor count it once): what an FP8 recipe casts (``cost_models.fp8``). ``None`` where capture did not see every
-    linear (a replayed element, a grouped GEMM): the cost model falls back to a share of the saved activations."""
+    tensor count it once; batched experts, each token's copy for each expert): what an FP8 recipe casts
+    (``cost_models.fp8``). ``None`` where capture did not see every linear (a replayed element, a grouped GEMM): the
+    cost model falls back to a share of the saved activations."""
     widest_matrix_dim: int = Field(default=0, ge=0)
     """Largest dimension of the block's matrix weights (its MLP's inner width, typically): per token, the widest
     matmul operand an FP8 cast reads (0 outside blocks)."""

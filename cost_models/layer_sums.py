@@ -22,16 +22,23 @@ DEFAULT_LINEARS_PER_BLOCK = 6  # q, k, v, o, up, down, when capture did not repo
 _PAIR_CACHE_LIMIT = 65536
 
 
-def norm_saving_totals(stage: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:
-    """The StageTotals fields of what CUDA's fused ``rms_norm`` saves less (``LayerStats.fused_norm_saving_bytes``)."""
+def fused_saving_totals(stage: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:
+    """The StageTotals fields of what fused kernels save less than the composites capture measured: CUDA's
+    ``rms_norm`` (``LayerStats.fused_norm_saving_bytes``) and a gated MLP's (``LayerStats.fused_gate_saving_bytes``)."""
     # a graph captured before the figure existed has None under autocast: nothing known
-    saving = [(policy[layer.fqn], layer.fused_norm_saving_bytes or 0) for layer in stage]
+    return {**_saving_totals("norm", [(policy[layer.fqn], layer.fused_norm_saving_bytes or 0) for layer in stage]),
+            **_saving_totals("gate", [(policy[layer.fqn], layer.fused_gate_saving_bytes) for layer in stage])}
+
+
+def _saving_totals(kernel: str, saving: list[tuple[Recompute, int]]) -> dict:
+    """``<kernel>_saving_bytes`` (layers not recomputed), ``selective_<kernel>_saving_bytes`` and
+    ``<kernel>_traffic_saving_bytes`` (every layer) from each layer's (policy, saving)."""
 
     def by(kind: str) -> int:
         return sum(bytes_ for layer_kind, bytes_ in saving if layer_kind == kind)
 
-    return {"norm_saving_bytes": by("none"), "selective_norm_saving_bytes": by("selective"),
-            "norm_traffic_saving_bytes": sum(bytes_ for _, bytes_ in saving)}
+    return {f"{kernel}_saving_bytes": by("none"), f"selective_{kernel}_saving_bytes": by("selective"),
+            f"{kernel}_traffic_saving_bytes": sum(bytes_ for _, bytes_ in saving)}
 
 
 def selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 
 from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.layer_sums import (
-    TP_SHARDED_KINDS, block_tp_reductions, block_width, layer_linear_input_bytes, layer_linears, layer_recomputed_flops,
-    layer_saved_bytes,
-    layer_sp_gathered_bytes, layer_tp_allreduce_bytes, layer_tp_allreduce_count, matmul_selective_blocks,
-    norm_saving_totals, offload_and_kept_totals, root_and_loss_totals, selective_totals, sparse_and_long_totals,
+    TP_SHARDED_KINDS, block_tp_reductions, block_width, fused_saving_totals, layer_linear_input_bytes, layer_linears,
+    layer_recomputed_flops, layer_saved_bytes, layer_sp_gathered_bytes, layer_tp_allreduce_bytes,
+    layer_tp_allreduce_count, matmul_selective_blocks, offload_and_kept_totals, root_and_loss_totals, selective_totals,
+    sparse_and_long_totals,
 )
 from tessera.cost_models.types import Recompute, Strategy
 from tessera.errors import ConfigError
@@ -76,6 +76,10 @@ class StageTotals:
     norm_saving_bytes: int = 0  # in the layers not recomputed
     selective_norm_saving_bytes: int = 0  # in the selective blocks (kept under the attention-core policy only)
     norm_traffic_saving_bytes: int = 0  # in every layer: the activation traffic a fused rms_norm does not make
+    # What a fused gated-MLP kernel saves less than the composite measured (``stage_views.with_fused_gates``), likewise.
+    gate_saving_bytes: int = 0
+    selective_gate_saving_bytes: int = 0
+    gate_traffic_saving_bytes: int = 0
     largest_block_params: int = 0  # parameters of the stage's largest block (an FSDP unit under ZeRO-3)
     widest_matrix_dim: int = 0  # the widest dimension of the blocks' matrix weights (LayerStats.widest_matrix_dim)
     largest_matrix_params: int = 0  # elements of the blocks' largest matrix weight
@@ -243,7 +247,7 @@ def stage_totals(
         hidden_size=max((block_width(b) for b in blocks), default=0),
         **sparse_and_long_totals(stage, policy),
         **root_and_loss_totals(stage),
-        **norm_saving_totals(stage, policy),
+        **fused_saving_totals(stage, policy),
         sp_gathered_bytes=sum(layer_sp_gathered_bytes(layer, policy[layer.fqn]) for layer in stage),
         linears=sum(layer_linears(layer) for layer in stage),
         linear_input_bytes=round(sum(layer_linear_input_bytes(layer) for layer in stage)),

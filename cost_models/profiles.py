@@ -179,6 +179,13 @@ class ImplementationProfile:
     pytorch/pytorch#167308), Transformer Engine's RMSNorm; and writes no fp32 copies of it, which the elementwise time
     charges no traffic for (``compute.stage_compute_s``). False: the composite capture measures (two fp32 tensors of
     the input's size, written and kept), as torch ran it before."""
+    fused_gated_activation: bool = False
+    """A gated MLP (SwiGLU, GeGLU) runs its activation and product as one fused kernel, which keeps the gate's and
+    up's outputs alone for the backward, not the activation's output too (``stage_views.with_fused_gates``), and
+    does not write it (``compute.fused_traffic_saving_bytes``): Megatron-Core's ``bias_activation_fusion``
+    (``megatron/core/fusions/fused_bias_swiglu.py``, whose autograd functions save their input alone; on in
+    Megatron-LM unless ``--no-bias-swiglu-fusion``, and in Megatron-Bridge's Llama bridge) and Transformer Engine's
+    ``LayerNormMLP``. False: the composite capture measures, as eager PyTorch runs it."""
     cross_entropy: str = "torch"
     """The loss's kernel (``stage_views.CROSS_ENTROPY_KERNELS``): ``torch`` (cross-entropy over fp32 log-probabilities;
     ``loss_parallel`` under tensor parallelism), ``flash-attn`` (one fused kernel on the logits as they come: it saves
@@ -290,7 +297,7 @@ whose backward returns a new logits-sized gradient, ``inplace_backward`` off by 
 (``benchmarks/published_rows.framework_profile``)."""
 MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1),
                                  attention_kernels=("cudnn", "fa2"), cross_entropy="megatron", fused_rms_norm=True,
-                                 refused_together=())
+                                 fused_gated_activation=True, refused_together=())
 """Megatron-Core / NeMo: Transformer Engine for FP8, attention (cuDNN on Hopper, FA2 before) and RMSNorm (fused);
 its vocabulary-parallel cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, fused or not: an fp32 copy
 of the logits turned into the softmax in place and saved, the backward's gradient written over it)."""
@@ -310,7 +317,7 @@ sent once to each other node holding one of its experts."""
 MEGATRON_DEEPEP_EP_OVERLAP = replace(MEGATRON_DEEPEP, name="megatron-deepep-ep-overlap", ep_overlap=True)
 """Both."""
 MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=(), fused_rms_norm=False,
-                        pp_scatter_gather=True, dp_overlap=False)
+                        fused_gated_activation=False, pp_scatter_gather=True, dp_overlap=False)
 """Megatron-LM as SC'21 and Korthikanti et al. (2022) ran it: unfused attention (its GPT models norm with LayerNorm),
 pipeline sends scattered over the tensor-parallel ranks and gathered on arrival, gradients all-reduced after the
 backward."""

@@ -78,10 +78,25 @@ def with_fused_norms(stage: StageTotals, selective_policy: str) -> StageTotals:
     composite's figure: one block, on the safe side. Memory only: the elementwise time takes the fused norms off
     the activation traffic by itself (``StageTotals.norm_traffic_saving_bytes``, ``compute.stage_compute_s``), in
     every layer, recomputed or not."""
-    kept = stage.norm_saving_bytes + (stage.selective_norm_saving_bytes if selective_policy == "attention" else 0)
+    return _without_saving(stage, "norm", selective_policy)
+
+
+def with_fused_gates(stage: StageTotals, selective_policy: str) -> StageTotals:
+    """``stage`` with its gated MLPs run as one fused kernel (``profiles.fused_gated_activation``): it keeps the gate's
+    and up's outputs, not the activation's output too (``planner.kernels``), where the policy keeps them, as
+    :func:`with_fused_norms` takes its norms off; the elementwise time takes them off the traffic by itself
+    (``StageTotals.gate_traffic_saving_bytes``)."""
+    return _without_saving(stage, "gate", selective_policy)
+
+
+def _without_saving(stage: StageTotals, kernel: str, selective_policy: str) -> StageTotals:
+    """``stage`` less what the fused ``kernel`` (``norm``, ``gate``) saves less, in the layers not recomputed and in
+    the selective blocks under the attention-core policy."""
+    plain, selective = f"{kernel}_saving_bytes", f"selective_{kernel}_saving_bytes"
+    kept = getattr(stage, plain) + (getattr(stage, selective) if selective_policy == "attention" else 0)
     if not kept:
         return stage
-    return stage.amended(saved_bytes=stage.saved_bytes - kept, norm_saving_bytes=0, selective_norm_saving_bytes=0)
+    return stage.amended(saved_bytes=stage.saved_bytes - kept, **{plain: 0, selective: 0})
 
 
 def as_op_level_memory(stage: StageTotals) -> StageTotals:

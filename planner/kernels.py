@@ -27,6 +27,14 @@ would save instead; the observer charges the difference from what the call did s
 the cost model to take off on GPUs (``LayerStats.fused_norm_saving_bytes``). Norms written out by hand (Hugging
 Face's ``LlamaRMSNorm``) are not ``torch.rms_norm`` and run as written everywhere.
 
+**Gated activations.** A gated MLP (SwiGLU, GeGLU) written out, ``act(gate(x)) * up(x)``, saves three tensors of
+its inner width: the gate's output (for the activation's backward), the activation's output and the up projection's
+(for the product's). A fused kernel of the pair (Megatron-Core's ``bias_swiglu`` / ``bias_geglu``, Transformer
+Engine's ``LayerNormMLP``) keeps its input, the gate's and up's outputs, alone: the activation's output is what the
+composite saves beyond it. ``FusedKernels`` marks each ``silu`` / ``gelu`` output and tells
+``observer.gated_activation`` when a product saves one (``LayerStats.fused_gate_saving_bytes``), for the cost model to
+take off where the framework runs the fused kernel (``profiles.fused_gated_activation``).
+
 **Selective recomputation** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", Section 4.2) re-runs the *core attention* -- QK^T, softmax, dropout, attention over V -- in backward and
 keeps every other activation. Here the core is each SDPA call. What stays saved is what
@@ -45,6 +53,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+GATE_ACTIVATIONS = (F.silu, F.gelu)
+"""The activations a fused gated-MLP kernel applies to the gate (SwiGLU, GeGLU)."""
+PRODUCTS = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
+"""How a gated MLP multiplies the activated gate by the up projection."""
 CORE_OPS = (
     torch.ops.aten._scaled_dot_product_flash_attention,
     torch.ops.aten._scaled_dot_product_efficient_attention,
@@ -72,6 +84,10 @@ class KernelObserver(Protocol):
         """A ``torch.rms_norm`` call since ``mark`` ran; CUDA's fused kernel would have saved ``fused_bytes`` (``None``:
         CUDA runs the same composite)."""
 
+    def gated_activation(self, mark: int, activation: torch.Tensor) -> None:
+        """A product since ``mark`` multiplied the output of ``silu`` / ``gelu``, ``activation``, by another tensor: a
+        gated MLP's, whose fused kernel would not have saved ``activation``."""
+
 
 class FusedKernels(TorchFunctionMode):
     """Route 4-D SDPA to the flash kernel (reporting each call to ``observer``) and dropout to native_dropout; report
@@ -80,6 +96,7 @@ class FusedKernels(TorchFunctionMode):
     def __init__(self, observer: KernelObserver) -> None:
         super().__init__()
         self.observer = observer
+        self.activations: dict[int, torch.Tensor] = {}  # silu / gelu outputs by storage (refs keep the ids unique)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch protocol
         kwargs = kwargs or {}
@@ -92,7 +109,22 @@ class FusedKernels(TorchFunctionMode):
             output = func(*args, **kwargs)
             self.observer.rms_norm(mark, _fused_rms_norm_bytes(*args, **kwargs))
             return output
+        if func in GATE_ACTIVATIONS:
+            output = func(*args, **kwargs)
+            self.activations[id(output.untyped_storage())] = output
+            return output
+        if func in PRODUCTS:
+            return self._product(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _product(self, func, args: tuple, kwargs: dict) -> torch.Tensor:  # noqa: ANN001 - a torch callable
+        """A product; one of whose factors is a marked activation output is reported as a gate."""
+        gated = [a for a in args[:2] if isinstance(a, torch.Tensor) and id(a.untyped_storage()) in self.activations]
+        mark = self.observer.mark()
+        output = func(*args, **kwargs)
+        for activation in gated:
+            self.observer.gated_activation(mark, activation)
+        return output
 
 
 def _fused_rms_norm_bytes(

@@ -394,6 +394,7 @@ def _finalize(
         tally.core_flops = sum(forward.get(f"{root}.{fqn}", {}).get(op, 0) for op in CORE_OPS)
         if fqn in partly_replayed:  # a replayed element's matmuls are not seen one by one: not measured
             tally.mm_calls, tally.addmm_output_bytes, tally.linear_flops = [], 0, 0
+            tally.fused_gate_saving_bytes = 0  # its replayed elements' gates were not seen: none known
         experts = _expert_keys(total, f"{root}.{fqn}")
         tally.expert_forward_flops = sum(flops(forward, key) for key in experts)
         tally.expert_backward_flops = sum(flops(total, key) for key in experts) - tally.expert_forward_flops

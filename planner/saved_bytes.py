@@ -41,6 +41,13 @@ class Ledger:
             saving = sum(self.since(mark)) - fused_bytes
             self.tallies[self.scope.current()].fused_norm_saving_bytes += max(0, saving)
 
+    def gated_activation(self, mark: int, activation: torch.Tensor) -> None:
+        """``kernels.KernelObserver.gated_activation``: the activation's output, charged to the running layer where the
+        product saved it first (not under a model's own checkpoint, nor one saved already)."""
+        key = id(activation.untyped_storage())
+        if key in self.charged[mark:]:
+            self.tallies[self.scope.current()].fused_gate_saving_bytes += self.nbytes[key]
+
     def _charge(self, tensor: torch.Tensor, *, kept: bool) -> None:
         storage = tensor.untyped_storage()
         key = id(storage)
@@ -120,6 +127,8 @@ class SavedOps(TorchDispatchMode):
         elif packet is torch.ops.aten.addmm:
             self.tallies[self.scope.current()].addmm_output_bytes += out.nbytes
             self._linear(args[1], args[2])
+        elif packet is torch.ops.aten.bmm:  # batched experts: every expert's tokens against its weight
+            self._linear(args[0], args[1])
         elif packet in CORE_OPS:
             self.tallies[self.scope.current()].core_output_bytes += sum(
                 t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
@@ -129,9 +138,8 @@ class SavedOps(TorchDispatchMode):
         """A linear's call: its FLOPs, and its activation's bytes the first time a linear reads that storage."""
         if id(weight.untyped_storage()) not in self.resident:
             return  # two activations multiplied: not a linear, nothing an FP8 recipe casts
-        (m, k), n = activation.shape, weight.shape[1]
         tally = self.tallies[self.scope.current()]
-        tally.linear_flops += 2 * m * k * n
+        tally.linear_flops += 2 * activation.numel() * weight.shape[-1]
         storage = activation.untyped_storage()
         if id(storage) not in self.read:
             self.read[id(storage)] = storage

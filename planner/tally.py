@@ -26,7 +26,7 @@ class Tally:
     addmm_output_bytes: int = 0
     """Output bytes of the layer's ``aten.addmm`` calls (biased linears), summed."""
     linear_input_bytes: int = 0
-    """Bytes of the distinct activations the layer's linears read (``aten.mm`` / ``aten.addmm`` against a weight):
+    """Bytes of the distinct activations the layer's linears read (``aten.mm``, ``addmm``, ``bmm`` against a weight):
     what an FP8 recipe casts; q, k and v reading one tensor count it once."""
     linear_flops: int = 0
     """Forward FLOPs of those linears: with the attention cores', all the layer's FLOPs when every linear was seen."""
@@ -40,6 +40,9 @@ class Tally:
     fused_norm_saving_bytes: int = 0
     """What the layer's ``torch.rms_norm`` calls save here beyond what CUDA's fused kernel saves
     (``kernels.FusedKernels``, ``saved_bytes.Ledger.rms_norm``)."""
+    fused_gate_saving_bytes: int = 0
+    """What the layer's gated activations (``act(gate) * up``) save here beyond what a fused gated-MLP kernel saves:
+    the activations' outputs (``kernels.FusedKernels``, ``saved_bytes.Ledger.gated_activation``)."""
     under_autocast: Tally | None = None
     """The same layer measured with fp32 weights under ``torch.autocast`` (``measure_at_lengths(autocast=True)``)."""
 
