@@ -17,7 +17,8 @@ import yaml
 
 from tessera.cost_models import Strategy, TrainingConfig
 from tessera.cost_models.profiles import (
-    DEEPSPEED, MEGATRON, MEGATRON_2021, NEMO_2024, PYTORCH_FSDP_TE, TORCHTITAN_2024, ImplementationProfile,
+    DEEPSPEED, MEGATRON, MEGATRON_2021, MEGATRON_BRIDGE, NEMO_2024, PYTORCH_FSDP_TE, TORCHTITAN_2024,
+    ImplementationProfile,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -94,8 +95,8 @@ FRAMEWORKS = (  # a row's ``framework``, by how it begins -> the profile of that
     ("Megatron-Core", MEGATRON),
     ("NeMo 24.03", NEMO_2024),
     ("NeMo 24.07", NEMO_2024),
-    ("NeMo 25.11", NEMO_2024),  # Megatron-Bridge's performance recipes reduce gradients in bf16 too
-    ("NeMo 26.04", NEMO_2024),
+    ("NeMo 25.11", MEGATRON_BRIDGE),
+    ("NeMo 26.04", MEGATRON_BRIDGE),
     ("NeMo", MEGATRON),
     ("torchtitan", TORCHTITAN_2024),
     ("llm-foundry", PYTORCH_FSDP_TE),
@@ -197,7 +198,8 @@ def _stated_pins(run: dict) -> dict[str, object]:
         fixed["chunk_blocks"] = split_counting_embedding_and_loss(run)
     elif par.get("pipeline_split") is not None:
         raise ValueError(f"{run['id']}: pipeline_split {par['pipeline_split']!r} is not 'embedding-and-loss'")
-    if framework_profile(run).name in (MEGATRON.name, NEMO_2024.name):  # by name: a row's config may vary its fields
+    # by name: a row's config may vary its fields
+    if framework_profile(run).name in (MEGATRON.name, NEMO_2024.name, MEGATRON_BRIDGE.name):
         fixed["sp_regather"] = True  # Megatron-Core's sequence parallelism, should the planner turn it on
     if framework_profile(run).name == TORCHTITAN_2024.name and par["pp"] > 1 and fixed.get("zero") == 3:
         # torchtitan 9dec370 (parallelisms/parallelize_llama.py, apply_fsdp): "For PP, do not reshard after

@@ -16,7 +16,8 @@ the published forward + backward rate of the kernel the framework runs (``Implem
 on the device (``topology/catalog.yaml`` ``attention_tflops``, from the FlashAttention-2 and -3 papers), at the run's
 sequence length (``attention_efficiency``). A device or kernel with no published figure falls back to the calibrated
 ``Calibration.attention_efficiency`` (the behaviour before per-device figures), 0 there meaning the matmul curve.
-Split over a context-parallel ring, they run ``Calibration.cp_attention_slowdown`` times slower (fitted).
+Split over a PyTorch-style context-parallel ring (``ImplementationProfile.cp_ring_slowdown``), they run
+``Calibration.cp_attention_slowdown`` times slower (fitted).
 """
 
 from __future__ import annotations
@@ -50,11 +51,14 @@ class Calibration:
     step (stragglers grow with the number of ranks). The attention cores run at their kernel's published rate
     (module docstring); where the device has no figure for the framework's kernel (or the framework runs attention
     unfused), at ``attention_efficiency`` of the bf16 peak whatever the width (0: the matmul curve): the fitted
-    fallback. Split over a context-parallel ring, they run ``cp_attention_slowdown`` times slower than that rate:
-    fitted on the published context-parallel runs (Transformer Engine's ring and PyTorch's alike), whose attention
-    runs ~1.4-1.6x slower than the unsplit kernel's published rate on 11 of 13 of them, at degrees 2 to 32 (two at
-    cp 2 imply ~1.0; ``benchmarks/attention_gap.py``), for a reason not yet identified: the load-balanced ring's own
-    published overhead is ~1.1x (zhuzilin/ring-flash-attention README, zigzag ring vs flash_attn on 8 GPUs). How well
+    fallback. Split over PyTorch's context-parallel ring (and Tessera's, alike: ``profiles.cp_ring_slowdown``), they
+    run ``cp_attention_slowdown`` times slower than that rate: fitted on torchtitan's published context-parallel runs,
+    whose attention runs ~1.5-1.6x slower than FlashAttention-2's published rate at degrees 2 to 8 (its 8B at cp 2
+    implies ~1.1; ``benchmarks/attention_gap.py``), for a reason not yet identified: the load-balanced ring's own
+    published overhead is ~1.1x (zhuzilin/ring-flash-attention README, zigzag ring vs flash_attn on 8 GPUs).
+    Transformer Engine's ring is not slowed: NeMo 24.03's runs at cp 2 to 32 imply 0.95-1.00 on the
+    FlashAttention-2 its launcher ran (they implied ~1.5 while priced on cuDNN's rate, as the constant was first
+    fitted to all context-parallel runs alike). How well
     ZeRO-3's collectives overlap is the framework's, not the device's: ``cost_models.profiles``.
     ``overlap_contention``: compute that runs beside a data-parallel collective it hides runs that much slower, the
     NCCL kernel holding SMs and memory bandwidth. Taken from a measurement, not fitted: compute overlapped with
@@ -91,7 +95,7 @@ class Calibration:
 
 # Fitted on the training split of benchmarks/reference/published_runs.yaml and fsdp_fp8_runs.yaml (see
 # benchmarks/published.py, which prints the fit and the held-out error). Re-fit there; do not hand-edit.
-GPU_CALIBRATION = Calibration(peak_fraction=0.78, half_width=160.0, traffic_factor=4.0, fp8_peak_fraction=0.625,
+GPU_CALIBRATION = Calibration(peak_fraction=0.78, half_width=160.0, traffic_factor=4.0, fp8_peak_fraction=0.7,
                               fp8_half_width=0.0, jitter=0.015, attention_efficiency=0.35,
                               cp_attention_slowdown=1.55, overlap_contention=0.189)
 # CPU ranks: the profiled matmul rate is already a sustained rate, flat in width (1 thread: 105-115 GF/s per
@@ -196,7 +200,7 @@ def stage_compute_s(
     forward, backward, recompute = arithmetic_s(stage, device, training, width=stage.hidden_size / strategy.tp,
                                                 calibration=calibration, kernels=profile.attention_kernels,
                                                 seq_len=training.seq_len / strategy.cp, cp=strategy.cp,
-                                                op_level=op_level)
+                                                ring_slowed=profile.cp_ring_slowdown, op_level=op_level)
     constants = device_calibration(device, calibration)
     per_byte = share * constants.traffic_factor / device.memory_bandwidth_bytes_per_s
     elementwise = per_byte * (stage.activation_traffic_bytes - fused_traffic_saving_bytes(stage, device, profile))
@@ -252,22 +256,23 @@ def recomputed_flops(stage: StageTotals, profile: ImplementationProfile) -> floa
 
 def arithmetic_s(
     stage: StageTotals, device: DeviceSpec, training: TrainingConfig, *, width: float, calibration: Calibration,
-    kernels: tuple[str, ...] = TESSERA.attention_kernels, seq_len: float = 0.0, cp: int = 1, op_level: bool = False,
+    kernels: tuple[str, ...] = TESSERA.attention_kernels, seq_len: float = 0.0, cp: int = 1, ring_slowed: bool = True,
+    op_level: bool = False,
 ) -> tuple[float, float, float]:
     """(forward, backward, recompute) matmul seconds of ONE sequence of ``stage`` on one device's whole rate.
 
     The attention cores (their forward FLOPs ``stage.attention_core_flops``, backward ``BACKWARD_CORE_FLOPS``
     times that) run at the rate of the first of ``kernels`` the device has a figure for at query length
     ``seq_len`` (``attention_efficiency``; one forward + backward rate for both passes, as the benchmarks give
-    it), slower on a ring of ``cp`` > 1 ranks (``attention_core_rate``); under FP8 the blocks' other linears run at
-    the FP8 rate and the head at the bf16 rate (``cost_models.fp8``). A selective recomputation re-runs attention
-    cores only, a full one the blocks' forward at its mixed rate; with ``op_level``
+    it), slower on a ring of ``cp`` > 1 ranks that is ``ring_slowed`` (``attention_core_rate``); under FP8 the
+    blocks' other linears run at the FP8 rate and the head at the bf16 rate (``cost_models.fp8``). A selective
+    recomputation re-runs attention cores only, a full one the blocks' forward at its mixed rate; with ``op_level``
     (``stage_views.op_level_selective``), a selective block re-runs its ``op_selective_recompute_flops`` at the
     linears' rate instead (``profiles.selective_policy``).
     """
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
     attention_rate = attention_core_rate(device, training, rate, calibration=calibration, kernels=kernels,
-                                     seq_len=seq_len or training.seq_len, cp=cp)
+                                         seq_len=seq_len or training.seq_len, cp=cp, ring_slowed=ring_slowed)
     core = min(stage.attention_core_flops, stage.forward_flops)
     linear_rate, head_forward, head_backward = rate, 0.0, 0.0
     if training.precision == "fp8":
@@ -288,16 +293,18 @@ def arithmetic_s(
 
 def attention_core_rate(
     device: DeviceSpec, training: TrainingConfig, rate: float,
-    *, calibration: Calibration, kernels: tuple[str, ...], seq_len: float, cp: int = 1,
+    *, calibration: Calibration, kernels: tuple[str, ...], seq_len: float, cp: int = 1, ring_slowed: bool = True,
 ) -> float:
     """FLOP/s at which the attention cores get through their measured FLOPs (the whole ``s x s`` of each call):
     ``attention_efficiency`` of the peak of their dtype (bf16 under FP8), else the matmul ``rate`` (no kernel
-    figure and no calibrated fallback); split over a ring of ``cp`` > 1 ranks, ``cp_attention_slowdown`` times
-    slower."""
+    figure and no calibrated fallback); split over a ring of ``cp`` > 1 ranks that is ``ring_slowed``
+    (``profiles.cp_ring_slowdown``), ``cp_attention_slowdown`` times slower."""
     precision = bf16_or(training.precision)
     efficiency = attention_efficiency(device, precision, kernels=kernels, seq_len=seq_len, calibration=calibration)
     unsplit = device.peak_flops(precision) * efficiency if efficiency else rate
-    return unsplit / device_calibration(device, calibration).cp_attention_slowdown if cp > 1 else unsplit
+    if cp > 1 and ring_slowed:
+        return unsplit / device_calibration(device, calibration).cp_attention_slowdown
+    return unsplit
 
 
 def framework_overhead_s(stage: StageTotals, device: DeviceSpec, *, tp: int) -> tuple[float, float]:
@@ -357,9 +364,10 @@ def compute_lower_bound_s(
 
 @functools.lru_cache(maxsize=16)
 def _tessera_with(kernels: tuple[str, ...]) -> ImplementationProfile:
-    """Tessera's profile on ``kernels`` with the fused RMSNorm's smaller elementwise traffic, whatever Tessera's own
-    default (built once per kernel choice: the bound is taken ~10^5 times a search)."""
-    return replace(TESSERA, attention_kernels=kernels, fused_rms_norm=True)
+    """Tessera's profile on ``kernels`` with the fused RMSNorm's smaller elementwise traffic and a ring as fast as the
+    unsplit kernel, whatever Tessera's own defaults (built once per kernel choice: the bound is taken ~10^5 times a
+    search)."""
+    return replace(TESSERA, attention_kernels=kernels, fused_rms_norm=True, cp_ring_slowdown=False)
 
 
 def _fastest_attention(

@@ -204,10 +204,10 @@ def _attention_note(device: DeviceSpec, training: TrainingConfig, strategy: Stra
         rate = f"the calibration's fallback, {share:.0%} of the {precision} peak" if share else "the matmul rate"
         what = f"no published rate of {'/'.join(kernels)} in {precision} on" if kernels else "it runs unfused on"
         notes.append(f"attention: {what} {device.name}; its cores are priced at {rate}")
-    if strategy.cp > 1 and constants.cp_attention_slowdown != 1.0:
+    if strategy.cp > 1 and profile.cp_ring_slowdown and constants.cp_attention_slowdown != 1.0:
         notes.append(f"attention: split over a context-parallel ring of {strategy.cp}, its cores are priced "
-                     f"{constants.cp_attention_slowdown:g}x slower than unsplit (fitted on published context-parallel "
-                     "runs; the cause is not identified)")
+                     f"{constants.cp_attention_slowdown:g}x slower than unsplit (fitted on torchtitan's published "
+                     "context-parallel runs; the cause is not identified)")
     return tuple(notes)
 
 
@@ -369,7 +369,7 @@ def stage_time(
                             calibration=calibration)
     attention = attention_core_rate(cluster.device, training, rate, calibration=calibration,  # what hides the ring
                                     kernels=profile.attention_kernels, seq_len=training.seq_len / strategy.cp,
-                                    cp=strategy.cp)
+                                    cp=strategy.cp, ring_slowed=profile.cp_ring_slowdown)
     cp_total, cp_exposed = cp_comm_s(stage, cluster, strategy, flops_per_s=attention, profile=profile)
     ep_total = ep_comm_s(stage, cluster, strategy, dispatch=profile.ep_dispatch)
     ep_exposed = ep_total if not profile.ep_overlap else exposed_ep_comm_s(  # beside another micro-batch's compute

@@ -15,10 +15,14 @@ scaling knows its scale from the amax history (one pass: the cast, amax fused in
 each tile's scale inside the cast kernel (one pass). These pass counts are engineering assumptions from how
 the kernels are written, not fitted: no public rows compare the recipes on one model.
 
-What a cast reads is what the blocks' linears read, as capture measures it (``LayerStats.linear_input_bytes``:
-each distinct activation a linear multiplies, so q, k and v reading one tensor count once): a Llama 3 block's
-linears read 3h + 3.5h elements per token, a GPT block's 7h. Where capture did not see every linear, a GPT share of
-the block's saved activations stands in (``layer_sums.LINEAR_INPUT_SHARE``). The head's linear stays in bf16.
+What the forward's casts read is what the blocks' linears read, as capture measures it
+(``LayerStats.linear_input_bytes``: each distinct activation a linear multiplies, so q, k and v reading one tensor
+count once, as Transformer Engine's fused QKV and gate/up modules cast it, and as a compiled graph may; torchao's
+eager ``Float8Linear`` casts it once per linear, about half as much again for a Llama
+block, not priced): a Llama 3 block's linears read 3h + 3.5h elements per token, a GPT block's 7h. Where capture did
+not see every linear, a GPT share of the block's saved activations stands in (``layer_sums.LINEAR_INPUT_SHARE``).
+The head's linear stays in bf16. The backward's casts (of the output gradients, which are as wide as the linears'
+outputs: 10.5h for a Llama 3 block) are priced on the same bytes, twice, as the backward's other elementwise work.
 """
 
 from __future__ import annotations

@@ -202,6 +202,13 @@ class ImplementationProfile:
     cp_kv_repeated: bool = False
     """The keys and values the context-parallel exchange carries are repeated to every query head (a model that
     calls SDPA after its own ``repeat_kv`` under grouped-query attention): ``heads / kv_heads`` times the bytes."""
+    cp_ring_slowdown: bool = True
+    """Split over a context-parallel ring, the attention cores run ``Calibration.cp_attention_slowdown`` times slower
+    than the unsplit kernel. True for PyTorch's ring attention (torchtitan), whose published runs imply ~1.5 at CP 2
+    to 8 (``benchmarks/attention_gap.py``; the cause is not identified), and for Tessera's runtime, whose ring calls
+    the flash kernel per block and merges the partial outputs in PyTorch ops as PyTorch's does (assumed alike: no GPU
+    has run it). False for Transformer Engine's ring (Megatron-Core, NeMo): NeMo 24.03's context-parallel runs, priced
+    on the FlashAttention-2 their launcher ran, imply 0.95-1.00 at CP 2 to 32."""
     dp_overlap: bool = True
     """Without ZeRO-3, the data-parallel collectives overlap compute (DDP's all-reduce and ZeRO-1/2's reduce-scatter
     the backward, ZeRO-1/2's parameter all-gather the next forward); False where the framework runs them between
@@ -297,18 +304,23 @@ whose backward returns a new logits-sized gradient, ``inplace_backward`` off by 
 (``benchmarks/published_rows.framework_profile``)."""
 MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1),
                                  attention_kernels=("cudnn", "fa2"), cross_entropy="megatron", fused_rms_norm=True,
-                                 fused_gated_activation=True, refused_together=())
+                                 fused_gated_activation=True, cp_ring_slowdown=False, refused_together=())
 """Megatron-Core / NeMo: Transformer Engine for FP8, attention (cuDNN on Hopper, FA2 before) and RMSNorm (fused);
 its vocabulary-parallel cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, fused or not: an fp32 copy
 of the logits turned into the softmax in place and saved, the backward's gradient written over it)."""
-NEMO_2024 = replace(MEGATRON, name="nemo-2024", gradient_bytes=2)
-"""NeMo's performance recipes, which reduce gradients in bf16: Megatron-Core under NeMo's launcher (containers 24.03.01
-and 24.07, whence the name) and under Megatron-Bridge (containers 25.11 and 26.04.01: its
-``scripts/performance/configs/llama*/`` set ``grad_reduce_in_fp32`` False, at tags v0.2.0 and v0.4.1). The Llama 2
-7B FP8 example of NVIDIA/NeMo-Framework-Launcher at tag 24.03.01 (examples/training/llama/h100/llama2_7b_fp8.sh)
-passes ``+training.model.optim.grad_sync_dtype=bf16``, and at tag 24.07
-every GPT and Llama H100 example script (examples/training/{gpt,llama}/h100/*.sh, bf16 and fp8) and the GPT-3 175B FP8
-config (launcher_scripts/conf/training/gpt3/175b_fp8.yaml) do."""
+NEMO_2024 = replace(MEGATRON, name="nemo-2024", gradient_bytes=2, attention_kernels=("fa2",))
+"""Megatron-Core as NeMo's launcher ran it (NVIDIA/NeMo-Framework-Launcher, containers 24.03.01 and 24.07, whence the
+name). Its recipes reduce gradients in bf16: the Llama 2 7B FP8 example at tag 24.03.01
+(examples/training/llama/h100/llama2_7b_fp8.sh) passes ``+training.model.optim.grad_sync_dtype=bf16``, and at tag
+24.07 every GPT and Llama H100 example script (examples/training/{gpt,llama}/h100/*.sh, bf16 and fp8) and the GPT-3
+175B FP8 config (launcher_scripts/conf/training/gpt3/175b_fp8.yaml) do. Its attention is FlashAttention-2, not
+cuDNN: the launcher's ``launcher_scripts/conf/config.yaml`` at both tags sets ``NVTE_FUSED_ATTN: 0`` for every job
+("Disable cudnn FA until we've tested it more"; gone at 24.09), which leaves Transformer Engine (1.3-1.8 there) the
+flash-attn package where it prefers cuDNN on Hopper (since 1.2), context-parallel rings included."""
+MEGATRON_BRIDGE = replace(MEGATRON, name="megatron-bridge", gradient_bytes=2)
+"""Megatron-Core under Megatron-Bridge's performance scripts (containers 25.11 and 26.04.01): its
+``scripts/performance/configs/llama*/`` set ``grad_reduce_in_fp32`` False (tags v0.2.0 and v0.4.1), so gradients
+reduce in bf16; attention as Transformer Engine chooses it (``attention_backend`` auto: cuDNN on Hopper)."""
 MEGATRON_EP_OVERLAP = replace(MEGATRON, name="megatron-ep-overlap", ep_overlap=True)
 """Megatron-Core with ``--overlap-moe-expert-parallel-comm``: the expert all-to-alls beside another micro-batch."""
 MEGATRON_DEEPEP = replace(MEGATRON, name="megatron-deepep", ep_dispatch="per-node")
@@ -332,7 +344,7 @@ parameter within its default limits."""
 
 PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_COMPILED, TORCHTITAN_2024, PYTORCH_FSDP_TE, MEGATRON,
                                  MEGATRON_EP_OVERLAP, MEGATRON_DEEPEP, MEGATRON_DEEPEP_EP_OVERLAP, NEMO_2024,
-                                 MEGATRON_2021, DEEPSPEED)}
+                                 MEGATRON_BRIDGE,                                 MEGATRON_2021, DEEPSPEED)}
 """Every profile by name."""
 
 

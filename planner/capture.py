@@ -103,6 +103,7 @@ def capture(
         rescalable = fit_seq_scaling and (example_inputs is None or callable(example_inputs))
         lengths = fit_lengths(seq_len) if rescalable else (seq_len,)
         tallies = measure_at_lengths(model, flow.order, dtype=dtype, lengths=lengths, inputs=example_inputs)
+        _linear_inputs_at_every_length_or_none(tallies)
         if dtype in AUTOCAST_DTYPES:
             _add_autocast(tallies, model, flow.order, dtype=dtype, inputs=example_inputs)
     stats, keys = _records(model, layers, flow, pairs, tallies[seq_len], capacity_factor=expert_capacity_factor,
@@ -453,6 +454,16 @@ def _signature_key(module: nn.Module | None, kind: str, params: int) -> str:
     shapes = [(n, list(p.shape)) for n, p in module.named_parameters()] if module is not None else []
     key = [type(module).__name__, kind, shapes, params]
     return hashlib.sha1(json.dumps(key).encode()).hexdigest()[:12]
+
+
+def _linear_inputs_at_every_length_or_none(tallies: dict[int, dict[str, Tally]]) -> None:
+    """A layer whose linears do not account for its FLOPs at one measured length (eager attention's matmuls grow
+    faster than its linears) reports no linear inputs at any: a polynomial needs all three points, and a figure kept
+    from one length would not scale."""
+    for fqn in next(iter(tallies.values())):
+        if any(measured[fqn].measured_linear_input_bytes is None for measured in tallies.values()):
+            for measured in tallies.values():
+                measured[fqn].linear_flops = 0
 
 
 def _scaling(stats: list[LayerStats], keys: list[str], tallies: dict[int, dict[str, Tally]]) -> tuple[SeqScaling, ...]:

@@ -33,7 +33,10 @@ its inner width: the gate's output (for the activation's backward), the activati
 Engine's ``LayerNormMLP``) keeps its input, the gate's and up's outputs, alone: the activation's output is what the
 composite saves beyond it. ``FusedKernels`` marks each ``silu`` / ``gelu`` output and tells
 ``observer.gated_activation`` when a product saves one (``LayerStats.fused_gate_saving_bytes``), for the cost model to
-take off where the framework runs the fused kernel (``profiles.fused_gated_activation``).
+take off where the framework runs the fused kernel (``profiles.fused_gated_activation``). What it does not see: an
+in-place product (``act.mul_(up)``) and activations written out by hand (Hugging Face's ``gelu_new``), both priced as
+the composite (more memory, the safe side); and it cannot tell a gated MLP from another gate of the same form (a
+Mamba mixer's ``y * silu(z)``), which a fused-kernel framework is then priced without.
 
 **Selective recomputation** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", Section 4.2) re-runs the *core attention* -- QK^T, softmax, dropout, attention over V -- in backward and
@@ -91,7 +94,8 @@ class KernelObserver(Protocol):
 
 class FusedKernels(TorchFunctionMode):
     """Route 4-D SDPA to the flash kernel (reporting each call to ``observer``) and dropout to native_dropout; report
-    what each ``rms_norm`` would save less as CUDA's fused kernel."""
+    what each ``rms_norm`` would save less as CUDA's fused kernel, and each product of a ``silu`` / ``gelu`` output
+    (a gated MLP's, which a fused kernel would not save)."""
 
     def __init__(self, observer: KernelObserver) -> None:
         super().__init__()

@@ -110,12 +110,12 @@ class Ledger:
 class SavedOps(TorchDispatchMode):
     """In the forward, the FLOPs and output bytes of each ``aten.mm`` call (in call order), the output bytes of the
     ``aten.addmm`` calls and of each attention core, charged to the layer running (what an op-level selective policy
-    chooses from)."""
+    chooses from); and what the layer's linears read (``aten.mm``, ``addmm`` and ``bmm`` against a weight)."""
 
     def __init__(self, scope: Scope, tallies: dict[str, Tally], resident: dict[int, object]) -> None:
         super().__init__()
         self.scope, self.tallies, self.resident = scope, tallies, resident
-        self.read: dict[int, object] = {}  # activation storages linears have read (refs keep the ids unique)
+        self.read: dict[tuple, object] = {}  # (layer, view) of each activation a linear read (refs keep ids unique)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch protocol
         out = func(*args, **(kwargs or {}))
@@ -135,14 +135,17 @@ class SavedOps(TorchDispatchMode):
         return out
 
     def _linear(self, activation: torch.Tensor, weight: torch.Tensor) -> None:
-        """A linear's call: its FLOPs, and its activation's bytes the first time a linear reads that storage."""
+        """A linear's call: its FLOPs, and its activation's bytes the first time one of the layer's linears reads that
+        view (q, k and v read one; experts read their own slices of one dispatched buffer)."""
         if id(weight.untyped_storage()) not in self.resident:
             return  # two activations multiplied: not a linear, nothing an FP8 recipe casts
-        tally = self.tallies[self.scope.current()]
+        layer = self.scope.current()
+        tally = self.tallies[layer]
         tally.linear_flops += 2 * activation.numel() * weight.shape[-1]
         storage = activation.untyped_storage()
-        if id(storage) not in self.read:
-            self.read[id(storage)] = storage
+        view = (layer, id(storage), activation.storage_offset(), tuple(activation.shape), activation.stride())
+        if view not in self.read:
+            self.read[view] = storage
             tally.linear_input_bytes += activation.nbytes
 
 

@@ -280,15 +280,19 @@ def test_op_level_selective_recompute_counts_every_second_matmul(llama_graph: La
     assert (moe.op_selective_recompute_flops, moe.saved_bytes_op_selective) == (0, None)
 
 
-@pytest.mark.parametrize("spec", [GPT_SPEC, "llama-tiny"])  # biased linears (aten.addmm) and plain ones (aten.mm)
+@pytest.mark.parametrize("spec", [
+    GPT_SPEC, "llama-tiny",  # biased linears (aten.addmm) and plain ones (aten.mm)
+    "moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=32,experts=2,top_k=1",  # experts not replayed
+])
 def test_blocks_measure_the_activations_their_linears_read(spec: str) -> None:
     """What an FP8 recipe casts: each distinct input of a block's linears, counted here on a real CPU forward by
-    hooks on the ``nn.Linear`` modules (q, k and v read one tensor); at every captured length."""
+    hooks on the ``nn.Linear`` modules (q, k and v read one tensor; each expert its own slice of the dispatched
+    tokens); at every captured length."""
     model = build_model(spec)
-    read: dict[int, int] = {}
+    read: dict[tuple, int] = {}
 
     def record(_module: nn.Module, args: tuple) -> None:
-        read.setdefault(args[0].untyped_storage().data_ptr(), args[0].numel())
+        read.setdefault((args[0].data_ptr(), tuple(args[0].shape)), args[0].numel())  # where the view starts
 
     hooks = [m.register_forward_pre_hook(record) for m in model.blocks[1].modules() if isinstance(m, nn.Linear)]
     seq_len = model.config.seq_len
@@ -302,6 +306,34 @@ def test_blocks_measure_the_activations_their_linears_read(spec: str) -> None:
     assert graph.layer("head").linear_input_bytes is not None  # measured, though the cost model casts blocks only
     moe = capture_preset("moe-tiny", seq_len=32).blocks[0]  # replayed experts: their matmuls are not seen one by one
     assert moe.linear_input_bytes is None
+
+
+def test_a_block_multiplying_two_activations_reports_no_linear_inputs() -> None:
+    """Attention written out by hand (``softmax(q @ k^T) @ v``) multiplies activations, which no FP8 recipe casts
+    as a linear's input: the block's linears do not account for its FLOPs, so nothing is reported (the cost model
+    falls back to its share), at every length."""
+
+    class HandAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(H, H) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+            return x + torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.blocks, self.head = nn.Embedding(V, H), nn.ModuleList([HandAttention()]), nn.Linear(H, V)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.blocks[0](self.emb(ids)))
+
+    graph = capture(Tiny(), seq_len=T, fit_seq_scaling=True)
+    assert graph.layer("blocks.0").linear_input_bytes is None
+    assert graph.at_seq_len(4 * T).layer("blocks.0").linear_input_bytes is None
+    assert graph.layer("head").linear_input_bytes == T * H * 2  # a plain linear: its input
 
 
 def test_moe_experts_are_measured_at_their_expected_load() -> None:

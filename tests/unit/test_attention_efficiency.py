@@ -113,6 +113,13 @@ def test_a_context_parallel_ring_runs_its_attention_cores_slower_by_the_fitted_f
     cpu = load_cluster("cpu:ranks=2")  # CPU ranks keep their own calibration
     assert stage_compute_s(stage, cpu.device, training(8192), s, calibration=ring) == \
         stage_compute_s(stage, cpu.device, training(8192), s, calibration=FLAT)
+    # Transformer Engine's ring runs at the unsplit kernel's rate (profiles.cp_ring_slowdown): Megatron's is priced
+    # alike under either calibration, as a slowed ring is with the factor at 1
+    te_ring = [stage_compute_s(stage, A100.device, training(8192), s, calibration=c, profile=MEGATRON)
+               for c in (ring, FLAT)]
+    assert te_ring[0] == te_ring[1]
+    assert te_ring[0] == pytest.approx(stage_compute_s(stage, A100.device, training(8192), s, calibration=FLAT,
+                                                       profile=replace(MEGATRON, cp_ring_slowdown=True)))
 
 
 def test_selective_recompute_reruns_the_cores_at_the_kernel_rate():
@@ -174,6 +181,8 @@ def test_an_estimate_says_when_no_published_kernel_rate_prices_its_attention():
     assert any("context-parallel ring of 2, its cores are priced 1.5x slower than unsplit" in note
                for note in estimate(LAYERS, H100, t, split, calibration=ring).notes)
     assert not any("context-parallel ring" in note for note in estimate(LAYERS, H100, t, split, calibration=FLAT).notes)
+    assert not any("context-parallel ring" in note  # Transformer Engine's ring is not slowed: nothing to say
+                   for note in estimate(LAYERS, H100, t, split, calibration=ring, profile=MEGATRON).notes)
 
 
 @pytest.mark.parametrize("entry, message", [

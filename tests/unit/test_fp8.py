@@ -70,6 +70,11 @@ def test_casts_read_what_capture_measured_the_linears_read():
     with_head, without = compute([*measured, head]), compute(measured)
     bf16_head = compute([*measured, head], "bf16") - compute(measured, "bf16")
     assert with_head - without == pytest.approx(bf16_head)  # the head adds its bf16 matmuls, no cast
+    # Transformer Engine saves those inputs in FP8: half of what the linears read, not half of the share
+    held = {precision: estimate(measured, H100, training if precision == "fp8" else TrainingConfig(
+        global_batch=8, seq_len=4096), strategy, calibration=FLAT, profile=MEGATRON).memory_by_category_bytes[
+        "activations"] for precision in ("fp8", "bf16")}
+    assert held["bf16"] - held["fp8"] == pytest.approx(4 * 0.5 * GiB / 4, abs=4)
 
 
 def test_delayed_scaling_moves_fewer_bytes_than_current_scaling():

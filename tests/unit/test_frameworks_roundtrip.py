@@ -303,6 +303,11 @@ def test_each_published_row_is_priced_with_what_its_source_states_about_the_fram
     assert {profile["megatron-sc21-t1-1.7b"].name, profile["korthikanti-22B-full"].name} == {"megatron-2021"}
     assert profile["megatron-core-h100-weak-1.7b"].name == "megatron"
     assert profile["nemo2407-fp8-llama2-7b-8gpu"].name == "nemo-2024"  # its 24.07 container's recipes: bf16 grads
+    assert profile["nemo2407-fp8-llama2-7b-8gpu"].attention_kernels == ("fa2",)  # its launcher: NVTE_FUSED_ATTN=0
+    assert profile["nemo2511-fp8cs-llama3-70b-64gpu"].name == "megatron-bridge"  # bf16 grads, cuDNN attention
+    assert profile["nemo2511-fp8cs-llama3-70b-64gpu"].gradient_bytes == 2
+    assert not any(p.cp_ring_slowdown for name, p in profile.items() if name.startswith("nemo"))  # TE's ring
+    assert profile["torchtitan-h100-llama3-8b-8gpu-s131072-fsdp2-cp4"].cp_ring_slowdown  # PyTorch's ring
     with pytest.raises(ValueError, match="framework 'Colossal-AI' is not one Tessera profiles; known .*: DeepSpeed"):
         rows.framework_profile({**runs["megatron-core-h100-weak-1.7b"], "framework": "Colossal-AI"})
 
@@ -364,7 +369,9 @@ def test_the_attention_gap_prices_the_attention_slower_and_finds_the_slowdown_a_
     slowdown = gap.slowdown_for(run, strategy, 1.1 * estimate.step_time_s)
     assert slowdown > 1 and gap.step_with_attention_slowed(run, strategy, slowdown) == pytest.approx(
         1.1 * estimate.step_time_s, rel=1e-3)
-    assert gap.priced_kernel(run) == "cudnn"  # NeMo's Transformer Engine on an H100
+    assert gap.priced_kernel(run) == "fa2"  # NeMo 24.03's launcher turned Transformer Engine's cuDNN attention off
+    later = next(r for r in gap.measured_runs() if r["id"] == "nemo2511-fp8cs-llama3-8b-8gpu-fsdp")
+    assert gap.priced_kernel(later) == "cudnn"  # Megatron-Bridge leaves it on: Transformer Engine's choice on an H100
 
 
 def test_a_torchtitan_export_that_turns_on_compile_is_priced_with_its_compiled_loss(tmp_path):
