@@ -205,7 +205,8 @@ def stage_compute_s(
     per_byte = share * constants.traffic_factor / device.memory_bandwidth_bytes_per_s
     elementwise = per_byte * (stage.activation_traffic_bytes - fused_traffic_saving_bytes(stage, device, profile))
     passes = elementwise - per_byte * stage.loss_traffic_saving_bytes  # less what a fused loss kernel does not make
-    casts = share * cast_traffic_bytes(stage, training) / device.memory_bandwidth_bytes_per_s
+    casts = (share * cast_traffic_bytes(stage, training, per_linear=profile.fp8_casts_per_linear)
+             / device.memory_bandwidth_bytes_per_s)
     forward_overhead, backward_overhead = framework_overhead_s(stage, device, tp=strategy.tp)
     if op_level:  # the selective blocks' elementwise work re-runs whole, their casts with their matmuls
         full_share = (stage.recompute_flops - stage.selective_core_flops) / stage.forward_flops

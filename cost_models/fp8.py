@@ -18,9 +18,9 @@ the kernels are written, not fitted: no public rows compare the recipes on one m
 What the forward's casts read is what the blocks' linears read, as capture measures it
 (``LayerStats.linear_input_bytes``: each distinct activation a linear multiplies, so q, k and v reading one tensor
 count once, as Transformer Engine's fused QKV and gate/up modules cast it, and as a compiled graph may; torchao's
-eager ``Float8Linear`` casts it once per linear, about half as much again for a Llama
-block, not priced): a Llama 3 block's linears read 3h + 3.5h elements per token, a GPT block's 7h. Where capture did
-not see every linear, a GPT share of the block's saved activations stands in (``layer_sums.LINEAR_INPUT_SHARE``).
+eager ``Float8Linear``, which Tessera's runtime runs, casts it once per linear: ``LayerStats.linear_call_input_bytes``,
+``profiles.fp8_casts_per_linear``): a Llama 3 block's linears read 3h + 3.5h elements per token (9.5h counted per
+linear), a GPT block's 7h (9h). Where capture did not see every linear, a GPT share of the block's saved activations stands in (``layer_sums.LINEAR_INPUT_SHARE``).
 The head's linear stays in bf16. The backward's casts (of the output gradients, which are as wide as the linears'
 outputs: 10.5h for a Llama 3 block) are priced on the same bytes, twice, as the backward's other elementwise work.
 """
@@ -44,11 +44,13 @@ def bf16_flops(stage: StageTotals) -> tuple[float, float]:
     return forward, backward
 
 
-def cast_traffic_bytes(stage: StageTotals, training: TrainingConfig) -> float:
-    """Bytes the FP8 casts move per sequence and pass (forward, and again backward); 0 outside FP8."""
+def cast_traffic_bytes(stage: StageTotals, training: TrainingConfig, *, per_linear: bool = False) -> float:
+    """Bytes the FP8 casts move per sequence and pass (forward, and again backward); 0 outside FP8. ``per_linear``:
+    each linear casts its input on its own (``profiles.fp8_casts_per_linear``)."""
     if training.precision != "fp8":
         return 0.0
-    return CAST_PASSES[training.fp8_scaling] * CAST_BYTES_PER_ELEMENT_BYTE * stage.linear_input_bytes
+    inputs = stage.linear_call_input_bytes if per_linear else stage.linear_input_bytes
+    return CAST_PASSES[training.fp8_scaling] * CAST_BYTES_PER_ELEMENT_BYTE * inputs
 
 
 def saved_input_reduction_bytes(stage: StageTotals, training: TrainingConfig, *, saves_fp8_inputs: bool) -> float:

@@ -102,6 +102,10 @@ class LayerStats(BaseModel):
     tensor count it once; batched experts, each token's copy for each expert): what an FP8 recipe casts
     (``cost_models.fp8``). ``None`` where capture did not see every linear (a replayed element, a grouped GEMM): the
     cost model falls back to a share of the saved activations."""
+    linear_call_input_bytes: int | None = Field(default=None, ge=0)
+    """The same counted at every linear call (q, k and v reading one tensor: three times): what a recipe that casts
+    each linear's input on its own casts (``profiles.fp8_casts_per_linear``); ``None`` where ``linear_input_bytes``
+    is."""
     widest_matrix_dim: int = Field(default=0, ge=0)
     """Largest dimension of the block's matrix weights (its MLP's inner width, typically): per token, the widest
     matmul operand an FP8 cast reads (0 outside blocks)."""

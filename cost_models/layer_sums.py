@@ -106,13 +106,15 @@ def layer_sp_gathered_bytes(layer: LayerStats, recompute: Recompute) -> float:
     return 0.0
 
 
-def layer_linear_input_bytes(layer: LayerStats) -> float:
-    """Per sequence, what a block's linears read (an FP8 recipe casts it): as measured, else the GPT share of what
-    the block saves; 0 outside blocks (the head stays in bf16)."""
+def layer_linear_input_bytes(layer: LayerStats, *, per_call: bool = False) -> float:
+    """Per sequence, what a block's linears read (an FP8 recipe casts it), each distinct input once or, ``per_call``,
+    at every linear call: as measured, else the GPT share of what the block saves (one input per linear there
+    but q, k, v); 0 outside blocks (the head stays in bf16)."""
     if layer.kind != "block":
         return 0.0
-    if layer.linear_input_bytes is not None:
-        return layer.linear_input_bytes
+    measured = layer.linear_call_input_bytes if per_call else layer.linear_input_bytes
+    if measured is not None:
+        return measured
     return LINEAR_INPUT_SHARE * layer.saved_bytes_no_recompute
 
 

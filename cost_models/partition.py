@@ -88,6 +88,7 @@ class StageTotals:
     sp_gathered_bytes: int = 0  # per sequence, inputs of column-parallel linears that sp all-gathers and saves whole
     linears: int = 0  # linears of the blocks' pairs and heads: each costs framework overhead per micro-batch
     linear_input_bytes: int = 0  # per sequence, what the blocks' linears read: what an FP8 recipe casts
+    linear_call_input_bytes: int = 0  # the same at every linear call: what a recipe casting per linear casts
     head_forward_flops: float = 0.0  # the head's forward FLOPs per sequence (FP8 recipes keep it in bf16)
     head_backward_flops: float = 0.0  # the head's backward FLOPs per sequence
     # Per-block activation offload and ZeRO-3 resharding (``cost_models.offload``, ``memory``, ``communication``).
@@ -251,6 +252,7 @@ def stage_totals(
         sp_gathered_bytes=sum(layer_sp_gathered_bytes(layer, policy[layer.fqn]) for layer in stage),
         linears=sum(layer_linears(layer) for layer in stage),
         linear_input_bytes=round(sum(layer_linear_input_bytes(layer) for layer in stage)),
+        linear_call_input_bytes=round(sum(layer_linear_input_bytes(layer, per_call=True) for layer in stage)),
         **offload_and_kept_totals(blocks, policy, kept),
         **selective_totals(blocks, policy),
         autocast=autocast,

@@ -131,6 +131,10 @@ class ImplementationProfile:
     """Under FP8, the linears save their inputs for the backward in FP8 (1 byte) instead of bf16."""
     weight_fp8_bytes: float = 0.0
     """Under FP8, bytes per block-linear parameter of FP8 weight copies kept across micro-batches."""
+    fp8_casts_per_linear: bool = False
+    """Under FP8, every linear casts its input on its own (torchao's eager ``Float8Linear``: q, k and v cast one tensor
+    three times; ``LayerStats.linear_call_input_bytes``). False: each distinct input is cast once (Transformer
+    Engine's fused QKV and gate/up modules, and a compiled graph, which computes one cast once)."""
     fp8_all_gather: bool = False
     """Under FP8 with ZeRO-3, block parameters are all-gathered in FP8 (1 byte each): see :meth:`gathers_fp8`."""
     fp8_all_gather_under_tp: bool = True
@@ -271,27 +275,32 @@ DEEPSPEED_ZERO3_SLOWDOWN = 5.0
 """Fitted on SC'21 Table 2's DeepSpeed ZeRO-3 rows (``benchmarks/published.py`` prints the fit); re-fit there."""
 
 TESSERA = ImplementationProfile(name="tessera", autocast_copies=True, fp8_cast_bytes_per_element=9.0,
-                                fp8_all_gather=True, fp8_all_gather_under_tp=False, replicate_by_fsdp2=True,
+                                fp8_casts_per_linear=True, fp8_all_gather=True, fp8_all_gather_under_tp=False, replicate_by_fsdp2=True,
                                 selective_policy="matmuls", fused_rms_norm=True)
 """Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); ``nn.RMSNorm`` on torch 2.13, fused on
-CUDA; FP8 through torchao's float8 linears (``runtime.float8``): cast on the fly from the bf16/fp32 weight, bf16
-inputs saved; ZeRO-3 all-gathers the blocks' FP8 weights in FP8 at current scaling without tensor parallelism (bf16
+CUDA; FP8 through torchao's float8 linears (``runtime.float8``), eager unless ``compile_blocks``: each casts its
+input on its own, on the fly from the bf16/fp32 weight, bf16 inputs saved; ZeRO-3 all-gathers the blocks' FP8 weights in FP8 at current scaling without tensor parallelism (bf16
 otherwise); its eager casts allocate 9 bytes per element cast (``tests/distributed/test_float8.py`` measures it with
 ``benchmarks/memory_meter.AllocatorMeter``)."""
 TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False, autocast_copies=True,
-                                   selective_policy="op", refused_together=(), cp_rotation="allgather")
-"""torchtitan: FSDP2, torchao float8 (``enable_fsdp_float8_all_gather`` off by default), async TP on the
+                                   selective_policy="op", refused_together=(), cp_rotation="allgather",
+                                   fp8_casts_per_linear=True)
+"""torchtitan: FSDP2, torchao float8 (``enable_fsdp_float8_all_gather`` off by default; eager, each linear casting
+its input), async TP on the
 forward only, op-level selective recomputation. Context parallelism through PyTorch's ring attention at its default
 rotation, ``ALL_GATHER`` (``_ContextParallelOptions.rotate_method``, torch 2.6 to 2.13; torchtitan's
 ``--experimental.context_parallel_rotate_method`` defaulted to ``allgather`` too, ``torchtitan/config_manager.py`` at
 eaea6f6a2fa9); its models pass grouped K/V to SDPA with ``enable_gqa`` (``models/common/attention.py``, 2026)."""
-TORCHTITAN_COMPILED = replace(TORCHTITAN, name="torchtitan-compiled", cross_entropy="compiled")
+TORCHTITAN_COMPILED = replace(TORCHTITAN, name="torchtitan-compiled", cross_entropy="compiled",
+                              fp8_casts_per_linear=False)
 """torchtitan with ``compile.enable`` and ``loss`` among ``compile.components`` (0.3.0's default, ``["model", "loss"]``):
 it compiles the loss too (``components/loss.py``, ``BaseLoss._maybe_compile``; since mid-2025), one fused kernel
 on the logits (``stage_views.CROSS_ENTROPY_KERNELS``)."""
-TORCHTITAN_2024 = replace(TORCHTITAN, name="torchtitan-2024", cp_kv_repeated=True)
+TORCHTITAN_2024 = replace(TORCHTITAN, name="torchtitan-2024", cp_kv_repeated=True, fp8_casts_per_linear=False)
 """torchtitan as its 2024 performance tables ran it: its Llama repeated K/V to every query head before SDPA
-(``models/llama/model.py``: ``repeat_kv``, at 1ea476e9f and eaea6f6a2fa9), so context parallelism moved them so."""
+(``models/llama/model.py``: ``repeat_kv``, at 1ea476e9f and eaea6f6a2fa9), so context parallelism moved them so.
+Its published FP8 rows ran compiled (the 2024 tables' "torch.compile + Float8", the 2025 async-TP runs, which need
+it, and the H200 runs' ``--training.compile``): one cast per distinct input."""
 PYTORCH_FSDP_TE = ImplementationProfile(name="fsdp-te", fp8_saves_inputs=True, weight_fp8_bytes=2.0,
                                         backward_prefetch="post", attention_kernels=("fa-triton",),
                                         cross_entropy="flash-attn", refused_together=())

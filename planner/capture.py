@@ -420,6 +420,7 @@ def _numbers(tally: Tally) -> dict[str, int | None]:
         "saved_bytes_op_selective": tally.saved_bytes_op_selective,
         "saved_bytes_matmul_selective": tally.saved_bytes_matmul_selective,
         "linear_input_bytes": tally.measured_linear_input_bytes,
+        "linear_call_input_bytes": tally.measured_linear_call_input_bytes,
         "expert_forward_flops": tally.expert_forward_flops,
         "expert_backward_flops": tally.expert_backward_flops,
         "fused_norm_saving_bytes": tally.fused_norm_saving_bytes,
@@ -461,7 +462,7 @@ def _linear_inputs_at_every_length_or_none(tallies: dict[int, dict[str, Tally]])
     faster than its linears) reports no linear inputs at any: a polynomial needs all three points, and a figure kept
     from one length would not scale."""
     for fqn in next(iter(tallies.values())):
-        if any(measured[fqn].measured_linear_input_bytes is None for measured in tallies.values()):
+        if not all(measured[fqn].linears_seen for measured in tallies.values()):
             for measured in tallies.values():
                 measured[fqn].linear_flops = 0
 

@@ -40,6 +40,7 @@ SCALED_FIELDS = (
     "saved_bytes_op_selective",
     "saved_bytes_matmul_selective",
     "linear_input_bytes",
+    "linear_call_input_bytes",
     "expert_forward_flops",
     "expert_backward_flops",
     "autocast_saved_bytes_no_recompute",

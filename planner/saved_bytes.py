@@ -142,6 +142,7 @@ class SavedOps(TorchDispatchMode):
         layer = self.scope.current()
         tally = self.tallies[layer]
         tally.linear_flops += 2 * activation.numel() * weight.shape[-1]
+        tally.linear_call_input_bytes += activation.nbytes
         storage = activation.untyped_storage()
         view = (layer, id(storage), activation.storage_offset(), tuple(activation.shape), activation.stride())
         if view not in self.read:

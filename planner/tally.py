@@ -28,6 +28,9 @@ class Tally:
     linear_input_bytes: int = 0
     """Bytes of the distinct activations the layer's linears read (``aten.mm``, ``addmm``, ``bmm`` against a weight):
     what an FP8 recipe casts; q, k and v reading one tensor count it once."""
+    linear_call_input_bytes: int = 0
+    """The same counted at every linear call (q, k and v reading one tensor count it three times): what a recipe
+    that casts each linear's input on its own (torchao's eager ``Float8Linear``) casts."""
     linear_flops: int = 0
     """Forward FLOPs of those linears: with the attention cores', all the layer's FLOPs when every linear was seen."""
     input_bytes: int = 0
@@ -50,8 +53,17 @@ class Tally:
     def measured_linear_input_bytes(self) -> int | None:
         """``linear_input_bytes`` where the linears seen account for every forward FLOP outside the attention cores
         (``None`` otherwise: a replayed element or a kernel not seen as ``aten.mm``, such as a grouped GEMM)."""
-        outside_cores = self.forward_flops - self.core_flops
-        return self.linear_input_bytes if self.linear_flops >= LINEARS_SEEN * outside_cores else None
+        return self.linear_input_bytes if self.linears_seen else None
+
+    @property
+    def measured_linear_call_input_bytes(self) -> int | None:
+        """``linear_call_input_bytes`` where every linear was seen (as ``measured_linear_input_bytes``)."""
+        return self.linear_call_input_bytes if self.linears_seen else None
+
+    @property
+    def linears_seen(self) -> bool:
+        """Whether the linears seen account for the layer's forward FLOPs outside its attention cores."""
+        return self.linear_flops >= LINEARS_SEEN * (self.forward_flops - self.core_flops)
 
     @property
     def op_selective_recompute_flops(self) -> int:

@@ -290,9 +290,11 @@ def test_blocks_measure_the_activations_their_linears_read(spec: str) -> None:
     tokens); at every captured length."""
     model = build_model(spec)
     read: dict[tuple, int] = {}
+    calls: list[int] = []
 
     def record(_module: nn.Module, args: tuple) -> None:
         read.setdefault((args[0].data_ptr(), tuple(args[0].shape)), args[0].numel())  # where the view starts
+        calls.append(args[0].numel())
 
     hooks = [m.register_forward_pre_hook(record) for m in model.blocks[1].modules() if isinstance(m, nn.Linear)]
     seq_len = model.config.seq_len
@@ -303,6 +305,7 @@ def test_blocks_measure_the_activations_their_linears_read(spec: str) -> None:
     graph = capture(build_model(spec, device="meta"), seq_len=seq_len, fit_seq_scaling=True)
     assert {block.linear_input_bytes for block in graph.blocks} == {expected}
     assert graph.at_seq_len(2 * seq_len).blocks[1].linear_input_bytes == 2 * expected
+    assert {block.linear_call_input_bytes for block in graph.blocks} == {2 * sum(calls)}  # every call's input
     assert graph.layer("head").linear_input_bytes is not None  # measured, though the cost model casts blocks only
     moe = capture_preset("moe-tiny", seq_len=32).blocks[0]  # replayed experts: their matmuls are not seen one by one
     assert moe.linear_input_bytes is None

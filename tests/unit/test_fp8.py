@@ -59,11 +59,18 @@ def test_casts_read_what_capture_measured_the_linears_read():
     training = TrainingConfig(global_batch=8, seq_len=4096, precision="fp8")
     strategy = Strategy.parse("dp=8,zero=3,mbs=1")
 
+    eager = replace(TESSERA, name="per-linear", fp8_casts_per_linear=True)  # torchao's eager Float8Linear: per call
+    once = replace(eager, name="once", fp8_casts_per_linear=False)  # Transformer Engine's fused modules: once
+
     def compute(layers, precision="fp8"):
         config = training if precision == "fp8" else training.model_copy(update={"precision": precision, "fp8_scaling": None})
-        return estimate(layers, H100, config, strategy, calibration=FLAT).compute_time_s
+        return estimate(layers, H100, config, strategy, calibration=FLAT, profile=once).compute_time_s
 
     casts = 4 * 3 * CAST_PASSES["current"] * 0.75 * GiB / 4 / H100.device.memory_bandwidth_bytes_per_s
+    per_call = [layer.model_copy(update={"linear_call_input_bytes": GiB // 2}) for layer in measured]
+    assert (estimate(per_call, H100, training, strategy, calibration=FLAT, profile=eager).compute_time_s
+            - estimate(per_call, H100, training, strategy, calibration=FLAT, profile=once).compute_time_s
+            == pytest.approx(casts))  # casts of GiB / 2 per block, not GiB / 4
     assert compute(measured) - compute(LAYERS) == pytest.approx(casts - 4 * 3 * CAST_PASSES["current"] * 0.75
                                                                  * LINEAR_INPUT_SHARE * 2 * GiB
                                                                  / H100.device.memory_bandwidth_bytes_per_s)
