@@ -122,7 +122,7 @@ class FusedKernels(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _product(self, func, args: tuple, kwargs: dict) -> torch.Tensor:  # noqa: ANN001 - a torch callable
-        """A product; one of whose factors is a marked activation output is reported as a gate."""
+        """A product: each factor that is a marked activation's output is reported as a gate."""
         gated = [a for a in args[:2] if isinstance(a, torch.Tensor) and id(a.untyped_storage()) in self.activations]
         mark = self.observer.mark()
         output = func(*args, **kwargs)
