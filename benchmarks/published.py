@@ -48,7 +48,7 @@ from published_rows import (
 from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.compute import GPU_CALIBRATION, Calibration
 from tessera.cost_models.error_bands import write_bands
-from tessera.cost_models.profiles import DEEPSPEED
+from tessera.cost_models.profiles import DEEPSPEED, ImplementationProfile
 from tessera.errors import InfeasiblePlanError
 from tessera.planner.capture import capture_preset
 from tessera.planner.layer_graph import LayerGraph
@@ -113,10 +113,12 @@ def graph_for(spec: str, seq_len: int) -> LayerGraph:
     return capture_preset(spec, seq_len=seq_len, dtype=torch.bfloat16)
 
 
-def evaluate_as_run(run: dict, strategy: Strategy, calibration: Calibration, *, deepspeed: float | None = None):
-    """The estimate of ``strategy`` for ``run`` as its framework runs it (``deepspeed``: a ZeRO-3 slowdown to try)."""
+def evaluate_as_run(run: dict, strategy: Strategy, calibration: Calibration, *, deepspeed: float | None = None,
+                    profile: ImplementationProfile | None = None):
+    """The estimate of ``strategy`` for ``run`` as its framework runs it (``deepspeed``: a ZeRO-3 slowdown to try;
+    ``profile``: a variant of the framework's to try instead)."""
     graph, cluster = graph_for(model_spec(run), run["model"]["seq_len"]), load_cluster(cluster_spec(run))
-    profile = framework_profile(run)
+    profile = profile or framework_profile(run)
     if deepspeed is not None and profile.name == DEEPSPEED.name:
         profile = replace(profile, zero3_comm_slowdown=deepspeed)
     return estimate(graph.layers, cluster, training_config(run), strategy, calibration=calibration, profile=profile)

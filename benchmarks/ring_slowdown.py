@@ -18,10 +18,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
-from published import graph_for, plan_run
-from published_rows import (
-    cluster_spec, framework_profile, measured_runs, model_spec, published_step_s, regime, training_config,
-)
+from published import evaluate_as_run, plan_run
+from published_rows import framework_profile, measured_runs, published_step_s, regime
 from tessera.cost_models import TrainingConfig, estimate
 from tessera.cost_models.compute import GPU_CALIBRATION
 from tessera.cost_models.profiles import MEGATRON, TESSERA
@@ -40,8 +38,7 @@ def stack(run: dict) -> str:
 def error_with_ring(run: dict, strategy, *, slowed: bool) -> float:  # noqa: ANN001 - a Strategy
     """The row's relative error with its ring's attention slowed by the factor in use, or not."""
     profile = replace(framework_profile(run), cp_ring_slowdown=slowed)
-    graph, cluster = graph_for(model_spec(run), run["model"]["seq_len"]), load_cluster(cluster_spec(run))
-    step = estimate(graph.layers, cluster, training_config(run), strategy, profile=profile).step_time_s
+    step = evaluate_as_run(run, strategy, GPU_CALIBRATION, profile=profile).step_time_s
     return step / published_step_s(run) - 1
 
 

@@ -108,8 +108,8 @@ def layer_sp_gathered_bytes(layer: LayerStats, recompute: Recompute) -> float:
 
 def layer_linear_input_bytes(layer: LayerStats, *, per_call: bool = False) -> float:
     """Per sequence, what a block's linears read (an FP8 recipe casts it), each distinct input once or, ``per_call``,
-    at every linear call: as measured, else the GPT share of what the block saves (one input per linear there
-    but q, k, v); 0 outside blocks (the head stays in bf16)."""
+    at every linear call: as measured, else (either count) the GPT share of what the block saves; 0 outside blocks
+    (the head stays in bf16)."""
     if layer.kind != "block":
         return 0.0
     measured = layer.linear_call_input_bytes if per_call else layer.linear_input_bytes

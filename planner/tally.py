@@ -50,17 +50,6 @@ class Tally:
     """The same layer measured with fp32 weights under ``torch.autocast`` (``measure_at_lengths(autocast=True)``)."""
 
     @property
-    def measured_linear_input_bytes(self) -> int | None:
-        """``linear_input_bytes`` where the linears seen account for every forward FLOP outside the attention cores
-        (``None`` otherwise: a replayed element or a kernel not seen as ``aten.mm``, such as a grouped GEMM)."""
-        return self.linear_input_bytes if self.linears_seen else None
-
-    @property
-    def measured_linear_call_input_bytes(self) -> int | None:
-        """``linear_call_input_bytes`` where every linear was seen (as ``measured_linear_input_bytes``)."""
-        return self.linear_call_input_bytes if self.linears_seen else None
-
-    @property
     def linears_seen(self) -> bool:
         """Whether the linears seen account for the layer's forward FLOPs outside its attention cores."""
         return self.linear_flops >= LINEARS_SEEN * (self.forward_flops - self.core_flops)
