@@ -1,13 +1,17 @@
-"""What transformers' eager experts save for the backward, against what a fused permute and grouped GEMM keep.
+"""What transformers' experts save for the backward, against what a fused permute and grouped GEMM keep.
 
 Run: ``.venv/bin/python benchmarks/moe_saved.py`` (seconds, one process, CPU).
 
-Capture prices a Hugging Face MoE model as transformers runs it. Megatron-Core, which ran the published Qwen3 rows,
-runs the same layer through a fused permutation and grouped GEMMs instead. This builds one Qwen3-MoE sparse block at
+Capture prices a Hugging Face MoE model as transformers runs it: transformers 5 builds a model with grouped matmuls
+(``config._experts_implementation`` ``grouped_mm``, ``torch._grouped_mm``, which runs on CPU too); a block built on its
+own falls back to the eager loop over experts. Megatron-Core, which ran the published Qwen3 rows, runs the same layer
+through a fused permutation, grouped GEMMs and a fused SwiGLU. This builds one Qwen3-MoE sparse block at
 Qwen3-30B-A3B's widths (hidden 2048, 128 experts of width 768, 8 per token), runs a forward of ``--tokens`` tokens in
-bf16 and sums what autograd's graph saves, per token and hidden unit, weights aside. Beside it, the count of what the
-fused path keeps per routed copy of a token: the permuted input (``h``), the gated first linear's output (``2f``), the
-activation's output (``f``) and the expert's output (``h``), all bf16, and the router's fp32 probabilities.
+bf16 under each of transformers' implementations and sums what autograd's graph saves, per token and hidden unit,
+weights aside. Beside them, the count of what the fused path keeps per routed copy of a token: the permuted input
+(``h``), the gated first linear's output (``2f``), the activation's output (``f``) and the expert's output (``h``), all
+bf16, and the router's fp32 probabilities. The grouped path keeps the activation's output besides, which capture
+reports as a gated activation (``LayerStats.fused_gate_saving_bytes``, off where the framework fuses it).
 """
 
 from __future__ import annotations
@@ -56,17 +60,22 @@ def main() -> None:
     from transformers import Qwen3MoeConfig  # the hf extra
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    config = Qwen3MoeConfig(hidden_size=HIDDEN, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
-                            moe_intermediate_size=WIDTH, norm_topk_prob=True)
-    block = Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
-    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
     torch.manual_seed(0)
     x = torch.randn(1, args.tokens, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
-    out = block(x)
-    eager = saved_bytes(out[0] if isinstance(out, tuple) else out, weights) / (args.tokens * HIDDEN)
+    measured = {}
+    for implementation in ("eager", "grouped_mm"):
+        config = Qwen3MoeConfig(hidden_size=HIDDEN, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                moe_intermediate_size=WIDTH, norm_topk_prob=True)
+        config._experts_implementation = implementation
+        block = Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
+        weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+        out = block(x)
+        measured[implementation] = saved_bytes(out[0] if isinstance(out, tuple) else out, weights) / (args.tokens * HIDDEN)
     fused = fused_bytes_per_token(HIDDEN, WIDTH, TOP_K, EXPERTS) / HIDDEN
-    print(f"bytes saved per token and hidden unit: transformers' eager experts {eager:.1f}, "
-          f"a fused permute and grouped GEMM {fused:.1f} ({eager / fused:.2f}x)")
+    gate = TOP_K * 2 * WIDTH / HIDDEN  # the activation's output, bf16, per routed copy
+    print(f"bytes saved per token and hidden unit: transformers' eager experts {measured['eager']:.1f}, its grouped "
+          f"matmuls (what capture builds) {measured['grouped_mm']:.1f}, {measured['grouped_mm'] - gate:.1f} without the "
+          f"activation's output; a fused permute and grouped GEMM {fused:.1f}")
 
 
 if __name__ == "__main__":

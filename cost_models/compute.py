@@ -228,11 +228,13 @@ def stage_compute_s(
 
 def fused_traffic_saving_bytes(stage: StageTotals, device: DeviceSpec, profile: ImplementationProfile) -> int:
     """Per sequence, what the framework's fused kernels do not write of the activation traffic capture measured: a
-    fused rms_norm no fp32 copies of its input (``profiles.fused_rms_norm``), a fused gated MLP no activation output
+    fused rms_norm no fp32 copies of its input (``profiles.fused_rms_norm``; ``profiles.fused_declared_norms`` for the
+    norms the model declares RMSNorm layers), a fused gated MLP no activation output
     (``profiles.fused_gated_activation``); nothing on CPU ranks, which run the composites."""
     if device.name == LOCAL_CPU:
         return 0
     return ((stage.norm_traffic_saving_bytes if profile.fused_rms_norm else 0)
+            + (stage.declared_norm_traffic_saving_bytes if profile.fused_declared_norms else 0)
             + (stage.gate_traffic_saving_bytes if profile.fused_gated_activation else 0))
 
 
@@ -344,7 +346,8 @@ def compute_lower_bound_s(
     (per stage it is not additive), so this is a bound, not an estimate. The attention cores are taken at the
     fastest kernel the device has a figure for, so the bound holds whichever framework's profile the estimate
     uses, and so is the loss at a fused kernel's traffic (``stage_views.with_loss_kernel``) without tensor parallelism,
-    and the norms at the fused RMSNorm's (``profiles.fused_rms_norm``).
+    and the norms at the fused RMSNorm's (``profiles.fused_rms_norm``, the declared ones' too:
+    ``profiles.fused_declared_norms``).
     """
     model = with_loss_kernel(model, "flash-attn") if strategy.tp == 1 else model
     seq_len = training.seq_len / strategy.cp
@@ -368,7 +371,8 @@ def _tessera_with(kernels: tuple[str, ...]) -> ImplementationProfile:
     """Tessera's profile on ``kernels`` with the fused RMSNorm's smaller elementwise traffic and a ring as fast as the
     unsplit kernel, whatever Tessera's own defaults (built once per kernel choice: the bound is taken ~10^5 times a
     search)."""
-    return replace(TESSERA, attention_kernels=kernels, fused_rms_norm=True, cp_ring_slowdown=False)
+    return replace(TESSERA, attention_kernels=kernels, fused_rms_norm=True, fused_declared_norms=True,
+                   cp_ring_slowdown=False)
 
 
 def _fastest_attention(

@@ -78,6 +78,12 @@ class LayerStats(BaseModel):
     (``profiles.fused_rms_norm``)."""
     autocast_fused_norm_saving_bytes: int | None = Field(default=None, ge=0)
     """The same under autocast (the fused kernel runs in fp32 there); ``None`` when not measured."""
+    declared_norm_saving_bytes: int = Field(default=0, ge=0)
+    """The same for the norms written out by hand that the model declares RMSNorm kernel layers (transformers'
+    ``LlamaRMSNorm``, ``Qwen3MoeRMSNorm``: ``planner.kernels``), each module measured as one norm: what a framework
+    that builds the model from its own modules takes off (``profiles.fused_declared_norms``); the model's own code,
+    which Tessera's runtime runs, keeps the composite. Measured without autocast only: no framework that autocasts
+    swaps a model's norms for its own."""
     fused_gate_saving_bytes: int = Field(default=0, ge=0)
     """Bytes per sequence the layer's gated activations (SwiGLU, GeGLU: ``act(gate) * up``) save beyond what a fused
     gated-MLP kernel saves, when the layer is not recomputed: the activations' outputs (``planner.kernels``). What

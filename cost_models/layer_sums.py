@@ -24,9 +24,11 @@ _PAIR_CACHE_LIMIT = 65536
 
 def fused_saving_totals(stage: Sequence[LayerStats], policy: Mapping[str, Recompute]) -> dict:
     """The StageTotals fields of what fused kernels save less than the composites capture measured: CUDA's
-    ``rms_norm`` (``LayerStats.fused_norm_saving_bytes``) and a gated MLP's (``LayerStats.fused_gate_saving_bytes``)."""
+    ``rms_norm`` (``LayerStats.fused_norm_saving_bytes``), the declared RMSNorm layers' kernel
+    (``LayerStats.declared_norm_saving_bytes``) and a gated MLP's (``LayerStats.fused_gate_saving_bytes``)."""
     # a graph captured before the figure existed has None under autocast: nothing known
     return {**_saving_totals("norm", [(policy[layer.fqn], layer.fused_norm_saving_bytes or 0) for layer in stage]),
+            **_saving_totals("declared_norm", [(policy[layer.fqn], layer.declared_norm_saving_bytes) for layer in stage]),
             **_saving_totals("gate", [(policy[layer.fqn], layer.fused_gate_saving_bytes) for layer in stage])}
 
 

@@ -52,7 +52,7 @@ from tessera.cost_models.pipeline import in_flight_micro_batches
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.sparse import ring_and_dispatch_buffer_bytes, sharded_params
 from tessera.cost_models.stage_views import (
-    FUSED_CROSS_ENTROPY, as_selective_memory, with_fused_gates, with_fused_norms, with_loss_kernel,
+    FUSED_CROSS_ENTROPY, as_selective_memory, with_fused_gates, with_fused_declared_norms, with_fused_norms, with_loss_kernel,
 )
 from tessera.cost_models.types import Strategy, TrainingConfig
 
@@ -235,13 +235,16 @@ def loss_as_run(stage: StageTotals, strategy: Strategy, profile: ImplementationP
 
 
 def norms_as_run(stage: StageTotals, profile: ImplementationProfile, *, on_cpu: bool) -> StageTotals:
-    """``stage`` with its ``torch.rms_norm`` calls and gated MLPs as the framework runs them: fused kernels on a GPU
-    where the framework calls them (``profiles.fused_rms_norm``, ``profiles.fused_gated_activation``); CPU ranks run
-    the composites that capture measured."""
+    """``stage`` with its ``torch.rms_norm`` calls, declared RMSNorm layers and gated MLPs as the framework runs them:
+    fused kernels on a GPU where the framework calls them (``profiles.fused_rms_norm``,
+    ``profiles.fused_declared_norms``, ``profiles.fused_gated_activation``); CPU ranks run the composites that
+    capture measured."""
     if on_cpu:
         return stage
     if profile.fused_rms_norm:
         stage = with_fused_norms(stage, profile.selective_policy)
+    if profile.fused_declared_norms:
+        stage = with_fused_declared_norms(stage, profile.selective_policy)
     return with_fused_gates(stage, profile.selective_policy) if profile.fused_gated_activation else stage
 
 

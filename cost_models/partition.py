@@ -76,6 +76,10 @@ class StageTotals:
     norm_saving_bytes: int = 0  # in the layers not recomputed
     selective_norm_saving_bytes: int = 0  # in the selective blocks (kept under the attention-core policy only)
     norm_traffic_saving_bytes: int = 0  # in every layer: the activation traffic a fused rms_norm does not make
+    # The same for the norms the model declares RMSNorm kernel layers (``LayerStats.declared_norm_saving_bytes``).
+    declared_norm_saving_bytes: int = 0
+    selective_declared_norm_saving_bytes: int = 0
+    declared_norm_traffic_saving_bytes: int = 0
     # What a fused gated-MLP kernel saves less than the composite measured (``stage_views.with_fused_gates``), likewise.
     gate_saving_bytes: int = 0
     selective_gate_saving_bytes: int = 0
@@ -296,6 +300,7 @@ def under_autocast(layer: LayerStats) -> LayerStats:
     view = layer.model_copy(update={
         **{plain: getattr(layer, measured) for plain, measured in _AUTOCAST_FIELDS.items()},
         **dict.fromkeys(_AUTOCAST_FIELDS.values()),
+        "declared_norm_saving_bytes": 0,  # measured without autocast only (LayerStats)
     })
     if len(_AUTOCAST_VIEWS) >= _TOTALS_CACHE_LIMIT:
         _AUTOCAST_VIEWS.clear()

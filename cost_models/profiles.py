@@ -183,6 +183,13 @@ class ImplementationProfile:
     pytorch/pytorch#167308), Transformer Engine's RMSNorm; and writes no fp32 copies of it, which the elementwise time
     charges no traffic for (``compute.stage_compute_s``). False: the composite capture measures (two fp32 tensors of
     the input's size, written and kept), as torch ran it before."""
+    fused_declared_norms: bool = False
+    """The framework builds the model from its own modules, so the norms a stand-in model writes out by hand but
+    declares RMSNorm kernel layers (transformers' ``LlamaRMSNorm``, ``Qwen3MoeRMSNorm``: ``planner.kernels``) run as its
+    fused RMSNorm, like ``fused_rms_norm``'s (``stage_views.with_fused_declared_norms``,
+    ``compute.fused_traffic_saving_bytes``): Megatron-Core, whose models norm with Transformer Engine's RMSNorm (its
+    q/k norms too), when a published run of it is priced on a Hugging Face model of the same shape. False: the
+    model's own code runs, as in Tessera's runtime and torchtitan."""
     fused_gated_activation: bool = False
     """A gated MLP (SwiGLU, GeGLU) runs its activation and product as one fused kernel, which keeps the gate's and
     up's outputs alone for the backward, not the activation's output too (``stage_views.with_fused_gates``), and
@@ -313,7 +320,7 @@ whose backward returns a new logits-sized gradient, ``inplace_backward`` off by 
 (``benchmarks/published_rows.framework_profile``)."""
 MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1),
                                  attention_kernels=("cudnn", "fa2"), cross_entropy="megatron", fused_rms_norm=True,
-                                 fused_gated_activation=True, cp_ring_slowdown=False, refused_together=())
+                                 fused_declared_norms=True, fused_gated_activation=True, cp_ring_slowdown=False, refused_together=())
 """Megatron-Core / NeMo: Transformer Engine for FP8, attention (cuDNN on Hopper, FA2 before) and RMSNorm (fused);
 its vocabulary-parallel cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, fused or not: an fp32 copy
 of the logits turned into the softmax in place and saved, the backward's gradient written over it)."""
@@ -338,7 +345,7 @@ sent once to each other node holding one of its experts."""
 MEGATRON_DEEPEP_EP_OVERLAP = replace(MEGATRON_DEEPEP, name="megatron-deepep-ep-overlap", ep_overlap=True)
 """Both."""
 MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=(), fused_rms_norm=False,
-                        fused_gated_activation=False, pp_scatter_gather=True, dp_overlap=False)
+                        fused_declared_norms=False, fused_gated_activation=False, pp_scatter_gather=True, dp_overlap=False)
 """Megatron-LM as SC'21 and Korthikanti et al. (2022) ran it: unfused attention (its GPT models norm with LayerNorm),
 pipeline sends scattered over the tensor-parallel ranks and gathered on arrival, gradients all-reduced after the
 backward."""

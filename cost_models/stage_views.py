@@ -81,6 +81,13 @@ def with_fused_norms(stage: StageTotals, selective_policy: str) -> StageTotals:
     return _without_saving(stage, "norm", selective_policy)
 
 
+def with_fused_declared_norms(stage: StageTotals, selective_policy: str) -> StageTotals:
+    """``stage`` with the norms the model declares RMSNorm kernel layers run as the framework's own fused norm
+    (``profiles.fused_declared_norms``), as :func:`with_fused_norms` takes ``torch.rms_norm``'s off; the elementwise
+    time takes them off the traffic by itself (``StageTotals.declared_norm_traffic_saving_bytes``)."""
+    return _without_saving(stage, "declared_norm", selective_policy)
+
+
 def with_fused_gates(stage: StageTotals, selective_policy: str) -> StageTotals:
     """``stage`` with its gated MLPs run as one fused kernel (``profiles.fused_gated_activation``): it keeps the gate's
     and up's outputs, not the activation's output too (``planner.kernels``), where the policy keeps them, as
@@ -90,7 +97,7 @@ def with_fused_gates(stage: StageTotals, selective_policy: str) -> StageTotals:
 
 
 def _without_saving(stage: StageTotals, kernel: str, selective_policy: str) -> StageTotals:
-    """``stage`` less what the fused ``kernel`` (``norm``, ``gate``) saves less, in the layers not recomputed and in
+    """``stage`` less what the fused ``kernel`` (``norm``, ``declared_norm``, ``gate``) saves less, in the layers not recomputed and in
     the selective blocks under the attention-core policy."""
     plain, selective = f"{kernel}_saving_bytes", f"selective_{kernel}_saving_bytes"
     kept = getattr(stage, plain) + (getattr(stage, selective) if selective_policy == "attention" else 0)

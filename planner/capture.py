@@ -424,6 +424,7 @@ def _numbers(tally: Tally) -> dict[str, int | None]:
         "expert_forward_flops": tally.expert_forward_flops,
         "expert_backward_flops": tally.expert_backward_flops,
         "fused_norm_saving_bytes": tally.fused_norm_saving_bytes,
+        "declared_norm_saving_bytes": tally.declared_norm_saving_bytes,
         "fused_gate_saving_bytes": tally.fused_gate_saving_bytes,
         **_autocast_numbers(tally.under_autocast),
     }

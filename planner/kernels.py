@@ -25,7 +25,14 @@ two fp32 tensors of the input's size (the upcast input, and the normalised one w
 The measurement keeps the composite (CPU ranks train with it) and tells ``observer.rms_norm`` what the fused kernel
 would save instead; the observer charges the difference from what the call did save (``saved_bytes.Ledger``), for
 the cost model to take off on GPUs (``LayerStats.fused_norm_saving_bytes``). Norms written out by hand (Hugging
-Face's ``LlamaRMSNorm``) are not ``torch.rms_norm`` and run as written everywhere.
+Face's ``LlamaRMSNorm``) are not ``torch.rms_norm`` and run as written wherever the model's own code runs (Tessera's
+runtime, torchtitan on a user's model). They are measured all the same where the model declares them an RMSNorm
+kernel layer (transformers' ``@use_kernel_forward_from_hub("RMSNorm")``: ``kernel_layer_name == "RMSNorm"`` on the
+class): the module as a whole, as if it were one ``torch.rms_norm`` call, reported with ``declared=True``
+(``LayerStats.declared_norm_saving_bytes``), for the cost model to take off where the framework builds the model from
+its own modules and so runs its own fused norm whatever the stand-in's code (Megatron-Core's Transformer Engine
+RMSNorm: ``profiles.fused_declared_norms``). A ``torch.rms_norm`` call inside such a module is reported once, as the
+module.
 
 **Gated activations.** A gated MLP (SwiGLU, GeGLU) written out, ``act(gate(x)) * up(x)``, saves three tensors of
 its inner width: the gate's output (for the activation's backward), the activation's output and the up projection's
@@ -54,6 +61,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 GATE_ACTIVATIONS = (F.silu, F.gelu)
@@ -83,9 +91,9 @@ class KernelObserver(Protocol):
     def mark(self) -> int:
         """A point to count what is saved from (before a ``torch.rms_norm`` call)."""
 
-    def rms_norm(self, mark: int, fused_bytes: int | None) -> None:
-        """A ``torch.rms_norm`` call since ``mark`` ran; CUDA's fused kernel would have saved ``fused_bytes`` (``None``:
-        CUDA runs the same composite)."""
+    def rms_norm(self, mark: int, fused_bytes: int | None, *, declared: bool = False) -> None:
+        """A ``torch.rms_norm`` call since ``mark`` ran (``declared``: a module the model declares an RMSNorm kernel
+        layer); CUDA's fused kernel would have saved ``fused_bytes`` (``None``: CUDA runs the same composite)."""
 
     def gated_activation(self, mark: int, activation: torch.Tensor) -> None:
         """A product since ``mark`` multiplied the output of ``silu`` / ``gelu``, ``activation``, by another tensor: a
@@ -94,13 +102,41 @@ class KernelObserver(Protocol):
 
 class FusedKernels(TorchFunctionMode):
     """Route 4-D SDPA to the flash kernel (reporting each call to ``observer``) and dropout to native_dropout; report
-    what each ``rms_norm`` would save less as CUDA's fused kernel, and each product of a ``silu`` / ``gelu`` output
-    (a gated MLP's, which a fused kernel would not save)."""
+    what each ``rms_norm`` would save less as CUDA's fused kernel (and each RMSNorm kernel layer ``model`` declares,
+    while the mode is entered), and each product of a ``silu`` / ``gelu`` output (a gated MLP's, which a fused kernel
+    would not save)."""
 
-    def __init__(self, observer: KernelObserver) -> None:
+    def __init__(self, observer: KernelObserver, model: nn.Module | None = None) -> None:
         super().__init__()
         self.observer = observer
         self.activations: dict[int, torch.Tensor] = {}  # silu / gelu outputs by storage (refs keep the ids unique)
+        self.declared = [m for m in (model.modules() if model is not None else ()) if declares_rms_norm(m)]
+        self.open_declared: list[int] = []  # marks of the declared norms running now, innermost last
+        self.handles: list = []
+
+    def __enter__(self) -> "FusedKernels":
+        for module in self.declared:
+            self.handles += [module.register_forward_pre_hook(self._declared_started),
+                             module.register_forward_hook(self._declared_finished)]
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        return super().__exit__(*exc)
+
+    def _declared_started(self, module: nn.Module, args: tuple) -> None:
+        self.open_declared.append(self.observer.mark())
+
+    def _declared_finished(self, module: nn.Module, args: tuple, output: object) -> None:
+        mark = self.open_declared.pop()
+        if self.open_declared or not args or not isinstance(args[0], torch.Tensor):
+            return  # nested in another declared norm (reported as that one), or no input to size the kernel by
+        weight = getattr(module, "weight", None)
+        weight = weight if isinstance(weight, torch.Tensor) else None
+        shape = tuple(weight.shape) if weight is not None else (args[0].shape[-1],)
+        self.observer.rms_norm(mark, _fused_rms_norm_bytes(args[0], shape, weight), declared=True)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch protocol
         kwargs = kwargs or {}
@@ -108,7 +144,7 @@ class FusedKernels(TorchFunctionMode):
             return _fused_sdpa(self.observer, func, *args, **kwargs)
         if func is F.dropout:
             return _fused_dropout(func, *args, **kwargs)
-        if func is F.rms_norm or func is torch.rms_norm:
+        if (func is F.rms_norm or func is torch.rms_norm) and not self.open_declared:  # else reported as the module
             mark = self.observer.mark()
             output = func(*args, **kwargs)
             self.observer.rms_norm(mark, _fused_rms_norm_bytes(*args, **kwargs))
@@ -129,6 +165,11 @@ class FusedKernels(TorchFunctionMode):
         for activation in gated:
             self.observer.gated_activation(mark, activation)
         return output
+
+
+def declares_rms_norm(module: nn.Module) -> bool:
+    """Whether ``module``'s class declares itself an RMSNorm kernel layer (transformers' hub-kernel mark)."""
+    return getattr(type(module), "kernel_layer_name", None) == "RMSNorm"
 
 
 def _fused_rms_norm_bytes(

@@ -51,6 +51,7 @@ SCALED_FIELDS = (
     "autocast_output_bytes",
     "fused_norm_saving_bytes",
     "autocast_fused_norm_saving_bytes",
+    "declared_norm_saving_bytes",
     "fused_gate_saving_bytes",
 )
 """LayerStats fields that depend on the sequence length (the rest are properties of the module)."""

@@ -184,7 +184,7 @@ def _measure_once(
         replay = BlockReplay(model, order if reuse_repeated else (), counter, root=root)
         elements = ElementReplay(model, order if reuse_repeated else (), counter, ledger, root=root)
         with ExitStack() as stack:
-            stack.enter_context(FusedKernels(ledger))
+            stack.enter_context(FusedKernels(ledger, model))
             stack.enter_context(_io_hooks(model, tallies, scope, resident))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda t: t))
             stack.enter_context(replay.installed(lambda fqn: tallies[fqn].saved_bytes))

@@ -34,12 +34,17 @@ class Ledger:
         self._charge(tensor, kept=not self.in_core)
         return tensor
 
-    def rms_norm(self, mark: int, fused_bytes: int | None) -> None:
+    def rms_norm(self, mark: int, fused_bytes: int | None, *, declared: bool = False) -> None:
         """``kernels.KernelObserver.rms_norm``: what the call saved since ``mark`` beyond ``fused_bytes``, charged to
-        the running layer (nothing it did not save: under a model's own checkpoint the call saves nothing here)."""
+        the running layer (nothing it did not save: under a model's own checkpoint the call saves nothing here); a
+        ``declared`` norm's apart (``Tally.declared_norm_saving_bytes``)."""
         if fused_bytes is not None:
-            saving = sum(self.since(mark)) - fused_bytes
-            self.tallies[self.scope.current()].fused_norm_saving_bytes += max(0, saving)
+            saving = max(0, sum(self.since(mark)) - fused_bytes)
+            tally = self.tallies[self.scope.current()]
+            if declared:
+                tally.declared_norm_saving_bytes += saving
+            else:
+                tally.fused_norm_saving_bytes += saving
 
     def gated_activation(self, mark: int, activation: torch.Tensor) -> None:
         """``kernels.KernelObserver.gated_activation``: the activation's output, charged to the running layer where the

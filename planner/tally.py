@@ -43,6 +43,8 @@ class Tally:
     fused_norm_saving_bytes: int = 0
     """What the layer's ``torch.rms_norm`` calls save here beyond what CUDA's fused kernel saves
     (``kernels.FusedKernels``, ``saved_bytes.Ledger.rms_norm``)."""
+    declared_norm_saving_bytes: int = 0
+    """The same for the layer's modules that declare themselves RMSNorm kernel layers (``kernels.FusedKernels``)."""
     fused_gate_saving_bytes: int = 0
     """What the layer's gated activations (``act(gate) * up``) save here beyond what a fused gated-MLP kernel saves:
     the activations' outputs (``kernels.FusedKernels``, ``saved_bytes.Ledger.gated_activation``)."""

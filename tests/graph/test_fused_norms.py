@@ -12,7 +12,7 @@ from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.compute import GPU_CALIBRATION, stage_compute_s
 from tessera.cost_models.partition import stage_totals
 from tessera.cost_models.stage_views import with_fused_norms
-from tessera.cost_models.profiles import TESSERA
+from tessera.cost_models.profiles import MEGATRON, TESSERA
 from tessera.planner.capture import capture_preset
 from tessera.planner.kernels import FusedKernels
 from tessera.planner.saved_bytes import Ledger
@@ -62,8 +62,62 @@ def test_capture_records_what_the_fused_kernel_saves_less():
     assert layers["head"].fused_norm_saving_bytes == 0
     gpt = capture_preset("gpt:layers=2,hidden=64,heads=4,vocab=256,seq=32", seq_len=S).layers  # LayerNorm: native
     assert all(layer.fused_norm_saving_bytes == 0 for layer in gpt)
-    hf = capture_preset(HF_LLAMA, seq_len=S).layers  # LlamaRMSNorm is written out: it runs as written everywhere
+    hf = capture_preset(HF_LLAMA, seq_len=S).layers  # LlamaRMSNorm is written out: not torch.rms_norm
     assert all(layer.fused_norm_saving_bytes == 0 for layer in hf)
+
+
+def test_norms_a_model_declares_rmsnorm_layers_are_measured_apart():
+    """transformers' LlamaRMSNorm (declared an RMSNorm kernel layer) keeps an fp32 upcast (4 bytes) and the bf16
+    normalised input (2) where a fused kernel keeps the bf16 input (2): 4 bytes per element, in its own field."""
+    hf = {layer.fqn: layer for layer in capture_preset(HF_LLAMA, seq_len=S).layers}
+    assert hf["model.layers.0"].declared_norm_saving_bytes == 2 * 4 * S * H  # input and post-attention norms
+    assert hf["model.norm"].declared_norm_saving_bytes == 4 * S * H
+    assert hf["lm_head"].declared_norm_saving_bytes == 0
+    assert all(layer.declared_norm_saving_bytes == 0 for layer in capture_preset(LLAMA, seq_len=S).layers)
+
+
+class _DeclaredFused(torch.nn.Module):
+    """A norm that declares itself an RMSNorm kernel layer and calls torch.rms_norm inside."""
+
+    kernel_layer_name = "RMSNorm"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(H, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, (H,), self.weight, 1e-5)
+
+
+def test_a_torch_rms_norm_inside_a_declared_norm_is_reported_once_as_the_module():
+    norm = _DeclaredFused()
+    tallies = {"layer": Tally()}
+    ledger = Ledger(tallies, Scope(first="layer"), {id(norm.weight.untyped_storage()): norm.weight.untyped_storage()})
+    x = torch.randn(16, H, dtype=torch.bfloat16, requires_grad=True)
+    with FusedKernels(ledger, norm), torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda tensor: tensor):
+        norm(x)
+    assert tallies["layer"].fused_norm_saving_bytes == 0
+    assert tallies["layer"].declared_norm_saving_bytes == (8 - 2) * 16 * H  # the composite: two fp32 copies
+    norm(x)  # the hooks are gone with the mode
+    assert tallies["layer"].declared_norm_saving_bytes == (8 - 2) * 16 * H
+
+
+def test_declared_norms_come_off_where_the_framework_builds_its_own_model():
+    """Megatron-Core runs its own fused RMSNorm whatever a stand-in model writes (``profiles.fused_declared_norms``):
+    less memory and less elementwise time than the same profile running the model's own norms, on GPUs only."""
+    layers = capture_preset(HF_LLAMA, seq_len=S).layers
+    training, strategy = TrainingConfig(global_batch=16, seq_len=S), Strategy.parse("dp=8,zero=1,mbs=2,recompute=none")
+    fused, written = MEGATRON, replace(MEGATRON, fused_declared_norms=False)
+    gpu = load_cluster("dgx-h100:nodes=1")
+    by = {p.name: estimate(layers, gpu, training, strategy, profile=p) for p in (fused, replace(written, name="own"))}
+    held = by["own"].memory_by_category_bytes["activations"] - by["megatron"].memory_by_category_bytes["activations"]
+    assert held == 2 * (2 * 2 * 4 + 4) * S * H  # two sequences: two blocks' two norms and the final one
+    assert by["megatron"].step_time_s < by["own"].step_time_s
+    assert not TESSERA.fused_declared_norms  # Tessera's runtime runs the model's own code
+    cpu, cpu_training = load_cluster("cpu:ranks=2"), TrainingConfig(global_batch=4, seq_len=S, precision="bf16")
+    cpu_strategy = Strategy.parse("dp=2,zero=1,mbs=2,recompute=none")
+    assert (estimate(layers, cpu, cpu_training, cpu_strategy, profile=fused).peak_memory_bytes
+            == estimate(layers, cpu, cpu_training, cpu_strategy, profile=written).peak_memory_bytes)
 
 
 def test_the_fused_norms_come_off_what_is_kept_where_the_policy_keeps_them():
