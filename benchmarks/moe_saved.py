@@ -1,49 +1,43 @@
-"""What transformers' experts save for the backward, against what a fused permute and grouped GEMM keep.
+"""What transformers' experts save for the backward, against what capture's stand-in and a fused path keep.
 
 Run: ``.venv/bin/python benchmarks/moe_saved.py`` (seconds, one process, CPU).
 
-Capture prices a Hugging Face MoE model as transformers runs it: transformers 5 builds a model with grouped matmuls
-(``config._experts_implementation`` ``grouped_mm``, ``torch._grouped_mm``, which runs on CPU too); a block built on its
-own falls back to the eager loop over experts. Megatron-Core, which ran the published Qwen3 rows, runs the same layer
+transformers 5 runs a model's packed experts with grouped matmuls (``config._experts_implementation`` ``grouped_mm``,
+``torch._grouped_mm``, which runs on CPU too; a block built on its own falls back to the eager loop over experts).
+Capture measures them through its own static-shaped stand-in at the expected load (``planner.experts``: batched
+matmuls, the combine by ``models.moe.sum_rows``). Megatron-Core, which ran the published Qwen3 rows, runs the layer
 through a fused permutation, grouped GEMMs and a fused SwiGLU. This builds one Qwen3-MoE sparse block at
 Qwen3-30B-A3B's widths (hidden 2048, 128 experts of width 768, 8 per token), runs a forward of ``--tokens`` tokens in
-bf16 under each of transformers' implementations and sums what autograd's graph saves, per token and hidden unit,
-weights aside. Beside them, the count of what the fused path keeps per routed copy of a token: the permuted input
-(``h``), the gated first linear's output (``2f``), the activation's output (``f``) and the expert's output (``h``), all
-bf16, and the router's fp32 probabilities. The grouped path keeps the activation's output besides, which capture
-reports as a gated activation (``LayerStats.fused_gate_saving_bytes``, off where the framework fuses it).
+bf16 each way and sums what autograd saves, per token and hidden unit, weights aside. Beside them, the count of what
+the fused path keeps per routed copy of a token: the permuted input (``h``), the gated first linear's output (``2f``),
+the activation's output (``f``) and the expert's output (``h``), all bf16, and the router's fp32 probabilities. The
+other paths keep the activation's output besides, which capture reports as a gated activation
+(``LayerStats.fused_gate_saving_bytes``, taken off where the framework fuses it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
 HIDDEN, EXPERTS, TOP_K, WIDTH = 2048, 128, 8, 768  # Qwen/Qwen3-30B-A3B's config.json
 
 
-def saved_bytes(output: torch.Tensor, weights: set[int]) -> int:
-    """Bytes of the distinct storages the autograd graph behind ``output`` saves, the ``weights`` aside."""
-    seen, storages, pending = set(), {}, [output.grad_fn]
-    while pending:
-        node = pending.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        for name in dir(node):
-            if not name.startswith("_saved_"):
-                continue
-            try:
-                value = getattr(node, name)
-            except RuntimeError:  # a saved tensor already freed
-                continue
-            for tensor in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(tensor, torch.Tensor):
-                    key = tensor.untyped_storage().data_ptr()
-                    if key not in weights:
-                        storages[key] = tensor.untyped_storage().nbytes()
-        pending.extend(next_node for next_node, _ in node.next_functions)
+def saved_bytes(run, weights: set[int]) -> int:
+    """Bytes of the distinct storages autograd saves while ``run()`` runs, the ``weights`` aside (saved-tensor hooks see
+    what custom autograd functions save too)."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = tensor.untyped_storage().data_ptr()
+        if key not in weights:
+            storages[key] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
     return sum(storages.values())
 
 
@@ -60,22 +54,26 @@ def main() -> None:
     from transformers import Qwen3MoeConfig  # the hf extra
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+    from tessera.planner.experts import expected_expert_load
+
     torch.manual_seed(0)
     x = torch.randn(1, args.tokens, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
     measured = {}
-    for implementation in ("eager", "grouped_mm"):
+    for implementation in ("eager", "grouped_mm", "capture"):
         config = Qwen3MoeConfig(hidden_size=HIDDEN, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
                                 moe_intermediate_size=WIDTH, norm_topk_prob=True)
-        config._experts_implementation = implementation
+        config._experts_implementation = "eager" if implementation == "capture" else implementation
         block = Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
         weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
-        out = block(x)
-        measured[implementation] = saved_bytes(out[0] if isinstance(out, tuple) else out, weights) / (args.tokens * HIDDEN)
+        load = expected_expert_load(block, 1.0) if implementation == "capture" else contextlib.nullcontext()
+        with load:
+            measured[implementation] = saved_bytes(lambda: block(x), weights) / (args.tokens * HIDDEN)
     fused = fused_bytes_per_token(HIDDEN, WIDTH, TOP_K, EXPERTS) / HIDDEN
     gate = TOP_K * 2 * WIDTH / HIDDEN  # the activation's output, bf16, per routed copy
     print(f"bytes saved per token and hidden unit: transformers' eager experts {measured['eager']:.1f}, its grouped "
-          f"matmuls (what capture builds) {measured['grouped_mm']:.1f}, {measured['grouped_mm'] - gate:.1f} without the "
-          f"activation's output; a fused permute and grouped GEMM {fused:.1f}")
+          f"matmuls {measured['grouped_mm']:.1f}, capture's stand-in {measured['capture']:.1f} "
+          f"({measured['capture'] - gate:.1f} without the activation's output); a fused permute and grouped GEMM "
+          f"{fused:.1f}")
 
 
 if __name__ == "__main__":

@@ -113,6 +113,26 @@ class MoELayer(nn.Module):
         self.aux_loss = self.aux_loss_coef * self.num_experts * (fraction * mean_prob).sum()
 
 
+def sum_rows(index: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``zeros_like(like).index_add(0, index, rows)``: each routed row added into its token's row (a combine), keeping
+    the index alone for the backward. ``index_add``'s autograd keeps ``rows`` too (a copy per routed token, as large
+    as the dispatched activations, for nothing but its gradient's shape), which transformers' grouped-matmul experts
+    and Megatron-Core's unpermute do not keep."""
+    return _SumRows.apply(index, rows, like)
+
+
+class _SumRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, index: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(index)
+        return torch.zeros_like(like).index_add_(0, index, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:  # noqa: ANN001
+        (index,) = ctx.saved_tensors
+        return None, grad.index_select(0, index), None
+
+
 def slot_tokens(slot: torch.Tensor, *, tokens: int, slots: int, top_k: int) -> torch.Tensor:
     """The token in each of the ``slots`` dispatch slots (``tokens`` where empty), from each assignment's slot.
 

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from tessera.cost_models.layer_stats import LayerStats
-from tessera.models.moe import expert_capacity
+from tessera.models.moe import expert_capacity, sum_rows
 from tessera.planner.layer_info import attribute
 
 
@@ -130,7 +130,7 @@ def _expected_load_forward(
     y = torch.bmm(experts.act_fn(gate) * up, _as_in_out(experts.down_proj, gate.shape[-1]))  # (E, C, H)
     weights = top_k_weights.reshape(-1)[slots % top_k_weights.numel()].unsqueeze(-1)  # (E*C, 1)
     routed = (y.reshape(-1, H) * weights).to(hidden_states.dtype)  # (E*C, H)
-    return torch.zeros_like(hidden_states).index_add(0, tokens, routed)  # (N, H)
+    return sum_rows(tokens, routed, hidden_states)  # (N, H), keeping the index alone as the grouped path does
 
 
 def _as_in_out(weight: torch.Tensor, in_features: int) -> torch.Tensor:

@@ -16,7 +16,10 @@ A call with ``attn_mask`` is measured the same way, with the mask kept for backw
 (memory-efficient attention; CPU flash) keep it: its storage is charged once, to the first layer that uses it.
 On meta only shapes exist, so the kernel choice changes costs, never results. (Hugging Face models build an
 explicit boolean causal mask whenever they see fake or traced tensors, as here; in eager GPU training without
-padding they pass ``is_causal=True`` and no mask. The difference is one ``T x T`` byte mask per model.)
+padding they pass ``is_causal=True`` and no mask. The difference is one ``T x T`` byte mask per model. Under a mask
+transformers' SDPA path also repeats grouped keys and values to every query head before the call, which saves the
+repeated copies, where without one it passes them grouped with ``enable_gqa``: the measurement sets transformers'
+own switch for the grouped call, ``TRANSFORMERS_SDPA_FORCE_GQA``, while the mode is entered.)
 
 **RMSNorm.** ``torch.rms_norm`` (``nn.RMSNorm``, ``F.rms_norm``) runs on CUDA as one fused kernel,
 ``aten._fused_rms_norm``, wherever its input and weight share a dtype (and under CUDA autocast, which casts both to
@@ -56,6 +59,7 @@ mask), which the checkpoint holds to re-run it. Measured attention that is not a
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -64,6 +68,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+"""transformers' switch for passing grouped keys and values to SDPA (``enable_gqa``) even under a mask."""
 GATE_ACTIVATIONS = (F.silu, F.gelu)
 """The activations a fused gated-MLP kernel applies to the gate (SwiGLU, GeGLU)."""
 PRODUCTS = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
@@ -118,12 +124,18 @@ class FusedKernels(TorchFunctionMode):
         for module in self.declared:
             self.handles += [module.register_forward_pre_hook(self._declared_started),
                              module.register_forward_hook(self._declared_finished)]
+        self.gqa_switch = os.environ.get(FORCE_GQA)
+        os.environ[FORCE_GQA] = "1"  # grouped K/V into SDPA, as GPU training without a mask calls it (module docstring)
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        if self.gqa_switch is None:
+            os.environ.pop(FORCE_GQA, None)
+        else:
+            os.environ[FORCE_GQA] = self.gqa_switch
         return super().__exit__(*exc)
 
     def _declared_started(self, module: nn.Module, args: tuple) -> None:

@@ -67,7 +67,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from tessera.cost_models.tp_rules import expert_hidden_width, expert_tp_dims
 from tessera.cost_models.types import Strategy, runtime_splits
 from tessera.errors import NotModelledError
-from tessera.models.moe import STACKED_EXPERTS_CALL, stacked_experts_problem
+from tessera.models.moe import STACKED_EXPERTS_CALL, stacked_experts_problem, sum_rows
 from tessera.runtime.experts_exchange import (
     TokenShard,
     all_to_all,
@@ -145,7 +145,7 @@ class ShardedExperts(nn.Module):
         outputs = with_expert_gradient_scale(lambda x: self._run_local_experts(x, received), rows, scale)
         back = all_to_all(outputs, sent, arrived, self.group)  # (N*k, H) in ``order``
         weighted = (back * top_k_weights.reshape(-1)[order].unsqueeze(-1)).to(tokens.dtype)  # (N*k, H)
-        return torch.zeros_like(tokens).index_add(0, order // top_k, weighted)  # (N, H)
+        return sum_rows(order // top_k, weighted, tokens)  # (N, H)
 
     def _run_local_experts(self, rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
         """Each received row through its local expert, unweighted, ``(R, H)``."""

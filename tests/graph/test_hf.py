@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
@@ -50,7 +51,7 @@ def test_hf_models_capture_with_export_on_meta(captured) -> None:  # noqa: ANN00
 def test_hf_block_facts(captured) -> None:  # noqa: ANN001
     name, _, graph = captured
     block = graph.blocks[-1]
-    kv = KV if name in ("llama", "mixtral") else HEADS  # declared by the config: HF repeats kv heads before SDPA
+    kv = KV if name in ("llama", "mixtral") else HEADS  # declared by the config (and passed grouped to SDPA)
     assert (block.hidden_size, block.attention_heads, block.kv_heads) == (H, HEADS, kv)
     assert block.experts == (4 if name == "mixtral" else 0)
     roles = [p.role for p in block.tp_pairs]
@@ -155,3 +156,49 @@ def test_hf_blocks_measure_the_activations_their_linears_read(captured) -> None:
     name, _, graph = captured
     expected = 2 * T * (5 * H + 2 * F if name == "mixtral" else 3 * H + F)
     assert {block.linear_input_bytes for block in graph.blocks} == {expected}
+
+
+def test_grouped_keys_and_values_are_measured_grouped() -> None:
+    """GPU training without a mask passes grouped K/V to SDPA (``enable_gqa``); capture, where transformers builds a
+    mask, measures the same call, not copies repeated to every query head: halving the key/value heads takes the
+    keys' and values' halved bytes off what a block saves, and transformers' switch is left as it was."""
+    def block_saved(kv_heads: int) -> int:
+        spec = f"hf:llama:{DECODER},num_key_value_heads={kv_heads},max_position_embeddings=128"
+        return next(layer for layer in capture_preset(spec, seq_len=T).layers if layer.kind == "block").saved_bytes_no_recompute
+
+    head_dim, bf16 = H // HEADS, 2
+    assert block_saved(HEADS) - block_saved(HEADS // 2) == 2 * (HEADS // 2) * head_dim * T * bf16  # keys and values
+    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+
+
+def test_captures_expert_stand_in_keeps_what_transformers_grouped_matmuls_keep() -> None:
+    """Capture's expected-load experts (``planner.experts``) save what transformers' grouped-matmul path saves for the
+    same routed tokens (the combine keeps its index alone: ``models.moe.sum_rows``)."""
+    import torch
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from tessera.planner.experts import expected_expert_load
+
+    def saved(block: torch.nn.Module, x: torch.Tensor) -> int:
+        weights, storages = {p.untyped_storage().data_ptr() for p in block.parameters()}, {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.untyped_storage().data_ptr() not in weights:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            block(x)
+        return sum(storages.values())
+
+    config = Qwen3MoeConfig(hidden_size=H, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=F // 2,
+                            norm_topk_prob=True)
+    config._experts_implementation = "grouped_mm"
+    block = Qwen3MoeSparseMoeBlock(config).to(torch.bfloat16)
+    x = torch.randn(1, 64, H, dtype=torch.bfloat16, requires_grad=True)
+    grouped = saved(block, x)
+    with expected_expert_load(block, 1.0):  # 2 * 64 / 8 = 16 slots an expert: every routed token, as balanced
+        stand_in = saved(block, x)
+    routed_indices = 4 * 2 * 64 * 8  # a few int64 orderings of the 128 routed tokens, which the two keep differently
+    assert abs(stand_in - grouped) <= routed_indices < 2 * 64 * H * 2  # not a routed copy of the activations

@@ -258,3 +258,18 @@ def test_dense_first_layers_need_their_width() -> None:
         model_config("moe-tiny:dense_layers=3")
     with pytest.raises(ModelSpecError, match="needs dense_ffn"):
         model_config("moe-tiny:layers=3,dense_layers=1")
+
+def test_sum_rows_is_index_add_keeping_the_index_alone() -> None:
+    from tessera.models.moe import sum_rows
+
+    torch.manual_seed(0)
+    index = torch.randint(0, 5, (12,))
+    rows = torch.randn(12, 3, dtype=torch.float64, requires_grad=True)
+    like = torch.zeros(5, 3, dtype=torch.float64)
+    assert torch.equal(sum_rows(index, rows, like), torch.zeros_like(like).index_add(0, index, rows))
+    assert torch.autograd.gradcheck(lambda r: sum_rows(index, r, like), (rows,))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        sum_rows(index, rows, like)
+    assert [t.shape for t in saved] == [index.shape]  # index_add would keep the rows too
+    assert sum_rows(index.to("meta"), rows.detach().to("meta"), like.to("meta")).shape == (5, 3)
