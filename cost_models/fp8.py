@@ -8,8 +8,9 @@ and bf16 FLOPs (the attention core and the head), backward likewise (the attenti
 forward, as FlopCounterMode counts it). The FP8 matmuls follow their own efficiency curve
 (``compute.Calibration.fp8_at``): FP8 GEMMs need larger tiles than bf16 ones to reach their peak.
 
-Scaling costs memory traffic: a cast reads the bf16 input and writes FP8 (1.5 bytes per 2-byte element), once
-forward and once backward for the output gradient. ``CAST_PASSES`` counts the passes per recipe: ``delayed``
+Scaling costs memory traffic: a cast reads the bf16 input and writes FP8, once forward and once backward for the
+output gradient, priced at 1.5 bytes per 2-byte element (``CAST_BYTES_PER_ELEMENT_BYTE``: half of what a cast kernel
+of its own moves, below). ``CAST_PASSES`` counts the passes per recipe: ``delayed``
 scaling knows its scale from the amax history (one pass: the cast, amax fused into it); ``current`` and
 ``rowwise`` scaling need the amax of the tensor before the cast (two passes); ``block`` and ``mx`` compute
 each tile's scale inside the cast kernel (one pass). These pass counts are engineering assumptions from how
@@ -31,7 +32,13 @@ from tessera.cost_models.partition import StageTotals
 from tessera.cost_models.types import TrainingConfig
 
 CAST_BYTES_PER_ELEMENT_BYTE = 1.5 / 2
-"""Bytes a cast moves per byte of its bf16 input: read 2, write 1, per 2 bytes of input."""
+"""Bytes a cast pass is priced at per byte of its bf16 input. A cast kernel of its own reads 2 bytes an element and
+writes 1, and on Hopper, whose FP8 matmuls take one layout only (cuBLASLt's "TN" format), a second transposed byte:
+1.5 to 2 bytes per byte of input, two to three times this. Pricing that, with the backward's casts on the output
+gradients' measured size, fitted the training rows worse (calibration objective 0.0534 -> 0.0547, the FP8 peak
+share refitted 0.7 -> 0.725; the backward's sizes alone 0.0537; 2026-12-06, not kept): the recipes of the published
+FP8 rows fuse much of their casting into the kernels beside it (Transformer Engine's ``LayerNormLinear`` casts in its
+norm, a compiled graph fuses amax and cast into its neighbours), which one byte count per recipe does not tell."""
 CAST_PASSES = {"delayed": 1, "current": 2, "rowwise": 2, "block": 1, "mx": 1}
 """Passes over each linear input per cast, by ``TrainingConfig.fp8_scaling`` (see the module docstring)."""
 
