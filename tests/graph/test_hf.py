@@ -202,3 +202,33 @@ def test_captures_expert_stand_in_keeps_what_transformers_grouped_matmuls_keep()
         stand_in = saved(block, x)
     routed_indices = 4 * 2 * 64 * 8  # a few int64 orderings of the 128 routed tokens, which the two keep differently
     assert abs(stand_in - grouped) <= routed_indices < 2 * 64 * H * 2  # not a routed copy of the activations
+
+
+def test_a_captured_hf_block_saves_what_a_real_cpu_forward_saves() -> None:
+    """Capture on meta (transformers' mask, the flash routing, grouped K/V) against a real bf16 forward on CPU, which
+    passes no mask and grouped keys and values: the same bytes, but for the 24-byte RNG state CUDA's flash kernel keeps
+    (``planner.kernels``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = SPECS["llama"]
+    captured = {layer.fqn: layer.saved_bytes_no_recompute for layer in capture_preset(spec, seq_len=T).layers}
+    model, _ = resolve_model(spec)
+    real = AutoModelForCausalLM.from_config(model.config, attn_implementation="sdpa").to(torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in real.parameters()}
+    running, saved, seen = [None], {}, set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = tensor.untyped_storage().data_ptr()
+        if key not in params and key not in seen and running[0]:
+            seen.add(key)
+            saved[running[0]] = saved.get(running[0], 0) + tensor.untyped_storage().nbytes()
+        return tensor
+
+    for i, layer in enumerate(real.model.layers):
+        layer.register_forward_pre_hook(lambda _m, _a, name=f"model.layers.{i}": running.__setitem__(0, name))
+    real.model.norm.register_forward_pre_hook(lambda _m, _a: running.__setitem__(0, None))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        real(input_ids=torch.zeros(1, T, dtype=torch.long), use_cache=False)
+    for name in ("model.layers.1", "model.layers.2"):  # the first also holds what every block receives
+        assert captured[name] - saved[name] == 24
