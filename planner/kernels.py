@@ -15,11 +15,14 @@ memory by orders of magnitude at long context.
 A call with ``attn_mask`` is measured the same way, with the mask kept for backward as the masked fused kernels
 (memory-efficient attention; CPU flash) keep it: its storage is charged once, to the first layer that uses it.
 On meta only shapes exist, so the kernel choice changes costs, never results. (Hugging Face models build an
-explicit boolean causal mask whenever they see fake or traced tensors, as here; in eager GPU training without
-padding they pass ``is_causal=True`` and no mask. The difference is one ``T x T`` byte mask per model. Under a mask
-transformers' SDPA path also repeats grouped keys and values to every query head before the call, which saves the
-repeated copies, where without one it passes them grouped with ``enable_gqa``: the measurement sets transformers'
-own switch for the grouped call, ``TRANSFORMERS_SDPA_FORCE_GQA``, while the mode is entered.)
+explicit boolean causal mask where they cannot tell that a row holds one sequence: their packed-sequence detection
+reads the position ids, which fake tensors do not have, so it assumes packing. In eager GPU training of unpacked
+rows they pass ``is_causal=True`` and no mask, so while the mode is entered the detection reports one sequence a row
+(``transformers.masking_utils.find_packed_sequence_indices``): no ``T x T`` byte mask, 16 GiB at 128K tokens; a
+sliding-window layer still builds its mask, as it does on a GPU. Under a mask transformers' SDPA path also repeats
+grouped keys and values to every query head before the call, which saves the repeated copies, where without one it
+passes them grouped with ``enable_gqa``: the measurement sets transformers' own switch for the grouped call,
+``TRANSFORMERS_SDPA_FORCE_GQA``, while the mode is entered.)
 
 **RMSNorm.** ``torch.rms_norm`` (``nn.RMSNorm``, ``F.rms_norm``) runs on CUDA as one fused kernel,
 ``aten._fused_rms_norm``, wherever its input and weight share a dtype (and under CUDA autocast, which casts both to
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -126,6 +130,10 @@ class FusedKernels(TorchFunctionMode):
                              module.register_forward_hook(self._declared_finished)]
         self.gqa_switch = os.environ.get(FORCE_GQA)
         os.environ[FORCE_GQA] = "1"  # grouped K/V into SDPA, as GPU training without a mask calls it (module docstring)
+        self.masking = sys.modules.get("transformers.masking_utils")  # loaded with any transformers model
+        self.packed_detection = getattr(self.masking, "find_packed_sequence_indices", None)
+        if self.packed_detection is not None:
+            self.masking.find_packed_sequence_indices = _one_sequence_a_row
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
@@ -136,6 +144,8 @@ class FusedKernels(TorchFunctionMode):
             os.environ.pop(FORCE_GQA, None)
         else:
             os.environ[FORCE_GQA] = self.gqa_switch
+        if self.packed_detection is not None:
+            self.masking.find_packed_sequence_indices = self.packed_detection
         return super().__exit__(*exc)
 
     def _declared_started(self, module: nn.Module, args: tuple) -> None:
@@ -177,6 +187,11 @@ class FusedKernels(TorchFunctionMode):
         for activation in gated:
             self.observer.gated_activation(mark, activation)
         return output
+
+
+def _one_sequence_a_row(position_ids: torch.Tensor) -> None:
+    """transformers' packed-sequence detection for capture's input, one sequence a row: none packed."""
+    return None
 
 
 def declares_rms_norm(module: nn.Module) -> bool:

@@ -205,9 +205,9 @@ def test_captures_expert_stand_in_keeps_what_transformers_grouped_matmuls_keep()
 
 
 def test_a_captured_hf_block_saves_what_a_real_cpu_forward_saves() -> None:
-    """Capture on meta (transformers' mask, the flash routing, grouped K/V) against a real bf16 forward on CPU, which
-    passes no mask and grouped keys and values: the same bytes, but for the 24-byte RNG state CUDA's flash kernel keeps
-    (``planner.kernels``)."""
+    """Capture on fake tensors (the flash routing, grouped K/V, no packed-sequence mask) against a real bf16 forward on
+    CPU, which passes no mask and grouped keys and values: the same bytes, but for the 24-byte RNG state CUDA's flash
+    kernel keeps (``planner.kernels``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -230,5 +230,7 @@ def test_a_captured_hf_block_saves_what_a_real_cpu_forward_saves() -> None:
     real.model.norm.register_forward_pre_hook(lambda _m, _a: running.__setitem__(0, None))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         real(input_ids=torch.zeros(1, T, dtype=torch.long), use_cache=False)
-    for name in ("model.layers.1", "model.layers.2"):  # the first also holds what every block receives
+    for name in ("model.layers.0", "model.layers.1", "model.layers.2"):  # no T x T mask in the first either
         assert captured[name] - saved[name] == 24
+    import transformers.masking_utils as masking
+    assert masking.find_packed_sequence_indices.__module__ == "transformers.masking_utils"  # put back

@@ -53,7 +53,12 @@ def test_gemma3_alternating_local_and_global_attention() -> None:
     blocks = graph.blocks
     assert blocks[1].signature == blocks[3].signature == blocks[4].signature  # alike local blocks: one record
     assert blocks[1].signature != blocks[2].signature  # same shapes and numbers, other kind: never merged
-    assert blocks[2].forward_flops == blocks[5].forward_flops  # (block 2 also holds the full mask: first to use it)
+    assert blocks[2].forward_flops == blocks[5].forward_flops
+    # Each first user holds its kind's rotary tables; the sliding layers' T x T window mask too, which a GPU run
+    # builds as well, but no full causal mask, which a GPU run of unpacked rows does not (planner.kernels)
+    local_extra, global_extra = (blocks[0].saved_bytes_no_recompute - blocks[1].saved_bytes_no_recompute,
+                                 blocks[2].saved_bytes_no_recompute - blocks[5].saved_bytes_no_recompute)
+    assert local_extra - global_extra == T * T
 
 
 def test_qwen2_window_covering_the_sequence_is_global() -> None:
