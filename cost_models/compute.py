@@ -337,25 +337,26 @@ def measured_by_degree(values: dict[int, float], tp: int, *, default: float) -> 
 
 def compute_lower_bound_s(
     model: StageTotals, device: DeviceSpec, training: TrainingConfig, strategy: Strategy,
-    *, calibration: Calibration = GPU_CALIBRATION,
+    *, calibration: Calibration = GPU_CALIBRATION, profile: ImplementationProfile = TESSERA,
 ) -> float:
-    """Seconds of one micro-batch's compute that no pipeline stage of ``strategy`` goes below.
+    """Seconds of one micro-batch's compute that no pipeline stage of ``strategy`` goes below, as ``profile`` runs it.
 
     ``model`` is the whole model summed as one stage: its compute spread perfectly over the ``pp`` stages,
     at the rate of its widest block (a stage is never faster). Recomputation's memory traffic is left out
     (per stage it is not additive), so this is a bound, not an estimate. The attention cores are taken at the
     fastest kernel the device has a figure for, so the bound holds whichever framework's profile the estimate
     uses, and so is the loss at a fused kernel's traffic (``stage_views.with_loss_kernel``) without tensor parallelism,
-    and the norms at the fused RMSNorm's (``profiles.fused_rms_norm``, the declared ones' too:
-    ``profiles.fused_declared_norms``).
+    and ``torch.rms_norm`` at the fused kernel's (``profiles.fused_rms_norm``); the declared norms and gated MLPs at
+    the fused kernels' where ``profile`` runs them (``fused_declared_norms``, ``fused_gated_activation``).
     """
     model = with_loss_kernel(model, "flash-attn") if strategy.tp == 1 else model
     seq_len = training.seq_len / strategy.cp
     width = model.hidden_size / strategy.tp
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
     kernels = _fastest_attention(device, training, rate, seq_len=seq_len, calibration=calibration)
+    bounding = _tessera_with(kernels, profile.fused_declared_norms, profile.fused_gated_activation)
     forward, backward, _ = stage_compute_s(model, device, training, strategy, calibration=calibration,
-                                           profile=_tessera_with(kernels))
+                                           profile=bounding)
     attention = attention_core_rate(device, training, rate, calibration=calibration, kernels=kernels, seq_len=seq_len)
     fastest = max(rate, attention,
                   device.peak_flops("fp8") * device_calibration(device, calibration).fp8_at(width)
@@ -366,13 +367,13 @@ def compute_lower_bound_s(
     return (forward + backward + recompute) / strategy.pp
 
 
-@functools.lru_cache(maxsize=16)
-def _tessera_with(kernels: tuple[str, ...]) -> ImplementationProfile:
-    """Tessera's profile on ``kernels`` with the fused RMSNorm's smaller elementwise traffic and a ring as fast as the
-    unsplit kernel, whatever Tessera's own defaults (built once per kernel choice: the bound is taken ~10^5 times a
-    search)."""
-    return replace(TESSERA, attention_kernels=kernels, fused_rms_norm=True, fused_declared_norms=True,
-                   cp_ring_slowdown=False)
+@functools.lru_cache(maxsize=64)
+def _tessera_with(kernels: tuple[str, ...], declared_norms: bool, gates: bool) -> ImplementationProfile:
+    """Tessera's profile on ``kernels`` with the fused RMSNorm's smaller elementwise traffic (and the declared norms'
+    and gated MLPs' where asked) and a ring as fast as the unsplit kernel, whatever Tessera's own defaults (built once
+    per choice: the bound is taken ~10^5 times a search)."""
+    return replace(TESSERA, attention_kernels=kernels, fused_rms_norm=True, fused_declared_norms=declared_norms,
+                   fused_gated_activation=gates, cp_ring_slowdown=False)
 
 
 def _fastest_attention(

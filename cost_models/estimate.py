@@ -230,7 +230,8 @@ def step_time_lower_bound(
     the model summed as one stage under the strategy's recomputation (pass it in when bounding many strategies).
     """
     whole = whole or stage_totals(layers, 0, block_policies(layers, strategy))
-    per_micro_batch = compute_lower_bound_s(whole, cluster.device, training, strategy, calibration=calibration)
+    per_micro_batch = compute_lower_bound_s(whole, cluster.device, training, strategy, calibration=calibration,
+                                            profile=profile)
     if profile.ep_dispatch == "per-expert" and not profile.ep_overlap:  # the bound prices each copy, in line
         per_micro_batch += _ep_comm_lower_bound_s(layers, cluster, strategy, whole) / strategy.pp
     per_micro_batch += _tp_comm_lower_bound_s(whole, cluster, strategy) / strategy.pp

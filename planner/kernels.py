@@ -13,16 +13,18 @@ without the routing, SDPA on meta takes the unfused math path that saves the (T,
 memory by orders of magnitude at long context.
 
 A call with ``attn_mask`` is measured the same way, with the mask kept for backward as the masked fused kernels
-(memory-efficient attention; CPU flash) keep it: its storage is charged once, to the first layer that uses it.
+(memory-efficient attention; CPU flash) keep it: an additive mask as passed, its storage charged once, to the first
+layer that uses it; a boolean one as SDPA turns it into an additive bias of the query's dtype, anew at every call
+(so charged to every layer, and re-made by a recomputed core).
 On meta only shapes exist, so the kernel choice changes costs, never results. (Hugging Face models build an
 explicit boolean causal mask where they cannot tell that a row holds one sequence: their packed-sequence detection
 reads the position ids, which fake tensors do not have, so it assumes packing. In eager GPU training of unpacked
 rows they pass ``is_causal=True`` and no mask, so while the mode is entered the detection reports one sequence a row
-(``transformers.masking_utils.find_packed_sequence_indices``): no ``T x T`` byte mask, 16 GiB at 128K tokens; a
-sliding-window layer still builds its mask, as it does on a GPU. Under a mask transformers' SDPA path also repeats
-grouped keys and values to every query head before the call, which saves the repeated copies, where without one it
-passes them grouped with ``enable_gqa``: the measurement sets transformers' own switch for the grouped call,
-``TRANSFORMERS_SDPA_FORCE_GQA``, while the mode is entered.)
+(``transformers.masking_utils.find_packed_sequence_indices``): no ``T x T`` byte mask, 16 GiB at 128K tokens, and
+no grouped keys and values repeated to every query head, which transformers' SDPA path does under a mask (a GPU run
+passes them grouped, ``enable_gqa``). A sliding-window layer still builds its mask and repeats them, as it does on a
+GPU. Packed rows, whose block-diagonal mask a GPU run does build, are not measured: capture's input is one sequence
+a row.)
 
 **RMSNorm.** ``torch.rms_norm`` (``nn.RMSNorm``, ``F.rms_norm``) runs on CUDA as one fused kernel,
 ``aten._fused_rms_norm``, wherever its input and weight share a dtype (and under CUDA autocast, which casts both to
@@ -37,8 +39,10 @@ kernel layer (transformers' ``@use_kernel_forward_from_hub("RMSNorm")``: ``kerne
 class): the module as a whole, as if it were one ``torch.rms_norm`` call, reported with ``declared=True``
 (``LayerStats.declared_norm_saving_bytes``), for the cost model to take off where the framework builds the model from
 its own modules and so runs its own fused norm whatever the stand-in's code (Megatron-Core's Transformer Engine
-RMSNorm: ``profiles.fused_declared_norms``). A ``torch.rms_norm`` call inside such a module is reported once, as the
-module.
+RMSNorm: ``profiles.fused_declared_norms``). A ``torch.rms_norm`` call inside such a module is reported as itself, and
+the module as what it saves beyond (``saved_bytes.Ledger.rms_norm``), so a profile that fuses ``torch.rms_norm`` alone
+takes the call off. transformers marks the modules through its hub-kernel decorator, which transformers 5 applies (it
+requires the ``kernels`` package); where nothing is marked, nothing is taken off (the composite: the safe side).
 
 **Gated activations.** A gated MLP (SwiGLU, GeGLU) written out, ``act(gate(x)) * up(x)``, saves three tensors of
 its inner width: the gate's output (for the activation's backward), the activation's output and the up projection's
@@ -62,7 +66,6 @@ mask), which the checkpoint holds to re-run it. Measured attention that is not a
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections.abc import Sequence
 from typing import Protocol
@@ -72,8 +75,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
-"""transformers' switch for passing grouped keys and values to SDPA (``enable_gqa``) even under a mask."""
 GATE_ACTIVATIONS = (F.silu, F.gelu)
 """The activations a fused gated-MLP kernel applies to the gate (SwiGLU, GeGLU)."""
 PRODUCTS = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
@@ -123,16 +124,18 @@ class FusedKernels(TorchFunctionMode):
         self.declared = [m for m in (model.modules() if model is not None else ()) if declares_rms_norm(m)]
         self.open_declared: list[int] = []  # marks of the declared norms running now, innermost last
         self.handles: list = []
+        self.masking, self.packed_detection = None, None
 
     def __enter__(self) -> "FusedKernels":
+        if self.handles or self.packed_detection is not None:
+            raise RuntimeError("FusedKernels is entered already; use a new one")
+        self.open_declared = []
         for module in self.declared:
             self.handles += [module.register_forward_pre_hook(self._declared_started),
-                             module.register_forward_hook(self._declared_finished)]
-        self.gqa_switch = os.environ.get(FORCE_GQA)
-        os.environ[FORCE_GQA] = "1"  # grouped K/V into SDPA, as GPU training without a mask calls it (module docstring)
+                             module.register_forward_hook(self._declared_finished, always_call=True)]
         self.masking = sys.modules.get("transformers.masking_utils")  # loaded with any transformers model
         self.packed_detection = getattr(self.masking, "find_packed_sequence_indices", None)
-        if self.packed_detection is not None:
+        if self.packed_detection is not None:  # one sequence a row, as capture's input is (module docstring)
             self.masking.find_packed_sequence_indices = _one_sequence_a_row
         return super().__enter__()
 
@@ -140,12 +143,9 @@ class FusedKernels(TorchFunctionMode):
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        if self.gqa_switch is None:
-            os.environ.pop(FORCE_GQA, None)
-        else:
-            os.environ[FORCE_GQA] = self.gqa_switch
         if self.packed_detection is not None:
             self.masking.find_packed_sequence_indices = self.packed_detection
+            self.packed_detection = None
         return super().__exit__(*exc)
 
     def _declared_started(self, module: nn.Module, args: tuple) -> None:
@@ -153,8 +153,8 @@ class FusedKernels(TorchFunctionMode):
 
     def _declared_finished(self, module: nn.Module, args: tuple, output: object) -> None:
         mark = self.open_declared.pop()
-        if self.open_declared or not args or not isinstance(args[0], torch.Tensor):
-            return  # nested in another declared norm (reported as that one), or no input to size the kernel by
+        if self.open_declared or not args or not isinstance(args[0], torch.Tensor) or output is None:
+            return  # nested in another declared norm (reported as that one), no input to size the kernel by, or raised
         weight = getattr(module, "weight", None)
         weight = weight if isinstance(weight, torch.Tensor) else None
         shape = tuple(weight.shape) if weight is not None else (args[0].shape[-1],)
@@ -166,7 +166,7 @@ class FusedKernels(TorchFunctionMode):
             return _fused_sdpa(self.observer, func, *args, **kwargs)
         if func is F.dropout:
             return _fused_dropout(func, *args, **kwargs)
-        if (func is F.rms_norm or func is torch.rms_norm) and not self.open_declared:  # else reported as the module
+        if func is F.rms_norm or func is torch.rms_norm:
             mark = self.observer.mark()
             output = func(*args, **kwargs)
             self.observer.rms_norm(mark, _fused_rms_norm_bytes(*args, **kwargs))
@@ -189,7 +189,7 @@ class FusedKernels(TorchFunctionMode):
         return output
 
 
-def _one_sequence_a_row(position_ids: torch.Tensor) -> None:
+def _one_sequence_a_row(*args: object, **kwargs: object) -> None:
     """transformers' packed-sequence detection for capture's input, one sequence a row: none packed."""
     return None
 
@@ -242,13 +242,16 @@ def _fused_sdpa(
     if query.dim() != 4:  # not (B, heads, T, head_dim): measure the stock path
         return stock(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     inputs = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
-    if attn_mask is not None:
+    boolean = attn_mask is not None and attn_mask.dtype == torch.bool
+    if attn_mask is not None and not boolean:
         observer.keep_for_backward(attn_mask)
     observer.attention_started(query, key, inputs)
     try:
         # The flash kernel broadcasts fewer key/value heads itself (GQA), so enable_gqa needs no handling.
         flash = torch.ops.aten._scaled_dot_product_flash_attention
         query, key, value = _as_autocast_runs_sdpa(query, key, value)
+        if boolean:  # the additive bias SDPA makes of it for this call (module docstring)
+            observer.keep_for_backward(torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device))
         return flash(query, key, value, dropout_p, is_causal, False, scale=scale)[0]  # (B, nh, T, hd)
     finally:
         observer.attention_finished()

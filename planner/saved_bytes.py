@@ -27,6 +27,7 @@ class Ledger:
         self.kept: set[int] = set()
         self.refs: dict[int, object] = {}  # holding the storages keeps their ids unique
         self.charged: list[int] = []  # storages in the order they were first charged
+        self.norm_savings: list[tuple[int, int]] = []  # (mark, saving) of each torch.rms_norm call reported
         self.in_core = False
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -37,14 +38,18 @@ class Ledger:
     def rms_norm(self, mark: int, fused_bytes: int | None, *, declared: bool = False) -> None:
         """``kernels.KernelObserver.rms_norm``: what the call saved since ``mark`` beyond ``fused_bytes``, charged to
         the running layer (nothing it did not save: under a model's own checkpoint the call saves nothing here); a
-        ``declared`` norm's apart (``Tally.declared_norm_saving_bytes``)."""
-        if fused_bytes is not None:
-            saving = max(0, sum(self.since(mark)) - fused_bytes)
-            tally = self.tallies[self.scope.current()]
-            if declared:
-                tally.declared_norm_saving_bytes += saving
-            else:
-                tally.fused_norm_saving_bytes += saving
+        ``declared`` norm's apart (``Tally.declared_norm_saving_bytes``), less what ``torch.rms_norm`` calls inside it
+        reported already."""
+        if fused_bytes is None:
+            return
+        saving = max(0, sum(self.since(mark)) - fused_bytes)
+        tally = self.tallies[self.scope.current()]
+        if declared:
+            inner = sum(nbytes for at, nbytes in self.norm_savings if at >= mark)
+            tally.declared_norm_saving_bytes += max(0, saving - inner)
+        else:
+            tally.fused_norm_saving_bytes += saving
+            self.norm_savings.append((mark, saving))
 
     def gated_activation(self, mark: int, activation: torch.Tensor) -> None:
         """``kernels.KernelObserver.gated_activation``: the activation's output, charged to the running layer where the
@@ -98,7 +103,7 @@ class Ledger:
         self.in_core = True
 
     def keep_for_backward(self, tensor: torch.Tensor) -> None:
-        self._charge(tensor, kept=True)
+        self._charge(tensor, kept=not self.in_core)  # inside a core: re-made when selective recompute re-runs it
 
     def attention_finished(self) -> None:
         self.in_core = False

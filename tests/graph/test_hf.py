@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import resource
 import subprocess
 import sys
@@ -159,16 +158,15 @@ def test_hf_blocks_measure_the_activations_their_linears_read(captured) -> None:
 
 
 def test_grouped_keys_and_values_are_measured_grouped() -> None:
-    """GPU training without a mask passes grouped K/V to SDPA (``enable_gqa``); capture, where transformers builds a
-    mask, measures the same call, not copies repeated to every query head: halving the key/value heads takes the
-    keys' and values' halved bytes off what a block saves, and transformers' switch is left as it was."""
+    """GPU training of unpacked rows passes no mask and grouped K/V to SDPA (``enable_gqa``); capture measures the same
+    call (no packed-sequence mask), not copies repeated to every query head: halving the key/value heads takes the
+    keys' and values' halved bytes off what a block saves."""
     def block_saved(kv_heads: int) -> int:
         spec = f"hf:llama:{DECODER},num_key_value_heads={kv_heads},max_position_embeddings=128"
         return next(layer for layer in capture_preset(spec, seq_len=T).layers if layer.kind == "block").saved_bytes_no_recompute
 
     head_dim, bf16 = H // HEADS, 2
     assert block_saved(HEADS) - block_saved(HEADS // 2) == 2 * (HEADS // 2) * head_dim * T * bf16  # keys and values
-    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
 
 
 def test_captures_expert_stand_in_keeps_what_transformers_grouped_matmuls_keep() -> None:
@@ -204,16 +202,11 @@ def test_captures_expert_stand_in_keeps_what_transformers_grouped_matmuls_keep()
     assert abs(stand_in - grouped) <= routed_indices < 2 * 64 * H * 2  # not a routed copy of the activations
 
 
-def test_a_captured_hf_block_saves_what_a_real_cpu_forward_saves() -> None:
-    """Capture on fake tensors (the flash routing, grouped K/V, no packed-sequence mask) against a real bf16 forward on
-    CPU, which passes no mask and grouped keys and values: the same bytes, but for the 24-byte RNG state CUDA's flash
-    kernel keeps (``planner.kernels``)."""
+def _real_cpu_saved(model: object) -> dict[str, int]:
+    """Per block, what a real bf16 forward on CPU of ``model``'s config saves (weights aside), with no mask passed."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    spec = SPECS["llama"]
-    captured = {layer.fqn: layer.saved_bytes_no_recompute for layer in capture_preset(spec, seq_len=T).layers}
-    model, _ = resolve_model(spec)
     real = AutoModelForCausalLM.from_config(model.config, attn_implementation="sdpa").to(torch.bfloat16)
     params = {p.untyped_storage().data_ptr() for p in real.parameters()}
     running, saved, seen = [None], {}, set()
@@ -230,7 +223,21 @@ def test_a_captured_hf_block_saves_what_a_real_cpu_forward_saves() -> None:
     real.model.norm.register_forward_pre_hook(lambda _m, _a: running.__setitem__(0, None))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         real(input_ids=torch.zeros(1, T, dtype=torch.long), use_cache=False)
-    for name in ("model.layers.0", "model.layers.1", "model.layers.2"):  # no T x T mask in the first either
+    return saved
+
+
+@pytest.mark.parametrize("spec", [
+    SPECS["llama"],  # global attention: no mask on either side, grouped K/V
+    f"hf:mistral:{DECODER},num_key_value_heads={KV},max_position_embeddings=128,sliding_window={T // 2}",  # a window
+])
+def test_a_captured_hf_block_saves_what_a_real_cpu_forward_saves(spec: str) -> None:
+    """Capture on meta against a real bf16 forward on CPU: the same bytes a block, but for the 24-byte RNG state
+    CUDA's flash kernel keeps (``planner.kernels``). A global layer gets no ``T x T`` mask and grouped keys and values
+    on both sides; a sliding-window layer its window's mask and repeated keys and values on both (the window's mask is
+    charged to the first block that uses it, on both sides)."""
+    captured = {layer.fqn: layer.saved_bytes_no_recompute for layer in capture_preset(spec, seq_len=T).layers}
+    saved = _real_cpu_saved(resolve_model(spec)[0])
+    for name in ("model.layers.0", "model.layers.1", "model.layers.2"):
         assert captured[name] - saved[name] == 24
     import transformers.masking_utils as masking
     assert masking.find_packed_sequence_indices.__module__ == "transformers.masking_utils"  # put back

@@ -54,11 +54,15 @@ def test_gemma3_alternating_local_and_global_attention() -> None:
     assert blocks[1].signature == blocks[3].signature == blocks[4].signature  # alike local blocks: one record
     assert blocks[1].signature != blocks[2].signature  # same shapes and numbers, other kind: never merged
     assert blocks[2].forward_flops == blocks[5].forward_flops
-    # Each first user holds its kind's rotary tables; the sliding layers' T x T window mask too, which a GPU run
-    # builds as well, but no full causal mask, which a GPU run of unpacked rows does not (planner.kernels)
+    # Each first user holds its kind's rotary tables, and no full causal mask, which a GPU run of unpacked rows does
+    # not build (planner.kernels); every sliding layer keeps its window as SDPA's bf16 bias, made anew each call, and
+    # its keys and values repeated to every query head (transformers does under a mask), as a GPU run does
     local_extra, global_extra = (blocks[0].saved_bytes_no_recompute - blocks[1].saved_bytes_no_recompute,
                                  blocks[2].saved_bytes_no_recompute - blocks[5].saved_bytes_no_recompute)
-    assert local_extra - global_extra == T * T
+    assert local_extra == global_extra
+    heads, kv_heads, head_dim, bf16 = 4, 2, 16, 2
+    repeated = 2 * (heads - kv_heads) * head_dim * T * bf16  # keys and values
+    assert blocks[1].saved_bytes_no_recompute - blocks[5].saved_bytes_no_recompute == bf16 * T * T + repeated
 
 
 def test_qwen2_window_covering_the_sequence_is_global() -> None:

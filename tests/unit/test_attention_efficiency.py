@@ -1,5 +1,6 @@
 """Attention cores priced at their kernel's published rate per device (``cost_models.compute.attention_efficiency``)."""
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -129,12 +130,17 @@ def test_selective_recompute_reruns_the_cores_at_the_kernel_rate():
 
 def test_lower_bound_holds_for_every_framework():
     ring = replace(FLAT, cp_attention_slowdown=1.5)
-    for spec, calibration in (("dp=8,zero=3,mbs=1", FLAT), ("dp=4,cp=2,zero=3,mbs=1", ring)):
+    fused_savings = [layer.model_copy(update={"fused_gate_saving_bytes": 2**28, "declared_norm_saving_bytes": 2**27,
+                                              "fused_norm_saving_bytes": 2**27}) for layer in LAYERS]
+    for (spec, plain), layers, traffic in itertools.product(
+            (("dp=8,zero=3,mbs=1", FLAT), ("dp=4,cp=2,zero=3,mbs=1", ring)), (LAYERS, fused_savings), (0.0, 4.0)):
+        calibration = replace(plain, traffic_factor=traffic)  # with elementwise time, the fused kernels' savings count
         s = Strategy.parse(spec)
-        whole = stage_totals(LAYERS, 0, block_policies(LAYERS, s))
+        whole = stage_totals(layers, 0, block_policies(layers, s))
         for cluster in (A100, H100):
-            bound = compute_lower_bound_s(whole, cluster.device, training(), s, calibration=calibration)
             for profile in (TESSERA, MEGATRON, MEGATRON_2021, PYTORCH_FSDP_TE):
+                bound = compute_lower_bound_s(whole, cluster.device, training(), s, calibration=calibration,
+                                              profile=profile)
                 times = stage_compute_s(whole, cluster.device, training(), s, calibration=calibration, profile=profile)
                 assert bound <= sum(times)
 
