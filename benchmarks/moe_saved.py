@@ -12,7 +12,8 @@ bf16 each way and sums what autograd saves, per token and hidden unit, weights a
 the fused path keeps per routed copy of a token: the permuted input (``h``), the gated first linear's output (``2f``),
 the activation's output (``f``) and the expert's output (``h``), all bf16, and the router's fp32 probabilities. The
 other paths keep the activation's output besides, which capture reports as a gated activation
-(``LayerStats.fused_gate_saving_bytes``, taken off where the framework fuses it).
+(``LayerStats.fused_gate_saving_bytes``, taken off where the framework fuses it). A second line: a whole Qwen3-235B
+decoder layer as capture measures it, and its hand-written norms' part (``LayerStats.declared_norm_saving_bytes``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,25 @@ def main() -> None:
           f"matmuls {measured['grouped_mm']:.1f}, capture's stand-in {measured['capture']:.1f} "
           f"({measured['capture'] - gate:.1f} without the activation's output); a fused permute and grouped GEMM "
           f"{fused:.1f}")
+    print(block_as_captured())
+
+
+BLOCK_235B = ("hf:qwen3_moe:num_hidden_layers=2,hidden_size=4096,num_attention_heads=64,num_key_value_heads=4,"
+              "head_dim=128,num_local_experts=128,num_experts_per_tok=8,moe_intermediate_size=1536,norm_topk_prob=true,"
+              "vocab_size=151936,tie_word_embeddings=false")
+"""Two of Qwen3-235B-A22B's decoder layers (its published config.json), as the published rows build it."""
+
+
+def block_as_captured(seq_len: int = 256) -> str:
+    """What capture measures a whole Qwen3-235B decoder layer saving, and the part of it that its four hand-written
+    norms keep beyond a fused norm's (``LayerStats.declared_norm_saving_bytes``), per token and hidden unit."""
+    from tessera.planner.capture import capture_preset
+
+    block = capture_preset(BLOCK_235B, seq_len=seq_len, dtype=torch.bfloat16).blocks[-1]
+    per = seq_len * block.hidden_size
+    return (f"a Qwen3-235B decoder layer as capture measures it: {block.saved_bytes_no_recompute / per:.1f} bytes per "
+            f"token and hidden unit, {block.declared_norm_saving_bytes / per:.1f} of them its norms' beyond a fused "
+            "norm's")
 
 
 if __name__ == "__main__":

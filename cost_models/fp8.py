@@ -36,7 +36,8 @@ CAST_BYTES_PER_ELEMENT_BYTE = 1.5 / 2
 writes 1, and on Hopper, whose FP8 matmuls take one layout only (cuBLASLt's "TN" format), a second transposed byte:
 1.5 to 2 bytes per byte of input, two to three times this. Pricing that, with the backward's casts on the output
 gradients' measured size, fitted the training rows worse (calibration objective 0.0534 -> 0.0547, the FP8 peak
-share refitted 0.7 -> 0.725; the backward's sizes alone 0.0537; 2026-12-06, not kept): the recipes of the published
+share refitted 0.7 -> 0.725; the backward's sizes alone 0.0537; 2026-12-06, not kept; the change is
+``benchmarks/results/fp8-cast-bytes-tried-2026-12-06.diff``): the recipes of the published
 FP8 rows fuse much of their casting into the kernels beside it (Transformer Engine's ``LayerNormLinear`` casts in its
 norm, a compiled graph fuses amax and cast into its neighbours), which one byte count per recipe does not tell."""
 CAST_PASSES = {"delayed": 1, "current": 2, "rowwise": 2, "block": 1, "mx": 1}

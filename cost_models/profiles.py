@@ -360,7 +360,7 @@ parameter within its default limits."""
 
 PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_COMPILED, TORCHTITAN_2024, PYTORCH_FSDP_TE, MEGATRON,
                                  MEGATRON_EP_OVERLAP, MEGATRON_DEEPEP, MEGATRON_DEEPEP_EP_OVERLAP, NEMO_2024,
-                                 MEGATRON_BRIDGE,                                 MEGATRON_2021, DEEPSPEED)}
+                                 MEGATRON_BRIDGE, MEGATRON_2021, DEEPSPEED)}
 """Every profile by name."""
 
 
