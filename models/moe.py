@@ -122,10 +122,15 @@ def sum_rows(index: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> tor
 
 
 class _SumRows(torch.autograd.Function):
+    generate_vmap_rule = True  # torch.func's transforms (grad, vmap) compose with it
+
     @staticmethod
-    def forward(ctx, index: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        ctx.save_for_backward(index)
-        return torch.zeros_like(like).index_add_(0, index, rows)
+    def forward(index: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(like).index_add(0, index, rows)  # out of place: vmap batches `rows` alone
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:  # noqa: ANN001
+        ctx.save_for_backward(inputs[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:  # noqa: ANN001

@@ -273,3 +273,19 @@ def test_sum_rows_is_index_add_keeping_the_index_alone() -> None:
         sum_rows(index, rows, like)
     assert [t.shape for t in saved] == [index.shape]  # index_add would keep the rows too
     assert sum_rows(index.to("meta"), rows.detach().to("meta"), like.to("meta")).shape == (5, 3)
+
+
+def test_sum_rows_composes_with_torch_func() -> None:
+    from tessera.models.moe import sum_rows
+
+    torch.manual_seed(0)
+    index = torch.randint(0, 5, (12,))
+    batch = torch.randn(4, 12, 3, dtype=torch.float64)
+    like = torch.zeros(5, 3, dtype=torch.float64)
+
+    def reference(rows: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(like).index_add(0, index, rows)
+
+    assert torch.equal(torch.func.vmap(lambda r: sum_rows(index, r, like))(batch), torch.func.vmap(reference)(batch))
+    grad = torch.func.grad(lambda r: sum_rows(index, r, like).pow(2).sum())(batch[0])
+    assert torch.allclose(grad, torch.func.grad(lambda r: reference(r).pow(2).sum())(batch[0]))
