@@ -25,7 +25,7 @@ from unittest import mock
 
 from published import evaluate_as_run, plan_run
 from published_rows import (
-    cluster_spec, framework_profile, measured_runs, published_step_s, regime, training_config, unpriced_runs,
+    cluster_spec, framework_profile, measured_runs, published_step_s, regime, training_config,
 )
 from tessera.cost_models import compute
 from tessera.cost_models.compute import GPU_CALIBRATION, bf16_or, priced_attention_kernel
@@ -73,10 +73,10 @@ def priced_kernel(run: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", metavar="REGEX", help="only the runs whose id matches, those Tessera cannot price "
-                        "yet included (default: the priced runs of sequences >= 16K or with context parallelism)")
+    parser.add_argument("--rows", metavar="REGEX", help="only the runs whose id matches (default: the runs of sequences >= 16K "
+                        "or with context parallelism)")
     args = parser.parse_args()
-    runs = ([run for run in measured_runs() + unpriced_runs() if re.search(args.rows, run["id"])] if args.rows
+    runs = ([run for run in measured_runs() if re.search(args.rows, run["id"])] if args.rows
             else [run for run in measured_runs()
                   if run["model"]["seq_len"] >= LONG_SEQUENCES or (run["parallel"].get("cp") or 1) > 1])
     print(f"| run | regime | seq | cp | kernel | published s | predicted s | error | attention slower by | "

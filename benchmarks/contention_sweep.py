@@ -26,7 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--values", type=float, nargs="+", default=VALUES, help="contention values to try")
     args = parser.parse_args()
-    runs = [run for run in measured_runs() if not run.get("unpriced")]
+    runs = measured_runs()
     chosen = {run["id"]: plan_run(run, GPU_CALIBRATION)[0] for run in runs}
     print("| overlap_contention | refitted constants | calibration objective | held-out median | held-out worst |")
     print("|---|---|---|---|---|")

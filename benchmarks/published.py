@@ -43,12 +43,13 @@ from rich.table import Table
 
 from published_rows import (
     cluster_spec, framework_profile, measured_runs, model_spec, pins, published_step_s, regime, runtime_only,
-    training_config, unpriced_runs,
+    training_config,
 )
 from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.compute import GPU_CALIBRATION, Calibration
 from tessera.cost_models.error_bands import write_bands
 from tessera.cost_models.profiles import DEEPSPEED, ImplementationProfile
+from tessera.cost_models.types import runtime_conflict, strategy_features
 from tessera.errors import InfeasiblePlanError
 from tessera.planner.capture import capture_preset
 from tessera.planner.layer_graph import LayerGraph
@@ -199,8 +200,8 @@ def main() -> None:
     args = parse_args()
     runs, console = measured_runs(), Console(width=180)
     subset = args.rows is not None
-    if subset:  # the runs Tessera cannot price yet may be looked at too
-        runs = [run for run in runs + unpriced_runs() if re.search(args.rows, run["id"])]
+    if subset:
+        runs = [run for run in runs if re.search(args.rows, run["id"])]
     chosen = {run["id"]: plan_run(run, GPU_CALIBRATION) for run in runs}
     fitted, deepspeed = (GPU_CALIBRATION, DEEPSPEED.zero3_comm_slowdown) if subset or args.no_fit else fit_calibration(
         runs, {key: pair[0] for key, pair in chosen.items()})
@@ -210,9 +211,8 @@ def main() -> None:
         strategy, est = chosen[run["id"]]
         published = published_step_s(run)
         error = est.step_time_s / published - 1
-        split = "unpriced" if run.get("unpriced") else "train" if run["id"] in TRAIN_IDS else "test"
-        if split != "unpriced":  # a part Tessera cannot price yet: shown, outside the splits and the bands
-            errors.append((split, regime(run), abs(error)))
+        split = "train" if run["id"] in TRAIN_IDS else "test"
+        errors.append((split, regime(run), abs(error)))
         if split == "train":
             train_log_errors.append(abs(math.log1p(error)))
         if split == "test":
@@ -229,10 +229,8 @@ def main() -> None:
             unfit.append(f"{run['id']} {est.peak_memory_bytes / 2**30:.1f} GiB of {est.memory_budget_bytes / 2**30:.0f}")
         rows.append((run["id"], split, regime(run), str(run["hardware"]["gpus"]), strategy.to_string(), f"{published:.2f}",
                      f"{est.step_time_s:.2f}", f"{error:+.1%}", memory, "yes" if est.fits else "NO", *own_cells))
-    priced = [run for run in runs if not run.get("unpriced")]
-    pairs = workload_pairs(priced, {key: pair[1].step_time_s for key, pair in chosen.items()})
+    pairs = workload_pairs(runs, {key: pair[1].step_time_s for key, pair in chosen.items()})
     summary = summarize(errors, fitted, deepspeed) + memory_summary(memory_errors, unfit, len(runs)) + pair_summary(pairs)
-    summary += "" if subset else unpriced_summary()
     if train_log_errors:  # what the fit minimises, with the calibration in use
         summary += f"\n- calibration objective (mean |log error| over the train split): {statistics.mean(train_log_errors):.4f}"
     if held_out:  # the same measure on the rows the fit never sees
@@ -259,29 +257,17 @@ def main() -> None:
         print(f"written {band_file.relative_to(HERE.parent)} (the error band of each regime, and of a gap)")
 
 
-def unpriced_summary() -> str:
-    """The runs on parts Tessera cannot price yet (``published_rows.unpriced_runs``), with the calibration in use:
-    outside the splits, the fit and the bands, so their error is shown apart."""
-    lines = []
-    for run in unpriced_runs():
-        estimate, published = plan_run(run, GPU_CALIBRATION)[1], published_step_s(run)
-        lines.append(f"{run['id']} {estimate.step_time_s / published - 1:+.0%}")
-    if not lines:
-        return ""
-    return (f"\n- not yet priceable ({len(lines)} runs, outside the splits, the fit and the bands; each row's "
-            f"'unpriced' says why): " + ", ".join(lines))
-
-
 def plan_quality(speedups: list[Speedup]) -> str:
-    """The summary line on Tessera's own plans against the published configurations that fit on its runtime."""
-    fair = [x.ratio for x in speedups if x.opponent_fits]
-    unfit = [x.ratio for x in speedups if not x.opponent_fits]
+    """The summary line on Tessera's own plans against the published configurations that run on its runtime."""
+    fair = [x.ratio for x in speedups if x.opponent_runs]
+    other = [x.ratio for x in speedups if not x.opponent_runs]
     return (f"\n- plan quality: Tessera's own plan is predicted at least as fast as the published configuration in "
-            f"{sum(x >= 0.999 for x in fair)} of the {len(fair)} runs whose configuration fits on Tessera's runtime "
+            f"{sum(x >= 0.999 for x in fair)} of the {len(fair)} runs whose configuration Tessera's runtime can run "
             f"(median speedup {statistics.median(fair):.2f}x, worst {min(fair):.2f}x; same cost model, own plan always "
             "fits; a published configuration is compared on Tessera's runtime: without TP overlap, with the runtime's "
             "sequence parallelism and its FSDP2); "
-            f"{len(unfit)} more do not fit there (speedups {', '.join(f'{x:.2f}x' for x in sorted(unfit))})")
+            f"{len(other)} more do not fit there or combine what it refuses "
+            f"(speedups {', '.join(f'{x:.2f}x' for x in sorted(other))})")
 
 
 def own_plan_cells(run: dict, strategy: Strategy, est, training: TrainingConfig, speedups: list[Speedup]) -> tuple[str, ...]:
@@ -291,17 +277,20 @@ def own_plan_cells(run: dict, strategy: Strategy, est, training: TrainingConfig,
     except InfeasiblePlanError:  # the published run fits only by what Tessera's runtime does not do
         return ("none fits on Tessera's runtime", "—", "—")
     opponent = runtime_comparable(run, strategy)
-    speedups.append(Speedup(opponent.step_time_s / own.estimate.step_time_s, opponent.fits))
-    return (own.strategy.to_string(), f"{own.estimate.step_time_s:.2f}",
-            f"{speedups[-1].ratio:.2f}x" + ("" if opponent.fits else " (published does not fit on Tessera's runtime)"))
+    refused = runtime_conflict(strategy_features(runtime_only(strategy)))
+    speedups.append(Speedup(opponent.step_time_s / own.estimate.step_time_s, opponent.fits and refused is None))
+    why = (f" (Tessera's runtime refuses {refused[0]} with {refused[1]})" if refused
+           else "" if opponent.fits else " (published does not fit on Tessera's runtime)")
+    return own.strategy.to_string(), f"{own.estimate.step_time_s:.2f}", f"{speedups[-1].ratio:.2f}x{why}"
 
 
 class Speedup(NamedTuple):
     """Tessera's own plan against the published configuration run on Tessera's runtime."""
 
     ratio: float
-    opponent_fits: bool
-    """Whether the published configuration fits in memory on Tessera's runtime (else it is no real alternative)."""
+    opponent_runs: bool
+    """Whether Tessera's runtime can run the published configuration: it fits in memory there and combines nothing
+    the runtime refuses (``cost_models.types.RUNTIME_EXCLUSIVE``); else it is no real alternative."""
 
 
 class Pair(NamedTuple):

@@ -34,18 +34,7 @@ PRESETS = {  # catalog device -> (preset whose fabric it sits on, gpu= variant o
 
 
 def measured_runs() -> list[dict]:
-    """Runs with a published step time, TFLOP/s or tokens/s per GPU and a stated parallel layout, that Tessera can
-    price (:func:`unpriced_runs` aside)."""
-    return [run for run in _runs_with_a_measurement() if not run.get("unpriced")]
-
-
-def unpriced_runs() -> list[dict]:
-    """Measured runs on a part Tessera cannot price yet (each row's ``unpriced`` says why): kept out of the splits,
-    the fit and the error bands, their error reported apart."""
-    return [run for run in _runs_with_a_measurement() if run.get("unpriced")]
-
-
-def _runs_with_a_measurement() -> list[dict]:
+    """Runs with a published step time, TFLOP/s or tokens/s per GPU and a stated parallel layout."""
     runs = [{**run, "file": name} for name in REFERENCE_FILES
             for run in yaml.safe_load((HERE / "reference" / name).read_text())["runs"]]
     reported = ("tflops_per_gpu", "step_time_s", "tokens_per_s_per_gpu")

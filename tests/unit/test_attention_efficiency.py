@@ -67,6 +67,19 @@ def test_a100_and_h100_attention_cores_run_at_their_own_published_kernel_rate():
     assert a100 > 0.9 > 0.6 > h100  # one constant cannot serve both generations
 
 
+def test_b200_attention_runs_at_cudnn_frontends_published_rate():
+    """The B200's curves come from cudnn-frontend's SDPA benchmark (cuDNN 9.10.2, flash-attn 2.7.4): forward and
+    backward TFLOP/s combined as 3.5 / (1/forward + 2.5/backward), which at 8K tokens are 1197.391 and 939.954 for
+    cuDNN; Transformer Engine's kernel there is three times FlashAttention-2's."""
+    b200 = load_cluster("dgx-b200:nodes=1").device
+    assert curve_at(attention_curve(b200.name, "cudnn"), 8192) == pytest.approx(3.5 / (1 / 1197.391 + 2.5 / 939.954) * 1e12,
+                                                                                rel=1e-3)
+    cudnn = attention_efficiency(b200, "bf16", kernels=MEGATRON.attention_kernels, seq_len=8192, calibration=FLAT)
+    flash = attention_efficiency(b200, "bf16", kernels=TORCHTITAN.attention_kernels, seq_len=8192, calibration=FLAT)
+    assert cudnn == pytest.approx(1001 / (0.5 * 2250)) and cudnn > 2.5 * flash
+    assert flash == pytest.approx(351 / (0.5 * 2250)) and flash != FALLBACK
+
+
 def test_the_framework_decides_the_kernel():
     te_h100 = attention_efficiency(H100.device, "bf16", kernels=MEGATRON.attention_kernels, seq_len=2048)
     assert te_h100 == pytest.approx(425 / (0.5 * 989))  # cuDNN on Hopper (derived from Shah et al. 2024)
@@ -171,12 +184,15 @@ def test_a_part_priced_from_a_siblings_figures_scales_them():
 
 
 def test_an_estimate_says_when_no_published_kernel_rate_prices_its_attention():
-    """On a part the catalog has no attention figure for (the B200), the estimate's notes say the calibrated fallback
+    """On a part the catalog has no attention figure for (GB200's B200), the estimate's notes say the calibrated fallback
     prices the attention; on an H100 running FlashAttention-2 they say nothing of it."""
     t, s = training(), Strategy.parse("dp=8,zero=3,mbs=1")
+    gb200 = estimate(LAYERS, load_cluster("dgx-b200:nodes=1,gpu=B200-GB200-NVL72"), t, s, calibration=FLAT,
+                     profile=TESSERA)
+    assert any(note.startswith("attention: no published rate of fa2 in bf16 on B200-GB200-NVL72") and
+               "40% of the bf16 peak" in note for note in gb200.notes)
     b200 = estimate(LAYERS, load_cluster("dgx-b200:nodes=1"), t, s, calibration=FLAT, profile=TESSERA)
-    assert any(note.startswith("attention: no published rate of fa2 in bf16 on B200-SXM-180GB") and
-               "40% of the bf16 peak" in note for note in b200.notes)
+    assert not any(note.startswith("attention:") for note in b200.notes)
     h100 = estimate(LAYERS, H100, t, s, calibration=FLAT, profile=TESSERA)
     assert not any(note.startswith("attention:") for note in h100.notes)
     fp32 = estimate(LAYERS, H100, TrainingConfig(global_batch=64, seq_len=2048, precision="fp32"), s, calibration=FLAT)

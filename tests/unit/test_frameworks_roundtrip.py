@@ -349,15 +349,6 @@ def test_a_row_in_nemos_model_tflops_converts_with_nemos_formula_and_part_of_a_n
     assert load_cluster(rows.cluster_spec(run)).num_devices == 4
 
 
-def test_runs_tessera_cannot_price_are_kept_out_of_the_fit_and_say_why():
-    """A row on a part the catalog cannot price yet (NeMo's B200 table: no attention figure for the B200) stays out of
-    the measured set, the calibration split and the bands, with its reason."""
-    rows = _published_rows()
-    measured, unpriced = {run["id"] for run in rows.measured_runs()}, rows.unpriced_runs()
-    assert unpriced and all(isinstance(run["unpriced"], str) and run["id"] not in measured for run in unpriced)
-    assert not {run["id"] for run in unpriced} & _benchmark_script("published").TRAIN_IDS
-
-
 def test_the_attention_gap_prices_the_attention_slower_and_finds_the_slowdown_a_step_implies():
     """``benchmarks/attention_gap.py``: at slowdown 1 the step is the benchmark's estimate; slower attention lengthens
     it; the slowdown found for a step 10% longer lies above 1 and reproduces that step."""
