@@ -49,13 +49,12 @@ from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.compute import GPU_CALIBRATION, Calibration
 from tessera.cost_models.error_bands import write_bands
 from tessera.cost_models.profiles import DEEPSPEED, ImplementationProfile
-from tessera.cost_models.types import runtime_conflict, strategy_features
 from tessera.errors import InfeasiblePlanError
 from tessera.planner.capture import capture_preset
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Plan
 from tessera.planner.search import search
-from tessera.planner.space import strategies
+from tessera.planner.space import runtime_refusal, strategies
 from tessera.topology import load_cluster
 
 HERE = Path(__file__).resolve().parent
@@ -277,9 +276,9 @@ def own_plan_cells(run: dict, strategy: Strategy, est, training: TrainingConfig,
     except InfeasiblePlanError:  # the published run fits only by what Tessera's runtime does not do
         return ("none fits on Tessera's runtime", "—", "—")
     opponent = runtime_comparable(run, strategy)
-    refused = runtime_conflict(strategy_features(runtime_only(strategy)))
+    refused = runtime_refusal(strategy, training, own.unavailable_axes)
     speedups.append(Speedup(opponent.step_time_s / own.estimate.step_time_s, opponent.fits and refused is None))
-    why = (f" (Tessera's runtime refuses {refused[0]} with {refused[1]})" if refused
+    why = (f" (published does not run on Tessera's runtime: {refused})" if refused
            else "" if opponent.fits else " (published does not fit on Tessera's runtime)")
     return own.strategy.to_string(), f"{own.estimate.step_time_s:.2f}", f"{speedups[-1].ratio:.2f}x{why}"
 

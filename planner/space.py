@@ -196,10 +196,25 @@ def strategies(
                             # never chosen: the runtime lacks both
                             tp_overlap=pins.get("tp_overlap", False), sp_regather=pins.get("sp_regather", False),
                         )
-                        features = strategy_features(strategy)
-                        if (runtime_conflict(features, exclusive) is None and folding_refusal(strategy) is None
-                                and model_refusal(model_features(strategy, training, features=features), unavailable) is None):
+                        if runtime_refusal(strategy, training, unavailable, exclusive) is None:
                             yield strategy
+
+
+def runtime_refusal(
+    strategy: Strategy, training: TrainingConfig, unavailable: Mapping[str, str] = MappingProxyType({}),
+    exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE,
+) -> str | None:
+    """Why the runtime would refuse ``strategy`` for a model whose ``unavailable`` axes these are, in a few words, or
+    None: a combination it never runs (``exclusive``), experts folded as it cannot fold them, or a feature the model
+    rules out. The search yields only strategies without one."""
+    features = strategy_features(strategy)
+    if (pair := runtime_conflict(features, exclusive)) is not None:
+        return f"it refuses {pair[0]} with {pair[1]}"
+    if folding_refusal(strategy) is not None:
+        return "it cannot fold these experts"
+    if (key := model_refusal(model_features(strategy, training, features=features), unavailable)) is not None:
+        return f"{key} is unavailable for the model"
+    return None
 
 
 def _sequence_parallel_runs(

@@ -20,7 +20,7 @@ from tessera.cost_models.sparse import (
 from tessera.cost_models.layer_stats import LayerStats, LinearPair
 from tessera.errors import ConfigError
 from tessera.planner.plan_facts import exposed_comm_by_kind
-from tessera.planner.space import LONG_CONTEXT_TOKENS, mesh_shapes
+from tessera.planner.space import LONG_CONTEXT_TOKENS, mesh_shapes, runtime_refusal
 from tessera.topology.clusterfile import cluster_from_raw
 from tessera.topology.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
 
@@ -417,3 +417,13 @@ def test_plan_explains_its_expert_degree_with_the_best_plan_at_every_other():
         assert candidate.verdict.startswith(f"ep={ep}: ")
         if candidate.estimate.fits:
             assert candidate.estimate.step_time_s >= plan.estimate.step_time_s
+
+
+def test_runtime_refusal_names_what_the_runtime_would_refuse():
+    """One predicate for the search and for comparing a published configuration on Tessera's runtime."""
+    t = TrainingConfig(global_batch=8, seq_len=4096)
+    assert runtime_refusal(Strategy.parse("dp=2,tp=4,zero=1,mbs=1,sp=true"), t) is None
+    assert runtime_refusal(Strategy.parse("dp=2,tp=2,cp=2,zero=1,mbs=1,sp=true"), t) == "it refuses cp with sp"
+    assert runtime_refusal(Strategy.parse("dp=2,tp=4,ep=4,etp=2,mbs=1"), t) == "it cannot fold these experts"
+    assert runtime_refusal(Strategy.parse("dp=2,tp=4,mbs=1"), t, {"tp": "no splittable linears"}) == (
+        "tp is unavailable for the model")
