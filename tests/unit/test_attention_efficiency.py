@@ -79,6 +79,9 @@ def test_b200_attention_runs_at_cudnn_frontends_published_rate():
     assert cudnn == pytest.approx(1001 / (0.5 * 2250)) and cudnn > 2.5 * flash
     assert flash == pytest.approx(351 / (0.5 * 2250)) and flash != FALLBACK
     assert curve_at(attention_curve(b200.name, "cudnn"), 512) == 395e12  # its 512 and 1K rows left out: the 2K rate
+    # GB200's B200 runs cuDNN 9.17 in its benchmark: 1.389 ms forward and 4.542 ms backward at 8K tokens
+    gb200 = curve_at(attention_curve("B200-GB200-NVL72", "cudnn"), 8192)
+    assert gb200 == pytest.approx(3.5 * 4 * 8192**2 * 128 * 128 / 2 / ((1.389 + 4.542) * 1e-3), rel=1e-3)
 
 
 def test_the_framework_decides_the_kernel():
@@ -185,15 +188,15 @@ def test_a_part_priced_from_a_siblings_figures_scales_them():
 
 
 def test_an_estimate_says_when_no_published_kernel_rate_prices_its_attention():
-    """On a part the catalog has no attention figure for (GB200's B200), the estimate's notes say the calibrated fallback
+    """On a part the catalog has no attention figure for (the H100 NVL), the estimate's notes say the calibrated fallback
     prices the attention; on an H100 running FlashAttention-2 they say nothing of it."""
     t, s = training(), Strategy.parse("dp=8,zero=3,mbs=1")
-    gb200 = estimate(LAYERS, load_cluster("dgx-b200:nodes=1,gpu=B200-GB200-NVL72"), t, s, calibration=FLAT,
-                     profile=TESSERA)
-    assert any(note.startswith("attention: no published rate of fa2 in bf16 on B200-GB200-NVL72") and
-               "40% of the bf16 peak" in note for note in gb200.notes)
-    b200 = estimate(LAYERS, load_cluster("dgx-b200:nodes=1"), t, s, calibration=FLAT, profile=TESSERA)
-    assert not any(note.startswith("attention:") for note in b200.notes)
+    nvl = estimate(LAYERS, load_cluster("dgx-h100:nodes=1,gpu=H100-NVL-94GB"), t, s, calibration=FLAT, profile=TESSERA)
+    assert any(note.startswith("attention: no published rate of fa2 in bf16 on H100-NVL-94GB") and
+               "40% of the bf16 peak" in note for note in nvl.notes)
+    for blackwell in ("dgx-b200:nodes=1", "dgx-b200:nodes=1,gpu=B200-GB200-NVL72"):
+        b200 = estimate(LAYERS, load_cluster(blackwell), t, s, calibration=FLAT, profile=TESSERA)
+        assert not any(note.startswith("attention:") for note in b200.notes)
     h100 = estimate(LAYERS, H100, t, s, calibration=FLAT, profile=TESSERA)
     assert not any(note.startswith("attention:") for note in h100.notes)
     fp32 = estimate(LAYERS, H100, TrainingConfig(global_batch=64, seq_len=2048, precision="fp32"), s, calibration=FLAT)
