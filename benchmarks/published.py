@@ -206,12 +206,14 @@ def main() -> None:
         runs, {key: pair[0] for key, pair in chosen.items()})
     console.print(f"grid fit on the train split: {fitted}, DeepSpeed ZeRO-3 slowdown {deepspeed}")
     rows, errors, speedups, held_out, memory_errors, unfit, train_log_errors = [], [], [], {}, [], [], []
+    by_gpu: dict[str, list[float]] = {}
     for run in runs:
         strategy, est = chosen[run["id"]]
         published = published_step_s(run)
         error = est.step_time_s / published - 1
         split = "train" if run["id"] in TRAIN_IDS else "test"
         errors.append((split, regime(run), abs(error)))
+        by_gpu.setdefault(load_cluster(cluster_spec(run)).device.name, []).append(error)  # the part it is priced as
         if split == "train":
             train_log_errors.append(abs(math.log1p(error)))
         if split == "test":
@@ -229,7 +231,8 @@ def main() -> None:
         rows.append((run["id"], split, regime(run), str(run["hardware"]["gpus"]), strategy.to_string(), f"{published:.2f}",
                      f"{est.step_time_s:.2f}", f"{error:+.1%}", memory, "yes" if est.fits else "NO", *own_cells))
     pairs = workload_pairs(runs, {key: pair[1].step_time_s for key, pair in chosen.items()})
-    summary = summarize(errors, fitted, deepspeed) + memory_summary(memory_errors, unfit, len(runs)) + pair_summary(pairs)
+    summary = (summarize(errors, fitted, deepspeed) + device_bias(by_gpu) + memory_summary(memory_errors, unfit, len(runs))
+               + pair_summary(pairs))
     if train_log_errors:  # what the fit minimises, with the calibration in use
         summary += f"\n- calibration objective (mean |log error| over the train split): {statistics.mean(train_log_errors):.4f}"
     if held_out:  # the same measure on the rows the fit never sees
@@ -365,6 +368,14 @@ def summarize(errors: list[tuple[str, str, float]], fitted: Calibration, deepspe
     lines.append(f"- calibration in use: {GPU_CALIBRATION}, DeepSpeed ZeRO-3 slowdown {DEEPSPEED.zero3_comm_slowdown}; "
                  f"grid fit on the train split: {fitted}, DeepSpeed ZeRO-3 slowdown {deepspeed}")
     return "\n".join(lines)
+
+
+def device_bias(by_gpu: dict[str, list[float]]) -> str:
+    """The signed median error of every GPU's runs, both splits (+: predicted slower than published): a part whose
+    runs all lean one way shows what one share of peak for every GPU leaves out."""
+    parts = [f"{gpu} {statistics.median(v):+.1%} ({min(v):+.1%} to {max(v):+.1%}, {len(v)} runs)"
+             for gpu, v in sorted(by_gpu.items())]
+    return "\n- by GPU, signed median error (+: predicted slower), all runs: " + "; ".join(parts)
 
 
 def memory_summary(errors: list[float], unfit: list[str], runs: int) -> str:
