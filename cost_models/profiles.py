@@ -40,7 +40,9 @@ there.
   the device is a published kernel benchmark (``topology/catalog.yaml`` ``attention_tflops``), priced by
   ``cost_models.compute.attention_efficiency``. Tessera's runtime and torchtitan call
   ``F.scaled_dot_product_attention``, whose flash backend is FlashAttention-2 from PyTorch 2.2 (its release blog,
-  2024-01: SDPA "now supports FlashAttention-2, yielding around 2x speedups"). Megatron-Core and NeMo run
+  2024-01: SDPA "now supports FlashAttention-2, yielding around 2x speedups"). torchtitan's published runs
+  (Hopper, 2024-2025) pinned that backend; Tessera's runtime leaves the choice to torch 2.13, which prefers cuDNN
+  on Hopper and Blackwell (``TESSERA``). Megatron-Core and NeMo run
   Transformer Engine's ``DotProductAttention``, which "prefers cuDNN flash attention on Hopper+ architectures, and
   Tri Dao flash attention on pre-Hopper" (NeMo docs, memory_optimizations.rst, NVIDIA/NeMo PR 9188): the catalog
   gives cuDNN figures for Hopper parts only, so an A100 resolves to FA2. llm-foundry's 2023 benchmark sweep ran
@@ -283,9 +285,12 @@ DEEPSPEED_ZERO3_SLOWDOWN = 5.0
 
 TESSERA = ImplementationProfile(name="tessera", autocast_copies=True, fp8_cast_bytes_per_element=9.0,
                                 fp8_casts_per_linear=True, fp8_all_gather=True, fp8_all_gather_under_tp=False, replicate_by_fsdp2=True,
-                                selective_policy="matmuls", fused_rms_norm=True)
+                                selective_policy="matmuls", fused_rms_norm=True, attention_kernels=("cudnn", "fa2"))
 """Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); ``nn.RMSNorm`` on torch 2.13, fused on
-CUDA; FP8 through torchao's float8 linears (``runtime.float8``), eager unless ``compile_blocks``: each casts its
+CUDA; SDPA at torch 2.13's default backend order, which puts cuDNN first on sm90 and sm100 parts (H100, H200,
+B200) when the cuDNN it loads is newer than 9.15.0 (``check_prefer_cudnn_attention`` in
+``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``, in torch since 2.10; the cuDNN its wheels bundle crosses
+that version from 2.11) and FlashAttention-2 elsewhere (the A100, whose catalog entry has no cuDNN figure); FP8 through torchao's float8 linears (``runtime.float8``), eager unless ``compile_blocks``: each casts its
 input on its own, on the fly from the bf16/fp32 weight, bf16 inputs saved; ZeRO-3 all-gathers the blocks' FP8 weights in FP8 at current scaling without tensor parallelism (bf16
 otherwise); its eager casts allocate 9 bytes per element cast (``tests/distributed/test_float8.py`` measures it with
 ``benchmarks/memory_meter.AllocatorMeter``)."""

@@ -20,3 +20,16 @@ def test_tiny_gpt_gives_the_same_loss_on_cuda_as_on_cpu():
     cuda_loss = torch.nn.functional.cross_entropy(cuda_model(ids.cuda()).flatten(0, 1), ids.cuda().flatten())
     # TF32 is off by default for matmuls in fp32; kernels differ in summation order only.
     torch.testing.assert_close(cuda_loss.cpu(), cpu_loss, rtol=1e-4, atol=1e-4)
+
+
+def test_sdpa_runs_the_kernel_tesseras_cost_model_prices():
+    """``cost_models.profiles.TESSERA`` prices Tessera's attention on cuDNN where torch prefers it (sm90 and sm100
+    parts with a cuDNN past 9.15.0) and on FlashAttention-2 elsewhere: the backend torch chooses here must agree."""
+    from torch.nn.attention import SDPBackend
+
+    major, minor = torch.cuda.get_device_capability()
+    prefers_cudnn = major in (9, 10) and minor in (0, 3) and torch.backends.cudnn.version() > 91500
+    q = torch.randn(1, 8, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 2, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    chosen = SDPBackend(torch._fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=True))
+    assert chosen == (SDPBackend.CUDNN_ATTENTION if prefers_cudnn else SDPBackend.FLASH_ATTENTION)

@@ -59,12 +59,21 @@ def test_a100_and_h100_attention_cores_run_at_their_own_published_kernel_rate():
     # counted on half the s x s product: the measured (full) FLOPs run at twice that.
     for cluster, peak, published in ((A100, 312e12, 155e12), (H100, 989e12, 265e12)):
         assert attention_curve(cluster.device.name, "fa2")[2] == (2048, published)
-        forward, backward, _ = compute_s(cluster, TESSERA)
+        forward, backward, _ = compute_s(cluster, TORCHTITAN)
         assert (forward, backward) == pytest.approx(hand_s(peak, published / CAUSAL_WORK))
     a100 = attention_efficiency(A100.device, "bf16", kernels=("fa2",), seq_len=2048)
     h100 = attention_efficiency(H100.device, "bf16", kernels=("fa2",), seq_len=2048)
     assert a100 == pytest.approx(155 / (0.5 * 312)) and h100 == pytest.approx(265 / (0.5 * 989))
     assert a100 > 0.9 > 0.6 > h100  # one constant cannot serve both generations
+
+
+def test_tesseras_runtime_is_priced_on_the_kernel_torch_chooses():
+    """torch 2.13's SDPA puts cuDNN first on Hopper and Blackwell (its bundled cuDNN is past 9.15.0) and runs
+    FlashAttention-2 on the A100: Tessera's own plans are priced so, not on FlashAttention-2 everywhere."""
+    assert compute_s(H100, TESSERA)[:2] == pytest.approx(hand_s(989e12, 425e12 / CAUSAL_WORK))  # cuDNN, 2K tokens
+    assert compute_s(A100, TESSERA)[:2] == pytest.approx(hand_s(312e12, 155e12 / CAUSAL_WORK))  # FlashAttention-2
+    b200 = load_cluster("dgx-b200:nodes=1")
+    assert compute_s(b200, TESSERA)[:2] == pytest.approx(compute_s(b200, MEGATRON)[:2])
 
 
 def test_b200_attention_runs_at_cudnn_frontends_published_rate():
@@ -164,8 +173,8 @@ def test_lower_bound_holds_for_every_framework():
 
 def test_estimate_prices_a_published_run_as_its_framework():
     t, s = training(), Strategy.parse("dp=8,zero=3,mbs=1")
-    te, sdpa = (estimate(LAYERS, H100, t, s, calibration=FLAT, profile=p).compute_time_s for p in (MEGATRON, TESSERA))
-    assert te < sdpa
+    te, sdpa = (estimate(LAYERS, H100, t, s, calibration=FLAT, profile=p).compute_time_s for p in (MEGATRON, TORCHTITAN))
+    assert te < sdpa  # cuDNN against the FlashAttention-2 torchtitan's runs pinned
 
 
 def test_catalog_attention_figures_are_checked():
@@ -189,10 +198,10 @@ def test_a_part_priced_from_a_siblings_figures_scales_them():
 
 def test_an_estimate_says_when_no_published_kernel_rate_prices_its_attention():
     """On a part the catalog has no attention figure for (the H100 NVL), the estimate's notes say the calibrated fallback
-    prices the attention; on an H100 running FlashAttention-2 they say nothing of it."""
+    prices the attention; on an H100 running cuDNN they say nothing of it."""
     t, s = training(), Strategy.parse("dp=8,zero=3,mbs=1")
     nvl = estimate(LAYERS, load_cluster("dgx-h100:nodes=1,gpu=H100-NVL-94GB"), t, s, calibration=FLAT, profile=TESSERA)
-    assert any(note.startswith("attention: no published rate of fa2 in bf16 on H100-NVL-94GB") and
+    assert any(note.startswith("attention: no published rate of cudnn/fa2 in bf16 on H100-NVL-94GB") and
                "40% of the bf16 peak" in note for note in nvl.notes)
     for blackwell in ("dgx-b200:nodes=1", "dgx-b200:nodes=1,gpu=B200-GB200-NVL72"):
         b200 = estimate(LAYERS, load_cluster(blackwell), t, s, calibration=FLAT, profile=TESSERA)
@@ -200,7 +209,7 @@ def test_an_estimate_says_when_no_published_kernel_rate_prices_its_attention():
     h100 = estimate(LAYERS, H100, t, s, calibration=FLAT, profile=TESSERA)
     assert not any(note.startswith("attention:") for note in h100.notes)
     fp32 = estimate(LAYERS, H100, TrainingConfig(global_batch=64, seq_len=2048, precision="fp32"), s, calibration=FLAT)
-    assert any("no published rate of fa2 in fp32 on H100-SXM-80GB" in note for note in fp32.notes)  # as it is priced
+    assert any("no published rate of cudnn/fa2 in fp32 on H100-SXM-80GB" in note for note in fp32.notes)  # as priced
     unfused = estimate(LAYERS, A100, t, s, calibration=FLAT, profile=MEGATRON_2021)
     assert any("attention: it runs unfused on A100-SXM-80GB" in note for note in unfused.notes)
     ring, split = replace(FLAT, cp_attention_slowdown=1.5), Strategy.parse("dp=4,cp=2,zero=3,mbs=1")
