@@ -290,7 +290,8 @@ TESSERA = ImplementationProfile(name="tessera", autocast_copies=True, fp8_cast_b
 CUDA; SDPA at torch 2.13's default backend order, which puts cuDNN first on sm90 and sm100 parts (H100, H200,
 B200) when the cuDNN it loads is newer than 9.15.0 (``check_prefer_cudnn_attention`` in
 ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``, in torch since 2.10; the cuDNN its wheels bundle crosses
-that version from 2.11) and FlashAttention-2 elsewhere (the A100, whose catalog entry has no cuDNN figure); FP8 through torchao's float8 linears (``runtime.float8``), eager unless ``compile_blocks``: each casts its
+that version from 2.11, as huggingface/transformers PR 48163 found, 2026-08-31) and FlashAttention-2 elsewhere (the
+A100, whose catalog entry has no cuDNN figure); ``tests/gpu/test_cuda_smoke.py`` checks the choice where a GPU is lent; FP8 through torchao's float8 linears (``runtime.float8``), eager unless ``compile_blocks``: each casts its
 input on its own, on the fly from the bf16/fp32 weight, bf16 inputs saved; ZeRO-3 all-gathers the blocks' FP8 weights in FP8 at current scaling without tensor parallelism (bf16
 otherwise); its eager casts allocate 9 bytes per element cast (``tests/distributed/test_float8.py`` measures it with
 ``benchmarks/memory_meter.AllocatorMeter``)."""
