@@ -68,7 +68,8 @@ def priced_kernel(run: dict) -> str:
     ``fallback``: the calibrated share of the peak."""
     device = load_cluster(cluster_spec(run)).device.name
     precision = bf16_or(training_config(run).precision)
-    return priced_attention_kernel(device, precision, framework_profile(run).attention_kernels) or "fallback"
+    kernels = framework_profile(run).kernels_at(run["parallel"].get("cp") or 1)
+    return priced_attention_kernel(device, precision, kernels) or "fallback"
 
 
 def main() -> None:

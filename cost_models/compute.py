@@ -198,7 +198,7 @@ def stage_compute_s(
     share = waiting * strategy.micro_batch / (strategy.tp * strategy.cp)
     op_level = op_level_selective(stage, profile.selective_policy)
     forward, backward, recompute = arithmetic_s(stage, device, training, width=stage.hidden_size / strategy.tp,
-                                                calibration=calibration, kernels=profile.attention_kernels,
+                                                calibration=calibration, kernels=profile.kernels_at(strategy.cp),
                                                 seq_len=training.seq_len / strategy.cp, cp=strategy.cp,
                                                 ring_slowed=profile.cp_ring_slowdown, op_level=op_level)
     constants = device_calibration(device, calibration)
@@ -372,8 +372,8 @@ def _tessera_with(kernels: tuple[str, ...], declared_norms: bool, gates: bool) -
     """Tessera's profile on ``kernels`` with the fused RMSNorm's smaller elementwise traffic (and the declared norms'
     and gated MLPs' where asked) and a ring as fast as the unsplit kernel, whatever Tessera's own defaults (built once
     per choice: the bound is taken ~10^5 times a search)."""
-    return replace(TESSERA, attention_kernels=kernels, fused_rms_norm=True, fused_declared_norms=declared_norms,
-                   fused_gated_activation=gates, cp_ring_slowdown=False)
+    return replace(TESSERA, attention_kernels=kernels, cp_attention_kernels=None, fused_rms_norm=True,
+                   fused_declared_norms=declared_norms, fused_gated_activation=gates, cp_ring_slowdown=False)
 
 
 def _fastest_attention(

@@ -196,7 +196,7 @@ def _attention_note(device: DeviceSpec, training: TrainingConfig, strategy: Stra
     slowdown prices it too."""
     if device.name == LOCAL_CPU:
         return ()
-    precision, kernels = bf16_or(training.precision), profile.attention_kernels
+    precision, kernels = bf16_or(training.precision), profile.kernels_at(strategy.cp)
     constants = device_calibration(device, calibration)
     notes = []
     if published_attention_flops(device.name, precision, kernels, training.seq_len / strategy.cp) is None:
@@ -369,7 +369,7 @@ def stage_time(
     rate = achievable_flops(cluster.device, bf16_or(training.precision), width=stage.hidden_size / strategy.tp,
                             calibration=calibration)
     attention = attention_core_rate(cluster.device, training, rate, calibration=calibration,  # what hides the ring
-                                    kernels=profile.attention_kernels, seq_len=training.seq_len / strategy.cp,
+                                    kernels=profile.kernels_at(strategy.cp), seq_len=training.seq_len / strategy.cp,
                                     cp=strategy.cp, ring_slowed=profile.cp_ring_slowdown)
     cp_total, cp_exposed = cp_comm_s(stage, cluster, strategy, flops_per_s=attention, profile=profile)
     ep_total = ep_comm_s(stage, cluster, strategy, dispatch=profile.ep_dispatch)

@@ -45,7 +45,7 @@ there.
   on Hopper and Blackwell (``TESSERA``). Megatron-Core and NeMo run
   Transformer Engine's ``DotProductAttention``, which "prefers cuDNN flash attention on Hopper+ architectures, and
   Tri Dao flash attention on pre-Hopper" (NeMo docs, memory_optimizations.rst, NVIDIA/NeMo PR 9188): the catalog
-  gives cuDNN figures for Hopper parts only, so an A100 resolves to FA2. llm-foundry's 2023 benchmark sweep ran
+  gives cuDNN figures for Hopper and Blackwell parts only, so an A100 resolves to FA2. llm-foundry's 2023 benchmark sweep ran
   ``attn_impl: triton`` (``scripts/train/benchmarking/submit_benchmarks.py`` default and the ``mpt-*.yaml``
   configs at 061f2c7ce64e), the Triton FlashAttention. Megatron-LM of 2021-2022 (SC'21, Korthikanti et al.)
   and DeepSpeed's SC'21 runs of its model ran attention unfused (cuBLAS batched GEMMs over the whole ``s x s``
@@ -174,6 +174,9 @@ class ImplementationProfile:
     attention_kernels: tuple[str, ...] = ("fa2",)
     """The fused attention kernels the framework runs, in the order it prefers them: the first one the device's
     catalog entry has a figure for prices the attention cores; none of them (or empty): the calibrated fallback."""
+    cp_attention_kernels: tuple[str, ...] | None = None
+    """The kernels of its context-parallel ring's steps, where they are not ``attention_kernels`` (None: the same):
+    a ring that calls one kernel's op itself runs that kernel whatever SDPA would choose."""
     refused_together: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE
     """Strategy features the framework does not combine (``cost_models.types.RUNTIME_EXCLUSIVE``'s vocabulary): the
     planner's space for a run of it leaves those out. Tessera's runtime's by default; none for the other
@@ -250,6 +253,10 @@ class ImplementationProfile:
     ``overlap_moe_expert_parallel_comm``, Megatron-Bridge's ``moe_a2a_overlap``; DeepSeek-V3's DualPipe): only what the
     compute does not cover stays on the critical path (``sparse.exposed_ep_comm_s``)."""
 
+    def kernels_at(self, cp: int) -> tuple[str, ...]:
+        """The attention kernels that run the cores at context-parallel degree ``cp``."""
+        return self.cp_attention_kernels if cp > 1 and self.cp_attention_kernels is not None else self.attention_kernels
+
     def __post_init__(self) -> None:
         if self.ep_dispatch not in EP_DISPATCHES:
             raise ConfigError(f"ep_dispatch={self.ep_dispatch!r} is not one of {', '.join(EP_DISPATCHES)}")
@@ -285,13 +292,15 @@ DEEPSPEED_ZERO3_SLOWDOWN = 5.0
 
 TESSERA = ImplementationProfile(name="tessera", autocast_copies=True, fp8_cast_bytes_per_element=9.0,
                                 fp8_casts_per_linear=True, fp8_all_gather=True, fp8_all_gather_under_tp=False, replicate_by_fsdp2=True,
-                                selective_policy="matmuls", fused_rms_norm=True, attention_kernels=("cudnn", "fa2"))
+                                selective_policy="matmuls", fused_rms_norm=True, attention_kernels=("cudnn", "fa2"),
+                                cp_attention_kernels=("fa2",))
 """Tessera's runtime: FSDP2 for ZeRO-1 to 3 (``runtime.data_parallel``); ``nn.RMSNorm`` on torch 2.13, fused on
 CUDA; SDPA at torch 2.13's default backend order, which puts cuDNN first on sm90 and sm100 parts (H100, H200,
 B200) when the cuDNN it loads is newer than 9.15.0 (``check_prefer_cudnn_attention`` in
 ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``, in torch since 2.10; the cuDNN its wheels bundle crosses
 that version from 2.11, as huggingface/transformers PR 48163 found, 2026-08-31) and FlashAttention-2 elsewhere (the
-A100, whose catalog entry has no cuDNN figure); ``tests/gpu/test_cuda_smoke.py`` checks the choice where a GPU is lent; FP8 through torchao's float8 linears (``runtime.float8``), eager unless ``compile_blocks``: each casts its
+A100, whose catalog entry has no cuDNN figure); ``tests/gpu/test_cuda_smoke.py`` checks the choice where a GPU is lent.
+Its context-parallel ring calls the flash kernel's op itself (``runtime.context_parallel``): FlashAttention-2 there; FP8 through torchao's float8 linears (``runtime.float8``), eager unless ``compile_blocks``: each casts its
 input on its own, on the fly from the bf16/fp32 weight, bf16 inputs saved; ZeRO-3 all-gathers the blocks' FP8 weights in FP8 at current scaling without tensor parallelism (bf16
 otherwise); its eager casts allocate 9 bytes per element cast (``tests/distributed/test_float8.py`` measures it with
 ``benchmarks/memory_meter.AllocatorMeter``)."""

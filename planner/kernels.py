@@ -7,8 +7,9 @@ training run uses; ``FusedKernels`` (a TorchFunctionMode) routes them to the fus
 element), as CUDA does; the CPU/meta composite path saves the mask in the input dtype.
 
 **Attention.** ``F.scaled_dot_product_attention`` on 4-D inputs is routed to
-``aten._scaled_dot_product_flash_attention``, which is what CUDA dispatches to (and CPU, as
-``..._flash_attention_for_cpu``): it has meta kernels and a FlopCounterMode formula, and it saves O(T) per head --
+``aten._scaled_dot_product_flash_attention``, which is what CUDA dispatches to on the A100 (and CPU, as
+``..._flash_attention_for_cpu``; the cuDNN kernel torch prefers on Hopper and Blackwell keeps the same output and
+per-row log-sum-exp): it has meta kernels and a FlopCounterMode formula, and it saves O(T) per head --
 without the routing, SDPA on meta takes the unfused math path that saves the (T, T) score matrix and overstates
 memory by orders of magnitude at long context.
 

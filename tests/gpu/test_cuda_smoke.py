@@ -23,13 +23,29 @@ def test_tiny_gpt_gives_the_same_loss_on_cuda_as_on_cpu():
 
 
 def test_sdpa_runs_the_kernel_tesseras_cost_model_prices():
-    """``cost_models.profiles.TESSERA`` prices Tessera's attention on cuDNN where torch prefers it (sm90 and sm100
-    parts with a cuDNN past 9.15.0) and on FlashAttention-2 elsewhere: the backend torch chooses here must agree."""
+    """``cost_models.profiles.TESSERA`` prices Tessera's attention on the first of its kernels this part has a
+    published rate for (cuDNN on Hopper and Blackwell, FlashAttention-2 on the A100), assuming torch's SDPA chooses
+    it: the backend torch chooses here, for a causal grouped-query call with grads, must be that one."""
+    import sys
+    from pathlib import Path
+
     from torch.nn.attention import SDPBackend
 
-    major, minor = torch.cuda.get_device_capability()
-    prefers_cudnn = major in (9, 10) and minor in (0, 3) and torch.backends.cudnn.version() > 91500
+    from tessera.cost_models.compute import priced_attention_kernel
+    from tessera.cost_models.profiles import TESSERA
+    from tessera.topology import load_cluster
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from gpu_check import catalog_cluster
+
+    part = load_cluster(catalog_cluster(torch.cuda.get_device_name())).device.name
+    priced = priced_attention_kernel(part, "bf16", TESSERA.attention_kernels)
+    if priced is None:
+        pytest.skip(f"no published attention rate for {part}: the calibrated fallback prices it")
     q = torch.randn(1, 8, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, 2, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     chosen = SDPBackend(torch._fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=True))
-    assert chosen == (SDPBackend.CUDNN_ATTENTION if prefers_cudnn else SDPBackend.FLASH_ATTENTION)
+    expected = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}[priced]
+    assert chosen == expected, (
+        f"torch {torch.__version__} with cuDNN {torch.backends.cudnn.version()} runs {chosen.name} on {part}, where "
+        f"Tessera prices {priced}: profiles.TESSERA.attention_kernels does not hold for this build")

@@ -74,6 +74,11 @@ def test_tesseras_runtime_is_priced_on_the_kernel_torch_chooses():
     assert compute_s(A100, TESSERA)[:2] == pytest.approx(hand_s(312e12, 155e12 / CAUSAL_WORK))  # FlashAttention-2
     b200 = load_cluster("dgx-b200:nodes=1")
     assert compute_s(b200, TESSERA)[:2] == pytest.approx(compute_s(b200, MEGATRON)[:2])
+    # its context-parallel ring calls the flash kernel's op itself (runtime.context_parallel): FlashAttention-2
+    ring = "dp=4,cp=2,zero=3,mbs=1"
+    assert compute_s(H100, TESSERA, seq_len=4096, strategy=ring) == pytest.approx(
+        compute_s(H100, TORCHTITAN, seq_len=4096, strategy=ring))
+    assert TESSERA.kernels_at(2) == ("fa2",) and MEGATRON.kernels_at(2) == MEGATRON.attention_kernels
 
 
 def test_b200_attention_runs_at_cudnn_frontends_published_rate():

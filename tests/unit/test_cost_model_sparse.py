@@ -310,8 +310,8 @@ def test_the_ring_hides_behind_its_attention_at_the_slowed_rate():
     stage = stage_totals(layers, 0, {})
     plain = stage_time(stage, c, training, s, calibration=FLAT)
     slowed = stage_time(stage, c, training, s, calibration=replace(FLAT, cp_attention_slowdown=2.0))
-    rate = attention_core_rate(c.device, training, 0.0, calibration=FLAT, kernels=TESSERA.attention_kernels,
-                               seq_len=1024)  # unsplit, at each rank's 1024 tokens
+    rate = attention_core_rate(c.device, training, 0.0, calibration=FLAT, kernels=TESSERA.kernels_at(s.cp),
+                               seq_len=1024)  # unsplit, at each rank's 1024 tokens, on the ring's own kernel
     assert plain.cp_comm == pytest.approx(cp_comm_s(stage, c, s, flops_per_s=rate)[1])
     assert slowed.cp_comm == pytest.approx(cp_comm_s(stage, c, s, flops_per_s=rate / 2)[1])
     assert 0 <= slowed.cp_comm < plain.cp_comm
