@@ -69,6 +69,12 @@ def differences(old, new, path: str = "") -> list[str]:
     return [] if old == new else [f"{path}: {old!r} -> {new!r}"]
 
 
+def summary_change(old: dict, new: dict) -> str:
+    """The plan's strategy and predicted step time against the record's, in one phrase."""
+    strategy = "same strategy" if old["strategy"] == new["strategy"] else "strategy changed"
+    return f"{strategy}, step {old['estimate']['step_time_s']:.3f} -> {new['estimate']['step_time_s']:.3f} s"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group(required=True)
@@ -90,7 +96,7 @@ def main() -> None:
             diffs = differences(old, results[name]) if old is not None else ["not recorded"]
             failed += bool(diffs)
             same = "identical bit for bit" if old == json.loads(json.dumps(results[name])) else "identical within 1e-9"
-            note += f"  {same}" if not diffs else "  DIFFERS:\n    " + "\n    ".join(diffs[:20])
+            note += f"  {same}" if not diffs else f"  DIFFERS ({summary_change(old, results[name])}):\n    " + "\n    ".join(diffs[:20])
         print(f"{name:32s} {note}", flush=True)
     if args.record:
         args.record.write_text(json.dumps(results, indent=1, sort_keys=True))
