@@ -32,7 +32,7 @@ from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.stage_views import op_level_selective, with_loss_kernel
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology.cluster import DeviceSpec
-from tessera.topology.hardware import ATTENTION_KERNELS, LOCAL_CPU, AttentionCurve, attention_curve
+from tessera.topology.hardware import ATTENTION_KERNELS, LOCAL_CPU, AttentionCurve, attention_curve, matmul_scale
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,20 @@ the forward's two) and as the kernel benchmarks count them: all of it runs insid
 
 
 def device_calibration(device: DeviceSpec, calibration: Calibration = GPU_CALIBRATION) -> Calibration:
-    """The constants for a device kind (``calibration`` for accelerators)."""
-    return CPU_CALIBRATION if device.name == LOCAL_CPU else calibration
+    """The constants for a device kind: ``calibration`` for accelerators, its matmul efficiencies scaled by the part's
+    measured GEMM efficiency relative to the H100's (``topology.hardware.matmul_scale``: the B200 reaches a smaller
+    share of its peak)."""
+    if device.name == LOCAL_CPU:
+        return CPU_CALIBRATION
+    return _matmul_scaled(calibration, matmul_scale(device.name))
+
+
+@functools.cache
+def _matmul_scaled(calibration: Calibration, scale: float) -> Calibration:
+    if scale == 1.0:
+        return calibration
+    return replace(calibration, peak_fraction=calibration.peak_fraction * scale,
+                   fp8_peak_fraction=calibration.fp8_peak_fraction * scale)
 
 
 def achievable_flops(

@@ -46,8 +46,9 @@ converted to SI units is reported here)."""
 
 ATTENTION_KERNELS = ("fa2", "fa-triton", "cudnn", "fa3")
 """Fused attention kernels a catalog entry may give figures for (``catalog.yaml`` header)."""
-CATALOG_ONLY_FIELDS = ("attention_tflops", "attention_scale", "attention_source")
-"""Catalog entry fields that are not ``DeviceSpec`` fields: the attention kernels' published rates."""
+CATALOG_ONLY_FIELDS = ("attention_tflops", "attention_scale", "attention_source", "matmul_scale", "matmul_source")
+"""Catalog entry fields that are not ``DeviceSpec`` fields: the attention kernels' published rates and the part's
+measured GEMM efficiency relative to the H100's."""
 
 AttentionCurve = tuple[tuple[int, float], ...]
 """``((sequence length, forward + backward FLOP/s), ...)`` in increasing sequence length."""
@@ -231,6 +232,26 @@ def attention_curves_from_raw(raw: Any, *, where: str) -> dict[str, AttentionCur
             (seq, file_number(points[seq], f"{field}.{kernel}.{seq}", positive=True) * TFLOPS) for seq in sorted(points)
         )
     return curves
+
+
+@functools.cache
+def _matmul_scales() -> dict[str, float]:
+    """``{device name: matmul_scale}`` for the catalog entries that give one."""
+    scales = {}
+    for i, entry in enumerate(_entries()):
+        if "matmul_scale" in entry:
+            field = f"catalog.yaml entry {i}: field 'matmul_scale'"
+            scale = file_number(entry["matmul_scale"], field, positive=True)
+            if scale > 2 or not entry.get("matmul_source"):
+                raise ClusterSpecError(f"{field} must be at most 2 and name its benchmark in 'matmul_source'")
+            scales[str(entry["name"])] = scale
+    return scales
+
+
+def matmul_scale(device_name: str) -> float:
+    """The catalogued part's measured share of its peak in large GEMMs over the H100 SXM's (``catalog.yaml``), 1 for
+    a part without one (the H100 itself, or a device the catalog does not hold)."""
+    return _matmul_scales().get(device_name, 1.0)
 
 
 def attention_curve(device_name: str, kernel: str) -> AttentionCurve | None:

@@ -1,0 +1,44 @@
+"""A part's measured GEMM efficiency relative to the H100's scales the fitted matmul curve (``catalog.yaml``
+``matmul_scale``, ``cost_models.compute.device_calibration``)."""
+
+import pytest
+
+from tessera.cost_models.compute import GPU_CALIBRATION, achievable_flops, device_calibration
+from tessera.errors import ClusterSpecError
+from tessera.topology.hardware import device, local_cpu_device, matmul_scale
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_the_b200_reaches_its_measured_share_of_the_h100s_efficiency(precision):
+    b200, h100 = device("B200-SXM-180GB"), device("H100-SXM-80GB")
+    assert matmul_scale(b200.name) == 0.80 and matmul_scale(h100.name) == 1.0
+    curve = GPU_CALIBRATION.at if precision == "bf16" else GPU_CALIBRATION.fp8_at
+    assert achievable_flops(h100, "bf16", width=4096) == pytest.approx(989e12 * GPU_CALIBRATION.at(4096))
+    rate = (achievable_flops(b200, "bf16", width=4096) if precision == "bf16"
+            else b200.peak_flops("fp8") * device_calibration(b200).fp8_at(4096))
+    assert rate == pytest.approx(0.80 * b200.peak_flops(precision) * curve(4096))
+
+
+def test_parts_without_a_measurement_and_the_cpu_keep_their_constants():
+    assert device_calibration(device("B200-GB200-NVL72")) == GPU_CALIBRATION  # no GEMM benchmark of the GB200's B200
+    assert device_calibration(device("A100-SXM-80GB")) == GPU_CALIBRATION
+    assert device_calibration(local_cpu_device(2)).peak_fraction == 1.0
+    assert matmul_scale("my-own-accelerator") == 1.0
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"name": "x", "matmul_scale": 3, "matmul_source": "a benchmark"}, "must be at most 2"),
+    ({"name": "x", "matmul_scale": 0.9}, "name its benchmark in 'matmul_source'"),
+    ({"name": "x", "matmul_scale": -1, "matmul_source": "a benchmark"}, "matmul_scale"),
+    ({"name": "x", "matmul_scale": "fast", "matmul_source": "a benchmark"}, "matmul_scale"),
+])
+def test_a_bad_matmul_scale_is_one_line(monkeypatch, entry, message):
+    from tessera.topology import hardware
+
+    monkeypatch.setattr(hardware, "_entries", lambda: [entry])
+    hardware._matmul_scales.cache_clear()
+    try:
+        with pytest.raises(ClusterSpecError, match=message):
+            hardware.matmul_scale("x")
+    finally:
+        hardware._matmul_scales.cache_clear()
