@@ -25,11 +25,12 @@ HERE = Path(__file__).resolve().parent
 MEGATRON_FIELDS_FILE = "published_runs.yaml"  # the shared set's own field names (``_megatron_pins``)
 REFERENCE_FILES = (MEGATRON_FIELDS_FILE, "fsdp_fp8_runs.yaml")
 SC21_FLOPS = "megatron-sc21-eq3"  # Narayanan et al. 2021's eq. 3: the FLOPs its TFLOP/s count, recomputation included
+MEGATRON_MOE_FLOPS = "megatron-moe"  # Megatron-LM's model FLOPs of a routed-expert decoder (megatron_moe_flops_per_token)
 PRESETS = {  # catalog device -> (preset whose fabric it sits on, gpu= variant or None)
     "A100-SXM4-80GB": ("dgx-a100", None), "A100-SXM-80GB": ("dgx-a100", None),
     "A100-SXM-40GB": ("dgx-a100", "A100-SXM-40GB"), "H100-SXM-80GB": ("dgx-h100", None),
     "H100-SXM-96GB-500W": ("dgx-h100", "H100-SXM-96GB-500W"), "H200-SXM-141GB": ("dgx-h200", None),
-    "B200-SXM-180GB": ("dgx-b200", None),
+    "B200-SXM-180GB": ("dgx-b200", None), "B200-GB200-NVL72": ("gb200-nvl72", None),
 }
 
 
@@ -86,6 +87,7 @@ FRAMEWORKS = (  # a row's ``framework``, by how it begins -> the profile of that
     ("NeMo 24.07", NEMO_2024),
     ("NeMo 25.11", MEGATRON_BRIDGE),
     ("NeMo 26.04", MEGATRON_BRIDGE),
+    ("Megatron-Bridge", MEGATRON_BRIDGE),
     ("NeMo", MEGATRON),
     ("torchtitan", TORCHTITAN_2024),
     ("llm-foundry", PYTORCH_FSDP_TE),
@@ -97,7 +99,7 @@ def framework_profile(run: dict) -> ImplementationProfile:
     DeepSpeed for SC'21's ZeRO-3 rows; Megatron-LM of 2021-2022 for SC'21's other rows and Korthikanti et al.'s
     (unfused attention, scattered pipeline sends, gradients reduced after the backward); NeMo's 2024 containers
     reducing gradients in bf16; how a MoE row's expert all-to-alls cross nodes and overlap (``parallel.ep_dispatch``,
-    ``parallel.ep_overlap``)."""
+    ``parallel.ep_overlap``); whether its data-parallel collectives overlap the backward (``parallel.dp_overlap``)."""
     framework = str(run.get("framework", ""))
     matches = [(len(prefix), p) for prefix, p in FRAMEWORKS if framework.startswith(prefix)]
     profile = max(matches, key=lambda match: match[0])[1] if matches else None  # the longest: 'NeMo 24.07' > 'NeMo'
@@ -114,6 +116,8 @@ def framework_profile(run: dict) -> ImplementationProfile:
     if par.get("ep_dispatch") or par.get("ep_overlap"):  # how the row's recipe runs its expert all-to-alls
         profile = replace(profile, ep_dispatch=par.get("ep_dispatch") or profile.ep_dispatch,
                           ep_overlap=bool(par.get("ep_overlap")))
+    if par.get("dp_overlap") is not None:  # a recipe that leaves Megatron's overlap_grad_reduce off
+        profile = replace(profile, dp_overlap=bool(par["dp_overlap"]))
     return profile
 
 
@@ -140,6 +144,8 @@ def published_step_s(run: dict) -> float:
         return float(reported["step_time_s"])
     if reported.get("tokens_per_s_per_gpu"):
         return b * m["seq_len"] / (reported["tokens_per_s_per_gpu"] * run["hardware"]["gpus"])
+    if reported.get("flops_formula") == MEGATRON_MOE_FLOPS:
+        return b * m["seq_len"] * megatron_moe_flops_per_token(m) / (reported["tflops_per_gpu"] * 1e12 * run["hardware"]["gpus"])
     s, l, h, v = m["seq_len"], m["layers"], m["hidden"], m["vocab"]
     if reported.get("flops_formula") == SC21_FLOPS:  # eq. 3: forward, backward and recomputed forward
         flops = 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
@@ -148,10 +154,25 @@ def published_step_s(run: dict) -> float:
         flops = b * s * l * h**2 * (12 + ratios)
     elif reported.get("flops_formula") is not None:
         raise ValueError(f"{run['id']}: unknown flops_formula {reported['flops_formula']!r}; "
-                         f"known: {SC21_FLOPS}, nemo-llama")
+                         f"known: {SC21_FLOPS}, nemo-llama, {MEGATRON_MOE_FLOPS}")
     else:  # model FLOPs: forward and backward only
         flops = 72 * b * s * l * h**2 * (1 + s / (6 * h)) + 6 * b * s * h * v
     return flops / (reported["tflops_per_gpu"] * 1e12 * run["hardware"]["gpus"])
+
+
+def megatron_moe_flops_per_token(model: dict) -> float:
+    """Model FLOPs per token of a GQA/SwiGLU decoder with routed experts, counted as Megatron-LM's
+    ``num_floating_point_operations`` counts them: the attention projections, the causal core (half the s x s
+    product), each token's routed experts, forward and backward (x3), and the logits (6 h V); not the router.
+    For Qwen3-30B-A3B at 4096 tokens it gives 23.006 GFLOP, which reproduces Megatron-Bridge's own 244.039 TFLOP/s
+    at 24.7138 s per step of 1024 x 4096 tokens on 16 GPUs (its perf-moe-comm-overlap skill at 7ded17dae)."""
+    c, s = model["config"], model["seq_len"]
+    h, heads, groups = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    qkv = heads * c["head_dim"]
+    projections = 2 * (h * qkv + 2 * h * groups * c["head_dim"] + qkv * h)
+    core = 2 * s * qkv
+    experts = 2 * 3 * h * c["moe_intermediate_size"] * c["num_experts_per_tok"]
+    return 3 * model["layers"] * (projections + core + experts) + 6 * h * c["vocab_size"]
 
 
 def pins(run: dict) -> dict[str, object]:

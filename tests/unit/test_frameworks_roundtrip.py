@@ -402,3 +402,18 @@ def test_a_published_moe_run_is_a_hugging_face_config_with_its_expert_layout_pin
     assert not rows.framework_profile(by_id["nemo2511-fp8cs-qwen3-30b-a3b-16gpu"]).ep_overlap  # recipe not the row's
     with pytest.raises(ValueError, match="model.experts 64 is not its config's num_local_experts 128"):
         rows.model_spec({**run, "model": {**run["model"], "experts": 64}})
+
+
+def test_megatrons_moe_model_flops_reproduce_megatron_bridges_own_pair_and_a_gb200_row_is_one_nvlink_domain():
+    """Megatron-LM's MoE recipe index prints model TFLOP/s only: its rows convert with Megatron's count of a routed-expert
+    decoder, which reproduces Megatron-Bridge's own pair for the same model (244.039 TFLOP/s at 24.7138 s per step of
+    1024 x 4096 tokens on 16 GPUs, a row that prints both). A GB200 row's 16 GPUs are 16 of one NVL72 domain, and a
+    recipe that leaves overlap_grad_reduce off reduces its gradients after the backward."""
+    rows = _published_rows()
+    bridge = next(r for r in rows.measured_runs() if r["id"] == "mbridge2607-bf16-qwen3-30b-a3b-16gpu")
+    as_tflops = {**bridge, "reported": {"tflops_per_gpu": 244.039, "flops_formula": "megatron-moe"}}
+    assert rows.published_step_s(as_tflops) == pytest.approx(24.7138, rel=1e-4)
+    gb200 = next(r for r in rows.measured_runs() if r["id"] == "mlm2608-bf16-qwen3-30b-a3b-gb200-16gpu")
+    assert rows.cluster_spec(gb200) == "gb200-nvl72:nodes=1,gpus_per_node=16"
+    assert not rows.framework_profile(gb200).dp_overlap and rows.framework_profile(bridge).dp_overlap
+    assert rows.framework_profile(bridge).name == "megatron-bridge"  # grad_reduce_in_fp32 False
