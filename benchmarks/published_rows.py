@@ -160,6 +160,14 @@ def published_step_s(run: dict) -> float:
     return flops / (reported["tflops_per_gpu"] * 1e12 * run["hardware"]["gpus"])
 
 
+_BEYOND_MEGATRON_MOE_COUNT = frozenset({
+    "shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace", "mlp_only_layers",
+    "decoder_sparse_step", "num_nextn_predict_layers", "q_lora_rank", "kv_lora_rank",
+})
+"""Hugging Face config fields of what :func:`megatron_moe_flops_per_token` does not count (shared experts, dense
+layers among the MoE ones, multi-token prediction, latent attention)."""
+
+
 def megatron_moe_flops_per_token(model: dict) -> float:
     """Model FLOPs per token of a GQA/SwiGLU decoder with routed experts, counted as Megatron-LM's
     ``num_floating_point_operations`` counts them: the attention projections, the causal core (half the s x s
@@ -167,6 +175,10 @@ def megatron_moe_flops_per_token(model: dict) -> float:
     For Qwen3-30B-A3B at 4096 tokens it gives 23.006 GFLOP, which reproduces Megatron-Bridge's own 244.039 TFLOP/s
     at 24.7138 s per step of 1024 x 4096 tokens on 16 GPUs (its perf-moe-comm-overlap skill at 7ded17dae)."""
     c, s = model["config"], model["seq_len"]
+    beyond = sorted(key for key in c if key in _BEYOND_MEGATRON_MOE_COUNT)
+    if beyond:
+        raise ValueError(f"flops_formula megatron-moe counts routed experts in every layer, GQA attention and no "
+                         f"multi-token prediction; the config sets {', '.join(beyond)}: give the step time instead")
     h, heads, groups = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     qkv = heads * c["head_dim"]
     projections = 2 * (h * qkv + 2 * h * groups * c["head_dim"] + qkv * h)

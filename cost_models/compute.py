@@ -128,7 +128,7 @@ def device_calibration(device: DeviceSpec, calibration: Calibration = GPU_CALIBR
     return _matmul_scaled(calibration, matmul_scale(device.name))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=512)  # the calibration fit tries a few hundred constants
 def _matmul_scaled(calibration: Calibration, scale: float) -> Calibration:
     if scale == 1.0:
         return calibration
@@ -210,6 +210,7 @@ def stage_compute_s(
     share = waiting * strategy.micro_batch / (strategy.tp * strategy.cp)
     op_level = op_level_selective(stage, profile.selective_policy)
     forward, backward, recompute = arithmetic_s(stage, device, training, width=stage.hidden_size / strategy.tp,
+                                                expert_width=stage.expert_width / strategy.expert_tp,
                                                 calibration=calibration, kernels=profile.kernels_at(strategy.cp),
                                                 seq_len=training.seq_len / strategy.cp, cp=strategy.cp,
                                                 ring_slowed=profile.cp_ring_slowdown, op_level=op_level)
@@ -272,7 +273,7 @@ def recomputed_flops(stage: StageTotals, profile: ImplementationProfile) -> floa
 def arithmetic_s(
     stage: StageTotals, device: DeviceSpec, training: TrainingConfig, *, width: float, calibration: Calibration,
     kernels: tuple[str, ...] = TESSERA.attention_kernels, seq_len: float = 0.0, cp: int = 1, ring_slowed: bool = True,
-    op_level: bool = False,
+    op_level: bool = False, expert_width: float = 0.0,
 ) -> tuple[float, float, float]:
     """(forward, backward, recompute) matmul seconds of ONE sequence of ``stage`` on one device's whole rate.
 
@@ -283,7 +284,9 @@ def arithmetic_s(
     blocks' other linears run at the FP8 rate and the head at the bf16 rate (``cost_models.fp8``). A selective
     recomputation re-runs attention cores only, a full one the blocks' forward at its mixed rate; with ``op_level``
     (``stage_views.op_level_selective``), a selective block re-runs its ``op_selective_recompute_flops`` at the
-    linears' rate instead (``profiles.selective_policy``).
+    linears' rate instead (``profiles.selective_policy``). The routed experts' matmuls run at the curve's rate at
+    their own local width where it is narrower (``expert_width``: an expert's narrowest matrix dimension over the
+    expert tensor-parallel degree), as a dense block's run at the hidden size over tp.
     """
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
     attention_rate = attention_core_rate(device, training, rate, calibration=calibration, kernels=kernels,
@@ -295,15 +298,28 @@ def arithmetic_s(
         kept_forward, kept_backward = bf16_flops(stage)
         head_forward, head_backward = kept_forward - core, max(0.0, kept_backward - 2 * core)  # fp8.bf16_flops' head
     backward_core = min(BACKWARD_CORE_FLOPS * core, stage.backward_flops - head_backward)
-    forward = ((stage.forward_flops - core - head_forward) / linear_rate + core / attention_rate + head_forward / rate)
+    expert_slowdown = _expert_slowdown(device, training, width, expert_width, calibration)
+    forward = ((stage.forward_flops - core - head_forward) / linear_rate + core / attention_rate + head_forward / rate
+               + min(stage.expert_forward_flops, stage.forward_flops) * expert_slowdown / linear_rate)
     backward = ((stage.backward_flops - backward_core - head_backward) / linear_rate + backward_core / attention_rate
-                + head_backward / rate)
+                + head_backward / rate + min(stage.expert_backward_flops, stage.backward_flops) * expert_slowdown / linear_rate)
     mixed = forward / stage.forward_flops if stage.forward_flops else 0.0
     if op_level:
         full = stage.recompute_flops - stage.selective_core_flops
         return forward, backward, full * mixed + stage.op_selective_recompute_flops / linear_rate
     recompute = stage.recompute_flops * mixed if stage.full_recompute_blocks else stage.recompute_flops / attention_rate
     return forward, backward, recompute
+
+
+def _expert_slowdown(device: DeviceSpec, training: TrainingConfig, width: float, expert_width: float,
+                     calibration: Calibration) -> float:
+    """How much longer the routed experts' FLOPs take than the block's other linears' (0: not narrower): the
+    efficiency curve at the hidden width over tp against at the experts' own narrower width."""
+    if not 0 < expert_width < width:
+        return 0.0
+    constants = device_calibration(device, calibration)
+    curve = constants.fp8_at if training.precision == "fp8" else constants.at
+    return curve(width) / curve(expert_width) - 1.0
 
 
 def attention_core_rate(

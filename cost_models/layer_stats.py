@@ -120,6 +120,10 @@ class LayerStats(BaseModel):
     expert_param_count: int = Field(default=0, ge=0)
     """Parameters of the routed experts, all of them (a part of ``param_count``): what expert parallelism
     divides. The router and a shared expert are dense and not included."""
+    expert_width: int = Field(default=0, ge=0)
+    """The narrowest dimension of one routed expert's weight matrices (its inner width where that is narrower than
+    the hidden size; 0 for dense layers, or where capture did not see it): the width of the experts' matmuls on the
+    efficiency curve (``cost_models.compute``), as the hidden size over tp is the dense block's."""
     expert_forward_flops: float = Field(default=0.0, ge=0)
     """Forward FLOPs of the routed experts for one sequence at the measured load (a part of ``forward_flops``)."""
     expert_backward_flops: float = Field(default=0.0, ge=0)

@@ -55,6 +55,9 @@ class StageTotals:
     moe_layers: int = 0  # layers with routed experts: each costs a dispatch and a combine all-to-all per pass
     experts: int = 0  # routed experts of the stage's MoE layers (the fewest): how a per-node dispatch spreads
     top_k: int = 0  # experts each token is sent to (the most of the stage's MoE layers)
+    expert_forward_flops: float = 0.0  # the routed experts' part of forward_flops
+    expert_backward_flops: float = 0.0  # the routed experts' part of backward_flops
+    expert_width: int = 0  # the narrowest expert matrix dimension of the stage's MoE layers (0: none seen)
     dispatch_bytes: float = 0.0  # token activations one dispatch all-to-all carries per sequence (sum over layers)
     recompute_dispatch_bytes: float = 0.0  # the part of dispatch_bytes whose forward is recomputed (full)
     attention_layers: int = 0  # layers with attention: each runs one K/V ring per pass under cp

@@ -390,6 +390,7 @@ def _expert_facts(model: nn.Module, module: nn.Module, capacity_factor: float | 
     return {
         "top_k": layer_info.top_k_declared(module, getattr(model, "config", None)),
         "expert_param_count": layer_info.expert_param_count(module),
+        "expert_width": layer_info.expert_width(module),
         "expert_capacity_factor": measured_capacity_factor(module, capacity_factor),
     }
 

@@ -275,6 +275,14 @@ def expert_param_count(module: nn.Module) -> int:
     return total
 
 
+def expert_width(module: nn.Module) -> int:
+    """The narrowest dimension of the routed experts' weight matrices (an expert's inner width, for experts narrower
+    than the hidden size; 0 for a dense layer): the narrow side of their matmuls (``LayerStats.expert_width``)."""
+    roots = [sub for name, sub in module.named_modules() if name.rpartition(".")[2] == "experts"]
+    dims = [min(p.shape[-2:]) for root in roots for p in root.parameters() if p.dim() >= 2]
+    return min(dims, default=0)
+
+
 def top_k_declared(module: nn.Module, config: object) -> int:
     """Routed experts per token declared by the layer's modules or the model's config (0 if none)."""
     for sub in module.modules():

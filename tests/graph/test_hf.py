@@ -102,6 +102,18 @@ def test_a_head_dim_that_a_default_config_lacks_sets_the_attention_width() -> No
         resolve_model(SPECS["gpt2"] + ",head_dim=32")
 
 
+def test_an_experts_narrow_side_is_its_matmuls_width() -> None:
+    """A fine-grained expert (Qwen3's: inner width under the hidden size) reports that width, the narrow side of its
+    stacked gate/up and down matrices; a dense layer reports none. The cost model prices the experts' matmuls there
+    (``cost_models.compute``)."""
+    spec = (f"hf:qwen3_moe:hidden_size={H},num_hidden_layers=1,num_attention_heads={HEADS},num_key_value_heads={KV},"
+            f"num_local_experts=4,num_experts_per_tok=2,vocab_size={V},moe_intermediate_size=")
+    graph = capture_preset(spec + f"{H // 4}", seq_len=T)
+    assert graph.blocks[0].expert_width == H // 4
+    assert capture_preset(spec + f"{2 * H}", seq_len=T).blocks[0].expert_width == H  # wider experts: the hidden size
+    assert graph.layer("model.embed_tokens").expert_width == 0
+
+
 def test_hf_model_of_realistic_width_allocates_nothing() -> None:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     graph = capture_preset("hf:llama:num_hidden_layers=2", seq_len=512)  # 4096 wide: 0.67B parameters

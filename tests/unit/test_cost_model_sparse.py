@@ -427,3 +427,27 @@ def test_runtime_refusal_names_what_the_runtime_would_refuse():
     assert runtime_refusal(Strategy.parse("dp=2,tp=4,ep=4,etp=2,mbs=1"), t) == "it cannot fold these experts"
     assert runtime_refusal(Strategy.parse("dp=2,tp=4,mbs=1"), t, {"tp": "no splittable linears"}) == (
         "tp is unavailable for the model")
+
+
+def test_narrow_experts_run_at_the_curves_rate_for_their_own_width():
+    """An expert narrower than the hidden size over tp runs its matmuls at the efficiency curve's rate for its own
+    width over etp (the narrow side of its GEMMs), the rest of the block at the hidden width's; a wider expert, or
+    FP8 on a curve flat in width, changes nothing."""
+    from tessera.cost_models.compute import stage_compute_s
+
+    curve = Calibration(peak_fraction=0.8, half_width=512.0, traffic_factor=0.0, fp8_peak_fraction=0.7)
+    device, strategy = cluster(1).device, Strategy.parse("dp=8,ep=8,mbs=1")
+
+    def forward_s(width: int, training: TrainingConfig = TRAINING, s: Strategy = strategy) -> float:
+        stage = stage_totals([moe_block(0).model_copy(update={"expert_width": width})], 0, {"blocks.0": "none"})
+        return stage_compute_s(stage, device, training, s, calibration=curve, profile=TESSERA)[0]
+
+    dense_rate = device.peak_flops("bf16") * curve.at(4096)
+    slower = 5e11 * (curve.at(4096) / curve.at(1024) - 1) / dense_rate  # the experts' forward FLOPs, priced again
+    assert forward_s(1024) - forward_s(0) == pytest.approx(slower)
+    assert forward_s(8192) == forward_s(0)  # not narrower than the hidden size: the block's rate
+    etp2 = Strategy.parse("dp=4,tp=2,ep=4,mbs=1")  # experts split over tp: half as wide on each rank
+    assert forward_s(2048, s=etp2) - forward_s(0, s=etp2) == pytest.approx(
+        5e11 * (curve.at(2048) / curve.at(1024) - 1) / (device.peak_flops("bf16") * curve.at(2048)) / 2)
+    fp8 = TrainingConfig(global_batch=64, seq_len=2048, precision="fp8")
+    assert forward_s(1024, fp8) == forward_s(0, fp8)  # this FP8 curve is flat in width

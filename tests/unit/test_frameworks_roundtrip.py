@@ -413,6 +413,9 @@ def test_megatrons_moe_model_flops_reproduce_megatron_bridges_own_pair_and_a_gb2
     bridge = next(r for r in rows.measured_runs() if r["id"] == "mbridge2607-bf16-qwen3-30b-a3b-16gpu")
     as_tflops = {**bridge, "reported": {"tflops_per_gpu": 244.039, "flops_formula": "megatron-moe"}}
     assert rows.published_step_s(as_tflops) == pytest.approx(24.7138, rel=1e-4)
+    shared = {**as_tflops, "model": {**bridge["model"], "config": {**bridge["model"]["config"], "n_shared_experts": 1}}}
+    with pytest.raises(ValueError, match="the config sets n_shared_experts: give the step time instead"):
+        rows.published_step_s(shared)
     gb200 = next(r for r in rows.measured_runs() if r["id"] == "mlm2608-bf16-qwen3-30b-a3b-gb200-16gpu")
     assert rows.cluster_spec(gb200) == "gb200-nvl72:nodes=1,gpus_per_node=16"
     assert not rows.framework_profile(gb200).dp_overlap and rows.framework_profile(bridge).dp_overlap
