@@ -144,20 +144,24 @@ def published_step_s(run: dict) -> float:
         return float(reported["step_time_s"])
     if reported.get("tokens_per_s_per_gpu"):
         return b * m["seq_len"] / (reported["tokens_per_s_per_gpu"] * run["hardware"]["gpus"])
-    if reported.get("flops_formula") == MEGATRON_MOE_FLOPS:
-        return b * m["seq_len"] * megatron_moe_flops_per_token(m) / (reported["tflops_per_gpu"] * 1e12 * run["hardware"]["gpus"])
+    return _model_flops_per_step(run) / (reported["tflops_per_gpu"] * 1e12 * run["hardware"]["gpus"])
+
+
+def _model_flops_per_step(run: dict) -> float:
+    """The FLOPs of one step as the row's source counts them (``reported.flops_formula``)."""
+    formula, m, b = run["reported"].get("flops_formula"), run["model"], run["training"]["global_batch"]
+    if formula == MEGATRON_MOE_FLOPS:
+        return b * m["seq_len"] * megatron_moe_flops_per_token(m)
     s, l, h, v = m["seq_len"], m["layers"], m["hidden"], m["vocab"]
-    if reported.get("flops_formula") == SC21_FLOPS:  # eq. 3: forward, backward and recomputed forward
-        flops = 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
-    elif reported.get("flops_formula") == "nemo-llama":  # NeMo's Llama model FLOPs (the row's notes)
+    if formula == SC21_FLOPS:  # eq. 3: forward, backward and recomputed forward
+        return 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+    if formula == "nemo-llama":  # NeMo's Llama model FLOPs (the row's notes)
         ratios = 12 * m["kv_heads"] / m["heads"] + 18 * m["ffn_hidden"] / h + 12 * s / h + 6 * v / (l * h)
-        flops = b * s * l * h**2 * (12 + ratios)
-    elif reported.get("flops_formula") is not None:
-        raise ValueError(f"{run['id']}: unknown flops_formula {reported['flops_formula']!r}; "
-                         f"known: {SC21_FLOPS}, nemo-llama, {MEGATRON_MOE_FLOPS}")
-    else:  # model FLOPs: forward and backward only
-        flops = 72 * b * s * l * h**2 * (1 + s / (6 * h)) + 6 * b * s * h * v
-    return flops / (reported["tflops_per_gpu"] * 1e12 * run["hardware"]["gpus"])
+        return b * s * l * h**2 * (12 + ratios)
+    if formula is not None:
+        raise ValueError(f"{run['id']}: unknown flops_formula {formula!r}; known: {SC21_FLOPS}, nemo-llama, "
+                         f"{MEGATRON_MOE_FLOPS}")
+    return 72 * b * s * l * h**2 * (1 + s / (6 * h)) + 6 * b * s * h * v  # model FLOPs: forward and backward only
 
 
 _BEYOND_MEGATRON_MOE_COUNT = frozenset({

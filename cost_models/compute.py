@@ -125,13 +125,12 @@ def device_calibration(device: DeviceSpec, calibration: Calibration = GPU_CALIBR
     share of its peak)."""
     if device.name == LOCAL_CPU:
         return CPU_CALIBRATION
-    return _matmul_scaled(calibration, matmul_scale(device.name))
+    scale = matmul_scale(device.name)
+    return calibration if scale == 1.0 else _matmul_scaled(calibration, scale)  # no hashing on the common path
 
 
 @functools.lru_cache(maxsize=512)  # the calibration fit tries a few hundred constants
 def _matmul_scaled(calibration: Calibration, scale: float) -> Calibration:
-    if scale == 1.0:
-        return calibration
     return replace(calibration, peak_fraction=calibration.peak_fraction * scale,
                    fp8_peak_fraction=calibration.fp8_peak_fraction * scale)
 

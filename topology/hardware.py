@@ -249,8 +249,9 @@ def _matmul_scales() -> dict[str, float]:
 
 
 def matmul_scale(device_name: str) -> float:
-    """The catalogued part's measured share of its peak in large GEMMs over the H100 SXM's (``catalog.yaml``), 1 for
-    a part without one (the H100 itself, or a device the catalog does not hold)."""
+    """The catalogued part's share of its peak in large GEMMs over the H100 SXM's (``catalog.yaml``: measured, or a
+    sibling part's where its source says so), 1 for a part without one (the H100 itself, or a device the catalog does
+    not hold)."""
     return _matmul_scales().get(device_name, 1.0)
 
 
