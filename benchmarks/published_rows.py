@@ -61,9 +61,20 @@ def _spec_value(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def _preset(run: dict) -> tuple[str, str | None]:
+    """(preset, gpu= variant) of the row's ``hardware.gpu``; a row naming only "H100" sits on a DGX H100 (its SXM
+    part, as DGX-class sources run); any other name must be in ``PRESETS``, not guessed."""
+    gpu = str(run["hardware"]["gpu"])
+    if gpu in PRESETS:
+        return PRESETS[gpu]
+    if gpu == "H100" or gpu.startswith("H100 ("):
+        return PRESETS["H100-SXM-80GB"]
+    raise ValueError(f"{run['id']}: hardware.gpu {gpu!r} has no preset; name one of {', '.join(PRESETS)} "
+                     "or add it to published_rows.PRESETS")
+
+
 def cluster_spec(run: dict) -> str:
-    gpu = run["hardware"]["gpu"]
-    preset, variant = PRESETS.get(gpu, ("dgx-h100" if gpu.startswith("H100") else "dgx-a100", None))
+    preset, variant = _preset(run)
     gpus, per_node = run["hardware"]["gpus"], run["hardware"].get("gpus_per_node") or 8
     if gpus % per_node:
         raise ValueError(f"{run['id']}: {gpus} GPUs are not whole nodes of gpus_per_node {per_node}")

@@ -347,6 +347,8 @@ def test_a_row_in_nemos_model_tflops_converts_with_nemos_formula_and_part_of_a_n
     with pytest.raises(ValueError, match="6 GPUs are not whole nodes of gpus_per_node 4"):
         rows.cluster_spec({**run, "hardware": {**run["hardware"], "gpus": 6}})
     assert load_cluster(rows.cluster_spec(run)).num_devices == 4
+    with pytest.raises(ValueError, match="hardware.gpu 'V100-SXM2-32GB' has no preset; name one of A100-SXM4-80GB"):
+        rows.cluster_spec({**run, "hardware": {**run["hardware"], "gpu": "V100-SXM2-32GB"}})  # not priced as an A100
 
 
 def test_the_attention_gap_prices_the_attention_slower_and_finds_the_slowdown_a_step_implies():
