@@ -181,9 +181,13 @@ def _notes(training: TrainingConfig, straggling: float) -> tuple[str, ...]:
     if training.precision == "fp8":
         notes.append(f"fp8 ({training.fp8_scaling} scaling): the blocks' linears at the FP8 peak on their own efficiency "
                      "curve; attention cores, norms, embedding and head in bf16")
-        if training.fp8_scaling in ("rowwise", "block", "mx"):
-            notes.append(f"fp8 {training.fp8_scaling} scaling: its matmul efficiency is not calibrated on public runs "
+        if training.fp8_scaling == "rowwise":
+            notes.append("fp8 rowwise scaling: its matmul efficiency is not calibrated on public runs "
                          "(the per-tensor curve is used)")
+        elif training.fp8_scaling in ("block", "mx"):
+            notes.append(f"fp8 {training.fp8_scaling} scaling: the per-tensor curve, plus its extra cost over current "
+                         "scaling as Transformer Engine's GEMM benchmark measures it (cost_models.fp8.CAST_PASSES); "
+                         "not calibrated on public runs")
     if straggling:
         notes.append(f"stragglers: {straggling:.3g} s per step waiting for the slowest rank")
     return tuple(notes)
