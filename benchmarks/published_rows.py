@@ -17,7 +17,7 @@ import yaml
 
 from tessera.cost_models import Strategy, TrainingConfig
 from tessera.cost_models.profiles import (
-    DEEPSPEED, MEGATRON, MEGATRON_2021, MEGATRON_BRIDGE, NEMO_2024, PYTORCH_FSDP_TE, TORCHTITAN_2024,
+    AUTOMODEL, DEEPSPEED, MEGATRON, MEGATRON_2021, MEGATRON_BRIDGE, NEMO_2024, PYTORCH_FSDP_TE, TORCHTITAN_2024,
     ImplementationProfile,
 )
 
@@ -99,6 +99,7 @@ FRAMEWORKS = (  # a row's ``framework``, by how it begins -> the profile of that
     ("NeMo 25.11", MEGATRON_BRIDGE),
     ("NeMo 26.04", MEGATRON_BRIDGE),
     ("Megatron-Bridge", MEGATRON_BRIDGE),
+    ("NeMo AutoModel", AUTOMODEL),
     ("NeMo", MEGATRON),
     ("torchtitan", TORCHTITAN_2024),
     ("llm-foundry", PYTORCH_FSDP_TE),

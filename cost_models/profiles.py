@@ -313,6 +313,12 @@ forward only, op-level selective recomputation. Context parallelism through PyTo
 rotation, ``ALL_GATHER`` (``_ContextParallelOptions.rotate_method``, torch 2.6 to 2.13; torchtitan's
 ``--experimental.context_parallel_rotate_method`` defaulted to ``allgather`` too, ``torchtitan/config_manager.py`` at
 eaea6f6a2fa9); its models pass grouped K/V to SDPA with ``enable_gqa`` (``models/common/attention.py``, 2026)."""
+AUTOMODEL = replace(TORCHTITAN, name="automodel", gradient_bytes=2)
+"""NVIDIA NeMo AutoModel's FSDP2 training of Hugging Face models (``nemo_automodel``, 2026): FSDP2 with PyTorch's
+context-parallel ring at its default rotation, as torchtitan; its default FSDP2 mixed-precision policy reduces in bf16
+(``components/distributed/config.py``: param and reduce dtype bf16); transformers' SDPA attention, grouped keys and
+values passed as they are (no mask: ``enable_gqa``); the loss over fp32 logits (``MaskedCrossEntropy``'s default
+upcast)."""
 TORCHTITAN_COMPILED = replace(TORCHTITAN, name="torchtitan-compiled", cross_entropy="compiled",
                               fp8_casts_per_linear=False)
 """torchtitan with ``compile.enable`` and ``loss`` among ``compile.components`` (0.3.0's default, ``["model", "loss"]``):
@@ -373,7 +379,7 @@ DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEE
 """DeepSpeed ZeRO-3 as SC'21 measured it (Megatron-LM's model code: unfused attention), gathering parameter by
 parameter within its default limits."""
 
-PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_COMPILED, TORCHTITAN_2024, PYTORCH_FSDP_TE, MEGATRON,
+PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_COMPILED, TORCHTITAN_2024, AUTOMODEL, PYTORCH_FSDP_TE, MEGATRON,
                                  MEGATRON_EP_OVERLAP, MEGATRON_DEEPEP, MEGATRON_DEEPEP_EP_OVERLAP, NEMO_2024,
                                  MEGATRON_BRIDGE, MEGATRON_2021, DEEPSPEED)}
 """Every profile by name."""

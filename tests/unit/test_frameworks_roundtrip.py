@@ -307,6 +307,8 @@ def test_each_published_row_is_priced_with_what_its_source_states_about_the_fram
     assert profile["nemo2511-fp8cs-llama3-70b-64gpu"].name == "megatron-bridge"  # bf16 grads, cuDNN attention
     assert profile["nemo2511-fp8cs-llama3-70b-64gpu"].gradient_bytes == 2
     assert not any(p.cp_ring_slowdown for name, p in profile.items() if name.startswith("nemo"))  # TE's ring
+    automodel = profile["automodel2604-bf16-llama31-70b-64gpu-fsdp32-cp2"]  # "NeMo AutoModel", not Megatron-Core
+    assert (automodel.name, automodel.gradient_bytes, automodel.cp_ring_slowdown) == ("automodel", 2, True)
     assert profile["torchtitan-h100-llama3-8b-8gpu-s131072-fsdp2-cp4"].cp_ring_slowdown  # PyTorch's ring
     with pytest.raises(ValueError, match="framework 'Colossal-AI' is not one Tessera profiles; known .*: DeepSpeed"):
         rows.framework_profile({**runs["megatron-core-h100-weak-1.7b"], "framework": "Colossal-AI"})
