@@ -41,17 +41,28 @@ share refitted 0.7 -> 0.725; the backward's sizes alone 0.0537; 2026-12-06, not 
 ``benchmarks/results/fp8-cast-bytes-tried-2026-12-06.diff``): the recipes of the published
 FP8 rows fuse much of their casting into the kernels beside it (Transformer Engine's ``LayerNormLinear`` casts in its
 norm, a compiled graph fuses amax and cast into its neighbours), which one byte count per recipe does not tell."""
-CAST_PASSES = {"delayed": 1, "current": 2, "rowwise": 2, "block": 3.99, "mx": 1.88}
-"""Passes over each linear input per cast, by ``TrainingConfig.fp8_scaling`` (see the module docstring). ``block`` and
-``mx`` are effective counts: what each recipe's GEMMs with their quantization take beyond ``current``'s, in units of
-``current``'s lead over ``delayed`` (the one pass the two differ by), from NVIDIA/TransformerEngine
-``docs/examples/gemm_profiling/gemm_profiling.rst`` at 8f2e635 (autocast mode; hidden 4096, FFN 16384, 15,872 tokens):
-per-layer totals on an H200 NVL of 20.285 ms (current), 18.978 ms (delayed) and 22.882 ms (block), so
-block = 2 + (22.882 - 20.285) / (20.285 - 18.978) = 3.99; on a B300 9.147, 7.802 and 8.984 ms (MXFP8), so
-mx = 2 + (8.984 - 9.147) / (9.147 - 7.802) = 1.88. The counts carry what differs besides the casts, the slower
-block-scaled kernels included (the guide: block scaling computes scales for both row- and column-wise data, and its
-1.40x over bf16 is the least of Hopper's recipes, against 1.58x for current and 1.69x for delayed). On Blackwell,
-Transformer Engine runs ``block`` as MXFP8 (the guide's note); Tessera prices it as on Hopper."""
+TE_GEMM_TOTALS_MS = {"H200 NVL": {"current": 20.285, "delayed": 18.978, "block": 22.882},
+                     "B300": {"current": 9.147, "delayed": 7.802, "mx": 8.984}}
+"""Per-layer time of one model's 12 GEMMs with each recipe quantizing its inputs as in training (autocast mode; hidden
+4096, FFN 16384, 15,872 tokens), from NVIDIA/TransformerEngine ``docs/examples/gemm_profiling/gemm_profiling.rst`` at
+8f2e635: what ``block`` and ``mx`` are priced from (``CAST_PASSES``)."""
+
+
+def _passes_measured(part: str, recipe: str) -> float:
+    """``recipe``'s cast passes from ``TE_GEMM_TOTALS_MS``: its time beyond ``current``'s, in units of ``current``'s lead
+    over ``delayed`` (the one pass the two differ by), added to ``current``'s two."""
+    totals = TE_GEMM_TOTALS_MS[part]
+    return 2 + (totals[recipe] - totals["current"]) / (totals["current"] - totals["delayed"])
+
+
+CAST_PASSES = {"delayed": 1, "current": 2, "rowwise": 2, "block": _passes_measured("H200 NVL", "block"),
+               "mx": _passes_measured("B300", "mx")}
+"""Passes over each linear input per cast, by ``TrainingConfig.fp8_scaling`` (see the module docstring). ``block``
+(3.99) and ``mx`` (1.88) are effective counts measured beyond ``current`` (``TE_GEMM_TOTALS_MS``): ``block`` on an H200
+NVL, ``mx`` on a B300, which stands in for the B200 and GB200 (no such figure for them). They carry what differs besides
+the casts, the slower block-scaled kernels included (the guide: block scaling computes scales for both row- and
+column-wise data, and its 1.40x over bf16 is the least of Hopper's recipes, against 1.58x for current and 1.69x for
+delayed). On Blackwell, Transformer Engine runs ``block`` as MXFP8 (the guide's note); Tessera prices it as on Hopper."""
 
 
 def bf16_flops(stage: StageTotals) -> tuple[float, float]:

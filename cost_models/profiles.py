@@ -313,12 +313,15 @@ forward only, op-level selective recomputation. Context parallelism through PyTo
 rotation, ``ALL_GATHER`` (``_ContextParallelOptions.rotate_method``, torch 2.6 to 2.13; torchtitan's
 ``--experimental.context_parallel_rotate_method`` defaulted to ``allgather`` too, ``torchtitan/config_manager.py`` at
 eaea6f6a2fa9); its models pass grouped K/V to SDPA with ``enable_gqa`` (``models/common/attention.py``, 2026)."""
-AUTOMODEL = replace(TORCHTITAN, name="automodel", gradient_bytes=2)
-"""NVIDIA NeMo AutoModel's FSDP2 training of Hugging Face models (``nemo_automodel``, 2026): FSDP2 with PyTorch's
-context-parallel ring at its default rotation, as torchtitan; its default FSDP2 mixed-precision policy reduces in bf16
-(``components/distributed/config.py``: param and reduce dtype bf16); transformers' SDPA attention, grouped keys and
-values passed as they are (no mask: ``enable_gqa``); the loss over fp32 logits (``MaskedCrossEntropy``'s default
-upcast)."""
+AUTOMODEL = replace(TORCHTITAN, name="automodel", gradient_bytes=2, fused_rms_norm=True)
+"""NVIDIA NeMo AutoModel's FSDP2 training (``nemo_automodel``, 2026): FSDP2 with PyTorch's context-parallel ring on its
+all-gather rotation, as torchtitan (``components/distributed/cp_utils.py`` passes ``allgather``, and under context
+parallelism restricts SDPA to the flash and memory-efficient kernels: FlashAttention-2 on Hopper); its default FSDP2
+mixed-precision policy reduces in bf16 (``components/distributed/config.py``: param and reduce dtype bf16);
+transformers' SDPA attention, grouped keys and values passed as they are (no mask: ``enable_gqa``); its RMSNorm
+(``Float32RMSNorm``, ``components/models/common/utils.py``) a ``torch.compile(fullgraph=True)`` function, one kernel
+that writes no fp32 copies; the loss over fp32 logits (``MaskedCrossEntropy``'s default upcast). What compiling its
+layers fuses besides (its gated MLP's activation and product) is not priced, as for torchtitan's compiled runs."""
 TORCHTITAN_COMPILED = replace(TORCHTITAN, name="torchtitan-compiled", cross_entropy="compiled",
                               fp8_casts_per_linear=False)
 """torchtitan with ``compile.enable`` and ``loss`` among ``compile.components`` (0.3.0's default, ``["model", "loss"]``):
