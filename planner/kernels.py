@@ -11,7 +11,8 @@ element), as CUDA does; the CPU/meta composite path saves the mask in the input 
 ``..._flash_attention_for_cpu``; the cuDNN kernel torch prefers on Hopper and Blackwell keeps the same output and
 per-row log-sum-exp): it has meta kernels and a FlopCounterMode formula, and it saves O(T) per head --
 without the routing, SDPA on meta takes the unfused math path that saves the (T, T) score matrix and overstates
-memory by orders of magnitude at long context.
+memory by orders of magnitude at long context. Values narrower than the queries and keys (Multi-head Latent
+Attention's), which the flash kernel refuses, go to the memory-efficient kernel, which saves the same.
 
 A call with ``attn_mask`` is measured the same way, with the mask kept for backward as the masked fused kernels
 (memory-efficient attention; CPU flash) keep it: an additive mask as passed, its storage charged once, to the first
@@ -248,14 +249,29 @@ def _fused_sdpa(
         observer.keep_for_backward(attn_mask)
     observer.attention_started(query, key, inputs)
     try:
-        # The flash kernel broadcasts fewer key/value heads itself (GQA), so enable_gqa needs no handling.
-        flash = torch.ops.aten._scaled_dot_product_flash_attention
         query, key, value = _as_autocast_runs_sdpa(query, key, value)
         if boolean:  # the additive bias SDPA makes of it for this call (module docstring)
             observer.keep_for_backward(torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device))
+        if value.shape[-1] != query.shape[-1]:
+            return _narrower_values_sdpa(query, key, value, dropout_p, is_causal, scale)
+        # The flash kernel broadcasts fewer key/value heads itself (GQA), so enable_gqa needs no handling.
+        flash = torch.ops.aten._scaled_dot_product_flash_attention
         return flash(query, key, value, dropout_p, is_causal, False, scale=scale)[0]  # (B, nh, T, hd)
     finally:
         observer.attention_finished()
+
+
+def _narrower_values_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
+                          is_causal: bool, scale: float | None) -> torch.Tensor:
+    """SDPA whose values are not as wide as its queries and keys (Multi-head Latent Attention: DeepSeek-V3's 192-wide
+    queries and keys, 128-wide values), which the flash kernel refuses: the memory-efficient kernel, which takes them
+    (as cuDNN's does on Hopper) and saves the same O(T) log-sum-exp per row; its output is as wide as the values.
+    It does not broadcast fewer key/value heads, so grouped ones are repeated to every query head first."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+    return efficient(query, key, value, None, True, dropout_p, is_causal, scale=scale)[0]
 
 
 def _as_autocast_runs_sdpa(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -114,6 +114,19 @@ def test_an_experts_narrow_side_is_its_matmuls_width() -> None:
     assert graph.layer("model.embed_tokens").expert_width == 0
 
 
+def test_latent_attention_whose_values_are_narrower_than_its_keys_is_measured() -> None:
+    """DeepSeek-V3's Multi-head Latent Attention: queries and keys 24 wide (16 + 8 rotary), values 16. The flash kernel
+    capture routes SDPA to refuses that; the memory-efficient one measures it (``planner.kernels``), its core's forward
+    FLOPs those of both products (FlopCounterMode's count: no causal halving)."""
+    spec = (f"hf:deepseek_v3:hidden_size={H},intermediate_size={F},moe_intermediate_size={F // 4},num_hidden_layers=2,"
+            f"num_attention_heads={HEADS},num_key_value_heads={HEADS},n_routed_experts=4,num_experts_per_tok=2,"
+            "n_shared_experts=1,first_k_dense_replace=1,q_lora_rank=32,kv_lora_rank=16,qk_nope_head_dim=16,"
+            f"qk_rope_head_dim=8,v_head_dim=16,n_group=1,topk_group=1,vocab_size={V}")
+    dense, sparse = capture_preset(spec, seq_len=T).blocks
+    assert dense.selective_recompute_flops == sparse.selective_recompute_flops == 2 * HEADS * T * T * (24 + 16)
+    assert (dense.expert_width, sparse.expert_width) == (0, F // 4)
+
+
 def test_hf_model_of_realistic_width_allocates_nothing() -> None:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     graph = capture_preset("hf:llama:num_hidden_layers=2", seq_len=512)  # 4096 wide: 0.67B parameters
