@@ -17,7 +17,7 @@ import yaml
 
 from tessera.cost_models import Strategy, TrainingConfig
 from tessera.cost_models.profiles import (
-    AUTOMODEL, DEEPSPEED, MEGATRON, MEGATRON_2021, MEGATRON_BRIDGE, NEMO_2024, PYTORCH_FSDP_TE, TORCHTITAN_2024,
+    AUTOMODEL, AUTOMODEL_MOE, DEEPSPEED, MEGATRON, MEGATRON_2021, MEGATRON_BRIDGE, NEMO_2024, PYTORCH_FSDP_TE, TORCHTITAN_2024,
     ImplementationProfile,
 )
 
@@ -100,6 +100,7 @@ FRAMEWORKS = (  # a row's ``framework``, by how it begins -> the profile of that
     ("NeMo 26.04", MEGATRON_BRIDGE),
     ("Megatron-Bridge", MEGATRON_BRIDGE),
     ("NeMo AutoModel", AUTOMODEL),
+    ("NeMo AutoModel MoE", AUTOMODEL_MOE),
     ("NeMo", MEGATRON),
     ("torchtitan", TORCHTITAN_2024),
     ("llm-foundry", PYTORCH_FSDP_TE),
@@ -128,6 +129,8 @@ def framework_profile(run: dict) -> ImplementationProfile:
     if par.get("ep_dispatch") or par.get("ep_overlap"):  # how the row's recipe runs its expert all-to-alls
         profile = replace(profile, ep_dispatch=par.get("ep_dispatch") or profile.ep_dispatch,
                           ep_overlap=bool(par.get("ep_overlap")))
+    if par.get("ep_routing"):  # a benchmark's fixed routing (AutoModel's fake balanced gate)
+        profile = replace(profile, ep_routing=par["ep_routing"])
     if par.get("dp_overlap") is not None:  # a recipe that leaves Megatron's overlap_grad_reduce off
         profile = replace(profile, dp_overlap=bool(par["dp_overlap"]))
     return profile
@@ -232,16 +235,20 @@ def _stated_pins(run: dict) -> dict[str, object]:
         fixed["schedule"] = par["schedule"]
     if par.get("virtual_pipeline"):
         fixed["schedule"], fixed["virtual_stages"] = "interleaved", par["virtual_pipeline"]
-    if par.get("pipeline_split") == "embedding-and-loss":
+    if par.get("chunk_blocks"):  # the blocks of each pipeline chunk, in order, as the row's framework splits them
+        fixed["chunk_blocks"] = tuple(par["chunk_blocks"])
+    elif par.get("pipeline_split") == "embedding-and-loss":
         fixed["chunk_blocks"] = split_counting_embedding_and_loss(run)
     elif par.get("pipeline_split") is not None:
         raise ValueError(f"{run['id']}: pipeline_split {par['pipeline_split']!r} is not 'embedding-and-loss'")
     # by name: a row's config may vary its fields
     if framework_profile(run).name in (MEGATRON.name, NEMO_2024.name, MEGATRON_BRIDGE.name):
         fixed["sp_regather"] = True  # Megatron-Core's sequence parallelism, should the planner turn it on
-    if framework_profile(run).name == TORCHTITAN_2024.name and par["pp"] > 1 and fixed.get("zero") == 3:
+    keeps_gathered = (TORCHTITAN_2024.name, AUTOMODEL_MOE.name)
+    if framework_profile(run).name in keeps_gathered and par["pp"] > 1 and fixed.get("zero") == 3:
         # torchtitan 9dec370 (parallelisms/parallelize_llama.py, apply_fsdp): "For PP, do not reshard after
-        # forward to avoid per-microbatch all-gathers": every block keeps its gathered weights
+        # forward to avoid per-microbatch all-gathers"; AutoModel's MoE parallelizer likewise
+        # (reshard_after_forward=not pp_enabled): every block keeps its gathered weights
         fixed["block_reshard"] = (False,) * run["model"]["layers"]
     return fixed
 

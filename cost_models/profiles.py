@@ -248,6 +248,12 @@ class ImplementationProfile:
     or ``per-node`` (one copy for each other node that holds a chosen expert, fanned out over NVLink there: DeepEP's
     normal kernels and Megatron-Core's ``flex`` dispatcher with its DeepEP or HybridEP backend): the bytes beyond a node
     shrink by ``sparse.per_node_share``."""
+    ep_routing: str = "uniform"
+    """Which experts a token goes to (``EP_ROUTINGS``): ``uniform`` (any ``k`` of them alike, the balanced load of a
+    trained or force-balanced router; Megatron-Core's ``moe_router_force_load_balancing``) or ``consecutive`` (``k``
+    neighbouring experts starting at a multiple of ``k``: NeMo AutoModel's ``FakeBalancedGate``, which gives token
+    ``t`` experts ``k t .. k t + k - 1`` modulo their number), which a per-node dispatch sends to fewer nodes
+    (``sparse.per_node_share``)."""
     ep_overlap: bool = False
     """The dispatch and combine all-to-alls of one micro-batch run beside another micro-batch's compute (Megatron-Core's
     ``overlap_moe_expert_parallel_comm``, Megatron-Bridge's ``moe_a2a_overlap``; DeepSeek-V3's DualPipe): only what the
@@ -260,6 +266,8 @@ class ImplementationProfile:
     def __post_init__(self) -> None:
         if self.ep_dispatch not in EP_DISPATCHES:
             raise ConfigError(f"ep_dispatch={self.ep_dispatch!r} is not one of {', '.join(EP_DISPATCHES)}")
+        if self.ep_routing not in EP_ROUTINGS:
+            raise ConfigError(f"ep_routing={self.ep_routing!r} is not one of {', '.join(EP_ROUTINGS)}")
         if self.selective_policy not in SELECTIVE_POLICIES:
             raise ConfigError(f"selective_policy={self.selective_policy!r} is not one of "
                               f"{', '.join(SELECTIVE_POLICIES)}")
@@ -285,6 +293,8 @@ CP_ROTATIONS = ("ring", "allgather")
 """How context parallelism can move keys and values (``ImplementationProfile.cp_rotation``)."""
 EP_DISPATCHES = ("per-expert", "per-node")
 """How the expert-parallel all-to-alls can cross nodes (``ImplementationProfile.ep_dispatch``)."""
+EP_ROUTINGS = ("uniform", "consecutive")
+"""Which experts a token's copies go to (``ImplementationProfile.ep_routing``)."""
 
 
 DEEPSPEED_ZERO3_SLOWDOWN = 5.0
@@ -322,6 +332,13 @@ transformers' SDPA attention, grouped keys and values passed as they are (no mas
 (``Float32RMSNorm``, ``components/models/common/utils.py``) a ``torch.compile(fullgraph=True)`` function, one kernel
 that writes no fp32 copies; the loss over fp32 logits (``MaskedCrossEntropy``'s default upcast). What compiling its
 layers fuses besides (its gated MLP's activation and product) is not priced, as for torchtitan's compiled runs."""
+AUTOMODEL_MOE = replace(AUTOMODEL, name="automodel-moe", gradient_bytes=4, attention_kernels=("cudnn", "fa2"),
+                        ep_dispatch="per-node")
+"""NeMo AutoModel's own MoE models (``nemo_automodel/components/moe``, 2025) on its benchmark configs' Transformer
+Engine backends: attention by Transformer Engine (cuDNN on Hopper), its fused RMSNorm, DeepEP's dispatch (a token
+sent once to each other node holding one of its experts); FSDP2 under its MoE parallelizer's mixed-precision policy,
+which reduces in fp32 (``moe/parallelizer.py``, ``apply_fsdp``), and keeps every block's gathered weights under
+pipelining (``reshard_after_forward=not pp_enabled``)."""
 TORCHTITAN_COMPILED = replace(TORCHTITAN, name="torchtitan-compiled", cross_entropy="compiled",
                               fp8_casts_per_linear=False)
 """torchtitan with ``compile.enable`` and ``loss`` among ``compile.components`` (0.3.0's default, ``["model", "loss"]``):
@@ -382,7 +399,7 @@ DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEE
 """DeepSpeed ZeRO-3 as SC'21 measured it (Megatron-LM's model code: unfused attention), gathering parameter by
 parameter within its default limits."""
 
-PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_COMPILED, TORCHTITAN_2024, AUTOMODEL, PYTORCH_FSDP_TE, MEGATRON,
+PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_COMPILED, TORCHTITAN_2024, AUTOMODEL, AUTOMODEL_MOE, PYTORCH_FSDP_TE, MEGATRON,
                                  MEGATRON_EP_OVERLAP, MEGATRON_DEEPEP, MEGATRON_DEEPEP_EP_OVERLAP, NEMO_2024,
                                  MEGATRON_BRIDGE, MEGATRON_2021, DEEPSPEED)}
 """Every profile by name."""

@@ -209,12 +209,13 @@ def ring_and_dispatch_buffer_bytes(stage: StageTotals, strategy: Strategy,
 # ----------------------------------------------------------------------------------------------- expert parallelism
 
 
-def ep_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy, *, dispatch: str = "per-expert") -> float:
+def ep_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy, *, dispatch: str = "per-expert",
+              routing: str = "uniform") -> float:
     """Dispatch and combine all-to-all seconds of one micro-batch on one device of ``stage``, crossing nodes as
-    ``dispatch`` does (``ImplementationProfile.ep_dispatch``)."""
+    ``dispatch`` does (``ImplementationProfile.ep_dispatch``) for tokens routed as ``routing`` says (``ep_routing``)."""
     if strategy.ep == 1 or not stage.moe_layers:
         return 0.0
-    share = per_node_share(stage, cluster, strategy) if dispatch == "per-node" else None
+    share = per_node_share(stage, cluster, strategy, routing=routing) if dispatch == "per-node" else None
     one = all_to_all_time(cluster, _dispatch_bytes_per_layer(stage, strategy), group_size=strategy.ep,
                           stride=ep_stride(strategy), per_node_share=share)
     recomputed = stage.recompute_dispatch_bytes / stage.dispatch_bytes if stage.dispatch_bytes else 0.0
@@ -222,21 +223,30 @@ def ep_comm_s(stage: StageTotals, cluster: Cluster, strategy: Strategy, *, dispa
     return exchange + _folded_combine_s(stage, cluster, strategy) * (2 + recomputed)
 
 
-def per_node_share(stage: StageTotals, cluster: Cluster, strategy: Strategy) -> float:
+def per_node_share(stage: StageTotals, cluster: Cluster, strategy: Strategy, *, routing: str = "uniform") -> float:
     """The bytes a per-node dispatch sends beyond a node over what a per-expert one sends there.
 
-    The ep group spans ``N`` nodes, each holding ``E / N`` of a layer's ``E`` experts; a token picks ``k`` of them
-    (uniformly: the balanced load the experts are measured at). Per expert, it crosses to other nodes
-    ``k (N - 1) / N`` times on average; once per node, as often as another node holds one of its ``k``, which
-    ``(N - 1) (1 - C(E - E/N, k) / C(E, k))`` counts. 1 (no saving priced) for a group inside one node, a stage
-    without the counts, or experts that do not divide evenly among the nodes. A stage whose MoE layers differ is
-    taken at its fewest experts and most experts per token."""
+    The ep group spans ``N`` nodes, each holding ``E / N`` of a layer's ``E`` experts (in order: node ``i`` the
+    ``i``-th block of them); a token picks ``k``. Per expert, it crosses to other nodes ``k (N - 1) / N`` times on
+    average; once per node, as often as another node holds one of its ``k``. Routed uniformly (the balanced load the
+    experts are measured at), that is ``(N - 1) (1 - C(E - E/N, k) / C(E, k))`` times; routed to ``k`` consecutive
+    experts (``routing="consecutive"``), ``(N - 1) / N`` times the nodes those span. 1 (no saving priced) for a group
+    inside one node, a stage without the counts, or experts that do not divide evenly among the nodes. A stage whose
+    MoE layers differ is taken at its fewest experts and most experts per token."""
     members = max(1, min(strategy.ep, cluster.devices_per_node // ep_stride(strategy)))
     nodes, experts, k = math.ceil(strategy.ep / members), stage.experts, stage.top_k
     if nodes <= 1 or not experts or not k or experts % nodes:
         return 1.0
+    if routing == "consecutive":
+        return _consecutive_nodes(experts, nodes, k) / k
     missed = math.comb(experts - experts // nodes, k) / math.comb(experts, k)  # a given other node holds none
     return (nodes - 1) * (1 - missed) / (k * (nodes - 1) / nodes)
+
+
+def _consecutive_nodes(experts: int, nodes: int, k: int) -> float:
+    """Nodes a token's ``k`` consecutive experts span on average, its first one ``k t`` modulo ``experts``."""
+    per_node, starts = experts // nodes, range(0, experts * k, k)
+    return sum(len({(start + j) % experts // per_node for j in range(k)}) for start in starts) / len(starts)
 
 
 def exposed_ep_comm_s(all_to_alls_s: float, forward_s: float, backward_s: float, *, contention: float,

@@ -152,6 +152,19 @@ def test_a_per_node_dispatch_sends_a_token_once_to_each_other_node_holding_one_o
         replace(TESSERA, ep_dispatch="per-token")
 
 
+def test_consecutive_routing_sends_a_token_to_the_nodes_its_neighbouring_experts_span():
+    # MOE's 8 experts over 2 nodes, 2 a token: a token's two consecutive experts (2t, 2t + 1) always share a node, so a
+    # per-node dispatch sends it once, with probability 1/2 across, against a copy per expert's 2 x 1/2: share 1/2
+    s = Strategy(dp=8, tp=2, ep=8, micro_batch=1)
+    totals = stage_totals(MOE, 0, {})
+    assert per_node_share(totals, cluster(2), s, routing="consecutive") == pytest.approx(1 / 2)
+    assert ep_comm_s(totals, cluster(2), s, dispatch="per-node", routing="consecutive") < ep_comm_s(
+        totals, cluster(2), s, dispatch="per-node")
+    assert ep_comm_s(totals, cluster(2), s, routing="consecutive") == ep_comm_s(totals, cluster(2), s)  # per expert
+    with pytest.raises(ConfigError, match="ep_routing='random' is not one of uniform, consecutive"):
+        replace(TESSERA, ep_routing="random")
+
+
 def test_all_to_alls_beside_another_micro_batch_expose_what_its_compute_does_not_cover():
     # The forward's half beside the partner's backward, the backward's half beside its forward
     assert exposed_ep_comm_s(3.0, 5.0, 10.0, contention=0.2) == pytest.approx(0.6)  # hidden, the compute 20% slower

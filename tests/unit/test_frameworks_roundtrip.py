@@ -309,6 +309,11 @@ def test_each_published_row_is_priced_with_what_its_source_states_about_the_fram
     assert not any(p.cp_ring_slowdown for name, p in profile.items() if name.startswith("nemo"))  # TE's ring
     automodel = profile["automodel2604-bf16-llama31-70b-64gpu-fsdp32-cp2"]  # "NeMo AutoModel", not Megatron-Core
     assert (automodel.name, automodel.gradient_bytes, automodel.cp_ring_slowdown) == ("automodel", 2, True)
+    deepseek = runs["automodel2510-bf16-deepseek-v3-256gpu-pp4-ep64"]  # its own MoE model: TE, DeepEP, a fake gate
+    moe = profile[deepseek["id"]]
+    assert (moe.name, moe.gradient_bytes, moe.ep_dispatch, moe.ep_routing) == ("automodel-moe", 4, "per-node", "consecutive")
+    assert rows.pins(deepseek)["chunk_blocks"] == (2,) * 29 + (1,) * 3  # AutoPipeline's 32 stages of 61 blocks
+    assert rows.pins(deepseek)["block_reshard"] == (False,) * 61  # reshard_after_forward=not pp_enabled
     assert profile["torchtitan-h100-llama3-8b-8gpu-s131072-fsdp2-cp4"].cp_ring_slowdown  # PyTorch's ring
     with pytest.raises(ValueError, match="framework 'Colossal-AI' is not one Tessera profiles; known .*: DeepSpeed"):
         rows.framework_profile({**runs["megatron-core-h100-weak-1.7b"], "framework": "Colossal-AI"})
