@@ -68,6 +68,7 @@ over the outer; all-reduce = inner reduce-scatter + outer all-reduce of the shar
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -243,6 +244,7 @@ def per_node_share(stage: StageTotals, cluster: Cluster, strategy: Strategy, *, 
     return (nodes - 1) * (1 - missed) / (k * (nodes - 1) / nodes)
 
 
+@functools.cache  # every candidate strategy of a search asks again
 def _consecutive_nodes(experts: int, nodes: int, k: int) -> float:
     """Nodes a token's ``k`` consecutive experts span on average, its first one ``k t`` modulo ``experts``."""
     per_node, starts = experts // nodes, range(0, experts * k, k)
