@@ -1,8 +1,9 @@
 """Per-device memory of one pipeline stage, by category, as Tessera's runtime holds it.
 
 Model state per parameter (mixed precision keeps fp32 masters): fp32 parameters (4 B), fp32 gradients
-(4 B) and two fp32 Adam moments (8 B). Tessera's runtime (``runtime.data_parallel``) holds them as follows:
-ZeRO-0 is DDP (plus a bucket copy of the gradients) or FSDP2 ``replicate``; ZeRO-1/2 are FSDP2 with
+(4 B) and two fp32 Adam moments (8 B); a framework that trains the bf16 model itself holds masters and moments
+in bf16 (``ImplementationProfile.master_bytes``, ``moment_bytes``: :func:`with_optimizer_state_bytes`). Tessera's
+runtime (``runtime.data_parallel``) holds them as follows: ZeRO-0 is DDP (plus a bucket copy of the gradients) or FSDP2 ``replicate``; ZeRO-1/2 are FSDP2 with
 ``reshard_after_forward=False`` (fp32 masters and moments 1/dp, the gathered parameters kept whole from
 forward to backward; ZeRO-1 accumulates the unsharded gradient over micro-batches, ZeRO-2 its shard);
 ZeRO-3 gathers one block at a time (plus one prefetched), and the root layers for the forward and again for
@@ -97,10 +98,20 @@ def stage_memory(
                                      in_backward=mark is marks[0], on_cpu=on_cpu) for mark in marks)
     if profile.gradient_bytes != FP32:  # gradients held in the framework's reduction dtype
         marks = tuple(dict(mark, gradients=mark["gradients"] * profile.gradient_bytes / FP32) for mark in marks)
+    if (profile.master_bytes, profile.moment_bytes) != (FP32, FP32):
+        marks = tuple(with_optimizer_state_bytes(mark, stage, strategy, profile) for mark in marks)
     if copies:  # the compute-dtype weight copies live until the backward is done
         marks = (dict(marks[0], parameters=marks[0]["parameters"] + copies), marks[1])
     peak = max(marks, key=lambda mark: sum(mark.values()))
     return {**{name: max(0, int(value)) for name, value in peak.items()}, "reserve": reserve}
+
+
+def with_optimizer_state_bytes(mark: dict, stage: StageTotals, strategy: Strategy,
+                               profile: ImplementationProfile) -> dict:
+    """A high-water mark with the optimizer's state in ``profile``'s dtypes: the parameters it steps on
+    (``master_bytes``) and Adam's two moments (``moment_bytes``), where the marks count fp32 for both."""
+    return dict(mark, parameters=mark["parameters"] - master_params(stage, strategy) * (FP32 - profile.master_bytes),
+                optimizer=mark["optimizer"] * profile.moment_bytes / FP32)
 
 
 def with_fp8_state(
@@ -176,7 +187,7 @@ def step_end_memory(
         gradients = sharded_params(stage, strategy, from_zero=1) * FP32
     merged = merged_pipeline_output_bytes(stage, strategy, micro_batches=micro_batches)
     # The optimizer peaks in its step, FSDP2's replicate in its reduction, autograd's accumulation in the backward.
-    transient = [optimizer_temporary_bytes(stage, strategy, on_cpu=on_cpu)]
+    transient = [optimizer_temporary_bytes(stage, strategy, on_cpu=on_cpu) * profile.moment_bytes / FP32]
     if profile.replicate_by_fsdp2:
         transient.append(replicate_reduction_bytes(stage, training, strategy, micro_batches=micro_batches))
     if profile.autocast_copies:
@@ -203,12 +214,17 @@ def parameter_bytes(stage: StageTotals, training: TrainingConfig, strategy: Stra
     rank: masters whole, and the same unsharded copy. ZeRO-3's gathered blocks are transient (``_buffer_bytes``);
     a ZeRO-3 block that keeps its gathered weights (``Strategy.block_reshard`` False) holds that copy likewise.
     """
-    masters = sharded_params(stage, strategy, from_zero=1 if strategy.zero in (1, 2) else 3) * FP32
+    masters = master_params(stage, strategy) * FP32
     if in_backward and (strategy.zero in (1, 2) or uses_fsdp2_replicate(strategy)):
         return masters + local_params(stage, strategy) * compute_dtype_bytes(training)
     if in_backward and strategy.zero == 3:
         return masters + kept_local_params(stage, strategy) * compute_dtype_bytes(training)
     return masters
+
+
+def master_params(stage: StageTotals, strategy: Strategy) -> float:
+    """Elements of the parameters the optimizer steps on, on one device: FSDP2's 1/dp shard under ZeRO-1 to 3."""
+    return sharded_params(stage, strategy, from_zero=1 if strategy.zero in (1, 2) else 3)
 
 
 def autocasts(training: TrainingConfig, strategy: Strategy, profile: ImplementationProfile) -> bool:

@@ -171,6 +171,12 @@ class ImplementationProfile:
     gradient_bytes: int = 4
     """Bytes per element of the gradients the framework accumulates and reduces over data parallelism: 4 (fp32 main
     gradients) or 2 (reduced in bf16, as NeMo's ``grad_sync_dtype: bf16`` does)."""
+    master_bytes: int = 4
+    """Bytes per element of the parameters the optimizer steps on: 4 (fp32 master weights, mixed precision's; what
+    Tessera's runtime keeps) or 2 (the bf16 model itself, no master copy: a model cast to bf16 and trained so)."""
+    moment_bytes: int = 4
+    """Bytes per element of each of Adam's two moments: 4 (fp32) or 2 (bf16: ``torch.optim.Adam`` keeps them in its
+    parameters' dtype, so a bf16 model's are bf16)."""
     attention_kernels: tuple[str, ...] = ("fa2",)
     """The fused attention kernels the framework runs, in the order it prefers them: the first one the device's
     catalog entry has a figure for prices the attention cores; none of them (or empty): the calibrated fallback."""
@@ -275,8 +281,9 @@ class ImplementationProfile:
             raise ConfigError(f"cross_entropy={self.cross_entropy!r} is not one of {', '.join(CROSS_ENTROPY_KERNELS)}")
         if self.cp_rotation not in CP_ROTATIONS:
             raise ConfigError(f"cp_rotation={self.cp_rotation!r} is not one of {', '.join(CP_ROTATIONS)}")
-        if self.gradient_bytes not in (2, 4):  # the search's data-parallel floor counts 2 bytes at least
-            raise ConfigError(f"gradient_bytes={self.gradient_bytes!r} is not 2 (bf16) or 4 (fp32)")
+        for field in ("gradient_bytes", "master_bytes", "moment_bytes"):
+            if getattr(self, field) not in (2, 4):  # the search's data-parallel floor counts 2 bytes at least
+                raise ConfigError(f"{field}={getattr(self, field)!r} is not 2 (bf16) or 4 (fp32)")
 
     def gathers_fp8(self, training: TrainingConfig, strategy: Strategy) -> bool:
         """Whether ZeRO-3 all-gathers the blocks' parameters in FP8 for ``training`` under ``strategy``: where the
@@ -332,13 +339,17 @@ transformers' SDPA attention, grouped keys and values passed as they are (no mas
 (``Float32RMSNorm``, ``components/models/common/utils.py``) a ``torch.compile(fullgraph=True)`` function, one kernel
 that writes no fp32 copies; the loss over fp32 logits (``MaskedCrossEntropy``'s default upcast). What compiling its
 layers fuses besides (its gated MLP's activation and product) is not priced, as for torchtitan's compiled runs."""
-AUTOMODEL_MOE = replace(AUTOMODEL, name="automodel-moe", gradient_bytes=4, attention_kernels=("cudnn", "fa2"),
-                        ep_dispatch="per-node")
+AUTOMODEL_MOE = replace(AUTOMODEL, name="automodel-moe", gradient_bytes=4, master_bytes=2, moment_bytes=2,
+                        attention_kernels=("cudnn", "fa2"), ep_dispatch="per-node")
 """NeMo AutoModel's own MoE models (``nemo_automodel/components/moe``, 2025) on its benchmark configs' Transformer
 Engine backends: attention by Transformer Engine (cuDNN on Hopper), its fused RMSNorm, DeepEP's dispatch (a token
 sent once to each other node holding one of its experts); FSDP2 under its MoE parallelizer's mixed-precision policy,
 which reduces in fp32 (``moe/parallelizer.py``, ``apply_fsdp``), and keeps every block's gathered weights under
-pipelining (``reshard_after_forward=not pp_enabled``)."""
+pipelining (``reshard_after_forward=not pp_enabled``). It trains the bf16 model itself: its DeepSeek-V3's
+``initialize_weights`` ends in ``self.to(torch.bfloat16)`` (``models/deepseek_v3/model.py`` at 89e3a9fdd), and its
+benchmark configs' ``torch.optim.Adam`` keeps bf16 moments beside it, no master copy (``master_bytes``,
+``moment_bytes`` 2). The experts, which FSDP leaves alone where ep equals dp, keep bf16 gradients too; that is not
+priced (``gradient_bytes`` is one dtype for all)."""
 TORCHTITAN_COMPILED = replace(TORCHTITAN, name="torchtitan-compiled", cross_entropy="compiled",
                               fp8_casts_per_linear=False)
 """torchtitan with ``compile.enable`` and ``loss`` among ``compile.components`` (0.3.0's default, ``["model", "loss"]``):

@@ -219,6 +219,23 @@ def test_gradients_reduced_in_bf16_hold_and_move_half_the_bytes():
     assert profile("nemo-2024").gradient_bytes == 2 and TESSERA.gradient_bytes == 4
 
 
+def test_a_bf16_model_trained_as_it_is_holds_half_the_masters_and_moments():
+    # NeMo AutoModel's MoE benchmarks train the bf16 model itself with torch.optim.Adam (profiles.AUTOMODEL_MOE): no
+    # fp32 master copy, bf16 moments; the gradients and the gathered copies are unchanged.
+    bf16_state = replace(TESSERA, master_bytes=2, moment_bytes=2)
+    masters = 4 * 10**9 / 16  # four blocks of 1e9 parameters, FSDP2's 1/dp shard
+    for strategy in ("dp=16,zero=1,mbs=2", "dp=16,zero=3,mbs=2"):  # both peak as the backward starts
+        fp32, bf16 = run(strategy, framework=TESSERA), run(strategy, framework=bf16_state)
+        got, want = bf16.memory_by_category_bytes, fp32.memory_by_category_bytes
+        assert want["optimizer"] == pytest.approx(masters * 8, rel=1e-6)
+        assert got["optimizer"] == pytest.approx(masters * 4, rel=1e-6)
+        assert want["parameters"] - got["parameters"] == pytest.approx(masters * 2, rel=1e-6)
+        assert got["gradients"] == want["gradients"] and got["activations"] == want["activations"]
+    with pytest.raises(ConfigError, match="master_bytes=3"):
+        replace(TESSERA, master_bytes=3)
+    assert profile("automodel-moe").master_bytes == profile("automodel-moe").moment_bytes == 2
+
+
 def test_torchtitan_selective_reruns_every_second_matmul_not_the_attention_core():
     """``recompute=selective`` as torchtitan's op-level policy runs it: the block's every-second-matmul FLOPs at the
     linears' rate (attention kept); Tessera's runtime re-runs the attention core; an old graph without the figure
