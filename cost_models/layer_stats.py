@@ -99,6 +99,11 @@ class LayerStats(BaseModel):
     """Query heads of the layer's attention (0 if none); tensor parallelism must divide it."""
     kv_heads: int = Field(default=0, ge=0)
     """Key/value heads (grouped-query attention); equal to ``attention_heads`` for multi-head attention."""
+    kv_head_width: int = Field(default=0, ge=0)
+    """A key head's width plus a value head's, as the layer's SDPA call reads them: what one key/value head holds
+    per token (context parallelism's ring moves ``kv_heads`` of them). 0 where not measured: ``2 * hidden / heads``,
+    which misses a head wider than that (Qwen3's 128 at hidden 2048 and 32 heads) and latent attention's (DeepSeek-V3:
+    keys of 192, values of 128)."""
     experts: int = Field(default=0, ge=0)
     """Routed experts in the layer (0 for dense layers); expert parallelism must divide it."""
     top_k: int = Field(default=0, ge=0)

@@ -150,9 +150,7 @@ def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Rec
     # Dispatch all-to-all payload: each token goes to top_k experts, carrying its hidden activation (the layer's
     # output width and dtype), times the load factor the experts were measured at.
     dispatch = {layer.fqn: layer.top_k * layer.expert_capacity_factor * layer.output_bytes for layer in moe}
-    # Keys + values: 2 x kv_heads x head_dim per token, head_dim = hidden / heads (the layer's output width).
-    kv = {layer.fqn: 2 * layer.output_bytes * (layer.kv_heads or layer.attention_heads) / layer.attention_heads
-          for layer in attention}
+    kv = {layer.fqn: kv_bytes(layer) for layer in attention}
     return {
         "expert_params": sum(layer.expert_param_count for layer in moe),
         "largest_layer_expert_params": largest.expert_param_count,
@@ -172,6 +170,16 @@ def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Rec
         "attention_core_flops": sum(layer.selective_recompute_flops for layer in attention),
         "kv_heads": min(layer.kv_heads or layer.attention_heads for layer in attention),
     }
+
+
+def kv_bytes(layer: LayerStats) -> float:
+    """Keys and values of one sequence through ``layer``'s attention: ``kv_heads`` heads of ``kv_head_width`` a token,
+    in the output's dtype; unmeasured, two heads of ``hidden / heads`` each (the layer's output width over its
+    heads)."""
+    kv_heads = layer.kv_heads or layer.attention_heads
+    if layer.kv_head_width and layer.hidden_size:
+        return layer.output_bytes / layer.hidden_size * kv_heads * layer.kv_head_width
+    return 2 * layer.output_bytes * kv_heads / layer.attention_heads
 
 
 def block_width(layer: LayerStats) -> int:

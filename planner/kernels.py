@@ -92,8 +92,9 @@ CORE_OPS = (
 class KernelObserver(Protocol):
     """What the measurement learns about each attention call and each ``torch.rms_norm`` call."""
 
-    def attention_started(self, query: torch.Tensor, key: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
-        """An SDPA call begins: its query/key shapes and the tensors a checkpoint of it would hold."""
+    def attention_started(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          inputs: tuple[torch.Tensor, ...]) -> None:
+        """An SDPA call begins: its query/key/value shapes and the tensors a checkpoint of it would hold."""
 
     def keep_for_backward(self, tensor: torch.Tensor) -> None:
         """The kernel keeps ``tensor`` for backward outside autograd's view (the mask)."""
@@ -247,7 +248,7 @@ def _fused_sdpa(
     boolean = attn_mask is not None and attn_mask.dtype == torch.bool
     if attn_mask is not None and not boolean:
         observer.keep_for_backward(attn_mask)
-    observer.attention_started(query, key, inputs)
+    observer.attention_started(query, key, value, inputs)
     try:
         query, key, value = _as_autocast_runs_sdpa(query, key, value)
         if boolean:  # the additive bias SDPA makes of it for this call (module docstring)

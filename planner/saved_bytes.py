@@ -92,9 +92,11 @@ class Ledger:
                 if is_kept:
                     self.kept.add(id(token))
 
-    def attention_started(self, query: torch.Tensor, key: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
+    def attention_started(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          inputs: tuple[torch.Tensor, ...]) -> None:
         tally = self.tallies[self.scope.current()]
         tally.heads, tally.kv_heads = query.shape[1], key.shape[1]
+        tally.kv_head_width = key.shape[-1] + value.shape[-1]
         tally.saved_bytes_selective = 0  # measured: filled in by selective_bytes
         for tensor in inputs:
             storage = tensor.untyped_storage()

@@ -38,6 +38,7 @@ class Tally:
     output_width: int = 0
     heads: int = 0
     kv_heads: int = 0
+    kv_head_width: int = 0
     expert_forward_flops: int = 0
     expert_backward_flops: int = 0
     fused_norm_saving_bytes: int = 0

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tessera.errors import ModelSpecError  # noqa: E402
+from tessera.cost_models.layer_sums import kv_bytes  # noqa: E402
 from tessera.planner.capture import capture_preset  # noqa: E402
 from tessera.planner.model_source import resolve_model  # noqa: E402
 
@@ -125,6 +126,21 @@ def test_latent_attention_whose_values_are_narrower_than_its_keys_is_measured() 
     dense, sparse = capture_preset(spec, seq_len=T).blocks
     assert dense.selective_recompute_flops == sparse.selective_recompute_flops == 2 * HEADS * T * T * (24 + 16)
     assert (dense.expert_width, sparse.expert_width) == (0, F // 4)
+    # A context-parallel ring moves keys 24 wide and values 16 a head, not two heads of hidden / heads
+    assert dense.kv_head_width == 24 + 16
+    assert kv_bytes(dense) == dense.output_bytes / H * HEADS * (24 + 16)
+
+
+def test_keys_and_values_are_measured_at_their_head_width() -> None:
+    """Qwen3 declares heads wider than hidden / heads: its keys and values are counted at that width (what a
+    context-parallel ring moves), grouped heads as declared; a Llama's head is hidden / heads wide, as before."""
+    spec = (f"hf:qwen3:hidden_size={H},intermediate_size={F},num_hidden_layers=1,num_attention_heads={HEADS},"
+            f"num_key_value_heads={KV},vocab_size={V},head_dim=")
+    wide = capture_preset(spec + f"{2 * H // HEADS}", seq_len=T).blocks[0]
+    assert (wide.kv_heads, wide.kv_head_width) == (KV, 4 * H // HEADS)
+    assert kv_bytes(wide) == 2 * (2 * wide.output_bytes * KV / HEADS)  # twice the hidden / heads estimate
+    llama = capture_preset(SPECS["llama"], seq_len=T).blocks[0]
+    assert kv_bytes(llama) == 2 * llama.output_bytes * llama.kv_heads / llama.attention_heads
 
 
 def test_hf_model_of_realistic_width_allocates_nothing() -> None:
