@@ -9,6 +9,8 @@ With ``p`` stages, ``m`` micro-batches per step and ``t`` the slowest stage's ti
   ``p (1 + (p - 1) / (p V))`` micro-batches' worth (Narayanan et al. SC'21 Sec. 2.2; Korthikanti et al. Sec. 4).
 - Zero-bubble (ZB-H1): about a third of 1F1B's bubble at 1F1B's memory (Qi et al., "Zero Bubble
   Pipeline Parallelism", ICLR'24, Sec. 3).
+- A step run as ``n`` schedule calls (``Strategy.pipeline_passes``: gradient accumulated over them) has ``n``
+  bubbles, each call's in-flight micro-batches at ``m / n``.
 
 Ranks that share CPU cores (``DeviceSpec.solo_speedup`` ``S > 1``, stage times at the all-ranks-busy rate)
 do not waste a bubble: while a stage waits, the others get its share of the cores and run up to ``S`` times
@@ -25,11 +27,12 @@ from tessera.cost_models.types import Strategy
 
 
 def bubble_micro_batches(strategy: Strategy) -> float:
-    """Idle time per step in units of one micro-batch's time on the slowest stage."""
+    """Idle time per step in units of one micro-batch's time on the slowest stage: each of the step's
+    ``pipeline_passes`` fills and drains the pipeline."""
     p = strategy.pp
     if p == 1:
         return 0.0
-    return {
+    return strategy.pipeline_passes * {
         "gpipe": p - 1.0,
         "1f1b": p - 1.0,
         "interleaved": (p - 1.0) / strategy.virtual_stages,
@@ -38,10 +41,12 @@ def bubble_micro_batches(strategy: Strategy) -> float:
 
 
 def in_flight_micro_batches(strategy: Strategy, *, stage: int, micro_batches: int) -> float:
-    """Micro-batches whose activations stage ``stage`` holds at its peak."""
+    """Micro-batches whose activations stage ``stage`` holds at its peak (``micro_batches`` a step, run in
+    ``pipeline_passes`` schedule calls of their share each)."""
     p = strategy.pp
     if p == 1:
         return 1.0
+    micro_batches //= strategy.pipeline_passes
     if strategy.schedule == "gpipe" or (strategy.schedule == "1f1b" and micro_batches < p):
         return float(micro_batches)  # 1F1B with m < p runs as GPipe (runtime.pipeline.single_stage_schedule)
     if strategy.schedule == "zero-bubble" and strategy.zero < 3:

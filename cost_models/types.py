@@ -156,6 +156,10 @@ class Strategy(BaseModel):
     ``reshard_after_forward``), in model order; empty = every block does. ``False`` keeps the block's weights
     gathered until its backward: one all-gather fewer per micro-batch, the unsharded weights held meanwhile
     (a per-layer ZeRO-2/ZeRO-3 mix)."""
+    pipeline_passes: int = Field(default=1, gt=0, le=MAX_GLOBAL_BATCH)
+    """Pipeline schedule calls a step's micro-batches run in, each filling and draining the pipeline: NeMo AutoModel
+    accumulates gradients over local batches and calls its schedule once per local batch. 1 (one call for all of
+    them) is what Tessera's runtime, Megatron-Core and torchtitan run; the planner never chooses more."""
     etp: int | None = Field(default=None, gt=0, le=MAX_DEVICES)
     """Tensor-parallel degree of the routed experts (Megatron-Core's ``expert_tensor_parallel_size``); ``None`` =
     ``tp``. Smaller than ``tp`` folds the rest of the tensor-parallel axis into expert parallelism (Megatron's
@@ -172,6 +176,8 @@ class Strategy(BaseModel):
     def _virtual_stages_need_interleaving(self) -> "Strategy":
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule=interleaved:{self.virtual_stages}")
+        if self.pipeline_passes > 1 and self.pp == 1:
+            raise ConfigError(f"pipeline_passes={self.pipeline_passes} needs pp > 1: only a pipeline fills and drains")
         if self.block_reshard and self.zero != 3:
             raise ConfigError(f"block_reshard needs zero=3 (got zero={self.zero}): only FSDP reshards weights; drop it or set zero=3")
         if self.tp % self.expert_tp:
@@ -232,7 +238,11 @@ class Strategy(BaseModel):
                 f"global batch {global_batch} is not divisible by dp*micro_batch = {self.dp}*{self.micro_batch}; "
                 "pick a micro-batch or dp that divides it"
             )
-        return global_batch // per_step
+        micro_batches = global_batch // per_step
+        if micro_batches % self.pipeline_passes:
+            raise ConfigError(f"{micro_batches} micro-batches a step do not split into pipeline_passes="
+                              f"{self.pipeline_passes} passes of one size; pick passes that divide them")
+        return micro_batches
 
     def to_string(self) -> str:
         """Compact ``key=value`` form that :meth:`parse` reads back."""
@@ -255,6 +265,8 @@ class Strategy(BaseModel):
             parts.append("chunk_blocks=" + "/".join(map(str, self.chunk_blocks)))
         if self.pp > 1:
             parts.append(f"schedule={self.schedule}" + (f":{self.virtual_stages}" if self.schedule == "interleaved" else ""))
+        if self.pipeline_passes > 1:
+            parts.append(f"pipeline_passes={self.pipeline_passes}")
         return ",".join(parts)
 
     @classmethod

@@ -193,8 +193,9 @@ def strategies(
                         strategy = Strategy(**per_block,
                             dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, zero=zero, micro_batch=micro_batch, recompute=recompute,
                             sp=sps[etp], schedule=schedule, virtual_stages=chunks,
-                            # never chosen: the runtime lacks both
+                            # never chosen: the runtime lacks these
                             tp_overlap=pins.get("tp_overlap", False), sp_regather=pins.get("sp_regather", False),
+                            pipeline_passes=pins.get("pipeline_passes", 1),
                         )
                         if runtime_refusal(strategy, training, unavailable, exclusive) is None:
                             yield strategy

@@ -289,6 +289,12 @@ def check_supported(plan: Plan) -> None:
             "tp_overlap (tensor-parallel collectives overlapped with their matmuls) is a cost-model option for "
             "evaluating published configurations; the runtime does not implement it: drop tp_overlap=true"
         )
+    if plan.strategy.pipeline_passes > 1:
+        raise NotModelledError(
+            f"pipeline_passes={plan.strategy.pipeline_passes} (a step's micro-batches run as separate pipeline "
+            "schedule calls) is a cost-model option for evaluating published configurations; the runtime runs all "
+            "of a step's micro-batches in one schedule call: drop pipeline_passes"
+        )
     if plan.strategy.sp_regather:
         raise NotModelledError(
             "sp_regather (Megatron-LM's sequence parallelism: save the input shard, all-gather it again in the "

@@ -7,7 +7,7 @@ from tessera.cost_models.compute import GPU_CALIBRATION, Calibration
 from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.memory import REPLICATED_ACTIVATION_SHARE
 from tessera.cost_models.partition import split_blocks
-from tessera.cost_models.pipeline import bubble_micro_batches, in_flight_micro_batches
+from tessera.cost_models.pipeline import bubble_micro_batches, in_flight_micro_batches, pipeline_time_s
 from tessera.errors import ConfigError
 from tessera.topology import load_cluster
 from tessera.topology.collectives import all_reduce_time
@@ -128,6 +128,19 @@ def test_korthikanti_activation_share_with_and_without_sequence_parallelism():
     gathered = 4 * 2 * layers[0].output_bytes * (1 - 1 / 8)
     assert sp.memory_by_category_bytes["activations"] == pytest.approx(whole / 8 + gathered, rel=1e-6)
     assert REPLICATED_ACTIVATION_SHARE == pytest.approx(10 / 34)
+
+
+def test_a_step_in_two_pipeline_passes_has_two_bubbles_and_holds_one_passs_micro_batches():
+    # NeMo AutoModel accumulates gradients over local batches, one schedule call each (Strategy.pipeline_passes)
+    one, two = Strategy.parse("dp=1,pp=4,schedule=gpipe"), Strategy.parse("dp=1,pp=4,schedule=gpipe,pipeline_passes=2")
+    assert bubble_micro_batches(two) == 2 * bubble_micro_batches(one) == 6
+    assert in_flight_micro_batches(two, stage=0, micro_batches=8) == 4  # GPipe holds a pass's 4, not the step's 8
+    assert pipeline_time_s(two, micro_batches=8, stage_times_s=[1.0] * 4) == 8 + 6
+    assert Strategy.parse(two.to_string()) == two
+    with pytest.raises(ConfigError, match="pipeline_passes=2 needs pp > 1"):
+        Strategy.parse("dp=2,pipeline_passes=2")
+    with pytest.raises(ConfigError, match="6 micro-batches a step do not split into pipeline_passes=4"):
+        Strategy.parse("dp=1,pp=2,pipeline_passes=4").gradient_accumulation(6)
 
 
 def test_pipeline_bubble_and_in_flight_micro_batches():
