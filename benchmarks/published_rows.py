@@ -246,6 +246,8 @@ def _stated_pins(run: dict) -> dict[str, object]:
     # by name: a row's config may vary its fields
     if framework_profile(run).name in (MEGATRON.name, NEMO_2024.name, MEGATRON_BRIDGE.name):
         fixed["sp_regather"] = True  # Megatron-Core's sequence parallelism, should the planner turn it on
+        if par["pp"] > 1 and "schedule" not in fixed:
+            fixed["schedule"] = "1f1b"  # what Megatron-Core runs without a virtual pipeline size
     keeps_gathered = (TORCHTITAN_2024.name, AUTOMODEL_MOE.name)
     if framework_profile(run).name in keeps_gathered and par["pp"] > 1 and fixed.get("zero") == 3:
         # torchtitan 9dec370 (parallelisms/parallelize_llama.py, apply_fsdp): "For PP, do not reshard after

@@ -231,10 +231,13 @@ def sharded_collective_counts(strategy: Strategy, *, micro_batches: int) -> tupl
     pipelining, ``PipelineStage`` turns FSDP2's gradient sync and resharding after backward off for all but
     the last micro-batch: one reduce-scatter per step, and ZeRO-3's parameters stay gathered from a backward
     to the next forward, so with 1F1B's order (forwards, then alternating, then backwards) the warm-up
-    forwards and every backward but the cool-down's gather: ``micro_batches + 1`` gathers per step.
+    forwards and every backward but the cool-down's gather: ``micro_batches + 1`` gathers per step. A step run as
+    ``pipeline_passes`` schedule calls syncs and reshards at the end of each: that many reduce-scatters, and as
+    many extra gathers.
     """
     if strategy.pp > 1:
-        return (micro_batches + 1 if strategy.zero == 3 else 1), 1
+        passes = strategy.pipeline_passes
+        return (micro_batches + passes if strategy.zero == 3 else passes), passes
     if strategy.zero == 3:
         return 2 * micro_batches, micro_batches
     return 1, (micro_batches if strategy.zero == 2 else 1)
@@ -244,12 +247,13 @@ def effective_gathers(stage: StageTotals, strategy: Strategy, *, gathers: int, m
     """ZeRO-3 all-gathers per step of the stage's weights, where some blocks keep their gathered weights from
     forward to backward (``Strategy.block_reshard``): those skip the backward's re-gather, so their share of
     the weights is gathered once per micro-batch (without pipelining) or once per step (``PipelineStage``
-    already keeps them gathered between a backward and the next forward)."""
+    already keeps them gathered between a backward and the next forward, until the schedule call's last backward
+    reshards them: once per ``pipeline_passes``)."""
     kept = kept_local_params(stage, strategy) if strategy.zero == 3 else 0.0
     if not kept:
         return gathers
     share = min(1.0, kept / local_params(stage, strategy))
-    kept_gathers = 1 if strategy.pp > 1 else micro_batches
+    kept_gathers = strategy.pipeline_passes if strategy.pp > 1 else micro_batches
     return gathers - (gathers - kept_gathers) * share
 
 

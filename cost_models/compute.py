@@ -416,7 +416,9 @@ def _fastest_attention(
                                                                 kernels=kernels, seq_len=seq_len))
 
 
-def optimizer_step_s(local_params: float, device: DeviceSpec) -> float:
-    """AdamW update time: memory-bound, it reads and writes params, grads and two moments in fp32."""
-    bytes_touched = local_params * 4 * (2 + 1 + 2 + 2)  # param r/w, grad r, exp_avg r/w, exp_avg_sq r/w
+def optimizer_step_s(local_params: float, device: DeviceSpec, *, master_bytes: int = 4, moment_bytes: int = 4) -> float:
+    """AdamW update time: memory-bound, it reads and writes the parameters it steps on (fp32 masters in mixed
+    precision; ``master_bytes``), reads their gradients (in the same dtype: FSDP2 casts reduced gradients to the
+    parameters' dtype) and reads and writes two moments (``moment_bytes`` each)."""
+    bytes_touched = local_params * (master_bytes * (2 + 1) + moment_bytes * (2 + 2))  # param r/w, grad r, moments r/w
     return bytes_touched / device.memory_bandwidth_bytes_per_s

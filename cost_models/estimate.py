@@ -95,7 +95,8 @@ def estimate(
     exposed_dp = [cost[2] for cost in per_stage]
     contended = [cost[3] for cost in per_stage]
     waits = max(range(len(stages)), key=lambda i: exposed_dp[i] + contended[i])  # the stage the step waits for
-    optimizer = max(optimizer_step_s(_optimizer_params(stage, strategy), cluster.device) for stage in distinct)
+    optimizer = max(optimizer_step_s(_optimizer_params(stage, strategy), cluster.device, master_bytes=profile.master_bytes,
+                                     moment_bytes=profile.moment_bytes) for stage in distinct)
     straggling = straggler_s(pipeline, cluster, calibration=calibration)
     step = pipeline + exposed_dp[waits] + contended[waits] + optimizer + straggling
     worst = max(range(len(stages)), key=lambda i: sum(memory[i].values()))

@@ -164,7 +164,7 @@ def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Rec
         "recompute_dispatch_bytes": sum(b for fqn, b in dispatch.items() if policy.get(fqn) == "full"),
         "attention_layers": len(attention),
         "kv_bytes": sum(kv.values()),
-        "kv_repeated_bytes": sum(2 * layer.output_bytes for layer in attention),
+        "kv_repeated_bytes": sum(kv_bytes(layer, repeated=True) for layer in attention),
         "recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn, "none") in ("selective", "full")),
         "full_recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn) == "full"),
         "attention_core_flops": sum(layer.selective_recompute_flops for layer in attention),
@@ -172,11 +172,11 @@ def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Rec
     }
 
 
-def kv_bytes(layer: LayerStats) -> float:
-    """Keys and values of one sequence through ``layer``'s attention: ``kv_heads`` heads of ``kv_head_width`` a token,
-    in the output's dtype; unmeasured, two heads of ``hidden / heads`` each (the layer's output width over its
-    heads)."""
-    kv_heads = layer.kv_heads or layer.attention_heads
+def kv_bytes(layer: LayerStats, *, repeated: bool = False) -> float:
+    """Keys and values of one sequence through ``layer``'s attention: ``kv_heads`` heads (every query head's where
+    ``repeated`` to them) of ``kv_head_width`` a token, in the output's dtype; unmeasured (or the layer's width
+    unknown), two heads of ``hidden / heads`` each (the layer's output width over its heads)."""
+    kv_heads = layer.attention_heads if repeated else layer.kv_heads or layer.attention_heads
     if layer.kv_head_width and layer.hidden_size:
         return layer.output_bytes / layer.hidden_size * kv_heads * layer.kv_head_width
     return 2 * layer.output_bytes * kv_heads / layer.attention_heads

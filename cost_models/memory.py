@@ -58,10 +58,6 @@ from tessera.cost_models.stage_views import (
 from tessera.cost_models.types import Strategy, TrainingConfig
 
 GiB = 2**30
-# A fact about the runtime, not a setting: ``runtime/parallel_model.py`` runs ``schedule.step(return_outputs=False)``,
-# so the last stage does not keep every micro-batch's logits for a merged output (``pipeline_output_bytes``).
-# True describes pipelining's default (``return_outputs=True``), for a runtime that asks for the outputs.
-PIPELINE_KEEPS_OUTPUTS = False
 REPLICATED_ACTIVATION_SHARE = 10 / 34  # Korthikanti et al. eq. 2: sbh(10 + 24/t) of sbh*34 without SP
 # Allowance outside tensors: CUDA context, NCCL buffers and allocator fragmentation (~2 GiB on GPUs,
 # a stated assumption); a CPU rank costs ~220 MB before any model (shared/PLATFORM-NOTES.md).
@@ -168,7 +164,8 @@ def backward_memory(
         + _loss_and_recomputation_bytes(stage, strategy, on_cpu=on_cpu),
         "buffers": (_buffer_bytes(stage, training, strategy, on_cpu=on_cpu, block_gather_bytes=block_gather_bytes,
                                   profile=profile)
-                    + pipeline_output_bytes(stage, strategy, micro_batches=micro_batches)),
+                    + pipeline_output_bytes(stage, strategy, micro_batches=micro_batches,
+                                            keeps_outputs=profile.pipeline_keeps_outputs)),
     }
 
 
@@ -185,7 +182,8 @@ def step_end_memory(
         gradients = (local_params(stage, strategy) + replicated_embedding_gradient_params(stage, strategy)) * FP32
     else:
         gradients = sharded_params(stage, strategy, from_zero=1) * FP32
-    merged = merged_pipeline_output_bytes(stage, strategy, micro_batches=micro_batches)
+    merged = merged_pipeline_output_bytes(stage, strategy, micro_batches=micro_batches,
+                                          keeps_outputs=profile.pipeline_keeps_outputs)
     # The optimizer peaks in its step, FSDP2's replicate in its reduction, autograd's accumulation in the backward.
     transient = [optimizer_temporary_bytes(stage, strategy, on_cpu=on_cpu) * profile.moment_bytes / FP32]
     if profile.replicate_by_fsdp2:
@@ -295,33 +293,37 @@ def autocast_copied_params(stage: StageTotals, training: TrainingConfig, strateg
     return local_params(stage, strategy) - blocks * stage.recomputed_block_params / all_blocks
 
 
-def pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
+def pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int,
+                          keeps_outputs: bool = False) -> float:
     """A pipeline stage's forward outputs that ``torch.distributed.pipelining`` keeps during the backward phase.
 
     Each stage keeps the output of every in-flight micro-batch (``fwd_cache``: its backward starts from it):
     the boundary activation, or on the last stage the logits (which autograd alone would not keep: the loss
-    saves its log-probabilities). While ``PIPELINE_KEEPS_OUTPUTS`` holds, the last stage also keeps every
-    micro-batch's logits for the step's merged output (:func:`merged_pipeline_output_bytes`).
+    saves its log-probabilities). Where the framework ``keeps_outputs`` (``profiles.pipeline_keeps_outputs``), the
+    last stage also keeps every micro-batch's logits of the schedule call for its merged output
+    (:func:`merged_pipeline_output_bytes`).
     """
     if strategy.pp == 1:
         return 0.0
     if stage.logits_bytes:
-        kept = micro_batches if PIPELINE_KEEPS_OUTPUTS else 1
+        kept = micro_batches // strategy.pipeline_passes if keeps_outputs else 1
         return stage.logits_bytes * strategy.micro_batch * kept / (strategy.tp * strategy.cp)
     in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
     return stage.boundary_bytes * strategy.micro_batch * in_flight / strategy.cp
 
 
-def merged_pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:
-    """The last stage's outputs at the end of the step, while ``PIPELINE_KEEPS_OUTPUTS`` holds (it does not:
-    the runtime passes ``return_outputs=False``). With pipelining's default ``return_outputs=True``:
-    pipelining then keeps each micro-batch's output (``stage.output_chunks``) until the step ends and
-    concatenates them (``_PipelineSchedule._merge_outputs`` -> ``merge_chunks``: ``torch.cat``), although the
-    runtime reads only the losses: ``micro_batches`` logits, twice during the merge.
+def merged_pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int,
+                                 keeps_outputs: bool = False) -> float:
+    """The last stage's outputs at the end of a schedule call, where the framework ``keeps_outputs`` (Tessera's
+    runtime does not: it passes ``return_outputs=False``). With pipelining's default ``return_outputs=True``,
+    pipelining keeps each micro-batch's output (``stage.output_chunks``) until the call ends and concatenates
+    them (``_PipelineSchedule._merge_outputs`` -> ``merge_chunks``: ``torch.cat``): the call's logits, twice during
+    the merge.
     """
-    if strategy.pp == 1 or not stage.logits_bytes or not PIPELINE_KEEPS_OUTPUTS:
+    if strategy.pp == 1 or not stage.logits_bytes or not keeps_outputs:
         return 0.0
-    return 2 * stage.logits_bytes * strategy.micro_batch * micro_batches / (strategy.tp * strategy.cp)
+    per_call = micro_batches // strategy.pipeline_passes
+    return 2 * stage.logits_bytes * strategy.micro_batch * per_call / (strategy.tp * strategy.cp)
 
 
 def activation_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches: int) -> float:

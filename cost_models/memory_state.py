@@ -70,11 +70,14 @@ def held_gradient_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches
     Accumulated over micro-batches they are full-size where the reduction waits for the last micro-batch —
     DDP's ``no_sync``, FSDP2 ZeRO-0/1 with gradient sync off (it accumulates the unsharded gradient in fp32),
     and every stage under ``torch.distributed.pipelining`` (it syncs on the last micro-batch only) — and the
-    1/dp shard where ZeRO-2/3 reduce-scatter after every micro-batch.
+    1/dp shard where ZeRO-2/3 reduce-scatter after every micro-batch. A step in ``pipeline_passes`` schedule calls
+    whose peak comes before any backward of its pass holds only the earlier passes' reduced gradients.
     """
     in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
     if micro_batches <= in_flight:
         return 0.0
+    if micro_batches // strategy.pipeline_passes <= in_flight:
+        return sharded_params(stage, strategy, from_zero=2) * FP32
     if strategy.zero <= 1 or strategy.pp > 1:
         return (local_params(stage, strategy) + replicated_embedding_gradient_params(stage, strategy)) * FP32
     return sharded_params(stage, strategy, from_zero=2) * FP32

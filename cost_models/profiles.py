@@ -248,6 +248,13 @@ class ImplementationProfile:
     policy: every second matmul of the block and its elementwise work; the attention core is kept) or ``matmuls``
     (Tessera's runtime: everything but the matmuls, which keep their outputs)."""
 
+    pipeline_keeps_outputs: bool = False
+    """Under pipelining, the last stage keeps every micro-batch's output (the logits) of a schedule call and
+    concatenates them at its end: ``torch.distributed.pipelining``'s default (``step(return_outputs=True)``), which
+    NeMo AutoModel's recipes run (``schedule.step(input_ids, target=..., losses=...)``). False: Tessera's runtime,
+    which passes ``return_outputs=False`` (``runtime/parallel_model.py``), and the frameworks whose published
+    memory says they keep no more (``memory.pipeline_output_bytes``)."""
+
     ep_dispatch: str = "per-expert"
     """How the expert-parallel dispatch and combine cross nodes (``EP_DISPATCHES``): ``per-expert`` (a copy of a token
     for each chosen expert on another rank: Megatron-Core's ``alltoall`` dispatcher, Tessera's ``runtime.experts_exchange``)
@@ -340,7 +347,7 @@ transformers' SDPA attention, grouped keys and values passed as they are (no mas
 that writes no fp32 copies; the loss over fp32 logits (``MaskedCrossEntropy``'s default upcast). What compiling its
 layers fuses besides (its gated MLP's activation and product) is not priced, as for torchtitan's compiled runs."""
 AUTOMODEL_MOE = replace(AUTOMODEL, name="automodel-moe", gradient_bytes=4, master_bytes=2, moment_bytes=2,
-                        attention_kernels=("cudnn", "fa2"), ep_dispatch="per-node")
+                        attention_kernels=("cudnn", "fa2"), ep_dispatch="per-node", pipeline_keeps_outputs=True)
 """NeMo AutoModel's own MoE models (``nemo_automodel/components/moe``, 2025) on its benchmark configs' Transformer
 Engine backends: attention by Transformer Engine (cuDNN on Hopper), its fused RMSNorm, DeepEP's dispatch (a token
 sent once to each other node holding one of its experts); FSDP2 under its MoE parallelizer's mixed-precision policy,
@@ -348,8 +355,11 @@ which reduces in fp32 (``moe/parallelizer.py``, ``apply_fsdp``), and keeps every
 pipelining (``reshard_after_forward=not pp_enabled``). It trains the bf16 model itself: its DeepSeek-V3's
 ``initialize_weights`` ends in ``self.to(torch.bfloat16)`` (``models/deepseek_v3/model.py`` at 89e3a9fdd), and its
 benchmark configs' ``torch.optim.Adam`` keeps bf16 moments beside it, no master copy (``master_bytes``,
-``moment_bytes`` 2). The experts, which FSDP leaves alone where ep equals dp, keep bf16 gradients too; that is not
-priced (``gradient_bytes`` is one dtype for all)."""
+``moment_bytes`` 2). Its gradients are not all fp32 either: the experts, which FSDP leaves alone where ep equals
+dp, keep bf16 ones, and FSDP2 casts each reduced gradient shard back to the parameters' bf16; only the unsharded
+accumulation under pipelining is fp32. ``gradient_bytes`` is one dtype for all, so 4 here: the accumulation is
+what the peak holds. Under pipelining it keeps the logits of every micro-batch of a schedule call
+(``pipeline_keeps_outputs``: its recipes call ``schedule.step`` without ``return_outputs=False``)."""
 TORCHTITAN_COMPILED = replace(TORCHTITAN, name="torchtitan-compiled", cross_entropy="compiled",
                               fp8_casts_per_linear=False)
 """torchtitan with ``compile.enable`` and ``loss`` among ``compile.components`` (0.3.0's default, ``["model", "loss"]``):

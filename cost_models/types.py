@@ -159,7 +159,8 @@ class Strategy(BaseModel):
     pipeline_passes: int = Field(default=1, gt=0, le=MAX_GLOBAL_BATCH)
     """Pipeline schedule calls a step's micro-batches run in, each filling and draining the pipeline: NeMo AutoModel
     accumulates gradients over local batches and calls its schedule once per local batch. 1 (one call for all of
-    them) is what Tessera's runtime, Megatron-Core and torchtitan run; the planner never chooses more."""
+    them) is what Tessera's runtime and Megatron-Core run, and torchtitan's pipelined runs of 2024; the planner
+    never chooses more."""
     etp: int | None = Field(default=None, gt=0, le=MAX_DEVICES)
     """Tensor-parallel degree of the routed experts (Megatron-Core's ``expert_tensor_parallel_size``); ``None`` =
     ``tp``. Smaller than ``tp`` folds the rest of the tensor-parallel axis into expert parallelism (Megatron's

@@ -95,7 +95,7 @@ def rank_candidates(
             break
         key = (strategy.dp, strategy.tp, strategy.pp, strategy.cp, strategy.ep, strategy.zero, strategy.sp,
                strategy.schedule, strategy.virtual_stages)
-        if _state_bytes_lower_bound(params, strategy) > cluster.device.memory_bytes:
+        if _state_bytes_lower_bound(params, strategy, profile) > cluster.device.memory_bytes:
             overflowing.append(strategy)
             continue
         if strategy.schedule != "gpipe" and no_fit_at.get(key, strategy.micro_batch) < strategy.micro_batch:
@@ -123,9 +123,9 @@ def rank_candidates(
     if progress is not None:
         progress(len(candidates), len(candidates))
     if overflowing and not fits_at:  # nothing fits: estimate the leanest pruned ones so the diagnosis is exact
-        least = min((_state_bytes_lower_bound(params, s), s.micro_batch) for s in overflowing)
+        least = min((_state_bytes_lower_bound(params, s, profile), s.micro_batch) for s in overflowing)
         leanest_overflowing = [(s, estimate(layers, cluster, training, s, profile=profile)) for s in overflowing
-                               if (_state_bytes_lower_bound(params, s), s.micro_batch) == least][:64]
+                               if (_state_bytes_lower_bound(params, s, profile), s.micro_batch) == least][:64]
         scored += leanest_overflowing
         if contenders is not None:
             contenders.update(s for s, _ in leanest_overflowing)
@@ -173,18 +173,20 @@ def _dense_and_expert_params(layers: list[LayerStats]) -> tuple[int, int]:
     return sum(layer.param_count for layer in layers) - expert, expert
 
 
-def _state_bytes_lower_bound(params: tuple[int, int], strategy: Strategy) -> float:
-    """fp32 parameters, gradients and Adam moments per device, spread perfectly over tp*pp (experts also over ep),
-    and per ZeRO stage over the ranks holding the same weights: dp*cp for dense, (dp/ep)*cp for experts."""
+def _state_bytes_lower_bound(params: tuple[int, int], strategy: Strategy, profile: ImplementationProfile) -> float:
+    """Parameters, gradients and Adam moments per device at ``profile``'s dtypes (fp32 in mixed precision), spread
+    perfectly over tp*pp (experts also over ep), and per ZeRO stage over the ranks holding the same weights: dp*cp
+    for dense, (dp/ep)*cp for experts."""
     dense, expert = params
-    return (dense * _state_bytes_per_param(strategy, strategy.dp * strategy.cp)
-            + expert * _state_bytes_per_param(strategy, strategy.expert_dp * strategy.cp) / strategy.ep
+    return (dense * _state_bytes_per_param(strategy, strategy.dp * strategy.cp, profile)
+            + expert * _state_bytes_per_param(strategy, strategy.expert_dp * strategy.cp, profile) / strategy.ep
             ) / (strategy.tp * strategy.pp)
 
 
-def _state_bytes_per_param(strategy: Strategy, group: int) -> float:
+def _state_bytes_per_param(strategy: Strategy, group: int, profile: ImplementationProfile) -> float:
     zero = strategy.zero
-    return 4 / (group if zero >= 3 else 1) + 4 / (group if zero >= 2 else 1) + 8 / (group if zero >= 1 else 1)
+    return (profile.master_bytes / (group if zero >= 3 else 1) + profile.gradient_bytes / (group if zero >= 2 else 1)
+            + 2 * profile.moment_bytes / (group if zero >= 1 else 1))
 
 
 def best_candidate(scored: list[tuple[Strategy, Estimate]]) -> tuple[Strategy, Estimate]:

@@ -177,8 +177,11 @@ def strategies(
     experts = {layer.experts for layer in layers if layer.experts}
     per_block = {key: pins[key] for key in ("block_recompute", "block_reshard", "chunk_blocks") if key in pins}
     for dp, tp, pp, cp, ep in mesh_shapes(layers, cluster, training, pins, unavailable=unavailable, exclusive=exclusive):
+        passes = pins.get("pipeline_passes", 1)  # a step's micro-batches split evenly over its schedule calls
+        if passes > 1 and pp == 1:
+            continue  # only a pipeline has schedule calls to split a step into
         micro_batches = ([training.global_batch // dp] if "accumulation" in unavailable else
-                         [m for m in range(1, MAX_MICRO_BATCH + 1) if (training.global_batch // dp) % m == 0])
+                         [m for m in range(1, MAX_MICRO_BATCH + 1) if (training.global_batch // dp) % (m * passes) == 0])
         etps = expert_tp_degrees(dp, tp, ep, may_fold(tp, cp, experts, pins, unavailable), pins)
         sps = {etp: pins.get("sp", _sequence_parallel_runs(tp, cp, ep, etp, unavailable, exclusive)) for etp in etps}
         # ZeRO shards over the dp * cp ranks that hold the same weights (runtime.mesh.data_mesh)

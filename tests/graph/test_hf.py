@@ -139,6 +139,7 @@ def test_keys_and_values_are_measured_at_their_head_width() -> None:
     wide = capture_preset(spec + f"{2 * H // HEADS}", seq_len=T).blocks[0]
     assert (wide.kv_heads, wide.kv_head_width) == (KV, 4 * H // HEADS)
     assert kv_bytes(wide) == 2 * (2 * wide.output_bytes * KV / HEADS)  # twice the hidden / heads estimate
+    assert kv_bytes(wide, repeated=True) == kv_bytes(wide) * HEADS / KV  # repeated to every query head
     llama = capture_preset(SPECS["llama"], seq_len=T).blocks[0]
     assert kv_bytes(llama) == 2 * llama.output_bytes * llama.kv_heads / llama.attention_heads
 

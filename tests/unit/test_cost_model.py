@@ -321,6 +321,12 @@ def test_held_gradients_only_after_an_earlier_backward():
     assert held_gradient_bytes(totals, s, micro_batches=2) == 2310 * 4 / 4  # ZeRO-2 accumulates its shard
     totals, s = _totals("dp=4,zero=1,mbs=1")
     assert held_gradient_bytes(totals, s, micro_batches=2) == 2310 * 4  # FSDP2 without sync: unsharded fp32
+    # two schedule calls of 2 micro-batches, 2 in flight on the first of 2 stages: the peak holds only the
+    # first call's reduced shard, where one call of 4 accumulates unsharded fp32 gradients
+    totals, _ = _totals("dp=4,pp=2,zero=3,mbs=1")
+    assert held_gradient_bytes(totals, Strategy.parse("dp=4,pp=2,zero=3,mbs=1,pipeline_passes=2"),
+                               micro_batches=4) == 2310 * 4 / 4
+    assert held_gradient_bytes(totals, Strategy.parse("dp=4,pp=2,zero=3,mbs=1"), micro_batches=4) == 2310 * 4
     totals, s = _totals("dp=1,tp=2,zero=0,mbs=1")  # DTensor gives the row-sharded embedding a Replicate gradient
     assert held_gradient_bytes(totals, s, micro_batches=2) == (2300 / 2 + 10 + 100 / 2) * 4
 
@@ -419,12 +425,14 @@ def test_autograd_accumulation_holds_the_copies_not_yet_used_and_one_fp32_gradie
         assert accumulation_bytes(totals, bf16, Strategy.parse(fsdp2), micro_batches=4, copies=copies) == 0
 
 
-def test_pipeline_last_stage_keeps_one_output_unless_the_runtime_merges_them(monkeypatch):
+def test_pipeline_last_stage_keeps_one_output_unless_the_framework_merges_them():
     from tessera.cost_models import memory
     totals, s = _totals("dp=1,pp=4,mbs=2")
     assert memory.pipeline_output_bytes(totals, s, micro_batches=8) == 50 * 2  # return_outputs=False: one in flight
-    monkeypatch.setattr(memory, "PIPELINE_KEEPS_OUTPUTS", True)  # pipelining's default keeps every micro-batch's
-    assert memory.pipeline_output_bytes(totals, s, micro_batches=8) == 50 * 2 * 8
+    # pipelining's default keeps every micro-batch's of a schedule call
+    assert memory.pipeline_output_bytes(totals, s, micro_batches=8, keeps_outputs=True) == 50 * 2 * 8
+    two_calls = Strategy.parse("dp=1,pp=4,mbs=2,pipeline_passes=2")
+    assert memory.pipeline_output_bytes(totals, two_calls, micro_batches=8, keeps_outputs=True) == 50 * 2 * 4
     assert memory.pipeline_output_bytes(*_totals("dp=1,mbs=2"), micro_batches=8) == 0
 
 
@@ -439,8 +447,7 @@ def test_sequence_parallel_keeps_gathered_linear_inputs():
     assert regather.to_string().endswith("sp_regather=true") and Strategy.parse(regather.to_string()) == regather
 
 
-def test_inner_pipeline_stages_keep_their_in_flight_outputs_and_the_last_merges(monkeypatch):
-    from tessera.cost_models import memory
+def test_inner_pipeline_stages_keep_their_in_flight_outputs_and_the_last_merges():
     from tessera.cost_models.memory import merged_pipeline_output_bytes, pipeline_output_bytes
     from tessera.cost_models.partition import stage_totals
     s = Strategy.parse("dp=1,pp=4,mbs=2")
@@ -449,8 +456,7 @@ def test_inner_pipeline_stages_keep_their_in_flight_outputs_and_the_last_merges(
     assert merged_pipeline_output_bytes(first, s, micro_batches=8) == 0
     last, _ = _totals("dp=1,pp=4,mbs=2")
     assert merged_pipeline_output_bytes(last, s, micro_batches=8) == 0  # the runtime asks for no merged output
-    monkeypatch.setattr(memory, "PIPELINE_KEEPS_OUTPUTS", True)
-    assert merged_pipeline_output_bytes(last, s, micro_batches=8) == 2 * 50 * 2 * 8  # the chunks and their cat
+    assert merged_pipeline_output_bytes(last, s, micro_batches=8, keeps_outputs=True) == 2 * 50 * 2 * 8  # chunks, cat
 
 
 def test_sharded_collectives_per_step_follow_the_runtime():
@@ -465,6 +471,9 @@ def test_sharded_collectives_per_step_follow_the_runtime():
     # under pipelining, PipelineStage defers FSDP2's gradient sync and resharding to the last micro-batch
     assert counts("dp=2,pp=2,zero=2") == (1, 1)
     assert counts("dp=2,pp=2,zero=3") == (9, 1)
+    # each of two schedule calls ends in its own sync and reshard
+    assert counts("dp=2,pp=2,zero=2,pipeline_passes=2") == (2, 2)
+    assert counts("dp=2,pp=2,zero=3,pipeline_passes=2") == (10, 2)
 
 
 def test_a_fused_loss_kernel_holds_less_and_runs_faster_on_a_captured_model():

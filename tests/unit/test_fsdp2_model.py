@@ -11,7 +11,7 @@ from tessera.cost_models.communication import exposed_dp_comm_s, tp_comm_s
 from tessera.cost_models.memory import sp_gathered_input_bytes
 from tessera.cost_models.partition import stage_totals
 from tessera.cost_models.stage_views import as_selective_memory
-from tessera.cost_models.compute import Calibration, compute_lower_bound_s
+from tessera.cost_models.compute import Calibration, compute_lower_bound_s, optimizer_step_s
 from tessera.cost_models.profiles import (
     DEEPSPEED, MEGATRON, PROFILES, PYTORCH_FSDP_TE, TESSERA, TORCHTITAN, ImplementationProfile, profile,
 )
@@ -231,6 +231,8 @@ def test_a_bf16_model_trained_as_it_is_holds_half_the_masters_and_moments():
         assert got["optimizer"] == pytest.approx(masters * 4, rel=1e-6)
         assert want["parameters"] - got["parameters"] == pytest.approx(masters * 2, rel=1e-6)
         assert got["gradients"] == want["gradients"] and got["activations"] == want["activations"]
+    h100 = load_cluster("dgx-h100:nodes=1").device  # the optimizer step reads and writes half the bytes
+    assert optimizer_step_s(1e9, h100, master_bytes=2, moment_bytes=2) == pytest.approx(optimizer_step_s(1e9, h100) / 2)
     with pytest.raises(ConfigError, match="master_bytes=3"):
         replace(TESSERA, master_bytes=3)
     assert profile("automodel-moe").master_bytes == profile("automodel-moe").moment_bytes == 2
