@@ -3,9 +3,10 @@
 Model state per parameter (mixed precision keeps fp32 masters): fp32 parameters (4 B), fp32 gradients
 (4 B) and two fp32 Adam moments (8 B); a framework that trains the bf16 model itself holds masters and moments
 in bf16 (``ImplementationProfile.master_bytes``, ``moment_bytes``: :func:`with_optimizer_state_bytes`). Tessera's
-runtime (``runtime.data_parallel``) holds them as follows: ZeRO-0 is DDP (plus a bucket copy of the gradients) or FSDP2 ``replicate``; ZeRO-1/2 are FSDP2 with
-``reshard_after_forward=False`` (fp32 masters and moments 1/dp, the gathered parameters kept whole from
-forward to backward; ZeRO-1 accumulates the unsharded gradient over micro-batches, ZeRO-2 its shard);
+runtime (``runtime.data_parallel``) holds them as follows: ZeRO-0 is DDP (plus a bucket copy of the gradients) or
+FSDP2 ``replicate``; ZeRO-1/2 are FSDP2 with ``reshard_after_forward=False`` (fp32 masters and moments 1/dp, the
+gathered parameters kept whole from forward to backward; ZeRO-1 accumulates the unsharded gradient over
+micro-batches, ZeRO-2 its shard);
 ZeRO-3 gathers one block at a time (plus one prefetched), and the root layers for the forward and again for
 the backward.
 Mixed precision on a model no FSDP unit wraps runs by ``torch.autocast`` (:func:`autocasts`): every micro-batch
