@@ -18,7 +18,9 @@ What the fields express, and the nearest setting where they cannot:
   Megatron's "MoE parallel folding"); without expert parallelism they are split by ``tp`` like the MLP.
 - Pipeline chunks are ``module_fqns_per_model_part`` (the planned model's module names, chunk ``c`` on rank
   ``c % pp``); schedules ``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``InterleavedZeroBubble``. All of a data-parallel
-  rank's micro-batches run in one schedule: ``local_batch_size = global / dp``.
+  rank's micro-batches run in one schedule: ``local_batch_size = global / dp``. Read back, a pipelined
+  configuration that accumulates gradients over several local batches runs one schedule per local batch, each
+  with its own fill and drain (``Strategy.pipeline_passes``, which Tessera's runtime does not run).
 - Activation checkpointing is one policy for every block: ``FullAC``, ``SelectiveAC`` (per-op: saves
   compute-intensive ops except every second matmul, recomputes the rest; ``cost_models.profiles.TORCHTITAN``
   prices that, where Tessera's runtime recomputes the attention core) or None.
@@ -217,9 +219,8 @@ def from_torchtitan(source: str, *, world_size: int) -> ImportedConfig:
     global_batch = local * dp if global_batch == -1 else whole(global_batch, name="training.global_batch_size",
                                                                framework="torchtitan", at_most=MAX_GLOBAL_BATCH)
     schedule, virtual, chunks, micro_batch = _pipeline(par, pp=pp, local=local, notes=notes)
-    if pp > 1 and global_batch // (local * dp) > 1:
-        notes.append(f"gradient accumulation over {global_batch // (local * dp)} pipeline schedules: evaluated as one "
-                     "schedule of all the step's micro-batches (fewer bubbles than torchtitan runs)")
+    # Gradient accumulation under pipelining runs one schedule per local batch, each filling and draining the pipeline
+    passes = global_batch // (local * dp) if pp > 1 else 1
     if replicate > 1 and shard > 1:
         notes.append(f"HSDP ({replicate} replicas x {shard} shards): evaluated as ZeRO-3 over all {dp} ranks")
     policy = _read_policy(sections.get("activation_checkpoint", "selective"))
@@ -227,7 +228,7 @@ def from_torchtitan(source: str, *, world_size: int) -> ImportedConfig:
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=_zero(par, shard=shard, cp=cp), micro_batch=micro_batch or local,
         recompute=policy, sp=bool(par["enable_sequence_parallel"]) and tp > 1,
         tp_overlap=bool(fields["compile"]["enable_async_tensor_parallel"]) and tp > 1, schedule=schedule,
-        virtual_stages=virtual, chunk_blocks=chunks, etp=1 if ep > 1 and tp > 1 else None,
+        virtual_stages=virtual, chunk_blocks=chunks, etp=1 if ep > 1 and tp > 1 else None, pipeline_passes=passes,
     )
     precision = {"bfloat16": "bf16", "float32": "fp32"}.get(train["mixed_precision_param"])
     if precision is None:

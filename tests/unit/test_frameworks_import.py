@@ -214,6 +214,18 @@ def test_torchtitan_json_dump_and_toml(tmp_path):
         "dp=8,zero=0,mbs=8,recompute=selective"
 
 
+def test_torchtitan_gradient_accumulation_under_pipelining_runs_one_schedule_per_local_batch(tmp_path):
+    dump = {"parallelism": {"data_parallel_shard_degree": 4, "pipeline_parallel_degree": 2,
+                            "pipeline_parallel_microbatch_size": 1},
+            "training": {"local_batch_size": 4, "global_batch_size": 32, "seq_len": 4096}}
+    (tmp_path / "job.json").write_text(json.dumps(dump))
+    config = import_config("torchtitan", str(tmp_path / "job.json"), world_size=8)
+    assert config.strategy.pipeline_passes == 2 and config.strategy.micro_batch == 1  # 32 / (4 x 4): two schedules
+    dump["training"]["global_batch_size"] = 16
+    (tmp_path / "job.json").write_text(json.dumps(dump))
+    assert import_config("torchtitan", str(tmp_path / "job.json"), world_size=8).strategy.pipeline_passes == 1
+
+
 def test_a_torchtitan_config_that_compiles_its_loss_is_priced_with_the_fused_loss(tmp_path):
     """torchtitan compiles the loss with ``compile.enable`` and ``loss`` among ``compile.components`` (its default):
     its profile is ``torchtitan-compiled`` (one fused cross-entropy kernel), else ``torchtitan``."""
