@@ -107,7 +107,7 @@ def pin_string(strategy: Strategy) -> str:
     items = dict(item.split("=", 1) for item in s.to_string().split(","))
     merged = items | {key: str(value).lower() for key, value in explicit.items()}
     order = ("dp", "tp", "pp", "cp", "ep", "etp", "zero", "mbs", "recompute", "sp", "tp_overlap", "sp_regather",
-             "block_recompute", "block_reshard", "chunk_blocks", "schedule")
+             "block_recompute", "block_reshard", "chunk_blocks", "schedule", "pipeline_passes")
     return ",".join(f"{key}={merged[key]}" for key in order if key in merged)
 
 

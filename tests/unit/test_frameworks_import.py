@@ -13,7 +13,7 @@ from tessera.cost_models.types import Strategy
 from tessera.cost_models.profiles import PROFILES
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.frameworks import import_config
-from tessera.planner.frameworks.common import canonical
+from tessera.planner.frameworks.common import canonical, pin_string
 from tessera.planner.frameworks.megatron import from_megatron, parse_layout
 
 _TITAN = importlib.util.find_spec("torchtitan")
@@ -221,6 +221,7 @@ def test_torchtitan_gradient_accumulation_under_pipelining_runs_one_schedule_per
     (tmp_path / "job.json").write_text(json.dumps(dump))
     config = import_config("torchtitan", str(tmp_path / "job.json"), world_size=8)
     assert config.strategy.pipeline_passes == 2 and config.strategy.micro_batch == 1  # 32 / (4 x 4): two schedules
+    assert Strategy.parse(pin_string(config.strategy)) == config.strategy  # evaluated as read
     dump["training"]["global_batch_size"] = 16
     (tmp_path / "job.json").write_text(json.dumps(dump))
     assert import_config("torchtitan", str(tmp_path / "job.json"), world_size=8).strategy.pipeline_passes == 1
