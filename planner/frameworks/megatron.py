@@ -79,6 +79,10 @@ def to_megatron_args(plan: PlanLike) -> FrameworkExport:
         notes.append(f"block_reshard keeps {kept_blocks(s)} blocks gathered to their backward: Megatron-FSDP reshards "
                      "every block after its forward; nearest is every block resharding")
         update["block_reshard"] = ()
+    if s.pipeline_passes > 1:
+        notes.append(f"pipeline_passes={s.pipeline_passes}: Megatron-LM runs all of a step's micro-batches in one "
+                     "pipeline schedule (one fill and drain)")
+        update["pipeline_passes"] = 1
     runs = strategy_with(s, sp_regather=s.sp, **update, **recompute_update)
     if s.sp and not s.sp_regather:
         notes.append("Megatron-LM's sequence parallelism keeps each column-parallel input's shard and gathers it "

@@ -87,7 +87,8 @@ def to_torchtitan(plan: PlanLike) -> FrameworkExport:
                      "model_spec's converters); add it there, these fields keep bfloat16 mixed precision")
         precision = "bf16"
     fields = _parallelism_fields(plan, zero=update["zero"])
-    training = {"local_batch_size": t.global_batch // s.dp if s.pp > 1 else s.micro_batch,
+    local = t.global_batch // (s.dp * s.pipeline_passes)  # under pipelining, one schedule's micro-batches
+    training = {"local_batch_size": local if s.pp > 1 else s.micro_batch,
                 "global_batch_size": t.global_batch, "seq_len": t.seq_len, "mixed_precision_param": PRECISION[precision]}
     lines = [f"    config.parallelism.{k} = {v!r}" for k, v in fields.items() if k != "module_fqns_per_model_part"]
     if "module_fqns_per_model_part" in fields:
