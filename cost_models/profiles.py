@@ -337,7 +337,7 @@ forward only, op-level selective recomputation. Context parallelism through PyTo
 rotation, ``ALL_GATHER`` (``_ContextParallelOptions.rotate_method``, torch 2.6 to 2.13; torchtitan's
 ``--experimental.context_parallel_rotate_method`` defaulted to ``allgather`` too, ``torchtitan/config_manager.py`` at
 eaea6f6a2fa9); its models pass grouped K/V to SDPA with ``enable_gqa`` (``models/common/attention.py``, 2026)."""
-AUTOMODEL = replace(TORCHTITAN, name="automodel", gradient_bytes=2, fused_rms_norm=True)
+AUTOMODEL = replace(TORCHTITAN, name="automodel", gradient_bytes=2, fused_rms_norm=True, master_bytes=2)
 """NVIDIA NeMo AutoModel's FSDP2 training (``nemo_automodel``, 2026): FSDP2 with PyTorch's context-parallel ring on its
 all-gather rotation, as torchtitan (``components/distributed/cp_utils.py`` passes ``allgather``, and under context
 parallelism restricts SDPA to the flash and memory-efficient kernels: FlashAttention-2 on Hopper); its default FSDP2
@@ -345,7 +345,10 @@ mixed-precision policy reduces in bf16 (``components/distributed/config.py``: pa
 transformers' SDPA attention, grouped keys and values passed as they are (no mask: ``enable_gqa``); its RMSNorm
 (``Float32RMSNorm``, ``components/models/common/utils.py``) a ``torch.compile(fullgraph=True)`` function, one kernel
 that writes no fp32 copies; the loss over fp32 logits (``MaskedCrossEntropy``'s default upcast). What compiling its
-layers fuses besides (its gated MLP's activation and product) is not priced, as for torchtitan's compiled runs."""
+layers fuses besides (its gated MLP's activation and product) is not priced, as for torchtitan's compiled runs. Its
+benchmark config loads the model in bf16 (``torch_dtype: bf16``) and steps it with Transformer Engine's ``FusedAdam`` at
+its defaults, no master weights and fp32 moments (``master_weights=False``, ``exp_avg_dtype=torch.float32``):
+``master_bytes`` 2, ``moment_bytes`` 4."""
 AUTOMODEL_MOE = replace(AUTOMODEL, name="automodel-moe", gradient_bytes=4, master_bytes=2, moment_bytes=2,
                         attention_kernels=("cudnn", "fa2"), ep_dispatch="per-node", pipeline_keeps_outputs=True)
 """NeMo AutoModel's own MoE models (``nemo_automodel/components/moe``, 2025) on its benchmark configs' Transformer

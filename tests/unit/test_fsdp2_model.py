@@ -236,6 +236,7 @@ def test_a_bf16_model_trained_as_it_is_holds_half_the_masters_and_moments():
     with pytest.raises(ConfigError, match="master_bytes=3"):
         replace(TESSERA, master_bytes=3)
     assert profile("automodel-moe").master_bytes == profile("automodel-moe").moment_bytes == 2
+    assert (profile("automodel").master_bytes, profile("automodel").moment_bytes) == (2, 4)  # FusedAdam's fp32 moments
 
 
 def test_torchtitan_selective_reruns_every_second_matmul_not_the_attention_core():
