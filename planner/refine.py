@@ -35,7 +35,7 @@ from tessera.topology.cluster import Cluster
 from tessera.topology.hardware import LOCAL_CPU
 
 MAX_SOLVES = 16
-MAX_INFEASIBLE = 32
+MAX_INFEASIBLE = 128
 """Outer candidates refined at most: ``MAX_SOLVES`` whose integer program ran (or was pruned by its bound), and
 beside them up to ``MAX_INFEASIBLE`` that nothing fits, uniform or mixed (cheap: the program proves it at once).
 Counted apart because at tight budgets the fastest candidates are often ones nothing fits, which would otherwise

@@ -31,6 +31,7 @@ from tessera.topology.validation import quoted
 GiB = 2**30
 RUNNERS_UP = 5
 RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}  # time order: recomputing more never runs faster
+GATHERED_COPY_BYTES = 2  # ZeRO-1/2's gathered parameters at the narrowest compute dtype (``memory.parameter_bytes``)
 Progress = Callable[[int, int], None]
 
 
@@ -174,9 +175,9 @@ def _dense_and_expert_params(layers: list[LayerStats]) -> tuple[int, int]:
 
 
 def _state_bytes_lower_bound(params: tuple[int, int], strategy: Strategy, profile: ImplementationProfile) -> float:
-    """Parameters, gradients and Adam moments per device at ``profile``'s dtypes (fp32 in mixed precision), spread
-    perfectly over tp*pp (experts also over ep), and per ZeRO stage over the ranks holding the same weights: dp*cp
-    for dense, (dp/ep)*cp for experts."""
+    """Model state per device that ``cost_models.memory`` never prices below, at ``profile``'s dtypes (fp32 in mixed
+    precision), spread perfectly over tp*pp (experts also over ep) and over the ranks holding the same weights
+    (dp*cp for dense, (dp/ep)*cp for experts): :func:`_state_bytes_per_param`."""
     dense, expert = params
     return (dense * _state_bytes_per_param(strategy, strategy.dp * strategy.cp, profile)
             + expert * _state_bytes_per_param(strategy, strategy.expert_dp * strategy.cp, profile) / strategy.ep
@@ -184,9 +185,17 @@ def _state_bytes_lower_bound(params: tuple[int, int], strategy: Strategy, profil
 
 
 def _state_bytes_per_param(strategy: Strategy, group: int, profile: ImplementationProfile) -> float:
-    zero = strategy.zero
-    return (profile.master_bytes / (group if zero >= 3 else 1) + profile.gradient_bytes / (group if zero >= 2 else 1)
-            + 2 * profile.moment_bytes / (group if zero >= 1 else 1))
+    """Bytes per parameter a step's higher memory mark holds at least. ZeRO-0 keeps the masters, gradients and
+    moments whole. ZeRO-1 to 3 (FSDP2) shard all three over ``group``; ZeRO-1/2 also keep the gathered compute-dtype
+    parameters from forward to backward (2 bytes at least), while their gradients are whole only when micro-batches
+    accumulate: the backward's mark holds the copy, the step end's the sharded gradients, so the larger counts."""
+    state = profile.master_bytes + 2 * profile.moment_bytes
+    if strategy.zero == 0:
+        return state + profile.gradient_bytes
+    sharded = state / group
+    if strategy.zero == 3:
+        return sharded + profile.gradient_bytes / group
+    return sharded + max(GATHERED_COPY_BYTES, profile.gradient_bytes / group)
 
 
 def best_candidate(scored: list[tuple[Strategy, Estimate]]) -> tuple[Strategy, Estimate]:

@@ -7,7 +7,8 @@ import pytest
 from tessera.api import _prepare
 from tessera.cost_models import estimate
 from tessera.cost_models.estimate import step_time_lower_bound
-from tessera.planner.search import RECOMPUTE_COST, rank_candidates
+from tessera.cost_models.profiles import TESSERA
+from tessera.planner.search import RECOMPUTE_COST, _dense_and_expert_params, _state_bytes_lower_bound, rank_candidates
 from tessera.planner.space import strategies
 
 CASES = [
@@ -30,9 +31,11 @@ def test_pruned_search_equals_exhaustive(model, cluster, batch, seq):
     best = next(pair for pair in ranked if pair[1].fits)
     assert best[0] == fitting[0][0]
     assert len(ranked) < len(everything)  # the pruning did prune
-    # The bound is a bound: never above the estimate it bounds.
+    # The bounds are bounds: never above the estimate they bound (the memory one prunes what cannot fit).
+    params = _dense_and_expert_params(layers)
     for strategy, est in everything:
         assert step_time_lower_bound(layers, resolved, training, strategy) <= est.step_time_s * (1 + 1e-12)
+        assert _state_bytes_lower_bound(params, strategy, TESSERA) <= est.peak_memory_bytes, strategy.to_string()
     # Kept exact for the runners-up: every fitting strategy faster than the 6th fastest found was estimated, unless the
     # same one with less recomputation fits (recomputing more never runs faster: pruned as a runner-up too).
     reached = {"bound": float("inf")}
