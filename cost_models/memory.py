@@ -50,7 +50,7 @@ from tessera.cost_models.memory_transients import (
     zero3_gathered_bytes, zero12_reduce_scatter_bytes,
 )
 from tessera.cost_models.partition import StageTotals
-from tessera.cost_models.pipeline import in_flight_micro_batches
+from tessera.cost_models.pipeline import in_flight_micro_batches, micro_batches_per_call
 from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.sparse import ring_and_dispatch_buffer_bytes, sharded_params
 from tessera.cost_models.stage_views import (
@@ -307,7 +307,7 @@ def pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micro_batch
     if strategy.pp == 1:
         return 0.0
     if stage.logits_bytes:
-        kept = micro_batches // strategy.pipeline_passes if keeps_outputs else 1
+        kept = micro_batches_per_call(strategy, micro_batches) if keeps_outputs else 1
         return stage.logits_bytes * strategy.micro_batch * kept / (strategy.tp * strategy.cp)
     in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
     return stage.boundary_bytes * strategy.micro_batch * in_flight / strategy.cp
@@ -323,7 +323,7 @@ def merged_pipeline_output_bytes(stage: StageTotals, strategy: Strategy, *, micr
     """
     if strategy.pp == 1 or not stage.logits_bytes or not keeps_outputs:
         return 0.0
-    per_call = micro_batches // strategy.pipeline_passes
+    per_call = micro_batches_per_call(strategy, micro_batches)
     return 2 * stage.logits_bytes * strategy.micro_batch * per_call / (strategy.tp * strategy.cp)
 
 

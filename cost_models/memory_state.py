@@ -6,7 +6,7 @@ DDP or FSDP2's ``replicate``; gradients held across micro-batches; the loss's te
 from __future__ import annotations
 
 from tessera.cost_models.partition import StageTotals
-from tessera.cost_models.pipeline import in_flight_micro_batches
+from tessera.cost_models.pipeline import in_flight_micro_batches, micro_batches_per_call
 from tessera.cost_models.sparse import largest_gathered_params, local_param_split, sharded_params
 from tessera.cost_models.types import Strategy, TrainingConfig
 
@@ -76,7 +76,7 @@ def held_gradient_bytes(stage: StageTotals, strategy: Strategy, *, micro_batches
     in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)
     if micro_batches <= in_flight:
         return 0.0
-    if micro_batches // strategy.pipeline_passes <= in_flight:
+    if micro_batches_per_call(strategy, micro_batches) <= in_flight:
         return sharded_params(stage, strategy, from_zero=2) * FP32
     if strategy.zero <= 1 or strategy.pp > 1:
         return (local_params(stage, strategy) + replicated_embedding_gradient_params(stage, strategy)) * FP32

@@ -40,13 +40,18 @@ def bubble_micro_batches(strategy: Strategy) -> float:
     }[strategy.schedule]
 
 
+def micro_batches_per_call(strategy: Strategy, micro_batches: int) -> int:
+    """The micro-batches one schedule call runs: a step's ``micro_batches`` over its ``pipeline_passes``."""
+    return micro_batches // strategy.pipeline_passes
+
+
 def in_flight_micro_batches(strategy: Strategy, *, stage: int, micro_batches: int) -> float:
     """Micro-batches whose activations stage ``stage`` holds at its peak (``micro_batches`` a step, run in
     ``pipeline_passes`` schedule calls of their share each)."""
     p = strategy.pp
     if p == 1:
         return 1.0
-    micro_batches //= strategy.pipeline_passes
+    micro_batches = micro_batches_per_call(strategy, micro_batches)
     if strategy.schedule == "gpipe" or (strategy.schedule == "1f1b" and micro_batches < p):
         return float(micro_batches)  # 1F1B with m < p runs as GPipe (runtime.pipeline.single_stage_schedule)
     if strategy.schedule == "zero-bubble" and strategy.zero < 3:

@@ -176,8 +176,8 @@ def strategies(
     blocks = sum(layer.kind == "block" for layer in layers)
     experts = {layer.experts for layer in layers if layer.experts}
     per_block = {key: pins[key] for key in ("block_recompute", "block_reshard", "chunk_blocks") if key in pins}
+    passes = pins.get("pipeline_passes", 1)  # a step's micro-batches split evenly over its schedule calls
     for dp, tp, pp, cp, ep in mesh_shapes(layers, cluster, training, pins, unavailable=unavailable, exclusive=exclusive):
-        passes = pins.get("pipeline_passes", 1)  # a step's micro-batches split evenly over its schedule calls
         if passes > 1 and pp == 1:
             continue  # only a pipeline has schedule calls to split a step into
         micro_batches = ([training.global_batch // dp] if "accumulation" in unavailable else
@@ -198,7 +198,7 @@ def strategies(
                             sp=sps[etp], schedule=schedule, virtual_stages=chunks,
                             # never chosen: the runtime lacks these
                             tp_overlap=pins.get("tp_overlap", False), sp_regather=pins.get("sp_regather", False),
-                            pipeline_passes=pins.get("pipeline_passes", 1),
+                            pipeline_passes=passes,
                         )
                         if runtime_refusal(strategy, training, unavailable, exclusive) is None:
                             yield strategy
