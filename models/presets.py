@@ -16,6 +16,7 @@ as short forms of ``seq_len``, ``ffn_hidden``, ``tie_embeddings``, ``rope_theta`
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 
 from tessera.errors import ModelSpecError
@@ -119,9 +120,13 @@ def parse_spec(spec: str) -> ModelConfig:
     if name in FAMILIES:
         return _with_overrides(None, FAMILIES[name], _parse_items(overrides, FAMILIES[name], spec=spec), spec)
     quoted = repr(name) if name == spec.strip() else f"{name!r} (in {spec.strip()[:200]!r})"
-    raise ModelSpecError(
-        f"unknown model {quoted}; known presets: {', '.join(list_presets())}; "
-        f"or a family spec such as 'gpt:layers=2,hidden=64,heads=4,vocab=256,seq=64' (families: {', '.join(FAMILIES)})"
+    close = difflib.get_close_matches(name, list_presets(), n=1)
+    guess = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ModelSpecError(  # the other kinds of spec are built by tessera.planner.model_source
+        f"unknown model {quoted}{guess}; known presets: {', '.join(list_presets())}; "
+        f"or a family spec such as 'gpt:layers=2,hidden=64,heads=4,vocab=256,seq=64' (families: {', '.join(FAMILIES)}); "
+        "or a Hugging Face config built offline, hf:<model_type>[:key=value,...] (e.g. hf:qwen3_moe); "
+        "or your own path/to/file.py:factory"
     )
 
 

@@ -121,7 +121,8 @@ def check_float8_model(model: nn.Module, block_fqns: Iterable[str]) -> dict[str,
         raise NotModelledError(
             f"precision fp8: {sum(left.values()) / total:.0%} of the blocks' matrix weights are not nn.Linear "
             f"layers FP8 can run (e.g. {', '.join(largest)}: stacked experts, Conv1D or dimensions not multiples of "
-            f"{GEMM_MULTIPLE}), so they would run bf16 while the plan prices them FP8; train with precision bf16")
+            f"{GEMM_MULTIPLE}), so they would run bf16 while the plan prices them FP8; train with precision bf16, or price a framework "
+            "that runs them in FP8 with 'tessera evaluate --strategy ... --runs-on megatron'")
     return left
 
 

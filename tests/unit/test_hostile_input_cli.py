@@ -141,6 +141,15 @@ def test_with_override_replaces_the_specs_own_value():
     assert model_config(with_override("llama-tiny:seq=64", "seq", 128)).seq_len == 128
 
 
+def test_unknown_model_guesses_a_preset_and_names_every_kind_of_spec(capsys):
+    code, _, err = run(["plan", "--model", "llama3-8", "--cluster", "cpu:ranks=2"], capsys)
+    line = error_line(err)
+    assert code == 2 and "did you mean 'llama3-8b'?" in line
+    assert "known presets:" in line and "hf:<model_type>" in line and "file.py:factory" in line
+    code, _, err = run(["plan", "--model", "qwen3-30b-a3b", "--cluster", "cpu:ranks=2"], capsys)
+    assert code == 2 and "did you mean" not in error_line(err)
+
+
 def test_factory_that_raises_is_one_line_naming_it(tmp_path, capsys):
     (tmp_path / "broken.py").write_text("def make():\n    raise ValueError('no such layer')\n")
     code, _, err = run(["plan", "--model", f"{tmp_path}/broken.py:make", "--cluster", "cpu:ranks=2"], capsys)
