@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from tessera.cost_models import Strategy, TrainingConfig
+from tessera.topology.presets import load_cluster
 from tessera.cost_models.profiles import (
     AUTOMODEL, AUTOMODEL_MOE, DEEPSPEED, MEGATRON, MEGATRON_2021, MEGATRON_BRIDGE, NEMO_2024, PYTORCH_FSDP_TE, TORCHTITAN_2024,
     ImplementationProfile,
@@ -78,7 +79,8 @@ def cluster_spec(run: dict) -> str:
     gpus, per_node = run["hardware"]["gpus"], run["hardware"].get("gpus_per_node") or 8
     if gpus % per_node:
         raise ValueError(f"{run['id']}: {gpus} GPUs are not whole nodes of gpus_per_node {per_node}")
-    size = f"nodes={gpus // per_node}" + (f",gpus_per_node={per_node}" if per_node != 8 else "")  # 4 of 8: a 4-GPU node
+    nominal = load_cluster(f"{preset}:nodes=1").devices_per_node  # 72 for an NVL72 rack, 8 for a DGX
+    size = f"nodes={gpus // per_node}" + (f",gpus_per_node={per_node}" if per_node != nominal else "")
     return f"{preset}:{size}" + (f",gpu={variant}" if variant else "")
 
 
@@ -112,7 +114,8 @@ def framework_profile(run: dict) -> ImplementationProfile:
     DeepSpeed for SC'21's ZeRO-3 rows; Megatron-LM of 2021-2022 for SC'21's other rows and Korthikanti et al.'s
     (unfused attention, scattered pipeline sends, gradients reduced after the backward); NeMo's 2024 containers
     reducing gradients in bf16; how a MoE row's expert all-to-alls cross nodes and overlap (``parallel.ep_dispatch``,
-    ``parallel.ep_overlap``); whether its data-parallel collectives overlap the backward (``parallel.dp_overlap``)."""
+    ``parallel.ep_overlap``); whether ZeRO-3 gathers FP8 weights (``training.fp8_param_gather``); whether its
+    data-parallel collectives overlap the backward (``parallel.dp_overlap``)."""
     framework = str(run.get("framework", ""))
     matches = [(len(prefix), p) for prefix, p in FRAMEWORKS if framework.startswith(prefix)]
     profile = max(matches, key=lambda match: match[0])[1] if matches else None  # the longest: 'NeMo 24.07' > 'NeMo'
@@ -131,6 +134,8 @@ def framework_profile(run: dict) -> ImplementationProfile:
                           ep_overlap=bool(par.get("ep_overlap")))
     if par.get("ep_routing"):  # a benchmark's fixed routing (AutoModel's fake balanced gate)
         profile = replace(profile, ep_routing=par["ep_routing"])
+    if training.get("fp8_param_gather"):  # Megatron-Core's FSDP gathering FP8 weights (fp8_param_gather)
+        profile = replace(profile, fp8_all_gather=True)
     if par.get("dp_overlap") is not None:  # a recipe that leaves Megatron's overlap_grad_reduce off
         profile = replace(profile, dp_overlap=bool(par["dp_overlap"]))
     return profile
@@ -220,9 +225,12 @@ def _stated_pins(run: dict) -> dict[str, object]:
         fixed["zero"] = par["zero_stage"]
     if training.get("micro_batch"):
         fixed["micro_batch"] = training["micro_batch"]
-    recompute = par.get("recompute")
+    recompute, layers = par.get("recompute"), run["model"]["layers"]
     if recompute == "layer":  # every other block fully recomputed (torchtitan's selective layer, frequency 2)
-        fixed["block_recompute"] = tuple("full" if i % 2 == 0 else "none" for i in range(run["model"]["layers"]))
+        fixed["block_recompute"] = tuple("full" if i % 2 == 0 else "none" for i in range(layers))
+    elif par.get("offload_blocks"):  # Megatron-Core's cpu_offloading_num_layers: the first blocks' activations to host
+        offloaded = par["offload_blocks"]
+        fixed["block_recompute"] = ("offload",) * offloaded + (recompute or "none",) * (layers - offloaded)
     elif recompute:
         fixed["recompute"] = recompute
     if isinstance(par.get("tp_overlap"), bool):

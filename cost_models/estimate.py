@@ -365,7 +365,8 @@ def stage_time(
     stage = loss_as_run(stage, strategy, profile)  # a fused loss kernel makes fewer passes over the logits
     forward, backward, recompute = stage_compute_s(stage, cluster.device, training, strategy, calibration=calibration,
                                                    profile=profile)
-    offload = exposed_offload_s(stage, cluster.device, strategy, forward_s=forward, backward_s=backward)
+    offload = exposed_offload_s(stage, cluster.device, strategy, forward_s=forward, backward_s=backward,
+                                overlapped=profile.offload_copies_overlap)
     boundary = as_run(stage, training, strategy, profile)  # what it sends on: fp32 under autocast
     time = StageTime(forward, backward, recompute, tp_comm_s(stage, cluster, training, strategy, profile=profile),
                      pp_comm_s(boundary, cluster, strategy, profile=profile), offload=offload)

@@ -6,8 +6,9 @@ directions. Where a runtime issues them on a copy stream of their own, each over
 with the forward, the copy-in (prefetched a block ahead) with the backward, and only what a pass cannot hide is
 on the critical path. Tessera's runtime (``runtime.offload``) does this on CUDA: both directions on a side stream,
 the copies back of a block and of the one before it issued when the block's backward starts. That path has not
-yet run on a GPU in this project (``tests/gpu/test_offload_cuda.py`` is its check), so the copies are still
-priced in full: ``OFFLOAD_COPIES_OVERLAP`` says which. The device keeps two blocks' worth in transit
+yet run on a GPU in this project (``tests/gpu/test_offload_cuda.py`` is its check), so its copies are still
+priced in full; Transformer Engine's, which Megatron-Core runs, overlap (``ImplementationProfile.offload_copies_overlap``
+says which). The device keeps two blocks' worth in transit
 (``StageTotals.offload_buffer_bytes``); everything else lives on the host.
 """
 
@@ -19,11 +20,6 @@ from tessera.cost_models.types import Strategy
 from tessera.topology.cluster import DeviceSpec
 from tessera.topology.hardware import LOCAL_CPU
 
-OFFLOAD_COPIES_OVERLAP = False
-"""A fact about the runtime, not a setting: whether ``runtime.offload``'s copies hide behind compute. Its CUDA
-path copies on a side stream and prefetches a block ahead, which is what True prices; it stays False until that
-path has been checked on a GPU (``tests/gpu/test_offload_cuda.py``, and a step measured with and without
-offload), so a plan never counts on an overlap nobody has seen."""
 DEFAULT_HOST_BANDWIDTH_BYTES_PER_S = 64e9
 """Per-direction device-to-host bandwidth for a device whose catalog entry gives none
 (``DeviceSpec.host_bandwidth_bytes_per_s`` is None): PCIe 5.0 x16 (32 GT/s x 16 lanes, 128b/130b: 63 GB/s;
@@ -48,11 +44,13 @@ def offload_copy_s(stage: StageTotals, device: DeviceSpec, strategy: Strategy) -
 
 
 def exposed_offload_s(
-    stage: StageTotals, device: DeviceSpec, strategy: Strategy, *, forward_s: float, backward_s: float
+    stage: StageTotals, device: DeviceSpec, strategy: Strategy, *, forward_s: float, backward_s: float,
+    overlapped: bool = False,
 ) -> float:
-    """Offload seconds of one micro-batch on the critical path: both copies where they do not overlap
-    (``OFFLOAD_COPIES_OVERLAP``), else the copy-out beyond the forward and the copy-in beyond the backward."""
+    """Offload seconds of one micro-batch on the critical path: both copies where they do not overlap the compute
+    (``overlapped``: ``ImplementationProfile.offload_copies_overlap``), else the copy-out beyond the forward and the
+    copy-in beyond the backward."""
     copy = offload_copy_s(stage, device, strategy)
-    if not OFFLOAD_COPIES_OVERLAP:
+    if not overlapped:
         return 2 * copy
     return max(0.0, copy - forward_s) + max(0.0, copy - backward_s)

@@ -267,6 +267,12 @@ class ImplementationProfile:
     neighbouring experts starting at a multiple of ``k``: NeMo AutoModel's ``FakeBalancedGate``, which gives token
     ``t`` experts ``k t .. k t + k - 1`` modulo their number), which a per-node dispatch sends to fewer nodes
     (``sparse.per_node_share``)."""
+    offload_copies_overlap: bool = False
+    """An offloaded block's copies to and from host memory run on a stream of their own, beside the compute
+    (``cost_models.offload.exposed_offload_s``): Transformer Engine's CPU offloading, which Megatron-Core runs for
+    ``cpu_offloading_num_layers`` blocks (``transformer_engine/pytorch/cpu_offload.py``: the offload and the reload are
+    issued on its ``offload_stream``). False: Tessera's runtime, whose side-stream copies on CUDA have not run on a GPU
+    yet (``tests/gpu/test_offload_cuda.py``), so its plans never count on an overlap nobody has seen."""
     ep_overlap: bool = False
     """The dispatch and combine all-to-alls of one micro-batch run beside another micro-batch's compute (Megatron-Core's
     ``overlap_moe_expert_parallel_comm``, Megatron-Bridge's ``moe_a2a_overlap``; DeepSeek-V3's DualPipe): only what the
@@ -385,7 +391,8 @@ whose backward returns a new logits-sized gradient, ``inplace_backward`` off by 
 (``benchmarks/published_rows.framework_profile``)."""
 MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1),
                                  attention_kernels=("cudnn", "fa2"), cross_entropy="megatron", fused_rms_norm=True,
-                                 fused_declared_norms=True, fused_gated_activation=True, cp_ring_slowdown=False, refused_together=())
+                                 fused_declared_norms=True, fused_gated_activation=True, cp_ring_slowdown=False, refused_together=(),
+                                 offload_copies_overlap=True)
 """Megatron-Core / NeMo: Transformer Engine for FP8, attention (cuDNN on Hopper, FA2 before) and RMSNorm (fused);
 its vocabulary-parallel cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, fused or not: an fp32 copy
 of the logits turned into the softmax in place and saved, the backward's gradient written over it)."""

@@ -7,6 +7,7 @@ import pytest
 
 from tessera.cost_models import Strategy, TrainingConfig, estimate
 from tessera.cost_models.layer_stats import LayerStats
+from tessera.cost_models.profiles import MEGATRON
 from tessera.planner.ilp_mixed import KindCoefficients, block_kinds, solve_mixed
 from tessera.planner.refine import materialise_options
 from tessera.topology.presets import load_cluster
@@ -123,12 +124,19 @@ def test_offload_trades_device_memory_for_host_link_time():
     # The saved activations leave the device; two blocks' worth stays in transit.
     assert plain.memory_by_category_bytes["activations"] - offload.memory_by_category_bytes["activations"] == \
         pytest.approx(saved - 2 * 400 * 2**20, rel=1e-6)
-    # Tessera's runtime copies on the compute stream (cost_models.offload.OFFLOAD_COPIES_OVERLAP): each micro-batch
+    # Tessera's runtime copies on the compute stream (profiles.TESSERA.offload_copies_overlap False): each micro-batch
     # pays 4 blocks x 400 MiB out and back over the 64 GB/s host link.
     per_stage = offload.stage_time_per_micro_batch_s[0]
     assert per_stage["offload"] == pytest.approx(2 * saved / 64e9, rel=1e-9)
     assert offload.step_time_s > plain.step_time_s
     assert offload.recompute_time_s == 0
+    # Transformer Engine's offload (Megatron-Core) copies on a stream of its own: only what a pass cannot hide is
+    # exposed, the copy-out beyond the forward and the copy-in beyond the backward.
+    beside = estimate(layers, cluster, training, Strategy.parse("dp=8,zero=1,mbs=1,recompute=offload"), profile=MEGATRON)
+    part = beside.stage_time_per_micro_batch_s[0]
+    copy = saved / 64e9
+    assert part["offload"] == pytest.approx(max(0, copy - part["forward"]) + max(0, copy - part["backward"]), rel=1e-9)
+    assert part["offload"] < per_stage["offload"]
 
 
 def test_a_block_keeping_its_gathered_weights_saves_gathers_and_holds_its_weights():
