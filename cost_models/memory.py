@@ -121,8 +121,11 @@ def with_fp8_state(
     hold FP8 too without tensor parallelism, as measured on Tessera's runtime: ``benchmarks/memory_truth.py
     --models wide-short --pins``; torchtitan's 405B rows at tp 8 fit bf16 copies instead). The casts' temporaries
     live inside a block's backward, gloo's staged copy of a reduce-scatter's input inside the reduce-scatter: the
-    larger counts."""
-    updated = dict(mark, parameters=mark["parameters"] + profile.weight_fp8_bytes * block_params(stage, strategy))
+    larger counts. A framework that gathers FP8 weights under ZeRO-3 computes on them and keeps no other copy
+    (Megatron-Core's ``--fp8-param-gather``: "Keep the compute param in fp8 ... and perform the param all-gather in
+    fp8", ``megatron/training/arguments.py``)."""
+    copies = 0.0 if profile.gathers_fp8(training, strategy) else profile.weight_fp8_bytes
+    updated = dict(mark, parameters=mark["parameters"] + copies * block_params(stage, strategy))
     if not in_backward:
         return updated
     in_flight = in_flight_micro_batches(strategy, stage=stage.index, micro_batches=micro_batches)

@@ -120,6 +120,9 @@ def test_transformer_engine_keeps_fp8_weights_and_saves_fp8_inputs():
     saved_less = 4 * 0.5 * LINEAR_INPUT_SHARE * 2 * GiB
     assert megatron["activations"] == pytest.approx(bf16["activations"] - saved_less, abs=4)
     assert megatron["parameters"] == bf16["parameters"] + 2 * 4 * 10**9 // 8 * 8  # weight + transpose, 1 B each, whole
+    # with --fp8-param-gather its FSDP gathers FP8 weights and computes on them: no copies beside them
+    fp8_params = run(framework=replace(MEGATRON, fp8_all_gather=True)).memory_by_category_bytes
+    assert fp8_params["parameters"] == bf16["parameters"]
 
 
 def test_fp8_all_gather_halves_the_block_gathers():

@@ -340,6 +340,16 @@ def test_a_recipe_that_counts_the_embedding_and_the_loss_as_layers_splits_the_pi
         rows.pins({**run, "parallel": {**run["parallel"], "pipeline_split": "uniform"}})
 
 
+def test_megatron_cpu_offloading_pins_its_first_blocks_to_offload_and_fp8_param_gather_gathers_fp8():
+    rows = _published_rows()
+    run = next(r for r in rows.measured_runs() if r["id"] == "nemo2604-fp8cs-llama3-70b-gb200-64gpu-fsdp")
+    assert rows.pins(run)["block_recompute"] == ("offload",) * 40 + ("none",) * 40
+    profile = rows.framework_profile(run)
+    assert profile.fp8_all_gather and profile.offload_copies_overlap
+    plain = {**run, "training": {k: v for k, v in run["training"].items() if k != "fp8_param_gather"}}
+    assert not rows.framework_profile(plain).fp8_all_gather
+
+
 def test_a_row_in_nemos_model_tflops_converts_with_nemos_formula_and_part_of_a_node_is_that_part():
     """NeMo's long-sequence table prints model TFLOP/s only: the step time is NeMo's Llama FLOPs over them. The
     formula reproduces NeMo 24.07's own table, which prints both (Llama 2 7B at 4K: 767 TFLOP/s, 16,634 tokens/s per
@@ -357,6 +367,8 @@ def test_a_row_in_nemos_model_tflops_converts_with_nemos_formula_and_part_of_a_n
     with pytest.raises(ValueError, match="6 GPUs are not whole nodes of gpus_per_node 4"):
         rows.cluster_spec({**run, "hardware": {**run["hardware"], "gpus": 6}})
     assert load_cluster(rows.cluster_spec(run)).num_devices == 4
+    slice_of_a_rack = next(r for r in rows.measured_runs() if r["id"] == "nemo2604-mxfp8-qwen3-30b-a3b-gb200-8gpu")
+    assert load_cluster(rows.cluster_spec(slice_of_a_rack)).num_devices == 8  # 8 of an NVL72 rack's 72, not 72
     with pytest.raises(ValueError, match="hardware.gpu 'V100-SXM2-32GB' has no preset; name one of A100-SXM4-80GB"):
         rows.cluster_spec({**run, "hardware": {**run["hardware"], "gpu": "V100-SXM2-32GB"}})  # not priced as an A100
 
