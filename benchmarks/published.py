@@ -51,7 +51,7 @@ from tessera.cost_models.error_bands import write_bands
 from tessera.cost_models.profiles import DEEPSPEED, ImplementationProfile
 from tessera.errors import InfeasiblePlanError
 from tessera.planner.capture import capture_preset
-from tessera.planner.layer_graph import LayerGraph
+from tessera.planner.layer_graph import LayerGraph, with_mtp_modules
 from tessera.planner.plan import Plan
 from tessera.planner.search import search
 from tessera.planner.space import runtime_refusal, strategies
@@ -103,21 +103,28 @@ COLUMNS = ("run", "split", "regime", "gpus", "strategy (pinned + planner-filled)
 
 
 @cache
-def own_plan(spec: str, cluster: str, training: TrainingConfig) -> Plan:
-    """Tessera's unpinned plan for the run's model, cluster and batch (same cost model, Tessera's runtime)."""
-    return search(graph_for(spec, training.seq_len), load_cluster(cluster), training)
+def own_plan(spec: str, cluster: str, training: TrainingConfig, mtp_layers: int = 0) -> Plan:
+    """Tessera's unpinned plan for the run's model, cluster and batch (same cost model, Tessera's runtime; with the
+    run's multi-token-prediction modules, priced as if it ran them, to compare like with like)."""
+    return search(graph_for(spec, training.seq_len, mtp_layers), load_cluster(cluster), training)
 
 
 @cache
-def graph_for(spec: str, seq_len: int) -> LayerGraph:
-    return capture_preset(spec, seq_len=seq_len, dtype=torch.bfloat16)
+def graph_for(spec: str, seq_len: int, mtp_layers: int = 0) -> LayerGraph:
+    """The model ``spec`` captured at ``seq_len``, with the multi-token-prediction modules its run trained."""
+    return with_mtp_modules(capture_preset(spec, seq_len=seq_len, dtype=torch.bfloat16), mtp_layers)
+
+
+def run_graph(run: dict) -> LayerGraph:
+    """The graph of the run's model as it trained (``model.mtp_layers``: DeepSeek-V3's multi-token prediction)."""
+    return graph_for(model_spec(run), run["model"]["seq_len"], run["model"].get("mtp_layers", 0))
 
 
 def evaluate_as_run(run: dict, strategy: Strategy, calibration: Calibration, *, deepspeed: float | None = None,
                     profile: ImplementationProfile | None = None):
     """The estimate of ``strategy`` for ``run`` as its framework runs it (``deepspeed``: a ZeRO-3 slowdown to try;
     ``profile``: a variant of the framework's to try instead)."""
-    graph, cluster = graph_for(model_spec(run), run["model"]["seq_len"]), load_cluster(cluster_spec(run))
+    graph, cluster = run_graph(run), load_cluster(cluster_spec(run))
     profile = profile or framework_profile(run)
     if deepspeed is not None and profile.name == DEEPSPEED.name:
         profile = replace(profile, zero3_comm_slowdown=deepspeed)
@@ -127,7 +134,7 @@ def evaluate_as_run(run: dict, strategy: Strategy, calibration: Calibration, *, 
 def plan_run(run: dict, calibration: Calibration):
     """(strategy, estimate): the fastest strategy under the source's pins that fits (else the fastest), among the
     ZeRO stages its framework runs."""
-    graph, cluster = graph_for(model_spec(run), run["model"]["seq_len"]), load_cluster(cluster_spec(run))
+    graph, cluster = run_graph(run), load_cluster(cluster_spec(run))
     fixed, stages = pins(run), framework_profile(run).zero_stages
     # planner.space applies block_recompute and chunk_blocks pins, not block_reshard: set it on every candidate
     kept = {key: fixed.pop(key) for key in ("block_reshard",) if key in fixed}
@@ -144,7 +151,7 @@ def runtime_comparable(run: dict, strategy: Strategy):
     """The published configuration's estimate with only what Tessera's runtime can also do, on Tessera's runtime:
     the fair opponent for Tessera's own plan (it may not fit there: Tessera's runtime keeps more than some
     frameworks do)."""
-    graph, cluster = graph_for(model_spec(run), run["model"]["seq_len"]), load_cluster(cluster_spec(run))
+    graph, cluster = run_graph(run), load_cluster(cluster_spec(run))
     return estimate(graph.layers, cluster, training_config(run), runtime_only(strategy))
 
 
@@ -275,7 +282,7 @@ def plan_quality(speedups: list[Speedup]) -> str:
 def own_plan_cells(run: dict, strategy: Strategy, est, training: TrainingConfig, speedups: list[Speedup]) -> tuple[str, ...]:
     """The table's cells for Tessera's own plan of ``run``'s case (its speedup appended to ``speedups``)."""
     try:
-        own = own_plan(model_spec(run), cluster_spec(run), training)
+        own = own_plan(model_spec(run), cluster_spec(run), training, run["model"].get("mtp_layers", 0))
     except InfeasiblePlanError:  # the published run fits only by what Tessera's runtime does not do
         return ("none fits on Tessera's runtime", "—", "—")
     opponent = runtime_comparable(run, strategy)

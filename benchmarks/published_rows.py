@@ -114,7 +114,8 @@ def framework_profile(run: dict) -> ImplementationProfile:
     DeepSpeed for SC'21's ZeRO-3 rows; Megatron-LM of 2021-2022 for SC'21's other rows and Korthikanti et al.'s
     (unfused attention, scattered pipeline sends, gradients reduced after the backward); NeMo's 2024 containers
     reducing gradients in bf16; how a MoE row's expert all-to-alls cross nodes and overlap (``parallel.ep_dispatch``,
-    ``parallel.ep_overlap``); whether ZeRO-3 gathers FP8 weights (``training.fp8_param_gather``); whether its
+    ``parallel.ep_overlap``); whether ZeRO-3 gathers FP8 weights (``training.fp8_param_gather``); Adam's moments in bf16
+    (``training.moment_bytes``); whether its
     data-parallel collectives overlap the backward (``parallel.dp_overlap``)."""
     framework = str(run.get("framework", ""))
     matches = [(len(prefix), p) for prefix, p in FRAMEWORKS if framework.startswith(prefix)]
@@ -134,6 +135,8 @@ def framework_profile(run: dict) -> ImplementationProfile:
                           ep_overlap=bool(par.get("ep_overlap")))
     if par.get("ep_routing"):  # a benchmark's fixed routing (AutoModel's fake balanced gate)
         profile = replace(profile, ep_routing=par["ep_routing"])
+    if training.get("moment_bytes"):  # Megatron-Core's precision-aware optimizer keeping bf16 Adam moments
+        profile = replace(profile, moment_bytes=training["moment_bytes"])
     if training.get("fp8_param_gather"):  # Megatron-Core's FSDP gathering FP8 weights (fp8_param_gather)
         profile = replace(profile, fp8_all_gather=True)
     if par.get("dp_overlap") is not None:  # a recipe that leaves Megatron's overlap_grad_reduce off

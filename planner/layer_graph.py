@@ -252,3 +252,72 @@ def repeat_last_block(graph: LayerGraph, blocks: int) -> LayerGraph | None:
     edges = [edge for layer in layers for edge in incoming.get(layer.fqn, ())]
     fields = {name: getattr(graph, name) for name in type(graph).model_fields}
     return type(graph)(**{**fields, "layers": tuple(layers), "edges": tuple(edges), "seq_scaling": tuple(scaling)})
+
+
+# ----------------------------------------------------------------------------------------------- multi-token prediction
+
+MTP_BYTES = 2
+"""Bytes an element of the multi-token-prediction module's saved inputs, as the bf16 model keeps them."""
+
+
+def with_mtp_modules(graph: LayerGraph, count: int) -> LayerGraph:
+    """``graph`` with ``count`` multi-token-prediction modules (DeepSeek-V3, arXiv:2412.19437 Sec. 2.2; Megatron-Core's
+    ``mtp_num_layers``; transformers' ``MtpLayer``, which builds the same module for inference), for pricing a
+    framework that trains them: each is a copy of the last block (``mtp.0``, ...) behind RMSNorms of the previous
+    hidden state and of the next tokens' embeddings and a projection of the two, concatenated, back to the hidden
+    size (2h x h parameters, 4h^2 forward FLOPs a token, and its 2h-wide input and the two norms' inputs saved); then
+    the final norm, the head (its weights shared) and the loss run once more for each module, so every layer after
+    the blocks costs ``1 + count`` times its FLOPs and activations. The shared embedding's second lookup is left
+    out. The modules come after the last block, so a pipeline's last chunk holds them (``chunk_blocks`` counts them
+    as blocks), as Megatron-Core places them; Tessera's runtime does not run them."""
+    if count <= 0 or not graph.blocks:
+        return graph
+    last = graph.blocks[-1]
+    at = [layer.fqn for layer in graph.layers].index(last.fqn) + 1
+    h = last.hidden_size
+    if not h:
+        raise CaptureError(f"{graph.model_name}: its last block has no measured hidden size, so the multi-token "
+                           "prediction modules cannot be sized; capture a model whose blocks report it")
+    extras = {"forward_flops": 4 * h * h, "backward_flops": 8 * h * h, "linear_input_bytes": 2 * h * MTP_BYTES,
+              "linear_call_input_bytes": 2 * h * MTP_BYTES}  # per token
+    saved = 4 * h * MTP_BYTES  # the projection's 2h-wide input and the two norms' inputs, per token
+    kept = 2 * h * MTP_BYTES  # a fully recomputed module keeps its two inputs
+    for name in SCALED_FIELDS:
+        if name.startswith(("saved_bytes", "autocast_saved_bytes")):
+            extras[name] = kept if "full_recompute" in name else saved
+    scaling = {s.fqn: s for s in graph.seq_scaling}
+    modules, module_scaling = [], []
+    for index in range(count):
+        fqn = f"mtp.{index}"
+        values = {name: getattr(last, name) + per_token * graph.seq_len for name, per_token in extras.items()
+                  if getattr(last, name) is not None}
+        modules.append(last.model_copy(update={
+            **values, "fqn": fqn, "signature": f"{last.signature}:mtp",
+            "param_count": last.param_count + 2 * h * h + 3 * h}))
+        if last.fqn in scaling:
+            coefficients = {name: (c[0], c[1] + extras.get(name, 0), c[2])
+                            for name, c in scaling[last.fqn].coefficients.items()}
+            module_scaling.append(SeqScaling(fqn=fqn, signature_key=f"{scaling[last.fqn].signature_key}:mtp",
+                                             coefficients=coefficients))
+    factor = 1 + count
+    after = [layer.model_copy(update={name: _times(getattr(layer, name), factor) for name in SCALED_FIELDS})
+             for layer in graph.layers[at:]]
+    after_scaling = [s.model_copy(update={"coefficients": {name: tuple(_times(c, factor) for c in cs)
+                                                           for name, cs in s.coefficients.items()}})
+                     for s in graph.seq_scaling[at:]]
+    chain = [last.fqn, *(m.fqn for m in modules)]  # each module reads the hidden state before it
+    embeddings = [layer.fqn for layer in graph.layers if layer.kind == "embedding"][:1]  # and the next tokens'
+    edges = [(chain[-1] if a == last.fqn else a, b) for a, b in graph.edges]
+    edges += [edge for before, module in zip(chain, chain[1:]) for edge in ((before, module), *((e, module) for e in embeddings))]
+    fields = {name: getattr(graph, name) for name in type(graph).model_fields}
+    return type(graph)(**{
+        **fields, "layers": (*graph.layers[:at], *modules, *after), "edges": tuple(edges),
+        "seq_scaling": (*graph.seq_scaling[:at], *module_scaling, *after_scaling) if graph.seq_scaling else (),
+        "model_name": f"{graph.model_name} + {count} MTP"})
+
+
+def _times(value, factor: int):
+    """``value`` times ``factor``, kept whole where it was (bytes), None where unmeasured."""
+    if value is None:
+        return None
+    return value * factor if isinstance(value, float) else int(value) * factor

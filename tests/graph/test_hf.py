@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 from tessera.errors import ModelSpecError  # noqa: E402
 from tessera.cost_models.layer_sums import kv_bytes  # noqa: E402
 from tessera.planner.capture import capture_preset  # noqa: E402
+from tessera.planner.layer_graph import with_mtp_modules  # noqa: E402
 from tessera.planner.model_source import resolve_model  # noqa: E402
 
 H, F, HEADS, KV, V, T = 64, 128, 4, 2, 256, 32
@@ -129,6 +130,31 @@ def test_latent_attention_whose_values_are_narrower_than_its_keys_is_measured() 
     # A context-parallel ring moves keys 24 wide and values 16 a head, not two heads of hidden / heads
     assert dense.kv_head_width == 24 + 16
     assert kv_bytes(dense) == dense.output_bytes / H * HEADS * (24 + 16)
+
+
+def test_multi_token_prediction_modules_run_one_more_block_and_the_head_again() -> None:
+    """DeepSeek-V3's MTP module, as a framework that trains it runs it: a copy of the last block behind a 2h -> h
+    projection of two normed inputs, after the blocks (so a pipeline's last chunk holds it); the final norm, the head
+    and the loss run once more; the head's weights are shared; the same at another sequence length."""
+    spec = (f"hf:deepseek_v3:hidden_size={H},intermediate_size={F},moe_intermediate_size={F // 4},num_hidden_layers=2,"
+            f"num_attention_heads={HEADS},num_key_value_heads={HEADS},n_routed_experts=4,num_experts_per_tok=2,"
+            "n_shared_experts=1,first_k_dense_replace=1,q_lora_rank=32,kv_lora_rank=16,qk_nope_head_dim=16,"
+            f"qk_rope_head_dim=8,v_head_dim=16,n_group=1,topk_group=1,vocab_size={V}")
+    graph = capture_preset(spec, seq_len=T, fit_seq_scaling=True)
+    mtp = with_mtp_modules(graph, 1)
+    assert [layer.fqn for layer in mtp.blocks] == ["model.layers.0", "model.layers.1", "mtp.0"]
+    last, module = graph.blocks[-1], mtp.layer("mtp.0")
+    assert module.param_count == last.param_count + 2 * H * H + 3 * H
+    assert module.forward_flops == last.forward_flops + 2 * (2 * H) * H * T
+    assert module.saved_bytes_no_recompute == last.saved_bytes_no_recompute + 4 * H * 2 * T
+    for name in ("lm_head", "loss"):
+        assert mtp.layer(name).forward_flops == 2 * graph.layer(name).forward_flops
+        assert mtp.layer(name).saved_bytes_no_recompute == 2 * graph.layer(name).saved_bytes_no_recompute
+        assert mtp.layer(name).param_count == graph.layer(name).param_count
+    assert ("model.layers.1", "mtp.0") in mtp.edges and ("mtp.0", "model.norm") in mtp.edges
+    longer, rebuilt = mtp.at_seq_len(2 * T), with_mtp_modules(graph.at_seq_len(2 * T), 1)
+    assert [layer.forward_flops for layer in longer.layers] == [layer.forward_flops for layer in rebuilt.layers]
+    assert with_mtp_modules(graph, 0) is graph
 
 
 def test_keys_and_values_are_measured_at_their_head_width() -> None:
