@@ -13,7 +13,7 @@ from torch import nn
 from tessera.cost_models import Estimate, Strategy, TrainingConfig
 from tessera.cost_models.error_bands import ErrorBand, prediction_band
 from tessera.cost_models.types import Fp8Scaling, Precision
-from tessera.errors import CheckpointError, ConfigError, RuntimeSetupError
+from tessera.errors import CheckpointError, ConfigError, NotModelledError, RuntimeSetupError
 from tessera.planner.capture import capture, capture_preset
 from tessera.planner.plan import Plan
 from tessera.planner.refine import RUNTIME_BLOCK_OPTIONS, BlockOptions
@@ -83,6 +83,7 @@ def evaluate(
     expert_capacity_factor: float | None = None,
     fp8_scaling: Fp8Scaling | None = None,
     runs_on: str = "tessera",
+    mtp_layers: int = 0,
 ) -> Evaluation:
     """Predict ``strategy`` (fields left out are filled with the planner's best choice under the given ones).
 
@@ -90,13 +91,19 @@ def evaluate(
     The result unpacks as ``strategy, estimate``; its ``band`` is the prediction's error band. ``runs_on``: the
     framework that runs it, priced as it runs it (``cost_models.profiles``: ``torchtitan``'s op-level selective
     recomputation and forward-only async TP, ``deepspeed``'s ZeRO-3 gathers, ``megatron``'s attention kernels...);
-    Tessera's runtime by default.
+    Tessera's runtime by default. ``mtp_layers``: multi-token-prediction modules the framework trains after the
+    blocks (DeepSeek-V3's one; ``planner.layer_graph.with_mtp_modules``); Tessera's runtime trains none.
     """
-    from tessera.cost_models.profiles import profile
+    from tessera.cost_models.profiles import TESSERA, profile
+    from tessera.planner.layer_graph import with_mtp_modules
 
     framework = profile(runs_on)  # an unknown name fails before the capture
+    if mtp_layers and framework.name == TESSERA.name:
+        raise NotModelledError(f"mtp_layers={mtp_layers}: Tessera's runtime trains no multi-token-prediction modules; "
+                               "price a framework that does with runs_on (e.g. 'megatron')")
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                                          expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling)
+    graph = with_mtp_modules(graph, mtp_layers)
     from tessera.planner.search import best_candidate, rank_candidates
 
     chosen, estimate = best_candidate(rank_candidates(graph, resolved, training, pins=_pins(strategy), profile=framework))

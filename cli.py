@@ -245,8 +245,13 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     from tessera.cost_models.profiles import profile
 
     profile(runs_on)  # an unknown framework fails here, before torch is imported
+    if args.mtp_layers and runs_on == "tessera":
+        from tessera.errors import NotModelledError
+
+        raise NotModelledError(f"--mtp-layers {args.mtp_layers}: Tessera's runtime trains no multi-token-prediction "
+                               "modules; price a framework that does with --runs-on (e.g. --runs-on megatron)")
     with console.status(f"capturing {escape(args.model)} and estimating..."):
-        evaluation = tessera.evaluate(**workload, strategy=requested, runs_on=runs_on)
+        evaluation = tessera.evaluate(**workload, strategy=requested, runs_on=runs_on, mtp_layers=args.mtp_layers)
     (strategy, estimate), band = evaluation, evaluation.band
     from tessera.report import estimate_json, print_estimate  # imports the search and charts: once there is a result
     if args.format == "json":

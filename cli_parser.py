@@ -72,6 +72,9 @@ def _add_evaluate(verbs: argparse._SubParsersAction) -> None:
     source = evaluate.add_mutually_exclusive_group(required=True)
     source.add_argument("--strategy", help="e.g. tp=8,pp=8,dp=16,mbs=1,schedule=interleaved:2")
     add_from_options(source)
+    evaluate.add_argument("--mtp-layers", metavar="N", type=whole_number(unit="modules", at_least=0, at_most=MAX_COUNT),
+                          default=0, help="multi-token-prediction modules the framework trains after the blocks "
+                          "(DeepSeek-V3: 1); needs --runs-on a framework that trains them")
     evaluate.add_argument("--runs-on", metavar="FRAMEWORK", default=None,
                           help="price it as this framework runs it (torchtitan, megatron, deepspeed, ...: "
                           "cost_models/profiles.py); default: the --from-* config's framework, else Tessera's runtime")

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tessera.errors import ModelSpecError  # noqa: E402
+from tessera.errors import ModelSpecError, NotModelledError  # noqa: E402
 from tessera.cost_models.layer_sums import kv_bytes  # noqa: E402
 from tessera.planner.capture import capture_preset  # noqa: E402
 from tessera.planner.layer_graph import with_mtp_modules  # noqa: E402
@@ -155,6 +155,15 @@ def test_multi_token_prediction_modules_run_one_more_block_and_the_head_again() 
     longer, rebuilt = mtp.at_seq_len(2 * T), with_mtp_modules(graph.at_seq_len(2 * T), 1)
     assert [layer.forward_flops for layer in longer.layers] == [layer.forward_flops for layer in rebuilt.layers]
     assert with_mtp_modules(graph, 0) is graph
+    # evaluated as a framework that trains them; Tessera's runtime trains none and says so
+    import tessera
+
+    workload = {"global_batch": 8, "seq_len": T, "strategy": "dp=8,zero=1,mbs=1,recompute=none", "runs_on": "megatron"}
+    plain = tessera.evaluate(spec, "dgx-h100:nodes=1", **workload).estimate
+    with_module = tessera.evaluate(spec, "dgx-h100:nodes=1", **workload, mtp_layers=1).estimate
+    assert with_module.step_time_s > plain.step_time_s and with_module.peak_memory_bytes > plain.peak_memory_bytes
+    with pytest.raises(NotModelledError, match="trains no multi-token-prediction modules"):
+        tessera.evaluate(spec, "dgx-h100:nodes=1", **{**workload, "runs_on": "tessera"}, mtp_layers=1)
 
 
 def test_keys_and_values_are_measured_at_their_head_width() -> None:
