@@ -219,6 +219,11 @@ def _compare(args: argparse.Namespace, console: Console) -> int:
     if not args.baseline and not args.baseline_from:
         raise ConfigError("compare needs a baseline: --baseline STR or --baseline-from FRAMEWORK SOURCE")
     imported = _imported(args, [tuple(pair) for pair in args.baseline_from])
+    if any(config.mtp_layers for config in imported):
+        from tessera.errors import NotModelledError
+
+        raise NotModelledError("a --baseline-from configuration trains multi-token-prediction modules, which Tessera's "
+                               "plan beside it would not; evaluate it alone: tessera evaluate --from-megatron ...")
     workload = _workload(args, *args.baseline, imported=imported)
     baselines = [*args.baseline, *(pin_string(config.strategy) for config in imported)]  # every field, as stated
     with console.status(f"capturing {escape(args.model)}, searching and evaluating {len(baselines)} baseline(s)..."):
@@ -242,25 +247,28 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     workload = _workload(args, args.strategy, imported=imported)
     requested = args.strategy or pin_string(imported[0].strategy)  # every field pinned, as the config states it
     runs_on = args.runs_on if args.runs_on is not None else (imported[0].profile if imported else "tessera")
+    mtp_layers = args.mtp_layers or (imported[0].mtp_layers if imported else 0)
     from tessera.cost_models.profiles import profile
 
     profile(runs_on)  # an unknown framework fails here, before torch is imported
-    if args.mtp_layers and runs_on == "tessera":
+    if mtp_layers and runs_on == "tessera":
         from tessera.errors import NotModelledError
 
-        raise NotModelledError(f"--mtp-layers {args.mtp_layers}: Tessera's runtime trains no multi-token-prediction "
-                               "modules; price a framework that does with --runs-on (e.g. --runs-on megatron)")
+        raise NotModelledError(f"{mtp_layers} multi-token-prediction modules: Tessera's runtime trains none; price a "
+                               "framework that does with --runs-on (e.g. --runs-on megatron)")
     with console.status(f"capturing {escape(args.model)} and estimating..."):
-        evaluation = tessera.evaluate(**workload, strategy=requested, runs_on=runs_on, mtp_layers=args.mtp_layers)
+        evaluation = tessera.evaluate(**workload, strategy=requested, runs_on=runs_on, mtp_layers=mtp_layers)
     (strategy, estimate), band = evaluation, evaluation.band
     from tessera.report import estimate_json, print_estimate  # imports the search and charts: once there is a result
     if args.format == "json":
-        print(json.dumps({**estimate_json(strategy, estimate, band=band), "runs_on": runs_on}, indent=2))
+        print(json.dumps({**estimate_json(strategy, estimate, band=band), "runs_on": runs_on, "mtp_layers": mtp_layers},
+                         indent=2))
     else:
         print_estimate(strategy, estimate, console, band=band)
         if runs_on != "tessera":
-            console.print(f"priced as {runs_on} runs it (cost_models/profiles.py), not as Tessera's runtime would",
-                          highlight=False)
+            modules = f", with {mtp_layers} multi-token-prediction module(s) after the blocks" if mtp_layers else ""
+            console.print(f"priced as {runs_on} runs it (cost_models/profiles.py){modules}, not as Tessera's runtime "
+                          "would", highlight=False)
     return 0
 
 

@@ -231,6 +231,7 @@ def megatron_parser() -> argparse.ArgumentParser:
         parser.add_argument(name, type=blocks, default=None)
     parser.add_argument("--recompute-num-layers", type=_count(0, MAX_BLOCKS), default=None)
     parser.add_argument("--cpu-offloading-num-layers", type=_count(0, MAX_BLOCKS), default=0)
+    parser.add_argument("--mtp-num-layers", type=_count(0, MAX_BLOCKS), default=None)
     parser.add_argument("--pipeline-model-parallel-layout", type=str, default=None)
     parser.add_argument("--micro-batch-size", type=_count(1, MAX_GLOBAL_BATCH), default=None)
     parser.add_argument("--global-batch-size", type=_count(1, MAX_GLOBAL_BATCH), default=None)
@@ -266,6 +267,9 @@ def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
     if args.micro_batch_size is None:
         raise ConfigError("Megatron-LM arguments: --micro-batch-size is required (Megatron-LM asserts it); add it")
     chunks, virtual = _chunks(args, pp=pp)
+    mtp = _mtp_layers(args)
+    if mtp and chunks:
+        chunks = [*chunks[:-1], chunks[-1] + mtp]  # the modules run after the last block, in the last chunk
     recompute, block_recompute, notes = _recompute(args, chunks=chunks)
     block_recompute = _offloaded(args, block_recompute, chunks=chunks, pp=pp) if args.cpu_offloading else block_recompute
     if args.fp8_format and args.fp8_recipe != "tensorwise":
@@ -281,8 +285,20 @@ def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
     return ImportedConfig(
         framework="megatron", strategy=canonical(strategy), global_batch=args.global_batch_size or args.micro_batch_size * dp,
         seq_len=args.seq_length, precision=_precision(args), variant=_expert_exchange(args, ep=ep, notes=notes),
-        unread=tuple(unread), notes=tuple(notes),
+        unread=tuple(unread), notes=tuple(notes), mtp_layers=mtp,
     )
+
+
+def _mtp_layers(args: argparse.Namespace) -> int:
+    """``--mtp-num-layers``, and the ``m`` a pipeline layout places, which must agree (as Megatron-LM checks)."""
+    given = args.mtp_num_layers or 0
+    if args.pipeline_model_parallel_layout is None:
+        return given
+    placed = layout_mtp_layers(args.pipeline_model_parallel_layout)
+    if placed != given:
+        raise ConfigError(f"--pipeline-model-parallel-layout places {placed} multi-token-prediction layers (m) but "
+                          f"--mtp-num-layers is {given}; make them agree")
+    return given
 
 
 def _expert_exchange(args: argparse.Namespace, *, ep: int, notes: list[str]) -> str | None:
@@ -418,22 +434,37 @@ def _need_layers(layers: int | None, flag: str) -> int:
 
 def parse_layout(layout: str, *, pp: int) -> list[int]:
     """Blocks per chunk of a ``--pipeline-model-parallel-layout`` (Megatron-LM's grammar: ``(...)*n`` and ``x*n``
-    repeat, ``,`` is cosmetic, ``|`` separates chunks; ``E`` must open it and ``L`` close it)."""
+    repeat, ``,`` is cosmetic, ``|`` separates chunks; ``E`` must open it and ``L`` close it; ``m``, a
+    multi-token-prediction layer, only in the last chunk)."""
+    text = _expanded(layout)
+    chunks = text.split("|")
+    bad = set(text) - set("EtmL|")
+    if bad or not text.startswith("E") or not text.endswith("L") or text.count("E") != 1 or text.count("L") != 1:
+        what = f"has {sorted(bad)} (Tessera reads E, t, m, L)" if bad else "must start with E and end with L, once each"
+        raise ConfigError(f"--pipeline-model-parallel-layout {quoted(layout)} {what}")
+    if len(chunks) % pp:
+        raise ConfigError(f"--pipeline-model-parallel-layout {quoted(layout)} has {len(chunks)} chunks, not a multiple of "
+                          f"--pipeline-model-parallel-size {pp}")
+    if "m" in text.rpartition("|")[0]:
+        raise NotModelledError(f"--pipeline-model-parallel-layout {quoted(layout)} places multi-token-prediction layers "
+                               "(m) before the last chunk; Tessera prices them in the last one, after its blocks")
+    return [chunk.count("t") for chunk in chunks]
+
+
+def layout_mtp_layers(layout: str) -> int:
+    """The multi-token-prediction layers (``m``) a ``--pipeline-model-parallel-layout`` places."""
+    return _expanded(layout).count("m")
+
+
+def _expanded(layout: str) -> str:
+    """A ``--pipeline-model-parallel-layout`` with its repetitions written out and its commas dropped."""
     text = layout.replace(",", "")
     for pattern in (r"\(([^()]+)\)\*(\d{1,6})", r"(.)\*(\d{1,6})"):
         text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
         if len(text) > MAX_LAYOUT_CHARS:
             raise ConfigError(f"--pipeline-model-parallel-layout {quoted(layout)} expands past {MAX_LAYOUT_CHARS:,} "
                               "characters; check the repetitions")
-    chunks = text.split("|")
-    bad = set(text) - set("EtL|")
-    if bad or not text.startswith("E") or not text.endswith("L") or text.count("E") != 1 or text.count("L") != 1:
-        what = f"has {sorted(bad)} (Tessera reads E, t, L)" if bad else "must start with E and end with L, once each"
-        raise ConfigError(f"--pipeline-model-parallel-layout {quoted(layout)} {what}")
-    if len(chunks) % pp:
-        raise ConfigError(f"--pipeline-model-parallel-layout {quoted(layout)} has {len(chunks)} chunks, not a multiple of "
-                          f"--pipeline-model-parallel-size {pp}")
-    return [chunk.count("t") for chunk in chunks]
+    return text
 
 
 def _offloaded(args: argparse.Namespace, block_recompute: tuple[str, ...], *, chunks: list[int],

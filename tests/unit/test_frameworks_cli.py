@@ -40,6 +40,20 @@ def test_compare_baseline_from_megatron_equals_the_hand_written_baseline(capsys)
     assert "not read by Tessera (listed, not evaluated): --lr 1e-4" in captured.err
 
 
+def test_evaluate_from_megatron_prices_its_multi_token_prediction_and_compare_refuses_it(capsys):
+    flags = ("pretrain_gpt.py --pipeline-model-parallel-size 2 --num-layers 2 --micro-batch-size 1 "
+             "--global-batch-size 8 --seq-length 32")
+    args = ["evaluate", "--model", "gpt-tiny", "--cluster", "cpu:ranks=4", "--format", "json", "--from-megatron"]
+    assert main([*args, flags]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, flags + " --mtp-num-layers 1"]) == 0
+    with_module = json.loads(capsys.readouterr().out)
+    assert (plain["mtp_layers"], with_module["mtp_layers"]) == (0, 1)
+    assert with_module["step_time_s"] > plain["step_time_s"]
+    assert main(["compare", *BASE, "--baseline-from", "megatron", flags + " --mtp-num-layers 1"]) == 2
+    assert "evaluate it alone" in capsys.readouterr().err
+
+
 def test_evaluate_from_deepspeed_fills_the_batch_and_refuses_a_conflict(tmp_path, capsys):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1,

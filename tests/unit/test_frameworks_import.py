@@ -71,8 +71,10 @@ def test_megatron_block_recompute_and_uneven_first_last_stages():
     ("--pipeline-model-parallel-size 2 --num-layers 7 --micro-batch-size 1", "not divisible by pp x virtual"),
     ("--pipeline-model-parallel-size 2 --num-layers 8 --num-layers-per-virtual-pipeline-stage 3 --micro-batch-size 1",
      "not a multiple of --num-layers-per-virtual-pipeline-stage 3"),
+    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|txL --micro-batch-size 1",
+     "has ['x'] (Tessera reads E, t, m, L)"),
     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|tmL --micro-batch-size 1",
-     "has ['m'] (Tessera reads E, t, L)"),
+     "places 1 multi-token-prediction layers (m) but --mtp-num-layers is 0"),
     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et*2|t*2L --num-layers 5 --micro-batch-size 1",
      "places 4 layers but --num-layers is 5"),
     ("--micro-batch-size 1 --lr '1e-4", "check the quotes"),
@@ -136,6 +138,22 @@ def test_megatron_cpu_offloading_is_read_as_offload_of_the_first_blocks():
                            ("--cpu-offloading-num-layers 2", "--cpu-offloading needs --num-layers")]:
         with pytest.raises(ConfigError, match=message):
             from_megatron(f"--cpu-offloading {words} --micro-batch-size 1", world_size=8)
+
+
+def test_multi_token_prediction_layers_join_the_last_chunk_and_must_agree_with_the_layout():
+    """DeepSeek-V3's layout on 8 pipeline ranks x 2 chunks (Megatron-Bridge's B200 recipe): its MTP layer ``m`` runs in
+    the last chunk after its block, which Tessera counts as one more block there."""
+    words = ("--pipeline-model-parallel-size 8 --expert-model-parallel-size 32 --num-layers 61 --micro-batch-size 1 "
+             "--pipeline-model-parallel-layout 'Et*4|(t*4|)*14tmL' --mtp-num-layers 1")
+    config = from_megatron(words, world_size=256)
+    assert config.mtp_layers == 1 and config.strategy.chunk_blocks == (4,) * 15 + (2,) and config.unread == ()
+    even = from_megatron("--pipeline-model-parallel-size 2 --num-layers 4 --micro-batch-size 1 --mtp-num-layers 1",
+                         world_size=2)
+    assert (even.mtp_layers, even.strategy.chunk_blocks) == (1, (2, 3))
+    with pytest.raises(ConfigError, match="places 1 multi-token-prediction layers .m. but --mtp-num-layers is 0"):
+        from_megatron(words.replace(" --mtp-num-layers 1", ""), world_size=256)
+    with pytest.raises(NotModelledError, match="before the last chunk"):
+        parse_layout("Etm|t*2L", pp=2)
 
 
 def test_layout_expansion_is_bounded():

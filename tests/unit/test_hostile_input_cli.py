@@ -153,7 +153,7 @@ def test_unknown_model_guesses_a_preset_and_names_every_kind_of_spec(capsys):
 def test_mtp_layers_on_tessera_s_runtime_are_refused_naming_the_way_out(capsys):
     code, _, err = run(["evaluate", "--model", "llama-tiny", "--cluster", "cpu:ranks=2", "--strategy", "dp=2",
                         "--mtp-layers", "1"], capsys)
-    assert code == 2 and "trains no multi-token-prediction modules" in error_line(err) and "--runs-on" in error_line(err)
+    assert code == 2 and "Tessera's runtime trains none" in error_line(err) and "--runs-on" in error_line(err)
 
 
 def test_factory_that_raises_is_one_line_naming_it(tmp_path, capsys):
