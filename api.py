@@ -98,6 +98,8 @@ def evaluate(
     from tessera.planner.layer_graph import with_mtp_modules
 
     framework = profile(runs_on)  # an unknown name fails before the capture
+    if not isinstance(mtp_layers, int) or isinstance(mtp_layers, bool) or mtp_layers < 0:
+        raise ConfigError(f"mtp_layers={mtp_layers!r} is not a count of modules; give a whole number, 0 or more")
     if mtp_layers and framework.name == TESSERA.name:
         raise NotModelledError(f"mtp_layers={mtp_layers}: Tessera's runtime trains no multi-token-prediction modules; "
                                "price a framework that does with runs_on (e.g. 'megatron')")

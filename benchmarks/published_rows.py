@@ -114,7 +114,7 @@ def framework_profile(run: dict) -> ImplementationProfile:
     DeepSpeed for SC'21's ZeRO-3 rows; Megatron-LM of 2021-2022 for SC'21's other rows and Korthikanti et al.'s
     (unfused attention, scattered pipeline sends, gradients reduced after the backward); NeMo's 2024 containers
     reducing gradients in bf16; how a MoE row's expert all-to-alls cross nodes and overlap (``parallel.ep_dispatch``,
-    ``parallel.ep_overlap``); whether ZeRO-3 gathers FP8 weights (``training.fp8_param_gather``); Adam's moments in bf16
+    ``parallel.ep_overlap``); Adam's moments in bf16
     (``training.moment_bytes``); whether its
     data-parallel collectives overlap the backward (``parallel.dp_overlap``)."""
     framework = str(run.get("framework", ""))
@@ -137,8 +137,6 @@ def framework_profile(run: dict) -> ImplementationProfile:
         profile = replace(profile, ep_routing=par["ep_routing"])
     if training.get("moment_bytes"):  # Megatron-Core's precision-aware optimizer keeping bf16 Adam moments
         profile = replace(profile, moment_bytes=training["moment_bytes"])
-    if training.get("fp8_param_gather"):  # Megatron-Core's FSDP gathering FP8 weights (fp8_param_gather)
-        profile = replace(profile, fp8_all_gather=True)
     if par.get("dp_overlap") is not None:  # a recipe that leaves Megatron's overlap_grad_reduce off
         profile = replace(profile, dp_overlap=bool(par["dp_overlap"]))
     return profile
@@ -228,7 +226,8 @@ def _stated_pins(run: dict) -> dict[str, object]:
         fixed["zero"] = par["zero_stage"]
     if training.get("micro_batch"):
         fixed["micro_batch"] = training["micro_batch"]
-    recompute, layers = par.get("recompute"), run["model"]["layers"]
+    recompute = par.get("recompute")
+    layers = run["model"]["layers"] + run["model"].get("mtp_layers", 0)  # a multi-token-prediction module is a block
     if recompute == "layer":  # every other block fully recomputed (torchtitan's selective layer, frequency 2)
         fixed["block_recompute"] = tuple("full" if i % 2 == 0 else "none" for i in range(layers))
     elif par.get("offload_blocks"):  # Megatron-Core's cpu_offloading_num_layers: the first blocks' activations to host

@@ -88,6 +88,7 @@ def offload_and_kept_totals(blocks: Sequence[LayerStats], policy: Mapping[str, R
     held = [b for b in blocks if b.fqn in kept]
     return {
         "offloaded_bytes": sum(offloaded),
+        "offloaded_blocks": len(offloaded),
         # The block whose backward runs and the next one prefetched back from host (copy-in ahead of use).
         "offload_buffer_bytes": 2 * max(offloaded, default=0),
         "kept_params": sum(b.param_count for b in held),

@@ -84,6 +84,8 @@ def stage_memory(
                                 sp=strategy.sp and not strategy.sp_regather)
     if on_cpu and stage.offloaded_bytes:  # a CPU rank's device memory is the host's: offloading frees nothing
         stage = replace(stage, saved_bytes=stage.saved_bytes + stage.offloaded_bytes, offload_buffer_bytes=0)
+    elif not profile.offload_buffered:  # reloads land where the kept blocks' backward freed memory
+        stage = replace(stage, offload_buffer_bytes=0)
     block_gather_bytes = 1 if profile.gathers_fp8(training, strategy) else None
     copies = autocast_copy_bytes(stage, training, strategy, profile)
     marks = (backward_memory(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu,
@@ -121,10 +123,8 @@ def with_fp8_state(
     hold FP8 too without tensor parallelism, as measured on Tessera's runtime: ``benchmarks/memory_truth.py
     --models wide-short --pins``; torchtitan's 405B rows at tp 8 fit bf16 copies instead). The casts' temporaries
     live inside a block's backward, gloo's staged copy of a reduce-scatter's input inside the reduce-scatter: the
-    larger counts. A framework that gathers FP8 weights under ZeRO-3 computes on them and keeps no other copy
-    (Megatron-Core's ``--fp8-param-gather``: "Keep the compute param in fp8 ... and perform the param all-gather in
-    fp8", ``megatron/training/arguments.py``)."""
-    copies = 0.0 if profile.gathers_fp8(training, strategy) else profile.weight_fp8_bytes
+    larger counts. A framework whose weights are FP8 tensors keeps no copies beside them (``profiles.fp8_params``)."""
+    copies = 0.0 if profile.fp8_params and training.fp8_scaling != "mx" else profile.weight_fp8_bytes
     updated = dict(mark, parameters=mark["parameters"] + copies * block_params(stage, strategy))
     if not in_backward:
         return updated

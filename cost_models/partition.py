@@ -101,6 +101,7 @@ class StageTotals:
     # Per-block activation offload and ZeRO-3 resharding (``cost_models.offload``, ``memory``, ``communication``).
     offloaded_bytes: int = 0  # per sequence, what offloaded blocks save: copied to host in forward, back for backward
     offload_buffer_bytes: int = 0  # per sequence, device copies an offloading stage holds at once (two blocks' worth)
+    offloaded_blocks: int = 0  # blocks whose saved activations go to host memory
     kept_params: int = 0  # parameters of blocks that keep their gathered weights to their backward (ZeRO-3)
     kept_expert_params: int = 0  # the routed-expert part of kept_params
     kept_blocks: int = 0  # how many blocks keep their gathered weights

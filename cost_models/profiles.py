@@ -273,6 +273,19 @@ class ImplementationProfile:
     ``cpu_offloading_num_layers`` blocks (``transformer_engine/pytorch/cpu_offload.py``: the offload and the reload are
     issued on its ``offload_stream``). False: Tessera's runtime, whose side-stream copies on CUDA have not run on a GPU
     yet (``tests/gpu/test_offload_cuda.py``), so its plans never count on an overlap nobody has seen."""
+    offload_buffered: bool = True
+    """An offloading stage's copies come back from host into buffers of their own: the block whose backward runs and
+    the next one, prefetched (``StageTotals.offload_buffer_bytes``; Tessera's ``runtime.offload``). False: Transformer
+    Engine's offload synchronizer, whose documented peak is the kept blocks' activations alone (``(num_layers -
+    num_offloaded_layers) * T``, ``transformer_engine/pytorch/cpu_offload.py``): reloads land in memory the kept
+    blocks' backward has freed."""
+    fp8_params: bool = False
+    """Under FP8 with per-tensor (current or delayed) or block scaling, the model's weights are FP8 tensors (with their
+    transposes, 2 bytes a parameter in place of bf16's) and no FP8 copies are kept beside them; ZeRO-3 gathers them in
+    FP8. Megatron-Core's ``--fp8-param-gather`` ("Keep the compute param in fp8 ... and perform the param all-gather in
+    fp8", ``megatron/training/arguments.py``), which every FP8 precision config of Megatron-Bridge sets
+    (``src/megatron/bridge/training/mixed_precision.py`` at v0.2.0 and v0.4.1). Not for MXFP8, whose parameter
+    gather reuses the gradient buffer (``reuse_grad_buf_for_mxfp8_param_ag``) in a way not described here."""
     ep_overlap: bool = False
     """The dispatch and combine all-to-alls of one micro-batch run beside another micro-batch's compute (Megatron-Core's
     ``overlap_moe_expert_parallel_comm``, Megatron-Bridge's ``moe_a2a_overlap``; DeepSeek-V3's DualPipe): only what the
@@ -303,6 +316,8 @@ class ImplementationProfile:
         framework does (``fp8_all_gather``), under FP8 at current scaling (torchao's FP8 all-gather casts each
         weight with one scale, its tensorwise recipe's), and under tensor parallelism only where
         ``fp8_all_gather_under_tp``."""
+        if self.fp8_params and training.precision == "fp8" and training.fp8_scaling != "mx":
+            return strategy.zero == 3  # the weights are FP8 themselves
         return (self.fp8_all_gather and training.precision == "fp8" and training.fp8_scaling == "current"
                 and strategy.zero == 3 and (strategy.tp == 1 or self.fp8_all_gather_under_tp))
 
@@ -392,7 +407,7 @@ whose backward returns a new logits-sized gradient, ``inplace_backward`` off by 
 MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1),
                                  attention_kernels=("cudnn", "fa2"), cross_entropy="megatron", fused_rms_norm=True,
                                  fused_declared_norms=True, fused_gated_activation=True, cp_ring_slowdown=False, refused_together=(),
-                                 offload_copies_overlap=True)
+                                 offload_copies_overlap=True, offload_buffered=False)
 """Megatron-Core / NeMo: Transformer Engine for FP8, attention (cuDNN on Hopper, FA2 before) and RMSNorm (fused);
 its vocabulary-parallel cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, fused or not: an fp32 copy
 of the logits turned into the softmax in place and saved, the backward's gradient written over it)."""
@@ -405,7 +420,7 @@ name). Its recipes reduce gradients in bf16: the Llama 2 7B FP8 example at tag 2
 cuDNN: the launcher's ``launcher_scripts/conf/config.yaml`` at both tags sets ``NVTE_FUSED_ATTN: 0`` for every job
 ("Disable cudnn FA until we've tested it more"; gone at 24.09), which leaves Transformer Engine (1.3-1.8 there) the
 flash-attn package where it prefers cuDNN on Hopper (since 1.2), context-parallel rings included."""
-MEGATRON_BRIDGE = replace(MEGATRON, name="megatron-bridge", gradient_bytes=2)
+MEGATRON_BRIDGE = replace(MEGATRON, name="megatron-bridge", gradient_bytes=2, fp8_params=True, fp8_all_gather=True)
 """Megatron-Core under Megatron-Bridge's performance scripts (containers 25.11 and 26.04.01): its
 ``scripts/performance/configs/llama*/`` set ``grad_reduce_in_fp32`` False (tags v0.2.0 and v0.4.1), so gradients
 reduce in bf16; attention as Transformer Engine chooses it (``attention_backend`` auto: cuDNN on Hopper)."""
@@ -417,7 +432,8 @@ sent once to each other node holding one of its experts."""
 MEGATRON_DEEPEP_EP_OVERLAP = replace(MEGATRON_DEEPEP, name="megatron-deepep-ep-overlap", ep_overlap=True)
 """Both."""
 MEGATRON_2021 = replace(MEGATRON, name="megatron-2021", attention_kernels=(), fused_rms_norm=False,
-                        fused_declared_norms=False, fused_gated_activation=False, pp_scatter_gather=True, dp_overlap=False)
+                        fused_declared_norms=False, fused_gated_activation=False, pp_scatter_gather=True, dp_overlap=False,
+                        offload_copies_overlap=False, offload_buffered=True)  # no activation offload then
 """Megatron-LM as SC'21 and Korthikanti et al. (2022) ran it: unfused attention (its GPT models norm with LayerNorm),
 pipeline sends scattered over the tensor-parallel ranks and gathered on arrival, gradients all-reduced after the
 backward."""

@@ -119,6 +119,10 @@ def parse_spec(spec: str) -> ModelConfig:
         return _with_overrides(base, type(base), _parse_items(overrides, type(base), spec=spec), spec)
     if name in FAMILIES:
         return _with_overrides(None, FAMILIES[name], _parse_items(overrides, FAMILIES[name], spec=spec), spec)
+    if name == "hf":
+        raise ModelSpecError(f"{spec.strip()[:200]!r} is a Hugging Face spec, which tessera.plan, tessera.evaluate and the "
+                             "command line build (tessera.planner.model_source.resolve_model); tessera.models builds its "
+                             "presets and families only")
     quoted = repr(name) if name == spec.strip() else f"{name!r} (in {spec.strip()[:200]!r})"
     close = difflib.get_close_matches(name, list_presets(), n=1)
     guess = f" (did you mean {close[0]!r}?)" if close else ""

@@ -256,8 +256,8 @@ def repeat_last_block(graph: LayerGraph, blocks: int) -> LayerGraph | None:
 
 # ----------------------------------------------------------------------------------------------- multi-token prediction
 
-MTP_BYTES = 2
-"""Bytes an element of the multi-token-prediction module's saved inputs, as the bf16 model keeps them."""
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes an element of ``LayerGraph.dtype``: what the multi-token-prediction module's saved inputs take."""
 
 
 def with_mtp_modules(graph: LayerGraph, count: int) -> LayerGraph:
@@ -278,10 +278,11 @@ def with_mtp_modules(graph: LayerGraph, count: int) -> LayerGraph:
     if not h:
         raise CaptureError(f"{graph.model_name}: its last block has no measured hidden size, so the multi-token "
                            "prediction modules cannot be sized; capture a model whose blocks report it")
-    extras = {"forward_flops": 4 * h * h, "backward_flops": 8 * h * h, "linear_input_bytes": 2 * h * MTP_BYTES,
-              "linear_call_input_bytes": 2 * h * MTP_BYTES}  # per token
-    saved = 4 * h * MTP_BYTES  # the projection's 2h-wide input and the two norms' inputs, per token
-    kept = 2 * h * MTP_BYTES  # a fully recomputed module keeps its two inputs
+    element = DTYPE_BYTES.get(graph.dtype, 2)
+    extras = {"forward_flops": 4 * h * h, "backward_flops": 8 * h * h, "linear_input_bytes": 2 * h * element,
+              "linear_call_input_bytes": 2 * h * element}  # per token
+    saved = 4 * h * element  # the projection's 2h-wide input and the two norms' inputs, per token
+    kept = 2 * h * element  # a fully recomputed module keeps its two inputs
     for name in SCALED_FIELDS:
         if name.startswith(("saved_bytes", "autocast_saved_bytes")):
             extras[name] = kept if "full_recompute" in name else saved
@@ -299,21 +300,27 @@ def with_mtp_modules(graph: LayerGraph, count: int) -> LayerGraph:
                             for name, c in scaling[last.fqn].coefficients.items()}
             module_scaling.append(SeqScaling(fqn=fqn, signature_key=f"{scaling[last.fqn].signature_key}:mtp",
                                              coefficients=coefficients))
-    factor = 1 + count
-    after = [layer.model_copy(update={name: _times(getattr(layer, name), factor) for name in SCALED_FIELDS})
+    factor, repeated = 1 + count, [name for name in SCALED_FIELDS if name not in ONE_CALL_AT_A_TIME]
+    after = [layer.model_copy(update={name: _times(getattr(layer, name), factor) for name in repeated})
              for layer in graph.layers[at:]]
-    after_scaling = [s.model_copy(update={"coefficients": {name: tuple(_times(c, factor) for c in cs)
-                                                           for name, cs in s.coefficients.items()}})
+    after_scaling = [s.model_copy(update={"coefficients": {name: tuple(_times(c, factor) for c in cs) if name in repeated
+                                                           else cs for name, cs in s.coefficients.items()}})
                      for s in graph.seq_scaling[at:]]
     chain = [last.fqn, *(m.fqn for m in modules)]  # each module reads the hidden state before it
     embeddings = [layer.fqn for layer in graph.layers if layer.kind == "embedding"][:1]  # and the next tokens'
-    edges = [(chain[-1] if a == last.fqn else a, b) for a, b in graph.edges]
-    edges += [edge for before, module in zip(chain, chain[1:]) for edge in ((before, module), *((e, module) for e in embeddings))]
+    heads = [layer.fqn for layer in graph.layers[at:at + 1]]  # and its output goes through the final norm and head
+    edges = [*graph.edges, *((before, module) for before, module in zip(chain, chain[1:])),
+             *((e, module) for module in chain[1:] for e in embeddings), *((module, h) for module in chain[1:] for h in heads)]
     fields = {name: getattr(graph, name) for name in type(graph).model_fields}
     return type(graph)(**{
         **fields, "layers": (*graph.layers[:at], *modules, *after), "edges": tuple(edges),
         "seq_scaling": (*graph.seq_scaling[:at], *module_scaling, *after_scaling) if graph.seq_scaling else (),
         "model_name": f"{graph.model_name} + {count} MTP"})
+
+
+ONE_CALL_AT_A_TIME = ("output_bytes", "autocast_output_bytes")
+"""What the layers after the blocks make per call and free before the next module's call (the logits, their gradient
+and the loss's working tensors, sized from the head's output): not repeated per module, unlike what each keeps."""
 
 
 def _times(value, factor: int):

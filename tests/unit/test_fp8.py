@@ -120,9 +120,18 @@ def test_transformer_engine_keeps_fp8_weights_and_saves_fp8_inputs():
     saved_less = 4 * 0.5 * LINEAR_INPUT_SHARE * 2 * GiB
     assert megatron["activations"] == pytest.approx(bf16["activations"] - saved_less, abs=4)
     assert megatron["parameters"] == bf16["parameters"] + 2 * 4 * 10**9 // 8 * 8  # weight + transpose, 1 B each, whole
-    # with --fp8-param-gather its FSDP gathers FP8 weights and computes on them: no copies beside them
-    fp8_params = run(framework=replace(MEGATRON, fp8_all_gather=True)).memory_by_category_bytes
+    # with --fp8-param-gather the weights are FP8 tensors, gathered in FP8: no copies beside them
+    fp8_params = run(framework=replace(MEGATRON, fp8_params=True)).memory_by_category_bytes
     assert fp8_params["parameters"] == bf16["parameters"]
+
+
+def test_an_offloaded_block_keeps_no_fp8_inputs_on_the_device_and_te_reloads_into_freed_memory():
+    offloaded = "dp=8,zero=1,mbs=1,block_recompute=2xoffload/2xnone"
+    bf16, megatron = (run(p, strategy=offloaded, framework=MEGATRON).memory_by_category_bytes for p in ("bf16", "fp8"))
+    saved_less = 2 * 0.5 * LINEAR_INPUT_SHARE * 2 * GiB  # the two kept blocks' inputs in FP8, not the offloaded two
+    assert megatron["activations"] == pytest.approx(bf16["activations"] - saved_less, abs=4)
+    buffered = run(strategy=offloaded, framework=replace(MEGATRON, offload_buffered=True)).memory_by_category_bytes
+    assert buffered["activations"] == pytest.approx(megatron["activations"] + 2 * 2 * GiB, abs=4)  # two blocks in transit
 
 
 def test_fp8_all_gather_halves_the_block_gathers():

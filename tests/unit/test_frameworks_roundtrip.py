@@ -340,14 +340,15 @@ def test_a_recipe_that_counts_the_embedding_and_the_loss_as_layers_splits_the_pi
         rows.pins({**run, "parallel": {**run["parallel"], "pipeline_split": "uniform"}})
 
 
-def test_megatron_cpu_offloading_pins_its_first_blocks_to_offload_and_fp8_param_gather_gathers_fp8():
+def test_megatron_cpu_offloading_pins_its_first_blocks_to_offload_and_megatron_bridge_keeps_fp8_weights():
     rows = _published_rows()
     run = next(r for r in rows.measured_runs() if r["id"] == "nemo2604-fp8cs-llama3-70b-gb200-64gpu-fsdp")
     assert rows.pins(run)["block_recompute"] == ("offload",) * 40 + ("none",) * 40
     profile = rows.framework_profile(run)
-    assert profile.fp8_all_gather and profile.offload_copies_overlap
-    plain = {**run, "training": {k: v for k, v in run["training"].items() if k != "fp8_param_gather"}}
-    assert not rows.framework_profile(plain).fp8_all_gather
+    assert profile.fp8_params and profile.offload_copies_overlap and not profile.offload_buffered
+    deepseek = next(r for r in rows.measured_runs() if r["id"] == "nemo2604-mxfp8-deepseek-v3-b200-256gpu")
+    per_block = {**deepseek, "parallel": {**deepseek["parallel"], "recompute": "layer"}}
+    assert len(rows.pins(per_block)["block_recompute"]) == 62  # its multi-token-prediction module is a block
 
 
 def test_a_row_in_nemos_model_tflops_converts_with_nemos_formula_and_part_of_a_node_is_that_part():
