@@ -137,6 +137,11 @@ class LayerStats(BaseModel):
     """Load factor the experts were measured at: each expert processes ``top_k * tokens / experts`` times this
     many token slots (1.0 = perfectly balanced routing; more = headroom for the busiest expert). The expert
     all-to-alls carry the same factor."""
+    mtp_embedding_params: int = Field(default=0, ge=0)
+    """A multi-token-prediction module's (``planner.layer_graph.with_mtp_modules``): parameters of the embedding table
+    it looks the next tokens up in, shared with the model's. A pipeline stage that runs the module without the
+    embedding holds a copy, with its gradients and optimizer state (Megatron-Core builds the embedding wherever
+    ``pre_process or mtp_process``, ``gpt_model.py``); not a part of ``param_count``."""
     vocab_size: int = Field(default=0, ge=0)
     """Vocabulary dimension of an embedding or LM head (0 otherwise); vocabulary parallelism splits it."""
     tp_pairs: tuple[LinearPair, ...] = ()

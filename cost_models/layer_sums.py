@@ -125,8 +125,10 @@ def root_and_loss_totals(stage: Sequence[LayerStats]) -> dict:
     """The StageTotals fields of the layers outside blocks and of the loss (see ``cost_models.memory``)."""
     root = [layer for layer in stage if layer.kind != "block"]
     losses = [i for i, layer in enumerate(stage) if layer.kind == "loss"]
+    embedded = any(layer.kind == "embedding" for layer in root)  # else a multi-token-prediction module's copy
+    embedding_copy = 0 if embedded else max((layer.mtp_embedding_params for layer in stage), default=0)
     return {
-        "root_sharded_params": sum(layer.param_count for layer in root if layer.kind in TP_SHARDED_KINDS),
+        "root_sharded_params": sum(layer.param_count for layer in root if layer.kind in TP_SHARDED_KINDS) + embedding_copy,
         "root_replicated_params": sum(layer.param_count for layer in root if layer.kind not in TP_SHARDED_KINDS),
         "loss_saved_bytes": sum(stage[i].saved_bytes_no_recompute for i in losses),
         "logits_bytes": sum(stage[i - 1].output_bytes for i in losses if i > 0),

@@ -268,8 +268,10 @@ def with_mtp_modules(graph: LayerGraph, count: int) -> LayerGraph:
     size (2h x h parameters, 4h^2 forward FLOPs a token, and its 2h-wide input and the two norms' inputs saved); then
     the final norm, the head (its weights shared) and the loss run once more for each module, so every layer after
     the blocks costs ``1 + count`` times its FLOPs and activations. The shared embedding's second lookup is left
-    out. The modules come after the last block, so a pipeline's last chunk holds them (``chunk_blocks`` counts them
-    as blocks), as Megatron-Core places them; Tessera's runtime does not run them."""
+    out; a pipeline stage that runs the modules without the embedding holds a copy of it
+    (``LayerStats.mtp_embedding_params``). The modules come after the last block, so a pipeline's last chunk holds
+    them (``chunk_blocks`` counts them as blocks), as Megatron-Core places them; Tessera's runtime does not run
+    them."""
     if count <= 0 or not graph.blocks:
         return graph
     last = graph.blocks[-1]
@@ -287,6 +289,7 @@ def with_mtp_modules(graph: LayerGraph, count: int) -> LayerGraph:
         if name.startswith(("saved_bytes", "autocast_saved_bytes")):
             extras[name] = kept if "full_recompute" in name else saved
     scaling = {s.fqn: s for s in graph.seq_scaling}
+    embedding_params = sum(layer.param_count for layer in graph.layers if layer.kind == "embedding")
     modules, module_scaling = [], []
     for index in range(count):
         fqn = f"mtp.{index}"
@@ -294,7 +297,7 @@ def with_mtp_modules(graph: LayerGraph, count: int) -> LayerGraph:
                   if getattr(last, name) is not None}
         modules.append(last.model_copy(update={
             **values, "fqn": fqn, "signature": f"{last.signature}:mtp",
-            "param_count": last.param_count + 2 * h * h + 3 * h}))
+            "param_count": last.param_count + 2 * h * h + 3 * h, "mtp_embedding_params": embedding_params}))
         if last.fqn in scaling:
             coefficients = {name: (c[0], c[1] + extras.get(name, 0), c[2])
                             for name, c in scaling[last.fqn].coefficients.items()}

@@ -14,6 +14,8 @@ from tessera.errors import ModelSpecError, NotModelledError  # noqa: E402
 from tessera.cost_models.layer_sums import kv_bytes  # noqa: E402
 from tessera.planner.capture import capture_preset  # noqa: E402
 from tessera.planner.layer_graph import with_mtp_modules  # noqa: E402
+from tessera.cost_models import Strategy  # noqa: E402
+from tessera.cost_models.estimate import stage_split  # noqa: E402
 from tessera.planner.model_source import resolve_model  # noqa: E402
 
 H, F, HEADS, KV, V, T = 64, 128, 4, 2, 256, 32
@@ -155,6 +157,12 @@ def test_multi_token_prediction_modules_run_one_more_block_and_the_head_again() 
     longer, rebuilt = mtp.at_seq_len(2 * T), with_mtp_modules(graph.at_seq_len(2 * T), 1)
     assert [layer.forward_flops for layer in longer.layers] == [layer.forward_flops for layer in rebuilt.layers]
     assert with_mtp_modules(graph, 0) is graph
+    # a pipeline's last stage runs the module without the embedding, so it holds a copy of the table
+    embedding = graph.layer("model.embed_tokens").param_count
+    first, last_stage = stage_split(mtp.layers, Strategy.parse("pp=2,dp=4")).stages
+    plain_last = stage_split(graph.layers, Strategy.parse("pp=2,dp=4")).stages[1]
+    assert last_stage.root_sharded_params == plain_last.root_sharded_params + embedding
+    assert first.root_sharded_params == stage_split(graph.layers, Strategy.parse("pp=2,dp=4")).stages[0].root_sharded_params
     # evaluated as a framework that trains them; Tessera's runtime trains none and says so
     import tessera
 
