@@ -124,7 +124,7 @@ def with_fp8_state(
     --models wide-short --pins``; torchtitan's 405B rows at tp 8 fit bf16 copies instead). The casts' temporaries
     live inside a block's backward, gloo's staged copy of a reduce-scatter's input inside the reduce-scatter: the
     larger counts. A framework whose weights are FP8 tensors keeps no copies beside them (``profiles.fp8_params``)."""
-    copies = 0.0 if profile.fp8_params and training.fp8_scaling != "mx" else profile.weight_fp8_bytes
+    copies = 0.0 if profile.fp8_params else profile.weight_fp8_bytes
     updated = dict(mark, parameters=mark["parameters"] + copies * block_params(stage, strategy))
     if not in_backward:
         return updated

@@ -280,12 +280,13 @@ class ImplementationProfile:
     num_offloaded_layers) * T``, ``transformer_engine/pytorch/cpu_offload.py``): reloads land in memory the kept
     blocks' backward has freed."""
     fp8_params: bool = False
-    """Under FP8 with per-tensor (current or delayed) or block scaling, the model's weights are FP8 tensors (with their
-    transposes, 2 bytes a parameter in place of bf16's) and no FP8 copies are kept beside them; ZeRO-3 gathers them in
-    FP8. Megatron-Core's ``--fp8-param-gather`` ("Keep the compute param in fp8 ... and perform the param all-gather in
-    fp8", ``megatron/training/arguments.py``), which every FP8 precision config of Megatron-Bridge sets
-    (``src/megatron/bridge/training/mixed_precision.py`` at v0.2.0 and v0.4.1). Not for MXFP8, whose parameter
-    gather reuses the gradient buffer (``reuse_grad_buf_for_mxfp8_param_ag``) in a way not described here."""
+    """Under FP8, the model's weights are FP8 tensors (with their transposes or, under MXFP8, their column-wise copies:
+    2 bytes a parameter in place of bf16's) and no FP8 copies are kept beside them; ZeRO-3 gathers them in FP8.
+    Megatron-Core's ``--fp8-param-gather`` ("Keep the compute param in fp8 ... and perform the param all-gather in
+    fp8", ``megatron/training/arguments.py``; under MXFP8 "keeping params in MXFP8", its
+    ``distributed_data_parallel_config.py`` at d7288711, the Megatron-LM that Megatron-Bridge v0.4.1 pins), which every
+    FP8 precision config of Megatron-Bridge sets (``src/megatron/bridge/training/mixed_precision.py`` at v0.2.0 and
+    v0.4.1)."""
     ep_overlap: bool = False
     """The dispatch and combine all-to-alls of one micro-batch run beside another micro-batch's compute (Megatron-Core's
     ``overlap_moe_expert_parallel_comm``, Megatron-Bridge's ``moe_a2a_overlap``; DeepSeek-V3's DualPipe): only what the
@@ -316,7 +317,7 @@ class ImplementationProfile:
         framework does (``fp8_all_gather``), under FP8 at current scaling (torchao's FP8 all-gather casts each
         weight with one scale, its tensorwise recipe's), and under tensor parallelism only where
         ``fp8_all_gather_under_tp``."""
-        if self.fp8_params and training.precision == "fp8" and training.fp8_scaling != "mx":
+        if self.fp8_params and training.precision == "fp8":
             return strategy.zero == 3  # the weights are FP8 themselves
         return (self.fp8_all_gather and training.precision == "fp8" and training.fp8_scaling == "current"
                 and strategy.zero == 3 and (strategy.tp == 1 or self.fp8_all_gather_under_tp))
