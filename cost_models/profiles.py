@@ -36,6 +36,11 @@ there.
   micro-batches (``weight_fp8_bytes`` = 2) and saves FP8 inputs for the backward (``fp8_saves_inputs``); torchao
   float8 casts on the fly from the bf16 weight and saves what autograd saves (bf16). FSDP2 with torchao may
   all-gather FP8 weights (``fp8_all_gather``: 1 byte per parameter on the wire and in the gathered buffer).
+  Megatron-Core with ``--fp8-param-gather`` (every Megatron-Bridge FP8 recipe) keeps the weights themselves in FP8
+  and no copies beside them (``fp8_params``).
+- **Activation offload** (``Recompute`` ``"offload"``). Transformer Engine copies on a stream of its own beside the
+  compute and reloads into memory the kept blocks' backward frees (``offload_copies_overlap``,
+  ``offload_buffered``); Tessera's runtime, unmeasured on a GPU, is priced copying in line with two blocks in transit.
 - **Attention kernel** (``attention_kernels``): which fused attention kernel runs the attention cores; its rate on
   the device is a published kernel benchmark (``topology/catalog.yaml`` ``attention_tflops``), priced by
   ``cost_models.compute.attention_efficiency``. Tessera's runtime and torchtitan call
