@@ -42,7 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from published_rows import (
-    cluster_spec, framework_profile, measured_runs, model_spec, pins, published_step_s, regime, runtime_only,
+    cluster_spec, framework_profile, measured_runs, model_spec, mtp_modules, pins, published_step_s, regime, runtime_only,
     training_config,
 )
 from tessera.cost_models import Strategy, TrainingConfig, estimate
@@ -117,7 +117,7 @@ def graph_for(spec: str, seq_len: int, mtp_layers: int = 0) -> LayerGraph:
 
 def run_graph(run: dict) -> LayerGraph:
     """The graph of the run's model as it trained (``model.mtp_layers``: DeepSeek-V3's multi-token prediction)."""
-    return graph_for(model_spec(run), run["model"]["seq_len"], run["model"].get("mtp_layers", 0))
+    return graph_for(model_spec(run), run["model"]["seq_len"], mtp_modules(run))
 
 
 def evaluate_as_run(run: dict, strategy: Strategy, calibration: Calibration, *, deepspeed: float | None = None,
@@ -282,7 +282,7 @@ def plan_quality(speedups: list[Speedup]) -> str:
 def own_plan_cells(run: dict, strategy: Strategy, est, training: TrainingConfig, speedups: list[Speedup]) -> tuple[str, ...]:
     """The table's cells for Tessera's own plan of ``run``'s case (its speedup appended to ``speedups``)."""
     try:
-        own = own_plan(model_spec(run), cluster_spec(run), training, run["model"].get("mtp_layers", 0))
+        own = own_plan(model_spec(run), cluster_spec(run), training, mtp_modules(run))
     except InfeasiblePlanError:  # the published run fits only by what Tessera's runtime does not do
         return ("none fits on Tessera's runtime", "—", "—")
     opponent = runtime_comparable(run, strategy)

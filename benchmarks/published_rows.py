@@ -11,6 +11,7 @@ fills the rest (``published.plan_run``). Each row is evaluated as the framework 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cache
 from pathlib import Path
 
 import yaml
@@ -79,9 +80,19 @@ def cluster_spec(run: dict) -> str:
     gpus, per_node = run["hardware"]["gpus"], run["hardware"].get("gpus_per_node") or 8
     if gpus % per_node:
         raise ValueError(f"{run['id']}: {gpus} GPUs are not whole nodes of gpus_per_node {per_node}")
-    nominal = load_cluster(f"{preset}:nodes=1").devices_per_node  # 72 for an NVL72 rack, 8 for a DGX
-    size = f"nodes={gpus // per_node}" + (f",gpus_per_node={per_node}" if per_node != nominal else "")
+    size = f"nodes={gpus // per_node}" + (f",gpus_per_node={per_node}" if per_node != _nominal_per_node(preset) else "")
     return f"{preset}:{size}" + (f",gpu={variant}" if variant else "")
+
+
+@cache  # the fit asks for every row's cluster at every grid point: read each preset once
+def _nominal_per_node(preset: str) -> int:
+    """GPUs a node of ``preset`` holds: 72 for an NVL72 rack, 8 for a DGX."""
+    return load_cluster(f"{preset}:nodes=1").devices_per_node
+
+
+def mtp_modules(run: dict) -> int:
+    """The multi-token-prediction modules the run trained (``model.mtp_layers``: DeepSeek-V3's one)."""
+    return run["model"].get("mtp_layers", 0)
 
 
 def training_config(run: dict) -> TrainingConfig:
@@ -114,9 +125,8 @@ def framework_profile(run: dict) -> ImplementationProfile:
     DeepSpeed for SC'21's ZeRO-3 rows; Megatron-LM of 2021-2022 for SC'21's other rows and Korthikanti et al.'s
     (unfused attention, scattered pipeline sends, gradients reduced after the backward); NeMo's 2024 containers
     reducing gradients in bf16; how a MoE row's expert all-to-alls cross nodes and overlap (``parallel.ep_dispatch``,
-    ``parallel.ep_overlap``); Adam's moments in bf16
-    (``training.moment_bytes``); whether its
-    data-parallel collectives overlap the backward (``parallel.dp_overlap``)."""
+    ``parallel.ep_overlap``); Adam's moments in bf16 (``training.moment_bytes``); whether its data-parallel
+    collectives overlap the backward (``parallel.dp_overlap``)."""
     framework = str(run.get("framework", ""))
     matches = [(len(prefix), p) for prefix, p in FRAMEWORKS if framework.startswith(prefix)]
     profile = max(matches, key=lambda match: match[0])[1] if matches else None  # the longest: 'NeMo 24.07' > 'NeMo'
@@ -227,7 +237,7 @@ def _stated_pins(run: dict) -> dict[str, object]:
     if training.get("micro_batch"):
         fixed["micro_batch"] = training["micro_batch"]
     recompute = par.get("recompute")
-    layers = run["model"]["layers"] + run["model"].get("mtp_layers", 0)  # a multi-token-prediction module is a block
+    layers = run["model"]["layers"] + mtp_modules(run)  # a multi-token-prediction module is a block
     if recompute == "layer":  # every other block fully recomputed (torchtitan's selective layer, frequency 2)
         fixed["block_recompute"] = tuple("full" if i % 2 == 0 else "none" for i in range(layers))
     elif par.get("offload_blocks"):  # Megatron-Core's cpu_offloading_num_layers: the first blocks' activations to host

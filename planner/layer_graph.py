@@ -256,10 +256,6 @@ def repeat_last_block(graph: LayerGraph, blocks: int) -> LayerGraph | None:
 
 # ----------------------------------------------------------------------------------------------- multi-token prediction
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-"""Bytes an element of ``LayerGraph.dtype``: what the multi-token-prediction module's saved inputs take."""
-
-
 def with_mtp_modules(graph: LayerGraph, count: int) -> LayerGraph:
     """``graph`` with ``count`` multi-token-prediction modules (DeepSeek-V3, arXiv:2412.19437 Sec. 2.2; Megatron-Core's
     ``mtp_num_layers``; transformers' ``MtpLayer``, which builds the same module for inference), for pricing a
@@ -280,11 +276,11 @@ def with_mtp_modules(graph: LayerGraph, count: int) -> LayerGraph:
     if not h:
         raise CaptureError(f"{graph.model_name}: its last block has no measured hidden size, so the multi-token "
                            "prediction modules cannot be sized; capture a model whose blocks report it")
-    element = DTYPE_BYTES.get(graph.dtype, 2)
-    extras = {"forward_flops": 4 * h * h, "backward_flops": 8 * h * h, "linear_input_bytes": 2 * h * element,
-              "linear_call_input_bytes": 2 * h * element}  # per token
-    saved = 4 * h * element  # the projection's 2h-wide input and the two norms' inputs, per token
-    kept = 2 * h * element  # a fully recomputed module keeps its two inputs
+    hidden_bytes = last.output_bytes / graph.seq_len  # one token's hidden state, in the dtype it was measured in
+    extras = {"forward_flops": 4 * h * h, "backward_flops": 8 * h * h, "linear_input_bytes": 2 * hidden_bytes,
+              "linear_call_input_bytes": 2 * hidden_bytes}  # per token
+    saved = 4 * hidden_bytes  # the projection's 2h-wide input and the two norms' inputs, per token
+    kept = 2 * hidden_bytes  # a fully recomputed module keeps its two inputs
     for name in SCALED_FIELDS:
         if name.startswith(("saved_bytes", "autocast_saved_bytes")):
             extras[name] = kept if "full_recompute" in name else saved
@@ -293,7 +289,7 @@ def with_mtp_modules(graph: LayerGraph, count: int) -> LayerGraph:
     modules, module_scaling = [], []
     for index in range(count):
         fqn = f"mtp.{index}"
-        values = {name: getattr(last, name) + per_token * graph.seq_len for name, per_token in extras.items()
+        values = {name: getattr(last, name) + round(per_token * graph.seq_len) for name, per_token in extras.items()
                   if getattr(last, name) is not None}
         modules.append(last.model_copy(update={
             **values, "fqn": fqn, "signature": f"{last.signature}:mtp",
