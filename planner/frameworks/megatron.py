@@ -53,6 +53,8 @@ SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3
 """``--data-parallel-sharding-strategy`` (Megatron-FSDP) -> ZeRO stage."""
 MAX_LAYOUT_CHARS = 1 << 16
 """Longest ``--pipeline-model-parallel-layout`` read, before and after its repetitions are expanded."""
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+"""``--recompute-modules``' choices at ``MEGATRON_VERSION`` (``TransformerConfig``'s allowed modules)."""
 
 
 # ----------------------------------------------------------------------------------------- export
@@ -238,6 +240,7 @@ def megatron_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-length", type=_count(1, MAX_SEQ_LEN), default=None)
     parser.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     parser.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    parser.add_argument("--recompute-modules", nargs="*", choices=RECOMPUTE_MODULES, default=None)
     parser.add_argument("--data-parallel-sharding-strategy", choices=tuple(SHARDING), default="no_shard")
     parser.add_argument("--ckpt-format", type=str, default="torch_dist")
     parser.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None)
@@ -246,7 +249,7 @@ def megatron_parser() -> argparse.ArgumentParser:
     parser.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "flex"), default="allgather")
     for flag in ("--sequence-parallel", "--tp-comm-overlap", "--use-distributed-optimizer", "--use-megatron-fsdp",
                  "--use-custom-fsdp", "--use-torch-fsdp2", "--recompute-activations", "--cpu-offloading", "--bf16",
-                 "--fp16", "--moe-enable-deepep", "--overlap-moe-expert-parallel-comm"):
+                 "--fp16", "--moe-enable-deepep", "--overlap-moe-expert-parallel-comm", "--moe-layer-recompute"):
         parser.add_argument(flag, action="store_true")
     return parser
 
@@ -482,11 +485,21 @@ def _offloaded(args: argparse.Namespace, block_recompute: tuple[str, ...], *, ch
 
 def _recompute(args: argparse.Namespace, *, chunks: list[int]) -> tuple[str, tuple[str, ...], list[str]]:
     """(recompute, block_recompute, notes) of the recomputation arguments."""
-    granularity = args.recompute_granularity or ("selective" if args.recompute_activations else None)
+    granularity = args.recompute_granularity or (
+        "selective" if args.recompute_activations or args.moe_layer_recompute else None)
+    if granularity == "selective":
+        return _selective_modules(args)
+    recompute, block_recompute, notes = _whole_blocks(args, granularity, chunks=chunks)
+    if args.recompute_modules is not None:  # Megatron-LM reads them under selective granularity only
+        notes.append("--recompute-modules has no effect without --recompute-granularity selective; left out")
+    return recompute, block_recompute, notes
+
+
+def _whole_blocks(args: argparse.Namespace, granularity: str | None, *, chunks: list[int]
+                  ) -> tuple[str, tuple[str, ...], list[str]]:
+    """Full recomputation of whole blocks (``--recompute-method`` uniform or block), or none."""
     if granularity is None:
         return "none", (), []
-    if granularity == "selective":
-        return "selective", (), []
     if args.recompute_method is None or args.recompute_num_layers is None:
         raise ConfigError("--recompute-granularity full needs --recompute-method (uniform or block) and "
                           "--recompute-num-layers N (Megatron-LM asserts them)")
@@ -498,3 +511,22 @@ def _recompute(args: argparse.Namespace, *, chunks: list[int]) -> tuple[str, tup
     if not chunks:
         _need_layers(None, "--recompute-method block")
     return "none", expand_recompute(chunks, args.recompute_num_layers), []
+
+
+def _selective_modules(args: argparse.Namespace) -> tuple[str, tuple[str, ...], list[str]]:
+    """Selective recomputation of ``--recompute-modules`` (Megatron-Core's default: the attention core alone, which
+    is Tessera's ``selective``; ``--moe-layer-recompute`` adds ``moe``). Tessera prices the attention core's
+    recomputation only: any other module is evaluated as kept, and the note says so."""
+    modules = list(dict.fromkeys(["core_attn"] if args.recompute_modules is None else args.recompute_modules))
+    if args.moe_layer_recompute and "moe" not in modules:
+        modules.append("moe")
+    unpriced = [m for m in modules if m != "core_attn"]
+    policy = "selective" if "core_attn" in modules else "none"
+    if not modules:
+        return "none", (), ["--recompute-modules with no modules: Megatron-LM recomputes nothing"]
+    if not unpriced:
+        return policy, (), []
+    kept = "the attention core recomputed, " if policy == "selective" else ""
+    return policy, (), [f"--recompute-modules {' '.join(unpriced)}: Tessera prices recomputing the attention core "
+                        f"(core_attn) only; evaluated with {kept}{' and '.join(unpriced)} kept, so memory is "
+                        "over-estimated and the time to recompute them is left out"]
