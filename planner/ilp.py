@@ -44,7 +44,7 @@ from ortools.sat.python import cp_model
 from tessera.cost_models.estimate import stage_time
 from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.memory import stage_memory
-from tessera.cost_models.partition import split_blocks, stage_totals
+from tessera.cost_models.partition import StageTotals, split_blocks, stage_totals
 from tessera.cost_models.types import Recompute, Strategy, TrainingConfig
 from tessera.topology.cluster import Cluster
 from tessera.topology.hardware import LOCAL_CPU
@@ -90,8 +90,7 @@ def coefficients(
         for policy in policies:
             costs = []
             for count in (1, 2):
-                blocks = [block.model_copy(update={"fqn": f"__block{i}"}) for i in range(count)]
-                totals = stage_totals([*others, *blocks], index, {b.fqn: policy for b in blocks})
+                totals = _stand_in_totals(others, block, count, index, policy)
                 costs.append((stage_time(totals, cluster, training, strategy).total,
                               sum(stage_memory(totals, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu).values())))
             time[policy] = (costs[1][0] - costs[0][0], costs[0][0] - (costs[1][0] - costs[0][0]))
@@ -103,6 +102,26 @@ def coefficients(
             memory_per_block_bytes={p: slope for p, (slope, _) in memory.items()},
         ))
     return result
+
+
+_STAND_IN_TOTALS: dict[tuple, tuple[list[LayerStats], StageTotals]] = {}
+
+
+def _stand_in_totals(others: list[LayerStats], block: LayerStats, count: int, index: int, policy: Recompute
+                     ) -> StageTotals:
+    """The totals of stage ``index`` holding ``others`` and ``count`` copies of ``block`` under ``policy``, memoised:
+    the outer candidates a search refines share their stages' layers (keyed by identity; a hit is trusted only while
+    the same objects are held)."""
+    key = (tuple(map(id, others)), id(block), count, index, policy)
+    hit = _STAND_IN_TOTALS.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], [*others, block])):
+        return hit[1]
+    if len(_STAND_IN_TOTALS) >= 65536:
+        _STAND_IN_TOTALS.clear()
+    blocks = [block.model_copy(update={"fqn": f"__block{i}"}) for i in range(count)]
+    totals = stage_totals([*others, *blocks], index, {b.fqn: policy for b in blocks})
+    _STAND_IN_TOTALS[key] = ([*others, block], totals)
+    return totals
 
 
 def solve(
