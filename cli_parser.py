@@ -77,7 +77,9 @@ def _add_evaluate(verbs: argparse._SubParsersAction) -> None:
                           "(DeepSeek-V3: 1); needs --runs-on a framework that trains them")
     evaluate.add_argument("--runs-on", metavar="FRAMEWORK", default=None,
                           help="price it as this framework runs it (torchtitan, megatron, deepspeed, ...: "
-                          "cost_models/profiles.py); default: the --from-* config's framework, else Tessera's runtime")
+                          "cost_models/profiles.py), adjusted as its configuration sets it where it does "
+                          "(megatron:dp_overlap=false,moment_bytes=2); default: the --from-* config's framework, "
+                          "else Tessera's runtime")
 
 
 def _add_compare(verbs: argparse._SubParsersAction) -> None:

@@ -458,9 +458,44 @@ PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_COMPILED, TORCHT
 """Every profile by name."""
 
 
+ADJUSTABLE: dict[str, tuple[object, ...]] = {
+    "dp_overlap": (True, False), "gradient_bytes": (2, 4), "master_bytes": (2, 4), "moment_bytes": (1, 2, 4),
+    "fp8_params": (True, False), "fp8_all_gather": (True, False),
+}
+"""The behaviours a framework's own configuration sets for one run, and their values: a profile adjusted so is named
+``name:field=value,...`` (``megatron:dp_overlap=false``; :func:`profile`). Megatron-LM's flags set them
+(``--overlap-grad-reduce``, ``--grad-reduce-in-bf16``, the precision-aware optimizer's dtypes,
+``--fp8-param-gather``: ``planner.frameworks.megatron``); the other fields are facts of the framework's code."""
+
+
 def profile(name: str) -> ImplementationProfile:
-    """The profile called ``name``; an unknown name lists the known ones."""
-    try:
-        return PROFILES[name]
-    except KeyError:
-        raise ConfigError(f"unknown implementation profile {name!r}; known: {', '.join(PROFILES)}") from None
+    """The profile called ``name``, or one adjusted by its configuration (``megatron:dp_overlap=false,moment_bytes=2``:
+    :data:`ADJUSTABLE`); an unknown name or field lists the known ones."""
+    base, _, changes = name.partition(":")
+    if base not in PROFILES:
+        raise ConfigError(f"unknown implementation profile {base!r}; known: {', '.join(PROFILES)}")
+    if not changes:
+        return PROFILES[base]
+    if base == TESSERA.name:
+        raise ConfigError(f"{name!r}: Tessera's runtime does what its code does; adjust another framework's profile "
+                          f"(e.g. 'megatron:{changes}')")
+    values = dict(_adjustment(item, name) for item in changes.split(","))
+    return replace(PROFILES[base], name=adjusted_name(base, values), **values)
+
+
+def adjusted_name(base: str, values: dict[str, object]) -> str:
+    """``base`` adjusted by ``values`` as :func:`profile` reads it, fields in :data:`ADJUSTABLE`'s order (``base`` alone
+    when there are none)."""
+    items = [f"{field}={str(values[field]).lower()}" for field in ADJUSTABLE if field in values]
+    return f"{base}:{','.join(items)}" if items else base
+
+
+def _adjustment(item: str, name: str) -> tuple[str, object]:
+    field, _, text = item.partition("=")
+    if field not in ADJUSTABLE:
+        raise ConfigError(f"{name!r}: {field!r} is not a behaviour a configuration sets; adjustable: "
+                          f"{', '.join(ADJUSTABLE)}")
+    by_text = {str(value).lower(): value for value in ADJUSTABLE[field]}
+    if text.lower() not in by_text:
+        raise ConfigError(f"{name!r}: {field}={text!r} is not one of {', '.join(by_text)}; give one of them")
+    return field, by_text[text.lower()]

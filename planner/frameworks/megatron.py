@@ -29,6 +29,13 @@ What the arguments express, and the nearest setting where they cannot:
   ``MEGATRON_EP_OVERLAP``).
 - Sequence parallelism in Megatron-LM keeps each column-parallel input's shard and gathers it again in the
   backward (``Strategy.sp_regather``): the strategy Megatron-LM runs carries it.
+- What the arguments configure of the framework itself (``profiles.ADJUSTABLE``) adjusts the profile an imported run
+  is priced with (``megatron:dp_overlap=false``): data-parallel overlap, off in Megatron-LM unless
+  ``--overlap-grad-reduce`` (and, under the distributed optimizer, ``--overlap-param-gather``) ask for it; the
+  gradient buffer's dtype; the precision-aware optimizer's master weights and moments; ``--fp8-param-gather``. The
+  export asks for the overlap the Megatron-Core profile prices.
+- Selective recomputation is the attention core's (``--recompute-modules`` ``core_attn``, Megatron-Core's default);
+  other modules are evaluated as kept, and said so.
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ import difflib
 import re
 import shlex
 
-from tessera.cost_models.profiles import MEGATRON_DEEPEP, MEGATRON_DEEPEP_EP_OVERLAP, MEGATRON_EP_OVERLAP
+from tessera.cost_models.profiles import (
+    MEGATRON, MEGATRON_DEEPEP, MEGATRON_DEEPEP_EP_OVERLAP, MEGATRON_EP_OVERLAP, adjusted_name,
+)
 from tessera.cost_models.types import MAX_BLOCKS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, Strategy
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.frameworks.common import (
@@ -53,6 +62,8 @@ SHARDING = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3
 """``--data-parallel-sharding-strategy`` (Megatron-FSDP) -> ZeRO stage."""
 MAX_LAYOUT_CHARS = 1 << 16
 """Longest ``--pipeline-model-parallel-layout`` read, before and after its repetitions are expanded."""
+STATE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+"""The precision-aware optimizer's state dtypes (``--exp-avg-dtype``, ``--exp-avg-sq-dtype``) and their bytes."""
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 """``--recompute-modules``' choices at ``MEGATRON_VERSION`` (``TransformerConfig``'s allowed modules)."""
 
@@ -116,13 +127,16 @@ def _precision_args(t) -> tuple[list[str], list[str]]:
 
 
 def _zero_args(zero: int) -> list[str]:
+    """ZeRO's flags, with the data-parallel overlap the Megatron-Core profile prices (off by default in Megatron-LM:
+    ``--overlap-grad-reduce``, and under the distributed optimizer ``--overlap-param-gather``)."""
+    overlap = ["--overlap-grad-reduce"] + ["--overlap-param-gather"] * (zero >= 1)
     if zero == 1:
-        return ["--use-distributed-optimizer"]
+        return ["--use-distributed-optimizer", *overlap]
     if zero >= 2:  # Megatron-FSDP, as docs/source/api-guide/custom_fsdp.md of the release sets it up
         sharding = {2: "optim_grads", 3: "optim_grads_params"}[zero]
         return ["--use-distributed-optimizer", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", sharding,
-                "--no-gradient-accumulation-fusion", "--ckpt-format", "fsdp_dtensor"]
-    return []
+                "--no-gradient-accumulation-fusion", "--ckpt-format", "fsdp_dtensor", *overlap]
+    return overlap
 
 
 def _pipeline_args(s: Strategy, chunks: list[int]) -> tuple[list[str], list[str], dict[str, object]]:
@@ -247,9 +261,15 @@ def megatron_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp8-recipe", choices=("tensorwise", "delayed", "mxfp8", "blockwise"), default="delayed")
     parser.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
     parser.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "flex"), default="allgather")
+    parser.add_argument("--main-grads-dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--main-params-dtype", choices=("fp32", "fp16"), default="fp32")
+    for name in ("--exp-avg-dtype", "--exp-avg-sq-dtype"):
+        parser.add_argument(name, choices=tuple(STATE_BYTES), default="fp32")
     for flag in ("--sequence-parallel", "--tp-comm-overlap", "--use-distributed-optimizer", "--use-megatron-fsdp",
                  "--use-custom-fsdp", "--use-torch-fsdp2", "--recompute-activations", "--cpu-offloading", "--bf16",
-                 "--fp16", "--moe-enable-deepep", "--overlap-moe-expert-parallel-comm", "--moe-layer-recompute"):
+                 "--fp16", "--moe-enable-deepep", "--overlap-moe-expert-parallel-comm", "--moe-layer-recompute",
+                 "--overlap-grad-reduce", "--overlap-param-gather", "--grad-reduce-in-bf16",
+                 "--accumulate-allreduce-grads-in-fp32", "--use-precision-aware-optimizer", "--fp8-param-gather"):
         parser.add_argument(flag, action="store_true")
     return parser
 
@@ -287,7 +307,8 @@ def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
     )
     return ImportedConfig(
         framework="megatron", strategy=canonical(strategy), global_batch=args.global_batch_size or args.micro_batch_size * dp,
-        seq_len=args.seq_length, precision=_precision(args), variant=_expert_exchange(args, ep=ep, notes=notes),
+        seq_len=args.seq_length, precision=_precision(args),
+        variant=_variant(_expert_exchange(args, ep=ep, notes=notes), _configured(args, zero=strategy.zero, notes=notes)),
         unread=tuple(unread), notes=tuple(notes), mtp_layers=mtp,
     )
 
@@ -322,6 +343,58 @@ def _expert_exchange(args: argparse.Namespace, *, ep: int, notes: list[str]) -> 
     names = {(True, True): MEGATRON_DEEPEP_EP_OVERLAP.name, (True, False): MEGATRON_DEEPEP.name,
              (False, True): MEGATRON_EP_OVERLAP.name}
     return names.get((deepep, overlap))
+
+
+def _variant(exchange: str | None, configured: dict[str, object]) -> str | None:
+    """The profile the arguments run: the expert exchange's variant (or Megatron-Core's own), adjusted by what the
+    arguments configure (``profiles.profile``'s ``name:field=value`` form); None for Megatron-Core's own as it is."""
+    base = exchange or MEGATRON.name
+    adjusted = adjusted_name(base, {k: v for k, v in configured.items() if getattr(MEGATRON, k) != v})
+    return None if adjusted == MEGATRON.name else adjusted
+
+
+def _configured(args: argparse.Namespace, *, zero: int, notes: list[str]) -> dict[str, object]:
+    """The behaviours of ``profiles.ADJUSTABLE`` the arguments set, as Megatron-LM's ``validate_args`` derives them:
+    data-parallel overlap (``--overlap-grad-reduce``, and ``--overlap-param-gather`` under the distributed optimizer);
+    the gradient buffer's dtype (fp32 for bf16 unless ``--grad-reduce-in-bf16`` or bf16 main gradients; fp16's own
+    unless ``--accumulate-allreduce-grads-in-fp32``); the precision-aware optimizer's master weights and moments; FP8
+    weights gathered in FP8 (``--fp8-param-gather``)."""
+    aware = ("--main-grads-dtype", args.main_grads_dtype, "fp32"), ("--main-params-dtype", args.main_params_dtype, "fp32"), \
+        ("--exp-avg-dtype", args.exp_avg_dtype, "fp32"), ("--exp-avg-sq-dtype", args.exp_avg_sq_dtype, "fp32")
+    lowered = [f"{flag} {value}" for flag, value, default in aware if value != default]
+    if lowered and not args.use_precision_aware_optimizer:
+        raise ConfigError(f"{lowered[0]} needs --use-precision-aware-optimizer (Megatron-LM asserts it); add it")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise ConfigError("--overlap-param-gather needs --overlap-grad-reduce (Megatron-LM asserts it); add it")
+    gathers_params = 1 <= zero <= 2  # the distributed optimizer's (and optim_grads') gather of updated weights
+    if args.overlap_grad_reduce and gathers_params and not args.overlap_param_gather:
+        notes.append("--overlap-grad-reduce without --overlap-param-gather: the weights' all-gather runs after the "
+                     "optimizer step; priced with no data-parallel overlap (Tessera overlaps both or neither)")
+    configured: dict[str, object] = {
+        "gradient_bytes": _gradient_bytes(args),
+        "master_bytes": 2 if args.main_params_dtype == "fp16" else 4,
+        "moment_bytes": max(STATE_BYTES[args.exp_avg_dtype], STATE_BYTES[args.exp_avg_sq_dtype]),
+    }
+    if zero < 3:  # ZeRO-3's gathers and reduce-scatters are priced overlapped, as every FSDP prefetches them
+        configured["dp_overlap"] = args.overlap_grad_reduce and (args.overlap_param_gather or not gathers_params)
+    if args.exp_avg_dtype != args.exp_avg_sq_dtype:
+        notes.append(f"--exp-avg-dtype {args.exp_avg_dtype} and --exp-avg-sq-dtype {args.exp_avg_sq_dtype}: Tessera "
+                     "prices Adam's two moments in one dtype; both are priced at the wider")
+    if args.fp8_param_gather and args.fp8_format:
+        configured.update(fp8_params=True, fp8_all_gather=True)
+    elif args.fp8_param_gather:
+        notes.append("--fp8-param-gather without --fp8-format: no FP8 weights to gather; left out")
+    return configured
+
+
+def _gradient_bytes(args: argparse.Namespace) -> int:
+    """Bytes of a gradient in Megatron-Core's buffer: ``grad_reduce_in_fp32`` is ``accumulate_allreduce_grads_in_fp32``,
+    which ``validate_args`` turns on for bf16 unless ``--grad-reduce-in-bf16`` or bf16 main gradients."""
+    if args.bf16 or args.fp8_format:
+        return 2 if args.grad_reduce_in_bf16 or args.main_grads_dtype == "bf16" else 4
+    if args.fp16:
+        return 4 if args.accumulate_allreduce_grads_in_fp32 else 2
+    return 4
 
 
 def _precision(args: argparse.Namespace) -> str:

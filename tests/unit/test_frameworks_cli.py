@@ -29,7 +29,7 @@ def test_plan_as_deepspeed_refuses_tensor_parallelism_in_one_line(capsys):
 def test_compare_baseline_from_megatron_equals_the_hand_written_baseline(capsys):
     flags = ("pretrain_gpt.py --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 2 "
              "--micro-batch-size 1 --global-batch-size 8 --seq-length 32 --recompute-granularity full "
-             "--recompute-method uniform --recompute-num-layers 1 --lr 1e-4")
+             "--recompute-method uniform --recompute-num-layers 1 --overlap-grad-reduce --lr 1e-4")
     code = main(["compare", *BASE, "--format", "json", "--baseline", "dp=1,tp=2,pp=2,zero=0,mbs=1,recompute=full,"
                  "sp=false,schedule=1f1b", "--baseline-from", "megatron", flags])
     captured = capsys.readouterr()

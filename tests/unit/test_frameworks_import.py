@@ -110,7 +110,7 @@ def test_megatron_expert_dispatch_and_overlap_pick_the_profile_that_prices_them(
     dispatcher is priced as alltoall and says so; flex without DeepEP is one line."""
     from tessera.cost_models.profiles import profile
 
-    base = "--expert-model-parallel-size 8 --micro-batch-size 1"
+    base = "--expert-model-parallel-size 8 --micro-batch-size 1 --overlap-grad-reduce"
     both = from_megatron(f"{base} --moe-token-dispatcher-type flex --moe-enable-deepep "
                          "--overlap-moe-expert-parallel-comm", world_size=16)
     assert both.profile == "megatron-deepep-ep-overlap"
@@ -123,7 +123,7 @@ def test_megatron_expert_dispatch_and_overlap_pick_the_profile_that_prices_them(
     assert default.profile == "megatron" and any("allgather" in note for note in default.notes)
     with pytest.raises(ConfigError, match="--moe-token-dispatcher-type flex needs --moe-enable-deepep"):
         from_megatron(f"{base} --moe-token-dispatcher-type flex", world_size=16)
-    dense = from_megatron("--micro-batch-size 1 --overlap-moe-expert-parallel-comm", world_size=16)
+    dense = from_megatron("--micro-batch-size 1 --overlap-grad-reduce --overlap-moe-expert-parallel-comm", world_size=16)
     assert dense.profile == "megatron"  # no experts: nothing to exchange
 
 
@@ -320,3 +320,32 @@ def test_megatron_recompute_modules_price_the_attention_core_and_name_the_rest()
     assert ignored.strategy.recompute == "none" and any("no effect" in note for note in ignored.notes)
     with pytest.raises(ConfigError, match="argument --recompute-modules: invalid choice: 'attention'"):
         from_megatron(f"{base} --recompute-modules attention", world_size=8)
+
+
+def test_megatron_flags_that_configure_the_framework_adjust_its_profile():
+    """Megatron-LM's defaults are not Megatron-Core's tuned recipes: data-parallel overlap is off unless asked for,
+    bf16 gradients are reduced in fp32, the precision-aware optimizer may keep bf16 moments. Each is read into the
+    profile the run is priced with (``megatron:field=value``), and the export asks for what the profile prices."""
+    from tessera.cost_models.profiles import profile
+
+    def imported(flags: str, world_size: int = 8):
+        return from_megatron(f"--micro-batch-size 1 --bf16 {flags}", world_size=world_size)
+
+    assert imported("--overlap-grad-reduce").profile == "megatron"
+    assert imported("").profile == "megatron:dp_overlap=false"
+    halfway = imported("--use-distributed-optimizer --overlap-grad-reduce")
+    assert halfway.profile == "megatron:dp_overlap=false" and any("--overlap-param-gather" in n for n in halfway.notes)
+    assert imported("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather").profile == "megatron"
+    tuned = imported("--overlap-grad-reduce --grad-reduce-in-bf16 --use-precision-aware-optimizer "
+                     "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16", world_size=8)
+    assert tuned.profile == "megatron:gradient_bytes=2,moment_bytes=2" and tuned.unread == ()
+    assert (profile(tuned.profile).gradient_bytes, profile(tuned.profile).moment_bytes) == (2, 2)
+    fp8 = imported("--overlap-grad-reduce --fp8-format e4m3 --fp8-param-gather --expert-model-parallel-size 8 "
+                   "--moe-token-dispatcher-type alltoall --overlap-moe-expert-parallel-comm", world_size=16)
+    assert fp8.profile == "megatron-ep-overlap:fp8_params=true,fp8_all_gather=true"
+    assert from_megatron("--micro-batch-size 1 --fp16 --overlap-grad-reduce", world_size=8).profile == \
+        "megatron:gradient_bytes=2"  # fp16's gradients stay fp16 unless --accumulate-allreduce-grads-in-fp32
+    for flags, message in [("--exp-avg-dtype bf16", "needs --use-precision-aware-optimizer"),
+                           ("--overlap-param-gather", "needs --overlap-grad-reduce")]:
+        with pytest.raises(ConfigError, match=message):
+            imported(flags)
