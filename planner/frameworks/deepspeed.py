@@ -85,8 +85,9 @@ def from_deepspeed(path: str, *, world_size: int) -> ImportedConfig:
     strategy = Strategy(dp=world_size, zero=zero if world_size > 1 else 0, micro_batch=micro, recompute=recompute)
     unread = [f"{key}={short(json.dumps(value), limit=60)}" for key, value in config.items() if key not in READ_KEYS]
     unread += [f"zero_optimization.{key}" for key in config.get("zero_optimization", {}) if key != "stage"]
-    notes = ["ZeRO-3 as DeepSpeed runs it gathers parameter by parameter (cost_models.profiles.DEEPSPEED); "
-             "tessera evaluate/compare estimate it with FSDP2's gathers (no profile= yet)"] if strategy.zero == 3 else []
+    notes = ["ZeRO-3 is priced as DeepSpeed ran it in SC'21's runs (cost_models.profiles.DEEPSPEED: parameter by "
+             "parameter within its 2021 default limits, its collectives 5x the ring's time as fitted there); this "
+             "config's zero_optimization settings are listed, not read"] if strategy.zero == 3 else []
     return ImportedConfig(framework="deepspeed", strategy=strategy, global_batch=global_batch, precision=precision,
                           unread=tuple(unread), notes=tuple(notes))
 

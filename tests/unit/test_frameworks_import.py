@@ -270,6 +270,10 @@ def test_deepspeed_config_reads_batch_zero_and_precision(tmp_path):
     assert config.strategy.to_string() == "dp=8,zero=2,mbs=8,recompute=none"
     assert (config.global_batch, config.precision) == (256, "bf16")
     assert config.unread == ('optimizer={"type": "AdamW"}', "zero_optimization.overlap_comm")
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}))
+    stage3 = import_config("deepspeed", str(path), world_size=8)
+    assert stage3.profile == "deepspeed" and PROFILES[stage3.profile].zero3_by_parameter is not None  # as its note says
+    assert any("cost_models.profiles.DEEPSPEED" in note for note in stage3.notes)
 
 
 @pytest.mark.parametrize("config, message", [
