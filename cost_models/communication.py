@@ -123,9 +123,10 @@ def gathered_weight_bytes(
     *, profile: ImplementationProfile = TESSERA,
 ) -> float:
     """Bytes an all-gather of ``params`` local parameters of ``stage`` moves: the compute dtype, or 1 byte for
-    the blocks' parameters where the framework all-gathers FP8 weights under ZeRO-3 (the root's stay bf16)."""
+    the blocks' parameters where the framework all-gathers FP8 weights (``gathers_fp8_weights``; the root's stay
+    bf16)."""
     width = compute_dtype_bytes(training)
-    if not profile.gathers_fp8(training, strategy):
+    if not profile.gathers_fp8_weights(training, strategy):
         return params * width
     local = local_params(stage, strategy)
     blocks_share = (local - root_params(stage, strategy)) / local if local else 0.0

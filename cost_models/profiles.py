@@ -327,6 +327,14 @@ class ImplementationProfile:
         return (self.fp8_all_gather and training.precision == "fp8" and training.fp8_scaling == "current"
                 and strategy.zero == 3 and (strategy.tp == 1 or self.fp8_all_gather_under_tp))
 
+    def gathers_fp8_weights(self, training: TrainingConfig, strategy: Strategy) -> bool:
+        """Whether the data-parallel all-gathers of the blocks' weights move FP8: ZeRO-3's (:meth:`gathers_fp8`), and,
+        where the weights are FP8 themselves (``fp8_params``), ZeRO-1/2's gather of the updated weights after the
+        step (Megatron-Core's parameter buffer for FP8 weights is ``uint8``: ``distributed_data_parallel.py``)."""
+        if self.fp8_params and training.precision == "fp8" and strategy.zero in (1, 2):
+            return True
+        return self.gathers_fp8(training, strategy)
+
 
 SELECTIVE_POLICIES = ("attention", "op", "matmuls")
 """What ``recompute=selective`` can mean (``ImplementationProfile.selective_policy``)."""
@@ -459,7 +467,7 @@ PROFILES = {p.name: p for p in (TESSERA, TORCHTITAN, TORCHTITAN_COMPILED, TORCHT
 
 
 ADJUSTABLE: dict[str, tuple[object, ...]] = {
-    "dp_overlap": (True, False), "gradient_bytes": (2, 4), "master_bytes": (2, 4), "moment_bytes": (1, 2, 4),
+    "dp_overlap": (True, False), "gradient_bytes": (2, 4), "master_bytes": (2, 4), "moment_bytes": (2, 4),
     "fp8_params": (True, False), "fp8_all_gather": (True, False),
 }
 """The behaviours a framework's own configuration sets for one run, and their values: a profile adjusted so is named

@@ -354,47 +354,79 @@ def _variant(exchange: str | None, configured: dict[str, object]) -> str | None:
 
 
 def _configured(args: argparse.Namespace, *, zero: int, notes: list[str]) -> dict[str, object]:
-    """The behaviours of ``profiles.ADJUSTABLE`` the arguments set, as Megatron-LM's ``validate_args`` derives them:
-    data-parallel overlap (``--overlap-grad-reduce``, and ``--overlap-param-gather`` under the distributed optimizer);
-    the gradient buffer's dtype (fp32 for bf16 unless ``--grad-reduce-in-bf16`` or bf16 main gradients; fp16's own
-    unless ``--accumulate-allreduce-grads-in-fp32``); the precision-aware optimizer's master weights and moments; FP8
-    weights gathered in FP8 (``--fp8-param-gather``)."""
-    aware = ("--main-grads-dtype", args.main_grads_dtype, "fp32"), ("--main-params-dtype", args.main_params_dtype, "fp32"), \
-        ("--exp-avg-dtype", args.exp_avg_dtype, "fp32"), ("--exp-avg-sq-dtype", args.exp_avg_sq_dtype, "fp32")
-    lowered = [f"{flag} {value}" for flag, value, default in aware if value != default]
-    if lowered and not args.use_precision_aware_optimizer:
-        raise ConfigError(f"{lowered[0]} needs --use-precision-aware-optimizer (Megatron-LM asserts it); add it")
-    if args.overlap_param_gather and not args.overlap_grad_reduce:
-        raise ConfigError("--overlap-param-gather needs --overlap-grad-reduce (Megatron-LM asserts it); add it")
+    """The behaviours of ``profiles.ADJUSTABLE`` the arguments set, as Megatron-LM derives them (each checked as it
+    checks it): data-parallel overlap (``--overlap-grad-reduce``, and ``--overlap-param-gather`` where the weights are
+    gathered after the step); the gradient buffer's dtype; the precision-aware optimizer's master weights and moments;
+    FP8 weights gathered in FP8 (``--fp8-param-gather``)."""
+    _check_optimizer_flags(args, zero=zero)
     gathers_params = 1 <= zero <= 2  # the distributed optimizer's (and optim_grads') gather of updated weights
     if args.overlap_grad_reduce and gathers_params and not args.overlap_param_gather:
         notes.append("--overlap-grad-reduce without --overlap-param-gather: the weights' all-gather runs after the "
                      "optimizer step; priced with no data-parallel overlap (Tessera overlaps both or neither)")
-    configured: dict[str, object] = {
-        "gradient_bytes": _gradient_bytes(args),
-        "master_bytes": 2 if args.main_params_dtype == "fp16" else 4,
-        "moment_bytes": max(STATE_BYTES[args.exp_avg_dtype], STATE_BYTES[args.exp_avg_sq_dtype]),
-    }
+    moments = max(STATE_BYTES[args.exp_avg_dtype], STATE_BYTES[args.exp_avg_sq_dtype])
+    if args.exp_avg_dtype != args.exp_avg_sq_dtype or moments < 2:
+        notes.append(f"--exp-avg-dtype {args.exp_avg_dtype} --exp-avg-sq-dtype {args.exp_avg_sq_dtype}: Tessera prices "
+                     "Adam's two moments in one dtype of 2 or 4 bytes; both are priced at "
+                     f"{max(moments, 2)} bytes")
+    configured: dict[str, object] = {"gradient_bytes": _gradient_bytes(args), "master_bytes": _master_bytes(args),
+                                     "moment_bytes": max(moments, 2)}
     if zero < 3:  # ZeRO-3's gathers and reduce-scatters are priced overlapped, as every FSDP prefetches them
         configured["dp_overlap"] = args.overlap_grad_reduce and (args.overlap_param_gather or not gathers_params)
-    if args.exp_avg_dtype != args.exp_avg_sq_dtype:
-        notes.append(f"--exp-avg-dtype {args.exp_avg_dtype} and --exp-avg-sq-dtype {args.exp_avg_sq_dtype}: Tessera "
-                     "prices Adam's two moments in one dtype; both are priced at the wider")
-    if args.fp8_param_gather and args.fp8_format:
+    if args.fp8_param_gather and args.use_torch_fsdp2:
+        notes.append("--fp8-param-gather under --use-torch-fsdp2: Megatron-LM turns it off (Transformer Engine 2.0 "
+                     "and later) and gathers bf16 weights; left out")
+    elif args.fp8_param_gather and args.fp8_format:
         configured.update(fp8_params=True, fp8_all_gather=True)
     elif args.fp8_param_gather:
         notes.append("--fp8-param-gather without --fp8-format: no FP8 weights to gather; left out")
     return configured
 
 
+def _check_optimizer_flags(args: argparse.Namespace, *, zero: int) -> None:
+    """What Megatron-LM (``validate_args``, ``OptimizerConfig``, ``MegatronFSDP``) asserts of the flags
+    :func:`_configured` reads, one ``ConfigError`` each."""
+    aware = ("--main-grads-dtype", args.main_grads_dtype), ("--main-params-dtype", args.main_params_dtype), \
+        ("--exp-avg-dtype", args.exp_avg_dtype), ("--exp-avg-sq-dtype", args.exp_avg_sq_dtype)
+    lowered = [f"{flag} {value}" for flag, value in aware if value != "fp32"]
+    rules = [
+        (bool(lowered) and not args.use_precision_aware_optimizer,
+         f"{lowered[0] if lowered else ''} needs --use-precision-aware-optimizer"),
+        (args.use_precision_aware_optimizer and not args.use_distributed_optimizer,
+         "--use-precision-aware-optimizer needs --use-distributed-optimizer"),
+        (args.accumulate_allreduce_grads_in_fp32 and args.main_grads_dtype != "fp32",
+         "--accumulate-allreduce-grads-in-fp32 needs --main-grads-dtype fp32"),
+        (args.overlap_param_gather and not args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce"),
+        (args.fp8_param_gather and zero == 0, "--fp8-param-gather needs --use-distributed-optimizer or an FSDP"),
+        ((args.use_megatron_fsdp or args.use_custom_fsdp) and args.data_parallel_sharding_strategy == "optim_grads"
+         and not args.overlap_grad_reduce, "Megatron-FSDP's optim_grads sharding needs --overlap-grad-reduce"),
+    ]
+    for broken, message in rules:
+        if broken:
+            raise ConfigError(f"{message} (Megatron-LM asserts it); fix the arguments")
+
+
 def _gradient_bytes(args: argparse.Namespace) -> int:
-    """Bytes of a gradient in Megatron-Core's buffer: ``grad_reduce_in_fp32`` is ``accumulate_allreduce_grads_in_fp32``,
-    which ``validate_args`` turns on for bf16 unless ``--grad-reduce-in-bf16`` or bf16 main gradients."""
-    if args.bf16 or args.fp8_format:
-        return 2 if args.grad_reduce_in_bf16 or args.main_grads_dtype == "bf16" else 4
+    """Bytes of a gradient in Megatron-Core's buffer (``grad_reduce_in_fp32`` is ``accumulate_allreduce_grads_in_fp32``):
+    fp16's own unless ``--accumulate-allreduce-grads-in-fp32``; for bf16, fp32 (``validate_args`` turns it on) unless
+    ``--grad-reduce-in-bf16`` or bf16 main gradients; fp32 parameters' otherwise."""
     if args.fp16:
         return 4 if args.accumulate_allreduce_grads_in_fp32 else 2
+    if args.bf16:
+        return 2 if args.grad_reduce_in_bf16 or args.main_grads_dtype == "bf16" else 4
     return 4
+
+
+def _master_bytes(args: argparse.Namespace) -> int:
+    """Bytes of a master weight: fp32, except where the precision-aware optimizer keeps them itself (its
+    ``use_precision_aware_optimizer_no_fp8_or_ds_fp8``: no FP8, delayed scaling, or lower main params): then 16-bit
+    remainders beside bf16 weights (``store_param_remainders``, on by default from Transformer Engine 2.1;
+    ``distrib_optimizer.py``), else ``--main-params-dtype``."""
+    recipe = args.fp8_recipe if args.fp8_format else None
+    keeps_them = args.use_precision_aware_optimizer and (
+        args.main_params_dtype != "fp32" or recipe in (None, "delayed"))
+    if not keeps_them:
+        return 4
+    return 2 if args.bf16 or args.main_params_dtype == "fp16" else 4
 
 
 def _precision(args: argparse.Namespace) -> str:
@@ -558,6 +590,9 @@ def _offloaded(args: argparse.Namespace, block_recompute: tuple[str, ...], *, ch
 
 def _recompute(args: argparse.Namespace, *, chunks: list[int]) -> tuple[str, tuple[str, ...], list[str]]:
     """(recompute, block_recompute, notes) of the recomputation arguments."""
+    if args.moe_layer_recompute and args.recompute_granularity == "full":
+        raise ConfigError("--moe-layer-recompute with --recompute-granularity full (Megatron-LM refuses it); use "
+                          "--recompute-granularity selective --recompute-modules moe")
     granularity = args.recompute_granularity or (
         "selective" if args.recompute_activations or args.moe_layer_recompute else None)
     if granularity == "selective":

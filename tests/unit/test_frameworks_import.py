@@ -43,6 +43,7 @@ def test_megatron_features_map_to_strategy_fields():
     text = ("--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --context-parallel-size 2 "
             "--expert-model-parallel-size 2 --sequence-parallel --tp-comm-overlap --num-layers 8 --micro-batch-size 2 "
             "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --use-distributed-optimizer "
+            "--overlap-grad-reduce "
             "--pipeline-model-parallel-layout Et*3|t*5L --recompute-granularity selective --bf16")
     s = from_megatron(text, world_size=64).strategy
     assert (s.dp, s.tp, s.pp, s.cp, s.ep, s.zero, s.micro_batch) == (4, 4, 2, 2, 2, 2, 2)
@@ -340,16 +341,41 @@ def test_megatron_flags_that_configure_the_framework_adjust_its_profile():
     halfway = imported("--use-distributed-optimizer --overlap-grad-reduce")
     assert halfway.profile == "megatron:dp_overlap=false" and any("--overlap-param-gather" in n for n in halfway.notes)
     assert imported("--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather").profile == "megatron"
-    tuned = imported("--overlap-grad-reduce --grad-reduce-in-bf16 --use-precision-aware-optimizer "
-                     "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16", world_size=8)
-    assert tuned.profile == "megatron:gradient_bytes=2,moment_bytes=2" and tuned.unread == ()
+    optimizer = "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"
+    tuned = imported(f"{optimizer} --grad-reduce-in-bf16 --use-precision-aware-optimizer "
+                     "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16")
+    # bf16 weights: the precision-aware optimizer keeps 16-bit remainders of the fp32 masters (store_param_remainders)
+    assert tuned.profile == "megatron:gradient_bytes=2,master_bytes=2,moment_bytes=2" and tuned.unread == ()
     assert (profile(tuned.profile).gradient_bytes, profile(tuned.profile).moment_bytes) == (2, 2)
-    fp8 = imported("--overlap-grad-reduce --fp8-format e4m3 --fp8-param-gather --expert-model-parallel-size 8 "
+    assert imported(f"{optimizer} --use-precision-aware-optimizer --main-grads-dtype bf16").profile == \
+        "megatron:gradient_bytes=2,master_bytes=2"
+    fp8_masters = imported(f"{optimizer} --use-precision-aware-optimizer --fp8-format e4m3 --fp8-recipe tensorwise")
+    assert fp8_masters.profile == "megatron"  # under FP8 other than delayed scaling it keeps fp32 masters
+    fp8_moments = imported(f"{optimizer} --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8")
+    assert "moment_bytes=2" in fp8_moments.profile and any("priced at 2 bytes" in n for n in fp8_moments.notes)
+    profile(fp8_moments.profile)  # a profile the cost model takes
+    fp8 = imported(f"{optimizer} --fp8-format e4m3 --fp8-param-gather --expert-model-parallel-size 8 "
                    "--moe-token-dispatcher-type alltoall --overlap-moe-expert-parallel-comm", world_size=16)
     assert fp8.profile == "megatron-ep-overlap:fp8_params=true,fp8_all_gather=true"
+    fsdp2 = from_megatron("--micro-batch-size 1 --bf16 --use-torch-fsdp2 --fp8-format e4m3 --fp8-param-gather",
+                          world_size=8)
+    assert "fp8_params" not in fsdp2.profile and any("turns it off" in note for note in fsdp2.notes)
     assert from_megatron("--micro-batch-size 1 --fp16 --overlap-grad-reduce", world_size=8).profile == \
         "megatron:gradient_bytes=2"  # fp16's gradients stay fp16 unless --accumulate-allreduce-grads-in-fp32
+    assert from_megatron("--micro-batch-size 1 --fp16 --fp8-format hybrid --overlap-grad-reduce",
+                         world_size=8).profile == "megatron:gradient_bytes=2"
+    assert from_megatron("--micro-batch-size 1 --fp8-format hybrid --grad-reduce-in-bf16 --overlap-grad-reduce",
+                         world_size=8).profile == "megatron"  # fp32 weights: no bf16 gradients to reduce
+    fsdp = "--use-distributed-optimizer --use-megatron-fsdp --data-parallel-sharding-strategy"
+    assert "dp_overlap" not in imported(f"{fsdp} optim_grads_params").profile  # FSDP overlaps its own
     for flags, message in [("--exp-avg-dtype bf16", "needs --use-precision-aware-optimizer"),
-                           ("--overlap-param-gather", "needs --overlap-grad-reduce")]:
+                           ("--overlap-param-gather", "needs --overlap-grad-reduce"),
+                           ("--use-precision-aware-optimizer", "needs --use-distributed-optimizer"),
+                           ("--accumulate-allreduce-grads-in-fp32 --use-distributed-optimizer "
+                            "--use-precision-aware-optimizer --main-grads-dtype bf16", "needs --main-grads-dtype fp32"),
+                           ("--fp8-format e4m3 --fp8-param-gather", "needs --use-distributed-optimizer or an FSDP"),
+                           (f"{fsdp} optim_grads", "optim_grads sharding needs --overlap-grad-reduce"),
+                           ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+                            "--moe-layer-recompute", "Megatron-LM refuses it")]:
         with pytest.raises(ConfigError, match=message):
             imported(flags)
