@@ -22,6 +22,7 @@ from tessera.cost_models.profiles import (
     AUTOMODEL, AUTOMODEL_MOE, DEEPSPEED, MEGATRON, MEGATRON_2021, MEGATRON_BRIDGE, NEMO_2024, PYTORCH_FSDP_TE, TORCHTITAN_2024,
     ImplementationProfile,
 )
+from tessera.planner.frameworks.megatron import even_split
 
 HERE = Path(__file__).resolve().parent
 MEGATRON_FIELDS_FILE = "published_runs.yaml"  # the shared set's own field names (``_megatron_pins``)
@@ -283,11 +284,11 @@ def split_counting_embedding_and_loss(run: dict) -> tuple[int, ...]:
     the embedding and one block fewer, the last the loss and one block fewer."""
     par, layers = run["parallel"], run["model"]["layers"]
     chunks = par["pp"] * (par.get("virtual_pipeline") or 1)
-    per_chunk, left = divmod(layers + 2, chunks)
-    if chunks < 2 or left or per_chunk < 2:
+    sizes = even_split(layers, chunks, embedding=True, loss=True) if chunks >= 2 else None
+    if sizes is None:
         raise ValueError(f"{run['id']}: {layers} blocks with the embedding and the loss do not split evenly into "
                          f"{chunks} pipeline chunks of two or more")
-    return (per_chunk - 1,) + (per_chunk,) * (chunks - 2) + (per_chunk - 1,)
+    return tuple(sizes)
 
 
 def _megatron_pins(run: dict) -> dict[str, object]:

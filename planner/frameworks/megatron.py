@@ -11,7 +11,9 @@ What the arguments express, and the nearest setting where they cannot:
   (``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads|optim_grads_params``).
 - Pipeline chunks: ``--num-virtual-stages-per-pipeline-rank V``; uneven chunks are a
   ``--pipeline-model-parallel-layout`` (``E`` embedding, ``t`` a block, ``L`` the loss, ``|`` between chunks, chunk
-  ``c`` on pipeline rank ``c % pp``). Megatron-LM has no GPipe nor zero-bubble schedule: nearest is 1F1B.
+  ``c`` on pipeline rank ``c % pp``); read back, ``--account-for-embedding-in-pipeline-split`` and
+  ``--account-for-loss-in-pipeline-split`` split the blocks with those layers counted (:func:`even_split`).
+  Megatron-LM has no GPipe nor zero-bubble schedule: nearest is 1F1B.
 - Recomputation is one setting for every block: ``selective``, ``full`` (``uniform`` of 1 layer), or the first
   ``k`` blocks of every chunk in full (``block`` method). A per-block mix that is none of these is rendered as the
   ``block`` method with ``k`` = the most full blocks of any chunk (selective blocks then recompute nothing).
@@ -269,7 +271,8 @@ def megatron_parser() -> argparse.ArgumentParser:
                  "--use-custom-fsdp", "--use-torch-fsdp2", "--recompute-activations", "--cpu-offloading", "--bf16",
                  "--fp16", "--moe-enable-deepep", "--overlap-moe-expert-parallel-comm", "--moe-layer-recompute",
                  "--overlap-grad-reduce", "--overlap-param-gather", "--grad-reduce-in-bf16",
-                 "--accumulate-allreduce-grads-in-fp32", "--use-precision-aware-optimizer", "--fp8-param-gather"):
+                 "--accumulate-allreduce-grads-in-fp32", "--use-precision-aware-optimizer", "--fp8-param-gather",
+                 "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"):
         parser.add_argument(flag, action="store_true")
     return parser
 
@@ -492,6 +495,11 @@ def _chunks(args: argparse.Namespace, *, pp: int) -> tuple[list[int], int]:
         raise ConfigError("Megatron-LM arguments: give one of --num-layers-per-virtual-pipeline-stage, "
                           "--num-virtual-stages-per-pipeline-rank, --pipeline-model-parallel-layout (Megatron-LM asserts it)")
     layers = args.num_layers
+    counted = _counted_in_split(args)
+    if any(counted) and (args.pipeline_model_parallel_layout is not None or args.decoder_first_pipeline_num_layers is not None
+                    or args.decoder_last_pipeline_num_layers is not None):
+        raise ConfigError("--account-for-embedding/loss-in-pipeline-split with a layout or "
+                          "--decoder-first/last-pipeline-num-layers (Megatron-LM refuses both); keep one")
     if args.pipeline_model_parallel_layout is not None:
         chunks = parse_layout(args.pipeline_model_parallel_layout, pp=pp)
         if layers is not None and sum(chunks) != layers:
@@ -500,7 +508,7 @@ def _chunks(args: argparse.Namespace, *, pp: int) -> tuple[list[int], int]:
         return chunks, len(chunks) // pp
     virtual = args.num_virtual_stages_per_pipeline_rank or 1
     if args.num_layers_per_virtual_pipeline_stage is not None:
-        per_stage = _need_layers(layers, "--num-layers-per-virtual-pipeline-stage") / pp
+        per_stage = (_need_layers(layers, "--num-layers-per-virtual-pipeline-stage") + sum(counted)) / pp
         virtual = per_stage / args.num_layers_per_virtual_pipeline_stage
         if not virtual.is_integer():
             raise ConfigError(f"--num-layers {layers} over --pipeline-model-parallel-size {pp} is not a multiple of "
@@ -511,6 +519,27 @@ def _chunks(args: argparse.Namespace, *, pp: int) -> tuple[list[int], int]:
     return _even_chunks(args, layers=layers, pp=pp, virtual=virtual), virtual
 
 
+def even_split(layers: int, chunks: int, *, embedding: bool = False, loss: bool = False) -> list[int] | None:
+    """Blocks per pipeline chunk as Megatron-Core splits ``layers`` evenly over ``chunks``, the embedding and the loss
+    each counted as a layer where asked (``account_for_embedding_in_pipeline_split``, ``..._loss_...``): the first
+    chunk holds the embedding in a block's place, the last the loss. None where that split is not even or leaves a
+    chunk without a block."""
+    split = layers + embedding + loss
+    if split % chunks or split // chunks <= max(embedding, loss):
+        return None
+    sizes = [split // chunks] * chunks
+    sizes[0] -= embedding
+    sizes[-1] -= loss
+    return sizes
+
+
+def _counted_in_split(args: argparse.Namespace) -> tuple[int, int]:
+    """Whether the embedding and the loss each count as a layer of the pipeline split
+    (``--account-for-embedding-in-pipeline-split``, ``--account-for-loss-in-pipeline-split``: ``TransformerBlock``'s
+    ``get_num_layers_to_build`` takes one block off the first chunk, and one off the last)."""
+    return int(args.account_for_embedding_in_pipeline_split), int(args.account_for_loss_in_pipeline_split)
+
+
 def _even_chunks(args: argparse.Namespace, *, layers: int | None, pp: int, virtual: int) -> list[int]:
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     if layers is None:
@@ -518,10 +547,14 @@ def _even_chunks(args: argparse.Namespace, *, layers: int | None, pp: int, virtu
             _need_layers(None, "--decoder-first/last-pipeline-num-layers")
         return []
     if first is None and last is None:
-        if layers % (pp * virtual):
-            raise ConfigError(f"--num-layers {layers} is not divisible by pp x virtual stages = {pp * virtual}; give "
-                              "a --pipeline-model-parallel-layout for an uneven split")
-        return [layers // (pp * virtual)] * (pp * virtual)
+        embedding, loss = _counted_in_split(args)
+        chunks = even_split(layers, pp * virtual, embedding=embedding, loss=loss)
+        if chunks is None:
+            counted = " with the embedding and the loss counted" if embedding or loss else ""
+            raise ConfigError(f"--num-layers {layers}{counted} is not divisible by pp x virtual stages = "
+                              f"{pp * virtual} (into chunks of one block or more); give a "
+                              "--pipeline-model-parallel-layout for an uneven split")
+        return chunks
     if virtual > 1:
         raise NotModelledError("--decoder-first/last-pipeline-num-layers with virtual stages: Tessera reads uneven "
                                "interleaved stages from --pipeline-model-parallel-layout; write the layout instead")

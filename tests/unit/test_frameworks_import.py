@@ -379,3 +379,24 @@ def test_megatron_flags_that_configure_the_framework_adjust_its_profile():
                             "--moe-layer-recompute", "Megatron-LM refuses it")]:
         with pytest.raises(ConfigError, match=message):
             imported(flags)
+
+
+def test_megatron_counts_the_embedding_and_the_loss_in_the_pipeline_split_where_asked():
+    """``--account-for-embedding-in-pipeline-split`` and ``--account-for-loss-in-pipeline-split`` (Megatron-Core's
+    ``get_num_layers_to_build``): the split is of the blocks plus those layers, the first chunk one block short, the
+    last one short. Llama 3.1 405B as Megatron-Bridge's recipe runs it: 126 blocks over PP 8 x VP 8, 1 + 62 x 2 + 1."""
+    both = "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split"
+    llama = from_megatron(f"--pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 8 --num-layers 126 "
+                          f"--micro-batch-size 1 {both}", world_size=64)
+    assert llama.strategy.chunk_blocks == (1, *[2] * 62, 1) and llama.unread == ()
+    plain = from_megatron("--pipeline-model-parallel-size 4 --num-layers 31 --micro-batch-size 1 "
+                          "--account-for-embedding-in-pipeline-split", world_size=8)
+    assert plain.strategy.chunk_blocks == (7, 8, 8, 8)
+    per_stage = from_megatron(f"--pipeline-model-parallel-size 2 --num-layers 6 --num-layers-per-virtual-pipeline-stage 2 "
+                              f"--micro-batch-size 1 {both}", world_size=8)
+    assert per_stage.strategy.chunk_blocks == (1, 2, 2, 1) and per_stage.strategy.virtual_stages == 2
+    for flags, message in [(f"--pipeline-model-parallel-size 4 --num-layers 30 {both.split()[0]}", "not divisible"),
+                           (f"--pipeline-model-parallel-size 2 --num-layers 8 --decoder-first-pipeline-num-layers 3 "
+                            f"{both}", "Megatron-LM refuses both")]:
+        with pytest.raises(ConfigError, match=message):
+            from_megatron(f"{flags} --micro-batch-size 1", world_size=8)
