@@ -188,6 +188,7 @@ def _prepare(
         global_batch=global_batch, seq_len=seq_len, precision=precision or default_precision(resolved),
         **({"fp8_scaling": fp8_scaling} if fp8_scaling is not None else {}),
     )
+    _check_fp8_scaling(resolved, training)
     dtype = DTYPES[training.precision]
     graph = (
         capture_preset(model, seq_len=seq_len, dtype=dtype, expert_capacity_factor=expert_capacity_factor, tp_plan=tp_plan)
@@ -195,6 +196,14 @@ def _prepare(
         else capture(model, seq_len=seq_len, dtype=dtype, expert_capacity_factor=expert_capacity_factor, tp_plan=tp_plan)
     )
     return graph, resolved, training
+
+
+def _check_fp8_scaling(cluster: Cluster, training: TrainingConfig) -> None:
+    """Refuse an FP8 scaling the cluster's devices do not run (``DeviceSpec.fp8_scalings``: MXFP8 needs Blackwell)."""
+    runs = cluster.device.fp8_scalings
+    if training.precision == "fp8" and runs is not None and training.fp8_scaling not in runs:
+        raise ConfigError(f"fp8_scaling={training.fp8_scaling}: {cluster.device.name} runs {', '.join(runs)} "
+                          "(MXFP8 needs Blackwell tensor cores); pick one of them or another cluster")
 
 
 def _check_fp8_runs(model: nn.Module | str, graph: LayerGraph, training: TrainingConfig) -> None:

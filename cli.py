@@ -103,7 +103,7 @@ def _workload(args: argparse.Namespace, *strategies: str | None, imported: Seque
                           f"{global_batch:,} sequences, past Tessera's bound of {MAX_GLOBAL_BATCH:,}; pass --global-batch")
     return dict(
         model=args.model, cluster=cluster, global_batch=global_batch, seq_len=given["seq_len"] or DEFAULT_SEQ_LEN,
-        precision=given["precision"], expert_capacity_factor=args.expert_capacity, fp8_scaling=args.fp8_scaling,
+        precision=given["precision"], expert_capacity_factor=args.expert_capacity, fp8_scaling=given["fp8_scaling"],
     )
 
 

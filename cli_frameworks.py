@@ -23,7 +23,8 @@ FROM_HELP = {
                   "never run; values must be literals), or a .json dump (debug.save_config_file) / .toml file",
     "deepspeed": "a DeepSpeed JSON config (ZeRO data parallelism)",
 }
-TRAINING_OPTIONS = {"global_batch": "--global-batch", "seq_len": "--seq-len", "precision": "--precision"}
+TRAINING_OPTIONS = {"global_batch": "--global-batch", "seq_len": "--seq-len", "precision": "--precision",
+                    "fp8_scaling": "--fp8-scaling"}
 """Workload fields an imported config may state -> the option that sets them."""
 
 
@@ -45,8 +46,8 @@ def from_sources(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def training_from(args: argparse.Namespace, imported: Sequence) -> dict:
-    """Global batch, sequence length and precision: the options given, else what the imported configs state; a
-    config that disagrees with an option or with another config is refused (one workload is compared)."""
+    """Global batch, sequence length, precision and FP8 scaling: the options given, else what the imported configs
+    state; a config that disagrees with an option or with another config is refused (one workload is compared)."""
     from tessera.errors import ConfigError
     from tessera.planner.frameworks.common import FRAMEWORK_NAMES
 

@@ -55,6 +55,11 @@ def _valid_link(pair: tuple[float, float]) -> bool:
     return latency >= 0 and bandwidth > 0
 
 
+FP8_SCALINGS = ("delayed", "current", "rowwise", "block", "mx")
+"""The FP8 scaling recipes Tessera prices (``cost_models.types.Fp8Scaling`` names the same), which a device's
+``fp8_scalings`` chooses from."""
+
+
 class DeviceSpec(BaseModel):
     """One accelerator (or CPU socket share) as the cost model sees it."""
 
@@ -104,6 +109,9 @@ class DeviceSpec(BaseModel):
     snapshot_swap_bytes_per_s: float | None = Field(default=None, gt=0)
     """Bytes per second of the swap with a buddy rank on top of that work (sent and received into a store file),
     every rank at once; ``None`` where not measured (one rank)."""
+    fp8_scalings: tuple[str, ...] | None = None
+    """The FP8 scaling recipes the part's tensor cores run (``TrainingConfig.fp8_scaling``: MXFP8 needs Blackwell);
+    ``None`` where the catalog or cluster file does not say (none is refused)."""
     source: str
     """Where every number above comes from (datasheet, paper table, or a measurement command)."""
 

@@ -21,7 +21,7 @@ import yaml
 from pydantic import ValidationError
 
 from tessera.errors import ClusterSpecError
-from tessera.topology.cluster import DeviceSpec
+from tessera.topology.cluster import FP8_SCALINGS, DeviceSpec
 from tessera.topology.validation import file_number, file_value, first_problem, quoted, short
 
 GB = 10**9
@@ -33,7 +33,7 @@ LOCAL_CPU = "local-cpu"
 DEVICE_FIELDS = (
     "name", "peak_tflops", "memory_gib", "memory_gb", "memory_bandwidth_tb_per_s",
     "memory_bandwidth_gb_per_s", "scale_up_gb_per_s", "host_gb_per_s", "solo_speedup", "linear_overhead_ms", "fsdp_comm_slowdown",
-    "tp_compute_slowdown", "snapshot_fixed_ms", "snapshot_gb_per_s", "snapshot_swap_gb_per_s", "source",
+    "tp_compute_slowdown", "snapshot_fixed_ms", "snapshot_gb_per_s", "snapshot_swap_gb_per_s", "fp8_scalings", "source",
 )
 
 DEVICE_RENAMES = {"peak_flops_by_dtype": "peak_tflops", "memory_bandwidth_bytes_per_s": "memory_bandwidth (bytes/s)",
@@ -106,8 +106,21 @@ def _device_fields(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
         ),
         snapshot_bytes_per_s=_optional_gb_per_s(raw, "snapshot_gb_per_s", where=where),
         snapshot_swap_bytes_per_s=_optional_gb_per_s(raw, "snapshot_swap_gb_per_s", where=where),
+        fp8_scalings=_fp8_scalings(raw.get("fp8_scalings"), where=f"{where}: field 'fp8_scalings'"),
         source=str(raw["source"]),
     )
+
+
+def _fp8_scalings(raw: Any, *, where: str) -> tuple[str, ...] | None:
+    """The FP8 scaling recipes a part runs, each one Tessera prices (``None`` when the field is absent)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(item, str) for item in raw):
+        raise ClusterSpecError(f"{where} must be a list of scalings, e.g. [delayed, current]")
+    unknown = [item for item in raw if item not in FP8_SCALINGS]
+    if unknown:
+        raise ClusterSpecError(f"{where}: {quoted(unknown[0])} is not a scaling; known: {', '.join(FP8_SCALINGS)}")
+    return tuple(raw)
 
 
 def _optional_gb_per_s(raw: dict[str, Any], field: str, *, where: str) -> float | None:
@@ -158,6 +171,8 @@ def device_to_raw(spec: DeviceSpec) -> dict[str, Any]:
         raw["snapshot_gb_per_s"] = file_value(spec.snapshot_bytes_per_s / 1e9, positive=True)
     if spec.snapshot_swap_bytes_per_s is not None:
         raw["snapshot_swap_gb_per_s"] = file_value(spec.snapshot_swap_bytes_per_s / 1e9, positive=True)
+    if spec.fp8_scalings is not None:
+        raw["fp8_scalings"] = list(spec.fp8_scalings)
     raw["source"] = spec.source
     return raw
 

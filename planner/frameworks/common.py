@@ -90,7 +90,9 @@ class ImportedConfig(_FrameworkRecord):
     seq_len: int | None = None
     """Tokens per sequence the configuration states."""
     precision: str | None = None
-    """``bf16``/``fp16``/``fp32`` as the configuration states it."""
+    """``bf16``/``fp16``/``fp32``/``fp8`` as the configuration states it."""
+    fp8_scaling: str | None = None
+    """Under FP8, the scaling recipe the configuration states (``TrainingConfig.fp8_scaling``)."""
     unread: tuple[str, ...] = ()
     """Flags or fields Tessera does not read (listed so nothing is silently ignored)."""
     notes: tuple[str, ...] = ()

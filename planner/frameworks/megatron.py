@@ -66,6 +66,8 @@ MAX_LAYOUT_CHARS = 1 << 16
 """Longest ``--pipeline-model-parallel-layout`` read, before and after its repetitions are expanded."""
 STATE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 """The precision-aware optimizer's state dtypes (``--exp-avg-dtype``, ``--exp-avg-sq-dtype``) and their bytes."""
+FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise", "block": "blockwise", "mx": "mxfp8"}
+"""Tessera's FP8 scalings (``TrainingConfig.fp8_scaling``) -> Megatron-LM's ``--fp8-recipe`` (rowwise has none)."""
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 """``--recompute-modules``' choices at ``MEGATRON_VERSION`` (``TransformerConfig``'s allowed modules)."""
 
@@ -123,7 +125,7 @@ def _precision_args(t) -> tuple[list[str], list[str]]:
     """Megatron-LM's precision flags for ``t`` (a ``TrainingConfig``); FP8 is Transformer Engine's recipe."""
     if t.precision != "fp8":
         return {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[t.precision], []
-    recipe = {"delayed": "delayed", "current": "tensorwise", "block": "blockwise", "mx": "mxfp8"}.get(t.fp8_scaling)
+    recipe = FP8_RECIPES.get(t.fp8_scaling)
     notes = [] if recipe else [f"fp8 scaling {t.fp8_scaling}: Megatron-LM has no such recipe; nearest is tensorwise"]
     return ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", recipe or "tensorwise"], notes
 
@@ -260,7 +262,7 @@ def megatron_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-parallel-sharding-strategy", choices=tuple(SHARDING), default="no_shard")
     parser.add_argument("--ckpt-format", type=str, default="torch_dist")
     parser.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None)
-    parser.add_argument("--fp8-recipe", choices=("tensorwise", "delayed", "mxfp8", "blockwise"), default="delayed")
+    parser.add_argument("--fp8-recipe", choices=tuple(FP8_RECIPES.values()), default="delayed")
     parser.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
     parser.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "flex"), default="allgather")
     parser.add_argument("--main-grads-dtype", choices=("fp32", "bf16"), default="fp32")
@@ -298,9 +300,6 @@ def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
         chunks = [*chunks[:-1], chunks[-1] + mtp]  # the modules run after the last block, in the last chunk
     recompute, block_recompute, notes = _recompute(args, chunks=chunks)
     block_recompute = _offloaded(args, block_recompute, chunks=chunks, pp=pp) if args.cpu_offloading else block_recompute
-    if args.fp8_format and args.fp8_recipe != "tensorwise":
-        notes.append(f"--fp8-recipe {args.fp8_recipe}: the command line estimates FP8 with current (tensorwise) "
-                     "scaling; tessera.cost_models takes TrainingConfig(fp8_scaling=...) for the recipe's own")
     strategy = Strategy(
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=_zero(args), micro_batch=args.micro_batch_size, recompute=recompute,
         block_recompute=block_recompute, sp=args.sequence_parallel and tp > 1, sp_regather=args.sequence_parallel and tp > 1,
@@ -311,6 +310,7 @@ def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
     return ImportedConfig(
         framework="megatron", strategy=canonical(strategy), global_batch=args.global_batch_size or args.micro_batch_size * dp,
         seq_len=args.seq_length, precision=_precision(args),
+        fp8_scaling={recipe: scaling for scaling, recipe in FP8_RECIPES.items()}[args.fp8_recipe] if args.fp8_format else None,
         variant=_variant(_expert_exchange(args, ep=ep, notes=notes), _configured(args, zero=strategy.zero, notes=notes)),
         unread=tuple(unread), notes=tuple(notes), mtp_layers=mtp,
     )

@@ -132,3 +132,23 @@ def test_evaluate_runs_on_a_framework_that_combines_what_tessera_runtime_refuses
     assert main([*args, "--runs-on", "megatron", "--format", "json"]) == 0
     priced = json.loads(capsys.readouterr().out)
     assert priced["runs_on"] == "megatron" and {"pp=2", "cp=2"} <= set(priced["strategy"].split(","))
+
+
+def test_an_imported_fp8_recipe_is_the_workloads_fp8_scaling_and_must_agree_with_the_option():
+    import argparse
+
+    import pytest
+
+    from tessera.cli_frameworks import training_from
+    from tessera.errors import ConfigError
+
+    flags = "--micro-batch-size 1 --bf16 --fp8-format hybrid --fp8-recipe {}"
+    scalings = {recipe: import_config("megatron", flags.format(recipe), world_size=8).fp8_scaling
+                for recipe in ("delayed", "tensorwise", "blockwise", "mxfp8")}
+    assert scalings == {"delayed": "delayed", "tensorwise": "current", "blockwise": "block", "mxfp8": "mx"}
+    assert import_config("megatron", "--micro-batch-size 1 --bf16", world_size=8).fp8_scaling is None
+    mx = import_config("megatron", flags.format("mxfp8"), world_size=8)
+    none = argparse.Namespace(global_batch=None, seq_len=None, precision=None, fp8_scaling=None)
+    assert training_from(none, [mx])["fp8_scaling"] == "mx" and training_from(none, [mx])["precision"] == "fp8"
+    with pytest.raises(ConfigError, match="says fp8 scaling mx, but current is asked for"):
+        training_from(argparse.Namespace(**{**vars(none), "fp8_scaling": "current"}), [mx])
