@@ -64,6 +64,9 @@ DEFAULTS = {
     "compile": {"enable": False, "enable_async_tensor_parallel": False, "components": ["model", "loss"]},
 }
 """torchtitan 0.3.0's defaults of the fields Tessera reads (``ParallelismConfig``, ``TrainingConfig``, ``CompileConfig``)."""
+FP8_CONVERTERS = {"Float8LinearConverter": "rowwise", "MXFP8LinearConverter": "mx"}
+"""torchtitan 0.3's FP8 converters (``torchtitan.components.quantization``) -> the scaling they train with
+(``Float8LinearConverter.Config.recipe_name``: rowwise, or rowwise with bf16 weight gradients)."""
 BLOCK_FQN = re.compile(r".*\.\d+")
 """A repeated block in ``module_fqns_per_model_part``: a child of a module list (``layers.3``)."""
 
@@ -235,10 +238,36 @@ def from_torchtitan(source: str, *, world_size: int) -> ImportedConfig:
     if precision is None:
         raise ConfigError(f"bad torchtitan setting training.mixed_precision_param {quoted(train['mixed_precision_param'])}"
                           ": use bfloat16 or float32")
+    fp8_scaling = _fp8_scaling(sections.get("converters") or [], unread=unread, notes=notes)
     seq_len = whole(train["seq_len"], name="training.seq_len", framework="torchtitan", at_most=MAX_SEQ_LEN)
     return ImportedConfig(framework="torchtitan", strategy=canonical(strategy), global_batch=global_batch,
                           variant=TORCHTITAN_COMPILED.name if _compiles_loss(fields["compile"]) else None,
-                          seq_len=seq_len, precision=precision, unread=tuple(unread), notes=tuple(notes))
+                          seq_len=seq_len, precision="fp8" if fp8_scaling else precision, fp8_scaling=fp8_scaling,
+                          unread=tuple(unread), notes=tuple(notes))
+
+
+def _fp8_scaling(converters: list[dict], *, unread: list[str], notes: list[str]) -> str | None:
+    """The FP8 scaling the model spec's converters train the linears with (torchtitan 0.3's
+    ``Float8LinearConverter``: rowwise, ``MXFP8LinearConverter``: MX), or None; NVFP4 is refused, converters
+    Tessera does not price are listed."""
+    scaling = None
+    for converter in converters:
+        name = converter["class"]
+        if name == "NVFP4LinearConverter":
+            raise NotModelledError("model_spec converter NVFP4LinearConverter: Tessera prices FP8 (rowwise, MXFP8) but "
+                                   "not NVFP4; evaluate the run's FP8 or bf16 counterpart")
+        if name not in FP8_CONVERTERS:
+            unread.append(f"model_spec converter {name}")
+            continue
+        if converter.get("emulate"):
+            notes.append(f"{name} with emulate=True runs FP8 in emulation (a test mode): priced as the bf16 run")
+            continue
+        recipe = converter.get("recipe_name")
+        if recipe == "rowwise_with_gw_hp":
+            notes.append(f"{name} recipe rowwise_with_gw_hp keeps the weight gradients' matmul in bf16: priced as "
+                         "rowwise throughout")
+        scaling = FP8_CONVERTERS[name]
+    return scaling
 
 
 def _compiles_loss(compile_: dict) -> bool:

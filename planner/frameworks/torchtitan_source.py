@@ -9,6 +9,8 @@ file's only function) it follows, in order:
   each of those keywords' values is a call whose keywords are the section's fields (``ParallelismConfig(...)``);
 - ``config.parallelism.tensor_parallel_degree = 8`` and ``config.parallelism = ParallelismConfig(...)``;
 - ``config.activation_checkpoint = FullAC.Config()`` / ``SelectiveAC.Config()`` / ``None``;
+- ``config.model_spec = model_registry(flavor, converters=[Float8LinearConverter.Config(...), ...])``: the
+  converters (the FP8 recipe), not the flavor (the model is ``--model``'s);
 - ``return`` of such a call.
 
 Every value read must be a literal (``ast.literal_eval``): a field set from an expression is refused by name.
@@ -32,6 +34,8 @@ SECTIONS = ("parallelism", "training", "compile", "activation_checkpoint")
 """The ``Trainer.Config`` fields Tessera reads."""
 AC_CLASSES = {"FullAC": "full", "SelectiveAC": "selective", "MemoryBudgetAC": "memory-budget"}
 """torchtitan's activation-checkpointing policies (``torchtitan.distributed.activation_checkpoint``)."""
+CONVERTER_FIELDS = ("recipe_name", "emulate")
+"""The fields of a model spec's converter Tessera reads (what the FP8 recipe is, and whether it runs in emulation)."""
 MAX_CALL_DEPTH = 8
 """How many ``config = other()`` hops are followed (a cycle stops here)."""
 
@@ -144,7 +148,31 @@ class _PythonConfig:
                 return self._call(node.value, sections, depth=depth)
             if target is not None and len(target) in (2, 3) and target[1] in SECTIONS:
                 return self._assign(target[1:], node.value, sections, line=node.lineno)
+            if target is not None and target[1:] == ("model_spec",) and isinstance(node.value, ast.Call):
+                return self._model_spec(node.value, sections, line=node.lineno)
         self.unread.append(f"line {node.lineno}: {short(ast.unparse(node), limit=80)}")
+
+    def _model_spec(self, call: ast.Call, sections: Sections, *, line: int) -> None:
+        """``config.model_spec = model_registry(flavor, converters=[...])``: the converters (``Float8LinearConverter
+        .Config(...)``: their class and ``CONVERTER_FIELDS``); the flavor is not read (the model is ``--model``'s)."""
+        self.unread.append(f"line {line}: model_spec flavor {short(ast.unparse(call.args[0]) if call.args else '', limit=30)} "
+                           "(the model is --model's)")
+        for keyword in call.keywords:
+            if keyword.arg != "converters":
+                continue
+            if not isinstance(keyword.value, ast.List):
+                raise ConfigError(f"torchtitan config {self.where} line {line}: model_spec converters = "
+                                  f"{short(ast.unparse(keyword.value), limit=60)}; Tessera reads a list of X.Config(...)")
+            sections["converters"] = [self._converter(item, line=line) for item in keyword.value.elts]
+
+    def _converter(self, item: ast.expr, *, line: int) -> dict[str, object]:
+        func = item.func if isinstance(item, ast.Call) else None
+        owner = func.value if isinstance(func, ast.Attribute) and func.attr == "Config" else None
+        if not isinstance(owner, ast.Name):
+            raise ConfigError(f"torchtitan config {self.where} line {line}: converter {short(ast.unparse(item), limit=60)}"
+                              "; Tessera reads X.Config(field=literal, ...)")
+        return {"class": owner.id, **{k.arg: self._literal(k.value, name=f"{owner.id}.{k.arg}", line=line)
+                                      for k in item.keywords if k.arg in CONVERTER_FIELDS}}
 
     def _builds(self, call: ast.Call) -> bool:
         """Whether ``call`` builds a config: a function of this file, or a call with section keywords."""

@@ -400,3 +400,21 @@ def test_megatron_counts_the_embedding_and_the_loss_in_the_pipeline_split_where_
                             f"{both}", "Megatron-LM refuses both")]:
         with pytest.raises(ConfigError, match=message):
             from_megatron(f"{flags} --micro-batch-size 1", world_size=8)
+
+
+@pytest.mark.skipif(TORCHTITAN_LLAMA3 is None, reason="torchtitan is not installed")
+def test_torchtitan_fp8_converters_set_the_precision_and_scaling():
+    """torchtitan 0.3 trains FP8 through the model spec's converters: ``Float8LinearConverter`` (rowwise),
+    ``MXFP8LinearConverter`` (MX); read from its own config_registry file, never run."""
+    def read(function: str):
+        return import_config("torchtitan", f"{TORCHTITAN_LLAMA3}:{function}", world_size=8)
+
+    rowwise, mx, plain = read("llama3_debugmodel_float8"), read("llama3_8b_mxfp8"), read("llama3_8b")
+    assert (rowwise.precision, rowwise.fp8_scaling) == ("fp8", "rowwise")
+    assert (mx.precision, mx.fp8_scaling) == ("fp8", "mx")
+    assert (plain.precision, plain.fp8_scaling) == ("bf16", None)
+    emulated = read("llama3_debugmodel_float8_emulate_lora")
+    assert emulated.precision == "bf16" and any("emulation" in note for note in emulated.notes)
+    assert "model_spec converter LoRAConverter" in emulated.unread
+    with pytest.raises(NotModelledError, match="not NVFP4"):
+        read("llama3_debugmodel_nvfp4")
