@@ -202,8 +202,9 @@ def _check_fp8_scaling(cluster: Cluster, training: TrainingConfig) -> None:
     """Refuse an FP8 scaling the cluster's devices do not run (``DeviceSpec.fp8_scalings``: MXFP8 needs Blackwell)."""
     runs = cluster.device.fp8_scalings
     if training.precision == "fp8" and runs is not None and training.fp8_scaling not in runs:
-        raise ConfigError(f"fp8_scaling={training.fp8_scaling}: {cluster.device.name} runs {', '.join(runs)} "
-                          "(MXFP8 needs Blackwell tensor cores); pick one of them or another cluster")
+        why = " (MXFP8 needs Blackwell tensor cores)" if training.fp8_scaling == "mx" else ""
+        raise ConfigError(f"fp8_scaling={training.fp8_scaling}: {cluster.device.name} runs "
+                          f"{', '.join(runs) or 'no FP8 scaling'}{why}; pick one it runs or another cluster")
 
 
 def _check_fp8_runs(model: nn.Module | str, graph: LayerGraph, training: TrainingConfig) -> None:

@@ -551,9 +551,10 @@ def _even_chunks(args: argparse.Namespace, *, layers: int | None, pp: int, virtu
         chunks = even_split(layers, pp * virtual, embedding=embedding, loss=loss)
         if chunks is None:
             counted = " with the embedding and the loss counted" if embedding or loss else ""
-            raise ConfigError(f"--num-layers {layers}{counted} is not divisible by pp x virtual stages = "
-                              f"{pp * virtual} (into chunks of one block or more); give a "
-                              "--pipeline-model-parallel-layout for an uneven split")
+            problem = ("leaves the first or last chunk without a block (Tessera's chunks hold one or more)"
+                       if (layers + embedding + loss) % (pp * virtual) == 0 else "is not divisible")
+            raise ConfigError(f"--num-layers {layers}{counted} over pp x virtual stages = {pp * virtual} {problem}; give "
+                              "a --pipeline-model-parallel-layout for an uneven split")
         return chunks
     if virtual > 1:
         raise NotModelledError("--decoder-first/last-pipeline-num-layers with virtual stages: Tessera reads uneven "

@@ -262,12 +262,25 @@ def _fp8_scaling(converters: list[dict], *, unread: list[str], notes: list[str])
         if converter.get("emulate"):
             notes.append(f"{name} with emulate=True runs FP8 in emulation (a test mode): priced as the bf16 run")
             continue
-        recipe = converter.get("recipe_name")
-        if recipe == "rowwise_with_gw_hp":
-            notes.append(f"{name} recipe rowwise_with_gw_hp keeps the weight gradients' matmul in bf16: priced as "
-                         "rowwise throughout")
-        scaling = FP8_CONVERTERS[name]
+        scaling = _recipe_scaling(name, converter.get("recipe_name"), notes=notes)
+        if converter.get("fqns") or converter.get("filter_fqns"):
+            notes.append(f"{name} converts only some linears (fqns / filter_fqns): priced as if every block linear "
+                         "ran in FP8")
     return scaling
+
+
+def _recipe_scaling(name: str, recipe: object, *, notes: list[str]) -> str:
+    """The scaling of ``name``'s ``recipe_name`` (torchao's recipes for ``Float8LinearConverter``; MXFP8 has one)."""
+    if name == "MXFP8LinearConverter" or recipe in (None, "rowwise"):
+        return FP8_CONVERTERS[name]
+    if recipe == "rowwise_with_gw_hp":
+        notes.append(f"{name} recipe rowwise_with_gw_hp keeps the weight gradients' matmul in bf16: priced as rowwise "
+                     "throughout")
+        return "rowwise"
+    if recipe == "tensorwise":
+        return "current"
+    raise ConfigError(f"torchtitan {name} recipe_name {quoted(recipe)}: Tessera reads rowwise, rowwise_with_gw_hp or "
+                      "tensorwise")
 
 
 def _compiles_loss(compile_: dict) -> bool:

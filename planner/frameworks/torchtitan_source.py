@@ -34,8 +34,9 @@ SECTIONS = ("parallelism", "training", "compile", "activation_checkpoint")
 """The ``Trainer.Config`` fields Tessera reads."""
 AC_CLASSES = {"FullAC": "full", "SelectiveAC": "selective", "MemoryBudgetAC": "memory-budget"}
 """torchtitan's activation-checkpointing policies (``torchtitan.distributed.activation_checkpoint``)."""
-CONVERTER_FIELDS = ("recipe_name", "emulate")
-"""The fields of a model spec's converter Tessera reads (what the FP8 recipe is, and whether it runs in emulation)."""
+CONVERTER_FIELDS = ("recipe_name", "emulate", "fqns", "filter_fqns")
+"""The fields of a model spec's converter Tessera reads: the FP8 recipe, whether it runs in emulation, and which
+linears it converts (``fqns``) or leaves (``filter_fqns``)."""
 MAX_CALL_DEPTH = 8
 """How many ``config = other()`` hops are followed (a cycle stops here)."""
 
@@ -157,6 +158,7 @@ class _PythonConfig:
         .Config(...)``: their class and ``CONVERTER_FIELDS``); the flavor is not read (the model is ``--model``'s)."""
         self.unread.append(f"line {line}: model_spec flavor {short(ast.unparse(call.args[0]) if call.args else '', limit=30)} "
                            "(the model is --model's)")
+        sections["converters"] = []  # a model spec set again replaces the one before, converters and all
         for keyword in call.keywords:
             if keyword.arg != "converters":
                 continue
@@ -187,6 +189,10 @@ class _PythonConfig:
         for keyword in call.keywords:
             if keyword.arg in SECTIONS:
                 self._assign((keyword.arg,), keyword.value, sections, line=call.lineno)
+            elif keyword.arg == "model_spec" and isinstance(keyword.value, ast.Call):
+                self._model_spec(keyword.value, sections, line=call.lineno)
+            else:
+                self.unread.append(f"line {call.lineno}: {keyword.arg}={short(ast.unparse(keyword.value), limit=60)}")
 
     def _assign(self, target: tuple[str, ...], value: ast.expr, sections: Sections, *, line: int) -> None:
         section = target[0]

@@ -20,6 +20,10 @@ def test_the_catalog_says_which_parts_run_mxfp8():
     assert "mx" not in hopper.fp8_scalings and "block" in hopper.fp8_scalings
     assert set(blackwell.fp8_scalings) == set(FP8_SCALINGS)
     assert load_cluster("dgx-a100:nodes=1").device.fp8_scalings is None  # no FP8 units: the precision is refused
+    for gpu in ("H800-SXM-80GB", "H100-NVL-94GB", "H100-SXM-96GB-500W", "H200-SXM-141GB"):  # all Hopper
+        assert load_cluster(f"dgx-h100:nodes=1,gpu={gpu}").device.fp8_scalings == hopper.fp8_scalings
+    assert load_cluster("gb200-nvl72:nodes=1").device.fp8_scalings == blackwell.fp8_scalings
+    assert "mx" not in load_cluster("mi300x:nodes=1").device.fp8_scalings  # CDNA 3: no microscaling formats
 
 
 def test_a_cluster_files_fp8_scalings_are_checked_and_written_back():

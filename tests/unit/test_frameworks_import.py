@@ -69,7 +69,7 @@ def test_megatron_block_recompute_and_uneven_first_last_stages():
     ("--micro-batch-size 1 --recompute-granularity full", "needs --recompute-method"),
     ("--micro-batch-size 1 --recompute-granularity full --recompute-method block --recompute-num-layers 2",
      "needs --num-layers"),
-    ("--pipeline-model-parallel-size 2 --num-layers 7 --micro-batch-size 1", "not divisible by pp x virtual"),
+    ("--pipeline-model-parallel-size 2 --num-layers 7 --micro-batch-size 1", "over pp x virtual stages = 2 is not divisible"),
     ("--pipeline-model-parallel-size 2 --num-layers 8 --num-layers-per-virtual-pipeline-stage 3 --micro-batch-size 1",
      "not a multiple of --num-layers-per-virtual-pipeline-stage 3"),
     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|txL --micro-batch-size 1",
@@ -395,7 +395,12 @@ def test_megatron_counts_the_embedding_and_the_loss_in_the_pipeline_split_where_
     per_stage = from_megatron(f"--pipeline-model-parallel-size 2 --num-layers 6 --num-layers-per-virtual-pipeline-stage 2 "
                               f"--micro-batch-size 1 {both}", world_size=8)
     assert per_stage.strategy.chunk_blocks == (1, 2, 2, 1) and per_stage.strategy.virtual_stages == 2
+    assert from_megatron("--pipeline-model-parallel-size 4 --num-layers 31 --micro-batch-size 1 "
+                         "--account-for-loss-in-pipeline-split", world_size=8).strategy.chunk_blocks == (8, 8, 8, 7)
+    assert from_megatron(f"--num-layers 6 --micro-batch-size 1 {both}", world_size=8).strategy.chunk_blocks == ()
     for flags, message in [(f"--pipeline-model-parallel-size 4 --num-layers 30 {both.split()[0]}", "not divisible"),
+                           (f"--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 4 --num-layers 14 "
+                            f"{both}", "leaves the first or last chunk without a block"),
                            (f"--pipeline-model-parallel-size 2 --num-layers 8 --decoder-first-pipeline-num-layers 3 "
                             f"{both}", "Megatron-LM refuses both")]:
         with pytest.raises(ConfigError, match=message):
@@ -418,3 +423,51 @@ def test_torchtitan_fp8_converters_set_the_precision_and_scaling():
     assert "model_spec converter LoRAConverter" in emulated.unread
     with pytest.raises(NotModelledError, match="not NVFP4"):
         read("llama3_debugmodel_nvfp4")
+
+
+def test_an_mxfp8_megatron_run_on_hopper_is_refused_through_the_cli(capsys):
+    """The imported recipe reaches the workload (``cli._workload``), where the H100's catalog entry refuses MXFP8."""
+    from tessera.cli import main
+
+    flags = "--micro-batch-size 1 --global-batch-size 8 --seq-length 32 --bf16 --fp8-format hybrid --fp8-recipe mxfp8"
+    assert main(["evaluate", "--model", "gpt-tiny", "--cluster", "dgx-h100:nodes=1", "--from-megatron", flags]) == 2
+    err = capsys.readouterr().err
+    assert "fp8_scaling=mx: H100-SXM-80GB runs delayed, current, rowwise, block (MXFP8 needs Blackwell" in err
+
+
+def test_a_torchtitan_model_spec_set_again_replaces_its_converters(tmp_path):
+    """A later ``model_spec`` replaces the earlier one, converters included; one given as ``Trainer.Config``'s keyword
+    is read too; a partial conversion is said; torchao's tensorwise recipe is current scaling; an unknown one refused."""
+    path = tmp_path / "config_registry.py"
+    path.write_text(
+        "def base():\n"
+        "    config = Trainer.Config(training=TrainingConfig(local_batch_size=1))\n"
+        "    config.model_spec = model_registry('8B', converters=[Float8LinearConverter.Config(model_compile_enabled=x)])\n"
+        "    return config\n\n"
+        "def replaced():\n"
+        "    config = base()\n"
+        "    config.model_spec = model_registry('8B')\n"
+        "    return config\n\n"
+        "def keyword():\n"
+        "    return Trainer.Config(training=TrainingConfig(local_batch_size=1), loss=Loss.Config(),\n"
+        "                          model_spec=model_registry('8B', converters=[MXFP8LinearConverter.Config(fqns=['mlp'])]))\n\n"
+        "def tensorwise():\n"
+        "    config = base()\n"
+        "    config.model_spec = model_registry('8B', converters=[Float8LinearConverter.Config(recipe_name='tensorwise')])\n"
+        "    return config\n\n"
+        "def unknown():\n"
+        "    config = base()\n"
+        "    config.model_spec = model_registry('8B', converters=[Float8LinearConverter.Config(recipe_name='blockwise')])\n"
+        "    return config\n")
+
+    def read(function: str):
+        return import_config("torchtitan", f"{path}:{function}", world_size=8)
+
+    assert (read("base").precision, read("base").fp8_scaling) == ("fp8", "rowwise")
+    assert (read("replaced").precision, read("replaced").fp8_scaling) == ("bf16", None)
+    keyword = read("keyword")
+    assert (keyword.precision, keyword.fp8_scaling) == ("fp8", "mx") and any("only some linears" in n for n in keyword.notes)
+    assert "line 12: loss=Loss.Config()" in keyword.unread
+    assert read("tensorwise").fp8_scaling == "current"
+    with pytest.raises(ConfigError, match="recipe_name 'blockwise': Tessera reads rowwise"):
+        read("unknown")
