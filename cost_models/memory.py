@@ -160,9 +160,12 @@ def backward_memory(
     blocks at ``block_gather_bytes`` per parameter: the compute dtype's unless the framework gathers FP8; or its
     parameters one by one, within ``profile.zero3_by_parameter``'s limits; the cp exchange's buffers as
     ``profile`` moves K/V)."""
+    buffered = whole_grad_buffer(strategy, profile)  # allocated whole for the run, not per step
     return {
-        "parameters": parameter_bytes(stage, training, strategy, in_backward=True),
-        "gradients": held_gradient_bytes(stage, strategy, micro_batches=micro_batches),
+        "parameters": parameter_bytes(stage, training, strategy, in_backward=True,
+                                      compute_weights_kept=profile.contiguous_grad_buffer),
+        "gradients": (full_gradient_bytes(stage, strategy, dtensor=False) if buffered
+                      else held_gradient_bytes(stage, strategy, micro_batches=micro_batches)),
         "optimizer": sharded_params(stage, strategy, from_zero=1) * 2 * FP32,
         "activations": activation_bytes(stage, strategy, micro_batches=micro_batches)
         + _loss_and_recomputation_bytes(stage, strategy, on_cpu=on_cpu),
@@ -181,30 +184,48 @@ def step_end_memory(
     comes and goes around them as ``profile`` runs: optimizer temporaries, FSDP2 ``replicate``'s reduction, or what
     autograd's own accumulation holds at the backward's end (beside ``autocast_copies``,
     :func:`autocast_copy_bytes`)."""
-    # ZeRO-0 keeps the full gradient; every FSDP2 stage (1-3) reduce-scatters it to the 1/dp shard it steps on.
-    if strategy.zero == 0:
-        gradients = (local_params(stage, strategy) + replicated_embedding_gradient_params(stage, strategy)) * FP32
+    # ZeRO-0 keeps the full gradient; every FSDP2 stage (1-3) reduce-scatters it to the 1/dp shard it steps on; a
+    # contiguous buffer (Megatron-Core's) stays whole below ZeRO-3, reduced in place.
+    if strategy.zero == 0 or whole_grad_buffer(strategy, profile):
+        gradients = full_gradient_bytes(stage, strategy, dtensor=not profile.contiguous_grad_buffer)
     else:
         gradients = sharded_params(stage, strategy, from_zero=1) * FP32
     merged = merged_pipeline_output_bytes(stage, strategy, micro_batches=micro_batches,
                                           keeps_outputs=profile.pipeline_keeps_outputs)
     # The optimizer peaks in its step, FSDP2's replicate in its reduction, autograd's accumulation in the backward.
-    transient = [optimizer_temporary_bytes(stage, strategy, on_cpu=on_cpu) * profile.moment_bytes / FP32]
+    fused = profile.fused_optimizer and not on_cpu
+    transient = [0.0 if fused else optimizer_temporary_bytes(stage, strategy, on_cpu=on_cpu) * profile.moment_bytes / FP32]
     if profile.replicate_by_fsdp2:
         transient.append(replicate_reduction_bytes(stage, training, strategy, micro_batches=micro_batches))
     if profile.autocast_copies:
         transient.append(accumulation_bytes(stage, training, strategy, micro_batches=micro_batches,
                                             copies=autocast_copies))
     return {
-        "parameters": parameter_bytes(stage, training, strategy, in_backward=False),
+        "parameters": parameter_bytes(stage, training, strategy, in_backward=False,
+                                      compute_weights_kept=profile.contiguous_grad_buffer),
         "gradients": gradients,
         "optimizer": sharded_params(stage, strategy, from_zero=1) * 2 * FP32,
         "activations": 0.0,
-        "buffers": ddp_bucket_bytes(stage, strategy) + merged + max(transient),
+        "buffers": (0.0 if profile.contiguous_grad_buffer else ddp_bucket_bytes(stage, strategy)) + merged + max(transient),
     }
 
 
-def parameter_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, in_backward: bool) -> float:
+def whole_grad_buffer(strategy: Strategy, profile: ImplementationProfile) -> bool:
+    """Whether the gradients sit in the framework's contiguous buffer over every local parameter, reduced in place
+    (``profiles.contiguous_grad_buffer``): under DDP and the distributed optimizer (ZeRO-0/1); Megatron-FSDP's
+    ZeRO-2 and 3 shard them."""
+    return profile.contiguous_grad_buffer and strategy.zero <= 1
+
+
+def full_gradient_bytes(stage: StageTotals, strategy: Strategy, *, dtensor: bool = True) -> float:
+    """fp32 gradients of every local parameter (the reduction's dtype scales them: ``profiles.gradient_bytes``), with
+    the whole-vocabulary gradient DTensor gives a tensor-parallel embedding where the model runs on DTensor."""
+    extra = replicated_embedding_gradient_params(stage, strategy) if dtensor else 0.0
+    return (local_params(stage, strategy) + extra) * FP32
+
+
+def parameter_bytes(stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, in_backward: bool,
+                    compute_weights_kept: bool = False) -> float:
     """fp32 master parameters, plus, for the FSDP2 paths that keep them between forward and backward, the
     gathered copy.
 
@@ -215,9 +236,12 @@ def parameter_bytes(stage: StageTotals, training: TrainingConfig, strategy: Stra
     them are. FSDP2's ``replicate`` (ZeRO-0 with tp/pp/cp/ep) is the same machinery over a shard group of one
     rank: masters whole, and the same unsharded copy. ZeRO-3's gathered blocks are transient (``_buffer_bytes``);
     a ZeRO-3 block that keeps its gathered weights (``Strategy.block_reshard`` False) holds that copy likewise.
+    ``compute_weights_kept``: a framework keeps the compute-dtype weights beside the masters below ZeRO-3, between
+    steps too (``profiles.contiguous_grad_buffer``).
     """
     masters = master_params(stage, strategy) * FP32
-    if in_backward and (strategy.zero in (1, 2) or uses_fsdp2_replicate(strategy)):
+    kept = compute_weights_kept and strategy.zero < 3
+    if kept or (in_backward and (strategy.zero in (1, 2) or uses_fsdp2_replicate(strategy))):
         return masters + local_params(stage, strategy) * compute_dtype_bytes(training)
     if in_backward and strategy.zero == 3:
         return masters + kept_local_params(stage, strategy) * compute_dtype_bytes(training)
@@ -406,4 +430,6 @@ def _buffer_bytes(
     if strategy.zero == 3:
         return pipeline + zero3_gathered_bytes(stage, training, strategy, on_cpu=on_cpu,
                                                block_gather_bytes=block_gather_bytes)
+    if whole_grad_buffer(strategy, profile):  # reduced in place: no DDP buckets, no reduce-scatter input copy
+        return pipeline
     return pipeline + ddp_bucket_bytes(stage, strategy) + zero12_reduce_scatter_bytes(stage, strategy, on_cpu=on_cpu)

@@ -292,6 +292,16 @@ class ImplementationProfile:
     ``distributed_data_parallel_config.py`` at d7288711, the Megatron-LM that Megatron-Bridge v0.4.1 pins), which every
     FP8 precision config of Megatron-Bridge sets (``src/megatron/bridge/training/mixed_precision.py`` at v0.2.0 and
     v0.4.1)."""
+    fused_optimizer: bool = False
+    """Adam steps with fused multi-tensor kernels that update in place (Megatron-Core's Transformer Engine or apex
+    ``FusedAdam``, ``megatron/core/optimizer/__init__.py``; DeepSpeed's ``FusedAdam``): no parameter-sized temporaries,
+    where PyTorch's ``foreach`` AdamW materialises one (``memory_transients.optimizer_temporary_bytes``)."""
+    contiguous_grad_buffer: bool = False
+    """Under DDP and the distributed optimizer (ZeRO-0/1), the gradients live in one persistent buffer over every local
+    parameter (Megatron-Core's ``ParamAndGradBuffer``), which the data-parallel collectives reduce in place (no DDP
+    buckets, no reduce-scatter input copy) and which stays whole after the distributed optimizer's reduce-scatter;
+    and below ZeRO-3 the compute-dtype weights stay beside their fp32 masters (``Float16Module`` under its
+    mixed-precision optimizers). Tessera's runtime: DDP's buckets and FSDP2's shards."""
     ep_overlap: bool = False
     """The dispatch and combine all-to-alls of one micro-batch run beside another micro-batch's compute (Megatron-Core's
     ``overlap_moe_expert_parallel_comm``, Megatron-Bridge's ``moe_a2a_overlap``; DeepSeek-V3's DualPipe): only what the
@@ -421,7 +431,8 @@ whose backward returns a new logits-sized gradient, ``inplace_backward`` off by 
 MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1),
                                  attention_kernels=("cudnn", "fa2"), cross_entropy="megatron", fused_rms_norm=True,
                                  fused_declared_norms=True, fused_gated_activation=True, cp_ring_slowdown=False, refused_together=(),
-                                 offload_copies_overlap=True, offload_buffered=False)
+                                 offload_copies_overlap=True, offload_buffered=False, fused_optimizer=True,
+                                 contiguous_grad_buffer=True)
 """Megatron-Core / NeMo: Transformer Engine for FP8, attention (cuDNN on Hopper, FA2 before) and RMSNorm (fused);
 its vocabulary-parallel cross-entropy (``megatron/core/tensor_parallel/cross_entropy.py``, fused or not: an fp32 copy
 of the logits turned into the softmax in place and saved, the backward's gradient written over it)."""
@@ -456,7 +467,7 @@ DEEPSPEED_2021_GATHERING = ParameterGathering(live_params=1e9, prefetch_params=5
 1e9, ``stage3_prefetch_bucket_size`` 5e7, ``reduce_bucket_size`` 5e8); SC'21 states no ZeRO configuration."""
 DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEED_ZERO3_SLOWDOWN, attention_kernels=(),
                                   cross_entropy="megatron", zero3_by_parameter=DEEPSPEED_2021_GATHERING,
-                                  refused_together=())
+                                  refused_together=(), fused_optimizer=True)
 """DeepSpeed ZeRO-3 as SC'21 measured it (Megatron-LM's model code: unfused attention), gathering parameter by
 parameter within its default limits."""
 
