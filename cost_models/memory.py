@@ -206,8 +206,19 @@ def step_end_memory(
         "gradients": gradients,
         "optimizer": sharded_params(stage, strategy, from_zero=1) * 2 * FP32,
         "activations": 0.0,
-        "buffers": (0.0 if profile.contiguous_grad_buffer else ddp_bucket_bytes(stage, strategy)) + merged + max(transient),
+        "buffers": (fp32_gradient_copy_bytes(stage, strategy, profile) if profile.contiguous_grad_buffer
+                    else ddp_bucket_bytes(stage, strategy)) + merged + max(transient),
     }
+
+
+def fp32_gradient_copy_bytes(stage: StageTotals, strategy: Strategy, profile: ImplementationProfile) -> float:
+    """The fp32 copy of the 16-bit main gradients Megatron-Core's optimizer steps on, its shard's under the distributed
+    optimizer (``main_grad.float()``, ``optimizer.py`` and ``distrib_optimizer.py`` at core_v0.14.0; the 4 of its
+    table's fp16 row, 20 and 4 + 16/d bytes a parameter). The precision-aware optimizer reads the 16-bit gradients
+    without it, which is priced with it."""
+    if not whole_grad_buffer(strategy, profile) or profile.gradient_bytes == FP32:
+        return 0.0
+    return sharded_params(stage, strategy, from_zero=1) * FP32
 
 
 def whole_grad_buffer(strategy: Strategy, profile: ImplementationProfile) -> bool:
@@ -241,6 +252,8 @@ def parameter_bytes(stage: StageTotals, training: TrainingConfig, strategy: Stra
     """
     masters = master_params(stage, strategy) * FP32
     kept = compute_weights_kept and strategy.zero < 3
+    if kept and compute_dtype_bytes(training) == FP32:  # fp32 weights are their own masters: no second copy
+        return local_params(stage, strategy) * FP32
     if kept or (in_backward and (strategy.zero in (1, 2) or uses_fsdp2_replicate(strategy))):
         return masters + local_params(stage, strategy) * compute_dtype_bytes(training)
     if in_backward and strategy.zero == 3:

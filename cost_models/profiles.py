@@ -294,8 +294,9 @@ class ImplementationProfile:
     v0.4.1)."""
     fused_optimizer: bool = False
     """Adam steps with fused multi-tensor kernels that update in place (Megatron-Core's Transformer Engine or apex
-    ``FusedAdam``, ``megatron/core/optimizer/__init__.py``; DeepSpeed's ``FusedAdam``): no parameter-sized temporaries,
-    where PyTorch's ``foreach`` AdamW materialises one (``memory_transients.optimizer_temporary_bytes``)."""
+    ``FusedAdam``, ``megatron/core/optimizer/__init__.py``): no parameter-sized temporaries, where PyTorch's
+    ``foreach`` AdamW materialises one (``memory_transients.optimizer_temporary_bytes``). DeepSpeed's ZeRO-3 keeps the
+    temporary's place: it steps on an fp32 copy of each gradient shard."""
     contiguous_grad_buffer: bool = False
     """Under DDP and the distributed optimizer (ZeRO-0/1), the gradients live in one persistent buffer over every local
     parameter (Megatron-Core's ``ParamAndGradBuffer``), which the data-parallel collectives reduce in place (no DDP
@@ -467,7 +468,7 @@ DEEPSPEED_2021_GATHERING = ParameterGathering(live_params=1e9, prefetch_params=5
 1e9, ``stage3_prefetch_bucket_size`` 5e7, ``reduce_bucket_size`` 5e8); SC'21 states no ZeRO configuration."""
 DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEED_ZERO3_SLOWDOWN, attention_kernels=(),
                                   cross_entropy="megatron", zero3_by_parameter=DEEPSPEED_2021_GATHERING,
-                                  refused_together=(), fused_optimizer=True)
+                                  refused_together=())
 """DeepSpeed ZeRO-3 as SC'21 measured it (Megatron-LM's model code: unfused attention), gathering parameter by
 parameter within its default limits."""
 
