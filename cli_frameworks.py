@@ -85,19 +85,18 @@ def import_configs(sources: Sequence[tuple[str, str]], *, world_size: int) -> li
 
 
 def print_export(plan, framework: str, *, evaluate: Callable[[str, str], tuple], console: Console) -> None:
-    """The plan as ``framework``'s configuration on stdout. Where the framework runs something else (the nearest it
-    can express), ``evaluate(strategy, runs_on)`` estimates that as the framework runs it, printed next to the
-    plan's: a comment for Megatron-LM and torchtitan, on stderr for DeepSpeed's JSON (which has no comments), as
-    are DeepSpeed's notes."""
+    """The plan as ``framework``'s configuration on stdout, and ``evaluate(strategy, runs_on)``'s estimate of what the
+    framework runs (the nearest strategy it can express, as its own implementation runs it: its memory differs from
+    Tessera's runtime's even for the same strategy) next to the plan's: a comment for Megatron-LM and torchtitan, on
+    stderr for DeepSpeed's JSON (which has no comments), as are DeepSpeed's notes."""
     from tessera.planner.frameworks import export_plan
     from tessera.planner.frameworks.common import FRAMEWORK_NAMES, pin_string
 
     export = export_plan(plan, framework)
     lines = [f"# {note}" for note in export.notes] if framework == "deepspeed" else []
-    if export.differs_from(plan.strategy):
-        with console.status(f"estimating what {FRAMEWORK_NAMES[framework]} runs..."):
-            _, runs = evaluate(pin_string(export.strategy), export.profile)  # every field pinned: what the framework runs
-        lines.append(nearest_line(FRAMEWORK_NAMES[framework], export.strategy.to_string(), runs, plan.estimate))
+    with console.status(f"estimating what {FRAMEWORK_NAMES[framework]} runs..."):
+        _, runs = evaluate(pin_string(export.strategy), export.profile)  # every field pinned: what the framework runs
+    lines.append(nearest_line(FRAMEWORK_NAMES[framework], export.strategy.to_string(), runs, plan.estimate))
     print(export.text.rstrip("\n"))
     if framework == "deepspeed":
         for line in lines:

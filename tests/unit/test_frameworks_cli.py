@@ -18,6 +18,8 @@ def test_plan_prints_a_megatron_command_line_tessera_reads_back(capsys):
     config = import_config("megatron", out, world_size=4)
     assert config.strategy.to_string().startswith("dp=1,tp=2,pp=2,zero=0,mbs=1,recompute=full")
     assert (config.global_batch, config.seq_len, config.unread) == (8, 32, ())
+    # Megatron-LM runs this strategy as it is, but on its own implementation: its estimate is printed all the same
+    assert "# Tessera's estimate of what Megatron-LM runs (" in out
 
 
 def test_plan_as_deepspeed_refuses_tensor_parallelism_in_one_line(capsys):
