@@ -157,7 +157,7 @@ def compare(
     far over it is; one that cannot run at all (dp does not divide the batch...) is reported with the
     reason. A malformed baseline string raises ``ConfigError`` before anything is searched. ``baselines_run_on``:
     the framework each baseline runs on, priced as it runs it (as :func:`evaluate`'s ``runs_on``; default: each
-    on Tessera's runtime).
+    on Tessera's runtime). Under FP8, Tessera's plan takes the scaling its runtime runs (:func:`runtime_training`).
     """
     from tessera.cost_models.profiles import profile
 
@@ -171,7 +171,7 @@ def compare(
     from tessera.planner.compare import build_comparison, evaluate_baseline
     from tessera.planner.search import search
 
-    chosen = search(graph, resolved, training, top=top)
+    chosen = search(graph, resolved, runtime_training(training), top=top)
     return build_comparison(chosen, [
         evaluate_baseline(graph, resolved, training, requested=requested, pins=pinned, plan=chosen.estimate, runs_on=runs_on)
         for (requested, pinned), runs_on in zip(pins, frameworks)
@@ -196,6 +196,17 @@ def _prepare(
         else capture(model, seq_len=seq_len, dtype=dtype, expert_capacity_factor=expert_capacity_factor, tp_plan=tp_plan)
     )
     return graph, resolved, training
+
+
+def runtime_training(training: TrainingConfig) -> TrainingConfig:
+    """``training`` as Tessera's runtime runs it: an FP8 scaling it does not run (a framework's delayed, block or MX
+    scaling, ``runtime.float8``) becomes current scaling, which it does, for Tessera's own plan beside baselines
+    priced at their framework's."""
+    from tessera.runtime.float8 import TORCHAO_RECIPES
+
+    if training.precision != "fp8" or training.fp8_scaling in TORCHAO_RECIPES:
+        return training
+    return training.model_copy(update={"fp8_scaling": "current"})
 
 
 def _check_fp8_scaling(cluster: Cluster, training: TrainingConfig) -> None:

@@ -154,3 +154,26 @@ def test_an_imported_fp8_recipe_is_the_workloads_fp8_scaling_and_must_agree_with
     assert training_from(none, [mx])["fp8_scaling"] == "mx" and training_from(none, [mx])["precision"] == "fp8"
     with pytest.raises(ConfigError, match="says fp8 scaling mx, but current is asked for"):
         training_from(argparse.Namespace(**{**vars(none), "fp8_scaling": "current"}), [mx])
+
+
+def test_compare_prices_tessera_at_a_scaling_its_runtime_runs_beside_a_delayed_scaling_baseline(capsys):
+    """Megatron-LM's default FP8 recipe is delayed scaling, which torchao (Tessera's runtime) no longer runs: the
+    baseline is priced at it, Tessera's own plan at current scaling, and the output says so."""
+    flags = ("--micro-batch-size 1 --global-batch-size 8 --seq-length 32 --bf16 --fp8-format hybrid "
+             "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather")
+    code = main(["compare", "--model", "gpt-tiny", "--cluster", "dgx-h100:nodes=1", "--format", "json",
+                 "--baseline-from", "megatron", flags])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "Tessera's plan is priced at current FP8 scaling" in captured.err and "at delayed scaling" in captured.err
+
+
+def test_runtime_training_keeps_what_the_runtime_runs():
+    from tessera.api import runtime_training
+    from tessera.cost_models import TrainingConfig
+
+    for scaling, runs in (("delayed", "current"), ("mx", "current"), ("block", "current"), ("rowwise", "rowwise")):
+        training = TrainingConfig(global_batch=8, seq_len=32, precision="fp8", fp8_scaling=scaling)
+        assert runtime_training(training).fp8_scaling == runs
+    bf16 = TrainingConfig(global_batch=8, seq_len=32)
+    assert runtime_training(bf16) is bf16
