@@ -22,7 +22,7 @@ from tessera.cost_models.profiles import (
     AUTOMODEL, AUTOMODEL_MOE, DEEPSPEED, MEGATRON, MEGATRON_2021, MEGATRON_BRIDGE, NEMO_2024, PYTORCH_FSDP_TE, TORCHTITAN_2024,
     ImplementationProfile,
 )
-from tessera.planner.frameworks.megatron import even_split
+from tessera.planner.frameworks.megatron_layout import even_split
 
 HERE = Path(__file__).resolve().parent
 MEGATRON_FIELDS_FILE = "published_runs.yaml"  # the shared set's own field names (``_megatron_pins``)

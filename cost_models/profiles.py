@@ -77,7 +77,7 @@ there.
   of its experts and fans it out over NVLink there; Megatron-Bridge's ``moe_a2a_overlap``
   (``overlap_moe_expert_parallel_comm``) runs one micro-batch's all-to-alls beside another's compute. Both are a run's
   choice: off in the frameworks' own profiles, on in Megatron-Core's variants named for them (what an imported
-  Megatron-LM command line with those flags runs: ``planner.frameworks.megatron``), and for a published row where its
+  Megatron-LM command line with those flags runs: ``planner.frameworks.megatron_import``), and for a published row where its
   recipe states them (``benchmarks/published_rows.framework_profile``).
 - **Megatron-LM of 2021-2022** (SC'21, Korthikanti et al.; ``MEGATRON_2021``). Without sequence parallelism its
   pipeline sends are scattered over the tensor-parallel ranks and gathered on arrival (``pp_scatter_gather``:
@@ -485,7 +485,7 @@ ADJUSTABLE: dict[str, tuple[object, ...]] = {
 """The behaviours a framework's own configuration sets for one run, and their values: a profile adjusted so is named
 ``name:field=value,...`` (``megatron:dp_overlap=false``; :func:`profile`). Megatron-LM's flags set them
 (``--overlap-grad-reduce``, ``--grad-reduce-in-bf16``, the precision-aware optimizer's dtypes,
-``--fp8-param-gather``: ``planner.frameworks.megatron``); the other fields are facts of the framework's code."""
+``--fp8-param-gather``: ``planner.frameworks.megatron_import``); the other fields are facts of the framework's code."""
 
 
 def profile(name: str) -> ImplementationProfile:

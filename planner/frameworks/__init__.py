@@ -37,7 +37,7 @@ def import_config(framework: str, source: str, *, world_size: int) -> ImportedCo
     """A ``framework`` configuration read for a run on ``world_size`` devices: Megatron-LM arguments (the text),
     a torchtitan file (``FILE.py[:function]``, ``.json``, ``.toml``) or a DeepSpeed JSON file."""
     if framework == "megatron":
-        from tessera.planner.frameworks.megatron import from_megatron
+        from tessera.planner.frameworks.megatron_import import from_megatron
 
         return from_megatron(source, world_size=world_size)
     if framework == "torchtitan":

@@ -14,7 +14,8 @@ from tessera.cost_models.profiles import PROFILES
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.frameworks import import_config
 from tessera.planner.frameworks.common import canonical, pin_string
-from tessera.planner.frameworks.megatron import from_megatron, parse_layout
+from tessera.planner.frameworks.megatron_import import from_megatron
+from tessera.planner.frameworks.megatron_layout import parse_layout
 
 _TITAN = importlib.util.find_spec("torchtitan")
 # torchtitan's own config file, wherever it is installed (read as a syntax tree: the package need not import)

@@ -19,7 +19,7 @@ import pytest
 
 from tessera.cost_models.types import Strategy
 from tessera.planner.frameworks import export_plan
-from tessera.planner.frameworks.megatron import megatron_parser
+from tessera.planner.frameworks.megatron_import import megatron_parser
 from test_frameworks_roundtrip import CASES, plan_like  # pytest puts this folder on sys.path
 
 EXPORTABLE = [name for name, case in CASES.items() if case[3]["torchtitan"] != "refused"]
