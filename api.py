@@ -202,11 +202,11 @@ def runtime_training(training: TrainingConfig) -> TrainingConfig:
     """``training`` as Tessera's runtime runs it: an FP8 scaling it does not run (a framework's delayed, block or MX
     scaling, ``runtime.float8``) becomes current scaling, which it does, for Tessera's own plan beside baselines
     priced at their framework's."""
-    from tessera.runtime.float8 import TORCHAO_RECIPES
+    from tessera.runtime.float8 import runtime_scaling
 
-    if training.precision != "fp8" or training.fp8_scaling in TORCHAO_RECIPES:
+    if training.precision != "fp8" or runtime_scaling(training.fp8_scaling) == training.fp8_scaling:
         return training
-    return training.model_copy(update={"fp8_scaling": "current"})
+    return training.model_copy(update={"fp8_scaling": runtime_scaling(training.fp8_scaling)})
 
 
 def _check_fp8_scaling(cluster: Cluster, training: TrainingConfig) -> None:

@@ -225,11 +225,12 @@ def _compare(args: argparse.Namespace, console: Console) -> int:
         raise NotModelledError("a --baseline-from configuration trains multi-token-prediction modules, which Tessera's "
                                "plan beside it would not; evaluate it alone: tessera evaluate --from-megatron ...")
     workload = _workload(args, *args.baseline, imported=imported)
-    from tessera.runtime.float8 import TORCHAO_RECIPES
+    from tessera.runtime.float8 import runtime_scaling
 
-    if workload["precision"] == "fp8" and workload["fp8_scaling"] not in (None, *TORCHAO_RECIPES):
+    scaling = workload["fp8_scaling"]
+    if workload["precision"] == "fp8" and scaling is not None and runtime_scaling(scaling) != scaling:
         _say(Console(stderr=True, emoji=False), "note: Tessera's plan is priced at current FP8 scaling, which its "
-             f"runtime runs; the baselines at {workload['fp8_scaling']} scaling, as their framework runs it")
+             f"runtime runs; the baselines at {scaling} scaling, as their framework runs it")
     baselines = [*args.baseline, *(pin_string(config.strategy) for config in imported)]  # every field, as stated
     with console.status(f"capturing {escape(args.model)}, searching and evaluating {len(baselines)} baseline(s)..."):
         comparison = tessera.compare(**workload, baselines=baselines, baselines_run_on=[

@@ -56,6 +56,12 @@ from tessera.quiet import muted
 
 TORCHAO_RECIPES: dict[str, str] = {"current": "tensorwise", "rowwise": "rowwise"}
 """Tessera's ``fp8_scaling`` -> torchao's ``Float8LinearRecipeName``."""
+
+
+def runtime_scaling(scaling: Fp8Scaling) -> Fp8Scaling:
+    """``scaling`` where torchao runs it, else current scaling, which it does (another framework's delayed, block or
+    MX scaling, for Tessera's own plan beside that framework's run)."""
+    return scaling if scaling in TORCHAO_RECIPES else "current"
 GEMM_MULTIPLE = 16
 """Both dimensions of a converted linear's weight must be multiples of this (FP8 GEMM tiles)."""
 TORCHAO_INSTALL = "pip install torchao==0.18.0"
