@@ -171,8 +171,18 @@ def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Rec
         "recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn, "none") in ("selective", "full")),
         "full_recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn) == "full"),
         "attention_core_flops": sum(layer.selective_recompute_flops for layer in attention),
+        "attention_head_dim": attention_head_dim(attention),
         "kv_heads": min(layer.kv_heads or layer.attention_heads for layer in attention),
     }
+
+
+def attention_head_dim(attention: Sequence[LayerStats]) -> float:
+    """The head dim of the layers' attention cores, weighted by their FLOPs: the mean of a key head's width and a
+    value head's (``kv_head_width / 2``, the head dim itself where the two are equal); 0 where none was measured."""
+    measured = [(layer.selective_recompute_flops, layer.kv_head_width / 2) for layer in attention
+                if layer.kv_head_width and layer.selective_recompute_flops]
+    flops = sum(weight for weight, _ in measured)
+    return sum(weight * dim for weight, dim in measured) / flops if flops else 0.0
 
 
 def kv_bytes(layer: LayerStats, *, repeated: bool = False) -> float:

@@ -1,0 +1,62 @@
+"""Attention kernels priced at their rate at the model's head dim (``topology.head_dims``)."""
+
+from tessera.cost_models.compute import attention_efficiency, stage_compute_s
+from tessera.cost_models.layer_stats import LayerStats
+from tessera.cost_models.layer_sums import attention_head_dim
+from tessera.cost_models.partition import block_policies, stage_totals
+from tessera.cost_models.profiles import MEGATRON
+from tessera.cost_models.types import Strategy, TrainingConfig
+from tessera.topology import load_cluster
+from tessera.topology.head_dims import head_dim_rate
+
+H100 = load_cluster("dgx-h100:nodes=1")
+
+
+def test_rates_are_the_figures_medians_and_one_at_the_catalogs_head_dim():
+    # cuDNN's forward, causal, on an H100 (FlashAttention-3 paper Fig. 5 b, d): 225/315, 288/410, ... median 0.708
+    assert round(head_dim_rate("cudnn", 64), 3) == 0.708
+    assert round(head_dim_rate("fa2", 64), 3) == 0.888  # FlashAttention-2 figures, A100 and H100
+    for kernel in ("fa2", "fa-triton", "cudnn", "fa3"):
+        assert head_dim_rate(kernel, 128) == 1.0
+    assert head_dim_rate("cudnn", 0) == 1.0  # unmeasured: the catalog's 128
+    assert head_dim_rate("fa-triton", 256) == 1.0  # no figure beyond 128: flat
+    assert head_dim_rate("cudnn", 32) == head_dim_rate("cudnn", 64)  # below the figures: flat
+
+
+def test_between_measured_head_dims_the_rate_is_linear():
+    assert abs(head_dim_rate("cudnn", 96) - (head_dim_rate("cudnn", 64) + 1.0) / 2) < 1e-12
+    assert abs(head_dim_rate("fa2", 192) - (1.0 + head_dim_rate("fa2", 256)) / 2) < 1e-12
+
+
+def test_attention_efficiency_follows_the_head_dim():
+    at = {dim: attention_efficiency(H100.device, "bf16", kernels=("cudnn",), seq_len=4096, head_dim=dim)
+          for dim in (0, 64, 128)}
+    assert at[0] == at[128]
+    assert abs(at[64] / at[128] - head_dim_rate("cudnn", 64)) < 1e-12
+
+
+def layer(fqn: str, kv_head_width: int, core_flops: float) -> LayerStats:
+    return LayerStats(fqn=fqn, kind="block", signature=fqn, param_count=10**8, forward_flops=1e12, backward_flops=2e12,
+                      saved_bytes_no_recompute=2**30, saved_bytes_full_recompute=2**20, output_bytes=2**24,
+                      hidden_size=2048, attention_heads=32, kv_heads=8, kv_head_width=kv_head_width,
+                      selective_recompute_flops=core_flops, saved_bytes_selective=2**29)
+
+
+def test_a_stage_head_dim_is_the_cores_flop_weighted_mean_of_key_and_value_widths():
+    # latent attention (keys of 192, values of 128) counts as 160; unmeasured layers are left out
+    layers = [layer("a", 128, 1e11), layer("b", 192 + 128, 3e11), layer("c", 0, 5e11)]
+    assert attention_head_dim(layers) == (1e11 * 64 + 3e11 * 160) / 4e11
+    assert attention_head_dim([layer("c", 0, 5e11)]) == 0.0
+
+
+def test_narrow_heads_make_the_attention_cores_slower_and_nothing_else():
+    training, strategy = TrainingConfig(global_batch=8, seq_len=4096), Strategy.parse("dp=8,mbs=1")
+    times = {}
+    for width in (128, 256):  # head dims 64 and 128
+        layers = [layer(f"blocks.{i}", width, 2e11) for i in range(4)]
+        stage = stage_totals(layers, 0, block_policies(layers, strategy))
+        times[width] = stage_compute_s(stage, H100.device, training, strategy, profile=MEGATRON)
+    rate = attention_efficiency(H100.device, "bf16", kernels=MEGATRON.attention_kernels, seq_len=4096)
+    core_s = 4 * 2e11 / (rate * H100.device.peak_flops("bf16"))  # the four cores' forward at head dim 128
+    extra = core_s * (1 / head_dim_rate(MEGATRON.attention_kernels[0], 64) - 1)
+    assert abs(times[128][0] - times[256][0] - extra) < 1e-9 * times[256][0]
