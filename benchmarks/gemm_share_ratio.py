@@ -9,16 +9,20 @@ fork). Never vendored. Its ``sm_100`` table is the B200's, its ``sm_90`` the H10
 
 Prints the median B200/H100 ratio of bf16 shares over the shapes of at least 4096^3 multiply-adds (the catalog's
 factor) and over all shapes, both parts' rates at 4096^3 with the B200's FP8 share there, and the highest H100
-FP8 rate over the H100's FP8 peak (above 1: the table's sm_90 FP8 rates give no ratio).
+FP8 rate over the H100's FP8 peak (above 1: the table's sm_90 FP8 rates give no ratio). Then, for each part, the FP8
+half-width that the table's FP8-over-bf16 share ratio implies beside the bf16 half-width of
+``compute.GPU_CALIBRATION`` (``docs/calibration-log.md``, 2026-12-07: tried, not kept).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import statistics
 from pathlib import Path
 
+from tessera.cost_models.compute import GPU_CALIBRATION
 from tessera.topology.hardware import device
 
 PARTS = {"sm_100": "B200-SXM-180GB", "sm_90": "H100-SXM-80GB"}
@@ -58,6 +62,21 @@ def main() -> None:
           f"({table['sm_90', cube][BF16]:.2f}); B200 FP8 {table['sm_100', cube][FP8]:.2f} of its FP8 peak")
     print(f"highest H100 FP8 rate over its FP8 peak: "
           f"{max(v[FP8] for (arch, _), v in table.items() if arch == 'sm_90' and FP8 in v):.2f}")
+    for arch in PARTS:
+        for tokens in (2048, 4096, 8192):
+            print(f"{arch}, shapes of at least {tokens} tokens: FP8 half-width {fp8_half_width(table, arch, tokens):.0f}")
+
+
+def fp8_half_width(table: dict, arch: str, min_tokens: int) -> float:
+    """The FP8 half-width whose curve over the bf16 curve (``(w + h) / (w + h8)``, ``w`` a GEMM's narrower weight
+    dimension) best fits, in log, ``arch``'s FP8-over-bf16 share ratio on the shapes of at least ``min_tokens`` rows,
+    each ratio over the median ratio of the shapes at least 4096 wide and 8192 rows (where both have saturated)."""
+    half = GPU_CALIBRATION.half_width
+    ratios = [(shape, v[FP8] / v[BF16]) for (a, shape), v in table.items() if a == arch and BF16 in v and FP8 in v]
+    top = statistics.median(r for (b, m, n, k), r in ratios if min(n, k) >= 4096 and b * m >= 8192)
+    points = [(min(n, k), r / top) for (b, m, n, k), r in ratios if b * m >= min_tokens]
+    return min(range(0, 3001, 10), key=lambda h8: sum((math.log((w + half) / (w + h8)) - math.log(r)) ** 2
+                                                      for w, r in points))
 
 
 if __name__ == "__main__":
