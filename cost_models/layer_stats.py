@@ -104,6 +104,9 @@ class LayerStats(BaseModel):
     per token (context parallelism's ring moves ``kv_heads`` of them). 0 where not measured: ``2 * hidden / heads``,
     which misses a head wider than that (Qwen3's 128 at hidden 2048 and 32 heads) and latent attention's (DeepSeek-V3:
     keys of 192, values of 128)."""
+    query_head_width: int = Field(default=0, ge=0)
+    """A query head's width (a key head's too), as the layer's SDPA call reads it; 0 where not measured (half of
+    ``kv_head_width``). With ``kv_head_width``, what a fused attention kernel's rate depends on (``topology.head_dims``)."""
     experts: int = Field(default=0, ge=0)
     """Routed experts in the layer (0 for dense layers); expert parallelism must divide it."""
     top_k: int = Field(default=0, ge=0)

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.types import Recompute
+from tessera.topology.head_dims import HeadDims
 
 TP_SHARDED_KINDS = ("block", "embedding", "head")
 LINEAR_INPUT_SHARE = 14 / 34
@@ -171,18 +172,21 @@ def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Rec
         "recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn, "none") in ("selective", "full")),
         "full_recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn) == "full"),
         "attention_core_flops": sum(layer.selective_recompute_flops for layer in attention),
-        "attention_head_dim": attention_head_dim(attention),
+        "attention_head_dims": attention_head_dims(attention),
         "kv_heads": min(layer.kv_heads or layer.attention_heads for layer in attention),
     }
 
 
-def attention_head_dim(attention: Sequence[LayerStats]) -> float:
-    """The head dim of the layers' attention cores, weighted by their FLOPs: the mean of a key head's width and a
-    value head's (``kv_head_width / 2``, the head dim itself where the two are equal); 0 where none was measured."""
-    measured = [(layer.selective_recompute_flops, layer.kv_head_width / 2) for layer in attention
-                if layer.kv_head_width and layer.selective_recompute_flops]
-    flops = sum(weight for weight, _ in measured)
-    return sum(weight * dim for weight, dim in measured) / flops if flops else 0.0
+def attention_head_dims(attention: Sequence[LayerStats]) -> HeadDims:
+    """The key and value head widths of the layers' attention cores, each weighted by the cores' FLOPs; a layer whose
+    query width was not measured has keys and values of half its ``kv_head_width`` each; none measured: 0, 0."""
+    measured = [(layer.selective_recompute_flops, layer.query_head_width or layer.kv_head_width / 2, layer.kv_head_width)
+                for layer in attention if layer.kv_head_width and layer.selective_recompute_flops]
+    flops = sum(weight for weight, _, _ in measured)
+    if not flops:
+        return HeadDims()
+    key = sum(weight * width for weight, width, _ in measured) / flops
+    return HeadDims(key, sum(weight * both for weight, _, both in measured) / flops - key)
 
 
 def kv_bytes(layer: LayerStats, *, repeated: bool = False) -> float:

@@ -23,6 +23,7 @@ from tessera.cost_models.layer_sums import (
 )
 from tessera.cost_models.types import Recompute, Strategy
 from tessera.errors import ConfigError
+from tessera.topology.head_dims import HeadDims
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class StageTotals:
     recompute_kv_bytes: float = 0.0  # the part of kv_bytes whose attention core is recomputed (selective or full)
     full_recompute_kv_bytes: float = 0.0  # the part of it in fully recomputed blocks
     attention_core_flops: float = 0.0  # forward FLOPs of the attention cores per sequence (hides the ring)
-    attention_head_dim: float = 0.0  # the cores' head dim, weighted by their FLOPs (0: unmeasured; sets the kernel's rate)
+    attention_head_dims: HeadDims = HeadDims()  # the cores' key and value widths, FLOP-weighted (the kernel's rate)
     kv_heads: int = 0  # fewest key/value heads of the stage's attention layers (tp beyond it replicates K/V)
     # What the runtime holds around the loss and outside the blocks (``cost_models.memory``).
     root_sharded_params: int = 0  # parameters outside blocks that tp divides (embeddings, head): FSDP's root group

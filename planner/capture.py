@@ -379,6 +379,7 @@ def _facts(model: nn.Module, module: nn.Module, kind: str, tally: Tally, *, voca
         "attention_heads": tally.heads,
         "kv_heads": declared_kv or tally.kv_heads,
         "kv_head_width": tally.kv_head_width,
+        "query_head_width": tally.query_head_width,
         "experts": layer_info.expert_count(module),
         "vocab_size": vocab if kind == "head" else embedding_vocab,
         "tp_pairs": pairs,

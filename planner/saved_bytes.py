@@ -97,6 +97,7 @@ class Ledger:
         tally = self.tallies[self.scope.current()]
         tally.heads, tally.kv_heads = query.shape[1], key.shape[1]
         tally.kv_head_width = key.shape[-1] + value.shape[-1]
+        tally.query_head_width = query.shape[-1]
         tally.saved_bytes_selective = 0  # measured: filled in by selective_bytes
         for tensor in inputs:
             storage = tensor.untyped_storage()

@@ -39,6 +39,7 @@ class Tally:
     heads: int = 0
     kv_heads: int = 0
     kv_head_width: int = 0
+    query_head_width: int = 0
     expert_forward_flops: int = 0
     expert_backward_flops: int = 0
     fused_norm_saving_bytes: int = 0

@@ -15,16 +15,23 @@ over the bars at 128, causal masks, BF16/FP16, read off the figures:
   FlashAttention-3's: their forward ratio is taken for the backward too (assumed; FlashAttention-2's forward ratio at
   64 on the H100, 0.89, lies between its forward + backward ratios on the H100, 0.87, and on the A100, 0.90).
 
-Between the head dims measured the ratio is linear in the head dim, beyond them flat (a kernel pads a head dim up to
-its next compiled size, which a line only approximates); DeepSeek-V3's latent attention (keys of 192, values of 128)
-is priced at their mean, 160. The ratios come from Ampere and Hopper figures; Blackwell parts take them too (no
-figure at these head dims found for them).
+Between the head dims measured the ratio is linear in the head dim, beyond them flat. A kernel compiled for a few
+head dims runs a head at the next one up, its padded columns computed and thrown away: FlashAttention-2 (and PyTorch
+SDPA's copy of it) rounds a head up to a multiple of 32 to 128 and of 64 beyond (``csrc/flash_attn/flash_api.cpp``),
+FlashAttention-3 to 64, 96, 128, 192 or 256 (``hopper/flash_api.cpp`` ``round_up_headdim``), the Triton kernel to a
+power of two (``flash_attn/flash_attn_triton.py`` ``BLOCK_HEADDIM``; Dao-AILab/flash-attention at 0251105a). So MPT-30B's
+heads of 112 run FlashAttention-2's kernel for 128 at 112/128 of its rate. cuDNN's rounding is not published: its heads
+are taken as they are. Keys and values are rounded each (DeepSeek-V3's latent attention: keys of 192, values of 128),
+and the rate looked up at the mean of the two rounded widths. The ratios come from Ampere and Hopper figures;
+Blackwell parts take them too (no figure at these head dims found for them).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import statistics
+from typing import NamedTuple
 
 REFERENCE_HEAD_DIM = 128
 """The head dim of the catalog's attention rates."""
@@ -69,11 +76,36 @@ def _ratios(kernel: str) -> tuple[tuple[int, float], ...]:
     return tuple(points)
 
 
-def head_dim_rate(kernel: str, head_dim: float) -> float:
-    """``kernel``'s rate at ``head_dim`` over its rate at head dim 128 (1 for an unknown head dim, 0, or a kernel
-    without figures)."""
-    if not head_dim or kernel not in _BARS:
+class HeadDims(NamedTuple):
+    """The widths of an attention core's key (and query) heads and of its value heads; 0: not measured."""
+
+    key: float = 0.0
+    value: float = 0.0
+
+
+def _compiled_width(kernel: str, width: float) -> float:
+    """The head dim ``kernel`` runs a head of ``width`` at (module docstring); cuDNN's and unknown kernels': itself."""
+    if kernel == "fa2":
+        step = 32 if width <= 128 else 64
+        return step * math.ceil(width / step)
+    if kernel == "fa-triton":
+        return max(16, 2 ** math.ceil(math.log2(width)))
+    if kernel == "fa3":
+        return next((size for size in (64, 96, 128, 192, 256) if width <= size), width)
+    return width
+
+
+def head_dim_rate(kernel: str, dims: HeadDims) -> float:
+    """``kernel``'s rate on heads of ``dims`` over its rate at head dim 128, counting only the columns the heads
+    have (1 where the widths are not measured, or for a kernel without figures)."""
+    if not dims.key or kernel not in _BARS:
         return 1.0
+    compiled = _compiled_width(kernel, dims.key) + _compiled_width(kernel, dims.value)
+    return _measured_rate(kernel, compiled / 2) * (dims.key + dims.value) / compiled
+
+
+def _measured_rate(kernel: str, head_dim: float) -> float:
+    """The figures' ratio at ``head_dim``: linear between the head dims measured, flat beyond them."""
     points = _ratios(kernel)
     if head_dim <= points[0][0]:
         return points[0][1]

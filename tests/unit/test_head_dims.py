@@ -1,52 +1,71 @@
-"""Attention kernels priced at their rate at the model's head dim (``topology.head_dims``)."""
+"""Attention kernels priced at their rate on the model's heads (``topology.head_dims``)."""
 
 from tessera.cost_models.compute import attention_efficiency, stage_compute_s
 from tessera.cost_models.layer_stats import LayerStats
-from tessera.cost_models.layer_sums import attention_head_dim
+from tessera.cost_models.layer_sums import attention_head_dims
 from tessera.cost_models.partition import block_policies, stage_totals
 from tessera.cost_models.profiles import MEGATRON
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology import load_cluster
-from tessera.topology.head_dims import head_dim_rate
+from tessera.topology.head_dims import HeadDims, head_dim_rate
 
 H100 = load_cluster("dgx-h100:nodes=1")
 
 
+def heads(width: float) -> HeadDims:
+    return HeadDims(width, width)
+
+
 def test_rates_are_the_figures_medians_and_one_at_the_catalogs_head_dim():
     # cuDNN's forward, causal, on an H100 (FlashAttention-3 paper Fig. 5 b, d): 225/315, 288/410, ... median 0.708
-    assert round(head_dim_rate("cudnn", 64), 3) == 0.708
-    assert round(head_dim_rate("fa2", 64), 3) == 0.888  # FlashAttention-2 figures, A100 and H100
+    assert round(head_dim_rate("cudnn", heads(64)), 3) == 0.708
+    assert round(head_dim_rate("fa2", heads(64)), 3) == 0.888  # FlashAttention-2 figures, A100 and H100
     for kernel in ("fa2", "fa-triton", "cudnn", "fa3"):
-        assert head_dim_rate(kernel, 128) == 1.0
-    assert head_dim_rate("cudnn", 0) == 1.0  # unmeasured: the catalog's 128
-    assert head_dim_rate("fa-triton", 256) == 1.0  # no figure beyond 128: flat
-    assert head_dim_rate("cudnn", 32) == head_dim_rate("cudnn", 64)  # below the figures: flat
+        assert head_dim_rate(kernel, heads(128)) == 1.0
+    assert head_dim_rate("cudnn", HeadDims()) == 1.0  # unmeasured: the catalog's 128
+    assert head_dim_rate("cudnn", heads(32)) == head_dim_rate("cudnn", heads(64))  # below the figures: flat
 
 
-def test_between_measured_head_dims_the_rate_is_linear():
-    assert abs(head_dim_rate("cudnn", 96) - (head_dim_rate("cudnn", 64) + 1.0) / 2) < 1e-12
-    assert abs(head_dim_rate("fa2", 192) - (1.0 + head_dim_rate("fa2", 256)) / 2) < 1e-12
+def test_between_measured_head_dims_the_rate_is_linear_where_the_kernel_has_a_compiled_size():
+    assert abs(head_dim_rate("cudnn", heads(96)) - (head_dim_rate("cudnn", heads(64)) + 1.0) / 2) < 1e-12
+    assert abs(head_dim_rate("fa2", heads(96)) - (head_dim_rate("fa2", heads(64)) + 1.0) / 2) < 1e-12
 
 
-def test_attention_efficiency_follows_the_head_dim():
-    at = {dim: attention_efficiency(H100.device, "bf16", kernels=("cudnn",), seq_len=4096, head_dim=dim)
-          for dim in (0, 64, 128)}
+def test_a_kernel_runs_a_head_at_its_next_compiled_size_and_wastes_the_padding():
+    # MPT-30B's heads of 112: FlashAttention-2 and Triton run their kernels for 128; cuDNN's rounding is unknown
+    assert head_dim_rate("fa2", heads(112)) == 112 / 128
+    assert head_dim_rate("fa-triton", heads(112)) == 112 / 128
+    assert head_dim_rate("fa3", heads(80)) == head_dim_rate("fa3", heads(96)) * 80 / 96
+    assert head_dim_rate("cudnn", heads(112)) > head_dim_rate("fa2", heads(112))
+    # latent attention: keys of 192 and values of 128 are both compiled sizes of FlashAttention-3: nothing wasted,
+    # the rate a quarter of the way from 128's to 256's; heads of 160 each run at 192, their padding wasted
+    at_160 = 1.0 + (head_dim_rate("fa3", heads(256)) - 1.0) / 4
+    assert abs(head_dim_rate("fa3", HeadDims(192, 128)) - at_160) < 1e-12
+    assert head_dim_rate("fa3", heads(160)) < at_160
+
+
+def test_attention_efficiency_follows_the_heads():
+    at = {width: attention_efficiency(H100.device, "bf16", kernels=("cudnn",), seq_len=4096, head_dims=heads(width))
+          for width in (0, 64, 128)}
     assert at[0] == at[128]
-    assert abs(at[64] / at[128] - head_dim_rate("cudnn", 64)) < 1e-12
+    assert abs(at[64] / at[128] - head_dim_rate("cudnn", heads(64))) < 1e-12
 
 
-def layer(fqn: str, kv_head_width: int, core_flops: float) -> LayerStats:
+def layer(fqn: str, kv_head_width: int, core_flops: float, query_head_width: int = 0) -> LayerStats:
     return LayerStats(fqn=fqn, kind="block", signature=fqn, param_count=10**8, forward_flops=1e12, backward_flops=2e12,
                       saved_bytes_no_recompute=2**30, saved_bytes_full_recompute=2**20, output_bytes=2**24,
                       hidden_size=2048, attention_heads=32, kv_heads=8, kv_head_width=kv_head_width,
-                      selective_recompute_flops=core_flops, saved_bytes_selective=2**29)
+                      query_head_width=query_head_width, selective_recompute_flops=core_flops, saved_bytes_selective=2**29)
 
 
-def test_a_stage_head_dim_is_the_cores_flop_weighted_mean_of_key_and_value_widths():
-    # latent attention (keys of 192, values of 128) counts as 160; unmeasured layers are left out
-    layers = [layer("a", 128, 1e11), layer("b", 192 + 128, 3e11), layer("c", 0, 5e11)]
-    assert attention_head_dim(layers) == (1e11 * 64 + 3e11 * 160) / 4e11
-    assert attention_head_dim([layer("c", 0, 5e11)]) == 0.0
+def test_a_stages_heads_are_the_cores_flop_weighted_key_and_value_widths():
+    # latent attention (keys of 192, values of 128); a layer whose query width is unmeasured splits its width in two;
+    # layers with no width measured are left out
+    layers = [layer("a", 192 + 128, 3e11, query_head_width=192), layer("b", 128, 1e11), layer("c", 0, 5e11)]
+    key, value = attention_head_dims(layers)
+    assert abs(key - (3e11 * 192 + 1e11 * 64) / 4e11) < 1e-9
+    assert abs(value - (3e11 * 128 + 1e11 * 64) / 4e11) < 1e-9
+    assert attention_head_dims([layer("c", 0, 5e11)]) == HeadDims()
 
 
 def test_narrow_heads_make_the_attention_cores_slower_and_nothing_else():
@@ -58,5 +77,5 @@ def test_narrow_heads_make_the_attention_cores_slower_and_nothing_else():
         times[width] = stage_compute_s(stage, H100.device, training, strategy, profile=MEGATRON)
     rate = attention_efficiency(H100.device, "bf16", kernels=MEGATRON.attention_kernels, seq_len=4096)
     core_s = 4 * 2e11 / (rate * H100.device.peak_flops("bf16"))  # the four cores' forward at head dim 128
-    extra = core_s * (1 / head_dim_rate(MEGATRON.attention_kernels[0], 64) - 1)
+    extra = core_s * (1 / head_dim_rate(MEGATRON.attention_kernels[0], heads(64)) - 1)
     assert abs(times[128][0] - times[256][0] - extra) < 1e-9 * times[256][0]
