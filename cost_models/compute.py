@@ -32,7 +32,7 @@ from tessera.cost_models.profiles import TESSERA, ImplementationProfile
 from tessera.cost_models.stage_views import op_level_selective, with_loss_kernel
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology.cluster import DeviceSpec
-from tessera.topology.head_dims import HeadDims, head_dim_rate
+from tessera.topology.head_dims import HeadDims, stage_head_rate
 from tessera.topology.hardware import ATTENTION_KERNELS, LOCAL_CPU, AttentionCurve, attention_curve, matmul_scale
 
 
@@ -150,19 +150,19 @@ def bf16_or(precision: str) -> str:
 
 def attention_efficiency(
     device: DeviceSpec, precision: str, *, kernels: tuple[str, ...], seq_len: float,
-    calibration: Calibration = GPU_CALIBRATION, head_dims: HeadDims = HeadDims(),
+    calibration: Calibration = GPU_CALIBRATION, head_widths: tuple[tuple[float, HeadDims], ...] = (),
 ) -> float:
     """Fraction of the ``precision`` peak at which the attention cores' measured FLOPs run on ``device``.
 
     The first of ``kernels`` (the framework's, in its order of preference) that the device's catalog entry has a
     published rate for: that rate at query length ``seq_len`` over ``CAUSAL_WORK`` (the kernel does half the
     measured FLOPs) and the peak; so an A100 running FlashAttention-2 at 2K tokens (155 TFLOP/s counted causal)
-    prices the measured FLOPs at 0.99 of its 312 TFLOP/s; on heads of ``head_dims`` other than the rates' 128, at the
-    kernel's rate there (``topology.head_dims``; unmeasured: 128). The published rates are for bf16/fp16; other
-    precisions (fp32: no flash kernel) and devices or kernels without a figure take ``calibration``'s fitted
+    prices the measured FLOPs at 0.99 of its 312 TFLOP/s; on heads other than the rates' 128 wide (``head_widths``:
+    FLOPs and widths, ``StageTotals.attention_head_widths``), at the kernel's rate on them (``topology.head_dims``).
+    The published rates are for bf16/fp16; other precisions (fp32: no flash kernel) and devices or kernels without a figure take ``calibration``'s fitted
     ``attention_efficiency`` (0: the caller's matmul rate).
     """
-    published = published_attention_flops(device.name, precision, kernels, seq_len, head_dims)
+    published = published_attention_flops(device.name, precision, kernels, seq_len, head_widths)
     if published is None:
         return device_calibration(device, calibration).attention_efficiency
     return published / (CAUSAL_WORK * device.peak_flops(precision))
@@ -170,15 +170,16 @@ def attention_efficiency(
 
 @functools.lru_cache(maxsize=4096)  # the catalog is read once; a search asks the same few lengths ~10^5 times
 def published_attention_flops(
-    device_name: str, precision: str, kernels: tuple[str, ...], seq_len: float, head_dims: HeadDims = HeadDims(),
+    device_name: str, precision: str, kernels: tuple[str, ...], seq_len: float,
+    head_widths: tuple[tuple[float, HeadDims], ...] = (),
 ) -> float | None:
     """FLOP/s of the first of ``kernels`` with a published curve on the catalogued ``device_name`` in
-    ``precision`` (bf16/fp16 only) at ``seq_len`` (``curve_at``) on heads of ``head_dims`` (``head_dims.head_dim_rate``),
-    or ``None``."""
+    ``precision`` (bf16/fp16 only) at ``seq_len`` (``curve_at``) on heads of ``head_widths``
+    (``head_dims.stage_head_rate``), or ``None``."""
     kernel = priced_attention_kernel(device_name, precision, kernels)
     if kernel is None:
         return None
-    return curve_at(attention_curve(device_name, kernel), seq_len) * head_dim_rate(kernel, head_dims)
+    return curve_at(attention_curve(device_name, kernel), seq_len) * stage_head_rate(kernel, head_widths)
 
 
 def priced_attention_kernel(device_name: str, precision: str, kernels: tuple[str, ...]) -> str | None:
@@ -295,7 +296,7 @@ def arithmetic_s(
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
     attention_rate = attention_core_rate(device, training, rate, calibration=calibration, kernels=kernels,
                                          seq_len=seq_len or training.seq_len, cp=cp, ring_slowed=ring_slowed,
-                                         head_dims=stage.attention_head_dims)
+                                         head_widths=stage.attention_head_widths)
     core = min(stage.attention_core_flops, stage.forward_flops)
     linear_rate, head_forward, head_backward = rate, 0.0, 0.0
     if training.precision == "fp8":
@@ -330,15 +331,15 @@ def _expert_slowdown(device: DeviceSpec, training: TrainingConfig, width: float,
 def attention_core_rate(
     device: DeviceSpec, training: TrainingConfig, rate: float,
     *, calibration: Calibration, kernels: tuple[str, ...], seq_len: float, cp: int = 1, ring_slowed: bool = True,
-    head_dims: HeadDims = HeadDims(),
+    head_widths: tuple[tuple[float, HeadDims], ...] = (),
 ) -> float:
     """FLOP/s at which the attention cores get through their measured FLOPs (the whole ``s x s`` of each call):
-    ``attention_efficiency`` of the peak of their dtype (bf16 under FP8) on their ``head_dims``, else the matmul
+    ``attention_efficiency`` of the peak of their dtype (bf16 under FP8) on their ``head_widths``, else the matmul
     ``rate`` (no kernel figure and no calibrated fallback); split over a ring of ``cp`` > 1 ranks that is
     ``ring_slowed`` (``profiles.cp_ring_slowdown``), ``cp_attention_slowdown`` times slower."""
     precision = bf16_or(training.precision)
     efficiency = attention_efficiency(device, precision, kernels=kernels, seq_len=seq_len, calibration=calibration,
-                                      head_dims=head_dims)
+                                      head_widths=head_widths)
     unsplit = device.peak_flops(precision) * efficiency if efficiency else rate
     if cp > 1 and ring_slowed:
         return unsplit / device_calibration(device, calibration).cp_attention_slowdown
@@ -388,13 +389,14 @@ def compute_lower_bound_s(
     seq_len = training.seq_len / strategy.cp
     width = model.hidden_size / strategy.tp
     rate = achievable_flops(device, bf16_or(training.precision), width=width, calibration=calibration)
-    head_dims = model.attention_head_dims
-    kernels = _fastest_attention(device, training, rate, seq_len=seq_len, calibration=calibration, head_dims=head_dims)
+    head_widths = model.attention_head_widths
+    kernels = _fastest_attention(device, training, rate, seq_len=seq_len, calibration=calibration,
+                                 head_widths=head_widths)
     bounding = _tessera_with(kernels, profile.fused_declared_norms, profile.fused_gated_activation)
     forward, backward, _ = stage_compute_s(model, device, training, strategy, calibration=calibration,
                                            profile=bounding)
     attention = attention_core_rate(device, training, rate, calibration=calibration, kernels=kernels, seq_len=seq_len,
-                                    head_dims=head_dims)
+                                    head_widths=head_widths)
     fastest = max(rate, attention,
                   device.peak_flops("fp8") * device_calibration(device, calibration).fp8_at(width)
                   if training.precision == "fp8" else 0.0)
@@ -415,7 +417,7 @@ def _tessera_with(kernels: tuple[str, ...], declared_norms: bool, gates: bool) -
 
 def _fastest_attention(
     device: DeviceSpec, training: TrainingConfig, rate: float, *, seq_len: float, calibration: Calibration,
-    head_dims: HeadDims = HeadDims(),
+    head_widths: tuple[tuple[float, HeadDims], ...] = (),
 ) -> tuple[str, ...]:
     """The ``kernels`` argument that gives the fastest attention any profile can get on ``device``: the catalogued
     kernel of the highest rate, or none (the fallback) where the fallback is faster; compared as each is priced
@@ -423,8 +425,8 @@ def _fastest_attention(
     precision = bf16_or(training.precision)
     options = [(kernel,) for kernel in ATTENTION_KERNELS
                if published_attention_flops(device.name, precision, (kernel,), seq_len)] + [()]
-    return max(options, key=lambda kernels: attention_core_rate(device, training, rate, calibration=calibration,
-                                                                kernels=kernels, seq_len=seq_len, head_dims=head_dims))
+    return max(options, key=lambda kernels: attention_core_rate(
+        device, training, rate, calibration=calibration, kernels=kernels, seq_len=seq_len, head_widths=head_widths))
 
 
 def optimizer_step_s(local_params: float, device: DeviceSpec, *, master_bytes: int = 4, moment_bytes: int = 4) -> float:

@@ -377,7 +377,7 @@ def stage_time(
     attention = attention_core_rate(cluster.device, training, rate, calibration=calibration,  # what hides the ring
                                     kernels=profile.kernels_at(strategy.cp), seq_len=training.seq_len / strategy.cp,
                                     cp=strategy.cp, ring_slowed=profile.cp_ring_slowdown,
-                                    head_dims=stage.attention_head_dims)
+                                    head_widths=stage.attention_head_widths)
     cp_total, cp_exposed = cp_comm_s(stage, cluster, strategy, flops_per_s=attention, profile=profile)
     ep_total = ep_comm_s(stage, cluster, strategy, dispatch=profile.ep_dispatch, routing=profile.ep_routing)
     ep_exposed = ep_total if not profile.ep_overlap else exposed_ep_comm_s(  # beside another micro-batch's compute

@@ -106,7 +106,8 @@ class LayerStats(BaseModel):
     keys of 192, values of 128)."""
     query_head_width: int = Field(default=0, ge=0)
     """A query head's width (a key head's too), as the layer's SDPA call reads it; 0 where not measured (half of
-    ``kv_head_width``). With ``kv_head_width``, what a fused attention kernel's rate depends on (``topology.head_dims``)."""
+    ``kv_head_width``). With ``kv_head_width``, what a fused attention kernel's rate depends on
+    (``topology.head_dims``)."""
     experts: int = Field(default=0, ge=0)
     """Routed experts in the layer (0 for dense layers); expert parallelism must divide it."""
     top_k: int = Field(default=0, ge=0)

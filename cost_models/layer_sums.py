@@ -172,21 +172,22 @@ def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Rec
         "recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn, "none") in ("selective", "full")),
         "full_recompute_kv_bytes": sum(b for fqn, b in kv.items() if policy.get(fqn) == "full"),
         "attention_core_flops": sum(layer.selective_recompute_flops for layer in attention),
-        "attention_head_dims": attention_head_dims(attention),
+        "attention_head_widths": attention_head_widths(attention),
         "kv_heads": min(layer.kv_heads or layer.attention_heads for layer in attention),
     }
 
 
-def attention_head_dims(attention: Sequence[LayerStats]) -> HeadDims:
-    """The key and value head widths of the layers' attention cores, each weighted by the cores' FLOPs; a layer whose
-    query width was not measured has keys and values of half its ``kv_head_width`` each; none measured: 0, 0."""
-    measured = [(layer.selective_recompute_flops, layer.query_head_width or layer.kv_head_width / 2, layer.kv_head_width)
-                for layer in attention if layer.kv_head_width and layer.selective_recompute_flops]
-    flops = sum(weight for weight, _, _ in measured)
-    if not flops:
-        return HeadDims()
-    key = sum(weight * width for weight, width, _ in measured) / flops
-    return HeadDims(key, sum(weight * both for weight, _, both in measured) / flops - key)
+def attention_head_widths(attention: Sequence[LayerStats]) -> tuple[tuple[float, HeadDims], ...]:
+    """``((forward FLOPs of the cores, their key and value head widths), ...)``, one entry per distinct widths, in
+    the order first seen: what a fused kernel's rate on the layers depends on (``head_dims.stage_head_rate``). A layer
+    whose query width was not measured has keys and values of half its ``kv_head_width`` each; one with neither,
+    unknown widths (priced at the catalog's 128)."""
+    flops: dict[HeadDims, float] = {}
+    for layer in attention:
+        key = layer.query_head_width or layer.kv_head_width / 2
+        dims = HeadDims(key, layer.kv_head_width - key) if layer.kv_head_width else HeadDims()
+        flops[dims] = flops.get(dims, 0.0) + layer.selective_recompute_flops
+    return tuple((weight, dims) for dims, weight in flops.items() if weight)
 
 
 def kv_bytes(layer: LayerStats, *, repeated: bool = False) -> float:

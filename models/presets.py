@@ -77,8 +77,8 @@ PRESETS: dict[str, ModelConfig] = {
     # (plain multi-head) because it matches MLA's parameter count best: q/o 2 x 7168^2 + k/v 2 x 7168 x 128 x 56
     # = 205M per layer against MLA's ~187M (q down/up 11M + 38M, kv down/up 4M + 17M, o 117M); our head_dim is
     # hidden / heads = 56 where MLA's is 128 (+64 RoPE), so attention-core FLOPs are ~3x lower than MLA's (a
-    # few percent of the step at 4K), run at a fused kernel's slower rate at so narrow a head
-    # (``topology.head_dims``). Fewer kv heads would undercount parameters; MLA's latent KV compression
+    # few percent of the step at 4K), and priced at a fused kernel's rate on heads of 56, slower than on MLA's
+    # (``topology.head_dims``): about half of MLA's attention time in all. Fewer kv heads would undercount parameters; MLA's latent KV compression
     # saves inference memory, not training work. (2) Multi-token prediction and the router's node-limited,
     # bias-based balancing are not modelled (top-8 softmax router, aux loss). Result: 672B parameters (paper:
     # 671B), 38.7B active (37B).

@@ -7,29 +7,33 @@ the sequence lengths of each figure (512 to 16K; the ratio moves little with len
 over the bars at 128, causal masks, BF16/FP16, read off the figures:
 
 - FlashAttention-2, forward + backward: Dao 2023 (arXiv 2307.08691), Figure 4 (A100 80GB SXM4) (c) and (d) and
-  Figure 7 (H100 80GB SXM5) (c) and (d), head dims 64 and 128 (the repository's ``assets/flash2_a100_fwd_bwd_benchmark.png``
-  and ``assets/flash2_h100_fwd_bwd_benchmark.png``). The Triton FlashAttention of the same figures (A100 only), likewise.
+  Figure 7 (H100 80GB SXM5) (c) and (d), head dims 64 and 128 (the repository's
+  ``assets/flash2_a100_fwd_bwd_benchmark.png`` and ``assets/flash2_h100_fwd_bwd_benchmark.png``). The Triton
+  FlashAttention of the same figures (A100 only), likewise.
 - Forward only, H100 80GB SXM5: Shah et al. 2024, 'FlashAttention-3' (arXiv 2407.08608), Figure 5 (b), (d) and (f),
-  head dims 64, 128 and 256 (``assets/flash3_fp16_fwd.png``): cuDNN, FlashAttention-3, FlashAttention-2 at 256, and
-  Triton's forward beside its A100 forward + backward. No backward figure at these head dims gives cuDNN's or
-  FlashAttention-3's: their forward ratio is taken for the backward too (assumed; FlashAttention-2's forward ratio at
-  64 on the H100, 0.89, lies between its forward + backward ratios on the H100, 0.87, and on the A100, 0.90).
+  head dims 64, 128 and 256 (``assets/flash3_fp16_fwd.png``): cuDNN, FlashAttention-3, FlashAttention-2's forward
+  beside its forward + backward figures, and Triton's beside its A100 forward + backward. No backward figure at these
+  head dims gives cuDNN's or FlashAttention-3's: their forward ratio is taken for the backward too (assumed;
+  FlashAttention-2's forward ratio at 64 on the H100, 0.89, lies between its forward + backward ratios on the H100,
+  0.87, and on the A100, 0.90).
 
 Between the head dims measured the ratio is linear in the head dim, beyond them flat. A kernel compiled for a few
-head dims runs a head at the next one up, its padded columns computed and thrown away: FlashAttention-2 (and PyTorch
-SDPA's copy of it) rounds a head up to a multiple of 32 to 128 and of 64 beyond (``csrc/flash_attn/flash_api.cpp``),
-FlashAttention-3 to 64, 96, 128, 192 or 256 (``hopper/flash_api.cpp`` ``round_up_headdim``), the Triton kernel to a
-power of two (``flash_attn/flash_attn_triton.py`` ``BLOCK_HEADDIM``; Dao-AILab/flash-attention at 0251105a). So MPT-30B's
-heads of 112 run FlashAttention-2's kernel for 128 at 112/128 of its rate. cuDNN's rounding is not published: its heads
-are taken as they are. Keys and values are rounded each (DeepSeek-V3's latent attention: keys of 192, values of 128),
-and the rate looked up at the mean of the two rounded widths. The ratios come from Ampere and Hopper figures;
-Blackwell parts take them too (no figure at these head dims found for them).
+head dims runs a head at the next one up, its padded columns computed and thrown away (``COMPILED_HEAD_DIMS``):
+PyTorch SDPA's copy of FlashAttention-2 has kernels for 32, 64, 96, 128, 160, 192, 224 and 256
+(``aten/src/ATen/native/transformers/cuda/flash_attn/static_switch.h``; the flash-attn package had the same until it
+dropped 224 in 2024 and 160 in 2025), FlashAttention-3's backward rounds to 64, 96, 128, 192 or 256
+(``hopper/flash_api.cpp`` ``round_up_headdim``, at Dao-AILab/flash-attention 0251105a; its forward, a third of the
+work, is taken alike), the Triton kernel to a power of two up to 128, its limit (``flash_attn/flash_attn_triton.py``
+``BLOCK_HEADDIM``). So a head of 112 runs FlashAttention-2's kernel for 128 at 112/128 of its rate. These kernels run
+keys and values of one width: a head whose values are narrower (DeepSeek-V3's latent attention: keys of 192, values of
+128) is run at the wider, the values padded. cuDNN's rounding is not published: its heads are taken at the mean of their
+key and value widths as they are. The ratios come from Ampere and Hopper figures; Blackwell parts take them too (no
+figure at these head dims found for them).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import statistics
 from typing import NamedTuple
 
@@ -83,16 +87,9 @@ class HeadDims(NamedTuple):
     value: float = 0.0
 
 
-def _compiled_width(kernel: str, width: float) -> float:
-    """The head dim ``kernel`` runs a head of ``width`` at (module docstring); cuDNN's and unknown kernels': itself."""
-    if kernel == "fa2":
-        step = 32 if width <= 128 else 64
-        return step * math.ceil(width / step)
-    if kernel == "fa-triton":
-        return max(16, 2 ** math.ceil(math.log2(width)))
-    if kernel == "fa3":
-        return next((size for size in (64, 96, 128, 192, 256) if width <= size), width)
-    return width
+COMPILED_HEAD_DIMS = {"fa2": (32, 64, 96, 128, 160, 192, 224, 256), "fa3": (64, 96, 128, 192, 256),
+                      "fa-triton": (16, 32, 64, 128)}
+"""The head dims each kernel has compiled code for (module docstring); cuDNN is not listed: taken as it is."""
 
 
 def head_dim_rate(kernel: str, dims: HeadDims) -> float:
@@ -100,8 +97,21 @@ def head_dim_rate(kernel: str, dims: HeadDims) -> float:
     have (1 where the widths are not measured, or for a kernel without figures)."""
     if not dims.key or kernel not in _BARS:
         return 1.0
-    compiled = _compiled_width(kernel, dims.key) + _compiled_width(kernel, dims.value)
-    return _measured_rate(kernel, compiled / 2) * (dims.key + dims.value) / compiled
+    sizes = COMPILED_HEAD_DIMS.get(kernel)
+    if sizes is None:
+        return _measured_rate(kernel, (dims.key + dims.value) / 2)
+    wider = max(dims)
+    compiled = next((size for size in sizes if wider <= size), wider)  # past the last: run as it is
+    return _measured_rate(kernel, compiled) * (dims.key + dims.value) / (2 * compiled)
+
+
+def stage_head_rate(kernel: str, heads: tuple[tuple[float, HeadDims], ...]) -> float:
+    """``kernel``'s rate over its rate at head dim 128 on a stage whose attention cores run ``heads`` (FLOPs, widths):
+    the FLOPs over the time each group takes at its own rate, so stages add up (1 for none)."""
+    flops = sum(weight for weight, _ in heads)
+    if not flops:
+        return 1.0
+    return flops / sum(weight / head_dim_rate(kernel, dims) for weight, dims in heads)
 
 
 def _measured_rate(kernel: str, head_dim: float) -> float:

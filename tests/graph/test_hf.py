@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tessera.errors import ModelSpecError, NotModelledError  # noqa: E402
-from tessera.cost_models.layer_sums import attention_head_dims, kv_bytes  # noqa: E402
+from tessera.cost_models.layer_sums import attention_head_widths, kv_bytes  # noqa: E402
 from tessera.planner.capture import capture_preset  # noqa: E402
 from tessera.planner.layer_graph import with_mtp_modules  # noqa: E402
 from tessera.cost_models import Strategy  # noqa: E402
@@ -133,7 +133,7 @@ def test_latent_attention_whose_values_are_narrower_than_its_keys_is_measured() 
     assert dense.kv_head_width == 24 + 16
     assert kv_bytes(dense) == dense.output_bytes / H * HEADS * (24 + 16)
     assert dense.query_head_width == 24  # a fused kernel's rate depends on both widths
-    assert attention_head_dims([dense, sparse]) == (24, 16)
+    assert attention_head_widths([dense]) == ((dense.selective_recompute_flops, (24, 16)),)
 
 
 def test_multi_token_prediction_modules_run_one_more_block_and_the_head_again() -> None:

@@ -104,7 +104,7 @@ def test_the_framework_decides_the_kernel():
     te_a100 = attention_efficiency(A100.device, "bf16", kernels=MEGATRON.attention_kernels, seq_len=2048)
     assert te_a100 == attention_efficiency(A100.device, "bf16", kernels=TORCHTITAN.attention_kernels, seq_len=2048)
     triton = attention_efficiency(A100.device, "bf16", kernels=PYTORCH_FSDP_TE.attention_kernels, seq_len=2048)
-    assert triton == pytest.approx(74 / (0.5 * 312))
+    assert triton == pytest.approx(68 / (0.5 * 312))  # Triton FlashAttention at 2K tokens (Dao 2023 Fig. 4d)
     assert compute_s(H100, MEGATRON)[1] < compute_s(H100, TORCHTITAN)[1]
 
 
@@ -123,7 +123,7 @@ def test_unknown_device_unfused_kernels_and_fp32_fall_back_to_the_calibrated_eff
 def test_rate_follows_the_sequence_length_and_is_flat_beyond_the_published_points():
     curve = attention_curve("A100-SXM-80GB", "fa2")
     assert curve_at(curve, 2048) == 155e12 and curve_at(curve, 256) == 99e12 and curve_at(curve, 131072) == 189e12
-    assert curve_at(curve, 2896) == pytest.approx((155e12 + 182e12) / 2, rel=1e-3)  # half-way in log2(seq)
+    assert curve_at(curve, 2896) == pytest.approx((155e12 + 173e12) / 2, rel=1e-3)  # half-way in log2(seq)
     short, long = compute_s(A100, TESSERA, seq_len=512), compute_s(A100, TESSERA, seq_len=8192)
     assert short[0] > long[0]
     # under context parallelism each rank's kernel runs its share of the sequence
@@ -136,7 +136,7 @@ def test_a_context_parallel_ring_runs_its_attention_cores_slower_by_the_fitted_f
     s = Strategy.parse("dp=4,cp=2,zero=3,mbs=1")
     stage = stage_totals(LAYERS, 0, block_policies(LAYERS, s))
     forward, backward, _ = stage_compute_s(stage, A100.device, training(8192), s, calibration=ring, profile=TESSERA)
-    hand_forward, hand_backward = hand_s(312e12, 182e12 / CAUSAL_WORK / 1.5)  # the 4K-token kernel rate, slowed
+    hand_forward, hand_backward = hand_s(312e12, 173e12 / CAUSAL_WORK / 1.5)  # the 4K-token kernel rate, slowed
     assert (forward, backward) == pytest.approx((hand_forward / 2, hand_backward / 2))  # each rank: half the work
     unsplit = Strategy.parse("dp=8,zero=3,mbs=1")  # no ring: the factor does not apply
     whole = stage_totals(LAYERS, 0, block_policies(LAYERS, unsplit))

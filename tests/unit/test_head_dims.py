@@ -1,15 +1,18 @@
 """Attention kernels priced at their rate on the model's heads (``topology.head_dims``)."""
 
-from tessera.cost_models.compute import attention_efficiency, stage_compute_s
+from dataclasses import replace
+
+from tessera.cost_models import estimate
+from tessera.cost_models.compute import attention_efficiency, compute_lower_bound_s, stage_compute_s
 from tessera.cost_models.layer_stats import LayerStats
-from tessera.cost_models.layer_sums import attention_head_dims
+from tessera.cost_models.layer_sums import attention_head_widths
 from tessera.cost_models.partition import block_policies, stage_totals
-from tessera.cost_models.profiles import MEGATRON
+from tessera.cost_models.profiles import MEGATRON, TESSERA
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology import load_cluster
-from tessera.topology.head_dims import HeadDims, head_dim_rate
+from tessera.topology.head_dims import HeadDims, head_dim_rate, stage_head_rate
 
-H100 = load_cluster("dgx-h100:nodes=1")
+H100, A100 = load_cluster("dgx-h100:nodes=1"), load_cluster("dgx-a100:nodes=1")
 
 
 def heads(width: float) -> HeadDims:
@@ -32,21 +35,30 @@ def test_between_measured_head_dims_the_rate_is_linear_where_the_kernel_has_a_co
 
 
 def test_a_kernel_runs_a_head_at_its_next_compiled_size_and_wastes_the_padding():
-    # MPT-30B's heads of 112: FlashAttention-2 and Triton run their kernels for 128; cuDNN's rounding is unknown
+    # heads of 112: FlashAttention-2 and Triton run their kernels for 128; cuDNN's rounding is unknown
     assert head_dim_rate("fa2", heads(112)) == 112 / 128
     assert head_dim_rate("fa-triton", heads(112)) == 112 / 128
     assert head_dim_rate("fa3", heads(80)) == head_dim_rate("fa3", heads(96)) * 80 / 96
     assert head_dim_rate("cudnn", heads(112)) > head_dim_rate("fa2", heads(112))
-    # latent attention: keys of 192 and values of 128 are both compiled sizes of FlashAttention-3: nothing wasted,
-    # the rate a quarter of the way from 128's to 256's; heads of 160 each run at 192, their padding wasted
-    at_160 = 1.0 + (head_dim_rate("fa3", heads(256)) - 1.0) / 4
-    assert abs(head_dim_rate("fa3", HeadDims(192, 128)) - at_160) < 1e-12
-    assert head_dim_rate("fa3", heads(160)) < at_160
+    # SDPA's FlashAttention-2 has a kernel for 160 (FlashAttention-3 does not); Triton's stops at 128
+    assert head_dim_rate("fa2", heads(160)) > head_dim_rate("fa3", heads(160))
+    assert head_dim_rate("fa-triton", heads(160)) == 1.0
+    # latent attention (keys of 192, values of 128): run at 192, the values padded; cuDNN takes it as it is
+    assert head_dim_rate("fa3", HeadDims(192, 128)) == head_dim_rate("fa3", heads(192)) * (192 + 128) / (2 * 192)
+    at_160 = 1.0 + (head_dim_rate("cudnn", heads(256)) - 1.0) / 4  # a quarter of the way from 128 to 256
+    assert abs(head_dim_rate("cudnn", HeadDims(192, 128)) - at_160) < 1e-12
+
+
+def test_a_stage_of_several_widths_runs_at_the_rate_that_adds_up_its_cores_times():
+    mixed = ((1e12, heads(96)), (3e12, heads(128)))
+    time = 1e12 / head_dim_rate("fa2", heads(96)) + 3e12 / head_dim_rate("fa2", heads(128))
+    assert abs(stage_head_rate("fa2", mixed) - 4e12 / time) < 1e-12
+    assert stage_head_rate("fa2", ()) == 1.0
 
 
 def test_attention_efficiency_follows_the_heads():
-    at = {width: attention_efficiency(H100.device, "bf16", kernels=("cudnn",), seq_len=4096, head_dims=heads(width))
-          for width in (0, 64, 128)}
+    at = {width: attention_efficiency(H100.device, "bf16", kernels=("cudnn",), seq_len=4096,
+                                      head_widths=((1.0, heads(width)),)) for width in (0, 64, 128)}
     assert at[0] == at[128]
     assert abs(at[64] / at[128] - head_dim_rate("cudnn", heads(64))) < 1e-12
 
@@ -58,14 +70,24 @@ def layer(fqn: str, kv_head_width: int, core_flops: float, query_head_width: int
                       query_head_width=query_head_width, selective_recompute_flops=core_flops, saved_bytes_selective=2**29)
 
 
-def test_a_stages_heads_are_the_cores_flop_weighted_key_and_value_widths():
+def test_a_stages_heads_are_its_cores_flops_by_their_key_and_value_widths():
     # latent attention (keys of 192, values of 128); a layer whose query width is unmeasured splits its width in two;
-    # layers with no width measured are left out
-    layers = [layer("a", 192 + 128, 3e11, query_head_width=192), layer("b", 128, 1e11), layer("c", 0, 5e11)]
-    key, value = attention_head_dims(layers)
-    assert abs(key - (3e11 * 192 + 1e11 * 64) / 4e11) < 1e-9
-    assert abs(value - (3e11 * 128 + 1e11 * 64) / 4e11) < 1e-9
-    assert attention_head_dims([layer("c", 0, 5e11)]) == HeadDims()
+    # a layer with no width measured: unknown widths
+    layers = [layer("a", 192 + 128, 3e11, query_head_width=192), layer("b", 128, 1e11), layer("c", 0, 5e11),
+              layer("d", 128, 2e11)]
+    assert attention_head_widths(layers) == ((3e11, HeadDims(192, 128)), (3e11, HeadDims(64, 64)), (5e11, HeadDims()))
+
+
+def test_the_lower_bound_holds_over_stages_of_different_head_widths():
+    # one stage of 96-wide heads, one of 128 (FlashAttention-2 on A100s): no stage is faster than the bound
+    narrow = [layer(f"blocks.{i}", 192, 4e11) for i in range(2)]
+    wide = [layer(f"blocks.{i}", 256, 4e11) for i in range(2, 4)]
+    training, strategy = TrainingConfig(global_batch=8, seq_len=8192), Strategy.parse("dp=4,pp=2,mbs=1")
+    est = estimate(narrow + wide, A100, training, strategy, profile=replace(TESSERA, attention_kernels=("fa2",)))
+    whole = stage_totals(narrow + wide, 0, block_policies(narrow + wide, strategy))
+    bound = compute_lower_bound_s(whole, A100.device, training, strategy)
+    slowest = max(stage["forward"] + stage["backward"] + stage["recompute"] for stage in est.stage_time_per_micro_batch_s)
+    assert bound <= slowest
 
 
 def test_narrow_heads_make_the_attention_cores_slower_and_nothing_else():
