@@ -178,16 +178,22 @@ def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Rec
 
 
 def attention_head_widths(attention: Sequence[LayerStats]) -> tuple[tuple[float, HeadDims], ...]:
-    """``((forward FLOPs of the cores, their key and value head widths), ...)``, one entry per distinct widths, in
-    the order first seen: what a fused kernel's rate on the layers depends on (``head_dims.stage_head_rate``). A layer
+    """``((share of the cores' forward FLOPs, their key and value head widths), ...)``, one entry per distinct widths,
+    in the order first seen: what a fused kernel's rate on the layers depends on (``head_dims.stage_head_rate``; shares,
+    not FLOPs, so that stages of one width share one entry and the rate lookups their cache). A layer
     whose query width was not measured has keys and values of half its ``kv_head_width`` each; one with neither,
     unknown widths (priced at the catalog's 128)."""
-    flops: dict[HeadDims, float] = {}
+    flops: dict[tuple[int, int], float] = {}  # by the measured widths (a search sums ~10^5 stages)
     for layer in attention:
-        key = layer.query_head_width or layer.kv_head_width / 2
-        dims = HeadDims(key, layer.kv_head_width - key) if layer.kv_head_width else HeadDims()
-        flops[dims] = flops.get(dims, 0.0) + layer.selective_recompute_flops
-    return tuple((weight, dims) for dims, weight in flops.items() if weight)
+        widths = (layer.query_head_width, layer.kv_head_width)
+        flops[widths] = flops.get(widths, 0.0) + layer.selective_recompute_flops
+    total = sum(flops.values())
+    return tuple((weight / total, _head_dims(*widths)) for widths, weight in flops.items() if weight)
+
+
+def _head_dims(query_width: int, kv_width: int) -> HeadDims:
+    key = query_width or kv_width / 2
+    return HeadDims(key, kv_width - key) if kv_width else HeadDims()
 
 
 def kv_bytes(layer: LayerStats, *, repeated: bool = False) -> float:

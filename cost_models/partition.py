@@ -67,7 +67,7 @@ class StageTotals:
     recompute_kv_bytes: float = 0.0  # the part of kv_bytes whose attention core is recomputed (selective or full)
     full_recompute_kv_bytes: float = 0.0  # the part of it in fully recomputed blocks
     attention_core_flops: float = 0.0  # forward FLOPs of the attention cores per sequence (hides the ring)
-    attention_head_widths: tuple[tuple[float, HeadDims], ...] = ()  # (cores' FLOPs, head widths) per width: kernel rate
+    attention_head_widths: tuple[tuple[float, HeadDims], ...] = ()  # (share of cores' FLOPs, head widths): kernel rate
     kv_heads: int = 0  # fewest key/value heads of the stage's attention layers (tp beyond it replicates K/V)
     # What the runtime holds around the loss and outside the blocks (``cost_models.memory``).
     root_sharded_params: int = 0  # parameters outside blocks that tp divides (embeddings, head): FSDP's root group

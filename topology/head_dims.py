@@ -106,8 +106,8 @@ def head_dim_rate(kernel: str, dims: HeadDims) -> float:
 
 
 def stage_head_rate(kernel: str, heads: tuple[tuple[float, HeadDims], ...]) -> float:
-    """``kernel``'s rate over its rate at head dim 128 on a stage whose attention cores run ``heads`` (FLOPs, widths):
-    the FLOPs over the time each group takes at its own rate, so stages add up (1 for none)."""
+    """``kernel``'s rate over its rate at head dim 128 on a stage whose attention cores run ``heads`` (FLOPs or their
+    shares, widths): the FLOPs over the time each width's take at its own rate, so stages add up (1 for none)."""
     flops = sum(weight for weight, _ in heads)
     if not flops:
         return 1.0

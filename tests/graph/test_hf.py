@@ -133,7 +133,7 @@ def test_latent_attention_whose_values_are_narrower_than_its_keys_is_measured() 
     assert dense.kv_head_width == 24 + 16
     assert kv_bytes(dense) == dense.output_bytes / H * HEADS * (24 + 16)
     assert dense.query_head_width == 24  # a fused kernel's rate depends on both widths
-    assert attention_head_widths([dense]) == ((dense.selective_recompute_flops, (24, 16)),)
+    assert attention_head_widths([dense]) == ((1.0, (24, 16)),)
 
 
 def test_multi_token_prediction_modules_run_one_more_block_and_the_head_again() -> None:

@@ -2,6 +2,8 @@
 
 from dataclasses import replace
 
+import pytest
+
 from tessera.cost_models import estimate
 from tessera.cost_models.compute import attention_efficiency, compute_lower_bound_s, stage_compute_s
 from tessera.cost_models.layer_stats import LayerStats
@@ -75,7 +77,9 @@ def test_a_stages_heads_are_its_cores_flops_by_their_key_and_value_widths():
     # a layer with no width measured: unknown widths
     layers = [layer("a", 192 + 128, 3e11, query_head_width=192), layer("b", 128, 1e11), layer("c", 0, 5e11),
               layer("d", 128, 2e11)]
-    assert attention_head_widths(layers) == ((3e11, HeadDims(192, 128)), (3e11, HeadDims(64, 64)), (5e11, HeadDims()))
+    widths = attention_head_widths(layers)  # shares of the cores' FLOPs: 3, 1 + 2 and 5 of 11
+    assert [dims for _, dims in widths] == [HeadDims(192, 128), HeadDims(64, 64), HeadDims()]
+    assert [share * 11 for share, _ in widths] == pytest.approx([3, 3, 5])
 
 
 def test_the_lower_bound_holds_over_stages_of_different_head_widths():
