@@ -3,7 +3,8 @@
 Run where a GPU is lent: ``python benchmarks/gpu_matmul.py`` (under a minute on one H100/H200). For each local width
 ``d`` it times the forward matmuls of one transformer block at 8192 tokens (``tokens x d @ d x d`` and
 ``tokens x d @ d x 4d``) in bf16 and in FP8 (``torch._scaled_mm``, per-tensor scales, e4m3 both sides), and the
-causal SDPA core at head dim 128 for a few sequence lengths, and prints each beside the cost model's rate:
+causal SDPA core at head dims 64 and 128 for a few sequence lengths (the figures ``topology.head_dims`` reads off
+the kernel papers), and prints each beside the cost model's rate:
 ``cost_models.compute.achievable_flops`` (bf16), the FP8 peak times ``Calibration.fp8_at`` (FP8), and
 ``attention_efficiency`` with Tessera's kernels (attention: counted on the FLOPs a causal kernel performs,
 ``CAUSAL_WORK`` of the full product).
@@ -27,7 +28,8 @@ sys.path.insert(0, str(HERE))
 TOKENS = 8192
 WIDTHS = (512, 1024, 2048, 4096, 8192)
 SEQ_LENS = (1024, 2048, 4096, 8192)
-HEAD_DIM = 128
+HEAD_DIMS = (64, 128)
+ATTENTION_WIDTH = 2048  # heads x head dim of the timed calls, as the FlashAttention-2 paper's benchmark
 
 
 def timed_s(fn, repeats: int = 20) -> float:
@@ -58,21 +60,23 @@ def matmul_rates(m: int, k: int, n: int) -> tuple[float, float | str]:
     return bf16, fp8
 
 
-def sdpa_backend(seq_len: int, heads: int = 16) -> str:
+def sdpa_backend(seq_len: int, head_dim: int = 128) -> str:
     """The backend torch's SDPA chooses for a causal bf16 call at ``seq_len`` with grads (``torch._fused_sdp_choice``):
     what the cost model's ``TESSERA.attention_kernels`` assumes (cuDNN on sm90/sm100 with a cuDNN past 9.15.0)."""
     from torch.nn.attention import SDPBackend
 
-    q = torch.randn(1, heads, seq_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q = torch.randn(1, ATTENTION_WIDTH // head_dim, seq_len, head_dim, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
     return SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=True)).name
 
 
-def attention_rate(seq_len: int, heads: int = 16, batch: int = 0) -> float:
-    """Forward + backward FLOP/s of causal SDPA at ``seq_len`` (head dim 128), counted as the cost model counts."""
+def attention_rate(seq_len: int, head_dim: int = 128, batch: int = 0) -> float:
+    """Forward + backward FLOP/s of causal SDPA at ``seq_len`` on heads ``head_dim`` wide, counted as the cost model
+    counts."""
     from tessera.cost_models.compute import BACKWARD_CORE_FLOPS, CAUSAL_WORK
 
-    batch = batch or max(1, TOKENS // seq_len)
-    q, k, v = (torch.randn(batch, heads, seq_len, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    batch, heads = batch or max(1, TOKENS // seq_len), ATTENTION_WIDTH // head_dim
+    q, k, v = (torch.randn(batch, heads, seq_len, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     grad = torch.randn_like(q)
 
@@ -80,7 +84,7 @@ def attention_rate(seq_len: int, heads: int = 16, batch: int = 0) -> float:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.backward(grad)
 
-    forward_flops = 4 * batch * heads * seq_len * seq_len * HEAD_DIM * CAUSAL_WORK
+    forward_flops = 4 * batch * heads * seq_len * seq_len * head_dim * CAUSAL_WORK
     return forward_flops * (1 + BACKWARD_CORE_FLOPS) / timed_s(step, repeats=10)
 
 
@@ -92,12 +96,15 @@ def model_matmul_flops(device, width: int) -> tuple[float, float]:
             device.peak_flops("fp8") * device_calibration(device).fp8_at(width))
 
 
-def model_attention_flops(device, seq_len: int) -> float:
-    """FLOP/s the cost model gives Tessera's causal attention core at ``seq_len``, on the FLOPs the kernel performs."""
+def model_attention_flops(device, seq_len: int, head_dim: int = 128) -> float:
+    """FLOP/s the cost model gives Tessera's causal attention core at ``seq_len`` on heads ``head_dim`` wide, on the
+    FLOPs the kernel performs."""
     from tessera.cost_models.compute import CAUSAL_WORK, attention_efficiency
     from tessera.cost_models.profiles import TESSERA
+    from tessera.topology.head_dims import HeadDims
 
-    efficiency = attention_efficiency(device, "bf16", kernels=TESSERA.attention_kernels, seq_len=seq_len)
+    efficiency = attention_efficiency(device, "bf16", kernels=TESSERA.attention_kernels, seq_len=seq_len,
+                                      head_widths=((1.0, HeadDims(head_dim, head_dim)),))
     return device.peak_flops("bf16") * efficiency * CAUSAL_WORK
 
 
@@ -131,17 +138,18 @@ def main(argv: list[str] | None = None) -> Path:
                     f"{bf16_model / bf16:.2f} | {fp8_cells} |")
             lines.append(line)
             print(line, flush=True)
-    lines += ["", f"## Causal attention core, forward + backward, head dim {HEAD_DIM}, {TOKENS} tokens per call "
-              "(TFLOP/s; SDPA's backend: the one torch chose, which Tessera's runtime runs; the model prices "
-              "cuDNN on Hopper and Blackwell)", "", "| seq len | SDPA's backend | measured | model | model/measured |",
-              "|---|---|---|---|---|"]
-    for seq_len in SEQ_LENS:
-        measured = attention_rate(seq_len)
-        model = model_attention_flops(device, seq_len)
-        line = (f"| {seq_len} | {sdpa_backend(seq_len)} | {measured / tf:.0f} | {model / tf:.0f} | "
-                f"{model / measured:.2f} |")
-        lines.append(line)
-        print(line, flush=True)
+    lines += ["", f"## Causal attention core, forward + backward, {ATTENTION_WIDTH} wide (heads x head dim), {TOKENS} "
+              "tokens per call (TFLOP/s; SDPA's backend: the one torch chose, which Tessera's runtime runs; the model "
+              "prices cuDNN on Hopper and Blackwell)", "",
+              "| head dim | seq len | SDPA's backend | measured | model | model/measured |", "|---|---|---|---|---|---|"]
+    for head_dim in HEAD_DIMS:
+        for seq_len in SEQ_LENS:
+            measured = attention_rate(seq_len, head_dim)
+            model = model_attention_flops(device, seq_len, head_dim)
+            line = (f"| {head_dim} | {seq_len} | {sdpa_backend(seq_len, head_dim)} | {measured / tf:.0f} | "
+                    f"{model / tf:.0f} | {model / measured:.2f} |")
+            lines.append(line)
+            print(line, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gpu-matmul-{datetime.date.today().isoformat()}.md"
     path.write_text("\n".join(lines) + "\n")

@@ -90,6 +90,7 @@ def test_the_kernel_table_prices_each_kernel_as_the_cost_model_does(gpu_check, g
     assert gpu_matmul.model_matmul_flops(device, 512)[0] < bf16  # narrow matmuls run further from peak
     # H200 takes the H100's cuDNN curve, the kernel torch 2.13's SDPA runs there: 526 TFLOP/s at 16K, causal half
     assert gpu_matmul.model_attention_flops(device, 16384) == pytest.approx(526e12)
+    assert gpu_matmul.model_attention_flops(device, 16384, head_dim=64) == pytest.approx(526e12 * 0.708, rel=1e-3)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is")
