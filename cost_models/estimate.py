@@ -20,7 +20,8 @@ from tessera.cost_models.communication import (
 )
 from tessera.cost_models.compute import (
     GPU_CALIBRATION, Calibration, achievable_flops, attention_core_rate, bf16_or, compute_lower_bound_s,
-    device_calibration, optimizer_step_s, published_attention_flops, recomputed_flops, stage_compute_s,
+    device_calibration, optimizer_step_s, priced_attention_kernel, published_attention_flops, recomputed_flops,
+    stage_compute_s,
 )
 from tessera.cost_models.memory import as_run, loss_as_run, stage_memory
 from tessera.cost_models.memory_state import local_params
@@ -38,6 +39,7 @@ from tessera.cost_models.types import Estimate, Strategy, TrainingConfig
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster, DeviceSpec
 from tessera.topology.hardware import LOCAL_CPU
+from tessera.topology.head_dims import HeadDims, stage_head_rate
 from tessera.topology.collectives import all_reduce_time, all_to_all_time
 
 
@@ -128,7 +130,8 @@ def estimate(
         hardware_flops_per_step=hardware_flops,
         mfu=model_flops / (step * peak_rate),
         hfu=hardware_flops / (step * peak_rate),
-        notes=_notes(training, straggling) + _attention_note(cluster.device, training, strategy, profile, calibration),
+        notes=_notes(training, straggling) + _attention_note(cluster.device, training, strategy, profile, calibration,
+                                                             stages[slowest].attention_head_widths),
     )
 
 
@@ -195,9 +198,10 @@ def _notes(training: TrainingConfig, straggling: float) -> tuple[str, ...]:
 
 
 def _attention_note(device: DeviceSpec, training: TrainingConfig, strategy: Strategy, profile: ImplementationProfile,
-                    calibration: Calibration) -> tuple[str, ...]:
+                    calibration: Calibration, head_widths: tuple[tuple[float, HeadDims], ...] = ()) -> tuple[str, ...]:
     """Where no published kernel rate prices the attention on this GPU (``compute.published_attention_flops``, as
-    the pricing decides), a note saying what does instead; under context parallelism, one saying the ring's fitted
+    the pricing decides), a note saying what does instead; where one does on heads other than its 128 wide, the
+    share of that rate they get (``topology.head_dims``); under context parallelism, one saying the ring's fitted
     slowdown prices it too."""
     if device.name == LOCAL_CPU:
         return ()
@@ -209,6 +213,12 @@ def _attention_note(device: DeviceSpec, training: TrainingConfig, strategy: Stra
         rate = f"the calibration's fallback, {share:.0%} of the {precision} peak" if share else "the matmul rate"
         what = f"no published rate of {'/'.join(kernels)} in {precision} on" if kernels else "it runs unfused on"
         notes.append(f"attention: {what} {device.name}; its cores are priced at {rate}")
+    elif any(dims.key and dims != (128, 128) for _, dims in head_widths):
+        kernel = priced_attention_kernel(device.name, precision, kernels)
+        widths = ", ".join(f"{dims.key:g}" + ("" if dims.key == dims.value else f"/{dims.value:g}")
+                           for _, dims in head_widths if dims.key)
+        notes.append(f"attention: heads {widths} wide run {kernel} at {stage_head_rate(kernel, head_widths):.2f} of its "
+                     "rate at 128 (the kernel papers' A100 and H100 figures; topology/head_dims.py)")
     if strategy.cp > 1 and profile.cp_ring_slowdown and constants.cp_attention_slowdown != 1.0:
         notes.append(f"attention: split over a context-parallel ring of {strategy.cp}, its cores are priced "
                      f"{constants.cp_attention_slowdown:g}x slower than unsplit (fitted on torchtitan's published "

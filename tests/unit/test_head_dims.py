@@ -105,3 +105,13 @@ def test_narrow_heads_make_the_attention_cores_slower_and_nothing_else():
     core_s = 4 * 2e11 / (rate * H100.device.peak_flops("bf16"))  # the four cores' forward at head dim 128
     extra = core_s * (1 / head_dim_rate(MEGATRON.attention_kernels[0], heads(64)) - 1)
     assert abs(times[128][0] - times[256][0] - extra) < 1e-9 * times[256][0]
+
+
+def test_an_estimate_on_heads_other_than_128_wide_says_what_share_of_the_kernel_rate_they_get():
+    training, strategy = TrainingConfig(global_batch=8, seq_len=4096), Strategy.parse("dp=8,mbs=1")
+    notes = {width: [note for note in estimate([layer(f"blocks.{i}", width, 2e11) for i in range(2)], H100, training,
+                                               strategy, profile=MEGATRON).notes if note.startswith("attention: heads")]
+             for width in (128, 256)}
+    assert notes[256] == []
+    assert notes[128] == ["attention: heads 64 wide run cudnn at 0.71 of its rate at 128 (the kernel papers' A100 and "
+                          "H100 figures; topology/head_dims.py)"]
