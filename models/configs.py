@@ -67,6 +67,9 @@ class LlamaConfig:
     seq_len: int
     rope_theta: float = 500000.0
     tie_embeddings: bool = False
+    attention_head_dim: int = 0
+    """Features per attention head where a model declares its own (Gemma 3 27B: 128, where hidden / heads is 168;
+    Hugging Face's ``head_dim``); 0: hidden / heads."""
 
     family: ClassVar[str] = "Llama"
     """Name errors use (a subclass's own)."""
@@ -78,18 +81,23 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         check_dimensions(self, self.positive_fields, family=self.family)
         check_finite("rope_theta", self.rope_theta, family=self.family, positive=True)
-        if self.hidden % self.heads or (self.hidden // self.heads) % 2:
+        if self.attention_head_dim:
+            check_dimension("attention_head_dim", self.attention_head_dim, family=self.family)
+            if self.attention_head_dim % 2:
+                raise ModelSpecError(f"{self.family} head_dim={self.attention_head_dim} must be even (RoPE rotates "
+                                     "pairs)")
+        elif self.hidden % self.heads or (self.hidden // self.heads) % 2:
             raise ModelSpecError(
                 f"{self.family} hidden={self.hidden} must split into heads={self.heads} of even size "
-                "(RoPE rotates pairs)"
+                "(RoPE rotates pairs), or give head_dim"
             )
         if self.heads % self.kv_heads:
             raise ModelSpecError(f"{self.family} heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
 
     @property
     def head_dim(self) -> int:
-        """Features per attention head."""
-        return self.hidden // self.heads
+        """Features per attention head: the declared ``attention_head_dim``, else hidden / heads."""
+        return self.attention_head_dim or self.hidden // self.heads
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,9 +8,9 @@ A spec is one of:
   ``llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=192,vocab=256,seq=64`` or
   ``moe:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq=64,experts=8,top_k=2``
 
-Keys are the config field names; ``seq``, ``ffn``, ``tie``, ``theta``, ``shared`` and ``capacity`` are accepted
-as short forms of ``seq_len``, ``ffn_hidden``, ``tie_embeddings``, ``rope_theta``, ``shared_ffn`` and
-``capacity_factor``.
+Keys are the config field names; ``seq``, ``ffn``, ``tie``, ``theta``, ``shared``, ``capacity`` and ``head_dim``
+are accepted as short forms of ``seq_len``, ``ffn_hidden``, ``tie_embeddings``, ``rope_theta``, ``shared_ffn``,
+``capacity_factor`` and ``attention_head_dim``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ ALIASES = {
     "theta": "rope_theta",
     "shared": "shared_ffn",
     "capacity": "capacity_factor",
+    "head_dim": "attention_head_dim",
 }
 """Short override keys accepted in specs."""
 
@@ -78,23 +79,24 @@ PRESETS: dict[str, ModelConfig] = {
     # = 205M per layer against MLA's ~187M (q down/up 11M + 38M, kv down/up 4M + 17M, o 117M); our head_dim is
     # hidden / heads = 56 where MLA's is 128 (+64 RoPE), so attention-core FLOPs are ~3x lower than MLA's (a
     # few percent of the step at 4K), and priced at a fused kernel's rate on heads of 56, slower than on MLA's
-    # (``topology.head_dims``): about half of MLA's attention time in all. Fewer kv heads would undercount parameters; MLA's latent KV compression
-    # saves inference memory, not training work. (2) Multi-token prediction and the router's node-limited,
-    # bias-based balancing are not modelled (top-8 softmax router, aux loss). Result: 672B parameters (paper:
-    # 671B), 38.7B active (37B).
+    # (``topology.head_dims``): about half of MLA's attention time in all. Fewer kv heads would undercount
+    # parameters; MLA's latent KV compression saves inference memory, not training work. (2) Multi-token
+    # prediction and the router's node-limited, bias-based balancing are not modelled (top-8 softmax router, aux
+    # loss). Result: 672B parameters (paper: 671B), 38.7B active (37B).
     "deepseek-v3": MoEConfig(
         layers=61, hidden=7168, heads=128, kv_heads=128, ffn_hidden=2048, vocab=129280, seq_len=4096,
         experts=256, top_k=8, shared_ffn=2048, rope_theta=10000.0, dense_layers=3, dense_ffn=18432,
     ),
     # Gemma 3 27B's shape on Tessera's Llama (Gemma Team 2025, "Gemma 3 Technical Report", arXiv:2503.19786,
     # Table 1 and the released config.json: 62 layers, hidden 5376, 32 heads, 16 KV heads, intermediate 21504,
-    # vocabulary 262144 = 256K, 128K context; ``rope_theta`` 1e6 of its global layers). Approximations, stated:
-    # Gemma's head_dim is 128 (here hidden / heads = 168), its MLP is GeGLU (here SwiGLU: same shapes), and its
-    # 5 local sliding-window (1024) layers per global one are global here (Tessera's attention has no window;
-    # captured Hugging Face Gemma 3 reports them as ``local-attention``). The 256K-vocabulary model of the set.
+    # vocabulary 262144 = 256K, 128K context; ``rope_theta`` 1e6 of its global layers; heads of 128, its
+    # config.json's ``head_dim``, where hidden / heads would be 168). Approximations, stated: its MLP is GeGLU (here
+    # SwiGLU: same shapes), and its 5 local sliding-window (1024) layers per global one are global here (Tessera's
+    # attention has no window; captured Hugging Face Gemma 3 reports them as ``local-attention``). The
+    # 256K-vocabulary model of the set.
     "gemma3-27b": LlamaConfig(
         layers=62, hidden=5376, heads=32, kv_heads=16, ffn_hidden=21504, vocab=262144, seq_len=131072,
-        rope_theta=1000000.0,
+        rope_theta=1000000.0, attention_head_dim=128,
     ),
     # Test presets: well under 1M parameters, so real CPU runs take milliseconds.
     "gpt-tiny": GPTConfig(layers=2, hidden=64, heads=4, vocab=256, seq_len=64),

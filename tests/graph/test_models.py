@@ -108,6 +108,17 @@ def test_llama_uses_grouped_query_attention() -> None:
     assert "rope_cos" not in model.state_dict()  # derived from the config, not checkpointed
 
 
+def test_a_declared_head_dim_sizes_the_attention_whatever_hidden_over_heads() -> None:
+    # Gemma 3 declares heads of 128 where its hidden / heads is 168; here 4 heads of 8 in a 64-wide model
+    model = build_model("llama-tiny:head_dim=8")
+    attn = model.blocks[0].attn
+    assert attn.head_dim == 8 and attn.q.out_features == 4 * 8 and attn.o.in_features == 4 * 8
+    assert attn.k.out_features == 2 * 8 and model.rope_cos.shape == (64, 8)
+    assert model(torch.randint(0, 256, (1, 16))).shape == (1, 16, 256)
+    assert model_config("gemma3-27b").head_dim == 128
+    assert model_config("llama-tiny:hidden=60,head_dim=16").head_dim == 16  # 60 / 4 heads would be 15: not needed
+
+
 def test_rope_rotation_preserves_norm_and_relative_positions() -> None:
     from tessera.models.llama import apply_rope, rope_tables
 
@@ -150,6 +161,8 @@ def test_bad_override_key_names_key_and_valid_keys() -> None:
         ("gpt-tiny:layers=two", "not a valid int"),
         ("gpt-tiny:heads=5", "not divisible"),
         ("llama-tiny:kv_heads=3", "multiple of kv_heads"),
+        ("llama-tiny:head_dim=7", "head_dim=7 must be even"),
+        ("llama-tiny:hidden=60", "or give head_dim"),
     ],
 )
 def test_invalid_specs_say_what_is_wrong(spec: str, fragment: str) -> None:
