@@ -138,12 +138,36 @@ def capture_preset(
     (a test compares them), at the cost of a few blocks (DeepSeek-V3: 6 blocks and ~4,600 modules, not 63,000)."""
     options = {"seq_len": seq_len, "dtype": dtype, "expert_capacity_factor": expert_capacity_factor,
                "fit_seq_scaling": fit_seq_scaling, "tp_plan": tp_plan}
+    key = _memo_key(spec, options)
+    if key in _CAPTURED:
+        return _CAPTURED[key]
     shortened = _shorter_builtin(spec)
+    graph = None
     if shortened is not None:
         graph = repeat_last_block(_capture_spec(shortened[0], name=spec, **options), shortened[1])
-        if graph is not None:
-            return graph
-    return _capture_spec(spec, name=spec, **options)
+    if graph is None:
+        graph = _capture_spec(spec, name=spec, **options)
+    if key is not None:
+        if len(_CAPTURED) >= CAPTURE_MEMO:
+            _CAPTURED.pop(next(iter(_CAPTURED)))
+        _CAPTURED[key] = graph
+    return graph
+
+
+CAPTURE_MEMO = 8
+"""Captures of built-in and Hugging Face specs a process keeps: ``tessera plan --format megatron`` prices the plan
+and then what the framework runs of it, the same capture twice (1-3 s on the large presets)."""
+_CAPTURED: dict[tuple, LayerGraph] = {}
+
+
+def _memo_key(spec: str, options: dict) -> tuple | None:
+    """The memo's key for a capture, or ``None`` for a spec whose model could change between two calls (a factory
+    in a file or module the process may edit): built-in specs and Hugging Face configs are fixed by their text."""
+    if not (is_builtin_spec(spec) or spec.strip().startswith("hf:")):
+        return None
+    tp_plan = options["tp_plan"]
+    return (spec, *(options[name] for name in ("seq_len", "dtype", "expert_capacity_factor", "fit_seq_scaling")),
+            None if tp_plan is None else tuple(sorted(tp_plan.items())))
 
 
 REPEATED_BLOCKS = 3
