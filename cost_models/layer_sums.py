@@ -183,12 +183,16 @@ def attention_head_widths(attention: Sequence[LayerStats]) -> tuple[tuple[float,
     not FLOPs, so that stages of one width share one entry and the rate lookups their cache). A layer
     whose query width was not measured has keys and values of half its ``kv_head_width`` each; one with neither,
     unknown widths (priced at the catalog's 128)."""
-    flops: dict[tuple[int, int], float] = {}  # by the measured widths (a search sums ~10^5 stages)
+    measured: dict[tuple[int, int], float] = {}  # by the measured widths (a search sums ~10^5 stages)
     for layer in attention:
         widths = (layer.query_head_width, layer.kv_head_width)
-        flops[widths] = flops.get(widths, 0.0) + layer.selective_recompute_flops
+        measured[widths] = measured.get(widths, 0.0) + layer.selective_recompute_flops
+    flops: dict[HeadDims, float] = {}
+    for widths, weight in measured.items():
+        dims = _head_dims(*widths)
+        flops[dims] = flops.get(dims, 0.0) + weight
     total = sum(flops.values())
-    return tuple((weight / total, _head_dims(*widths)) for widths, weight in flops.items() if weight)
+    return tuple((weight / total, dims) for dims, weight in flops.items() if weight)
 
 
 def _head_dims(query_width: int, kv_width: int) -> HeadDims:

@@ -82,7 +82,8 @@ class LlamaConfig:
         check_dimensions(self, self.positive_fields, family=self.family)
         check_finite("rope_theta", self.rope_theta, family=self.family, positive=True)
         if self.attention_head_dim:
-            check_dimension("attention_head_dim", self.attention_head_dim, family=self.family)
+            check_dimension("attention_head_dim", self.attention_head_dim, family=self.family,
+                            label=f"{self.family} head_dim")
             if self.attention_head_dim % 2:
                 raise ModelSpecError(f"{self.family} head_dim={self.attention_head_dim} must be even (RoPE rotates "
                                      "pairs)")

@@ -17,6 +17,7 @@ seq_len        16,777,216   10M tokens (the longest contexts reported)
 experts        1,024        256 routed (DeepSeek-V3)
 top_k          1,024        8 (DeepSeek-V3); also at most ``experts``
 shared_ffn     1,048,576    as ffn_hidden
+head_dim       16,384       256 (Gemma 2); a declared head dim (``attention_head_dim``)
 =============  ===========  ==============================================================================
 
 A mixture-of-experts model also has at most ``MAX_EXPERT_MODULES`` experts in all (layers x experts): each is
@@ -43,6 +44,7 @@ MAX_DIMS: dict[str, int] = {
     "shared_ffn": 2**20,
     "dense_layers": 1024,
     "dense_ffn": 2**20,
+    "attention_head_dim": 2**14,
 }
 """Largest value each shape field may take (see the module docstring for the published sizes behind them)."""
 MAX_EXPERT_MODULES = 2**16

@@ -89,14 +89,14 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # Gemma 3 27B's shape on Tessera's Llama (Gemma Team 2025, "Gemma 3 Technical Report", arXiv:2503.19786,
     # Table 1 and the released config.json: 62 layers, hidden 5376, 32 heads, 16 KV heads, intermediate 21504,
-    # vocabulary 262144 = 256K, 128K context; ``rope_theta`` 1e6 of its global layers; heads of 128, its
-    # config.json's ``head_dim``, where hidden / heads would be 168). Approximations, stated: its MLP is GeGLU (here
-    # SwiGLU: same shapes), and its 5 local sliding-window (1024) layers per global one are global here (Tessera's
-    # attention has no window; captured Hugging Face Gemma 3 reports them as ``local-attention``). The
-    # 256K-vocabulary model of the set.
+    # vocabulary 262144 = 256K, tied embeddings, 128K context; ``rope_theta`` 1e6 of its global layers; heads of
+    # 128, its config.json's ``head_dim``, where hidden / heads would be 168): 27.0B parameters. Approximations,
+    # stated: its MLP is GeGLU (here SwiGLU: same shapes), and its 5 local sliding-window (1024) layers per global
+    # one are global here (Tessera's attention has no window; captured Hugging Face Gemma 3 reports them as
+    # ``local-attention``). The 256K-vocabulary model of the set.
     "gemma3-27b": LlamaConfig(
         layers=62, hidden=5376, heads=32, kv_heads=16, ffn_hidden=21504, vocab=262144, seq_len=131072,
-        rope_theta=1000000.0, attention_head_dim=128,
+        rope_theta=1000000.0, attention_head_dim=128, tie_embeddings=True,
     ),
     # Test presets: well under 1M parameters, so real CPU runs take milliseconds.
     "gpt-tiny": GPTConfig(layers=2, hidden=64, heads=4, vocab=256, seq_len=64),

@@ -166,8 +166,13 @@ def _memo_key(spec: str, options: dict) -> tuple | None:
     if not (is_builtin_spec(spec) or spec.strip().startswith("hf:")):
         return None
     tp_plan = options["tp_plan"]
-    return (spec, *(options[name] for name in ("seq_len", "dtype", "expert_capacity_factor", "fit_seq_scaling")),
-            None if tp_plan is None else tuple(sorted(tp_plan.items())))
+    key = (spec, *(options[name] for name in ("seq_len", "dtype", "expert_capacity_factor", "fit_seq_scaling")),
+           None if tp_plan is None else tuple(tp_plan.items()))  # in order: a plan's first matching glob wins
+    try:
+        hash(key)
+    except TypeError:  # a malformed plan: captured afresh, where unavailable_axes reports it
+        return None
+    return key
 
 
 REPEATED_BLOCKS = 3

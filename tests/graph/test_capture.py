@@ -12,6 +12,7 @@ from torch import nn
 
 from tessera.errors import CaptureError, ModelSpecError
 from tessera.models import build_model
+from tessera.planner import capture as capture_module
 from tessera.planner.capture import capture, capture_preset, find_layers, measure_layers, trace_layers
 from tessera.planner.layer_graph import LayerGraph
 
@@ -173,7 +174,8 @@ def test_capture_leaves_a_real_moe_model_untouched() -> None:
     assert all("forward" not in vars(m) for m in model.modules())
 
 
-def test_llama3_70b_on_meta_is_fast_and_small() -> None:
+def test_llama3_70b_on_meta_is_fast_and_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(capture_module, "_CAPTURED", {})  # measure a capture, not the memo of an earlier test's
     start = time.perf_counter()
     graph = capture_preset("llama3-70b", seq_len=8192)
     elapsed = time.perf_counter() - start
@@ -451,3 +453,21 @@ def test_blocks_record_their_widest_and_largest_matrix():
     # routed experts (inner width 128) see only their tokens: the widest dense matrix is attention's 64
     moe = [layer for layer in capture_preset("moe-tiny", seq_len=32).layers if layer.kind == "block"]
     assert {(layer.widest_matrix_dim, layer.largest_matrix_params) for layer in moe} == {(64, 128 * 64)}
+
+
+def test_a_process_keeps_its_captures_of_built_in_and_hugging_face_specs_only(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setattr(capture_module, "_CAPTURED", {})
+    first = capture_preset("llama-tiny:layers=2", seq_len=32)
+    assert capture_preset("llama-tiny:layers=2", seq_len=32) is first  # the same text: the same capture
+    assert capture_preset("llama-tiny:layers=2", seq_len=64) is not first  # any argument changes it
+    # a tensor-parallel plan's entries in another order are another plan (its first matching glob wins)
+    plan = {"blocks.*.mlp.*": "colwise", "blocks.*.mlp.down": "rowwise"}
+    ordered = capture_preset("llama-tiny:layers=2", seq_len=32, tp_plan=plan)
+    assert capture_preset("llama-tiny:layers=2", seq_len=32, tp_plan=dict(reversed(plan.items()))) is not ordered
+    # a factory in a file the process may edit is captured afresh
+    factory = tmp_path / "model.py"
+    factory.write_text("from tessera.models import build_model\n\n"
+                       "def make():\n    return build_model('llama-tiny:layers=2', device='meta')\n")
+    spec = f"{factory}:make"
+    assert capture_preset(spec, seq_len=32) is not capture_preset(spec, seq_len=32)

@@ -129,6 +129,7 @@ def test_cli_bounds_match_the_data_model_bounds():
     ("moe-tiny:layers=1000,experts=1000", "expert modules"),
     ("gpt-tiny:ffn=0", "ffn_hidden must be positive"),
     ("gpt-tiny:bogus=1", "key in dropout, ffn"),
+    ("llama-tiny:head_dim=100000000000000000000", "past Tessera's bound of 16,384"),
 ])
 def test_absurd_or_malformed_model_specs_fail_fast(spec, fragment):
     with pytest.raises(ModelSpecError, match=fragment):
