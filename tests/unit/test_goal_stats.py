@@ -1,0 +1,51 @@
+"""``benchmarks/goal_stats.py``: the held-out median's interval and the distance to issue #19's goals."""
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def goal_stats():
+    spec = importlib.util.spec_from_file_location("goal_stats", BENCHMARKS / "goal_stats.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_median_interval_is_the_tabulated_order_statistics(goal_stats):
+    # n = 99: the 40th and 60th of the sorted sample (coverage 95.6%); n = 10: the 2nd and 9th (97.9%)
+    assert goal_stats.median_interval(list(range(99, 0, -1))) == (40, 60)
+    assert goal_stats.median_interval([float(v) for v in range(1, 11)]) == (2.0, 9.0)
+    assert goal_stats.median_interval([0.3]) == (0.3, 0.3)  # too few for 95%: the whole range
+    assert goal_stats.median_interval(list(range(1, 100)), confidence=0.5)[0] > 40  # less confidence, narrower
+
+
+def test_the_interval_covers_the_median_about_as_often_as_it_says(goal_stats):
+    rng = random.Random(0)
+    hits = sum(low <= 1.0 <= high for low, high in (
+        goal_stats.median_interval([rng.expovariate(1.0) * 1.4427 for _ in range(99)]) for _ in range(400)))
+    assert 0.92 <= hits / 400 <= 0.99  # exponential of median ln 2 / ln 2 = 1: a skewed law, the interval holds
+
+
+def test_rows_short_of_the_goal_count_what_the_median_needs(goal_stats):
+    assert goal_stats.rows_short_of_median_goal([0.01] * 49 + [0.05] * 50) == 1
+    assert goal_stats.rows_short_of_median_goal([0.01] * 50 + [0.05] * 49) == 0
+    assert goal_stats.rows_short_of_median_goal([0.05] * 4) == 3
+
+
+def test_the_summary_line_names_each_goal(goal_stats):
+    line = goal_stats.goal_summary([0.01, 0.03, 0.05, 0.2, 0.3])
+    assert "median 95% interval 1.00% to 30.00% over 5 runs" in line
+    assert "1 more within 4% would meet the median goal" in line and "2 beyond 15%" in line
+
+
+def test_bad_input_is_refused_with_the_fix(goal_stats):
+    with pytest.raises(ValueError, match="at least one value"):
+        goal_stats.median_interval([])
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        goal_stats.median_interval([1.0], confidence=95)
