@@ -56,6 +56,7 @@ CPU_CONFIGS = [
 CATALOG_PARTS = (  # (words of torch's device name, preset, gpu= variant or None), first match wins
     (("H200",), "dgx-h200", None), (("H100", "NVL"), "dgx-h100", "H100-NVL-94GB"), (("H100",), "dgx-h100", None),
     (("A100-SXM4-40GB",), "dgx-a100", "A100-SXM-40GB"), (("A100-SXM4-80GB",), "dgx-a100", None), (("B200",), "dgx-b200", None),
+    (("GB200",), "gb200-nvl72", None), (("B300",), "dgx-b300", None), (("GB300",), "gb300-nvl72", None),
 )
 UNCATALOGUED = ("PCIe", "GH200", "H200 NVL")
 """Parts whose names contain a catalogued one's but whose figures differ (PCIe clocks and power, Grace Hopper)."""

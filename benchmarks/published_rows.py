@@ -34,6 +34,7 @@ PRESETS = {  # catalog device -> (preset whose fabric it sits on, gpu= variant o
     "A100-SXM-40GB": ("dgx-a100", "A100-SXM-40GB"), "H100-SXM-80GB": ("dgx-h100", None),
     "H100-SXM-96GB-500W": ("dgx-h100", "H100-SXM-96GB-500W"), "H200-SXM-141GB": ("dgx-h200", None),
     "B200-SXM-180GB": ("dgx-b200", None), "B200-GB200-NVL72": ("gb200-nvl72", None),
+    "B300-SXM-288GB": ("dgx-b300", None), "B300-GB300-NVL72": ("gb300-nvl72", None),
 }
 
 

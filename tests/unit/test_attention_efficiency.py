@@ -201,6 +201,18 @@ def test_a_part_priced_from_a_siblings_figures_scales_them():
     assert device("H100-SXM-96GB-500W").peak_flops("bf16") == pytest.approx(912.25e12)
 
 
+def test_blackwell_ultra_attention_runs_at_cudnn_frontends_gb300_rate():
+    """GB300's curves come from the same cudnn-frontend run as GB200's (cuDNN 9.17): 1.158 ms forward and 4.256 ms
+    backward at 8K tokens; the HGX B300, which no benchmark times, takes them at its bf16 peak over the GB300's."""
+    gb300 = curve_at(attention_curve("B300-GB300-NVL72", "cudnn"), 8192)
+    assert gb300 == pytest.approx(3.5 * 4 * 8192**2 * 128 * 128 / 2 / ((1.158 + 4.256) * 1e-3), rel=1e-3)
+    assert gb300 > curve_at(attention_curve("B200-GB200-NVL72", "cudnn"), 8192)  # the same cuDNN, 1.10x at one peak
+    hgx = attention_curve("B300-SXM-288GB", "cudnn")
+    assert all(rate == pytest.approx(full * 2250 / 2500) for (_, rate), (_, full) in
+               zip(hgx, attention_curve("B300-GB300-NVL72", "cudnn")))
+    assert device("B300-SXM-288GB").peak_flops("fp8") == 4500e12 and device("B300-GB300-NVL72").peak_flops("fp8") == 5000e12
+
+
 def test_an_estimate_says_when_no_published_kernel_rate_prices_its_attention():
     """On a part the catalog has no attention figure for (the H100 NVL), the estimate's notes say the calibrated fallback
     prices the attention; on an H100 running cuDNN they say nothing of it."""

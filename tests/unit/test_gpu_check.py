@@ -51,7 +51,8 @@ def test_fp8_memory_is_predicted_as_torchao_holds_it(gpu_check, tmp_path):
 
 @pytest.mark.parametrize("torch_name,catalog_name", [
     ("NVIDIA H200", "H200-SXM-141GB"), ("NVIDIA H100 80GB HBM3", "H100-SXM-80GB"), ("NVIDIA H100 NVL", "H100-NVL-94GB"),
-    ("NVIDIA A100-SXM4-40GB", "A100-SXM-40GB"), ("NVIDIA A100-SXM4-80GB", "A100-SXM-80GB"),
+    ("NVIDIA A100-SXM4-40GB", "A100-SXM-40GB"), ("NVIDIA A100-SXM4-80GB", "A100-SXM-80GB"), ("NVIDIA B200", "B200-SXM-180GB"),
+    ("NVIDIA GB200", "B200-GB200-NVL72"), ("NVIDIA B300 SXM6 AC", "B300-SXM-288GB"), ("NVIDIA GB300", "B300-GB300-NVL72"),
 ])
 def test_a_gpu_maps_to_a_one_device_cluster_of_its_catalog_part(gpu_check, torch_name, catalog_name):
     cluster = load_cluster(gpu_check.catalog_cluster(torch_name))

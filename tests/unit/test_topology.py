@@ -23,7 +23,7 @@ def test_cpu_preset_takes_ranks():
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("dgx-zzz", "known presets: cpu, dgx-a100, dgx-b200, dgx-h100"),  # new presets (issue #4)
+        ("dgx-zzz", "known presets: cpu, dgx-a100, dgx-b200, dgx-b300, dgx-h100"),  # new presets (issue #4)
         ("dgx-h100:ranks=2", "takes 'nodes=N'"),
         ("dgx-h100:nodes=-1", "must be a positive integer"),
         ("missing.yaml", "does not exist"),
@@ -125,7 +125,8 @@ def test_catalog_values_match_the_datasheets():
         c["TPU-v5p"].peak_flops("fp32")  # no fp32 matrix unit
 
 
-@pytest.mark.parametrize("name", ["dgx-a100", "dgx-h100", "dgx-h200", "dgx-b200", "gb200-nvl72", "mi300x", "tpu-v5p", "gaudi3", "cpu"])
+@pytest.mark.parametrize("name", ["dgx-a100", "dgx-h100", "dgx-h200", "dgx-b200", "gb200-nvl72", "dgx-b300", "gb300-nvl72", "mi300x",
+                                  "tpu-v5p", "gaudi3", "cpu"])
 def test_every_required_preset_loads_at_several_sizes(name):
     key = "ranks" if name == "cpu" else "nodes"
     for size in (1, 2, 64):
