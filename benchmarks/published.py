@@ -42,6 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from goal_stats import goal_summary
+from published_plot import Point, write_chart
 from published_rows import (
     cluster_spec, framework_profile, measured_runs, model_spec, mtp_modules, pins, published_step_s, regime, runtime_only,
     training_config,
@@ -214,6 +215,7 @@ def main() -> None:
         runs, {key: pair[0] for key, pair in chosen.items()})
     console.print(f"grid fit on the train split: {fitted}, DeepSpeed ZeRO-3 slowdown {deepspeed}")
     rows, errors, speedups, held_out, memory_errors, unfit, train_log_errors = [], [], [], {}, [], [], []
+    points: list[Point] = []
     by_gpu: dict[str, list[float]] = {}
     for run in runs:
         strategy, est = chosen[run["id"]]
@@ -221,6 +223,7 @@ def main() -> None:
         error = est.step_time_s / published - 1
         split = "train" if run["id"] in TRAIN_IDS else "test"
         errors.append((split, regime(run), abs(error)))
+        points.append(Point(run["id"], split == "test", regime(run), published, est.step_time_s))
         by_gpu.setdefault(load_cluster(cluster_spec(run)).device.name, []).append(error)  # the part it is priced as
         if split == "train":
             train_log_errors.append(abs(math.log1p(error)))
@@ -262,7 +265,8 @@ def main() -> None:
         console.print(table)
     console.print(summary)
     if not subset:
-        write_markdown(rows, summary)
+        markdown = write_markdown(rows, summary)
+        print(f"written {write_chart(points, markdown.with_suffix('.png')).relative_to(HERE.parent)}")
         band_file = write_bands(held_out, source=f"benchmarks/published.py, held-out rows, {datetime.date.today().isoformat()}",
                                 pair_ratios=[p.ratio for p in pairs if p.held_out])
         print(f"written {band_file.relative_to(HERE.parent)} (the error band of each regime, and of a gap)")
@@ -400,19 +404,21 @@ def memory_summary(errors: list[float], unfit: list[str], runs: int) -> str:
                     + (f" ({'; '.join(unfit)})" if unfit else ""))
 
 
-def write_markdown(rows: list[tuple[str, ...]], summary: str) -> None:
+def write_markdown(rows: list[tuple[str, ...]], summary: str) -> Path:
     date = datetime.date.today().isoformat()
     out = HERE / "results" / f"published-{platform.machine()}-cpu-{date}.md"
     lines = [
         f"# Published runs vs Tessera's prediction ({date})", "",
         "Command: `.venv/bin/python benchmarks/published.py`. Data and sources: `benchmarks/reference/published_runs.yaml`, "
         "`benchmarks/reference/fsdp_fp8_runs.yaml`.", "",
+        f"![Predicted against published step time, and each run's error by regime]({out.with_suffix('.png').name})", "",
         summary, "",
         "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
         *("| " + " | ".join(row) + " |" for row in rows),
     ]
     out.write_text("\n".join(lines) + "\n")
     print(f"written {out.relative_to(HERE.parent)}")
+    return out
 
 
 if __name__ == "__main__":

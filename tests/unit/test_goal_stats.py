@@ -49,3 +49,28 @@ def test_bad_input_is_refused_with_the_fix(goal_stats):
         goal_stats.median_interval([])
     with pytest.raises(ValueError, match="between 0 and 1"):
         goal_stats.median_interval([1.0], confidence=95)
+
+
+@pytest.fixture(scope="module")
+def published_plot(goal_stats):
+    import sys
+    sys.modules.setdefault("goal_stats", goal_stats)  # the chart's own import of its sibling script
+    spec = importlib.util.spec_from_file_location("published_plot", BENCHMARKS / "published_plot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_chart_draws_every_run_and_names_the_held_out_misses_apart(published_plot, tmp_path):
+    from matplotlib.figure import Figure
+
+    Point = published_plot.Point
+    points = [Point("a", True, "fsdp", 10.0, 11.0), Point("b", False, "fsdp", 5.0, 4.0),
+              Point("c", True, "moe", 20.0, 8.0), Point("d", True, "moe", 20.0, 8.2), Point("e", True, "cp", 3.0, 4.0)]
+    written = published_plot.write_chart(points, tmp_path / "chart.png")
+    assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    axes = Figure().subplots()
+    published_plot._name_runs(axes, [(0.0, -60.0, "c"), (0.0, -59.0, "d"), (1.0, 33.0, "e")])
+    heights = sorted(text.get_position()[1] for text in axes.texts)
+    assert heights[1] - heights[0] >= published_plot.LABEL_GAP  # two close misses pushed apart
+    assert {text.get_text() for text in axes.texts} == {"c", "d", "e"}
