@@ -36,11 +36,21 @@ def test_rows_short_of_the_goal_count_what_the_median_needs(goal_stats):
     assert goal_stats.rows_short_of_median_goal([0.01] * 49 + [0.05] * 50) == 1
     assert goal_stats.rows_short_of_median_goal([0.01] * 50 + [0.05] * 49) == 0
     assert goal_stats.rows_short_of_median_goal([0.05] * 4) == 3
+    # an even count's median averages the middle two: met already here, though only half are within the goal
+    assert goal_stats.rows_short_of_median_goal([0.035, 0.045]) == 0
+    assert goal_stats.rows_short_of_median_goal([0.01] * 50 + [0.05] * 50) == 0
+
+
+def test_the_coverage_is_exact_for_any_sample_size(goal_stats):
+    assert goal_stats.interval_coverage(5, 1) == pytest.approx(1 - 2 / 32)
+    assert goal_stats.interval_coverage(105, goal_stats.interval_rank(105)) == pytest.approx(0.969, abs=5e-4)
+    assert goal_stats.interval_coverage(105, goal_stats.interval_rank(105) + 1) < 0.95  # the next rank falls short
+    assert goal_stats.median_interval(list(range(5000)))[0] > 2400  # no float overflow past 1,023 values
 
 
 def test_the_summary_line_names_each_goal(goal_stats):
     line = goal_stats.goal_summary([0.01, 0.03, 0.05, 0.2, 0.3])
-    assert "median 95% interval 1.00% to 30.00% over 5 runs" in line
+    assert "the median's 93.8% interval 1.00% to 30.00% over 5 runs" in line  # 5 runs reach no more than that
     assert "1 more within 4% would meet the median goal" in line and "2 beyond 15%" in line
 
 
