@@ -443,5 +443,8 @@ def test_megatrons_moe_model_flops_reproduce_megatron_bridges_own_pair_and_a_gb2
         rows.published_step_s(shared)
     gb200 = next(r for r in rows.measured_runs() if r["id"] == "mlm2608-bf16-qwen3-30b-a3b-gb200-16gpu")
     assert rows.cluster_spec(gb200) == "gb200-nvl72:nodes=1,gpus_per_node=16"
+    by_id = {r["id"]: r for r in rows.measured_runs()}  # Blackwell Ultra: DGX B300 nodes of 8, GB300 in one rack
+    assert rows.cluster_spec(by_id["nemo2604-mxfp8-deepseek-v3-b300-256gpu"]) == "dgx-b300:nodes=32"
+    assert rows.cluster_spec(by_id["nemo2604-mxfp8-llama3-70b-gb300-64gpu"]) == "gb300-nvl72:nodes=1,gpus_per_node=64"
     assert not rows.framework_profile(gb200).dp_overlap and rows.framework_profile(bridge).dp_overlap
     assert rows.framework_profile(bridge).name == "megatron-bridge"  # grad_reduce_in_fp32 False
