@@ -113,6 +113,7 @@ FRAMEWORKS = (  # a row's ``framework``, by how it begins -> the profile of that
     ("NeMo 24.07", NEMO_2024),
     ("NeMo 25.11", MEGATRON_BRIDGE),
     ("NeMo 26.04", MEGATRON_BRIDGE),
+    ("NeMo 26.06", MEGATRON_BRIDGE),  # 26.06 and 26.06.01
     ("Megatron-Bridge", MEGATRON_BRIDGE),
     ("NeMo AutoModel", AUTOMODEL),
     ("NeMo AutoModel MoE", AUTOMODEL_MOE),
