@@ -258,6 +258,8 @@ def _stated_pins(run: dict) -> dict[str, object]:
         fixed["schedule"] = par["schedule"]
     if par.get("virtual_pipeline"):
         fixed["schedule"], fixed["virtual_stages"] = "interleaved", par["virtual_pipeline"]
+    if par.get("recompute_modules"):  # Megatron-Core's --recompute-modules beyond core_attn
+        fixed["recompute_modules"] = tuple(par["recompute_modules"])
     if par.get("pipeline_passes"):  # schedule calls a step runs its micro-batches in (gradient accumulation over them)
         fixed["pipeline_passes"] = par["pipeline_passes"]
     if par.get("chunk_blocks"):  # the blocks of each pipeline chunk, in order, as the row's framework splits them
@@ -322,5 +324,7 @@ def _megatron_pins(run: dict) -> dict[str, object]:
 
 
 def runtime_only(strategy: Strategy) -> Strategy:
-    """``strategy`` with only what Tessera's runtime can also do (no TP overlap, its own sequence parallelism)."""
-    return strategy.model_copy(update={"tp_overlap": False, "sp_regather": False, "pipeline_passes": 1})
+    """``strategy`` with only what Tessera's runtime can also do (no TP overlap, its own sequence parallelism, one
+    schedule call a step, no recomputation of named pieces)."""
+    return strategy.model_copy(update={"tp_overlap": False, "sp_regather": False, "pipeline_passes": 1,
+                                       "recompute_modules": ()})

@@ -230,12 +230,14 @@ def stage_compute_s(
         full_share = (stage.recompute_flops - stage.selective_core_flops) / stage.forward_flops
         traffic = stage.activation_traffic_bytes
         traffic_share = stage.selective_traffic_bytes / traffic if traffic else 0.0
-        linear_share = full_share + stage.op_selective_recompute_flops / stage.forward_flops
+        linear_share = full_share + (stage.op_selective_recompute_flops + stage.module_recompute_flops) / stage.forward_flops
         rerun = elementwise * (full_share + traffic_share) + (forward_overhead + casts) * linear_share
         return (forward * share + passes + casts + forward_overhead,
                 backward * share + 2 * (passes + casts) + backward_overhead, recompute * share + rerun)
-    recompute_share = stage.recompute_flops / stage.forward_flops if stage.forward_flops else 0.0
-    recast = casts * recompute_share if stage.full_recompute_blocks else 0.0  # selective re-runs no linear
+    module_share = stage.module_recompute_flops / stage.forward_flops if stage.forward_flops else 0.0
+    recompute_share = (stage.recompute_flops / stage.forward_flops if stage.forward_flops else 0.0) + module_share
+    # the linears re-run cast their inputs again: a full block's, and the named pieces' (a selective core has none)
+    recast = casts * (recompute_share if stage.full_recompute_blocks else module_share)
     return (
         forward * share + passes + casts + forward_overhead,
         backward * share + 2 * (passes + casts) + backward_overhead,
@@ -271,8 +273,9 @@ def _matmul_policy_rerun_s(stage: StageTotals, profile: ImplementationProfile, *
 def recomputed_flops(stage: StageTotals, profile: ImplementationProfile) -> float:
     """Forward FLOPs ``stage`` re-runs per sequence under its activation policies, as ``profile`` runs them."""
     if op_level_selective(stage, profile.selective_policy):
-        return stage.recompute_flops - stage.selective_core_flops + stage.op_selective_recompute_flops
-    return stage.recompute_flops
+        return (stage.recompute_flops - stage.selective_core_flops + stage.op_selective_recompute_flops
+                + stage.module_recompute_flops)
+    return stage.recompute_flops + stage.module_recompute_flops
 
 
 def arithmetic_s(
@@ -310,11 +313,12 @@ def arithmetic_s(
     backward = ((stage.backward_flops - backward_core - head_backward) / linear_rate + backward_core / attention_rate
                 + head_backward / rate + min(stage.expert_backward_flops, stage.backward_flops) * expert_slowdown / linear_rate)
     mixed = forward / stage.forward_flops if stage.forward_flops else 0.0
+    modules = stage.module_recompute_flops  # the named pieces recomputed: their linears (Strategy.recompute_modules)
     if op_level:
         full = stage.recompute_flops - stage.selective_core_flops
-        return forward, backward, full * mixed + stage.op_selective_recompute_flops / linear_rate
+        return forward, backward, full * mixed + (stage.op_selective_recompute_flops + modules) / linear_rate
     recompute = stage.recompute_flops * mixed if stage.full_recompute_blocks else stage.recompute_flops / attention_rate
-    return forward, backward, recompute
+    return forward, backward, recompute + modules / linear_rate
 
 
 def _expert_slowdown(device: DeviceSpec, training: TrainingConfig, width: float, expert_width: float,

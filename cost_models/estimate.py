@@ -25,6 +25,7 @@ from tessera.cost_models.compute import (
 )
 from tessera.cost_models.memory import as_run, loss_as_run, stage_memory
 from tessera.cost_models.memory_state import local_params
+from tessera.cost_models.module_recompute import with_recomputed_modules
 from tessera.cost_models.offload import exposed_offload_s
 from tessera.cost_models.partition import (
     StageTotals, block_policies, cached_stage_totals, kept_blocks, split_blocks, stage_totals,
@@ -438,14 +439,15 @@ SPLITS_LIMIT = 4096
 
 
 def stage_split(layers: Sequence[LayerStats], strategy: Strategy, *, facts: ModelFacts | None = None) -> StageSplit:
-    """The stages ``strategy`` splits the model into, each summed under its blocks' policies: memoised per model
-    by the fields they depend on (pipeline shape, recomputation, ZeRO-3 resharding), which thousands of the
-    search's candidates share."""
+    """The stages ``strategy`` splits the model into, each summed under its blocks' policies and the pieces it
+    recomputes by name: memoised per model by the fields they depend on (pipeline shape, recomputation, ZeRO-3
+    resharding), which thousands of the search's candidates share."""
     facts = model_facts(layers) if facts is None else facts
     key = (strategy.pp, strategy.virtual_stages, strategy.chunk_blocks, strategy.recompute, strategy.block_recompute,
-           strategy.zero == 3, strategy.block_reshard)
+           strategy.zero == 3, strategy.block_reshard, strategy.recompute_modules)
     split = facts.splits.get(key)
     if split is None:
+        layers = with_recomputed_modules(layers, strategy.recompute_modules)
         policies, kept = block_policies(layers, strategy), kept_blocks(layers, strategy)
         stages = [cached_stage_totals(s, i, policies, kept=kept) for i, s in enumerate(split_blocks(layers, strategy))]
         distinct: dict[StageTotals, int] = {}  # a StageTotals hashes its ~45 fields: done once per split

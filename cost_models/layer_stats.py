@@ -51,6 +51,23 @@ class LayerStats(BaseModel):
     ``None`` when not measured (treated as no saving)."""
     selective_recompute_flops: float = Field(default=0.0, ge=0)
     """Forward FLOPs re-run for one sequence under selective recomputation (the attention core)."""
+    mla_up_proj_saved_bytes: int = Field(default=0, ge=0)
+    """Of ``saved_bytes_no_recompute``, what latent attention's up-projections and the rotary embedding after them
+    make for one sequence: what recomputing them frees (Megatron-Core's ``mla_up_proj``,
+    ``planner.recompute_regions``); 0 where the block has none, or not measured."""
+    mla_up_proj_flops: float = Field(default=0.0, ge=0)
+    """Forward FLOPs of those up-projections for one sequence: what recomputing them re-runs."""
+    mlp_saved_bytes: int = Field(default=0, ge=0)
+    """Of ``saved_bytes_no_recompute``, what the block's MLP child makes for one sequence, less its output: what
+    recomputing it as a checkpoint frees (Megatron-Core's ``mlp``, which recomputes dense MLPs only: priced where
+    ``experts`` is 0); 0 where not measured."""
+    mlp_flops: float = Field(default=0.0, ge=0)
+    """Forward FLOPs of the block's MLP child for one sequence."""
+    module_recompute_saving_bytes: int = Field(default=0, ge=0)
+    """What the pieces a strategy recomputes free of this block for one sequence (``Strategy.recompute_modules``; set
+    by ``cost_models.module_recompute``, never by capture)."""
+    module_recompute_flops: float = Field(default=0.0, ge=0)
+    """What they re-run, forward FLOPs for one sequence (set likewise)."""
     op_selective_recompute_flops: float = Field(default=0.0, ge=0)
     """Forward FLOPs re-run for one sequence under op-level selective recomputation as torchtitan runs it: every
     second matrix multiplication (``aten.mm``) of the layer in the order they run (``cost_models.profiles``); 0

@@ -222,13 +222,18 @@ def layer_recomputed_flops(layer: LayerStats, recompute: Recompute) -> float:
 def layer_saved_bytes(layer: LayerStats, recompute: Recompute) -> int:
     """What a layer keeps on the device for its backward (an offloaded block: nothing; its copy-in buffer is
     ``offload_buffer_bytes``)."""
-    if layer.kind != "block" or recompute == "none":
+    if layer.kind != "block":
         return layer.saved_bytes_no_recompute
     if recompute == "offload":
         return 0
-    if recompute == "selective":
-        return layer.saved_bytes_no_recompute if layer.saved_bytes_selective is None else layer.saved_bytes_selective
-    return layer.saved_bytes_full_recompute
+    if recompute == "full":
+        return layer.saved_bytes_full_recompute
+    kept = layer.saved_bytes_selective if recompute == "selective" and layer.saved_bytes_selective is not None else (
+        layer.saved_bytes_no_recompute)
+    if not layer.module_recompute_saving_bytes:
+        return kept
+    # the pieces Strategy.recompute_modules names free what they made; the block's input stays either way
+    return max(layer.saved_bytes_full_recompute, kept - layer.module_recompute_saving_bytes)
 
 
 def layer_tp_allreduce_count(layer: LayerStats) -> int:

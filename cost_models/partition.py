@@ -108,6 +108,7 @@ class StageTotals:
     kept_expert_params: int = 0  # the routed-expert part of kept_params
     kept_blocks: int = 0  # how many blocks keep their gathered weights
     recomputed_block_params: int = 0  # parameters of the blocks recomputed in part or whole (selective, full)
+    module_recompute_flops: float = 0.0  # matmul FLOPs of the named pieces recomputed (Strategy.recompute_modules)
     # Selective blocks measured for an op-level policy, as a framework with one runs them (``profiles.selective_policy``).
     selective_core_flops: float = 0.0  # the part of recompute_flops that is those blocks' attention cores
     op_selective_recompute_flops: float = 0.0  # what op-level selective recomputation re-runs of those blocks
@@ -209,13 +210,14 @@ def cached_stage_totals(
     """``stage_totals`` memoised: the search estimates thousands of strategies over the same stages.
 
     Keyed by the identity of the stage's first and last layer objects (a stage is a contiguous slice of one
-    layer list), its length, index, block policies and kept blocks; a hit is trusted only if those objects are
-    the same.
+    layer list), its length, index, block policies, kept blocks and the blocks' named pieces recomputed
+    (``cost_models.module_recompute``: the same ends frame them); a hit is trusted only if those objects are the same.
     """
     if not stage:
         return stage_totals(stage, index, policies, kept=kept)
     key = (id(stage[0]), id(stage[-1]), len(stage), index,
-           tuple((policies.get(layer.fqn, "none"), layer.fqn in kept) for layer in stage if layer.kind == "block"))
+           tuple((policies.get(layer.fqn, "none"), layer.fqn in kept, layer.module_recompute_saving_bytes,
+                  layer.module_recompute_flops) for layer in stage if layer.kind == "block"))
     hit = _TOTALS_CACHE.get(key)
     if hit is not None and hit[0] is stage[0] and hit[1] is stage[-1]:
         return hit[2]
@@ -247,6 +249,7 @@ def stage_totals(
         forward_flops=sum(layer.forward_flops for layer in stage),
         backward_flops=sum(layer.backward_flops for layer in stage),
         recompute_flops=sum(layer_recomputed_flops(layer, policy[layer.fqn]) for layer in blocks),
+        module_recompute_flops=sum(b.module_recompute_flops for b in blocks if policy[b.fqn] in ("none", "selective")),
         saved_bytes=sum(layer_saved_bytes(layer, policy[layer.fqn]) for layer in stage),
         activation_traffic_bytes=sum(layer.saved_bytes_no_recompute for layer in stage),
         recompute_buffer_bytes=max((b.saved_bytes_no_recompute for b in full), default=0),

@@ -28,6 +28,8 @@ def parse_item(item: str, *, known: Mapping[str, object]) -> tuple[str, object]:
         )
     if key in ("chunk_blocks", "block_recompute"):
         return key, _parse_sequence(key, value, item=item)
+    if key == "recompute_modules":  # mla_up_proj/mlp; their names are checked by Strategy
+        return key, tuple(part.strip() for part in value.split("/") if part.strip())
     if key == "block_reshard":
         return key, _parse_flags(value, item=item)
     if key in ("sp", "tp_overlap", "sp_regather"):

@@ -27,6 +27,10 @@ MAX_SEQ_LEN = 2**24
 Precision = Literal["bf16", "fp16", "fp32", "fp8"]
 Fp8Scaling = Literal["delayed", "current", "rowwise", "block", "mx"]
 Recompute = Literal["none", "selective", "full", "offload"]
+RecomputeModule = Literal["mla_up_proj", "mlp"]
+"""A piece of a block Megatron-Core recomputes by name (``--recompute-modules``), besides the attention core that
+``selective`` recomputes: ``mla_up_proj`` latent attention's up-projections and the rotary embedding after them,
+``mlp`` a dense block's MLP (``planner.recompute_regions``)."""
 """A block's activation policy: ``none`` keeps what autograd saves, ``selective`` recomputes the attention core (as
 Tessera's runtime and Megatron run it; torchtitan's op-level policy differs: ``profiles.selective_policy``),
 ``full`` recomputes the block from its input, ``offload`` recomputes nothing and copies the saved tensors to host
@@ -156,6 +160,11 @@ class Strategy(BaseModel):
     ``reshard_after_forward``), in model order; empty = every block does. ``False`` keeps the block's weights
     gathered until its backward: one all-gather fewer per micro-batch, the unsharded weights held meanwhile
     (a per-layer ZeRO-2/ZeRO-3 mix)."""
+    recompute_modules: tuple[RecomputeModule, ...] = Field(default=(), max_length=2)
+    """Pieces of every block not fully recomputed or offloaded that are recomputed besides what ``recompute`` does
+    (Megatron-Core's ``--recompute-modules`` beyond ``core_attn``; ``cost_models.module_recompute``). Tessera's
+    runtime does not run them, so the planner never chooses them; pin them to evaluate a configuration that used
+    them."""
     pipeline_passes: int = Field(default=1, gt=0, le=MAX_GLOBAL_BATCH)
     """Pipeline schedule calls a step's micro-batches run in, each filling and draining the pipeline: NeMo AutoModel
     accumulates gradients over local batches and calls its schedule once per local batch. 1 (one call for all of
@@ -177,6 +186,11 @@ class Strategy(BaseModel):
     def _virtual_stages_need_interleaving(self) -> "Strategy":
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule=interleaved:{self.virtual_stages}")
+        if len(set(self.recompute_modules)) < len(self.recompute_modules):
+            raise ConfigError(f"recompute_modules {'/'.join(self.recompute_modules)} names a module twice; name each once")
+        if self.recompute_modules and self.recompute in ("full", "offload") and not self.block_recompute:
+            raise ConfigError(f"recompute_modules with recompute={self.recompute}: no block keeps what they would "
+                              "recompute; drop recompute_modules or recompute none or selective")
         if self.pipeline_passes > 1 and self.pp == 1:
             raise ConfigError(f"pipeline_passes={self.pipeline_passes} needs pp > 1: only a pipeline fills and drains")
         if self.block_reshard and self.zero != 3:
@@ -268,6 +282,8 @@ class Strategy(BaseModel):
             parts.append(f"schedule={self.schedule}" + (f":{self.virtual_stages}" if self.schedule == "interleaved" else ""))
         if self.pipeline_passes > 1:
             parts.append(f"pipeline_passes={self.pipeline_passes}")
+        if self.recompute_modules:
+            parts.append("recompute_modules=" + "/".join(self.recompute_modules))
         return ",".join(parts)
 
     @classmethod

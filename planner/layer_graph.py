@@ -53,6 +53,10 @@ SCALED_FIELDS = (
     "autocast_fused_norm_saving_bytes",
     "declared_norm_saving_bytes",
     "fused_gate_saving_bytes",
+    "mla_up_proj_saved_bytes",
+    "mla_up_proj_flops",
+    "mlp_saved_bytes",
+    "mlp_flops",
 )
 """LayerStats fields that depend on the sequence length (the rest are properties of the module)."""
 

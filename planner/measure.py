@@ -62,6 +62,7 @@ from tessera.errors import CaptureError
 from tessera.planner.front_ends import first_line, user_frame
 from tessera.planner.kernels import CORE_OPS, FusedKernels
 from tessera.planner.replay import BlockReplay, ElementReplay
+from tessera.planner.recompute_regions import RegionMarks
 from tessera.planner.saved_bytes import Ledger, SavedOps, WeightCopies
 from tessera.planner.tally import LOSS, Scope, Tally
 
@@ -183,6 +184,7 @@ def _measure_once(
           _leave_in_backward(model, order, state, counter, root=root)):
         replay = BlockReplay(model, order if reuse_repeated else (), counter, root=root)
         elements = ElementReplay(model, order if reuse_repeated else (), counter, ledger, root=root)
+        regions = RegionMarks(model, order)
         with ExitStack() as stack:
             stack.enter_context(FusedKernels(ledger, model))
             stack.enter_context(_io_hooks(model, tallies, scope, resident))
@@ -190,6 +192,7 @@ def _measure_once(
             stack.enter_context(replay.installed(lambda fqn: tallies[fqn].saved_bytes))
             stack.enter_context(elements.installed())
             stack.enter_context(SavedOps(scope, tallies, resident))
+            stack.enter_context(regions.installed())
             if autocast:
                 stack.enter_context(WeightCopies(resident))
                 stack.enter_context(torch.autocast("cpu", dtype=dtype))
@@ -200,7 +203,7 @@ def _measure_once(
     elements.add_backward(forward_counts, total_counts)
     replayed_in = {fqn for fqn in order for element, _, _ in elements.replayed if element.startswith(fqn + ".")}
     _finalize(tallies, ledger, forward_counts, total_counts, root=root, replayed=replay.replayed,
-              partly_replayed=replayed_in)
+              partly_replayed=replayed_in, regions=regions)
     return tallies
 
 
@@ -376,7 +379,7 @@ def _leave_in_backward(
 
 def _finalize(
     tallies: dict[str, Tally], ledger: Ledger, forward: dict, total: dict, *, root: str, replayed: dict[str, str],
-    partly_replayed: set[str],
+    partly_replayed: set[str], regions: RegionMarks,
 ) -> None:
     """Per-layer FLOPs from FlopCounterMode's per-module counts (backward = total - forward snapshot), selective
     bytes from the ledger; replayed blocks copy their representative; glue goes to the first layer; the loss is
@@ -387,6 +390,9 @@ def _finalize(
 
     layers = [fqn for fqn in tallies if fqn != LOSS]
     kept = ledger.selective_bytes()
+    charged: dict[str, dict[int, int]] = {}
+    for key, layer in ledger.owner.items():
+        charged.setdefault(layer, {})[key] = ledger.nbytes[key]
     for fqn in layers:
         tally = tallies[fqn]
         tally.forward_flops = flops(forward, f"{root}.{fqn}")
@@ -400,6 +406,9 @@ def _finalize(
         tally.expert_backward_flops = sum(flops(total, key) for key in experts) - tally.expert_forward_flops
         if tally.saved_bytes_selective is not None:
             tally.saved_bytes_selective = kept.get(fqn, 0)
+        tally.region_saved_bytes = regions.saved_bytes(charged.get(fqn, {}))
+        tally.region_flops = {region: sum(flops(forward, f"{root}.{name}") for name in names)
+                              for region, names in regions.modules.get(fqn, {}).items()}
     glue_fwd = flops(forward, root) - sum(tallies[fqn].forward_flops for fqn in layers)
     glue_bwd = flops(total, root) - flops(forward, root) - sum(tallies[fqn].backward_flops for fqn in layers)
     for fqn, rep in replayed.items():

@@ -198,7 +198,7 @@ def strategies(
                             sp=sps[etp], schedule=schedule, virtual_stages=chunks,
                             # never chosen: the runtime lacks these
                             tp_overlap=pins.get("tp_overlap", False), sp_regather=pins.get("sp_regather", False),
-                            pipeline_passes=passes,
+                            pipeline_passes=passes, recompute_modules=pins.get("recompute_modules", ()),
                         )
                         if runtime_refusal(strategy, training, unavailable, exclusive) is None:
                             yield strategy

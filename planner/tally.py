@@ -50,6 +50,10 @@ class Tally:
     fused_gate_saving_bytes: int = 0
     """What the layer's gated activations (``act(gate) * up``) save here beyond what a fused gated-MLP kernel saves:
     the activations' outputs (``kernels.FusedKernels``, ``saved_bytes.Ledger.gated_activation``)."""
+    region_saved_bytes: dict[str, int] = field(default_factory=dict)
+    """Of ``saved_bytes``, what each recomputable piece of the layer made (``recompute_regions.REGIONS``)."""
+    region_flops: dict[str, int] = field(default_factory=dict)
+    """Forward FLOPs of each recomputable piece's modules (``recompute_regions``)."""
     under_autocast: Tally | None = None
     """The same layer measured with fp32 weights under ``torch.autocast`` (``measure_at_lengths(autocast=True)``)."""
 

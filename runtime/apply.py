@@ -295,6 +295,12 @@ def check_supported(plan: Plan) -> None:
             "schedule calls) is a cost-model option for evaluating published configurations; the runtime runs all "
             "of a step's micro-batches in one schedule call: drop pipeline_passes"
         )
+    if plan.strategy.recompute_modules:
+        raise NotModelledError(
+            f"recompute_modules={'/'.join(plan.strategy.recompute_modules)} (Megatron-Core's recomputation of named "
+            "pieces of a block) is a cost-model option for evaluating published configurations; the runtime "
+            "recomputes whole blocks or their attention cores: drop recompute_modules"
+        )
     if plan.strategy.sp_regather:
         raise NotModelledError(
             "sp_regather (Megatron-LM's sequence parallelism: save the input shard, all-gather it again in the "

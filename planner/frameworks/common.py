@@ -112,7 +112,7 @@ def pin_string(strategy: Strategy) -> str:
     items = dict(item.split("=", 1) for item in s.to_string().split(","))
     merged = items | {key: str(value).lower() for key, value in explicit.items()}
     order = ("dp", "tp", "pp", "cp", "ep", "etp", "zero", "mbs", "recompute", "sp", "tp_overlap", "sp_regather",
-             "block_recompute", "block_reshard", "chunk_blocks", "schedule", "pipeline_passes")
+             "block_recompute", "block_reshard", "chunk_blocks", "schedule", "pipeline_passes", "recompute_modules")
     return ",".join(f"{key}={merged[key]}" for key in order if key in merged)
 
 
@@ -178,6 +178,16 @@ def offload_as_full(policy: str) -> str:
 def uniform_policy(policies: Sequence[str]) -> str | None:
     """The one policy every block has, or None for a mix."""
     return policies[0] if policies and len(set(policies)) == 1 else None
+
+
+def without_named_pieces(s: Strategy, framework: str, notes: list[str]) -> dict[str, object]:
+    """The strategy change, with a note, for a framework that recomputes no named pieces of a block
+    (``Strategy.recompute_modules``, Megatron-Core's ``--recompute-modules``)."""
+    if not s.recompute_modules:
+        return {}
+    notes.append(f"recompute_modules {'/'.join(s.recompute_modules)}: {FRAMEWORK_NAMES[framework]} recomputes no "
+                 "named pieces of a block (Megatron-Core's --recompute-modules); nearest is keeping them")
+    return {"recompute_modules": ()}
 
 
 def strategy_with(base: Strategy, **update: object) -> Strategy:

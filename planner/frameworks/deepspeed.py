@@ -22,7 +22,7 @@ from tessera.cost_models.types import MAX_GLOBAL_BATCH, Strategy
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.frameworks.common import (
     FrameworkExport, ImportedConfig, PlanLike, block_policies, kept_blocks, read_config_file, strategy_with,
-    uniform_policy, whole,
+    uniform_policy, whole, without_named_pieces,
 )
 from tessera.topology.validation import quoted, short
 
@@ -54,7 +54,7 @@ def to_deepspeed(plan: PlanLike) -> FrameworkExport:
     if t.precision == "fp8":
         notes.append("fp8: a DeepSpeed config has no FP8 setting (Transformer Engine linears in the model code do "
                      "it); the config runs bf16 mixed precision around them")
-    update: dict[str, object] = {}
+    update: dict[str, object] = without_named_pieces(s, "deepspeed", notes)
     if kept_blocks(s):
         notes.append(f"block_reshard keeps {kept_blocks(s)} blocks gathered to their backward: DeepSpeed ZeRO-3 keeps "
                      "parameters by size (stage3_param_persistence_threshold), not per block; nearest is every block "

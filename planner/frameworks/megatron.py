@@ -38,7 +38,8 @@ What the arguments express, and the nearest setting where they cannot:
   gradient buffer's dtype; the precision-aware optimizer's master weights and moments; ``--fp8-param-gather``. The
   export asks for the overlap the Megatron-Core profile prices.
 - Selective recomputation is the attention core's (``--recompute-modules`` ``core_attn``, Megatron-Core's default);
-  other modules are evaluated as kept, and said so.
+  ``mla_up_proj`` and ``mlp`` are priced as ``Strategy.recompute_modules`` (``cost_models.module_recompute``), other
+  modules are evaluated as kept, and said so.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def to_megatron_args(plan: PlanLike) -> FrameworkExport:
     notes += pipeline_notes
     recompute, recompute_notes, recompute_update = _recompute_args(plan, chunks)
     notes += recompute_notes
+    recompute, module_update = _named_pieces(s, recompute, notes)
+    recompute_update |= module_update
     if kept_blocks(s):
         notes.append(f"block_reshard keeps {kept_blocks(s)} blocks gathered to their backward: Megatron-FSDP reshards "
                      "every block after its forward; nearest is every block resharding")
@@ -161,6 +164,19 @@ def _recompute_args(plan: PlanLike, chunks: list[int]) -> tuple[list[str], list[
     note = (f"offload on {flat.count('offload')} blocks: Megatron-LM does not offload activations together with {why} "
             "(TransformerConfig refuses it); nearest is full recomputation of those blocks")
     return args, [note, *notes], update
+
+
+def _named_pieces(s: Strategy, recompute: list[str], notes: list[str]) -> tuple[list[str], dict[str, object]]:
+    """The recomputation arguments with ``s.recompute_modules`` named (selective granularity; ``core_attn`` where the
+    blocks recompute their attention cores), and the strategy change where the blocks' policy cannot have them."""
+    if not s.recompute_modules:
+        return recompute, {}
+    if recompute not in ([], ["--recompute-granularity", "selective"]):
+        notes.append(f"recompute_modules {'/'.join(s.recompute_modules)}: Megatron-LM names modules to recompute under "
+                     "selective granularity only, not with whole blocks recomputed or offloaded; nearest is keeping them")
+        return recompute, {"recompute_modules": ()}
+    core = ["core_attn"] if recompute else []
+    return ["--recompute-granularity", "selective", "--recompute-modules", *core, *s.recompute_modules], {}
 
 
 def _offload_args(flat: list[str]) -> tuple[list[str], list[str], dict[str, object]]:

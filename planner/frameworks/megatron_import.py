@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import shlex
+from typing import get_args
 
 from tessera.cost_models.profiles import (
     MEGATRON, MEGATRON_DEEPEP, MEGATRON_DEEPEP_EP_OVERLAP, MEGATRON_EP_OVERLAP, adjusted_name,
 )
-from tessera.cost_models.types import MAX_BLOCKS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, Strategy
+from tessera.cost_models.types import MAX_BLOCKS, MAX_GLOBAL_BATCH, MAX_SEQ_LEN, RecomputeModule, Strategy
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.frameworks.common import ImportedConfig, canonical, data_parallel, expand_recompute
 from tessera.planner.frameworks.megatron import FP8_RECIPES, MEGATRON_VERSION, SHARDING
@@ -22,6 +23,8 @@ STATE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 """The precision-aware optimizer's state dtypes (``--exp-avg-dtype``, ``--exp-avg-sq-dtype``) and their bytes."""
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 """``--recompute-modules``' choices at ``MEGATRON_VERSION`` (``TransformerConfig``'s allowed modules)."""
+PRICED_MODULES = get_args(RecomputeModule)
+"""Those Tessera prices besides ``core_attn`` (``Strategy.recompute_modules``)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -102,13 +105,14 @@ def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
     if mtp and chunks:
         chunks = [*chunks[:-1], chunks[-1] + mtp]  # the modules run after the last block, in the last chunk
     recompute, block_recompute, notes = _recompute(args, chunks=chunks)
+    modules = _priced_modules(args)
     block_recompute = _offloaded(args, block_recompute, chunks=chunks, pp=pp) if args.cpu_offloading else block_recompute
     strategy = Strategy(
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=_zero(args), micro_batch=args.micro_batch_size, recompute=recompute,
         block_recompute=block_recompute, sp=args.sequence_parallel and tp > 1, sp_regather=args.sequence_parallel and tp > 1,
         tp_overlap=args.tp_comm_overlap and tp > 1, schedule="interleaved" if virtual > 1 else "1f1b",
         virtual_stages=virtual, chunk_blocks=tuple(chunks) if len(set(chunks)) > 1 else (),
-        etp=args.expert_tensor_parallel_size,
+        etp=args.expert_tensor_parallel_size, recompute_modules=modules,
     )
     return ImportedConfig(
         framework="megatron", strategy=canonical(strategy), global_batch=args.global_batch_size or args.micro_batch_size * dp,
@@ -412,17 +416,33 @@ def _whole_blocks(args: argparse.Namespace, granularity: str | None, *, chunks: 
 def _selective_modules(args: argparse.Namespace) -> tuple[str, tuple[str, ...], list[str]]:
     """Selective recomputation of ``--recompute-modules`` (Megatron-Core's default: the attention core alone, which
     is Tessera's ``selective``; ``--moe-layer-recompute`` adds ``moe``). Tessera prices the attention core's
-    recomputation only: any other module is evaluated as kept, and the note says so."""
-    modules = list(dict.fromkeys(["core_attn"] if args.recompute_modules is None else args.recompute_modules))
-    if args.moe_layer_recompute and "moe" not in modules:
-        modules.append("moe")
-    unpriced = [m for m in modules if m != "core_attn"]
+    recomputation and the pieces of ``PRICED_MODULES`` (``Strategy.recompute_modules``, :func:`_priced_modules`): any
+    other module is evaluated as kept, and the note says so."""
+    modules = _named_modules(args)
+    unpriced = [m for m in modules if m != "core_attn" and m not in PRICED_MODULES]
     policy = "selective" if "core_attn" in modules else "none"
     if not modules:
         return "none", (), ["--recompute-modules with no modules: Megatron-LM recomputes nothing"]
     if not unpriced:
         return policy, (), []
-    kept = "the attention core recomputed, " if policy == "selective" else ""
-    return policy, (), [f"--recompute-modules {' '.join(unpriced)}: Tessera prices recomputing the attention core "
-                        f"(core_attn) only; evaluated with {kept}{' and '.join(unpriced)} kept, so memory is "
-                        "over-estimated and the time to recompute them is left out"]
+    return policy, (), [f"--recompute-modules {' '.join(unpriced)}: Tessera prices recomputing "
+                        f"{', '.join(['core_attn', *PRICED_MODULES])} only; evaluated with {' and '.join(unpriced)} "
+                        "kept, so memory is over-estimated and the time to recompute them is left out"]
+
+
+def _named_modules(args: argparse.Namespace) -> list[str]:
+    """The modules selective recomputation names, each once (``--moe-layer-recompute`` adds ``moe``)."""
+    modules = list(dict.fromkeys(["core_attn"] if args.recompute_modules is None else args.recompute_modules))
+    if args.moe_layer_recompute and "moe" not in modules:
+        modules.append("moe")
+    return modules
+
+
+def _priced_modules(args: argparse.Namespace) -> tuple[str, ...]:
+    """The pieces besides the attention core that Tessera prices recomputing (``Strategy.recompute_modules``), under
+    selective granularity (Megatron-LM reads ``--recompute-modules`` under it only)."""
+    granularity = args.recompute_granularity or (
+        "selective" if args.recompute_activations or args.moe_layer_recompute else None)
+    if granularity != "selective":
+        return ()
+    return tuple(m for m in _named_modules(args) if m in PRICED_MODULES)

@@ -41,7 +41,7 @@ from tessera.cost_models.types import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, Strategy
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.frameworks.common import (
     FrameworkExport, ImportedConfig, PlanLike, block_policies, canonical, kept_blocks, offload_as_full, strategy_with,
-    uniform_policy, whole,
+    uniform_policy, whole, without_named_pieces,
 )
 from tessera.planner.frameworks.torchtitan_source import read_torchtitan
 from tessera.topology.validation import quoted
@@ -90,6 +90,7 @@ def to_torchtitan(plan: PlanLike) -> FrameworkExport:
                      "model_spec's converters); add it there, these fields keep bfloat16 mixed precision")
         precision = "bf16"
     fields = _parallelism_fields(plan, zero=update["zero"])
+    update |= without_named_pieces(s, "torchtitan", notes)
     local = t.global_batch // (s.dp * s.pipeline_passes)  # under pipelining, one schedule's micro-batches
     training = {"local_batch_size": local if s.pp > 1 else s.micro_batch,
                 "global_batch_size": t.global_batch, "seq_len": t.seq_len, "mixed_precision_param": PRECISION[precision]}

@@ -101,6 +101,9 @@ def test_megatron_only_cost_model_options_are_refused_by_the_runtime():
     plan = make_plan(GPT, make_model(GPT, device="meta"), "dp=1,pp=2,pipeline_passes=2")
     with pytest.raises(NotModelledError, match="drop pipeline_passes"):
         check_supported(plan)
+    plan = make_plan(GPT, make_model(GPT, device="meta"), "dp=1,recompute=selective,recompute_modules=mlp")
+    with pytest.raises(NotModelledError, match="drop recompute_modules"):
+        check_supported(plan)
 
 
 def test_zero_bubble_with_recomputation_is_refused_by_name():

@@ -130,6 +130,18 @@ def test_korthikanti_activation_share_with_and_without_sequence_parallelism():
     assert REPLICATED_ACTIVATION_SHARE == pytest.approx(10 / 34)
 
 
+def test_named_pieces_to_recompute_read_back_and_are_refused_where_nothing_keeps_them():
+    # Megatron-Core's --recompute-modules beyond core_attn (cost_models.module_recompute)
+    pieces = Strategy.parse("dp=2,recompute=selective,recompute_modules=mla_up_proj/mlp")
+    assert pieces.recompute_modules == ("mla_up_proj", "mlp") and Strategy.parse(pieces.to_string()) == pieces
+    with pytest.raises(ConfigError, match="'mla_up_proj' or 'mlp', got 'moe_act'"):
+        Strategy.parse("dp=2,recompute_modules=moe_act")
+    with pytest.raises(ConfigError, match="names a module twice"):
+        Strategy.parse("dp=2,recompute_modules=mlp/mlp")
+    with pytest.raises(ConfigError, match="recompute_modules with recompute=full"):
+        Strategy.parse("dp=2,recompute=full,recompute_modules=mlp")
+
+
 def test_a_step_in_two_pipeline_passes_has_two_bubbles_and_holds_one_passs_micro_batches():
     # NeMo AutoModel accumulates gradients over local batches, one schedule call each (Strategy.pipeline_passes)
     one, two = Strategy.parse("dp=1,pp=4,schedule=gpipe"), Strategy.parse("dp=1,pp=4,schedule=gpipe,pipeline_passes=2")

@@ -306,16 +306,23 @@ def test_a_missing_or_huge_file_is_named(tmp_path):
         import_config("deepspeed", str(big), world_size=8)
 
 
-def test_megatron_recompute_modules_price_the_attention_core_and_name_the_rest():
-    """``--recompute-modules`` (Megatron-Core's default: core_attn, Tessera's ``selective``): modules Tessera cannot
-    price are evaluated as kept and named in a note, never silently read as the attention core."""
+def test_megatron_recompute_modules_price_the_attention_core_and_named_pieces_and_name_the_rest():
+    """``--recompute-modules`` (Megatron-Core's default: core_attn, Tessera's ``selective``): mla_up_proj and mlp are
+    ``Strategy.recompute_modules``; modules Tessera cannot price are evaluated as kept and named in a note, never
+    silently read as the attention core."""
     base = "--micro-batch-size 1 --recompute-granularity selective"
     default = from_megatron(base, world_size=8)
     assert default.strategy.recompute == "selective" and not default.notes and default.unread == ()
+    assert default.strategy.recompute_modules == ()
     assert from_megatron(f"{base} --recompute-modules core_attn", world_size=8).notes == ()
     mixed = from_megatron(f"{base} --recompute-modules core_attn mla_up_proj moe_act", world_size=8)
     assert mixed.strategy.recompute == "selective" and mixed.unread == ()
-    assert any("mla_up_proj and moe_act kept" in note for note in mixed.notes)
+    assert mixed.strategy.recompute_modules == ("mla_up_proj",)
+    assert any("moe_act kept" in note for note in mixed.notes)
+    assert not any("mla_up_proj kept" in note for note in mixed.notes)
+    pieces = from_megatron(f"{base} --recompute-modules mla_up_proj mlp", world_size=8)
+    assert pieces.strategy.recompute == "none" and pieces.strategy.recompute_modules == ("mla_up_proj", "mlp")
+    assert pieces.notes == ()
     alone = from_megatron(f"{base} --recompute-modules moe_act", world_size=8)
     assert alone.strategy.recompute == "none" and any("moe_act kept" in note for note in alone.notes)
     nothing = from_megatron(f"{base} --recompute-modules", world_size=8)
@@ -324,6 +331,7 @@ def test_megatron_recompute_modules_price_the_attention_core_and_name_the_rest()
     assert layer.strategy.recompute == "selective" and any("moe kept" in note for note in layer.notes)
     ignored = from_megatron("--micro-batch-size 1 --recompute-modules mlp", world_size=8)
     assert ignored.strategy.recompute == "none" and any("no effect" in note for note in ignored.notes)
+    assert ignored.strategy.recompute_modules == ()
     with pytest.raises(ConfigError, match="argument --recompute-modules: invalid choice: 'attention'"):
         from_megatron(f"{base} --recompute-modules attention", world_size=8)
 

@@ -1,0 +1,58 @@
+"""Recomputing named pieces of a block (Megatron-Core's ``--recompute-modules``): what capture measures of them
+(``planner.recompute_regions``) and how a strategy that names them is priced (``cost_models.module_recompute``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.cost_models.estimate import estimate
+from tessera.cost_models.profiles import MEGATRON
+from tessera.cost_models.types import Strategy, TrainingConfig
+from tessera.planner.capture import capture_preset
+from tessera.topology.presets import load_cluster
+
+SEQ, HEADS, NOPE, ROPE, VALUE, Q_RANK, KV_RANK, HIDDEN, FFN = 128, 8, 32, 16, 32, 64, 32, 256, 512
+TINY_DEEPSEEK_V3 = (
+    f"hf:deepseek_v3:num_hidden_layers=3,hidden_size={HIDDEN},intermediate_size={FFN},moe_intermediate_size=128,"
+    f"num_attention_heads={HEADS},num_key_value_heads={HEADS},n_routed_experts=8,n_shared_experts=1,"
+    f"num_experts_per_tok=2,first_k_dense_replace=1,q_lora_rank={Q_RANK},kv_lora_rank={KV_RANK},"
+    f"qk_nope_head_dim={NOPE},qk_rope_head_dim={ROPE},v_head_dim={VALUE},n_group=1,topk_group=1,vocab_size=1000")
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return capture_preset(TINY_DEEPSEEK_V3, seq_len=SEQ, dtype=torch.bfloat16)
+
+
+def test_latent_attention_up_projections_make_what_the_attention_core_reads(graph) -> None:
+    query_and_key = 2 * HEADS * (NOPE + ROPE)  # elements a token, each made after the up-projections
+    values = HEADS * VALUE
+    for block in graph.blocks:
+        assert block.mla_up_proj_flops == 2 * SEQ * (Q_RANK * HEADS * (NOPE + ROPE) + KV_RANK * HEADS * (NOPE + VALUE))
+        assert 2 * SEQ * (query_and_key + values) <= block.mla_up_proj_saved_bytes < block.saved_bytes_no_recompute
+    llama = capture_preset("llama-tiny:layers=2", seq_len=32)
+    assert all(block.mla_up_proj_saved_bytes == block.mla_up_proj_flops == 0 for block in llama.blocks)
+
+
+def test_a_dense_mlp_frees_what_it_makes_less_its_output(graph) -> None:
+    dense = graph.blocks[0]
+    assert dense.experts == 0 and dense.mlp_flops == 2 * SEQ * 3 * HIDDEN * FFN
+    # gate and up projections' outputs, the activation's output and the product: four of the inner width a token;
+    # the MLP's input (made by the norm before it) and its output (kept by the checkpoint) are not its to free
+    assert dense.mlp_saved_bytes == 4 * SEQ * FFN * 2
+
+
+def test_naming_pieces_frees_their_activations_and_re_runs_their_matmuls(graph) -> None:
+    cluster, training = load_cluster("dgx-h100:nodes=1"), TrainingConfig(global_batch=16, seq_len=SEQ)
+    plain = Strategy.parse("dp=8,zero=1,mbs=2,recompute=none")
+    pieces = plain.model_copy(update={"recompute_modules": ("mla_up_proj", "mlp")})
+    before, after = (estimate(graph.layers, cluster, training, s, profile=MEGATRON) for s in (plain, pieces))
+    dense = graph.blocks[0]
+    freed = (sum(b.mla_up_proj_saved_bytes for b in graph.blocks) + dense.mlp_saved_bytes
+             - dense.fused_gate_saving_bytes)  # Megatron-Core fuses the gated activation: its output is freed already
+    assert before.memory_by_category_bytes["activations"] - after.memory_by_category_bytes["activations"] == (
+        pytest.approx(plain.micro_batch * freed))
+    rerun = sum(b.mla_up_proj_flops for b in graph.blocks) + dense.mlp_flops  # the MoE blocks' MLP is not "mlp"
+    assert after.hardware_flops_per_step - before.hardware_flops_per_step == pytest.approx(training.global_batch * rerun)
+    assert after.recompute_time_s > before.recompute_time_s == 0 and after.step_time_s > before.step_time_s
