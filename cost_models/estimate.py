@@ -25,7 +25,7 @@ from tessera.cost_models.compute import (
 )
 from tessera.cost_models.memory import as_run, loss_as_run, stage_memory
 from tessera.cost_models.memory_state import local_params
-from tessera.cost_models.module_recompute import with_recomputed_modules
+from tessera.cost_models.module_recompute import unmeasured_pieces_note, with_recomputed_modules
 from tessera.cost_models.offload import exposed_offload_s
 from tessera.cost_models.partition import (
     StageTotals, block_policies, cached_stage_totals, kept_blocks, split_blocks, stage_totals,
@@ -131,8 +131,9 @@ def estimate(
         hardware_flops_per_step=hardware_flops,
         mfu=model_flops / (step * peak_rate),
         hfu=hardware_flops / (step * peak_rate),
-        notes=_notes(training, straggling) + _attention_note(cluster.device, training, strategy, profile, calibration,
-                                                             stages[slowest].attention_head_widths),
+        notes=(_notes(training, straggling) + unmeasured_pieces_note(layers, strategy.recompute_modules)
+               + _attention_note(cluster.device, training, strategy, profile, calibration,
+                                 stages[slowest].attention_head_widths)),
     )
 
 

@@ -49,12 +49,13 @@ def selective_totals(blocks: Sequence[LayerStats], policy: Mapping[str, Recomput
     # Blocks measured for the op-level policy only (a block without the figures keeps the attention-core policy).
     selective = [b for b in blocks if policy[b.fqn] == "selective" and b.op_selective_recompute_flops > 0]
     kept = [layer_saved_bytes(b, "selective") for b in selective]
-    op_kept = [k if b.saved_bytes_op_selective is None else b.saved_bytes_op_selective for b, k in zip(selective, kept)]
+    op_kept = [k if b.saved_bytes_op_selective is None else less_named_pieces(b, b.saved_bytes_op_selective)
+               for b, k in zip(selective, kept)]
     every = [b for b in blocks if policy[b.fqn] == "selective"]
     measured = matmul_selective_blocks(blocks, policy)
     pairs = sum(block_tp_reductions(b) * b.output_bytes for b in measured)
     attention_kept = [layer_saved_bytes(b, "selective") for b in every]
-    matmul_kept = [k if b.saved_bytes_matmul_selective is None else b.saved_bytes_matmul_selective
+    matmul_kept = [k if b.saved_bytes_matmul_selective is None else less_named_pieces(b, b.saved_bytes_matmul_selective)
                    for b, k in zip(every, attention_kept)]
     return {
         "selective_blocks_saved_bytes": sum(attention_kept),
@@ -230,10 +231,15 @@ def layer_saved_bytes(layer: LayerStats, recompute: Recompute) -> int:
         return layer.saved_bytes_full_recompute
     kept = layer.saved_bytes_selective if recompute == "selective" and layer.saved_bytes_selective is not None else (
         layer.saved_bytes_no_recompute)
-    if not layer.module_recompute_saving_bytes:
+    return less_named_pieces(layer, kept)
+
+
+def less_named_pieces(block: LayerStats, kept: int) -> int:
+    """What ``block`` keeps of ``kept`` once the pieces ``Strategy.recompute_modules`` names free what they made
+    (``cost_models.module_recompute``); its input stays either way."""
+    if not block.module_recompute_saving_bytes:
         return kept
-    # the pieces Strategy.recompute_modules names free what they made; the block's input stays either way
-    return max(layer.saved_bytes_full_recompute, kept - layer.module_recompute_saving_bytes)
+    return max(block.saved_bytes_full_recompute, kept - block.module_recompute_saving_bytes)
 
 
 def layer_tp_allreduce_count(layer: LayerStats) -> int:

@@ -12,6 +12,11 @@ the block's saved bytes and the compute model prices as linears re-run with thei
 the MLP's saved bytes less its gated activation's output (``LayerStats.fused_gate_saving_bytes``), which the memory
 model takes off already where the framework fuses the activation: a framework that does not keeps that output here,
 though the checkpoint would free it too.
+
+Applied where a strategy is priced (``estimate.stage_split``). The planner's lower bounds and per-block integer
+program read the blocks without them (a looser bound, a more cautious memory check): it never chooses them, as
+Tessera's runtime does not run them. The bytes are those capture measured in its own dtype, not under autocast: the
+frameworks that train by autocast (Tessera's runtime, torchtitan) recompute no named pieces.
 """
 
 from __future__ import annotations
@@ -49,3 +54,17 @@ def _recomputing(block: LayerStats, modules: tuple[str, ...]) -> LayerStats:
         saving += max(0, block.mlp_saved_bytes - block.fused_gate_saving_bytes)
         flops += block.mlp_flops
     return block.model_copy(update={"module_recompute_saving_bytes": saving, "module_recompute_flops": flops})
+
+
+def unmeasured_pieces_note(layers: Sequence[LayerStats], modules: tuple[str, ...]) -> tuple[str, ...]:
+    """A note naming the pieces of ``modules`` that no block of ``layers`` has as capture measured them (a model
+    without latent attention, or whose attention capture saw no fused core; no dense MLP child): priced as nothing."""
+    blocks = [layer for layer in layers if layer.kind == "block"]
+    found = {"mla_up_proj": any(b.mla_up_proj_flops for b in blocks),
+             "mlp": any(b.mlp_flops for b in blocks if not b.experts)}
+    missing = [piece for piece in modules if not found[piece]]
+    if not missing:
+        return ()
+    return (f"recompute_modules {'/'.join(missing)}: capture found no such piece in this model's blocks (latent "
+            "attention's up-projections before a fused attention core; a dense block's MLP child), so nothing is freed "
+            "or re-run for it",)

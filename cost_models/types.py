@@ -8,9 +8,9 @@ and a cost model must never see a torch graph node, only these records.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tessera.cost_models.strategy_text import MAX_BLOCKS, coerce_number, parse_item, run_lengths
 from tessera.errors import ConfigError
@@ -27,14 +27,14 @@ MAX_SEQ_LEN = 2**24
 Precision = Literal["bf16", "fp16", "fp32", "fp8"]
 Fp8Scaling = Literal["delayed", "current", "rowwise", "block", "mx"]
 Recompute = Literal["none", "selective", "full", "offload"]
-RecomputeModule = Literal["mla_up_proj", "mlp"]
-"""A piece of a block Megatron-Core recomputes by name (``--recompute-modules``), besides the attention core that
-``selective`` recomputes: ``mla_up_proj`` latent attention's up-projections and the rotary embedding after them,
-``mlp`` a dense block's MLP (``planner.recompute_regions``)."""
 """A block's activation policy: ``none`` keeps what autograd saves, ``selective`` recomputes the attention core (as
 Tessera's runtime and Megatron run it; torchtitan's op-level policy differs: ``profiles.selective_policy``),
 ``full`` recomputes the block from its input, ``offload`` recomputes nothing and copies the saved tensors to host
 memory in the forward and back before the block's backward (overlapped with compute)."""
+RecomputeModule = Literal["mla_up_proj", "mlp"]
+"""A piece of a block Megatron-Core recomputes by name (``--recompute-modules``), besides the attention core that
+``selective`` recomputes: ``mla_up_proj`` latent attention's up-projections and the rotary embedding after them,
+``mlp`` a dense block's MLP (``planner.recompute_regions``)."""
 BlockKind = Literal["", "attention", "local-attention", "moe", "local-moe", "ssm", "ssm-moe", "encoder"]
 """What a block is, for per-layer choices and the report: ``attention`` (global attention + dense MLP),
 ``local-attention`` (sliding-window attention + dense MLP), ``moe`` / ``local-moe`` (the same with routed experts),
@@ -181,6 +181,13 @@ class Strategy(BaseModel):
             super().__init__(**data)
         except ValidationError as exc:
             raise config_error(exc, "strategy") from None
+
+    @field_validator("recompute_modules")
+    @classmethod
+    def _modules_in_one_order(cls, modules: tuple[str, ...]) -> tuple[str, ...]:
+        """One order per meaning (``RecomputeModule``'s): the same pieces are the same strategy."""
+        order = get_args(RecomputeModule)
+        return tuple(sorted(modules, key=order.index))
 
     @model_validator(mode="after")
     def _virtual_stages_need_interleaving(self) -> "Strategy":

@@ -9,16 +9,22 @@ Megatron-Core recomputes named pieces of a block besides the attention core (``-
 - ``mlp``: a dense block's MLP, run as a checkpoint that keeps its output.
 
 ``RegionMarks`` marks each storage an op makes inside such a region: for ``mlp``, every op while a block's MLP child
-runs, less its output; for ``mla_up_proj``, the up-projections' outputs and every op that reads a marked storage, up
-to the attention core (whose outputs are not re-made). What a region's recomputation frees is what the ledger
-charged to storages so marked (the region's inputs stay: their producers or the checkpoint hold them); what it
-re-runs is its modules' forward FLOPs (FlopCounterMode's count for each, ``measure._finalize``).
+runs, less its output; for ``mla_up_proj``, the up-projections' outputs and every op of the same attention call that
+reads a marked storage, up to the attention core (whose outputs are not re-made). What a region's recomputation
+frees is what the ledger charged to storages so marked (the region's inputs stay: their producers or the checkpoint
+hold them); what it re-runs is its modules' forward FLOPs (FlopCounterMode's count for each, ``measure._finalize``).
+
+Not counted: Megatron-Core's Transformer Engine layers fuse the norm in front of a linear into it, so its checkpoint
+of a dense MLP (and of the up-projections, under ``qk_layernorm``) re-makes the norm's output too, which a Hugging
+Face model computes outside the piece: about an eighth more than measured for DeepSeek-V3's dense MLP (7,168 of
+55,296 elements a token), a fortieth for its up-projections (2,048 of 81,920).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,8 +33,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.planner.kernels import CORE_OPS
 
-UP_PROJECTIONS = ("q_b_proj", "kv_b_proj", "linear_q_up_proj", "linear_kv_up_proj")
-"""Latent attention's up-projections, by module name: Hugging Face's DeepSeek-V2/V3 and Kimi K2, Megatron-Core's MLA."""
+UP_PROJECTIONS = ("q_b_proj", "kv_b_proj", "q_proj", "linear_q_up_proj", "linear_kv_up_proj", "linear_q_proj")
+"""What ``mla_up_proj`` re-runs, by module name, in an attention module that has a key/value up-projection
+(``KV_UP_PROJECTIONS``): Hugging Face's DeepSeek-V2/V3 and Kimi K2, Megatron-Core's MLA; the query's own projection
+where the model has no query compression (``q_proj``, ``linear_q_proj``), as Megatron-Core recomputes it then."""
+KV_UP_PROJECTIONS = ("kv_b_proj", "linear_kv_up_proj")
+"""Latent attention's key/value up-projection, by module name: what makes an attention module latent attention."""
 MLP_CHILDREN = ("mlp", "feed_forward")
 """A block's MLP, by the name of the block's child: Hugging Face's, torchtitan's."""
 REGIONS = ("mla_up_proj", "mlp")
@@ -39,32 +49,36 @@ def _storages(value: object) -> list:
     return [t.untyped_storage() for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+@dataclass
+class _Attention:
+    """One latent attention call running: the storages made in it, those marked, whether an attention core ran."""
+
+    made: set[int] = field(default_factory=set)
+    marked: list[int] = field(default_factory=list)
+    core_ran: bool = False
+
+
 class RegionMarks(TorchDispatchMode):
-    """In the forward, which storages each block's recomputable pieces make (see the module docstring)."""
+    """In the forward, which storages each block's recomputable pieces make (see the module docstring). The marks of
+    ``mla_up_proj`` spread only within the latent attention module that made them, and stop at its attention core;
+    a call in which no core ran (hand-written attention) leaves its layer's piece unmeasured (nothing freed, nothing
+    re-run)."""
 
     def __init__(self, model: nn.Module, layers: tuple[str, ...]) -> None:
         super().__init__()
         self.model, self.layers = model, layers
         self.marks: dict[int, tuple[object, set[str]]] = {}  # storage id -> (storage: keeps ids unique, regions)
         self.open_mlps = 0  # MLP regions running (nested MLPs count once)
+        self.attention: list[_Attention] = []  # latent attention calls running, innermost last
         self.modules: dict[str, dict[str, list[str]]] = {}  # layer -> region -> FQNs of its modules
+        self.unmeasured: set[str] = set()  # layers whose latent attention ran no attention core
         self.handles: list = []
 
     @contextmanager
     def installed(self) -> Iterator[RegionMarks]:
         """The mode entered with a hook on every region module of ``layers``."""
         for layer in self.layers:
-            found = self.modules[layer] = {region: [] for region in REGIONS}
-            module = self.model.get_submodule(layer)
-            for name, child in module.named_children():
-                if name in MLP_CHILDREN:
-                    found["mlp"].append(f"{layer}.{name}")
-                    self.handles += [child.register_forward_pre_hook(self._mlp_started),
-                                     child.register_forward_hook(self._mlp_finished, always_call=True)]
-            for name, child in module.named_modules():
-                if name.rsplit(".", 1)[-1] in UP_PROJECTIONS:
-                    found["mla_up_proj"].append(f"{layer}.{name}")
-                    self.handles.append(child.register_forward_hook(self._up_projected))
+            self._hook_layer(layer, self.model.get_submodule(layer))
         try:
             with self:
                 yield self
@@ -73,20 +87,51 @@ class RegionMarks(TorchDispatchMode):
                 handle.remove()
             self.handles = []
 
-    def saved_bytes(self, charged: dict[int, int]) -> dict[str, int]:
-        """Of ``charged`` (storage id -> bytes the ledger charged it), the bytes each region made."""
+    def _hook_layer(self, layer: str, module: nn.Module) -> None:
+        found = self.modules[layer] = {region: [] for region in REGIONS}
+        for name, child in module.named_children():
+            if name in MLP_CHILDREN:
+                found["mlp"].append(f"{layer}.{name}")
+                self.handles += [child.register_forward_pre_hook(self._mlp_started),
+                                 child.register_forward_hook(self._mlp_finished, always_call=True)]
+        for name, attention in module.named_modules():
+            children = dict(attention.named_children())
+            if not any(kv in children for kv in KV_UP_PROJECTIONS):
+                continue
+            self.handles += [attention.register_forward_pre_hook(self._attention_started),
+                             attention.register_forward_hook(
+                                 lambda m, a, o, layer=layer: self._attention_finished(layer), always_call=True)]
+            prefix = f"{layer}.{name}" if name else layer
+            for child_name in UP_PROJECTIONS:
+                if child_name in children:
+                    found["mla_up_proj"].append(f"{prefix}.{child_name}")
+                    self.handles.append(children[child_name].register_forward_hook(self._up_projected))
+
+    def saved_bytes(self, layer: str, charged: dict[int, int]) -> dict[str, int]:
+        """Of ``charged`` (storage id -> bytes the ledger charged ``layer``), the bytes each region made."""
         made = dict.fromkeys(REGIONS, 0)
         for key, nbytes in charged.items():
             for region in self.marks.get(key, (None, ()))[1]:
                 made[region] += nbytes
+        if layer in self.unmeasured:
+            made["mla_up_proj"] = 0
         return made
 
-    def _mark(self, value: object, region: str, *, besides: frozenset[int] = frozenset()) -> None:
-        """Mark the storages of ``value`` but those in ``besides`` (an op's inputs: a view or an in-place op makes
-        no storage of its own)."""
-        for storage in _storages(value):
-            if id(storage) not in besides:
-                self.marks.setdefault(id(storage), (storage, set()))[1].add(region)
+    def region_modules(self, layer: str) -> dict[str, list[str]]:
+        """The modules whose FLOPs each region of ``layer`` re-runs (none for a piece not measured)."""
+        found = dict(self.modules.get(layer, {}))
+        if layer in self.unmeasured:
+            found["mla_up_proj"] = []
+        return found
+
+    def _mark(self, storages: list, region: str) -> None:
+        for storage in storages:
+            self.marks.setdefault(id(storage), (storage, set()))[1].add(region)
+            if region == "mla_up_proj" and self.attention:
+                self.attention[-1].marked.append(id(storage))
+
+    def _marked(self, key: int, region: str) -> bool:
+        return region in self.marks.get(key, (None, ()))[1]
 
     def _mlp_started(self, _module: nn.Module, _args: tuple) -> None:
         self.open_mlps += 1
@@ -96,15 +141,38 @@ class RegionMarks(TorchDispatchMode):
         for storage in _storages(output):  # the checkpoint returns it: kept, not re-made
             self.marks.get(id(storage), (None, set()))[1].discard("mlp")
 
+    def _attention_started(self, _module: nn.Module, _args: tuple) -> None:
+        self.attention.append(_Attention())
+
+    def _attention_finished(self, layer: str) -> None:
+        call = self.attention.pop()
+        if not call.core_ran:  # no fused core to stop at: what the piece frees is not known
+            self.unmeasured.add(layer)
+            for key in call.marked:
+                self.marks[key][1].discard("mla_up_proj")
+
     def _up_projected(self, _module: nn.Module, _args: tuple, output: object) -> None:
-        self._mark(output, "mla_up_proj")
+        self._mark(_storages(output), "mla_up_proj")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch protocol
         out = func(*args, **(kwargs or {}))
-        read = frozenset(id(s) for s in _storages((args, kwargs)))
+        read = {id(s) for s in _storages((args, kwargs))}
+        fresh = [s for s in _storages(out) if id(s) not in read]  # a view or an in-place op makes no storage
         if self.open_mlps:
-            self._mark(out, "mlp", besides=read)
-        if func.overloadpacket not in CORE_OPS and any(
-                "mla_up_proj" in self.marks.get(key, (None, ()))[1] for key in read):
-            self._mark(out, "mla_up_proj", besides=read)
+            self._mark(fresh, "mlp")
+        if self.attention:
+            self._spread(func, read, fresh, out)
         return out
+
+    def _spread(self, func, read: set[int], fresh: list, out: object) -> None:  # noqa: ANN001 - an aten op
+        """Within a latent attention call: what an op computes from a marked storage is marked, up to the core; a
+        buffer made in the call and filled in place from one (a key assembled by ``copy_``) too."""
+        call = self.attention[-1]
+        call.made.update(id(s) for s in fresh)
+        if func.overloadpacket in CORE_OPS:
+            call.core_ran = True
+            return
+        if not any(self._marked(key, "mla_up_proj") for key in read):
+            return
+        filled = [s for s in _storages(out) if id(s) in read and id(s) in call.made]
+        self._mark(fresh + filled, "mla_up_proj")

@@ -237,7 +237,8 @@ def _recompute_options(measured_selective: bool, pins: Mapping[str, object]) -> 
     """Uniform recomputation policies to try, cheapest first; only ``none`` (unused) under ``block_recompute``."""
     if "block_recompute" in pins:
         return ["none"]
-    return ["none"] + (["selective"] if measured_selective else []) + ["full"]
+    whole_blocks = [] if pins.get("recompute_modules") else ["full"]  # named pieces are recomputed in kept blocks only
+    return ["none"] + (["selective"] if measured_selective else []) + whole_blocks
 
 
 def _schedules(pp: int, blocks: int, pins: Mapping[str, object]) -> list[tuple[str, int]]:
