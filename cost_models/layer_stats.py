@@ -58,11 +58,18 @@ class LayerStats(BaseModel):
     mla_up_proj_flops: float = Field(default=0.0, ge=0)
     """Forward FLOPs of those up-projections for one sequence: what recomputing them re-runs."""
     mlp_saved_bytes: int = Field(default=0, ge=0)
-    """Of ``saved_bytes_no_recompute``, what the block's MLP child makes for one sequence, less its output: what
-    recomputing it as a checkpoint frees (Megatron-Core's ``mlp``, which recomputes dense MLPs only: priced where
-    ``experts`` is 0); 0 where not measured."""
+    """Of ``saved_bytes_no_recompute``, what the block's MLP child makes for one sequence, less its output and its gated
+    activation's output (``fused_gate_saving_bytes`` has that): what recomputing it as a checkpoint frees
+    (Megatron-Core's ``mlp``, which recomputes dense MLPs only: priced where ``experts`` is 0); 0 where not measured."""
     mlp_flops: float = Field(default=0.0, ge=0)
     """Forward FLOPs of the block's MLP child for one sequence."""
+    layernorm_saved_bytes: int = Field(default=0, ge=0)
+    """Of ``saved_bytes_no_recompute``, the outputs of the norms in front of the block's attention and MLP for one
+    sequence: what re-making them frees (Megatron-Core's ``layernorm``); 0 where not measured."""
+    shared_experts_saved_bytes: int = Field(default=0, ge=0)
+    """The same as ``mlp_saved_bytes`` for a MoE block's shared experts (Megatron-Core's ``shared_experts``)."""
+    shared_experts_flops: float = Field(default=0.0, ge=0)
+    """Forward FLOPs of those shared experts for one sequence."""
     module_recompute_saving_bytes: int = Field(default=0, ge=0)
     """What the pieces a strategy recomputes free of this block for one sequence (``Strategy.recompute_modules``; set
     by ``cost_models.module_recompute``, never by capture)."""

@@ -57,6 +57,9 @@ SCALED_FIELDS = (
     "mla_up_proj_flops",
     "mlp_saved_bytes",
     "mlp_flops",
+    "layernorm_saved_bytes",
+    "shared_experts_saved_bytes",
+    "shared_experts_flops",
 )
 """LayerStats fields that depend on the sequence length (the rest are properties of the module)."""
 

@@ -406,7 +406,7 @@ def _finalize(
         tally.expert_backward_flops = sum(flops(total, key) for key in experts) - tally.expert_forward_flops
         if tally.saved_bytes_selective is not None:
             tally.saved_bytes_selective = kept.get(fqn, 0)
-        tally.region_saved_bytes = regions.saved_bytes(fqn, charged.get(fqn, {}))
+        tally.region_saved_bytes = regions.saved_bytes(fqn, charged.get(fqn, {}), gated=ledger.gated)
         tally.region_flops = {region: sum(flops(forward, f"{root}.{name}") for name in names)
                               for region, names in regions.region_modules(fqn).items()}
     glue_fwd = flops(forward, root) - sum(tallies[fqn].forward_flops for fqn in layers)

@@ -6,13 +6,19 @@ Megatron-Core recomputes named pieces of a block besides the attention core (``-
 - ``mla_up_proj``: latent attention's query and key/value up-projections and the rotary embedding after them, run
   as a checkpoint that discards its outputs (the queries, keys and values the attention core reads are re-made in
   the backward);
-- ``mlp``: a dense block's MLP, run as a checkpoint that keeps its output.
+- ``mlp``: a dense block's MLP, run as a checkpoint that keeps its output; ``shared_experts`` likewise a MoE
+  block's shared experts;
+- ``layernorm``: the norms in front of the attention and the MLP, their outputs discarded and re-made.
 
-``RegionMarks`` marks each storage an op makes inside such a region: for ``mlp``, every op while a block's MLP child
-runs, less its output; for ``mla_up_proj``, the up-projections' outputs and every op of the same attention call that
-reads a marked storage, up to the attention core (whose outputs are not re-made). What a region's recomputation
-frees is what the ledger charged to storages so marked (the region's inputs stay: their producers or the checkpoint
-hold them); what it re-runs is its modules' forward FLOPs (FlopCounterMode's count for each, ``measure._finalize``).
+``RegionMarks`` marks each storage an op makes inside such a region: for ``mlp`` and ``shared_experts``, every op while
+the module runs, less its output and a gated activation's output (which the cost model takes off already where the
+framework fuses the activation, ``LayerStats.fused_gate_saving_bytes``); for ``layernorm``, the norms' outputs (what
+a fused norm kernel saves inside, its input and a statistic a token, stays); for ``mla_up_proj``, the
+up-projections' outputs and every op of the same attention call that reads a marked storage, up to the attention
+core (whose outputs are not re-made). What a region's recomputation frees is what the ledger charged to storages so
+marked (the region's inputs stay: their producers or the checkpoint hold them); what it re-runs is its modules'
+forward FLOPs (FlopCounterMode's count for each, ``measure._finalize``; a norm's are not counted, as FlopCounterMode
+counts no elementwise work).
 
 Not counted: Megatron-Core's Transformer Engine layers fuse the norm in front of a linear into it, so its checkpoint
 of a dense MLP (and of the up-projections, under ``qk_layernorm``) re-makes the norm's output too, which a Hugging
@@ -41,7 +47,14 @@ KV_UP_PROJECTIONS = ("kv_b_proj", "linear_kv_up_proj")
 """Latent attention's key/value up-projection, by module name: what makes an attention module latent attention."""
 MLP_CHILDREN = ("mlp", "feed_forward")
 """A block's MLP, by the name of the block's child: Hugging Face's, torchtitan's."""
-REGIONS = ("mla_up_proj", "mlp")
+NORM_CHILDREN = ("input_layernorm", "post_attention_layernorm", "attention_norm", "ffn_norm")
+"""The norms in front of a block's attention and MLP, by the name of the block's child: Hugging Face's, torchtitan's
+(Megatron-Core's ``layernorm`` re-makes these two, not the norms inside latent attention or of queries and keys)."""
+SHARED_EXPERT_CHILDREN = ("shared_experts", "shared_expert")
+"""A MoE block's always-active experts, by the name of its MLP's child: Hugging Face's DeepSeek and Qwen2-MoE."""
+KEEPING = ("mlp", "shared_experts")
+"""The pieces recomputed as a checkpoint that keeps its output (the rest discard theirs)."""
+REGIONS = ("mla_up_proj", "mlp", "layernorm", "shared_experts")
 """The pieces measured, by Megatron-Core's names (``Strategy.recompute_modules``)."""
 
 
@@ -68,7 +81,7 @@ class RegionMarks(TorchDispatchMode):
         super().__init__()
         self.model, self.layers = model, layers
         self.marks: dict[int, tuple[object, set[str]]] = {}  # storage id -> (storage: keeps ids unique, regions)
-        self.open_mlps = 0  # MLP regions running (nested MLPs count once)
+        self.open = dict.fromkeys(KEEPING, 0)  # calls of each output-keeping piece running
         self.attention: list[_Attention] = []  # latent attention calls running, innermost last
         self.modules: dict[str, dict[str, list[str]]] = {}  # layer -> region -> FQNs of its modules
         self.unmeasured: set[str] = set()  # layers whose latent attention ran no attention core
@@ -91,9 +104,13 @@ class RegionMarks(TorchDispatchMode):
         found = self.modules[layer] = {region: [] for region in REGIONS}
         for name, child in module.named_children():
             if name in MLP_CHILDREN:
-                found["mlp"].append(f"{layer}.{name}")
-                self.handles += [child.register_forward_pre_hook(self._mlp_started),
-                                 child.register_forward_hook(self._mlp_finished, always_call=True)]
+                self._hook_keeping(found["mlp"], "mlp", f"{layer}.{name}", child)
+                for inner, shared in child.named_children():
+                    if inner in SHARED_EXPERT_CHILDREN:
+                        self._hook_keeping(found["shared_experts"], "shared_experts", f"{layer}.{name}.{inner}", shared)
+            elif name in NORM_CHILDREN:
+                found["layernorm"].append(f"{layer}.{name}")
+                self.handles.append(child.register_forward_hook(self._normed))
         for name, attention in module.named_modules():
             children = dict(attention.named_children())
             if not any(kv in children for kv in KV_UP_PROJECTIONS):
@@ -107,12 +124,14 @@ class RegionMarks(TorchDispatchMode):
                     found["mla_up_proj"].append(f"{prefix}.{child_name}")
                     self.handles.append(children[child_name].register_forward_hook(self._up_projected))
 
-    def saved_bytes(self, layer: str, charged: dict[int, int]) -> dict[str, int]:
-        """Of ``charged`` (storage id -> bytes the ledger charged ``layer``), the bytes each region made."""
+    def saved_bytes(self, layer: str, charged: dict[int, int], *, gated: set[int]) -> dict[str, int]:
+        """Of ``charged`` (storage id -> bytes the ledger charged ``layer``), the bytes each region made; a gated
+        activation's output (``gated``) only to the pieces that discard their outputs."""
         made = dict.fromkeys(REGIONS, 0)
         for key, nbytes in charged.items():
             for region in self.marks.get(key, (None, ()))[1]:
-                made[region] += nbytes
+                if not (region in KEEPING and key in gated):
+                    made[region] += nbytes
         if layer in self.unmeasured:
             made["mla_up_proj"] = 0
         return made
@@ -133,13 +152,24 @@ class RegionMarks(TorchDispatchMode):
     def _marked(self, key: int, region: str) -> bool:
         return region in self.marks.get(key, (None, ()))[1]
 
-    def _mlp_started(self, _module: nn.Module, _args: tuple) -> None:
-        self.open_mlps += 1
+    def _hook_keeping(self, found: list[str], region: str, fqn: str, module: nn.Module) -> None:
+        """Mark what ``module`` (at ``fqn``, added to ``found``) makes while it runs, less its output."""
+        found.append(fqn)
 
-    def _mlp_finished(self, _module: nn.Module, _args: tuple, output: object) -> None:
-        self.open_mlps -= 1
-        for storage in _storages(output):  # the checkpoint returns it: kept, not re-made
-            self.marks.get(id(storage), (None, set()))[1].discard("mlp")
+        def started(_module: nn.Module, _args: tuple) -> None:
+            self.open[region] += 1
+
+        def finished(_module: nn.Module, _args: tuple, output: object) -> None:
+            self.open[region] -= 1
+            for storage in _storages(output):  # the checkpoint returns it: kept, not re-made
+                self.marks.get(id(storage), (None, set()))[1].discard(region)
+
+        self.handles += [module.register_forward_pre_hook(started),
+                         module.register_forward_hook(finished, always_call=True)]
+
+    def _normed(self, _module: nn.Module, args: tuple, output: object) -> None:
+        read = {id(s) for s in _storages(args)}
+        self._mark([s for s in _storages(output) if id(s) not in read], "layernorm")
 
     def _attention_started(self, _module: nn.Module, _args: tuple) -> None:
         self.attention.append(_Attention())
@@ -158,8 +188,9 @@ class RegionMarks(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         read = {id(s) for s in _storages((args, kwargs))}
         fresh = [s for s in _storages(out) if id(s) not in read]  # a view or an in-place op makes no storage
-        if self.open_mlps:
-            self._mark(fresh, "mlp")
+        for region, calls in self.open.items():
+            if calls:
+                self._mark(fresh, region)
         if self.attention:
             self._spread(func, read, fresh, out)
         return out

@@ -28,6 +28,7 @@ class Ledger:
         self.refs: dict[int, object] = {}  # holding the storages keeps their ids unique
         self.charged: list[int] = []  # storages in the order they were first charged
         self.norm_savings: list[tuple[int, int]] = []  # (mark, saving) of each torch.rms_norm call reported
+        self.gated: set[int] = set()  # gated activations' outputs charged as fused_gate_saving_bytes
         self.in_core = False
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -57,6 +58,7 @@ class Ledger:
         key = id(activation.untyped_storage())
         if key in self.charged[mark:]:
             self.tallies[self.scope.current()].fused_gate_saving_bytes += self.nbytes[key]
+            self.gated.add(key)
 
     def _charge(self, tensor: torch.Tensor, *, kept: bool) -> None:
         storage = tensor.untyped_storage()

@@ -39,12 +39,22 @@ def test_latent_attention_up_projections_make_what_the_attention_core_reads(grap
     assert all(block.mla_up_proj_saved_bytes == block.mla_up_proj_flops == 0 for block in llama.blocks)
 
 
-def test_a_dense_mlp_frees_what_it_makes_less_its_output(graph) -> None:
-    dense = graph.blocks[0]
+def test_a_dense_mlp_and_shared_experts_free_what_they_make_less_their_outputs(graph) -> None:
+    dense, moe = graph.blocks[0], graph.blocks[1]
     assert dense.experts == 0 and dense.mlp_flops == 2 * SEQ * 3 * HIDDEN * FFN
-    # gate and up projections' outputs, the activation's output and the product: four of the inner width a token;
-    # the MLP's input (made by the norm before it) and its output (kept by the checkpoint) are not its to free
-    assert dense.mlp_saved_bytes == 4 * SEQ * FFN * 2
+    # gate and up projections' outputs and their product, three of the inner width a token; the activation's output
+    # is the fused-gate saving's (a fused kernel saves none); the MLP's input (made by the norm before it) and its
+    # output (kept by the checkpoint) are not its to free
+    assert dense.mlp_saved_bytes == 3 * SEQ * FFN * 2 and dense.fused_gate_saving_bytes == SEQ * FFN * 2
+    assert dense.shared_experts_saved_bytes == dense.shared_experts_flops == 0
+    shared = 128  # moe_intermediate_size x n_shared_experts
+    assert moe.shared_experts_flops == 2 * SEQ * 3 * HIDDEN * shared
+    assert moe.shared_experts_saved_bytes == 3 * SEQ * shared * 2
+
+
+def test_the_norms_in_front_of_attention_and_mlp_free_their_outputs(graph) -> None:
+    # two norm outputs of the hidden width a token, each saved by the linears that read it
+    assert all(block.layernorm_saved_bytes == 2 * SEQ * HIDDEN * 2 for block in graph.blocks)
 
 
 def test_naming_pieces_frees_their_activations_and_re_runs_their_matmuls(graph) -> None:
@@ -53,8 +63,7 @@ def test_naming_pieces_frees_their_activations_and_re_runs_their_matmuls(graph) 
     pieces = plain.model_copy(update={"recompute_modules": ("mla_up_proj", "mlp")})
     before, after = (estimate(graph.layers, cluster, training, s, profile=MEGATRON) for s in (plain, pieces))
     dense = graph.blocks[0]
-    freed = (sum(b.mla_up_proj_saved_bytes for b in graph.blocks) + dense.mlp_saved_bytes
-             - dense.fused_gate_saving_bytes)  # Megatron-Core fuses the gated activation: its output is freed already
+    freed = sum(b.mla_up_proj_saved_bytes for b in graph.blocks) + dense.mlp_saved_bytes
     assert before.memory_by_category_bytes["activations"] - after.memory_by_category_bytes["activations"] == (
         pytest.approx(plain.micro_batch * freed))
     rerun = sum(b.mla_up_proj_flops for b in graph.blocks) + dense.mlp_flops  # the MoE blocks' MLP is not "mlp"

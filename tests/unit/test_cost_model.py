@@ -134,7 +134,7 @@ def test_named_pieces_to_recompute_read_back_and_are_refused_where_nothing_keeps
     # Megatron-Core's --recompute-modules beyond core_attn (cost_models.module_recompute)
     pieces = Strategy.parse("dp=2,recompute=selective,recompute_modules=mla_up_proj/mlp")
     assert pieces.recompute_modules == ("mla_up_proj", "mlp") and Strategy.parse(pieces.to_string()) == pieces
-    with pytest.raises(ConfigError, match="'mla_up_proj' or 'mlp', got 'moe_act'"):
+    with pytest.raises(ConfigError, match="'layernorm' or 'shared_experts', got 'moe_act'"):
         Strategy.parse("dp=2,recompute_modules=moe_act")
     with pytest.raises(ConfigError, match="names a module twice"):
         Strategy.parse("dp=2,recompute_modules=mlp/mlp")

@@ -323,6 +323,9 @@ def test_megatron_recompute_modules_price_the_attention_core_and_named_pieces_an
     pieces = from_megatron(f"{base} --recompute-modules mla_up_proj mlp", world_size=8)
     assert pieces.strategy.recompute == "none" and pieces.strategy.recompute_modules == ("mla_up_proj", "mlp")
     assert pieces.notes == ()
+    moe = from_megatron(f"{base} --recompute-modules moe_act shared_experts layernorm", world_size=8)
+    assert moe.strategy.recompute_modules == ("layernorm", "shared_experts")
+    assert len(moe.notes) == 1 and "moe_act kept" in moe.notes[0]
     alone = from_megatron(f"{base} --recompute-modules moe_act", world_size=8)
     assert alone.strategy.recompute == "none" and any("moe_act kept" in note for note in alone.notes)
     nothing = from_megatron(f"{base} --recompute-modules", world_size=8)
