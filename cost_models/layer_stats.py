@@ -66,6 +66,10 @@ class LayerStats(BaseModel):
     layernorm_saved_bytes: int = Field(default=0, ge=0)
     """Of ``saved_bytes_no_recompute``, the outputs of the norms in front of the block's attention and MLP for one
     sequence: what re-making them frees (Megatron-Core's ``layernorm``); 0 where not measured."""
+    moe_act_saved_bytes: int = Field(default=0, ge=0)
+    """Of ``saved_bytes_no_recompute``, what the routed experts' activation makes for one sequence at the measured
+    load (the product of a gated one; its own output is ``fused_gate_saving_bytes``'): what re-making it frees
+    (Megatron-Core's ``moe_act``); 0 where not measured."""
     shared_experts_saved_bytes: int = Field(default=0, ge=0)
     """The same as ``mlp_saved_bytes`` for a MoE block's shared experts (Megatron-Core's ``shared_experts``)."""
     shared_experts_flops: float = Field(default=0.0, ge=0)

@@ -6,13 +6,14 @@ per block, what each piece makes of the saved activations and its forward FLOPs 
 ``LayerStats.mla_up_proj_*``, ``mlp_*``, ``layernorm_*``, ``shared_experts_*``). A strategy naming pieces gives each
 block not fully recomputed or offloaded what they free and what they re-run (``LayerStats.module_recompute_*``),
 which the memory model takes off the block's saved bytes and the compute model prices as linears re-run with their
-casts (``compute.arithmetic_s``, ``compute.stage_compute_s``); a norm's re-run is elementwise work, not priced.
+casts (``compute.arithmetic_s``, ``compute.stage_compute_s``); a norm's or an activation's re-run is elementwise
+work, not priced.
 
 ``mlp`` counts in dense blocks only, as Megatron-Core recomputes only its dense MLPs by that name. What ``mlp`` and
 ``shared_experts`` free leaves out their gated activation's output, which the memory model takes off already where
 the framework fuses the activation (``LayerStats.fused_gate_saving_bytes``): a framework that does not keeps that
-output here, though the checkpoint would free it too. ``moe_act`` and ``moe`` (the routed experts' activation, the
-whole MoE layer with its token exchange) are not priced.
+output here, though the checkpoint would free it too (``moe_act`` likewise). ``moe`` (the whole MoE layer, with its
+token exchange) is not priced.
 
 Applied where a strategy is priced (``estimate.stage_split``). The planner's lower bounds and per-block integer
 program read the blocks without them (a looser bound, a more cautious memory check): it never chooses them, as
@@ -51,7 +52,8 @@ def _recomputing(block: LayerStats, modules: tuple[str, ...]) -> LayerStats:
     pieces = [(block.mla_up_proj_saved_bytes, block.mla_up_proj_flops) if "mla_up_proj" in modules else (0, 0.0),
               (block.mlp_saved_bytes, block.mlp_flops) if "mlp" in modules and not block.experts else (0, 0.0),
               (block.layernorm_saved_bytes, 0.0) if "layernorm" in modules else (0, 0.0),
-              (block.shared_experts_saved_bytes, block.shared_experts_flops) if "shared_experts" in modules else (0, 0.0)]
+              (block.shared_experts_saved_bytes, block.shared_experts_flops) if "shared_experts" in modules else (0, 0.0),
+              (block.moe_act_saved_bytes, 0.0) if "moe_act" in modules else (0, 0.0)]
     return block.model_copy(update={"module_recompute_saving_bytes": sum(saving for saving, _ in pieces),
                                     "module_recompute_flops": sum(flops for _, flops in pieces)})
 
@@ -63,10 +65,12 @@ def unmeasured_pieces_note(layers: Sequence[LayerStats], modules: tuple[str, ...
     found = {"mla_up_proj": any(b.mla_up_proj_flops for b in blocks),
              "mlp": any(b.mlp_flops for b in blocks if not b.experts),
              "layernorm": any(b.layernorm_saved_bytes for b in blocks),
-             "shared_experts": any(b.shared_experts_flops for b in blocks)}
+             "shared_experts": any(b.shared_experts_flops for b in blocks),
+             "moe_act": any(b.moe_act_saved_bytes for b in blocks)}
     missing = [piece for piece in modules if not found[piece]]
     if not missing:
         return ()
     return (f"recompute_modules {'/'.join(missing)}: capture found no such piece in this model's blocks (latent "
             "attention's up-projections before a fused attention core, a dense block's MLP child, the norms in front "
-            "of the attention and the MLP, a MoE block's shared experts), so nothing is freed or re-run for it",)
+            "of the attention and the MLP, a MoE block's shared experts, packed routed experts' activation), so "
+            "nothing is freed or re-run for it",)

@@ -60,6 +60,7 @@ SCALED_FIELDS = (
     "layernorm_saved_bytes",
     "shared_experts_saved_bytes",
     "shared_experts_flops",
+    "moe_act_saved_bytes",
 )
 """LayerStats fields that depend on the sequence length (the rest are properties of the module)."""
 

@@ -8,17 +8,20 @@ Megatron-Core recomputes named pieces of a block besides the attention core (``-
   the backward);
 - ``mlp``: a dense block's MLP, run as a checkpoint that keeps its output; ``shared_experts`` likewise a MoE
   block's shared experts;
-- ``layernorm``: the norms in front of the attention and the MLP, their outputs discarded and re-made.
+- ``layernorm``: the norms in front of the attention and the MLP, their outputs discarded and re-made;
+- ``moe_act``: the routed experts' activation, its output (the product of a gated one) discarded and re-made.
 
-``RegionMarks`` marks each storage an op makes inside such a region: for ``mlp`` and ``shared_experts``, every op while
-the module runs, less its output and a gated activation's output (which the cost model takes off already where the
-framework fuses the activation, ``LayerStats.fused_gate_saving_bytes``); for ``layernorm``, the norms' outputs (what
-a fused norm kernel saves inside, its input and a statistic a token, stays); for ``mla_up_proj``, the
-up-projections' outputs and every op of the same attention call that reads a marked storage, up to the attention
-core (whose outputs are not re-made). What a region's recomputation frees is what the ledger charged to storages so
-marked (the region's inputs stay: their producers or the checkpoint hold them); what it re-runs is its modules'
-forward FLOPs (FlopCounterMode's count for each, ``measure._finalize``; a norm's are not counted, as FlopCounterMode
-counts no elementwise work).
+``RegionMarks`` marks each storage an op makes inside such a region: for ``mlp`` and ``shared_experts``, every op
+while the module runs, less its output; for ``layernorm``, the norms' outputs (what a fused norm kernel saves inside,
+its input and a statistic a token, stays); for ``moe_act``, the output of the activation module of Hugging Face's
+packed experts (``planner.experts``) and what is computed from it up to the next matmul of the same experts call;
+for ``mla_up_proj``, the up-projections' outputs and every op of the same attention call that reads a marked
+storage, up to the attention core (whose outputs are not re-made). What a region's recomputation frees is what the
+ledger charged to storages so marked (the region's inputs stay: their producers or the checkpoint hold them), but a
+gated activation's output, which the cost model takes off already where the framework fuses the activation
+(``LayerStats.fused_gate_saving_bytes``); what it re-runs is its modules' forward FLOPs (FlopCounterMode's count for
+each, ``measure._finalize``; a norm's or an activation's are not counted, as FlopCounterMode counts no elementwise
+work).
 
 Not counted: Megatron-Core's Transformer Engine layers fuse the norm in front of a linear into it, so its checkpoint
 of a dense MLP (and of the up-projections, under ``qk_layernorm``) re-makes the norm's output too, which a Hugging
@@ -37,6 +40,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tessera.planner.experts import is_packed_experts
 from tessera.planner.kernels import CORE_OPS
 
 UP_PROJECTIONS = ("q_b_proj", "kv_b_proj", "q_proj", "linear_q_up_proj", "linear_kv_up_proj", "linear_q_proj")
@@ -54,7 +58,12 @@ SHARED_EXPERT_CHILDREN = ("shared_experts", "shared_expert")
 """A MoE block's always-active experts, by the name of its MLP's child: Hugging Face's DeepSeek and Qwen2-MoE."""
 KEEPING = ("mlp", "shared_experts")
 """The pieces recomputed as a checkpoint that keeps its output (the rest discard theirs)."""
-REGIONS = ("mla_up_proj", "mlp", "layernorm", "shared_experts")
+REGIONS = ("mla_up_proj", "mlp", "layernorm", "shared_experts", "moe_act")
+WITH_MATMULS = ("mla_up_proj", "mlp", "shared_experts")
+"""The pieces whose recomputation re-runs matmuls (``LayerStats.<piece>_flops``); the others' is elementwise."""
+MATMULS = tuple(op for op in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm, torch.ops.aten.baddbmm,
+                              getattr(torch.ops.aten, "_grouped_mm", None)) if op is not None)
+"""Where the marks of ``moe_act`` stop: the experts' second projection reads the activation's output."""
 """The pieces measured, by Megatron-Core's names (``Strategy.recompute_modules``)."""
 
 
@@ -83,6 +92,7 @@ class RegionMarks(TorchDispatchMode):
         self.marks: dict[int, tuple[object, set[str]]] = {}  # storage id -> (storage: keeps ids unique, regions)
         self.open = dict.fromkeys(KEEPING, 0)  # calls of each output-keeping piece running
         self.attention: list[_Attention] = []  # latent attention calls running, innermost last
+        self.experts_calls = 0  # packed experts calls running
         self.modules: dict[str, dict[str, list[str]]] = {}  # layer -> region -> FQNs of its modules
         self.unmeasured: set[str] = set()  # layers whose latent attention ran no attention core
         self.handles: list = []
@@ -111,6 +121,11 @@ class RegionMarks(TorchDispatchMode):
             elif name in NORM_CHILDREN:
                 found["layernorm"].append(f"{layer}.{name}")
                 self.handles.append(child.register_forward_hook(self._normed))
+        for experts in module.modules():
+            if is_packed_experts(experts) and isinstance(experts.act_fn, nn.Module):
+                self.handles += [experts.register_forward_pre_hook(self._experts_started),
+                                 experts.register_forward_hook(self._experts_finished, always_call=True),
+                                 experts.act_fn.register_forward_hook(self._activated)]
         for name, attention in module.named_modules():
             children = dict(attention.named_children())
             if not any(kv in children for kv in KV_UP_PROJECTIONS):
@@ -125,12 +140,12 @@ class RegionMarks(TorchDispatchMode):
                     self.handles.append(children[child_name].register_forward_hook(self._up_projected))
 
     def saved_bytes(self, layer: str, charged: dict[int, int], *, gated: set[int]) -> dict[str, int]:
-        """Of ``charged`` (storage id -> bytes the ledger charged ``layer``), the bytes each region made; a gated
-        activation's output (``gated``) only to the pieces that discard their outputs."""
+        """Of ``charged`` (storage id -> bytes the ledger charged ``layer``), the bytes each region made, but a gated
+        activation's output (``gated``: the fused-gate saving has it, ``LayerStats.fused_gate_saving_bytes``)."""
         made = dict.fromkeys(REGIONS, 0)
         for key, nbytes in charged.items():
             for region in self.marks.get(key, (None, ()))[1]:
-                if not (region in KEEPING and key in gated):
+                if key not in gated:
                     made[region] += nbytes
         if layer in self.unmeasured:
             made["mla_up_proj"] = 0
@@ -167,6 +182,17 @@ class RegionMarks(TorchDispatchMode):
         self.handles += [module.register_forward_pre_hook(started),
                          module.register_forward_hook(finished, always_call=True)]
 
+    def _experts_started(self, _module: nn.Module, _args: tuple) -> None:
+        self.experts_calls += 1
+
+    def _experts_finished(self, _module: nn.Module, _args: tuple, _output: object) -> None:
+        self.experts_calls -= 1
+
+    def _activated(self, _module: nn.Module, args: tuple, output: object) -> None:
+        if self.experts_calls:
+            read = {id(s) for s in _storages(args)}
+            self._mark([s for s in _storages(output) if id(s) not in read], "moe_act")
+
     def _normed(self, _module: nn.Module, args: tuple, output: object) -> None:
         read = {id(s) for s in _storages(args)}
         self._mark([s for s in _storages(output) if id(s) not in read], "layernorm")
@@ -193,6 +219,9 @@ class RegionMarks(TorchDispatchMode):
                 self._mark(fresh, region)
         if self.attention:
             self._spread(func, read, fresh, out)
+        if self.experts_calls and func.overloadpacket not in MATMULS and any(
+                self._marked(key, "moe_act") for key in read):
+            self._mark(fresh, "moe_act")
         return out
 
     def _spread(self, func, read: set[int], fresh: list, out: object) -> None:  # noqa: ANN001 - an aten op

@@ -427,7 +427,8 @@ def _selective_modules(args: argparse.Namespace) -> tuple[str, tuple[str, ...], 
         return policy, (), []
     return policy, (), [f"--recompute-modules {' '.join(unpriced)}: Tessera prices recomputing "
                         f"{', '.join(['core_attn', *PRICED_MODULES])} only; evaluated with {' and '.join(unpriced)} "
-                        "kept, so memory is over-estimated and the time to recompute them is left out"]
+                        f"kept, so memory is over-estimated and the time to recompute {'it' if len(unpriced) == 1 else 'them'} "
+                        "is left out"]
 
 
 def _named_modules(args: argparse.Namespace) -> list[str]:

@@ -52,6 +52,14 @@ def test_a_dense_mlp_and_shared_experts_free_what_they_make_less_their_outputs(g
     assert moe.shared_experts_saved_bytes == 3 * SEQ * shared * 2
 
 
+def test_the_routed_experts_activation_frees_the_product_the_second_projection_reads(graph) -> None:
+    dense, moe = graph.blocks[0], graph.blocks[1]
+    slots = moe.top_k * SEQ  # at the measured (balanced) load
+    assert moe.moe_act_saved_bytes == slots * 128 * 2 and dense.moe_act_saved_bytes == 0
+    # the activation's own output is the fused-gate saving's, the routed experts' with the shared expert's
+    assert moe.fused_gate_saving_bytes == (slots + SEQ) * 128 * 2
+
+
 def test_the_norms_in_front_of_attention_and_mlp_free_their_outputs(graph) -> None:
     # two norm outputs of the hidden width a token, each saved by the linears that read it
     assert all(block.layernorm_saved_bytes == 2 * SEQ * HIDDEN * 2 for block in graph.blocks)
