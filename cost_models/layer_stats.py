@@ -59,8 +59,8 @@ class LayerStats(BaseModel):
     """Forward FLOPs of those up-projections for one sequence: what recomputing them re-runs."""
     mlp_saved_bytes: int = Field(default=0, ge=0)
     """Of ``saved_bytes_no_recompute``, what the block's MLP child makes for one sequence, less its output and its gated
-    activation's output (``fused_gate_saving_bytes`` has that): what recomputing it as a checkpoint frees
-    (Megatron-Core's ``mlp``, which recomputes dense MLPs only: priced where ``experts`` is 0); 0 where not measured."""
+    activations' outputs (``fused_gate_saving_bytes`` has those): what recomputing it as a checkpoint frees
+    (Megatron-Core's ``mlp`` where ``experts`` is 0, its ``moe`` where not); 0 where not measured."""
     mlp_flops: float = Field(default=0.0, ge=0)
     """Forward FLOPs of the block's MLP child for one sequence."""
     layernorm_saved_bytes: int = Field(default=0, ge=0)
@@ -79,6 +79,8 @@ class LayerStats(BaseModel):
     by ``cost_models.module_recompute``, never by capture)."""
     module_recompute_flops: float = Field(default=0.0, ge=0)
     """What they re-run, forward FLOPs for one sequence (set likewise)."""
+    module_recompute_exchanges: bool = False
+    """Whether they re-run the block's expert all-to-alls (Megatron-Core's ``moe``; set likewise)."""
     op_selective_recompute_flops: float = Field(default=0.0, ge=0)
     """Forward FLOPs re-run for one sequence under op-level selective recomputation as torchtitan runs it: every
     second matrix multiplication (``aten.mm``) of the layer in the order they run (``cost_models.profiles``); 0

@@ -166,7 +166,8 @@ def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Rec
         "expert_backward_flops": sum(layer.expert_backward_flops for layer in moe),
         "expert_width": min((layer.expert_width for layer in moe if layer.expert_width), default=0),
         "dispatch_bytes": sum(dispatch.values()),
-        "recompute_dispatch_bytes": sum(b for fqn, b in dispatch.items() if policy.get(fqn) == "full"),
+        "recompute_dispatch_bytes": sum(dispatch[layer.fqn] for layer in moe  # whole, or its MoE piece (``moe``)
+                                        if policy.get(layer.fqn) == "full" or layer.module_recompute_exchanges),
         "attention_layers": len(attention),
         "kv_bytes": sum(kv.values()),
         "kv_repeated_bytes": sum(kv_bytes(layer, repeated=True) for layer in attention),

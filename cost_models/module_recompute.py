@@ -12,8 +12,9 @@ work, not priced.
 ``mlp`` counts in dense blocks only, as Megatron-Core recomputes only its dense MLPs by that name. What ``mlp`` and
 ``shared_experts`` free leaves out their gated activation's output, which the memory model takes off already where
 the framework fuses the activation (``LayerStats.fused_gate_saving_bytes``): a framework that does not keeps that
-output here, though the checkpoint would free it too (``moe_act`` likewise). ``moe`` (the whole MoE layer, with its
-token exchange) is not priced.
+output here, though the checkpoint would free it too (``moe_act`` likewise). ``moe`` re-runs a MoE block's MLP child
+whole, its expert all-to-alls included (``sparse.ep_comm_s``), as a checkpoint that keeps its output; its FLOPs are
+priced at the linears' rate, without the narrow experts' slowdown.
 
 Applied where a strategy is priced (``estimate.stage_split``). The planner's lower bounds and per-block integer
 program read the blocks without them (a looser bound, a more cautious memory check): it never chooses them, as
@@ -48,14 +49,19 @@ def with_recomputed_modules(layers: Sequence[LayerStats], modules: tuple[str, ..
 
 
 def _recomputing(block: LayerStats, modules: tuple[str, ...]) -> LayerStats:
-    """``block`` with what recomputing ``modules`` frees and re-runs (``mlp`` in dense blocks only)."""
+    """``block`` with what recomputing ``modules`` frees and re-runs: ``mlp`` in dense blocks only, ``moe`` (the MoE
+    block's MLP child whole, its token exchange again) in MoE blocks only, where it holds ``shared_experts`` and
+    ``moe_act``."""
+    whole_moe = "moe" in modules and bool(block.experts)
     pieces = [(block.mla_up_proj_saved_bytes, block.mla_up_proj_flops) if "mla_up_proj" in modules else (0, 0.0),
-              (block.mlp_saved_bytes, block.mlp_flops) if "mlp" in modules and not block.experts else (0, 0.0),
-              (block.layernorm_saved_bytes, 0.0) if "layernorm" in modules else (0, 0.0),
-              (block.shared_experts_saved_bytes, block.shared_experts_flops) if "shared_experts" in modules else (0, 0.0),
-              (block.moe_act_saved_bytes, 0.0) if "moe_act" in modules else (0, 0.0)]
+              (block.mlp_saved_bytes, block.mlp_flops) if "mlp" in modules and not block.experts or whole_moe else (0, 0.0),
+              (block.layernorm_saved_bytes, 0.0) if "layernorm" in modules else (0, 0.0)]
+    if not whole_moe:
+        pieces += [(block.shared_experts_saved_bytes, block.shared_experts_flops) if "shared_experts" in modules else (0, 0.0),
+                   (block.moe_act_saved_bytes, 0.0) if "moe_act" in modules else (0, 0.0)]
     return block.model_copy(update={"module_recompute_saving_bytes": sum(saving for saving, _ in pieces),
-                                    "module_recompute_flops": sum(flops for _, flops in pieces)})
+                                    "module_recompute_flops": sum(flops for _, flops in pieces),
+                                    "module_recompute_exchanges": whole_moe})
 
 
 def unmeasured_pieces_note(layers: Sequence[LayerStats], modules: tuple[str, ...]) -> tuple[str, ...]:
@@ -66,11 +72,13 @@ def unmeasured_pieces_note(layers: Sequence[LayerStats], modules: tuple[str, ...
              "mlp": any(b.mlp_flops for b in blocks if not b.experts),
              "layernorm": any(b.layernorm_saved_bytes for b in blocks),
              "shared_experts": any(b.shared_experts_flops for b in blocks),
-             "moe_act": any(b.moe_act_saved_bytes for b in blocks)}
+             "moe_act": any(b.moe_act_saved_bytes for b in blocks),
+             "moe": any(b.mlp_flops for b in blocks if b.experts)}
     missing = [piece for piece in modules if not found[piece]]
     if not missing:
         return ()
     return (f"recompute_modules {'/'.join(missing)}: capture found no such piece in this model's blocks (latent "
             "attention's up-projections before a fused attention core, a dense block's MLP child, the norms in front "
-            "of the attention and the MLP, a MoE block's shared experts, packed routed experts' activation), so "
+            "of the attention and the MLP, a MoE block's shared experts, packed routed experts' activation, a MoE "
+            "block's MLP child), so "
             "nothing is freed or re-run for it",)

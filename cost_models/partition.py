@@ -60,7 +60,7 @@ class StageTotals:
     expert_backward_flops: float = 0.0  # the routed experts' part of backward_flops
     expert_width: int = 0  # the narrowest expert matrix dimension of the stage's MoE layers (0: none seen)
     dispatch_bytes: float = 0.0  # token activations one dispatch all-to-all carries per sequence (sum over layers)
-    recompute_dispatch_bytes: float = 0.0  # the part of dispatch_bytes whose forward is recomputed (full)
+    recompute_dispatch_bytes: float = 0.0  # the part of dispatch_bytes whose forward is recomputed (full, or its piece moe)
     attention_layers: int = 0  # layers with attention: each runs one K/V ring per pass under cp
     kv_bytes: float = 0.0  # keys + values per sequence, summed over attention layers (what the cp ring moves)
     kv_repeated_bytes: float = 0.0  # the same with every query head's K/V (what a ring of repeated K/V moves)
@@ -217,7 +217,8 @@ def cached_stage_totals(
         return stage_totals(stage, index, policies, kept=kept)
     key = (id(stage[0]), id(stage[-1]), len(stage), index,
            tuple((policies.get(layer.fqn, "none"), layer.fqn in kept, layer.module_recompute_saving_bytes,
-                  layer.module_recompute_flops) for layer in stage if layer.kind == "block"))
+                  layer.module_recompute_flops, layer.module_recompute_exchanges)
+                 for layer in stage if layer.kind == "block"))
     hit = _TOTALS_CACHE.get(key)
     if hit is not None and hit[0] is stage[0] and hit[1] is stage[-1]:
         return hit[2]

@@ -31,11 +31,12 @@ Recompute = Literal["none", "selective", "full", "offload"]
 Tessera's runtime and Megatron run it; torchtitan's op-level policy differs: ``profiles.selective_policy``),
 ``full`` recomputes the block from its input, ``offload`` recomputes nothing and copies the saved tensors to host
 memory in the forward and back before the block's backward (overlapped with compute)."""
-RecomputeModule = Literal["mla_up_proj", "mlp", "layernorm", "shared_experts", "moe_act"]
+RecomputeModule = Literal["mla_up_proj", "mlp", "layernorm", "shared_experts", "moe_act", "moe"]
 """A piece of a block Megatron-Core recomputes by name (``--recompute-modules``), besides the attention core that
 ``selective`` recomputes: ``mla_up_proj`` latent attention's up-projections and the rotary embedding after them,
 ``mlp`` a dense block's MLP, ``layernorm`` the norms in front of the attention and the MLP, ``shared_experts`` a MoE
-block's shared experts, ``moe_act`` the routed experts' activation (``planner.recompute_regions``)."""
+block's shared experts, ``moe_act`` the routed experts' activation, ``moe`` a MoE block's MLP whole
+(``planner.recompute_regions``, ``cost_models.module_recompute``)."""
 BlockKind = Literal["", "attention", "local-attention", "moe", "local-moe", "ssm", "ssm-moe", "encoder"]
 """What a block is, for per-layer choices and the report: ``attention`` (global attention + dense MLP),
 ``local-attention`` (sliding-window attention + dense MLP), ``moe`` / ``local-moe`` (the same with routed experts),
@@ -161,7 +162,7 @@ class Strategy(BaseModel):
     ``reshard_after_forward``), in model order; empty = every block does. ``False`` keeps the block's weights
     gathered until its backward: one all-gather fewer per micro-batch, the unsharded weights held meanwhile
     (a per-layer ZeRO-2/ZeRO-3 mix)."""
-    recompute_modules: tuple[RecomputeModule, ...] = Field(default=(), max_length=5)
+    recompute_modules: tuple[RecomputeModule, ...] = Field(default=(), max_length=6)
     """Pieces of every block not fully recomputed or offloaded that are recomputed besides what ``recompute`` does
     (Megatron-Core's ``--recompute-modules`` beyond ``core_attn``; ``cost_models.module_recompute``). Tessera's
     runtime does not run them, so the planner never chooses them; pin them to evaluate a configuration that used

@@ -38,8 +38,8 @@ What the arguments express, and the nearest setting where they cannot:
   gradient buffer's dtype; the precision-aware optimizer's master weights and moments; ``--fp8-param-gather``. The
   export asks for the overlap the Megatron-Core profile prices.
 - Selective recomputation is the attention core's (``--recompute-modules`` ``core_attn``, Megatron-Core's default);
-  ``mla_up_proj``, ``mlp``, ``layernorm``, ``shared_experts`` and ``moe_act`` are priced as
-  ``Strategy.recompute_modules`` (``cost_models.module_recompute``); ``moe`` is evaluated as kept, and said so.
+  the other modules it takes (``mla_up_proj``, ``mlp``, ``layernorm``, ``shared_experts``, ``moe_act``, ``moe``) are
+  priced as ``Strategy.recompute_modules`` (``cost_models.module_recompute``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ STATE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 """``--recompute-modules``' choices at ``MEGATRON_VERSION`` (``TransformerConfig``'s allowed modules)."""
 PRICED_MODULES = get_args(RecomputeModule)
-"""Those Tessera prices besides ``core_attn`` (``Strategy.recompute_modules``)."""
+"""Those besides ``core_attn``, which Tessera prices as ``Strategy.recompute_modules``: all of them."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -415,20 +415,12 @@ def _whole_blocks(args: argparse.Namespace, granularity: str | None, *, chunks: 
 
 def _selective_modules(args: argparse.Namespace) -> tuple[str, tuple[str, ...], list[str]]:
     """Selective recomputation of ``--recompute-modules`` (Megatron-Core's default: the attention core alone, which
-    is Tessera's ``selective``; ``--moe-layer-recompute`` adds ``moe``). Tessera prices the attention core's
-    recomputation and the pieces of ``PRICED_MODULES`` (``Strategy.recompute_modules``, :func:`_priced_modules`): any
-    other module is evaluated as kept, and the note says so."""
+    is Tessera's ``selective``; ``--moe-layer-recompute`` adds ``moe``): the attention core as ``selective``, the
+    other modules as ``Strategy.recompute_modules`` (:func:`_priced_modules`)."""
     modules = _named_modules(args)
-    unpriced = [m for m in modules if m != "core_attn" and m not in PRICED_MODULES]
-    policy = "selective" if "core_attn" in modules else "none"
     if not modules:
         return "none", (), ["--recompute-modules with no modules: Megatron-LM recomputes nothing"]
-    if not unpriced:
-        return policy, (), []
-    return policy, (), [f"--recompute-modules {' '.join(unpriced)}: Tessera prices recomputing "
-                        f"{', '.join(['core_attn', *PRICED_MODULES])} only; evaluated with {' and '.join(unpriced)} "
-                        f"kept, so memory is over-estimated and the time to recompute {'it' if len(unpriced) == 1 else 'them'} "
-                        "is left out"]
+    return "selective" if "core_attn" in modules else "none", (), []
 
 
 def _named_modules(args: argparse.Namespace) -> list[str]:

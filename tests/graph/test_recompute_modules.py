@@ -119,3 +119,15 @@ def test_a_piece_the_model_lacks_is_priced_as_nothing_and_said_so() -> None:
     up = estimate(llama.layers, cluster, training, plain.model_copy(update={"recompute_modules": ("mla_up_proj",)}))
     assert up.peak_memory_bytes == estimate(llama.layers, cluster, training, plain).peak_memory_bytes
     assert any("recompute_modules mla_up_proj: capture found no such piece" in note for note in up.notes)
+
+
+def test_a_whole_moe_piece_frees_its_mlp_and_exchanges_its_tokens_again(graph) -> None:
+    cluster, training = load_cluster("dgx-h100:nodes=1"), TrainingConfig(global_batch=16, seq_len=SEQ)
+    plain = Strategy.parse("dp=8,ep=4,zero=1,mbs=2,recompute=none")
+    moe = plain.model_copy(update={"recompute_modules": ("moe_act", "moe")})  # moe holds moe_act: counted once
+    before, after = (estimate(graph.layers, cluster, training, s, profile=MEGATRON) for s in (plain, moe))
+    freed = sum(b.mlp_saved_bytes for b in graph.blocks if b.experts)
+    assert before.memory_by_category_bytes["activations"] - after.memory_by_category_bytes["activations"] == (
+        pytest.approx(plain.micro_batch * freed))
+    exchanges = before.comm_time_by_kind_s["ep_alltoall"]
+    assert after.comm_time_by_kind_s["ep_alltoall"] == pytest.approx(1.5 * exchanges)  # the forward's two again

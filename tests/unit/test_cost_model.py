@@ -134,8 +134,8 @@ def test_named_pieces_to_recompute_read_back_and_are_refused_where_nothing_keeps
     # Megatron-Core's --recompute-modules beyond core_attn (cost_models.module_recompute)
     pieces = Strategy.parse("dp=2,recompute=selective,recompute_modules=mla_up_proj/mlp")
     assert pieces.recompute_modules == ("mla_up_proj", "mlp") and Strategy.parse(pieces.to_string()) == pieces
-    with pytest.raises(ConfigError, match="'shared_experts' or 'moe_act', got 'moe'"):
-        Strategy.parse("dp=2,recompute_modules=moe")
+    with pytest.raises(ConfigError, match="'moe_act' or 'moe', got 'attention'"):
+        Strategy.parse("dp=2,recompute_modules=attention")
     with pytest.raises(ConfigError, match="names a module twice"):
         Strategy.parse("dp=2,recompute_modules=mlp/mlp")
     with pytest.raises(ConfigError, match="recompute_modules with recompute=full"):

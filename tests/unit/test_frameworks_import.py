@@ -14,7 +14,7 @@ from tessera.cost_models.profiles import PROFILES
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.frameworks import import_config
 from tessera.planner.frameworks.common import canonical, pin_string
-from tessera.planner.frameworks.megatron_import import from_megatron
+from tessera.planner.frameworks.megatron_import import PRICED_MODULES, RECOMPUTE_MODULES, from_megatron
 from tessera.planner.frameworks.megatron_layout import parse_layout
 
 _TITAN = importlib.util.find_spec("torchtitan")
@@ -306,32 +306,27 @@ def test_a_missing_or_huge_file_is_named(tmp_path):
         import_config("deepspeed", str(big), world_size=8)
 
 
-def test_megatron_recompute_modules_price_the_attention_core_and_named_pieces_and_name_the_rest():
-    """``--recompute-modules`` (Megatron-Core's default: core_attn, Tessera's ``selective``): mla_up_proj and mlp are
-    ``Strategy.recompute_modules``; modules Tessera cannot price are evaluated as kept and named in a note, never
-    silently read as the attention core."""
+def test_megatron_recompute_modules_price_the_attention_core_and_every_named_piece():
+    """``--recompute-modules`` (Megatron-Core's default: core_attn, Tessera's ``selective``): every other module it
+    takes is a ``Strategy.recompute_modules`` piece, never silently read as the attention core."""
+    assert set(RECOMPUTE_MODULES) == {"core_attn", *PRICED_MODULES}
     base = "--micro-batch-size 1 --recompute-granularity selective"
     default = from_megatron(base, world_size=8)
     assert default.strategy.recompute == "selective" and not default.notes and default.unread == ()
     assert default.strategy.recompute_modules == ()
     assert from_megatron(f"{base} --recompute-modules core_attn", world_size=8).notes == ()
-    mixed = from_megatron(f"{base} --recompute-modules core_attn mla_up_proj moe", world_size=8)
-    assert mixed.strategy.recompute == "selective" and mixed.unread == ()
+    mixed = from_megatron(f"{base} --recompute-modules core_attn mla_up_proj", world_size=8)
+    assert mixed.strategy.recompute == "selective" and mixed.unread == () and mixed.notes == ()
     assert mixed.strategy.recompute_modules == ("mla_up_proj",)
-    assert any("moe kept" in note for note in mixed.notes)
-    assert not any("mla_up_proj kept" in note or "mla_up_proj and" in note for note in mixed.notes)
     pieces = from_megatron(f"{base} --recompute-modules mla_up_proj mlp", world_size=8)
     assert pieces.strategy.recompute == "none" and pieces.strategy.recompute_modules == ("mla_up_proj", "mlp")
     assert pieces.notes == ()
     moe = from_megatron(f"{base} --recompute-modules moe moe_act shared_experts layernorm", world_size=8)
-    assert moe.strategy.recompute_modules == ("layernorm", "shared_experts", "moe_act")
-    assert len(moe.notes) == 1 and "evaluated with moe kept" in moe.notes[0]
-    alone = from_megatron(f"{base} --recompute-modules moe", world_size=8)
-    assert alone.strategy.recompute == "none" and any("moe kept" in note for note in alone.notes)
+    assert moe.strategy.recompute_modules == ("layernorm", "shared_experts", "moe_act", "moe") and moe.notes == ()
     nothing = from_megatron(f"{base} --recompute-modules", world_size=8)
     assert nothing.strategy.recompute == "none" and any("recomputes nothing" in n for n in nothing.notes)
     layer = from_megatron("--micro-batch-size 1 --moe-layer-recompute", world_size=8)
-    assert layer.strategy.recompute == "selective" and any("moe kept" in note for note in layer.notes)
+    assert layer.strategy.recompute == "selective" and layer.strategy.recompute_modules == ("moe",)
     ignored = from_megatron("--micro-batch-size 1 --recompute-modules mlp", world_size=8)
     assert ignored.strategy.recompute == "none" and any("no effect" in note for note in ignored.notes)
     assert ignored.strategy.recompute_modules == ()
