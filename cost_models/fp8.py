@@ -85,8 +85,9 @@ def cast_traffic_bytes(stage: StageTotals, training: TrainingConfig, *, per_line
 def saved_input_reduction_bytes(stage: StageTotals, training: TrainingConfig, *, saves_fp8_inputs: bool) -> float:
     """Bytes per sequence an FP8 recipe that saves its linears' inputs in FP8 keeps less than bf16 would: half
     of the inputs of the blocks that keep them on the device (a fully recomputed block saves only its input, an
-    offloaded one nothing there)."""
+    offloaded one nothing there), but those the named pieces it recomputes free whole
+    (``module_recompute``)."""
     if training.precision != "fp8" or not saves_fp8_inputs or stage.blocks == 0:
         return 0.0
     kept = 1 - (stage.full_recompute_blocks + stage.offloaded_blocks) / stage.blocks
-    return 0.5 * stage.linear_input_bytes * kept
+    return 0.5 * max(0.0, stage.linear_input_bytes * kept - stage.module_recompute_linear_input_bytes)

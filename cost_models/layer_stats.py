@@ -63,9 +63,14 @@ class LayerStats(BaseModel):
     (Megatron-Core's ``mlp`` where ``experts`` is 0, its ``moe`` where not); 0 where not measured."""
     mlp_flops: float = Field(default=0.0, ge=0)
     """Forward FLOPs of the block's MLP child for one sequence."""
-    layernorm_saved_bytes: int = Field(default=0, ge=0)
-    """Of ``saved_bytes_no_recompute``, the outputs of the norms in front of the block's attention and MLP for one
-    sequence: what re-making them frees (Megatron-Core's ``layernorm``); 0 where not measured."""
+    mlp_linear_input_bytes: int = Field(default=0, ge=0)
+    """Of ``mlp_saved_bytes``, what linears read (``linear_input_bytes``' part), which an FP8 recipe saves at half
+    its size (``cost_models.fp8.saved_input_reduction_bytes``)."""
+    input_norm_saved_bytes: int = Field(default=0, ge=0)
+    """Of ``saved_bytes_no_recompute``, the output of the norm in front of the block's attention for one sequence (all
+    of it linears' input): what re-making it frees (part of Megatron-Core's ``layernorm``); 0 where not measured."""
+    mlp_norm_saved_bytes: int = Field(default=0, ge=0)
+    """The same for the norm in front of the block's MLP."""
     moe_act_saved_bytes: int = Field(default=0, ge=0)
     """Of ``saved_bytes_no_recompute``, what the routed experts' activation makes for one sequence at the measured
     load (the product of a gated one; its own output is ``fused_gate_saving_bytes``'): what re-making it frees
@@ -74,11 +79,15 @@ class LayerStats(BaseModel):
     """The same as ``mlp_saved_bytes`` for a MoE block's shared experts (Megatron-Core's ``shared_experts``)."""
     shared_experts_flops: float = Field(default=0.0, ge=0)
     """Forward FLOPs of those shared experts for one sequence."""
+    shared_experts_linear_input_bytes: int = Field(default=0, ge=0)
+    """Of ``shared_experts_saved_bytes``, what linears read (as ``mlp_linear_input_bytes``)."""
     module_recompute_saving_bytes: int = Field(default=0, ge=0)
     """What the pieces a strategy recomputes free of this block for one sequence (``Strategy.recompute_modules``; set
     by ``cost_models.module_recompute``, never by capture)."""
     module_recompute_flops: float = Field(default=0.0, ge=0)
     """What they re-run, forward FLOPs for one sequence (set likewise)."""
+    module_recompute_linear_input_bytes: int = Field(default=0, ge=0)
+    """Of ``module_recompute_saving_bytes``, what linears read (set likewise)."""
     module_recompute_exchanges: bool = False
     """Whether they re-run the block's expert all-to-alls (Megatron-Core's ``moe``; set likewise)."""
     op_selective_recompute_flops: float = Field(default=0.0, ge=0)

@@ -166,8 +166,7 @@ def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Rec
         "expert_backward_flops": sum(layer.expert_backward_flops for layer in moe),
         "expert_width": min((layer.expert_width for layer in moe if layer.expert_width), default=0),
         "dispatch_bytes": sum(dispatch.values()),
-        "recompute_dispatch_bytes": sum(dispatch[layer.fqn] for layer in moe  # whole, or its MoE piece (``moe``)
-                                        if policy.get(layer.fqn) == "full" or layer.module_recompute_exchanges),
+        "recompute_dispatch_bytes": sum(dispatch[layer.fqn] for layer in moe if _exchanges_again(layer, policy)),
         "attention_layers": len(attention),
         "kv_bytes": sum(kv.values()),
         "kv_repeated_bytes": sum(kv_bytes(layer, repeated=True) for layer in attention),
@@ -177,6 +176,13 @@ def sparse_and_long_totals(stage: Sequence[LayerStats], policy: Mapping[str, Rec
         "attention_head_widths": attention_head_widths(attention),
         "kv_heads": min(layer.kv_heads or layer.attention_heads for layer in attention),
     }
+
+
+def _exchanges_again(layer: LayerStats, policy: Mapping[str, Recompute]) -> bool:
+    """Whether a MoE layer's forward all-to-alls run again in its backward: recomputed whole, or its MoE piece in a
+    block that keeps its activations (``moe``)."""
+    recompute = policy.get(layer.fqn, "none")
+    return recompute == "full" or layer.module_recompute_exchanges and recompute in ("none", "selective")
 
 
 def attention_head_widths(attention: Sequence[LayerStats]) -> tuple[tuple[float, HeadDims], ...]:
@@ -233,6 +239,13 @@ def layer_saved_bytes(layer: LayerStats, recompute: Recompute) -> int:
     kept = layer.saved_bytes_selective if recompute == "selective" and layer.saved_bytes_selective is not None else (
         layer.saved_bytes_no_recompute)
     return less_named_pieces(layer, kept)
+
+
+def module_recompute_totals(kept: Sequence[LayerStats]) -> dict:
+    """The StageTotals fields of the named pieces recomputed in the blocks that keep their activations (``kept``:
+    none or selective; ``cost_models.module_recompute``)."""
+    return {"module_recompute_flops": sum(b.module_recompute_flops for b in kept),
+            "module_recompute_linear_input_bytes": sum(b.module_recompute_linear_input_bytes for b in kept)}
 
 
 def less_named_pieces(block: LayerStats, kept: int) -> int:

@@ -18,8 +18,8 @@ from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.layer_sums import (
     TP_SHARDED_KINDS, block_tp_reductions, block_width, fused_saving_totals, layer_linear_input_bytes, layer_linears,
     layer_recomputed_flops, layer_saved_bytes, layer_sp_gathered_bytes, layer_tp_allreduce_bytes,
-    layer_tp_allreduce_count, matmul_selective_blocks, offload_and_kept_totals, root_and_loss_totals, selective_totals,
-    sparse_and_long_totals,
+    layer_tp_allreduce_count, matmul_selective_blocks, module_recompute_totals, offload_and_kept_totals,
+    root_and_loss_totals, selective_totals, sparse_and_long_totals,
 )
 from tessera.cost_models.types import Recompute, Strategy
 from tessera.errors import ConfigError
@@ -109,6 +109,7 @@ class StageTotals:
     kept_blocks: int = 0  # how many blocks keep their gathered weights
     recomputed_block_params: int = 0  # parameters of the blocks recomputed in part or whole (selective, full)
     module_recompute_flops: float = 0.0  # matmul FLOPs of the named pieces recomputed (Strategy.recompute_modules)
+    module_recompute_linear_input_bytes: int = 0  # the linears' inputs among what those pieces free
     # Selective blocks measured for an op-level policy, as a framework with one runs them (``profiles.selective_policy``).
     selective_core_flops: float = 0.0  # the part of recompute_flops that is those blocks' attention cores
     op_selective_recompute_flops: float = 0.0  # what op-level selective recomputation re-runs of those blocks
@@ -217,8 +218,8 @@ def cached_stage_totals(
         return stage_totals(stage, index, policies, kept=kept)
     key = (id(stage[0]), id(stage[-1]), len(stage), index,
            tuple((policies.get(layer.fqn, "none"), layer.fqn in kept, layer.module_recompute_saving_bytes,
-                  layer.module_recompute_flops, layer.module_recompute_exchanges)
-                 for layer in stage if layer.kind == "block"))
+                  layer.module_recompute_linear_input_bytes, layer.module_recompute_flops,
+                  layer.module_recompute_exchanges) for layer in stage if layer.kind == "block"))
     hit = _TOTALS_CACHE.get(key)
     if hit is not None and hit[0] is stage[0] and hit[1] is stage[-1]:
         return hit[2]
@@ -250,7 +251,7 @@ def stage_totals(
         forward_flops=sum(layer.forward_flops for layer in stage),
         backward_flops=sum(layer.backward_flops for layer in stage),
         recompute_flops=sum(layer_recomputed_flops(layer, policy[layer.fqn]) for layer in blocks),
-        module_recompute_flops=sum(b.module_recompute_flops for b in blocks if policy[b.fqn] in ("none", "selective")),
+        **module_recompute_totals([b for b in blocks if policy[b.fqn] in ("none", "selective")]),
         saved_bytes=sum(layer_saved_bytes(layer, policy[layer.fqn]) for layer in stage),
         activation_traffic_bytes=sum(layer.saved_bytes_no_recompute for layer in stage),
         recompute_buffer_bytes=max((b.saved_bytes_no_recompute for b in full), default=0),

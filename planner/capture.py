@@ -52,7 +52,7 @@ from tessera.planner.layer_graph import (
     SCALED_FIELDS, LayerGraph, SeqScaling, fit_polynomial, repeat_last_block, signed,
 )
 from tessera.planner.measure import LOSS, ExampleInputs, Tally, measure_at_lengths, measure_layers
-from tessera.planner.recompute_regions import REGIONS, WITH_MATMULS
+from tessera.planner.recompute_regions import REGIONS, WITH_MATMUL_INPUTS, WITH_MATMULS
 from tessera.planner.model_source import max_positions, resolve_model, resolve_model_and_inputs
 
 log = logging.getLogger(__name__)
@@ -351,7 +351,8 @@ def _numbers(tally: Tally) -> dict[str, int | None]:
         "declared_norm_saving_bytes": tally.declared_norm_saving_bytes,
         "fused_gate_saving_bytes": tally.fused_gate_saving_bytes,
         **{f"{region}_saved_bytes": tally.region_saved_bytes.get(region, 0) for region in REGIONS},
-        **{f"{region}_flops": tally.region_flops.get(region, 0) for region in REGIONS if region in WITH_MATMULS},
+        **{f"{region}_flops": tally.region_flops.get(region, 0) for region in WITH_MATMULS},
+        **{f"{region}_linear_input_bytes": tally.region_linear_input_bytes.get(region, 0) for region in WITH_MATMUL_INPUTS},
         **_autocast_numbers(tally.under_autocast),
     }
 

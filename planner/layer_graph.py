@@ -57,9 +57,12 @@ SCALED_FIELDS = (
     "mla_up_proj_flops",
     "mlp_saved_bytes",
     "mlp_flops",
-    "layernorm_saved_bytes",
+    "mlp_linear_input_bytes",
+    "input_norm_saved_bytes",
+    "mlp_norm_saved_bytes",
     "shared_experts_saved_bytes",
     "shared_experts_flops",
+    "shared_experts_linear_input_bytes",
     "moe_act_saved_bytes",
 )
 """LayerStats fields that depend on the sequence length (the rest are properties of the module)."""

@@ -191,7 +191,7 @@ def _measure_once(
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda t: t))
             stack.enter_context(replay.installed(lambda fqn: tallies[fqn].saved_bytes))
             stack.enter_context(elements.installed())
-            stack.enter_context(SavedOps(scope, tallies, resident))
+            saved_ops = stack.enter_context(SavedOps(scope, tallies, resident))
             stack.enter_context(regions.installed())
             if autocast:
                 stack.enter_context(WeightCopies(resident))
@@ -203,7 +203,7 @@ def _measure_once(
     elements.add_backward(forward_counts, total_counts)
     replayed_in = {fqn for fqn in order for element, _, _ in elements.replayed if element.startswith(fqn + ".")}
     _finalize(tallies, ledger, forward_counts, total_counts, root=root, replayed=replay.replayed,
-              partly_replayed=replayed_in, regions=regions)
+              partly_replayed=replayed_in, regions=regions, linear_inputs=saved_ops.linear_inputs)
     return tallies
 
 
@@ -379,7 +379,7 @@ def _leave_in_backward(
 
 def _finalize(
     tallies: dict[str, Tally], ledger: Ledger, forward: dict, total: dict, *, root: str, replayed: dict[str, str],
-    partly_replayed: set[str], regions: RegionMarks,
+    partly_replayed: set[str], regions: RegionMarks, linear_inputs: Callable[[str], list[tuple[int, int]]],
 ) -> None:
     """Per-layer FLOPs from FlopCounterMode's per-module counts (backward = total - forward snapshot), selective
     bytes from the ledger; replayed blocks copy their representative; glue goes to the first layer; the loss is
@@ -407,8 +407,12 @@ def _finalize(
         if tally.saved_bytes_selective is not None:
             tally.saved_bytes_selective = kept.get(fqn, 0)
         tally.region_saved_bytes = regions.saved_bytes(fqn, charged.get(fqn, {}), gated=ledger.gated)
+        tally.region_linear_input_bytes = regions.bytes_made(linear_inputs(fqn))
         tally.region_flops = {region: sum(flops(forward, f"{root}.{name}") for name in names)
                               for region, names in regions.region_modules(fqn).items()}
+        if fqn in partly_replayed:  # the replayed experts' storages were not made here, so not marked: not measured
+            for figures in (tally.region_saved_bytes, tally.region_linear_input_bytes, tally.region_flops):
+                figures.update(dict.fromkeys(("mlp", "shared_experts", "moe_act"), 0))
     glue_fwd = flops(forward, root) - sum(tallies[fqn].forward_flops for fqn in layers)
     glue_bwd = flops(total, root) - flops(forward, root) - sum(tallies[fqn].backward_flops for fqn in layers)
     for fqn, rep in replayed.items():

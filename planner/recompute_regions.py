@@ -8,12 +8,15 @@ Megatron-Core recomputes named pieces of a block besides the attention core (``-
   the backward);
 - ``mlp``: a dense block's MLP, run as a checkpoint that keeps its output; ``shared_experts`` likewise a MoE
   block's shared experts;
-- ``layernorm``: the norms in front of the attention and the MLP, their outputs discarded and re-made;
+- ``layernorm``: the norms in front of the attention and the MLP, their outputs discarded and re-made (measured as
+  ``input_norm`` and ``mlp_norm``);
 - ``moe_act``: the routed experts' activation, its output (the product of a gated one) discarded and re-made.
 
 ``RegionMarks`` marks each storage an op makes inside such a region: for ``mlp`` and ``shared_experts``, every op
 while the module runs, less its output; for ``layernorm``, the norms' outputs (what a fused norm kernel saves inside,
-its input and a statistic a token, stays); for ``moe_act``, the output of the activation module of Hugging Face's
+its input and a statistic a token, stays;
+the linears' inputs among what the output-keeping pieces make are measured apart, as an FP8 recipe saves those at half
+their size); for ``moe_act``, the output of the activation module of Hugging Face's
 packed experts (``planner.experts``) and what is computed from it up to the next matmul of the same experts call;
 for ``mla_up_proj``, the up-projections' outputs and every op of the same attention call that reads a marked
 storage, up to the attention core (whose outputs are not re-made). What a region's recomputation frees is what the
@@ -49,22 +52,29 @@ UP_PROJECTIONS = ("q_b_proj", "kv_b_proj", "q_proj", "linear_q_up_proj", "linear
 where the model has no query compression (``q_proj``, ``linear_q_proj``), as Megatron-Core recomputes it then."""
 KV_UP_PROJECTIONS = ("kv_b_proj", "linear_kv_up_proj")
 """Latent attention's key/value up-projection, by module name: what makes an attention module latent attention."""
-MLP_CHILDREN = ("mlp", "feed_forward")
-"""A block's MLP, by the name of the block's child: Hugging Face's, torchtitan's."""
-NORM_CHILDREN = ("input_layernorm", "post_attention_layernorm", "attention_norm", "ffn_norm")
-"""The norms in front of a block's attention and MLP, by the name of the block's child: Hugging Face's, torchtitan's
-(Megatron-Core's ``layernorm`` re-makes these two, not the norms inside latent attention or of queries and keys)."""
-SHARED_EXPERT_CHILDREN = ("shared_experts", "shared_expert")
-"""A MoE block's always-active experts, by the name of its MLP's child: Hugging Face's DeepSeek and Qwen2-MoE."""
+MLP_CHILDREN = ("mlp", "feed_forward", "moe")
+"""A block's MLP (its MoE layer in a MoE block), by the name of the block's child: Hugging Face's, torchtitan's,
+Tessera's own models'."""
+NORM_CHILDREN = {"input_norm": ("input_layernorm", "attention_norm", "attn_norm"),
+                 "mlp_norm": ("post_attention_layernorm", "ffn_norm", "mlp_norm")}
+"""The norms in front of a block's attention and of its MLP, by the name of the block's child: Hugging Face's,
+torchtitan's, Tessera's own models' (what Megatron-Core's ``layernorm`` re-makes, where its layers keep them apart:
+``cost_models.module_recompute``; not the norms inside latent attention, nor of queries and keys)."""
+SHARED_EXPERT_CHILDREN = ("shared_experts", "shared_expert", "shared")
+"""A MoE block's always-active experts, by the name of its MLP's child: Hugging Face's DeepSeek and Qwen2-MoE,
+Tessera's own."""
 KEEPING = ("mlp", "shared_experts")
 """The pieces recomputed as a checkpoint that keeps its output (the rest discard theirs)."""
-REGIONS = ("mla_up_proj", "mlp", "layernorm", "shared_experts", "moe_act")
+REGIONS = ("mla_up_proj", "mlp", "input_norm", "mlp_norm", "shared_experts", "moe_act")
+"""What is measured (``LayerStats.<region>_saved_bytes``): Megatron-Core's pieces, its ``layernorm`` as its two norms."""
 WITH_MATMULS = ("mla_up_proj", "mlp", "shared_experts")
 """The pieces whose recomputation re-runs matmuls (``LayerStats.<piece>_flops``); the others' is elementwise."""
+WITH_MATMUL_INPUTS = ("mlp", "shared_experts")
+"""The pieces that free some linears' inputs, but not only those (``LayerStats.<piece>_linear_input_bytes``; a norm's
+output and the routed experts' activation are all linear input, the up-projections' pieces none)."""
 MATMULS = tuple(op for op in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm, torch.ops.aten.baddbmm,
                               getattr(torch.ops.aten, "_grouped_mm", None)) if op is not None)
 """Where the marks of ``moe_act`` stop: the experts' second projection reads the activation's output."""
-"""The pieces measured, by Megatron-Core's names (``Strategy.recompute_modules``)."""
 
 
 def _storages(value: object) -> list:
@@ -118,9 +128,10 @@ class RegionMarks(TorchDispatchMode):
                 for inner, shared in child.named_children():
                     if inner in SHARED_EXPERT_CHILDREN:
                         self._hook_keeping(found["shared_experts"], "shared_experts", f"{layer}.{name}.{inner}", shared)
-            elif name in NORM_CHILDREN:
-                found["layernorm"].append(f"{layer}.{name}")
-                self.handles.append(child.register_forward_hook(self._normed))
+            for region, names in NORM_CHILDREN.items():
+                if name in names:
+                    self.handles.append(child.register_forward_hook(
+                        lambda m, a, o, region=region: self._mark_made(a, o, region)))
         for experts in module.modules():
             if is_packed_experts(experts) and isinstance(experts.act_fn, nn.Module):
                 self.handles += [experts.register_forward_pre_hook(self._experts_started),
@@ -142,13 +153,17 @@ class RegionMarks(TorchDispatchMode):
     def saved_bytes(self, layer: str, charged: dict[int, int], *, gated: set[int]) -> dict[str, int]:
         """Of ``charged`` (storage id -> bytes the ledger charged ``layer``), the bytes each region made, but a gated
         activation's output (``gated``: the fused-gate saving has it, ``LayerStats.fused_gate_saving_bytes``)."""
-        made = dict.fromkeys(REGIONS, 0)
-        for key, nbytes in charged.items():
-            for region in self.marks.get(key, (None, ()))[1]:
-                if key not in gated:
-                    made[region] += nbytes
+        made = self.bytes_made([(key, nbytes) for key, nbytes in charged.items() if key not in gated])
         if layer in self.unmeasured:
             made["mla_up_proj"] = 0
+        return made
+
+    def bytes_made(self, pieces: list[tuple[int, int]]) -> dict[str, int]:
+        """Of ``pieces`` ((storage id, bytes), ...), the bytes each region made."""
+        made = dict.fromkeys(REGIONS, 0)
+        for key, nbytes in pieces:
+            for region in self.marks.get(key, (None, ()))[1]:
+                made[region] += nbytes
         return made
 
     def region_modules(self, layer: str) -> dict[str, list[str]]:
@@ -190,12 +205,12 @@ class RegionMarks(TorchDispatchMode):
 
     def _activated(self, _module: nn.Module, args: tuple, output: object) -> None:
         if self.experts_calls:
-            read = {id(s) for s in _storages(args)}
-            self._mark([s for s in _storages(output) if id(s) not in read], "moe_act")
+            self._mark_made(args, output, "moe_act")
 
-    def _normed(self, _module: nn.Module, args: tuple, output: object) -> None:
+    def _mark_made(self, args: tuple, output: object, region: str) -> None:
+        """Mark what a module's call made: its output's storages that are not its inputs'."""
         read = {id(s) for s in _storages(args)}
-        self._mark([s for s in _storages(output) if id(s) not in read], "layernorm")
+        self._mark([s for s in _storages(output) if id(s) not in read], region)
 
     def _attention_started(self, _module: nn.Module, _args: tuple) -> None:
         self.attention.append(_Attention())

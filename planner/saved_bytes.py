@@ -130,7 +130,7 @@ class SavedOps(TorchDispatchMode):
     def __init__(self, scope: Scope, tallies: dict[str, Tally], resident: dict[int, object]) -> None:
         super().__init__()
         self.scope, self.tallies, self.resident = scope, tallies, resident
-        self.read: dict[tuple, object] = {}  # (layer, view) of each activation a linear read (refs keep ids unique)
+        self.read: dict[tuple, tuple[object, int]] = {}  # (layer, view) a linear read -> (storage: keeps ids unique, bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch protocol
         out = func(*args, **(kwargs or {}))
@@ -161,8 +161,12 @@ class SavedOps(TorchDispatchMode):
         storage = activation.untyped_storage()
         view = (layer, id(storage), activation.storage_offset(), tuple(activation.shape), activation.stride())
         if view not in self.read:
-            self.read[view] = storage
+            self.read[view] = (storage, activation.nbytes)
             tally.linear_input_bytes += activation.nbytes
+
+    def linear_inputs(self, layer: str) -> list[tuple[int, int]]:
+        """(storage id, bytes) of each distinct view ``layer``'s linears read (what ``linear_input_bytes`` sums)."""
+        return [(key, nbytes) for (owner, key, *_), (_, nbytes) in self.read.items() if owner == layer]
 
 
 class WeightCopies(TorchDispatchMode):

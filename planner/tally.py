@@ -52,6 +52,8 @@ class Tally:
     the activations' outputs (``kernels.FusedKernels``, ``saved_bytes.Ledger.gated_activation``)."""
     region_saved_bytes: dict[str, int] = field(default_factory=dict)
     """Of ``saved_bytes``, what each recomputable piece of the layer made (``recompute_regions.REGIONS``)."""
+    region_linear_input_bytes: dict[str, int] = field(default_factory=dict)
+    """Of ``linear_input_bytes``, what each recomputable piece of the layer made (``recompute_regions``)."""
     region_flops: dict[str, int] = field(default_factory=dict)
     """Forward FLOPs of each recomputable piece's modules (``recompute_regions``)."""
     under_autocast: Tally | None = None
