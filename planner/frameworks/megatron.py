@@ -168,7 +168,8 @@ def _recompute_args(plan: PlanLike, chunks: list[int]) -> tuple[list[str], list[
 
 def _named_pieces(s: Strategy, recompute: list[str], notes: list[str]) -> tuple[list[str], dict[str, object]]:
     """The recomputation arguments with ``s.recompute_modules`` named (selective granularity; ``core_attn`` where the
-    blocks recompute their attention cores), and the strategy change where the blocks' policy cannot have them."""
+    blocks recompute their attention cores; the model flags Megatron-LM requires of ``mla_up_proj`` and ``moe_act``),
+    and the strategy change where the blocks' policy cannot have them."""
     if not s.recompute_modules:
         return recompute, {}
     if recompute not in ([], ["--recompute-granularity", "selective"]):
@@ -176,7 +177,9 @@ def _named_pieces(s: Strategy, recompute: list[str], notes: list[str]) -> tuple[
                      "selective granularity only, not with whole blocks recomputed or offloaded; nearest is keeping them")
         return recompute, {"recompute_modules": ()}
     core = ["core_attn"] if recompute else []
-    return ["--recompute-granularity", "selective", "--recompute-modules", *core, *s.recompute_modules], {}
+    needs = [flag for piece, flag in (("mla_up_proj", "--multi-latent-attention"), ("moe_act", "--moe-grouped-gemm"))
+             if piece in s.recompute_modules]  # what Megatron-LM requires of the model for them
+    return ["--recompute-granularity", "selective", "--recompute-modules", *core, *s.recompute_modules, *needs], {}
 
 
 def _offload_args(flat: list[str]) -> tuple[list[str], list[str], dict[str, object]]:

@@ -80,7 +80,8 @@ def megatron_parser() -> argparse.ArgumentParser:
                  "--fp16", "--moe-enable-deepep", "--overlap-moe-expert-parallel-comm", "--moe-layer-recompute",
                  "--overlap-grad-reduce", "--overlap-param-gather", "--grad-reduce-in-bf16",
                  "--accumulate-allreduce-grads-in-fp32", "--use-precision-aware-optimizer", "--fp8-param-gather",
-                 "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"):
+                 "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                 "--moe-grouped-gemm", "--multi-latent-attention", "--moe-shared-expert-overlap"):
         parser.add_argument(flag, action="store_true")
     return parser
 
@@ -106,6 +107,7 @@ def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
         chunks = [*chunks[:-1], chunks[-1] + mtp]  # the modules run after the last block, in the last chunk
     recompute, block_recompute, notes = _recompute(args, chunks=chunks)
     modules = _priced_modules(args)
+    _check_pieces(args, modules)
     block_recompute = _offloaded(args, block_recompute, chunks=chunks, pp=pp) if args.cpu_offloading else block_recompute
     strategy = Strategy(
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=_zero(args), micro_batch=args.micro_batch_size, recompute=recompute,
@@ -421,6 +423,24 @@ def _selective_modules(args: argparse.Namespace) -> tuple[str, tuple[str, ...], 
     if not modules:
         return "none", (), ["--recompute-modules with no modules: Megatron-LM recomputes nothing"]
     return "selective" if "core_attn" in modules else "none", (), []
+
+
+PIECE_RULES = (
+    ("moe_act", lambda a: not a.moe_grouped_gemm, "needs --moe-grouped-gemm"),
+    ("mla_up_proj", lambda a: not a.multi_latent_attention, "needs --multi-latent-attention"),
+    ("shared_experts", lambda a: a.moe_shared_expert_overlap, "cannot run with --moe-shared-expert-overlap"),
+    ("moe_act", lambda a: a.fp8_format and a.fp8_recipe == "delayed", "cannot run under FP8 delayed scaling"),
+    ("layernorm", lambda a: a.fp8_format and a.fp8_recipe == "delayed", "cannot run under FP8 delayed scaling"),
+)
+"""What ``TransformerConfig.__post_init__`` refuses of ``--recompute-modules`` at ``MEGATRON_VERSION``."""
+
+
+def _check_pieces(args: argparse.Namespace, modules: tuple[str, ...]) -> None:
+    """Refuse, in one line, the named pieces Megatron-LM itself refuses with the other flags (``PIECE_RULES``)."""
+    for piece, refused, why in PIECE_RULES:
+        if piece in modules and refused(args):
+            raise ConfigError(f"--recompute-modules {piece} {why} (Megatron-LM's TransformerConfig refuses it "
+                              f"otherwise); change that flag or drop {piece}")
 
 
 def _named_modules(args: argparse.Namespace) -> list[str]:

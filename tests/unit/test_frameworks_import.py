@@ -315,13 +315,14 @@ def test_megatron_recompute_modules_price_the_attention_core_and_every_named_pie
     assert default.strategy.recompute == "selective" and not default.notes and default.unread == ()
     assert default.strategy.recompute_modules == ()
     assert from_megatron(f"{base} --recompute-modules core_attn", world_size=8).notes == ()
-    mixed = from_megatron(f"{base} --recompute-modules core_attn mla_up_proj", world_size=8)
+    mixed = from_megatron(f"{base} --multi-latent-attention --recompute-modules core_attn mla_up_proj", world_size=8)
     assert mixed.strategy.recompute == "selective" and mixed.unread == () and mixed.notes == ()
     assert mixed.strategy.recompute_modules == ("mla_up_proj",)
-    pieces = from_megatron(f"{base} --recompute-modules mla_up_proj mlp", world_size=8)
+    pieces = from_megatron(f"{base} --multi-latent-attention --recompute-modules mla_up_proj mlp", world_size=8)
     assert pieces.strategy.recompute == "none" and pieces.strategy.recompute_modules == ("mla_up_proj", "mlp")
     assert pieces.notes == ()
-    moe = from_megatron(f"{base} --recompute-modules moe moe_act shared_experts layernorm", world_size=8)
+    moe = from_megatron(f"{base} --moe-grouped-gemm --recompute-modules moe moe_act shared_experts layernorm",
+                        world_size=8)
     assert moe.strategy.recompute_modules == ("layernorm", "shared_experts", "moe_act", "moe") and moe.notes == ()
     nothing = from_megatron(f"{base} --recompute-modules", world_size=8)
     assert nothing.strategy.recompute == "none" and any("recomputes nothing" in n for n in nothing.notes)
@@ -332,6 +333,14 @@ def test_megatron_recompute_modules_price_the_attention_core_and_every_named_pie
     assert ignored.strategy.recompute_modules == ()
     with pytest.raises(ConfigError, match="argument --recompute-modules: invalid choice: 'attention'"):
         from_megatron(f"{base} --recompute-modules attention", world_size=8)
+    for flags, refused in (("--recompute-modules moe_act", "moe_act needs --moe-grouped-gemm"),
+                           ("--recompute-modules mla_up_proj", "mla_up_proj needs --multi-latent-attention"),
+                           ("--moe-shared-expert-overlap --recompute-modules shared_experts",
+                            "shared_experts cannot run with --moe-shared-expert-overlap"),
+                           ("--fp8-format hybrid --recompute-modules layernorm",
+                            "layernorm cannot run under FP8 delayed scaling")):
+        with pytest.raises(ConfigError, match=refused):
+            from_megatron(f"{base} {flags}", world_size=8)
 
 
 def test_megatron_flags_that_configure_the_framework_adjust_its_profile():
