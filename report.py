@@ -73,7 +73,7 @@ def _headline(plan: Plan) -> Table:
         ("memory", f"{e.peak_memory_bytes / GiB:.1f} / {e.memory_budget_bytes / GiB:.1f} GiB per device"),
         *((f"no {axis}", literal(reason)) for axis, reason in plan.unavailable_axes.items()),
         ("search", _search_line(plan)),
-        ("launch", literal(launch_command(nodes=nodes, devices_per_node=per_node))),
+        ("launch", literal(plan.not_on_the_runtime() or launch_command(nodes=nodes, devices_per_node=per_node))),
     ]
     for key, value in rows:
         table.add_row(key, value)

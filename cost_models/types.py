@@ -245,6 +245,15 @@ class Strategy(BaseModel):
         return self.block_recompute[index] if self.block_recompute else self.recompute
 
     @property
+    def cost_model_only(self) -> tuple[str, ...]:
+        """The items of this strategy that only the cost model knows, for evaluating a configuration another
+        framework ran (``tp_overlap=true``, ...): Tessera's runtime refuses a strategy with any of them."""
+        items = (("tp_overlap=true", self.tp_overlap), ("sp_regather=true", self.sp_regather),
+                 (f"pipeline_passes={self.pipeline_passes}", self.pipeline_passes > 1),
+                 ("recompute_modules=" + "/".join(self.recompute_modules), bool(self.recompute_modules)))
+        return tuple(item for item, present in items if present)
+
+    @property
     def world_size(self) -> int:
         """Ranks this strategy occupies: ``dp * tp * pp * cp`` (``ep`` is part of ``dp``)."""
         return self.dp * self.tp * self.pp * self.cp

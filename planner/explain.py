@@ -257,6 +257,8 @@ def _degrees(plan: Plan) -> list[Section]:
 
 
 def _launch(plan: Plan, *, nodes: int, per_node: int, plan_path: str) -> Section:
+    if (refused := plan.not_on_the_runtime()) is not None:
+        return Section("Launch", (f"Not on Tessera's runtime: {refused}.",))
     command = launch_command(nodes=nodes, devices_per_node=per_node, plan_path=plan_path)
     text = (f"Run on each of the {nodes} node(s); `train.py` reads the plan with `tessera.Plan.from_json` and "
             "applies it with `tessera.runtime.apply.apply_plan`.")

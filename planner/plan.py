@@ -193,6 +193,15 @@ class Plan(BaseModel):
             return training.precision
         return f"fp8 ({training.fp8_scaling} scaling{'; ZeRO-3 all-gathers FP8 weights' if self.gathers_fp8() else ''})"
 
+    def not_on_the_runtime(self) -> str | None:
+        """Why Tessera's runtime will not launch this plan (its strategy's cost-model-only items,
+        ``Strategy.cost_model_only``), or None."""
+        if not self.strategy.cost_model_only:
+            return None
+        return (f"{', '.join(self.strategy.cost_model_only)}: cost-model options for evaluating another framework's "
+                "configuration, which Tessera's runtime does not run (--format megatron writes the plan for "
+                "Megatron-LM); drop them to launch it here")
+
     def error_band(self) -> ErrorBand | None:
         """The error band of the plan's regime (FP8, context parallelism, mixture of experts, ZeRO-3 or not) on the
         held-out published runs (``cost_models.error_bands``); None on this machine's CPU (those are GPU runs)."""

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tessera.errors import ClusterSpecError, ConfigError, TesseraError
+from tessera.errors import ClusterSpecError, ConfigError, NotModelledError, TesseraError
 from tessera.planner.plan import Plan
 from tessera.topology import load_cluster
 
@@ -305,6 +305,8 @@ def launch_commands(
     batch script (``#SBATCH`` header, the first host as rendezvous endpoint, one ``srun`` of ``torchrun``
     per node). Raises ``ConfigError`` when the shape does not match the plan.
     """
+    if (refused := plan.not_on_the_runtime()) is not None:
+        raise NotModelledError(f"the plan's strategy has {refused}")
     nodes, per_node = _launch_shape(plan, nodes=nodes, procs_per_node=procs_per_node)
     command = shlex.join([script, *script_args])
     if scheduler == "slurm":

@@ -184,6 +184,14 @@ def test_launch_commands_single_node_and_slurm():
     assert script[-1].endswith("--rdzv-endpoint=$MASTER_ADDR:29500 'my train.py'")
 
 
+def test_launch_commands_refuse_a_strategy_only_the_cost_model_knows():
+    from tessera.errors import NotModelledError
+    from tessera.runtime.launch import launch_commands
+
+    with pytest.raises(NotModelledError, match="tp_overlap=true, recompute_modules=mlp: cost-model options"):
+        launch_commands(_plan("dp=2,tp=8,tp_overlap=true,recompute_modules=mlp"), "train.py")
+
+
 def test_launch_commands_refuse_a_shape_that_is_not_the_plans_world():
     from tessera.errors import ConfigError
     from tessera.runtime.launch import launch_commands

@@ -103,6 +103,14 @@ def test_search_uses_the_ilp_and_its_choice_is_rechecked_by_estimate():
     assert plan.estimate.step_time_s <= best_uniform
 
 
+def test_a_plan_pinned_to_a_cost_model_option_says_it_is_not_launched_here(tmp_path, capsys):
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "dgx-h100:nodes=1", "--global-batch", "8", "--seq-len",
+                 "32", "--fix", "recompute_modules=mlp", "--format", "md", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "Not on Tessera's runtime: recompute_modules=mlp: cost-model options" in report and "torchrun" not in report
+    assert "torchrun" not in capsys.readouterr().out
+
+
 def test_launch_prints_one_torchrun_line_per_node(tmp_path):
     path = tmp_path / "plan.json"
     assert main(["plan", "--model", "gpt-tiny", "--cluster", "dgx-h100:nodes=2", "--global-batch", "16", "--seq-len", "32", "--json", str(path)]) == 0
