@@ -387,8 +387,7 @@ def _recompute(args: argparse.Namespace, *, chunks: list[int]) -> tuple[str, tup
     if args.moe_layer_recompute and args.recompute_granularity == "full":
         raise ConfigError("--moe-layer-recompute with --recompute-granularity full (Megatron-LM refuses it); use "
                           "--recompute-granularity selective --recompute-modules moe")
-    granularity = args.recompute_granularity or (
-        "selective" if args.recompute_activations or args.moe_layer_recompute else None)
+    granularity = _granularity(args)
     if granularity == "selective":
         return _selective_modules(args)
     recompute, block_recompute, notes = _whole_blocks(args, granularity, chunks=chunks)
@@ -454,8 +453,13 @@ def _named_modules(args: argparse.Namespace) -> list[str]:
 def _priced_modules(args: argparse.Namespace) -> tuple[str, ...]:
     """The pieces besides the attention core that Tessera prices recomputing (``Strategy.recompute_modules``), under
     selective granularity (Megatron-LM reads ``--recompute-modules`` under it only)."""
-    granularity = args.recompute_granularity or (
-        "selective" if args.recompute_activations or args.moe_layer_recompute else None)
-    if granularity != "selective":
+    if _granularity(args) != "selective":
         return ()
     return tuple(m for m in _named_modules(args) if m in PRICED_MODULES)
+
+
+def _granularity(args: argparse.Namespace) -> str | None:
+    """``--recompute-granularity``, or ``selective`` where ``--recompute-activations`` or ``--moe-layer-recompute``
+    imply it (Megatron-LM's arguments.py and TransformerConfig)."""
+    return args.recompute_granularity or (
+        "selective" if args.recompute_activations or args.moe_layer_recompute else None)
