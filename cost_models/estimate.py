@@ -132,6 +132,7 @@ def estimate(
         mfu=model_flops / (step * peak_rate),
         hfu=hardware_flops / (step * peak_rate),
         notes=(_notes(training, straggling) + unmeasured_pieces_note(layers, strategy.recompute_modules)
+               + _host_time_note(cluster.device, layers)
                + _attention_note(cluster.device, training, strategy, profile, calibration,
                                  stages[slowest].attention_head_widths)),
     )
@@ -197,6 +198,18 @@ def _notes(training: TrainingConfig, straggling: float) -> tuple[str, ...]:
     if straggling:
         notes.append(f"stragglers: {straggling:.3g} s per step waiting for the slowest rank")
     return tuple(notes)
+
+
+def _host_time_note(device: DeviceSpec, layers: Sequence[LayerStats]) -> tuple[str, ...]:
+    """On a GPU, for a model with routed experts, a note that the host's time is not priced. Published Megatron-Core
+    MoE runs mostly ran slower than predicted, most of all under FP8, and NVIDIA's own tuning notes name host overhead
+    (``docs/calibration-log.md``, 2026-12-07); no public measurement says how much per layer. On this machine's CPU the
+    profiled per-linear host overhead is priced already (``DeviceSpec.linear_overhead_s``)."""
+    if device.name == LOCAL_CPU or not any(layer.experts for layer in layers):
+        return ()
+    return ("mixture of experts: the host's (CPU's) time is not priced; a dropless dispatcher's device-to-host sync in "
+            "every MoE layer and the experts' many small kernels (more under FP8, with its quantization kernels) can "
+            "leave the GPU idle, so published MoE runs mostly ran slower than predicted (see the likely step time)",)
 
 
 def _attention_note(device: DeviceSpec, training: TrainingConfig, strategy: Strategy, profile: ImplementationProfile,

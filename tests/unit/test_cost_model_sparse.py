@@ -21,6 +21,7 @@ from tessera.cost_models.layer_stats import LayerStats, LinearPair
 from tessera.errors import ConfigError
 from tessera.planner.plan_facts import exposed_comm_by_kind
 from tessera.planner.space import LONG_CONTEXT_TOKENS, mesh_shapes, runtime_refusal
+from tessera.topology import load_cluster
 from tessera.topology.clusterfile import cluster_from_raw
 from tessera.topology.collectives import all_gather_time, all_reduce_time, reduce_scatter_time
 
@@ -464,3 +465,18 @@ def test_narrow_experts_run_at_the_curves_rate_for_their_own_width():
         5e11 * (curve.at(2048) / curve.at(1024) - 1) / (device.peak_flops("bf16") * curve.at(2048)) / 2)
     fp8 = TrainingConfig(global_batch=64, seq_len=2048, precision="fp8")
     assert forward_s(1024, fp8) == forward_s(0, fp8)  # this FP8 curve is flat in width
+
+
+def test_a_moe_estimate_on_a_gpu_says_the_hosts_time_is_not_priced():
+    """Routed experts on a GPU: a note says the host's time (the dispatcher's sync, the small expert kernels) is not
+    priced; a dense model's estimate, and one on this machine's CPU (whose per-linear host time is profiled), say
+    nothing of it."""
+    s = Strategy.parse("dp=8,ep=8,zero=1,mbs=1")
+    moe = estimate(MOE, cluster(1), TRAINING, s, calibration=FLAT, profile=TESSERA)
+    assert any(note.startswith("mixture of experts: the host's (CPU's) time is not priced") for note in moe.notes)
+    dense = estimate([dense_block(i) for i in range(4)], cluster(1), TRAINING, Strategy.parse("dp=8,zero=1,mbs=1"),
+                     calibration=FLAT, profile=TESSERA)
+    assert not any(note.startswith("mixture of experts") for note in dense.notes)
+    cpu = estimate(MOE, load_cluster("cpu:ranks=2"), TrainingConfig(global_batch=4, seq_len=64),
+                   Strategy.parse("dp=2,ep=2,zero=1,mbs=1"), calibration=FLAT, profile=TESSERA)
+    assert not any(note.startswith("mixture of experts") for note in cpu.notes)
