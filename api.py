@@ -280,6 +280,10 @@ def auto_parallelize(
     recovers the newest complete snapshot, resharded to the new plan, and falls back to ``resume_from``'s disk
     checkpoints (the second line of defence) when a disk checkpoint is newer or no snapshot is complete.
     """
+    if resume_from is not None:
+        from tessera.runtime.checkpoint_files import check_resume_root
+
+        check_resume_root(resume_from)
     resolved = load_cluster(cluster)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     elastic = resume_from is not None or snapshots is not None

@@ -31,6 +31,7 @@ The runtime reads only the ``Plan`` data model (never the planner or the cost mo
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -65,6 +66,7 @@ from tessera.runtime.mesh import PP, TP, build_mesh, device_type
 from tessera.runtime.offload import OffloadStats, apply_offload
 from tessera.runtime.parallel_model import LossFn, ParallelModel
 from tessera.runtime.recompute import apply_recompute
+from tessera.runtime.targets import check_class_targets, check_logits_targets, output_classes
 from tessera.runtime.tensor_parallel import (
     VocabParallelLoss,
     apply_tensor_parallel,
@@ -78,15 +80,19 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 DEFAULT_LR = 1e-3
 
 
-def default_loss_fn(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+def default_loss_fn(outputs: Any, targets: torch.Tensor, *, check_range: bool = True) -> torch.Tensor:
     """Mean cross-entropy, in fp32, of the logits in the model's ``outputs`` against integer ``targets``.
 
     The logits are found by :func:`logits_of` (a tensor, ``.logits``, ``["logits"]`` or a tuple's first
     element) and have shape ``(..., V)``: ``(B, T, V)`` for a language model against next-token targets
     ``(B, T)``, ``(B, V)`` for a classifier against ``(B,)``. Targets equal to ``-100`` are ignored (PyTorch's
-    and Hugging Face's ``ignore_index``). For any other output or loss, pass ``loss_fn=`` to ``apply_plan``.
+    and Hugging Face's ``ignore_index``); any other target, or targets not of the logits' leading shape, raise a
+    ``ConfigError`` (``runtime.targets``; ``check_range=False`` leaves the range to ``train_step``, which checks
+    the global batch against the classes the model declares). For any other output or loss, pass ``loss_fn=`` to
+    ``apply_plan``.
     """
     logits = logits_of(outputs)
+    check_logits_targets(logits, targets, check_range=check_range)
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())  # (N, V) vs (N,)
 
 
@@ -120,7 +126,7 @@ def _type_name(value: Any) -> str:
 
 def build_loss(
     loss_fn: LossFn | None, plan: Plan, mesh: DeviceMesh | None, *,
-    pipeline_output: pp_.DictOutput | pp_.TreeOutput | None = None,
+    pipeline_output: pp_.DictOutput | pp_.TreeOutput | None = None, classes: int | None = None,
 ) -> LossFn:
     """The loss ``train_step`` (and the pipeline's last stage) applies to each micro-batch's output.
 
@@ -133,11 +139,14 @@ def build_loss(
     (``pipeline_output`` says what it held) and the loss receives it rebuilt: a plain ``dict`` where torch.fx
     traced a dict (``pipeline.return_dict_as_tuple``), the model's own output type (a Hugging Face
     ``ModelOutput``...) where the model was split from a ``torch.export`` trace (``pipeline.TreeOutput``).
+    Where the model declares its ``classes`` (``runtime.targets.output_classes``), ``train_step`` checks the
+    targets' range on the global batch and the default loss only their shape.
     """
+    default = default_loss_fn if classes is None else functools.partial(default_loss_fn, check_range=False)
     if plan.strategy.tp == 1:
-        loss = loss_fn or default_loss_fn
+        loss = loss_fn or default
     elif loss_fn is None:
-        loss = LogitsLoss(VocabParallelLoss(default_loss_fn, mesh[TP]))
+        loss = LogitsLoss(VocabParallelLoss(default, mesh[TP]))
     else:
         loss = ShardableOutputLoss(VocabParallelLoss(loss_fn, mesh[TP]))
     return loss if pipeline_output is None else pp_.StructuredOutputLoss(loss, pipeline_output)
@@ -222,6 +231,7 @@ def apply_plan(
         check_float8_model(model, plan.block_fqns)
     check_batch_norm(model, plan)
     _check_experts_and_context(model, plan, compile_blocks=compile_blocks)  # before any process group is made
+    classes = output_classes(model) if loss_fn is None else None  # before the head is split or freed
     on_meta = is_on_meta(model)
     ties = _cross_stage_ties(model, plan, on_meta=on_meta)
     traced = pp_.trace_plan(model, plan) if plan.strategy.pp > 1 else None  # before any process group
@@ -247,10 +257,11 @@ def apply_plan(
         apply_context_parallel(model, mesh, seq_len=plan.training.seq_len)
     optimizer = (optimizer_factory or default_optimizer_factory)(_unique_parameters(modules))
     _sum_tied_gradients(plan, ties, modules, mesh, optimizer)
-    loss = build_loss(loss_fn, plan, mesh, pipeline_output=pipeline_output)
+    loss = build_loss(loss_fn, plan, mesh, pipeline_output=pipeline_output, classes=classes)
     schedule = _schedule(plan, modules, chunks, mesh, device=device, loss_fn=loss)
     return ParallelModel(plan, modules, optimizer=optimizer, loss_fn=loss, mesh=mesh, device=device,
                          schedule=schedule, chunks=chunks, offloads=offloads,
+                         check_targets=None if loss_fn else functools.partial(check_class_targets, classes=classes),
                          lr_scheduler=build_scheduler(lr_scheduler_factory, optimizer))
 
 

@@ -77,7 +77,7 @@ from tessera.runtime.checkpoint_files import (
     RootLock, check_checkpoint, check_keep_last, commit_checkpoint, complete_checkpoints, discard_partial,
     has_checkpoint, partial_folder, read_manifest, select_checkpoint, step_folder, write_durably,
 )
-from tessera.runtime.checkpoint_reader import load_metadata, read_state
+from tessera.runtime.checkpoint_reader import load_metadata, load_plain, read_state
 from tessera.runtime.file_records import HASH_BLOCK_BYTES, FileRecord
 from tessera.runtime.lr_schedule import restore_scheduler, scheduler_state
 from tessera.runtime.rank_agreement import broadcast, describe_failure, rank, together, world
@@ -200,6 +200,8 @@ class Checkpointer:
         group = self._process_group()
         folder, skipped = select_checkpoint(Path(path), verify=verify, group=group, set_aside=True)
         manifest = read_manifest(folder)
+        data_state = together(lambda: load_plain(folder / DATA_FILE), group,  # before anything is overwritten
+                              what=f"reading the data position of {folder}")
         module = state_module(state.modules)
         tensors = _state_dict(module, state.optimizer)  # initialises the optimizer's state: DCP loads into it
         writable = _saved_settings_only(_writable(tensors), load_metadata(folder).state_dict_metadata)
@@ -212,7 +214,7 @@ class Checkpointer:
         state.step = manifest.step
         return CheckpointInfo(
             path=str(folder), step=manifest.step, saved_world_size=manifest.world_size,
-            saved_strategy=manifest.strategy, data_state=torch.load(folder / DATA_FILE, weights_only=True),
+            saved_strategy=manifest.strategy, data_state=data_state,
             skipped=tuple(skipped),
         )
 
@@ -314,7 +316,7 @@ def _restore_rank_state(state: TrainingState, folder: Path, *, saved_world: int,
     docstring)."""
     source = rank(group) if saved_world == world(group) else 0
     path = folder / RNG_FOLDER / f"rank-{source:05d}.pt"
-    saved = torch.load(path, weights_only=True)
+    saved = load_plain(path)
     torch.set_rng_state(saved["cpu"])
     random.setstate(saved["python"])
     if "cuda" in saved and torch.cuda.is_available():

@@ -289,6 +289,15 @@ def _set_aside(folder: Path) -> str:
     return str(target)
 
 
+def check_resume_root(root: str | Path) -> None:
+    """Refuse a ``resume_from`` that can never hold a checkpoint: an existing file (a resumed run would otherwise
+    start from scratch, the user's intent lost). A folder that does not exist yet is a fresh run's."""
+    path = Path(root)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"resume_from={str(root)!r} is a file, not a checkpoint folder; pass the folder given "
+                              "to ParallelModel.save (a new one to start from scratch)")
+
+
 def has_checkpoint(root: str | Path) -> bool:
     """Whether ``root`` is a committed checkpoint or holds one (so resuming from it can start)."""
     root = Path(root)

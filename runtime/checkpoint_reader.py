@@ -114,6 +114,22 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+def load_plain(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)``: plain containers of numbers, strings and tensors; a file naming
+    anything else, or unreadable, is a ``CheckpointError`` (torch's own message advises ``weights_only=False``,
+    which would run what the file names)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL (\S+)", str(error))
+        raise CheckpointError(f"checkpoint file {path} is not plain data (it names "
+                              f"{found[1] if found else 'a Python object'}); refusing to load it (a crafted file "
+                              "runs code when unpickled)") from None
+    except (OSError, EOFError, RuntimeError, ValueError) as error:
+        raise CheckpointError(f"checkpoint file {path} is unreadable ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0][:200] if str(error) else ''})") from None
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, reading non-tensor values with ``torch.load(weights_only=True)``."""
 

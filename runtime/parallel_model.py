@@ -53,7 +53,7 @@ class ParallelModel:
         self, plan: Plan, modules: Sequence[nn.Module], *, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
         mesh: DeviceMesh | None, device: torch.device, schedule: _PipelineSchedule | None = None,
         chunks: Sequence[int] = (0,), offloads: Mapping[str, OffloadStats] | None = None,
-        lr_scheduler: LRScheduler | None = None,
+        lr_scheduler: LRScheduler | None = None, check_targets: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.plan = plan
         """The plan this model was built from."""
@@ -97,6 +97,10 @@ class ParallelModel:
         self.snapshots: Snapshotter | None = None
         """In-memory snapshots (``runtime.snapshots``), once :meth:`enable_snapshots` is called."""
         self._checkpointer = Checkpointer()
+        self._check_targets = check_targets
+        """What ``train_step`` checks the global batch's targets with before any rank splits it: the default
+        loss's (``runtime.targets.check_class_targets``); None under a custom ``loss_fn``, whose targets are its
+        own business."""
 
     @property
     def module(self) -> nn.Module:
@@ -120,6 +124,8 @@ class ParallelModel:
         output's type). Pass batches of the planned global batch: BatchNorm layers were checked for it.
         """
         inputs, targets = batch
+        if self._check_targets is not None:  # on the whole batch, so every rank refuses it alike
+            self._check_targets(targets)
         accumulation = self._accumulation_steps(inputs, targets)
         inputs, targets = self._local_rows(inputs), self._local_rows(targets)  # (B/dp, T)
         if self.schedule is not None and accumulation != self.schedule._n_microbatches:

@@ -17,10 +17,12 @@ import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from tessera.cost_models.types import Strategy, TrainingConfig
+from tessera.errors import ConfigError
 from tessera.planner.plan import Plan, PlannedLayer
 from tessera.runtime.apply import apply_plan
 
@@ -176,11 +178,27 @@ def checkpoint_case(folder: str) -> dict:
     return {"saved": saved, "after": after, "resumed": [restored.train_step(batch) for batch in data[1:]]}
 
 
+def refused_targets() -> dict[str, str]:
+    """Under tp=2, what ``train_step`` says of targets the vocabulary-parallel loss would drop silently: one equal to
+    the vocabulary size, one negative (not -100). Both ranks refuse before any collective."""
+    parallel, (inputs, targets) = build("llama", TP), batches(1)[0]
+    said = {}
+    for name, value in (("vocab", VOCAB), ("negative", -5)):
+        bad = targets.clone()
+        bad[0, 0] = value
+        try:
+            parallel.train_step((inputs, bad))
+        except ConfigError as error:
+            said[name] = str(error)
+    return said
+
+
 def run_cases(cases: list[tuple[str, str]], folder: str | None = None) -> dict:
     """Runs on every rank: every case (a failure ends the spawn, named), with its wall time; with ``folder``, the
-    checkpoint case too."""
+    checkpoint case too; on 2 ranks, the targets refused."""
     runs = [(case, functools.partial(train_case, *case)) for case in cases]
     runs += [("checkpoint", functools.partial(checkpoint_case, folder))] if folder else []
+    runs += [("targets", refused_targets)] if dist.get_world_size() == 2 else []
     results, seconds = run_named(runs)
     return {**results, "seconds": seconds}
 
@@ -241,6 +259,15 @@ def test_a_packed_checkpoint_under_fsdp_and_tensor_parallelism_resumes_and_loads
     one = apply_plan(model, plan_for(CHECKPOINT[0], model, "dp=1,mbs=4"))
     one.load(CHECKPOINT_FOLDER)  # the true q|k|v matrices, not a rank's interleaved slices
     torch.testing.assert_close(full_tensors(one.named_parameters()), result["saved"], rtol=0, atol=0)
+
+
+def test_targets_the_vocabulary_parallel_loss_would_drop_are_refused_on_every_rank():
+    """One process's cross-entropy raises on them; the vocabulary-parallel loss would ignore them (a batch of them
+    alone reports a loss of 0), so ``train_step`` refuses them, naming the value."""
+    said = [results["targets"] for results in spawned(2, False)]
+    assert said[0] == said[1]
+    assert said[0]["vocab"].startswith(f"target {VOCAB} is not below the model's {VOCAB} classes")
+    assert said[0]["negative"].startswith("target -5 is negative")
 
 
 def test_the_spawn_stays_fast():

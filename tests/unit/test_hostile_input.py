@@ -26,7 +26,8 @@ import tessera
 from tessera.errors import CheckpointError
 from tessera.runtime.checkpoint import export_model_state_dict
 from tessera.runtime.checkpoint_files import (
-    LOCK_FILE, MANIFEST, MARKER, PLAN_FILE, RootLock, check_checkpoint, complete_checkpoints, read_manifest,
+    DATA_FILE, LOCK_FILE, MANIFEST, MARKER, PLAN_FILE, RNG_FOLDER, RootLock, check_checkpoint, complete_checkpoints,
+    read_manifest,
 )
 from tessera.runtime.checkpoint_reader import read_state
 
@@ -87,6 +88,27 @@ def test_a_crafted_metadata_pickle_is_refused_without_running(pm, tmp_path):
         tessera.resume(folder, CLUSTER)
     assert not proof.exists()
     assert not (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.parametrize("name", [DATA_FILE, f"{RNG_FOLDER}/rank-00000.pt"])
+def test_a_crafted_data_or_rng_file_is_refused_before_anything_is_loaded(pm, tmp_path, name):
+    """The data position and the RNG states are read with ``weights_only=True``; a crafted file is one line naming
+    what it names (not torch's advice to load it unsafely), and the model keeps its weights."""
+    folder = save_at(pm, tmp_path / "ckpt", 1, data_state={"epoch": 1})
+    proof = tmp_path / "proof"
+    (folder / name).write_bytes(pickle.dumps(RunsCode(proof), protocol=2))  # torch's reader names its GLOBAL
+    reseal(folder)
+    before = {fqn: p.detach().clone() for fqn, p in pm.named_parameters()}
+    pm.train_step(batch())  # the weights move away from the checkpoint's
+    moved = {fqn: p.detach().clone() for fqn, p in pm.named_parameters()}
+    with pytest.raises(CheckpointError, match=rf"{name.split('/')[-1]} is not plain data \(it names (builtins\.)?exec\)") \
+            as raised:
+        pm.load(folder)
+    assert "weights_only" not in str(raised.value) and not proof.exists()
+    if name == DATA_FILE:  # read first: nothing was loaded
+        assert all(torch.equal(p, moved[fqn]) for fqn, p in pm.named_parameters())
+    assert any(not torch.equal(moved[fqn], before[fqn]) for fqn in before)
+    pm.step = 0
 
 
 def test_a_crafted_non_tensor_value_is_refused_without_running(tmp_path):
@@ -227,6 +249,8 @@ def test_a_file_where_a_checkpoint_folder_is_expected_is_named(tmp_path):
     (tmp_path / "afile").write_text("not a checkpoint")
     with pytest.raises(CheckpointError, match="is a file, not a checkpoint folder"):
         export_model_state_dict(tmp_path / "afile", tmp_path / "model.pt")
+    with pytest.raises(CheckpointError, match=r"resume_from='.*afile' is a file, not a checkpoint folder"):
+        tessera.auto_parallelize(MODEL, CLUSTER, global_batch=BATCH, seq_len=SEQ, resume_from=tmp_path / "afile")
 
 
 def test_export_neither_replaces_a_file_nor_leaves_half_of_one(pm, tmp_path):
