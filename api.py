@@ -18,7 +18,7 @@ from tessera.planner.capture import capture, capture_preset
 from tessera.planner.plan import Plan
 from tessera.planner.refine import RUNTIME_BLOCK_OPTIONS, BlockOptions
 from tessera.planner.layer_graph import LayerGraph
-from tessera.planner.model_source import resolve_model, runs_user_code
+from tessera.planner.model_source import names_a_model, resolve_model, runs_user_code
 from tessera.topology import Cluster, load_cluster
 from tessera.topology.hardware import LOCAL_CPU
 
@@ -183,6 +183,9 @@ def _prepare(
     expert_capacity_factor: float | None = None, fp8_scaling: Fp8Scaling | None = None,
     tp_plan: Mapping[str, str] | None = None,
 ) -> tuple[LayerGraph, Cluster, TrainingConfig]:
+    if not isinstance(model, (str, nn.Module)):
+        raise ConfigError(f"model must be an nn.Module or a spec such as 'llama3-8b' or 'hf:llama:...', got "
+                          f"{type(model).__name__}")
     resolved = load_cluster(cluster)
     training = TrainingConfig(
         global_batch=global_batch, seq_len=seq_len, precision=precision or default_precision(resolved),
@@ -232,10 +235,19 @@ def _check_fp8_runs(model: nn.Module | str, graph: LayerGraph, training: Trainin
     check_float8_model(module, [layer.fqn for layer in graph.layers if layer.kind == "block"])
 
 
-def _pins(strategy: Strategy | str | None) -> dict[str, object]:
+def _pins(strategy: Strategy | str | Mapping[str, object] | None) -> dict[str, object]:
+    """The fields ``strategy`` pins: a ``Strategy``, its string form (``"tp=8,pp=4"``) or a mapping of the same
+    keys (``{"tp": 8}``), checked as the string is."""
     if strategy is None:
         return {}
-    return Strategy.parse_fields(strategy) if isinstance(strategy, str) else strategy.model_dump()
+    if isinstance(strategy, Strategy):
+        return strategy.model_dump()
+    if isinstance(strategy, Mapping):
+        strategy = ",".join(f"{key}={value}" for key, value in strategy.items())
+    if not isinstance(strategy, str):
+        raise ConfigError(f"strategy must be a Strategy, a string such as 'tp=8,pp=4' or a dict of its fields, got "
+                          f"{type(strategy).__name__}")
+    return Strategy.parse_fields(strategy)
 
 
 def auto_parallelize(
@@ -280,6 +292,9 @@ def auto_parallelize(
     recovers the newest complete snapshot, resharded to the new plan, and falls back to ``resume_from``'s disk
     checkpoints (the second line of defence) when a disk checkpoint is newer or no snapshot is complete.
     """
+    from tessera.runtime.apply import apply_plan, check_precision
+
+    check_precision(precision)  # before the search, which would plan it
     if resume_from is not None:
         from tessera.runtime.checkpoint_files import check_resume_root
 
@@ -300,8 +315,6 @@ def auto_parallelize(
     chosen = plan(model, resolved, global_batch=global_batch, seq_len=seq_len, precision=precision, strategy=strategy,
                   tp_plan=tp_plan)
     module = resolve_model(model)[0] if isinstance(model, str) else model  # on meta: presets, hf:..., factories
-    from tessera.runtime.apply import apply_plan
-
     parallel = apply_plan(module, chosen, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
                           lr_scheduler_factory=lr_scheduler_factory, tp_plan=tp_plan)
     if snapshots is not None:
@@ -362,6 +375,11 @@ def checkpoint_model(
     user code (a factory) only when the caller trusts it."""
     if model is not None:
         return model
+    if not names_a_model(saved.model_name):
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was saved from a model object ({saved.model_name[:80]}), which its plan.json "
+            "cannot rebuild; pass the model: tessera.resume(..., model=your_model), or tessera resume ... --model SPEC"
+        )
     if runs_user_code(saved.model_name) and not trust_model_factory:
         spec = saved.model_name[:160]
         raise CheckpointError(

@@ -162,8 +162,8 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
             _print_reliability(plan, args, console)
     if args.json:
         write_text_atomically(args.json, plan.to_json(), what="plan file")
-        _say(Console(stderr=True, emoji=False) if args.format in FRAMEWORK_FORMATS else console,
-             f"plan written to {args.json}")
+        machine_readable = args.format in ("json", *FRAMEWORK_FORMATS)  # stdout stays parseable
+        _say(Console(stderr=True, emoji=False) if machine_readable else console, f"plan written to {args.json}")
     if args.format in ("md", "html"):
         _write_report(plan, args.format, out=args.out or "tessera-report", console=console)
     return 0
@@ -184,11 +184,12 @@ def _check_plan_options(args: argparse.Namespace) -> None:
     if args.mtbf_hours is not None and args.format in ("json", *FRAMEWORK_FORMATS):
         raise ConfigError(f"--mtbf-hours prints a reliability table, which --format {args.format} leaves out: use "
                           "--format table, md or html")
-    if args.format in ("md", "html"):
-        folder = Path(args.out or "tessera-report")
-        for name in ("plan.json", f"report.{args.format}"):
-            if folder.is_dir():
-                check_writable_file(folder / name, what="report file")
+    if args.format in ("md", "html") and (folder := Path(args.out or "tessera-report")).is_dir():
+        from tessera.planner.explain import REPORT_CHARTS
+
+        charts = [f"{chart}.png" for chart in REPORT_CHARTS] if args.format == "md" else []
+        for name in ("plan.json", f"report.{args.format}", *charts):
+            check_writable_file(folder / name, what="report file")
 
 
 def _write_report(plan, kind: str, *, out: str, console: Console) -> None:

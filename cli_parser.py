@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("checkpoint", help="checkpoint folder (the root given to ParallelModel.save, or a step-*)")
     resume.add_argument("--cluster", required=True, help="the devices now available, e.g. dgx-h100:nodes=3")
     resume.add_argument("--script", default="train.py", help="training script each rank runs (default train.py)")
-    resume.add_argument("--json", metavar="PATH", help="also write the new plan as JSON")
+    resume.add_argument("--json", metavar="PATH", type=file_to_write("plan file"), help="also write the new plan as JSON")
     resume.add_argument("--model", default=None, help="the model to re-plan (default: the one the checkpoint names; a "
                         "factory named there, file.py:fn or module:fn, runs only if given here or trusted)")
     resume.add_argument("--trust-model-factory", action="store_true",
@@ -58,7 +58,8 @@ def _add_plan(verbs: argparse._SubParsersAction) -> None:
     plan = verbs.add_parser("plan", help="search for the fastest strategy that fits and print it")
     _add_planning_args(plan, formats=("table", "json", "md", "html", *FRAMEWORK_FORMATS))
     plan.add_argument("--out", metavar="DIR", type=report_folder, help="with --format md|html: folder for the report, "
-                      "its charts and plan.json (default tessera-report); other files in it are left alone")
+                      "its charts and plan.json (default tessera-report); other files in it are left alone, and a file of "
+                      "one of those names that Tessera did not write is refused")
     plan.add_argument("--fix", metavar="STR", help="pin strategy fields and search the rest, e.g. tp=8,pp=4")
     plan.add_argument("--top", type=whole_number(unit="runners-up", at_least=0, at_most=MAX_COUNT), default=5,
                       help="runners-up to show (default 5; 0 for none)")

@@ -1,15 +1,20 @@
-"""Writing files safely: every file Tessera writes appears whole or not at all, and never replaces a folder.
+"""Writing files safely: every file Tessera writes appears whole or not at all, never replaces a folder, and
+replaces an existing file only if Tessera wrote it.
 
 A write goes to a temporary file beside the target (same folder, so the rename stays on one file system),
 is flushed to disk, and is renamed over the target in one step: a crash, a full disk or an error half-way
-leaves the target as it was and removes the temporary file. This module imports nothing from Tessera, so
-every layer may use it.
+leaves the target as it was and removes the temporary file. Every file Tessera writes for a user carries
+``MARK`` (a report's first line, a chart's ``Software`` tag, a cluster file's header) or is a plan (JSON with
+``PLAN_KEYS``), so a second run into the same place replaces its own output and refuses a file of the user's
+of the same name (``written_by_tessera``); a caller that asked the user (``tessera export --overwrite``) passes
+``replace_any``. This module imports nothing from Tessera, so every layer may use it.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,16 +22,42 @@ from typing import Any
 from tessera.errors import ConfigError
 
 
-def write_atomically(path: str | Path, write: Callable[[Path], Any], *, what: str = "file") -> Path:
-    """Write ``path`` with ``write(temp_path)`` then rename it into place; raise ``ConfigError`` if it cannot be.
+MARK = "Written by Tessera"
+"""What every file Tessera writes for a user says of itself (compared without case)."""
+PLAN_KEYS = ("schema_version", "strategy", "training")
+"""Top-level keys of a plan's JSON (``planner.plan.Plan``), which has no room for a comment."""
+MARK_BYTES = 64 * 1024
+"""How far into a file the mark is looked for (a PNG's text chunks come before its image data)."""
+
+
+def written_by_tessera(path: str | Path) -> bool:
+    """Whether the file at ``path`` is one Tessera wrote: it carries ``MARK`` near its start, or it is a plan."""
+    try:
+        with Path(path).open("rb") as handle:
+            head = handle.read(MARK_BYTES)
+    except OSError:  # unreadable: not known to be Tessera's
+        return False
+    if MARK.lower().encode() in head.lower():
+        return True
+    if not head.lstrip().startswith(b"{"):
+        return False
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(document, dict) and all(key in document for key in PLAN_KEYS)
+
+
+def write_atomically(path: str | Path, write: Callable[[Path], Any], *, what: str = "file",
+                     replace_any: bool = False) -> Path:
+    """Write ``path`` with ``write(temp_path)`` then rename it into place; raise ``ConfigError`` if it cannot be,
+    or if ``path`` is a file Tessera did not write (``replace_any``: the user asked to replace whatever is there).
 
     ``what`` names the file in the error (``"plan file"``, ``"report"``).
     """
     path = Path(path)
-    check_writable_file(path, what=what)
-    handle, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
-    temp = Path(temp_name)
+    check_writable_file(path, what=what, replace_any=replace_any)
+    temp = _new_temp_file(path)
     try:
         write(temp)
         _fsync(temp)
@@ -44,18 +75,35 @@ def write_text_atomically(path: str | Path, text: str, *, what: str = "file") ->
     return write_atomically(path, lambda temp: temp.write_text(text, encoding="utf-8"), what=what)
 
 
-def check_writable_file(path: str | Path, *, what: str = "file") -> Path:
-    """Raise ``ConfigError`` unless ``path`` can be written as a file: its folder exists and is writable, and
-    ``path`` is not a folder. Call it where the path enters, before long work."""
+def check_writable_file(path: str | Path, *, what: str = "file", replace_any: bool = False) -> Path:
+    """Raise ``ConfigError`` unless ``path`` can be written as a file: its folder exists and is writable, ``path``
+    is not a folder, and an existing file there is one Tessera wrote (unless ``replace_any``). Call it where the
+    path enters, before long work."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"{what} {path} is a folder; give a file name")
+    if not replace_any and path.is_file() and not written_by_tessera(path):
+        raise ConfigError(f"{what} {path} already exists and Tessera did not write it; Tessera replaces only its own "
+                          "files: move it away or choose another path")
     parent = path.parent
     if not parent.is_dir():
         raise ConfigError(f"cannot write {what} {path}: folder {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot write {what} {path}: folder {parent} is not writable; choose another path")
     return path
+
+
+def _new_temp_file(path: Path) -> Path:
+    """An empty new file beside ``path`` with the permissions a plain new file gets (``0o666`` less the umask;
+    ``tempfile.mkstemp``'s are ``0o600``, which would leave a report only its writer can read)."""
+    for _ in range(100):
+        temp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return temp
+    raise ConfigError(f"cannot create a temporary file beside {path}; choose another path")
 
 
 def _fsync(path: Path) -> None:

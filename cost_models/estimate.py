@@ -424,14 +424,15 @@ def check_supported(
         )
     heads = model_facts(layers).heads if heads is None else heads
     if any(h % strategy.tp for h in heads):
-        raise ConfigError(f"tp={strategy.tp} does not divide the attention heads {sorted(heads)}; pick a divisor")
+        raise ConfigError(f"tp={strategy.tp} does not divide the attention heads (query and key/value) "
+                          f"{sorted(heads)}; pick a divisor")
 
 
 class ModelFacts(NamedTuple):
     """What ``estimate`` needs of the whole model that no strategy changes."""
 
     heads: frozenset[int]
-    """Attention head counts of the layers that have attention."""
+    """Query and key/value head counts of the layers that have attention (tp must divide each)."""
     flops_per_sequence: float
     """Forward + backward FLOPs of one sequence (no recomputation)."""
     smallest_dispatch_bytes: float | None
@@ -485,7 +486,7 @@ def model_facts(layers: Sequence[LayerStats]) -> ModelFacts:
         return hit[1]
     dispatch = [layer.top_k * layer.expert_capacity_factor * layer.output_bytes for layer in layers if layer.experts]
     facts = ModelFacts(
-        heads=frozenset(layer.attention_heads for layer in layers if layer.attention_heads),
+        heads=frozenset(h for layer in layers for h in (layer.attention_heads, layer.kv_heads) if h),
         flops_per_sequence=sum(layer.forward_flops + layer.backward_flops for layer in layers),
         smallest_dispatch_bytes=min(dispatch) if dispatch else None,
         splits={},

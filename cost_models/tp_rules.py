@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from tessera.cost_models.layer_stats import LinearPair
-from tessera.errors import NotModelledError
+from tessera.errors import ConfigError, NotModelledError
 from tessera.models.moe import stacked_experts_problem
 
 COLUMN_STYLES = frozenset({"colwise", "packed_colwise", "colwise_gather_output"})
@@ -124,6 +124,16 @@ def check_plan(plan: Mapping[str, str]) -> None:
                 f"tensor-parallel plan entry {glob!r}: style {style!r} is not implemented (the runtime applies "
                 f"{', '.join(sorted(STYLES))}); pass tp_plan= with those styles or plan with tp=1"
             )
+
+
+def check_plan_matches(plan: Mapping[str, str], model: nn.Module) -> None:
+    """Raise ``ConfigError`` naming the entries of a user's ``plan`` that match no module of ``model``: a glob with a
+    typo (a missing ``model.`` prefix) would otherwise leave those linears to the declared plan or the module tree."""
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [glob for glob in plan if not any(_glob(glob).fullmatch(name) for name in names)]
+    if unmatched:
+        raise ConfigError(f"tp_plan entries {', '.join(repr(g[:80]) for g in unmatched[:3])} match no module of the model "
+                          f"(globs match whole dotted names, e.g. {names[-1]!r}, '*' one part); fix them or drop them")
 
 
 def plan_style(plan: Mapping[str, str], fqn: str) -> str | None:

@@ -71,6 +71,13 @@ class TrainingConfig(BaseModel):
     one scale per 128-element tile (DeepSeek-V3, TE ``Float8BlockScaling``), ``mx`` one power-of-two scale per 32
     elements (OCP MX, MXFP8 on Blackwell)."""
 
+    @field_validator("global_batch", "seq_len", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: object) -> object:
+        if isinstance(value, bool):  # an int to Python, so pydantic would take True as 1
+            raise ValueError("must be a whole number, not a bool")
+        return value
+
     def __init__(self, /, **data: Any) -> None:
         try:
             super().__init__(**data)

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from tessera.cost_models.layer_stats import LayerStats
+from tessera.cost_models.tp_rules import check_plan_matches
 from tessera.errors import CaptureError, ModelSpecError
 from tessera.models import is_builtin_spec, model_config, with_override
 from tessera.planner import layer_info
@@ -92,6 +93,9 @@ def capture(
     """
     if seq_len <= 0:
         raise CaptureError(f"seq_len must be positive, got {seq_len}")
+    _check_learned_positions(model, seq_len)
+    if tp_plan:
+        check_plan_matches(tp_plan, model)
     token_inputs = example_inputs is None
     example_inputs = example_inputs if example_inputs is not None else _default_inputs(model)
     layers = find_layers(model)
@@ -209,6 +213,21 @@ def _capture_spec(
         )
     return capture(model, seq_len=seq_len, dtype=dtype, name=name, expert_capacity_factor=expert_capacity_factor,
                    fit_seq_scaling=fit_seq_scaling, example_inputs=example_inputs, tp_plan=tp_plan)
+
+
+def _check_learned_positions(model: nn.Module, seq_len: int) -> None:
+    """Refuse a ``seq_len`` past a learned position table (GPT-2's ``wpe``, OPT's ``embed_positions``): meta
+    tensors would not notice, and training would fail on its first batch with an index error. Rotary positions
+    are computed for any length, so a RoPE model's ``max_position_embeddings`` is not a limit here."""
+    positions = max_positions(model)
+    if positions is None or seq_len <= positions:
+        return
+    tables = [name for name, module in model.named_modules()
+              if isinstance(module, nn.Embedding) and ("pos" in name.lower() or name.rsplit(".", 1)[-1] == "wpe")]
+    if tables:
+        raise ModelSpecError(f"the model's learned position table {tables[0]} covers {positions} positions (its config) "
+                             f"but seq_len={seq_len} was asked for; plan seq_len <= {positions}, or build the model "
+                             "with more positions")
 
 
 def _computed_positions(spec: str, model: nn.Module) -> bool:

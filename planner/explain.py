@@ -29,6 +29,10 @@ from tessera.planner.plan_facts import (
     per_layer_rows, seconds, step_terms, tokens, uniform_comparison,
 )
 
+STEP_TIME_CHART, MEMORY_CHART, TIMELINE_CHART = "step_time", "memory", "timeline"
+REPORT_CHARTS = (STEP_TIME_CHART, MEMORY_CHART, TIMELINE_CHART)
+"""The charts a Markdown report writes beside it, as ``<name>.png`` (``tessera plan`` checks them before the search)."""
+
 
 # ------------------------------------------------------------------------------------ report content
 
@@ -149,7 +153,7 @@ def _breakdown(e: Estimate) -> Section:
     terms = step_terms(e)
     rows = tuple((name, seconds(value), f"{value / e.step_time_s:.1%}") for name, value in terms.items())
     rows += (("step time", seconds(e.step_time_s), "100.0%"),)
-    chart = Figure("step_time", "Step time by term (hidden communication counts only as contention)",
+    chart = Figure(STEP_TIME_CHART, "Step time by term (hidden communication counts only as contention)",
                    plots.breakdown_chart(terms, step_time_s=e.step_time_s))
     return Section("Step time breakdown", (Table(("term", "time", "share"), rows), chart))
 
@@ -165,7 +169,7 @@ def _memory(e: Estimate) -> Section:
     rows = tuple((c, *(gib(stage.get(c, 0)) for stage in stages)) for c in categories)
     rows += (("total", *(gib(sum(stage.values())) for stage in stages)),
              ("device limit", *(gib(e.memory_budget_bytes) for _ in stages)))
-    chart = Figure("memory", "Peak memory per pipeline stage by category; the dashed line is the device's memory",
+    chart = Figure(MEMORY_CHART, "Peak memory per pipeline stage by category; the dashed line is the device's memory",
                    plots.memory_chart(stages, budget_bytes=e.memory_budget_bytes))
     return Section("Memory per pipeline stage", (Table(header, rows), chart))
 
@@ -195,7 +199,7 @@ def _timeline(plan: Plan) -> Section:
     except plots.ScheduleDeadlock as exc:
         return Section("Pipeline timeline", (text, f"The timeline could not be simulated: {exc}."))
     title = f"{label}, {drawn} of {e.micro_batches} micro-batches"
-    chart = Figure("timeline", f"Pipeline timeline ({title})", plots.timeline_chart(ops, stages=len(stage_times), title=title))
+    chart = Figure(TIMELINE_CHART, f"Pipeline timeline ({title})", plots.timeline_chart(ops, stages=len(stage_times), title=title))
     return Section("Pipeline timeline", (text, chart))
 
 

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera.files import write_atomically
+from tessera.files import MARK, write_atomically
 
 GiB = 2**30
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
@@ -142,7 +142,7 @@ def _run_orders(
 
 def _png(figure) -> bytes:
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
+    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight", metadata={"Software": MARK})
     return buffer.getvalue()
 
 
@@ -274,7 +274,7 @@ class Section:
 
 def render_markdown(title: str, sections: Sequence[Section], *, figure_dir: Path | None = None) -> str:
     """Markdown; each figure is written to ``figure_dir/<name>.png`` and linked (left out without a folder)."""
-    lines = [f"# {title}", ""]
+    lines = [f"<!-- {MARK}: a run into this folder replaces it. -->", f"# {title}", ""]
     for section in sections:
         lines += [f"## {section.title}", ""]
         for block in section.blocks:
@@ -327,6 +327,7 @@ def render_html(title: str, sections: Sequence[Section]) -> str:
         body += [_html_block(block) for block in section.blocks]
         body.append("</section>")
     return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+            f"<meta name=\"generator\" content=\"{MARK}\">\n"
             f"<title>{html.escape(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
             + "\n".join(body) + "\n</body>\n</html>\n")
 

@@ -59,6 +59,13 @@ def resolve_model_and_inputs(spec: str) -> tuple[nn.Module, str, Any]:
     return build_model(spec, device="meta"), spec, None  # raises ModelSpecError listing the presets when unknown
 
 
+def names_a_model(spec: str) -> bool:
+    """Whether ``spec`` has the form of a model spec (a preset or family, ``hf:...``, a factory); a model object's
+    class name, which a plan records for it, has none of these."""
+    spec = spec.strip()
+    return spec.startswith("hf:") or bool(_FACTORY.match(spec)) or is_builtin_spec(spec)
+
+
 def runs_user_code(spec: str) -> bool:
     """Whether building ``spec`` imports and calls user code (a ``file.py:factory`` or ``module:factory``)."""
     spec = spec.strip()

@@ -67,9 +67,13 @@ def mesh_layout(strategy: Strategy, *, devices_per_node: int) -> list[str]:
 
 def _axis_placement(axis: str, degree: int, *, inner: int, per_node: int) -> str:
     span, unit = inner * degree, AXIS_UNITS[axis]
-    if span <= per_node:
+    if per_node % span == 0:
         return f"{axis}={degree} inside each node"
     nodes = -(-span // per_node)
+    if span % per_node:  # its groups do not tile nodes (Cluster.level_spanned)
+        return f"{axis}={degree} in groups that straddle node boundaries (priced across nodes)"
+    if per_node % inner and inner % per_node:  # an inner axis straddles: no whole count per node
+        return f"{axis}={degree} across {nodes} nodes"
     if inner >= per_node:
         per_unit = inner // per_node
         return f"{axis}={degree} across {nodes} nodes ({'one node' if per_unit == 1 else f'{per_unit} nodes'} per {unit})"

@@ -24,13 +24,17 @@ from tessera.planner.degrees import degree_alternatives
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Candidate, Plan, PlannedLayer, SolverStats
 from tessera.planner.refine import RUNTIME_BLOCK_OPTIONS, BlockOptions, RefineStats, refine
-from tessera.planner.space import check_layer_pins, check_pins, mesh_shapes, model_features, strategies
+from tessera.planner.space import (
+    check_expert_pins, check_layer_pins, check_pins, mesh_shapes, model_features, strategies,
+)
 from tessera.topology.cluster import Cluster
 from tessera.topology.validation import quoted
 
 GiB = 2**30
 RUNNERS_UP = 5
-RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}  # time order: recomputing more never runs faster
+RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2, "offload": 3}
+"""Time order: recomputing more never runs faster. Uniform ``offload`` comes only pinned (the space offers it per
+block), so its place only keeps a pinned search from failing on it."""
 GATHERED_COPY_BYTES = 2  # ZeRO-1/2's gathered parameters at the narrowest compute dtype (``memory.parameter_bytes``)
 Progress = Callable[[int, int], None]
 
@@ -74,6 +78,7 @@ def rank_candidates(
     pins = dict(pins or {})
     check_pins(pins, cluster, unavailable=graph.unavailable_axes, exclusive=profile.refused_together)
     layers = list(graph.layers)
+    check_expert_pins(pins, {layer.experts for layer in layers if layer.experts})
     check_layer_pins(pins, layers)
     params = _dense_and_expert_params(layers)
     no_fit_at: dict[tuple, int] = {}
@@ -135,6 +140,8 @@ def rank_candidates(
         raise ConfigError(
             f"no strategy matches {quoted(pins) if pins else 'the request'} on {cluster.name} with global batch "
             f"{training.global_batch}: dp must divide the batch, tp the heads, pp the blocks"
+            + ("; PyTorch's interleaved and zero-bubble schedules run a multiple of max(1, micro-batches // pp) "
+               "micro-batches" if pins.get("schedule") in ("interleaved", "zero-bubble") else "")
         )
     return scored
 

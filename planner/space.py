@@ -214,11 +214,39 @@ def runtime_refusal(
     features = strategy_features(strategy)
     if (pair := runtime_conflict(features, exclusive)) is not None:
         return f"it refuses {pair[0]} with {pair[1]}"
+    if exclusive == RUNTIME_EXCLUSIVE and (why := schedule_refusal(strategy, training)) is not None:
+        return why
     if folding_refusal(strategy) is not None:
         return "it cannot fold these experts"
     if (key := model_refusal(model_features(strategy, training, features=features), unavailable)) is not None:
         return f"{key} is unavailable for the model"
     return None
+
+
+def schedule_refusal(strategy: Strategy, training: TrainingConfig) -> str | None:
+    """Why PyTorch's multi-chunk schedules (interleaved 1F1B and zero-bubble, which Tessera's runtime runs) would
+    refuse the step's micro-batch count, or None: they run ``m`` micro-batches in ``max(1, m // pp)`` rounds and
+    only a multiple of the rounds (``torch.distributed.pipelining.schedules``); 13 on pp=4 is refused."""
+    if strategy.pp == 1 or strategy.schedule not in ("interleaved", "zero-bubble"):
+        return None
+    micro_batches = training.global_batch // (strategy.dp * strategy.micro_batch) // strategy.pipeline_passes
+    rounds = max(1, micro_batches // strategy.pp)
+    if micro_batches % rounds == 0:
+        return None
+    return (f"its {strategy.schedule} schedule runs {micro_batches} micro-batches a step only as a multiple of its "
+            f"{rounds} rounds")
+
+
+def check_expert_pins(pins: Mapping[str, object], experts: set[int]) -> None:
+    """Raise one line when pinned expert parallelism cannot apply: the model has no routed experts, or ``ep`` does
+    not divide a MoE layer's experts."""
+    ep, etp = int(pins.get("ep", 1)), pins.get("etp")
+    if (ep > 1 or etp is not None) and not experts:
+        raise ConfigError(f"{'ep' if ep > 1 else 'etp'} splits routed experts, and this model has no mixture-of-experts "
+                          "layer; leave ep and etp out")
+    if ep > 1 and any(count % ep for count in experts):
+        raise ConfigError(f"ep={ep} must divide the experts of every MoE layer ({', '.join(map(str, sorted(experts)))}); "
+                          "pin a divisor of them")
 
 
 def _sequence_parallel_runs(

@@ -275,16 +275,21 @@ def _convert_to_float8(model: nn.Module, plan: Plan) -> None:
                     ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else ""))
 
 
+def check_precision(precision: str | None) -> None:
+    """Refuse a precision the runtime does not train in (``auto_parallelize`` asks before it plans)."""
+    if precision == "fp16":
+        raise NotModelledError(
+            "precision fp16 needs dynamic loss scaling (a GradScaler whose overflow check agrees across "
+            "sharded ranks), which the runtime does not implement yet; plan with bf16 or fp32"
+        )
+
+
 def check_supported(plan: Plan) -> None:
     """Raise ``NotModelledError``/``ConfigError`` naming the problem if the runtime cannot run ``plan``."""
     check_expert_folding(plan.strategy)
     if plan.training.precision == "fp8":
         check_float8(plan.training.fp8_scaling)
-    if plan.training.precision == "fp16":
-        raise NotModelledError(
-            "precision fp16 needs dynamic loss scaling (a GradScaler whose overflow check agrees across "
-            "sharded ranks), which the runtime does not implement yet; plan with bf16 or fp32"
-        )
+    check_precision(plan.training.precision)
     if plan.strategy.schedule == "zero-bubble" and plan.strategy.pp > 1 and any(
         layer.recompute in ("selective", "full") for layer in plan.layers
     ):

@@ -402,7 +402,7 @@ def export_model_state_dict(
     works on the unsharded model. Runs in one process (reads every shard); needs no process group. An existing
     ``out`` is replaced only with ``overwrite=True``; the file appears whole or not at all.
     """
-    out = check_writable_file(out, what="export file")
+    out = check_writable_file(out, what="export file", replace_any=True)  # whose file it is: asked just below
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out} already exists; choose another file name or pass overwrite=True "
                               "(tessera export --overwrite) to replace it")
@@ -410,7 +410,7 @@ def export_model_state_dict(
     metadata = load_metadata(folder)
     weights = _empty_weights(folder, metadata)
     read_state({"model": weights}, folder, None)
-    return write_atomically(out, lambda path: torch.save(weights, path), what="export file")
+    return write_atomically(out, lambda path: torch.save(weights, path), what="export file", replace_any=True)
 
 
 def _empty_weights(folder: Path, metadata: Any) -> dict[str, torch.Tensor]:

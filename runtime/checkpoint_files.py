@@ -60,9 +60,11 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch.distributed as dist
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel, Field, StrictInt, ValidationError, field_validator
 
-from tessera.errors import CheckpointError
+from tessera.cost_models.types import Strategy
+from tessera.errors import CheckpointError, ConfigError
+from tessera.topology.validation import MAX_DEVICES
 from tessera.runtime.file_records import FROZEN, FileRecord, file_record, matches, sha256_text
 from tessera.runtime.rank_agreement import all_gather, broadcast, rank, together, world
 
@@ -87,11 +89,11 @@ class Manifest(BaseModel):
 
     model_config = FROZEN
 
-    format_version: int = FORMAT_VERSION
+    format_version: StrictInt = FORMAT_VERSION
     """Version of this layout."""
-    step: int
+    step: StrictInt = Field(ge=0)
     """Optimizer steps taken when the checkpoint was saved."""
-    world_size: int
+    world_size: StrictInt = Field(ge=1, le=MAX_DEVICES)
     """Ranks that wrote it."""
     strategy: str
     """The plan's strategy string (the whole plan is in ``plan.json``)."""
@@ -99,6 +101,15 @@ class Manifest(BaseModel):
     """When it was committed."""
     files: dict[str, FileRecord]
     """Every other file in the folder (relative POSIX path), with its size and hash."""
+
+    @field_validator("strategy")
+    @classmethod
+    def _a_strategy(cls, strategy: str) -> str:
+        try:  # a received checkpoint's text, shown to users and compared: it must parse
+            Strategy.parse(strategy)
+        except ConfigError as error:
+            raise ValueError(str(error)) from None
+        return strategy
 
     @field_validator("files")
     @classmethod
@@ -331,13 +342,25 @@ def manifest_problem(folder: Path) -> str | None:
                 "written and is never loaded")
     try:
         text = (folder / MANIFEST).read_text()
-        Manifest.model_validate_json(text)
+        manifest = Manifest.model_validate_json(text)
         marker = (folder / MARKER).read_text().strip()
     except (OSError, ValueError) as error:
-        return f"checkpoint {folder} is corrupt: its {MANIFEST} is unreadable ({type(error).__name__})"
+        return f"checkpoint {folder} is corrupt: its {MANIFEST} is unreadable ({_first_line(error)})"
     if marker != sha256_text(text):
         return f"checkpoint {folder} is corrupt: {MANIFEST} does not match the hash in its {MARKER} marker"
+    named = step_of(Path(folder.name.lstrip(".")))
+    if named is not None and named != manifest.step:
+        return f"checkpoint {folder} is corrupt: its {MANIFEST} says step {manifest.step}, its folder name step {named}"
     return None
+
+
+def _first_line(error: BaseException) -> str:
+    """``ValidationError: step: Input should be greater than or equal to 0`` for a refused manifest."""
+    if isinstance(error, ValidationError):
+        problem = error.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"])
+        return f"{where}: {problem['msg'][:200]}"
+    return type(error).__name__
 
 
 def _file_problem(folder: Path, name: str, record: FileRecord, *, verify: bool) -> str | None:

@@ -63,6 +63,7 @@ from tessera.cost_models.tp_rules import (
     LinearSplit,
     block_splits,
     check_plan,
+    check_plan_matches,
     declared_tp_plan,
     derive_pairs,
     head_dim_of,
@@ -175,6 +176,7 @@ def resolve_tp_plan(model: nn.Module, tp_plan: TpPlan | None) -> dict[str, str]:
     """The user's ``tp_plan`` (its styles checked), else the plan the model declares (``{}`` if none)."""
     if tp_plan is not None:
         check_plan(tp_plan)
+        check_plan_matches(tp_plan, model)
         return dict(tp_plan)
     return declared_tp_plan(model)
 

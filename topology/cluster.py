@@ -295,10 +295,13 @@ class Cluster(BaseModel):
         return min(self.levels[0].group_size, self.num_devices)
 
     def level_spanned(self, group_size: int, *, stride: int = 1) -> LinkLevel:
-        """The outermost level a group of ``group_size`` ranks, ``stride`` apart, must cross."""
-        span = (group_size - 1) * stride + 1
+        """The outermost level a group of ``group_size`` ranks, ``stride`` apart, must cross. The mesh's groups
+        tile blocks of ``group_size * stride`` ranks, so they stay inside a level's groups only where those are a
+        whole number of blocks: groups of 2 on nodes of 3 (ranks 2 and 3) straddle two nodes."""
+        span, block = (group_size - 1) * stride + 1, group_size * stride
         for level in self.levels:
-            if span <= level.group_size:
+            size = min(level.group_size, self.num_devices)
+            if span <= size and (group_size == 1 or size % block == 0 or level is self.levels[-1]):
                 return level
         raise ClusterSpecError(
             f"a group spanning {span} devices does not fit cluster {self.name} of {self.num_devices}"

@@ -87,6 +87,10 @@ def cluster_from_raw(raw: Any, *, name: str, size: int) -> Cluster:
     )
     device_spec = _device(raw["device"], world=world, where=f"cluster {name}: field 'device'")
     extra = _extra_devices(raw.get("extra_devices") or [], name=name)
+    if levels[0].group_size != min(per_node, world):  # Cluster.devices_per_node is the innermost level's size
+        raise ClusterSpecError(f"cluster {name}: the innermost level {quoted(levels[0].name)} groups "
+                               f"{levels[0].group_size} devices but devices_per_node is {per_node}; Tessera takes a "
+                               "node to be the innermost link level: give it group_size: node")
     try:
         return Cluster(name=name, device=device_spec, num_devices=world, levels=levels, extra_devices=extra)
     except ValidationError as exc:

@@ -480,3 +480,47 @@ def test_a_moe_estimate_on_a_gpu_says_the_hosts_time_is_not_priced():
     cpu = estimate(MOE, load_cluster("cpu:ranks=2"), TrainingConfig(global_batch=4, seq_len=64),
                    Strategy.parse("dp=2,ep=2,zero=1,mbs=1"), calibration=FLAT, profile=TESSERA)
     assert not any(note.startswith("mixture of experts") for note in cpu.notes)
+
+
+def test_pytorchs_multi_chunk_schedules_get_only_micro_batch_counts_they_run():
+    """torch's interleaved and zero-bubble schedules run ``m`` micro-batches in ``max(1, m // pp)`` rounds, and
+    only a multiple of them: 13 on pp=2 (6 rounds) is refused, so the space of Tessera's runtime leaves it out,
+    and a run another framework made keeps it."""
+    from tessera.planner.space import schedule_refusal, strategies
+
+    thirteen = TrainingConfig(global_batch=13, seq_len=2048)
+    interleaved = Strategy.parse("dp=1,pp=2,mbs=1,schedule=interleaved:2")
+    assert schedule_refusal(interleaved, thirteen) == "its interleaved schedule runs 13 micro-batches a step only as a multiple of its 6 rounds"
+    assert schedule_refusal(interleaved, TrainingConfig(global_batch=12, seq_len=2048)) is None
+    assert schedule_refusal(Strategy.parse("dp=1,pp=2,mbs=1,schedule=1f1b"), thirteen) is None
+    dense = [dense_block(i) for i in range(4)]
+    pins = {"dp": 1, "pp": 2, "micro_batch": 1, "schedule": "interleaved", "virtual_stages": 2}
+    assert not list(strategies(dense, cluster(1), thirteen, pins))
+    assert list(strategies(dense, cluster(1), thirteen, pins, exclusive=()))
+
+
+def test_pinned_expert_parallelism_says_why_it_cannot_apply():
+    from tessera.planner.space import check_expert_pins
+
+    with pytest.raises(ConfigError, match="ep=3 must divide the experts of every MoE layer \\(8\\)"):
+        check_expert_pins({"ep": 3}, {8})
+    with pytest.raises(ConfigError, match="this model has no mixture-of-experts layer"):
+        check_expert_pins({"ep": 2}, set())
+    with pytest.raises(ConfigError, match="etp splits routed experts"):
+        check_expert_pins({"etp": 1}, set())
+    check_expert_pins({"ep": 4}, {8})
+
+
+def test_groups_that_do_not_tile_nodes_are_priced_across_them():
+    """Groups of 2 on nodes of 3 (ranks 2 and 3) straddle two nodes; groups of 2 or 4 on nodes of 8 do not, nor
+    does one node-sized group."""
+    three = load_cluster("dgx-a100:nodes=2,gpus_per_node=3")
+    assert three.level_spanned(2).name == three.levels[1].name
+    assert three.level_spanned(3).name == three.levels[0].name
+    eight = load_cluster("dgx-h100:nodes=4")
+    assert eight.level_spanned(2, stride=4).name == eight.level_spanned(8).name == "nvlink"
+    assert eight.level_spanned(2, stride=8).name == "infiniband"
+    from tessera.planner.plan_facts import mesh_layout
+
+    assert mesh_layout(Strategy.parse("dp=3,pp=2"), devices_per_node=3) == [
+        "pp=2 in groups that straddle node boundaries (priced across nodes)", "dp=3 across 2 nodes"]

@@ -8,6 +8,8 @@ literally, ``--debug`` on either side of the verb, output paths checked before t
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import io
 import sys
 from pathlib import Path
@@ -231,3 +233,39 @@ def test_report_folder_keeps_the_users_files(tmp_path, capsys):
     assert {"report.md", "plan.json"} <= {p.name for p in out.iterdir()} and (tmp_path / "p.json").exists()
     assert not [p for p in (*out.iterdir(), *tmp_path.iterdir()) if p.name.startswith(".")], "no staging left behind"
     assert "](" in (out / "report.md").read_text(), "the charts are linked beside the report"
+
+
+@pytest.mark.parametrize("name", ["report.md", "plan.json", "step_time.png"])
+def test_a_report_replaces_its_own_files_and_refuses_the_users(tmp_path, capsys, name):
+    """A second run into a report folder replaces what the first wrote; a file of the user's with one of those
+    names is refused before the search, and left as it was."""
+    out = tmp_path / "rep"
+    argv = ["plan", *corpus.BASE, "--format", "md", "--out", str(out)]
+    assert run(argv, capsys)[0] == 0
+    assert run(argv, capsys)[0] == 0  # its own files, replaced
+    assert oct((out / "report.md").stat().st_mode & 0o044) == oct(0o044 & ~current_umask()), "readable as a new file"
+    (out / name).write_text("mine")
+    code, _, err = run(argv, capsys)
+    assert code == 2 and f"{name} already exists and Tessera did not write it" in error_line(err)
+    assert (out / name).read_text() == "mine"
+
+
+def test_plan_json_and_a_cluster_file_are_not_written_over_a_users_file(tmp_path, capsys):
+    (tmp_path / "p.json").write_text('{"mine": 1}')
+    code, _, err = run(["plan", *corpus.BASE, "--json", str(tmp_path / "p.json")], capsys)
+    assert code == 2 and "Tessera did not write it" in error_line(err)
+    (tmp_path / "c.yaml").write_text("mine: 1\n")
+    code, _, err = run(["profile", "--quick", "--out", str(tmp_path / "c.yaml")], capsys)
+    assert code == 2 and "Tessera did not write it" in error_line(err)
+    assert (tmp_path / "p.json").read_text() == '{"mine": 1}' and (tmp_path / "c.yaml").read_text() == "mine: 1\n"
+
+
+def test_machine_readable_output_stays_parseable_with_json(tmp_path, capsys):
+    code, out, err = run(["plan", *corpus.BASE, "--format", "json", "--json", str(tmp_path / "p.json")], capsys)
+    assert code == 0 and json.loads(out)["strategy"] and "plan written to" in err
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -240,3 +240,16 @@ def assert_close(a, b):
         assert a == pytest.approx(b, rel=1e-5)
     else:
         assert a == b
+
+
+def test_a_cluster_file_whose_innermost_level_is_not_its_node_is_refused(tmp_path):
+    """Tessera takes a node to be the innermost link level (``Cluster.devices_per_node``, what launch lines use):
+    a file giving 8 devices a node but an innermost level of 3 or 16 would launch on the wrong node count."""
+    for inner in (3, 16):
+        path = tmp_path / f"c{inner}.yaml"
+        path.write_text("device: H100-SXM-80GB\ndevices_per_node: 8\nsize_key: nodes\nsize: 2\nlevels:\n"
+                        f"  - {{name: nvlink, group_size: {inner}, bandwidth_gb_per_s: 450, latency_us: 3}}\n"
+                        "  - {name: ib, group_size: world, bandwidth_gb_per_s: 50, latency_us: 5}\n")
+        with pytest.raises(ClusterSpecError, match=f"innermost level 'nvlink' groups {inner} devices but "
+                                                   "devices_per_node is 8.*give it group_size: node"):
+            load_cluster(str(path))

@@ -1,0 +1,118 @@
+"""Careless input to the Python API, found by trying it as a new user would (2026-12-07): each case once planned
+something the runtime then refused, accepted nonsense or failed deep inside torch. In-process, on meta models;
+nothing spawns (the refusals come before any process group)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+
+import tessera
+from tessera.errors import CheckpointError, ConfigError, ModelSpecError, NotModelledError
+from tessera.runtime.checkpoint_files import MANIFEST, MARKER, read_manifest
+from tessera.runtime.file_records import sha256_text
+
+transformers = pytest.importorskip("transformers")
+
+
+def llama(**fields) -> torch.nn.Module:
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, **fields)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def test_a_pinned_tp_must_divide_the_key_value_heads_too():
+    """The runtime splits key/value heads by tp; a plan that does not would be refused after planning."""
+    with pytest.raises(ConfigError, match=r"tp=4 does not divide the attention heads \(query and key/value\) \[2, 4\]"):
+        tessera.plan(llama(), "cpu:ranks=4", global_batch=8, seq_len=16, strategy="tp=4")
+
+
+def test_a_learned_position_table_bounds_the_sequence_a_rotary_model_does_not():
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64)
+    with torch.device("meta"):
+        gpt2 = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(ModelSpecError, match="learned position table transformer.wpe covers 64 positions .* seq_len=128"):
+        tessera.plan(gpt2, "cpu:ranks=2", global_batch=8, seq_len=128)
+    assert tessera.plan(llama(), "cpu:ranks=2", global_batch=8, seq_len=128).training.seq_len == 128  # RoPE
+
+
+def test_a_tp_plan_entry_matching_no_module_is_named():
+    with pytest.raises(ConfigError, match="tp_plan entries 'nothing.\\*' match no module of the model"):
+        tessera.plan(llama(), "cpu:ranks=2", global_batch=8, seq_len=16, strategy="tp=2", tp_plan={"nothing.*": "colwise"})
+
+
+def test_uniform_offload_pinned_is_planned():
+    plan = tessera.plan(llama(), "cpu:ranks=2", global_batch=8, seq_len=16, strategy="recompute=offload")
+    assert plan.strategy.recompute == "offload"
+
+
+def test_auto_parallelize_refuses_fp16_before_it_plans(monkeypatch):
+    monkeypatch.setattr(tessera.api, "plan", lambda *a, **k: pytest.fail("planned before refusing fp16"))
+    with pytest.raises(NotModelledError, match="precision fp16 needs dynamic loss scaling"):
+        tessera.auto_parallelize(llama(), "cpu:ranks=1", global_batch=8, seq_len=16, precision="fp16")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"model": None}, "model must be an nn.Module or a spec"),
+    ({"global_batch": True}, "field 'global_batch': Value error, must be a whole number, not a bool"),
+    ({"strategy": 7}, "strategy must be a Strategy, a string such as 'tp=8,pp=4' or a dict of its fields, got int"),
+])
+def test_values_of_the_wrong_kind_are_one_line(kwargs, message):
+    arguments = {"model": "llama-tiny", "cluster": "cpu:ranks=2", "global_batch": 8, "seq_len": 16, **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        tessera.plan(**arguments)
+
+
+def test_a_strategy_may_be_a_dict_of_its_fields():
+    assert tessera.plan("llama-tiny", "cpu:ranks=2", global_batch=8, seq_len=16, strategy={"dp": 2, "mbs": 2}
+                        ).strategy.micro_batch == 2
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    pm = tessera.auto_parallelize("llama-tiny", "cpu:ranks=1", global_batch=2, seq_len=16)
+    return pm, pm.save(root).wait()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"step": -5}, "step: Input should be greater than or equal to 0"),
+    ({"step": "0"}, "step: Input should be a valid integer"),
+    ({"strategy": "<b>x</b>"}, "strategy: Value error, bad strategy item"),
+    ({"step": 3}, "its manifest.json says step 3, its folder name step 0"),
+])
+def test_a_hand_edited_manifest_is_refused_even_when_resealed(saved, tmp_path, change, message):
+    """A sender can recompute the marker's hash; the manifest's values are still checked, and must agree with
+    the folder's name."""
+    pm, folder = saved
+    copy = tmp_path / folder.name
+    shutil.copytree(folder, copy)
+    manifest = json.loads((copy / MANIFEST).read_text()) | change
+    text = json.dumps(manifest, indent=2)
+    (copy / MANIFEST).write_text(text)
+    (copy / MARKER).write_text(sha256_text(text))
+    with pytest.raises(CheckpointError, match=message):
+        pm.load(copy)
+    assert read_manifest(folder).step == 0  # the original is untouched
+
+
+def test_resuming_a_model_objects_checkpoint_asks_for_the_model(saved, tmp_path):
+    pm, folder = saved
+    copy = tmp_path / "module" / folder.name
+    shutil.copytree(folder, copy)
+    plan = json.loads((copy / "plan.json").read_text()) | {"model_name": "LlamaForCausalLM"}
+    (copy / "plan.json").write_text(json.dumps(plan))
+    manifest = json.loads((copy / MANIFEST).read_text())  # resealed, as a nn.Module run's own save would be
+    data = (copy / "plan.json").read_bytes()
+    manifest["files"]["plan.json"].update(size_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    text = json.dumps(manifest, indent=2)
+    (copy / MANIFEST).write_text(text)
+    (copy / MARKER).write_text(sha256_text(text))
+    with pytest.raises(CheckpointError, match=r"saved from a model object \(LlamaForCausalLM\).*model=your_model"):
+        tessera.resume(copy, "cpu:ranks=1")
