@@ -84,6 +84,7 @@ def evaluate(
     fp8_scaling: Fp8Scaling | None = None,
     runs_on: str = "tessera",
     mtp_layers: int = 0,
+    blocks: int | None = None,
 ) -> Evaluation:
     """Predict ``strategy`` (fields left out are filled with the planner's best choice under the given ones).
 
@@ -93,6 +94,7 @@ def evaluate(
     recomputation and forward-only async TP, ``deepspeed``'s ZeRO-3 gathers, ``megatron``'s attention kernels...);
     Tessera's runtime by default. ``mtp_layers``: multi-token-prediction modules the framework trains after the
     blocks (DeepSeek-V3's one; ``planner.layer_graph.with_mtp_modules``); Tessera's runtime trains none.
+    ``blocks``: the block count a framework's configuration states (``--num-layers``), refused if the model's differs.
     """
     from tessera.cost_models.profiles import TESSERA, profile
     from tessera.planner.layer_graph import with_mtp_modules
@@ -105,10 +107,15 @@ def evaluate(
                                "price a framework that does with runs_on (e.g. 'megatron')")
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                                          expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling)
+    counted = sum(layer.kind == "block" for layer in graph.layers)
+    if blocks is not None and blocks != counted:
+        raise ConfigError(f"the configuration states {blocks} layers but model {graph.model_name} has {counted} blocks; "
+                          "make them agree (another model, or fix the configuration's layer count)")
     graph = with_mtp_modules(graph, mtp_layers)
-    from tessera.planner.search import best_candidate, rank_candidates
+    from tessera.planner.search import fitting_or_leanest, rank_candidates
 
-    chosen, estimate = best_candidate(rank_candidates(graph, resolved, training, pins=_pins(strategy), profile=framework))
+    chosen, estimate = fitting_or_leanest(rank_candidates(graph, resolved, training, pins=_pins(strategy),
+                                                         profile=framework))
     band = prediction_band(chosen, training.precision, device_name=resolved.device.name,
                            block_kinds=(layer.block_kind for layer in graph.layers))
     return Evaluation(chosen, estimate, band)

@@ -264,7 +264,8 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
         raise NotModelledError(f"{mtp_layers} multi-token-prediction modules: Tessera's runtime trains none; price a "
                                "framework that does with --runs-on (e.g. --runs-on megatron)")
     with console.status(f"capturing {escape(args.model)} and estimating..."):
-        evaluation = tessera.evaluate(**workload, strategy=requested, runs_on=runs_on, mtp_layers=mtp_layers)
+        evaluation = tessera.evaluate(**workload, strategy=requested, runs_on=runs_on, mtp_layers=mtp_layers,
+                                      blocks=imported[0].layers if imported else None)
     (strategy, estimate), band = evaluation, evaluation.band
     from tessera.report import estimate_json, print_estimate  # imports the search and charts: once there is a result
     if args.format == "json":
@@ -295,6 +296,13 @@ def _print_reliability(plan, args: argparse.Namespace, console: Console) -> None
         step_time_s=step_s, mtbf_s=args.mtbf_hours * 3600, write_bytes_per_s_per_device=bandwidth,
         asynchronous=args.async_checkpoint, disk_interval_s=args.checkpoint_every * step_s if args.checkpoint_every else None,
         relaunch_s=(args.restart_minutes or 0.0) * 60, host_rate=r.host_snapshot_rate(cluster.device))
+    if disk_only.waste_fraction >= 1:
+        from tessera.errors import ConfigError
+
+        raise ConfigError(
+            f"at --mtbf-hours {args.mtbf_hours:g} the job fails every {args.mtbf_hours * 3600:,.0f} s on average, while "
+            f"a step takes {step_s:,.1f} s and a checkpoint {disk_only.blocking_s:,.1f} s besides the restart: it would "
+            "make no progress; --mtbf-hours is the whole job's mean time between failures")
     console.print(disk_only.summary(step_time_s=step_s), highlight=False, soft_wrap=True)
     console.print(with_snapshots.summary(), highlight=False, soft_wrap=True)
 

@@ -464,3 +464,17 @@ def runtime_conflict(
 ) -> tuple[str, str] | None:
     """The first pair of ``features`` the runtime refuses together (``exclusive``: Tessera's by default), or None."""
     return next((pair for pair in exclusive if pair[0] in features and pair[1] in features), None)
+
+
+def schedule_refusal(strategy: Strategy, training: TrainingConfig) -> str | None:
+    """Why PyTorch's multi-chunk schedules (interleaved 1F1B and zero-bubble, which Tessera's runtime runs) would
+    refuse the step's micro-batch count, or None: they run ``m`` micro-batches in ``max(1, m // pp)`` rounds and
+    only a multiple of the rounds (``torch.distributed.pipelining.schedules``); 13 on pp=4 is refused."""
+    if strategy.pp == 1 or strategy.schedule not in ("interleaved", "zero-bubble"):
+        return None
+    micro_batches = training.global_batch // (strategy.dp * strategy.micro_batch) // strategy.pipeline_passes
+    rounds = max(1, micro_batches // strategy.pp)
+    if micro_batches % rounds == 0:
+        return None
+    return (f"its {strategy.schedule} schedule runs {micro_batches} micro-batches a step only as a multiple of its "
+            f"{rounds} rounds")

@@ -16,7 +16,7 @@ from tessera.errors import ConfigError, TesseraError
 from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Plan
 from tessera.planner.plan_facts import GiB, gib, step_terms
-from tessera.planner.search import best_candidate, rank_candidates
+from tessera.planner.search import fitting_or_leanest, rank_candidates
 from tessera.planner.space import check_layer_pins
 from tessera.topology.cluster import Cluster
 
@@ -147,9 +147,7 @@ def evaluate_baseline(
         return baseline_error(requested, str(exc))
     try:
         scored = rank_candidates(graph, cluster, training, pins=pins, profile=runs_on)
-        strategy, estimate = best_candidate(scored)
-        if not estimate.fits:
-            strategy, estimate = min(scored, key=lambda pair: pair[1].peak_memory_bytes)
+        strategy, estimate = fitting_or_leanest(scored)
     except ConfigError:
         try:
             strategy, estimate = leanest_completion(graph.layers, cluster, training, pins, profile=runs_on)
@@ -220,6 +218,9 @@ def build_comparison(plan: Plan, baselines: Sequence[BaselineComparison]) -> Com
 
 
 def why_it_lost(candidate: Estimate, best: Estimate, verdict: str, *, values: bool = True) -> str:
-    """A runner-up's verdict with the step-time term that differs most from the chosen plan."""
-    change = compare_to_baseline(best, requested="", strategy=Strategy(), estimate=candidate).term_changes[0]
+    """A runner-up's verdict with the step-time term that differs most from the chosen plan: of a slower runner-up,
+    the term that grew most (one that shrank is not why it lost)."""
+    changes = compare_to_baseline(best, requested="", strategy=Strategy(), estimate=candidate).term_changes
+    slower = candidate.step_time_s > best.step_time_s
+    change = next((c for c in changes if c.delta_s > 0), changes[0]) if slower else changes[0]
     return f"{verdict}; most: {describe_change(change, values=values)}"

@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tessera.cost_models.error_bands import ErrorBand, prediction_band
 from tessera.cost_models.profiles import TESSERA
-from tessera.cost_models.types import BlockKind, Estimate, LayerKind, Recompute, Strategy, TrainingConfig
+from tessera.cost_models.types import (
+    BlockKind, Estimate, LayerKind, Recompute, Strategy, TrainingConfig, schedule_refusal,
+)
 from tessera.errors import ConfigError
 from tessera.files import write_text_atomically
 from tessera.topology.validation import first_problem, quoted, short
@@ -195,7 +197,9 @@ class Plan(BaseModel):
 
     def not_on_the_runtime(self) -> str | None:
         """Why Tessera's runtime will not launch this plan (its strategy's cost-model-only items,
-        ``Strategy.cost_model_only``), or None."""
+        ``Strategy.cost_model_only``, or a micro-batch count its pipeline schedule refuses), or None."""
+        if (refused := schedule_refusal(self.strategy, self.training)) is not None:
+            return f"a pipeline schedule PyTorch refuses: {refused}; pick a global batch or micro-batch that fits it"
         if not self.strategy.cost_model_only:
             return None
         return (f"{', '.join(self.strategy.cost_model_only)}: cost-model options for evaluating another framework's "

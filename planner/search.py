@@ -28,6 +28,7 @@ from tessera.planner.space import (
     check_expert_pins, check_layer_pins, check_pins, mesh_shapes, model_features, strategies,
 )
 from tessera.topology.cluster import Cluster
+from tessera.topology.hardware import LOCAL_CPU
 from tessera.topology.validation import quoted
 
 GiB = 2**30
@@ -210,6 +211,13 @@ def best_candidate(scored: list[tuple[Strategy, Estimate]]) -> tuple[Strategy, E
     return next((pair for pair in scored if pair[1].fits), scored[0])
 
 
+def fitting_or_leanest(scored: list[tuple[Strategy, Estimate]]) -> tuple[Strategy, Estimate]:
+    """The fastest candidate that fits, or the leanest when none fits: how far a pinned strategy is over the
+    device at best (``tessera evaluate`` and ``tessera compare`` fill a partial strategy so)."""
+    best = best_candidate(scored)
+    return best if best[1].fits else min(scored, key=lambda pair: pair[1].peak_memory_bytes)
+
+
 def search(
     graph: LayerGraph, cluster: Cluster, training: TrainingConfig, *, pins: Mapping[str, object] | None = None,
     top: int = RUNNERS_UP, progress: Progress | None = None, block_options: BlockOptions = RUNTIME_BLOCK_OPTIONS,
@@ -358,17 +366,29 @@ def diagnose_infeasible(scored: list[tuple[Strategy, Estimate]], cluster: Cluste
     need, have = leanest.peak_memory_bytes / GiB, leanest.memory_budget_bytes / GiB
     biggest = max(leanest.memory_by_category_bytes.items(), key=lambda item: item[1])
     return (
-        f"no strategy fits in {have:.1f} GiB per device on {cluster.name}: the leanest ({strategy.to_string()}) "
-        f"needs {need:.1f} GiB per device, {need - have:.1f} GiB over; its largest share is {biggest[0]} "
-        f"({biggest[1] / GiB:.1f} GiB). {_knob(strategy, leanest, cluster)}"
+        f"no strategy fits in {_gib(have * GiB)} GiB per device on {cluster.name}: the leanest "
+        f"({strategy.to_string()}) needs {_gib(need * GiB)} GiB per device, {_gib((need - have) * GiB)} GiB over; its "
+        f"largest share is {biggest[0]} ({_gib(biggest[1])} GiB). {_knob(strategy, leanest, cluster)}"
     )
+
+
+def _gib(nbytes: float) -> str:
+    """``1,051.3`` or ``0.0058``: GiB to a tenth, and a tiny amount (a rank of a many-rank CPU run) to 2 digits."""
+    value = nbytes / GiB
+    return f"{value:,.1f}" if value >= 0.1 else f"{value:.2g}"
 
 
 def _knob(strategy: Strategy, leanest: Estimate, cluster: Cluster) -> str:
     """The change most likely to make the leanest strategy fit."""
     state = sum(leanest.memory_by_category_bytes[k] for k in ("parameters", "gradients", "optimizer"))
     if state >= leanest.memory_budget_bytes * 0.8:
+        needs = f"Model state alone needs {_gib(state)} GiB per device"
+        if strategy.zero < 3 and strategy.dp * strategy.cp > 1:  # a pin kept it from sharding (the space has ZeRO-3)
+            return f"{needs} under zero={strategy.zero}: let ZeRO-3 shard it (zero=3, or leave zero out), or split the model with tp or pp."
+        if cluster.device.name == LOCAL_CPU:  # more ranks only split this machine's memory further
+            return (f"{needs}, and this machine's memory gives each of its {cluster.num_devices} ranks "
+                    f"{_gib(leanest.memory_budget_bytes)} GiB: plan a smaller model, or use a machine with more memory.")
         factor = state / (leanest.memory_budget_bytes * 0.6)
         nodes = -(-cluster.num_nodes * factor // 1)
-        return f"Model state alone needs {state / GiB:.1f} GiB: use about {int(nodes)} nodes ({factor:.1f}x the devices) so sharding divides it further."
+        return f"{needs}: use about {int(nodes)} nodes ({factor:.1f}x the devices) so sharding divides it further."
     return "Activations dominate: shorten the sequence, lower the global batch per device, or add devices."

@@ -45,7 +45,7 @@ from types import MappingProxyType
 from tessera.cost_models import Strategy, TrainingConfig
 from tessera.cost_models.folding import folding_refusal
 from tessera.cost_models.layer_stats import LayerStats
-from tessera.cost_models.types import RUNTIME_EXCLUSIVE, runtime_conflict, strategy_features
+from tessera.cost_models.types import RUNTIME_EXCLUSIVE, runtime_conflict, schedule_refusal, strategy_features
 from tessera.errors import ConfigError
 from tessera.topology.cluster import Cluster
 
@@ -221,20 +221,6 @@ def runtime_refusal(
     if (key := model_refusal(model_features(strategy, training, features=features), unavailable)) is not None:
         return f"{key} is unavailable for the model"
     return None
-
-
-def schedule_refusal(strategy: Strategy, training: TrainingConfig) -> str | None:
-    """Why PyTorch's multi-chunk schedules (interleaved 1F1B and zero-bubble, which Tessera's runtime runs) would
-    refuse the step's micro-batch count, or None: they run ``m`` micro-batches in ``max(1, m // pp)`` rounds and
-    only a multiple of the rounds (``torch.distributed.pipelining.schedules``); 13 on pp=4 is refused."""
-    if strategy.pp == 1 or strategy.schedule not in ("interleaved", "zero-bubble"):
-        return None
-    micro_batches = training.global_batch // (strategy.dp * strategy.micro_batch) // strategy.pipeline_passes
-    rounds = max(1, micro_batches // strategy.pp)
-    if micro_batches % rounds == 0:
-        return None
-    return (f"its {strategy.schedule} schedule runs {micro_batches} micro-batches a step only as a multiple of its "
-            f"{rounds} rounds")
 
 
 def check_expert_pins(pins: Mapping[str, object], experts: set[int]) -> None:

@@ -40,6 +40,8 @@ import torch.multiprocessing as mp
 from tessera.errors import ClusterSpecError, ConfigError, NotModelledError, TesseraError
 from tessera.planner.plan import Plan
 from tessera.topology import load_cluster
+from tessera.topology.cluster import Cluster
+from tessera.topology.hardware import LOCAL_CPU
 
 POLL_INTERVAL_S = 0.05
 DEFAULT_MASTER_PORT = 29500
@@ -307,10 +309,12 @@ def launch_commands(
     """
     if (refused := plan.not_on_the_runtime()) is not None:
         raise NotModelledError(f"the plan's strategy has {refused}")
-    nodes, per_node = _launch_shape(plan, nodes=nodes, procs_per_node=procs_per_node)
+    cluster = _plan_cluster(plan, needed=nodes is None and procs_per_node is None)
+    nodes, per_node = _launch_shape(plan, cluster, nodes=nodes, procs_per_node=procs_per_node)
     command = shlex.join([script, *script_args])
     if scheduler == "slurm":
-        return _slurm_lines(nodes, per_node, command, master_port=master_port)
+        gpus = cluster is None or cluster.device.name != LOCAL_CPU
+        return _slurm_lines(nodes, per_node, command, master_port=master_port, gpus=gpus)
     if nodes == 1:
         return [f"torchrun --standalone --nnodes=1 --nproc-per-node={per_node} {command}"]
     return [
@@ -320,13 +324,25 @@ def launch_commands(
     ]
 
 
-def _launch_shape(plan: Plan, *, nodes: int | None, procs_per_node: int | None) -> tuple[int, int]:
+def _plan_cluster(plan: Plan, *, needed: bool) -> Cluster | None:
+    """The plan's cluster, checked against the plan's world size; None where it cannot be read and the caller gave
+    the launch's shape itself (``needed`` False)."""
+    try:
+        cluster = load_cluster(plan.cluster)
+    except (ClusterSpecError, OSError, ValueError) as error:
+        if needed:
+            raise ConfigError(f"cannot read cluster {plan.cluster!r} of the plan ({error}); pass nodes=") from None
+        return None
+    if cluster.num_devices != plan.strategy.world_size:
+        raise ConfigError(f"the plan's strategy ({plan.strategy.to_string()}) uses {plan.strategy.world_size} ranks but "
+                          f"its cluster {plan.cluster} has {cluster.num_devices} devices; plan again for that cluster")
+    return cluster
+
+
+def _launch_shape(plan: Plan, cluster: Cluster | None, *, nodes: int | None,
+                  procs_per_node: int | None) -> tuple[int, int]:
     world = plan.strategy.world_size
     if nodes is None and procs_per_node is None:
-        try:
-            cluster = load_cluster(plan.cluster)
-        except (ClusterSpecError, OSError, ValueError) as error:
-            raise ConfigError(f"cannot read cluster {plan.cluster!r} of the plan ({error}); pass nodes=") from None
         nodes = cluster.num_nodes
     if procs_per_node is None:
         procs_per_node = world // (nodes or 1)
@@ -336,15 +352,20 @@ def _launch_shape(plan: Plan, *, nodes: int | None, procs_per_node: int | None) 
             f"{nodes} node(s) x {procs_per_node} process(es) per node = {nodes * procs_per_node} ranks, but the plan "
             f"({plan.strategy.to_string()}) needs {world}; pick nodes and processes per node whose product is {world}"
         )
+    if cluster is not None and procs_per_node > cluster.devices_per_node:
+        raise ConfigError(f"{procs_per_node} processes per node, but the nodes of cluster {plan.cluster} have "
+                          f"{cluster.devices_per_node} devices; launch on {world // cluster.devices_per_node or 1} nodes "
+                          "or fewer processes per node")
     return nodes, procs_per_node
 
 
-def _slurm_lines(nodes: int, per_node: int, command: str, *, master_port: int) -> list[str]:
+def _slurm_lines(nodes: int, per_node: int, command: str, *, master_port: int, gpus: bool) -> list[str]:
+    """A batch script; ``gpus`` False (CPU ranks) asks for no GPUs."""
     return [
         "#!/bin/bash",
         f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={per_node}",
+        *([f"#SBATCH --gpus-per-node={per_node}"] if gpus else []),
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"srun torchrun --nnodes={nodes} --nproc-per-node={per_node} --rdzv-id=$SLURM_JOB_ID "
         f"--rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:{master_port} {command}",

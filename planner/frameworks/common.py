@@ -97,6 +97,8 @@ class ImportedConfig(_FrameworkRecord):
     """Flags or fields Tessera does not read (listed so nothing is silently ignored)."""
     notes: tuple[str, ...] = ()
     """Where the configuration was evaluated as the nearest thing the cost model has, in words."""
+    layers: int | None = None
+    """Transformer blocks the configuration states (Megatron-LM's ``--num-layers``), checked against the model."""
     mtp_layers: int = 0
     """Multi-token-prediction modules the configuration trains after the blocks (``planner.layer_graph.with_mtp_modules``;
     the strategy's ``chunk_blocks`` count them in the last chunk)."""

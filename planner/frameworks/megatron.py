@@ -201,16 +201,23 @@ def _block_recompute_args(by_chunk: list[list[str]], chunks: list[int]) -> tuple
         return ["--recompute-granularity", "selective"], [], {}
     if policy == "full":
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], [], {}
-    first = max(chunk.count("full") for chunk in by_chunk)
+    full = max(chunk.count("full") for chunk in by_chunk)
+    # Selective blocks beside full ones become full, not none: never more memory than the plan, which fits
+    first = max(len(chunk) - chunk.count("none") for chunk in by_chunk) if full else 0
     runs = expand_recompute(chunks, first)
     notes = []
     if tuple(p for chunk in by_chunk for p in chunk) != runs:
         mix = ", ".join(f"{p} on {sum(c.count(p) for c in by_chunk)}" for p in ("full", "selective", "none")
                         if any(p in c for c in by_chunk))
-        nearest = f"full on the first {first} blocks of each chunk" if first else "selective on every block"
+        where = "every block" if set(runs) == {"full"} else f"the first {first} blocks of each chunk"
+        nearest = (f"full on {where} (selective blocks recomputed whole: no more memory than the plan)" if first
+                   else "selective on every block")
         notes.append(f"recompute per block ({mix} blocks): Megatron-LM recomputes the same first blocks of every "
                      f"chunk, or selectively every block; nearest is {nearest}")
     if first == 0:  # selective and none only: Megatron-LM cannot mix them; selective everywhere is the leaner
         return ["--recompute-granularity", "selective"], notes, {"recompute": "selective", "block_recompute": ()}
+    if set(runs) == {"full"}:
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"], \
+            notes, {"recompute": "full", "block_recompute": ()}
     args = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", str(first)]
     return args, notes, {"recompute": "none", "block_recompute": runs}

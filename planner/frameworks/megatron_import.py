@@ -121,7 +121,7 @@ def from_megatron(text: str, *, world_size: int) -> ImportedConfig:
         seq_len=args.seq_length, precision=_precision(args),
         fp8_scaling={recipe: scaling for scaling, recipe in FP8_RECIPES.items()}[args.fp8_recipe] if args.fp8_format else None,
         variant=_variant(_expert_exchange(args, ep=ep, notes=notes), _configured(args, zero=strategy.zero, notes=notes)),
-        unread=tuple(unread), notes=tuple(notes), mtp_layers=mtp,
+        unread=tuple(unread), notes=tuple(notes), layers=args.num_layers, mtp_layers=mtp,
     )
 
 

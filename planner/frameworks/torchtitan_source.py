@@ -52,7 +52,8 @@ def read_torchtitan(source: str) -> tuple[Sections, list[str]]:
     if suffix == ".py":
         return _PythonConfig(text, where=path).read(function or None)
     if suffix in (".json", ".toml"):
-        return _data_sections(_parse_data(text, suffix, where=path), where=path), []
+        data = _parse_data(text, suffix, where=path)
+        return _data_sections(data, where=path), _other_sections(data)
     raise ConfigError(f"torchtitan config {path}: expected a .py config_registry file, a .json dump or a .toml file")
 
 
@@ -81,6 +82,17 @@ def _data_sections(data: dict, *, where: str) -> Sections:
         else:
             sections[name] = dict(value)
     return sections
+
+
+def _other_sections(data: dict) -> list[str]:
+    """The fields of the sections Tessera does not read (``model``: the model evaluated is the one Tessera is
+    given, whatever name and flavor the file states), as ``unread`` lists them."""
+    unread = []
+    for name, value in data.items():
+        if name not in SECTIONS:
+            fields = value.items() if isinstance(value, dict) else [(None, value)]
+            unread += [f"{name}.{key}={field!r}" if key is not None else f"{name}={field!r}" for key, field in fields]
+    return unread
 
 
 def _policy_of_dump(value: object, *, where: str) -> str:

@@ -176,7 +176,7 @@ def test_launch_commands_one_torchrun_line_per_node_from_the_plans_cluster():
 def test_launch_commands_single_node_and_slurm():
     from tessera.runtime.launch import launch_commands
 
-    assert launch_commands(_plan("dp=4"), "train.py", nodes=1) == [
+    assert launch_commands(_plan("dp=4", cluster="dgx-h100:nodes=1,gpus_per_node=4"), "train.py", nodes=1) == [
         "torchrun --standalone --nnodes=1 --nproc-per-node=4 train.py"]
     script = launch_commands(_plan("dp=4,pp=4"), "my train.py", nodes=2, scheduler="slurm")
     assert script[:4] == ["#!/bin/bash", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8"]
@@ -190,6 +190,20 @@ def test_launch_commands_refuse_a_strategy_only_the_cost_model_knows():
 
     with pytest.raises(NotModelledError, match="tp_overlap=true, recompute_modules=mlp: cost-model options"):
         launch_commands(_plan("dp=2,tp=8,tp_overlap=true,recompute_modules=mlp"), "train.py")
+
+
+def test_launch_commands_hold_the_plan_to_its_cluster():
+    """A plan whose strategy is not its cluster's size (edited by hand), more processes per node than its nodes
+    have devices, and a batch script for CPU ranks asking for GPUs are all wrong launches."""
+    from tessera.errors import ConfigError
+    from tessera.runtime.launch import launch_commands
+
+    with pytest.raises(ConfigError, match="uses 4 ranks but its cluster dgx-h100:nodes=2 has 16 devices"):
+        launch_commands(_plan("dp=4"), "train.py")
+    with pytest.raises(ConfigError, match="4 processes per node, but the nodes of cluster .* have 2 devices"):
+        launch_commands(_plan("dp=8", cluster="dgx-h100:nodes=4,gpus_per_node=2"), "train.py", nodes=2)
+    script = launch_commands(_plan("dp=2", cluster="cpu:ranks=2"), "train.py", scheduler="slurm")
+    assert not any("gpus" in line for line in script)
 
 
 def test_launch_commands_refuse_a_shape_that_is_not_the_plans_world():

@@ -116,3 +116,18 @@ def test_resuming_a_model_objects_checkpoint_asks_for_the_model(saved, tmp_path)
     (copy / MARKER).write_text(sha256_text(text))
     with pytest.raises(CheckpointError, match=r"saved from a model object \(LlamaForCausalLM\).*model=your_model"):
         tessera.resume(copy, "cpu:ranks=1")
+
+
+def test_a_slower_runner_up_is_said_to_lose_on_a_term_that_grew():
+    """A term that shrank most (here the exposed communication, -3 s) is not why a runner-up is slower (+1 s):
+    the compute that grew (+2 s) is."""
+    from tessera.planner.compare import why_it_lost
+
+    _, estimate = tessera.evaluate("gpt-tiny", "cpu:ranks=2", global_batch=8, seq_len=32, strategy="dp=2,recompute=none")
+    kinds = {"dp_allreduce": 3.0}
+    best = estimate.model_copy(update={"compute_time_s": 1.0, "exposed_comm_time_s": 3.0, "comm_time_by_kind_s": kinds,
+                                       "bubble_time_s": 0.0, "step_time_s": 10.0})
+    runner_up = best.model_copy(update={"compute_time_s": 3.0, "exposed_comm_time_s": 0.0, "bubble_time_s": 2.0,
+                                        "step_time_s": 11.0})
+    said = why_it_lost(runner_up, best, "10% slower", values=False)
+    assert "most: compute +2.000 s" in said, said

@@ -232,6 +232,9 @@ def test_torchtitan_json_dump_and_toml(tmp_path):
                                        "[activation_checkpoint]\nmode = 'selective'\n")
     assert import_config("torchtitan", str(tmp_path / "old.toml"), world_size=8).strategy.to_string() == \
         "dp=8,zero=0,mbs=8,recompute=selective"
+    (tmp_path / "model.toml").write_text("[model]\nname = 'llama3'\nflavor = '70B'\n[training]\nsteps = 100\n")
+    assert import_config("torchtitan", str(tmp_path / "model.toml"), world_size=8).unread == (
+        "model.name='llama3'", "model.flavor='70B'", "training.steps=100")  # the model is the one Tessera is given
 
 
 def test_torchtitan_gradient_accumulation_under_pipelining_runs_one_schedule_per_local_batch(tmp_path):

@@ -161,6 +161,16 @@ def test_megatron_block_recompute_mix_names_the_nearest(tmp_path):
         (("full",) * 6 + ("none",) * 4) * 6
 
 
+def test_megatron_recomputes_selective_blocks_beside_full_ones_whole():
+    """Megatron-LM cannot mix full and selective recomputation: the selective blocks become full, never none, so
+    the export keeps no more memory than the plan, which fits (none had left 99 of 80 GiB for the README's 70B)."""
+    plan = plan_like("dp=64,zero=3,mbs=1,recompute=none,block_recompute=52xfull/28xselective", blocks=80,
+                     global_batch=1024)
+    export = export_plan(plan, "megatron")
+    assert "nearest is full on every block (selective blocks recomputed whole" in export.text
+    assert "--recompute-method uniform" in export.text and export.strategy.recompute == "full"
+
+
 def test_megatron_export_is_shell_quoted_lines():
     plan = plan_like("dp=4,tp=4,pp=4,zero=0,mbs=1,recompute=full,chunk_blocks=9/10/10/11,schedule=1f1b",
                      blocks=40, global_batch=32)

@@ -269,3 +269,25 @@ def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_a_megatron_layer_count_the_model_does_not_have_is_refused(capsys):
+    code, _, err = run(["evaluate", "--model", "gpt-tiny", "--cluster", "cpu:ranks=2", "--from-megatron",
+                        "--num-layers 40 --global-batch-size 8 --seq-length 32 --micro-batch-size 1"], capsys)
+    assert code == 2 and "the configuration states 40 layers but model gpt-tiny has" in error_line(err)
+
+
+def test_an_mtbf_shorter_than_a_step_is_refused_not_reported(capsys):
+    code, _, err = run(["plan", *corpus.BASE, "--mtbf-hours", "1e-9"], capsys)
+    assert code == 2 and "it would make no progress; --mtbf-hours is the whole job's" in error_line(err)
+
+
+def test_evaluate_fills_a_strategy_that_cannot_fit_with_its_leanest_completion(capsys):
+    """As compare fills a baseline: how far it is over at best, not its fastest completion."""
+    import tessera
+
+    args = dict(model="llama3-70b", cluster="dgx-h100:nodes=8", global_batch=1024, seq_len=8192, strategy="dp=64,zero=0")
+    _, estimate = tessera.evaluate(**args)
+    comparison = tessera.compare(**{k: v for k, v in args.items() if k != "strategy"}, baselines=["dp=64,zero=0"])
+    assert not estimate.fits
+    assert estimate.peak_memory_bytes == comparison.baselines[0].estimate.peak_memory_bytes
