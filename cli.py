@@ -93,7 +93,7 @@ def _workload(args: argparse.Namespace, *strategies: str | None, imported: Seque
     from tessera.topology import load_cluster
 
     cluster = load_cluster(args.cluster)
-    _check_model_spec(args.model)
+    positions = _check_model_spec(args.model)
     for text in filter(None, strategies):
         Strategy.parse_fields(text)
     given = training_from(args, imported)
@@ -102,7 +102,8 @@ def _workload(args: argparse.Namespace, *strategies: str | None, imported: Seque
         raise ConfigError(f"the default global batch (8 per device) on {cluster.num_devices:,} devices is "
                           f"{global_batch:,} sequences, past Tessera's bound of {MAX_GLOBAL_BATCH:,}; pass --global-batch")
     return dict(
-        model=args.model, cluster=cluster, global_batch=global_batch, seq_len=given["seq_len"] or DEFAULT_SEQ_LEN,
+        model=args.model, cluster=cluster, global_batch=global_batch,
+        seq_len=given["seq_len"] or min(DEFAULT_SEQ_LEN, positions or DEFAULT_SEQ_LEN),
         precision=given["precision"], expert_capacity_factor=args.expert_capacity, fp8_scaling=given["fp8_scaling"],
     )
 
@@ -115,14 +116,16 @@ def _imported(args: argparse.Namespace, sources: Sequence[tuple[str, str]]) -> l
     return import_configs(sources, world_size=load_cluster(args.cluster).num_devices) if sources else []
 
 
-def _check_model_spec(spec: str) -> None:
+def _check_model_spec(spec: str) -> int | None:
     """A built-in spec (preset, family, overrides) or a plain unknown name fails here, without torch; Hugging Face
-    and factory specs are checked when they are built (``tessera.planner.model_source``)."""
+    and factory specs are checked when they are built (``tessera.planner.model_source``). Returns a built-in
+    model's sequence length (its position table's, for a default ``--seq-len`` it covers)."""
     from tessera.models import is_builtin_spec, model_config
 
     text = spec.strip()
     if is_builtin_spec(text) or ":" not in text:
-        model_config(text)
+        return model_config(text).seq_len
+    return None
 
 
 def _search_with_progress(args: argparse.Namespace, console: Console):

@@ -128,7 +128,8 @@ def _add_planning_args(parser: argparse.ArgumentParser, *, formats: Sequence[str
     parser.add_argument("--global-batch", type=whole_number(unit="sequences", at_most=MAX_GLOBAL_BATCH), default=None,
                         help="sequences per step (default: 8 per device)")
     parser.add_argument("--seq-len", type=whole_number(unit="tokens", at_most=MAX_SEQ_LEN), default=None,
-                        help=f"tokens per sequence (default: an imported config's, else {DEFAULT_SEQ_LEN})")
+                        help=f"tokens per sequence (default: an imported config's, else {DEFAULT_SEQ_LEN} or a built-in "
+                        "model's own length where shorter)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "fp8"), default=None,
                         help="default bf16 on GPUs, fp32 on CPU; fp8: the blocks' linears on FP8 units "
                              "(torchao's float8 linears at run time)")

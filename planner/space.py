@@ -72,6 +72,8 @@ def mesh_shapes(
     heads = {h for layer in layers for h in (layer.attention_heads, layer.kv_heads) if h}
     experts = {layer.experts for layer in layers if layer.experts}
     for tp in divisors(world):
+        if pins.get("sp") and tp == 1:
+            continue  # sequence parallelism splits over the tensor-parallel ranks: a pin of it asks for some
         if "tp" in pins:
             if tp != pins["tp"]:
                 continue
@@ -326,6 +328,9 @@ def check_runtime_pins(
 ) -> None:
     """Raise one line naming the axis and the reason when a pin asks for what the runtime cannot apply, or for a
     pair of features the framework that runs them (``exclusive``) does not combine."""
+    if pins.get("sp") and int(pins.get("tp", 2)) == 1:
+        raise ConfigError("sp=true splits activations over the tensor-parallel ranks, and tp=1 is pinned; pin tp "
+                          "above 1 or drop sp")
     for axis, reason in unavailable.items():
         if axis in ("tp", "pp", "cp", "ep") and int(pins.get(axis, 1)) > 1:
             raise ConfigError(f"{axis}={pins[axis]} is unavailable for this model: {reason}; leave {axis} out or pin {axis}=1")

@@ -40,6 +40,9 @@ def load_cluster(spec: str | Path | Cluster) -> Cluster:
     text = str(spec)
     if text.endswith((".yaml", ".yml")):
         return _cluster_from_file(Path(text))
+    if text.partition(":")[0] not in preset_names() and Path(text).is_dir():
+        raise ClusterSpecError(f"cluster {text} is a folder; pass a cluster file (.yaml) in it or a preset "
+                               f"({', '.join(preset_names())})")
     name, _, args = text.partition(":")
     raw = _preset_raw(name)
     values = _parse_args(args, raw["size_key"], name)
@@ -73,7 +76,13 @@ def _cluster_from_file(path: Path) -> Cluster:
         raise ClusterSpecError(f"{path}: not valid YAML ({_one_line(exc)}); fix the file") from None
     except RecursionError:
         raise ClusterSpecError(f"cluster file {path} nests too deeply to be a cluster file; fix the file") from None
-    if not isinstance(raw, dict) or "size" not in raw:
+    if raw is None:
+        raise ClusterSpecError(f"cluster file {path} is empty; write its fields (device, devices_per_node, size_key, "
+                               "size, levels) or pass a preset")
+    if not isinstance(raw, dict):
+        raise ClusterSpecError(f"cluster file {path} holds a {type(raw).__name__}, not a mapping of fields (device, "
+                               "devices_per_node, size_key, size, levels)")
+    if "size" not in raw:
         raise ClusterSpecError(f"{path}: field 'size' is missing (number of nodes or ranks)")
     return cluster_from_raw(raw, name=str(path), size=positive_int(raw["size"], f"{path}: field 'size'"))
 

@@ -291,3 +291,24 @@ def test_evaluate_fills_a_strategy_that_cannot_fit_with_its_leanest_completion(c
     comparison = tessera.compare(**{k: v for k, v in args.items() if k != "strategy"}, baselines=["dp=64,zero=0"])
     assert not estimate.fits
     assert estimate.peak_memory_bytes == comparison.baselines[0].estimate.peak_memory_bytes
+
+
+def test_the_default_sequence_is_one_a_built_in_model_covers(capsys):
+    """gpt-tiny's positions end at 64: the default --seq-len is then 64, not 4096 (which it would refuse)."""
+    code, out, _ = run(["plan", "--model", "gpt-tiny", "--cluster", "cpu:ranks=2", "--format", "json"], capsys)
+    assert code == 0 and json.loads(out)["training"]["seq_len"] == 64
+
+
+def test_sequence_parallelism_pinned_without_tensor_parallelism_is_refused(capsys):
+    code, _, err = run(["plan", *corpus.BASE, "--fix", "sp=true,tp=1"], capsys)
+    assert code == 2 and "sp=true splits activations over the tensor-parallel ranks" in error_line(err)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("", "is empty; write its fields"), ("- a\n- b\n", "holds a list, not a mapping of fields"), (None, "is a folder")])
+def test_a_cluster_file_that_is_not_one_says_what_it_is(tmp_path, capsys, content, message):
+    path = tmp_path / "c.yaml" if content is not None else tmp_path
+    if content is not None:
+        path.write_text(content)
+    code, _, err = run(["plan", "--model", "gpt-tiny", "--cluster", str(path)], capsys)
+    assert code == 2 and message in error_line(err)
