@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import re
@@ -158,8 +159,12 @@ def hf_model(spec: str) -> nn.Module:
     transformers = _transformers()
     try:
         defaults = transformers.AutoConfig.for_model(model_type.strip())
-    except (ValueError, KeyError) as exc:
-        raise ModelSpecError(f"unknown Hugging Face model_type {model_type!r} in {spec!r}: {_first_line(exc)}") from None
+    except (ValueError, KeyError):
+        known = list(transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES)
+        close = difflib.get_close_matches(model_type.strip(), known, n=3)
+        hint = f"did you mean {' or '.join(repr(name) for name in close)}?" if close else \
+            "transformers' CONFIG_MAPPING lists the model types"
+        raise ModelSpecError(f"unknown Hugging Face model_type {model_type!r} in {spec!r}; {hint}") from None
     unknown = sorted(k for k in values if not hasattr(defaults, k) and k not in OPTIONAL_HF_KEYS)
     if unknown:
         raise ModelSpecError(

@@ -304,11 +304,11 @@ def _data_parallel(par: dict, *, world_size: int, inner: int) -> tuple[int, int]
     shard = par["data_parallel_shard_degree"]
     if shard == -1:
         shard = world_size // (replicate * inner) if world_size % (replicate * inner) == 0 else world_size
-    shard = whole(shard, name="parallelism.data_parallel_shard_degree (after -1 takes the ranks left)",
-                  framework="torchtitan")
+    shard = whole(shard, name="parallelism.data_parallel_shard_degree", framework="torchtitan")
     if replicate * shard * inner != world_size:
-        raise ConfigError(f"torchtitan: dp_replicate {replicate} x dp_shard {shard} x cp x tp x pp {inner} != the "
-                          f"cluster's {world_size} devices (ParallelDims refuses it); fix the degrees or --cluster")
+        raise ConfigError(f"torchtitan: dp_replicate {replicate} x dp_shard {shard} x (cp x tp x pp = {inner}) = "
+                          f"{replicate * shard * inner} ranks, not the cluster's {world_size} devices (ParallelDims "
+                          "refuses it); fix the degrees or --cluster")
     return replicate, shard
 
 

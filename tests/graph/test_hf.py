@@ -202,6 +202,8 @@ def test_hf_spec_errors_name_the_problem() -> None:
         resolve_model("hf:llama:hidden_sise=64")
     with pytest.raises(ModelSpecError, match="unknown Hugging Face model_type"):
         resolve_model("hf:no-such-model")
+    with pytest.raises(ModelSpecError, match="did you mean 'llama'"):
+        resolve_model("hf:lama")
 
 
 def test_a_users_hf_model_with_its_default_cache_setting() -> None:

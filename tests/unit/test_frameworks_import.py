@@ -194,7 +194,7 @@ def test_a_derived_torchtitan_config_follows_its_base_function(tmp_path):
 
 @pytest.mark.parametrize("body, message", [
     ("config.parallelism.tensor_parallel_degree = 0", "parallelism.tensor_parallel_degree 0: expected a whole number"),
-    ("config.parallelism.tensor_parallel_degree = 3", "!= the cluster's 8 devices"),
+    ("config.parallelism.tensor_parallel_degree = 3", "ranks, not the cluster's 8 devices"),
     ("config.parallelism.tensor_parallel_degree = int('8')", "is not a literal"),
     ("config.activation_checkpoint = make_ac()", "Tessera reads FullAC.Config(), SelectiveAC.Config() or None"),
     ("config.parallelism.pipeline_parallel_degree = 2\n    config.parallelism.pipeline_parallel_schedule = 'DualPipeV'",
