@@ -12,6 +12,7 @@ from torch import nn
 
 from tessera.cost_models import Estimate, Strategy, TrainingConfig
 from tessera.cost_models.error_bands import ErrorBand, prediction_band
+from tessera.cost_models.tp_rules import check_plan_matches
 from tessera.cost_models.types import Fp8Scaling, Precision
 from tessera.errors import CheckpointError, ConfigError, NotModelledError, RuntimeSetupError
 from tessera.planner.capture import capture, capture_preset
@@ -193,6 +194,8 @@ def _prepare(
     if not isinstance(model, (str, nn.Module)):
         raise ConfigError(f"model must be an nn.Module or a spec such as 'llama3-8b' or 'hf:llama:...', got "
                           f"{type(model).__name__}")
+    if tp_plan and isinstance(model, nn.Module):  # a spec's model is built, whole, by the runtime, which checks it
+        check_plan_matches(tp_plan, model)
     resolved = load_cluster(cluster)
     training = TrainingConfig(
         global_batch=global_batch, seq_len=seq_len, precision=precision or default_precision(resolved),

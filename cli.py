@@ -188,11 +188,15 @@ def _check_plan_options(args: argparse.Namespace) -> None:
         raise ConfigError(f"--mtbf-hours prints a reliability table, which --format {args.format} leaves out: use "
                           "--format table, md or html")
     if args.format in ("md", "html") and (folder := Path(args.out or "tessera-report")).is_dir():
+        from tessera.files import written_by_tessera_beside
         from tessera.planner.explain import REPORT_CHARTS
+        from tessera.planner.explain_plots import REPORT_MD
 
-        charts = [f"{chart}.png" for chart in REPORT_CHARTS] if args.format == "md" else []
-        for name in ("plan.json", f"report.{args.format}", *charts):
+        for name in ("plan.json", f"report.{args.format}"):
             check_writable_file(folder / name, what="report file")
+        for chart in (REPORT_CHARTS if args.format == "md" else ()):  # an earlier version's charts carry no mark
+            path = folder / f"{chart}.png"
+            check_writable_file(path, what="report file", replace_any=written_by_tessera_beside(path, folder / REPORT_MD))
 
 
 def _write_report(plan, kind: str, *, out: str, console: Console) -> None:
@@ -299,13 +303,14 @@ def _print_reliability(plan, args: argparse.Namespace, console: Console) -> None
         step_time_s=step_s, mtbf_s=args.mtbf_hours * 3600, write_bytes_per_s_per_device=bandwidth,
         asynchronous=args.async_checkpoint, disk_interval_s=args.checkpoint_every * step_s if args.checkpoint_every else None,
         relaunch_s=(args.restart_minutes or 0.0) * 60, host_rate=r.host_snapshot_rate(cluster.device))
-    if disk_only.waste_fraction >= 1:
-        from tessera.errors import ConfigError
-
-        raise ConfigError(
-            f"at --mtbf-hours {args.mtbf_hours:g} the job fails every {args.mtbf_hours * 3600:,.0f} s on average, while "
-            f"a step takes {step_s:,.1f} s and a checkpoint {disk_only.blocking_s:,.1f} s besides the restart: it would "
-            "make no progress; --mtbf-hours is the whole job's mean time between failures")
+    if disk_only.waste_fraction >= 1:  # the tables would print shares past 100%: say what it means instead
+        interval = f"a checkpoint every {disk_only.interval_s / step_s:,.0f} steps" if args.checkpoint_every else "checkpoints"
+        fix = "checkpoint more often (--checkpoint-every) or check" if args.checkpoint_every else "check"
+        console.print(f"Reliability: no progress. At --mtbf-hours {args.mtbf_hours:g} the job fails every "
+                      f"{args.mtbf_hours * 3600:,.0f} s on average, while a step takes {step_s:,.1f} s and {interval} "
+                      f"with the restart cost more than that; {fix} --mtbf-hours (the whole job's mean time between "
+                      "failures)", highlight=False, soft_wrap=True)
+        return
     console.print(disk_only.summary(step_time_s=step_s), highlight=False, soft_wrap=True)
     console.print(with_snapshots.summary(), highlight=False, soft_wrap=True)
 

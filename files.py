@@ -28,16 +28,16 @@ PLAN_KEYS = ("schema_version", "strategy", "training")
 """Top-level keys of a plan's JSON (``planner.plan.Plan``), which has no room for a comment."""
 MARK_BYTES = 64 * 1024
 """How far into a file the mark is looked for (a PNG's text chunks come before its image data)."""
+EARLIER_MARKS = (b"# Tessera plan:", b"<title>Tessera plan")
+"""How the reports of Tessera versions before ``MARK`` began (Markdown, HTML): a run into their folder replaces
+them too, and the charts beside them (:func:`written_by_tessera_beside`)."""
 
 
 def written_by_tessera(path: str | Path) -> bool:
-    """Whether the file at ``path`` is one Tessera wrote: it carries ``MARK`` near its start, or it is a plan."""
-    try:
-        with Path(path).open("rb") as handle:
-            head = handle.read(MARK_BYTES)
-    except OSError:  # unreadable: not known to be Tessera's
-        return False
-    if MARK.lower().encode() in head.lower():
+    """Whether the file at ``path`` is one Tessera wrote: it carries ``MARK`` near its start (or an earlier
+    version's report's opening, ``EARLIER_MARKS``), or it is a plan."""
+    head = _head(path)
+    if MARK.lower().encode() in head.lower() or _earlier_report(head):
         return True
     if not head.lstrip().startswith(b"{"):
         return False
@@ -46,6 +46,28 @@ def written_by_tessera(path: str | Path) -> bool:
     except (OSError, UnicodeDecodeError, ValueError):
         return False
     return isinstance(document, dict) and all(key in document for key in PLAN_KEYS)
+
+
+def written_by_tessera_beside(path: str | Path, report: str | Path) -> bool:
+    """Whether ``path`` may be replaced: it is Tessera's, or an unmarked chart beside an earlier version's
+    ``report`` (those charts carried no mark; a current report's charts do, so a file beside one is the user's)."""
+    path, report = Path(path), Path(report)
+    if not path.is_file() or written_by_tessera(path):
+        return True
+    head = _head(report) if report.is_file() else b""
+    return _earlier_report(head) and MARK.lower().encode() not in head.lower()
+
+
+def _head(path: str | Path) -> bytes:
+    try:
+        with Path(path).open("rb") as handle:
+            return handle.read(MARK_BYTES)
+    except OSError:  # unreadable: not known to be Tessera's
+        return b""
+
+
+def _earlier_report(head: bytes) -> bool:
+    return any(mark in head[:4096] for mark in EARLIER_MARKS)
 
 
 def write_atomically(path: str | Path, write: Callable[[Path], Any], *, what: str = "file",

@@ -331,9 +331,12 @@ class Strategy(BaseModel):
             schedule, chunks = values["schedule"].split(":", 1)
             values["schedule"], values["virtual_stages"] = schedule, coerce_number(chunks)
         # A partial pin leaves dp to the search: check ep against a dp it divides (ep is carved out of dp).
-        ep = values.get("ep", 1)
-        cls.model_validate({"dp": ep if isinstance(ep, int) and 0 < ep <= MAX_DEVICES else 1, **values})
-        return values
+        try:  # as the field will read it ("2.0" is 2); a bad value is the validation's to refuse
+            ep = int(float(values.get("ep", 1)))
+        except (TypeError, ValueError, OverflowError):
+            ep = 1
+        validated = cls.model_validate({"dp": ep if 0 < ep <= MAX_DEVICES else 1, **values})
+        return {key: getattr(validated, key) for key in values}  # as the fields hold them: tp=1.0 is the int 1
 
 
 class Estimate(BaseModel):

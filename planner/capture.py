@@ -40,7 +40,6 @@ import torch
 from torch import nn
 
 from tessera.cost_models.layer_stats import LayerStats
-from tessera.cost_models.tp_rules import check_plan_matches
 from tessera.errors import CaptureError, ModelSpecError
 from tessera.models import is_builtin_spec, model_config, with_override
 from tessera.planner import layer_info
@@ -94,8 +93,6 @@ def capture(
     if seq_len <= 0:
         raise CaptureError(f"seq_len must be positive, got {seq_len}")
     _check_learned_positions(model, seq_len)
-    if tp_plan:
-        check_plan_matches(tp_plan, model)
     token_inputs = example_inputs is None
     example_inputs = example_inputs if example_inputs is not None else _default_inputs(model)
     layers = find_layers(model)

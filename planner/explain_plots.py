@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera.files import MARK, write_atomically
+from tessera.files import MARK, write_atomically, written_by_tessera_beside
 
 GiB = 2**30
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
@@ -43,6 +43,9 @@ CATEGORY_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#9378
 TERM_COLORS = {"compute": "#4c72b0", "recompute": "#dd8452", "exposed": "#55a868", "bubble": "#c44e52",
                "optimizer": "#8172b3"}
 KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
+
+REPORT_MD = "report.md"
+"""The Markdown report's file name; its charts are written beside it (``tessera plan --format md --out DIR``)."""
 
 
 @dataclass(frozen=True)
@@ -293,7 +296,9 @@ def _markdown_block(block: Block, figure_dir: Path | None) -> list[str]:
     if isinstance(block, Figure):
         if figure_dir is None:
             return [f"*{block.caption} (chart written when the report is saved to a folder)*"]
-        write_atomically(figure_dir / f"{block.name}.png", lambda temp: temp.write_bytes(block.png), what="report chart")
+        chart = figure_dir / f"{block.name}.png"
+        write_atomically(chart, lambda temp: temp.write_bytes(block.png), what="report chart",
+                         replace_any=written_by_tessera_beside(chart, figure_dir / REPORT_MD))
         return [f"![{block.caption}]({block.name}.png)"]
     cell = lambda text: text.replace("|", "\\|")  # noqa: E731
     rows = [block.header, tuple("---" for _ in block.header), *block.rows]

@@ -20,28 +20,39 @@ IGNORE_INDEX = -100
 """Targets equal to this are ignored (PyTorch's and Hugging Face's ``ignore_index``)."""
 
 
+HEAD_NAMES = ("lm_head", "head", "output")
+"""Where a model that is not a Hugging Face one keeps its output projection (Tessera's own models: ``head``;
+torchtitan's Llama: ``output``)."""
+
+
 def output_classes(model: nn.Module) -> int | None:
-    """How many classes the model's logits have, where it says: its output embedding's rows (a Hugging Face
-    model's ``get_output_embeddings()``), else its config's ``vocab_size``; None for a model that says neither."""
+    """How many classes a language model's logits have, where it says: a Hugging Face model's output embedding
+    (``get_output_embeddings()``; a model without one, a classifier, says nothing: its ``vocab_size`` is not its
+    labels), else the rows of an output projection under ``HEAD_NAMES``; None otherwise (the loss then checks
+    each micro-batch against its logits)."""
     get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if isinstance(head, nn.Linear):
-        return head.out_features
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+    if callable(get_head):
+        head = get_head()
+        return head.out_features if isinstance(head, nn.Linear) else None
+    heads = (getattr(model, name, None) for name in HEAD_NAMES)
+    return next((head.out_features for head in heads if isinstance(head, nn.Linear)), None)
 
 
 def check_class_targets(targets: torch.Tensor, classes: int | None) -> None:
     """Refuse targets the default loss cannot take: not integer class indices, or an index outside ``[0,
     classes)`` other than ``IGNORE_INDEX`` (``classes`` None: only negative ones)."""
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise ConfigError(f"targets are {targets.dtype}; the default cross-entropy loss takes integer class indices "
-                          "(torch.long), -100 where a position is ignored; convert them, or pass loss_fn= for "
-                          "other targets")
-    kept = targets[targets != IGNORE_INDEX]
-    if kept.numel() == 0:
+    if targets.dtype != torch.long:  # F.cross_entropy's class indices (it refuses int32 on some ranks' paths only)
+        raise ConfigError(f"targets are {targets.dtype}; the default cross-entropy loss takes class indices as "
+                          "torch.long (targets.long()), -100 where a position is ignored; convert them, or pass "
+                          "loss_fn= for other targets")
+    if targets.numel() == 0:
         return
-    lowest, highest = int(kept.min()), int(kept.max())
+    lowest, highest = (int(value) for value in torch.aminmax(targets))  # one pass over the batch
+    if lowest < 0:  # ignored positions (-100) hide the smallest class index: look again without them
+        kept = targets[targets != IGNORE_INDEX]
+        if kept.numel() == 0:
+            return
+        lowest, highest = (int(value) for value in torch.aminmax(kept))
     if lowest < 0:
         raise ConfigError(f"target {lowest} is negative; class indices run from 0 (-100 marks a position to "
                           "ignore); fix the labels")

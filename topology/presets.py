@@ -40,7 +40,7 @@ def load_cluster(spec: str | Path | Cluster) -> Cluster:
     text = str(spec)
     if text.endswith((".yaml", ".yml")):
         return _cluster_from_file(Path(text))
-    if text.partition(":")[0] not in preset_names() and Path(text).is_dir():
+    if text and text.partition(":")[0] not in preset_names() and _is_folder(text):
         raise ClusterSpecError(f"cluster {text} is a folder; pass a cluster file (.yaml) in it or a preset "
                                f"({', '.join(preset_names())})")
     name, _, args = text.partition(":")
@@ -49,9 +49,21 @@ def load_cluster(spec: str | Path | Cluster) -> Cluster:
     if "gpu" in values:
         raw = {**raw, "device": values["gpu"]}  # a catalog name (an unknown one is refused with the known ones)
     if "gpus_per_node" in values:
-        raw = {**raw, "devices_per_node": positive_int(values["gpus_per_node"], f"'gpus_per_node' in cluster preset {name}")}
+        per_node = positive_int(values["gpus_per_node"], f"'gpus_per_node' in cluster preset {name}")
+        if raw["levels"][0]["group_size"] not in ("node", per_node):  # its innermost link fixes the node (TPU: 4)
+            raise ClusterSpecError(f"cluster preset {name}'s node is its innermost link level of "
+                                   f"{raw['levels'][0]['group_size']} devices; gpus_per_node does not apply to it: "
+                                   "leave it out")
+        raw = {**raw, "devices_per_node": per_node}
     size = positive_int(values[raw["size_key"]], f"'{raw['size_key']}' in cluster preset {name}") if raw["size_key"] in values else 1
     return cluster_from_raw(raw, name=text, size=size)
+
+
+def _is_folder(text: str) -> bool:
+    try:
+        return Path(text).is_dir()
+    except (OSError, ValueError):  # a name too long for a path, or with a NUL: not a folder, and not a preset
+        return False
 
 
 def _preset_raw(name: str) -> dict:

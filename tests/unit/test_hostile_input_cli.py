@@ -277,9 +277,9 @@ def test_a_megatron_layer_count_the_model_does_not_have_is_refused(capsys):
     assert code == 2 and "the configuration states 40 layers but model gpt-tiny has" in error_line(err)
 
 
-def test_an_mtbf_shorter_than_a_step_is_refused_not_reported(capsys):
-    code, _, err = run(["plan", *corpus.BASE, "--mtbf-hours", "1e-9"], capsys)
-    assert code == 2 and "it would make no progress; --mtbf-hours is the whole job's" in error_line(err)
+def test_an_mtbf_shorter_than_a_step_says_no_progress_instead_of_shares_past_100_percent(capsys):
+    code, out, _ = run(["plan", *corpus.BASE, "--mtbf-hours", "1e-9"], capsys)
+    assert code == 0 and "Reliability: no progress." in out and "%" not in out.split("Reliability: no progress.")[1]
 
 
 def test_evaluate_fills_a_strategy_that_cannot_fit_with_its_leanest_completion(capsys):
@@ -312,3 +312,14 @@ def test_a_cluster_file_that_is_not_one_says_what_it_is(tmp_path, capsys, conten
         path.write_text(content)
     code, _, err = run(["plan", "--model", "gpt-tiny", "--cluster", str(path)], capsys)
     assert code == 2 and message in error_line(err)
+
+
+def test_a_report_of_an_earlier_version_is_replaced_with_its_charts(tmp_path, capsys):
+    """Reports written before the mark began "# Tessera plan:"; their charts carried no mark and are replaced beside
+    such a report."""
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / "report.md").write_text("# Tessera plan: llama3-70b on dgx-h100:nodes=8\n")
+    (out / "step_time.png").write_bytes(b"\x89PNG old chart")
+    assert run(["plan", *corpus.BASE, "--format", "md", "--out", str(out)], capsys)[0] == 0
+    assert (out / "step_time.png").read_bytes() != b"\x89PNG old chart"

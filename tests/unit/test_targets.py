@@ -14,7 +14,7 @@ from tessera.runtime.targets import check_class_targets, check_logits_targets, o
 def test_class_indices_and_the_ignored_ones_pass():
     check_class_targets(torch.tensor([[0, 5, -100, 9]]), 10)
     check_class_targets(torch.full((2, 3), -100), 10)  # all ignored
-    check_class_targets(torch.tensor([3], dtype=torch.int32), None)
+    check_class_targets(torch.tensor([3, -100]), None)
 
 
 @pytest.mark.parametrize(("targets", "classes", "message"), [
@@ -23,6 +23,8 @@ def test_class_indices_and_the_ignored_ones_pass():
     (torch.tensor([[-1]]), None, "target -1 is negative"),
     (torch.tensor([[0.0, 1.0]]), 10, "targets are torch.float32"),
     (torch.tensor([[True]]), 10, "targets are torch.bool"),
+    (torch.tensor([[3]], dtype=torch.int32), 10, "targets are torch.int32; .* as torch.long"),
+    (torch.tensor([[-100, 12]]), 10, "target 12 is not below"),
 ])
 def test_anything_else_is_refused_naming_the_value(targets, classes, message):
     with pytest.raises(ConfigError, match=message) as raised:
@@ -41,17 +43,25 @@ def test_the_default_loss_checks_the_shape_always_and_the_range_unless_told():
 
 
 def test_the_classes_a_model_declares():
-    class WithHead(nn.Module):
+    """A language model's output projection; a Hugging Face model without an output embedding (a classifier, whose
+    config's vocab_size is not its labels) declares none."""
+    class WithEmbeddingHead(nn.Module):
+        def __init__(self, head: nn.Module | None) -> None:
+            super().__init__()
+            self.proj = head
+
+        def get_output_embeddings(self) -> nn.Module | None:
+            return self.proj
+
+    class Classifier(WithEmbeddingHead):
+        config = type("Config", (), {"vocab_size": 1000, "num_labels": 3})()
+
+    class OwnModel(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.head = nn.Linear(4, 11)
+            self.head = nn.Linear(4, 13)
 
-        def get_output_embeddings(self) -> nn.Module:
-            return self.head
-
-    class WithConfig(nn.Module):
-        config = type("Config", (), {"vocab_size": 13})()
-
-    assert output_classes(WithHead()) == 11
-    assert output_classes(WithConfig()) == 13
+    assert output_classes(WithEmbeddingHead(nn.Linear(4, 11))) == 11
+    assert output_classes(Classifier(None)) is None
+    assert output_classes(OwnModel()) == 13
     assert output_classes(nn.Linear(4, 4)) is None

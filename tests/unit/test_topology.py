@@ -253,3 +253,15 @@ def test_a_cluster_file_whose_innermost_level_is_not_its_node_is_refused(tmp_pat
         with pytest.raises(ClusterSpecError, match=f"innermost level 'nvlink' groups {inner} devices but "
                                                    "devices_per_node is 8.*give it group_size: node"):
             load_cluster(str(path))
+
+
+def test_gpus_per_node_does_not_apply_where_a_preset_fixes_its_node():
+    with pytest.raises(ClusterSpecError, match="tpu-v5p's node is its innermost link level of 4 devices"):
+        load_cluster("tpu-v5p:nodes=2,gpus_per_node=8")
+    assert load_cluster("tpu-v5p:nodes=2,gpus_per_node=4").devices_per_node == 4
+
+
+def test_a_cluster_name_that_is_no_path_is_an_unknown_preset():
+    for name in ("", "x" * 5000):
+        with pytest.raises(ClusterSpecError, match="unknown cluster preset"):
+            load_cluster(name)
