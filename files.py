@@ -26,6 +26,8 @@ MARK = "Written by Tessera"
 """What every file Tessera writes for a user says of itself (compared without case)."""
 PLAN_KEYS = ("schema_version", "strategy", "training")
 """Top-level keys of a plan's JSON (``planner.plan.Plan``), which has no room for a comment."""
+MAX_PLAN_BYTES = 64 * 2**20
+"""A JSON file larger than this is not taken for a plan (nor read whole to tell)."""
 MARK_BYTES = 64 * 1024
 """How far into a file the mark is looked for (a PNG's text chunks come before its image data)."""
 EARLIER_MARKS = (b"# Tessera plan:", b"<title>Tessera plan")
@@ -39,7 +41,7 @@ def written_by_tessera(path: str | Path) -> bool:
     head = _head(path)
     if MARK.lower().encode() in head.lower() or _earlier_report(head):
         return True
-    if not head.lstrip().startswith(b"{"):
+    if not head.lstrip().startswith(b"{") or Path(path).stat().st_size > MAX_PLAN_BYTES:
         return False
     try:
         document = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -105,8 +107,9 @@ def check_writable_file(path: str | Path, *, what: str = "file", replace_any: bo
     if path.is_dir():
         raise ConfigError(f"{what} {path} is a folder; give a file name")
     if not replace_any and path.is_file() and not written_by_tessera(path):
-        raise ConfigError(f"{what} {path} already exists and Tessera did not write it; Tessera replaces only its own "
-                          "files: move it away or choose another path")
+        why = "Tessera did not write it" if os.access(path, os.R_OK) else "it cannot be read to tell whether Tessera wrote it"
+        raise ConfigError(f"{what} {path} already exists and {why}; Tessera replaces only its own files: move it away "
+                          "or choose another path")
     parent = path.parent
     if not parent.is_dir():
         raise ConfigError(f"cannot write {what} {path}: folder {parent} does not exist; create it first")

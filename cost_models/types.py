@@ -479,5 +479,5 @@ def schedule_refusal(strategy: Strategy, training: TrainingConfig) -> str | None
     rounds = max(1, micro_batches // strategy.pp)
     if micro_batches % rounds == 0:
         return None
-    return (f"its {strategy.schedule} schedule runs {micro_batches} micro-batches a step only as a multiple of its "
-            f"{rounds} rounds")
+    return (f"its {strategy.schedule} schedule runs a step's micro-batches in {rounds} rounds and needs a multiple of "
+            f"{rounds}; {micro_batches} is not")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tessera.cost_models.types import Estimate, Strategy
-from tessera.files import check_writable_file, write_text_atomically
+from tessera.files import check_writable_file, write_text_atomically, written_by_tessera_beside
 from tessera.planner import explain_plots as plots
 from tessera.errors import TesseraError
 from tessera.planner.compare import why_it_lost
@@ -30,8 +30,9 @@ from tessera.planner.plan_facts import (
 )
 
 STEP_TIME_CHART, MEMORY_CHART, TIMELINE_CHART = "step_time", "memory", "timeline"
-REPORT_CHARTS = (STEP_TIME_CHART, MEMORY_CHART, TIMELINE_CHART)
-"""The charts a Markdown report writes beside it, as ``<name>.png`` (``tessera plan`` checks them before the search)."""
+REPORT_CHARTS = (STEP_TIME_CHART, MEMORY_CHART)
+"""The charts every Markdown report writes beside it, as ``<name>.png``, checked before anything is written
+(``tessera plan`` before the search); the pipeline's timeline, only under pp > 1, is checked when written."""
 
 
 # ------------------------------------------------------------------------------------ report content
@@ -312,6 +313,9 @@ def plan_html(plan: Plan, *, plan_path: str = "plan.json") -> str:
 def write_markdown(plan: Plan, path: str | Path, *, plan_path: str = "plan.json") -> Path:
     """Write the Markdown report to ``path`` and its charts (PNG) beside it, each file atomically."""
     target = check_writable_file(path, what="report")
+    for chart in REPORT_CHARTS:  # before any is written: a user's file of that name stops the report whole
+        png = target.parent / f"{chart}.png"
+        check_writable_file(png, what="report chart", replace_any=written_by_tessera_beside(png, target))
     return write_text_atomically(target, plan_markdown(plan, plan_path=plan_path, figure_dir=target.parent), what="report")
 
 

@@ -384,7 +384,8 @@ def _knob(strategy: Strategy, leanest: Estimate, cluster: Cluster) -> str:
     if state >= leanest.memory_budget_bytes * 0.8:
         needs = f"Model state alone needs {_gib(state)} GiB per device"
         if strategy.zero < 3 and strategy.dp * strategy.cp > 1:  # a pin kept it from sharding (the space has ZeRO-3)
-            return f"{needs} under zero={strategy.zero}: let ZeRO-3 shard it (zero=3, or leave zero out), or split the model with tp or pp."
+            return (f"{needs} under zero={strategy.zero}: ZeRO-3 would shard it (pin zero=3 or leave zero out, where the "
+                    "model allows it), or split the model with tp or pp.")
         if cluster.device.name == LOCAL_CPU:  # more ranks only split this machine's memory further
             return (f"{needs}, and this machine's memory gives each of its {cluster.num_devices} ranks "
                     f"{_gib(leanest.memory_budget_bytes)} GiB: plan a smaller model, or use a machine with more memory.")

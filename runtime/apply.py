@@ -261,7 +261,7 @@ def apply_plan(
     schedule = _schedule(plan, modules, chunks, mesh, device=device, loss_fn=loss)
     return ParallelModel(plan, modules, optimizer=optimizer, loss_fn=loss, mesh=mesh, device=device,
                          schedule=schedule, chunks=chunks, offloads=offloads,
-                         check_targets=None if loss_fn else functools.partial(check_class_targets, classes=classes),
+                         check_targets=None if loss_fn is not None else functools.partial(check_class_targets, classes=classes),
                          lr_scheduler=build_scheduler(lr_scheduler_factory, optimizer))
 
 

@@ -53,7 +53,11 @@ def read_torchtitan(source: str) -> tuple[Sections, list[str]]:
         return _PythonConfig(text, where=path).read(function or None)
     if suffix in (".json", ".toml"):
         data = _parse_data(text, suffix, where=path)
-        return _data_sections(data, where=path), _other_sections(data)
+        sections = _data_sections(data, where=path)
+        converters = _listed_converters(data)
+        if converters:
+            sections["converters"] = converters
+        return sections, _other_sections(data, read={("model", "converters"), ("float8", "recipe_name")})
     raise ConfigError(f"torchtitan config {path}: expected a .py config_registry file, a .json dump or a .toml file")
 
 
@@ -84,14 +88,29 @@ def _data_sections(data: dict, *, where: str) -> Sections:
     return sections
 
 
-def _other_sections(data: dict) -> list[str]:
-    """The fields of the sections Tessera does not read (``model``: the model evaluated is the one Tessera is
-    given, whatever name and flavor the file states), as ``unread`` lists them."""
+def _listed_converters(data: dict) -> list[dict]:
+    """An older torchtitan file's ``[model] converters = ["float8"]`` (``[float8] recipe_name``, torchao's
+    tensorwise by default) or ``["mx"]``, as the converters a 0.3 model spec names; others by their own name."""
+    model = data.get("model")
+    names = model.get("converters") if isinstance(model, dict) else None
+    if not isinstance(names, list):
+        return []
+    float8 = data.get("float8") if isinstance(data.get("float8"), dict) else {}
+    known = {"float8": {"class": "Float8LinearConverter", "recipe_name": float8.get("recipe_name") or "tensorwise"},
+             "mx": {"class": "MXFP8LinearConverter"}}
+    return [known.get(name, {"class": str(name)}) for name in names]
+
+
+def _other_sections(data: dict, *, read: set[tuple[str, str]]) -> list[str]:
+    """The fields of the sections Tessera does not read but for those ``read`` names (``model``: the model
+    evaluated is the one Tessera is given, whatever name and flavor the file states), as ``unread`` lists them,
+    each value cut short."""
     unread = []
     for name, value in data.items():
         if name not in SECTIONS:
             fields = value.items() if isinstance(value, dict) else [(None, value)]
-            unread += [f"{name}.{key}={field!r}" if key is not None else f"{name}={field!r}" for key, field in fields]
+            unread += [f"{name}.{key}={short(repr(field), limit=60)}" if key is not None
+                       else f"{name}={short(repr(field), limit=60)}" for key, field in fields if (name, key) not in read]
     return unread
 
 

@@ -490,7 +490,8 @@ def test_pytorchs_multi_chunk_schedules_get_only_micro_batch_counts_they_run():
 
     thirteen = TrainingConfig(global_batch=13, seq_len=2048)
     interleaved = Strategy.parse("dp=1,pp=2,mbs=1,schedule=interleaved:2")
-    assert schedule_refusal(interleaved, thirteen) == "its interleaved schedule runs 13 micro-batches a step only as a multiple of its 6 rounds"
+    assert schedule_refusal(interleaved, thirteen) == ("its interleaved schedule runs a step's micro-batches in 6 rounds "
+                                                       "and needs a multiple of 6; 13 is not")
     assert schedule_refusal(interleaved, TrainingConfig(global_batch=12, seq_len=2048)) is None
     assert schedule_refusal(Strategy.parse("dp=1,pp=2,mbs=1,schedule=1f1b"), thirteen) is None
     dense = [dense_block(i) for i in range(4)]

@@ -490,3 +490,14 @@ def test_a_torchtitan_model_spec_set_again_replaces_its_converters(tmp_path):
     assert read("tensorwise").fp8_scaling == "current"
     with pytest.raises(ConfigError, match="recipe_name 'blockwise': Tessera reads rowwise"):
         read("unknown")
+
+
+def test_an_older_torchtitan_toml_trains_float8_through_its_model_converters(tmp_path):
+    """torchtitan's TOML files name ``[model] converters = ["float8"]`` and the recipe in ``[float8]`` (torchao's
+    tensorwise when unset): read, not listed as unread, and priced as FP8."""
+    (tmp_path / "f8.toml").write_text("[model]\nconverters = ['float8']\n[float8]\nrecipe_name = 'rowwise'\n"
+                                      "[training]\nlocal_batch_size = 2\nseq_len = 4096\n")
+    config = import_config("torchtitan", str(tmp_path / "f8.toml"), world_size=8)
+    assert (config.precision, config.fp8_scaling, config.unread) == ("fp8", "rowwise", ())
+    (tmp_path / "tw.toml").write_text("[model]\nconverters = ['float8']\n")
+    assert import_config("torchtitan", str(tmp_path / "tw.toml"), world_size=8).fp8_scaling == "current"
