@@ -15,7 +15,7 @@ from tessera.cost_models.error_bands import ErrorBand, prediction_band
 from tessera.cost_models.tp_rules import check_plan_matches
 from tessera.cost_models.types import Fp8Scaling, Precision
 from tessera.errors import CheckpointError, ConfigError, NotModelledError, RuntimeSetupError
-from tessera.planner.capture import capture, capture_preset
+from tessera.planner.capture import capture, capture_preset, spec_for_seq_len
 from tessera.planner.plan import Plan
 from tessera.planner.refine import RUNTIME_BLOCK_OPTIONS, BlockOptions
 from tessera.planner.layer_graph import LayerGraph
@@ -250,8 +250,8 @@ def _pins(strategy: Strategy | str | Mapping[str, object] | None) -> dict[str, o
     keys (``{"tp": 8}``), checked as the string is."""
     if strategy is None:
         return {}
-    if isinstance(strategy, Strategy):
-        return strategy.model_dump()
+    if isinstance(strategy, Strategy):  # every field it holds; its empty per-block lists and etp are no pins
+        return {key: value for key, value in strategy.model_dump().items() if value not in ((), None)}
     if isinstance(strategy, Mapping):
         strategy = ",".join(f"{key}={value}" for key, value in strategy.items())
     if not isinstance(strategy, str):
@@ -324,7 +324,10 @@ def auto_parallelize(
         )
     chosen = plan(model, resolved, global_batch=global_batch, seq_len=seq_len, precision=precision, strategy=strategy,
                   tp_plan=tp_plan)
-    module = resolve_model(model)[0] if isinstance(model, str) else model  # on meta: presets, hf:..., factories
+    if isinstance(model, str):  # on meta: presets (their rotary tables as capture extended them), hf:..., factories
+        module = resolve_model(spec_for_seq_len(model, seq_len))[0]
+    else:
+        module = model
     parallel = apply_plan(module, chosen, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
                           lr_scheduler_factory=lr_scheduler_factory, tp_plan=tp_plan)
     if snapshots is not None:

@@ -160,7 +160,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
                      evaluate=lambda strategy, runs_on: tessera.evaluate(**_workload(args), strategy=strategy,
                                                                          runs_on=runs_on))
     else:
-        print_plan(plan, console)
+        print_plan(plan, console, launch=_launch_line(plan, args))
         if args.mtbf_hours is not None:
             _print_reliability(plan, args, console)
     if args.json:
@@ -170,6 +170,17 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     if args.format in ("md", "html"):
         _write_report(plan, args.format, out=args.out or "tessera-report", console=console)
     return 0
+
+
+def _launch_line(plan, args: argparse.Namespace) -> str:
+    """The table's torchrun line, reading the plan's JSON where this run writes it (``--json``, or the report
+    folder's ``plan.json``), else saying how to write it."""
+    from tessera.planner.plan_facts import cluster_layout, launch_command
+
+    nodes, per_node = cluster_layout(plan)
+    written = args.json or (str(Path(args.out or "tessera-report") / "plan.json") if args.format in ("md", "html") else None)
+    line = launch_command(nodes=nodes, devices_per_node=per_node, plan_path=written or "plan.json")
+    return line if written else f"{line} (write plan.json with --json plan.json)"
 
 
 def _check_plan_options(args: argparse.Namespace) -> None:
@@ -331,10 +342,11 @@ def _resume(args: argparse.Namespace, console: Console) -> int:
                         precision=training.precision)
     console.print(f"saved under {saved.strategy.to_string()} on {saved.strategy.world_size} devices; "
                   f"re-planned for {plan.cluster}:", highlight=False, soft_wrap=True, markup=False)
-    print_plan(plan, console)
+    relaunch = launch_commands(plan, args.script, script_args=["--resume-from", args.checkpoint])
+    print_plan(plan, console, launch="the relaunch line(s) below, which resume from the checkpoint")
     if args.json:
         plan.to_json(args.json)
-    print("\n".join(launch_commands(plan, args.script, script_args=["--resume-from", args.checkpoint])))
+    print("\n".join(relaunch))
     return 0
 
 

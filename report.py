@@ -34,9 +34,10 @@ def _console(console: Console | None) -> Console:
     return console or Console(emoji=False)
 
 
-def plan_renderable(plan: Plan) -> Group:
-    """The plan as rich tables: headline, memory by category, communication, alternatives."""
-    parts = [_headline(plan), _memory(plan), _communication(plan), _alternatives(plan)]
+def plan_renderable(plan: Plan, *, launch: str | None = None) -> Group:
+    """The plan as rich tables: headline, memory by category, communication, alternatives. ``launch`` replaces the
+    headline's launch line (the torchrun line reading ``plan.json``) where the caller launches otherwise."""
+    parts = [_headline(plan, launch=launch), _memory(plan), _communication(plan), _alternatives(plan)]
     if any(layer.time_s for layer in plan.layers):
         parts.insert(1, _per_layer(plan))
     if plan.degree_alternatives:
@@ -44,12 +45,12 @@ def plan_renderable(plan: Plan) -> Group:
     return Group(*parts)
 
 
-def print_plan(plan: Plan, console: Console | None = None) -> None:
-    """Print the plan's tables to the terminal."""
-    _console(console).print(plan_renderable(plan))
+def print_plan(plan: Plan, console: Console | None = None, *, launch: str | None = None) -> None:
+    """Print the plan's tables to the terminal (``launch``: see :func:`plan_renderable`)."""
+    _console(console).print(plan_renderable(plan, launch=launch))
 
 
-def _headline(plan: Plan) -> Table:
+def _headline(plan: Plan, *, launch: str | None = None) -> Table:
     e = plan.estimate
     nodes, per_node = cluster_layout(plan)
     table = Table(title=f"Tessera plan: {literal(plan.model_name)} on {literal(plan.cluster)}", show_header=False,
@@ -73,7 +74,8 @@ def _headline(plan: Plan) -> Table:
         ("memory", f"{e.peak_memory_bytes / GiB:.1f} / {e.memory_budget_bytes / GiB:.1f} GiB per device"),
         *((f"no {axis}", literal(reason)) for axis, reason in plan.unavailable_axes.items()),
         ("search", _search_line(plan)),
-        ("launch", literal(plan.not_on_the_runtime() or launch_command(nodes=nodes, devices_per_node=per_node))),
+        ("launch", literal(plan.not_on_the_runtime() or launch
+                           or launch_command(nodes=nodes, devices_per_node=per_node))),
     ]
     for key, value in rows:
         table.add_row(key, value)

@@ -193,12 +193,9 @@ def _capture_spec(
     fit_seq_scaling: bool, tp_plan: Mapping[str, str] | None,
 ) -> LayerGraph:
     model, _, example_inputs = resolve_model_and_inputs(spec)
+    if (longer := spec_for_seq_len(spec, seq_len, model)) != spec:
+        model, _ = resolve_model(longer)
     positions = max_positions(model)
-    if positions is not None and seq_len > positions and _computed_positions(spec, model):
-        # A built-in RoPE model's tables are computed for any length (no parameters): extend them, as a
-        # long-context continuation of pre-training does (Llama 3 405B goes from 8K to 128K, arXiv:2407.21783 Sec. 3.4.2).
-        model, _ = resolve_model(with_override(spec, "seq", seq_len))
-        positions = max_positions(model)
     if positions is not None and seq_len > positions:  # meta would not notice positions past a table
         hint = (
             f"add max_position_embeddings={seq_len} to the spec"
@@ -225,6 +222,20 @@ def _check_learned_positions(model: nn.Module, seq_len: int) -> None:
         raise ModelSpecError(f"the model's learned position table {tables[0]} covers {positions} positions (its config) "
                              f"but seq_len={seq_len} was asked for; plan seq_len <= {positions}, or build the model "
                              "with more positions")
+
+
+def spec_for_seq_len(spec: str, seq_len: int, model: nn.Module | None = None) -> str:
+    """``spec``, with its rotary tables extended to ``seq_len`` where it is a built-in RoPE model whose tables are
+    shorter: they are computed for any length (no parameters), as a long-context continuation of pre-training
+    extends them (Llama 3 405B goes from 8K to 128K, arXiv:2407.21783 Sec. 3.4.2). What capture measures and what
+    ``auto_parallelize`` builds must be this same model."""
+    if not is_builtin_spec(spec):
+        return spec
+    model = model if model is not None else resolve_model(spec)[0]
+    positions = max_positions(model)
+    if positions is not None and seq_len > positions and _computed_positions(spec, model):
+        return with_override(spec, "seq", seq_len)
+    return spec
 
 
 def _computed_positions(spec: str, model: nn.Module) -> bool:

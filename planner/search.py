@@ -25,7 +25,7 @@ from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.plan import Candidate, Plan, PlannedLayer, SolverStats
 from tessera.planner.refine import RUNTIME_BLOCK_OPTIONS, BlockOptions, RefineStats, refine
 from tessera.planner.space import (
-    check_expert_pins, check_layer_pins, check_pins, mesh_shapes, model_features, strategies,
+    check_context_pins, check_expert_pins, check_layer_pins, check_pins, mesh_shapes, model_features, strategies,
 )
 from tessera.topology.cluster import Cluster
 from tessera.topology.hardware import LOCAL_CPU
@@ -80,6 +80,7 @@ def rank_candidates(
     check_pins(pins, cluster, unavailable=graph.unavailable_axes, exclusive=profile.refused_together)
     layers = list(graph.layers)
     check_expert_pins(pins, {layer.experts for layer in layers if layer.experts})
+    check_context_pins(pins, training)
     check_layer_pins(pins, layers)
     params = _dense_and_expert_params(layers)
     no_fit_at: dict[tuple, int] = {}

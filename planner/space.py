@@ -179,6 +179,9 @@ def strategies(
     experts = {layer.experts for layer in layers if layer.experts}
     per_block = {key: pins[key] for key in ("block_recompute", "block_reshard", "chunk_blocks") if key in pins}
     passes = pins.get("pipeline_passes", 1)  # a step's micro-batches split evenly over its schedule calls
+    recomputed_blocks = any(policy in ("selective", "full") for policy in pins.get("block_recompute") or ())
+    # zero-bubble with recomputation only when both are asked for by name: then the runtime says why not
+    both_asked = pins.get("schedule") == "zero-bubble" and ("recompute" in pins or recomputed_blocks)
     for dp, tp, pp, cp, ep in mesh_shapes(layers, cluster, training, pins, unavailable=unavailable, exclusive=exclusive):
         if passes > 1 and pp == 1:
             continue  # only a pipeline has schedule calls to split a step into
@@ -191,7 +194,7 @@ def strategies(
             for micro_batch in _pinned(pins, "micro_batch", micro_batches):
                 for recompute, etp in itertools.product(recomputes, etps):
                     for schedule, chunks in _schedules(pp, blocks, pins):
-                        if schedule == "zero-bubble" and recompute != "none" and "recompute" not in pins:
+                        if schedule == "zero-bubble" and (recompute != "none" or recomputed_blocks) and not both_asked:
                             continue  # the runtime cannot recompute under a split backward (runtime.apply)
                         if "chunk_blocks" in pins and len(pins["chunk_blocks"]) != pp * chunks:
                             continue
@@ -223,6 +226,15 @@ def runtime_refusal(
     if (key := model_refusal(model_features(strategy, training, features=features), unavailable)) is not None:
         return f"{key} is unavailable for the model"
     return None
+
+
+def check_context_pins(pins: Mapping[str, object], training: TrainingConfig) -> None:
+    """Raise one line when a pinned context-parallel degree cannot split the sequence: the load-balanced (zig-zag)
+    ring cuts each sequence into ``2 * cp`` chunks."""
+    cp = int(pins.get("cp", 1))
+    if cp > 1 and training.seq_len % (2 * cp):
+        raise ConfigError(f"cp={cp} cuts each sequence into 2 x cp = {2 * cp} chunks (the load-balanced ring), and "
+                          f"seq_len {training.seq_len} is not a multiple of {2 * cp}; pick a seq_len or cp that fits")
 
 
 def check_expert_pins(pins: Mapping[str, object], experts: set[int]) -> None:

@@ -48,6 +48,8 @@ DTensor's CUDA RNG tracker (dropout under tensor parallelism on GPUs).
 
 from __future__ import annotations
 
+import atexit
+import logging
 import random
 import shutil
 import threading
@@ -75,9 +77,9 @@ from tessera.planner.plan import Plan
 from tessera.runtime.checkpoint_files import (
     DATA_FILE, FORMAT_VERSION, MANIFEST, MARKER, PARTIAL_SUFFIX, PLAN_FILE, RNG_FOLDER, STEP_PREFIX, Manifest,
     RootLock, check_checkpoint, check_keep_last, commit_checkpoint, complete_checkpoints, discard_partial,
-    has_checkpoint, partial_folder, read_manifest, select_checkpoint, step_folder, write_durably,
+    has_checkpoint, partial_folder, read_manifest, select_checkpoint, step_folder, step_of, write_durably,
 )
-from tessera.runtime.checkpoint_reader import load_metadata, load_plain, read_state
+from tessera.runtime.checkpoint_reader import check_plain, load_metadata, load_plain, read_state
 from tessera.runtime.file_records import HASH_BLOCK_BYTES, FileRecord
 from tessera.runtime.lr_schedule import restore_scheduler, scheduler_state
 from tessera.runtime.rank_agreement import broadcast, describe_failure, rank, together, world
@@ -91,6 +93,7 @@ __all__ = [  # the save/load flow, and the on-disk names of ``checkpoint_files``
     "select_checkpoint", "state_module", "step_folder",
 ]
 
+log = logging.getLogger(__name__)
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 """Optimizer state and param-group settings keyed per FQN (``param_groups.<fqn>.lr``): the nested form keeps
 ``param_groups`` as one list per rank under one key, which DCP de-duplicates across ranks, so pipeline ranks
@@ -155,6 +158,7 @@ class Checkpointer:
     def __init__(self) -> None:
         self._group: dist.ProcessGroup | None = None
         self._pending: PendingSave | None = None
+        self._exit_hook = False
 
     def save(
         self, state: TrainingState, root: str | Path, *, data_state: Any = None, async_save: bool = False,
@@ -162,6 +166,7 @@ class Checkpointer:
     ) -> PendingSave:
         """Write ``root/step-<state.step>``; see the module docstring. Call on every rank."""
         check_keep_last(keep_last)
+        check_plain(data_state, what="data_state")  # what a resume could not read back is refused before it is saved
         self.wait()
         root, group = Path(root), self._process_group()
         final, partial = step_folder(root, state.step), partial_folder(root, state.step)
@@ -183,6 +188,7 @@ class Checkpointer:
                 return PendingSave(final)
             # Not ``together``: DCP's background thread starts using ``group`` as soon as this returns.
             written = _write_async(tensors, partial, group)
+            self._finish_at_exit()
         except BaseException:
             discard_partial(partial, group)
             lock.release()
@@ -217,6 +223,24 @@ class Checkpointer:
             saved_strategy=manifest.strategy, data_state=data_state,
             skipped=tuple(skipped),
         )
+
+    def _finish_at_exit(self) -> None:
+        """Commit a save still in flight when the program ends (once per checkpointer): its files are written by then,
+        but only ``wait`` renames the partial folder into place, so a script ending without ``pm.close()`` would
+        leave its last checkpoint partial, never loaded."""
+        if not self._exit_hook:
+            atexit.register(self._commit_at_exit)
+            self._exit_hook = True
+
+    def _commit_at_exit(self) -> None:
+        if self._pending is None:
+            return
+        log.warning("a checkpoint save was still in flight when the program ended: committing it now (call "
+                    "pm.close() or pm.wait_for_checkpoint() when training ends)")
+        try:
+            self.wait()
+        except Exception as error:  # noqa: BLE001 (at exit: say it, do not raise over the program's own outcome)
+            log.error("the checkpoint in flight at exit was not committed: %s", error)
 
     def wait(self) -> Path | None:
         """Block until the save in flight (if any) is committed; its folder, or ``None``."""
@@ -407,6 +431,10 @@ def export_model_state_dict(
         raise CheckpointError(f"{out} already exists; choose another file name or pass overwrite=True "
                               "(tessera export --overwrite) to replace it")
     folder, _ = select_checkpoint(Path(checkpoint), verify=verify, group=None)
+    inside = next((parent for parent in out.resolve().parents if step_of(parent) is not None
+                   or (parent / MANIFEST).exists() or (parent / MARKER).exists()), None)
+    if inside is not None:  # replacing one of its files would corrupt that checkpoint
+        raise CheckpointError(f"{out} is inside the checkpoint {inside}; write the export elsewhere")
     metadata = load_metadata(folder)
     weights = _empty_weights(folder, metadata)
     read_state({"model": weights}, folder, None)

@@ -130,6 +130,21 @@ def load_plain(path: Path) -> Any:
                               f"{str(error).splitlines()[0][:200] if str(error) else ''})") from None
 
 
+def check_plain(value: Any, *, what: str) -> None:
+    """Refuse ``value`` unless :func:`load_plain` would read it back: plain containers of numbers, strings and
+    tensors (a NumPy integer, a ``datetime`` or a ``Path`` saves, and no resume could load it)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL (\S+)", str(error))
+        raise CheckpointError(f"{what} holds {found[1] if found else 'a Python object'}, which a resume would refuse "
+                              "to unpickle (it reads plain containers of numbers, strings and tensors); convert it "
+                              "(NumPy values to tensors or Python numbers, paths and dates to strings)") from None
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, reading non-tensor values with ``torch.load(weights_only=True)``."""
 

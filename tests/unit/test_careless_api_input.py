@@ -4,9 +4,13 @@ nothing spawns (the refusals come before any process group)."""
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
+import pathlib
 import shutil
+
+import numpy as np
 
 import pytest
 import torch
@@ -164,3 +168,68 @@ def test_a_checkpoint_whose_strategy_a_later_version_wrote_still_loads(saved, tm
     (copy / MARKER).write_text(sha256_text(text))
     assert pm.load(copy).saved_strategy == "dp=1,future_axis=2"
     pm.step = 0
+
+
+def test_a_strategy_object_pins_what_it_holds():
+    """A plan's own strategy passed back (its empty per-block lists are no pins) is evaluated as itself."""
+    plan = tessera.plan("llama-tiny", "cpu:ranks=2", global_batch=8, seq_len=16)
+    strategy, _ = tessera.evaluate("llama-tiny", "cpu:ranks=2", global_batch=8, seq_len=16, strategy=plan.strategy)
+    assert strategy == plan.strategy
+    comparison = tessera.compare("llama-tiny", "cpu:ranks=2", global_batch=8, seq_len=16, baselines=[plan.strategy])
+    assert comparison.baselines[0].error is None
+
+
+def test_recomputation_pinned_with_a_pipeline_gets_a_schedule_that_recomputes():
+    """The runtime cannot recompute under zero-bubble's split backward: a pinned recomputation leaves it out unless
+    zero-bubble is pinned too (then the runtime says why)."""
+    plan = tessera.plan("gpt-tiny:layers=4", "cpu:ranks=2", global_batch=8, seq_len=16, strategy="pp=2,recompute=full")
+    assert plan.strategy.schedule != "zero-bubble"
+    blocks = tessera.plan("gpt-tiny:layers=4", "cpu:ranks=2", global_batch=8, seq_len=16,
+                          strategy="pp=2,block_recompute=2xfull/2xnone")
+    assert blocks.strategy.schedule != "zero-bubble"
+
+
+def test_a_pinned_context_parallel_degree_must_split_the_sequence():
+    with pytest.raises(ConfigError, match="cp=2 cuts each sequence into 2 x cp = 4 chunks .* seq_len 250"):
+        tessera.plan("llama-tiny:layers=4,seq=256", "cpu:ranks=2", global_batch=8, seq_len=250, strategy="cp=2")
+
+
+def test_a_built_in_rotary_model_runs_at_the_length_it_was_planned_for():
+    """Capture extends a built-in RoPE model's tables to a longer seq_len; the model auto_parallelize builds has the
+    same tables (it had the preset's 64 and failed in its first step)."""
+    torch.manual_seed(0)
+    pm = tessera.auto_parallelize("llama-tiny", "cpu:ranks=1", global_batch=1, seq_len=128)
+    tokens = torch.randint(256, (1, 129), generator=torch.Generator().manual_seed(0))
+    assert pm.train_step((tokens[:, :-1], tokens[:, 1:])) > 0
+
+
+@pytest.mark.parametrize("value", [np.int64(3), datetime.date(2026, 12, 7), pathlib.Path("x")])
+def test_a_data_state_no_resume_could_read_is_refused_when_saved(saved, tmp_path, value):
+    pm, _ = saved
+    with pytest.raises(CheckpointError, match="data_state holds .*, which a resume would refuse to unpickle"):
+        pm.save(tmp_path / "c", data_state={"position": value})
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").glob("step-*"))
+
+
+def test_an_export_into_a_checkpoint_is_refused(saved, tmp_path):
+    from tessera.runtime.checkpoint import export_model_state_dict
+
+    _, folder = saved
+    with pytest.raises(CheckpointError, match="is inside the checkpoint"):
+        export_model_state_dict(folder, folder / MANIFEST, overwrite=True)
+    assert read_manifest(folder).step == 0
+
+
+def test_an_async_save_in_flight_when_a_script_ends_is_committed(tmp_path):
+    """The README's loop saves in the background and may end without pm.close(): the last save is committed at
+    exit (it was left as a .partial folder, never loaded), with a warning to close."""
+    import subprocess
+    import sys
+
+    script = ("import torch, tessera\n"
+              "pm = tessera.auto_parallelize('llama-tiny', 'cpu:ranks=1', global_batch=1, seq_len=16)\n"
+              f"pm.save({str(tmp_path / 'ckpt')!r}, async_save=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "ckpt" / "step-00000000" / MARKER).exists()
+    assert "still in flight when the program ended" in done.stderr
