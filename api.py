@@ -208,6 +208,9 @@ def _prepare(
         if isinstance(model, str)
         else capture(model, seq_len=seq_len, dtype=dtype, expert_capacity_factor=expert_capacity_factor, tp_plan=tp_plan)
     )
+    if expert_capacity_factor is not None and not any(layer.experts for layer in graph.layers):
+        raise ConfigError(f"expert_capacity_factor={expert_capacity_factor:g} (--expert-capacity) sets the load of routed "
+                          f"experts, and {graph.model_name} has none; leave it out")
     return graph, resolved, training
 
 

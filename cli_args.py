@@ -140,6 +140,12 @@ def plan_file_to_read(text: str) -> str:
     return text
 
 
+def script_name(text: str) -> str:
+    """An argparse ``type=``: the training script each launched rank runs (not empty)."""
+    _require_path(text, what="training script")
+    return text
+
+
 def _require_path(text: str, *, what: str) -> None:
     """An empty path would mean the working directory: refuse it rather than guess."""
     if not text.strip():

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from tessera.cli_args import (
     MAX_CAPACITY_FACTOR, MAX_COUNT, MAX_GLOBAL_BATCH, MAX_LOCAL_RANKS, MAX_NODES, MAX_SEQ_LEN, cluster_file_to_write,
-    file_to_write, finite_number, plan_file_to_read, report_folder, whole_number,
+    file_to_write, finite_number, plan_file_to_read, report_folder, script_name, whole_number,
 )
 from tessera.cli_frameworks import FRAMEWORK_FORMATS, add_from_options
 
@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "to relaunch it")
     resume.add_argument("checkpoint", help="checkpoint folder (the root given to ParallelModel.save, or a step-*)")
     resume.add_argument("--cluster", required=True, help="the devices now available, e.g. dgx-h100:nodes=3")
-    resume.add_argument("--script", default="train.py", help="training script each rank runs (default train.py)")
+    resume.add_argument("--script", default="train.py", type=script_name,
+                        help="training script each rank runs (default train.py)")
     resume.add_argument("--json", metavar="PATH", type=file_to_write("plan file"), help="also write the new plan as JSON")
     resume.add_argument("--model", default=None, help="the model to re-plan (default: the one the checkpoint names; a "
                         "factory named there, file.py:fn or module:fn, runs only if given here or trusted)")
@@ -97,7 +98,8 @@ def _add_compare(verbs: argparse._SubParsersAction) -> None:
 def _add_launch(verbs: argparse._SubParsersAction) -> None:
     launch = verbs.add_parser("launch", help="print the torchrun (or SLURM) command lines that run a plan")
     launch.add_argument("plan", type=plan_file_to_read, help="plan JSON written by 'tessera plan --json PATH'")
-    launch.add_argument("--script", default="train.py", help="training script each rank runs (default train.py)")
+    launch.add_argument("--script", default="train.py", type=script_name,
+                        help="training script each rank runs (default train.py)")
     launch.add_argument("--scheduler", choices=("torchrun", "slurm"), default="torchrun")
     launch.add_argument("--nodes", type=whole_number(unit="nodes", at_most=MAX_NODES), default=None,
                         help="default: the plan's cluster")

@@ -66,7 +66,7 @@ def _headline(plan: Plan, *, launch: str | None = None) -> Table:
                      f"{plan.precision_summary()}"),
         ("strategy", f"{plan.strategy.name}  [cyan]{literal(plan.strategy.to_string())}[/]"),
         ("mesh", "; ".join(mesh_layout(plan.strategy, devices_per_node=per_node))
-                 + f"; {e.micro_batches} micro-batches per step"),
+                 + f"; {e.micro_batches} micro-batch{'' if e.micro_batches == 1 else 'es'} per step"),
         ("step time", _step_breakdown(e)),
         *((("likely", literal(band.describe(e.step_time_s))),) if (band := plan.error_band()) else ()),
         ("throughput", f"{e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}, HFU {e.hfu:.1%} "

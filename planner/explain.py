@@ -111,7 +111,8 @@ def chunk_block_counts(plan: Plan) -> list[int]:
 def _strategy(plan: Plan, *, per_node: int) -> Section:
     s, e = plan.strategy, plan.estimate
     facts = list(mesh_layout(s, devices_per_node=per_node))
-    facts.append(f"micro-batch {s.micro_batch} sequence(s), {e.micro_batches} micro-batches per step per dp rank")
+    facts.append(f"micro-batch {s.micro_batch} sequence(s), {e.micro_batches} micro-batch"
+                 f"{'' if e.micro_batches == 1 else 'es'} per step per dp rank")
     facts.append(f"ZeRO stage {s.zero} ({s.name})" + (", sequence parallelism" if s.sp else ""))
     facts.append(f"recompute {recompute_summary(plan)}")
     if s.pp > 1:

@@ -323,3 +323,15 @@ def test_a_report_of_an_earlier_version_is_replaced_with_its_charts(tmp_path, ca
     (out / "step_time.png").write_bytes(b"\x89PNG old chart")
     assert run(["plan", *corpus.BASE, "--format", "md", "--out", str(out)], capsys)[0] == 0
     assert (out / "step_time.png").read_bytes() != b"\x89PNG old chart"
+
+
+def test_an_expert_capacity_for_a_model_without_experts_is_refused(capsys):
+    code, _, err = run(["plan", *corpus.BASE, "--expert-capacity", "2"], capsys)
+    assert code == 2 and "sets the load of routed experts, and gpt-tiny has none" in error_line(err)
+
+
+def test_an_empty_training_script_is_refused(tmp_path, capsys):
+    plan = tmp_path / "p.json"
+    assert run(["plan", *corpus.BASE, "--json", str(plan)], capsys)[0] == 0
+    code, _, err = run(["launch", str(plan), "--script", ""], capsys)
+    assert code == 2 and "the training script path is empty" in error_line(err)
