@@ -327,10 +327,11 @@ def auto_parallelize(
         )
     chosen = plan(model, resolved, global_batch=global_batch, seq_len=seq_len, precision=precision, strategy=strategy,
                   tp_plan=tp_plan)
+    module = model
     if isinstance(model, str):  # on meta: presets (their rotary tables as capture extended them), hf:..., factories
-        module = resolve_model(spec_for_seq_len(model, seq_len))[0]
-    else:
-        module = model
+        module = resolve_model(model)[0]
+        if (longer := spec_for_seq_len(model, seq_len, module)) != model:
+            module = resolve_model(longer)[0]
     parallel = apply_plan(module, chosen, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
                           lr_scheduler_factory=lr_scheduler_factory, tp_plan=tp_plan)
     if snapshots is not None:

@@ -114,6 +114,13 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+def named_global(error: pickle.UnpicklingError) -> str:
+    """What a refused pickle names, from torch's ``weights_only`` message (``builtins.exec``), or 'a Python
+    object' where the message names none."""
+    found = re.search(r"GLOBAL (\S+)", str(error))
+    return found[1] if found else "a Python object"
+
+
 def load_plain(path: Path) -> Any:
     """``torch.load(path, weights_only=True)``: plain containers of numbers, strings and tensors; a file naming
     anything else, or unreadable, is a ``CheckpointError`` (torch's own message advises ``weights_only=False``,
@@ -121,10 +128,8 @@ def load_plain(path: Path) -> Any:
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as error:
-        found = re.search(r"GLOBAL (\S+)", str(error))
-        raise CheckpointError(f"checkpoint file {path} is not plain data (it names "
-                              f"{found[1] if found else 'a Python object'}); refusing to load it (a crafted file "
-                              "runs code when unpickled)") from None
+        raise CheckpointError(f"checkpoint file {path} is not plain data (it names {named_global(error)}); refusing "
+                              "to load it (a crafted file runs code when unpickled)") from None
     except (OSError, EOFError, RuntimeError, ValueError) as error:
         raise CheckpointError(f"checkpoint file {path} is unreadable ({type(error).__name__}: "
                               f"{str(error).splitlines()[0][:200] if str(error) else ''})") from None
@@ -139,8 +144,7 @@ def check_plain(value: Any, *, what: str) -> None:
     try:
         torch.load(buffer, weights_only=True)
     except pickle.UnpicklingError as error:
-        found = re.search(r"GLOBAL (\S+)", str(error))
-        raise CheckpointError(f"{what} holds {found[1] if found else 'a Python object'}, which a resume would refuse "
+        raise CheckpointError(f"{what} holds {named_global(error)}, which a resume would refuse "
                               "to unpickle (it reads plain containers of numbers, strings and tensors); convert it "
                               "(NumPy values to tensors or Python numbers, paths and dates to strings)") from None
 
@@ -152,11 +156,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as error:
-            found = re.search(r"GLOBAL (\S+)", str(error))
             raise CheckpointError(
-                f"checkpoint value {read_item.dest_index.fqn!r} is not plain data (it names "
-                f"{found[1] if found else 'a Python object'}); refusing to load it (a crafted file runs code when "
-                "unpickled)"
+                f"checkpoint value {read_item.dest_index.fqn!r} is not plain data (it names {named_global(error)}); "
+                "refusing to load it (a crafted file runs code when unpickled)"
             ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)

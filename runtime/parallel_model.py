@@ -71,9 +71,9 @@ class ParallelModel:
         (``runtime.lr_schedule``)."""
         self.loss_fn = loss_fn
         """``loss_fn(outputs, targets)``: mean loss of one micro-batch (vocabulary-parallel under tp). The default
-        (``runtime.apply.default_loss_fn``) is cross-entropy on the output's logits: a logits tensor, a
+        (``runtime.losses.default_loss_fn``) is cross-entropy on the output's logits: a logits tensor, a
         ``.logits`` attribute or ``"logits"`` key (Hugging Face ``ModelOutput``, dicts), or a tuple's first
-        element; ``runtime.apply.build_loss`` says what a custom one receives under tp and pp."""
+        element; ``runtime.losses.build_loss`` says what a custom one receives under tp and pp."""
         self.mesh = mesh
         """The ``("edp", "pp", "ep", "cp", "tp")`` device mesh (``"dp"`` is ``edp x ep`` flattened; see ``runtime.mesh``), or ``None`` without a process group."""
         self.device = device

@@ -1,4 +1,4 @@
-"""Checks of the targets the default cross-entropy loss receives (``runtime.apply.default_loss_fn``).
+"""Checks of the targets the default cross-entropy loss receives (``runtime.losses.default_loss_fn``).
 
 One process's ``F.cross_entropy`` raises on a class index outside the logits, but under tensor parallelism the
 vocabulary-parallel loss treats every index outside a rank's shard as someone else's and one outside all shards as

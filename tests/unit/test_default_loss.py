@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.errors import ConfigError
-from tessera.runtime.apply import LogitsLoss, ShardableOutputLoss, default_loss_fn, logits_of
+from tessera.runtime.losses import LogitsLoss, ShardableOutputLoss, default_loss_fn, logits_of
 from tessera.runtime.pipeline import DictOutputLoss, return_dict_as_tuple
 
 B, T, V = 2, 3, 5

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from tessera.errors import ConfigError
-from tessera.runtime.apply import default_loss_fn
+from tessera.runtime.losses import default_loss_fn
 from tessera.runtime.targets import check_class_targets, check_logits_targets, output_classes
 
 
