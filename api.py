@@ -347,7 +347,7 @@ def _with_switches(config: SnapshotConfig, cluster: Cluster) -> SnapshotConfig:
     """``config`` with the nodes under one switch from ``cluster`` (its level above the node), unless given."""
     if config.nodes_per_switch is not None or len(cluster.levels) < 3:
         return config
-    per_switch = cluster.levels[1].group_size // cluster.devices_per_node
+    per_switch = cluster.levels[1].group_size // cluster.host_size
     return config.model_copy(update={"nodes_per_switch": max(1, per_switch)})
 
 

@@ -175,9 +175,9 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
 def _launch_line(plan, args: argparse.Namespace) -> str:
     """The table's torchrun line, reading the plan's JSON where this run writes it (``--json``, or the report
     folder's ``plan.json``), else saying how to write it."""
-    from tessera.planner.plan_facts import cluster_layout, launch_command
+    from tessera.planner.plan_facts import host_layout, launch_command
 
-    nodes, per_node = cluster_layout(plan)
+    nodes, per_node = host_layout(plan)
     written = args.json or (str(Path(args.out or "tessera-report") / "plan.json") if args.format in ("md", "html") else None)
     line = launch_command(nodes=nodes, devices_per_node=per_node, plan_path=written or "plan.json")
     return line if written else f"{line} (write plan.json with --json plan.json)"
@@ -310,7 +310,7 @@ def _print_reliability(plan, args: argparse.Namespace, console: Console) -> None
     step_s = plan.estimate.step_time_s
     cluster = load_cluster(args.cluster)
     disk_only, with_snapshots = r.snapshot_plan(
-        plan.param_count, num_devices=plan.strategy.world_size, devices_per_node=cluster.devices_per_node,
+        plan.param_count, num_devices=plan.strategy.world_size, devices_per_node=cluster.host_size,
         step_time_s=step_s, mtbf_s=args.mtbf_hours * 3600, write_bytes_per_s_per_device=bandwidth,
         asynchronous=args.async_checkpoint, disk_interval_s=args.checkpoint_every * step_s if args.checkpoint_every else None,
         relaunch_s=(args.restart_minutes or 0.0) * 60, host_rate=r.host_snapshot_rate(cluster.device))

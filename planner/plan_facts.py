@@ -89,6 +89,16 @@ def cluster_layout(plan: Plan) -> tuple[int, int]:
     return cluster.num_nodes, cluster.devices_per_node
 
 
+def host_layout(plan: Plan) -> tuple[int, int]:
+    """(hosts, devices per host) of the plan's cluster, what ``torchrun`` is started with: a GB200 NVL72 rack is one
+    node of 72 on 18 hosts of 4 (``Cluster.devices_per_host``); one host of every device when it cannot be loaded."""
+    try:
+        cluster = load_cluster(plan.cluster)
+    except (TesseraError, OSError):
+        return 1, plan.estimate.num_devices
+    return cluster.num_hosts, cluster.host_size
+
+
 def exposed_comm_by_kind(e: Estimate) -> dict[str, float]:
     """``Estimate.exposed_comm_time_s`` split by communication kind (see the module docstring)."""
     left, exposed = e.exposed_comm_time_s, {}
@@ -152,8 +162,9 @@ def band_sentence(plan: Plan) -> str | None:
 
 
 def launch_command(*, nodes: int, devices_per_node: int, plan_path: str = "plan.json") -> str:
-    """The torchrun line that starts the plan's ranks (run it on every node), every word shell-quoted so a path
-    such as ``rep; touch X #`` stays one argument; ``$HEAD_NODE`` is left for the shell to expand."""
+    """The torchrun line that starts the plan's ranks on ``nodes`` hosts of ``devices_per_node`` each
+    (``host_layout``; run it on every host), every word shell-quoted so a path such as ``rep; touch X #`` stays one
+    argument; ``$HEAD_NODE`` is left for the shell to expand."""
     head = shlex.join(["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(devices_per_node)])
     rendezvous = ("--standalone" if nodes == 1
                   else f'--rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:{RENDEZVOUS_PORT}"')

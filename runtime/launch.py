@@ -343,7 +343,7 @@ def _launch_shape(plan: Plan, cluster: Cluster | None, *, nodes: int | None,
                   procs_per_node: int | None) -> tuple[int, int]:
     world = plan.strategy.world_size
     if nodes is None and procs_per_node is None:
-        nodes = cluster.num_nodes
+        nodes = cluster.num_hosts
     if procs_per_node is None:
         procs_per_node = world // (nodes or 1)
     nodes = nodes or world // procs_per_node
@@ -352,9 +352,9 @@ def _launch_shape(plan: Plan, cluster: Cluster | None, *, nodes: int | None,
             f"{nodes} node(s) x {procs_per_node} process(es) per node = {nodes * procs_per_node} ranks, but the plan "
             f"({plan.strategy.to_string()}) needs {world}; pick nodes and processes per node whose product is {world}"
         )
-    if cluster is not None and procs_per_node > cluster.devices_per_node:
-        raise ConfigError(f"{procs_per_node} processes per node, but the nodes of cluster {plan.cluster} have "
-                          f"{cluster.devices_per_node} devices; launch on {world // cluster.devices_per_node or 1} nodes "
+    if cluster is not None and procs_per_node > cluster.host_size:
+        raise ConfigError(f"{procs_per_node} processes per node, but the hosts of cluster {plan.cluster} have "
+                          f"{cluster.host_size} devices; launch on {world // cluster.host_size or 1} nodes "
                           "or fewer processes per node")
     return nodes, procs_per_node
 

@@ -274,6 +274,9 @@ class Cluster(BaseModel):
     """Link levels innermost first; the last one must span the whole cluster."""
     extra_devices: tuple[DeviceGroup, ...] = ()
     """Devices of other kinds on the same fabric; not part of ``num_devices`` or the planned world."""
+    devices_per_host: int | None = Field(default=None, gt=0, le=MAX_DEVICES)
+    """Devices one host (one OS, one ``torchrun``) drives, where that is fewer than a node: a GB200 NVL72 rack is
+    one NVLink node of 72 GPUs on 18 hosts of 4. ``None``: a host is a node."""
 
     @model_validator(mode="after")
     def _levels_nest(self) -> "Cluster":
@@ -286,6 +289,11 @@ class Cluster(BaseModel):
             raise ClusterSpecError(
                 f"cluster {self.name}: outermost level '{self.levels[-1].name}' spans {sizes[-1]} devices "
                 f"but the cluster has {self.num_devices}; raise its group_size"
+            )
+        if self.devices_per_node % self.host_size or self.num_devices % self.host_size:
+            raise ClusterSpecError(
+                f"cluster {self.name}: hosts of {self.devices_per_host} devices (devices_per_host) do not tile its "
+                f"nodes of {self.devices_per_node}; give devices_per_host dividing devices_per_node"
             )
         return self
 
@@ -319,3 +327,14 @@ class Cluster(BaseModel):
     def num_nodes(self) -> int:
         """Number of innermost-level groups (nodes)."""
         return math.ceil(self.num_devices / self.devices_per_node)
+
+    @property
+    def host_size(self) -> int:
+        """Devices per host: what one ``torchrun`` starts, what one machine's failure takes down, what shares one
+        host's memory for snapshots. A cluster of fewer devices than a host (one GB200) is that one host."""
+        return min(self.devices_per_host or self.devices_per_node, self.devices_per_node)  # a node within one host
+
+    @property
+    def num_hosts(self) -> int:
+        """Number of hosts (``torchrun --nnodes``)."""
+        return math.ceil(self.num_devices / self.host_size)

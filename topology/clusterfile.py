@@ -8,6 +8,7 @@ takes it from its spec (``dgx-h100:nodes=8``). Every malformed field is reported
     description: free text
     device: H100-SXM-80GB            # a catalog name, 'local-cpu', or an inline device (below)
     devices_per_node: 8              # or 'world' (one host: every rank on it)
+    devices_per_host: 4              # optional: hosts smaller than a node (GB200 NVL72: 72-GPU node, hosts of 4)
     size_key: nodes                  # what 'size' / the spec's N counts: 'nodes' or 'ranks'
     size: 16                         # files only
     levels:                          # innermost first
@@ -38,7 +39,7 @@ carry ``solo_speedup``, ``linear_overhead_ms`` (tensor-parallel degree -> ms per
 Levels whose group is at least the world are cut to the world, and the levels outside it dropped, so
 ``dgx-h100:nodes=1`` has only its NVLink level and ``dgx-h100:nodes=8`` no spine.
 
-Every count (``size``, ``devices_per_node``, group sizes, the world they make) is at most
+Every count (``size``, ``devices_per_node``, ``devices_per_host``, group sizes, the world they make) is at most
 ``topology.validation.MAX_DEVICES``; every number is finite, and bandwidths, memory and FLOP/s are positive.
 """
 
@@ -54,7 +55,8 @@ from tessera.topology.cluster import Cluster, DeviceGroup, DeviceSpec, LinkLevel
 from tessera.topology.hardware import LOCAL_CPU, device, device_from_raw, device_to_raw, local_cpu_device
 from tessera.topology.validation import MAX_DEVICES, file_number, file_value, first_problem, quoted, short
 
-TOP_FIELDS = ("description", "device", "devices_per_node", "size_key", "size", "levels", "extra_devices", "profile")
+TOP_FIELDS = ("description", "device", "devices_per_node", "devices_per_host", "size_key", "size", "levels", "extra_devices",
+              "profile")
 REQUIRED_FIELDS = ("device", "devices_per_node", "size_key", "levels")
 LEVEL_FIELDS = (
     "name", "group_size", "bandwidth_gb_per_s", "latency_us", "efficiency", "oversubscription",
@@ -90,9 +92,13 @@ def cluster_from_raw(raw: Any, *, name: str, size: int) -> Cluster:
     if levels[0].group_size != min(per_node, world):  # Cluster.devices_per_node is the innermost level's size
         raise ClusterSpecError(f"cluster {name}: the innermost level {quoted(levels[0].name)} groups "
                                f"{levels[0].group_size} devices but devices_per_node is {per_node}; Tessera takes a "
-                               "node to be the innermost link level: give it group_size: node")
+                               "node to be the innermost link level: give it group_size: node (hosts smaller than that: "
+                               "devices_per_host)")
+    per_host = (positive_int(raw["devices_per_host"], f"cluster {name}: field 'devices_per_host'")
+                if raw.get("devices_per_host") is not None else None)
     try:
-        return Cluster(name=name, device=device_spec, num_devices=world, levels=levels, extra_devices=extra)
+        return Cluster(name=name, device=device_spec, num_devices=world, levels=levels, extra_devices=extra,
+                       devices_per_host=per_host)
     except ValidationError as exc:
         raise ClusterSpecError(f"cluster {name}: {first_problem(exc)}; fix the value") from None
 
@@ -103,6 +109,7 @@ def cluster_to_raw(cluster: Cluster, *, description: str = "", profile: dict[str
     raw |= {
         "device": device_to_raw(cluster.device),
         "devices_per_node": cluster.devices_per_node,
+        **({"devices_per_host": cluster.devices_per_host} if cluster.devices_per_host else {}),
         "size_key": "ranks",
         "size": cluster.num_devices,
         "levels": [_level_to_raw(level) for level in cluster.levels],

@@ -54,6 +54,10 @@ def load_cluster(spec: str | Path | Cluster) -> Cluster:
             raise ClusterSpecError(f"cluster preset {name}'s node is its innermost link level of "
                                    f"{raw['levels'][0]['group_size']} devices; gpus_per_node does not apply to it: "
                                    "leave it out")
+        host = raw.get("devices_per_host", 1)
+        if per_node % host and host % per_node:  # a node is whole hosts (GB200 NVL72: trays of 4), or within one
+            raise ClusterSpecError(f"cluster preset {name}'s hosts hold {raw['devices_per_host']} GPUs each; give "
+                                   f"gpus_per_node as a multiple of {raw['devices_per_host']}, got {per_node}")
         raw = {**raw, "devices_per_node": per_node}
     size = positive_int(values[raw["size_key"]], f"'{raw['size_key']}' in cluster preset {name}") if raw["size_key"] in values else 1
     return cluster_from_raw(raw, name=text, size=size)

@@ -184,6 +184,19 @@ def test_launch_commands_single_node_and_slurm():
     assert script[-1].endswith("--rdzv-endpoint=$MASTER_ADDR:29500 'my train.py'")
 
 
+def test_launch_commands_start_an_nvl72_rack_per_host():
+    """A GB200 NVL72 rack is one NVLink node of 72 GPUs on 18 hosts of 4: torchrun runs on each host."""
+    from tessera.errors import ConfigError
+    from tessera.runtime.launch import launch_commands
+
+    plan = _plan("dp=16,tp=8", cluster="gb200-nvl72:nodes=1,gpus_per_node=128")
+    lines = launch_commands(plan, "train.py")
+    assert len(lines) == 32 and lines[0].startswith("torchrun --nnodes=32 --nproc-per-node=4 --node-rank=0 ")
+    assert "#SBATCH --gpus-per-node=4" in launch_commands(plan, "train.py", scheduler="slurm")
+    with pytest.raises(ConfigError, match="8 processes per node, but the hosts of cluster .* have 4 devices"):
+        launch_commands(plan, "train.py", nodes=16, procs_per_node=8)
+
+
 def test_launch_commands_refuse_a_strategy_only_the_cost_model_knows():
     from tessera.errors import NotModelledError
     from tessera.runtime.launch import launch_commands
@@ -200,7 +213,7 @@ def test_launch_commands_hold_the_plan_to_its_cluster():
 
     with pytest.raises(ConfigError, match="uses 4 ranks but its cluster dgx-h100:nodes=2 has 16 devices"):
         launch_commands(_plan("dp=4"), "train.py")
-    with pytest.raises(ConfigError, match="4 processes per node, but the nodes of cluster .* have 2 devices"):
+    with pytest.raises(ConfigError, match="4 processes per node, but the hosts of cluster .* have 2 devices"):
         launch_commands(_plan("dp=8", cluster="dgx-h100:nodes=4,gpus_per_node=2"), "train.py", nodes=2)
     script = launch_commands(_plan("dp=2", cluster="cpu:ranks=2"), "train.py", scheduler="slurm")
     assert not any("gpus" in line for line in script)

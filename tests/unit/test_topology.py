@@ -265,3 +265,22 @@ def test_a_cluster_name_that_is_no_path_is_an_unknown_preset():
     for name in ("", "x" * 5000):
         with pytest.raises(ClusterSpecError, match="unknown cluster preset"):
             load_cluster(name)
+
+
+def test_an_nvl72_rack_is_one_node_on_hosts_of_four():
+    """A GB200 NVL72 rack prices as one NVLink node of 72 but runs as 18 hosts of 4 (one torchrun each)."""
+    from tessera.topology.clusterfile import cluster_from_raw, cluster_to_raw
+
+    rack = load_cluster("gb200-nvl72:nodes=2")
+    assert (rack.num_nodes, rack.devices_per_node, rack.num_hosts, rack.host_size) == (2, 72, 36, 4)
+    assert load_cluster("dgx-h100:nodes=2").num_hosts == 2  # a host is a node unless a cluster says otherwise
+    assert load_cluster("gb300-nvl72:nodes=1,gpus_per_node=16").num_hosts == 4
+    assert load_cluster("gb200-nvl72:nodes=1,gpus_per_node=1").host_size == 1  # one GPU of a host
+    raw = cluster_to_raw(rack)
+    assert cluster_from_raw(raw, name="back", size=raw["size"]).num_hosts == 36
+    with pytest.raises(ClusterSpecError, match="hosts hold 4 GPUs each; give gpus_per_node as a multiple of 4, got 6"):
+        load_cluster("gb200-nvl72:nodes=1,gpus_per_node=6")
+    with pytest.raises(ClusterSpecError, match="hosts of 5 devices \\(devices_per_host\\) do not tile its nodes of 72"):
+        cluster_from_raw({**raw, "devices_per_host": 5}, name="x", size=raw["size"])
+    with pytest.raises(ClusterSpecError, match="field 'devices_per_host' must be a positive integer"):
+        cluster_from_raw({**raw, "devices_per_host": "four"}, name="x", size=raw["size"])
