@@ -180,8 +180,10 @@ class ParallelModel:
         node (call on every rank; see ``runtime.snapshots``; without ``config.every``, the reliability model picks it
         for this plan). ``data_state()`` returns the data position to store with each (default: none; ``step`` is
         the next batch's index)."""
+        from tessera.runtime.snapshot_staging import refuse_strided_splits  # noqa: PLC0415 (only when used)
         from tessera.runtime.snapshots import SnapshotConfig, Snapshotter  # noqa: PLC0415 (only when used)
 
+        refuse_strided_splits(self.module.named_parameters())  # here, not at the first snapshot's staging
         self.snapshots = Snapshotter(config or SnapshotConfig(), data_state=data_state, plan=self.plan)
         return self.snapshots
 

@@ -26,13 +26,13 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from tessera.errors import ConfigError
 from tessera.runtime.file_records import DIGESTS, FileRecord
@@ -42,7 +42,7 @@ from tessera.runtime.snapshot_format import (
     flat_items, geometry, local_tensor, rng_tensors,
 )
 from tessera.runtime.snapshot_table import SNAPSHOT_DIGEST, snapshot_record
-from tessera.runtime.tp_styles import unstrided
+from tessera.runtime.tp_styles import has_strided_split
 
 _SLACK = 512
 """Bytes of spaces the header keeps at least for its tail to grow into (a longer learning rate, a scheduler's
@@ -67,7 +67,7 @@ class StagedShards:
         room is sized by it)."""
         rank = dist.get_rank(group) if group is not None else 0
         held = [(key, value, geometry(value)) for key, value in flat_items(tensors) if isinstance(value, torch.Tensor)]
-        _refuse_strided_splits(held)
+        refuse_strided_splits((key, value) for key, value, _ in held)
         signature = tuple((key, geometry, value.dtype.itemsize) for key, value, geometry in held)
         if signature not in assignments:
             assignments[signature] = _writers(signature, group)
@@ -192,11 +192,12 @@ def _group_fqns(values: dict[str, Any], param_groups: list[dict[str, Any]]) -> t
 _MISSING = object()
 
 
-def _refuse_strided_splits(held: list) -> None:
+def refuse_strided_splits(tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """A packed tensor-parallel split (``q|k|v`` under tp: a strided shard) is several chunks per rank, which this
     format's one box per tensor cannot describe; disk checkpoints write it gathered (``tp_styles.unstrided``, a
-    collective per save). Refused here, on every rank alike (the placements are the plan's), not written wrong."""
-    packed = [key for key, value, _ in held if isinstance(value, DTensor) and unstrided(value) is not value]
+    collective per save). Refused when snapshots are enabled and again at staging, on every rank alike (the
+    placements are the plan's), not written wrong."""
+    packed = [key for key, value in tensors if has_strided_split(value)]
     if packed:
         raise ConfigError(f"in-memory snapshots cannot hold packed tensor-parallel splits yet ({packed[0]} and "
                           f"{len(packed) - 1} more are strided shards); train without snapshots=, or with tp=1, and "

@@ -103,6 +103,12 @@ def unstrided(tensor):
     return tensor if gathered == placements else tensor.redistribute(placements=gathered)
 
 
+def has_strided_split(tensor) -> bool:
+    """Whether ``unstrided`` would gather ``tensor`` (a packed ``q|k|v`` split under tp); no collective."""
+    return isinstance(tensor, DTensor) and any(_is_strided_split(list(tensor.placements), axis)
+                                               for axis in range(len(tensor.placements)))
+
+
 def _is_strided_split(placements: list[Placement], axis: int) -> bool:
     placement = placements[axis]
     return isinstance(placement, _StridedShard) and not any(

@@ -193,12 +193,23 @@ def refused_targets() -> dict[str, str]:
     return said
 
 
+def refused_snapshots() -> str:
+    """Under tp=2, what enabling in-memory snapshots says of GPT-2's packed q|k|v: before the first step."""
+    from tessera.runtime.snapshots import SnapshotConfig  # noqa: PLC0415
+
+    try:
+        build("gpt2", TP).enable_snapshots(SnapshotConfig(every=1))
+    except ConfigError as error:
+        return str(error)
+    return "not refused"
+
+
 def run_cases(cases: list[tuple[str, str]], folder: str | None = None) -> dict:
     """Runs on every rank: every case (a failure ends the spawn, named), with its wall time; with ``folder``, the
     checkpoint case too; on 2 ranks, the targets refused."""
     runs = [(case, functools.partial(train_case, *case)) for case in cases]
     runs += [("checkpoint", functools.partial(checkpoint_case, folder))] if folder else []
-    runs += [("targets", refused_targets)] if dist.get_world_size() == 2 else []
+    runs += [("targets", refused_targets), ("snapshots", refused_snapshots)] if dist.get_world_size() == 2 else []
     results, seconds = run_named(runs)
     return {**results, "seconds": seconds}
 
@@ -268,6 +279,12 @@ def test_targets_the_vocabulary_parallel_loss_would_drop_are_refused_on_every_ra
     assert said[0] == said[1]
     assert said[0]["vocab"].startswith(f"target {VOCAB} is not below the model's {VOCAB} classes")
     assert said[0]["negative"].startswith("target -5 is negative")
+
+
+def test_snapshots_of_packed_splits_are_refused_when_enabled():
+    said = [results["snapshots"] for results in spawned(2, False)]
+    assert said[0] == said[1]
+    assert said[0].startswith("in-memory snapshots cannot hold packed tensor-parallel splits yet (transformer.h.0.")
 
 
 def test_the_spawn_stays_fast():
