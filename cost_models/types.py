@@ -431,13 +431,14 @@ column/row pairs of these linears, expert parallelism these mixture-of-experts l
 than class, experts modules stacked over experts (``models.moe.stacked_experts_problem``; ``runtime.hf_experts``)."""
 
 RUNTIME_EXCLUSIVE: tuple[tuple[str, str], ...] = (
-    ("expert-folding", "sp"), ("ep", "selective"), ("cp", "sp"), ("cp", "pp"))
+    ("expert-folding", "sp"), ("ep", "selective"), ("cp", "sp"), ("cp", "pp"), ("zero-bubble", "zero-3"))
 """Strategy features the runtime refuses together (``runtime.expert_parallel.check_expert_parallel``,
 ``runtime.context_parallel.check_context_parallel``; ep with sp runs for stacked experts, and a ``MoELayer`` model
 has no sp at all, ``planner.capabilities``): a feature is an axis of degree > 1, ``sp`` (sequence
 parallelism), ``selective`` / ``offload`` (that activation policy on any block), ``block-reshard`` (a ZeRO-3 block
-that keeps its weights gathered to its backward) or ``expert-folding`` (experts on a tensor-parallel degree below
-``tp``)."""
+that keeps its weights gathered to its backward), ``expert-folding`` (experts on a tensor-parallel degree below
+``tp``), ``zero-bubble`` (that schedule on a pipeline) or ``zero-3`` (ZeRO-3 over more than one rank). Zero-bubble
+with ZeRO-3 ran but trained differently from one process (dp=2, pp=2 on gloo, torch 2.13), so it is refused."""
 
 
 def runtime_splits(axis: str, cls: type) -> bool:
@@ -459,6 +460,10 @@ def strategy_features(strategy: Strategy) -> set[str]:
         used.add("block-reshard")
     if strategy.expert_tp != strategy.tp:
         used.add("expert-folding")
+    if strategy.pp > 1 and strategy.schedule == "zero-bubble":
+        used.add("zero-bubble")
+    if strategy.zero == 3 and strategy.dp * strategy.cp > 1:
+        used.add("zero-3")
     return used
 
 

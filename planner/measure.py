@@ -180,7 +180,7 @@ def _measure_once(
     ledger = Ledger(tallies, scope, resident)
     root = type(model).__name__  # FlopCounterMode's module tracker names modules "<RootClass>.<fqn>"
     meta_inputs = tree_map(lambda x: _stand_in(x, mode, torch.float32 if autocast else dtype, device), inputs)
-    with (mode or nullcontext(), FlopCounterMode(display=False) as counter,
+    with (mode or nullcontext(), _outputs_apart_from_inputs(), FlopCounterMode(display=False) as counter,
           _leave_in_backward(model, order, state, counter, root=root)):
         replay = BlockReplay(model, order if reuse_repeated else (), counter, root=root)
         elements = ElementReplay(model, order if reuse_repeated else (), counter, ledger, root=root)
@@ -215,19 +215,32 @@ def _forward_and_loss(
 ) -> torch.Tensor:
     args, kwargs = inputs
     try:
-        output = functional_call(model, state, args, kwargs)
+        output = functional_call(model, state, args, kwargs, tie_weights=False)  # _meta_state names every tie
         scope.model_done = True
         logits = _logits(output)
         targets = _targets(logits, tree_leaves(inputs))
         tallies[LOSS].input_bytes = _tensor_bytes((logits, targets), {})
-        if logits.dim() < 2:
-            loss = logits.float().mean()  # no class dim: a plain reduction stands in for the loss
-        else:  # fp32 upcast: a large-vocabulary softmax is computed in fp32 (Megatron-LM, torchtitan)
-            loss = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())  # ()
+        loss = _TesseraLoss()(logits, targets)
         tallies[LOSS].output_bytes = _tensor_bytes(loss, {})
         return loss
     except Exception as exc:
         raise _measure_error(scope.current(), "forward", exc) from exc
+
+
+class _TesseraLoss(nn.Module):
+    """The loss as a module of its own, so the FLOP counter scopes its backward (``_finalize``): the model's root
+    scope is entered in backward only once every floating output has its gradient, so a model returning more than
+    its logits (``(logits, hidden)``) runs part of its backward outside that scope."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if logits.dim() < 2:
+            return logits.float().mean()  # no class dim: a plain reduction stands in for the loss
+        # fp32 upcast: a large-vocabulary softmax is computed in fp32 (Megatron-LM, torchtitan)
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())  # ()
+
+
+LOSS_SCOPE = _TesseraLoss.__name__
+"""The FLOP counter's key for the loss module."""
 
 
 def _logits(output: object) -> torch.Tensor:
@@ -272,11 +285,21 @@ def _measure_error(fqn: str, phase: str, exc: Exception) -> CaptureError:
 def _meta_state(
     model: nn.Module, dtype: torch.dtype, mode: FakeTensorMode | None, *, device: str = "meta"
 ) -> dict[str, torch.Tensor]:
-    """Meta (or fake) stand-ins for every parameter and buffer (floating ones in ``dtype``); ties kept."""
+    """Meta (or fake) stand-ins for every parameter and buffer (floating ones in ``dtype``); ties kept.
+
+    One name per (module, attribute): a module registered at two paths (one block object twice in a ``ModuleList``)
+    is swapped once, since ``functional_call`` swapping it under both names restores the second path's stand-in
+    last and leaves the user's model on meta (torch 2.13). A tensor shared by two modules keeps both names."""
     memo: dict[int, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
+    owners: set[tuple[int, str]] = set()
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for name, tensor in named:
+        path, _, attribute = name.rpartition(".")
+        owner = (id(model.get_submodule(path)), attribute)
+        if owner in owners:
+            continue
+        owners.add(owner)
         if id(tensor) not in memo:
             stand_in = _stand_in(tensor, mode, dtype, device)
             memo[id(tensor)] = stand_in.requires_grad_(isinstance(tensor, nn.Parameter) and tensor.requires_grad)
@@ -349,6 +372,26 @@ def _io_hooks(
 
 
 @contextmanager
+def _outputs_apart_from_inputs() -> Iterator[None]:
+    """A module that returns its input itself (``Dropout(p=0)``, ``Identity``) gets it back as a view: the FLOP
+    counter scopes a module's backward from its output's gradient to its input's, and on one tensor the two hooks
+    can fire in the wrong order, leaving the module's scope open for the rest of the backward (a BERT classifier's
+    dropout was charged the whole encoder's backward). Entered before the counter, whose hooks then see the view."""
+
+    def apart(module: nn.Module, args: tuple, output: object) -> object:
+        inputs = {id(leaf) for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)}
+        if not any(id(leaf) in inputs for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor)):
+            return None
+        return tree_map(lambda x: x.view_as(x) if isinstance(x, torch.Tensor) and id(x) in inputs else x, output)
+
+    handle = nn.modules.module.register_module_forward_hook(apart)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextmanager
 def _leave_in_backward(
     model: nn.Module, order: tuple[str, ...], state: dict[str, torch.Tensor], counter: FlopCounterMode, *, root: str
 ) -> Iterator[None]:
@@ -414,14 +457,16 @@ def _finalize(
             for figures in (tally.region_saved_bytes, tally.region_linear_input_bytes, tally.region_flops):
                 figures.update(dict.fromkeys(("mlp", "shared_experts", "moe_act"), 0))
     glue_fwd = flops(forward, root) - sum(tallies[fqn].forward_flops for fqn in layers)
-    glue_bwd = flops(total, root) - flops(forward, root) - sum(tallies[fqn].backward_flops for fqn in layers)
+    loss_bwd = flops(total, LOSS_SCOPE) - flops(forward, LOSS_SCOPE)
+    model_bwd = flops(total, "Global") - flops(forward, "Global") - loss_bwd  # not the root's scope: see _TesseraLoss
+    glue_bwd = model_bwd - sum(tallies[fqn].backward_flops for fqn in layers)
     for fqn, rep in replayed.items():
         measured = tallies[rep]
         tallies[fqn] = replace(measured, input_bytes=tallies[fqn].input_bytes, output_bytes=tallies[fqn].output_bytes)
     tallies[layers[0]].forward_flops += glue_fwd
     tallies[layers[0]].backward_flops += glue_bwd
     tallies[LOSS].forward_flops = flops(forward, "Global") - flops(forward, root)
-    tallies[LOSS].backward_flops = flops(total, "Global") - flops(total, root) - tallies[LOSS].forward_flops
+    tallies[LOSS].backward_flops = loss_bwd
 
 
 def _expert_keys(counts: dict, prefix: str) -> set[str]:

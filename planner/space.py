@@ -101,11 +101,15 @@ def model_features(strategy: Strategy, training: TrainingConfig, *, features: se
         used.add("accumulation")
     if strategy.recompute != "none" or any(policy != "none" for policy in strategy.block_recompute or ()):
         used.add("recompute")
-    if strategy.pp > 1 and strategy.schedule == "zero-bubble":
-        used.add("zero-bubble")
     if strategy.expert_tp != strategy.tp:
         used.add("etp")
     return used
+
+
+PIN_OFF = {"sp": "sp=false", "selective": "recompute=full", "offload": "recompute=full",
+           "block-reshard": "block_reshard left out", "expert-folding": "etp left out", "zero-bubble": "schedule=1f1b",
+           "zero-3": "zero=2"}
+"""A pin that turns a ``strategy_features`` feature off, for the error that names a refused pair."""
 
 
 def model_refusal(used: set[str], unavailable: Mapping[str, str]) -> str | None:
@@ -350,6 +354,8 @@ def check_runtime_pins(
     used |= {"sp"} if pins.get("sp") else set()
     used |= {"selective"} if pins.get("recompute") == "selective" or "selective" in (pins.get("block_recompute") or ()) else set()
     sharded = int(pins.get("dp", 1)) * int(pins.get("cp", 1)) > 1
+    used |= {"zero-bubble"} if pins.get("schedule") == "zero-bubble" and int(pins.get("pp", 1)) > 1 else set()
+    used |= {"zero-3"} if int(pins.get("zero", 0)) == 3 and sharded else set()
     pinned = used | ({"zero"} if int(pins.get("zero", 0)) >= 1 and sharded else set())
     pinned |= {"recompute"} if pins.get("recompute", "none") != "none" or any(
         p != "none" for p in pins.get("block_recompute") or ()) else set()
@@ -366,4 +372,5 @@ def check_runtime_pins(
         runtime = exclusive == RUNTIME_EXCLUSIVE
         elsewhere = "; to price it as Megatron-LM runs it, tessera evaluate --runs-on megatron" if runtime else ""
         raise ConfigError(f"{'the runtime' if runtime else 'that framework'} does not implement {a} together with "
-                          f"{b}; pin one of them off (e.g. {'sp=false' if 'sp' in conflict else f'{a}=1'}){elsewhere}")
+                          f"{b}; pin one of them off (e.g. {PIN_OFF.get(b, f'{b}=1')} or {PIN_OFF.get(a, f'{a}=1')})"
+                          f"{elsewhere}")

@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tessera.cost_models.layer_stats import LinearPair
+from tessera.cost_models.types import runtime_conflict, strategy_features
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.plan import Plan, PlannedLayer
 from tessera.runtime import pipeline as pp_
@@ -198,6 +199,11 @@ def check_supported(plan: Plan) -> None:
             "interleaved with recomputation, or zero-bubble without it"
         )
     check_per_block(plan)
+    if (pair := runtime_conflict(strategy_features(plan.strategy), (("zero-bubble", "zero-3"),))) is not None:
+        raise NotModelledError(
+            f"schedule={pair[0]} with ZeRO-3 over {plan.strategy.dp * plan.strategy.cp} ranks: it trains differently "
+            "from one process (torch 2.13's split input- and weight-gradient passes under FSDP2, measured on gloo); "
+            "use schedule=1f1b or interleaved with zero=3, or zero-bubble with zero=2")
     if plan.strategy.tp_overlap:
         raise NotModelledError(
             "tp_overlap (tensor-parallel collectives overlapped with their matmuls) is a cost-model option for "

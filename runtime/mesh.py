@@ -43,6 +43,9 @@ ep peers ``etp = 1`` apart), then across data-parallel ranks; its members see di
 
 from __future__ import annotations
 
+import atexit
+import gc
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -118,10 +121,31 @@ def build_mesh(strategy: Strategy) -> DeviceMesh:
         if any(kept is not world for kept, _ in _MESHES.values()):
             _MESHES.clear()  # a new world: the old one's meshes are dead
             _GRIDS.clear()
+        _collect_at_exit()
         mesh = init_device_mesh(key[0], key[1], mesh_dim_names=AXES)
         mesh[EDP, EP]._flatten(DP)  # registered on the root mesh: mesh.get_group("dp") / get_local_rank("dp")
         _MESHES[key] = (world, mesh)  # the world group is kept alive so that its id is not reused
     return _MESHES[key][1]
+
+
+_COLLECTING_AT_EXIT: list[bool] = []
+
+
+def _collect_at_exit() -> None:
+    """Collect garbage before the interpreter shuts down (once per process). Sliced meshes left in reference
+    cycles are otherwise freed during finalization, and freeing their gloo groups then aborts the process after
+    its work is done ("terminate called without an active exception"): a torchrun job reported as failed. A
+    5-axis CPU mesh under torchrun aborted at exit in 10 of 30 runs without this and 0 of 30 with it, whether or
+    not the script destroyed the process group (2 gloo ranks, torch 2.13)."""
+    if not _COLLECTING_AT_EXIT:
+        _COLLECTING_AT_EXIT.append(True)
+        atexit.register(_release_at_exit)
+
+
+def _release_at_exit() -> None:
+    _MESHES.clear()
+    _GRIDS.clear()
+    gc.collect()
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

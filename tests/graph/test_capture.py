@@ -165,6 +165,64 @@ def test_capture_leaves_a_real_model_untouched() -> None:
     assert all("forward" not in vars(m) for m in model.modules())
 
 
+def test_capture_leaves_a_block_registered_twice_on_its_device() -> None:
+    """One block object at two places of a ModuleList (ALBERT-style sharing across depth), beside a weight tied
+    between two modules: every path keeps the user's real tensors after capture."""
+
+    class SharedDepth(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            shared = nn.Sequential(nn.Linear(16, 16), nn.GELU())
+            self.blocks = nn.ModuleList([shared, nn.Sequential(nn.Linear(16, 16)), shared])
+            self.head = nn.Linear(16, 32, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            hidden = self.embed(tokens)
+            for block in self.blocks:
+                hidden = block(hidden)
+            return self.head(hidden)
+
+    model = SharedDepth()
+    before = {name: tensor.clone() for name, tensor in model.state_dict(keep_vars=False).items()}
+    capture(model, seq_len=8)
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert not any(tensor.is_meta for tensor in after.values())
+    assert all(torch.equal(before[name], tensor) for name, tensor in after.items())
+    assert model.head.weight is model.embed.weight and model.blocks[0] is model.blocks[2]
+
+
+class _Stack(nn.Module):
+    """Embedding, two MLP blocks, a dropout of p=0 (it returns its input itself) and a head; ``returns`` picks the
+    output: the logits, ``(logits, hidden)`` or a dict of both."""
+
+    def __init__(self, returns: str) -> None:
+        super().__init__()
+        self.returns = returns
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(2))
+        self.dropout = nn.Dropout(0.0)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens: torch.Tensor) -> object:
+        hidden = self.embed(tokens)
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        logits = self.head(self.dropout(hidden))
+        return {"tuple": (logits, hidden), "dict": {"logits": logits, "hidden": hidden}}.get(self.returns, logits)
+
+
+def test_outputs_beside_the_logits_and_an_identity_module_keep_each_layers_backward() -> None:
+    """The counter scopes a module's backward between its output's gradient and its input's: more outputs than the
+    logits, or a module returning its input itself, once moved backward FLOPs between layers (negative ones)."""
+    plain = {layer.fqn: (layer.forward_flops, layer.backward_flops) for layer in capture(_Stack("logits"), seq_len=8).layers}
+    assert plain["dropout"] == (0, 0) and plain["head"][1] == 2 * plain["head"][0] > 0
+    for returns in ("tuple", "dict"):
+        layers = capture(_Stack(returns), seq_len=8).layers
+        assert {layer.fqn: (layer.forward_flops, layer.backward_flops) for layer in layers} == plain
+
+
 def test_capture_leaves_a_real_moe_model_untouched() -> None:
     model = build_model("moe-tiny")
     model(torch.zeros(1, 8, dtype=torch.long))

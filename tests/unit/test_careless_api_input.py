@@ -189,6 +189,27 @@ def test_recomputation_pinned_with_a_pipeline_gets_a_schedule_that_recomputes():
     assert blocks.strategy.schedule != "zero-bubble"
 
 
+def test_zero_bubble_with_sharded_zero3_is_neither_planned_nor_applied():
+    """It trained differently from one process on gloo (dp=2, pp=2): the search leaves it out, a pin of both is
+    refused naming the pins that turn it off, and apply_plan refuses a plan written with it."""
+    from tessera.errors import NotModelledError
+    from tessera.runtime.apply import check_supported
+
+    plan = tessera.plan("gpt-tiny:layers=4", "cpu:ranks=4", global_batch=8, seq_len=16,
+                          strategy="dp=2,pp=2,zero=3,recompute=none")
+    assert plan.strategy.schedule != "zero-bubble"
+    with pytest.raises(ConfigError, match="zero-bubble together with zero-3; pin one of them off \\(e.g. zero=2 or "
+                                          "schedule=1f1b\\)"):
+        tessera.plan("gpt-tiny:layers=4", "cpu:ranks=4", global_batch=8, seq_len=16,
+                     strategy="dp=2,pp=2,zero=3,schedule=zero-bubble")
+    edited = plan.model_copy(update={"strategy": plan.strategy.model_copy(update={"schedule": "zero-bubble"})})
+    with pytest.raises(NotModelledError, match="schedule=zero-bubble with ZeRO-3 over 2 ranks: it trains differently"):
+        check_supported(edited)
+    one_rank = tessera.plan("gpt-tiny:layers=4", "cpu:ranks=2", global_batch=8, seq_len=16,
+                            strategy="pp=2,zero=3,schedule=zero-bubble")
+    assert one_rank.strategy.schedule == "zero-bubble"  # ZeRO-3 over one rank shards nothing
+
+
 def test_a_pinned_context_parallel_degree_must_split_the_sequence():
     with pytest.raises(ConfigError, match="cp=2 cuts each sequence into 2 x cp = 4 chunks .* seq_len 250"):
         tessera.plan("llama-tiny:layers=4,seq=256", "cpu:ranks=2", global_batch=8, seq_len=250, strategy="cp=2")
