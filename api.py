@@ -305,9 +305,10 @@ def auto_parallelize(
     recovers the newest complete snapshot, resharded to the new plan, and falls back to ``resume_from``'s disk
     checkpoints (the second line of defence) when a disk checkpoint is newer or no snapshot is complete.
     """
-    from tessera.runtime.apply import apply_plan, check_precision
+    from tessera.runtime.apply import apply_plan, check_not_applied, check_precision
 
     check_precision(precision)  # before the search, which would plan it
+    check_not_applied(model)
     if resume_from is not None:
         from tessera.runtime.checkpoint_files import check_resume_root
 

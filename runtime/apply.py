@@ -32,6 +32,7 @@ The runtime reads only the ``Plan`` data model (never the planner or the cost mo
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -40,7 +41,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tessera.cost_models.layer_stats import LinearPair
-from tessera.cost_models.types import runtime_conflict, strategy_features
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.plan import Plan, PlannedLayer
 from tessera.runtime import pipeline as pp_
@@ -134,6 +134,7 @@ def apply_plan(
     on_meta = is_on_meta(model)
     ties = _cross_stage_ties(model, plan, on_meta=on_meta)
     traced = pp_.trace_plan(model, plan) if plan.strategy.pp > 1 else None  # before any process group
+    _claim(model)  # what follows changes the model in place
     mesh = None if _runs_without_process_group(plan) else build_mesh(plan.strategy)
     device = _target_device(model, on_meta=on_meta)
     if mesh is not None:
@@ -162,6 +163,23 @@ def apply_plan(
                          schedule=schedule, chunks=chunks, offloads=offloads,
                          check_targets=target_check(loss_fn, classes),
                          lr_scheduler=build_scheduler(lr_scheduler_factory, optimizer))
+
+
+_APPLIED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Models ``apply_plan`` changed in place (sharded, moved, wrapped): a second plan on one would split shards."""
+
+
+def check_not_applied(model: object) -> None:
+    """Refuse a model ``apply_plan`` already parallelised (under pp, its second pipeline aborted in gloo)."""
+    if isinstance(model, nn.Module) and model in _APPLIED:
+        raise ConfigError(f"this {type(model).__name__} object was already parallelised (apply_plan or "
+                          "auto_parallelize changed it in place); keep using the ParallelModel returned then, or "
+                          "build a fresh model for another plan")
+
+
+def _claim(model: nn.Module) -> None:
+    check_not_applied(model)
+    _APPLIED.add(model)
 
 
 def _convert_to_float8(model: nn.Module, plan: Plan) -> None:
@@ -199,9 +217,10 @@ def check_supported(plan: Plan) -> None:
             "interleaved with recomputation, or zero-bubble without it"
         )
     check_per_block(plan)
-    if (pair := runtime_conflict(strategy_features(plan.strategy), (("zero-bubble", "zero-3"),))) is not None:
+    s = plan.strategy
+    if s.pp > 1 and s.schedule == "zero-bubble" and s.zero == 3 and s.dp * s.cp > 1:  # types.RUNTIME_EXCLUSIVE
         raise NotModelledError(
-            f"schedule={pair[0]} with ZeRO-3 over {plan.strategy.dp * plan.strategy.cp} ranks: it trains differently "
+            f"schedule=zero-bubble with ZeRO-3 over {s.dp * s.cp} ranks: it trains differently "
             "from one process (torch 2.13's split input- and weight-gradient passes under FSDP2, measured on gloo); "
             "use schedule=1f1b or interleaved with zero=3, or zero-bubble with zero=2")
     if plan.strategy.tp_overlap:

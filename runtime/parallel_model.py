@@ -98,6 +98,7 @@ class ParallelModel:
         """In-memory snapshots (``runtime.snapshots``), once :meth:`enable_snapshots` is called."""
         self._checkpointer = Checkpointer()
         self._check_targets = check_targets
+        self._pipeline_row: tuple[int, ...] | None = None  # the first step's row shape under pp
         """What ``train_step`` checks the global batch's targets with before any rank splits it: the default
         loss's (``runtime.targets.check_class_targets``); None under a custom ``loss_fn``, whose targets are its
         own business."""
@@ -123,7 +124,9 @@ class ParallelModel:
         the logits' leading shape; any other output needs ``loss_fn=`` (a one-line ``ConfigError`` names the
         output's type). Pass batches of the planned global batch: BatchNorm layers were checked for it.
         """
-        inputs, targets = batch
+        inputs, targets = _inputs_and_targets(batch)
+        if self.schedule is not None:
+            self._check_pipeline_rows(inputs)
         if self._check_targets is not None:  # on the whole batch, so every rank refuses it alike
             self._check_targets(targets)
         accumulation = self._accumulation_steps(inputs, targets)
@@ -214,6 +217,22 @@ class ParallelModel:
                 loss.backward()
             local_loss += loss.detach().float()
         return local_loss
+
+    def _check_pipeline_rows(self, inputs: torch.Tensor) -> None:
+        """Pipeline stages exchange activations of the shape they were built for: a row of another shape would
+        make a receive's buffer disagree with its send, which gloo answers by aborting the process. Token ids must
+        have the plan's ``seq_len``; other inputs the shape of the first step's rows. Every rank holds the whole
+        batch, so every rank refuses alike, before any collective."""
+        row = tuple(inputs.shape[1:])
+        planned = self.plan.training.seq_len
+        if not inputs.is_floating_point() and inputs.dim() == 2 and row != (planned,):
+            raise ConfigError(f"under pipeline parallelism the stages exchange activations of the planned shape: "
+                              f"these token ids have {row[0]} positions, the plan's seq_len is {planned}; pass "
+                              f"batches of seq_len {planned}, or plan again for {row[0]}")
+        self._pipeline_row = self._pipeline_row or row
+        if row != self._pipeline_row:
+            raise ConfigError(f"under pipeline parallelism every step's rows keep the first step's shape "
+                              f"{self._pipeline_row}; this batch's rows are {row}")
 
     def _run_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Run the schedule; the last stage's mean micro-batch loss, broadcast over the pipeline axis."""
@@ -311,3 +330,20 @@ def reduce_partial_gradients(optimizer: torch.optim.Optimizer) -> None:
             grad = param.grad
             if isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements):
                 param.grad = grad.redistribute(grad.device_mesh, param.placements)
+
+
+def _inputs_and_targets(batch: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` as ``(inputs, targets)``, or a ``ConfigError`` saying how to pass it (a Hugging Face style dict is
+    the common mistake)."""
+    if isinstance(batch, dict):
+        raise ConfigError(f"train_step takes a tuple (inputs, targets), got a dict with keys {sorted(map(str, batch))}; "
+                          "pass e.g. (batch['input_ids'], batch['labels'])")
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        what = f"a {type(batch).__name__}" + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        raise ConfigError(f"train_step takes a tuple (inputs, targets), got {what}; pass both, the targets shaped "
+                          "like the logits without their class dimension")
+    inputs, targets = batch
+    for name, value in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(f"train_step's {name} must be a torch.Tensor, got {type(value).__name__}")
+    return inputs, targets

@@ -45,7 +45,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
-from torch.utils._pytree import TreeSpec, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 
 from tessera.cost_models.types import Strategy
 from tessera.errors import ConfigError
@@ -124,10 +124,17 @@ def free_remote_layers(model: nn.Module, plan: Plan, local: Sequence[int]) -> No
 def build_stages(
     modules: Sequence[nn.Module], chunks: Sequence[int], *, num_chunks: int, device: torch.device, group
 ) -> list[PipelineStage]:
-    """One ``PipelineStage`` per local chunk; shapes are inferred on the first step."""
+    """One ``PipelineStage`` per local chunk; shapes are inferred on the first step. A chunk's outputs are sent
+    contiguous: gloo's send refuses a strided view (a model carrying ``x.transpose(1, 2)`` between blocks)."""
+    for module in modules:
+        module.register_forward_hook(_contiguous_outputs)
     return [
         PipelineStage(module, chunk, num_chunks, device, group=group) for module, chunk in zip(modules, chunks)
     ]
+
+
+def _contiguous_outputs(_module: nn.Module, _args: tuple, output: Any) -> Any:
+    return tree_map(lambda x: x.contiguous() if isinstance(x, torch.Tensor) else x, output)
 
 
 def single_stage_schedule(strategy: Strategy, *, micro_batches: int) -> type[_PipelineSchedule]:

@@ -94,7 +94,24 @@ class TiedStack(nn.Module):
         return self.head(self.norm(x))
 
 
-MODELS = {"masked": MaskedStack, "tied": TiedStack}
+class TransposedStack(nn.Module):
+    """Carries its residual stream as ``(B, C, T)`` views between blocks (a convolutional front end's layout): what a
+    stage sends is a strided view, which gloo's send refuses unless made contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids).transpose(1, 2)  # (B, C, T), a view
+        for block in self.blocks:
+            x = block(x.transpose(1, 2)).transpose(1, 2)
+        return self.head(x.transpose(1, 2))
+
+
+MODELS = {"masked": MaskedStack, "tied": TiedStack, "transposed": TransposedStack}
 
 
 def make(name: str, seed: int = SEED) -> nn.Module:
@@ -131,7 +148,8 @@ CASES = {
         # models torch.fx cannot trace, split from a torch.export trace (masks, rotary tables recomputed per chunk)
         ("hf-llama", "dp=1,pp=2,mbs=2,schedule=1f1b"),
         ("hf-gpt2", "dp=1,pp=2,mbs=1,schedule=interleaved:2"),  # + tied wte/lm_head across ranks
-        ("tt-llama3", "dp=1,pp=2,mbs=2,schedule=1f1b")],  # torchtitan: optional positions/attention_masks
+        ("tt-llama3", "dp=1,pp=2,mbs=2,schedule=1f1b"),  # torchtitan: optional positions/attention_masks
+        ("transposed", "dp=1,pp=2,mbs=2,schedule=1f1b")],  # strided views between stages
     4: [("tied", "dp=2,pp=2,zero=0,mbs=2,schedule=1f1b"),  # tie reduction over pp after DDP's over dp
         ("tied", "dp=2,pp=2,zero=3,mbs=1,schedule=1f1b")],  # FSDP-sharded copies, summed shard by shard
 }
@@ -199,6 +217,27 @@ def checkpoint_case(folder: str) -> dict:
             "restored": full_tensors(restored.named_parameters())}
 
 
+def careless_case() -> dict[str, str]:
+    """What ``train_step`` under pp says, on every rank before any collective, of rows of another length than the
+    plan's (gloo aborted the process on the mismatched receive), of a dict batch, and what a second ``apply_plan``
+    of the same model says."""
+    model, strategy = make("masked", SEED + dist.get_rank()), "dp=1,pp=2,mbs=2,schedule=1f1b"
+    parallel, (inputs, targets) = apply_plan(model, make_plan("masked", model, strategy)), batches(1)[0]
+    said = {}
+    for name, batch in (("longer", (torch.cat([inputs, inputs], 1), torch.cat([targets, targets], 1))),
+                        ("dict", {"input_ids": inputs, "labels": targets})):
+        try:
+            parallel.train_step(batch)
+        except ConfigError as error:
+            said[name] = str(error)
+    try:
+        apply_plan(model, make_plan("masked", make("masked"), strategy))
+    except ConfigError as error:
+        said["again"] = str(error)
+    said["trains after"] = str(parallel.train_step((inputs, targets)))
+    return said
+
+
 def run_world(cases: list[tuple[str, str]], folder: str | None) -> dict:
     """Every case on this rank. A refusal (``NotModelledError``: raised alike on every rank before training)
     is recorded and the next case runs; any other error ends the spawn (peers may be waiting in a send)."""
@@ -212,6 +251,7 @@ def run_world(cases: list[tuple[str, str]], folder: str | None) -> dict:
             results[case] = {"refused": str(error)}
     if folder is not None:
         results["checkpoint"] = checkpoint_case(folder)
+        results["careless"] = careless_case()
     return results
 
 
@@ -280,6 +320,16 @@ def test_tied_pipeline_checkpoint_resumes_exactly():
         assert result["resumed"] == result["after"]
         torch.testing.assert_close(result["restored"], result["params"], rtol=0, atol=0)
     assert torch.equal(per_rank[0]["params"]["emb.weight"], per_rank[1]["params"]["head.weight"])
+
+
+def test_careless_batches_and_a_second_plan_are_refused_alike_on_every_rank():
+    said = case_results(2, False, "careless")
+    assert said[0] == said[1]
+    assert said[0]["longer"].startswith(f"under pipeline parallelism the stages exchange activations of the planned "
+                                        f"shape: these token ids have {2 * SEQ} positions, the plan's seq_len is {SEQ}")
+    assert said[0]["dict"].startswith("train_step takes a tuple (inputs, targets), got a dict with keys "
+                                      "['input_ids', 'labels']")
+    assert "already parallelised" in said[0]["again"]
 
 
 def test_tied_pipeline_checkpoint_loads_into_one_process():
