@@ -46,7 +46,7 @@ from tessera.planner import layer_info
 from tessera.planner.block_kinds import block_kinds
 from tessera.planner.capabilities import unavailable_axes
 from tessera.planner.experts import expected_expert_load, measured_capacity_factor
-from tessera.planner.front_ends import LeafModules
+from tessera.planner.front_ends import LeafModules, meta_autocast_off
 from tessera.planner.layer_flow import LayerFlow, find_layers, trace_layers, traced_flow_and_pairs
 from tessera.planner.layer_graph import (
     SCALED_FIELDS, LayerGraph, SeqScaling, fit_polynomial, repeat_last_block, signed,
@@ -98,7 +98,8 @@ def capture(
     layers = find_layers(model)
     config = getattr(model, "config", None)
     windowed = layer_info.windowed_kernel(config) or layer_info.windowed_kernel(getattr(config, "text_config", None))
-    with expected_expert_load(model, expert_capacity_factor), layer_info.measured_with_sdpa(config):
+    with (meta_autocast_off(), expected_expert_load(model, expert_capacity_factor),
+          layer_info.measured_with_sdpa(config)):
         flow, pairs = traced_flow_and_pairs(model, layers, example_inputs, seq_len, front_ends, leaf_modules)
         rescalable = fit_seq_scaling and (example_inputs is None or callable(example_inputs))
         lengths = fit_lengths(seq_len) if rescalable else (seq_len,)

@@ -112,6 +112,25 @@ def resolve_front_ends(front_ends: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(ALIASES[name] for name in front_ends))
 
 
+@contextmanager
+def meta_autocast_off() -> Iterator[None]:
+    """``torch.autocast(device_type=x.device.type, ...)`` inside a forward (torchtitan's MoE router computes its gate
+    so, in fp32) raises on a meta tensor: meta has no autocast. While capturing, such a region runs with autocast
+    off (a meta gate then stays in the planning dtype: its bytes are a router's, a rounding error of a block)."""
+    original = torch.autocast.__init__
+
+    def init(self, device_type: str, *args, **kwargs) -> None:
+        if device_type == "meta":
+            return original(self, "cpu", *args, **{**kwargs, "enabled": False})
+        return original(self, device_type, *args, **kwargs)
+
+    torch.autocast.__init__ = init
+    try:
+        yield
+    finally:
+        torch.autocast.__init__ = original
+
+
 def meta_twin(model: nn.Module) -> nn.Module:
     """``model`` itself when it is all meta, else a deep copy whose parameters and buffers are meta tensors."""
     params = list(model.parameters())

@@ -30,7 +30,8 @@ from .harness import FP32_TOL, LR, PARAM_TOL, SEED, full_tensors, run_named
 
 GLOBAL_BATCH, SEQ_LEN, STEPS, LAYERS, VOCAB = 8, 16, 3, 2, 2048
 DEFAULT_CASES = {2: ["dp=2,zero=0,mbs=2,recompute=none",  # DDP, 2 micro-batches per step
-                     "dp=2,zero=3,mbs=4,recompute=none"]}  # FSDP2 over the blocks, ZeRO-3
+                     "dp=2,zero=3,mbs=4,recompute=none",  # FSDP2 over the blocks, ZeRO-3
+                     "moe:dp=1,pp=2,mbs=2,recompute=none,schedule=1f1b"]}  # Qwen3-MoE: its router autocasts
 NO_OVERLAP = "tp_overlap=false,sp_regather=false"
 SLOW_CASES = {2: [f"dp=1,tp=2,sp=false,zero=0,mbs=8,recompute=none,{NO_OVERLAP}",  # fused wqkv split per kv group
                   f"dp=1,tp=2,sp=true,zero=0,mbs=8,recompute=none,{NO_OVERLAP}"],
@@ -67,16 +68,47 @@ def llama3(seed: int) -> torch.nn.Module:
     return bench.build_llama3(bench.llama3_config(seq_len=SEQ_LEN, layers=LAYERS), seed=seed)
 
 
+def qwen3_moe(seed: int) -> torch.nn.Module:
+    """torchtitan's Qwen3-MoE at dim 64: 2 blocks of 4 experts (top 2), fused QKV, plain SDPA attention. Its router
+    computes the gate under ``torch.autocast(device_type=x.device.type)``, which capture on meta must get past."""
+    import torchtitan.models.qwen3 as qwen3  # noqa: PLC0415
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear  # noqa: PLC0415
+    from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: PLC0415
+
+    dim, head_dim = 64, 16
+    layers = qwen3._build_qwen3_moe_layers(
+        fuse_qkv=True, n_layers=LAYERS, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, moe_hidden_dim=32,
+        num_experts=4, top_k=2, attn_backend="flex", moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=SEQ_LEN, theta=1e6))
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config = qwen3.Qwen3Model.Config(
+        vocab_size=VOCAB, dim=dim, norm=qwen3._qwen3_norm(dim), layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=qwen3._LINEAR_INIT))
+    torch.manual_seed(seed)
+    model = config.build()
+    model.init_states()
+    return model
+
+
+def family(case: str) -> tuple[callable, str]:
+    """The builder and strategy of a case (``moe:`` names torchtitan's Qwen3-MoE, else Llama 3)."""
+    name, _, strategy = case.rpartition(":")
+    return (qwen3_moe if name == "moe" else llama3), strategy
+
+
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     tokens = torch.randint(VOCAB, (STEPS, GLOBAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
     return [(step[:, :-1], step[:, 1:]) for step in tokens]  # (B, T) inputs, next-token targets
 
 
-def train_case(strategy: str) -> dict:
+def train_case(case: str) -> dict:
     """Runs on every rank: capture, plan (every field pinned), apply, train."""
     import tessera  # noqa: PLC0415
 
-    model = llama3(SEED + dist.get_rank())
+    build, strategy = family(case)
+    model = build(SEED + dist.get_rank())
     parallel = tessera.auto_parallelize(model, f"cpu:ranks={dist.get_world_size()}", global_batch=GLOBAL_BATCH,
                                         seq_len=SEQ_LEN, strategy=strategy, precision="fp32")
     losses = [parallel.train_step(batch) for batch in batches()]
@@ -99,9 +131,9 @@ def spawned(world: int, slow: bool) -> list[dict]:
 
 
 @functools.cache
-def reference() -> dict:
+def reference(build=llama3) -> dict:
     """Plain single-process training of the seed-0 model on the whole global batch."""
-    model = llama3(SEED)
+    model = build(SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for inputs, targets in batches():
@@ -113,18 +145,32 @@ def reference() -> dict:
     return {"losses": losses, "params": full_tensors(model.named_parameters())}
 
 
-def check(world: int, strategy: str, *, slow: bool) -> None:
-    per_rank = [results[strategy] for results in spawned(world, slow)]
+def check(world: int, case: str, *, slow: bool) -> None:
+    per_rank = [results[case] for results in spawned(world, slow)]
+    build, strategy = family(case)
     assert per_rank[0]["strategy"] == Strategy.parse(strategy)  # the plan is the pinned strategy
     assert all(result["losses"] == per_rank[0]["losses"] for result in per_rank), "ranks disagree on the loss"
-    expected = reference()
+    expected = reference(build)
     torch.testing.assert_close(per_rank[0]["losses"], expected["losses"], **FP32_TOL)
-    assert per_rank[0]["params"].keys() == expected["params"].keys()  # FQNs unchanged; every shard gathered
-    torch.testing.assert_close(per_rank[0]["params"], expected["params"], **PARAM_TOL)
+    params = {name: value for result in per_rank for name, value in result["params"].items()}  # pp: each its stage's
+    assert params.keys() == expected["params"].keys()  # FQNs unchanged; every shard gathered
+    if build is llama3:
+        torch.testing.assert_close(params, expected["params"], **PARAM_TOL)
+        return
+    for name, value in params.items():  # see below
+        off = (value - expected["params"][name]).abs()
+        assert off.max() <= STEPS * LR and (off > PARAM_TOL["atol"]).float().mean() < 0.01, name
+
+
+# The MoE model's parameters: an element whose gradient sums to about zero (a routed expert's, over the tokens routed
+# to it; a head row of a token the batch does not hold) gets an AdamW step of up to lr from rounding alone (the
+# harness's PARAM_TOL note), and micro-batches under pp sum in another order. Seen: 21 of 8192 elements of one expert
+# matrix off by at most 1.9e-3 after 3 steps, 3 of the head's 131072 by 1.3e-4. A missed reduction or a wrong route
+# moves most elements of a matrix, and the losses, which must match as tightly as the dense model's.
 
 
 @pytest.mark.parametrize("strategy", DEFAULT_CASES[2])
-def test_data_parallel_and_fsdp_train_torchtitan_llama3_like_one_process(strategy):
+def test_data_parallel_fsdp_and_moe_pipelines_train_torchtitan_models_like_one_process(strategy):
     check(2, strategy, slow=False)
 
 
