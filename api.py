@@ -16,6 +16,7 @@ from tessera.cost_models.tp_rules import check_plan_matches
 from tessera.cost_models.types import Fp8Scaling, Precision
 from tessera.errors import CheckpointError, ConfigError, NotModelledError, RuntimeSetupError
 from tessera.planner.capture import capture, capture_preset, spec_for_seq_len
+from tessera.planner.measure import ExampleInputs
 from tessera.planner.plan import Plan
 from tessera.planner.refine import RUNTIME_BLOCK_OPTIONS, BlockOptions
 from tessera.planner.layer_graph import LayerGraph
@@ -49,6 +50,7 @@ def plan(
     fp8_scaling: Fp8Scaling | None = None,
     tp_plan: Mapping[str, str] | None = None,
     block_options: BlockOptions = RUNTIME_BLOCK_OPTIONS,
+    example_inputs: ExampleInputs | None = None,
 ) -> Plan:
     """Choose how to split training of ``model`` on ``cluster``; never allocates real weights.
 
@@ -62,10 +64,13 @@ def plan(
     Hugging Face style name) replaces the tensor-parallel plan the model declares, as ``auto_parallelize`` does.
     ``block_options`` are the per-block choices beside recomputation the integer program may make (activation
     offload, ZeRO-3 blocks keeping their gathered weights); ``planner.refine.NO_BLOCK_OPTIONS`` turns them off.
+    ``example_inputs``: one sample's inputs for a model that does not take token ids ``(1, seq_len)`` (an image
+    batch, several tensors): a tensor, a tuple of positional inputs, a dict of keyword inputs, or a function of
+    ``seq_len`` returning them (``planner.capture.capture``); a spec's factory returns ``(model, example_inputs)``.
     """
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                                          expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling,
-                                         tp_plan=tp_plan)
+                                         tp_plan=tp_plan, example_inputs=example_inputs)
     if training.precision == "fp8":
         _check_fp8_runs(model, graph, training)
     from tessera.planner.search import search
@@ -189,11 +194,14 @@ def compare(
 def _prepare(
     model: nn.Module | str, cluster: Cluster | str, *, global_batch: int, seq_len: int, precision: Precision | None,
     expert_capacity_factor: float | None = None, fp8_scaling: Fp8Scaling | None = None,
-    tp_plan: Mapping[str, str] | None = None,
+    tp_plan: Mapping[str, str] | None = None, example_inputs: ExampleInputs | None = None,
 ) -> tuple[LayerGraph, Cluster, TrainingConfig]:
     if not isinstance(model, (str, nn.Module)):
         raise ConfigError(f"model must be an nn.Module or a spec such as 'llama3-8b' or 'hf:llama:...', got "
                           f"{type(model).__name__}")
+    if example_inputs is not None and isinstance(model, str):
+        raise ConfigError(f"example_inputs go with a model object; a spec's factory returns them itself: "
+                          f"(model, example_inputs) from {model!r}")
     if tp_plan and isinstance(model, nn.Module):  # a spec's model is built, whole, by the runtime, which checks it
         check_plan_matches(tp_plan, model)
     resolved = load_cluster(cluster)
@@ -206,7 +214,8 @@ def _prepare(
     graph = (
         capture_preset(model, seq_len=seq_len, dtype=dtype, expert_capacity_factor=expert_capacity_factor, tp_plan=tp_plan)
         if isinstance(model, str)
-        else capture(model, seq_len=seq_len, dtype=dtype, expert_capacity_factor=expert_capacity_factor, tp_plan=tp_plan)
+        else capture(model, seq_len=seq_len, dtype=dtype, expert_capacity_factor=expert_capacity_factor, tp_plan=tp_plan,
+                     example_inputs=example_inputs)
     )
     if expert_capacity_factor is not None and not any(layer.experts for layer in graph.layers):
         raise ConfigError(f"expert_capacity_factor={expert_capacity_factor:g} (--expert-capacity) sets the load of routed "
@@ -277,6 +286,7 @@ def auto_parallelize(
     resume_from: str | Path | None = None,
     snapshots: SnapshotConfig | None = None,
     tp_plan: Mapping[str, str] | None = None,
+    example_inputs: ExampleInputs | None = None,
 ) -> ParallelModel:
     """Plan ``model`` for ``cluster`` and apply the plan on this process's rank.
 
@@ -285,6 +295,8 @@ def auto_parallelize(
     and fails loudly otherwise). A preset name is built on the meta device and only this rank's shards are
     materialised, initialised exactly as the unsharded model would be from the current torch seed (seed
     every rank identically).
+
+    ``example_inputs``: one sample's inputs for a model that does not take token ids (as :func:`plan`).
 
     ``resume_from``: a checkpoint folder (the root given to ``ParallelModel.save``). The cluster is fitted to
     the ranks actually running (an elastic restart on fewer or more devices re-plans for them), and the
@@ -327,7 +339,7 @@ def auto_parallelize(
             "or plan for the world you have"
         )
     chosen = plan(model, resolved, global_batch=global_batch, seq_len=seq_len, precision=precision, strategy=strategy,
-                  tp_plan=tp_plan)
+                  tp_plan=tp_plan, example_inputs=example_inputs)
     module = model
     if isinstance(model, str):  # on meta: presets (their rotary tables as capture extended them), hf:..., factories
         module = resolve_model(model)[0]

@@ -34,7 +34,8 @@ import hashlib
 import inspect
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -99,7 +100,7 @@ def capture(
     config = getattr(model, "config", None)
     windowed = layer_info.windowed_kernel(config) or layer_info.windowed_kernel(getattr(config, "text_config", None))
     with (meta_autocast_off(), expected_expert_load(model, expert_capacity_factor),
-          layer_info.measured_with_sdpa(config)):
+          layer_info.measured_with_sdpa(config), _naming_example_inputs(token_inputs, seq_len)):
         flow, pairs = traced_flow_and_pairs(model, layers, example_inputs, seq_len, front_ends, leaf_modules)
         rescalable = fit_seq_scaling and (example_inputs is None or callable(example_inputs))
         lengths = fit_lengths(seq_len) if rescalable else (seq_len,)
@@ -123,6 +124,19 @@ def capture(
         windowed_attention=windowed,
         unavailable_axes=unavailable,
     )
+
+
+@contextmanager
+def _naming_example_inputs(token_inputs: bool, seq_len: int) -> Iterator[None]:
+    """A capture that fed token ids it was not given says, after its own reason, how to feed other inputs."""
+    try:
+        yield
+    except CaptureError as error:
+        if not token_inputs:
+            raise
+        raise CaptureError(f"{error} If the model does not take token ids of shape (1, {seq_len}), pass "
+                           "example_inputs= (one sample's tensor, tuple or dict; or a spec 'file.py:factory' "
+                           "returning (model, example_inputs))") from error
 
 
 def capture_preset(

@@ -254,3 +254,27 @@ def test_an_async_save_in_flight_when_a_script_ends_is_committed(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "ckpt" / "step-00000000" / MARKER).exists()
     assert "still in flight when the program ended" in done.stderr
+
+
+class _SmallCNN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+        self.head = torch.nn.Linear(8, 10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(images))
+
+
+def test_a_model_that_takes_no_token_ids_is_planned_from_its_example_inputs():
+    """Capture feeds token ids unless told otherwise: a CNN then fails, and the error says how to feed it."""
+    from tessera.errors import CaptureError
+
+    with pytest.raises(CaptureError, match="does not take token ids of shape \\(1, 1\\), pass example_inputs="):
+        tessera.plan(_SmallCNN(), "cpu:ranks=2", global_batch=8, seq_len=1)
+    plan = tessera.plan(_SmallCNN(), "cpu:ranks=2", global_batch=8, seq_len=1,
+                        example_inputs=torch.zeros(1, 3, 16, 16))
+    assert plan.strategy.dp == 2 and plan.estimate.step_time_s > 0
+    with pytest.raises(ConfigError, match="example_inputs go with a model object"):
+        tessera.plan("gpt-tiny", "cpu:ranks=2", global_batch=8, seq_len=16, example_inputs=torch.zeros(1, 3))
