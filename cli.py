@@ -101,9 +101,15 @@ def _workload(args: argparse.Namespace, *strategies: str | None, imported: Seque
     if global_batch > MAX_GLOBAL_BATCH:
         raise ConfigError(f"the default global batch (8 per device) on {cluster.num_devices:,} devices is "
                           f"{global_batch:,} sequences, past Tessera's bound of {MAX_GLOBAL_BATCH:,}; pass --global-batch")
+    seq_len = given["seq_len"] or min(DEFAULT_SEQ_LEN, positions or DEFAULT_SEQ_LEN)
+    unstated = [f"{what} {value}" for what, value, key in (("global batch", global_batch, "global_batch"),
+                                                           ("sequence length", seq_len, "seq_len"))
+                if given[key] is None]
+    if imported and unstated:  # a config that does not state them (DeepSpeed's has no sequence length)
+        _say(Console(stderr=True), f"  not in the config: {', '.join(unstated)} taken as Tessera's default "
+                                   "(pass --global-batch / --seq-len to set them)")
     return dict(
-        model=args.model, cluster=cluster, global_batch=global_batch,
-        seq_len=given["seq_len"] or min(DEFAULT_SEQ_LEN, positions or DEFAULT_SEQ_LEN),
+        model=args.model, cluster=cluster, global_batch=global_batch, seq_len=seq_len,
         precision=given["precision"], expert_capacity_factor=args.expert_capacity, fp8_scaling=given["fp8_scaling"],
     )
 
@@ -194,7 +200,8 @@ def _check_plan_options(args: argparse.Namespace) -> None:
                    "--restart-minutes": args.restart_minutes, "--async-checkpoint": args.async_checkpoint or None}
     given = [name for name, value in reliability.items() if value is not None]
     if given and args.mtbf_hours is None:
-        raise ConfigError(f"{', '.join(given)} only apply to the reliability estimate: add --mtbf-hours H")
+        raise ConfigError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to the reliability "
+                          "estimate: add --mtbf-hours H")
     if args.mtbf_hours is not None and args.format in ("json", *FRAMEWORK_FORMATS):
         raise ConfigError(f"--mtbf-hours prints a reliability table, which --format {args.format} leaves out: use "
                           "--format table, md or html")

@@ -142,14 +142,15 @@ def _communication_table(e: Estimate) -> Table:
 
 def _alternatives(plan: Plan) -> Table:
     table = Table(title="Runners-up", title_justify="left", caption=literal(band_sentence(plan) or ""), caption_justify="left")
+    table.add_column("rank", justify="right", no_wrap=True)  # the plan is 1, as the caption counts
     table.add_column("strategy", overflow="fold", ratio=3)
     for column in ("step s", "tokens/s", "GiB/device"):
         table.add_column(column, justify="right", no_wrap=True)
     table.add_column("why it lost", ratio=2)
-    for candidate in plan.alternatives:
+    for rank, candidate in enumerate(plan.alternatives, start=2):
         e = candidate.estimate
         table.add_row(
-            literal(candidate.strategy.to_string()), f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
+            str(rank), literal(candidate.strategy.to_string()), f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
             f"{e.peak_memory_bytes / GiB:.1f}", literal(why_it_lost(e, plan.estimate, candidate.verdict, values=False)),
         )
     return table

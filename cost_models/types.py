@@ -276,7 +276,8 @@ class Strategy(BaseModel):
         if global_batch % per_step:
             raise ConfigError(
                 f"global batch {global_batch} is not divisible by dp*micro_batch = {self.dp}*{self.micro_batch}; "
-                "pick a micro-batch or dp that divides it"
+                + ("pick a dp that divides it" if global_batch % self.dp else "pick a micro-batch that divides "
+                   f"{global_batch // self.dp} (the batch per dp rank)")
             )
         micro_batches = global_batch // per_step
         if micro_batches % self.pipeline_passes:

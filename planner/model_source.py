@@ -155,6 +155,10 @@ def hf_model(spec: str) -> nn.Module:
     kernel = _training_attention(spec, values.pop("attn_implementation", "sdpa"))
     if not model_type.strip():
         raise ModelSpecError(f"{spec!r} names no model_type; write hf:<model_type>[:key=value,...], e.g. hf:llama")
+    if "/" in model_type:  # a hub repository id: Tessera fetches nothing
+        raise ModelSpecError(f"{spec!r} looks like a Hugging Face hub id; Tessera downloads nothing: write the config "
+                             "as hf:<model_type>:key=value,... (e.g. hf:llama:hidden_size=4096,num_hidden_layers=32), "
+                             "or pass a factory file.py:make_model that builds it from a local config")
     _check_hf_sizes(spec, values)  # before importing transformers, which takes seconds
     transformers = _transformers()
     try:

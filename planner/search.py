@@ -142,6 +142,7 @@ def rank_candidates(
         raise ConfigError(
             f"no strategy matches {quoted(pins) if pins else 'the request'} on {cluster.name} with global batch "
             f"{training.global_batch}: dp must divide the batch, tp the heads, pp the blocks"
+            + ("; ep must divide dp (and the experts), or dp * tp with etp=1" if int(pins.get("ep", 1)) > 1 else "")
             + ("; PyTorch's interleaved and zero-bubble schedules run a multiple of max(1, micro-batches // pp) "
                "micro-batches" if pins.get("schedule") in ("interleaved", "zero-bubble") else "")
         )

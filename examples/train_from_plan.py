@@ -1,0 +1,69 @@
+"""The ``train.py`` that ``tessera launch`` and ``tessera resume`` print command lines for: it reads a saved plan,
+applies it to the model the plan was made for, trains, checkpoints, and resumes from the newest checkpoint.
+
+    tessera plan --model gpt-tiny:layers=2 --cluster cpu:ranks=2 --global-batch 8 --seq-len 64 --json plan.json
+    tessera launch plan.json --script examples/train_from_plan.py    # prints: torchrun ... --plan plan.json
+    torchrun --standalone --nnodes=1 --nproc-per-node=2 examples/train_from_plan.py --plan plan.json --steps 3 \\
+        --checkpoints ckpt
+    torchrun ... examples/train_from_plan.py --plan plan.json --resume-from ckpt --steps 3   # after a failure
+
+The model is rebuilt from the plan's model spec on the meta device (only this rank's shards are allocated); for
+your own model, build it here instead and keep the rest. The data are random token ids: put your loader in
+``batches``, and store its position in ``data_state`` (a resumed run gets it back in ``pm.resumed.data_state``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from tessera.models import build_model
+from tessera.planner.plan import Plan
+from tessera.runtime.apply import apply_plan
+from tessera.runtime.elastic import resume_if_possible
+from tessera.runtime.targets import output_classes
+
+
+def batches(plan: Plan, start: int, vocab: int):
+    """Global batches of next-token pairs, from step ``start`` on (the same on every rank)."""
+    step = start
+    while True:
+        generator = torch.Generator().manual_seed(step)
+        tokens = torch.randint(vocab, (plan.training.global_batch, plan.training.seq_len + 1), generator=generator)
+        yield step, (tokens[:, :-1], tokens[:, 1:])
+        step += 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", required=True, help="plan JSON written by tessera plan --json")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run (default 10)")
+    parser.add_argument("--checkpoints", help="folder to save a checkpoint into after the last step")
+    parser.add_argument("--resume-from", help="checkpoint folder to resume from (its newest intact checkpoint)")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    plan = Plan.from_json(args.plan)
+    torch.manual_seed(0)  # every rank initialises its shards as the whole model would be
+    model = build_model(plan.model_name, device="meta")
+    vocab = output_classes(model)  # before the plan splits the head
+    pm = apply_plan(model, plan)
+    if args.resume_from:
+        resume_if_possible(pm, args.resume_from)
+    first = pm.step  # 0, or the step the checkpoint was saved at
+    for step, batch in batches(plan, first, vocab):
+        if step >= first + args.steps:
+            break
+        loss = pm.train_step(batch)
+        if dist.get_rank() == 0:
+            print(f"step {pm.step}: loss {loss:.4f}")
+    if args.checkpoints:
+        pm.save(args.checkpoints, data_state={"next_step": pm.step}).wait()
+    pm.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
