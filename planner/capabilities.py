@@ -57,15 +57,18 @@ EXPORT_FRONT_END = "torch.export"
 def unavailable_axes(
     model: nn.Module, layers: dict[str, nn.Module], stats: Sequence[LayerStats], *,
     front_end: str, fallback_reasons: Sequence[str] = (), tp_plan: Mapping[str, str] | None = None,
-    token_inputs: bool = True,
+    token_inputs: bool = True, revisited: tuple[str, str] | None = None,
 ) -> dict[str, str]:
     """Axis name -> one line saying why the runtime cannot apply it to ``model`` (absent: available); ``tp_plan``:
     the user's tensor-parallel plan, as the runtime will be given it (else the model's declared one);
-    ``token_inputs``: the model was captured on token ids (not on ``example_inputs``)."""
+    ``token_inputs``: the model was captured on token ids (not on ``example_inputs``); ``revisited``: a layer
+    that runs again after a later one (``layer_flow.revisited``)."""
     planned = [layer for layer in stats if layer.fqn in layers]
     reasons = {
         "tp": _tensor_parallel_problem(model, layers, planned, tp_plan),
-        "pp": _pipeline_problem(model, front_end=front_end, fallback_reasons=fallback_reasons, token_inputs=token_inputs),
+        "pp": _revisit_problem(revisited) or _pipeline_problem(model, front_end=front_end,
+                                                                  fallback_reasons=fallback_reasons,
+                                                                  token_inputs=token_inputs),
         "ep": _expert_parallel_problem(model, layers, planned),
         "cp": context_parallel_problem(model),
     }
@@ -175,6 +178,14 @@ def _pipeline_problem(model: nn.Module, *, front_end: str, fallback_reasons: Seq
     cause = f" ({why.split('): ', 1)[-1]})" if why else ""
     return (f"the runtime cuts pipeline stages from a torch.fx or torch.export trace of the root forward, and "
             f"neither traces {type(model).__name__}{cause}")
+
+
+def _revisit_problem(revisited: tuple[str, str] | None) -> str | None:
+    if revisited is None:
+        return None
+    layer, later = revisited
+    return (f"{layer} runs again after {later} (one module applied at two depths), and a pipeline stage holds each "
+            "layer once")
 
 
 def _expert_parallel_problem(model: nn.Module, layers: dict[str, nn.Module], planned: list[LayerStats]) -> str | None:

@@ -48,7 +48,7 @@ from tessera.planner.block_kinds import block_kinds
 from tessera.planner.capabilities import unavailable_axes
 from tessera.planner.experts import expected_expert_load, measured_capacity_factor
 from tessera.planner.front_ends import LeafModules, meta_autocast_off
-from tessera.planner.layer_flow import LayerFlow, find_layers, trace_layers, traced_flow_and_pairs
+from tessera.planner.layer_flow import LayerFlow, find_layers, revisited, trace_layers, traced_flow_and_pairs
 from tessera.planner.layer_graph import (
     SCALED_FIELDS, LayerGraph, SeqScaling, fit_polynomial, repeat_last_block, signed,
 )
@@ -111,7 +111,7 @@ def capture(
     stats, keys = _records(model, layers, flow, pairs, tallies[seq_len], capacity_factor=expert_capacity_factor,
                            seq_len=seq_len, windowed=windowed)
     unavailable = unavailable_axes(model, layers, stats, front_end=flow.front_end, fallback_reasons=flow.fallback_reasons,
-                                   token_inputs=token_inputs, tp_plan=tp_plan)
+                                   token_inputs=token_inputs, tp_plan=tp_plan, revisited=revisited(flow))
     return LayerGraph(
         model_name=name or getattr(model, "name", None) or type(model).__name__,
         seq_len=seq_len,

@@ -55,6 +55,14 @@ class LayerFlow:
     fallback_reasons: tuple[str, ...] = ()
 
 
+def revisited(flow: LayerFlow) -> tuple[str, str] | None:
+    """``(layer, later)`` where ``layer`` reads what a layer after its first call computes: it runs again later (one
+    block object applied at both ends of the model), which no pipeline stage can hold. None otherwise."""
+    position = {fqn: i for i, fqn in enumerate(flow.order)}
+    return next(((dst, src) for src, dst in flow.edges
+                 if src in position and dst in position and position[src] > position[dst]), None)
+
+
 def trace_layers(
     model: nn.Module,
     layers: dict[str, nn.Module],

@@ -234,3 +234,29 @@ def test_model_dependent_features_shape_the_search():
     packed = list(strategies(list(graph(GPT2).layers), cluster, TRAINING, {}, unavailable=graph(GPT2).unavailable_axes))
     assert any(s.tp > 1 and s.zero >= 1 and s.dp > 1 for s in packed)
     assert model_refusal(model_features(Strategy.parse("dp=8,tp=2,zero=1"), TRAINING), {"tp+zero": "x"}) == "tp+zero"
+
+
+def test_a_module_applied_at_two_depths_makes_pipelining_unavailable_by_name():
+    """One block object called before and after the others (weight sharing across depth): no stage can hold it, so
+    capture says so and the planner never proposes pp, rather than the runtime refusing a plan it made."""
+    import torch
+    from torch import nn
+
+    class SharedTwice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.shared = nn.Sequential(nn.Linear(16, 16), nn.GELU())
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16)) for _ in range(2))
+            self.head = nn.Linear(16, 32)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            hidden = self.shared(self.embed(tokens))
+            for block in self.blocks:
+                hidden = block(hidden)
+            return self.head(self.shared(hidden))
+
+    plan = tessera.plan(SharedTwice(), "cpu:ranks=2", global_batch=8, seq_len=8)
+    assert plan.unavailable_axes["pp"].startswith("shared runs again after blocks.1")
+    with pytest.raises(ConfigError, match="pp=2 is unavailable for this model: shared runs again"):
+        tessera.plan(SharedTwice(), "cpu:ranks=2", global_batch=8, seq_len=8, strategy="pp=2")
