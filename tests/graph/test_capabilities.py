@@ -257,6 +257,6 @@ def test_a_module_applied_at_two_depths_makes_pipelining_unavailable_by_name():
             return self.head(self.shared(hidden))
 
     plan = tessera.plan(SharedTwice(), "cpu:ranks=2", global_batch=8, seq_len=8)
-    assert plan.unavailable_axes["pp"].startswith("shared runs again after blocks.1")
-    with pytest.raises(ConfigError, match="pp=2 is unavailable for this model: shared runs again"):
+    assert plan.unavailable_axes["pp"].startswith("shared.0 runs again after blocks.1")
+    with pytest.raises(ConfigError, match="pp=2 is unavailable for this model: shared.0 runs again"):
         tessera.plan(SharedTwice(), "cpu:ranks=2", global_batch=8, seq_len=8, strategy="pp=2")
