@@ -134,14 +134,15 @@ def _check_model_spec(spec: str) -> int | None:
     return None
 
 
-def _search_with_progress(args: argparse.Namespace, console: Console):
-    """``tessera.plan`` with a progress bar over the candidate strategies (transient: gone when done)."""
+def _search_with_progress(args: argparse.Namespace):
+    """``tessera.plan`` with a progress bar on stderr over the candidate strategies (transient: gone when done)."""
     import tessera
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     workload = _workload(args, args.fix)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
+    progress_console = Console(stderr=True, emoji=False)  # stdout holds only the result (a plan, a config, JSON)
+    with Progress(*columns, console=progress_console, transient=True) as bar:
         task = bar.add_task(f"capturing {escape(args.model)}", total=None)
 
         def advance(done: int, total: int) -> None:
@@ -154,7 +155,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     from tessera.files import write_text_atomically
 
     _check_plan_options(args)
-    plan = _search_with_progress(args, console)
+    plan = _search_with_progress(args)
     from tessera.report import print_plan  # imports the charts: only once there is a plan
     if args.format == "json":
         print(plan.to_json())

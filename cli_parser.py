@@ -18,11 +18,22 @@ DEFAULT_SEQ_LEN = 4096
 
 
 
+def _version() -> str:
+    """The installed distribution's version (a source tree that was never installed says so)."""
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version("tessera")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every verb."""
     parser = argparse.ArgumentParser(prog="tessera", description="Automatic parallelism planner for PyTorch training.")
     # Its own dest: a verb's --debug (default False) would otherwise overwrite this one (main ORs the two).
     parser.add_argument("--debug", dest="debug_before_verb", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action="version", version=f"tessera {_version()}")
     verbs = parser.add_subparsers(dest="verb", required=True)
     _add_plan(verbs)
     _add_evaluate(verbs)

@@ -335,3 +335,11 @@ def test_an_empty_training_script_is_refused(tmp_path, capsys):
     assert run(["plan", *corpus.BASE, "--json", str(plan)], capsys)[0] == 0
     code, _, err = run(["launch", str(plan), "--script", ""], capsys)
     assert code == 2 and "the training script path is empty" in error_line(err)
+
+
+def test_version_and_a_hub_id_under_hf(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"tessera {version('tessera')}"
+    assert main(["plan", "--model", "hf:meta-llama/Llama-3.1-8B", "--cluster", "dgx-h100:nodes=1"]) == 2
+    assert "looks like a Hugging Face hub id; Tessera downloads nothing" in capsys.readouterr().err
