@@ -272,6 +272,16 @@ def _pins(strategy: Strategy | str | Mapping[str, object] | None) -> dict[str, o
     return Strategy.parse_fields(strategy)
 
 
+def model_to_train(spec: str, seq_len: int) -> nn.Module:
+    """The model a spec names, on meta, as a plan of it at ``seq_len`` was captured: a preset's rotary tables
+    extended as capture extended them; ``hf:...`` and ``file.py:factory`` specs built as planning built them. What
+    ``auto_parallelize`` applies a spec's plan to, and what a launched ``train.py`` builds from ``Plan.model_name``."""
+    module = resolve_model(spec)[0]
+    if (longer := spec_for_seq_len(spec, seq_len, module)) != spec:
+        module = resolve_model(longer)[0]
+    return module
+
+
 def auto_parallelize(
     model: nn.Module | str,
     cluster: Cluster | str,
@@ -340,11 +350,7 @@ def auto_parallelize(
         )
     chosen = plan(model, resolved, global_batch=global_batch, seq_len=seq_len, precision=precision, strategy=strategy,
                   tp_plan=tp_plan, example_inputs=example_inputs)
-    module = model
-    if isinstance(model, str):  # on meta: presets (their rotary tables as capture extended them), hf:..., factories
-        module = resolve_model(model)[0]
-        if (longer := spec_for_seq_len(model, seq_len, module)) != model:
-            module = resolve_model(longer)[0]
+    module = model_to_train(model, seq_len) if isinstance(model, str) else model
     parallel = apply_plan(module, chosen, loss_fn=loss_fn, optimizer_factory=optimizer_factory,
                           lr_scheduler_factory=lr_scheduler_factory, tp_plan=tp_plan)
     if snapshots is not None:

@@ -7,8 +7,8 @@ applies it to the model the plan was made for, trains, checkpoints, and resumes 
         --checkpoints ckpt
     torchrun ... examples/train_from_plan.py --plan plan.json --resume-from ckpt --steps 3   # after a failure
 
-The model is rebuilt from the plan's model spec on the meta device (only this rank's shards are allocated); for
-your own model, build it here instead and keep the rest. The data are random token ids: put your loader in
+The model is rebuilt from the plan's model spec on the meta device (only this rank's shards are allocated): a
+preset, ``hf:...`` or ``file.py:factory``; for your own model object, build it here instead and keep the rest. The data are random token ids: put your loader in
 ``batches``, and store its position in ``data_state`` (a resumed run gets it back in ``pm.resumed.data_state``).
 """
 
@@ -19,7 +19,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from tessera.models import build_model
+from tessera.api import model_to_train
+from tessera.planner.model_source import runs_user_code
 from tessera.planner.plan import Plan
 from tessera.runtime.apply import apply_plan
 from tessera.runtime.elastic import resume_if_possible
@@ -42,12 +43,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run (default 10)")
     parser.add_argument("--checkpoints", help="folder to save a checkpoint into after the last step")
     parser.add_argument("--resume-from", help="checkpoint folder to resume from (its newest intact checkpoint)")
+    parser.add_argument("--model", help="the plan's model spec, given here to allow a file.py:factory it names (a "
+                        "plan file alone never runs code)")
     args = parser.parse_args()
+    plan = Plan.from_json(args.plan)
+    if runs_user_code(plan.model_name) and args.model != plan.model_name:
+        parser.error(f"the plan names the factory {plan.model_name!r}, which runs code; pass --model "
+                     f"{plan.model_name} if you trust it, or build your model in this script")
 
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
-    plan = Plan.from_json(args.plan)
     torch.manual_seed(0)  # every rank initialises its shards as the whole model would be
-    model = build_model(plan.model_name, device="meta")
+    model = model_to_train(plan.model_name, plan.training.seq_len)  # on meta, as the plan was made
     vocab = output_classes(model)  # before the plan splits the head
     pm = apply_plan(model, plan)
     if args.resume_from:

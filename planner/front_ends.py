@@ -119,10 +119,11 @@ def meta_autocast_off() -> Iterator[None]:
     off (a meta gate then stays in the planning dtype: its bytes are a router's, a rounding error of a block)."""
     original = torch.autocast.__init__
 
-    def init(self, device_type: str, *args, **kwargs) -> None:
+    def init(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
+             cache_enabled: bool | None = None) -> None:  # torch.autocast.__init__'s parameters
         if device_type == "meta":
-            return original(self, "cpu", *args, **{**kwargs, "enabled": False})
-        return original(self, device_type, *args, **kwargs)
+            return original(self, "cpu", dtype, False, cache_enabled)
+        return original(self, device_type, dtype, enabled, cache_enabled)
 
     torch.autocast.__init__ = init
     try:

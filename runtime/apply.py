@@ -134,11 +134,12 @@ def apply_plan(
     on_meta = is_on_meta(model)
     ties = _cross_stage_ties(model, plan, on_meta=on_meta)
     traced = pp_.trace_plan(model, plan) if plan.strategy.pp > 1 else None  # before any process group
-    _claim(model)  # what follows changes the model in place
     mesh = None if _runs_without_process_group(plan) else build_mesh(plan.strategy)
     device = _target_device(model, on_meta=on_meta)
     if mesh is not None:
         check_plan_agrees(plan)
+    _claim(model)  # what follows changes the model in place
+    if mesh is not None:
         broadcast_module_states(model)
         sync_batch_norms(model, mesh)
     if plan.training.precision == "fp8":
@@ -173,8 +174,8 @@ def check_not_applied(model: object) -> None:
     """Refuse a model ``apply_plan`` already parallelised (under pp, its second pipeline aborted in gloo)."""
     if isinstance(model, nn.Module) and model in _APPLIED:
         raise ConfigError(f"this {type(model).__name__} object was already parallelised (apply_plan or "
-                          "auto_parallelize changed it in place); keep using the ParallelModel returned then, or "
-                          "build a fresh model for another plan")
+                          "auto_parallelize changed it in place, also when it then failed); keep using the "
+                          "ParallelModel returned then, or build a fresh model for another plan")
 
 
 def _claim(model: nn.Module) -> None:

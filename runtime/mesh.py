@@ -44,6 +44,7 @@ ep peers ``etp = 1`` apart), then across data-parallel ranks; its members see di
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 
 import torch.distributed as dist
@@ -128,18 +129,14 @@ def build_mesh(strategy: Strategy) -> DeviceMesh:
     return _MESHES[key][1]
 
 
-_COLLECTING_AT_EXIT: list[bool] = []
-
-
+@functools.cache  # once per process
 def _collect_at_exit() -> None:
-    """Collect garbage before the interpreter shuts down (once per process). Sliced meshes left in reference
+    """Release the meshes and collect garbage before the interpreter shuts down. Sliced meshes left in reference
     cycles are otherwise freed during finalization, and freeing their gloo groups then aborts the process after
     its work is done ("terminate called without an active exception"): a torchrun job reported as failed. A
     5-axis CPU mesh under torchrun aborted at exit in 10 of 30 runs without this and 0 of 30 with it, whether or
     not the script destroyed the process group (2 gloo ranks, torch 2.13)."""
-    if not _COLLECTING_AT_EXIT:
-        _COLLECTING_AT_EXIT.append(True)
-        atexit.register(_release_at_exit)
+    atexit.register(_release_at_exit)
 
 
 def _release_at_exit() -> None:

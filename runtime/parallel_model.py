@@ -229,7 +229,8 @@ class ParallelModel:
             raise ConfigError(f"under pipeline parallelism the stages exchange activations of the planned shape: "
                               f"these token ids have {row[0]} positions, the plan's seq_len is {planned}; pass "
                               f"batches of seq_len {planned}, or plan again for {row[0]}")
-        self._pipeline_row = self._pipeline_row or row
+        if self._pipeline_row is None:
+            self._pipeline_row = row
         if row != self._pipeline_row:
             raise ConfigError(f"under pipeline parallelism every step's rows keep the first step's shape "
                               f"{self._pipeline_row}; this batch's rows are {row}")

@@ -86,8 +86,9 @@ def recover_from_snapshots(
         if chosen is not None:
             why = f"disk checkpoint step {disk_step} is newer than snapshot step {chosen[0].step}"
         if rank == 0 and disk_step is None:  # a first start, or nothing usable anywhere
+            where = f" in {disk_root}" if disk_root is not None else ""
             (log.warning if passed_over else log.info)(
-                "snapshots: %s; no disk checkpoint in %s either: training starts from scratch", why, disk_root)
+                "snapshots: %s; no disk checkpoint%s either: training starts from scratch", why, where)
         elif rank == 0:
             log.warning("snapshots: %s; loading the newest intact disk checkpoint of %s instead", why, disk_root)
         together(lambda: discard_newer(snapshots.store, -1) if layout.is_leader(rank) else None, group,

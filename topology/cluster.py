@@ -290,7 +290,7 @@ class Cluster(BaseModel):
                 f"cluster {self.name}: outermost level '{self.levels[-1].name}' spans {sizes[-1]} devices "
                 f"but the cluster has {self.num_devices}; raise its group_size"
             )
-        if self.devices_per_node % self.host_size or self.num_devices % self.host_size:
+        if self.devices_per_host is not None and self.devices_per_node % self.host_size:
             raise ClusterSpecError(
                 f"cluster {self.name}: hosts of {self.devices_per_host} devices (devices_per_host) do not tile its "
                 f"nodes of {self.devices_per_node}; give devices_per_host dividing devices_per_node"

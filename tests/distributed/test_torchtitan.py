@@ -94,8 +94,7 @@ def qwen3_moe(seed: int) -> torch.nn.Module:
 
 def family(case: str) -> tuple[callable, str]:
     """The builder and strategy of a case (``moe:`` names torchtitan's Qwen3-MoE, else Llama 3)."""
-    name, _, strategy = case.rpartition(":")
-    return (qwen3_moe if name == "moe" else llama3), strategy
+    return (qwen3_moe, case.removeprefix("moe:")) if case.startswith("moe:") else (llama3, case)
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -37,3 +37,15 @@ def test_the_launched_script_trains_a_saved_plan_and_resumes_where_it_stopped(tm
     assert list(whole) == [1, 2, 3, 4] and first == {1: whole[1], 2: whole[2]}
     assert resumed == {3: whole[3], 4: whole[4]}
     assert Plan.from_json(tmp_path / "plan.json").strategy == plan.strategy
+
+
+def test_a_plan_naming_a_factory_runs_no_code_unless_the_command_names_it(tmp_path):
+    import tessera
+
+    plan = tessera.plan("gpt-tiny:layers=2", "cpu:ranks=1", global_batch=8, seq_len=32)
+    (tmp_path / "plan.json").write_text(plan.model_copy(update={"model_name": "evil.py:make"}).to_json())
+    (tmp_path / "evil.py").write_text("import pathlib\ndef make():\n    pathlib.Path('ran').touch()\n")
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--plan", "plan.json"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "names the factory 'evil.py:make', which runs code" in done.stderr
+    assert not (tmp_path / "ran").exists()

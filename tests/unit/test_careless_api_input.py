@@ -278,3 +278,19 @@ def test_a_model_that_takes_no_token_ids_is_planned_from_its_example_inputs():
     assert plan.strategy.dp == 2 and plan.estimate.step_time_s > 0
     with pytest.raises(ConfigError, match="example_inputs go with a model object"):
         tessera.plan("gpt-tiny", "cpu:ranks=2", global_batch=8, seq_len=16, example_inputs=torch.zeros(1, 3))
+
+
+def test_a_model_whose_apply_failed_before_changing_it_can_be_applied_again():
+    """apply_plan claims a model only once it starts changing it: a launch mistake found first (no process group
+    for a 2-rank plan) leaves it free for the corrected call; a second apply of a changed model is refused."""
+    from tessera.errors import RuntimeSetupError
+    from tessera.models import build_model
+    from tessera.runtime.apply import apply_plan
+
+    model = build_model("gpt-tiny:layers=2")
+    with pytest.raises(RuntimeSetupError, match="no process group is initialised"):
+        apply_plan(model, tessera.plan(model, "cpu:ranks=2", global_batch=8, seq_len=16, strategy="dp=2"))
+    one = tessera.plan(model, "cpu:ranks=1", global_batch=8, seq_len=16)
+    apply_plan(model, one)
+    with pytest.raises(ConfigError, match="already parallelised"):
+        apply_plan(model, one)

@@ -284,3 +284,5 @@ def test_an_nvl72_rack_is_one_node_on_hosts_of_four():
         cluster_from_raw({**raw, "devices_per_host": 5}, name="x", size=raw["size"])
     with pytest.raises(ClusterSpecError, match="field 'devices_per_host' must be a positive integer"):
         cluster_from_raw({**raw, "devices_per_host": "four"}, name="x", size=raw["size"])
+    partial = cluster_to_raw(load_cluster("dgx-h100:nodes=4"))  # an elastic restart's 20 ranks: 2.5 nodes
+    assert cluster_from_raw(partial, name="20", size=20).num_hosts == 3
