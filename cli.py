@@ -182,11 +182,11 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
 def _launch_line(plan, args: argparse.Namespace) -> str:
     """The table's torchrun line, reading the plan's JSON where this run writes it (``--json``, or the report
     folder's ``plan.json``), else saying how to write it."""
-    from tessera.planner.plan_facts import host_layout, launch_command
+    from tessera.planner.plan_facts import cluster_layout, launch_command
 
-    nodes, per_node = host_layout(plan)
+    layout = cluster_layout(plan)
     written = args.json or (str(Path(args.out or "tessera-report") / "plan.json") if args.format in ("md", "html") else None)
-    line = launch_command(nodes=nodes, devices_per_node=per_node, plan_path=written or "plan.json")
+    line = launch_command(nodes=layout.hosts, devices_per_node=layout.per_host, plan_path=written or "plan.json")
     return line if written else f"{line} (write plan.json with --json plan.json)"
 
 

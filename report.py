@@ -17,7 +17,7 @@ from tessera.cost_models import Estimate, Strategy
 from tessera.cost_models.error_bands import ErrorBand
 from tessera.planner.compare import BaselineComparison, Comparison, why_it_lost
 from tessera.planner.plan_facts import (
-    PER_LAYER_HEADER, band_sentence, cluster_layout, host_layout, launch_command, mesh_layout, per_layer_rows, step_terms,
+    PER_LAYER_HEADER, band_sentence, cluster_layout, launch_command, mesh_layout, per_layer_rows, step_terms,
     tokens, uniform_comparison,
 )
 from tessera.planner.plan import Plan, format_count
@@ -52,7 +52,7 @@ def print_plan(plan: Plan, console: Console | None = None, *, launch: str | None
 
 def _headline(plan: Plan, *, launch: str | None = None) -> Table:
     e = plan.estimate
-    (_, per_node), (hosts, per_host) = cluster_layout(plan), host_layout(plan)
+    layout = cluster_layout(plan)
     table = Table(title=f"Tessera plan: {literal(plan.model_name)} on {literal(plan.cluster)}", show_header=False,
                   title_justify="left")
     table.add_column(style="bold")
@@ -65,7 +65,7 @@ def _headline(plan: Plan, *, launch: str | None = None) -> Table:
         ("training", f"global batch {plan.training.global_batch} x {plan.training.seq_len} tokens, "
                      f"{plan.precision_summary()}"),
         ("strategy", f"{plan.strategy.name}  [cyan]{literal(plan.strategy.to_string())}[/]"),
-        ("mesh", "; ".join(mesh_layout(plan.strategy, devices_per_node=per_node))
+        ("mesh", "; ".join(mesh_layout(plan.strategy, devices_per_node=layout.per_node))
                  + f"; {e.micro_batches} micro-batch{'' if e.micro_batches == 1 else 'es'} per step"),
         ("step time", _step_breakdown(e)),
         *((("likely", literal(band.describe(e.step_time_s))),) if (band := plan.error_band()) else ()),
@@ -75,7 +75,7 @@ def _headline(plan: Plan, *, launch: str | None = None) -> Table:
         *((f"no {axis}", literal(reason)) for axis, reason in plan.unavailable_axes.items()),
         ("search", _search_line(plan)),
         ("launch", literal(plan.not_on_the_runtime() or launch
-                           or launch_command(nodes=hosts, devices_per_node=per_host))),
+                           or launch_command(nodes=layout.hosts, devices_per_node=layout.per_host))),
     ]
     for key, value in rows:
         table.add_row(key, value)

@@ -25,8 +25,8 @@ from tessera.planner.frameworks.common import FRAMEWORK_NAMES, FRAMEWORKS
 from tessera.planner.explain_plots import Block, Bullets, Code, Figure, Section, Table, render_html, render_markdown
 from tessera.planner.plan import Plan, format_count
 from tessera.planner.plan_facts import (
-    PER_LAYER_HEADER, GiB, band_sentence, cluster_layout, exposed_comm_by_kind, gib, host_layout, launch_command, mesh_layout,
-    per_layer_rows, seconds, step_terms, tokens, uniform_comparison,
+    PER_LAYER_HEADER, ClusterLayout, GiB, band_sentence, cluster_layout, exposed_comm_by_kind, gib, launch_command,
+    mesh_layout, per_layer_rows, seconds, step_terms, tokens, uniform_comparison,
 )
 
 STEP_TIME_CHART, MEMORY_CHART, TIMELINE_CHART = "step_time", "memory", "timeline"
@@ -45,11 +45,11 @@ def report_title(plan: Plan) -> str:
 
 def report_sections(plan: Plan, *, plan_path: str = "plan.json") -> list[Section]:
     """Every section of the strategy report, charts rendered."""
-    nodes, per_node = cluster_layout(plan)
+    layout = cluster_layout(plan)
     return [
-        _overview(plan, nodes=nodes, per_node=per_node),
+        _overview(plan, layout),
         *_unavailable(plan),
-        _strategy(plan, per_node=per_node),
+        _strategy(plan, per_node=layout.per_node),
         *_per_layer(plan),
         _prediction(plan),
         _breakdown(plan.estimate),
@@ -58,7 +58,7 @@ def report_sections(plan: Plan, *, plan_path: str = "plan.json") -> list[Section
         _alternatives(plan),
         *_degrees(plan),
         Section("Search", (Table(("statistic", "value"), tuple(solver_statistics(plan))),)),
-        _launch(plan, plan_path=plan_path),
+        _launch(plan, layout, plan_path=plan_path),
         *framework_sections(plan),
     ]
 
@@ -75,21 +75,20 @@ def solver_statistics(plan: Plan) -> list[tuple[str, str]]:
     return rows
 
 
-def _overview(plan: Plan, *, nodes: int, per_node: int) -> Section:
+def _overview(plan: Plan, layout: ClusterLayout) -> Section:
     t, blocks = plan.training, len(plan.block_fqns)
     return Section("Model and cluster", (Table(("item", "value"), (
         ("model", f"{plan.model_name}: {format_count(plan.param_count)} parameters, {len(plan.layers)} layers ({blocks} blocks)"),
-        ("cluster", f"{plan.cluster}: {nodes} node{'s' * (nodes > 1)} x {per_node} {plan.device_name}"
-                    f"{_hosts(plan, nodes=nodes)}, {plan.estimate.memory_budget_bytes / GiB:.0f} GiB each"),
+        ("cluster", f"{plan.cluster}: {layout.nodes} node{'s' * (layout.nodes > 1)} x {layout.per_node} "
+                    f"{plan.device_name}{_hosts(layout)}, {plan.estimate.memory_budget_bytes / GiB:.0f} GiB each"),
         ("training", f"global batch {t.global_batch} x {t.seq_len} tokens = {t.tokens_per_step:,} tokens per step, "
                      f"{plan.precision_summary()}"),
     )),))
 
 
-def _hosts(plan: Plan, *, nodes: int) -> str:
+def _hosts(layout: ClusterLayout) -> str:
     """`` on 36 hosts of 4`` where a node spans several hosts (GB200 NVL72), else nothing."""
-    hosts, per_host = host_layout(plan)
-    return f" on {hosts} hosts of {per_host}" if hosts != nodes else ""
+    return f" on {layout.hosts} hosts of {layout.per_host}" if layout.hosts != layout.nodes else ""
 
 
 def recompute_summary(plan: Plan) -> str:
@@ -268,11 +267,11 @@ def _degrees(plan: Plan) -> list[Section]:
     return [Section("Expert and context parallelism", tuple(blocks))]
 
 
-def _launch(plan: Plan, *, plan_path: str) -> Section:
+def _launch(plan: Plan, layout: ClusterLayout, *, plan_path: str) -> Section:
     if (refused := plan.not_on_the_runtime()) is not None:
         return Section("Launch", (f"Not on Tessera's runtime: {refused}.",))
-    hosts, per_host = host_layout(plan)
-    command = launch_command(nodes=hosts, devices_per_node=per_host, plan_path=plan_path)
+    hosts = layout.hosts
+    command = launch_command(nodes=hosts, devices_per_node=layout.per_host, plan_path=plan_path)
     text = (f"Run on each of the {hosts} host(s); `train.py` reads the plan with `tessera.Plan.from_json` and "
             "applies it with `tessera.runtime.apply.apply_plan`.")
     if hosts > 1:

@@ -21,6 +21,7 @@ axes live inside a node and which cross nodes.
 from __future__ import annotations
 
 import shlex
+from typing import NamedTuple
 
 from tessera.cost_models.error_bands import ErrorBand, gap_band, within_gap_error
 from tessera.cost_models.types import Estimate, Strategy
@@ -80,23 +81,24 @@ def _axis_placement(axis: str, degree: int, *, inner: int, per_node: int) -> str
     return f"{axis}={degree} across {nodes} nodes ({per_node // inner} {unit}s per node)"
 
 
-def cluster_layout(plan: Plan) -> tuple[int, int]:
-    """(nodes, devices per node) of the plan's cluster; one node of every device when it cannot be loaded."""
+class ClusterLayout(NamedTuple):
+    """The plan's cluster as reports describe it: ``nodes`` of ``per_node`` devices (its innermost link level, which
+    ``mesh_layout`` places axes in) on ``hosts`` of ``per_host`` (what ``torchrun`` starts: a GB200 NVL72 rack is one
+    node of 72 on 18 hosts of 4, ``Cluster.devices_per_host``)."""
+
+    nodes: int
+    per_node: int
+    hosts: int
+    per_host: int
+
+
+def cluster_layout(plan: Plan) -> ClusterLayout:
+    """The plan's ``ClusterLayout``; one node and host of every device when its cluster cannot be loaded."""
     try:
         cluster = load_cluster(plan.cluster)
     except (TesseraError, OSError):
-        return 1, plan.estimate.num_devices
-    return cluster.num_nodes, cluster.devices_per_node
-
-
-def host_layout(plan: Plan) -> tuple[int, int]:
-    """(hosts, devices per host) of the plan's cluster, what ``torchrun`` is started with: a GB200 NVL72 rack is one
-    node of 72 on 18 hosts of 4 (``Cluster.devices_per_host``); one host of every device when it cannot be loaded."""
-    try:
-        cluster = load_cluster(plan.cluster)
-    except (TesseraError, OSError):
-        return 1, plan.estimate.num_devices
-    return cluster.num_hosts, cluster.host_size
+        return ClusterLayout(1, plan.estimate.num_devices, 1, plan.estimate.num_devices)
+    return ClusterLayout(cluster.num_nodes, cluster.devices_per_node, cluster.num_hosts, cluster.host_size)
 
 
 def exposed_comm_by_kind(e: Estimate) -> dict[str, float]:
@@ -163,7 +165,7 @@ def band_sentence(plan: Plan) -> str | None:
 
 def launch_command(*, nodes: int, devices_per_node: int, plan_path: str = "plan.json") -> str:
     """The torchrun line that starts the plan's ranks on ``nodes`` hosts of ``devices_per_node`` each
-    (``host_layout``; run it on every host), every word shell-quoted so a path such as ``rep; touch X #`` stays one
+    (``ClusterLayout.hosts``; run it on every host), every word shell-quoted so a path such as ``rep; touch X #`` stays one
     argument; ``$HEAD_NODE`` is left for the shell to expand."""
     head = shlex.join(["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(devices_per_node)])
     rendezvous = ("--standalone" if nodes == 1
