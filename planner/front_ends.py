@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -112,24 +113,37 @@ def resolve_front_ends(front_ends: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(ALIASES[name] for name in front_ends))
 
 
+_AUTOCAST_SHIM_LOCK = threading.Lock()
+_autocast_shim_users = 0  # captures inside meta_autocast_off now, over every thread
+_original_autocast_init = torch.autocast.__init__
+
+
+def _autocast_init_meta_off(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
+                            cache_enabled: bool | None = None) -> None:  # torch.autocast.__init__'s parameters
+    if device_type == "meta":
+        return _original_autocast_init(self, "cpu", dtype, False, cache_enabled)
+    return _original_autocast_init(self, device_type, dtype, enabled, cache_enabled)
+
+
 @contextmanager
 def meta_autocast_off() -> Iterator[None]:
     """``torch.autocast(device_type=x.device.type, ...)`` inside a forward (torchtitan's MoE router computes its gate
     so, in fp32) raises on a meta tensor: meta has no autocast. While capturing, such a region runs with autocast
-    off (a meta gate then stays in the planning dtype: its bytes are a router's, a rounding error of a block)."""
-    original = torch.autocast.__init__
-
-    def init(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
-             cache_enabled: bool | None = None) -> None:  # torch.autocast.__init__'s parameters
-        if device_type == "meta":
-            return original(self, "cpu", dtype, False, cache_enabled)
-        return original(self, device_type, dtype, enabled, cache_enabled)
-
-    torch.autocast.__init__ = init
+    off (a meta gate then stays in the planning dtype: its bytes are a router's, a rounding error of a block).
+    The patch is process-wide, so it is counted: captures overlapping in threads (or nested) install it once and
+    the last to leave restores torch's own."""
+    global _autocast_shim_users
+    with _AUTOCAST_SHIM_LOCK:
+        if _autocast_shim_users == 0:
+            torch.autocast.__init__ = _autocast_init_meta_off
+        _autocast_shim_users += 1
     try:
         yield
     finally:
-        torch.autocast.__init__ = original
+        with _AUTOCAST_SHIM_LOCK:
+            _autocast_shim_users -= 1
+            if _autocast_shim_users == 0:
+                torch.autocast.__init__ = _original_autocast_init
 
 
 def meta_twin(model: nn.Module) -> nn.Module:

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.autograd.graph import register_multi_grad_hook
 from torch.func import functional_call
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
@@ -378,13 +379,13 @@ def _outputs_apart_from_inputs() -> Iterator[None]:
     can fire in the wrong order, leaving the module's scope open for the rest of the backward (a BERT classifier's
     dropout was charged the whole encoder's backward). Entered before the counter, whose hooks then see the view."""
 
-    def apart(module: nn.Module, args: tuple, output: object) -> object:
-        inputs = {id(leaf) for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)}
+    def apart(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
+        inputs = {id(leaf) for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)}
         if not any(id(leaf) in inputs for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor)):
             return None
         return tree_map(lambda x: x.view_as(x) if isinstance(x, torch.Tensor) and id(x) in inputs else x, output)
 
-    handle = nn.modules.module.register_module_forward_hook(apart)
+    handle = nn.modules.module.register_module_forward_hook(apart, with_kwargs=True)
     try:
         yield
     finally:
@@ -398,8 +399,10 @@ def _leave_in_backward(
     """End a layer's backward in FlopCounterMode's module tracker once its parameters' gradients are in, for a layer
     whose inputs need no gradient (a token embedding). The tracker leaves a module when its inputs' gradients are
     computed, so such a layer is never left: every backward op after it -- a vision tower whose output was merged
-    with the token embeddings -- would be counted to it as well."""
+    with the token embeddings -- would be counted to it as well. The tracker watches positional inputs only, so a
+    module whose inputs needing a gradient all came as keywords (``block(x=hidden)``) is left once they have theirs."""
     handles = []
+    names = {id(module): f"{root}.{fqn}" if fqn else root for fqn, module in model.named_modules()}
 
     def leave(name: str) -> Callable[[torch.Tensor], None]:
         return lambda _grad: counter.mod_tracker.parents.discard(name)
@@ -411,8 +414,17 @@ def _leave_in_backward(
         params = [t for name, t in state.items() if name.startswith(prefix) and t.requires_grad]
         handles.extend(p.register_post_accumulate_grad_hook(leave(f"{root}.{module_fqn}")) for p in params)
 
+    def keyword_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        keyword = [t for t in tree_leaves(kwargs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not keyword:
+            return
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(args)):
+            name = names[id(module)]
+            handles.append(register_multi_grad_hook(keyword, lambda _grads: counter.mod_tracker.parents.discard(name)))
+
     handles.extend(model.get_submodule(fqn).register_forward_pre_hook(
         lambda m, a, k, fqn=fqn: pre(fqn, m, a, k), with_kwargs=True) for fqn in order)
+    handles.extend(module.register_forward_pre_hook(keyword_inputs, with_kwargs=True) for module in model.modules())
     try:
         yield
     finally:

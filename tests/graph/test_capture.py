@@ -195,7 +195,8 @@ def test_capture_leaves_a_block_registered_twice_on_its_device() -> None:
 
 class _Stack(nn.Module):
     """Embedding, two MLP blocks, a dropout of p=0 (it returns its input itself) and a head; ``returns`` picks the
-    output: the logits, ``(logits, hidden)`` or a dict of both."""
+    output: the logits, ``(logits, hidden)`` or a dict of both ("keyword": the logits, the dropout called with
+    ``input=``)."""
 
     def __init__(self, returns: str) -> None:
         super().__init__()
@@ -209,7 +210,8 @@ class _Stack(nn.Module):
         hidden = self.embed(tokens)
         for block in self.blocks:
             hidden = hidden + block(hidden)
-        logits = self.head(self.dropout(hidden))
+        dropped = self.dropout(input=hidden) if self.returns == "keyword" else self.dropout(hidden)
+        logits = self.head(dropped)
         return {"tuple": (logits, hidden), "dict": {"logits": logits, "hidden": hidden}}.get(self.returns, logits)
 
 
@@ -218,7 +220,7 @@ def test_outputs_beside_the_logits_and_an_identity_module_keep_each_layers_backw
     logits, or a module returning its input itself, once moved backward FLOPs between layers (negative ones)."""
     plain = {layer.fqn: (layer.forward_flops, layer.backward_flops) for layer in capture(_Stack("logits"), seq_len=8).layers}
     assert plain["dropout"] == (0, 0) and plain["head"][1] == 2 * plain["head"][0] > 0
-    for returns in ("tuple", "dict"):
+    for returns in ("tuple", "dict", "keyword"):
         layers = capture(_Stack(returns), seq_len=8).layers
         assert {layer.fqn: (layer.forward_flops, layer.backward_flops) for layer in layers} == plain
 

@@ -139,3 +139,37 @@ def test_data_dependent_model_names_module_op_and_remedies() -> None:
     message = str(info.value)
     assert message.count("gate (Gate)") == 3  # each front end names the module
     assert "x.sum() > 0" in message and "torch.where" in message and "leaf_modules" in message
+
+
+def test_meta_autocast_shim_is_restored_after_overlapping_captures_in_threads() -> None:
+    # Two captures overlap: the first to leave must not restore torch's autocast while the second still needs the shim,
+    # and the last to leave must restore it (a save/restore pair per capture left the shim installed for good).
+    import threading
+
+    from tessera.planner.front_ends import meta_autocast_off
+
+    original = torch.autocast.__init__
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def first() -> None:
+        with meta_autocast_off():
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(5)
+        with meta_autocast_off():
+            second_in.set()
+            first_out.wait(5)
+            with torch.autocast("meta", dtype=torch.bfloat16):  # still shimmed after the first left
+                seen.append(True)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == [True]
+    assert torch.autocast.__init__ is original
