@@ -374,10 +374,18 @@ def _io_hooks(
 
 @contextmanager
 def _outputs_apart_from_inputs() -> Iterator[None]:
-    """A module that returns its input itself (``Dropout(p=0)``, ``Identity``) gets it back as a view: the FLOP
-    counter scopes a module's backward from its output's gradient to its input's, and on one tensor the two hooks
-    can fire in the wrong order, leaving the module's scope open for the rest of the backward (a BERT classifier's
-    dropout was charged the whole encoder's backward). Entered before the counter, whose hooks then see the view."""
+    """A module's tensor inputs reach it as views, and one returning an input itself (``Dropout(p=0)``,
+    ``Identity``) hands it back as a view: the FLOP counter scopes a module's backward from its output's gradient
+    to its input's, and where one tensor is both (a module returning its input; a block applied twice in a row,
+    ``block(block(x))``) the two hooks can fire in the wrong order, leaving the module's scope open for the rest of
+    the backward (a BERT classifier's dropout was charged the whole encoder's backward; the repeated block's first
+    call was charged to the layer before it). Entered before the counter, whose hooks then see the views."""
+
+    def view(x: object) -> object:
+        return x.view_as(x) if isinstance(x, torch.Tensor) and x.requires_grad else x
+
+    def inputs_apart(module: nn.Module, args: tuple) -> tuple:
+        return tree_map(view, args)
 
     def apart(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
         inputs = {id(leaf) for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)}
@@ -385,11 +393,13 @@ def _outputs_apart_from_inputs() -> Iterator[None]:
             return None
         return tree_map(lambda x: x.view_as(x) if isinstance(x, torch.Tensor) and id(x) in inputs else x, output)
 
-    handle = nn.modules.module.register_module_forward_hook(apart, with_kwargs=True)
+    handles = (nn.modules.module.register_module_forward_pre_hook(inputs_apart),
+               nn.modules.module.register_module_forward_hook(apart, with_kwargs=True))
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 @contextmanager

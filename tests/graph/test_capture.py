@@ -531,3 +531,38 @@ def test_a_process_keeps_its_captures_of_built_in_and_hugging_face_specs_only(
                        "def make():\n    return build_model('llama-tiny:layers=2', device='meta')\n")
     spec = f"{factory}:make"
     assert capture_preset(spec, seq_len=32) is not capture_preset(spec, seq_len=32)
+
+
+def test_a_block_applied_twice_in_a_row_is_charged_both_backwards() -> None:
+    """``block(block(x))``: one tensor is the first call's output and the second's input, where the counter's scope
+    hooks could fire in the wrong order and charge the first call's backward to the layer before (the embedding)."""
+
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.proj(x)
+
+    class Repeated(nn.Module):
+        def __init__(self, calls: int) -> None:
+            super().__init__()
+            self.calls = calls
+            self.embed = nn.Embedding(32, 16)
+            self.blocks = nn.ModuleList(Residual() for _ in range(2))
+            self.head = nn.Linear(16, 32)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            hidden = self.embed(tokens)
+            for block in self.blocks:
+                for _ in range(self.calls):
+                    hidden = block(hidden)
+            return self.head(hidden)
+
+    once, twice = ({layer.fqn: (layer.forward_flops, layer.backward_flops) for layer in capture(Repeated(calls),
+                                                                                                   seq_len=8).layers}
+                   for calls in (1, 2))
+    assert twice["embed"] == once["embed"] == (0, 0)
+    for fqn in ("blocks.0", "blocks.1"):
+        assert twice[fqn] == (2 * once[fqn][0], 2 * once[fqn][1]) and once[fqn][1] == 2 * once[fqn][0] > 0
