@@ -49,11 +49,13 @@ hashing) and returns the same answer everywhere; ``group=None`` means this proce
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
@@ -175,7 +177,7 @@ def lock_folder(root: Path) -> int:
     """An exclusive, non-blocking ``flock`` on ``root/.tessera-save.lock`` (creating ``root``): its handle, holding
     this process's id; ``CheckpointError`` naming the holder when another process has it."""
     root.mkdir(parents=True, exist_ok=True)
-    handle = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    handle = _open_lock_file(root / LOCK_FILE)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -187,6 +189,24 @@ def lock_folder(root: Path) -> int:
         ) from None
     os.ftruncate(handle, 0)
     os.pwrite(handle, str(os.getpid()).encode(), 0)
+    return handle
+
+
+def _open_lock_file(path: Path) -> int:
+    """``path`` opened for the lock, never through a link: a checkpoint folder someone sent could hold the lock's
+    name as a symbolic or hard link to a file of yours, which writing the holder's process id would overwrite."""
+    try:
+        handle = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise CheckpointError(f"{path} is a symbolic link, not Tessera's lock file; remove the link (Tessera writes "
+                              "its process id there) and save again") from None
+    info = os.fstat(handle)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(handle)
+        raise CheckpointError(f"{path} is not a plain file of its own (a hard link, or not a file), not Tessera's "
+                              "lock file; remove it (Tessera writes its process id there) and save again")
     return handle
 
 

@@ -120,4 +120,9 @@ def default_store() -> Path:
     if not run_id or run_id == "none":
         raise ConfigError("snapshots need a store folder that outlives the processes: run under torchrun (its "
                           "--rdzv-id names the store) or pass SnapshotConfig(store=...)")
-    return SNAPSHOT_ROOT / f"tessera-snapshots-{os.getuid()}" / run_id
+    return default_store_parent() / run_id
+
+
+def default_store_parent() -> Path:
+    """The folder of this user's default stores, one per run (``default_store``)."""
+    return SNAPSHOT_ROOT / f"tessera-snapshots-{os.getuid()}"

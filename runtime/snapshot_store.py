@@ -38,6 +38,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import torch
@@ -48,6 +49,7 @@ from tessera.runtime.checkpoint_files import (
     manifest_problem, read_manifest, step_folder, step_of,
 )
 from tessera.runtime.file_records import matches, sha256_text
+from tessera.runtime.snapshot_config import default_store_parent
 
 STORE_MARKER = ".tessera-snapshots"
 RECOVERY_FOLDER = "recovery"
@@ -63,15 +65,45 @@ def open_store(store: Path) -> int:
     if store.is_dir() and any(store.iterdir()) and not (store / STORE_MARKER).exists():
         raise ConfigError(f"snapshot store {store} holds files Tessera did not write (no {STORE_MARKER} marker); "
                           "give every run its own, new store folder")
+    if store.parent == default_store_parent():
+        _claim_private_folder(store.parent)
+    _claim_private_folder(store)
     try:
         handle = lock_folder(store)
     except CheckpointError as error:
         raise ConfigError(f"snapshot store {store} is in use: {error}") from None
-    (store / STORE_MARKER).write_text("in-memory snapshots of one Tessera run (tessera.runtime.snapshots)\n")
+    try:
+        _write_marker(store / STORE_MARKER)
+    except ConfigError:
+        os.close(handle)
+        raise
     for entry in _own_entries(store):
         if entry.name.endswith(PARTIAL_SUFFIX) or entry.name in (RECOVERY_FOLDER, SPARE_FOLDER):
             shutil.rmtree(entry, ignore_errors=True)
     return handle
+
+
+def _claim_private_folder(folder: Path) -> None:
+    """Create ``folder`` for its owner alone (``/dev/shm`` is open to every user of the machine, and a snapshot holds
+    the model and optimizer state), or check that an existing one is this user's and no one else can write in it:
+    another user who made it first could read the snapshots, plant links, or plant weights."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.lstat()
+    if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise ConfigError(f"snapshot store folder {folder} is not a folder of yours that only you can write (owner "
+                          f"uid {info.st_uid}, mode {stat.filemode(info.st_mode)}); remove it, or pass "
+                          "SnapshotConfig(store=...) a folder of your own")
+
+
+def _write_marker(path: Path) -> None:
+    """The store's marker, never written through a link left in the store."""
+    try:
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as error:
+        raise ConfigError(f"cannot write the snapshot store's marker {path} ({error.strerror}); a link there is "
+                          "not Tessera's: remove it, or give the run a new store folder") from None
+    with os.fdopen(handle, "w") as marker:
+        marker.write("in-memory snapshots of one Tessera run (tessera.runtime.snapshots)\n")
 
 
 TAKE_MARK = ".take-"

@@ -230,6 +230,44 @@ def test_one_writer_per_root(pm, tmp_path):
     assert save_at(pm, root, 3).name == "step-00000003"  # ...and released after it
 
 
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_lock_file_linked_to_a_users_file_is_refused_and_the_file_kept(pm, tmp_path, link):
+    # A received checkpoint folder can hold the lock's name as a link to ~/.bashrc; the save wrote its pid into it.
+    precious = tmp_path / "bashrc"
+    precious.write_text("PRECIOUS\n")
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (os.symlink if link == "symbolic" else os.link)(precious, root / LOCK_FILE)
+    with pytest.raises(CheckpointError, match=f"{LOCK_FILE} is (a symbolic link|not a plain file).*remove"):
+        save_at(pm, root, 1)
+    assert precious.read_text() == "PRECIOUS\n" and not complete_checkpoints(root)
+
+
+def test_a_snapshot_store_made_by_someone_else_or_open_to_others_is_refused(tmp_path, monkeypatch):
+    # /dev/shm is every user's: a store another user made first (or left writable) could be read or planted in.
+    from tessera.errors import ConfigError
+    from tessera.runtime import snapshot_config
+    from tessera.runtime.snapshot_store import STORE_MARKER, open_store
+
+    monkeypatch.setattr(snapshot_config, "SNAPSHOT_ROOT", tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    store = snapshot_config.default_store()
+    os.close(open_store(store))  # made here: the user's folders, for the user alone
+    assert all(folder.stat().st_mode & 0o777 == 0o700 for folder in (store, store.parent))
+    assert (store / STORE_MARKER).exists()
+    store.parent.chmod(0o777)  # as another user who made it first would leave it for you
+    with pytest.raises(ConfigError, match=f"{store.parent} is not a folder of yours that only you can write"):
+        open_store(store)
+    store.parent.chmod(0o700)
+    planted = tmp_path / "planted"
+    planted.write_text("mine")
+    (store / STORE_MARKER).unlink()
+    (store / STORE_MARKER).symlink_to(planted)
+    with pytest.raises(ConfigError, match="a link there is not Tessera's"):
+        open_store(store)
+    assert planted.read_text() == "mine"
+
+
 def test_a_corrupt_newest_checkpoint_is_moved_aside_and_its_step_saved_again(pm, tmp_path):
     root = tmp_path / "ckpt"
     save_at(pm, root, 1)
