@@ -82,7 +82,7 @@ from tessera.runtime.checkpoint_files import (
 from tessera.runtime.checkpoint_reader import check_plain, load_metadata, load_plain, read_state
 from tessera.runtime.file_records import HASH_BLOCK_BYTES, FileRecord
 from tessera.runtime.lr_schedule import restore_scheduler, scheduler_state
-from tessera.runtime.rank_agreement import broadcast, describe_failure, rank, together, world
+from tessera.runtime.rank_agreement import all_gather, broadcast, describe_failure, rank, together, world
 from tessera.runtime.tp_styles import unstrided
 
 __all__ = [  # the save/load flow, and the on-disk names of ``checkpoint_files`` so one import serves callers
@@ -210,7 +210,9 @@ class Checkpointer:
                               what=f"reading the data position of {folder}")
         module = state_module(state.modules)
         tensors = _state_dict(module, state.optimizer)  # initialises the optimizer's state: DCP loads into it
-        writable = _saved_settings_only(_writable(tensors), load_metadata(folder).state_dict_metadata)
+        saved = load_metadata(folder).state_dict_metadata
+        _check_no_saved_weights_left_out(saved, set(tensors["model"]), folder, group)
+        writable = _saved_settings_only(_writable(tensors), saved)
         read_state(writable, folder, group)
         _copy_back(writable, tensors)
         set_state_dict(module, state.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"],
@@ -302,6 +304,19 @@ def _state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
 def _writable(tensors: dict[str, Any]) -> dict[str, Any]:
     """``tensors`` as DCP can write them: strided tensor-parallel splits gathered (``tp_styles.unstrided``)."""
     return tree_map_only(DTensor, unstrided, tensors)
+
+
+def _check_no_saved_weights_left_out(saved: Mapping[str, Any], names: set[str], folder: Path,
+                                     group: dist.ProcessGroup | None) -> None:
+    """Refuse a checkpoint holding model tensors no rank's model has (a larger model's): DCP would load the rest and
+    drop them without a word. ``names``: this rank's model state names (a pipeline stage holds only its own)."""
+    everyone = set().union(*all_gather(sorted(names), group))
+    extra = sorted(key.removeprefix("model.") for key in saved if key.startswith("model.")
+                   and key.removeprefix("model.") not in everyone)
+    if extra:
+        raise CheckpointError(f"checkpoint {folder} holds {len(extra)} model tensor(s) this model has no place for "
+                              f"(first: {extra[0]}): it was saved from another model; resume with the model it was "
+                              "saved from")
 
 
 def _saved_settings_only(writable: dict[str, Any], saved: Mapping[str, Any]) -> dict[str, Any]:

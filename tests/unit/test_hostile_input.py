@@ -23,7 +23,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import tessera
-from tessera.errors import CheckpointError
+from tessera.errors import CheckpointError, ConfigError
+from tessera.models import build_model
 from tessera.runtime.checkpoint import export_model_state_dict
 from tessera.runtime.checkpoint_files import (
     DATA_FILE, LOCK_FILE, MANIFEST, MARKER, PLAN_FILE, RNG_FOLDER, RootLock, check_checkpoint, complete_checkpoints,
@@ -266,6 +267,32 @@ def test_a_snapshot_store_made_by_someone_else_or_open_to_others_is_refused(tmp_
     with pytest.raises(ConfigError, match="a link there is not Tessera's"):
         open_store(store)
     assert planted.read_text() == "mine"
+
+
+def test_a_plan_made_for_another_model_is_refused_before_anything_changes():
+    # A plan file from another run applied to this model trained it under the other model's predictions and saved
+    # checkpoints naming the other model.
+    from tessera.runtime.apply import apply_plan
+
+    plan = tessera.plan("gpt-tiny:layers=2", CLUSTER, global_batch=BATCH, seq_len=SEQ)
+    model = build_model("gpt-tiny:layers=4")
+    with pytest.raises(ConfigError, match=r"this plan was made for gpt-tiny:layers=2 \(.* parameters\) but this "
+                                          r"\w+ has .* parameters; plan this model"):
+        apply_plan(model, plan)
+    apply_plan(build_model("gpt-tiny:layers=2"), plan)  # the model it was made for
+
+
+def test_a_checkpoint_of_a_larger_model_is_refused_not_loaded_in_part(pm, tmp_path):
+    # DCP loads what the model asks for: the saved blocks a smaller model lacks were dropped without a word.
+    root = tmp_path / "ckpt"
+    save_at(pm, root, 1)
+    torch.manual_seed(0)
+    smaller = tessera.auto_parallelize("gpt-tiny:layers=1", CLUSTER, global_batch=BATCH, seq_len=SEQ)
+    before = {name: p.detach().clone() for name, p in smaller.module.named_parameters()}
+    with pytest.raises(CheckpointError, match=r"holds \d+ model tensor\(s\) this model has no place for \(first: "
+                                              r"blocks\.1\..*\): it was saved from another model"):
+        smaller.load(root)
+    assert all(torch.equal(before[name], p) for name, p in smaller.module.named_parameters())
 
 
 def test_a_corrupt_newest_checkpoint_is_moved_aside_and_its_step_saved_again(pm, tmp_path):
