@@ -183,20 +183,12 @@ def check_plan_is_for(model: nn.Module, plan: Plan) -> None:
     """Refuse a plan made for another model (a plan file from another run): it would train under the other model's
     predictions and save checkpoints that name the other model, which a resume into that model then loads in part."""
     count = sum(p.numel() for p in model.parameters())
-    missing = [layer.fqn for layer in plan.layers if layer.kind != "loss" and not _has_submodule(model, layer.fqn)]
+    missing = [fqn for fqn in _layer_fqns(plan) if not _holds(model, fqn)]
     if missing or count != plan.param_count:
         found = f"has no module {missing[0]}" if missing else f"has {count:,} parameters"
         raise ConfigError(f"this plan was made for {plan.model_name} ({plan.param_count:,} parameters) but this "
                           f"{type(model).__name__} {found}; plan this model (tessera.plan(model, ...)) and apply "
                           "that plan")
-
-
-def _has_submodule(model: nn.Module, fqn: str) -> bool:
-    try:
-        model.get_submodule(fqn)
-    except AttributeError:
-        return False
-    return True
 
 
 def _claim(model: nn.Module) -> None:
