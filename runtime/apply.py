@@ -405,7 +405,7 @@ def _schedule(plan: Plan, modules: list[nn.Module], chunks: list[int], mesh: Dev
     if plan.strategy.pp == 1:
         return None
     stages = pp_.build_stages(modules, chunks, num_chunks=len(plan.chunk_fqns()), device=device,
-                              group=mesh.get_group(PP))
+                              group=mesh.get_group(PP), schedule=plan.strategy.schedule)
     micro_batches = plan.strategy.gradient_accumulation(plan.training.global_batch)
     return pp_.build_schedule(stages, plan.strategy, micro_batches=micro_batches, loss_fn=loss_fn)
 

@@ -122,12 +122,17 @@ def free_remote_layers(model: nn.Module, plan: Plan, local: Sequence[int]) -> No
 
 
 def build_stages(
-    modules: Sequence[nn.Module], chunks: Sequence[int], *, num_chunks: int, device: torch.device, group
+    modules: Sequence[nn.Module], chunks: Sequence[int], *, num_chunks: int, device: torch.device, group,
+    schedule: str = "1f1b",
 ) -> list[PipelineStage]:
     """One ``PipelineStage`` per local chunk; shapes are inferred on the first step. A chunk's outputs are sent
-    contiguous: gloo's send refuses a strided view (a model carrying ``x.transpose(1, 2)`` between blocks)."""
-    for module in modules:
-        module.register_forward_hook(_contiguous_outputs)
+    contiguous: gloo's send refuses a strided view (a model carrying ``x.transpose(1, 2)`` between blocks). Under
+    zero-bubble the last chunk returns its outputs as views: PyTorch detaches a last stage's outputs in place after
+    the input-gradient pass (views excepted), and an output an op had saved as its own result (a model returning a
+    hidden state beside its logits) then failed the weight-gradient pass; the final pass frees the graph anyway."""
+    for module, chunk in zip(modules, chunks):
+        last_split = schedule == "zero-bubble" and chunk == num_chunks - 1
+        module.register_forward_hook(_outputs_as_views if last_split else _contiguous_outputs)
     return [
         PipelineStage(module, chunk, num_chunks, device, group=group) for module, chunk in zip(modules, chunks)
     ]
@@ -135,6 +140,10 @@ def build_stages(
 
 def _contiguous_outputs(_module: nn.Module, _args: tuple, output: Any) -> Any:
     return tree_map(lambda x: x.contiguous() if isinstance(x, torch.Tensor) else x, output)
+
+
+def _outputs_as_views(_module: nn.Module, _args: tuple, output: Any) -> Any:
+    return tree_map(lambda x: x.view_as(x) if isinstance(x, torch.Tensor) and x.requires_grad else x, output)
 
 
 def single_stage_schedule(strategy: Strategy, *, micro_batches: int) -> type[_PipelineSchedule]:

@@ -112,7 +112,25 @@ class TransposedStack(nn.Module):
         return self.head(x.transpose(1, 2))
 
 
-MODELS = {"masked": MaskedStack, "tied": TiedStack, "transposed": TransposedStack}
+class HiddenOut(nn.Module):
+    """Returns its last hidden state beside the logits (``output_hidden_states``-like): under zero-bubble PyTorch
+    detached the last stage's outputs in place before the weight-gradient pass, which still needed that state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)), x
+
+
+MODELS = {"masked": MaskedStack, "tied": TiedStack, "transposed": TransposedStack, "hidden-out": HiddenOut}
 
 
 def make(name: str, seed: int = SEED) -> nn.Module:
@@ -131,7 +149,9 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for inputs, targets in batches():
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        outputs = model(inputs)
+        logits = outputs[0] if isinstance(outputs, tuple) else outputs
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -150,7 +170,8 @@ CASES = {
         ("hf-llama", "dp=1,pp=2,mbs=2,schedule=1f1b"),
         ("hf-gpt2", "dp=1,pp=2,mbs=1,schedule=interleaved:2"),  # + tied wte/lm_head across ranks
         ("tt-llama3", "dp=1,pp=2,mbs=2,schedule=1f1b"),  # torchtitan: optional positions/attention_masks
-        ("transposed", "dp=1,pp=2,mbs=2,schedule=1f1b")],  # strided views between stages
+        ("transposed", "dp=1,pp=2,mbs=2,schedule=1f1b"),  # strided views between stages
+        ("hidden-out", "dp=1,pp=2,mbs=1,schedule=zero-bubble")],  # a second output the weight pass needs
     4: [("tied", "dp=2,pp=2,zero=0,mbs=2,schedule=1f1b"),  # tie reduction over pp after DDP's over dp
         ("tied", "dp=2,pp=2,zero=3,mbs=1,schedule=1f1b")],  # FSDP-sharded copies, summed shard by shard
 }
