@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import NoReturn
 
 from tessera.cli_args import (
     MAX_CAPACITY_FACTOR, MAX_COUNT, MAX_GLOBAL_BATCH, MAX_LOCAL_RANKS, MAX_NODES, MAX_SEQ_LEN, cluster_file_to_write,
@@ -28,9 +29,17 @@ def _version() -> str:
         return "(not installed)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line (the value and the fix) and point at ``--help``, instead of a
+    usage block of every option above it; its verbs' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every verb."""
-    parser = argparse.ArgumentParser(prog="tessera", description="Automatic parallelism planner for PyTorch training.")
+    parser = _Parser(prog="tessera", description="Automatic parallelism planner for PyTorch training.")
     # Its own dest: a verb's --debug (default False) would otherwise overwrite this one (main ORs the two).
     parser.add_argument("--debug", dest="debug_before_verb", action="store_true", help="show tracebacks")
     parser.add_argument("--version", action="version", version=f"tessera {_version()}")

@@ -28,6 +28,8 @@ PLAN_KEYS = ("schema_version", "strategy", "training")
 """Top-level keys of a plan's JSON (``planner.plan.Plan``), which has no room for a comment."""
 MAX_PLAN_BYTES = 64 * 2**20
 """A JSON file larger than this is not taken for a plan (nor read whole to tell)."""
+MARK_LINES = 8
+"""Among how many first lines a text file states ``MARK`` (an HTML report's ``<meta>`` is its fifth)."""
 MARK_BYTES = 64 * 1024
 """How far into a file the mark is looked for (a PNG's text chunks come before its image data)."""
 EARLIER_MARKS = (b"# Tessera plan:", b"<title>Tessera plan")
@@ -36,10 +38,11 @@ them too, and the charts beside them (:func:`written_by_tessera_beside`)."""
 
 
 def written_by_tessera(path: str | Path) -> bool:
-    """Whether the file at ``path`` is one Tessera wrote: it carries ``MARK`` near its start (or an earlier
-    version's report's opening, ``EARLIER_MARKS``), or it is a plan."""
+    """Whether the file at ``path`` is one Tessera wrote: it states ``MARK`` where Tessera puts it (a comment or
+    ``<meta>`` line among its first lines, a PNG's ``Software`` tag; or an earlier version's report's opening,
+    ``EARLIER_MARKS``), or it is a plan. A user's notes that merely mention the words are not."""
     head = _head(path)
-    if MARK.lower().encode() in head.lower() or _earlier_report(head):
+    if _marked(head) or _earlier_report(head):
         return True
     if not head.lstrip().startswith(b"{") or Path(path).stat().st_size > MAX_PLAN_BYTES:
         return False
@@ -47,7 +50,25 @@ def written_by_tessera(path: str | Path) -> bool:
         document = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return False
-    return isinstance(document, dict) and all(key in document for key in PLAN_KEYS)
+    return _is_plan(document)
+
+
+def _marked(head: bytes) -> bool:
+    if b"Software\x00" + MARK.encode() in head:  # a PNG's text chunk, before its image data
+        return True
+    mark = MARK.lower().encode()
+    return any(line.strip().startswith((b"<!--", b"#", b"<meta")) and mark in line.lower()
+               for line in head.splitlines()[:MARK_LINES])
+
+
+def _is_plan(document: object) -> bool:
+    """A plan's JSON: its top-level keys, a strategy of degrees and a training of a batch and length."""
+    if not isinstance(document, dict) or not all(key in document for key in PLAN_KEYS):
+        return False
+    strategy, training = document["strategy"], document["training"]
+    return (isinstance(strategy, dict) and {"dp", "tp", "pp"} <= strategy.keys()
+            and isinstance(training, dict) and {"global_batch", "seq_len"} <= training.keys()
+            and "layers" in document and "estimate" in document)
 
 
 def written_by_tessera_beside(path: str | Path, report: str | Path) -> bool:

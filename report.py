@@ -62,14 +62,15 @@ def _headline(plan: Plan, *, launch: str | None = None) -> Table:
                   f"{len(plan.layers)} layers"),
         ("cluster", f"{literal(plan.cluster)}: {e.memory_budget_bytes / GiB:.0f} GiB {literal(plan.device_name)} "
                     "per device"),
-        ("training", f"global batch {plan.training.global_batch} x {plan.training.seq_len} tokens, "
-                     f"{plan.precision_summary()}"),
+        ("training", f"global batch {plan.training.global_batch}"
+                     + (f" x {plan.training.seq_len} tokens" if plan.token_inputs else " samples (example_inputs)")
+                     + f", {plan.precision_summary()}"),
         ("strategy", f"{plan.strategy.name}  [cyan]{literal(plan.strategy.to_string())}[/]"),
         ("mesh", "; ".join(mesh_layout(plan.strategy, devices_per_node=layout.per_node))
                  + f"; {e.micro_batches} micro-batch{'' if e.micro_batches == 1 else 'es'} per step"),
         ("step time", _step_breakdown(e)),
         *((("likely", literal(band.describe(e.step_time_s))),) if (band := plan.error_band()) else ()),
-        ("throughput", f"{e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}, HFU {e.hfu:.1%} "
+        ("throughput", f"{plan.throughput()}, MFU {e.mfu:.1%}, HFU {e.hfu:.1%} "
                        f"({e.model_tflops_per_device:.0f} model TFLOP/s per device)"),
         ("memory", f"{e.peak_memory_bytes / GiB:.1f} / {e.memory_budget_bytes / GiB:.1f} GiB per device"),
         *((f"no {axis}", literal(reason)) for axis, reason in plan.unavailable_axes.items()),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessera.cost_models.types import Strategy
+from tessera.cost_models.units import format_seconds_range
 from tessera.topology.hardware import LOCAL_CPU
 
 BAND_FILE = Path(__file__).with_name("error_bands.json")
@@ -53,9 +54,9 @@ class ErrorBand:
         share = round(100 * (QUANTILES[1] - QUANTILES[0]))
         name = REGIME_NAMES.get(self.regime, self.regime)
         if self.fallback:
-            return (f"{low:.3f} to {high:.3f} s ({share}% of all {self.runs} held-out published runs: "
+            return (f"{format_seconds_range(low, high)} ({share}% of all {self.runs} held-out published runs: "
                     f"no held-out {name} run was published)")
-        return f"{low:.3f} to {high:.3f} s ({share}% of {self.runs} held-out {name} published runs)"
+        return f"{format_seconds_range(low, high)} ({share}% of {self.runs} held-out {name} published runs)"
 
 
 def plan_regime(strategy: Strategy, precision: str, *, moe: bool) -> str:
@@ -71,13 +72,19 @@ def plan_regime(strategy: Strategy, precision: str, *, moe: bool) -> str:
     return "fsdp" if strategy.zero == 3 else "ptd-p"
 
 
+TRANSFORMER_BLOCKS = frozenset({"attention", "local-attention", "moe", "local-moe"})
+"""Block kinds of the models the published runs trained."""
+
+
 def prediction_band(strategy: Strategy, precision: str, *, device_name: str,
                     block_kinds: Iterable[str]) -> ErrorBand | None:
     """The band of a prediction for ``strategy`` on ``device_name`` of a model with these blocks (a routed-expert
-    kind makes it mixture of experts); None on this machine's CPU, which no published run used."""
-    if device_name == LOCAL_CPU:
+    kind makes it mixture of experts); None on this machine's CPU, which no published run used, and for a model
+    without attention blocks (a CNN, a state-space model): every published run trained a transformer."""
+    kinds = set(block_kinds)
+    if device_name == LOCAL_CPU or not kinds & TRANSFORMER_BLOCKS:
         return None
-    moe = strategy.ep > 1 or any(kind.endswith("moe") for kind in block_kinds)
+    moe = strategy.ep > 1 or any(kind.endswith("moe") for kind in kinds)
     return error_band(plan_regime(strategy, precision, moe=moe))
 
 

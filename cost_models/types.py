@@ -267,7 +267,10 @@ class Strategy(BaseModel):
 
     @property
     def name(self) -> str:
-        """Short family name used in tables (``DDP``, ``ZeRO-1``, ``FSDP``...)."""
+        """Short family name used in tables (``DDP``, ``ZeRO-1``, ``FSDP``...; without data parallelism the model
+        parallel axes, ``TP+PP``, or ``one device``)."""
+        if self.dp == 1:
+            return "+".join(axis.upper() for axis in ("tp", "pp", "cp", "ep") if getattr(self, axis) > 1) or "one device"
         return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}[self.zero]
 
     def gradient_accumulation(self, global_batch: int) -> int:

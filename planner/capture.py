@@ -123,6 +123,7 @@ def capture(
         seq_scaling=_scaling(stats, keys, tallies) if len(lengths) == 3 else (),
         windowed_attention=windowed,
         unavailable_axes=unavailable,
+        token_inputs=token_inputs,
     )
 
 

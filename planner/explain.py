@@ -118,7 +118,7 @@ def _strategy(plan: Plan, *, per_node: int) -> Section:
     facts = list(mesh_layout(s, devices_per_node=per_node))
     facts.append(f"micro-batch {s.micro_batch} sequence(s), {e.micro_batches} micro-batch"
                  f"{'' if e.micro_batches == 1 else 'es'} per step per dp rank")
-    facts.append(f"ZeRO stage {s.zero} ({s.name})" + (", sequence parallelism" if s.sp else ""))
+    facts.append(f"ZeRO stage {s.zero}" + (f" ({s.name})" if s.dp > 1 else "") + (", sequence parallelism" if s.sp else ""))
     facts.append(f"recompute {recompute_summary(plan)}")
     if s.pp > 1:
         chunks = f" with {s.virtual_stages} chunks per stage" if s.virtual_stages > 1 else ""

@@ -110,6 +110,9 @@ class LayerGraph(BaseModel):
     unavailable_axes: dict[str, str] = {}
     """Parallel axes (``tp``, ``pp``, ``ep``) the runtime cannot apply to this model -> why, one line each
     (``tessera.planner.capabilities``); the search plans only within the others."""
+    token_inputs: bool = True
+    """Captured on token ids of ``seq_len`` positions; False: on the user's ``example_inputs`` (an image, a feature
+    vector), so a row of the batch is a sample and throughput is counted in samples, not tokens."""
 
     @model_validator(mode="after")
     def _check_names(self) -> "LayerGraph":

@@ -182,7 +182,7 @@ def _measure_once(
     root = type(model).__name__  # FlopCounterMode's module tracker names modules "<RootClass>.<fqn>"
     meta_inputs = tree_map(lambda x: _stand_in(x, mode, torch.float32 if autocast else dtype, device), inputs)
     with (mode or nullcontext(), _outputs_apart_from_inputs(), FlopCounterMode(display=False) as counter,
-          _leave_in_backward(model, order, state, counter, root=root)):
+          _leave_in_backward(model, order, counter, root=root)):
         replay = BlockReplay(model, order if reuse_repeated else (), counter, root=root)
         elements = ElementReplay(model, order if reuse_repeated else (), counter, ledger, root=root)
         regions = RegionMarks(model, order)
@@ -404,42 +404,68 @@ def _outputs_apart_from_inputs() -> Iterator[None]:
 
 @contextmanager
 def _leave_in_backward(
-    model: nn.Module, order: tuple[str, ...], state: dict[str, torch.Tensor], counter: FlopCounterMode, *, root: str
+    model: nn.Module, order: tuple[str, ...], counter: FlopCounterMode, *, root: str
 ) -> Iterator[None]:
-    """End a layer's backward in FlopCounterMode's module tracker once its parameters' gradients are in, for a layer
-    whose inputs need no gradient (a token embedding). The tracker leaves a module when its inputs' gradients are
-    computed, so such a layer is never left: every backward op after it -- a vision tower whose output was merged
-    with the token embeddings -- would be counted to it as well. The tracker watches positional inputs only, so a
+    """End a layer's backward in FlopCounterMode's module tracker once the call's own backward nodes have run, for a
+    layer whose inputs need no gradient (a token embedding). The tracker leaves a module when its inputs' gradients
+    are computed, so such a layer is never left: every backward op after it -- a vision tower whose output was
+    merged with the token embeddings; T5's encoder, after the decoder's call of the shared embedding -- would be
+    counted to it as well. The tracker watches positional inputs only, so a
     module whose inputs needing a gradient all came as keywords (``block(x=hidden)``) is left once they have theirs."""
     handles = []
-    names = {id(module): f"{root}.{fqn}" if fqn else root for fqn, module in model.named_modules()}
 
-    def leave(name: str) -> Callable[[torch.Tensor], None]:
-        return lambda _grad: counter.mod_tracker.parents.discard(name)
+    def tracked_name(module: nn.Module) -> str:
+        # The tracker's own name: for a module registered at several paths (T5's shared embedding) it keeps the
+        # last path it walked, not named_modules()' first.
+        return counter.mod_tracker._known_modules.get(module) or root
 
-    def pre(module_fqn: str, _m: nn.Module, args: tuple, kwargs: dict) -> None:
+    def leave_after(nodes: list, name: str) -> None:
+        waiting = [len(nodes)]
+
+        def done(_grad_inputs: object, _grad_outputs: object) -> None:
+            waiting[0] -= 1
+            if waiting[0] == 0:
+                counter.mod_tracker.parents.discard(name)
+
+        handles.extend(node.register_hook(done) for node in nodes)
+
+    def post(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
             return
-        prefix = f"{module_fqn}."
-        params = [t for name, t in state.items() if name.startswith(prefix) and t.requires_grad]
-        handles.extend(p.register_post_accumulate_grad_hook(leave(f"{root}.{module_fqn}")) for p in params)
+        leave_after(_first_backward_nodes(output), tracked_name(module))
 
     def keyword_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
         keyword = [t for t in tree_leaves(kwargs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not keyword:
             return
         if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(args)):
-            name = names[id(module)]
+            name = tracked_name(module)
             handles.append(register_multi_grad_hook(keyword, lambda _grads: counter.mod_tracker.parents.discard(name)))
 
-    handles.extend(model.get_submodule(fqn).register_forward_pre_hook(
-        lambda m, a, k, fqn=fqn: pre(fqn, m, a, k), with_kwargs=True) for fqn in order)
+    handles.extend(model.get_submodule(fqn).register_forward_hook(post, with_kwargs=True) for fqn in order)
     handles.extend(module.register_forward_pre_hook(keyword_inputs, with_kwargs=True) for module in model.modules())
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _first_backward_nodes(output: object) -> list:
+    """The autograd nodes a call whose inputs need no gradient ends its backward with: those reached from its
+    outputs that lead on to parameters only (a token embedding's own node; a vision tower's first convolution)."""
+    stack = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen, first = set(), []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        inner = [n for n, _ in node.next_functions if n is not None and type(n).__name__ != "AccumulateGrad"]
+        if not inner:
+            first.append(node)
+        stack.extend(inner)
+    return first
 
 
 def _finalize(

@@ -9,13 +9,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError
 
 from tessera.cost_models.error_bands import ErrorBand, prediction_band
 from tessera.cost_models.profiles import TESSERA
 from tessera.cost_models.types import (
     BlockKind, Estimate, LayerKind, Recompute, Strategy, TrainingConfig, schedule_refusal,
 )
+from tessera.cost_models.units import format_bytes, format_seconds
 from tessera.errors import ConfigError
 from tessera.files import write_text_atomically
 from tessera.topology.validation import first_problem, quoted, short
@@ -103,7 +104,7 @@ class Plan(BaseModel):
     """Version of this JSON layout; bumped on incompatible change."""
     model_name: str
     """Model preset or class the plan was made for."""
-    param_count: int
+    param_count: NonNegativeInt
     """Total trainable parameters of the model."""
     cluster: str
     """Cluster spec the plan was made for (``dgx-h100:nodes=8``)."""
@@ -134,6 +135,9 @@ class Plan(BaseModel):
     unavailable_axes: dict[str, str] = {}
     """Parallel axes the runtime cannot apply to this model -> why (``LayerGraph.unavailable_axes``): the search
     planned without them. Empty in plans written before capture recorded it."""
+    token_inputs: bool = True
+    """The model was planned on token ids (``LayerGraph.token_inputs``); False: on ``example_inputs``, whose rows are
+    samples, so the summaries count samples per second, not tokens."""
     unavailable_gains: tuple[Candidate, ...] = ()
     """For each unavailable axis whose use would change the plan: the fastest strategy with it, were the runtime
     to apply it (predicted), its verdict saying what it would gain."""
@@ -167,20 +171,27 @@ class Plan(BaseModel):
     def summary(self) -> str:
         """A few plain-text lines: the strategy, predicted step time and throughput, memory per device."""
         e = self.estimate
-        memory = ", ".join(f"{k} {v / GiB:.1f}" for k, v in e.memory_by_category_bytes.items())
+        memory = ", ".join(f"{k} {format_bytes(v)}" for k, v in e.memory_by_category_bytes.items())
         return "\n".join(
             [
                 f"{self.model_name} ({format_count(self.param_count)} params) on {self.cluster} ({self.device_name})",
                 f"strategy   {self.strategy.name}: {self.strategy.to_string()}",
-                f"step time  {e.step_time_s:.3f} s   {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu:.1%}",
+                f"step time  {format_seconds(e.step_time_s)}   {self.throughput()}   MFU {e.mfu:.1%}",
                 *((f"likely     {band.describe(e.step_time_s)}",) if (band := self.error_band()) else ()),
-                f"memory     {e.peak_memory_bytes / GiB:.1f} of {e.memory_budget_bytes / GiB:.1f} GiB per device "
-                f"({memory} GiB)",
-                *(f"no {axis:<7} {reason}" for axis, reason in self.unavailable_axes.items()),
-                *(f"           {c.verdict} ({c.strategy.to_string()}, {c.estimate.step_time_s:.3f} s)"
-                  for c in self.unavailable_gains),
+                f"memory     {format_bytes(e.peak_memory_bytes)} of {format_bytes(e.memory_budget_bytes)} per device "
+                f"({memory})",
+                *(line for axis, reason in self.unavailable_axes.items() for line in (
+                    f"no {axis:<7} {reason}",
+                    *(f"           {c.verdict} ({c.strategy.to_string()}, {format_seconds(c.estimate.step_time_s)})"
+                      for c in self.unavailable_gains if c.verdict.startswith(f"{axis} would gain")))),
             ]
         )
+
+    def throughput(self) -> str:
+        """``54,023 tokens/s``, or for a model planned on ``example_inputs`` ``1,234 samples/s`` (rows of the batch)."""
+        if self.token_inputs:
+            return f"{self.estimate.tokens_per_s:,.0f} tokens/s"
+        return f"{self.training.global_batch / self.estimate.step_time_s:,.0f} samples/s"
 
     def gathers_fp8(self) -> bool:
         """Whether Tessera's runtime all-gathers this plan's FP8 block weights in FP8 under ZeRO-3, as the cost model

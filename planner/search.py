@@ -137,7 +137,7 @@ def rank_candidates(
         scored += leanest_overflowing
         if contenders is not None:
             contenders.update(s for s, _ in leanest_overflowing)
-    scored.sort(key=lambda pair: (pair[1].step_time_s, pair[1].peak_memory_bytes, pair[0].to_string()))
+    scored.sort(key=_rank)
     if not scored:
         raise ConfigError(
             f"no strategy matches {quoted(pins) if pins else 'the request'} on {cluster.name} with global batch "
@@ -208,6 +208,13 @@ def _state_bytes_per_param(strategy: Strategy, group: int, profile: Implementati
     return sharded + max(GATHERED_COPY_BYTES, profile.gradient_bytes / group)
 
 
+def _rank(pair: tuple[Strategy, Estimate]) -> tuple:
+    """Fastest first; at the same predicted step, the least recomputation (priced as hidden, it still runs), then the
+    least memory."""
+    strategy, estimate = pair
+    return estimate.step_time_s, estimate.recompute_time_s, estimate.peak_memory_bytes, strategy.to_string()
+
+
 def best_candidate(scored: list[tuple[Strategy, Estimate]]) -> tuple[Strategy, Estimate]:
     """The fastest candidate that fits, or the fastest of all when none fits (its estimate says so)."""
     return next((pair for pair in scored if pair[1].fits), scored[0])
@@ -241,7 +248,7 @@ def search(
     if not _per_layer_pinned(pins or {}):
         refined = refine(list(graph.layers), cluster, training, [pair for pair in scored if pair[0] in contenders],
                          policies=_policies(graph, pins or {}), stats=stats, block_options=block_options)
-        scored = sorted(refined + scored, key=lambda pair: (pair[1].step_time_s, pair[1].peak_memory_bytes, pair[0].to_string()))
+        scored = sorted(refined + scored, key=_rank)
     fitting = [pair for pair in scored if pair[1].fits]
     if not fitting:
         raise InfeasiblePlanError(diagnose_infeasible(scored, cluster))
@@ -263,6 +270,7 @@ def search(
             admitted=_admitted_degrees(graph, cluster, training, pins or {}), exact_below_s=reached["bound"],
         ),
         unavailable_axes=graph.unavailable_axes,
+        token_inputs=graph.token_inputs,
         unavailable_gains=unavailable_gains(graph, cluster, training, pins=pins or {}, best=best_estimate, priced=priced),
         candidates_evaluated=len(scored),
         search_time_s=time.perf_counter() - start,

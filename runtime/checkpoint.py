@@ -453,7 +453,14 @@ def export_model_state_dict(
     metadata = load_metadata(folder)
     weights = _empty_weights(folder, metadata)
     read_state({"model": weights}, folder, None)
-    return write_atomically(out, lambda path: torch.save(weights, path), what="export file", replace_any=True)
+    return write_atomically(out, lambda path: _save_weights(weights, path), what="export file", replace_any=True)
+
+
+def _save_weights(weights: dict[str, torch.Tensor], path: Path) -> None:
+    """``torch.save`` through a file object: given a path it names the archive's folder after the (temporary) file,
+    so two exports of one checkpoint differed byte for byte."""
+    with open(path, "wb") as handle:
+        torch.save(weights, handle)
 
 
 def _empty_weights(folder: Path, metadata: Any) -> dict[str, torch.Tensor]:

@@ -99,6 +99,7 @@ class ParallelModel:
         self._checkpointer = Checkpointer()
         self._check_targets = check_targets
         self._pipeline_row: tuple[int, ...] | None = None  # the first step's row shape under pp
+        self._batch_unchecked = True  # whether every rank passed the same batch is checked on the first step
         """What ``train_step`` checks the global batch's targets with before any rank splits it: the default
         loss's (``runtime.targets.check_class_targets``); None under a custom ``loss_fn``, whose targets are its
         own business."""
@@ -125,6 +126,9 @@ class ParallelModel:
         output's type). Pass batches of the planned global batch: BatchNorm layers were checked for it.
         """
         inputs, targets = _inputs_and_targets(batch)
+        if self._batch_unchecked and self.world_size > 1:
+            _check_same_batch_on_every_rank(inputs, targets)
+            self._batch_unchecked = False
         if self.schedule is not None:
             self._check_pipeline_rows(inputs)
         if self._check_targets is not None:  # on the whole batch, so every rank refuses it alike
@@ -348,3 +352,26 @@ def _inputs_and_targets(batch: object) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(value, torch.Tensor):
             raise ConfigError(f"train_step's {name} must be a torch.Tensor, got {type(value).__name__}")
     return inputs, targets
+
+
+def _check_same_batch_on_every_rank(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """Refuse, on every rank alike, a first batch that differs between ranks: each rank takes its own slice of the
+    global batch, so per-rank batches (a ``DistributedSampler``'s shard) trained on rows no one meant, under tp and
+    pp on one rank's inputs against another's targets, with a plausible loss. Once: it costs a gather."""
+    fingerprints = [None] * dist.get_world_size()
+    dist.all_gather_object(fingerprints, (_fingerprint(inputs), _fingerprint(targets)))
+    differs = next((rank for rank, theirs in enumerate(fingerprints) if theirs != fingerprints[0]), None)
+    if differs is not None:
+        raise ConfigError(f"train_step got different batches on rank 0 and rank {differs}: every rank passes the same "
+                          "GLOBAL batch and Tessera gives each rank its slice; load the whole batch on every rank (the "
+                          "same data order and seed), not a per-rank shard")
+
+
+def _fingerprint(tensor: torch.Tensor) -> tuple[int, ...]:
+    """Shape and two exact integer sums of ``tensor``'s bits (one weighted by position, so reordered rows differ)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    values = flat.long()
+    weights = torch.arange(values.numel(), device=values.device) % 1009 + 1
+    return (*tensor.shape, int(values.sum()), int((values * weights).sum()))

@@ -37,6 +37,9 @@ def load_cluster(spec: str | Path | Cluster) -> Cluster:
     """Build a Cluster from a preset spec (``dgx-h100:nodes=2``) or a cluster YAML path."""
     if isinstance(spec, Cluster):
         return spec
+    if not isinstance(spec, (str, Path)):
+        raise ClusterSpecError(f"cluster must be a preset spec (str, e.g. 'dgx-h100:nodes=2'), a cluster file path or "
+                               f"a Cluster, got {type(spec).__name__} {spec!r:.40}")
     text = str(spec)
     if text.endswith((".yaml", ".yml")):
         return _cluster_from_file(Path(text))

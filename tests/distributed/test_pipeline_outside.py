@@ -240,13 +240,14 @@ def checkpoint_case(folder: str) -> dict:
 
 
 def careless_case() -> dict[str, str]:
-    """What ``train_step`` under pp says, on every rank before any collective, of rows of another length than the
-    plan's (gloo aborted the process on the mismatched receive), of a dict batch, and what a second ``apply_plan``
-    of the same model says."""
+    """What ``train_step`` under pp says, on every rank before any step, of batches differing between ranks, of rows
+    of another length than the plan's (gloo aborted the process on the mismatched receive), of a dict batch, and
+    what a second ``apply_plan`` of the same model says."""
     model, strategy = make("masked", SEED + dist.get_rank()), "dp=1,pp=2,mbs=2,schedule=1f1b"
     parallel, (inputs, targets) = apply_plan(model, make_plan("masked", model, strategy)), batches(1)[0]
     said = {}
-    for name, batch in (("longer", (torch.cat([inputs, inputs], 1), torch.cat([targets, targets], 1))),
+    for name, batch in (("per rank", ((inputs + dist.get_rank()) % VOCAB, targets)),  # a per-rank shard's
+                        ("longer", (torch.cat([inputs, inputs], 1), torch.cat([targets, targets], 1))),
                         ("dict", {"input_ids": inputs, "labels": targets})):
         try:
             parallel.train_step(batch)
@@ -347,6 +348,8 @@ def test_tied_pipeline_checkpoint_resumes_exactly():
 def test_careless_batches_and_a_second_plan_are_refused_alike_on_every_rank():
     said = case_results(2, False, "careless")
     assert said[0] == said[1]
+    assert said[0]["per rank"].startswith("train_step got different batches on rank 0 and rank 1: every rank passes "
+                                          "the same GLOBAL batch")
     assert said[0]["longer"].startswith(f"under pipeline parallelism the stages exchange activations of the planned "
                                         f"shape: these token ids have {2 * SEQ} positions, the plan's seq_len is {SEQ}")
     assert said[0]["dict"].startswith("train_step takes a tuple (inputs, targets), got a dict with keys "

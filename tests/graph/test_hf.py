@@ -330,3 +330,31 @@ def test_a_captured_hf_block_saves_what_a_real_cpu_forward_saves(spec: str) -> N
         assert captured[name] - saved[name] == 24
     import transformers.masking_utils as masking
     assert masking.find_packed_sequence_indices.__module__ == "transformers.masking_utils"  # put back
+
+
+def test_an_encoder_decoder_with_a_shared_embedding_is_measured_per_call() -> None:
+    """T5: one embedding module at three paths, called by the encoder and again by the decoder. Its backward ended
+    when its weight's gradient was complete, after the encoder's, which was then counted to it as well (negative
+    FLOPs elsewhere; planning failed)."""
+    import torch
+    import transformers
+    from torch import nn
+
+    from tessera.planner.capture import capture
+
+    class CopyTask(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+                vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, use_cache=False))
+
+        def forward(self, ids: torch.Tensor) -> object:
+            return self.t5(input_ids=ids, decoder_input_ids=torch.cat([torch.zeros_like(ids[:, :1]), ids[:, :-1]], 1))
+
+    layers = {layer.fqn: layer for layer in capture(CopyTask(), seq_len=16).layers}
+    for side in ("encoder", "decoder"):
+        embedding, block = layers[f"t5.{side}.embed_tokens"], layers[f"t5.{side}.block.0"]
+        assert embedding.backward_flops == 0
+        assert 2 * block.forward_flops <= block.backward_flops <= 2.2 * block.forward_flops
+    assert layers["t5.lm_head"].backward_flops == 2 * layers["t5.lm_head"].forward_flops

@@ -120,3 +120,33 @@ def test_launch_prints_one_torchrun_line_per_node(tmp_path):
     assert all("--nnodes=2 --nproc-per-node=8" in line and f"--plan {path}" in line for line in lines)
     missing = run_cli("launch", str(tmp_path / "absent.json"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_a_model_planned_on_example_inputs_reports_samples_and_readable_small_figures():
+    # A CNN's rows are images: tokens/s (batch x seq_len, which it never reads) printed millions; a tiny model's step
+    # and memory printed "0.000 s" and "0.0"; the transformer runs' error band was offered for it.
+    import re
+
+    import torch
+    from torch import nn
+
+    class Convolutional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.pool = nn.AdaptiveAvgPool2d(1)
+            self.head = nn.Linear(8, 10)
+
+        def forward(self, images: torch.Tensor) -> torch.Tensor:
+            return self.head(self.pool(torch.relu(self.conv(images))).flatten(1))
+
+    plan = tessera.plan(Convolutional(), "dgx-h100:nodes=1", global_batch=64, seq_len=1,
+                        example_inputs=torch.zeros(1, 3, 16, 16))
+    text = plan.summary()
+    assert not plan.token_inputs and "samples/s" in text and "tokens/s" not in text and "likely" not in text
+    assert re.search(r"step time  \d+\.\d+ (ms|µs)", text) and "0.000" not in text
+    assert re.search(r"parameters \d+\.\d KiB", text)
+    again = Plan.from_json(plan.to_json())  # the plan file keeps what a row is
+    assert again.throughput() == plan.throughput() == f"{64 / plan.estimate.step_time_s:,.0f} samples/s"
+    tokens = tessera.plan("gpt-tiny", "cpu:ranks=2", global_batch=8, seq_len=64)
+    assert tokens.token_inputs and "tokens/s" in tokens.summary()

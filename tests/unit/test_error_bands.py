@@ -107,6 +107,12 @@ def test_a_routed_expert_block_of_any_kind_makes_a_prediction_mixture_of_experts
     assert eb.prediction_band(s, "bf16", device_name="H100-SXM-80GB", block_kinds=["attention"]) == eb.error_band("ptd-p")
 
 
+def test_a_model_without_attention_blocks_gets_no_band_from_the_transformer_runs():
+    s = Strategy.parse("dp=8,zero=1")
+    for kinds in ([], [""], ["ssm"]):  # a CNN's layers, a state-space model: no published run trained one
+        assert eb.prediction_band(s, "bf16", device_name="H100-SXM-80GB", block_kinds=kinds) is None
+
+
 def test_an_evaluation_pickles_and_copies_with_its_band():
     import copy
     import pickle

@@ -328,6 +328,8 @@ def test_export_neither_replaces_a_file_nor_leaves_half_of_one(pm, tmp_path):
     export_model_state_dict(folder, out, overwrite=True)
     assert set(torch.load(out, weights_only=True)) == set(pm.module.state_dict())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "model.pt"]  # no temporary file left
+    export_model_state_dict(folder, tmp_path / "again.pt")
+    assert out.read_bytes() == (tmp_path / "again.pt").read_bytes()  # the same bytes, whatever the temporary name
 
 
 # ------------------------------------------------------------------------------------------------ a full disk

@@ -20,6 +20,7 @@ from rich.console import Console
 from tessera import cli, cli_args
 from tessera.cli import main
 from tessera.errors import ModelSpecError
+from tessera.files import written_by_tessera
 from tessera.models import model_config, with_override
 from tessera.models.limits import MAX_CAPACITY_FACTOR, MAX_DIMS
 
@@ -92,8 +93,8 @@ def test_corpus_covers_every_verb():
 def test_global_batch_zero_is_refused_not_defaulted(capsys):
     code, _, err = run(["plan", "--global-batch", "0"], capsys)
     assert code == 2
-    assert error_line(err) == ("tessera plan: error: argument --global-batch: expected a whole number of sequences "
-                               f"from 1 to {cli_args.MAX_GLOBAL_BATCH:,}, got '0'")
+    assert err.strip() == ("tessera plan: error: argument --global-batch: expected a whole number of sequences "
+                           f"from 1 to {cli_args.MAX_GLOBAL_BATCH:,}, got '0' (usage: tessera plan --help)")  # one line
 
 
 @pytest.mark.parametrize(("option", "value"), [
@@ -258,6 +259,23 @@ def test_plan_json_and_a_cluster_file_are_not_written_over_a_users_file(tmp_path
     code, _, err = run(["profile", "--quick", "--out", str(tmp_path / "c.yaml")], capsys)
     assert code == 2 and "Tessera did not write it" in error_line(err)
     assert (tmp_path / "p.json").read_text() == '{"mine": 1}' and (tmp_path / "c.yaml").read_text() == "mine: 1\n"
+
+
+def test_a_users_file_that_merely_mentions_tessera_or_looks_like_a_plan_is_not_replaced(tmp_path, capsys):
+    # The mark anywhere in the first 64 KiB (any case), or any JSON with a plan's three top-level keys, was taken
+    # for Tessera's own: --json and --out replaced them.
+    notes, lookalike = tmp_path / "notes.md", tmp_path / "mine.json"
+    notes.write_text("# My notes\n\nThe plan says: Written by Tessera, checked by me.\n")
+    lookalike.write_text('{"schema_version": 1, "strategy": "mine", "training": "mine"}')
+    for target in (notes, lookalike):
+        before = target.read_text()
+        code, _, err = run(["plan", *corpus.BASE, "--json", str(target)], capsys)
+        assert code == 2 and "Tessera did not write it" in error_line(err) and target.read_text() == before
+    code, _, _ = run(["plan", *corpus.BASE, "--json", str(tmp_path / "p.json"), "--format", "md", "--out",
+                      str(tmp_path / "rep")], capsys)
+    assert code == 0
+    for own in (tmp_path / "p.json", *(tmp_path / "rep").iterdir()):  # its plan, report and charts: its own
+        assert written_by_tessera(own), own
 
 
 def test_machine_readable_output_stays_parseable_with_json(tmp_path, capsys):
