@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
+from torch.utils._pytree import tree_leaves, tree_map
 
 from tessera.errors import ConfigError
 from tessera.planner.plan import Plan
@@ -41,6 +42,8 @@ from tessera.runtime.offload import OffloadStats
 if TYPE_CHECKING:
     from tessera.runtime.snapshots import SnapshotConfig, Snapshotter
 
+Inputs = torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
+"""A batch's inputs: one tensor, or a tuple (positional) or dict (keyword arguments) of tensors, rows first."""
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 """``loss_fn(outputs, targets) -> scalar``: the mean loss of one micro-batch, from the model's output (a logits
 tensor, a Hugging Face ``ModelOutput``, a dict, a tuple...) and the micro-batch's rows of the targets."""
@@ -126,6 +129,8 @@ class ParallelModel:
         output's type). Pass batches of the planned global batch: BatchNorm layers were checked for it.
         """
         inputs, targets = _inputs_and_targets(batch)
+        if not isinstance(inputs, torch.Tensor):
+            self._check_several_inputs_supported(inputs)
         if self._batch_unchecked and self.world_size > 1:
             _check_same_batch_on_every_rank(inputs, targets)
             self._batch_unchecked = False
@@ -134,11 +139,11 @@ class ParallelModel:
         if self._check_targets is not None:  # on the whole batch, so every rank refuses it alike
             self._check_targets(targets)
         accumulation = self._accumulation_steps(inputs, targets)
-        inputs, targets = self._local_rows(inputs), self._local_rows(targets)  # (B/dp, T)
+        inputs, targets = tree_map(self._local_rows, inputs), self._local_rows(targets)  # (B/dp, T)
         if self.schedule is not None and accumulation != self.schedule._n_microbatches:
             raise ConfigError(
                 f"the pipeline schedule was built for {self.schedule._n_microbatches} micro-batches per step (the "
-                f"plan's global batch {self.plan.training.global_batch}); this batch of {batch[0].shape[0]} rows "
+                f"plan's global batch {self.plan.training.global_batch}); this batch of {batch[1].shape[0]} rows "
                 f"makes {accumulation}; pass batches of the planned size"
             )
         if self._gathers_fp8:
@@ -214,10 +219,11 @@ class ParallelModel:
     def _run_micro_batches(self, inputs: torch.Tensor, targets: torch.Tensor, accumulation: int) -> torch.Tensor:
         micro = self.plan.strategy.micro_batch
         local_loss = torch.zeros((), device=self.device)
-        for index, (micro_inputs, micro_targets) in enumerate(zip(inputs.split(micro), targets.split(micro))):
+        for index, micro_targets in enumerate(targets.split(micro)):
+            micro_inputs = tree_map(lambda t: t[index * micro:(index + 1) * micro], inputs)
             with self._step_context(last_micro_batch=index == accumulation - 1, autocast=False):
                 with self._autocast():  # the forward only: its cache of cast weights goes when it exits
-                    loss = self.loss_fn(self.module(micro_inputs), micro_targets) / accumulation
+                    loss = self.loss_fn(_call(self.module, micro_inputs), micro_targets) / accumulation
                 loss.backward()
             local_loss += loss.detach().float()
         return local_loss
@@ -268,12 +274,22 @@ class ParallelModel:
             stack.enter_context(loss_parallel())  # the loss and its backward run on vocabulary shards
         return stack
 
-    def _accumulation_steps(self, inputs: torch.Tensor, targets: torch.Tensor) -> int:
-        if inputs.shape[0] != targets.shape[0]:
-            raise ConfigError(
-                f"inputs have {inputs.shape[0]} rows but targets {targets.shape[0]}; pass the same global batch"
-            )
-        return self.plan.strategy.gradient_accumulation(inputs.shape[0])
+    def _accumulation_steps(self, inputs: Inputs, targets: torch.Tensor) -> int:
+        for tensor in tree_leaves(inputs):
+            if tensor.shape[0] != targets.shape[0]:
+                raise ConfigError(f"inputs have {tensor.shape[0]} rows but targets {targets.shape[0]}; pass the same "
+                                  "global batch")
+        return self.plan.strategy.gradient_accumulation(targets.shape[0])
+
+    def _check_several_inputs_supported(self, inputs: Inputs) -> None:
+        """Several input tensors run under data and tensor parallelism; a pipeline's first stage and context
+        parallelism's split of a sequence take one."""
+        strategy = self.plan.strategy
+        if strategy.pp > 1 or strategy.cp > 1:
+            axis = "pipeline parallelism (its first stage takes one tensor)" if strategy.pp > 1 else (
+                "context parallelism (it splits one sequence tensor)")
+            raise ConfigError(f"train_step got {len(inputs)} input tensors, and {axis} takes one; pass one tensor "
+                              f"(wrap the model so its forward takes one), or plan with {'pp' if strategy.pp > 1 else 'cp'}=1")
 
     def _local_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's rows (``dp``) and, with context parallelism, its zig-zag share of each sequence (``cp``)."""
@@ -337,9 +353,10 @@ def reduce_partial_gradients(optimizer: torch.optim.Optimizer) -> None:
                 param.grad = grad.redistribute(grad.device_mesh, param.placements)
 
 
-def _inputs_and_targets(batch: object) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs_and_targets(batch: object) -> tuple[Inputs, torch.Tensor]:
     """``batch`` as ``(inputs, targets)``, or a ``ConfigError`` saying how to pass it (a Hugging Face style dict is
-    the common mistake)."""
+    the common mistake). ``inputs``: a tensor, or the forms ``example_inputs`` takes (a tuple of tensors, the
+    forward's positional arguments; a dict of tensors, its keyword arguments), each row one sample."""
     if isinstance(batch, dict):
         raise ConfigError(f"train_step takes a tuple (inputs, targets), got a dict with keys {sorted(map(str, batch))}; "
                           "pass e.g. (batch['input_ids'], batch['labels'])")
@@ -348,18 +365,35 @@ def _inputs_and_targets(batch: object) -> tuple[torch.Tensor, torch.Tensor]:
         raise ConfigError(f"train_step takes a tuple (inputs, targets), got {what}; pass both, the targets shaped "
                           "like the logits without their class dimension")
     inputs, targets = batch
-    for name, value in (("inputs", inputs), ("targets", targets)):
-        if not isinstance(value, torch.Tensor):
-            raise ConfigError(f"train_step's {name} must be a torch.Tensor, got {type(value).__name__}")
+    if isinstance(inputs, (tuple, list)):
+        inputs = tuple(inputs)
+    several = isinstance(inputs, (tuple, dict)) and len(inputs) > 0
+    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs) if several else [inputs]
+    odd = next((value for value in values if not isinstance(value, torch.Tensor)), None)
+    if odd is not None or (isinstance(inputs, dict) and not all(isinstance(key, str) for key in inputs)):
+        raise ConfigError(f"train_step's inputs must be a torch.Tensor, or a tuple (positional) or dict (keyword "
+                          f"arguments) of tensors with one row per sample; got {type(inputs).__name__}"
+                          + (f" holding a {type(odd).__name__}" if several and odd is not None else ""))
+    if not isinstance(targets, torch.Tensor):
+        raise ConfigError(f"train_step's targets must be a torch.Tensor, got {type(targets).__name__}")
     return inputs, targets
 
 
-def _check_same_batch_on_every_rank(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+def _call(module: nn.Module, inputs: Inputs) -> Any:
+    """The forward on one micro-batch's inputs, as ``example_inputs`` is: a tuple positionally, a dict by name."""
+    if isinstance(inputs, tuple):
+        return module(*inputs)
+    if isinstance(inputs, dict):
+        return module(**inputs)
+    return module(inputs)
+
+
+def _check_same_batch_on_every_rank(inputs: Inputs, targets: torch.Tensor) -> None:
     """Refuse, on every rank alike, a first batch that differs between ranks: each rank takes its own slice of the
     global batch, so per-rank batches (a ``DistributedSampler``'s shard) trained on rows no one meant, under tp and
     pp on one rank's inputs against another's targets, with a plausible loss. Once: it costs a gather."""
     fingerprints = [None] * dist.get_world_size()
-    dist.all_gather_object(fingerprints, (_fingerprint(inputs), _fingerprint(targets)))
+    dist.all_gather_object(fingerprints, [_fingerprint(tensor) for tensor in (*tree_leaves(inputs), targets)])
     differs = next((rank for rank, theirs in enumerate(fingerprints) if theirs != fingerprints[0]), None)
     if differs is not None:
         raise ConfigError(f"train_step got different batches on rank 0 and rank {differs}: every rank passes the same "

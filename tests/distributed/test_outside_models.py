@@ -132,6 +132,47 @@ def buffers_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name.removeprefix("module."): b.detach().clone() for name, b in module.named_buffers()}
 
 
+# ----------------------------------------------------------------------------------- a forward of several inputs
+class TokensAndFeatures(nn.Module):
+    """Token ids and a per-sample feature vector (a conditioning signal), as positional or keyword arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.side = nn.Linear(4, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids) + self.side(features)[:, None, :]
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def make_two_inputs(seed: int = SEED) -> TokensAndFeatures:
+    torch.manual_seed(seed)
+    return TokensAndFeatures()
+
+
+def two_input_batches(steps: int = STEPS) -> list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    generator = torch.Generator().manual_seed(2)
+    return [((torch.randint(32, (GLOBAL_BATCH, SEQ_LEN), generator=generator),
+              torch.randn(GLOBAL_BATCH, 4, generator=generator)),
+             torch.randint(32, (GLOBAL_BATCH, SEQ_LEN), generator=generator)) for _ in range(steps)]
+
+
+TWO_INPUT_CASES = [("tuple", "dp=2,zero=0,mbs=2"), ("dict", "dp=2,zero=3,mbs=4")]
+
+
+def two_input_case(form: str, strategy: str) -> dict:
+    model = make_two_inputs(SEED + dist.get_rank())
+    parallel = apply_plan(model, make_plan("two-inputs", model, strategy))
+    batches = [((dict(zip(("ids", "features"), inputs)) if form == "dict" else inputs), targets)
+               for inputs, targets in two_input_batches()]
+    return train(parallel, batches)
+
+
 # --------------------------------------------------------------------- outputs that are dicts, ModelOutputs, tuples
 
 
@@ -226,6 +267,7 @@ def run_all() -> dict:
     cases = [*((("hf", *case), functools.partial(hf_case, *case)) for case in HF_CASES if HAS_TRANSFORMERS),
              *((("cnn", case), functools.partial(cnn_case, case)) for case in CNN_CASES),
              *((("output", *case), functools.partial(output_case, *case)) for case in OUTPUT_CASES),
+             *((("two-inputs", *case), functools.partial(two_input_case, *case)) for case in TWO_INPUT_CASES),
              (("unsynced",), unsynced_ddp_step)]
     results, seconds = run_named(cases)
     return {**results, "seconds": seconds}
@@ -250,11 +292,11 @@ def case_result(key: tuple) -> dict:
 # ---------------------------------------------------------------------------------------- single-process truth
 
 
-def single_process(model: nn.Module, batches, loss_fn) -> dict:
+def single_process(model: nn.Module, batches, loss_fn, call=None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for inputs, targets in batches:
-        loss = loss_fn(model(inputs), targets)
+        loss = loss_fn(call(inputs) if call is not None else model(inputs), targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -309,6 +351,17 @@ def test_dict_tuple_and_model_outputs_under_pipeline_and_tensor_parallelism(outp
     ref_losses, _, ref_params = reference(GPT, STEPS)
     torch.testing.assert_close(result["losses"], ref_losses, **FP32_TOL)
     torch.testing.assert_close(result["params"], ref_params, **PARAM_TOL)
+
+
+@pytest.mark.parametrize(("form", "strategy"), TWO_INPUT_CASES, ids=[f"{f}-{s}" for f, s in TWO_INPUT_CASES])
+def test_a_forward_of_several_inputs_trains_like_one_process(form, strategy):
+    result = case_result(("two-inputs", form, strategy))
+    model = make_two_inputs()
+    expected = single_process(model, [(inputs, targets) for inputs, targets in two_input_batches()],
+                              lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()),
+                              call=lambda inputs: model(*inputs))
+    torch.testing.assert_close(result["losses"], expected["losses"], **FP32_TOL)
+    torch.testing.assert_close(result["params"], expected["params"], **PARAM_TOL)
 
 
 def test_the_spawn_stays_fast():

@@ -294,3 +294,19 @@ def test_a_model_whose_apply_failed_before_changing_it_can_be_applied_again():
     apply_plan(model, one)
     with pytest.raises(ConfigError, match="already parallelised"):
         apply_plan(model, one)
+
+
+def test_several_inputs_are_named_where_train_step_cannot_take_them():
+    from types import SimpleNamespace
+
+    from tessera.runtime.parallel_model import ParallelModel, _inputs_and_targets
+
+    ids, features, targets = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 3), torch.zeros(2, 4, dtype=torch.long)
+    assert _inputs_and_targets(([ids, features], targets))[0] == (ids, features)  # a list is the tuple form
+    with pytest.raises(ConfigError, match="a tuple .positional. or dict .keyword arguments. of tensors .*holding a "
+                                          "float"):
+        _inputs_and_targets(((ids, 0.5), targets))
+    for strategy, axis in (("dp=1,pp=2", "pipeline parallelism"), ("dp=1,cp=2", "context parallelism")):
+        owner = SimpleNamespace(plan=SimpleNamespace(strategy=tessera.Strategy.parse(strategy)))
+        with pytest.raises(ConfigError, match=f"train_step got 2 input tensors, and {axis}.* takes one"):
+            ParallelModel._check_several_inputs_supported(owner, (ids, features))
