@@ -444,3 +444,25 @@ def moe_problem(container: nn.Module, fqn: str, *, plan: Mapping[str, str] | Non
         if problem is not None:
             return problem
     return None
+
+
+LOCAL_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_heads", "n_kv_heads",
+                          "split_size")
+"""Integer attributes of an attention module that count its heads (or one packed block's width)."""
+
+
+def localise_attention(attention: nn.Module, tp: int) -> None:
+    """Divide the head counts (and packed widths) ``attention``'s forward reads by ``tp``: it now holds its
+    local heads. Attributes its forward does not read are left alone (they describe the whole model)."""
+    source = _forward_source(attention)
+    for name in LOCAL_COUNT_ATTRIBUTES:
+        value = getattr(attention, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and (not source or f"self.{name}" in source):
+            setattr(attention, name, value // tp)
+
+
+def _forward_source(module: nn.Module) -> str:
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):  # no source (compiled, generated): treat every attribute as read
+        return ""

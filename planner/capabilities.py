@@ -48,6 +48,8 @@ from tessera.cost_models.tp_rules import (
 from tessera.cost_models.cp_rules import context_parallel_problem
 from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.types import runtime_splits
+from tessera.planner.measure import ExampleInputs
+from tessera.planner.tp_trial import local_forward_problem
 from tessera.models.moe import stacked_experts_problem
 
 FX_FRONT_END = "torch.fx.symbolic_trace"
@@ -58,14 +60,17 @@ def unavailable_axes(
     model: nn.Module, layers: dict[str, nn.Module], stats: Sequence[LayerStats], *,
     front_end: str, fallback_reasons: Sequence[str] = (), tp_plan: Mapping[str, str] | None = None,
     token_inputs: bool = True, revisited: tuple[str, str] | None = None,
+    trial_inputs: tuple[ExampleInputs | None, int] | None = None,
 ) -> dict[str, str]:
     """Axis name -> one line saying why the runtime cannot apply it to ``model`` (absent: available); ``tp_plan``:
     the user's tensor-parallel plan, as the runtime will be given it (else the model's declared one);
     ``token_inputs``: the model was captured on token ids (not on ``example_inputs``); ``revisited``: a layer
-    that runs again after a later one (``layer_flow.revisited``)."""
+    that runs again after a later one (``layer_flow.revisited``); ``trial_inputs``: ``(example_inputs, seq_len)``
+    to run each distinct block as one tensor-parallel rank holds it (``tp_trial``), where the rules allow tp."""
     planned = [layer for layer in stats if layer.fqn in layers]
     reasons = {
-        "tp": _tensor_parallel_problem(model, layers, planned, tp_plan),
+        "tp": _tensor_parallel_problem(model, layers, planned, tp_plan) or (
+            _local_forward_problem(model, layers, planned, tp_plan, trial_inputs) if trial_inputs else None),
         "pp": _revisit_problem(revisited) or _pipeline_problem(model, front_end=front_end,
                                                                   fallback_reasons=fallback_reasons,
                                                                   token_inputs=token_inputs),
@@ -110,6 +115,14 @@ def _tensor_parallel_problem(model: nn.Module, layers: dict[str, nn.Module], pla
         return f"tp_plan entry {odd[0]!r}: style {odd[1]!r} is not implemented by the runtime"
     plan = _tp_plan(model, tp_plan)
     return _first_problem(planned, layers, plan, lambda layer: _layer_problem(layer, layers[layer.fqn], plan))
+
+
+def _local_forward_problem(model: nn.Module, layers: dict[str, nn.Module], planned: list[LayerStats],
+                           tp_plan: Mapping[str, str] | None, trial_inputs: tuple[ExampleInputs | None, int]) -> str | None:
+    example_inputs, seq_len = trial_inputs
+    skip = {layer.fqn: _routers(layers[layer.fqn]) for layer in planned if layer.kind == "block"}
+    return local_forward_problem(model, planned, _tp_plan(model, tp_plan), example_inputs=example_inputs,
+                                 seq_len=seq_len, skip=skip)
 
 
 def _tp_plan(model: nn.Module, tp_plan: Mapping[str, str] | None) -> dict[str, str]:

@@ -147,13 +147,17 @@ def meta_autocast_off() -> Iterator[None]:
 
 
 def meta_twin(model: nn.Module) -> nn.Module:
-    """``model`` itself when it is all meta, else a deep copy whose parameters and buffers are meta tensors."""
+    """``model`` itself when it is all meta, else a deep copy whose parameters, buffers and other tensor attributes are
+    meta tensors."""
     params = list(model.parameters())
     buffers = list(model.buffers())
     if all(t.is_meta for t in (*params, *buffers)):
         return model
     memo: dict[int, object] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in params}
     memo.update({id(b): torch.empty_like(b, device="meta") for b in buffers})
+    # Other tensors a module keeps (a MoE layer's last aux_loss, a graph's output, which deepcopy refuses) too.
+    memo.update({id(value): torch.empty_like(value, device="meta") for module in model.modules()
+                 for value in vars(module).values() if isinstance(value, torch.Tensor) and id(value) not in memo})
     return copy.deepcopy(model, memo)
 
 

@@ -14,7 +14,7 @@ runs its ``heads / tp`` local heads; the MLP splits its hidden width. How each p
   plan the model declares (Hugging Face ``base_model_tp_plan``), else the caller's pairs, else the module tree
   (fused ``q|k|v`` and ``gate|up`` projections packed, Hugging Face ``Conv1D`` included). They become
   :class:`~tessera.runtime.tp_styles.ColumnSplit` / :class:`~tessera.runtime.tp_styles.RowSplit`. An attention
-  whose heads are split gets its local head counts (``tp_styles.localise_attention``). Norms and the router of a
+  whose heads are split gets its local head counts (``tp_rules.localise_attention``). Norms and the router of a
   mixture-of-experts layer stay replicated (every rank routes the same tokens; each expert is a pair like the
   dense MLP, as Megatron-Core splits experts, unless the experts are folded onto their own grid and stay whole:
   ``MoELayer.tp_whole_linears``, ``runtime.expert_parallel``). Any other parameter in a block is refused by name.
@@ -70,6 +70,7 @@ from tessera.cost_models.tp_rules import (
     is_norm,
     kv_groups,
     linear_dims,
+    localise_attention,
     moe_containers,
     moe_parts,
     plan_style,
@@ -94,7 +95,7 @@ from tessera.runtime.tp_sequence import (
     sequence_sharded,
 )
 from tessera.runtime.tp_experts import split_moe_container
-from tessera.runtime.tp_styles import ColumnSplit, RowSplit, check_local_heads, localise_attention
+from tessera.runtime.tp_styles import ColumnSplit, RowSplit, check_local_heads
 
 __all__ = ["apply_tensor_parallel", "check_sequence_parallel", "check_tensor_parallel",
            "find_linear_pairs", "layer_styles", "resolve_tp_plan", "sequence_entry", "VocabParallelLoss"]

@@ -13,14 +13,13 @@ view an attention module needs once its heads are split.
 - :class:`RowSplit`: row-parallel ``nn.Linear`` or ``Conv1D`` (input features are the weight's dim 0 there).
 - :func:`fsdp_shard_placement` (FSDP2's ``shard_placement_fn``) and :func:`unstrided` (a checkpoint's view): a
   packed split composes with FSDP2 on ``dp`` and with DCP.
-- :func:`localise_attention`: attention modules that split heads with an absolute count (OPT's
+- ``tp_rules.localise_attention``: attention modules that split heads with an absolute count (OPT's
   ``view(B, -1, self.num_heads, d)``) or width (GPT-2's ``split(self.split_size)``) get the local count; one that
   reads head counts from the shared ``config`` in its forward is refused (Phi-3 declares a gathered plan instead).
 """
 
 from __future__ import annotations
 
-import inspect
 from functools import partial
 
 from torch import nn
@@ -31,11 +30,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from tessera.cost_models.tp_rules import config_head_read, is_conv1d
 from tessera.errors import NotModelledError
-
-LOCAL_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_heads", "n_kv_heads",
-                          "split_size")
-"""Integer attributes of an attention module that count its heads (or one packed block's width)."""
-
 
 def _supported(module: nn.Module, style: str) -> None:
     if not (isinstance(module, nn.Linear) or is_conv1d(module)):
@@ -140,18 +134,3 @@ def check_local_heads(fqn: str, attention: nn.Module) -> None:
         raise NotModelledError(problem)
 
 
-def localise_attention(attention: nn.Module, tp: int) -> None:
-    """Divide the head counts (and packed widths) ``attention``'s forward reads by ``tp``: it now holds its
-    local heads. Attributes its forward does not read are left alone (they describe the whole model)."""
-    source = _forward_source(attention)
-    for name in LOCAL_COUNT_ATTRIBUTES:
-        value = getattr(attention, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and (not source or f"self.{name}" in source):
-            setattr(attention, name, value // tp)
-
-
-def _forward_source(module: nn.Module) -> str:
-    try:
-        return inspect.getsource(type(module).forward)
-    except (OSError, TypeError):  # no source (compiled, generated): treat every attribute as read
-        return ""

@@ -7,6 +7,9 @@ only, as tests/distributed/test_runtime_rules.py does.
 from functools import cache
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 import tessera
 from tessera.cost_models import Strategy, TrainingConfig
@@ -260,3 +263,55 @@ def test_a_module_applied_at_two_depths_makes_pipelining_unavailable_by_name():
     assert plan.unavailable_axes["pp"].startswith("shared.0 runs again after blocks.1")
     with pytest.raises(ConfigError, match="pp=2 is unavailable for this model: shared.0 runs again"):
         tessera.plan(SharedTwice(), "cpu:ranks=2", global_batch=8, seq_len=8, strategy="pp=2")
+
+
+WIDTH = 32  # a module-level constant a user's attention reshapes to
+
+
+class _Attention(nn.Module):
+    def __init__(self, width_from_tensor: bool) -> None:
+        super().__init__()
+        self.width_from_tensor, self.num_heads, self.head_dim = width_from_tensor, 4, WIDTH // 4
+        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x):
+        batch, length, _ = x.shape
+        q, k, v = (p(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.o(y.reshape(batch, length, -1 if self.width_from_tensor else WIDTH))
+
+
+class _Block(nn.Module):
+    def __init__(self, width_from_tensor: bool) -> None:
+        super().__init__()
+        self.attn = _Attention(width_from_tensor)
+
+    def forward(self, x):
+        return x + self.attn(x)
+
+
+class _Stack(nn.Module):
+    def __init__(self, width_from_tensor: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, WIDTH)
+        self.blocks = nn.ModuleList(_Block(width_from_tensor) for _ in range(2))
+        self.head = nn.Linear(WIDTH, 64)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_an_attention_reshaping_to_a_constant_full_width_is_not_planned_with_tensor_parallelism():
+    # The rules split its q/k/v/o and divide num_heads; its forward's reshape to the module constant then failed the
+    # first tensor-parallel step with a raw shape error. A trial of the block as one rank holds it finds it at capture.
+    with torch.device("meta"):
+        constant, from_tensor = _Stack(width_from_tensor=False), _Stack(width_from_tensor=True)
+    said = tessera.plan(constant, "cpu:ranks=2", global_batch=4, seq_len=16).unavailable_axes.get("tp", "")
+    assert said.startswith("blocks.0's forward fails on one rank's share of its heads and linears (tp=2: "
+                           "RuntimeError: shape") and said.endswith("or plan with tp=1")
+    assert "tp" not in tessera.plan(from_tensor, "cpu:ranks=2", global_batch=4, seq_len=16).unavailable_axes
+    with pytest.raises(ConfigError, match="blocks.0's forward fails on one rank's share"):
+        tessera.plan(constant, "cpu:ranks=2", global_batch=4, seq_len=16, strategy="tp=2")
