@@ -177,11 +177,21 @@ def _entries_under(plan: Mapping[str, str], fqn: str) -> tuple[tuple[str, str], 
 # ----------------------------------------------------------------------------------------------- pipeline, experts
 
 
+RECORDED_OUTPUTS = ("output_hidden_states",)
+"""Hugging Face config flags that make the model record values inside every layer that the pipeline split refuses
+(``runtime.pipeline_records``; router logits and, measured, attention weights it hands on as submodule outputs)."""
+
+
 def _pipeline_problem(model: nn.Module, *, front_end: str, fallback_reasons: Sequence[str],
                       token_inputs: bool) -> str | None:
     """The runtime cuts stages from a ``torch.fx`` trace of the root forward, else from a ``torch.export`` one at a
     micro-batch of token ids (``runtime.pipeline_split``): a model only ``make_fx`` could trace, or one fx cannot
     trace that takes other inputs, cannot be pipelined."""
+    recorded = [flag for flag in RECORDED_OUTPUTS if getattr(getattr(model, "config", None), flag, False) is True]
+    if recorded:
+        return (f"{type(model).__name__} returns every layer's {recorded[0].removeprefix('output_').replace('_', ' ')} "
+                f"(config.{recorded[0]}=True), values its layers compute and the pipeline's stages cannot hand on; "
+                f"set {recorded[0]}=False for training, or plan with pp=1")
     if front_end == FX_FRONT_END or (front_end == EXPORT_FRONT_END and token_inputs):
         return None
     if front_end == EXPORT_FRONT_END:

@@ -179,7 +179,7 @@ class Plan(BaseModel):
                 f"step time  {format_seconds(e.step_time_s)}   {self.throughput()}   MFU {e.mfu:.1%}",
                 *((f"likely     {band.describe(e.step_time_s)}",) if (band := self.error_band()) else ()),
                 f"memory     {format_bytes(e.peak_memory_bytes)} of {format_bytes(e.memory_budget_bytes)} per device "
-                f"({memory})",
+                f"(held at the peak: {memory})",
                 *(line for axis, reason in self.unavailable_axes.items() for line in (
                     f"no {axis:<7} {reason}",
                     *(f"           {c.verdict} ({c.strategy.to_string()}, {format_seconds(c.estimate.step_time_s)})"

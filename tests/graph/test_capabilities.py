@@ -315,3 +315,15 @@ def test_an_attention_reshaping_to_a_constant_full_width_is_not_planned_with_ten
     assert "tp" not in tessera.plan(from_tensor, "cpu:ranks=2", global_batch=4, seq_len=16).unavailable_axes
     with pytest.raises(ConfigError, match="blocks.0's forward fails on one rank's share"):
         tessera.plan(constant, "cpu:ranks=2", global_batch=4, seq_len=16, strategy="tp=2")
+
+
+def test_a_hugging_face_model_returning_every_layers_hidden_states_is_not_planned_with_pipelines():
+    # The planner accepted pp=2, then the runtime refused: the recorded hidden states are computed inside the layers.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256, use_cache=False, output_hidden_states=True)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    said = tessera.plan(model, "cpu:ranks=2", global_batch=4, seq_len=16).unavailable_axes.get("pp", "")
+    assert said.startswith("LlamaForCausalLM returns every layer's hidden states (config.output_hidden_states=True)")
+    assert said.endswith("set output_hidden_states=False for training, or plan with pp=1")
