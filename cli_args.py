@@ -59,6 +59,8 @@ def _bounded(convert: Callable[[str], float], *, expected: str, low_ok: Callable
 
     def parse(text: str) -> float:
         try:
+            if not text.isascii():  # Python reads '٨' and '１６' as numbers; cluster specs and files do not
+                raise ValueError(text)
             value = convert(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{expected}, got {_shown(text)}") from None

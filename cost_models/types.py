@@ -76,6 +76,8 @@ class TrainingConfig(BaseModel):
     def _not_a_bool(cls, value: object) -> object:
         if isinstance(value, bool):  # an int to Python, so pydantic would take True as 1
             raise ValueError("must be a whole number, not a bool")
+        if isinstance(value, (str, bytes)):  # pydantic would read "8" (and "٨") as 8
+            raise ValueError(f"must be a whole number, not a {type(value).__name__} ({value!r})")
         return value
 
     def __init__(self, /, **data: Any) -> None:

@@ -64,6 +64,7 @@ def test_auto_parallelize_refuses_fp16_before_it_plans(monkeypatch):
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"model": None}, "model must be an nn.Module or a spec"),
     ({"global_batch": True}, "field 'global_batch': Value error, must be a whole number, not a bool"),
+    ({"seq_len": "16"}, "field 'seq_len': Value error, must be a whole number, not a str .'16'."),
     ({"strategy": 7}, "strategy must be a Strategy, a string such as 'tp=8,pp=4' or a dict of its fields, got int"),
 ])
 def test_values_of_the_wrong_kind_are_one_line(kwargs, message):

@@ -90,6 +90,12 @@ def test_corpus_covers_every_verb():
 # ----------------------------------------------------------------------------------------- numbers
 
 
+@pytest.mark.parametrize("digits", ["٨", "１６"])
+def test_digits_of_other_scripts_are_refused_as_cluster_specs_refuse_them(capsys, digits):
+    code, _, err = run(["plan", *corpus.BASE, "--global-batch", digits], capsys)
+    assert code == 2 and f"got '{digits}'" in error_line(err)
+
+
 def test_global_batch_zero_is_refused_not_defaulted(capsys):
     code, _, err = run(["plan", "--global-batch", "0"], capsys)
     assert code == 2
