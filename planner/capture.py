@@ -110,9 +110,10 @@ def capture(
             _add_autocast(tallies, model, flow.order, dtype=dtype, inputs=example_inputs)
     stats, keys = _records(model, layers, flow, pairs, tallies[seq_len], capacity_factor=expert_capacity_factor,
                            seq_len=seq_len, windowed=windowed)
-    unavailable = unavailable_axes(model, layers, stats, front_end=flow.front_end, fallback_reasons=flow.fallback_reasons,
-                                   token_inputs=token_inputs, tp_plan=tp_plan, revisited=revisited(flow),
-                                   trial_inputs=(example_inputs, seq_len))
+    with meta_autocast_off(), layer_info.measured_with_sdpa(config):  # the tensor-parallel trial runs the blocks
+        unavailable = unavailable_axes(model, layers, stats, front_end=flow.front_end,
+                                       fallback_reasons=flow.fallback_reasons, token_inputs=token_inputs,
+                                       tp_plan=tp_plan, revisited=revisited(flow), trial_inputs=(example_inputs, seq_len))
     return LayerGraph(
         model_name=name or getattr(model, "name", None) or type(model).__name__,
         seq_len=seq_len,

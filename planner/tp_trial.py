@@ -48,13 +48,16 @@ def local_forward_problem(
     distinct = [fqn for fqn in _distinct_blocks(planned) if not moe_containers(model.get_submodule(fqn))]
     if not distinct:
         return None
-    twin = meta_twin(model)
     quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs a failed op before raising it
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the model's own deprecation notes: capture's forwards said them already
+            try:
+                twin = meta_twin(model)
+            except Exception:  # noqa: BLE001 -- an attribute deepcopy refuses (a lock): no trial
+                return None
             for mode in (None, FakeTensorMode(allow_non_fake_inputs=True)):  # fake: a forward calling .item() on a mask
                 try:
                     with mode or nullcontext():
@@ -73,6 +76,7 @@ class _NoTrial(Exception):
 def _trial(twin: nn.Module, calls: Mapping[str, tuple[tuple, dict]], plan: Mapping[str, str],
            skip: Mapping[str, Iterable[str]]) -> str | None:
     for fqn, (args, kwargs) in calls.items():
+        _run(copy.deepcopy(twin.get_submodule(fqn)), args, kwargs)  # whole, as the control: it must run this way
         block = copy.deepcopy(twin.get_submodule(fqn))
         splits = block_splits(block, fqn, plan=plan, skip=skip.get(fqn, ()))
         for split in splits:
@@ -88,6 +92,15 @@ def _trial(twin: nn.Module, calls: Mapping[str, tuple[tuple, dict]], plan: Mappi
                     f"{type(error).__name__}: {first}): it reads a full width from outside its modules (a "
                     "constant, a config); read the width from its tensors (reshape(B, T, -1)), or plan with tp=1")
     return None
+
+
+def _run(block: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The whole block's forward; ``_NoTrial`` if it fails (on meta: a guard reading a value unless traced)."""
+    try:
+        with torch.no_grad():
+            block(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 -- not the split's doing: another mode, or no verdict
+        raise _NoTrial from error
 
 
 def _distinct_blocks(planned: Sequence[LayerStats]) -> list[str]:

@@ -89,19 +89,27 @@ def _claim_private_folder(folder: Path) -> None:
     another user who made it first could read the snapshots, plant links, or plant weights."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = folder.lstat()
-    if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise ConfigError(f"snapshot store folder {folder} is not a folder of yours that only you can write (owner "
-                          f"uid {info.st_uid}, mode {stat.filemode(info.st_mode)}); remove it, or pass "
-                          "SnapshotConfig(store=...) a folder of your own")
+    if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid():
+        raise ConfigError(f"snapshot store folder {folder} is not a folder of yours (owner uid {info.st_uid}, "
+                          f"{'a link' if stat.S_ISLNK(info.st_mode) else stat.filemode(info.st_mode)}); remove it, or "
+                          "pass SnapshotConfig(store=...) a folder of your own")
+    if info.st_mode & 0o077:  # one of yours that others may read (an earlier version made them 0755): yours alone
+        os.chmod(folder, 0o700, follow_symlinks=False)
 
 
 def _write_marker(path: Path) -> None:
     """The store's marker, never written through a link left in the store."""
     try:
-        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as error:
         raise ConfigError(f"cannot write the snapshot store's marker {path} ({error.strerror}); a link there is "
                           "not Tessera's: remove it, or give the run a new store folder") from None
+    info = os.fstat(handle)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # a hard link's other name would be emptied too
+        os.close(handle)
+        raise ConfigError(f"the snapshot store's marker {path} is a hard link or not a file, not Tessera's: remove "
+                          "it, or give the run a new store folder")
+    os.ftruncate(handle, 0)
     with os.fdopen(handle, "w") as marker:
         marker.write("in-memory snapshots of one Tessera run (tessera.runtime.snapshots)\n")
 

@@ -256,10 +256,14 @@ def test_a_snapshot_store_made_by_someone_else_or_open_to_others_is_refused(tmp_
     os.close(open_store(store))  # made here: the user's folders, for the user alone
     assert all(folder.stat().st_mode & 0o777 == 0o700 for folder in (store, store.parent))
     assert (store / STORE_MARKER).exists()
-    store.parent.chmod(0o777)  # as another user who made it first would leave it for you
-    with pytest.raises(ConfigError, match=f"{store.parent} is not a folder of yours that only you can write"):
-        open_store(store)
-    store.parent.chmod(0o700)
+    store.parent.chmod(0o777)  # one of yours others may write or read (an earlier version made them 0755)
+    os.close(open_store(store))
+    assert store.parent.stat().st_mode & 0o777 == 0o700  # made yours alone
+    other = tmp_path / "theirs"
+    other.mkdir()
+    (store.parent / "job-2").symlink_to(other)  # a link planted where a run's store goes
+    with pytest.raises(ConfigError, match="job-2 is not a folder of yours .owner uid .*a link"):
+        open_store(store.parent / "job-2")
     planted = tmp_path / "planted"
     planted.write_text("mine")
     (store / STORE_MARKER).unlink()
