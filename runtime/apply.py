@@ -64,7 +64,7 @@ from tessera.runtime.mesh import PP, TP, build_mesh, device_type
 from tessera.runtime.offload import OffloadStats, apply_offload
 from tessera.runtime.parallel_model import LossFn, ParallelModel
 from tessera.runtime.recompute import apply_recompute
-from tessera.runtime.losses import build_loss, target_check
+from tessera.runtime.losses import TokenWeights, build_loss, target_check
 from tessera.runtime.targets import output_classes
 from tessera.runtime.tensor_parallel import (
     apply_tensor_parallel,
@@ -159,10 +159,11 @@ def apply_plan(
         apply_context_parallel(model, mesh, seq_len=plan.training.seq_len)
     optimizer = (optimizer_factory or default_optimizer_factory)(_unique_parameters(modules))
     _sum_tied_gradients(plan, ties, modules, mesh, optimizer)
-    loss = build_loss(loss_fn, plan, mesh, pipeline_output=pipeline_output, classes=classes)
+    weights = TokenWeights() if loss_fn is None else None  # a custom loss's reduction is its own
+    loss = build_loss(loss_fn, plan, mesh, pipeline_output=pipeline_output, classes=classes, weights=weights)
     schedule = _schedule(plan, modules, chunks, mesh, device=device, loss_fn=loss)
     return ParallelModel(plan, modules, optimizer=optimizer, loss_fn=loss, mesh=mesh, device=device,
-                         schedule=schedule, chunks=chunks, offloads=offloads,
+                         schedule=schedule, chunks=chunks, offloads=offloads, token_weights=weights,
                          check_targets=target_check(loss_fn, classes),
                          lr_scheduler=build_scheduler(lr_scheduler_factory, optimizer))
 

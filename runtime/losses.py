@@ -20,7 +20,28 @@ from tessera.runtime.targets import check_class_targets, check_logits_targets
 from tessera.runtime.tensor_parallel import VocabParallelLoss
 
 
-def default_loss_fn(outputs: Any, targets: torch.Tensor, *, check_range: bool = True) -> torch.Tensor:
+IGNORE_INDEX = -100
+"""The target PyTorch's and Hugging Face's cross-entropy ignore."""
+
+
+class TokenWeights:
+    """What makes the default loss the mean over the counted targets of the whole global batch, as one process
+    computes it, rather than a mean of each rank's and micro-batch's means (they differ where ``-100`` targets are
+    spread unevenly: padding, masked prompts). ``train_step`` sets it from the global batch each step; each
+    micro-batch's loss is then its targets' summed loss times ``scale`` = micro-batches x data ranks / counted
+    targets, which the division by the micro-batches (``train_step``'s, or the pipeline schedule's) and the
+    gradient average over the data ranks turn back into the global mean."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def set_step(self, targets: torch.Tensor, *, micro_batches: int, ranks: int) -> None:
+        counted = int((targets != IGNORE_INDEX).sum())
+        self.scale = micro_batches * ranks / max(counted, 1)
+
+
+def default_loss_fn(outputs: Any, targets: torch.Tensor, *, check_range: bool = True,
+                    weights: TokenWeights | None = None) -> torch.Tensor:
     """Mean cross-entropy, in fp32, of the logits in the model's ``outputs`` against integer ``targets``.
 
     The logits are found by :func:`logits_of` (a tensor, ``.logits``, ``["logits"]`` or a tuple's first
@@ -29,11 +50,13 @@ def default_loss_fn(outputs: Any, targets: torch.Tensor, *, check_range: bool = 
     and Hugging Face's ``ignore_index``); any other target, or targets not of the logits' leading shape, raise a
     ``ConfigError`` (``runtime.targets``; ``check_range=False`` leaves the range to ``train_step``, which checks
     the global batch against the classes the model declares). For any other output or loss, pass ``loss_fn=`` to
-    ``apply_plan``.
+    ``apply_plan``. With ``weights`` (``train_step``'s), the targets' summed loss times ``weights.scale``.
     """
     logits = logits_of(outputs)
     check_logits_targets(logits, targets, check_range=check_range)
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())  # (N, V) vs (N,)
+    if weights is None:
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())  # (N, V) vs (N,)
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum") * weights.scale
 
 
 def logits_of(outputs: Any) -> torch.Tensor:
@@ -67,6 +90,7 @@ def _type_name(value: Any) -> str:
 def build_loss(
     loss_fn: LossFn | None, plan: Plan, mesh: DeviceMesh | None, *,
     pipeline_output: pp_.DictOutput | pp_.TreeOutput | None = None, classes: int | None = None,
+    weights: TokenWeights | None = None,
 ) -> LossFn:
     """The loss ``train_step`` (and the pipeline's last stage) applies to each micro-batch's output.
 
@@ -80,9 +104,10 @@ def build_loss(
     traced a dict (``pipeline.return_dict_as_tuple``), the model's own output type (a Hugging Face
     ``ModelOutput``...) where the model was split from a ``torch.export`` trace (``pipeline.TreeOutput``).
     Where the model declares its ``classes`` (``runtime.targets.output_classes``), ``train_step`` checks the
-    targets' range on the global batch and the default loss only their shape.
+    targets' range on the global batch and the default loss only their shape. ``weights``: the default loss's
+    :class:`TokenWeights` (``train_step`` sets them each step).
     """
-    default = default_loss_fn if classes is None else functools.partial(default_loss_fn, check_range=False)
+    default = functools.partial(default_loss_fn, check_range=classes is None, weights=weights)
     if plan.strategy.tp == 1:
         loss = loss_fn or default
     elif loss_fn is None:

@@ -57,6 +57,7 @@ class ParallelModel:
         mesh: DeviceMesh | None, device: torch.device, schedule: _PipelineSchedule | None = None,
         chunks: Sequence[int] = (0,), offloads: Mapping[str, OffloadStats] | None = None,
         lr_scheduler: LRScheduler | None = None, check_targets: Callable[[torch.Tensor], None] | None = None,
+        token_weights: Any = None,
     ) -> None:
         self.plan = plan
         """The plan this model was built from."""
@@ -99,6 +100,9 @@ class ParallelModel:
         """What the last :meth:`load` restored (its ``data_state`` is the data position saved), else ``None``."""
         self.snapshots: Snapshotter | None = None
         """In-memory snapshots (``runtime.snapshots``), once :meth:`enable_snapshots` is called."""
+        self._token_weights = token_weights
+        """The default loss's ``runtime.losses.TokenWeights`` (None under a custom loss): set from each global batch
+        so the loss is the mean over all its counted targets, as one process computes it."""
         self._checkpointer = Checkpointer()
         self._check_targets = check_targets
         self._pipeline_row: tuple[int, ...] | None = None  # the first step's row shape under pp
@@ -139,6 +143,9 @@ class ParallelModel:
         if self._check_targets is not None:  # on the whole batch, so every rank refuses it alike
             self._check_targets(targets)
         accumulation = self._accumulation_steps(inputs, targets)
+        if self._token_weights is not None:
+            ranks = data_mesh(self.mesh).size() if self.mesh is not None else 1
+            self._token_weights.set_step(targets, micro_batches=accumulation, ranks=ranks)
         inputs, targets = tree_map(self._local_rows, inputs), self._local_rows(targets)  # (B/dp, T)
         if self.schedule is not None and accumulation != self.schedule._n_microbatches:
             raise ConfigError(

@@ -173,6 +173,26 @@ def two_input_case(form: str, strategy: str) -> dict:
     return train(parallel, batches)
 
 
+# --------------------------------------------------------------------- ignored targets spread unevenly over rows
+MASKED_CASES = ["dp=2,zero=0,mbs=2", "dp=1,pp=2,mbs=2,schedule=1f1b", "dp=1,tp=2,mbs=4", "dp=2,zero=3,mbs=4"]
+
+
+def masked_batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rows 0-2 keep one target each (a prompt masked with -100, as fine-tuning does), the rest all of theirs: a
+    mean of each rank's or micro-batch's mean is not the global batch's mean over its targets."""
+    batches = []
+    for inputs, targets in make_batches(GPT, steps):
+        targets = targets.clone()
+        targets[:3, 1:] = -100
+        batches.append((inputs, targets))
+    return batches
+
+
+def masked_case(strategy: str) -> dict:
+    model = make_model(GPT, SEED + dist.get_rank())
+    return train(apply_plan(model, make_plan(GPT, model, strategy)), masked_batches())
+
+
 # --------------------------------------------------------------------- outputs that are dicts, ModelOutputs, tuples
 
 
@@ -268,6 +288,7 @@ def run_all() -> dict:
              *((("cnn", case), functools.partial(cnn_case, case)) for case in CNN_CASES),
              *((("output", *case), functools.partial(output_case, *case)) for case in OUTPUT_CASES),
              *((("two-inputs", *case), functools.partial(two_input_case, *case)) for case in TWO_INPUT_CASES),
+             *((("masked", case), functools.partial(masked_case, case)) for case in MASKED_CASES),
              (("unsynced",), unsynced_ddp_step)]
     results, seconds = run_named(cases)
     return {**results, "seconds": seconds}
@@ -360,6 +381,16 @@ def test_a_forward_of_several_inputs_trains_like_one_process(form, strategy):
     expected = single_process(model, [(inputs, targets) for inputs, targets in two_input_batches()],
                               lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()),
                               call=lambda inputs: model(*inputs))
+    torch.testing.assert_close(result["losses"], expected["losses"], **FP32_TOL)
+    torch.testing.assert_close(result["params"], expected["params"], **PARAM_TOL)
+
+
+@pytest.mark.parametrize("strategy", MASKED_CASES)
+def test_ignored_targets_spread_unevenly_give_the_global_batchs_mean(strategy):
+    result = case_result(("masked", strategy))
+    model = make_model(GPT)
+    expected = single_process(model, masked_batches(), lambda logits, targets: F.cross_entropy(
+        logits.flatten(0, 1), targets.flatten()))  # the mean over every counted target of the batch
     torch.testing.assert_close(result["losses"], expected["losses"], **FP32_TOL)
     torch.testing.assert_close(result["params"], expected["params"], **PARAM_TOL)
 
