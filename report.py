@@ -71,7 +71,7 @@ def _headline(plan: Plan, *, launch: str | None = None) -> Table:
         ("step time", _step_breakdown(e)),
         *((("likely", literal(band.describe(e.step_time_s))),) if (band := plan.error_band()) else ()),
         ("throughput", f"{plan.throughput()}, MFU {e.mfu:.1%}, HFU {e.hfu:.1%} "
-                       f"({e.model_tflops_per_device:.0f} model TFLOP/s per device)"),
+                       f"({_tflops(e.model_tflops_per_device)} model TFLOP/s per device)"),
         ("memory", f"{e.peak_memory_bytes / GiB:.1f} / {e.memory_budget_bytes / GiB:.1f} GiB per device"),
         *((f"no {axis}", literal(reason)) for axis, reason in plan.unavailable_axes.items()),
         ("search", _search_line(plan)),
@@ -102,6 +102,11 @@ def _per_layer(plan: Plan) -> Table:
     for row in per_layer_rows(plan):
         table.add_row(*map(literal, row))
     return table
+
+
+def _tflops(value: float) -> str:
+    """``412`` TFLOP/s on a GPU; three significant figures where that would print 0 (a CPU, a tiny model)."""
+    return f"{value:.0f}" if value >= 10 else f"{value:.3g}"
 
 
 def _step_breakdown(e: Estimate) -> str:
@@ -217,8 +222,8 @@ def print_estimate(strategy: Strategy, estimate: Estimate, console: Console | No
     for key, value in (
         ("step time", _step_breakdown(e)),
         *((("likely", literal(band.describe(e.step_time_s))),) if band else ()),
-        ("throughput", f"{e.tokens_per_s:,.0f} tokens/s; {e.model_tflops_per_device:.0f} model TFLOP/s per device "
-                       f"(MFU {e.mfu:.1%}); {e.hardware_tflops_per_device:.0f} hardware TFLOP/s (HFU {e.hfu:.1%})"),
+        ("throughput", f"{e.tokens_per_s:,.0f} tokens/s; {_tflops(e.model_tflops_per_device)} model TFLOP/s per device "
+                       f"(MFU {e.mfu:.1%}); {_tflops(e.hardware_tflops_per_device)} hardware TFLOP/s (HFU {e.hfu:.1%})"),
         ("memory", f"{e.peak_memory_bytes / GiB:.1f} / {e.memory_budget_bytes / GiB:.1f} GiB per device, {fits}"),
     ):
         table.add_row(key, value)

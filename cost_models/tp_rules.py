@@ -341,8 +341,9 @@ def uncovered_parameter(module: nn.Module, fqn: str, styled: set[str]) -> str | 
         owner = name.rpartition(".")[0]
         if not any(owner == s or owner.startswith(f"{s}.") or s == "" for s in styled):
             return (f"tensor parallelism does not know how to split parameter {_join(fqn, name)} (owned by "
-                    f"{type(module.get_submodule(owner)).__name__}); only linear pairs, embeddings, norms and the "
-                    "head are split; pass tp_plan= for it or plan this model with tp=1")
+                    f"{type(module.get_submodule(owner)).__name__}); it splits a block's linear pairs and norms, an "
+                    "embedding layer's tables (not other modules in that layer), norm layers and the head; pass "
+                    "tp_plan= for it or plan this model with tp=1")
     return None
 
 
