@@ -37,6 +37,7 @@ from tessera.runtime.data_parallel import COMPUTE_DTYPES
 from tessera.runtime.float8 import forget_float8_scales, refresh_float8_scales
 from tessera.runtime.context_parallel import shard_sequence
 from tessera.runtime.mesh import CP, DP, PP, data_mesh
+from tessera.runtime.rank_agreement import all_gather
 from tessera.runtime.offload import OffloadStats
 
 if TYPE_CHECKING:
@@ -373,7 +374,7 @@ def _inputs_and_targets(batch: object) -> tuple[Inputs, torch.Tensor]:
                           "like the logits without their class dimension")
     inputs, targets = batch
     if isinstance(inputs, (tuple, list)):
-        inputs = tuple(inputs)
+        inputs = tuple(inputs) if len(inputs) != 1 else inputs[0]  # one positional argument: the tensor itself
     several = isinstance(inputs, (tuple, dict)) and len(inputs) > 0
     values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs) if several else [inputs]
     odd = next((value for value in values if not isinstance(value, torch.Tensor)), None)
@@ -399,8 +400,7 @@ def _check_same_batch_on_every_rank(inputs: Inputs, targets: torch.Tensor) -> No
     """Refuse, on every rank alike, a first batch that differs between ranks: each rank takes its own slice of the
     global batch, so per-rank batches (a ``DistributedSampler``'s shard) trained on rows no one meant, under tp and
     pp on one rank's inputs against another's targets, with a plausible loss. Once: it costs a gather."""
-    fingerprints = [None] * dist.get_world_size()
-    dist.all_gather_object(fingerprints, [_fingerprint(tensor) for tensor in (*tree_leaves(inputs), targets)])
+    fingerprints = all_gather([_fingerprint(tensor) for tensor in (*tree_leaves(inputs), targets)], dist.group.WORLD)
     differs = next((rank for rank, theirs in enumerate(fingerprints) if theirs != fingerprints[0]), None)
     if differs is not None:
         raise ConfigError(f"train_step got different batches on rank 0 and rank {differs}: every rank passes the same "
@@ -410,9 +410,11 @@ def _check_same_batch_on_every_rank(inputs: Inputs, targets: torch.Tensor) -> No
 
 def _fingerprint(tensor: torch.Tensor) -> tuple[int, ...]:
     """Shape and two exact integer sums of ``tensor``'s bits (one weighted by position, so reordered rows differ)."""
-    flat = tensor.detach().reshape(-1)
+    flat = tensor.detach()
+    flat = torch.view_as_real(flat) if flat.is_complex() else flat
+    flat = flat.reshape(-1)
     if flat.is_floating_point():
         flat = flat.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
     values = flat.long()
-    weights = torch.arange(values.numel(), device=values.device) % 1009 + 1
+    weights = torch.arange(1, values.numel() + 1, device=values.device)  # no period: any two rows swapped differ
     return (*tensor.shape, int(values.sum()), int((values * weights).sum()))
