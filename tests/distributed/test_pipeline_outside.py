@@ -112,16 +112,10 @@ class TransposedStack(nn.Module):
         return self.head(x.transpose(1, 2))
 
 
-class HiddenOut(nn.Module):
-    """Returns its last hidden state beside the logits (``output_hidden_states``-like): under zero-bubble PyTorch
-    detached the last stage's outputs in place before the weight-gradient pass, which still needed that state."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB)
+class HiddenOut(MaskedStack):
+    """MaskedStack's layers, returning the last hidden state beside the logits (``output_hidden_states``-like): under
+    zero-bubble PyTorch detached the last stage's outputs in place before the weight-gradient pass, which still
+    needed that state."""
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.emb(ids)
