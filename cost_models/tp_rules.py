@@ -271,12 +271,12 @@ def _role(block: nn.Module, name: str) -> str:
 
 
 def residual_width(block: nn.Module) -> int | None:
-    """Width of the residual stream a block reads and writes: its first norm's size (``None`` without norms)."""
-    for module in block.modules():
-        weight = getattr(module, "weight", None)
-        if is_norm(module) and isinstance(weight, torch.Tensor) and weight.dim() == 1:
-            return int(weight.shape[0])
-    return None
+    """Width of the residual stream a block reads and writes: the size of its shallowest first norm (``None``
+    without norms). Shallowest: a per-head query/key norm inside the attention (Qwen3's ``q_norm``) can come first
+    in module order, before the block's own norms."""
+    sizes = [(name.count("."), int(module.weight.shape[0])) for name, module in block.named_modules()
+             if is_norm(module) and isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 1]
+    return min(sizes, key=lambda depth_size: depth_size[0])[1] if sizes else None
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -298,6 +298,11 @@ def block_problem(block: nn.Module, fqn: str, *, plan: Mapping[str, str] | None 
                   skip: Iterable[str] = ()) -> str | None:
     """Why tensor parallelism cannot split ``block`` at any degree (one line), or None."""
     skip = set(skip)
+    norms = {name for name, module in block.named_modules() if name and is_norm(module)}
+    containers = moe_containers(block)
+    held = uncovered_parameter(block, fqn, set(linears_of(block)) | norms | skip | set(containers))
+    if held is not None:  # a weight in no linear (torchtitan's GroupedExperts): name it, not the pairs it leaves odd
+        return held
     try:
         splits = block_splits(block, fqn, plan=plan, skip=skip)
     except NotModelledError as error:
@@ -305,8 +310,6 @@ def block_problem(block: nn.Module, fqn: str, *, plan: Mapping[str, str] | None 
     odd = next((split for split in splits if split.style not in LINEAR_STYLES), None)
     if odd is not None:
         return f"{_join(fqn, odd.name)}: style {odd.style!r} does not apply to a linear in a block"
-    norms = {name for name, module in block.named_modules() if name and is_norm(module)}
-    containers = moe_containers(block)
     moe = next((problem for name in containers if (problem := moe_problem(block.get_submodule(name), _join(fqn, name),
                                                                               plan=plan)) is not None), None)
     return moe or uncovered_parameter(block, fqn, {split.name for split in splits} | norms | skip | set(containers)) or next(
@@ -318,9 +321,20 @@ def block_problem(block: nn.Module, fqn: str, *, plan: Mapping[str, str] | None 
 def head_norms(block: nn.Module, splits: Sequence[LinearSplit]) -> list[str]:
     """Norms inside an attention whose heads are split (Qwen3's per-head ``q_norm``/``k_norm``): each rank normalises
     its local heads, so a norm's weight gradient is a partial sum over the tensor-parallel ranks."""
-    attentions = head_split_attentions(block, splits)
+    scopes = {scope for split in splits if split.style in HEAD_SPLIT_STYLES for scope in _head_scopes(block, split.name)}
     return [name for name, module in block.named_modules()
-            if is_norm(module) and any(name.startswith(f"{attention}.") for attention in attentions)]
+            if is_norm(module) and any(name.startswith(f"{scope}.") for scope in scopes)]
+
+
+def _head_scopes(block: nn.Module, name: str) -> list[str]:
+    """Every module above linear ``name`` declaring a head size: torchtitan's fused ``qkv_linear`` and the attention
+    around it, which holds the per-head norms."""
+    scopes = []
+    while name:
+        name = name.rpartition(".")[0]
+        if head_dim_of(block.get_submodule(name)) is not None:
+            scopes.append(name)
+    return scopes
 
 
 def head_norm_problem(block: nn.Module, fqn: str, splits: Sequence[LinearSplit]) -> str | None:

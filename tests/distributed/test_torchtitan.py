@@ -1,6 +1,7 @@
-"""torchtitan's Llama 3 trained by Tessera matches single-process training: the public entry point
-(``tessera.auto_parallelize``: capture, plan with the strategy pinned, apply) under data parallelism and FSDP by
-default, tensor parallelism (with and without sequence parallelism) under ``-m slow``.
+"""torchtitan's Llama 3, Qwen3 and Qwen3-MoE trained by Tessera match single-process training: the public entry
+point (``tessera.auto_parallelize``: capture, plan with the strategy pinned, apply) under data parallelism and FSDP
+(Llama 3), a pipeline (Qwen3-MoE) and tensor parallelism (Qwen3, its per-head norms' gradients summed over the ranks)
+by default; Llama 3 and Qwen3 under tensor parallelism with sequence parallelism, and FSDP x TP, under ``-m slow``.
 
 The model is torchtitan's own ``debugmodel`` config (fused QKV, SwiGLU, RoPE, torchtitan's ``init_states``) cut to
 2 blocks, with its plain SDPA attention (flex attention has no CPU backward); the same builder as
@@ -31,10 +32,12 @@ from .harness import FP32_TOL, LR, PARAM_TOL, SEED, full_tensors, run_named
 GLOBAL_BATCH, SEQ_LEN, STEPS, LAYERS, VOCAB = 8, 16, 3, 2, 2048
 DEFAULT_CASES = {2: ["dp=2,zero=0,mbs=2,recompute=none",  # DDP, 2 micro-batches per step
                      "dp=2,zero=3,mbs=4,recompute=none",  # FSDP2 over the blocks, ZeRO-3
-                     "moe:dp=1,pp=2,mbs=2,recompute=none,schedule=1f1b"]}  # Qwen3-MoE: its router autocasts
-NO_OVERLAP = "tp_overlap=false,sp_regather=false"
+                     "moe:dp=1,pp=2,mbs=2,recompute=none,schedule=1f1b",  # Qwen3-MoE: its router autocasts
+                     "qwen3:dp=1,tp=2,sp=false,zero=0,mbs=8,recompute=none,tp_overlap=false,sp_regather=false"]}
+NO_OVERLAP = "tp_overlap=false,sp_regather=false"  # (the dense Qwen3's q_norm/k_norm: gradients summed over tp)
 SLOW_CASES = {2: [f"dp=1,tp=2,sp=false,zero=0,mbs=8,recompute=none,{NO_OVERLAP}",  # fused wqkv split per kv group
-                  f"dp=1,tp=2,sp=true,zero=0,mbs=8,recompute=none,{NO_OVERLAP}"],
+                  f"dp=1,tp=2,sp=true,zero=0,mbs=8,recompute=none,{NO_OVERLAP}",
+                  f"qwen3:dp=1,tp=2,sp=true,zero=0,mbs=8,recompute=none,{NO_OVERLAP}"],
               4: [f"dp=2,tp=2,sp=true,zero=3,mbs=4,recompute=none,{NO_OVERLAP}"]}  # FSDP x TP
 
 
@@ -71,15 +74,26 @@ def llama3(seed: int) -> torch.nn.Module:
 def qwen3_moe(seed: int) -> torch.nn.Module:
     """torchtitan's Qwen3-MoE at dim 64: 2 blocks of 4 experts (top 2), fused QKV, plain SDPA attention. Its router
     computes the gate under ``torch.autocast(device_type=x.device.type)``, which capture on meta must get past."""
+    return _qwen3(seed, moe=True)
+
+
+def qwen3_dense(seed: int) -> torch.nn.Module:
+    """torchtitan's dense Qwen3 at dim 64: 2 blocks, fused QKV, per-head ``q_norm``/``k_norm`` inside the attention
+    (registered before the block's own norms), plain SDPA attention."""
+    return _qwen3(seed, moe=False)
+
+
+def _qwen3(seed: int, *, moe: bool) -> torch.nn.Module:
     import torchtitan.models.qwen3 as qwen3  # noqa: PLC0415
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear  # noqa: PLC0415
     from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: PLC0415
 
     dim, head_dim = 64, 16
-    layers = qwen3._build_qwen3_moe_layers(
-        fuse_qkv=True, n_layers=LAYERS, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, moe_hidden_dim=32,
-        num_experts=4, top_k=2, attn_backend="flex", moe_comm_backend="standard",
-        rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=SEQ_LEN, theta=1e6))
+    shape = dict(fuse_qkv=True, n_layers=LAYERS, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim,
+                 attn_backend="flex", rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=SEQ_LEN, theta=1e6))
+    layers = (qwen3._build_qwen3_moe_layers(**shape, moe_hidden_dim=32, num_experts=4, top_k=2,
+                                            moe_comm_backend="standard") if moe
+              else qwen3._build_qwen3_layers(**shape, hidden_dim=128))
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     config = qwen3.Qwen3Model.Config(
@@ -92,9 +106,14 @@ def qwen3_moe(seed: int) -> torch.nn.Module:
     return model
 
 
+FAMILIES = {"moe": qwen3_moe, "qwen3": qwen3_dense}
+
+
 def family(case: str) -> tuple[callable, str]:
-    """The builder and strategy of a case (``moe:`` names torchtitan's Qwen3-MoE, else Llama 3)."""
-    return (qwen3_moe, case.removeprefix("moe:")) if case.startswith("moe:") else (llama3, case)
+    """The builder and strategy of a case (``moe:`` names torchtitan's Qwen3-MoE, ``qwen3:`` its dense Qwen3, else
+    Llama 3)."""
+    name, _, strategy = case.rpartition(":")
+    return FAMILIES.get(name, llama3), strategy
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -153,7 +172,7 @@ def check(world: int, case: str, *, slow: bool) -> None:
     torch.testing.assert_close(per_rank[0]["losses"], expected["losses"], **FP32_TOL)
     params = {name: value for result in per_rank for name, value in result["params"].items()}  # pp: each its stage's
     assert params.keys() == expected["params"].keys()  # FQNs unchanged; every shard gathered
-    if build is llama3:
+    if build is not qwen3_moe:
         torch.testing.assert_close(params, expected["params"], **PARAM_TOL)
         return
     for name, value in params.items():  # see below
@@ -181,5 +200,5 @@ def test_the_spawn_stays_fast():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "strategy"), [(w, s) for w, cases in SLOW_CASES.items() for s in cases])
-def test_tensor_parallelism_trains_torchtitan_llama3_like_one_process(world, strategy):
+def test_tensor_parallelism_trains_torchtitan_models_like_one_process(world, strategy):
     check(world, strategy, slow=True)

@@ -327,3 +327,17 @@ def test_a_hugging_face_model_returning_every_layers_hidden_states_is_not_planne
     said = tessera.plan(model, "cpu:ranks=2", global_batch=4, seq_len=16).unavailable_axes.get("pp", "")
     assert said.startswith("LlamaForCausalLM returns every layer's hidden states (config.output_hidden_states=True)")
     assert said.endswith("set output_hidden_states=False for training, or plan with pp=1")
+
+
+def test_torchtitans_qwen3_keeps_tensor_parallelism_and_its_moe_names_the_weights_it_cannot_split():
+    # Its per-head q_norm comes before the block's own norms in module order: the block's width was read as one head's
+    # (16), so tp was refused as "a reordered projection?". The MoE model's GroupedExperts hold 3-D weights in no
+    # linear, and the refusal named its router's gate instead of them.
+    pytest.importorskip("torchtitan.models.qwen3")
+    from tests.distributed.test_torchtitan import qwen3_dense, qwen3_moe  # noqa: PLC0415
+
+    dense = tessera.plan(qwen3_dense(0), "cpu:ranks=2", global_batch=4, seq_len=16)
+    assert "tp" not in dense.unavailable_axes
+    said = tessera.plan(qwen3_moe(0), "cpu:ranks=2", global_batch=4, seq_len=16).unavailable_axes.get("tp", "")
+    assert said.startswith("tensor parallelism does not know how to split parameter "
+                           "layers.0.moe.routed_experts.inner_experts.w1_EFD (owned by GroupedExperts)")
