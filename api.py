@@ -23,6 +23,7 @@ from tessera.planner.layer_graph import LayerGraph
 from tessera.planner.model_source import names_a_model, resolve_model, runs_user_code
 from tessera.topology import Cluster, load_cluster
 from tessera.topology.hardware import LOCAL_CPU
+from tessera.topology.validation import quoted
 
 if TYPE_CHECKING:  # the runtime (torch.distributed.pipelining...) costs ~1.5 s to import; planning never needs it
     from tessera.planner.compare import Comparison
@@ -413,7 +414,7 @@ def checkpoint_model(
         return model
     if not names_a_model(saved.model_name):
         raise CheckpointError(
-            f"checkpoint {checkpoint} was saved from a model object ({saved.model_name[:80]}), which its plan.json "
+            f"checkpoint {checkpoint} was saved from a model object ({quoted(saved.model_name)}), which its plan.json "
             "cannot rebuild; pass the model: tessera.resume(..., model=your_model), or tessera resume ... --model SPEC"
         )
     if runs_user_code(saved.model_name) and not trust_model_factory:

@@ -60,7 +60,7 @@ def _report_error(exc: Exception) -> int:
     """Print ``exc`` as one ``error:`` line on stderr; 2 for an error Tessera raised on purpose, 1 for a bug."""
     from tessera.errors import TesseraError
 
-    message = " ".join(str(exc).split())
+    message = printable(" ".join(str(exc).split()))
     if not isinstance(exc, TesseraError):
         if len(message) > INTERNAL_ERROR_CHARS:
             message = message[: INTERNAL_ERROR_CHARS - 3] + "..."
@@ -79,7 +79,13 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
 def _say(console: Console, text: str) -> None:
     """Print a line that may hold user text (paths, names) exactly as it is."""
-    console.print(text, markup=False, highlight=False, soft_wrap=True)
+    console.print(printable(text), markup=False, highlight=False, soft_wrap=True)
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\x1b``): a name from a received plan or
+    checkpoint could otherwise move the cursor, fake a line or set the clipboard through the terminal."""
+    return "".join(c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _workload(args: argparse.Namespace, *strategies: str | None, imported: Sequence = ()) -> dict:

@@ -12,9 +12,11 @@ of the same name (``written_by_tessera``); a caller that asked the user (``tesse
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,8 +35,13 @@ MARK_LINES = 8
 MARK_BYTES = 64 * 1024
 """How far into a file the mark is looked for (a PNG's text chunks come before its image data)."""
 EARLIER_MARKS = (b"# Tessera plan:", b"<title>Tessera plan")
-"""How the reports of Tessera versions before ``MARK`` began (Markdown, HTML): a run into their folder replaces
-them too, and the charts beside them (:func:`written_by_tessera_beside`)."""
+"""How the reports of Tessera versions before ``MARK`` began (Markdown: its first line; HTML: a line among its first
+``MARK_LINES``): a run into their folder replaces them too, and the charts beside them
+(:func:`written_by_tessera_beside`)."""
+EARLIER_CLUSTER_FILE = b"# cluster file written by tessera profile"
+"""The first line of a cluster file of ``tessera profile`` before it stated ``MARK`` first."""
+COMMENT_OPENERS = (b"<!--", b"#")
+GENERATOR_META = b'<meta name="generator" content="' + MARK.lower().encode() + b'">'
 
 
 def written_by_tessera(path: str | Path) -> bool:
@@ -44,21 +51,26 @@ def written_by_tessera(path: str | Path) -> bool:
     head = _head(path)
     if _marked(head) or _earlier_report(head):
         return True
-    if not head.lstrip().startswith(b"{") or Path(path).stat().st_size > MAX_PLAN_BYTES:
+    if not head.lstrip().startswith(b"{"):
         return False
     try:
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
+        document = json.loads(read_bounded(path, MAX_PLAN_BYTES).decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return False
     return _is_plan(document)
 
 
 def _marked(head: bytes) -> bool:
+    """``MARK`` opening a comment line among the first ``MARK_LINES`` (``# Written by Tessera ...``,
+    ``<!-- Written by Tessera ...``), an HTML report's generator ``<meta>``, or a PNG's ``Software`` tag."""
     if b"Software\x00" + MARK.encode() in head:  # a PNG's text chunk, before its image data
         return True
     mark = MARK.lower().encode()
-    return any(line.strip().startswith((b"<!--", b"#", b"<meta")) and mark in line.lower()
-               for line in head.splitlines()[:MARK_LINES])
+    for line in (line.strip().lower() for line in head.splitlines()[:MARK_LINES]):
+        opener = next((o for o in COMMENT_OPENERS if line.startswith(o)), None)
+        if line == GENERATOR_META or (opener and line[len(opener):].lstrip().startswith(mark)):
+            return True
+    return head.lower().startswith(EARLIER_CLUSTER_FILE)
 
 
 def _is_plan(document: object) -> bool:
@@ -83,14 +95,36 @@ def written_by_tessera_beside(path: str | Path, report: str | Path) -> bool:
 
 def _head(path: str | Path) -> bytes:
     try:
-        with Path(path).open("rb") as handle:
+        with open_plain_file(path) as handle:
             return handle.read(MARK_BYTES)
-    except OSError:  # unreadable: not known to be Tessera's
+    except OSError:  # unreadable, or a device or FIFO: not known to be Tessera's
         return b""
 
 
+def open_plain_file(path: str | Path):
+    """``path`` opened for reading in binary, if it is a plain file (after any links); ``OSError`` otherwise. A
+    FIFO or device someone left in its place would block the open or never end (``/dev/zero``): neither is read."""
+    handle = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(handle).st_mode):
+        os.close(handle)
+        raise OSError(errno.EINVAL, "not a plain file (a folder, device or FIFO)", str(path))
+    os.set_blocking(handle, True)
+    return os.fdopen(handle, "rb")
+
+
+def read_bounded(path: str | Path, limit: int) -> bytes:
+    """The bytes of the plain file at ``path`` (``open_plain_file``); ``ValueError`` when it holds more than
+    ``limit`` (read up to ``limit + 1``: a size checked before reading can change while it is read)."""
+    with open_plain_file(path) as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"holds more than {limit:,} bytes")
+    return data
+
+
 def _earlier_report(head: bytes) -> bool:
-    return any(mark in head[:4096] for mark in EARLIER_MARKS)
+    markdown, html = EARLIER_MARKS
+    return head.startswith(markdown) or any(line.strip().startswith(html) for line in head.splitlines()[:MARK_LINES])
 
 
 def write_atomically(path: str | Path, write: Callable[[Path], Any], *, what: str = "file",
@@ -127,6 +161,10 @@ def check_writable_file(path: str | Path, *, what: str = "file", replace_any: bo
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"{what} {path} is a folder; give a file name")
+    if not replace_any and path.is_symlink():  # the rename would replace the user's link, not write where it points
+        raise ConfigError(f"{what} {path} is a link (to {os.readlink(path)}); give the file's own path, or another")
+    if not replace_any and path.exists() and not path.is_file():
+        raise ConfigError(f"{what} {path} exists and is not a plain file; choose another path")
     if not replace_any and path.is_file() and not written_by_tessera(path):
         why = "Tessera did not write it" if os.access(path, os.R_OK) else "it cannot be read to tell whether Tessera wrote it"
         raise ConfigError(f"{what} {path} already exists and {why}; Tessera replaces only its own files: move it away "

@@ -18,7 +18,7 @@ from tessera.cost_models.types import (
 )
 from tessera.cost_models.units import format_bytes, format_seconds
 from tessera.errors import ConfigError
-from tessera.files import write_text_atomically
+from tessera.files import read_bounded, write_text_atomically
 from tessera.topology.validation import first_problem, quoted, short
 
 FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
@@ -260,11 +260,13 @@ def _plan_text(text_or_path: str | Path) -> tuple[str, str]:
     path = Path(text)
     where = f"plan file {path}"
     try:
-        if path.stat().st_size > MAX_PLAN_BYTES:
-            raise ConfigError(f"{where} is larger than {MAX_PLAN_BYTES // 2**20} MiB; it is not a plan.json")
-        return path.read_text(encoding="utf-8"), where
+        data = read_bounded(path, MAX_PLAN_BYTES)
+    except ValueError:
+        raise ConfigError(f"{where} is larger than {MAX_PLAN_BYTES // 2**20} MiB; it is not a plan.json") from None
     except OSError as exc:
         raise ConfigError(f"cannot read {where}: {exc.strerror or exc}; check the path") from None
+    try:
+        return data.decode("utf-8"), where
     except UnicodeDecodeError:
         raise ConfigError(f"{where} is not UTF-8 text; pass a plan.json written by tessera plan --json") from None
 

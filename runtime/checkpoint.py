@@ -375,10 +375,14 @@ def _prepare_partial(final: Path, partial: Path, group: dist.ProcessGroup | None
         if final.exists():
             problem = (f"checkpoint {final} already exists; a step is saved once: train on before saving again, "
                        "or move it away to replace it")
+        elif partial.is_symlink() or (partial.exists() and not partial.is_dir()):
+            problem = (f"{partial} is {'a link' if partial.is_symlink() else 'a file'}, not a save Tessera left "
+                       "unfinished; remove it, or save into another folder")
         else:
             try:
                 shutil.rmtree(partial, ignore_errors=True)  # left by a save that was interrupted
-                (partial / RNG_FOLDER).mkdir(parents=True)
+                partial.mkdir()  # not exist_ok: whatever appeared there since is not this save's
+                (partial / RNG_FOLDER).mkdir()
             except OSError as error:
                 problem = f"cannot write a checkpoint into {final.parent}: {describe_failure(error)}"
     problem = broadcast(problem, group)

@@ -335,6 +335,8 @@ def check_checkpoint(folder: Path, *, verify: bool, group: dist.ProcessGroup | N
     names = sorted(manifest.files)
     mine = [_file_problem(folder, name, manifest.files[name], verify=verify)
             for name in names[rank(group)::world(group)]]
+    if rank(group) == 0:
+        mine.append(_unlisted_problem(folder, manifest))
     problems = [p for share in all_gather(mine, group) for p in share if p]
     return f"checkpoint {folder} is corrupt: {'; '.join(sorted(problems))}" if problems else None
 
@@ -374,12 +376,29 @@ def _first_line(error: BaseException) -> str:
     return type(error).__name__
 
 
+def _unlisted_problem(folder: Path, manifest: Manifest) -> str | None:
+    """What ``folder`` holds beyond its manifest (a checkpoint lists every file it wrote; a load reads
+    ``.metadata`` and ``plan.json``, which a crafted manifest could leave out), or None."""
+    listed = {*manifest.files, MANIFEST, MARKER}
+    folders = {parent.as_posix() for name in manifest.files for parent in PurePosixPath(name).parents}
+    for top, subfolders, files in os.walk(folder):  # links to folders are listed, not followed
+        for entry in (*subfolders, *files):
+            name = (Path(top) / entry).relative_to(folder).as_posix()
+            if name not in listed and (name not in folders or (Path(top) / entry).is_symlink()):
+                return f"{name} is not in its {MANIFEST} (a checkpoint holds only the files it wrote)"
+    return None
+
+
 def _file_problem(folder: Path, name: str, record: FileRecord, *, verify: bool) -> str | None:
     path = folder / name
+    if not is_inside(name):
+        return f"file {name!r} is named outside the checkpoint folder"
+    if any((folder / parent).is_symlink() for parent in PurePosixPath(name).parents if parent.name):
+        return f"a folder on the way to file {name} is a symbolic link (a checkpoint holds only plain files)"
     if path.is_symlink():
         return f"file {name} is a symbolic link (a checkpoint holds only plain files)"
     if not path.is_file():
-        return f"file {name} is missing"
+        return f"file {name} is missing" if not path.exists() else f"{name} is not a plain file"
     if record.sha256 is None:
         return f"file {name} has no SHA-256 in {MANIFEST} (a disk checkpoint records one for every file)"
     size = path.stat().st_size

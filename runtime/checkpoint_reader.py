@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
 
 from tessera.errors import CheckpointError
+from tessera.files import open_plain_file
 from tessera.runtime.checkpoint_files import is_inside
 
 METADATA_FILE = ".metadata"
@@ -75,7 +76,7 @@ def load_metadata(folder: Path) -> Metadata:
     """The DCP metadata of ``folder``, unpickled with :class:`_MetadataUnpickler` and checked."""
     path = folder / METADATA_FILE
     try:
-        with path.open("rb") as handle:
+        with open_plain_file(path) as handle:  # not a FIFO left in a received checkpoint: it would block
             metadata = _MetadataUnpickler(handle).load()
     except RefusedGlobal as error:
         raise CheckpointError(

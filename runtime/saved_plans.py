@@ -8,6 +8,7 @@ from pathlib import Path
 from tessera.errors import CheckpointError
 from tessera.planner.plan import Plan
 from tessera.runtime.checkpoint_files import PLAN_FILE, select_checkpoint
+from tessera.topology.validation import quoted
 
 
 def saved_plan(checkpoint: str | Path) -> Plan:
@@ -28,6 +29,6 @@ def check_same_model(plan: Plan, checkpoint: str | Path, *, saved: Plan | None =
     saved = saved if saved is not None else saved_plan(checkpoint)
     if saved.param_count != plan.param_count:
         raise CheckpointError(
-            f"checkpoint {checkpoint} was saved from {saved.model_name} ({saved.param_count:,} parameters) but "
+            f"checkpoint {checkpoint} was saved from {quoted(saved.model_name)} ({saved.param_count:,} parameters) but "
             f"this model, {plan.model_name}, has {plan.param_count:,}; resume with the model it was saved from"
         )

@@ -35,6 +35,7 @@ Snapshots live in memory (tmpfs): they survive the training process, not a reboo
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 
 from tessera.errors import CheckpointError, ConfigError
+from tessera.files import read_bounded
 from tessera.runtime.checkpoint_files import (
     LOCK_FILE, MANIFEST, MARKER, PARTIAL_SUFFIX, STEP_PREFIX, Manifest, complete_checkpoints, lock_folder,
     manifest_problem, read_manifest, step_folder, step_of,
@@ -67,13 +69,14 @@ def open_store(store: Path) -> int:
                           "give every run its own, new store folder")
     if store.parent == default_store_parent():
         _claim_private_folder(store.parent)
-    _claim_private_folder(store)
+    created = not store.exists() or _created_by_tessera(store)
+    _claim_private_folder(store, restrict=created)
     try:
         handle = lock_folder(store)
     except CheckpointError as error:
         raise ConfigError(f"snapshot store {store} is in use: {error}") from None
     try:
-        _write_marker(store / STORE_MARKER)
+        _write_marker(store / STORE_MARKER, created=created)
     except ConfigError:
         os.close(handle)
         raise
@@ -83,22 +86,35 @@ def open_store(store: Path) -> int:
     return handle
 
 
-def _claim_private_folder(folder: Path) -> None:
+def _claim_private_folder(folder: Path, *, restrict: bool = True) -> None:
     """Create ``folder`` for its owner alone (``/dev/shm`` is open to every user of the machine, and a snapshot holds
-    the model and optimizer state), or check that an existing one is this user's and no one else can write in it:
-    another user who made it first could read the snapshots, plant links, or plant weights."""
+    the model and optimizer state), or check that an existing one is this user's: another user who made it first
+    could read the snapshots, plant links, or plant weights. ``restrict``: make an existing one this user's alone
+    (Tessera's own; a folder the user made and passed keeps the permissions they gave it)."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = folder.lstat()
     if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid():
         raise ConfigError(f"snapshot store folder {folder} is not a folder of yours (owner uid {info.st_uid}, "
                           f"{'a link' if stat.S_ISLNK(info.st_mode) else stat.filemode(info.st_mode)}); remove it, or "
                           "pass SnapshotConfig(store=...) a folder of your own")
-    if info.st_mode & 0o077:  # one of yours that others may read (an earlier version made them 0755): yours alone
+    if restrict and info.st_mode & 0o077:  # Tessera's, that others may read (an earlier version made them 0755)
         os.chmod(folder, 0o700, follow_symlinks=False)
 
 
-def _write_marker(path: Path) -> None:
-    """The store's marker, never written through a link left in the store."""
+CREATED_LINE = "tessera created this folder: it is removed when the run finishes"
+
+
+def _created_by_tessera(store: Path) -> bool:
+    """Whether ``store``'s marker says Tessera created the folder (an earlier run's store, not the user's folder)."""
+    try:
+        return CREATED_LINE in read_bounded(store / STORE_MARKER, 4096).decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return False
+
+
+def _write_marker(path: Path, *, created: bool) -> None:
+    """The store's marker, never written through a link left in the store; ``created``: Tessera made the folder,
+    so a clean finish removes it (a folder the user passed stays)."""
     try:
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as error:
@@ -111,7 +127,8 @@ def _write_marker(path: Path) -> None:
                           "it, or give the run a new store folder")
     os.ftruncate(handle, 0)
     with os.fdopen(handle, "w") as marker:
-        marker.write("in-memory snapshots of one Tessera run (tessera.runtime.snapshots)\n")
+        marker.write("in-memory snapshots of one Tessera run (tessera.runtime.snapshots)\n"
+                     + (f"{CREATED_LINE}\n" if created else ""))
 
 
 TAKE_MARK = ".take-"
@@ -162,6 +179,28 @@ def reuse_spare(store: Path, name: str, folder: int, target: str) -> None:
         pass
 
 
+def open_store_file(folder: int, name: str, flags: int) -> int:
+    """A handle on file ``name`` of the open store folder ``folder`` (``flags``: ``os.O_WRONLY`` or ``os.O_RDWR``),
+    created if missing, never opened through a link or as a file with another name too (a hard link): such an entry
+    -- Tessera makes neither; one recycled through the spare was planted -- is removed and a new file made."""
+    flags |= os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # non-blocking: a FIFO fails, not hangs
+    try:
+        handle = os.open(name, flags, 0o600, dir_fd=folder)
+    except OSError as error:
+        if error.errno not in (errno.ELOOP, errno.ENXIO):  # a link; a FIFO without a reader
+            raise
+    else:
+        info = os.fstat(handle)
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+            os.set_blocking(handle, True)
+            return handle
+        os.close(handle)
+    os.unlink(name, dir_fd=folder)
+    handle = os.open(name, flags | os.O_EXCL, 0o600, dir_fd=folder)
+    os.set_blocking(handle, True)
+    return handle
+
+
 class MappedFiles:
     """Files of a store mapped into memory as byte tensors, so that a snapshot's copy from the buddy partner is
     received straight into its file's pages instead of into a buffer copied to them afterwards (writing 16 MB from
@@ -184,7 +223,7 @@ class MappedFiles:
     def open(self, folder: int, name: str, size: int) -> torch.Tensor:
         """File ``name`` of the open folder ``folder`` (created if missing), cut to ``size`` bytes and mapped."""
         self._let_go_of_deleted()
-        handle = os.open(name, os.O_RDWR | os.O_CREAT, 0o644, dir_fd=folder)
+        handle = open_store_file(folder, name, os.O_RDWR)
         try:
             info = os.fstat(handle)
             key = (info.st_dev, info.st_ino)
@@ -265,13 +304,17 @@ def free_bytes(store: Path) -> int:
 
 
 def remove_store(store: Path) -> None:
-    """A clean finish: remove every snapshot, the marker and the lock, then ``store`` itself if it is empty."""
+    """A clean finish: remove every snapshot, the marker and the lock, then ``store`` itself if Tessera created it
+    and it is empty."""
     if not (store / STORE_MARKER).exists():
         return
+    created = _created_by_tessera(store)
     for entry in _own_entries(store):
         shutil.rmtree(entry, ignore_errors=True)
     for name in (LOCK_FILE, STORE_MARKER):
         (store / name).unlink(missing_ok=True)
+    if not created:
+        return  # the user's folder: emptied of Tessera's files, kept
     try:
         store.rmdir()
     except OSError:

@@ -86,7 +86,8 @@ from tessera.runtime.rank_agreement import all_gather, attempt, together
 from tessera.runtime.snapshot_format import shard_file
 from tessera.runtime.snapshot_staging import StagedShards
 from tessera.runtime.snapshot_store import (
-    MappedFiles, commit_snapshot, free_bytes, open_store, partial_snapshot, remove_store, reuse_spare, store_bytes,
+    MappedFiles, commit_snapshot, free_bytes, open_store, open_store_file, partial_snapshot, remove_store, reuse_spare,
+    store_bytes,
 )
 from tessera.runtime.snapshot_table import agree_on_table, share_sizes, side_files, snapshot_record, table_manifest
 
@@ -391,7 +392,7 @@ def _write_file(folder: int, name: str, content: torch.Tensor | bytes) -> None:
     pages are reused; cut to size after)."""
     view = memoryview(content.numpy() if isinstance(content, torch.Tensor) else content).cast("B")
     size = len(view)
-    handle = os.open(name, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=folder)
+    handle = open_store_file(folder, name, os.O_WRONLY)
     try:
         while view:
             view = view[os.write(handle, view):]

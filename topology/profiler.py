@@ -46,7 +46,7 @@ from pydantic import BaseModel, ValidationError
 
 from tessera.topology.cluster import FROZEN, Cluster, DeviceSpec, LinkLevel
 from tessera.errors import ClusterSpecError
-from tessera.files import write_text_atomically
+from tessera.files import MARK, write_text_atomically
 from tessera.topology.clusterfile import cluster_from_raw, cluster_to_raw
 from tessera.topology.fitting import CollectiveFit, Measurement, fit_cluster
 from tessera.topology.hardware import LOCAL_CPU, catalog
@@ -169,7 +169,7 @@ def write_profile(result: ProfileResult, path: str | Path) -> None:
         description=f"measured by 'tessera profile' on {result.host['hostname']} at {result.host['date']}",
     )
     header = (
-        "# Cluster file written by tessera profile (format: tessera/topology/clusterfile.py).\n"
+        f"# {MARK}: a cluster file of tessera profile (format: tessera/topology/clusterfile.py).\n"
         "# load with tessera.load_cluster(path); the 'profile' section holds the raw measurements.\n"
     )
     try:

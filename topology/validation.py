@@ -8,7 +8,7 @@ bytes of nested aliases, "billion laughs", expand to gigabytes; no cluster file 
 keys (PyYAML keeps the last one silently). Files are refused above ``MAX_YAML_BYTES`` before parsing.
 
 This is the lowest layer that reads user input, so ``cost_models`` and ``planner`` reuse these helpers. It
-imports only ``tessera.errors`` from Tessera.
+imports only ``tessera.errors`` and ``tessera.files`` from Tessera.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import yaml
 from pydantic import ValidationError
 
 from tessera.errors import ClusterSpecError
+from tessera.files import read_bounded
 
 MAX_QUOTED_CHARS = 80
 """Longest quoted user value in an error message (longer ones are cut and marked with ``...``)."""
@@ -159,10 +160,10 @@ def read_bounded_text(path: Path, *, limit: int = MAX_YAML_BYTES) -> str:
     size = path.stat().st_size
     if size > limit:
         raise ValueError(f"is {size:,} bytes, more than the {limit:,} a cluster file may have")
-    with path.open("rb") as handle:
-        data = handle.read(limit + 1)
-    if len(data) > limit:  # grew while read, or a special file without a size
-        raise ValueError(f"is more than the {limit:,} bytes a cluster file may have")
+    try:
+        data = read_bounded(path, limit)
+    except ValueError:  # grew while read
+        raise ValueError(f"is more than the {limit:,} bytes a cluster file may have") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

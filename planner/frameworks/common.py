@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tessera.cost_models.types import MAX_BLOCKS, Strategy, TrainingConfig
 from tessera.errors import ConfigError
+from tessera.files import read_bounded
 from tessera.topology.validation import MAX_DEVICES, quoted
 
 FROZEN = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
@@ -230,14 +231,14 @@ def read_config_file(path: str, *, framework: str) -> str:
     try:
         if not target.is_file():
             raise ConfigError(f"{name} config {path} is not a file; give the path of the configuration to read")
-        if target.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{name} config {path} is larger than {MAX_CONFIG_BYTES // 2**20} MiB; it is not a "
-                              "configuration")
-        return target.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read {name} config {path}: {exc.strerror or exc}; check the path") from None
+        return read_bounded(target, MAX_CONFIG_BYTES).decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{name} config {path} is not UTF-8 text") from None
+    except ValueError:
+        raise ConfigError(f"{name} config {path} is larger than {MAX_CONFIG_BYTES // 2**20} MiB; it is not a "
+                          "configuration") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {name} config {path}: {exc.strerror or exc}; check the path") from None
 
 
 def comment_block(notes: Sequence[str], *, prefix: str = "# ") -> list[str]:

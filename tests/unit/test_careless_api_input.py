@@ -118,7 +118,7 @@ def test_resuming_a_model_objects_checkpoint_asks_for_the_model(saved, tmp_path)
     text = json.dumps(manifest, indent=2)
     (copy / MANIFEST).write_text(text)
     (copy / MARKER).write_text(sha256_text(text))
-    with pytest.raises(CheckpointError, match=r"saved from a model object \(LlamaForCausalLM\).*model=your_model"):
+    with pytest.raises(CheckpointError, match=r"saved from a model object \('LlamaForCausalLM'\).*model=your_model"):
         tessera.resume(copy, "cpu:ranks=1")
 
 

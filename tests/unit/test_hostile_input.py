@@ -153,6 +153,48 @@ def test_manifest_entries_outside_the_folder_and_links_are_corrupt(pm, tmp_path)
     assert "symbolic link" in check_checkpoint(other, verify=False, group=None)
 
 
+def test_a_partial_save_folder_linked_elsewhere_is_refused_and_its_target_kept(pm, tmp_path):
+    # A received root can hold the next step's partial folder as a link to a folder of the user's: the save emptied
+    # nothing (rmtree refuses a link) and wrote the checkpoint through it, over the user's plan.json.
+    root, users = tmp_path / "ckpt", tmp_path / "project"
+    save_at(pm, root, 1)
+    users.mkdir()
+    (users / "plan.json").write_text("mine")
+    (root / ".step-00000002.partial").symlink_to(users)
+    with pytest.raises(CheckpointError, match="step-00000002.partial is a link, not a save Tessera left unfinished"):
+        save_at(pm, root, 2)
+    assert [p.name for p in users.iterdir()] == ["plan.json"] and (users / "plan.json").read_text() == "mine"
+
+
+def test_files_a_manifest_leaves_out_and_linked_folders_are_corrupt(pm, tmp_path):
+    # A crafted manifest could leave out plan.json (then a link to /dev/zero: read forever) or .metadata (a FIFO:
+    # the open blocks); a folder on the way to a listed file could be a link out of the checkpoint.
+    folder = save_at(pm, tmp_path / "ckpt", 1)
+    (folder / "plan.json").unlink()
+    (folder / "plan.json").symlink_to("/dev/zero")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    del manifest["files"]["plan.json"]
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    reseal(folder)
+    assert "plan.json is not in its manifest.json" in check_checkpoint(folder, verify=False, group=None)
+    other = save_at(pm, tmp_path / "other", 1)
+    shutil.move(other / "rng", tmp_path / "elsewhere")
+    (other / "rng").symlink_to(tmp_path / "elsewhere")
+    assert "a folder on the way to file rng/rank-00000.pt is a symbolic link" in check_checkpoint(
+        other, verify=True, group=None)
+
+
+def test_a_device_or_fifo_where_a_plan_or_metadata_is_read_is_refused_at_once(tmp_path):
+    from tessera.planner.plan import Plan
+    from tessera.runtime.checkpoint_reader import load_metadata
+
+    with pytest.raises(ConfigError, match="cannot read plan file /dev/zero: not a plain file"):
+        Plan.from_json(Path("/dev/zero"))
+    os.mkfifo(tmp_path / ".metadata")
+    with pytest.raises(CheckpointError, match="metadata is unreadable .*not a plain file"):
+        load_metadata(tmp_path)
+
+
 FACTORY = """
 from pathlib import Path
 Path({proof!r}).write_text("ran")
@@ -271,6 +313,40 @@ def test_a_snapshot_store_made_by_someone_else_or_open_to_others_is_refused(tmp_
     with pytest.raises(ConfigError, match="a link there is not Tessera's"):
         open_store(store)
     assert planted.read_text() == "mine"
+
+
+@pytest.mark.parametrize("planted", ["symbolic", "hard"])
+def test_a_link_recycled_into_a_snapshot_is_replaced_not_written_through(tmp_path, planted):
+    # An older snapshot's file swapped for a link is renamed into the spare, then into a new snapshot's folder, where
+    # the writer opened it without O_NOFOLLOW and wrote the snapshot into the link's target.
+    from tessera.runtime.snapshot_store import open_store_file
+
+    precious, folder = tmp_path / "notes", tmp_path / "partial"
+    precious.write_text("mine")
+    folder.mkdir()
+    (os.symlink if planted == "symbolic" else os.link)(precious, folder / "rank-00000.snap")
+    handle = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        written = open_store_file(handle, "rank-00000.snap", os.O_WRONLY)
+        os.write(written, b"snapshot")
+        os.close(written)
+    finally:
+        os.close(handle)
+    assert precious.read_text() == "mine" and (folder / "rank-00000.snap").read_bytes() == b"snapshot"
+    assert not (folder / "rank-00000.snap").is_symlink()
+
+
+def test_a_store_folder_the_user_made_keeps_its_permissions_and_stays_after_the_run(tmp_path):
+    from tessera.runtime.snapshot_store import open_store, remove_store
+
+    mine, new = tmp_path / "mine", tmp_path / "new"
+    mine.mkdir(mode=0o750)
+    mine.chmod(0o750)
+    for store in (mine, new):
+        os.close(open_store(store))
+        remove_store(store)
+    assert mine.is_dir() and mine.stat().st_mode & 0o777 == 0o750 and not any(mine.iterdir())
+    assert not new.exists()  # Tessera's own: removed
 
 
 def test_a_plan_made_for_another_model_is_refused_before_anything_changes():

@@ -284,6 +284,34 @@ def test_a_users_file_that_merely_mentions_tessera_or_looks_like_a_plan_is_not_r
         assert written_by_tessera(own), own
 
 
+def test_notes_whose_heading_mentions_tessera_or_quote_an_old_report_are_not_replaced(tmp_path, capsys):
+    # A '#' line that merely contained the mark, and an old report's opening anywhere in the first 4 KiB, counted
+    # as Tessera's: --out replaced the notes and, beside the second, the user's chart.
+    cases = {"heading": "# Which of these were written by Tessera and which by hand\n\nweeks of work\n",
+             "quoted": "My diary: weeks of work\n\nThe old tool printed:\n\n    # Tessera plan: gpt-tiny\n"}
+    for name, text in cases.items():
+        out = tmp_path / name
+        out.mkdir()
+        (out / "report.md").write_text(text)
+        code, _, err = run(["plan", *corpus.BASE, "--format", "md", "--out", str(out)], capsys)
+        assert code == 2 and "Tessera did not write it" in error_line(err) and (out / "report.md").read_text() == text
+
+
+def test_a_link_at_an_output_path_is_refused_not_replaced(tmp_path, capsys):
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "plan.json").symlink_to("shared/current.json")
+    code, _, err = run(["plan", *corpus.BASE, "--json", str(tmp_path / "plan.json")], capsys)
+    assert code == 2 and "plan.json is a link (to shared/current.json); give the file's own path" in error_line(err)
+    assert (tmp_path / "plan.json").is_symlink()
+
+
+def test_control_characters_from_received_files_are_printed_as_escapes():
+    from tessera.cli import printable
+
+    assert printable("MyNet\x1b[2K\x1b]52;c;ZWNobw==\x07 ok") == "MyNet\\x1b[2K\\x1b]52;c;ZWNobw==\\x07 ok"
+    assert printable("café 1,024 GiB\n") == "café 1,024 GiB\n"
+
+
 def test_machine_readable_output_stays_parseable_with_json(tmp_path, capsys):
     code, out, err = run(["plan", *corpus.BASE, "--format", "json", "--json", str(tmp_path / "p.json")], capsys)
     assert code == 0 and json.loads(out)["strategy"] and "plan written to" in err
