@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from torch import nn
 
 from tessera.cost_models.tp_rules import (
-    STYLES, block_problem, declared_tp_plan, is_norm, uncovered_parameter,
+    STYLES, block_problem, declared_tp_plan, is_norm, tie_problem, uncovered_parameter,
 )
 from tessera.cost_models.cp_rules import context_parallel_problem
 from tessera.cost_models.layer_stats import LayerStats
@@ -114,7 +114,8 @@ def _tensor_parallel_problem(model: nn.Module, layers: dict[str, nn.Module], pla
     if odd is not None:
         return f"tp_plan entry {odd[0]!r}: style {odd[1]!r} is not implemented by the runtime"
     plan = _tp_plan(model, tp_plan)
-    return _first_problem(planned, layers, plan, lambda layer: _layer_problem(layer, layers[layer.fqn], plan))
+    return _first_problem(planned, layers, plan, lambda layer: _layer_problem(layer, layers[layer.fqn], plan)) or (
+        tie_problem(model, {layer.fqn: layer.kind for layer in planned}, plan))
 
 
 def _local_forward_problem(model: nn.Module, layers: dict[str, nn.Module], planned: list[LayerStats],

@@ -34,6 +34,7 @@ from tessera.errors import ConfigError
 from tessera.planner.plan import Plan
 from tessera.runtime.checkpoint import Checkpointer, CheckpointInfo, PendingSave
 from tessera.runtime.data_parallel import COMPUTE_DTYPES
+from tessera.runtime.expert_balance import loss_free_balanced, update_expert_biases
 from tessera.runtime.float8 import forget_float8_scales, refresh_float8_scales
 from tessera.runtime.context_parallel import shard_sequence
 from tessera.runtime.mesh import CP, DP, PP, data_mesh
@@ -68,6 +69,7 @@ class ParallelModel:
         # apply_plan converted the FP8 linears to cast as shards before FSDP2 gathers them: each step computes
         # their scales first (runtime.float8.refresh_float8_scales)
         self._gathers_fp8 = plan.gathers_fp8()
+        self._balanced = loss_free_balanced(self.modules)  # torchtitan's MoE: its trainer moves the routing bias
         self.optimizer = optimizer
         """Optimizer over this rank's (possibly sharded) parameters."""
         self.lr_scheduler = lr_scheduler
@@ -162,6 +164,8 @@ class ParallelModel:
             else:
                 local_loss = self._run_pipeline(inputs, targets)
             reduce_partial_gradients(self.optimizer)
+            if self._balanced:
+                update_expert_biases(self._balanced, data_mesh(self.mesh).get_group() if self.mesh is not None else None)
             self.optimizer.step()
         finally:  # scales of these weights: wrong once the optimizer or anything else changes them
             if self._gathers_fp8:

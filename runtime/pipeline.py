@@ -30,7 +30,8 @@ single-device step on the mean loss.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,8 +135,35 @@ def build_stages(
         last_split = schedule == "zero-bubble" and chunk == num_chunks - 1
         module.register_forward_hook(_outputs_as_views if last_split else _contiguous_outputs)
     return [
-        PipelineStage(module, chunk, num_chunks, device, group=group) for module, chunk in zip(modules, chunks)
+        _BufferKeepingStage(module, chunk, num_chunks, device, group=group) for module, chunk in zip(modules, chunks)
     ]
+
+
+class _BufferKeepingStage(PipelineStage):
+    """A stage whose shape inference leaves its module's buffers as they were. On the first step PyTorch runs each
+    stage's forward and backward once more to learn the shapes it sends (its RNG forked, its buffers not): a layer
+    that counts in its forward (torchtitan's MoE routing counts, ``tokens_per_expert_E``) or keeps running
+    statistics would count that pass too. (Private methods of torch 2.13's ``PipelineStage``, which Tessera pins.)"""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with _buffers_kept(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args, **kwargs):  # a recomputed block runs its forward again
+        with _buffers_kept(self.submod):
+            return super()._backward_metadata_inference(*args, **kwargs)
+
+
+@contextmanager
+def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    kept = {name: buffer.clone() for name, buffer in module.named_buffers() if not buffer.is_meta}
+    try:
+        yield
+    finally:
+        with torch.no_grad():  # only what changed: a buffer the forward saved for backward must keep its version
+            for name, value in kept.items():
+                if not torch.equal(buffer := module.get_buffer(name), value):
+                    buffer.copy_(value)
 
 
 def _contiguous_outputs(_module: nn.Module, _args: tuple, output: Any) -> Any:

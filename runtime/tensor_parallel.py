@@ -40,7 +40,6 @@ vocabulary (dim 0) and the head is given the embedding's parameter object again.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -66,6 +65,7 @@ from tessera.cost_models.tp_rules import (
     check_plan_matches,
     declared_tp_plan,
     derive_pairs,
+    embedding_kept_whole,
     head_dim_of,
     is_norm,
     kv_groups,
@@ -78,6 +78,7 @@ from tessera.cost_models.tp_rules import (
     head_norm_problem,
     head_norms,
     head_split_attentions,
+    tied_parameters,
     uncovered_parameter,
 )
 from tessera.cost_models.layer_stats import LinearPair
@@ -127,7 +128,7 @@ def apply_tensor_parallel(
     tp = mesh.size()
     layers = [layer for layer in layers if layer.kind != "loss"]
     plan = resolve_tp_plan(model, tp_plan)
-    ties = _tied_parameters(model)
+    ties = tied_parameters(model)
     sharded = sequence_sharded(layers, sequence_entry) if sequence_parallel else set()
     plans = {layer.fqn: layer_styles(model, layer, tp=tp, sp=layer.fqn in sharded, pairs=(pairs or {}).get(layer.fqn),
                                      tp_plan=plan) for layer in layers}
@@ -215,30 +216,13 @@ def _embedding_styles(fqn: str, module: nn.Module, tp: int, plan: TpPlan) -> Sty
     for name, child in module.named_modules():
         if not isinstance(child, nn.Embedding):
             continue
-        if not _looks_up_first_argument(child) or plan_style(plan, _join(fqn, name)) in REPLICATED_STYLES:
-            kept.add(name)  # OPT's learned positions (called with the mask), torchtitan's Embedding (its own TP)
+        if embedding_kept_whole(child, plan_style(plan, _join(fqn, name))):
+            kept.add(name)
             continue
         _check_divisible(f"{_join(fqn, name)} ({child.num_embeddings} rows)", child.num_embeddings, tp)
         styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     _require_covered(fqn, module, set(styles) | kept)
     return styles
-
-
-INDEX_ARGUMENTS = ("input", "input_ids", "ids", "tokens", "token_ids", "x")
-"""Names of an embedding's first forward argument when it is the index to look up (vocabulary-parallel hooks
-convert that argument)."""
-
-
-def _looks_up_first_argument(embedding: nn.Embedding) -> bool:
-    """Whether ``embedding``'s forward takes the indices first: ``nn.Embedding.forward``, or an override whose first
-    argument is named like indices (Gemma's scaled embedding), not a mask (OPT's learned positions)."""
-    forward = type(embedding).forward
-    if forward is nn.Embedding.forward:
-        return True
-    if hasattr(embedding, "tp_group"):  # torchtitan's own vocabulary-parallel lookup: it unwraps a sharded weight
-        return False
-    names = list(inspect.signature(forward).parameters)[1:2]
-    return names in ([name] for name in INDEX_ARGUMENTS)
 
 
 def find_linear_pairs(block: nn.Module) -> tuple[LinearPair, ...]:
@@ -404,15 +388,6 @@ class VocabParallelLoss:
 
     def _sharded(self, local_logits: torch.Tensor) -> DTensor:
         return DTensor.from_local(local_logits, self.mesh, [Shard(-1)], run_check=False)  # (B, T, V) on V
-
-
-def _tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
-    """Groups of (module FQN, parameter name) that share one parameter object."""
-    owners: dict[int, list[tuple[str, str]]] = {}
-    for module_fqn, module in model.named_modules(remove_duplicate=False):
-        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
-            owners.setdefault(id(param), []).append((module_fqn, name))
-    return [group for group in owners.values() if len({fqn for fqn, _ in group}) > 1]
 
 
 def _retie(model: nn.Module, ties: list[list[tuple[str, str]]]) -> None:

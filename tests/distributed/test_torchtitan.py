@@ -33,6 +33,7 @@ GLOBAL_BATCH, SEQ_LEN, STEPS, LAYERS, VOCAB = 8, 16, 3, 2, 2048
 DEFAULT_CASES = {2: ["dp=2,zero=0,mbs=2,recompute=none",  # DDP, 2 micro-batches per step
                      "dp=2,zero=3,mbs=4,recompute=none",  # FSDP2 over the blocks, ZeRO-3
                      "moe:dp=1,pp=2,mbs=2,recompute=none,schedule=1f1b",  # Qwen3-MoE: its router autocasts
+                     "moe:dp=2,zero=0,mbs=2,recompute=none",  # its routing bias moved from both ranks' counts
                      "qwen3:dp=1,tp=2,sp=false,zero=0,mbs=8,recompute=none,tp_overlap=false,sp_regather=false"]}
 NO_OVERLAP = "tp_overlap=false,sp_regather=false"  # (the dense Qwen3's q_norm/k_norm: gradients summed over tp)
 SLOW_CASES = {2: [f"dp=1,tp=2,sp=false,zero=0,mbs=8,recompute=none,{NO_OVERLAP}",  # fused wqkv split per kv group
@@ -83,7 +84,7 @@ def qwen3_dense(seed: int) -> torch.nn.Module:
     return _qwen3(seed, moe=False)
 
 
-def _qwen3(seed: int, *, moe: bool) -> torch.nn.Module:
+def _qwen3(seed: int, *, moe: bool, tied: bool = False) -> torch.nn.Module:
     import torchtitan.models.qwen3 as qwen3  # noqa: PLC0415
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear  # noqa: PLC0415
     from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: PLC0415
@@ -97,7 +98,7 @@ def _qwen3(seed: int, *, moe: bool) -> torch.nn.Module:
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     config = qwen3.Qwen3Model.Config(
-        vocab_size=VOCAB, dim=dim, norm=qwen3._qwen3_norm(dim), layers=layers,
+        vocab_size=VOCAB, dim=dim, norm=qwen3._qwen3_norm(dim), layers=layers, enable_weight_tying=tied,
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=qwen3._LINEAR_INIT))
     torch.manual_seed(seed)
@@ -157,10 +158,25 @@ def reference(build=llama3) -> dict:
     for inputs, targets in batches():
         loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())  # (B*T, V) vs (B*T,)
         loss.backward()
+        balance_experts(model)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "params": full_tensors(model.named_parameters())}
+
+
+def balance_experts(model: torch.nn.Module) -> None:
+    """What torchtitan's trainer does before each optimizer step for a MoE layer with ``load_balance_coeff``
+    (``register_moe_load_balancing_hook`` in ``torchtitan/components/optimizer/optimizer.py``, written out here:
+    it needs torchtitan's ParallelDims and a process group): the routing bias moves by the coefficient times the
+    sign of (mean count - count), centred, and the count restarts."""
+    with torch.no_grad():
+        for layer in model.modules():
+            if getattr(layer, "load_balance_coeff", None) is not None:
+                counts = layer.tokens_per_expert_E
+                step = layer.load_balance_coeff * torch.sign(counts.mean() - counts)
+                layer.expert_bias_E += step - step.mean()
+                counts.zero_()
 
 
 def check(world: int, case: str, *, slow: bool) -> None:

@@ -334,10 +334,15 @@ def test_torchtitans_qwen3_keeps_tensor_parallelism_and_its_moe_names_the_weight
     # (16), so tp was refused as "a reordered projection?". The MoE model's GroupedExperts hold 3-D weights in no
     # linear, and the refusal named its router's gate instead of them.
     pytest.importorskip("torchtitan.models.qwen3")
-    from tests.distributed.test_torchtitan import qwen3_dense, qwen3_moe  # noqa: PLC0415
+    from tests.distributed.test_torchtitan import _qwen3, qwen3_dense, qwen3_moe  # noqa: PLC0415
 
     dense = tessera.plan(qwen3_dense(0), "cpu:ranks=2", global_batch=4, seq_len=16)
     assert "tp" not in dense.unavailable_axes
+    # Tied (its debugmodel, 0.6B to 4B): torchtitan's Embedding does its own lookup and stays whole, the head is
+    # split, so the runtime refused the plan after planning had offered it.
+    tied = tessera.plan(_qwen3(0, moe=False, tied=True), "cpu:ranks=2", global_batch=4, seq_len=16)
+    assert tied.unavailable_axes.get("tp", "").startswith(
+        "tied parameters tok_embeddings.weight and lm_head.weight would be split differently by tensor parallelism")
     said = tessera.plan(qwen3_moe(0), "cpu:ranks=2", global_batch=4, seq_len=16).unavailable_axes.get("tp", "")
     assert said.startswith("tensor parallelism does not know how to split parameter "
                            "layers.0.moe.routed_experts.inner_experts.w1_EFD (owned by GroupedExperts)")
