@@ -112,11 +112,14 @@ def free_remote_layers(model: nn.Module, plan: Plan, local: Sequence[int]) -> No
     """Move the layers of chunks other ranks run to the meta device (frees their memory; shapes stay).
 
     A parameter tied to a local layer's (:func:`cross_chunk_ties`) is kept: ``Module.to`` gives the remote
-    layer a new meta parameter (a real tensor is never moved in place to meta), so this rank keeps its copy.
+    layer a new meta parameter (a real tensor is never moved in place to meta), so this rank keeps its copy. A
+    layer without parameters stays whole everywhere: its buffers are small (rotary tables), and an export that
+    traces it as glue (``pipeline_export``) has every chunk reading its output recompute it from them.
     """
     for layer in plan.layers:
-        if layer.kind != "loss" and layer.chunk not in local:
-            model.get_submodule(layer.fqn).to("meta")
+        module = model.get_submodule(layer.fqn) if layer.kind != "loss" else None
+        if module is not None and layer.chunk not in local and next(module.parameters(), None) is not None:
+            module.to("meta")
 
 
 # ------------------------------------------------------------------------------------------------ schedules

@@ -41,6 +41,8 @@ BUILDERS = {
     "hf-phi3": lambda: _hf("Phi3Config", "Phi3ForCausalLM", pad_token_id=0, eos_token_id=0, bos_token_id=0,
                            **DECODER),  # fused qkv_proj and gate_up_proj
     "hf-gemma": lambda: _hf("GemmaConfig", "GemmaForCausalLM", head_dim=8, **DECODER),  # tied embeddings
+    # sliding-window and global layers; its rotary_emb (a planned layer) is called with the layer type, a string
+    "hf-gemma3": lambda: _hf("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8, sliding_window=8, **DECODER),
     "hf-gpt2": lambda: _hf("GPT2Config", "GPT2LMHeadModel", n_embd=HIDDEN, n_layer=BLOCKS, n_head=2, n_positions=SEQ,
                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                            eos_token_id=0),  # Conv1D, learned positions, tied embeddings
@@ -51,9 +53,10 @@ LAYERS = {
     "hf-gpt2": ["transformer.wte", "transformer.wpe", *(f"transformer.h.{i}" for i in range(BLOCKS)),
                 "transformer.ln_f", "lm_head"],
     "tt-llama3": ["tok_embeddings", *(f"layers.{i}" for i in range(BLOCKS)), "norm", "lm_head"],
+    "hf-gemma3": ["model.embed_tokens", "model.rotary_emb", *DECODER_LAYERS[1:]],
 }
 KINDS = {"embed_tokens": "embedding", "wte": "embedding", "wpe": "embedding", "tok_embeddings": "embedding",
-         "norm": "norm", "ln_f": "norm", "lm_head": "head"}
+         "rotary_emb": "other", "norm": "norm", "ln_f": "norm", "lm_head": "head"}
 
 
 def torchtitan_llama3() -> nn.Module:
@@ -106,7 +109,7 @@ def outside_plan(name: str, model: nn.Module, strategy: str) -> Plan:
         if kind == "block":
             chunk, block = block * chunks // BLOCKS, block + 1
         else:
-            chunk = 0 if kind == "embedding" else chunks - 1
+            chunk = 0 if kind in ("embedding", "other") else chunks - 1
         layers.append(PlannedLayer(fqn=fqn, kind=kind, recompute=parsed.recompute if kind == "block" else "none",
                                    chunk=chunk))
     layers.append(PlannedLayer(fqn="loss", kind="loss", recompute="none", chunk=chunks - 1))

@@ -164,6 +164,7 @@ CASES = {
         ("hf-llama", "dp=1,pp=2,mbs=2,schedule=1f1b"),
         ("hf-gpt2", "dp=1,pp=2,mbs=1,schedule=interleaved:2"),  # + tied wte/lm_head across ranks
         ("tt-llama3", "dp=1,pp=2,mbs=2,schedule=1f1b"),  # torchtitan: optional positions/attention_masks
+        ("hf-gemma3", "dp=1,pp=2,mbs=2,schedule=1f1b"),  # rotary_emb traced as glue, its tables on every rank
         ("transposed", "dp=1,pp=2,mbs=2,schedule=1f1b"),  # strided views between stages
         ("hidden-out", "dp=1,pp=2,mbs=1,schedule=zero-bubble")],  # a second output the weight pass needs
     4: [("tied", "dp=2,pp=2,zero=0,mbs=2,schedule=1f1b"),  # tie reduction over pp after DDP's over dp
