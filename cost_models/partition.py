@@ -167,14 +167,15 @@ def split_chunks(layers: Sequence[LayerStats], strategy: Strategy) -> list[list[
             f"chunk_blocks={'/'.join(map(str, sizes))} must give each of the {chunks} chunks at least one block "
             f"and sum to the model's {len(block_ids)} blocks"
         )
-    first, last = (block_ids[0], block_ids[-1]) if block_ids else (len(layers), len(layers) - 1)
-    result: list[list[LayerStats]] = []
-    start = first
-    for size in sizes:
-        result.append(list(layers[start : start + size]))
-        start += size
-    result[0][:0] = layers[:first]
-    result[-1].extend(layers[last + 1 :])
+    result: list[list[LayerStats]] = [[] for _ in sizes]
+    waiting: list[LayerStats] = []  # layers before a block join its chunk (an encoder-decoder's decoder embeddings)
+    blocks = iter([chunk for chunk, size in enumerate(sizes) for _ in range(size)])  # each block's chunk, in order
+    for layer in layers:
+        waiting.append(layer)
+        if layer.kind == "block":
+            result[next(blocks)].extend(waiting)
+            waiting = []
+    result[-1].extend(waiting)  # after the last block: the final norm, the head, the loss
     return result
 
 

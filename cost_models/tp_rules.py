@@ -297,8 +297,10 @@ convert that argument)."""
 
 def embedding_kept_whole(embedding: nn.Embedding, style: str | None) -> bool:
     """Whether tensor parallelism keeps ``embedding`` whole on every rank (``style``: the plan's for it): the plan
-    says so, or its forward does not take the indices first (OPT's learned positions, called with the mask) or
-    does its own vocabulary-parallel lookup (torchtitan's ``Embedding``, which unwraps a sharded weight itself)."""
+    says so; its forward does not take the indices first (OPT's learned positions, called with the mask) or does
+    not look them up as given (BART's learned positions take the ids and look up positions made from their shape:
+    the override must hand its first argument to ``super().forward`` itself, as Gemma's scaled embedding does); or
+    it does its own vocabulary-parallel lookup (torchtitan's ``Embedding``, which unwraps a sharded weight itself)."""
     if style in REPLICATED_STYLES:
         return True
     forward = type(embedding).forward
@@ -307,7 +309,13 @@ def embedding_kept_whole(embedding: nn.Embedding, style: str | None) -> bool:
     if hasattr(embedding, "tp_group"):
         return True
     names = list(inspect.signature(forward).parameters)[1:2]
-    return names not in ([name] for name in INDEX_ARGUMENTS)
+    if names not in ([name] for name in INDEX_ARGUMENTS):
+        return True
+    try:
+        source = "".join(inspect.getsource(forward).split())
+    except (OSError, TypeError):  # no source: taken as a lookup of its first argument
+        return False
+    return f".forward({names[0]})" not in source
 
 
 def tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -323,8 +331,9 @@ def tie_problem(model: nn.Module, kinds: Mapping[str, str], plan: Mapping[str, s
     """A refusal line when a parameter tied between an embedding table and the head would be split on one and
     whole on the other (``kinds``: planned layer FQN -> kind); the runtime cannot keep such a pair tied."""
     for group in tied_parameters(model):
-        split = {f"{fqn}.{name}": _splits_tied(model, fqn, kinds, plan) for fqn, name in group}
-        if None not in split.values() and len(set(split.values())) > 1:
+        split = {f"{fqn}.{name}": known for fqn, name in group
+                 if (known := _splits_tied(model, fqn, kinds, plan)) is not None}  # an alias module takes theirs
+        if len(set(split.values())) > 1:
             whole = next(name for name, is_split in split.items() if not is_split)
             other = next(name for name, is_split in split.items() if is_split)
             owner = whole.rpartition(".")[0]

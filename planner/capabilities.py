@@ -115,7 +115,24 @@ def _tensor_parallel_problem(model: nn.Module, layers: dict[str, nn.Module], pla
         return f"tp_plan entry {odd[0]!r}: style {odd[1]!r} is not implemented by the runtime"
     plan = _tp_plan(model, tp_plan)
     return _first_problem(planned, layers, plan, lambda layer: _layer_problem(layer, layers[layer.fqn], plan)) or (
-        tie_problem(model, {layer.fqn: layer.kind for layer in planned}, plan))
+        tie_problem(model, {layer.fqn: layer.kind for layer in planned}, plan)) or _vocabulary_glue(model, planned, layers)
+
+
+def _vocabulary_glue(model: nn.Module, planned: list[LayerStats], layers: dict[str, nn.Module]) -> str | None:
+    """A refusal line when the root holds a tensor as wide as the vocabulary outside every planned layer (BART's
+    ``final_logits_bias``, added to the logits after the head): tensor parallelism leaves the logits split over
+    the vocabulary, so the root's sum would meet a shard."""
+    heads = [layers[layer.fqn] for layer in planned if layer.kind == "head" and isinstance(layers[layer.fqn], nn.Linear)]
+    if not heads:
+        return None
+    vocabulary = heads[0].out_features
+    inside = tuple(f"{layer.fqn}." for layer in planned)
+    for name, tensor in (*model.named_buffers(), *model.named_parameters()):
+        if not name.startswith(inside) and tensor.dim() and tensor.shape[-1] == vocabulary:
+            return (f"{name}, of shape {tuple(tensor.shape)}, spans the vocabulary outside every planned layer: the "
+                    f"root forward of {type(model).__name__} would meet logits that tensor parallelism splits over the "
+                    "vocabulary; plan with tp=1")
+    return None
 
 
 def _local_forward_problem(model: nn.Module, layers: dict[str, nn.Module], planned: list[LayerStats],

@@ -144,7 +144,7 @@ def apply_tensor_parallel(
         localise_attention(attention, tp)
     if sequence_parallel:
         add_sequence_hooks(model, layers, mesh, plans, entry=sequence_entry)
-    _retie(model, ties)
+    _retie(model, ties, [layer.fqn for layer in layers])
 
 
 def check_tensor_parallel(
@@ -157,10 +157,13 @@ def check_tensor_parallel(
     pipeline rank runs must fail here too, or this rank would wait forever for its failed peer.
     """
     fqns = [layer.fqn for layer in layers if layer.kind != "loss"]
-    for name, _ in model.named_parameters():
-        if not any(name.startswith(f"{fqn}.") for fqn in fqns):
+    names: dict[int, list[str]] = {}  # a tied parameter is covered by any of its names (BART's model.shared)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for aliases in names.values():
+        if not any(alias.startswith(f"{fqn}.") for alias in aliases for fqn in fqns):
             raise NotModelledError(
-                f"parameter {name} belongs to no planned layer, so tensor parallelism does not know how to split "
+                f"parameter {aliases[0]} belongs to no planned layer, so tensor parallelism does not know how to split "
                 "it; re-plan this model (its layers must cover every parameter) or plan it with tp=1"
             )
     plan = resolve_tp_plan(model, tp_plan)
@@ -390,13 +393,17 @@ class VocabParallelLoss:
         return DTensor.from_local(local_logits, self.mesh, [Shard(-1)], run_check=False)  # (B, T, V) on V
 
 
-def _retie(model: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
-    for (first_fqn, first_name), *others in ties:
-        shared = getattr(model.get_submodule(first_fqn), first_name)
-        for fqn, name in others:
-            current = getattr(model.get_submodule(fqn), name)
+def _retie(model: nn.Module, ties: list[list[tuple[str, str]]], planned: Sequence[str]) -> None:
+    """Make each tied group one parameter again after sharding: the owners inside ``planned`` layers (which were
+    split) must agree; an owner outside them (BART's ``model.shared``, an alias of the embeddings) takes theirs."""
+    for group in ties:
+        values = [(fqn, name, getattr(model.get_submodule(fqn), name)) for fqn, name in group]
+        deciding = [value for value in values if any(value[0] == p or value[0].startswith(f"{p}.") for p in planned)]
+        first_fqn, first_name, shared = (deciding or values)[0]
+        for fqn, name, current in deciding[1:]:
             split_alike = isinstance(current, DTensor) == isinstance(shared, DTensor)
             if not split_alike or (isinstance(current, DTensor) and current.placements != shared.placements):
                 raise NotModelledError(f"tied parameters {first_fqn}.{first_name} and {fqn}.{name} are split "
                                        "differently by tensor parallelism; untie them or plan with tp=1")
+        for fqn, name, _ in values:
             setattr(model.get_submodule(fqn), name, shared)

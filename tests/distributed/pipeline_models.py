@@ -46,7 +46,14 @@ BUILDERS = {
     "hf-gpt2": lambda: _hf("GPT2Config", "GPT2LMHeadModel", n_embd=HIDDEN, n_layer=BLOCKS, n_head=2, n_positions=SEQ,
                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                            eos_token_id=0),  # Conv1D, learned positions, tied embeddings
+    # encoder-decoder: the decoder's embeddings sit between the encoder's blocks and the decoder's
+    "hf-bart": lambda: _hf("BartConfig", "BartForConditionalGeneration", d_model=HIDDEN, encoder_layers=BLOCKS // 2,
+                           decoder_layers=BLOCKS // 2, encoder_attention_heads=4, decoder_attention_heads=4,
+                           encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=SEQ, dropout=0.0,
+                           attention_dropout=0.0, activation_dropout=0.0),
 }
+PLANNED_BY_TESSERA = {"hf-bart"}
+"""Models whose pipeline plan is Tessera's own (``tessera.plan`` with the strategy pinned), not hand-built."""
 DECODER_LAYERS = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(BLOCKS)), "model.norm", "lm_head"]
 LAYERS = {
     "hf-llama": DECODER_LAYERS, "hf-qwen2": DECODER_LAYERS, "hf-phi3": DECODER_LAYERS, "hf-gemma": DECODER_LAYERS,
@@ -54,6 +61,7 @@ LAYERS = {
                 "transformer.ln_f", "lm_head"],
     "tt-llama3": ["tok_embeddings", *(f"layers.{i}" for i in range(BLOCKS)), "norm", "lm_head"],
     "hf-gemma3": ["model.embed_tokens", "model.rotary_emb", *DECODER_LAYERS[1:]],
+    "hf-bart": None,  # PLANNED_BY_TESSERA
 }
 KINDS = {"embed_tokens": "embedding", "wte": "embedding", "wpe": "embedding", "tok_embeddings": "embedding",
          "rotary_emb": "other", "norm": "norm", "ln_f": "norm", "lm_head": "head"}
@@ -100,7 +108,13 @@ def requirement(name: str) -> str | None:
 
 
 def outside_plan(name: str, model: nn.Module, strategy: str) -> Plan:
-    """Embeddings in chunk 0, the blocks evenly over ``pp * V`` chunks, final norm and head in the last."""
+    """Embeddings in chunk 0, the blocks evenly over ``pp * V`` chunks, final norm and head in the last; or, for
+    ``PLANNED_BY_TESSERA``, the planner's own layers and chunks."""
+    if name in PLANNED_BY_TESSERA:
+        import tessera
+
+        return tessera.plan(model, f"cpu:ranks={Strategy.parse(strategy).world_size}", global_batch=BATCH,
+                            seq_len=SEQ, strategy=strategy, precision="fp32")
     parsed = Strategy.parse(strategy)
     chunks = parsed.pp * parsed.virtual_stages
     layers, block = [], 0

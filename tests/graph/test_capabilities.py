@@ -346,3 +346,32 @@ def test_torchtitans_qwen3_keeps_tensor_parallelism_and_its_moe_names_the_weight
     said = tessera.plan(qwen3_moe(0), "cpu:ranks=2", global_batch=4, seq_len=16).unavailable_axes.get("tp", "")
     assert said.startswith("tensor parallelism does not know how to split parameter "
                            "layers.0.moe.routed_experts.inner_experts.w1_EFD (owned by GroupedExperts)")
+
+
+def test_bart_plans_its_decoder_blocks_and_refuses_tensor_parallelism_naming_the_logits_bias():
+    # Its decoder embeddings sit between the encoder's blocks and the decoder's: the chunk split dropped the decoder
+    # blocks from the plan (and the estimate), so tp was refused at apply for a parameter "in no planned layer", and
+    # pp crashed in the decoder. With them in, tp still cannot run: the root adds final_logits_bias to the logits.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BartConfig(vocab_size=256, d_model=32, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=16)
+    with torch.device("meta"):
+        model = transformers.BartForConditionalGeneration(config)
+    plan = tessera.plan(model, "cpu:ranks=2", global_batch=4, seq_len=16, strategy="pp=2")
+    assert {"model.decoder.layers.0", "model.decoder.layers.1"} <= {layer.fqn for layer in plan.layers}
+    assert plan.unavailable_axes["tp"].startswith("final_logits_bias, of shape (1, 256), spans the vocabulary")
+
+
+def test_an_embedding_is_split_over_the_vocabulary_only_where_it_looks_up_the_ids_it_is_given():
+    # BART's learned positions take input_ids and look up positions made from their shape: split by rows, its
+    # lookup mixed a plain tensor with the sharded weight.
+    pytest.importorskip("transformers")
+    from transformers.models.bart.modeling_bart import BartLearnedPositionalEmbedding, BartScaledWordEmbedding
+
+    from tessera.cost_models.tp_rules import embedding_kept_whole
+
+    assert embedding_kept_whole(BartLearnedPositionalEmbedding(16, 8), None)
+    assert not embedding_kept_whole(BartScaledWordEmbedding(16, 8, padding_idx=0, embed_scale=2.0), None)
+    assert not embedding_kept_whole(nn.Embedding(16, 8), None)
+    assert embedding_kept_whole(nn.Embedding(16, 8), "replicated")

@@ -509,3 +509,18 @@ def test_a_fused_loss_kernel_holds_less_and_runs_faster_on_a_captured_model():
     tp = Strategy.parse("dp=4,tp=2,zero=3,mbs=4,recompute=none")  # torch's loss_parallel either way
     assert estimate(layers, cluster, training, tp, profile=fused_profile).step_time_s == pytest.approx(
         estimate(layers, cluster, training, tp).step_time_s)
+
+
+def test_layers_between_blocks_join_the_next_blocks_chunk_and_none_is_dropped():
+    # An encoder-decoder's decoder embeddings sit between the encoder's blocks and the decoder's: the split counted
+    # layers as blocks from the first block on, so BART lost its decoder blocks from every chunk (and the estimate).
+    from tessera.cost_models.partition import split_chunks
+
+    layers = [_layer("enc.emb", "embedding"), _layer("enc.0", "block"), _layer("enc.1", "block"),
+              _layer("dec.emb", "embedding"), _layer("dec.norm", "norm"), _layer("dec.0", "block"),
+              _layer("dec.1", "block"), _layer("head", "head"), _layer("loss", "loss")]
+    for pp, expected in ((1, [[layer.fqn for layer in layers]]),
+                         (2, [["enc.emb", "enc.0", "enc.1"], ["dec.emb", "dec.norm", "dec.0", "dec.1", "head", "loss"]]),
+                         (4, [["enc.emb", "enc.0"], ["enc.1"], ["dec.emb", "dec.norm", "dec.0"], ["dec.1", "head", "loss"]])):
+        chunks = split_chunks(layers, Strategy(dp=1, pp=pp, micro_batch=1))
+        assert [[layer.fqn for layer in chunk] for chunk in chunks] == expected
