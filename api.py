@@ -346,8 +346,7 @@ def auto_parallelize(
     if world != resolved.num_devices:
         raise RuntimeSetupError(
             f"this run has {world} rank(s) but cluster {resolved.name} has {resolved.num_devices} devices; "
-            f"launch {resolved.num_devices} processes (torchrun --nproc-per-node {resolved.num_devices}) "
-            "or plan for the world you have"
+            f"launch {resolved.num_devices} processes ({_torchrun_shape(resolved)}) or plan for the world you have"
         )
     chosen = plan(model, resolved, global_batch=global_batch, seq_len=seq_len, precision=precision, strategy=strategy,
                   tp_plan=tp_plan, example_inputs=example_inputs)
@@ -361,6 +360,12 @@ def auto_parallelize(
 
         resume_if_possible(parallel, resume_from)
     return parallel
+
+
+def _torchrun_shape(cluster: Cluster) -> str:
+    """The torchrun arguments that give ``cluster``'s world: ``--nnodes 2 --nproc-per-node 8`` on two 8-GPU nodes."""
+    nodes, per_node = cluster.num_hosts, cluster.host_size
+    return f"torchrun --nnodes {nodes} --nproc-per-node {per_node}" if nodes > 1 else f"torchrun --nproc-per-node {per_node}"
 
 
 def _with_switches(config: SnapshotConfig, cluster: Cluster) -> SnapshotConfig:

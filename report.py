@@ -15,6 +15,7 @@ from rich.table import Table
 
 from tessera.cost_models import Estimate, Strategy
 from tessera.cost_models.error_bands import ErrorBand
+from tessera.cost_models.units import format_in, seconds_unit
 from tessera.planner.compare import BaselineComparison, Comparison, why_it_lost
 from tessera.planner.plan_facts import (
     PER_LAYER_HEADER, band_sentence, cluster_layout, launch_command, mesh_layout, per_layer_rows, step_terms,
@@ -84,7 +85,8 @@ def _headline(plan: Plan, *, launch: str | None = None) -> Table:
 
 
 def _search_line(plan: Plan) -> str:
-    line = f"{plan.candidates_evaluated:,} strategies estimated in {plan.search_time_s:.2f} s"
+    line = (f"{plan.candidates_evaluated:,} {'strategy' if plan.candidates_evaluated == 1 else 'strategies'} "
+            f"estimated in {plan.search_time_s:.2f} s")
     solver = getattr(plan, "solver", None)
     if getattr(solver, "ilp_solved", 0):
         line += (f"; {solver.ilp_solved} integer programs in {solver.ilp_time_s:.2f} s (worst gap {solver.worst_gap:.1%}), "
@@ -110,10 +112,13 @@ def _tflops(value: float) -> str:
 
 
 def _step_breakdown(e: Estimate) -> str:
-    return (f"{e.step_time_s:.3f} s  (compute {e.compute_time_s:.3f}, recompute {e.recompute_time_s:.3f}, "
-            f"bubble {e.bubble_time_s:.3f}, exposed comm {e.exposed_comm_time_s:.3f}, optimizer {e.optimizer_time_s:.3f}, "
-            f"stragglers {e.straggler_time_s:.3f}" + (f", overlap contention {e.contention_time_s:.3f}" if e.contention_time_s else "")
-            + (f", exposed offload {e.offload_time_s:.3f})" if e.offload_time_s else ")"))
+    unit = seconds_unit(e.step_time_s)
+    parts = [("compute", e.compute_time_s), ("recompute", e.recompute_time_s), ("bubble", e.bubble_time_s),
+             ("exposed comm", e.exposed_comm_time_s), ("optimizer", e.optimizer_time_s),
+             ("stragglers", e.straggler_time_s), ("overlap contention", e.contention_time_s or None),
+             ("exposed offload", e.offload_time_s or None)]
+    shown = ", ".join(f"{name} {format_in(value, unit)}" for name, value in parts if value is not None)
+    return f"{format_in(e.step_time_s, unit)} {unit[1]}  ({shown})"
 
 
 def _memory(plan: Plan) -> Table:
@@ -136,11 +141,12 @@ def _communication(plan: Plan) -> Table:
 
 
 def _communication_table(e: Estimate) -> Table:
+    unit = seconds_unit(max(e.comm_time_by_kind_s.values(), default=e.step_time_s))
     table = Table(title="Communication per step (before overlap)", title_justify="left")
     table.add_column("kind")
-    table.add_column("seconds", justify="right")
+    table.add_column("seconds" if unit[1] == "s" else unit[1], justify="right")
     for kind, seconds in e.comm_time_by_kind_s.items():
-        table.add_row(kind, f"{seconds:.3f}")
+        table.add_row(kind, format_in(seconds, unit))
     if not e.comm_time_by_kind_s:
         table.add_row("none (single device)", "0")
     return table
@@ -148,15 +154,16 @@ def _communication_table(e: Estimate) -> Table:
 
 def _alternatives(plan: Plan) -> Table:
     table = Table(title="Runners-up", title_justify="left", caption=literal(band_sentence(plan) or ""), caption_justify="left")
+    unit = seconds_unit(plan.estimate.step_time_s)
     table.add_column("rank", justify="right", no_wrap=True)  # the plan is 1, as the caption counts
     table.add_column("strategy", overflow="fold", ratio=3)
-    for column in ("step s", "tokens/s", "GiB/device"):
+    for column in (f"step {unit[1]}", "tokens/s", "GiB/device"):
         table.add_column(column, justify="right", no_wrap=True)
     table.add_column("why it lost", ratio=2)
     for rank, candidate in enumerate(plan.alternatives, start=2):
         e = candidate.estimate
         table.add_row(
-            str(rank), literal(candidate.strategy.to_string()), f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}",
+            str(rank), literal(candidate.strategy.to_string()), format_in(e.step_time_s, unit), f"{e.tokens_per_s:,.0f}",
             f"{e.peak_memory_bytes / GiB:.1f}", literal(why_it_lost(e, plan.estimate, candidate.verdict, values=False)),
         )
     return table
@@ -166,15 +173,17 @@ def _degree_alternatives(plan: Plan) -> Table:
     """The best strategy at every other expert-/context-parallel degree: why the plan's degrees won."""
     s = plan.strategy
     table = Table(title=f"Why ep={s.ep}, cp={s.cp}: the best strategy at each other degree", title_justify="left")
+    unit = seconds_unit(plan.estimate.step_time_s)
     table.add_column("degree", no_wrap=True)
     table.add_column("strategy", overflow="fold", ratio=3)
-    for column in ("step s", "GiB/device"):
+    for column in (f"step {unit[1]}", "GiB/device"):
         table.add_column(column, justify="right", no_wrap=True)
     table.add_column("why it lost", ratio=2)
     for candidate in plan.degree_alternatives:
         e = candidate.estimate
         degree, _, verdict = candidate.verdict.partition(": ")
-        table.add_row(literal(degree), literal(candidate.strategy.to_string()), f"{e.step_time_s:.3f}", f"{e.peak_memory_bytes / GiB:.1f}",
+        table.add_row(literal(degree), literal(candidate.strategy.to_string()), format_in(e.step_time_s, unit),
+                      f"{e.peak_memory_bytes / GiB:.1f}",
                       literal(why_it_lost(e, plan.estimate, verdict, values=False)))
     return table
 

@@ -28,8 +28,10 @@ def has_known_positions(model: nn.Module) -> bool:
 def context_parallel_problem(model: nn.Module) -> str | None:
     """Why the runtime cannot run ``model`` under cp > 1 at any degree (one line), or None."""
     if not attention_modules(model):
-        return "context parallelism found no attention module (a module with an integer head_dim) to run as ring attention"
+        return ("context parallelism found no attention module (a module with an integer head_dim) to run as ring "
+                "attention; plan with cp=1")
     if not has_known_positions(model):
         return ("context parallelism must give each token its global position, and knows Tessera's models only: RoPE "
-                f"tables ({', '.join(ROPE_BUFFERS)} buffers: Llama, MoE) or a learned {POSITION_EMBEDDING} embedding (GPT)")
+                f"tables ({', '.join(ROPE_BUFFERS)} buffers: Llama, MoE) or a learned {POSITION_EMBEDDING} embedding (GPT); "
+                "plan with cp=1")
     return None

@@ -423,8 +423,8 @@ def uncovered_parameter(module: nn.Module, fqn: str, styled: set[str]) -> str | 
         if not any(owner == s or owner.startswith(f"{s}.") or s == "" for s in styled):
             return (f"tensor parallelism does not know how to split parameter {_join(fqn, name)} (owned by "
                     f"{type(module.get_submodule(owner)).__name__}); it splits a block's linear pairs and norms, an "
-                    "embedding layer's tables (not other modules in that layer), norm layers and the head; pass "
-                    "tp_plan= for it or plan this model with tp=1")
+                    "embedding layer's tables (not other modules in that layer), norm layers and the head; plan this "
+                    "model with tp=1")
     return None
 
 

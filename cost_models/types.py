@@ -269,11 +269,12 @@ class Strategy(BaseModel):
 
     @property
     def name(self) -> str:
-        """Short family name used in tables (``DDP``, ``ZeRO-1``, ``FSDP``...; without data parallelism the model
-        parallel axes, ``TP+PP``, or ``one device``)."""
+        """Short family name used in tables: the data-parallel mode (``DDP``, ``ZeRO-1``, ``FSDP``...) and the
+        model-parallel axes beside it (``FSDP+TP+PP``); ``TP+PP`` without data parallelism, or ``one device``."""
+        axes = [axis.upper() for axis in ("tp", "pp", "cp", "ep") if getattr(self, axis) > 1]
         if self.dp == 1:
-            return "+".join(axis.upper() for axis in ("tp", "pp", "cp", "ep") if getattr(self, axis) > 1) or "one device"
-        return {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}[self.zero]
+            return "+".join(axes) or "one device"
+        return "+".join([{0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}[self.zero], *axes])
 
     def gradient_accumulation(self, global_batch: int) -> int:
         """Micro-batches per rank per step; raises if the batch does not divide evenly."""

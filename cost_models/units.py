@@ -14,6 +14,20 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} µs"
 
 
+def seconds_unit(seconds: float) -> tuple[float, str]:
+    """The multiplier and unit ``format_seconds`` writes ``seconds`` in: ``(1e3, "ms")`` for 0.85 ms. A table of
+    several times uses the unit of its largest, so its parts read beside it."""
+    if seconds >= 0.1:
+        return 1.0, "s"
+    return (1e3, "ms") if seconds >= 1e-4 else (1e6, "µs")
+
+
+def format_in(seconds: float, unit: tuple[float, str]) -> str:
+    """``seconds`` as a bare number in ``unit`` (``seconds_unit``): three decimals in seconds, two in ms, one in µs."""
+    scale, name = unit
+    return f"{seconds * scale:.{ {'s': 3, 'ms': 2}.get(name, 1) }f}"
+
+
 def format_seconds_range(low: float, high: float) -> str:
     """``8.400 to 11.600 s``; ``0.85 ms to 0.102 s`` where the two ends need different units."""
     first, second = format_seconds(low), format_seconds(high)

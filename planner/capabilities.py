@@ -162,7 +162,8 @@ def _layer_problem(layer: LayerStats, module: nn.Module, plan: dict[str, str]) -
     splits = (layer.kind == "head" and isinstance(module, nn.Linear)) or (layer.kind == "norm" and is_norm(module))
     name = None if splits else next((n for n, _ in module.named_parameters()), None)
     if name is not None:
-        return f"layer {layer.fqn} ({type(module).__name__}) holds parameter {name} but has no tensor-parallel split"
+        return (f"layer {layer.fqn} ({type(module).__name__}) holds parameter {name} but has no tensor-parallel split; "
+                "plan with tp=1")
     return None
 
 
@@ -240,7 +241,8 @@ def _expert_parallel_problem(model: nn.Module, layers: dict[str, nn.Module], pla
         if problem is not None:
             parent = module.get_submodule(holder.rpartition(".")[0]) if holder else module
             return (f"the experts of {_join(layer.fqn, holder.rpartition('.')[0])} ({type(parent).__name__}) cannot "
-                    f"be split by the runtime's expert parallelism: {problem}")
+                    f"be split by the runtime's expert parallelism: {problem} (it splits Hugging Face's stacked "
+                    "experts and Tessera's MoELayer); plan with ep=1")
     return None
 
 

@@ -100,7 +100,8 @@ def capture(
     config = getattr(model, "config", None)
     windowed = layer_info.windowed_kernel(config) or layer_info.windowed_kernel(getattr(config, "text_config", None))
     with (meta_autocast_off(), expected_expert_load(model, expert_capacity_factor),
-          layer_info.measured_with_sdpa(config), _naming_example_inputs(token_inputs, seq_len)):
+          layer_info.measured_with_sdpa(config),
+          _naming_example_inputs(token_inputs, seq_len, encoder_decoder=getattr(config, "is_encoder_decoder", False))):
         flow, pairs = traced_flow_and_pairs(model, layers, example_inputs, seq_len, front_ends, leaf_modules)
         rescalable = fit_seq_scaling and (example_inputs is None or callable(example_inputs))
         lengths = fit_lengths(seq_len) if rescalable else (seq_len,)
@@ -130,13 +131,19 @@ def capture(
 
 
 @contextmanager
-def _naming_example_inputs(token_inputs: bool, seq_len: int) -> Iterator[None]:
-    """A capture that fed token ids it was not given says, after its own reason, how to feed other inputs."""
+def _naming_example_inputs(token_inputs: bool, seq_len: int, *, encoder_decoder: bool = False) -> Iterator[None]:
+    """A capture that fed token ids it was not given says, after its own reason, how to feed other inputs (first,
+    for an encoder-decoder, whose decoder needs its own: T5 builds none from the encoder's)."""
     try:
         yield
     except CaptureError as error:
         if not token_inputs:
             raise
+        if encoder_decoder:
+            raise CaptureError(
+                f"{error} This is an encoder-decoder (config.is_encoder_decoder): pass the decoder's inputs too, "
+                "example_inputs={'input_ids': ids, 'decoder_input_ids': ids} (one sample each), or from the command "
+                "line a spec 'file.py:factory' returning (model, example_inputs)") from error
         raise CaptureError(f"{error} If the model does not take token ids of shape (1, {seq_len}), pass "
                            "example_inputs= (one sample's tensor, tuple or dict; or a spec 'file.py:factory' "
                            "returning (model, example_inputs))") from error

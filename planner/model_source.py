@@ -171,10 +171,8 @@ def hf_model(spec: str) -> nn.Module:
         raise ModelSpecError(f"unknown Hugging Face model_type {model_type!r} in {spec!r}; {hint}") from None
     unknown = sorted(k for k in values if not hasattr(defaults, k) and k not in OPTIONAL_HF_KEYS)
     if unknown:
-        raise ModelSpecError(
-            f"{spec!r}: {model_type} configs have no {', '.join(unknown)}; keys are the config's attributes, "
-            f"e.g. {', '.join(sorted(k for k in defaults.to_dict() if not k.startswith('_'))[:10])}"
-        )
+        raise ModelSpecError(f"{spec!r}: {model_type} configs have no {', '.join(unknown)}; "
+                             f"{_where_keys_live(defaults, unknown)}")
     try:
         config = transformers.AutoConfig.for_model(model_type.strip(), **values)
         config.use_cache = False
@@ -188,6 +186,22 @@ def hf_model(spec: str) -> nn.Module:
     model.config._attn_implementation = kernel  # measured as SDPA all the same (layer_info.measured_with_sdpa)
     _check_optional_keys_read(spec, model_type.strip(), model, values, defaults)
     return model
+
+
+def _where_keys_live(defaults: object, unknown: list[str]) -> str:
+    """What to write instead: a composite config (Gemma 3, Llava) keeps the language model's fields in a nested
+    config whose own model type an ``hf:`` spec can name; else the config's attributes."""
+    nested = [(name, value) for name, value in vars(defaults).items()
+              if name.endswith("_config") and getattr(value, "model_type", None)]
+    text = next((value.model_type for name, value in nested if name == "text_config"), None)
+    if text is not None:
+        return (f"its language model's fields are in text_config (model type {text!r}): name that model type, "
+                f"e.g. 'hf:{text}:num_hidden_layers=4'")
+    keys = sorted(k for k in defaults.to_dict() if not k.startswith("_") and not k.endswith("_config"))
+    close = [match for key in unknown for match in difflib.get_close_matches(key, keys, n=1)]
+    if close:
+        return f"did you mean {' or '.join(close)}? (keys are the config's attributes)"
+    return f"keys are the config's attributes, e.g. {', '.join(keys[:10])}"
 
 
 def _check_optional_keys_read(spec: str, model_type: str, model: nn.Module, values: dict, defaults: object) -> None:
@@ -245,10 +259,13 @@ def _transformers() -> object:
 
 def _hf_class(transformers: object, config: object) -> object:
     """The LM class for the config's type: masked LM (encoders such as BERT also list a causal-LM head, which
-    warns without ``is_decoder``), else causal LM, else the bare model."""
+    warns without ``is_decoder``; BART's is its conditional generation model), else sequence-to-sequence LM (T5),
+    else causal LM, else the bare model."""
     mapping = transformers.models.auto.modeling_auto
     if config.model_type in mapping.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         return transformers.AutoModelForMaskedLM
+    if config.model_type in mapping.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForSeq2SeqLM
     if config.model_type in mapping.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return transformers.AutoModelForCausalLM
     return transformers.AutoModel

@@ -395,3 +395,28 @@ def test_version_and_a_hub_id_under_hf(capsys):
     assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"tessera {version('tessera')}"
     assert main(["plan", "--model", "hf:meta-llama/Llama-3.1-8B", "--cluster", "dgx-h100:nodes=1"]) == 2
     assert "looks like a Hugging Face hub id; Tessera downloads nothing" in capsys.readouterr().err
+
+
+def test_a_tiny_models_step_is_broken_down_in_its_own_unit_and_pipelines_are_named(capsys):
+    # A 7 ms step printed "0.007 s (compute 0.005, ...)" and communication rows of 0.000; a dp=8,pp=2 plan read "DDP".
+    from tessera.cost_models import Strategy
+
+    code, out, _ = run(["plan", "--model", "gpt-tiny", "--cluster", "cpu:ranks=2", "--global-batch", "8",
+                        "--seq-len", "32"], capsys)
+    assert code == 0 and " ms  (compute " in out and "1 strategies" not in out
+    assert Strategy.parse("dp=8,pp=2,zero=0").name == "DDP+PP" and Strategy.parse("dp=1,tp=2").name == "TP"
+
+
+def test_hugging_face_keys_a_config_does_not_have_point_at_the_right_one(capsys):
+    code, _, err = run(["plan", "--model", "hf:gemma3:num_hidden_layers=4", "--cluster", "cpu:ranks=2"], capsys)
+    assert code == 2 and "its language model's fields are in text_config (model type 'gemma3_text')" in error_line(err)
+    code, _, err = run(["plan", "--model", "hf:llama:num_layers=4", "--cluster", "cpu:ranks=2"], capsys)
+    assert code == 2 and "did you mean num_hidden_layers?" in error_line(err)
+
+
+def test_a_world_of_the_wrong_size_is_told_the_torchrun_shape_of_the_cluster():
+    from tessera.api import _torchrun_shape
+    from tessera.topology import load_cluster
+
+    assert _torchrun_shape(load_cluster("dgx-h100:nodes=2")) == "torchrun --nnodes 2 --nproc-per-node 8"
+    assert _torchrun_shape(load_cluster("cpu:ranks=4")) == "torchrun --nproc-per-node 4"
