@@ -27,6 +27,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from tessera.cli_args import MAX_GLOBAL_BATCH
+from tessera.topology.validation import printable
 from tessera.cli_frameworks import FRAMEWORK_FORMATS, from_sources, import_configs, training_from
 from tessera.cli_parser import DEFAULT_SEQ_LEN, build_parser
 
@@ -81,11 +82,6 @@ def _say(console: Console, text: str) -> None:
     """Print a line that may hold user text (paths, names) exactly as it is."""
     console.print(printable(text), markup=False, highlight=False, soft_wrap=True)
 
-
-def printable(text: str) -> str:
-    """``text`` with its control characters written as escapes (``\\x1b``): a name from a received plan or
-    checkpoint could otherwise move the cursor, fake a line or set the clipboard through the terminal."""
-    return "".join(c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _workload(args: argparse.Namespace, *strategies: str | None, imported: Sequence = ()) -> dict:

@@ -16,6 +16,7 @@ from rich.table import Table
 from tessera.cost_models import Estimate, Strategy
 from tessera.cost_models.error_bands import ErrorBand
 from tessera.cost_models.units import format_in, seconds_unit
+from tessera.topology.validation import printable
 from tessera.planner.compare import BaselineComparison, Comparison, why_it_lost
 from tessera.planner.plan_facts import (
     PER_LAYER_HEADER, band_sentence, cluster_layout, launch_command, mesh_layout, per_layer_rows, step_terms,
@@ -27,8 +28,9 @@ GiB = 2**30
 
 
 def literal(value: object) -> str:
-    """``value`` as text that rich markup shows exactly as it is (``[`` escaped)."""
-    return escape(str(value))
+    """``value`` as text that rich markup shows exactly as it is (``[`` escaped), its control characters as escapes
+    (a received plan's model name reaches the terminal here)."""
+    return escape(printable(str(value)))
 
 
 def _console(console: Console | None) -> Console:

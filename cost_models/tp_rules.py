@@ -299,7 +299,8 @@ def embedding_kept_whole(embedding: nn.Embedding, style: str | None) -> bool:
     """Whether tensor parallelism keeps ``embedding`` whole on every rank (``style``: the plan's for it): the plan
     says so; its forward does not take the indices first (OPT's learned positions, called with the mask) or does
     not look them up as given (BART's learned positions take the ids and look up positions made from their shape:
-    the override must hand its first argument to ``super().forward`` itself, as Gemma's scaled embedding does); or
+    the override must hand its first argument to ``super().forward`` or ``F.embedding(..., self.weight)`` itself, as
+    Gemma's scaled embedding does); or
     it does its own vocabulary-parallel lookup (torchtitan's ``Embedding``, which unwraps a sharded weight itself)."""
     if style in REPLICATED_STYLES:
         return True
@@ -315,7 +316,7 @@ def embedding_kept_whole(embedding: nn.Embedding, style: str | None) -> bool:
         source = "".join(inspect.getsource(forward).split())
     except (OSError, TypeError):  # no source: taken as a lookup of its first argument
         return False
-    return f".forward({names[0]})" not in source
+    return not any(call in source for call in (f".forward({names[0]})", f"embedding({names[0]},self.weight"))
 
 
 def tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:

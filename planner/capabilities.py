@@ -119,7 +119,7 @@ def _tensor_parallel_problem(model: nn.Module, layers: dict[str, nn.Module], pla
 
 
 def _vocabulary_glue(model: nn.Module, planned: list[LayerStats], layers: dict[str, nn.Module]) -> str | None:
-    """A refusal line when the root holds a tensor as wide as the vocabulary outside every planned layer (BART's
+    """A refusal line when the root holds one value per vocabulary entry outside every planned layer (BART's
     ``final_logits_bias``, added to the logits after the head): tensor parallelism leaves the logits split over
     the vocabulary, so the root's sum would meet a shard."""
     heads = [layers[layer.fqn] for layer in planned if layer.kind == "head" and isinstance(layers[layer.fqn], nn.Linear)]
@@ -127,8 +127,9 @@ def _vocabulary_glue(model: nn.Module, planned: list[LayerStats], layers: dict[s
         return None
     vocabulary = heads[0].out_features
     inside = tuple(f"{layer.fqn}." for layer in planned)
+    planned_tensors = {id(t) for layer in planned for t in (*layers[layer.fqn].parameters(), *layers[layer.fqn].buffers())}
     for name, tensor in (*model.named_buffers(), *model.named_parameters()):
-        if not name.startswith(inside) and tensor.dim() and tensor.shape[-1] == vocabulary:
+        if not name.startswith(inside) and id(tensor) not in planned_tensors and tensor.numel() == vocabulary > 1:
             return (f"{name}, of shape {tuple(tensor.shape)}, spans the vocabulary outside every planned layer: the "
                     f"root forward of {type(model).__name__} would meet logits that tensor parallelism splits over the "
                     "vocabulary; plan with tp=1")

@@ -377,16 +377,27 @@ def _first_line(error: BaseException) -> str:
 
 
 def _unlisted_problem(folder: Path, manifest: Manifest) -> str | None:
-    """What ``folder`` holds beyond its manifest (a checkpoint lists every file it wrote; a load reads
-    ``.metadata`` and ``plan.json``, which a crafted manifest could leave out), or None."""
+    """A file a load reads that ``folder``'s manifest leaves out (a crafted manifest could leave out ``plan.json``
+    as a link to /dev/zero, or ``.metadata`` as a FIFO), or a link or special file anywhere in it; None otherwise.
+    Other strays (a ``.DS_Store``, an NFS temp file) are not the checkpoint's and do not make it corrupt."""
     listed = {*manifest.files, MANIFEST, MARKER}
-    folders = {parent.as_posix() for name in manifest.files for parent in PurePosixPath(name).parents}
     for top, subfolders, files in os.walk(folder):  # links to folders are listed, not followed
         for entry in (*subfolders, *files):
-            name = (Path(top) / entry).relative_to(folder).as_posix()
-            if name not in listed and (name not in folders or (Path(top) / entry).is_symlink()):
-                return f"{name} is not in its {MANIFEST} (a checkpoint holds only the files it wrote)"
+            path = Path(top) / entry
+            name = path.relative_to(folder).as_posix()
+            if name in listed:
+                continue
+            if path.is_symlink() or not (path.is_file() or path.is_dir()):
+                return f"{name} is a link or special file its {MANIFEST} does not list (a checkpoint holds plain files)"
+            if path.is_file() and _read_by_a_load(name):
+                return f"{name} is not in its {MANIFEST} (a checkpoint lists every file it wrote)"
     return None
+
+
+def _read_by_a_load(name: str) -> bool:
+    """Whether a load reads a file of this name: the DCP metadata and data files, the plan, the data position, the
+    RNG states."""
+    return name in (".metadata", PLAN_FILE, DATA_FILE) or name.startswith(f"{RNG_FOLDER}/") or name.endswith(".distcp")
 
 
 def _file_problem(folder: Path, name: str, record: FileRecord, *, verify: bool) -> str | None:

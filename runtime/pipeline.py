@@ -30,8 +30,7 @@ single-device step on the mean loss.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +45,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 
 from tessera.cost_models.types import Strategy
@@ -146,27 +146,50 @@ class _BufferKeepingStage(PipelineStage):
     """A stage whose shape inference leaves its module's buffers as they were. On the first step PyTorch runs each
     stage's forward and backward once more to learn the shapes it sends (its RNG forked, its buffers not): a layer
     that counts in its forward (torchtitan's MoE routing counts, ``tokens_per_expert_E``) or keeps running
-    statistics would count that pass too. (Private methods of torch 2.13's ``PipelineStage``, which Tessera pins.)"""
+    statistics would count that pass too. The buffers are put back once that pass's backward is done (a buffer its
+    forward saved for backward must keep its version until then). (Private methods of torch 2.13's
+    ``PipelineStage``, which Tessera pins.)"""
 
-    def _forward_metadata_inference(self, *args, **kwargs):
-        with _buffers_kept(self.submod):
-            return super()._forward_metadata_inference(*args, **kwargs)
+    _kept: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _forward_metadata_inference(self, args, kwargs=None, has_backward: bool = False):
+        self._kept = _buffer_values(self.submod)
+        try:
+            return super()._forward_metadata_inference(args, kwargs, has_backward)
+        finally:
+            if not has_backward:
+                self._put_buffers_back()
 
     def _backward_metadata_inference(self, *args, **kwargs):  # a recomputed block runs its forward again
-        with _buffers_kept(self.submod):
+        try:
             return super()._backward_metadata_inference(*args, **kwargs)
+        finally:
+            self._put_buffers_back()
+
+    def _put_buffers_back(self) -> None:
+        if self._kept is not None:
+            _restore_buffers(self.submod, self._kept)
+            self._kept = None
 
 
-@contextmanager
-def _buffers_kept(module: nn.Module) -> Iterator[None]:
-    kept = {name: buffer.clone() for name, buffer in module.named_buffers() if not buffer.is_meta}
-    try:
-        yield
-    finally:
-        with torch.no_grad():  # only what changed: a buffer the forward saved for backward must keep its version
-            for name, value in kept.items():
-                if not torch.equal(buffer := module.get_buffer(name), value):
-                    buffer.copy_(value)
+def _buffer_values(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each real buffer of ``module``: the tensor itself and a copy of its values."""
+    return {name: (buffer, _local(buffer).clone()) for name, buffer in module.named_buffers() if not buffer.is_meta}
+
+
+def _restore_buffers(module: nn.Module, kept: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Put back the tensors ``_buffer_values`` saw (a forward may have replaced one) and their values."""
+    with torch.no_grad():
+        for name, (buffer, values) in kept.items():
+            owner, _, attribute = name.rpartition(".")
+            if module.get_buffer(name) is not buffer:
+                setattr(module.get_submodule(owner), attribute, buffer)
+            if not torch.equal(_local(buffer), values):
+                _local(buffer).copy_(values)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _contiguous_outputs(_module: nn.Module, _args: tuple, output: Any) -> Any:

@@ -80,13 +80,16 @@ def export_forward(model: nn.Module, layer_fqns: Sequence[str], example: torch.T
     clear_inner_outputs(model)  # a layer traced before returns its inner outputs too: trace the user's forward
     try:
         program = _export(model, layer_fqns, example)
-    except NotModelledError:
+    except NotModelledError as first:
         weighted = [fqn for fqn in layer_fqns if next(model.get_submodule(fqn).parameters(), None) is not None]
         if len(weighted) == len(layer_fqns):
             raise
         # Keeping a weightless layer's signature can fail where its call is fine (Gemma 3's rotary_emb, called with
         # a string): it is then traced as glue, which every chunk reading it recomputes.
-        program, layer_fqns = _export(model, weighted, example), weighted
+        try:
+            program, layer_fqns = _export(model, weighted, example), weighted
+        except NotModelledError:
+            raise first from None
     recorded = recorded_submodules(program.graph_module.graph, layer_fqns)
     if recorded:
         program = _export(model, [*layer_fqns, *recorded], example)

@@ -67,9 +67,10 @@ def open_store(store: Path) -> int:
     if store.is_dir() and any(store.iterdir()) and not (store / STORE_MARKER).exists():
         raise ConfigError(f"snapshot store {store} holds files Tessera did not write (no {STORE_MARKER} marker); "
                           "give every run its own, new store folder")
-    if store.parent == default_store_parent():
+    default = store.parent == default_store_parent()
+    if default:
         _claim_private_folder(store.parent)
-    created = not store.exists() or _created_by_tessera(store)
+    created = default or not store.exists() or _created_by_tessera(store)  # default: an earlier version's too
     _claim_private_folder(store, restrict=created)
     try:
         handle = lock_folder(store)
@@ -99,6 +100,9 @@ def _claim_private_folder(folder: Path, *, restrict: bool = True) -> None:
                           "pass SnapshotConfig(store=...) a folder of your own")
     if restrict and info.st_mode & 0o077:  # Tessera's, that others may read (an earlier version made them 0755)
         os.chmod(folder, 0o700, follow_symlinks=False)
+    elif info.st_mode & 0o022:  # the user's: others could plant files in it that snapshots would be read from
+        raise ConfigError(f"snapshot store folder {folder} can be written by other users ({stat.filemode(info.st_mode)}); "
+                          "run chmod go-w on it, or pass SnapshotConfig(store=...) a folder only you can write")
 
 
 CREATED_LINE = "tessera created this folder: it is removed when the run finishes"
@@ -181,8 +185,9 @@ def reuse_spare(store: Path, name: str, folder: int, target: str) -> None:
 
 def open_store_file(folder: int, name: str, flags: int) -> int:
     """A handle on file ``name`` of the open store folder ``folder`` (``flags``: ``os.O_WRONLY`` or ``os.O_RDWR``),
-    created if missing, never opened through a link or as a file with another name too (a hard link): such an entry
-    -- Tessera makes neither; one recycled through the spare was planted -- is removed and a new file made."""
+    created if missing, never opened through a link, as a file with another name too (a hard link: a recovery links
+    a snapshot's file, a planted one may be anyone's) or as another user's file: such an entry is removed and a new
+    file made."""
     flags |= os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # non-blocking: a FIFO fails, not hangs
     try:
         handle = os.open(name, flags, 0o600, dir_fd=folder)
@@ -191,7 +196,7 @@ def open_store_file(folder: int, name: str, flags: int) -> int:
             raise
     else:
         info = os.fstat(handle)
-        if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_uid == os.getuid():
             os.set_blocking(handle, True)
             return handle
         os.close(handle)

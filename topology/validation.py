@@ -45,6 +45,12 @@ def quoted(value: Any, *, limit: int = MAX_QUOTED_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def printable(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\x1b``): a name from a received plan or
+    checkpoint could otherwise move the cursor, fake a line or set the clipboard through the terminal."""
+    return "".join(c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def short(value: Any, *, limit: int = MAX_QUOTED_CHARS) -> str:
     """``str(value)`` cut to ``limit`` characters, for names (field names, keys) shown without quotes."""
     text = value if isinstance(value, str) else _bounded_repr(value, limit)

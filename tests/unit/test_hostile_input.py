@@ -176,8 +176,14 @@ def test_files_a_manifest_leaves_out_and_linked_folders_are_corrupt(pm, tmp_path
     del manifest["files"]["plan.json"]
     (folder / MANIFEST).write_text(json.dumps(manifest))
     reseal(folder)
+    assert "plan.json is a link or special file its manifest.json does not list" in check_checkpoint(
+        folder, verify=False, group=None)
+    (folder / "plan.json").unlink()
+    (folder / "plan.json").write_text("{}")  # a plain plan.json the manifest leaves out
     assert "plan.json is not in its manifest.json" in check_checkpoint(folder, verify=False, group=None)
     other = save_at(pm, tmp_path / "other", 1)
+    (other / ".DS_Store").write_bytes(b"\0")  # a stray no load reads: not a reason to fall back to an older step
+    assert check_checkpoint(other, verify=True, group=None) is None
     shutil.move(other / "rng", tmp_path / "elsewhere")
     (other / "rng").symlink_to(tmp_path / "elsewhere")
     assert "a folder on the way to file rng/rank-00000.pt is a symbolic link" in check_checkpoint(
@@ -347,6 +353,11 @@ def test_a_store_folder_the_user_made_keeps_its_permissions_and_stays_after_the_
         remove_store(store)
     assert mine.is_dir() and mine.stat().st_mode & 0o777 == 0o750 and not any(mine.iterdir())
     assert not new.exists()  # Tessera's own: removed
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o770)  # others could plant the files snapshots are read from
+    with pytest.raises(ConfigError, match="can be written by other users .*chmod go-w"):
+        open_store(shared)
 
 
 def test_a_plan_made_for_another_model_is_refused_before_anything_changes():

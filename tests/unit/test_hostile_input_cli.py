@@ -306,7 +306,7 @@ def test_a_link_at_an_output_path_is_refused_not_replaced(tmp_path, capsys):
 
 
 def test_control_characters_from_received_files_are_printed_as_escapes():
-    from tessera.cli import printable
+    from tessera.topology.validation import printable
 
     assert printable("MyNet\x1b[2K\x1b]52;c;ZWNobw==\x07 ok") == "MyNet\\x1b[2K\\x1b]52;c;ZWNobw==\\x07 ok"
     assert printable("café 1,024 GiB\n") == "café 1,024 GiB\n"
