@@ -224,10 +224,12 @@ def _pair_splits(block: nn.Module, fqn: str, pair: LinearPair) -> list[LinearSpl
     reads = {_dims(block, fqn, name)[0] for name in pair.column} | {residual_width(block) or row_out}
     if not pair.column or reads != {row_out}:
         shapes = ", ".join(f"{n} ({_dims(block, fqn, n)[0]}->{_dims(block, fqn, n)[1]})" for n in (*pair.column, pair.row))
-        raise NotModelledError(
-            f"cannot split {fqn} for tensor parallelism: linears {shapes} are not column linears reading the width "
-            "the row linear writes back (a reordered projection?); pass tp_plan= or plan it with tp=1"
-        )
+        inner = next((n for n in pair.column if _dims(block, fqn, n)[0] != row_out), None)
+        why = (f"{inner} reads {_dims(block, fqn, inner)[0]} features, not the block's {row_out}: it follows another "
+               "linear (a low-rank or latent projection, as in multi-head latent attention), which a column/row split "
+               "cannot cut" if inner else "they are not column linears reading the width the row linear writes back")
+        raise NotModelledError(f"cannot split {fqn} for tensor parallelism: linears {shapes}: {why}; pass tp_plan= "
+                               "naming each linear's style, or plan it with tp=1")
     role = pair.role if pair.role in PACKED_PARTS else "mlp"
     splits = [LinearSplit(pair.row, "rowwise", role=role)]
     for name in pair.column:

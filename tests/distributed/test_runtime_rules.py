@@ -56,6 +56,24 @@ def test_fused_projection_is_refused_naming_the_layer():
         layer_styles(model, block(), tp=2, sp=False, pairs=None)
 
 
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention, cut down: keys and values come up from a 32-wide latent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(64)
+        self.wq, self.wkv_a, self.wkv_b, self.wo = nn.Linear(64, 96), nn.Linear(64, 40), nn.Linear(32, 128), nn.Linear(64, 64)
+
+
+def test_a_latent_projection_is_refused_naming_the_linear_that_reads_the_latent():
+    # It was refused as "a reordered projection?", naming no linear in particular.
+    model = nn.Module()
+    model.blocks = nn.ModuleList([LatentAttention()])
+    with pytest.raises(NotModelledError, match=r"wkv_b reads 32 features, not the block's 64: it follows another "
+                                               r"linear \(a low-rank or latent projection"):
+        layer_styles(model, block(), tp=2, sp=False, pairs=None)
+
+
 def test_unknown_parameter_in_a_block_is_refused_naming_it():
     model = nn.Module()
     model.blocks = nn.ModuleList([ScaledBlock()])
