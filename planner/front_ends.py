@@ -100,7 +100,21 @@ def trace_model(
             reasons.append(describe_failure(name, model, exc))
             continue
         return Traced(name, graph, tuple(reasons))
-    raise CaptureError("; ".join(reasons) + ". " + NEXT_STEPS)
+    raise CaptureError("; ".join(reasons) + ". " + _next_steps(reasons))
+
+
+MASK_FREE_ATTENTION = (
+    "Next step: this attention needs a mask object the training loop builds (torchtitan's flex and varlen backends "
+    "take a BlockMask from model.get_attention_masks(...) as attention_masks=); plan the model with its SDPA backend "
+    "(torchtitan: set each layer's attention.inner_attention = ScaledDotProductAttention.Config(); the FLOPs are the "
+    "same causal attention), or pass example_inputs= a dict holding the mask."
+)
+
+
+def _next_steps(reasons: Sequence[str]) -> str:
+    """What to do about the front ends' failures: the general advice, or, where an attention asked for a mask
+    object it was not given, how to plan it."""
+    return MASK_FREE_ATTENTION if any("BlockMask" in reason for reason in reasons) else NEXT_STEPS
 
 
 def resolve_front_ends(front_ends: Sequence[str] | None) -> tuple[str, ...]:

@@ -60,7 +60,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tessera.errors import CaptureError
 from tessera.planner.backward_scopes import leave_in_backward, outputs_apart_from_inputs
-from tessera.planner.front_ends import first_line, user_frame
+from tessera.planner.front_ends import MASK_FREE_ATTENTION, first_line, user_frame
 from tessera.planner.kernels import CORE_OPS, FusedKernels
 from tessera.planner.replay import BlockReplay, ElementReplay
 from tessera.planner.recompute_regions import RegionMarks
@@ -275,12 +275,12 @@ def _backward(loss: torch.Tensor) -> None:
 def _measure_error(fqn: str, phase: str, exc: Exception) -> CaptureError:
     if isinstance(exc, CaptureError):
         return exc
-    return CaptureError(
-        f"measuring {fqn!r} on meta / fake tensors failed in the {phase} pass{user_frame(exc)}: "
-        f"{type(exc).__name__}: {first_line(exc)}. "
+    reason = f"{type(exc).__name__}: {first_line(exc)}"
+    advice = MASK_FREE_ATTENTION if "BlockMask" in reason else (
         "Next step: the op needs a meta kernel (register one with torch.library) or the module must not read "
-        "tensor values (e.g. .item(), .tolist()) in forward."
-    )
+        "tensor values (e.g. .item(), .tolist()) in forward.")
+    return CaptureError(f"measuring {fqn!r} on meta / fake tensors failed in the {phase} pass{user_frame(exc)}: "
+                        f"{reason}. {advice}")
 
 
 def _meta_state(

@@ -173,3 +173,23 @@ def test_meta_autocast_shim_is_restored_after_overlapping_captures_in_threads() 
         t.join(10)
     assert seen == [True]
     assert torch.autocast.__init__ is original
+
+
+class _MaskedAttentionModel(nn.Module):
+    """An attention that, like torchtitan's flex backend, asserts it was handed a BlockMask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor, attention_masks=None) -> torch.Tensor:
+        assert attention_masks is not None, f"attention_masks must be instance of BlockMask, got {type(attention_masks)}"
+        return self.head(self.emb(ids))
+
+
+def test_an_attention_asking_for_a_block_mask_says_how_to_plan_it():
+    # The generic advice (a meta kernel; make the code traceable, mark a leaf...) did not say what was missing. This
+    # model fails when measured; torchtitan's flex Llama 3 fails in the trace (its RoPE stops torch.fx), same advice.
+    with pytest.raises(CaptureError, match=r"Next step: this attention needs a mask object the training loop builds "
+                                           r"\(torchtitan's flex and varlen backends"):
+        capture(_MaskedAttentionModel(), seq_len=8)
