@@ -148,7 +148,7 @@ def test_meta_autocast_shim_is_restored_after_overlapping_captures_in_threads() 
 
     from tessera.planner.front_ends import meta_autocast_off
 
-    original = torch.autocast.__init__
+    original, original_enter, original_exit = torch.autocast.__init__, torch.autocast.__enter__, torch.autocast.__exit__
     first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
     seen: list[bool] = []
 
@@ -173,6 +173,7 @@ def test_meta_autocast_shim_is_restored_after_overlapping_captures_in_threads() 
         t.join(10)
     assert seen == [True]
     assert torch.autocast.__init__ is original
+    assert torch.autocast.__enter__ is original_enter and torch.autocast.__exit__ is original_exit
 
 
 class _MaskedAttentionModel(nn.Module):
@@ -193,3 +194,30 @@ def test_an_attention_asking_for_a_block_mask_says_how_to_plan_it():
     with pytest.raises(CaptureError, match=r"Next step: this attention needs a mask object the training loop builds "
                                            r"\(torchtitan's flex and varlen backends"):
         capture(_MaskedAttentionModel(), seq_len=8)
+
+
+def test_a_meta_autocast_region_is_traced_as_nothing_and_the_model_keeps_its_training_mode() -> None:
+    # torchtitan's MoE router autocasts on meta and counts its tokens in a no_grad region when training: torch.export
+    # made a higher-order op of each, recompiling the graph every time (Qwen3-30B-A3B's plan: 45 s -> 19 s here).
+    from tessera.planner.front_ends import EXPORT, meta_autocast_off, trace_model
+
+    class Router(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(8, 4)
+            self.register_buffer("counts", torch.zeros(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(device_type=x.device.type, dtype=torch.float32):
+                scores = self.gate(x)
+            if self.training:
+                with torch.no_grad():
+                    self.counts.add_(scores.sum(dim=(0, 1)))
+            return x + scores.sum(-1, keepdim=True)
+
+    model = nn.Sequential(Router(), Router()).to("meta").train()
+    with meta_autocast_off():
+        traced = trace_model(model, (torch.empty(1, 4, 8, device="meta"),), {}, front_ends=("export",), leaf_modules=())
+    assert traced.front_end == EXPORT
+    assert not any("autocast" in str(node.target) or "set_grad" in str(node.target) for node in traced.graph.nodes)
+    assert all(module.training for module in model.modules())
