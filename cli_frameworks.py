@@ -110,5 +110,5 @@ def nearest_line(name: str, strategy: str, runs, planned) -> str:
     gib = 2**30
     fits = "" if runs.fits else " (does NOT fit)"
     return (f"# Tessera's estimate of what {name} runs ({strategy}): {runs.step_time_s:.3f} s per step, "
-            f"{runs.peak_memory_bytes / gib:.1f} of {runs.memory_budget_bytes / gib:.0f} GiB per device{fits}; "
+            f"{runs.peak_memory_bytes / gib:.1f} of {runs.memory_budget_bytes / gib:.4g} GiB per device{fits}; "
             f"the plan: {planned.step_time_s:.3f} s, {planned.peak_memory_bytes / gib:.1f} GiB")

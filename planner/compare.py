@@ -195,7 +195,7 @@ def _baseline_reason(b: BaselineComparison, plan: Estimate) -> str:
     change = describe_change(b.term_changes[0]) + (f", then {', '.join(then)}" if then else "")
     memory = f"memory {gib(e.peak_memory_bytes)} vs {gib(plan.peak_memory_bytes)} GiB per device"
     if b.over_budget_bytes:
-        return (f"does not fit: {b.over_budget_bytes / GiB:.2f} GiB over the {e.memory_budget_bytes / GiB:.0f} GiB "
+        return (f"does not fit: {b.over_budget_bytes / GiB:.2f} GiB over the {e.memory_budget_bytes / GiB:.4g} GiB "
                 f"device ({memory}); were it to fit, Tessera's plan would be {ratio:.2f}x its throughput; "
                 f"biggest change: {change}")
     speed = (f"Tessera's plan is {ratio:.2f}x the baseline's throughput" if ratio >= 1

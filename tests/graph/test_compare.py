@@ -70,7 +70,7 @@ def test_compare_evaluates_each_baseline_like_evaluate(comparison):
     assert fits.term_changes[0].term in step_terms(fits.estimate) and fits.term_changes[0].term in fits.reason
     assert not too_big.fits and too_big.over_budget_bytes > 0
     over = (too_big.estimate.peak_memory_bytes - too_big.estimate.memory_budget_bytes) / GiB
-    assert too_big.reason.startswith(f"does not fit: {over:.2f} GiB over the 80 GiB device")
+    assert too_big.reason.startswith(f"does not fit: {over:.2f} GiB over the 79.25 GiB device")
     assert invalid.estimate is None and invalid.reason.startswith("cannot run:") and "8" in invalid.error
 
 

@@ -7,15 +7,15 @@ from tessera.topology import load_cluster
 
 
 @pytest.mark.parametrize(("spec", "gpu", "devices", "per_node", "memory_gb"), [
-    ("dgx-a100:nodes=4,gpu=A100-SXM-40GB", "A100-SXM-40GB", 32, 8, 40 * 2**30 / 1e9),
-    ("dgx-a100:nodes=4,gpu=A100-SXM-40GB,gpus_per_node=4", "A100-SXM-40GB", 16, 4, 40 * 2**30 / 1e9),
+    ("dgx-a100:nodes=4,gpu=A100-SXM-40GB", "A100-SXM-40GB", 32, 8, 39.5 * 2**30 / 1e9),  # as PyTorch reports it
+    ("dgx-a100:nodes=4,gpu=A100-SXM-40GB,gpus_per_node=4", "A100-SXM-40GB", 16, 4, 39.5 * 2**30 / 1e9),
     ("dgx-h100:nodes=2,gpu=H100-NVL-94GB", "H100-NVL-94GB", 16, 8, 93.0 * 2**30 / 1e9),
     ("dgx-h100:gpu=H200-SXM-141GB,nodes=3", "H200-SXM-141GB", 24, 8, 139.8 * 2**30 / 1e9),
     ("dgx-a100:nodes=2,gpu=V100-SXM2-16GB", "V100-SXM2-16GB", 16, 8, 16),
     ("dgx-h100:nodes=1,gpu=B200-SXM-180GB", "B200-SXM-180GB", 8, 8, 178.35 * 2**30 / 1e9),
     ("dgx-b300:nodes=2", "B300-SXM-288GB", 16, 8, 267.69 * 2**30 / 1e9),
     ("gb300-nvl72:nodes=1,gpus_per_node=64", "B300-GB300-NVL72", 64, 64, 276.5 * 2**30 / 1e9),
-    ("dgx-h100:nodes=2", "H100-SXM-80GB", 16, 8, 80 * 2**30 / 1e9),
+    ("dgx-h100:nodes=2", "H100-SXM-80GB", 16, 8, 79.21 * 2**30 / 1e9),
 ])
 def test_a_preset_takes_any_catalog_gpu_and_node_size(spec, gpu, devices, per_node, memory_gb):
     cluster = load_cluster(spec)

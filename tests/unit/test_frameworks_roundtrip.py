@@ -268,7 +268,7 @@ README_STRATEGIES = [  # README.md's examples: (strategy, blocks, global batch)
     ("dp=16,tp=8,pp=8,zero=1,mbs=1,recompute=full,sp=true,schedule=interleaved:2", 96, 1536),
     ("dp=32,tp=4,pp=8,zero=1,mbs=1,recompute=none,sp=true,schedule=interleaved:4", 96, 1536),
     ("dp=128,tp=8,zero=0,mbs=1,recompute=none,sp=true", 96, 1536),
-    ("dp=64,zero=3,mbs=1,recompute=none,block_recompute=52xfull/28xselective", 80, 1024),
+    ("dp=64,zero=3,mbs=1,recompute=none,block_recompute=53xfull/27xselective", 80, 1024),
 ]
 
 
