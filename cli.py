@@ -352,11 +352,16 @@ def _resume(args: argparse.Namespace, console: Console) -> int:
                         precision=training.precision)
     console.print(f"saved under {saved.strategy.to_string()} on {saved.strategy.world_size} devices; "
                   f"re-planned for {plan.cluster}:", highlight=False, soft_wrap=True, markup=False)
-    relaunch = launch_commands(plan, args.script, script_args=["--resume-from", args.checkpoint])
+    plan_file = args.json or "plan.json"  # the script reads the new plan, and the model spec a factory needs
+    script_args = ["--plan", str(plan_file), "--resume-from", args.checkpoint]
+    script_args += ["--model", args.model] if isinstance(args.model, str) else []
+    relaunch = launch_commands(plan, args.script, script_args=script_args)
     print_plan(plan, console, launch="the relaunch line(s) below, which resume from the checkpoint")
     if args.json:
         plan.to_json(args.json)
     print("\n".join(relaunch))
+    if not args.json:
+        print(f"# the lines read {plan_file}: rerun with --json {plan_file} to write it")
     return 0
 
 

@@ -237,6 +237,11 @@ class Checkpointer:
     def _commit_at_exit(self) -> None:
         if self._pending is None:
             return
+        if self._group is not None and not dist.is_initialized():  # its commit agrees over a group that is gone
+            self._pending = None
+            log.error("a checkpoint save was still in flight when the program ended, after its process group was "
+                      "destroyed: it stays partial (never loaded); call pm.close() before destroy_process_group()")
+            return
         log.warning("a checkpoint save was still in flight when the program ended: committing it now (call "
                     "pm.close() or pm.wait_for_checkpoint() when training ends)")
         try:
@@ -422,15 +427,28 @@ def _then(future: Future, action, *, cleanup, finally_) -> Future:
             future.result()
             action()
         except BaseException as error:  # surfaced by PendingSave.wait
-            cleanup()
-            finally_()
+            _quietly(cleanup, error)
+            _quietly(finally_, error)
             done.set_exception(error)
             return
-        finally_()
+        try:
+            finally_()
+        except BaseException as error:  # noqa: BLE001 -- the waiter must be answered either way
+            done.set_exception(error)
+            return
         done.set_result(None)
 
     threading.Thread(target=run, name="tessera-checkpoint-commit", daemon=True).start()
     return done
+
+
+def _quietly(step, error: BaseException) -> None:
+    """Run ``step`` after ``error``; a failure of its own is noted on ``error``, so the waiter still gets an answer
+    (a process group destroyed under an async save made the cleanup raise, and the program hung at exit)."""
+    try:
+        step()
+    except BaseException as more:  # noqa: BLE001
+        error.add_note(f"then, cleaning up: {type(more).__name__}: {more}")
 
 
 # ------------------------------------------------------------------------------------------------ export

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from tessera.runtime.checkpoint_files import has_checkpoint
+from tessera.runtime.checkpoint_files import PARTIAL_SUFFIX, has_checkpoint
 from tessera.runtime.saved_plans import check_same_model
 from tessera.topology import Cluster, load_cluster
 from tessera.topology.presets import preset_names, preset_size_key
@@ -106,7 +106,12 @@ def _resume_from_disk(pm: ParallelModel, root: str | Path, *, verify: bool) -> C
     if dist.is_initialized():
         dist.broadcast_object_list(exists, src=0)
     if not exists[0]:
-        log.info("no checkpoint in %s yet: training from scratch", root)
+        partial = sorted(p.name for p in Path(root).glob(f".*{PARTIAL_SUFFIX}")) if Path(root).is_dir() else []
+        if partial:  # a save was interrupted: say so, the run is not where the user may think it is
+            log.warning("no complete checkpoint in %s (only %s, interrupted while being written): training from "
+                        "scratch", root, ", ".join(partial))
+        else:
+            log.info("no checkpoint in %s yet: training from scratch", root)
         return None
     check_same_model(pm.plan, root)
     info = pm.load(root, verify=verify)

@@ -345,6 +345,7 @@ def test_cli_resume_prints_the_new_plan_and_relaunch_line_and_export_writes_one_
     printed = capsys.readouterr().out
     assert "re-planned for cpu:ranks=2" in printed and "--nproc-per-node=2" in printed
     assert f"--resume-from {root / 'zero3'}" in printed and (tmp_path / "p.json").exists()
+    assert f"--plan {tmp_path / 'p.json'}" in printed  # train_from_plan.py requires it: the line ran nothing without
     assert main(["export", str(root / "tp"), str(tmp_path / "tp.pt")]) == 0
     assert set(torch.load(tmp_path / "tp.pt", weights_only=True)) == set(make_model(GPT, device="meta").state_dict())
     assert main(["export", str(tmp_path / "missing"), str(tmp_path / "x.pt")]) == 2

@@ -450,3 +450,22 @@ def test_a_full_disk_raises_checkpoint_error_and_removes_the_partial(pm, small_d
     assert shutil.disk_usage(small_disk).free == free
     assert check_checkpoint(first, verify=True, group=None) is None and pm.load(root).step == 1
     assert read_manifest(first).step == 1 and os.access(root, os.W_OK)
+
+
+def test_a_failing_cleanup_after_a_failed_async_commit_still_answers_the_waiter():
+    # A process group destroyed under an async save made the commit fail and its cleanup raise too: the future was
+    # never completed, and the program hung at exit in the hook that waits for it.
+    from concurrent.futures import Future
+
+    from tessera.runtime.checkpoint import _then
+
+    written: Future = Future()
+    written.set_result(None)
+
+    def fail() -> None:
+        raise ValueError("Default process group has not been initialized")
+
+    done = _then(written, fail, cleanup=fail, finally_=lambda: None)
+    with pytest.raises(ValueError, match="not been initialized") as caught:
+        done.result(timeout=10)
+    assert any("then, cleaning up: ValueError" in note for note in caught.value.__notes__)
