@@ -15,7 +15,7 @@ from rich.table import Table
 
 from tessera.cost_models import Estimate, Strategy
 from tessera.cost_models.error_bands import ErrorBand
-from tessera.cost_models.units import format_in, seconds_unit
+from tessera.cost_models.units import format_in, format_seconds, seconds_unit
 from tessera.topology.validation import printable
 from tessera.planner.compare import BaselineComparison, Comparison, why_it_lost
 from tessera.planner.plan_facts import (
@@ -63,7 +63,7 @@ def _headline(plan: Plan, *, launch: str | None = None) -> Table:
     rows = [
         ("model", f"{literal(plan.model_name)}: {format_count(plan.param_count)} parameters, "
                   f"{len(plan.layers)} layers"),
-        ("cluster", f"{literal(plan.cluster)}: {e.memory_budget_bytes / GiB:.0f} GiB {literal(plan.device_name)} "
+        ("cluster", f"{literal(plan.cluster)}: {e.memory_budget_bytes / GiB:.4g} GiB {literal(plan.device_name)} "
                     "per device"),
         ("training", f"global batch {plan.training.global_batch}"
                      + (f" x {plan.training.seq_len} tokens" if plan.token_inputs else " samples (example_inputs)")
@@ -77,6 +77,8 @@ def _headline(plan: Plan, *, launch: str | None = None) -> Table:
                        f"({_tflops(e.model_tflops_per_device)} model TFLOP/s per device)"),
         ("memory", f"{e.peak_memory_bytes / GiB:.1f} / {e.memory_budget_bytes / GiB:.1f} GiB per device"),
         *((f"no {axis}", literal(reason)) for axis, reason in plan.unavailable_axes.items()),
+        *(("", literal(f"{c.verdict} ({c.strategy.to_string()}, {format_seconds(c.estimate.step_time_s)} per step)"))
+          for c in plan.unavailable_gains),
         ("search", _search_line(plan)),
         ("launch", literal(plan.not_on_the_runtime() or launch
                            or launch_command(nodes=layout.hosts, devices_per_node=layout.per_host))),

@@ -207,6 +207,13 @@ def test_what_an_unavailable_axis_would_gain_is_predicted_when_it_would_change_t
     gains = unavailable_gains(graph(MIXTRAL, LOCAL), load_cluster(CLUSTER), TRAINING, pins={"dp": 8, "pp": 1}, best=slow)
     assert gains and all(g.verdict.split()[0] in graph(MIXTRAL, LOCAL).unavailable_axes and "would gain" in g.verdict
                          for g in gains)
+    from rich.console import Console  # the terminal table says it too (it had only in JSON and the md report)
+
+    from tessera.report import print_plan
+
+    console = Console(record=True, width=300)
+    print_plan(tiny.model_copy(update={"unavailable_gains": gains}), console)
+    assert gains[0].verdict in console.export_text()
 
 
 def test_a_model_holding_batch_norm_has_only_data_parallelism():
