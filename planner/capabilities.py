@@ -43,8 +43,9 @@ from collections.abc import Callable, Mapping, Sequence
 from torch import nn
 
 from tessera.cost_models.tp_rules import (
-    STYLES, block_problem, declared_tp_plan, is_norm, tie_problem, uncovered_parameter,
+    STYLES, block_problem, declared_tp_plan, is_norm, uncovered_parameter,
 )
+from tessera.cost_models.tp_embeddings import tie_problem
 from tessera.cost_models.cp_rules import context_parallel_problem
 from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.types import runtime_splits

@@ -65,7 +65,6 @@ from tessera.cost_models.tp_rules import (
     check_plan_matches,
     declared_tp_plan,
     derive_pairs,
-    embedding_kept_whole,
     head_dim_of,
     is_norm,
     kv_groups,
@@ -78,10 +77,10 @@ from tessera.cost_models.tp_rules import (
     head_norm_problem,
     head_norms,
     head_split_attentions,
-    tied_parameters,
     uncovered_parameter,
 )
 from tessera.cost_models.layer_stats import LinearPair
+from tessera.cost_models.tp_embeddings import embedding_kept_whole, tied_parameters
 from tessera.errors import NotModelledError
 from tessera.models.moe import MoELayer
 from tessera.runtime.hf_experts import ShardedExperts, check_experts_tensor_parallel

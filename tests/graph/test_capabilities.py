@@ -376,7 +376,7 @@ def test_an_embedding_is_split_over_the_vocabulary_only_where_it_looks_up_the_id
     pytest.importorskip("transformers")
     from transformers.models.bart.modeling_bart import BartLearnedPositionalEmbedding, BartScaledWordEmbedding
 
-    from tessera.cost_models.tp_rules import embedding_kept_whole
+    from tessera.cost_models.tp_embeddings import embedding_kept_whole
 
     assert embedding_kept_whole(BartLearnedPositionalEmbedding(16, 8), None)
     assert not embedding_kept_whole(BartScaledWordEmbedding(16, 8, padding_idx=0, embed_scale=2.0), None)
