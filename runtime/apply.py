@@ -45,6 +45,7 @@ from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.plan import Plan, PlannedLayer
 from tessera.runtime import pipeline as pp_
 from tessera.runtime import pipeline_ties as ties_
+from tessera.runtime.tied_state import tied_names
 from tessera.runtime.compile import compile_blocks as compile_block_forwards
 from tessera.runtime.data_parallel import (
     apply_data_parallel,
@@ -134,6 +135,7 @@ def apply_plan(
     classes = output_classes(model) if loss_fn is None else None  # before the head is split or freed
     on_meta = is_on_meta(model)
     ties = _cross_stage_ties(model, plan, on_meta=on_meta)
+    aliases = tied_names(model)  # before splitting unties them
     traced = pp_.trace_plan(model, plan) if plan.strategy.pp > 1 else None  # before any process group
     mesh = None if _runs_without_process_group(plan) else build_mesh(plan.strategy)
     device = _target_device(model, on_meta=on_meta)
@@ -165,7 +167,7 @@ def apply_plan(
     return ParallelModel(plan, modules, optimizer=optimizer, loss_fn=loss, mesh=mesh, device=device,
                          schedule=schedule, chunks=chunks, offloads=offloads, token_weights=weights,
                          check_targets=target_check(loss_fn, classes),
-                         lr_scheduler=build_scheduler(lr_scheduler_factory, optimizer))
+                         lr_scheduler=build_scheduler(lr_scheduler_factory, optimizer), tied_names=aliases)
 
 
 _APPLIED: weakref.WeakSet[nn.Module] = weakref.WeakSet()

@@ -82,6 +82,7 @@ from tessera.runtime.checkpoint_reader import check_plain, load_metadata, load_p
 from tessera.runtime.file_records import HASH_BLOCK_BYTES, FileRecord
 from tessera.runtime.lr_schedule import restore_scheduler, scheduler_state
 from tessera.runtime.rank_agreement import all_gather, broadcast, describe_failure, rank, together, world
+from tessera.runtime.tied_state import read_from_partners, restore_names
 from tessera.runtime.tp_styles import unstrided
 
 __all__ = [  # the save/load flow, and the on-disk names of ``checkpoint_files`` so one import serves callers
@@ -126,6 +127,7 @@ class TrainingState(Protocol):
     lr_scheduler: LRScheduler | None
     plan: Plan
     step: int
+    tied_names: Sequence[tuple[str, ...]]
 
 
 class PendingSave:
@@ -212,7 +214,9 @@ class Checkpointer:
         saved = load_metadata(folder).state_dict_metadata
         _check_no_saved_weights_left_out(saved, set(tensors["model"]), folder, group)
         writable = _saved_settings_only(_writable(tensors), saved)
+        renamed = read_from_partners(writable, saved, state.tied_names)  # a tied copy saved under one name only
         read_state(writable, folder, group)
+        restore_names(writable, renamed)
         _copy_back(writable, tensors)
         set_state_dict(module, state.optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optim"],
                        options=STATE_OPTIONS)

@@ -59,7 +59,7 @@ class ParallelModel:
         mesh: DeviceMesh | None, device: torch.device, schedule: _PipelineSchedule | None = None,
         chunks: Sequence[int] = (0,), offloads: Mapping[str, OffloadStats] | None = None,
         lr_scheduler: LRScheduler | None = None, check_targets: Callable[[torch.Tensor], None] | None = None,
-        token_weights: Any = None,
+        token_weights: Any = None, tied_names: Sequence[tuple[str, ...]] = (),
     ) -> None:
         self.plan = plan
         """The plan this model was built from."""
@@ -70,6 +70,9 @@ class ParallelModel:
         # their scales first (runtime.float8.refresh_float8_scales)
         self._gathers_fp8 = plan.gathers_fp8()
         self._balanced = loss_free_balanced(self.modules)  # torchtitan's MoE: its trainer moves the routing bias
+        self.tied_names = tuple(tied_names)
+        """Every name of each parameter the user's model holds under several (``runtime.tied_state``): a load
+        fills a pipeline stage's copy of a tied weight from its partner's state when the checkpoint lacks its own."""
         self.optimizer = optimizer
         """Optimizer over this rank's (possibly sharded) parameters."""
         self.lr_scheduler = lr_scheduler

@@ -57,6 +57,7 @@ from tessera.runtime.snapshot_format import (
 from tessera.runtime.snapshot_store import (
     RECOVERY_FOLDER, RECOVERY_PREFIX, committed_snapshots, discard_newer, free_bytes, held_files,
 )
+from tessera.runtime.tied_state import read_from_partners, restore_names
 
 if TYPE_CHECKING:
     from tessera.runtime.parallel_model import ParallelModel
@@ -98,7 +99,9 @@ def recover_from_snapshots(
     # this rank's state under the new plan, once: what it needs and what the load fills (the optimizer's state is
     # initialised by it, then overwritten)
     tensors = together(lambda: training_tensors(pm), group, what="listing this rank's shards")
-    needed = _needed_files(tensors, snapshots, manifest, holders)
+    chunks = _saved_chunks(snapshots, manifest, holders)
+    renamed = read_from_partners(tensors, {key for boxes in chunks.values() for key, _ in boxes}, pm.tied_names)
+    needed = _needed_files(tensors, snapshots, manifest, chunks)
     short = _room_problems(snapshots, manifest, text, stores, needed)
     if short:
         if rank == 0:
@@ -108,7 +111,7 @@ def recover_from_snapshots(
         return None, [*passed_over, short[0]]
     folder = _assemble(snapshots, manifest, text, holders, stores, needed)
 
-    info = together(lambda: _load(pm, folder, manifest, group, needed[rank], tensors), group,
+    info = together(lambda: _load(pm, folder, manifest, group, needed[rank], tensors, renamed), group,
                     what=f"loading snapshot {folder}")
     barrier(group)  # every rank of the node has read the folder before its leader removes it
     together(lambda: _after_load(snapshots.store, manifest.step) if layout.is_leader(rank) else None, group,
@@ -120,12 +123,14 @@ def recover_from_snapshots(
 
 
 def _load(pm: ParallelModel, folder: Path, manifest: Manifest, group: dist.ProcessGroup | None,
-          needed: set[str], tensors: dict) -> CheckpointInfo:
+          needed: set[str], tensors: dict, renamed: dict) -> CheckpointInfo:
     """Restore ``pm`` from the files it ``needed`` of the assembled snapshot ``folder`` (each already checked against
-    the manifest; ``load_shards`` checks that they cover every tensor)."""
+    the manifest; ``load_shards`` checks that they cover every tensor); ``renamed``: the tied copies ``tensors``
+    lists under their partner's name (``runtime.tied_state``)."""
     check_same_model(pm.plan, folder, saved=Plan.from_json(folder / PLAN_FILE))
     shards = {name: Shard(folder / name) for name in sorted(needed) if name.endswith(SHARD_SUFFIX)}
     load_shards(tensors, list(shards.values()))
+    restore_names(tensors, renamed)
     set_state_dict(state_module(pm.modules), pm.optimizer, model_state_dict=tensors["model"],
                    optim_state_dict=tensors["optim"], options=STATE_OPTIONS)
     own = shards[_state_source(manifest, group)]
@@ -144,11 +149,9 @@ def _state_source(manifest: Manifest, group: dist.ProcessGroup | None) -> str:
     return shard_file(dist.get_rank(group) if same_world and group is not None else 0)
 
 
-def _needed_files(tensors: dict, snapshots: Snapshotter, manifest: Manifest,
-                  holders: dict[str, int]) -> dict[int, set[str]]:
-    """Per rank, the files of the snapshot it reads: the file of its RNG and scheduler states, then for every saved
-    chunk that overlaps one of its shards under the new plan one file holding it (from every file's header, read by
-    the first leader holding it and shared), and rank 0's plan and data position."""
+def _saved_chunks(snapshots: Snapshotter, manifest: Manifest, holders: dict[str, int]) -> dict[str, list]:
+    """Per shard file of the snapshot, its state chunks by key and box (every file's header, read by the first
+    leader holding it and shared)."""
     group, rank = snapshots.group, snapshots.rank
     folder = step_folder(snapshots.store, manifest.step)
 
@@ -157,7 +160,16 @@ def _needed_files(tensors: dict, snapshots: Snapshotter, manifest: Manifest,
                 if holder == rank and name.endswith(SHARD_SUFFIX)}
 
     headers = together(read_headers, group, what=f"reading snapshot {folder}")
-    chunks = {name: boxes for part in all_gather(headers, group) for name, boxes in part.items()}
+    return {name: boxes for part in all_gather(headers, group) for name, boxes in part.items()}
+
+
+def _needed_files(tensors: dict, snapshots: Snapshotter, manifest: Manifest,
+                  chunks: dict[str, list]) -> dict[int, set[str]]:
+    """Per rank, the files of the snapshot it reads: the file of its RNG and scheduler states, then for every saved
+    chunk (``chunks``: per file) that overlaps one of its shards under the new plan one file holding it, and rank
+    0's plan and data position."""
+    group = snapshots.group
+    folder = step_folder(snapshots.store, manifest.step)
 
     def choose() -> set[str]:
         mine = files_to_read(held_boxes(tensors), chunks, first=_state_source(manifest, group))

@@ -34,6 +34,7 @@ class State:
         self.lr_scheduler = None
         self.plan = Plan.from_json(plan_json)
         self.step = 0
+        self.tied_names = ()
 
 
 def save_in_lockstep(root: str, plan_json: str, job: int, barrier, results) -> None:

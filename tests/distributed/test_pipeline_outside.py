@@ -9,7 +9,8 @@ Every case must match single-process training (``harness`` tolerances; losses pe
 and the copies of a tied weight must be identical. By default: pp=2 under 1F1B and interleaved (2 chunks per
 rank) on 2 ranks, tied dp=2 x pp=2 (DDP, FSDP) on 4; ``-m slow`` adds every family under both schedules,
 DP x PP and TP x PP on 4 ranks. Every case of one world size runs in one spawn. A tied pipeline's checkpoint
-resumes exactly under the same plan and in one process. Single-process checks of the chunk construction and
+resumes exactly under the same plan and in one process, and one saved without pipelining resumes under pp (disk and
+snapshot). Single-process checks of the chunk construction and
 of the refusals need no process group.
 """
 
@@ -20,9 +21,11 @@ import copy
 import functools
 import inspect
 import math
+import os
 import shutil
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +37,8 @@ from tessera.cost_models.types import Strategy
 from tessera.errors import ConfigError, NotModelledError
 from tessera.runtime import pipeline, pipeline_ties
 from tessera.runtime.apply import apply_plan
+from tessera.runtime.elastic import resume_if_possible
+from tessera.runtime.snapshots import SnapshotConfig
 
 from .harness import FP32_TOL, LR, PARAM_TOL, SEED, full_tensors, make_plan
 from .pipeline_models import LAYERS, make_outside, outside_batches, outside_plan, outside_reference, requirement
@@ -235,6 +240,33 @@ def checkpoint_case(folder: str) -> dict:
             "restored": full_tensors(restored.named_parameters())}
 
 
+CROSSING_SAVE = ("tied", "dp=2,zero=0,mbs=4")  # the tied weight held once: its state saved under emb.weight only
+
+
+def crossing_case(folder: str) -> dict:
+    """A tied model saved without pipelining (to disk, and as a snapshot) resumes under pp: the last stage's copy
+    (``head.weight``) takes the state saved under the weight's first name."""
+    saved, data = build(*CROSSING_SAVE), batches()
+    saved.enable_snapshots(SnapshotConfig(every=1000, store=Path(folder) / "store"))
+    for batch in data[:2]:
+        saved.train_step(batch)
+    saved.save(Path(folder) / "disk").wait()
+    saved.snapshots.snapshot(saved).wait()
+    dist.barrier()  # committed on every rank
+    if saved.snapshots._lock is not None:  # the node leader's: as if this run were gone, a restart reads its store
+        os.close(saved.snapshots._lock)
+    after = [saved.train_step(batch) for batch in data[2:]]
+    resumed = {}
+    for source in ("disk", "snapshot"):
+        restored = build(*CHECKPOINT_CASE)
+        if source == "snapshot":
+            restored.enable_snapshots(SnapshotConfig(every=1000, store=Path(folder) / "store"))
+        info = resume_if_possible(restored, Path(folder) / "disk")
+        resumed[source] = {"path": info.path, "losses": [restored.train_step(batch) for batch in data[2:]]}
+        restored.close()
+    return {"after": after, "resumed": resumed}
+
+
 def careless_case() -> dict[str, str]:
     """What ``train_step`` under pp says, on every rank before any step, of batches differing between ranks, of rows
     of another length than the plan's (gloo aborted the process on the mismatched receive), of a dict batch, and
@@ -270,12 +302,14 @@ def run_world(cases: list[tuple[str, str]], folder: str | None) -> dict:
             results[case] = {"refused": str(error)}
     if folder is not None:
         results["checkpoint"] = checkpoint_case(folder)
+        results["crossing"] = crossing_case(f"{folder}-crossing")
         results["careless"] = careless_case()
     return results
 
 
 CHECKPOINT_FOLDER = tempfile.mkdtemp(prefix="tessera-pp-tied-")  # the 2-rank spawn saves here; read in-process too
 atexit.register(shutil.rmtree, CHECKPOINT_FOLDER, ignore_errors=True)
+atexit.register(shutil.rmtree, f"{CHECKPOINT_FOLDER}-crossing", ignore_errors=True)  # crossing_case's
 
 
 @functools.cache
@@ -341,6 +375,13 @@ def test_tied_pipeline_checkpoint_resumes_exactly():
         assert result["resumed"] == result["after"]
         torch.testing.assert_close(result["restored"], result["params"], rtol=0, atol=0)
     assert torch.equal(per_rank[0]["params"]["emb.weight"], per_rank[1]["params"]["head.weight"])
+
+
+def test_a_tied_model_saved_without_pipelining_resumes_under_pp_from_disk_and_snapshots():
+    for result in case_results(2, False, "crossing"):
+        assert "snapshot" in result["resumed"]["snapshot"]["path"]
+        for source in ("disk", "snapshot"):
+            torch.testing.assert_close(result["resumed"][source]["losses"], result["after"], **FP32_TOL)
 
 
 def test_careless_batches_and_a_second_plan_are_refused_alike_on_every_rank():
