@@ -79,6 +79,17 @@ def stage_memory(
     The stage's ``index`` matters only through ``in_flight_micro_batches`` (``estimate`` relies on it).
     """
     reserve = CPU_RESERVE_BYTES if on_cpu else GPU_RESERVE_BYTES
+    marks = memory_marks(stage, training, strategy, micro_batches=micro_batches, on_cpu=on_cpu, profile=profile)
+    peak = max(marks, key=lambda mark: sum(mark.values()))
+    return {**{name: max(0, int(value)) for name, value in peak.items()}, "reserve": reserve}
+
+
+def memory_marks(
+    stage: StageTotals, training: TrainingConfig, strategy: Strategy, *, micro_batches: int, on_cpu: bool,
+    profile: ImplementationProfile = TESSERA,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """:func:`stage_memory`'s two high-water marks by category (the backward's start, the step's end), reserve
+    aside."""
     stage = norms_as_run(as_run(stage, training, strategy, profile), profile, on_cpu=on_cpu)
     stage = as_selective_memory(stage, profile.selective_policy, tp=strategy.tp,
                                 sp=strategy.sp and not strategy.sp_regather)
@@ -101,8 +112,7 @@ def stage_memory(
         marks = tuple(with_optimizer_state_bytes(mark, stage, strategy, profile) for mark in marks)
     if copies:  # the compute-dtype weight copies live until the backward is done
         marks = (dict(marks[0], parameters=marks[0]["parameters"] + copies), marks[1])
-    peak = max(marks, key=lambda mark: sum(mark.values()))
-    return {**{name: max(0, int(value)) for name, value in peak.items()}, "reserve": reserve}
+    return marks
 
 
 def with_optimizer_state_bytes(mark: dict, stage: StageTotals, strategy: Strategy,

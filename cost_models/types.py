@@ -374,7 +374,9 @@ class Estimate(BaseModel):
     model_flops_per_step: float
     """Model FLOPs (forward + backward, no recomputation) of one step over the whole cluster."""
     mfu: float
-    """Model FLOPs utilisation: model FLOP/s achieved divided by the cluster's peak."""
+    """Model FLOPs utilisation: model FLOP/s achieved divided by the cluster's peak. Model FLOPs count attention's
+    whole ``s x s`` score and value products, as PaLM (appendix B), Megatron-LM and torchtitan count them for their
+    published MFU, though a causal kernel performs about half of them (``compute.CAUSAL_WORK`` prices that)."""
     num_devices: int = 1
     """Devices the step runs on."""
     hardware_flops_per_step: float = 0.0

@@ -98,6 +98,19 @@ def test_per_layer_table_covers_every_layer_with_its_costs(plan, report):
     assert {row[3] for row in rows if row[1] in ("block", "attention")} == {tp}
 
 
+def test_per_layer_memory_is_what_each_layer_holds_when_its_stage_peaks():
+    from tessera.models import build_model
+
+    spec = "llama-tiny:layers=4"
+    plan = tessera.plan(spec, "dgx-h100:nodes=1", global_batch=16, seq_len=256,
+                        strategy="dp=8,mbs=1,recompute=full")  # peaks in the backward: every block's input kept
+    block_state = 16 * sum(p.numel() for p in build_model(spec).blocks[0].parameters())  # fp32 weight, grad, 2 moments
+    stage = plan.estimate.stage_memory_by_category_bytes[0]
+    assert all(layer.memory_bytes > block_state for layer in plan.layers if layer.kind == "block")
+    assert sum(layer.memory_bytes for layer in plan.layers) <= sum(
+        stage[category] for category in ("parameters", "gradients", "optimizer", "activations"))
+
+
 def test_html_numbers_equal_the_plans(plan, report):
     e = plan.estimate
     prediction = rows_of(report, "Prediction")
