@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,14 +70,18 @@ def plan(
     batch, several tensors): a tensor, a tuple of positional inputs, a dict of keyword inputs, or a function of
     ``seq_len`` returning them (``planner.capture.capture``); a spec's factory returns ``(model, example_inputs)``.
     """
+    started = time.perf_counter()
     graph, resolved, training = _prepare(model, cluster, global_batch=global_batch, seq_len=seq_len, precision=precision,
                                          expert_capacity_factor=expert_capacity_factor, fp8_scaling=fp8_scaling,
                                          tp_plan=tp_plan, example_inputs=example_inputs)
+    captured_s = time.perf_counter() - started
     if training.precision == "fp8":
         _check_fp8_runs(model, graph, training)
     from tessera.planner.search import search
 
-    return search(graph, resolved, training, pins=_pins(strategy), top=top, progress=progress, block_options=block_options)
+    chosen = search(graph, resolved, training, pins=_pins(strategy), top=top, progress=progress,
+                    block_options=block_options)
+    return chosen.model_copy(update={"capture_time_s": captured_s})
 
 
 def evaluate(

@@ -91,6 +91,8 @@ def _headline(plan: Plan, *, launch: str | None = None) -> Table:
 def _search_line(plan: Plan) -> str:
     line = (f"{plan.candidates_evaluated:,} {'strategy' if plan.candidates_evaluated == 1 else 'strategies'} "
             f"estimated in {plan.search_time_s:.2f} s")
+    if plan.capture_time_s:
+        line = f"model captured in {plan.capture_time_s:.2f} s; {line}"
     solver = getattr(plan, "solver", None)
     if getattr(solver, "ilp_solved", 0):
         line += (f"; {solver.ilp_solved} integer programs in {solver.ilp_time_s:.2f} s (worst gap {solver.worst_gap:.1%}), "

@@ -34,7 +34,7 @@ CASES = [
     ("llama3-70b pinned tp=8,pp=4", "llama3-70b", "dgx-h100:nodes=16", 256, 8192, "tp=8,pp=4"),
     ("deepseek-v3:layers=8/16 nodes", "deepseek-v3:layers=8", "dgx-h100:nodes=16", 1024, 4096, None),
 ]
-TIMINGS = {"search_time_s": True, "solver": {"ilp_time_s"}}
+TIMINGS = {"search_time_s": True, "capture_time_s": True, "solver": {"ilp_time_s"}}
 """Plan fields that are wall-clock measurements, not decisions: left out of the comparison."""
 
 

@@ -66,6 +66,8 @@ def report_sections(plan: Plan, *, plan_path: str = "plan.json") -> list[Section
 def solver_statistics(plan: Plan) -> list[tuple[str, str]]:
     """The search's statistics as (label, value) rows, the integer program's included when the plan has them."""
     rows = [("candidates evaluated", f"{plan.candidates_evaluated:,}"), ("search time", seconds(plan.search_time_s))]
+    if plan.capture_time_s:
+        rows.insert(0, ("model capture time", seconds(plan.capture_time_s)))
     solver = getattr(plan, "solver", None)
     for name, field in (type(solver).model_fields.items() if solver is not None else ()):
         value = getattr(solver, name)

@@ -127,6 +127,8 @@ class Plan(BaseModel):
     """Strategies the search estimated."""
     search_time_s: float = 0.0
     """Wall time the search took (capture excluded)."""
+    capture_time_s: float = 0.0
+    """Wall time building and capturing the model took before the search (``tessera.plan``; 0 when not measured)."""
     solver: SolverStats = SolverStats()
     """Integer-program statistics."""
     uniform: Candidate | None = None

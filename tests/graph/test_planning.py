@@ -51,7 +51,7 @@ def test_chosen_plan_is_the_fastest_fitting_candidate():
     for candidate in plan.alternatives:
         assert (not candidate.estimate.fits) or candidate.estimate.step_time_s >= plan.estimate.step_time_s
         assert candidate.verdict
-    timing = {"search_time_s": True, "solver": {"ilp_time_s"}}  # wall-clock fields differ run to run
+    timing = {"search_time_s": True, "capture_time_s": True, "solver": {"ilp_time_s"}}  # wall-clock fields differ run to run
     again = tessera.plan("llama3-8b", "dgx-h100:nodes=2", global_batch=64, seq_len=4096)
     assert plan.model_dump(exclude=timing) == again.model_dump(exclude=timing), "the search must be deterministic"
 
