@@ -127,6 +127,7 @@ def test_html_numbers_equal_the_plans(plan, report):
         assert memory[category] == [gib(stage[category]) for stage in e.stage_memory_by_category_bytes]
     search = rows_of(report, "Search")
     assert search["candidates evaluated"] == [f"{plan.candidates_evaluated:,}"]
+    assert plan.capture_time_s > 0 and search["model capture time"] == [seconds(plan.capture_time_s)]
 
 
 def test_step_time_breakdown_sums_to_the_step_time(plan, report):
