@@ -89,6 +89,10 @@ class ImplementationProfile:
     planner's space for a run of it leaves those out. Tessera's runtime's by default; none for the other
     frameworks, whose runs Tessera evaluates as given (torchtitan's 4D runs combine context parallelism with
     pipelining and sequence parallelism, which Tessera's runtime does not)."""
+    model_limits: bool = True
+    """Whether what Tessera's runtime cannot apply to one model (``LayerGraph.unavailable_axes``: the layers its ep
+    splits, the combinations it runs on stacked experts...) bounds the strategies priced for this framework. True for
+    Tessera's runtime only: another framework runs its own code, evaluated as given (as ``refused_together``)."""
     fused_rms_norm: bool = False
     """``torch.rms_norm`` (``nn.RMSNorm``) runs on GPUs as CUDA's fused kernel, which keeps its input alone for the
     backward (``stage_views.with_fused_norms``): PyTorch's since its fused RMSNorm (2.8; under autocast since the fix of

@@ -133,8 +133,8 @@ input on its own, on the fly from the bf16/fp32 weight, bf16 inputs saved; ZeRO-
 otherwise); its eager casts allocate 9 bytes per element cast (``tests/distributed/test_float8.py`` measures it with
 ``benchmarks/memory_meter.AllocatorMeter``)."""
 TORCHTITAN = ImplementationProfile(name="torchtitan", tp_overlap_backward=False, autocast_copies=True,
-                                   selective_policy="op", refused_together=(), cp_rotation="allgather",
-                                   fp8_casts_per_linear=True)
+                                   selective_policy="op", refused_together=(), model_limits=False,
+                                   cp_rotation="allgather", fp8_casts_per_linear=True)
 """torchtitan: FSDP2, torchao float8 (``enable_fsdp_float8_all_gather`` off by default; eager, each linear casting
 its input), async TP on the
 forward only, op-level selective recomputation. Context parallelism through PyTorch's ring attention at its default
@@ -179,7 +179,7 @@ Its published FP8 rows ran compiled (the 2024 tables' "torch.compile + Float8", 
 it, and the H200 runs' ``--training.compile``): one cast per distinct input."""
 PYTORCH_FSDP_TE = ImplementationProfile(name="fsdp-te", fp8_saves_inputs=True, weight_fp8_bytes=2.0,
                                         backward_prefetch="post", attention_kernels=("fa-triton",),
-                                        cross_entropy="flash-attn", refused_together=())
+                                        cross_entropy="flash-attn", refused_together=(), model_limits=False)
 """PyTorch FSDP1 under MosaicML Composer (llm-foundry): ``BACKWARD_POST`` prefetch, Transformer Engine linears
 under ``amp_fp8``, the Triton FlashAttention (``attn_impl: triton``), and flash-attn's fused cross-entropy
 (``llmfoundry/models/mpt/modeling_mpt.py`` at 061f2c7ce64e: ``loss_fn`` defaults to ``fused_crossentropy``,
@@ -190,6 +190,7 @@ whose backward returns a new logits-sized gradient, ``inplace_backward`` off by 
 MEGATRON = ImplementationProfile(name="megatron", fp8_saves_inputs=True, weight_fp8_bytes=2.0, zero_stages=(0, 1),
                                  attention_kernels=("cudnn", "fa2"), cross_entropy="megatron", fused_rms_norm=True,
                                  fused_declared_norms=True, fused_gated_activation=True, cp_ring_slowdown=False, refused_together=(),
+                                 model_limits=False,
                                  offload_copies_overlap=True, offload_buffered=False, fused_optimizer=True,
                                  contiguous_grad_buffer=True)
 """Megatron-Core / NeMo: Transformer Engine for FP8, attention (cuDNN on Hopper, FA2 before) and RMSNorm (fused);
@@ -226,7 +227,7 @@ DEEPSPEED_2021_GATHERING = ParameterGathering(live_params=1e9, prefetch_params=5
 1e9, ``stage3_prefetch_bucket_size`` 5e7, ``reduce_bucket_size`` 5e8); SC'21 states no ZeRO configuration."""
 DEEPSPEED = ImplementationProfile(name="deepspeed", zero3_comm_slowdown=DEEPSPEED_ZERO3_SLOWDOWN, attention_kernels=(),
                                   cross_entropy="megatron", zero3_by_parameter=DEEPSPEED_2021_GATHERING,
-                                  refused_together=())
+                                  refused_together=(), model_limits=False)
 """DeepSpeed ZeRO-3 as SC'21 measured it (Megatron-LM's model code: unfused attention), gathering parameter by
 parameter within its default limits."""
 

@@ -57,7 +57,8 @@ def rank_candidates(
     contenders: set[Strategy] | None = None,
 ) -> list[tuple[Strategy, Estimate]]:
     """Every strategy under ``pins`` with its estimate, fastest first (ties: leaner, then by name), as the framework
-    ``profile`` runs it (``cost_models.profiles``; Tessera's runtime by default; ``priced`` must be for it too).
+    ``profile`` runs it (``cost_models.profiles``; Tessera's runtime by default; ``priced`` must be for it too),
+    within that framework's limits only (:func:`model_limits`).
 
     Never estimated, because they cannot fit: a mesh shape and ZeRO stage whose model state alone overflows
     the device, and micro-batches larger than one at which no recomputation policy fit (activations only
@@ -77,7 +78,8 @@ def rank_candidates(
     if keep < 1:
         raise ValueError(f"keep must be 1 or more (the fastest fitting candidates kept exact), got {keep}")
     pins = dict(pins or {})
-    check_pins(pins, cluster, unavailable=graph.unavailable_axes, exclusive=profile.refused_together)
+    unavailable = model_limits(graph, profile)
+    check_pins(pins, cluster, unavailable=unavailable, exclusive=profile.refused_together)
     layers = list(graph.layers)
     check_expert_pins(pins, {layer.experts for layer in layers if layer.experts})
     check_context_pins(pins, training)
@@ -88,7 +90,7 @@ def rank_candidates(
     cheapest_fit: dict[tuple, int] = {}  # outer choices -> cost rank of the cheapest recomputation that fits
     scored, overflowing = [], []
     priced = Priced() if priced is None else priced
-    space = strategies(layers, cluster, training, pins, unavailable=graph.unavailable_axes, exclusive=profile.refused_together)
+    space = strategies(layers, cluster, training, pins, unavailable=unavailable, exclusive=profile.refused_together)
     candidates = _by_lower_bound(layers, cluster, training, list(space), known=priced.bounds, profile=profile)
     incumbent = float("inf")  # the keep-th fastest fitting step so far
     fastest: list[float] = []  # the keep fastest fitting steps so far, negated (a max-heap)
@@ -290,6 +292,12 @@ def uniform_candidate(uniform: tuple[Strategy, Estimate], best: Estimate) -> Can
         return None
     gain = est.step_time_s / best.step_time_s - 1
     return Candidate(strategy=strategy, estimate=est, verdict=f"the per-layer plan is {gain:.1%} faster")
+
+
+def model_limits(graph: LayerGraph, profile: ImplementationProfile) -> Mapping[str, str]:
+    """What ``profile``'s framework cannot apply to this model: Tessera's runtime's limits (``graph.unavailable_axes``)
+    for Tessera's runtime; none for another framework, which runs its own code (its limits are its profile's)."""
+    return graph.unavailable_axes if profile.model_limits else {}
 
 
 def unavailable_gains(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tessera.cli import main
 from tessera.planner.frameworks import import_config
 
@@ -134,6 +136,25 @@ def test_evaluate_runs_on_a_framework_that_combines_what_tessera_runtime_refuses
     assert main([*args, "--runs-on", "megatron", "--format", "json"]) == 0
     priced = json.loads(capsys.readouterr().out)
     assert priced["runs_on"] == "megatron" and {"pp=2", "cp=2"} <= set(priced["strategy"].split(","))
+
+
+MIXTRAL = ("hf:mixtral:num_hidden_layers=2,hidden_size=64,num_attention_heads=4,num_key_value_heads=2,"
+           "intermediate_size=128,vocab_size=256,num_local_experts=4,num_experts_per_tok=2")
+
+
+def test_a_torchtitan_export_is_bounded_by_torchtitan_not_by_tessera_runtime(capsys):
+    """Tessera's runtime splits Hugging Face Mixtral's stacked experts, but not under zero-bubble with ZeRO >= 1
+    (``planner.capabilities``); torchtitan's experts borrow FSDP ranks, so its run of a ZeRO-0 ep plan is ZeRO-3.
+    That limit is Tessera's runtime's: the export is priced as torchtitan runs it, and Tessera still refuses it."""
+    pytest.importorskip("transformers")
+    workload = ["--model", MIXTRAL, "--cluster", "dgx-h100:nodes=2", "--global-batch", "64", "--seq-len", "64"]
+    plan = "dp=8,pp=2,ep=2,zero=0,mbs=8,recompute=none,schedule=zero-bubble"
+    assert main(["plan", *workload, "--fix", plan, "--format", "torchtitan"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "expert_parallel_degree = 2" in out and "'InterleavedZeroBubble'" in out
+    assert "# Tessera's estimate of what torchtitan runs (dp=8,pp=2,ep=2,zero=3," in out
+    assert main(["evaluate", *workload, "--strategy", plan.replace("zero=0", "zero=3")]) == 2
+    assert "ep+zero-bubble+zero, which the runtime cannot run on this model" in capsys.readouterr().err
 
 
 def test_an_imported_fp8_recipe_is_the_workloads_fp8_scaling_and_must_agree_with_the_option():
