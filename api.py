@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -21,7 +22,9 @@ from tessera.planner.measure import ExampleInputs
 from tessera.planner.plan import Plan
 from tessera.planner.refine import RUNTIME_BLOCK_OPTIONS, BlockOptions
 from tessera.planner.layer_graph import LayerGraph
-from tessera.planner.model_source import names_a_model, resolve_model, runs_user_code
+from tessera.planner.model_source import (
+    absolute_spec, factory_file, looked_for, missing_file_reason, names_a_model, resolve_model, runs_user_code,
+)
 from tessera.topology import Cluster, load_cluster
 from tessera.topology.hardware import LOCAL_CPU
 from tessera.topology.validation import quoted
@@ -210,6 +213,7 @@ def _prepare(
                           f"(model, example_inputs) from {model!r}")
     if tp_plan and isinstance(model, nn.Module):  # a spec's model is built, whole, by the runtime, which checks it
         check_plan_matches(tp_plan, model)
+    model = absolute_spec(model) if isinstance(model, str) else model  # the plan names it for any folder
     resolved = load_cluster(cluster)
     training = TrainingConfig(
         global_batch=global_batch, seq_len=seq_len, precision=precision or default_precision(resolved),
@@ -427,6 +431,7 @@ def checkpoint_model(
             f"checkpoint {checkpoint} was saved from a model object ({quoted(saved.model_name)}), which its plan.json "
             "cannot rebuild; pass the model: tessera.resume(..., model=your_model), or tessera resume ... --model SPEC"
         )
+    _check_factory_file(saved.model_name, checkpoint)
     if runs_user_code(saved.model_name) and not trust_model_factory:
         spec = saved.model_name[:160]
         raise CheckpointError(
@@ -435,6 +440,16 @@ def checkpoint_model(
             "tessera.resume(..., model=...)) or pass --trust-model-factory (trust_model_factory=True)"
         )
     return saved.model_name
+
+
+def _check_factory_file(spec: str, checkpoint: str | Path) -> None:
+    """Refuse a saved factory spec whose file is not where it would be read (before any trust is asked): a plan made
+    before Tessera recorded absolute paths names it relative to the folder the plan was made in."""
+    path = factory_file(spec)
+    if path is not None and not os.path.isfile(looked_for(path)):  # isfile: False for any name, however long
+        reason = missing_file_reason(str(path), spec.rpartition(":")[2])
+        raise CheckpointError(f"checkpoint {checkpoint}'s plan.json names the model factory {quoted(spec)}, but "
+                              f"{reason} (tessera resume ... --model SPEC, or tessera.resume(..., model=SPEC))")
 
 
 def default_precision(cluster: Cluster) -> Precision:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.api import model_to_train
-from tessera.planner.model_source import runs_user_code
+from tessera.planner.model_source import absolute_spec, runs_user_code
 from tessera.planner.plan import Plan
 from tessera.runtime.apply import apply_plan
 from tessera.runtime.elastic import resume_if_possible
@@ -47,7 +47,7 @@ def main() -> None:
                         "plan file alone never runs code)")
     args = parser.parse_args()
     plan = Plan.from_json(args.plan)
-    if runs_user_code(plan.model_name) and args.model != plan.model_name:
+    if runs_user_code(plan.model_name) and absolute_spec(args.model or "") != absolute_spec(plan.model_name):
         parser.error(f"the plan names the factory {plan.model_name!r}, which runs code; pass --model "
                      f"{plan.model_name} if you trust it, or build your model in this script")
 

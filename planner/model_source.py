@@ -17,6 +17,8 @@
   tensors): ``example_inputs`` is what ``capture`` accepts (a tensor, a tuple of positional inputs, a dict of
   keyword inputs, or a function of ``seq_len`` returning one). It is called under ``torch.device("meta")``, so
   the parameters and inputs it creates are meta tensors (their initialisers are skipped: ``models.meta_init``).
+  A plan records the file by its absolute path (:func:`absolute_spec`); an older plan's relative one is read from
+  the current folder.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
@@ -37,8 +40,11 @@ from tessera.models import build_model, is_builtin_spec
 from tessera.models.limits import check_dimension
 from tessera.models.meta_init import skipping_init_on_meta
 from tessera.quiet import muted
+from tessera.topology.validation import short
 
-_FACTORY = re.compile(r"^(?P<module>[\w./\\-]+?(\.py)?):(?P<factory>[A-Za-z_]\w*)$")
+_FACTORY = re.compile(r"^(?P<module>[^:\n]+?\.py|[\w./\\-]+?):(?P<factory>[A-Za-z_]\w*)$")
+"""``file.py:factory`` (any folder name, spaces included: :func:`absolute_spec` prefixes the current one) or
+``package.module:factory``."""
 HF_INSTALL_HINT = "pip install 'tessera[hf]'"
 
 
@@ -71,6 +77,39 @@ def runs_user_code(spec: str) -> bool:
     """Whether building ``spec`` imports and calls user code (a ``file.py:factory`` or ``module:factory``)."""
     spec = spec.strip()
     return not spec.startswith("hf:") and bool(_FACTORY.match(spec)) and not is_builtin_spec(spec)
+
+
+def factory_file(spec: str) -> Path | None:
+    """The Python file a ``file.py:factory`` spec names, as written; None for any other spec."""
+    spec = spec.strip()
+    match = _FACTORY.match(spec)
+    if match is None or spec.startswith("hf:") or is_builtin_spec(spec) or not match["module"].endswith(".py"):
+        return None
+    return Path(match["module"])
+
+
+def absolute_spec(spec: str) -> str:
+    """``spec`` with its factory file's path made absolute from the current folder (other specs as given): a plan
+    records the spec, and the model is rebuilt from it (resume, a launched train.py) in other folders."""
+    path = factory_file(spec)
+    if path is None or os.path.isabs(os.path.expanduser(path)):
+        return spec
+    return f"{looked_for(path)}:{spec.strip().rpartition(':')[2]}"
+
+
+def looked_for(path: Path | str) -> str:
+    """Where a factory file's path is read: from the current folder when relative (os.path: no lookup, and a ``~``
+    of an unknown user stays as written, so it never raises)."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def missing_file_reason(name: str, factory: str = "factory") -> str:
+    """One line for a factory file ``name`` that does not exist: the path looked for and what to do."""
+    if os.path.isabs(os.path.expanduser(name)):
+        return f"model file {short(name)} does not exist; give a path to a .py file and a factory"
+    return (f"model file {short(name)} does not exist here: looked for {short(looked_for(name))} (a relative "
+            "path is read from the current folder); run from the folder it is relative to, or give its absolute "
+            f"path: /path/to/{short(Path(name).name)}:{factory}")
 
 
 def max_positions(model: nn.Module) -> int | None:
@@ -125,7 +164,7 @@ def _load_module(name: str) -> object:
         if name.endswith(".py"):
             path = Path(name).expanduser().resolve()
             if not path.is_file():
-                raise ModelSpecError(f"model file {name} does not exist; give a path to a .py file and a factory")
+                raise ModelSpecError(missing_file_reason(name))
             spec = importlib.util.spec_from_file_location(f"tessera_user_model_{path.stem}", path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name

@@ -12,7 +12,7 @@ import torch
 from tessera.errors import ModelSpecError
 from tessera.models import GPT, MoE
 from tessera.planner.capture import capture_preset
-from tessera.planner.model_source import max_positions, resolve_model
+from tessera.planner.model_source import absolute_spec, max_positions, resolve_model
 
 FACTORY = '''
 import torch
@@ -105,6 +105,16 @@ def test_a_module_factory_resolves(factory_file: Path, monkeypatch: pytest.Monke
     assert type(model).__name__ == "Tiny"
     with pytest.raises(ModelSpecError, match="cannot import"):
         resolve_model("no_such_module_here:make_model")
+
+
+def test_only_a_factory_files_path_is_made_absolute(factory_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(factory_file.parent)
+    absolute = f"{factory_file}:make_model"
+    assert absolute_spec(" user_model.py:make_model ") == absolute == absolute_spec(absolute)
+    for spec in ("gpt3-175b:layers=2", "hf:llama:num_hidden_layers=2", "user_model:make_model", "Tiny"):
+        assert absolute_spec(spec) == spec  # a preset, a config, an importable module, a model object's class name
+    with pytest.raises(ModelSpecError, match=f"looked for {factory_file.parent / 'nope.py'} .*relative to"):
+        resolve_model("nope.py:make_model")
 
 
 def test_hf_spec_without_transformers_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -230,6 +231,65 @@ def test_resume_runs_a_factory_named_in_the_checkpoint_only_when_trusted(pm, tmp
     resumed = tessera.resume(root, CLUSTER, trust_model_factory=True)
     assert proof.exists() and resumed.step == 1
     assert tessera.resume(root, CLUSTER, model=MODEL).step == 1  # naming a model runs nothing from the checkpoint
+
+
+MADE = """
+from tessera.models import build_model
+
+def make():
+    return build_model("gpt-tiny", device="meta")
+"""
+
+
+def folders_with_a_factory(tmp_path: Path) -> tuple[Path, Path]:
+    """A folder holding ``model.py:make`` (a space in its name, which a spec's path may hold) and another one."""
+    made, elsewhere = tmp_path / "made here", tmp_path / "elsewhere"
+    made.mkdir()
+    elsewhere.mkdir()
+    (made / "model.py").write_text(MADE)
+    return made, elsewhere
+
+
+def test_a_factory_plan_names_its_file_by_absolute_path_and_resumes_from_any_folder(tmp_path, monkeypatch, capsys):
+    made, elsewhere = folders_with_a_factory(tmp_path)
+    monkeypatch.chdir(made)
+    from tessera.cli import main
+
+    workload = ["--cluster", CLUSTER, "--global-batch", str(BATCH), "--seq-len", str(SEQ)]
+    assert main(["plan", "--model", "model.py:make", *workload, "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model_name"] == f"{made / 'model.py'}:make"
+    torch.manual_seed(0)
+    trained = tessera.auto_parallelize("model.py:make", CLUSTER, global_batch=BATCH, seq_len=SEQ)
+    root = tmp_path / "ckpt"
+    save_at(trained, root, 1)
+    monkeypatch.chdir(elsewhere)
+    assert tessera.resume(root, CLUSTER, trust_model_factory=True).step == 1
+    assert main(["resume", str(root), *workload[:2], "--model", str(made / "model.py") + ":make"]) == 0
+    assert str(made / "model.py") in capsys.readouterr().out  # the relaunch lines name it for any folder too
+
+
+def test_an_older_plan_naming_its_factory_by_relative_path_resumes_from_its_folder_only(pm, tmp_path, monkeypatch,
+                                                                                         capsys):
+    made, elsewhere = folders_with_a_factory(tmp_path)
+    root = tmp_path / "ckpt"
+    folder = save_at(pm, root, 1)
+    plan = json.loads((folder / PLAN_FILE).read_text())
+    plan["model_name"] = "model.py:make"  # as Tessera recorded it before it recorded absolute paths
+    (folder / PLAN_FILE).write_text(json.dumps(plan))
+    reseal(folder)
+    monkeypatch.chdir(elsewhere)
+    looked = re.escape(str(elsewhere / "model.py"))
+    with pytest.raises(CheckpointError, match=f"looked for {looked} .*run from the folder it is relative to"):
+        tessera.resume(root, CLUSTER, trust_model_factory=True)
+    from tessera.cli import main
+
+    assert main(["resume", str(root), "--cluster", CLUSTER, "--trust-model-factory"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "/path/to/model.py:make" in err
+    monkeypatch.chdir(made)
+    with pytest.raises(CheckpointError, match="would import and run that code"):  # found, and still not run unasked
+        tessera.resume(root, CLUSTER)
+    assert tessera.resume(root, CLUSTER, trust_model_factory=True).step == 1
 
 
 # ------------------------------------------------------------------------------------------------ Tessera's own folders
