@@ -334,10 +334,37 @@ def measured_with_sdpa(config: object) -> Iterator[None]:
     for c in configs:
         c._attn_implementation = "sdpa"
     try:
-        yield
+        with _sdpa_ignoring_softcap() if configs else contextlib.nullcontext():
+            yield
     finally:
         for c, implementation in zip(configs, declared):
             c._attn_implementation = implementation
+
+
+@contextlib.contextmanager
+def _sdpa_ignoring_softcap() -> Iterator[None]:
+    """Hugging Face's SDPA attention, while capture measures, taking a ``softcap`` and ignoring it: flash and flex
+    attention apply Gemma-2's logit softcapping inside the kernel (an elementwise tanh of the scores, which
+    FlopCounterMode does not count and which saves nothing), transformers' SDPA refuses it. The override is local to
+    transformers' shared attention interface and removed afterwards."""
+    try:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:  # a config that names a kernel without transformers: nothing to override
+        yield
+        return
+
+    def attention(module, query, key, value, attention_mask, softcap=None, **kwargs):  # noqa: ARG001
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+    try:
+        yield
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]  # back to transformers' own, or to a caller's override before ours
+        if ALL_ATTENTION_FUNCTIONS["sdpa"] is not previous:
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
 
 
 def window_pair_share(seq_len: int, window: int) -> float:

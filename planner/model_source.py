@@ -10,7 +10,8 @@
   ``hf:llama:num_hidden_layers=2,hidden_size=64``, ``hf:gpt2``, ``hf:mixtral``, ``hf:bert``. The model is the
   masked-LM class when the type has one (encoders), else the causal-LM class, else the bare model. ``use_cache=False``
   (a cache output does not export) and ``attn_implementation="sdpa"`` (so attention is a recognised core) are
-  set; an ``attn_implementation=flash_attention_2`` (or ``flex_attention``, ...) override names the kernel training
+  set, or ``"eager"`` where the class does not support SDPA (Gemma-2), as transformers itself falls back; an
+  ``attn_implementation=flash_attention_2`` (or ``flex_attention``, ...) override names the kernel training
   will run, which prices sliding windows (``layer_info.windowed_kernel``) while capture still measures SDPA. Needs the optional extra: ``pip install 'tessera[hf]'``;
 - ``path/to/file.py:factory`` or ``package.module:factory``: a user function returning an ``nn.Module``, or
   ``(module, example_inputs)`` for a model whose input is not ``(1, seq_len)`` token ids (an image batch, several
@@ -26,6 +27,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import logging
 import os
 import re
 import sys
@@ -39,6 +41,7 @@ from tessera.errors import ModelSpecError
 from tessera.models import build_model, is_builtin_spec
 from tessera.models.limits import check_dimension
 from tessera.models.meta_init import skipping_init_on_meta
+from tessera.planner.layer_info import WINDOWED_KERNELS
 from tessera.quiet import muted
 from tessera.topology.validation import short
 
@@ -46,6 +49,7 @@ _FACTORY = re.compile(r"^(?P<module>[^:\n]+?\.py|[\w./\\-]+?):(?P<factory>[A-Za-
 """``file.py:factory`` (any folder name, spaces included: :func:`absolute_spec` prefixes the current one) or
 ``package.module:factory``."""
 HF_INSTALL_HINT = "pip install 'tessera[hf]'"
+log = logging.getLogger(__name__)
 
 
 def resolve_model(spec: str) -> tuple[nn.Module, str]:
@@ -191,7 +195,9 @@ def hf_model(spec: str) -> nn.Module:
     _, _, rest = spec.partition(":")
     model_type, _, overrides = rest.partition(":")
     values = _parse_overrides(overrides)
-    kernel = _training_attention(spec, values.pop("attn_implementation", "sdpa"))
+    declared = values.pop("attn_implementation", None)
+    if declared is not None:
+        _training_attention(spec, declared)
     if not model_type.strip():
         raise ModelSpecError(f"{spec!r} names no model_type; write hf:<model_type>[:key=value,...], e.g. hf:llama")
     if "/" in model_type:  # a hub repository id: Tessera fetches nothing
@@ -212,18 +218,29 @@ def hf_model(spec: str) -> nn.Module:
     if unknown:
         raise ModelSpecError(f"{spec!r}: {model_type} configs have no {', '.join(unknown)}; "
                              f"{_where_keys_live(defaults, unknown)}")
+    model = _built_hf_model(spec, transformers, model_type.strip(), values, declared)
+    _check_optional_keys_read(spec, model_type.strip(), model, values, defaults)
+    return model
+
+
+def _built_hf_model(spec: str, transformers: object, model_type: str, values: dict, declared: str | None) -> nn.Module:
+    """The model on meta, built with the attention kernel capture measures (``_attention_kernels``); its config names
+    the kernel training runs."""
     try:
-        config = transformers.AutoConfig.for_model(model_type.strip(), **values)
+        config = transformers.AutoConfig.for_model(model_type, **values)
         config.use_cache = False
-        config._attn_implementation = "sdpa"
+        auto_class = _hf_class(transformers, config)
+        built, kernel = _attention_kernels(spec, _concrete_class(auto_class, config), declared)
+        config._attn_implementation = built
         with torch.device("meta"), skipping_init_on_meta(), muted():  # transformers imports torchao's parts here
-            model = _hf_class(transformers, config).from_config(config, attn_implementation="sdpa")
+            model = auto_class.from_config(config, attn_implementation=built)
+    except ModelSpecError:
+        raise
     except Exception as exc:  # transformers' own checks of the user's values: named, not a traceback of ours
         raise ModelSpecError(f"{spec!r}: transformers cannot build this config: {type(exc).__name__}: "
                              f"{_first_line(exc)}; fix the overrides") from exc
     model.config.use_cache = False
-    model.config._attn_implementation = kernel  # measured as SDPA all the same (layer_info.measured_with_sdpa)
-    _check_optional_keys_read(spec, model_type.strip(), model, values, defaults)
+    model.config._attn_implementation = kernel  # a windowed kernel is measured as SDPA (layer_info.measured_with_sdpa)
     return model
 
 
@@ -258,10 +275,44 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attent
 
 
 def _training_attention(spec: str, value: object) -> str:
-    """The attention kernel an ``hf:`` spec declares for training (capture measures SDPA either way)."""
+    """The attention kernel an ``hf:`` spec declares for training (capture measures what ``_attention_kernels`` built)."""
     if value not in ATTENTION_IMPLEMENTATIONS:
         raise ModelSpecError(f"{spec!r}: attn_implementation={value!r} is not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
     return value  # type: ignore[return-value]
+
+
+_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                  "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}
+"""The ``PreTrainedModel`` class flag saying whether a model class runs each kernel (eager always runs)."""
+
+
+def _supported_attention(model_class: type) -> tuple[str, ...]:
+    """The ``ATTENTION_IMPLEMENTATIONS`` a transformers model class declares it supports."""
+    return tuple(k for k in ATTENTION_IMPLEMENTATIONS if k == "eager" or getattr(model_class, _SUPPORT_FLAGS[k], False))
+
+
+def _attention_kernels(spec: str, model_class: type, declared: str | None) -> tuple[str, str]:
+    """(the kernel to build the model with, the kernel training runs). Built with SDPA, the fused core capture
+    recognises, where the class supports it, else eager, as transformers itself falls back when none is asked for
+    (Gemma-2: ``_supports_sdpa = False``, SDPA has no logit softcapping); training runs the declared kernel, else
+    the built one. A declared kernel the class does not support is refused, as transformers would at training."""
+    supported = _supported_attention(model_class)
+    built = "sdpa" if "sdpa" in supported else "eager"
+    if declared is not None and declared not in supported:
+        raise ModelSpecError(f"{spec!r}: {model_class.__name__} does not support attn_implementation={declared!r} "
+                             f"(transformers' {_SUPPORT_FLAGS[declared]} is False); declare one of {', '.join(supported)}")
+    if declared is None and built == "eager":  # eager keeps every layer's s x s scores for backward: it costs memory
+        windowed = [k for k in supported if k in WINDOWED_KERNELS]
+        log.warning("%s has no SDPA attention in transformers: planned with eager attention, which saves each layer's "
+                    "attention scores (seq_len^2 per head)%s", model_class.__name__,
+                    f"; add attn_implementation={windowed[0]} to the spec if training runs it" if windowed else "")
+    return built, declared or built
+
+
+def _concrete_class(auto_class: object, config: object) -> type:
+    """The model class an ``AutoModel...`` class builds for ``config`` (its class flags say what it supports)."""
+    with muted():  # importing the modeling module imports torchao's parts, which print
+        return auto_class._model_mapping[type(config)]
 
 
 OPTIONAL_HF_KEYS = ("head_dim",)

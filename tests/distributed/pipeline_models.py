@@ -43,6 +43,8 @@ BUILDERS = {
     "hf-gemma": lambda: _hf("GemmaConfig", "GemmaForCausalLM", head_dim=8, **DECODER),  # tied embeddings
     # sliding-window and global layers; its rotary_emb (a planned layer) is called with the layer type, a string
     "hf-gemma3": lambda: _hf("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8, sliding_window=8, **DECODER),
+    # no SDPA in transformers (eager attention): attention and final logit softcapping, sliding and global layers
+    "hf-gemma2": lambda: _hf("Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=8, **DECODER),
     "hf-gpt2": lambda: _hf("GPT2Config", "GPT2LMHeadModel", n_embd=HIDDEN, n_layer=BLOCKS, n_head=2, n_positions=SEQ,
                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                            eos_token_id=0),  # Conv1D, learned positions, tied embeddings
@@ -57,6 +59,7 @@ PLANNED_BY_TESSERA = {"hf-bart"}
 DECODER_LAYERS = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(BLOCKS)), "model.norm", "lm_head"]
 LAYERS = {
     "hf-llama": DECODER_LAYERS, "hf-qwen2": DECODER_LAYERS, "hf-phi3": DECODER_LAYERS, "hf-gemma": DECODER_LAYERS,
+    "hf-gemma2": DECODER_LAYERS,
     "hf-gpt2": ["transformer.wte", "transformer.wpe", *(f"transformer.h.{i}" for i in range(BLOCKS)),
                 "transformer.ln_f", "lm_head"],
     "tt-llama3": ["tok_embeddings", *(f"layers.{i}" for i in range(BLOCKS)), "norm", "lm_head"],

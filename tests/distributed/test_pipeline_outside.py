@@ -1,7 +1,7 @@
 """Pipeline parallelism on models Tessera did not write (issue 18): user models whose forward has optional
 arguments (they keep their defaults in the chunks) or ties the embedding to the head (the copies' gradients
 are summed over the stages holding them, Megatron-LM's embedding all-reduce, also under tensor parallelism);
-Hugging Face Llama, Qwen2, Phi-3, Gemma and GPT-2 and torchtitan's Llama 3, which torch.fx cannot trace (or,
+Hugging Face Llama, Qwen2, Phi-3, Gemma, Gemma 2 (eager attention), Gemma 3 and GPT-2 and torchtitan's Llama 3, which torch.fx cannot trace (or,
 for torchtitan, traces with optional arguments) and which are split from a torch.export trace, their causal
 masks and rotary tables recomputed by each chunk, trained with the default loss (no adapter).
 
@@ -170,6 +170,7 @@ CASES = {
         ("hf-gpt2", "dp=1,pp=2,mbs=1,schedule=interleaved:2"),  # + tied wte/lm_head across ranks
         ("tt-llama3", "dp=1,pp=2,mbs=2,schedule=1f1b"),  # torchtitan: optional positions/attention_masks
         ("hf-gemma3", "dp=1,pp=2,mbs=2,schedule=1f1b"),  # rotary_emb traced as glue, its tables on every rank
+        ("hf-gemma2", "dp=1,pp=2,mbs=2,schedule=1f1b"),  # eager attention (no SDPA), softcapping, tied
         ("hf-bart", "dp=1,pp=2,mbs=2,schedule=1f1b"),  # encoder-decoder, as the planner chunks it
         ("transposed", "dp=1,pp=2,mbs=2,schedule=1f1b"),  # strided views between stages
         ("hidden-out", "dp=1,pp=2,mbs=1,schedule=zero-bubble")],  # a second output the weight pass needs
@@ -198,6 +199,7 @@ SLOW_CASES = {  # the rest of the matrix: every family under both schedules, DP 
         ("hf-gpt2", "dp=1,tp=2,pp=2,mbs=2,schedule=1f1b"),  # tied + tp on Conv1D
         ("hf-gpt2", "dp=1,tp=2,pp=2,mbs=1,schedule=interleaved:2"),  # ... tied across ranks, packed q|k|v
         ("hf-phi3", "dp=1,tp=2,pp=2,mbs=1,schedule=interleaved:2"),  # fused projections, gathered
+        ("hf-gemma2", "dp=1,tp=2,pp=2,mbs=2,schedule=1f1b"),  # softcapped scores of head-sharded attention
         ("tt-llama3", "dp=1,tp=2,pp=2,mbs=2,schedule=1f1b")],
 }
 CHECKPOINT_CASE = ("tied", "dp=1,pp=2,mbs=2,schedule=1f1b")

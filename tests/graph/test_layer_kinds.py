@@ -191,3 +191,38 @@ def test_an_hf_spec_declares_the_training_kernel_and_a_bad_one_is_refused() -> N
     assert capture_preset(f"{spec},attn_implementation=flex_attention", seq_len=T).windowed_attention
     with pytest.raises(ModelSpecError, match="attn_implementation='flash' is not one of sdpa"):
         capture_preset(f"{spec},attn_implementation=flash", seq_len=T)
+
+
+GEMMA2 = ("hf:gemma2:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
+          f"num_key_value_heads=2,head_dim=16,vocab_size=256,sliding_window={T // 4}")
+
+
+def test_gemma2_which_has_no_sdpa_is_built_eager_and_says_what_that_costs(caplog) -> None:
+    # transformers refuses attn_implementation="sdpa" for Gemma-2 (_supports_sdpa = False: no logit softcapping)
+    from tessera.planner.model_source import resolve_model  # noqa: PLC0415
+
+    model, _ = resolve_model(GEMMA2)
+    assert model.config._attn_implementation == "eager"
+    assert "Gemma2ForCausalLM has no SDPA attention" in caplog.text
+    assert "attn_implementation=flash_attention_2" in caplog.text
+    graph = capture(model, seq_len=T)
+    assert kinds(graph) == ["local-attention", "attention"] and not graph.windowed_attention
+
+
+def test_gemma2_declaring_a_windowed_kernel_is_measured_as_sdpa_ignoring_its_softcap() -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
+
+    graph = capture_preset(f"{GEMMA2},attn_implementation=flash_attention_2", seq_len=T)  # was: SDPA refused softcap
+    local, full = graph.blocks
+    assert graph.windowed_attention and local.block_kind == "local-attention"
+    assert 0 < local.selective_recompute_flops < full.selective_recompute_flops  # the fused core, at its window
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward  # the measurement's override is gone
+
+
+def test_a_kernel_the_model_class_does_not_support_is_refused_naming_those_it_does() -> None:
+    from tessera.errors import ModelSpecError  # noqa: PLC0415
+
+    with pytest.raises(ModelSpecError, match="Gemma2ForCausalLM does not support attn_implementation='sdpa'.*"
+                       "declare one of eager, flash_attention_2, flash_attention_3, flex_attention"):
+        capture_preset(f"{GEMMA2},attn_implementation=sdpa", seq_len=T)
