@@ -214,7 +214,7 @@ def hf_model(spec: str) -> nn.Module:
         hint = f"did you mean {' or '.join(repr(name) for name in close)}?" if close else \
             "transformers' CONFIG_MAPPING lists the model types"
         raise ModelSpecError(f"unknown Hugging Face model_type {model_type!r} in {spec!r}; {hint}") from None
-    unknown = sorted(k for k in values if not hasattr(defaults, k) and k not in OPTIONAL_HF_KEYS)
+    unknown = _unknown_keys(transformers, model_type.strip(), values, defaults)
     if unknown:
         raise ModelSpecError(f"{spec!r}: {model_type} configs have no {', '.join(unknown)}; "
                              f"{_where_keys_live(defaults, unknown)}")
@@ -242,6 +242,22 @@ def _built_hf_model(spec: str, transformers: object, model_type: str, values: di
     model.config.use_cache = False
     model.config._attn_implementation = kernel  # a windowed kernel is measured as SDPA (layer_info.measured_with_sdpa)
     return model
+
+
+def _unknown_keys(transformers: object, model_type: str, values: dict, defaults: object) -> list[str]:
+    """Keys that are neither attributes of the default config nor legacy keys its constructor converts, as it does
+    reading a ``config.json``: transformers 5 moves ``rope_theta`` and ``partial_rotary_factor`` into
+    ``rope_parameters`` (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``) and drops saved generation
+    parameters, while a key it does not know stays on the config as an extra attribute."""
+    candidates = {k: v for k, v in values.items() if not hasattr(defaults, k) and k not in OPTIONAL_HF_KEYS}
+    if not candidates:
+        return []
+    try:
+        with muted():
+            probe = transformers.AutoConfig.for_model(model_type, **candidates)
+    except Exception:  # a value transformers refuses: the build below names it
+        return []
+    return sorted(k for k in candidates if hasattr(probe, k))
 
 
 def _where_keys_live(defaults: object, unknown: list[str]) -> str:
