@@ -91,7 +91,8 @@ class ImplementationProfile:
     pipelining and sequence parallelism, which Tessera's runtime does not)."""
     model_limits: bool = True
     """Whether what Tessera's runtime cannot apply to one model (``LayerGraph.unavailable_axes``: the layers its ep
-    splits, the combinations it runs on stacked experts...) bounds the strategies priced for this framework. True for
+    splits, the combinations it runs on stacked experts...) and the expert tensor-parallel degrees it folds to (``etp``
+    1 or ``tp``) bound the strategies priced for this framework. True for
     Tessera's runtime only: another framework runs its own code, evaluated as given (as ``refused_together``)."""
     fused_rms_norm: bool = False
     """``torch.rms_norm`` (``nn.RMSNorm``) runs on GPUs as CUDA's fused kernel, which keeps its input alone for the

@@ -79,7 +79,8 @@ def rank_candidates(
         raise ValueError(f"keep must be 1 or more (the fastest fitting candidates kept exact), got {keep}")
     pins = dict(pins or {})
     unavailable = model_limits(graph, profile)
-    check_pins(pins, cluster, unavailable=unavailable, exclusive=profile.refused_together)
+    check_pins(pins, cluster, unavailable=unavailable, exclusive=profile.refused_together,
+               runtime=profile.model_limits)
     layers = list(graph.layers)
     check_expert_pins(pins, {layer.experts for layer in layers if layer.experts})
     check_context_pins(pins, training)
@@ -90,7 +91,8 @@ def rank_candidates(
     cheapest_fit: dict[tuple, int] = {}  # outer choices -> cost rank of the cheapest recomputation that fits
     scored, overflowing = [], []
     priced = Priced() if priced is None else priced
-    space = strategies(layers, cluster, training, pins, unavailable=unavailable, exclusive=profile.refused_together)
+    space = strategies(layers, cluster, training, pins, unavailable=unavailable, exclusive=profile.refused_together,
+                       runtime=profile.model_limits)
     candidates = _by_lower_bound(layers, cluster, training, list(space), known=priced.bounds, profile=profile)
     incumbent = float("inf")  # the keep-th fastest fitting step so far
     fastest: list[float] = []  # the keep fastest fitting steps so far, negated (a max-heap)

@@ -172,10 +172,12 @@ def expert_tp_degrees(dp: int, tp: int, ep: int, folds: bool, pins: Mapping[str,
 def strategies(
     layers: list[LayerStats], cluster: Cluster, training: TrainingConfig, pins: Mapping[str, object], *,
     unavailable: Mapping[str, str] = MappingProxyType({}), exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE,
+    runtime: bool = True,
 ) -> Iterator[Strategy]:
     """Every candidate strategy, in a fixed order, honouring ``pins``; none the runtime would refuse for the
     model's ``unavailable`` axes or for a combination (``exclusive``: Tessera's runtime's,
-    ``cost_models.types.RUNTIME_EXCLUSIVE``, by default; another framework's for a run it made)."""
+    ``cost_models.types.RUNTIME_EXCLUSIVE``, by default; another framework's for a run it made); ``runtime``: the
+    candidates are for Tessera's runtime (:func:`runtime_refusal`)."""
     measured_selective = any(layer.saved_bytes_selective is not None for layer in layers)
     # Cheapest first: the search skips a policy once a cheaper one fits.
     recomputes = _pinned(pins, "recompute", ["none"] if "recompute" in unavailable else _recompute_options(measured_selective, pins))
@@ -209,23 +211,23 @@ def strategies(
                             tp_overlap=pins.get("tp_overlap", False), sp_regather=pins.get("sp_regather", False),
                             pipeline_passes=passes, recompute_modules=pins.get("recompute_modules", ()),
                         )
-                        if runtime_refusal(strategy, training, unavailable, exclusive) is None:
+                        if runtime_refusal(strategy, training, unavailable, exclusive, runtime=runtime) is None:
                             yield strategy
 
 
 def runtime_refusal(
     strategy: Strategy, training: TrainingConfig, unavailable: Mapping[str, str] = MappingProxyType({}),
-    exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE,
+    exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE, *, runtime: bool = True,
 ) -> str | None:
     """Why the runtime would refuse ``strategy`` for a model whose ``unavailable`` axes these are, in a few words, or
-    None: a combination it never runs (``exclusive``), experts folded as it cannot fold them, or a feature the model
-    rules out. The search yields only strategies without one."""
+    None: a combination it never runs (``exclusive``), experts folded as it cannot fold them (Tessera's runtime only:
+    ``runtime``), or a feature the model rules out. The search yields only strategies without one."""
     features = strategy_features(strategy)
     if (pair := runtime_conflict(features, exclusive)) is not None:
         return f"it refuses {pair[0]} with {pair[1]}"
     if exclusive == RUNTIME_EXCLUSIVE and (why := schedule_refusal(strategy, training)) is not None:
         return why
-    if folding_refusal(strategy) is not None:
+    if runtime and folding_refusal(strategy) is not None:
         return "it cannot fold these experts"
     if (key := model_refusal(model_features(strategy, training, features=features), unavailable)) is not None:
         return f"{key} is unavailable for the model"
@@ -317,12 +319,13 @@ def check_layer_pins(pins: Mapping[str, object], layers: list[LayerStats]) -> No
 
 def check_pins(
     pins: Mapping[str, object], cluster: Cluster, *, unavailable: Mapping[str, str] = MappingProxyType({}),
-    exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE,
+    exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE, runtime: bool = True,
 ) -> None:
     """Raise if the pins cannot multiply to the world size (``ep`` is part of ``dp`` and adds no ranks), use an
     axis the runtime cannot apply to the model (``unavailable``) or a combination the framework that runs them does
-    not (``exclusive``: Tessera's runtime's by default, ``ImplementationProfile.refused_together``)."""
-    check_runtime_pins(pins, unavailable, exclusive)
+    not (``exclusive``: Tessera's runtime's by default, ``ImplementationProfile.refused_together``); ``runtime``:
+    the pins are for Tessera's runtime (:func:`check_runtime_pins`)."""
+    check_runtime_pins(pins, unavailable, exclusive, runtime=runtime)
     product = 1
     for axis in ("dp", "tp", "pp", "cp"):
         product *= int(pins.get(axis, 1))
@@ -340,10 +343,11 @@ def check_pins(
 
 def check_runtime_pins(
     pins: Mapping[str, object], unavailable: Mapping[str, str],
-    exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE,
+    exclusive: tuple[tuple[str, str], ...] = RUNTIME_EXCLUSIVE, *, runtime: bool = True,
 ) -> None:
     """Raise one line naming the axis and the reason when a pin asks for what the runtime cannot apply, or for a
-    pair of features the framework that runs them (``exclusive``) does not combine."""
+    pair of features the framework that runs them (``exclusive``) does not combine; ``runtime``: the strategy is for
+    Tessera's runtime, whose experts fold only to ``etp`` 1 or ``tp`` (another framework's is priced as given)."""
     if pins.get("sp") and int(pins.get("tp", 2)) == 1:
         raise ConfigError("sp=true splits activations over the tensor-parallel ranks, and tp=1 is pinned; pin tp "
                           "above 1 or drop sp")
@@ -360,9 +364,10 @@ def check_runtime_pins(
     pinned = used | ({"zero"} if int(pins.get("zero", 0)) >= 1 and sharded else set())
     pinned |= {"recompute"} if pins.get("recompute", "none") != "none" or any(
         p != "none" for p in pins.get("block_recompute") or ()) else set()
-    if pins.get("etp") is not None and int(pins["etp"]) not in (1, int(pins.get("tp", 0))):
+    if runtime and pins.get("etp") is not None and int(pins["etp"]) not in (1, int(pins.get("tp", 0))):
         raise ConfigError(f"etp={pins['etp']} (the experts' own tensor-parallel degree): the runtime folds experts only "
-                          "to etp=1 or keeps them on tp; pin etp=1 or leave it out (tessera evaluate prices any etp)")
+                          "to etp=1 or keeps them on tp; pin etp=1 or leave it out (tessera evaluate --runs-on megatron prices any etp "
+                          "dividing tp)")
     refused = model_refusal(pinned, {k: v for k, v in unavailable.items() if k not in ("tp", "pp", "cp", "ep")})
     if refused is not None:
         raise ConfigError(f"the pins use {refused}, which the runtime cannot run on this model: {unavailable[refused]}; "

@@ -10,7 +10,7 @@ from tessera.cost_models import TrainingConfig
 from tessera.cost_models.folding import folding_refusal
 from tessera.errors import ConfigError
 from tessera.planner.capture import capture_preset
-from tessera.planner.search import search
+from tessera.planner.search import rank_candidates, search
 from tessera.planner.space import check_pins, strategies
 from tessera.topology import load_cluster
 
@@ -41,3 +41,15 @@ def test_a_pinned_folded_search_returns_a_folded_plan_and_bad_pins_are_refused_i
         check_pins({"tp": 4, "etp": 2}, load_cluster(CLUSTER))
     with pytest.raises(ConfigError, match=r"ep=4 must divide dp \(or pin etp=1"):
         check_pins({"dp": 2, "ep": 4}, load_cluster(CLUSTER))
+
+
+def test_another_frameworks_expert_tensor_parallel_degree_is_priced_as_given():
+    from tessera.cost_models.profiles import MEGATRON
+
+    graph = capture_preset("moe-tiny:kv_heads=4", seq_len=TRAINING.seq_len)  # tp=4 splits its key/value heads
+    pins = {"dp": 2, "tp": 4, "ep": 2, "etp": 2, "zero": 0, "micro_batch": 1, "recompute": "none"}
+    check_pins(pins, load_cluster("cpu:ranks=8"), runtime=False)  # Megatron-Core folds to any etp dividing tp
+    (strategy, _), = rank_candidates(graph, load_cluster("cpu:ranks=8"), TRAINING, pins=pins, profile=MEGATRON)
+    assert (strategy.tp, strategy.etp, strategy.ep) == (4, 2, 2)
+    with pytest.raises(ConfigError, match="the runtime folds experts only to etp=1"):
+        search(graph, load_cluster("cpu:ranks=8"), TRAINING, pins=pins)  # Tessera's runtime does not
