@@ -82,7 +82,7 @@ from tessera.runtime.checkpoint_reader import check_plain, load_metadata, load_p
 from tessera.runtime.file_records import HASH_BLOCK_BYTES, FileRecord
 from tessera.runtime.lr_schedule import restore_scheduler, scheduler_state
 from tessera.runtime.rank_agreement import all_gather, broadcast, describe_failure, rank, together, world
-from tessera.runtime.tied_state import read_from_partners, restore_names
+from tessera.runtime.tied_state import placed_names, read_from_partners, restore_names
 from tessera.runtime.tp_styles import unstrided
 
 __all__ = [  # the save/load flow, and the on-disk names of ``checkpoint_files`` so one import serves callers
@@ -212,9 +212,10 @@ class Checkpointer:
         module = state_module(state.modules)
         tensors = _state_dict(module, state.optimizer)  # initialises the optimizer's state: DCP loads into it
         saved = load_metadata(folder).state_dict_metadata
-        _check_no_saved_weights_left_out(saved, set(tensors["model"]), folder, group)
-        writable = _saved_settings_only(_writable(tensors), saved)
-        renamed = read_from_partners(writable, saved, state.tied_names)  # a tied copy saved under one name only
+        _check_no_saved_weights_left_out(saved, placed_names(tensors["model"], state.tied_names), folder, group)
+        writable = _writable(tensors)
+        renamed = read_from_partners(writable, saved, state.tied_names)  # a tied weight saved under one name only
+        writable = _saved_settings_only(writable, saved)
         read_state(writable, folder, group)
         restore_names(writable, renamed)
         _copy_back(writable, tensors)

@@ -193,6 +193,19 @@ def held_boxes(tensors: dict[str, dict[str, Any]]) -> dict[str, Box]:
     return boxes | {f"{_SETTINGS}{fqn}": ((), ()) for fqn in _setting_fqns(key for key, _ in flat_items(tensors))}
 
 
+class SavedKeys:
+    """The state keys a snapshot holds, from its files' :func:`state_boxes` (``chunks``: per file); a param-group
+    setting (``optim.param_groups.<fqn>.<setting>``) where the snapshot holds that parameter's settings."""
+
+    def __init__(self, chunks: dict[str, list[tuple[str, Box]]]) -> None:
+        self._keys = {key for boxes in chunks.values() for key, _ in boxes}
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str) and key.startswith(GROUPS):
+            return f"{_SETTINGS}{key[len(GROUPS):].rsplit('.', 1)[0]}" in self._keys
+        return key in self._keys
+
+
 def state_boxes(shard: Shard) -> list[tuple[str, Box]]:
     """The state chunks of ``shard`` (its RNG states aside), by key and box, and ``settings.<fqn>`` for each
     parameter whose param-group settings it holds."""

@@ -52,7 +52,7 @@ from tessera.runtime.lr_schedule import restore_scheduler
 from tessera.runtime.rank_agreement import all_gather, barrier, broadcast, together
 from tessera.runtime.saved_plans import check_same_model
 from tessera.runtime.snapshot_format import (
-    SHARD_SUFFIX, Shard, files_to_read, held_boxes, load_shards, shard_file, state_boxes,
+    SHARD_SUFFIX, SavedKeys, Shard, files_to_read, held_boxes, load_shards, shard_file, state_boxes,
 )
 from tessera.runtime.snapshot_store import (
     RECOVERY_FOLDER, RECOVERY_PREFIX, committed_snapshots, discard_newer, free_bytes, held_files,
@@ -100,7 +100,7 @@ def recover_from_snapshots(
     # initialised by it, then overwritten)
     tensors = together(lambda: training_tensors(pm), group, what="listing this rank's shards")
     chunks = _saved_chunks(snapshots, manifest, holders)
-    renamed = read_from_partners(tensors, {key for boxes in chunks.values() for key, _ in boxes}, pm.tied_names)
+    renamed = read_from_partners(tensors, SavedKeys(chunks), pm.tied_names)  # a tied weight saved under one name
     needed = _needed_files(tensors, snapshots, manifest, chunks)
     short = _room_problems(snapshots, manifest, text, stores, needed)
     if short:
