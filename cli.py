@@ -343,7 +343,7 @@ def _resume(args: argparse.Namespace, console: Console) -> int:
     saved = saved_plan(args.checkpoint)  # before the planner and runtime are imported: a bad folder fails fast
     import tessera
     from tessera.api import checkpoint_model
-    from tessera.planner.model_source import absolute_spec
+    from tessera.planner.model_source import absolute_spec, runs_user_code
     from tessera.report import print_plan
     from tessera.runtime.launch import launch_commands
 
@@ -355,7 +355,8 @@ def _resume(args: argparse.Namespace, console: Console) -> int:
                   f"re-planned for {plan.cluster}:", highlight=False, soft_wrap=True, markup=False)
     plan_file = args.json or "plan.json"  # the script reads the new plan, and the model spec a factory needs
     script_args = ["--plan", str(plan_file), "--resume-from", args.checkpoint]
-    script_args += ["--model", absolute_spec(args.model)] if isinstance(args.model, str) else []  # for any folder
+    spec = args.model if isinstance(args.model, str) else model if isinstance(model, str) and runs_user_code(model) else None
+    script_args += ["--model", absolute_spec(spec)] if spec else []  # a factory the user named or trusted: any folder
     relaunch = launch_commands(plan, args.script, script_args=script_args)
     print_plan(plan, console, launch="the relaunch line(s) below, which resume from the checkpoint")
     if args.json:

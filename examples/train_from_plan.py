@@ -15,6 +15,7 @@ preset, ``hf:...`` or ``file.py:factory``; for your own model object, build it h
 from __future__ import annotations
 
 import argparse
+import shlex
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ def main() -> None:
     plan = Plan.from_json(args.plan)
     if runs_user_code(plan.model_name) and absolute_spec(args.model or "") != absolute_spec(plan.model_name):
         parser.error(f"the plan names the factory {plan.model_name!r}, which runs code; pass --model "
-                     f"{plan.model_name} if you trust it, or build your model in this script")
+                     f"{shlex.quote(plan.model_name)} if you trust it, or build your model in this script")
 
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     torch.manual_seed(0)  # every rank initialises its shards as the whole model would be

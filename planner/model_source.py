@@ -95,20 +95,22 @@ def factory_file(spec: str) -> Path | None:
 def absolute_spec(spec: str) -> str:
     """``spec`` with its factory file's path made absolute from the current folder (other specs as given): a plan
     records the spec, and the model is rebuilt from it (resume, a launched train.py) in other folders."""
+    spec = spec.strip()
     path = factory_file(spec)
     if path is None or os.path.isabs(os.path.expanduser(path)):
         return spec
-    return f"{looked_for(path)}:{spec.strip().rpartition(':')[2]}"
+    return f"{looked_for(path)}:{spec.rpartition(':')[2]}"
 
 
 def looked_for(path: Path | str) -> str:
-    """Where a factory file's path is read: from the current folder when relative (os.path: no lookup, and a ``~``
-    of an unknown user stays as written, so it never raises)."""
+    """Where a factory file's path is read: from the current folder when relative (no filesystem access; a ``~`` of
+    an unknown user stays as written, so it never raises)."""
     return os.path.abspath(os.path.expanduser(path))
 
 
 def missing_file_reason(name: str, factory: str = "factory") -> str:
     """One line for a factory file ``name`` that does not exist: the path looked for and what to do."""
+    factory = short(factory)
     if os.path.isabs(os.path.expanduser(name)):
         return f"model file {short(name)} does not exist; give a path to a .py file and a factory"
     return (f"model file {short(name)} does not exist here: looked for {short(looked_for(name))} (a relative "

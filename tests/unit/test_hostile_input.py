@@ -15,6 +15,7 @@ import json
 import os
 import pickle
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -264,8 +265,10 @@ def test_a_factory_plan_names_its_file_by_absolute_path_and_resumes_from_any_fol
     save_at(trained, root, 1)
     monkeypatch.chdir(elsewhere)
     assert tessera.resume(root, CLUSTER, trust_model_factory=True).step == 1
-    assert main(["resume", str(root), *workload[:2], "--model", str(made / "model.py") + ":make"]) == 0
-    assert str(made / "model.py") in capsys.readouterr().out  # the relaunch lines name it for any folder too
+    for named in (["--model", str(made / "model.py") + ":make"], ["--trust-model-factory"]):
+        assert main(["resume", str(root), *workload[:2], *named]) == 0
+        relaunch = capsys.readouterr().out.rsplit("torchrun", 1)[1]
+        assert shlex.quote(f"{made / 'model.py'}:make") in relaunch  # the relaunch lines name it for any folder too
 
 
 def test_an_older_plan_naming_its_factory_by_relative_path_resumes_from_its_folder_only(pm, tmp_path, monkeypatch,
