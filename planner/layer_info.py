@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
@@ -345,8 +346,9 @@ def measured_with_sdpa(config: object) -> Iterator[None]:
 def _sdpa_ignoring_softcap() -> Iterator[None]:
     """Hugging Face's SDPA attention, while capture measures, taking a ``softcap`` and ignoring it: flash and flex
     attention apply Gemma-2's logit softcapping inside the kernel (an elementwise tanh of the scores, which
-    FlopCounterMode does not count and which saves nothing), transformers' SDPA refuses it. The override is local to
-    transformers' shared attention interface and removed afterwards."""
+    FlopCounterMode does not count and which saves nothing), transformers' SDPA refuses it. The override holds
+    process-wide while capture runs (any other SDPA call meanwhile drops a softcap too), one capture at a time, and is
+    removed afterwards."""
     try:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -357,14 +359,21 @@ def _sdpa_ignoring_softcap() -> Iterator[None]:
     def attention(module, query, key, value, attention_mask, softcap=None, **kwargs):  # noqa: ARG001
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-    previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
-    try:
-        yield
-    finally:
-        del ALL_ATTENTION_FUNCTIONS["sdpa"]  # back to transformers' own, or to a caller's override before ours
-        if ALL_ATTENTION_FUNCTIONS["sdpa"] is not previous:
-            ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
+    with _SDPA_OVERRIDE:
+        previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+        try:
+            yield
+        finally:
+            with contextlib.suppress(KeyError):  # back to transformers' own, or to an override before ours
+                del ALL_ATTENTION_FUNCTIONS["sdpa"]
+            if ALL_ATTENTION_FUNCTIONS["sdpa"] is not previous:
+                ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
+
+
+_SDPA_OVERRIDE = threading.RLock()
+"""Held while :func:`_sdpa_ignoring_softcap` overrides transformers' SDPA: two captures in threads would otherwise
+restore each other's."""
 
 
 def window_pair_share(seq_len: int, window: int) -> float:

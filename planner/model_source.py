@@ -299,14 +299,17 @@ def _training_attention(spec: str, value: object) -> str:
     return value  # type: ignore[return-value]
 
 
-_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
-                  "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}
-"""The ``PreTrainedModel`` class flag saying whether a model class runs each kernel (eager always runs)."""
+_SUPPORT_FLAGS = {"sdpa": ("_supports_sdpa",), "flash_attention_2": ("_supports_flash_attn", "_supports_flash_attn_2"),
+                  "flash_attention_3": ("_supports_flash_attn", "_supports_flash_attn_3"),
+                  "flex_attention": ("_supports_flex_attn",)}
+"""The ``PreTrainedModel`` class flags saying whether a model class runs each kernel (eager always runs); any one
+will do: transformers before 4.54 names the flash kernels' flags by version (``_supports_flash_attn_2``)."""
 
 
 def _supported_attention(model_class: type) -> tuple[str, ...]:
     """The ``ATTENTION_IMPLEMENTATIONS`` a transformers model class declares it supports."""
-    return tuple(k for k in ATTENTION_IMPLEMENTATIONS if k == "eager" or getattr(model_class, _SUPPORT_FLAGS[k], False))
+    return tuple(k for k in ATTENTION_IMPLEMENTATIONS
+                 if k == "eager" or any(getattr(model_class, flag, False) for flag in _SUPPORT_FLAGS[k]))
 
 
 def _attention_kernels(spec: str, model_class: type, declared: str | None) -> tuple[str, str]:
@@ -318,7 +321,7 @@ def _attention_kernels(spec: str, model_class: type, declared: str | None) -> tu
     built = "sdpa" if "sdpa" in supported else "eager"
     if declared is not None and declared not in supported:
         raise ModelSpecError(f"{spec!r}: {model_class.__name__} does not support attn_implementation={declared!r} "
-                             f"(transformers' {_SUPPORT_FLAGS[declared]} is False); declare one of {', '.join(supported)}")
+                             f"(transformers' {_SUPPORT_FLAGS[declared][0]} is False); declare one of {', '.join(supported)}")
     if declared is None and built == "eager":  # eager keeps every layer's s x s scores for backward: it costs memory
         windowed = [k for k in supported if k in WINDOWED_KERNELS]
         log.warning("%s has no SDPA attention in transformers: planned with eager attention, which saves each layer's "

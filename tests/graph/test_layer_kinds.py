@@ -226,3 +226,17 @@ def test_a_kernel_the_model_class_does_not_support_is_refused_naming_those_it_do
     with pytest.raises(ModelSpecError, match="Gemma2ForCausalLM does not support attn_implementation='sdpa'.*"
                        "declare one of eager, flash_attention_2, flash_attention_3, flex_attention"):
         capture_preset(f"{GEMMA2},attn_implementation=sdpa", seq_len=T)
+
+
+def test_attention_support_is_read_from_the_flags_of_old_and_new_transformers() -> None:
+    from tessera.planner.model_source import _supported_attention
+
+    class Before454:  # transformers 4.40 - 4.53 name the flash kernels' flags by version
+        _supports_sdpa, _supports_flash_attn_2 = True, True
+
+    class Since454:
+        _supports_sdpa, _supports_flash_attn, _supports_flex_attn = True, True, True
+
+    assert set(_supported_attention(Before454)) == {"eager", "sdpa", "flash_attention_2"}
+    assert set(_supported_attention(Since454)) == {"eager", "sdpa", "flash_attention_2", "flash_attention_3",
+                                                   "flex_attention"}
