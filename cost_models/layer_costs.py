@@ -18,6 +18,7 @@ from dataclasses import replace
 from tessera.cost_models.estimate import stage_time
 from tessera.cost_models.layer_stats import LayerStats
 from tessera.cost_models.memory import memory_marks
+from tessera.cost_models.module_recompute import with_recomputed_modules
 from tessera.cost_models.partition import StageTotals, block_policies, kept_blocks, split_chunks, stage_totals
 from tessera.cost_models.types import Strategy, TrainingConfig
 from tessera.topology.cluster import Cluster
@@ -30,7 +31,8 @@ LAYER_MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations"
 def layer_costs(
     layers: Sequence[LayerStats], cluster: Cluster, training: TrainingConfig, strategy: Strategy,
 ) -> dict[str, tuple[int, float]]:
-    """Per layer FQN: (bytes on one device at its peak, seconds per micro-batch on one device)."""
+    """Per layer FQN: (bytes on one device when its stage peaks, seconds per micro-batch on one device)."""
+    layers = with_recomputed_modules(layers, strategy.recompute_modules)  # as estimate prices the stages
     policies, kept = block_policies(layers, strategy), kept_blocks(layers, strategy)
     micro_batches = strategy.gradient_accumulation(training.global_batch)
     on_cpu = cluster.device.name == LOCAL_CPU

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
 
 from tessera.cost_models.error_bands import ErrorBand, prediction_band
 from tessera.cost_models.profiles import TESSERA
@@ -56,8 +56,9 @@ class PlannedLayer(BaseModel):
     """Under ZeRO-3, whether the block frees its gathered weights after its forward (False: kept to its backward,
     ``Strategy.block_reshard``); True for every other layer and stage."""
     memory_bytes: int = 0
-    """Predicted bytes the layer holds on one device at its peak: its model state and saved activations
-    (``cost_models.layer_costs``; 0 in plans written before per-layer costs)."""
+    """Predicted bytes the layer holds on one device when its pipeline stage peaks: its model state, and its saved
+    activations if the stage peaks in the backward (``cost_models.layer_costs``; 0 in plans written before per-layer
+    costs)."""
     time_s: float = 0.0
     """Predicted seconds the layer takes per micro-batch on one device (forward, backward, recomputation, its
     communication; ``cost_models.layer_costs``; 0 in plans written before per-layer costs)."""
@@ -125,9 +126,9 @@ class Plan(BaseModel):
     reached: why the chosen degrees won (``planner.degrees``). Empty for a dense, short-sequence search."""
     candidates_evaluated: int = 1
     """Strategies the search estimated."""
-    search_time_s: float = 0.0
+    search_time_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     """Wall time the search took (capture excluded)."""
-    capture_time_s: float = 0.0
+    capture_time_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     """Wall time building and capturing the model took before the search (``tessera.plan``; 0 when not measured)."""
     solver: SolverStats = SolverStats()
     """Integer-program statistics."""
