@@ -26,6 +26,8 @@ The plan check: :func:`check_plan_agrees` compares a hash of the plan on every r
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from collections.abc import Sequence
 
 import torch
@@ -149,8 +151,14 @@ timings) may differ between ranks without changing what runs."""
 
 
 def plan_digest(plan: Plan) -> str:
-    """Hash of the plan's decisions (:data:`DECISIONS`)."""
-    return hashlib.sha256(plan.model_dump_json(include=DECISIONS).encode()).hexdigest()
+    """Hash of the plan's decisions (:data:`DECISIONS`). A factory file is named by its file name only: a plan
+    records the absolute path, and nodes that planned from other folders (per-node scratch, containers) run the
+    same plan."""
+    decisions = plan.model_dump(mode="json", include=DECISIONS)
+    file, _, factory = plan.model_name.strip().rpartition(":")
+    if file.endswith(".py"):
+        decisions["model_name"] = f"{os.path.basename(file)}:{factory}"
+    return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()
 
 
 def check_plan_agrees(plan: Plan) -> None:
