@@ -250,16 +250,25 @@ def _unknown_keys(transformers: object, model_type: str, values: dict, defaults:
     """Keys that are neither attributes of the default config nor legacy keys its constructor converts, as it does
     reading a ``config.json``: transformers 5 moves ``rope_theta`` and ``partial_rotary_factor`` into
     ``rope_parameters`` (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``) and drops saved generation
-    parameters, while a key it does not know stays on the config as an extra attribute."""
-    candidates = {k: v for k, v in values.items() if not hasattr(defaults, k) and k not in OPTIONAL_HF_KEYS}
-    if not candidates:
-        return []
-    try:
-        with muted():
-            probe = transformers.AutoConfig.for_model(model_type, **candidates)
-    except Exception:  # a value transformers refuses: the build below names it
-        return []
-    return sorted(k for k in candidates if hasattr(probe, k))
+    parameters (said in a warning: they set nothing), while a key it does not know stays on the config as an extra
+    attribute. Each key is tried on its own, so one value transformers refuses (named by the build) hides no other."""
+    unknown, dropped = [], []
+    for key, value in values.items():
+        if hasattr(defaults, key) or key in OPTIONAL_HF_KEYS:
+            continue
+        try:
+            with muted():
+                probe = transformers.AutoConfig.for_model(model_type, **{key: value})
+        except Exception:  # noqa: BLE001 (a value transformers refuses: the build names it)
+            continue
+        if hasattr(probe, key):
+            unknown.append(key)
+        elif probe.to_dict() == defaults.to_dict():
+            dropped.append(key)
+    if dropped:
+        log.warning("%s configs drop %s as transformers does reading a config.json: they set nothing here",
+                    model_type, ", ".join(sorted(dropped)))
+    return sorted(unknown)
 
 
 def _where_keys_live(defaults: object, unknown: list[str]) -> str:

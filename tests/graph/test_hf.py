@@ -197,14 +197,18 @@ def test_hf_model_of_realistic_width_allocates_nothing() -> None:
     assert grown < 300 * 2**20  # fp32 weights alone would be 2.7 GB
 
 
-def test_legacy_keys_of_a_published_config_json_are_converted_as_transformers_converts_them() -> None:
+def test_legacy_keys_of_a_published_config_json_are_converted_as_transformers_converts_them(caplog) -> None:
     """``rope_theta``, a top-level key of released config.json files (Llama 3's 500000), lives in
-    ``rope_parameters`` in transformers 5, whose configs convert it: accepted (was refused as an unknown key); a key
-    a config neither has nor converts is still refused."""
-    model, _ = resolve_model(f"{SPECS['llama']},rope_theta=500000")
+    ``rope_parameters`` in transformers 5, whose configs convert it: accepted (was refused as an unknown key); a
+    generation setting transformers drops is accepted with a warning that it sets nothing; a key a config neither
+    has nor converts is still refused, beside a key transformers accepts."""
+    model, _ = resolve_model(f"{SPECS['llama']},rope_theta=500000,temperature=0.7")
     assert model.config.rope_parameters == {"rope_theta": 500000, "rope_type": "default"}
+    assert "drop temperature" in caplog.text and "rope_theta" not in caplog.text
     with pytest.raises(ModelSpecError, match="gpt2 configs have no rope_theta"):  # learned positions: no RoPE
         resolve_model(SPECS["gpt2"] + ",rope_theta=500000")
+    with pytest.raises(ModelSpecError, match="llama configs have no hiden_size"):
+        resolve_model(f"{SPECS['llama']},rope_theta=500000,hiden_size=3")
 
 
 def test_hf_spec_errors_name_the_problem() -> None:
