@@ -214,7 +214,7 @@ class Checkpointer:
         saved = load_metadata(folder).state_dict_metadata
         _check_no_saved_weights_left_out(saved, placed_names(tensors["model"], state.tied_names), folder, group)
         writable = _writable(tensors)
-        renamed = read_from_partners(writable, saved, state.tied_names)  # a tied weight saved under one name only
+        renamed = read_from_partners(writable, saved, ties=state.tied_names)  # a tied weight saved under one name only
         writable = _saved_settings_only(writable, saved)
         read_state(writable, folder, group)
         restore_names(writable, renamed)

@@ -100,7 +100,7 @@ def recover_from_snapshots(
     # initialised by it, then overwritten)
     tensors = together(lambda: training_tensors(pm), group, what="listing this rank's shards")
     chunks = _saved_chunks(snapshots, manifest, holders)
-    renamed = read_from_partners(tensors, SavedKeys(chunks), pm.tied_names)  # a tied weight saved under one name
+    renamed = read_from_partners(tensors, SavedKeys(chunks), ties=pm.tied_names)  # a tied weight saved under one name
     needed = _needed_files(tensors, snapshots, manifest, chunks)
     short = _room_problems(snapshots, manifest, text, stores, needed)
     if short:

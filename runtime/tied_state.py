@@ -45,7 +45,7 @@ def placed_names(names: Iterable[str], ties: Sequence[tuple[str, ...]]) -> set[s
     return placed
 
 
-def read_from_partners(tensors: dict[str, dict[str, Any]], saved: Container[str],
+def read_from_partners(tensors: dict[str, dict[str, Any]], saved: Container[str], *,
                        ties: Sequence[tuple[str, ...]]) -> Renamed:
     """Make, in place, each entry of ``tensors`` (``{"model": ..., "optim": ...}``) whose key ``saved`` lacks and whose
     parameter is tied to one ``saved`` holds load from that partner's key: renamed to it, or, when this rank loads
