@@ -353,7 +353,7 @@ def check_runtime_pins(
                           "above 1 or drop sp")
     for axis, reason in unavailable.items():
         if axis in ("tp", "pp", "cp", "ep") and int(pins.get(axis, 1)) > 1:
-            reason = reason.removesuffix(f"; plan with {axis}=1").removesuffix(f" or plan with {axis}=1")
+            reason = reason.removesuffix(f"; plan with {axis}=1").removesuffix(f" or plan with {axis}=1").rstrip(",")
             raise ConfigError(f"{axis}={pins[axis]} is unavailable for this model: {reason}; leave {axis} out or pin {axis}=1")
     used = {axis for axis in ("tp", "pp", "cp", "ep") if int(pins.get(axis, 1)) > 1}
     used |= {"sp"} if pins.get("sp") else set()

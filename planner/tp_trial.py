@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
@@ -30,7 +31,10 @@ from tessera.planner.front_ends import meta_twin
 from tessera.planner.measure import ExampleInputs, example_inputs_at
 
 TRIAL_TP = 2
-"""The degree tried: the smallest split; a forward that reads a full width fails at any degree above 1."""
+"""The degree tried when the model's config declares no head counts: the smallest split; a forward that reads a
+full width fails at any degree above 1."""
+CONFIG_HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
+"""The config fields (Hugging Face) that count a model's query and key/value heads: the trial splits them evenly."""
 SHRUNK_OUTPUTS = frozenset({"colwise", "packed_colwise"})
 SHRUNK_INPUTS = frozenset({"rowwise"})
 
@@ -58,10 +62,14 @@ def local_forward_problem(
                 twin = meta_twin(model)
             except Exception:  # noqa: BLE001 -- an attribute deepcopy refuses (a lock): no trial
                 return None
+            counts, tp = trial_degree(getattr(model, "config", None))
+            if tp is None:
+                return (f"{type(model).__name__}'s config declares {counts}: no tensor-parallel degree splits them "
+                        "evenly (one key/value head); plan with tp=1")
             for mode in (None, FakeTensorMode(allow_non_fake_inputs=True)):  # fake: a forward calling .item() on a mask
                 try:
                     with mode or nullcontext():
-                        return _trial(twin, _first_calls(twin, distinct, example_inputs, seq_len), plan, skip)
+                        return _trial(twin, _first_calls(twin, distinct, example_inputs, seq_len), plan, skip, tp=tp)
                 except _NoTrial:
                     continue
         return None
@@ -73,22 +81,35 @@ class _NoTrial(Exception):
     """The model's own forward did not run this way: no trial, no verdict."""
 
 
+def trial_degree(config: object) -> tuple[str, int | None]:
+    """The declared head counts (``"num_attention_heads=8, num_key_value_heads=3"``, or empty) and the smallest
+    degree above 1 splitting them all (:data:`TRIAL_TP` with none declared); None when none does (a single key/value
+    head: every degree fails for that alone, which is not what the trial looks for)."""
+    counts = {name: value for name in CONFIG_HEAD_COUNTS
+              if isinstance(value := getattr(config, name, None), int) and not isinstance(value, bool) and value > 0}
+    if not counts:
+        return "", TRIAL_TP
+    common = math.gcd(*counts.values())
+    text = ", ".join(f"{name}={value}" for name, value in counts.items())
+    return text, next((d for d in range(2, common + 1) if common % d == 0), None)
+
+
 def _trial(twin: nn.Module, calls: Mapping[str, tuple[tuple, dict]], plan: Mapping[str, str],
-           skip: Mapping[str, Iterable[str]]) -> str | None:
+           skip: Mapping[str, Iterable[str]], *, tp: int) -> str | None:
     for fqn, (args, kwargs) in calls.items():
         _run(copy.deepcopy(twin.get_submodule(fqn)), args, kwargs)  # whole, as the control: it must run this way
         block = copy.deepcopy(twin.get_submodule(fqn))
         splits = block_splits(block, fqn, plan=plan, skip=skip.get(fqn, ()))
         for split in splits:
-            _shrink(block.get_submodule(split.name), split.style)
+            _shrink(block.get_submodule(split.name), split.style, tp)
         for name in head_split_attentions(block, splits):
-            localise_attention(block.get_submodule(name), TRIAL_TP)
+            localise_attention(block.get_submodule(name), tp)
         try:
             with torch.no_grad():
                 block(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 -- any failure is the verdict, named
             first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-            return (f"{fqn}'s forward fails on one rank's share of its heads and linears (tp={TRIAL_TP}: "
+            return (f"{fqn}'s forward fails on one rank's share of its heads and linears (tp={tp}: "
                     f"{type(error).__name__}: {first}): it reads a full width from outside its modules (a "
                     "constant, a config); read the width from its tensors (reshape(B, T, -1)), or plan with tp=1")
     return None
@@ -138,8 +159,8 @@ def _first_calls(model: nn.Module, fqns: Sequence[str], example_inputs: ExampleI
     return calls
 
 
-def _shrink(linear: nn.Module, style: str) -> None:
-    """``linear`` as a rank holds it: outputs (column styles) or inputs (row) divided by ``TRIAL_TP``."""
+def _shrink(linear: nn.Module, style: str, tp: int) -> None:
+    """``linear`` as a rank of ``tp`` holds it: outputs (column styles) or inputs (row) divided by ``tp``."""
     if style not in SHRUNK_OUTPUTS | SHRUNK_INPUTS:
         return
     conv1d = is_conv1d(linear)  # GPT-2's Conv1D keeps its weight as (in, out)
@@ -147,7 +168,7 @@ def _shrink(linear: nn.Module, style: str) -> None:
     out_dim, in_dim = (1, 0) if conv1d else (0, 1)
     shape = list(weight.shape)
     dim = out_dim if style in SHRUNK_OUTPUTS else in_dim
-    shape[dim] //= TRIAL_TP
+    shape[dim] //= tp
     linear.weight = nn.Parameter(torch.empty(shape, device="meta", dtype=weight.dtype), requires_grad=False)
     if style in SHRUNK_OUTPUTS and getattr(linear, "bias", None) is not None:
         linear.bias = nn.Parameter(torch.empty(shape[out_dim], device="meta", dtype=weight.dtype), requires_grad=False)

@@ -382,3 +382,17 @@ def test_an_embedding_is_split_over_the_vocabulary_only_where_it_looks_up_the_id
     assert not embedding_kept_whole(BartScaledWordEmbedding(16, 8, padding_idx=0, embed_scale=2.0), None)
     assert not embedding_kept_whole(nn.Embedding(16, 8), None)
     assert embedding_kept_whole(nn.Embedding(16, 8), "replicated")
+
+
+def test_the_tensor_parallel_trial_splits_the_heads_a_config_declares_evenly():
+    # The trial tried tp=2 whatever the heads: 3 key/value heads failed it, and tensor parallelism was refused for
+    # the model as "reads a full width from outside its modules", though tp=3 splits them; one key/value head (which
+    # no degree splits) was refused for the same wrong reason when eager attention hid the heads from capture.
+    llama = ("hf:llama:hidden_size=48,num_attention_heads=6,num_key_value_heads=3,intermediate_size=96,"
+             "num_hidden_layers=2,vocab_size=96")
+    plan = tessera.plan(llama, "cpu:ranks=3", global_batch=3, seq_len=16, strategy="tp=3")
+    assert plan.strategy.tp == 3 and "tp" not in plan.unavailable_axes
+    gemma2 = ("hf:gemma2:hidden_size=64,num_attention_heads=4,num_key_value_heads=1,head_dim=16,intermediate_size=128,"
+              "num_hidden_layers=2,vocab_size=96,sliding_window=8")
+    said = tessera.plan(gemma2, "cpu:ranks=2", global_batch=2, seq_len=16).unavailable_axes["tp"]
+    assert "num_attention_heads=4, num_key_value_heads=1: no tensor-parallel degree splits them" in said
