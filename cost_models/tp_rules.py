@@ -268,8 +268,24 @@ def _dims(block: nn.Module, fqn: str, name: str) -> tuple[int, int]:
 
 
 def _role(block: nn.Module, name: str) -> str:
-    parent = block.get_submodule(name.rpartition(".")[0])
-    return "attention" if head_dim_of(parent) is not None else "mlp"
+    return "attention" if is_attention(block.get_submodule(name.rpartition(".")[0])) else "mlp"
+
+
+ATTENTION_CORE_CALLS = ("scaled_dot_product_attention", "flash_attn", "flex_attention", "softmax(")
+"""Calls in a forward that mix positions: a module making one is attention, whatever attributes it declares."""
+
+
+def is_attention(module: nn.Module) -> bool:
+    """Whether ``module`` attends over the sequence: it declares a head size (:func:`head_dim_of`), or its own forward
+    calls an attention core (a user's attention holding only ``heads``). Sequence parallelism gathers an attention's
+    input over the sequence; taken for a token-wise MLP, its ranks would each attend over their own part alone."""
+    if head_dim_of(module) is not None:
+        return True
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):  # no source: only the declared head size tells
+        return False
+    return any(call in source for call in ATTENTION_CORE_CALLS)
 
 
 def residual_width(block: nn.Module) -> int | None:

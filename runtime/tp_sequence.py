@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-from tessera.cost_models.tp_rules import attention_of, head_dim_of
+from tessera.cost_models.tp_rules import attention_of, is_attention
 from tessera.errors import ConfigError, NotModelledError
 from tessera.planner.plan import PlannedLayer
 
@@ -105,7 +105,7 @@ def _gathering_containers(block: nn.Module, styles: Styles) -> dict[str, int]:
     for name, style in styles.items():
         container = _container_of(name)
         if isinstance(style, ColwiseParallel) and container:
-            attention = head_dim_of(block.get_submodule(container)) is not None or attention_of(block, name) is not None
+            attention = is_attention(block.get_submodule(container)) or attention_of(block, name) is not None
             found[container] = SEQUENCE_DIM if attention else TOKEN_DIM
     return found
 

@@ -173,6 +173,67 @@ def two_input_case(form: str, strategy: str) -> dict:
     return train(parallel, batches)
 
 
+# --------------------------------------------------------------------- a user's attention declaring no head size
+
+
+class OwnAttention(nn.Module):
+    """Attention as a user writes it: a head count, no ``head_dim``; the width per head read off the input."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (proj(x).view(b, t, -1, d // self.heads).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
+
+
+class OwnBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = OwnAttention(dim, heads=4)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class OwnLM(nn.Module):
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(OwnBlock(dim) for _ in range(2))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def make_own(seed: int = SEED) -> OwnLM:
+    torch.manual_seed(seed)
+    return OwnLM()
+
+
+def own_batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tokens = torch.randint(32, (steps, GLOBAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(3))
+    return [(step[:, :-1], step[:, 1:]) for step in tokens]
+
+
+OWN_CASES = ["dp=1,tp=2,sp=true,mbs=4"]  # each rank attends over the whole sequence, gathered before the q/k/v
+
+
+def own_case(strategy: str) -> dict:
+    model = make_own(SEED + dist.get_rank())
+    return train(apply_plan(model, make_plan("own-lm", model, strategy)), own_batches())
+
+
 # --------------------------------------------------------------------- ignored targets spread unevenly over rows
 MASKED_CASES = ["dp=2,zero=0,mbs=2", "dp=1,pp=2,mbs=2,schedule=1f1b", "dp=1,tp=2,mbs=4", "dp=2,zero=3,mbs=4"]
 
@@ -289,6 +350,7 @@ def run_all() -> dict:
              *((("output", *case), functools.partial(output_case, *case)) for case in OUTPUT_CASES),
              *((("two-inputs", *case), functools.partial(two_input_case, *case)) for case in TWO_INPUT_CASES),
              *((("masked", case), functools.partial(masked_case, case)) for case in MASKED_CASES),
+             *((("own", case), functools.partial(own_case, case)) for case in OWN_CASES),
              (("unsynced",), unsynced_ddp_step)]
     results, seconds = run_named(cases)
     return {**results, "seconds": seconds}
@@ -391,6 +453,15 @@ def test_ignored_targets_spread_unevenly_give_the_global_batchs_mean(strategy):
     model = make_model(GPT)
     expected = single_process(model, masked_batches(), lambda logits, targets: F.cross_entropy(
         logits.flatten(0, 1), targets.flatten()))  # the mean over every counted target of the batch
+    torch.testing.assert_close(result["losses"], expected["losses"], **FP32_TOL)
+    torch.testing.assert_close(result["params"], expected["params"], **PARAM_TOL)
+
+
+@pytest.mark.parametrize("strategy", OWN_CASES)
+def test_a_users_attention_without_a_head_size_trains_under_sequence_parallelism_like_one_process(strategy):
+    result = case_result(("own", strategy))
+    expected = single_process(make_own(), own_batches(), lambda logits, targets: F.cross_entropy(
+        logits.flatten(0, 1), targets.flatten()))
     torch.testing.assert_close(result["losses"], expected["losses"], **FP32_TOL)
     torch.testing.assert_close(result["params"], expected["params"], **PARAM_TOL)
 
