@@ -17,7 +17,8 @@ up with exactly its slice of the unsharded weights. Every rank must therefore be
 check that all ranks' RNG states agree before initialising. Elementwise in-place ops that follow a fill
 (``trunc_normal_``'s ``erfinv_``/``clamp_``...) run on the shards directly, which is exact. A model without a
 root ``reset_parameters()`` is initialised by its submodules' ``reset_parameters()`` in module order.
-Tied weights are re-tied after ``to_empty`` (which unties them) by the model's ``reset_parameters``.
+Weights tied before ``to_empty`` (which unties them) are tied again before the init runs, and a parameter no init
+writes is refused by name (it would hold whatever memory held).
 
 The plan check: :func:`check_plan_agrees` compares a hash of the plan on every rank, because each rank of a
 ``torchrun`` job plans on its own and a plan that differs between ranks deadlocks or corrupts training.
@@ -36,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
+from tessera.cost_models.tp_embeddings import tied_parameters
 from tessera.errors import NotModelledError, RuntimeSetupError
 from tessera.planner.plan import Plan
 
@@ -94,6 +96,7 @@ def materialize_shards(
     and copied into the chunk modules that read them.
     """
     check_same_seed()
+    ties = tied_parameters(model)  # to_empty unties them
     for module in modules:
         module.to_empty(device=device)
     for name, module in model.named_modules():
@@ -101,15 +104,57 @@ def materialize_shards(
         in_layer = any(name == fqn or name.startswith(f"{fqn}.") for fqn in layer_fqns)
         if not in_layer and any(t.is_meta for t in own):
             module.to_empty(device=device, recurse=False)
-    with torch.no_grad(), ShardedInitMode(device):
-        initialise(model)
+    _retie(model, ties)
+    with torch.no_grad():
+        for param in _materialised(model):
+            param.fill_(float("nan"))  # what no init writes stays NaN: found below, not trained from stale memory
+        with ShardedInitMode(device):
+            initialise(model)
+        _check_initialised(model)
     _copy_glue_buffers(model, modules)
 
 
+def _materialised(model: nn.Module) -> list[torch.Tensor]:
+    """This rank's floating-point parameters (their local shards), those of other pipeline ranks left out."""
+    locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return [p for p in locals_ if not p.is_meta and p.is_floating_point()]
+
+
+def _retie(model: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
+    """Make each group of names that shared one parameter before ``to_empty`` share it again (the first materialised
+    one), where this rank holds them: the model's init then writes it once, and training keeps it one weight."""
+    for group in ties:
+        owners = [(model.get_submodule(fqn), name) for fqn, name in group]
+        kept = next((m._parameters[n] for m, n in owners if not m._parameters[n].is_meta), None)
+        for module, name in owners:
+            if kept is not None and not module._parameters[name].is_meta:
+                module._parameters[name] = kept
+
+
+def _check_initialised(model: nn.Module) -> None:
+    """Refuse parameters the model's init left unwritten: a module without ``reset_parameters()`` keeps what its
+    constructor set only on a real device; on meta its values would be whatever memory held."""
+    unwritten = [name for name, p in model.named_parameters()
+                 if not p.is_meta and p.is_floating_point()
+                 and torch.isnan(p.to_local() if isinstance(p, DTensor) else p).any()]
+    if unwritten:
+        owner = model.get_submodule(unwritten[0].rpartition(".")[0])
+        raise NotModelledError(
+            f"{type(model).__name__} is on the meta device and its init leaves {len(unwritten)} parameter(s) unset "
+            f"(first: {unwritten[0]}, of {type(owner).__name__}, which has no reset_parameters()); give "
+            f"{type(owner).__name__} a reset_parameters() setting what its constructor sets, or build the model "
+            "on a real device")
+
+
 def initialise(model: nn.Module) -> None:
-    """``model.reset_parameters()``, or each submodule's in module order when the root has none."""
+    """``model.reset_parameters()``; for a Hugging Face model, its own ``initialize_weights()`` (its
+    ``_init_weights``: norms to ones, rotary tables recomputed), which building on meta skipped; else each
+    submodule's ``reset_parameters()`` in module order."""
     if callable(getattr(model, "reset_parameters", None)):
         model.reset_parameters()
+        return
+    if callable(getattr(model, "initialize_weights", None)) and callable(getattr(model, "_init_weights", None)):
+        model.initialize_weights()
         return
     found = [m for m in model.modules() if m is not model and callable(getattr(m, "reset_parameters", None))]
     if not found and any(True for _ in model.parameters()):
