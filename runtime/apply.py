@@ -134,7 +134,7 @@ def apply_plan(
     _check_experts_and_context(model, plan, compile_blocks=compile_blocks)  # before any process group is made
     classes = output_classes(model) if loss_fn is None else None  # before the head is split or freed
     on_meta = is_on_meta(model)
-    ties = _cross_stage_ties(model, plan, on_meta=on_meta)
+    ties = _cross_stage_ties(model, plan)
     aliases = tied_names(model)  # before splitting unties them
     traced = pp_.trace_plan(model, plan) if plan.strategy.pp > 1 else None  # before any process group
     mesh = None if _runs_without_process_group(plan) else build_mesh(plan.strategy)
@@ -160,7 +160,7 @@ def apply_plan(
     if plan.strategy.cp > 1:
         apply_context_parallel(model, mesh, seq_len=plan.training.seq_len)
     optimizer = (optimizer_factory or default_optimizer_factory)(_unique_parameters(modules))
-    _sum_tied_gradients(plan, ties, modules, mesh, optimizer)
+    _sum_tied_gradients(plan, ties, modules, mesh, optimizer, on_meta=on_meta)
     weights = TokenWeights() if loss_fn is None else None  # a custom loss's reduction is its own
     loss = build_loss(loss_fn, plan, mesh, pipeline_output=pipeline_output, classes=classes, weights=weights)
     schedule = _schedule(plan, modules, chunks, mesh, device=device, loss_fn=loss)
@@ -348,22 +348,25 @@ def _chunk_modules(model: nn.Module, plan: Plan, chunks: list[int], traced: pp_.
     return modules
 
 
-def _cross_stage_ties(model: nn.Module, plan: Plan, *, on_meta: bool) -> list[ties_.TiedWeight]:
+def _cross_stage_ties(model: nn.Module, plan: Plan) -> list[ties_.TiedWeight]:
     """Weights tied across pipeline chunks (embedding and head), checked before any collective."""
     if plan.strategy.pp == 1:
         return []
     ties = ties_.cross_chunk_ties(model, plan)
-    ties_.check_ties(ties, plan.strategy, on_meta=on_meta)
+    ties_.check_ties(ties, plan.strategy)
     return ties
 
 
 def _sum_tied_gradients(plan: Plan, ties: list[ties_.TiedWeight], modules: list[nn.Module],
-                        mesh: DeviceMesh | None, optimizer: torch.optim.Optimizer) -> None:
-    """Each tied weight's copies (one per stage holding it) get the summed gradient before every optimizer step
-    (``pipeline_ties.TiedGradients``; Megatron-LM's embedding all-reduce), so they stay equal."""
+                        mesh: DeviceMesh | None, optimizer: torch.optim.Optimizer, *, on_meta: bool) -> None:
+    """Each tied weight's copies (one per stage holding it) start equal (a model built on meta: the last stage's
+    value) and get the summed gradient before every optimizer step (``pipeline_ties.TiedGradients``; Megatron-LM's
+    embedding all-reduce), so they stay equal."""
     if not ties:
         return
     local = ties_.local_tied_parameters(ties, modules, mesh, pp=plan.strategy.pp, pp_rank=mesh.get_local_rank(PP))
+    if on_meta:  # each stage initialised its own copy
+        ties_.share_initial_values(ties, local, pp=plan.strategy.pp, pp_rank=mesh.get_local_rank(PP))
     if local:
         optimizer.register_step_pre_hook(ties_.TiedGradients(local))
 

@@ -11,8 +11,9 @@ of the same ``tp`` (and ``dp``) coordinate, which is exact when both copies are 
 parallel embedding and the column-parallel head both shard the ``(V, H)`` matrix on dim 0, so the two local
 shards are the same rows. :func:`check_tied_layouts` compares the copies' placements and local shapes across
 the world after sharding and refuses, on every rank alike, copies split differently. Refused by name before
-anything is sharded (:func:`check_ties`): ties in a model on the meta device, or between two chunks of one
-pipeline rank.
+anything is sharded (:func:`check_ties`): ties between two chunks of one pipeline rank. A model built on the meta
+device initialises each stage's copy on its own; the copies then take the last stage's value
+(:func:`share_initial_values`), which the unsplit model's init, writing the one parameter in module order, leaves.
 """
 
 from __future__ import annotations
@@ -63,12 +64,9 @@ def cross_chunk_ties(model: nn.Module, plan: Plan) -> list[TiedWeight]:
     ]
 
 
-def check_ties(ties: Sequence[TiedWeight], strategy: Strategy, *, on_meta: bool) -> None:
+def check_ties(ties: Sequence[TiedWeight], strategy: Strategy) -> None:
     """Refuse the tied-weight combinations the runtime does not keep exact, naming the weight and the fix."""
     for tie in ties:
-        if on_meta:
-            raise NotModelledError(f"{tie.names} are tied across pipeline stages in a model on the meta device; "
-                                   "build the model on its device, or plan with pp=1")
         if len(tie.pp_ranks(strategy.pp)) < len(tie.chunks):
             raise NotModelledError(f"{tie.names} are tied between chunks {tie.chunks} and two of them run on one "
                                    f"pipeline rank under {strategy.to_string()!r}; plan other chunks or pp=1")
@@ -107,6 +105,23 @@ class TiedGradients:
                 param.grad = param.grad.redistribute(param.device_mesh, param.placements)
             grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             dist.all_reduce(grad, group=group)
+
+
+def share_initial_values(ties: Sequence[TiedWeight], params: Sequence[tuple[nn.Parameter, dist.ProcessGroup]], *,
+                         pp: int, pp_rank: int) -> None:
+    """Give every copy of each tied weight the value its last stage's copy took (collective over each group): a model
+    materialised on meta initialises each copy on its own stage, where the unsplit model's init wrote one
+    parameter, last in module order (the head's). ``params``: this rank's copies, ties in order
+    (:func:`local_tied_parameters`)."""
+    mine = iter(params)
+    for tie in ties:
+        ranks = tie.pp_ranks(pp)
+        if pp_rank not in ranks:
+            continue
+        param, group = next(mine)
+        source = dist.get_global_rank(group, ranks.index(tie.chunks[-1] % pp))
+        with torch.no_grad():
+            dist.broadcast(param.to_local() if isinstance(param, DTensor) else param, src=source, group=group)
 
 
 def local_tied_parameters(

@@ -279,6 +279,15 @@ def crossing_case(folder: str, saved_as: tuple[str, str], loaded_as: tuple[str, 
     return {"after": after, "resumed": resumed}
 
 
+def meta_tied_case() -> dict:
+    """The tied model built on meta (as a spec's model is) under pp: each stage initialises its own copy."""
+    torch.manual_seed(SEED)  # every rank alike: each initialises its shards as the whole model would be
+    with torch.device("meta"):
+        model = TiedStack()
+    parallel = apply_plan(model, make_plan("tied", model, CHECKPOINT_CASE[1]))
+    return {"losses": [parallel.train_step(batch) for batch in batches()]}
+
+
 def careless_case() -> dict[str, str]:
     """What ``train_step`` under pp says, on every rank before any step, of batches differing between ranks, of rows
     of another length than the plan's (gloo aborted the process on the mismatched receive), of a dict batch, and
@@ -317,6 +326,7 @@ def run_world(cases: list[tuple[str, str]], folder: str | None) -> dict:
         results["crossing"] = {name: crossing_case(f"{folder}-crossing/{name}", *case) for name, case in CROSSINGS.items()
                                if requirement(case[0][0]) is None}
         results["careless"] = careless_case()
+        results["meta-tied"] = meta_tied_case()
     return results
 
 
@@ -404,6 +414,18 @@ def test_a_tied_model_resumes_across_pipelining_from_disk_and_snapshots(crossing
             torch.testing.assert_close(case["resumed"][source]["losses"], case["after"], **FP32_TOL)
 
 
+def test_a_tied_model_built_on_meta_trains_under_pp_like_one_process_built_alike():
+    """Was refused ("tied across pipeline stages in a model on the meta device"), though planned: the copies now
+    take the last stage's initial value, which one process's init leaves in the one parameter."""
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        model = TiedStack()
+    single = apply_plan(model, make_plan("tied", model, "dp=1,mbs=8"))
+    expected = [single.train_step(batch) for batch in batches()]
+    for result in case_results(2, False, "meta-tied"):
+        torch.testing.assert_close(result["losses"], expected, **FP32_TOL)
+
+
 def test_careless_batches_and_a_second_plan_are_refused_alike_on_every_rank():
     said = case_results(2, False, "careless")
     assert said[0] == said[1]
@@ -464,13 +486,13 @@ def test_cross_chunk_ties_are_found_and_each_stage_keeps_its_copy():
         assert all(w.is_meta for name, w in weights.items() if name != kept)
 
 
-def test_tied_weights_on_meta_are_refused_naming_the_weights():
+def test_tied_weights_in_two_chunks_of_one_rank_are_refused_naming_the_weights():
     model = make("tied")
     plan = make_plan("tied", model, "dp=1,pp=2,mbs=2,schedule=1f1b")
     ties = pipeline_ties.cross_chunk_ties(model, plan)
-    pipeline_ties.check_ties(ties, Strategy.parse("dp=1,tp=2,pp=2,mbs=2,schedule=1f1b"), on_meta=False)  # tp: kept
-    with pytest.raises(NotModelledError, match=r"emb\.weight and head\.weight .*on the meta device"):
-        pipeline_ties.check_ties(ties, plan.strategy, on_meta=True)
+    pipeline_ties.check_ties(ties, Strategy.parse("dp=1,tp=2,pp=2,mbs=2,schedule=1f1b"))  # tp: kept
+    with pytest.raises(NotModelledError, match=r"emb\.weight and head\.weight are tied between chunks"):
+        pipeline_ties.check_ties(ties, Strategy.parse("dp=1,pp=1,mbs=2"))
 
 
 # ------------------------------------------------------------------------------------------ export traces
