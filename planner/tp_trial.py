@@ -63,13 +63,15 @@ def local_forward_problem(
             except Exception:  # noqa: BLE001 -- an attribute deepcopy refuses (a lock): no trial
                 return None
             counts, tp = trial_degree(getattr(model, "config", None))
-            if tp is None:
-                return (f"{type(model).__name__}'s config declares {counts}: no tensor-parallel degree splits them "
-                        "evenly (one key/value head); plan with tp=1")
             for mode in (None, FakeTensorMode(allow_non_fake_inputs=True)):  # fake: a forward calling .item() on a mask
                 try:
                     with mode or nullcontext():
-                        return _trial(twin, _first_calls(twin, distinct, example_inputs, seq_len), plan, skip, tp=tp)
+                        problem = _trial(twin, _first_calls(twin, distinct, example_inputs, seq_len), plan, skip,
+                                         tp=tp or TRIAL_TP)
+                    if problem is not None and tp is None:  # a plan gathering whole heads (Falcon's) needs no split
+                        return (f"{type(model).__name__}'s config declares {counts}: no tensor-parallel degree splits "
+                                "them evenly (one key/value head); plan with tp=1")
+                    return problem
                 except _NoTrial:
                     continue
         return None
