@@ -356,11 +356,22 @@ def _head_scopes(block: nn.Module, name: str) -> list[str]:
 
 
 def head_norm_problem(block: nn.Module, fqn: str, splits: Sequence[LinearSplit]) -> str | None:
-    """A refusal line for a norm inside a head-split attention that normalises across heads (its width is not one
-    head's: OLMo 2's ``q_norm`` over all heads), or None."""
-    for name in head_norms(block, splits):
+    """A refusal line for a norm inside a head-split attention that is not one head's, shared by every head: it
+    normalises across heads (OLMo 2's ``q_norm`` over all heads), holds a weight per head (Cohere's ``(heads,
+    head_dim)``), or is one of a list of norms, one per head (StableLM's ``LayerNormPerHead``), which each rank would
+    pair with its local heads from the first; or None."""
+    names = head_norms(block, splits)
+    for name in names:
         norm, head_dim = block.get_submodule(name), head_dim_of(block.get_submodule(attention_of(block, name)))
         weight = getattr(norm, "weight", None)
+        parent = name.rpartition(".")[0]
+        siblings = [other for other in names if other.rpartition(".")[0] == parent and other.count(".") == name.count(".")]
+        if len(siblings) > 1 and parent != attention_of(block, name):
+            return (f"{_join(fqn, parent)} holds one norm per head ({len(siblings)}): each tensor-parallel rank would "
+                    "normalise its heads with the first of them; plan with tp=1")
+        if isinstance(weight, torch.Tensor) and head_dim and weight.dim() > 1 and weight.shape[-1] == head_dim:
+            return (f"{_join(fqn, name)} holds a weight per head ({list(weight.shape)}), which tensor parallelism "
+                    "would have to split with the heads; plan with tp=1")
         if isinstance(weight, torch.Tensor) and head_dim and weight.numel() != head_dim:
             return (f"{_join(fqn, name)} normalises {weight.numel()} features across the heads tensor parallelism "
                     f"splits (one head has {head_dim}); plan with tp=1")

@@ -6,6 +6,8 @@ only, as tests/distributed/test_runtime_rules.py does.
 
 from functools import cache
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -396,3 +398,15 @@ def test_the_tensor_parallel_trial_splits_the_heads_a_config_declares_evenly():
               "num_hidden_layers=2,vocab_size=96,sliding_window=8")
     said = tessera.plan(gemma2, "cpu:ranks=2", global_batch=2, seq_len=16).unavailable_axes["tp"]
     assert "num_attention_heads=4, num_key_value_heads=1: no tensor-parallel degree splits them" in said
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    # StableLM's LayerNormPerHead: one norm per head, zipped with the heads the attention holds (silently wrong)
+    ("hf:stablelm:qk_layernorm=True,bos_token_id=0,eos_token_id=0", r"q_layernorm\.norms holds one norm per head \(4\)"),
+    # Cohere's q_norm: a (heads, head_dim) weight (was refused as normalising across the heads, which it does not)
+    ("hf:cohere:use_qk_norm=True", r"q_norm holds a weight per head \(\[4, 8\]\)"),
+])
+def test_per_head_norm_weights_are_refused_for_tensor_parallelism_by_what_they_are(spec, says):
+    small = "hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,vocab_size=96"
+    said = tessera.plan(f"{spec},{small}", "cpu:ranks=2", global_batch=2, seq_len=16).unavailable_axes["tp"]
+    assert re.search(says, said), said
