@@ -4,9 +4,8 @@ pre-checks for that model. Meta-device capture, no processes: the runtime's chec
 only, as tests/distributed/test_runtime_rules.py does.
 """
 
-from functools import cache
-
 import re
+from functools import cache
 
 import pytest
 import torch
