@@ -25,6 +25,7 @@ want: parameters per expert, forward FLOPs per routed token, and expected tokens
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -104,13 +105,24 @@ def expert_summary(layers: Sequence[LayerStats], *, seq_len: int, sequences: int
 
 
 def is_packed_experts(module: nn.Module) -> bool:
-    """A Hugging Face experts module holding all experts' weights as 3-D tensors."""
+    """A Hugging Face experts module holding all experts' weights as 3-D tensors, called with the router's choices
+    (``experts(hidden_states, top_k_index, top_k_weights)``, Mixtral's and Qwen3-MoE's); Llama 4's, called with
+    tokens already routed, is not."""
     weights = [attribute(module, name) for name in ("gate_up_proj", "down_proj")]
     return (
         all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights)
         and isinstance(attribute(module, "num_experts"), int)
         and callable(attribute(module, "act_fn"))
+        and _takes_routing(module)
     )
+
+
+def _takes_routing(module: nn.Module) -> bool:
+    try:
+        inputs = list(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return False
+    return len(inputs) >= 3
 
 
 def _expected_load_forward(

@@ -409,3 +409,12 @@ def test_per_head_norm_weights_are_refused_for_tensor_parallelism_by_what_they_a
     small = "hidden_size=32,intermediate_size=64,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,vocab_size=96"
     said = tessera.plan(f"{spec},{small}", "cpu:ranks=2", global_batch=2, seq_len=16).unavailable_axes["tp"]
     assert re.search(says, said), said
+
+
+def test_llama4_experts_called_with_routed_tokens_are_not_taken_for_mixtrals():
+    # Llama4TextExperts hold 3-D gate_up_proj/down_proj like Mixtral's but are called with tokens already routed:
+    # capture swapped in a forward taking the router's choices and planning crashed in torch.export
+    spec = ("hf:llama4_text:hidden_size=32,intermediate_size=64,intermediate_size_mlp=64,num_hidden_layers=2,"
+            "num_attention_heads=4,num_key_value_heads=2,head_dim=8,vocab_size=96,num_local_experts=4,"
+            "num_experts_per_tok=1,attention_chunk_size=16")
+    assert tessera.plan(spec, "cpu:ranks=2", global_batch=2, seq_len=16).strategy.world_size == 2
