@@ -110,6 +110,8 @@ def _resume_from_disk(pm: ParallelModel, root: str | Path, *, verify: bool) -> C
         if partial:  # a save was interrupted: say so, the run is not where the user may think it is
             log.warning("no complete checkpoint in %s (only %s, interrupted while being written): training from "
                         "scratch", root, ", ".join(partial))
+        elif not Path(root).exists():  # a first run, or a mistyped folder: either way the user should see it
+            log.warning("no checkpoint in %s (no such folder): training from scratch", root)
         else:
             log.info("no checkpoint in %s yet: training from scratch", root)
         return None

@@ -311,3 +311,11 @@ def test_several_inputs_are_named_where_train_step_cannot_take_them():
         owner = SimpleNamespace(plan=SimpleNamespace(strategy=tessera.Strategy.parse(strategy)))
         with pytest.raises(ConfigError, match=f"train_step got 2 input tensors, and {axis}.* takes one"):
             ParallelModel._check_several_inputs_supported(owner, (ids, features))
+
+
+def test_resuming_from_a_folder_that_does_not_exist_says_so(saved, tmp_path, caplog):
+    from tessera.runtime.elastic import resume_if_possible
+
+    pm, _ = saved
+    assert resume_if_possible(pm, tmp_path / "ckk") is None  # a typo of ckpt: training starts from step 0
+    assert "no checkpoint in" in caplog.text and "no such folder" in caplog.text

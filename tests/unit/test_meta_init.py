@@ -71,3 +71,4 @@ def test_a_hugging_face_spec_built_on_meta_takes_its_own_init():
     # LlamaRMSNorm has no reset_parameters(), its _init_weights sets them (they held stale memory: the loss was NaN)
     assert torch.allclose(model.model.rotary_emb.inv_freq[:2], torch.tensor([1.0, 0.1]))
     assert torch.isfinite(torch.tensor(loss))
+
