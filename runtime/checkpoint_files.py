@@ -159,7 +159,9 @@ class RootLock:
             try:
                 handle = lock_folder(root)
             except (OSError, CheckpointError) as error:
-                problem = str(error) if isinstance(error, CheckpointError) else f"cannot create {root}: {error}"
+                problem = (str(error) if isinstance(error, CheckpointError) else
+                           f"cannot save into {root}: it is a file, not a checkpoint folder; save into a folder"
+                           if root.is_file() else f"cannot create {root}: {error}")
         problem = broadcast(problem, group)
         if problem:
             raise CheckpointError(problem)

@@ -319,3 +319,12 @@ def test_resuming_from_a_folder_that_does_not_exist_says_so(saved, tmp_path, cap
     pm, _ = saved
     assert resume_if_possible(pm, tmp_path / "ckk") is None  # a typo of ckpt: training starts from step 0
     assert "no checkpoint in" in caplog.text and "no such folder" in caplog.text
+
+
+def test_saving_into_a_file_says_it_is_a_file_and_leaves_it(saved, tmp_path):
+    pm, _ = saved
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(CheckpointError, match="it is a file, not a checkpoint folder"):
+        pm.save(notes)
+    assert notes.read_text() == "mine"
