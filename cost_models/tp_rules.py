@@ -281,10 +281,7 @@ def is_attention(module: nn.Module) -> bool:
     input over the sequence; taken for a token-wise MLP, its ranks would each attend over their own part alone."""
     if head_dim_of(module) is not None:
         return True
-    try:
-        source = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):  # no source: only the declared head size tells
-        return False
+    source = _forward_source(module)  # empty without source: only the declared head size tells
     return any(call in source for call in ATTENTION_CORE_CALLS)
 
 
@@ -407,10 +404,7 @@ def attention_of(block: nn.Module, name: str) -> str | None:
 
 def config_head_read(fqn: str, attention: nn.Module) -> str | None:
     """A refusal line if ``attention``'s forward reads the whole model's head counts from its config."""
-    try:
-        source = inspect.getsource(type(attention).forward)
-    except (OSError, TypeError):
-        return None
+    source = _forward_source(attention)
     read = next((name for name in CONFIG_HEAD_READS if name in source), None)
     if read is None:
         return None
